@@ -1,0 +1,45 @@
+"""replicator: distributed training for PyTorch with the ergonomics of tf.distribute.
+
+Write a single-device model, an input function and a step function; one line picks how it
+runs::
+
+    import replicator as rp
+    strategy = rp.MirroredStrategy()
+    with strategy.scope():
+        model = Net(); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+from replicator import data, testing
+from replicator.cluster import launch
+from replicator.comm import CommunicationOptions, CrossDeviceOps, NativeAllReduce, ReduceOp
+from replicator.data import InputContext
+from replicator.errors import (
+    ClusterConfigError,
+    ReplicaMismatchError,
+    ReplicaTimeoutError,
+    ReplicatorError,
+    WorkerFailedError,
+)
+from replicator.strategies import (
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    OneDeviceStrategy,
+    ReplicaContext,
+    Strategy,
+    available_strategies,
+    compute_average_loss,
+    get_replica_context,
+    get_strategy,
+    register_strategy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
+    "ReplicaContext", "get_replica_context", "compute_average_loss", "get_strategy",
+    "register_strategy", "available_strategies", "ReduceOp", "CommunicationOptions",
+    "CrossDeviceOps", "NativeAllReduce", "InputContext", "launch", "data", "testing",
+    "ReplicatorError", "ClusterConfigError", "ReplicaTimeoutError", "ReplicaMismatchError",
+    "WorkerFailedError", "__version__",
+]

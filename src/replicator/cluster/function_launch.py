@@ -1,0 +1,93 @@
+"""``rp.launch(fn, num_replicas=N)``: run a Python function in N local worker processes.
+
+Each worker runs ``fn(*args, **kwargs)`` with the same environment ``replicator run`` gives a
+script; the return values come back in rank order. Return values travel through files in a
+private temporary directory written by the workers themselves (pickled by ``torch.save``), so
+they may hold tensors; nothing is read from the network.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from replicator.cluster.launcher import LocalGroup, check_num_replicas
+from replicator.cluster.worker_errors import ERROR_DIR_ENV, error_path, record_exception
+
+
+def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                    env: dict[str, str], result_file: str) -> None:
+    os.environ.update(env)
+    rank = int(env["RANK"])
+    attempt = int(env.get("REPLICATOR_RESTART_COUNT", "0"))
+    code = 0
+    try:
+        import torch
+
+        from replicator.cluster.process_group import configure_threads
+
+        configure_threads(int(env["LOCAL_WORLD_SIZE"]))
+        result = fn(*args, **kwargs)
+        torch.save(result, result_file)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            record_exception(exc, rank, error_path(env[ERROR_DIR_ENV], rank, attempt))
+            code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher
+        record_exception(exc, rank, error_path(env[ERROR_DIR_ENV], rank, attempt))
+        code = 1
+    finally:
+        from replicator.cluster.process_group import shutdown
+
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = (),
+           kwargs: dict[str, Any] | None = None, *, timeout_seconds: float | None = None,
+           max_restarts: int = 0, start_method: str = "spawn",
+           master_port: int | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``num_replicas`` local workers; return every result.
+
+    ``fn`` must be importable by the workers (a module-level function) under the default
+    ``start_method="spawn"``; ``"fork"`` also takes functions defined in a notebook.
+    A worker that raises makes this raise :class:`replicator.WorkerFailedError` with that
+    worker's rank and traceback, after the other workers were stopped.
+    """
+    check_num_replicas(num_replicas)
+    if not callable(fn):
+        raise TypeError(f"launch() needs a callable, got {type(fn).__name__}")
+    ctx = mp.get_context(start_method)
+    results_dir = Path(tempfile.mkdtemp(prefix="replicator-results-"))
+    kwargs = dict(kwargs or {})
+
+    def start(rank: int, env: dict[str, str]) -> Any:
+        result_file = results_dir / f"rank{rank}.pt"
+        result_file.unlink(missing_ok=True)
+        proc = ctx.Process(target=_function_entry, name=f"replicator-rank{rank}",
+                           args=(fn, tuple(args), kwargs, env, str(result_file)))
+        proc.start()
+        return proc
+
+    group = LocalGroup(num_replicas, start, master_port=master_port,
+                       timeout_seconds=timeout_seconds, max_restarts=max_restarts)
+    try:
+        group.run()
+        import torch
+
+        return [torch.load(results_dir / f"rank{r}.pt", weights_only=False)
+                for r in range(num_replicas)]
+    finally:
+        group.close()
+        shutil.rmtree(results_dir, ignore_errors=True)

@@ -1,0 +1,267 @@
+"""The local launcher: N worker processes on this machine, the embedded default.
+
+The launcher hosts the rendezvous store itself (on loopback, on a port the OS picks), so no
+port can be taken between choosing it and using it. When a worker fails, the others get a short
+grace to stop on their own, are then terminated, and the first failure is reported once, with
+its rank and traceback. ``max_restarts`` restarts the whole group after a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from replicator.cluster.environment import (
+    LAUNCHER_ENV,
+    RESTART_COUNT_ENV,
+    STORE_HOSTED_ENV,
+    TIMEOUT_ENV,
+)
+from replicator.cluster.ports import LOOPBACK, listen
+from replicator.cluster.worker_errors import ERROR_DIR_ENV, WorkerError, error_path, read_error
+from replicator.errors import ClusterConfigError, WorkerFailedError
+
+log = logging.getLogger("replicator")
+
+#: Seconds the other workers get to stop by themselves after one fails, before SIGTERM.
+FAILURE_GRACE_SECONDS = 5.0
+#: Seconds between SIGTERM and SIGKILL.
+KILL_GRACE_SECONDS = 3.0
+
+
+def check_num_replicas(n: Any, flag: str = "num_replicas") -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ClusterConfigError(f"{flag} must be a positive integer, got {n!r}. "
+                                 "HINT: use 1 for a single replica.")
+    return n
+
+
+def _loopback_interface() -> str | None:
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n.startswith("lo")), None)
+
+
+def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
+               attempt: int, error_dir: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one local worker: torchrun's variable names plus replicator's own."""
+    env = dict(os.environ if base is None else base)
+    threads = max(1, (os.cpu_count() or 1) // world)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port), LAUNCHER_ENV: "local", STORE_HOSTED_ENV: "1",
+        RESTART_COUNT_ENV: str(attempt), ERROR_DIR_ENV: error_dir,
+    })
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    lo = _loopback_interface()
+    if lo:
+        env.setdefault("GLOO_SOCKET_IFNAME", lo)  # a local job never listens on the network
+    if timeout_seconds is not None:
+        env[TIMEOUT_ENV] = str(timeout_seconds)
+    return env
+
+
+class _Worker:
+    """One child process, started either from a function (multiprocessing) or a command."""
+
+    def __init__(self, rank: int, proc: Any) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.detected_at: float | None = None
+
+    def poll(self) -> int | None:
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.poll()
+        return self.proc.exitcode
+
+    def signal(self, sig: int) -> None:
+        try:
+            if self.poll() is None:
+                os.kill(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def join(self, timeout: float) -> None:
+        if isinstance(self.proc, subprocess.Popen):
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            self.proc.join(timeout)
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    failure: WorkerFailedError | None = None
+    exitcodes: dict[int, int | None] = field(default_factory=dict)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class LocalGroup:
+    """Start, watch and (re)start a group of local workers around one hosted store."""
+
+    def __init__(self, world: int, start: Callable[[int, dict[str, str]], Any], *,
+                 master_port: int | None = None, timeout_seconds: float | None = None,
+                 max_restarts: int = 0, env: dict[str, str] | None = None) -> None:
+        import torch.distributed as dist
+
+        self.world = check_num_replicas(world, "the number of workers")
+        if max_restarts < 0:
+            raise ClusterConfigError(f"max_restarts must be >= 0, got {max_restarts}")
+        self.start_fn = start
+        self.timeout_seconds = timeout_seconds
+        self.max_restarts = max_restarts
+        self.base_env = env
+        self.error_dir = tempfile.mkdtemp(prefix="replicator-errors-")
+        sock = listen(LOOPBACK, master_port or 0)
+        self.port = sock.getsockname()[1]
+        self.store = dist.TCPStore(LOOPBACK, self.port, world, True,
+                                   timeout=timedelta(seconds=timeout_seconds or 300),
+                                   wait_for_workers=False, master_listen_fd=sock.detach())
+        self.workers: list[_Worker] = []
+        self.attempt = 0
+
+    def run(self) -> None:
+        """Run to completion, restarting up to ``max_restarts`` times; raise on final failure."""
+        for attempt in range(self.max_restarts + 1):
+            self.attempt = attempt
+            outcome = self._run_once(attempt)
+            if outcome.ok:
+                return
+            assert outcome.failure is not None
+            if attempt < self.max_restarts:
+                log.warning("replicator: %s; restarting the group (restart %d of %d)",
+                            str(outcome.failure).splitlines()[0], attempt + 1, self.max_restarts)
+                print(f"[replicator] {str(outcome.failure).splitlines()[0]}; restarting all "
+                      f"workers (restart {attempt + 1} of {self.max_restarts})",
+                      file=sys.stderr, flush=True)
+                continue
+            raise outcome.failure
+
+    def _run_once(self, attempt: int) -> _Outcome:
+        self.workers = []
+        try:
+            for rank in range(self.world):
+                env = worker_env(rank, self.world, self.port, self.timeout_seconds, attempt,
+                                 self.error_dir, self.base_env)
+                self.workers.append(_Worker(rank, self.start_fn(rank, env)))
+            return self._watch(attempt)
+        except BaseException:
+            self.stop_all()
+            raise
+
+    def _watch(self, attempt: int) -> _Outcome:
+        first_failed: _Worker | None = None
+        while True:
+            now = time.time()
+            codes = {w.rank: w.poll() for w in self.workers}
+            for w in self.workers:
+                if codes[w.rank] is not None and w.detected_at is None:
+                    w.detected_at = now
+            if all(c == 0 for c in codes.values()):
+                return _Outcome(ok=True, exitcodes=codes)
+            failed = [w for w in self.workers if codes[w.rank] not in (None, 0)]
+            if failed:
+                first_failed = min(failed, key=lambda w: w.detected_at or now)
+                break
+            time.sleep(0.02)
+        deadline = time.time() + FAILURE_GRACE_SECONDS
+        while time.time() < deadline and any(w.poll() is None for w in self.workers):
+            time.sleep(0.02)
+        terminated = [w.rank for w in self.workers if w.poll() is None]
+        self.stop_all()
+        return _Outcome(ok=False, failure=self._failure(attempt, first_failed, terminated),
+                        exitcodes={w.rank: w.poll() for w in self.workers})
+
+    def _failure(self, attempt: int, first: _Worker, terminated: list[int]) -> WorkerFailedError:
+        errors: dict[int, WorkerError] = {}
+        for w in self.workers:
+            err = read_error(error_path(self.error_dir, w.rank, attempt))
+            if err is not None:
+                errors[w.rank] = err
+        failed = [w for w in self.workers if w.rank not in terminated and w.poll() not in (None, 0)]
+
+        def when(w: _Worker) -> float:
+            err = errors.get(w.rank)
+            return min(err.time, w.detected_at or err.time) if err else (w.detected_at or 0.0)
+
+        root = min(failed, key=when) if failed else first
+        code = root.poll()
+        err = errors.get(root.rank)
+        message = err.summary if err else _describe_exit(code)
+        others = []
+        for w in self.workers:
+            if w.rank == root.rank:
+                continue
+            if w.rank in terminated:
+                others.append(f"rank {w.rank}: terminated by the launcher after rank "
+                              f"{root.rank} failed")
+            elif w.poll() not in (None, 0):
+                detail = errors[w.rank].summary if w.rank in errors else _describe_exit(w.poll())
+                others.append(f"rank {w.rank}: {detail.splitlines()[0][:200]} "
+                              f"(after rank {root.rank} failed)")
+        return WorkerFailedError(root.rank, code, message, err.traceback if err else "", others)
+
+    def stop_all(self) -> None:
+        for w in self.workers:
+            w.signal(signal.SIGTERM)
+        deadline = time.time() + KILL_GRACE_SECONDS
+        for w in self.workers:
+            w.join(max(0.0, deadline - time.time()))
+        for w in self.workers:
+            w.signal(signal.SIGKILL)
+            w.join(1.0)
+
+    def close(self) -> None:
+        self.stop_all()
+        import shutil
+
+        shutil.rmtree(self.error_dir, ignore_errors=True)
+
+
+def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
+               master_port: int | None = None, timeout_seconds: float | None = None,
+               max_restarts: int = 0) -> None:
+    """Run ``python script.py args`` in ``nproc`` local workers (``replicator run``)."""
+    nproc = check_num_replicas(nproc, "--nproc")
+    path = Path(script)
+    if not path.is_file():
+        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
+                                 "HINT: give the path of a Python file.")
+    cmd = [sys.executable, "-u", "-m", "replicator.cluster.script_entry", str(path), *script_args]
+
+    def start(rank: int, env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env=env)
+
+    group = LocalGroup(nproc, start, master_port=master_port, timeout_seconds=timeout_seconds,
+                       max_restarts=max_restarts)
+    try:
+        group.run()
+    finally:
+        group.close()

@@ -1,0 +1,118 @@
+"""Start and stop the ``torch.distributed`` process group, always with a finite timeout.
+
+The rendezvous store is namespaced per restart attempt (``attempt_<n>``): after an elastic
+restart the old attempt's keys stay in the agent's store, and a fresh group built on them fails
+or hangs (pytorch issue 135712). A fresh prefix gives every attempt a clean rendezvous.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from replicator.cluster.environment import ClusterSpec, resolve_cluster, timeout_from_env
+from replicator.cluster.ports import listen
+from replicator.errors import ClusterConfigError
+
+log = logging.getLogger("replicator")
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+@dataclass
+class GroupInfo:
+    """What this process knows about the running group."""
+
+    spec: ClusterSpec
+    backend: str
+    timeout_seconds: float
+    store: dist.Store | None
+    owned: bool
+
+
+_GROUP: GroupInfo | None = None
+
+
+def configure_threads(local_world_size: int) -> int:
+    """Give each local worker its share of the cores unless the user chose (OMP_NUM_THREADS).
+
+    Two threads per rank on two cores halve gloo's bandwidth, so oversubscription is avoided.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = max(1, int(os.environ["OMP_NUM_THREADS"] or 1))
+    else:
+        threads = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    if local_world_size > 1 or "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(threads)
+    return threads
+
+
+def _make_store(spec: ClusterSpec, timeout: timedelta) -> dist.Store:
+    if spec.world_size == 1 and spec.master_port is None:
+        return dist.HashStore()
+    is_master = spec.rank == 0 and not spec.store_is_hosted
+    extra = {}
+    if is_master:
+        # Listen on MASTER_ADDR only (loopback for a local job), never on every interface.
+        extra["master_listen_fd"] = listen(spec.master_addr, spec.master_port or 0).detach()
+    try:
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master,
+                              timeout=timeout, wait_for_workers=False, **extra)
+    except (RuntimeError, OSError) as exc:
+        text = str(exc)
+        raise ClusterConfigError(
+            f"rank {spec.rank} could not reach the rendezvous store at "
+            f"{spec.master_addr}:{spec.master_port} within {timeout.total_seconds():.0f} s: {text}. "
+            "HINT: is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every worker?"
+        ) from exc
+    return dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", store)
+
+
+def initialize(backend: str | None = None, timeout_seconds: float | None = None,
+               device: torch.device | None = None) -> GroupInfo:
+    """Create the default process group from the environment, once; later calls return it.
+
+    A group the user created already is adopted as it is.
+    """
+    global _GROUP
+    if _GROUP is not None and dist.is_initialized():
+        return _GROUP
+    spec = resolve_cluster()
+    timeout = timeout_seconds or timeout_from_env(DEFAULT_TIMEOUT_SECONDS)
+    if dist.is_initialized():
+        _GROUP = GroupInfo(spec=spec, backend=dist.get_backend(), timeout_seconds=timeout,
+                           store=None, owned=False)
+        return _GROUP
+    if backend is None:
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+    configure_threads(spec.local_world_size)
+    store = _make_store(spec, timedelta(seconds=timeout))
+    kwargs = {}
+    if backend == "nccl" and device is not None:
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=timeout), **kwargs)
+    _GROUP = GroupInfo(spec=spec, backend=backend, timeout_seconds=timeout, store=store,
+                       owned=True)
+    if spec.source == "single-process":
+        log.info("replicator: running one replica in this process. To use more, launch with "
+                 "`replicator run --nproc N script.py` or `torchrun --nproc-per-node N script.py`.")
+    return _GROUP
+
+
+def current_group() -> GroupInfo | None:
+    return _GROUP if dist.is_initialized() else None
+
+
+def shutdown() -> None:
+    """Destroy the process group this module created (a user's own group is left alone)."""
+    global _GROUP
+    if _GROUP is not None and _GROUP.owned and dist.is_initialized():
+        dist.destroy_process_group()
+    _GROUP = None

@@ -1,0 +1,51 @@
+"""``python -m replicator.cluster.script_entry script.py args...``: how the launcher runs a script.
+
+It runs the script as ``__main__`` and, when it fails, writes the exception to the rank's error
+file instead of printing it, so the launcher can print the first failure once.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from replicator.cluster.worker_errors import ERROR_DIR_ENV, error_path, record_exception
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m replicator.cluster.script_entry SCRIPT [ARGS...]")
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("REPLICATOR_RESTART_COUNT", "0"))
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code in (None, 0):
+            raise
+        if error_dir:
+            record_exception(exc if not isinstance(code, str) else RuntimeError(code), rank,
+                             error_path(error_dir, rank, attempt))
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then exit 1
+        if not error_dir:
+            raise
+        record_exception(exc, rank, error_path(error_dir, rank, attempt))
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        from replicator.cluster.process_group import shutdown
+
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+if __name__ == "__main__":
+    main()

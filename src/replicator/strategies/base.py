@@ -1,0 +1,221 @@
+"""The Strategy base class: one API for every way of running a step.
+
+Public methods validate and normalise their input once, then call a small private hook that
+each strategy implements (tf.distribute's split between ``Strategy`` and ``StrategyExtended``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from replicator.comm.reduce_op import ReduceOp
+from replicator.data.distributed_dataset import (
+    DistributedDataset,
+    distribute_dataset,
+    distribute_datasets_from_function,
+)
+from replicator.data.input_context import InputContext
+from replicator.strategies import replica_context
+from replicator.strategies.scope_capture import RegistrationCapture, module_state
+
+
+def as_tensor(value: Any, call: str) -> torch.Tensor:
+    """``value`` as a tensor; a clear ``TypeError`` naming ``call`` otherwise."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (bool, int, float)):
+        return torch.tensor(value)
+    try:
+        import numpy as np
+
+        if isinstance(value, (np.ndarray, np.generic)):
+            return torch.as_tensor(value)
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(f"{call}() takes a tensor or a Python number, got {type(value).__name__}")
+
+
+class Strategy(ABC):
+    """How a step function runs across replicas. Subclasses implement the ``_hooks``."""
+
+    name: ClassVar[str] = "strategy"
+
+    def __init__(self) -> None:
+        self._scope_depth = 0
+        self._capture: RegistrationCapture | None = None
+        self._distributed: set[int] = set()
+        replica_context.created(self)
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas take part in each synchronous step."""
+
+    @property
+    def replica_id(self) -> int:
+        """This process's replica index (``replica_id_in_sync_group``)."""
+        return 0
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the replica that prints, logs and writes shared files."""
+        return self.replica_id == 0
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device this process's replica computes on."""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(replicas={self.num_replicas_in_sync}, "
+                f"replica_id={self.replica_id}, device={self.device})")
+
+    # -- scope -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Modules created inside become distributed when the block ends (see the strategy)."""
+        outermost = self._scope_depth == 0
+        if outermost:
+            self._capture = RegistrationCapture()
+            self._capture.start()
+        self._scope_depth += 1
+        device_ctx = torch.device(self.device) if self.device.type != "cpu" else \
+            contextlib.nullcontext()
+        ok = False
+        try:
+            with replica_context.entered(self), device_ctx:
+                yield self
+            ok = True
+        finally:
+            self._scope_depth -= 1
+            if outermost:
+                assert self._capture is not None
+                params, buffers = self._capture.stop()
+                self._capture = None
+                if ok:
+                    self._distribute_state(params, buffers)
+
+    def distribute_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make a model built outside ``scope()`` distributed; returns the same module."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"distribute_model takes a torch.nn.Module, got "
+                            f"{type(model).__name__}")
+        if self.device.type != "cpu":
+            model.to(self.device)
+        params, buffers = module_state(model)
+        self._distribute_state(params, buffers)
+        return model
+
+    def _distribute_state(self, params: list[torch.nn.Parameter],
+                          buffers: list[torch.Tensor]) -> None:
+        params = [p for p in params if id(p) not in self._distributed]
+        buffers = [b for b in buffers if id(b) not in self._distributed]
+        if not params and not buffers and self.num_replicas_in_sync == 1:
+            return
+        self._on_new_state(params, buffers)
+        self._distributed.update(id(t) for t in [*params, *buffers])
+
+    def _on_new_state(self, params: list[torch.nn.Parameter],
+                      buffers: list[torch.Tensor]) -> None:
+        """Hook: make new parameters/buffers distributed (sync initial values, add hooks)."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside the block."""
+        yield
+
+    # -- running a step ----------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple | list = (),
+            kwargs: dict[str, Any] | None = None) -> Any:
+        """Run ``fn(*args, **kwargs)`` on this process's replica and return its result."""
+        if not callable(fn):
+            raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"run(fn, args=...) takes a tuple of arguments, got "
+                            f"{type(args).__name__}. HINT: write args=(batch,)")
+        with replica_context.entered(self):
+            return self._run(fn, tuple(args), dict(kwargs or {}))
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        return fn(*args, **kwargs)
+
+    # -- cross-replica values ----------------------------------------------------------------
+    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> torch.Tensor:
+        """Combine a per-replica value across replicas (and along ``axis`` if given).
+
+        ``reduce("mean", x, axis=0)`` is the mean over every replica's rows of ``x``, counted
+        per row, so uneven batches give the true global mean.
+        """
+        op = ReduceOp.parse(op)
+        tensor = as_tensor(value, "reduce")
+        if axis is None:
+            return self._reduce(op, tensor)
+        if tensor.dim() == 0:
+            raise ValueError("reduce(..., axis=...) needs a tensor with at least one dimension")
+        if op is ReduceOp.MEAN:
+            total = tensor.sum(axis, dtype=torch.float64 if not tensor.is_floating_point()
+                               else None)
+            count = torch.tensor(float(tensor.shape[axis]), dtype=total.dtype)
+            total, count = self._reduce_many(ReduceOp.SUM, [total, count])
+            return total / count
+        local = {ReduceOp.SUM: lambda t: t.sum(axis), ReduceOp.MIN: lambda t: t.amin(axis),
+                 ReduceOp.MAX: lambda t: t.amax(axis)}[op](tensor)
+        return self._reduce(op, local)
+
+    def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
+        """Concatenate every replica's ``value`` along ``axis`` (sizes there may differ)."""
+        tensor = as_tensor(value, "gather")
+        if tensor.dim() and not -tensor.dim() <= axis < tensor.dim():
+            raise ValueError(f"gather axis {axis} is out of range for a tensor of shape "
+                             f"{tuple(tensor.shape)}")
+        return self._gather(tensor, axis)
+
+    def local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values of this process's replicas (one per process here)."""
+        return (value,)
+
+    def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self._reduce(op, t) for t in tensors]
+
+    @abstractmethod
+    def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor: ...
+
+    def barrier(self) -> None:
+        """Wait until every replica reaches this point."""
+
+    # -- input -----------------------------------------------------------------------------------
+    @property
+    def input_context(self) -> InputContext:
+        return InputContext(num_input_pipelines=self.num_replicas_in_sync,
+                            input_pipeline_id=self.replica_id,
+                            num_replicas_in_sync=self.num_replicas_in_sync)
+
+    def distribute_dataset(self, dataset: DataLoader | Dataset, *, batch_size: int | None = None,
+                           shuffle: bool | None = None, seed: int = 0,
+                           drop_last: bool | None = None) -> DistributedDataset:
+        """Split each *global* batch of ``dataset`` across replicas.
+
+        Give a ``DataLoader`` built with the global batch size (its ``shuffle`` and
+        ``drop_last`` are kept; shuffling is re-seeded from ``seed`` and the epoch so every
+        world size sees the same global batches), or a ``Dataset`` with ``batch_size=``.
+        """
+        return distribute_dataset(dataset, self.input_context, self.device,
+                                  batch_size=batch_size, shuffle=shuffle, seed=seed,
+                                  drop_last=drop_last)
+
+    experimental_distribute_dataset = distribute_dataset
+
+    def distribute_datasets_from_function(
+            self, input_fn: Callable[[InputContext], Iterable[Any]]) -> DistributedDataset:
+        """Call ``input_fn(ctx)`` to build this replica's own pipeline of per-replica batches."""
+        return distribute_datasets_from_function(input_fn, self.input_context, self.device)

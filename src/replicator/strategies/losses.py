@@ -1,0 +1,46 @@
+"""``compute_average_loss``: the loss scaling that makes uneven local batches exact.
+
+Gradients are *averaged* over the ``N`` replicas during ``backward()``. For that average to be
+the gradient of the mean loss over the whole global batch of ``B`` samples, each replica must
+return ``N / B * sum(local per-example losses)``: then
+``mean_r grad(N/B * sum_r) = grad(1/B * sum_all)``, whatever each replica's local size. With
+equal local batches this equals the local mean. ``strategy.reduce("mean", loss)`` of the
+returned values is the global mean loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replicator.comm.reduce_op import ReduceOp
+from replicator.strategies.replica_context import current_strategy
+
+
+def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int | None = None,
+                         sample_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Scale per-example losses so averaged gradients equal the global-batch mean's gradient.
+
+    ``global_batch_size=None`` sums the local batch sizes across replicas (one small
+    collective, so every replica must call it). ``sample_weight`` multiplies each example's
+    loss first (a weight of 0 masks a padded example).
+    """
+    if not isinstance(per_example_loss, torch.Tensor):
+        raise TypeError("compute_average_loss takes a tensor of per-example losses")
+    loss = per_example_loss
+    if sample_weight is not None:
+        loss = loss * sample_weight.to(loss.dtype)
+    if loss.dim() > 1:
+        loss = loss.reshape(loss.shape[0], -1).mean(dim=1)
+    strategy = current_strategy()
+    replicas = 1 if strategy is None else strategy.num_replicas_in_sync
+    if global_batch_size is None:
+        local = float(loss.shape[0]) if loss.dim() else 1.0
+        if strategy is None or replicas == 1:
+            global_batch_size = local
+        else:
+            global_batch_size = float(strategy.reduce(ReduceOp.SUM, torch.tensor(local)).item())
+    elif global_batch_size <= 0:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    if global_batch_size == 0:
+        return loss.sum() * 0.0
+    return loss.sum() * (replicas / global_batch_size)

@@ -1,0 +1,35 @@
+"""Strategies by name: ``rp.get_strategy("mirrored")``."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from replicator.strategies.base import Strategy
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(cls: type[Strategy], *aliases: str) -> type[Strategy]:
+    """Make ``cls`` available to :func:`get_strategy` under ``cls.name`` and ``aliases``."""
+    for key in (cls.name, *aliases):
+        _REGISTRY[key] = cls
+    return cls
+
+
+def available_strategies() -> list[str]:
+    return sorted({cls.name for cls in _REGISTRY.values()})
+
+
+def get_strategy(name: str, **kwargs: Any) -> Strategy:
+    """Build the strategy registered as ``name`` with ``kwargs``; unknown names list the known."""
+    if not isinstance(name, str):
+        raise TypeError(f"get_strategy takes a strategy name, got {type(name).__name__}")
+    key = name.strip().lower().replace("-", "_").removesuffix("strategy").rstrip("_")
+    cls = _REGISTRY.get(key)
+    if cls is None:
+        close = difflib.get_close_matches(key, list(_REGISTRY), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown strategy {name!r}; available: "
+                         f"{', '.join(available_strategies())}.{hint}")
+    return cls(**kwargs)

@@ -1,0 +1,80 @@
+"""Check that a training function gives the same parameters under several strategies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from replicator.testing.distributed import run_distributed
+
+StrategySpec = str | tuple[str, dict[str, Any]]
+
+
+def _as_tensors(result: Any) -> dict[str, torch.Tensor]:
+    if isinstance(result, torch.nn.Module):
+        result = result.state_dict()
+    if isinstance(result, Mapping):
+        return {str(k): torch.as_tensor(v).detach().cpu() for k, v in result.items()}
+    if isinstance(result, (list, tuple)):
+        return {str(i): torch.as_tensor(v).detach().cpu() for i, v in enumerate(result)}
+    raise TypeError("the training function must return a module, a state_dict-like mapping or "
+                    f"a list of tensors, got {type(result).__name__}")
+
+
+def assert_params_close(expected: Any, actual: Any, atol: float = 1e-5, rtol: float = 0.0,
+                        label: str = "") -> None:
+    """Raise ``AssertionError`` naming each tensor that differs by more than the tolerance."""
+    a, b = _as_tensors(expected), _as_tensors(actual)
+    if a.keys() != b.keys():
+        raise AssertionError(f"{label}different parameter names: only in expected "
+                             f"{sorted(a.keys() - b.keys())}, only in actual "
+                             f"{sorted(b.keys() - a.keys())}")
+    bad = []
+    for name in a:
+        x, y = a[name].double(), b[name].double()
+        if x.shape != y.shape:
+            bad.append(f"{name}: shape {tuple(x.shape)} vs {tuple(y.shape)}")
+            continue
+        if x.numel() and not torch.allclose(x, y, atol=atol, rtol=rtol):
+            bad.append(f"{name}: max |diff| {float((x - y).abs().max()):.3g} > atol {atol:g}")
+    if bad:
+        raise AssertionError(f"{label}parameters differ:\n  " + "\n  ".join(bad))
+
+
+def _spec(spec: StrategySpec) -> tuple[str, dict[str, Any]]:
+    if isinstance(spec, str):
+        return spec, {}
+    name, kwargs = spec
+    return name, dict(kwargs)
+
+
+def _train_under(train_fn: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> Any:
+    from replicator.strategies import get_strategy
+
+    return _as_tensors(train_fn(get_strategy(name, **kwargs)))
+
+
+def assert_equivalent(train_fn: Callable[..., Any],
+                      strategies: Sequence[StrategySpec] = ("one_device", "mirrored"),
+                      world_size: int = 2, atol: float = 1e-5, rtol: float = 0.0,
+                      timeout_seconds: float = 120.0) -> dict[str, dict[str, torch.Tensor]]:
+    """Run ``train_fn(strategy)`` under each strategy and compare the returned parameters.
+
+    ``one_device`` runs in one process; every other strategy runs on ``world_size`` worker
+    processes, and rank 0's result is compared. ``train_fn`` must be a module-level function
+    that builds its model under ``strategy.scope()`` and returns the model or its state_dict.
+    Returns the parameters per strategy name.
+    """
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for spec in strategies:
+        name, kwargs = _spec(spec)
+        n = 1 if name in ("one_device", "onedevice", "default") else world_size
+        results[name] = run_distributed(_train_under, n, args=(train_fn, name, kwargs),
+                                        timeout_seconds=timeout_seconds)[0]
+    names = list(results)
+    for other in names[1:]:
+        assert_params_close(results[names[0]], results[other], atol=atol, rtol=rtol,
+                            label=f"{names[0]} vs {other}: ")
+    return results
