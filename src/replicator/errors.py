@@ -38,3 +38,36 @@ class WorkerFailedError(ReplicatorError):
         if self.others:
             lines += ["", "Other ranks:"] + [f"  {line}" for line in self.others]
         super().__init__("\n".join(lines))
+
+
+class CheckpointError(ReplicatorError):
+    """A backup or checkpoint could not be written, found or read."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint failed verification (missing commit marker, wrong size or SHA-256), or no
+    valid checkpoint is left to resume from."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint carries a payload that would run code when loaded (a pickle); refused."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Saving a checkpoint failed (for example a full disk); nothing was committed."""
+
+
+class NonFiniteLossError(ReplicatorError, FloatingPointError):
+    """The loss or the gradients became NaN or infinite; the optimizer step was not taken."""
+
+
+class PreemptedError(ReplicatorError):
+    """The job was preempted (SIGTERM): the workers saved a backup and stopped.
+
+    ``exit_code`` is the code a launcher should exit with (75, ``EX_TEMPFAIL``) so that the
+    scheduler reruns the job, which then resumes from the backup.
+    """
+
+    def __init__(self, message: str, exit_code: int = 75) -> None:
+        self.exit_code = exit_code
+        super().__init__(message)

@@ -106,6 +106,20 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
     return _GROUP
 
 
+def open_store_client(info: GroupInfo, timeout_seconds: float = 10.0) -> dist.Store | None:
+    """A second connection to the rendezvous store (same attempt namespace) for a helper
+    thread, so it never shares a socket with the process group; ``None`` without a store."""
+    spec = info.spec
+    if info.store is None or spec.master_port is None or spec.world_size == 1:
+        return None
+    try:
+        client = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False,
+                               timeout=timedelta(seconds=timeout_seconds))
+    except (RuntimeError, OSError):
+        return None
+    return dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", client)
+
+
 def current_group() -> GroupInfo | None:
     return _GROUP if dist.is_initialized() else None
 

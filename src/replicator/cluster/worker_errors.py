@@ -8,6 +8,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 ERROR_DIR_ENV = "REPLICATOR_ERROR_DIR"
 
@@ -29,12 +30,24 @@ def error_path(error_dir: str | Path, rank: int, attempt: int = 0) -> Path:
     return Path(error_dir) / f"attempt{attempt}_rank{rank}.json"
 
 
+_LAUNCHER_FRAMES = ("script_entry.py", "function_launch.py", "runpy")
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Skip the launcher's own frames at the top of a worker's traceback."""
+    while tb is not None and tb.tb_next is not None and any(
+            name in tb.tb_frame.f_code.co_filename for name in _LAUNCHER_FRAMES):
+        tb = tb.tb_next
+    return tb
+
+
 def record_exception(exc: BaseException, rank: int, path: str | Path) -> None:
     """Write ``exc`` for the launcher; never raises (a failing report must not hide the error)."""
     try:
         payload = {
             "rank": rank, "type": type(exc).__name__, "message": str(exc).strip(),
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            "traceback": "".join(traceback.format_exception(type(exc), exc,
+                                                            _user_frames(exc.__traceback__))),
             "time": time.time(),
         }
         tmp = f"{path}.tmp{os.getpid()}"

@@ -8,6 +8,7 @@ tracker and turns the backend's timeout and lost-peer errors into
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -57,9 +58,10 @@ class Collectives:
                 "another code path (a condition that depends on the rank or on its data) or "
                 "stuck; every rank must make the same collective calls in the same order.")
         if any(w in text for w in _LOST_PEER_WORDS):
+            detail = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0])[:160]
             return ReplicatorError(
                 f"{what} (collective #{seq}) on rank {self.rank} failed because another replica "
-                f"exited or lost its connection ({str(exc).splitlines()[0][:160]}). HINT: look "
+                f"exited or lost its connection ({detail}). HINT: look "
                 "for that rank's own error; the launcher reports the first failure.")
         return ReplicatorError(f"{what} (collective #{seq}) failed on rank {self.rank}: {exc}")
 

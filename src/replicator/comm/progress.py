@@ -1,8 +1,9 @@
 """Which rank is missing? Each rank publishes the collective it last entered, so a timeout can
 name the ranks that never arrived instead of only saying that something timed out.
 
-A daemon thread writes ``(sequence number, operation, time)`` to the rendezvous store at most
-once a second, over its own store connection; the hot path only bumps a counter.
+A daemon thread writes ``(sequence number, operation, time)`` to the rendezvous store twice a
+second (so the age of the entry also tells whether the rank is alive); the hot path only bumps
+a counter.
 """
 
 from __future__ import annotations
@@ -38,15 +39,12 @@ class CollectiveTracker:
         return self.seq
 
     def _publish_loop(self) -> None:
-        last = None
-        while not self._stop.wait(PUBLISH_INTERVAL_SECONDS):
-            state = (self.seq, self.current)
-            if state == last:
-                continue
+        while True:
             try:
-                self.store.set(f"progress/{self.rank}", f"{state[0]}|{state[1]}|{time.time()}")
-                last = state
+                self.store.set(f"progress/{self.rank}", f"{self.seq}|{self.current}|{time.time()}")
             except Exception:  # noqa: BLE001 - the store may be gone at shutdown
+                return
+            if self._stop.wait(PUBLISH_INTERVAL_SECONDS):
                 return
 
     def explain(self, seq: int, name: str) -> str:
@@ -68,9 +66,12 @@ class CollectiveTracker:
             except Exception:  # noqa: BLE001 - explaining must never raise
                 silent.append(r)
                 continue
-            if int(their_seq) < seq:
-                behind.append(f"rank {r} (last entered collective #{their_seq} {their_op}, "
+            if int(their_seq) == 0:
+                behind.append(f"rank {r} (has entered no collective yet; last heard from "
                               f"{now - float(stamp):.1f} s ago)")
+            elif int(their_seq) < seq:
+                behind.append(f"rank {r} (still at collective #{their_seq} {their_op}; last "
+                              f"heard from {now - float(stamp):.1f} s ago)")
         parts = []
         if behind:
             parts.append("did not arrive: " + ", ".join(behind))

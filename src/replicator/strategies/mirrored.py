@@ -17,7 +17,7 @@ import torch
 
 from replicator.cluster.devices import default_device_for, parse_devices
 from replicator.cluster.environment import resolve_cluster
-from replicator.cluster.process_group import current_group, initialize
+from replicator.cluster.process_group import current_group, initialize, open_store_client
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
@@ -82,8 +82,7 @@ class MirroredStrategy(Strategy):
 
         self._rank = dist.get_rank()
         self._world = dist.get_world_size()
-        tracker_store = info.store if self._world > 1 else None
-        self._tracker = CollectiveTracker(self._rank, self._world, tracker_store)
+        self._tracker = CollectiveTracker(self._rank, self._world, open_store_client(info))
         self._collectives = Collectives(self._rank, self._world, self._device,
                                         info.timeout_seconds, self._tracker)
         self._synchronizers: list[GradientSynchronizer] = []

@@ -1,0 +1,86 @@
+"""The ``replicator`` command: ``run`` a script on N workers, ``demo``, ``env``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from replicator.errors import ClusterConfigError, WorkerFailedError
+
+
+def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> None:
+    p.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=default_nproc,
+                   help="number of local worker processes (replicas)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole group up to this many times after a failure")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--timeout", type=float, default=None, dest="timeout_seconds",
+                   help="seconds a collective may wait for the other replicas (default 300)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="replicator", description="Distributed training for "
+                                     "PyTorch: run scripts on several local workers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a training script on N local workers",
+                         description="Run SCRIPT in N worker processes on this machine (CPU + "
+                         "gloo, or one process per GPU + NCCL). For several machines use "
+                         "torchrun; the script needs no change.")
+    _add_launch_flags(run, None)
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    demo = sub.add_parser("demo", help="train a small CNN on the digits dataset on 2 workers")
+    _add_launch_flags(demo, 2)
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER,
+                      help="options for the demo (--epochs, --batch-size, --steps)")
+    sub.add_parser("env", help="print what replicator sees: devices, cores, torch")
+    return parser
+
+
+def _print_env() -> None:
+    import torch
+
+    from replicator.cluster.devices import available_accelerators
+    from replicator.cluster.environment import resolve_cluster
+
+    print(f"torch {torch.__version__}; CPU cores {os.cpu_count()}; CUDA devices "
+          f"{available_accelerators()}; gloo {torch.distributed.is_gloo_available()}; "
+          f"nccl {torch.distributed.is_nccl_available()}")
+    print(f"cluster: {resolve_cluster()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "env":
+        _print_env()
+        return 0
+    from replicator.cluster.launcher import run_script
+
+    if args.command == "demo":
+        from replicator.demo import digits
+
+        script, script_args = digits.__file__, args.demo_args
+    else:
+        if args.nproc is None:
+            print("replicator run: --nproc is required (e.g. --nproc 2)", file=sys.stderr)
+            return 2
+        script, script_args = args.script, args.script_args
+    try:
+        run_script(script, script_args, args.nproc, master_port=args.master_port,
+                   timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts)
+    except ClusterConfigError as exc:
+        print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerFailedError as exc:
+        print(f"replicator {args.command}: {exc}", file=sys.stderr)
+        code = exc.exitcode
+        return code if isinstance(code, int) and 0 < code < 128 else 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

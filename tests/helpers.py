@@ -1,0 +1,44 @@
+"""Small models and data shared by the tests (module level, so workers can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def make_mlp(seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 3))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 2 * 2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+def make_cnn(seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return SmallCNN()
+
+
+def regression_data(n: int = 640, seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 10, generator=g)
+    y = (x[:, :3].sum(1) > 0).long() + (x[:, 3] > 1).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def image_data(n: int = 640, seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    y = (x.mean((1, 2, 3)) * 10).long().clamp(-4, 5) + 4
+    return torch.utils.data.TensorDataset(x, y)
