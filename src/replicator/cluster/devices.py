@@ -27,7 +27,8 @@ def parse_device(spec: str | torch.device | None) -> torch.device:
         try:
             device = torch.device(text)
         except RuntimeError:
-            raise ClusterConfigError(f"{spec!r} is not a device name; use 'cpu' or 'cuda:N'") from None
+            raise ClusterConfigError(
+                f"{spec!r} is not a device name; use 'cpu' or 'cuda:N'") from None
     if device.type == "cpu":
         return torch.device("cpu")
     if device.type == "cuda":

@@ -67,7 +67,8 @@ def _make_store(spec: ClusterSpec, timeout: timedelta) -> dist.Store:
         text = str(exc)
         raise ClusterConfigError(
             f"rank {spec.rank} could not reach the rendezvous store at "
-            f"{spec.master_addr}:{spec.master_port} within {timeout.total_seconds():.0f} s: {text}. "
+            f"{spec.master_addr}:{spec.master_port} within {timeout.total_seconds():.0f} s: "
+            f"{text}. "
             "HINT: is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every worker?"
         ) from exc
     return dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", store)

@@ -17,7 +17,7 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
-        """``"sum"`` -> ``ReduceOp.SUM``; an unknown name raises ``ValueError`` listing the names."""
+        """``"sum"`` -> ``ReduceOp.SUM``; an unknown name raises ``ValueError`` listing names."""
         if isinstance(op, ReduceOp):
             return op
         if isinstance(op, str):

@@ -125,6 +125,7 @@ class Strategy(ABC):
     def _on_new_state(self, params: list[torch.nn.Parameter],
                       buffers: list[torch.Tensor]) -> None:
         """Hook: make new parameters/buffers distributed (sync initial values, add hooks)."""
+        return None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -192,6 +193,7 @@ class Strategy(ABC):
 
     def barrier(self) -> None:
         """Wait until every replica reaches this point."""
+        return None
 
     # -- input -----------------------------------------------------------------------------------
     @property

@@ -1,0 +1,139 @@
+"""The commit marker: a JSON manifest of a checkpoint's files with their SHA-256, written last.
+
+A checkpoint directory counts only when its marker exists, parses, carries a matching checksum
+of itself, and every file it lists has the recorded size and SHA-256. Anything else is a partial
+or damaged checkpoint and is skipped for an older one. Only safetensors and JSON files may be
+listed: a manifest naming anything else (a pickle) makes the checkpoint unsafe, and it is
+refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replicator.checkpoint.atomic import read_and_hash, write_atomic
+from replicator.errors import CheckpointCorruptError, UnsafeCheckpointError
+
+MARKER_NAME = "COMMIT.json"
+FORMAT = "replicator.checkpoint"
+VERSION = 1
+SAFE_SUFFIXES = (".safetensors", ".json")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint: its size in bytes and SHA-256 (hex)."""
+
+    bytes: int
+    sha256: str
+
+    def as_json(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "sha256": self.sha256}
+
+
+def check_file_name(name: str, where: str) -> None:
+    """Refuse names that could escape the directory or hold a pickle."""
+    if not _NAME.match(name) or ".." in name:
+        raise CheckpointCorruptError(f"{where}: file name {name!r} is not allowed in a "
+                                     "checkpoint (path separators or odd characters)")
+    if not name.endswith(SAFE_SUFFIXES):
+        raise UnsafeCheckpointError(
+            f"{where} lists {name!r}, which is neither safetensors nor JSON: a checkpoint "
+            "carrying a pickle payload is refused, and nothing in it is loaded. HINT: if you "
+            "trust its origin, convert it with torch.load(path, weights_only=True) and "
+            "safetensors; otherwise delete it.")
+
+
+def _checksum(body: Mapping[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def build(step: int, world_size: int, files: Mapping[str, FileEntry],
+          info: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest of a checkpoint at ``step`` holding ``files``; ``info`` is free JSON."""
+    for name in files:
+        check_file_name(name, f"checkpoint at step {step}")
+    body = {"format": FORMAT, "version": VERSION, "step": int(step),
+            "world_size": int(world_size), "created": time.time(),
+            "files": {name: entry.as_json() for name, entry in sorted(files.items())},
+            "info": dict(info)}
+    body["checksum"] = _checksum(body)
+    return body
+
+
+def write_marker(step_dir: Path, manifest: Mapping[str, Any]) -> None:
+    """Commit ``step_dir``: write its manifest atomically; nothing may be written after it."""
+    data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=True).encode()
+    write_atomic(step_dir / MARKER_NAME, data)
+
+
+def read_marker(step_dir: Path) -> dict[str, Any]:
+    """The manifest of ``step_dir``; :class:`CheckpointCorruptError` when missing or damaged."""
+    path = step_dir / MARKER_NAME
+    where = f"checkpoint {step_dir}"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{where} has no commit marker ({MARKER_NAME}): its save "
+                                     "was interrupted before it completed") from None
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{where}: cannot read {MARKER_NAME}: {exc}") from exc
+    try:
+        manifest = json.loads(raw)
+        body = {k: v for k, v in manifest.items() if k != "checksum"}
+        ok = manifest.get("checksum") == _checksum(body)
+    except (ValueError, AttributeError) as exc:
+        raise CheckpointCorruptError(f"{where}: {MARKER_NAME} is not valid JSON ({exc})") from exc
+    if not ok:
+        raise CheckpointCorruptError(f"{where}: {MARKER_NAME} fails its own checksum (damaged)")
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointCorruptError(
+            f"{where}: {MARKER_NAME} has format {manifest.get('format')!r} version "
+            f"{manifest.get('version')!r}; this replicator reads {FORMAT!r} version {VERSION}")
+    if not isinstance(manifest.get("files"), dict):
+        raise CheckpointCorruptError(f"{where}: {MARKER_NAME} lists no files")
+    for name in manifest["files"]:
+        check_file_name(name, where)
+    return manifest
+
+
+def verify_file(step_dir: Path, manifest: Mapping[str, Any], name: str) -> bytes:
+    """Read ``name`` from ``step_dir`` and check it against the manifest; return its bytes."""
+    where = f"checkpoint {step_dir}"
+    entry = manifest["files"].get(name)
+    if entry is None:
+        raise CheckpointCorruptError(f"{where} does not list {name!r} in its manifest")
+    check_file_name(name, where)
+    try:
+        data, digest = read_and_hash(step_dir / name)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{where}: {name} is missing") from None
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{where}: cannot read {name}: {exc}") from exc
+    if len(data) != entry.get("bytes"):
+        raise CheckpointCorruptError(f"{where}: {name} has {len(data)} bytes, the manifest "
+                                     f"says {entry.get('bytes')} (truncated or replaced)")
+    if digest != entry.get("sha256"):
+        raise CheckpointCorruptError(f"{where}: {name} fails its SHA-256 check (its bytes "
+                                     "changed after it was written)")
+    return data
+
+
+def verify(step_dir: Path, manifest: Mapping[str, Any],
+           keep: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """Check every file of the manifest; return the bytes of the files named in ``keep``."""
+    kept = {}
+    for name in sorted(manifest["files"]):
+        data = verify_file(step_dir, manifest, name)
+        if name in keep:
+            kept[name] = data
+    return kept

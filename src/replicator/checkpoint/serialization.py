@@ -1,0 +1,224 @@
+"""State to bytes and back without pickle: tensors in safetensors, everything else in JSON.
+
+A ``state_dict`` (of a model, an optimizer, a scheduler, RNG states...) is a tree of dicts,
+lists and tuples whose leaves are tensors, numbers, strings, booleans and ``None``. The tree is
+split into a flat ``{key: tensor}`` mapping, stored as safetensors, and a JSON *structure* in
+which each tensor is replaced by a reference to its key; the JSON rides in the safetensors
+header's metadata. Loading therefore never runs code from the file: safetensors parses a
+header and copies bytes, and JSON builds only plain containers.
+
+Only plain data is accepted on save; anything else raises a ``TypeError`` naming where it sits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from replicator.errors import CheckpointCorruptError, UnsafeCheckpointError
+
+FORMAT_KEY = "replicator.format"
+STRUCTURE_KEY = "replicator.structure"
+FORMAT_VERSION = "1"
+_TAG = "__rp__"
+_MAX_HEADER_BYTES = 100_000_000
+
+
+class _Encoder:
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._storages: set[tuple[str, int]] = set()
+
+    def key_for(self, path: str) -> str:
+        key = path or "value"
+        n = 1
+        while key in self.tensors:
+            n += 1
+            key = f"{path}#{n}"
+        return key
+
+    def add_tensor(self, tensor: torch.Tensor, path: str) -> str:
+        t = tensor.detach()
+        if type(t) is not torch.Tensor:
+            raise TypeError(
+                f"{self.label}{_where(path)} is a {type(t).__name__}, a tensor subclass that "
+                "BackupAndRestore cannot store. HINT: sharded (DTensor) state needs "
+                "torch.distributed.checkpoint; convert other subclasses to plain tensors in "
+                "state_dict().")
+        if t.layout != torch.strided:
+            raise TypeError(f"{self.label}{_where(path)} is a {t.layout} tensor; only dense "
+                            "tensors can be stored. HINT: call .to_dense() in state_dict().")
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        elif t.numel():
+            storage = (t.device.type, t.untyped_storage().data_ptr())
+            if storage in self._storages:  # tied weights or views: safetensors wants distinct
+                t = t.clone()
+            else:
+                self._storages.add(storage)
+        if not t.is_contiguous():
+            t = t.contiguous()
+        key = self.key_for(path)
+        self.tensors[key] = t
+        return key
+
+    def encode(self, obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj)
+        if isinstance(obj, torch.Tensor):
+            return {_TAG: "tensor", "key": self.add_tensor(obj, path)}
+        if isinstance(obj, torch.dtype):
+            return {_TAG: "dtype", "name": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {_TAG: "device", "name": str(obj)}
+        numpy_value = _encode_numpy(self, obj, path)
+        if numpy_value is not _NOT_NUMPY:
+            return numpy_value
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) for k in obj) and _TAG not in obj:
+                return {k: self.encode(v, f"{path}/{k}" if path else k) for k, v in obj.items()}
+            return {_TAG: "dict",
+                    "items": [[self.encode(k, f"{path}/<key>"),
+                               self.encode(v, f"{path}/{k}" if path else str(k))]
+                              for k, v in obj.items()]}
+        if isinstance(obj, tuple):
+            return {_TAG: "tuple", "items": [self.encode(v, f"{path}/{i}" if path else str(i))
+                                             for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self.encode(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
+        raise TypeError(
+            f"{self.label}{_where(path)} is a {type(obj).__module__}.{type(obj).__qualname__}; a "
+            "backup stores only tensors, numbers, strings, None, lists, tuples and dicts (it never"
+            " pickles). HINT: make state_dict() return plain values, e.g. a number or a tensor.")
+
+
+_NOT_NUMPY = object()
+
+
+def _encode_numpy(encoder: _Encoder, obj: Any, path: str) -> Any:
+    np = _numpy()
+    if np is None:
+        return _NOT_NUMPY
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in "biuf":
+            raise TypeError(f"{encoder.label}{_where(path)} is a numpy array of dtype "
+                            f"{obj.dtype}; only numeric arrays can be stored")
+        key = encoder.add_tensor(torch.from_numpy(np.ascontiguousarray(obj)), path)
+        return {_TAG: "ndarray", "key": key}
+    if isinstance(obj, np.generic):
+        return {_TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
+    return _NOT_NUMPY
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        return None
+    return numpy
+
+
+def _where(path: str) -> str:
+    return f"[{path!r}]" if path else ""
+
+
+def _decode(obj: Any, tensors: Mapping[str, torch.Tensor], label: str) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors, label) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    tag = obj.get(_TAG)
+    if tag is None:
+        return {k: _decode(v, tensors, label) for k, v in obj.items()}
+    if tag in ("tensor", "ndarray"):
+        key = obj.get("key")
+        if key not in tensors:
+            raise CheckpointCorruptError(f"{label}: the structure refers to tensor {key!r}, "
+                                         "which the file does not hold")
+        t = tensors[key]
+        return t.numpy() if tag == "ndarray" else t
+    if tag == "tuple":
+        return tuple(_decode(v, tensors, label) for v in obj["items"])
+    if tag == "dict":
+        return {_decode(k, tensors, label): _decode(v, tensors, label) for k, v in obj["items"]}
+    if tag == "dtype":
+        dtype = getattr(torch, str(obj["name"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise CheckpointCorruptError(f"{label}: unknown dtype {obj['name']!r}")
+        return dtype
+    if tag == "device":
+        return torch.device(str(obj["name"]))
+    if tag == "npscalar":
+        np = _numpy()
+        return np.dtype(str(obj["dtype"])).type(obj["value"]) if np is not None else obj["value"]
+    raise CheckpointCorruptError(f"{label}: unknown entry type {tag!r} in the structure")
+
+
+def encode(state: Any, label: str = "state") -> bytes:
+    """``state`` (a tree of plain values and tensors) as safetensors bytes (see module doc)."""
+    from safetensors.torch import save
+
+    encoder = _Encoder(label)
+    structure = encoder.encode(state, "")
+    text = json.dumps(structure, allow_nan=True, separators=(",", ":"))
+    return save(encoder.tensors, metadata={FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: text})
+
+
+def looks_like_pickle(data: bytes | memoryview) -> bool:
+    """True for ``torch.save``'s zip archive or a raw pickle (protocol 2 to 5)."""
+    head = bytes(data[:4])
+    return head == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05")
+
+
+def _is_safetensors(data: bytes | memoryview) -> bool:
+    if len(data) < 10:
+        return False
+    header_len = int.from_bytes(bytes(data[:8]), "little")
+    return 2 <= header_len <= min(_MAX_HEADER_BYTES, len(data) - 8) and bytes(data[8:9]) == b"{"
+
+
+def refuse_pickle(data: bytes | memoryview, label: str) -> None:
+    """Raise :class:`UnsafeCheckpointError` when ``data`` is a pickle rather than safetensors."""
+    if not _is_safetensors(data) and looks_like_pickle(data):
+        raise UnsafeCheckpointError(
+            f"{label} holds a pickle payload (as written by torch.save or pickle); a backup is "
+            "loaded only from safetensors and JSON, so it is refused unread. HINT: never "
+            "unpickle checkpoints from an untrusted source; if you trust this file, load it "
+            "yourself with torch.load(path, weights_only=True) and save it again.")
+
+
+def decode(data: bytes, label: str = "state") -> Any:
+    """Inverse of :func:`encode`; raises on a pickle or on a malformed file, never unpickles."""
+    from safetensors.torch import load
+
+    refuse_pickle(data, label)
+    if not _is_safetensors(data):
+        raise CheckpointCorruptError(f"{label} is not a safetensors file (truncated or bad "
+                                     f"header, {len(data)} bytes)")
+    header_len = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8:8 + header_len])
+        text = header.get("__metadata__", {}).get(STRUCTURE_KEY)
+        tensors = load(data)
+    except Exception as exc:  # noqa: BLE001 - any parse failure means corrupt
+        raise CheckpointCorruptError(f"{label} cannot be parsed as safetensors: {exc}") from exc
+    if text is None:
+        return dict(tensors)  # a plain safetensors file (e.g. a model state_dict)
+    try:
+        structure = json.loads(text, parse_constant=_parse_constant)
+    except ValueError as exc:
+        raise CheckpointCorruptError(f"{label}: its structure is not valid JSON ({exc})") from exc
+    return _decode(structure, tensors, label)
+
+
+def _parse_constant(name: str) -> float:
+    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[name]
