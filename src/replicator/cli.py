@@ -52,7 +52,10 @@ def _print_env() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "demo":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "env":
         _print_env()
         return 0
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from replicator.demo import digits
 
-        script, script_args = digits.__file__, args.demo_args
+        script, script_args = digits.__file__, [*unknown, *args.demo_args]
     else:
         if args.nproc is None:
             print("replicator run: --nproc is required (e.g. --nproc 2)", file=sys.stderr)

@@ -14,10 +14,11 @@ import json
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from replicator.cluster.devices import default_device_for, parse_devices
 from replicator.cluster.environment import resolve_cluster
-from replicator.cluster.process_group import current_group, initialize, open_store_client
+from replicator.cluster.process_group import initialize, open_store_client
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
@@ -77,9 +78,6 @@ class MirroredStrategy(Strategy):
         self._options = communication_options or CommunicationOptions()
         self._algorithm = cross_device_ops or NativeAllReduce()
         info = initialize(timeout_seconds=self._options.timeout_seconds, device=self._device)
-        self._spec = info.spec if current_group() is not None else spec
-        import torch.distributed as dist
-
         self._rank = dist.get_rank()
         self._world = dist.get_world_size()
         self._tracker = CollectiveTracker(self._rank, self._world, open_store_client(info))
