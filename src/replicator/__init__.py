@@ -9,7 +9,7 @@ runs::
         model = Net(); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 """
 
-from replicator import data, testing
+from replicator import data, metrics, testing
 from replicator.cluster import launch
 from replicator.comm import CommunicationOptions, CrossDeviceOps, NativeAllReduce, ReduceOp
 from replicator.data import InputContext
@@ -32,6 +32,20 @@ from replicator.strategies import (
     get_strategy,
     register_strategy,
 )
+from replicator.train import (
+    Callback,
+    CallbackFailedError,
+    CSVLogger,
+    EarlyStopping,
+    History,
+    LearningRateScheduler,
+    ModelCheckpoint,
+    ProgressBar,
+    Replicator,
+    TensorBoard,
+    TerminateOnNaN,
+    Trainer,
+)
 
 __version__ = "0.1.0"
 
@@ -41,5 +55,7 @@ __all__ = [
     "register_strategy", "available_strategies", "ReduceOp", "CommunicationOptions",
     "CrossDeviceOps", "NativeAllReduce", "InputContext", "launch", "data", "testing",
     "ReplicatorError", "ClusterConfigError", "ReplicaTimeoutError", "ReplicaMismatchError",
-    "WorkerFailedError", "__version__",
+    "WorkerFailedError", "__version__", "metrics", "Trainer", "Replicator", "Callback",
+    "History", "EarlyStopping", "ModelCheckpoint", "LearningRateScheduler", "CSVLogger",
+    "TensorBoard", "TerminateOnNaN", "ProgressBar", "CallbackFailedError",
 ]

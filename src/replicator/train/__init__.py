@@ -1,0 +1,20 @@
+"""The train room: Trainer.fit/evaluate/predict, callbacks, metrics, progress, Replicator."""
+
+from replicator.train.agreement import CallbackFailedError
+from replicator.train.callbacks import (
+    Callback,
+    CSVLogger,
+    EarlyStopping,
+    History,
+    LearningRateScheduler,
+    ModelCheckpoint,
+    TensorBoard,
+    TerminateOnNaN,
+)
+from replicator.train.progress import ProgressBar
+from replicator.train.replicator_facade import Replicator
+from replicator.train.trainer import Trainer
+
+__all__ = ["Trainer", "Replicator", "Callback", "History", "EarlyStopping", "ModelCheckpoint",
+           "LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",
+           "ProgressBar", "CallbackFailedError"]

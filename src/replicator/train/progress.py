@@ -1,0 +1,79 @@
+"""The chief's progress display: a live bar on a terminal, plain log lines otherwise (CI)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from replicator.train.callbacks import Callback, Logs
+
+
+def _fmt_logs(logs: Logs) -> str:
+    return "  ".join(f"{k} {v:.4f}" for k, v in logs.items())
+
+
+class ProgressBar(Callback):
+    """Epoch, step/total, loss and metrics, samples/s and ETA, on the chief only.
+
+    ``live=None`` picks a live bar when standard output is a terminal.
+    """
+
+    def __init__(self, live: bool | None = None) -> None:
+        self.live = live
+        self._bar: Any = None
+        self._task: Any = None
+        self._start = 0.0
+        self._samples = 0.0
+
+    def _enabled(self) -> bool:
+        return self.is_chief
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        if not self._enabled():
+            return
+        self._start, self._samples = time.perf_counter(), 0.0
+        live = sys.stdout.isatty() if self.live is None else self.live
+        total = self.trainer.steps_in_epoch
+        if live:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn(f"epoch {epoch + 1}/{self.trainer.epochs}"), BarColumn(),
+                MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TextColumn("ETA"),
+                TimeRemainingColumn(), transient=False)
+            self._task = self._bar.add_task("train", total=total, info="",
+                                            completed=self.trainer.step_in_epoch)
+            self._bar.start()
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if not self._enabled():
+            return
+        self._samples += self.trainer.last_global_batch
+        if self._bar is not None:
+            rate = self._samples / max(time.perf_counter() - self._start, 1e-9)
+            self._bar.update(self._task, advance=1,
+                             info=f"{_fmt_logs(logs or {})}  {rate:,.0f} samples/s")
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if not self._enabled():
+            return
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        elapsed = time.perf_counter() - self._start
+        rate = self._samples / max(elapsed, 1e-9)
+        print(f"epoch {epoch + 1}/{self.trainer.epochs}  step {self.trainer.step_in_epoch}/"
+              f"{self.trainer.steps_in_epoch}  {_fmt_logs(logs or {})}  {rate:,.0f} samples/s  "
+              f"{elapsed:.1f} s", flush=True)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,304 @@
+"""Trainer: Keras-style ``fit`` / ``evaluate`` / ``predict`` on top of the public Strategy API.
+
+The same Trainer code runs under every strategy. Training batches are global batches split
+across replicas by ``strategy.distribute_dataset``; the loss is scaled with the
+``compute_average_loss`` rule, so uneven or padded batches give exactly the one-device
+gradient. Metrics keep sums that are reduced across replicas in one collective per step.
+Evaluation and prediction give each replica a contiguous block of the dataset, so each sample
+counts exactly once and ``predict`` returns outputs in dataset order.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+
+from replicator.comm.reduce_op import ReduceOp
+from replicator.data.device_transfer import to_device
+from replicator.data.global_batch import slice_bounds
+from replicator.strategies.base import Strategy
+from replicator.train.agreement import ErrorAgreement
+from replicator.train.callbacks import Callback, CallbackList, History, Logs
+from replicator.train.metrics import Mean, Metric, as_metric, reduce_states
+from replicator.train.progress import ProgressBar
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _per_example_loss(loss_fn: LossFn) -> LossFn:
+    """A loss function that returns one value per example.
+
+    A ``torch.nn`` loss module is copied with ``reduction="none"``; any other function is
+    called as it is, and a scalar result is taken as the mean over the local batch.
+    """
+    if isinstance(loss_fn, nn.modules.loss._Loss) and hasattr(loss_fn, "reduction"):
+        per_example = copy.copy(loss_fn)
+        per_example.reduction = "none"
+        return per_example
+    return loss_fn
+
+
+def _unpack(batch: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+    if isinstance(batch, dict):
+        return batch["x"], batch["y"], batch.get("sample_weight")
+    if isinstance(batch, (list, tuple)) and len(batch) in (2, 3):
+        return batch[0], batch[1], batch[2] if len(batch) == 3 else None
+    raise TypeError("a batch must be (x, y), (x, y, sample_weight) or a dict with 'x' and 'y'; "
+                    f"got {type(batch).__name__}")
+
+
+def _batch_len(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.shape[0]
+    if isinstance(x, (list, tuple)) and x:
+        return _batch_len(x[0])
+    if isinstance(x, dict) and x:
+        return _batch_len(next(iter(x.values())))
+    raise TypeError(f"cannot tell the batch size of {type(x).__name__}")
+
+
+class Trainer:
+    """``rp.Trainer(strategy, model_fn | model, optimizer_fn | optimizer, loss_fn, metrics)``.
+
+    ``model_fn`` / ``optimizer_fn(params)`` are called under ``strategy.scope()``; a model
+    built elsewhere is passed to ``strategy.distribute_model``. For exact results with
+    ``sample_weight`` give a ``torch.nn`` loss (or a function returning per-example losses).
+    """
+
+    def __init__(self, strategy: Strategy, model: nn.Module | Callable[[], nn.Module],
+                 optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer],
+                 loss_fn: LossFn, metrics: Sequence[Metric | str] = ()) -> None:
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"Trainer needs a replicator Strategy, got {type(strategy).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable: loss_fn(predictions, targets)")
+        self.strategy = strategy
+        with strategy.scope():
+            built = model if isinstance(model, nn.Module) else model()
+            if not isinstance(built, nn.Module):
+                raise TypeError(f"model_fn must return a torch.nn.Module, got "
+                                f"{type(built).__name__}")
+            opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) \
+                else optimizer(built.parameters())
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError("optimizer must be a torch.optim.Optimizer or a function of the "
+                            "parameters returning one")
+        self.model = strategy.distribute_model(built) if isinstance(model, nn.Module) else built
+        self.optimizer = opt
+        self.loss_fn = _per_example_loss(loss_fn)
+        self.metrics = [as_metric(m) for m in metrics]
+        names = ["loss", *(m.name for m in self.metrics)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"metric names must be unique (and not 'loss'): {names}")
+        self._loss = Mean("loss")
+        self.history = History()
+        self.epoch = 0
+        self.epochs = 0
+        self.step_in_epoch = 0
+        self.steps_in_epoch = 0
+        self.global_step = 0
+        self.last_global_batch = 0.0
+        self.stop_training = False
+        self.train_dataset: Any = None
+        self._errors = ErrorAgreement(strategy)
+        self._callbacks = CallbackList([], self)
+
+    # -- resumable state (for BackupAndRestore) -------------------------------------------------
+    def train_state(self) -> dict[str, Any]:
+        """Where training stands, JSON-serialisable: epoch, step, running metric sums, history."""
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "global_step": self.global_step,
+                "metric_states": {m.name: m.state.tolist() for m in self._all_metrics()},
+                "history": self.history.state_dict()}
+
+    def load_train_state(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.step_in_epoch = int(state["step_in_epoch"])
+        self.global_step = int(state["global_step"])
+        for m in self._all_metrics():
+            if m.name in state["metric_states"]:
+                m.state.copy_(torch.tensor(state["metric_states"][m.name], dtype=torch.float64))
+        self.history.load_state_dict(state["history"])
+
+    def _all_metrics(self) -> list[Metric]:
+        return [self._loss, *self.metrics]
+
+    # -- hooks with cross-replica error agreement ------------------------------------------------
+    def _hook(self, name: str, *args: Any) -> None:
+        try:
+            self._callbacks.call(name, *args)
+        except Exception as exc:
+            if self.strategy.num_replicas_in_sync == 1:
+                raise
+            self._errors.hold(name, exc)
+
+    # -- training --------------------------------------------------------------------------------
+    def _train_step(self, batch: Any) -> float:
+        x, y, weight = _unpack(batch)
+        pred = self.model(x)
+        per_example = self.loss_fn(pred, y)
+        n = _batch_len(x)
+        if per_example.dim() == 0:
+            per_example = per_example.expand(n)
+        per_example = per_example.reshape(n, -1).mean(1) if n else per_example.reshape(0)
+        w = torch.ones(n, dtype=per_example.dtype, device=per_example.device) if weight is None \
+            else weight.to(per_example.dtype).reshape(-1)
+        local_count = w.sum().detach()
+        global_count = local_count
+        replicas = self.strategy.num_replicas_in_sync
+        if replicas > 1:
+            global_count = self.strategy.reduce(ReduceOp.SUM, local_count)
+        total = float(global_count)
+        scale = replicas / total if total > 0 else 0.0
+        loss = (per_example * w).sum() * scale
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self._loss.update(per_example.detach(), y, w)
+        for m in self.metrics:
+            m.update(pred, y, w)
+        return total
+
+    def _reduced_logs(self, metrics: list[Metric], prefix: str = "") -> Logs:
+        states, extra = reduce_states(self.strategy, metrics, [self._errors.flag])
+        self._errors.check(extra[0])
+        return {prefix + m.name: m.value_from(s) for m, s in zip(metrics, states)}
+
+    def _distributed(self, data: Any) -> Any:
+        if isinstance(data, (DataLoader, Dataset)):
+            return self.strategy.distribute_dataset(data)
+        if hasattr(data, "__iter__"):
+            return data  # already distributed (strategy.distribute_dataset / _from_function)
+        raise TypeError(f"fit() takes a DataLoader with the global batch size, a Dataset or a "
+                        f"distributed dataset; got {type(data).__name__}")
+
+    def fit(self, train_data: Any, epochs: int = 1, validation_data: Any = None,
+            steps_per_epoch: int | None = None, callbacks: Iterable[Callback] = (),
+            verbose: int = 1) -> History:
+        """Train for ``epochs`` epochs; returns the :class:`History` of per-epoch logs.
+
+        Each epoch is one pass over ``train_data`` (at most ``steps_per_epoch`` steps).
+        """
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        self.epochs = epochs
+        self.train_dataset = self._distributed(train_data)
+        extra = [ProgressBar()] if verbose else []
+        # user callbacks first, so that what they add to the logs is shown and recorded
+        self._callbacks = CallbackList([*callbacks, *extra, self.history], self)
+        self.stop_training = False
+        self.model.train()
+        self._hook("on_train_begin", {})
+        self._errors.agree()
+        while self.epoch < epochs and not self.stop_training:
+            self._run_epoch(steps_per_epoch, validation_data)
+        self._hook("on_train_end", {})
+        self._errors.agree()
+        return self.history
+
+    def _run_epoch(self, steps_per_epoch: int | None, validation_data: Any) -> None:
+        epoch = self.epoch
+        try:
+            total = len(self.train_dataset)
+        except TypeError:
+            total = None
+        if steps_per_epoch is not None:
+            total = steps_per_epoch if total is None else min(total, steps_per_epoch)
+        self.steps_in_epoch = total or 0
+        if self.step_in_epoch == 0:
+            for m in self._all_metrics():
+                m.reset()
+        self._hook("on_epoch_begin", epoch, {})
+        logs: Logs = {}
+        iterator = iter(self.train_dataset)
+        while total is None or self.step_in_epoch < total:
+            batch = next(iterator, None)
+            if batch is None:
+                break
+            self._hook("on_train_batch_begin", self.step_in_epoch, {})
+            self.last_global_batch = self.strategy.run(self._train_step, args=(batch,))
+            self.step_in_epoch += 1
+            self.global_step += 1
+            logs = self._reduced_logs(self._all_metrics())
+            self._hook("on_train_batch_end", self.step_in_epoch - 1, logs)
+            if self.stop_training:
+                break
+        if not logs:
+            logs = self._reduced_logs(self._all_metrics())
+        if validation_data is not None:
+            logs.update(self.evaluate(validation_data, _prefix="val_"))
+            self.model.train()
+        self._hook("on_epoch_end", epoch, logs)
+        self._errors.agree()
+        self.epoch += 1
+        self.step_in_epoch = 0
+
+    # -- evaluation and prediction ---------------------------------------------------------------
+    def _shard_for_eval(self, data: Any, batch_size: int | None) -> DataLoader:
+        if isinstance(data, DataLoader):
+            dataset, global_batch, collate = data.dataset, data.batch_size, data.collate_fn
+        elif isinstance(data, Dataset):
+            dataset, global_batch, collate = data, batch_size or 32, None
+        else:
+            raise TypeError("evaluate() and predict() take a DataLoader or a map-style Dataset")
+        if isinstance(dataset, IterableDataset):
+            raise TypeError("evaluate() and predict() need a map-style dataset so each replica "
+                            "can take its own block of samples")
+        n, replicas = len(dataset), self.strategy.num_replicas_in_sync
+        if n < replicas:
+            raise ValueError(f"the dataset has {n} samples for {replicas} replicas; each "
+                             "replica needs at least one")
+        start, stop = slice_bounds(n, self.strategy.replica_id, replicas)
+        per_replica = max(1, math.ceil((batch_size or global_batch or 32) / replicas))
+        kwargs = {"collate_fn": collate} if collate is not None else {}
+        return DataLoader(Subset(dataset, range(start, stop)), batch_size=per_replica, **kwargs)
+
+    def evaluate(self, data: Any, batch_size: int | None = None,
+                 callbacks: Iterable[Callback] = (), _prefix: str = "") -> Logs:
+        """Loss and metrics over every sample of ``data`` exactly once, on all replicas."""
+        if callbacks:
+            self._callbacks = CallbackList([*self._callbacks.callbacks, *callbacks], self)
+        loader = self._shard_for_eval(data, batch_size)
+        loss, metrics = Mean("loss"), [copy.deepcopy(m) for m in self.metrics]
+        for m in metrics:
+            m.reset()
+        self._hook("on_test_begin", {})
+        self.model.eval()
+        with torch.no_grad():
+            for i, batch in enumerate(loader):
+                x, y, w = _unpack(to_device(batch, self.strategy.device))
+                pred = self.model(x)
+                per_example = self.loss_fn(pred, y)
+                n = _batch_len(x)
+                if per_example.dim() == 0:
+                    per_example = per_example.expand(n)
+                loss.update(per_example.reshape(n, -1).mean(1), y, w)
+                for m in metrics:
+                    m.update(pred, y, w)
+                self._hook("on_test_batch_end", i, {})
+        logs = self._reduced_logs([loss, *metrics], _prefix)
+        self._hook("on_test_end", logs)
+        return logs
+
+    def predict(self, data: Any, batch_size: int | None = None) -> torch.Tensor:
+        """Model outputs for every sample, in dataset order, gathered on every replica."""
+        loader = self._shard_for_eval(data, batch_size)
+        self._hook("on_predict_begin", {})
+        self.model.eval()
+        outputs = []
+        with torch.no_grad():
+            for batch in loader:
+                batch = to_device(batch, self.strategy.device)
+                x = batch[0] if isinstance(batch, (list, tuple)) else batch
+                outputs.append(self.model(x))
+        local = torch.cat(outputs)
+        result = self.strategy.gather(local, axis=0)
+        self._hook("on_predict_end", {})
+        self._errors.agree()
+        return result

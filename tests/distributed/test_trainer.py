@@ -1,0 +1,90 @@
+"""Trainer.fit / evaluate / predict: the same numbers under OneDevice and Mirrored(2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import replicator as rp
+from replicator.testing import assert_params_close, run_distributed
+from tests.train_helpers import digits, loader, make_trainer
+
+
+def fit_evaluate_predict(strategy_name: str) -> dict:
+    strategy = rp.get_strategy(strategy_name)
+    train, test = digits()
+    trainer = make_trainer(strategy)
+    history = trainer.fit(loader(train), epochs=3, validation_data=loader(test, 64, False),
+                          verbose=0)
+    # 1,001 samples with global batch 32: not a multiple of the batch nor of the replicas
+    big = TensorDataset(*train[:1001])
+    scores = trainer.evaluate(loader(big, 32, False))
+    preds = trainer.predict(loader(big, 32, False))
+    return {"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "history": history.history, "epochs": history.epoch, "eval": scores,
+            "preds": preds, "rank": strategy.replica_id}
+
+
+@pytest.mark.timeout(150)
+def test_fit_evaluate_predict_match_one_device():
+    ref = run_distributed(fit_evaluate_predict, 1, args=("one_device",))[0]
+    out = run_distributed(fit_evaluate_predict, 2, args=("mirrored",))
+    assert ref["epochs"] == [0, 1, 2]
+    assert ref["history"]["accuracy"][-1] > ref["history"]["accuracy"][0]
+    for rank_out in out:
+        assert_params_close(ref["state"], rank_out["state"], atol=1e-5)
+        assert rank_out["epochs"] == ref["epochs"]
+        assert set(rank_out["history"]) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+        for key, values in ref["history"].items():
+            assert rank_out["history"][key] == pytest.approx(values, abs=1e-5), key
+        assert rank_out["eval"]["accuracy"] == ref["eval"]["accuracy"]  # counts are exact
+        assert rank_out["eval"]["loss"] == pytest.approx(ref["eval"]["loss"], abs=1e-6)
+        assert rank_out["preds"].shape == (1001, 10)
+        assert torch.allclose(rank_out["preds"], ref["preds"], atol=1e-5)  # dataset order
+
+
+class RaiseOnChief(rp.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if self.is_chief and self.trainer.global_step == 3:
+            raise RuntimeError("chief-only callback failure")
+
+
+def fit_with_failing_callback(_: int) -> None:
+    strategy = rp.MirroredStrategy()
+    train, _ = digits(256)
+    make_trainer(strategy).fit(loader(train), epochs=2, callbacks=[RaiseOnChief()], verbose=0)
+
+
+@pytest.mark.timeout(60)
+def test_callback_failing_on_chief_only_stops_every_rank():
+    with pytest.raises(rp.WorkerFailedError) as info:
+        run_distributed(fit_with_failing_callback, 2, args=(0,), timeout_seconds=30)
+    text = str(info.value)
+    assert "CallbackFailedError" in text
+    assert "rank 0: on_train_batch_end raised RuntimeError: chief-only callback failure" in text
+    # the other rank stopped with the same error, not with a lost-connection error
+    assert "Other ranks:\n  rank 1: CallbackFailedError" in text or \
+        "rank 0 failed" in text and "rank 1: CallbackFailedError" in text
+
+
+def replicator_facade(_: int) -> list:
+    strategy = rp.MirroredStrategy()
+    data = torch.arange(12.0).reshape(12, 1)
+
+    def input_fn(ctx):
+        shard = rp.data.shard(TensorDataset(data), ctx.num_input_pipelines,
+                              ctx.input_pipeline_id)
+        return torch.utils.data.DataLoader(shard, batch_size=ctx.get_per_replica_batch_size(4))
+
+    def step_fn(batch):
+        return batch[0].sum()
+
+    return [float(v) for v in rp.Replicator(strategy).run(input_fn, step_fn, num_steps=5)]
+
+
+@pytest.mark.timeout(60)
+def test_replicator_facade_runs_input_fn_and_step_fn():
+    a, b = run_distributed(replicator_facade, 2, args=(0,))
+    # shards: rank 0 has 0,2,4,...; rank 1 has 1,3,5,...; batch 2 each; mean over replicas
+    assert a == b == [3.0, 11.0, 19.0, 3.0, 11.0]

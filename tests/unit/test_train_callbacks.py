@@ -1,0 +1,98 @@
+"""Callbacks and metrics on one device."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader, TensorDataset
+
+import replicator as rp
+from tests.train_helpers import digits, loader, make_trainer
+
+
+def test_metrics_values():
+    acc = rp.metrics.SparseCategoricalAccuracy()
+    acc.update(torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]), torch.tensor([1, 1, 1]))
+    assert acc.result() == pytest.approx(2 / 3)
+    acc.update(torch.tensor([[0.0, 1.0]]), torch.tensor([0]), sample_weight=torch.tensor([0.0]))
+    assert acc.result() == pytest.approx(2 / 3)  # a padded sample counts not at all
+    auc = rp.metrics.AUC()
+    auc.update(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1]))
+    assert auc.result() == pytest.approx(0.75, abs=0.01)
+    mean = rp.metrics.Mean()
+    mean.update(torch.tensor([1.0, 2.0, 6.0]), torch.zeros(3))
+    assert mean.result() == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="unknown metric 'f1'"):
+        rp.Trainer(rp.OneDeviceStrategy("cpu"), nn.Linear(2, 2), torch.optim.SGD(
+            nn.Linear(2, 2).parameters(), lr=0.1), nn.MSELoss(), metrics=["f1"])
+
+
+def test_fit_history_checkpoint_csv_lr_and_early_stopping(tmp_path):
+    train, test = digits(320)
+    trainer = make_trainer(rp.OneDeviceStrategy("cpu"))
+    lrs = []
+
+    class RecordLR(rp.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            lrs.append(self.trainer.optimizer.param_groups[0]["lr"])
+
+    ckpt = rp.ModelCheckpoint(str(tmp_path / "best.safetensors"), monitor="val_accuracy",
+                              save_best_only=True)
+    history = trainer.fit(
+        loader(train), epochs=4, validation_data=loader(test, 64, False), verbose=0,
+        callbacks=[rp.LearningRateScheduler(lambda epoch, lr: 0.01 * 0.5 ** epoch), RecordLR(),
+                   ckpt, rp.CSVLogger(str(tmp_path / "log.csv")),
+                   rp.EarlyStopping(monitor="loss", patience=10)])
+    assert lrs == pytest.approx([0.01, 0.005, 0.0025, 0.00125])
+    assert history.epoch == [0, 1, 2, 3] and len(history.history["val_loss"]) == 4
+    assert history.history["lr"] == pytest.approx(lrs)
+    weights = load_file(str(tmp_path / "best.safetensors"))
+    assert set(weights) == set(trainer.model.state_dict())
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2, 3]
+    assert float(rows[-1]["loss"]) == pytest.approx(history.history["loss"][-1])
+
+
+def test_early_stopping_stops_and_restores_best_weights():
+    trainer = make_trainer(rp.OneDeviceStrategy("cpu"))
+    train, _ = digits(128)
+    seen = []
+
+    class WorseEachEpoch(rp.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["fake"] = float(epoch)  # increases: never improves for mode=min
+            seen.append(epoch)
+
+    stop = rp.EarlyStopping(monitor="fake", mode="min", patience=1)
+    trainer.fit(loader(train), epochs=10, callbacks=[WorseEachEpoch(), stop], verbose=0)
+    assert seen == [0, 1, 2] and stop.stopped_epoch == 2
+
+
+def test_terminate_on_nan_stops_training():
+    x = torch.randn(64, 4)
+    y = torch.full((64, 1), float("nan"))
+    trainer = rp.Trainer(rp.OneDeviceStrategy("cpu"), lambda: nn.Linear(4, 1),
+                         lambda p: torch.optim.SGD(p, lr=0.1), nn.MSELoss())
+    trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8), epochs=3,
+                callbacks=[rp.TerminateOnNaN()], verbose=0)
+    assert trainer.global_step == 1 and math.isnan(trainer.history.history["loss"][0])
+
+
+def test_progress_prints_plain_lines_when_not_a_terminal(capsys):
+    train, _ = digits(128)
+    make_trainer(rp.OneDeviceStrategy("cpu")).fit(loader(train), epochs=2)
+    out = capsys.readouterr().out
+    assert "epoch 1/2  step 4/4  loss" in out and "accuracy" in out and "samples/s" in out
+
+
+def test_bad_trainer_input_is_a_clear_error():
+    with pytest.raises(TypeError, match="needs a replicator Strategy"):
+        rp.Trainer("mirrored", nn.Linear(2, 2), None, nn.MSELoss())
+    with pytest.raises(TypeError, match="a batch must be"):
+        make_trainer(rp.OneDeviceStrategy("cpu")).fit(
+            DataLoader(TensorDataset(torch.randn(8, 64)), batch_size=4), epochs=1, verbose=0)
