@@ -33,6 +33,7 @@ def test_compute_average_loss_on_one_device_is_the_mean():
     mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
     assert float(rp.compute_average_loss(per_example, 3, sample_weight=mask)) == \
         pytest.approx(2.0)
+    assert float(rp.compute_average_loss(per_example, sample_weight=mask)) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="must be positive"):
         rp.compute_average_loss(per_example, global_batch_size=0)
 

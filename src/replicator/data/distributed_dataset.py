@@ -1,127 +1,216 @@
 """DistributedDataset: what ``strategy.distribute_dataset`` returns: each replica's batches.
 
-``distribute_dataset`` takes *global* batches (a ``DataLoader`` with the global batch size, or
-a dataset plus ``batch_size=``) and gives each replica its slice, reading only the samples that
-replica needs. ``distribute_datasets_from_function`` calls the user's ``input_fn`` once per
-process with an :class:`InputContext`; that loader already yields per-replica batches.
+``distribute_dataset`` takes *global* batches (a ``DataLoader`` with the global batch size, a
+dataset plus ``batch_size=``, or files plus ``reader=``) and gives each replica its part,
+reading only what that replica needs where the input allows it (see ``AutoShardPolicy``).
+``distribute_datasets_from_function`` calls the user's ``input_fn`` once per process with an
+:class:`InputContext`; that pipeline already yields per-replica batches.
+
+The dataset is a cursor over epochs: iterating it runs from the current position to the end of
+the epoch, then moves to the next epoch. A loop left early with ``break`` leaves it mid-epoch;
+the next loop continues there (``set_epoch(e)`` starts epoch ``e`` from its beginning).
+``state_dict()`` / ``load_state_dict()`` save and restore that position as plain JSON data.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
-from replicator.data.device_transfer import to_device
-from replicator.data.global_batch import GlobalBatchSplitSampler, slice_bounds
+from replicator.data.distributed_iterator import DistributedIterator
+from replicator.data.engines import ProcessEngine
 from replicator.data.input_context import InputContext
+from replicator.data.options import InputOptions
+from replicator.data.pipeline_builder import Pipeline, build_global, build_per_replica
+
+STATE_FORMAT = "replicator.input"
+STATE_VERSION = 1
 
 
 class DistributedDataset:
     """Iterate to get this replica's batches, already on the replica's device.
 
-    Each new iteration is a new epoch (reshuffled from the seed when shuffling).
+    ``mask`` is the per-sample weight of the last batch (1.0 real, 0.0 masked padding): pass it
+    as ``rp.compute_average_loss(..., sample_weight=mask)`` and weight metrics with it so that
+    a padded batch counts every real sample exactly once.
     """
 
-    def __init__(self, loader: Iterable[Any], device: torch.device, *,
-                 sampler: GlobalBatchSplitSampler | None = None,
-                 slicer: Callable[[Any], Any] | None = None) -> None:
-        self.loader = loader
-        self.device = device
-        self.sampler = sampler
-        self.slicer = slicer
-        self.epoch = 0
+    def __init__(self, pipeline: Pipeline, device: torch.device) -> None:
+        self.pipeline = pipeline
+        self.device = torch.device(device)
+        self._epoch = 0
+        self._position = 0
+        self._active: DistributedIterator | None = None
+        self._mask: torch.Tensor | None = None
+        self._engine: ProcessEngine | None = None
+
+    # -- iteration ------------------------------------------------------------------------------
+    def __iter__(self) -> DistributedIterator:
+        self._close_active()
+        self._active = DistributedIterator(self, self._epoch, self._position)
+        return self._active
 
     def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
+        """Steps in one whole epoch, where known without reading the data."""
+        steps = self.pipeline.plan.steps_per_epoch()
+        if steps is None:
+            raise TypeError(f"this input ({self.pipeline.plan.describe()}) has no length: its "
+                            "epochs end where the data ends")
+        return steps
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to."""
+        return self._epoch
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """Per-sample weights of the last batch handed out (``None`` before the first)."""
+        return self._mask
+
+    @property
+    def shard_policy(self) -> str | None:
+        """The sharding actually used (``AUTO`` resolved), e.g. ``"file"``."""
+        policy = self.pipeline.policy
+        return None if policy is None else policy.value
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Start epoch ``epoch`` from its beginning at the next iteration."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch takes a non-negative integer, got {epoch!r}")
+        self._close_active()
+        self._epoch, self._position = epoch, 0
 
-    def __iter__(self) -> Iterator[Any]:
-        if self.sampler is not None:
-            self.sampler.set_epoch(self.epoch)
-        elif hasattr(getattr(self.loader, "sampler", None), "set_epoch"):
-            self.loader.sampler.set_epoch(self.epoch)  # type: ignore[union-attr]
-        self.epoch += 1
-        non_blocking = self.device.type == "cuda"
-        for batch in self.loader:
-            if self.slicer is not None:
-                batch = self.slicer(batch)
-            yield to_device(batch, self.device, non_blocking)
+    def close(self) -> None:
+        """Stop the current pass and shut down process workers (they are otherwise kept for
+        the next epoch); iterating again starts them anew."""
+        self._close_active()
+        self._engine = None
+
+    def _advance(self, it: DistributedIterator, position: int) -> None:
+        if it is self._active:
+            self._position = position
+            self._mask = it.mask
+
+    def _epoch_done(self, it: DistributedIterator) -> None:
+        if it is self._active:
+            self._epoch, self._position = it.epoch + 1, 0
+            self._active = None
+
+    def _process_engine(self) -> ProcessEngine:
+        if self._engine is None:
+            pipe = self.pipeline
+            self._engine = ProcessEngine(pipe.materialise, num_workers=pipe.num_workers,
+                                         prefetch=pipe.options.prefetch,
+                                         timeout_seconds=pipe.options.timeout_seconds,
+                                         start_method=pipe.start_method,
+                                         worker_init_fn=pipe.worker_init_fn)
+        return self._engine
+
+    def _close_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The input position as JSON-serialisable data (the same on every replica).
+
+        Prefetched batches not yet handed to the step are not stored: they are read again
+        from the position after a restart, so the restart sees exactly the batches an
+        uninterrupted run would have seen next.
+        """
+        pipe, plan = self.pipeline, self.pipeline.plan
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT, "version": STATE_VERSION, "kind": plan.kind,
+            "epoch": self._epoch, "position": self._position,
+            "position_unit": plan.position_unit, "seed": pipe.seed, "shuffle": pipe.shuffle,
+            "global_batch_size": pipe.global_batch_size, "num_replicas": pipe.world,
+            "shard_policy": self.shard_policy, "drop_remainder": pipe.drop_remainder,
+        }
+        state.update(plan.state(self._epoch, self._position))
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (call before iterating)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"load_state_dict needs a state from DistributedDataset.state_dict()"
+                             f" (a dict with format {STATE_FORMAT!r}), got "
+                             f"{type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"input state version {state.get('version')!r} is not supported "
+                             f"(this replicator reads version {STATE_VERSION})")
+        pipe, plan = self.pipeline, self.pipeline.plan
+        if state.get("kind") != plan.kind:
+            raise ValueError(
+                f"the input state was saved by a {state.get('kind')!r} pipeline, but this one is "
+                f"{plan.kind!r} ({plan.describe()}). HINT: restore into a dataset built the same "
+                "way (same kind of input and shard policy).")
+        epoch, position = state.get("epoch"), state.get("position")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                   for v in (epoch, position)):
+            raise ValueError(f"the input state's epoch and position must be non-negative "
+                             f"integers, got epoch={epoch!r}, position={position!r}")
+        if bool(state.get("shuffle")) != pipe.shuffle:
+            raise ValueError(f"the input state was saved with shuffle={state.get('shuffle')}, "
+                             f"this dataset has shuffle={pipe.shuffle}; continuing would not "
+                             "give the samples the saved run would have seen")
+        seed = state.get("seed", pipe.seed)
+        if seed != pipe.seed:
+            warnings.warn(f"the input state was saved with seed {seed}; continuing with it "
+                          f"instead of {pipe.seed}", RuntimeWarning, stacklevel=2)
+            pipe.seed = seed
+            for obj in (plan, getattr(plan, "open_stream", None)):
+                if hasattr(obj, "seed"):
+                    obj.seed = seed
+        self._close_active()
+        self._epoch = epoch  # type: ignore[assignment]
+        self._position = plan.load_state(state, epoch, position)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return (f"DistributedDataset({self.pipeline.plan.describe()}, rank "
+                f"{self.pipeline.rank} of {self.pipeline.world}, epoch {self._epoch}, "
+                f"position {self._position})")
 
 
-def _slice_batch(batch: Any, rank: int, world: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        start, stop = slice_bounds(batch.shape[0], rank, world)
-        return batch[start:stop]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_slice_batch(b, rank, world) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice_batch(b, rank, world) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _slice_batch(v, rank, world) for k, v in batch.items()}
-    return batch
-
-
-def distribute_dataset(data: DataLoader | Dataset, ctx: InputContext, device: torch.device, *,
+def distribute_dataset(data: Any, ctx: InputContext, device: torch.device, *,
                        batch_size: int | None = None, shuffle: bool | None = None,
-                       seed: int = 0, drop_last: bool | None = None) -> DistributedDataset:
-    """Split global batches across replicas (see module doc)."""
-    rank, world = ctx.input_pipeline_id, ctx.num_replicas_in_sync
-    loader_kwargs: dict[str, Any] = {}
-    if isinstance(data, DataLoader):
-        dataset = data.dataset
-        if batch_size is None:
-            batch_size = data.batch_size
-        if batch_size is None:
-            raise ValueError("distribute_dataset needs the global batch size: give the "
-                             "DataLoader batch_size=GLOBAL_BATCH (not a custom batch_sampler), "
-                             "or pass batch_size=")
-        if shuffle is None:
-            shuffle = isinstance(data.sampler, RandomSampler)
-        if drop_last is None:
-            drop_last = data.drop_last
-        loader_kwargs = dict(collate_fn=data.collate_fn, num_workers=data.num_workers,
-                             pin_memory=data.pin_memory, worker_init_fn=data.worker_init_fn,
-                             timeout=data.timeout)
-        if data.num_workers > 0:
-            loader_kwargs["multiprocessing_context"] = data.multiprocessing_context
-            loader_kwargs["persistent_workers"] = data.persistent_workers
-    elif isinstance(data, Dataset):
-        dataset = data
-        if batch_size is None:
-            raise ValueError("distribute_dataset(dataset) needs batch_size=GLOBAL_BATCH, or "
-                             "pass a DataLoader built with the global batch size")
-    else:
-        raise TypeError(f"distribute_dataset takes a DataLoader or a Dataset, got "
-                        f"{type(data).__name__}. HINT: for per-replica input pipelines use "
-                        "distribute_datasets_from_function(input_fn).")
-    if isinstance(dataset, IterableDataset):
-        if batch_size % world:
-            raise ValueError(f"global batch size {batch_size} is not divisible by the {world} "
-                             "replicas in sync")
-        loader = data if isinstance(data, DataLoader) else DataLoader(dataset,
-                                                                      batch_size=batch_size)
-        return DistributedDataset(loader, device,
-                                  slicer=lambda b: _slice_batch(b, rank, world))
-    sampler = GlobalBatchSplitSampler(len(dataset), batch_size, rank, world,
-                                      shuffle=bool(shuffle), seed=seed,
-                                      drop_last=bool(drop_last))
-    loader = DataLoader(dataset, batch_sampler=sampler, **loader_kwargs)
-    return DistributedDataset(loader, device, sampler=sampler)
+                       seed: int = 0, drop_last: bool | None = None,
+                       drop_remainder: bool | None = None,
+                       transform: Callable[[Any], Any] | None = None,
+                       reader: Callable[[str], Iterable[Any]] | None = None,
+                       options: InputOptions | None = None) -> DistributedDataset:
+    """Split global batches across replicas (see the module doc).
+
+    ``drop_remainder`` (alias ``drop_last``; default: the DataLoader's ``drop_last``, else
+    False): drop a short last global batch on every replica, or keep it split as evenly as
+    possible, a replica without a sample getting a masked copy. ``transform``: a per-sample
+    function run by the workers. ``reader``: with a list of file paths, ``reader(path)``
+    yields the samples of one file.
+    """
+    if drop_last is not None and drop_remainder is not None and drop_last != drop_remainder:
+        raise ValueError(f"drop_last={drop_last} and drop_remainder={drop_remainder} disagree; "
+                         "give one of them (they are the same setting)")
+    drop = drop_remainder if drop_remainder is not None else drop_last
+    pipeline = build_global(data, ctx, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                            drop_remainder=drop, transform=transform, reader=reader,
+                            options=options)
+    return DistributedDataset(pipeline, device)
 
 
 def distribute_datasets_from_function(input_fn: Callable[[InputContext], Iterable[Any]],
-                                      ctx: InputContext,
-                                      device: torch.device) -> DistributedDataset:
-    """Build this process's pipeline with ``input_fn(ctx)``; batches are per replica."""
-    if not callable(input_fn):
-        raise TypeError("distribute_datasets_from_function needs a function input_fn(ctx)")
-    loader = input_fn(ctx)
-    if not isinstance(loader, Iterable):
-        raise TypeError(f"input_fn returned {type(loader).__name__}, which is not iterable; "
-                        "return a DataLoader or another iterable of per-replica batches")
-    return DistributedDataset(loader, device)
+                                      ctx: InputContext, device: torch.device, *,
+                                      drop_remainder: bool | None = None,
+                                      options: InputOptions | None = None
+                                      ) -> DistributedDataset:
+    """Build this process's pipeline with ``input_fn(ctx)``; batches are per replica.
+
+    When the replicas' pipelines end at different steps they agree: with
+    ``drop_remainder=True`` (the default) all stop when the first runs out; with ``False``
+    a replica out of data yields fully masked batches until all are done.
+    """
+    return DistributedDataset(build_per_replica(input_fn, ctx, drop_remainder=drop_remainder,
+                                                options=options), device)

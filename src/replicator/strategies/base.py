@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +21,7 @@ from replicator.data.distributed_dataset import (
     distribute_datasets_from_function,
 )
 from replicator.data.input_context import InputContext
+from replicator.data.options import InputOptions
 from replicator.strategies import replica_context
 from replicator.strategies.scope_capture import RegistrationCapture, module_state
 
@@ -202,22 +203,38 @@ class Strategy(ABC):
                             input_pipeline_id=self.replica_id,
                             num_replicas_in_sync=self.num_replicas_in_sync)
 
-    def distribute_dataset(self, dataset: DataLoader | Dataset, *, batch_size: int | None = None,
-                           shuffle: bool | None = None, seed: int = 0,
-                           drop_last: bool | None = None) -> DistributedDataset:
+    def distribute_dataset(self, dataset: DataLoader | Dataset | Sequence[str], *,
+                           batch_size: int | None = None, shuffle: bool | None = None,
+                           seed: int = 0, drop_last: bool | None = None,
+                           drop_remainder: bool | None = None,
+                           transform: Callable[[Any], Any] | None = None,
+                           reader: Callable[[str], Iterable[Any]] | None = None,
+                           options: InputOptions | None = None) -> DistributedDataset:
         """Split each *global* batch of ``dataset`` across replicas.
 
         Give a ``DataLoader`` built with the global batch size (its ``shuffle`` and
         ``drop_last`` are kept; shuffling is re-seeded from ``seed`` and the epoch so every
-        world size sees the same global batches), or a ``Dataset`` with ``batch_size=``.
+        world size sees the same global batches), a ``Dataset`` with ``batch_size=``, or a list
+        of files with ``reader=``. ``drop_remainder`` (alias ``drop_last``) drops a short last
+        batch; otherwise it is kept, with masked padding where a replica would get nothing.
+        ``transform`` runs per sample in the workers; ``options`` is ``rp.data.InputOptions``
+        (prefetch, workers, sharding policy, device copy).
         """
         return distribute_dataset(dataset, self.input_context, self.device,
                                   batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                  drop_last=drop_last)
+                                  drop_last=drop_last, drop_remainder=drop_remainder,
+                                  transform=transform, reader=reader, options=options)
 
     experimental_distribute_dataset = distribute_dataset
 
     def distribute_datasets_from_function(
-            self, input_fn: Callable[[InputContext], Iterable[Any]]) -> DistributedDataset:
-        """Call ``input_fn(ctx)`` to build this replica's own pipeline of per-replica batches."""
-        return distribute_datasets_from_function(input_fn, self.input_context, self.device)
+            self, input_fn: Callable[[InputContext], Iterable[Any]], *,
+            drop_remainder: bool | None = None,
+            options: InputOptions | None = None) -> DistributedDataset:
+        """Call ``input_fn(ctx)`` to build this replica's own pipeline of per-replica batches.
+
+        Replicas whose pipelines end at different steps stop together
+        (``drop_remainder=True``, the default) or pad with masked batches (``False``).
+        """
+        return distribute_datasets_from_function(input_fn, self.input_context, self.device,
+                                                 drop_remainder=drop_remainder, options=options)

@@ -22,7 +22,8 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
 
     ``global_batch_size=None`` sums the local batch sizes across replicas (one small
     collective, so every replica must call it). ``sample_weight`` multiplies each example's
-    loss first (a weight of 0 masks a padded example).
+    loss first, and then the batch size counts the weights: with the input pipeline's mask
+    (1 real, 0 padding) the result is exactly the mean over the real examples.
     """
     if not isinstance(per_example_loss, torch.Tensor):
         raise TypeError("compute_average_loss takes a tensor of per-example losses")
@@ -34,7 +35,10 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
     strategy = current_strategy()
     replicas = 1 if strategy is None else strategy.num_replicas_in_sync
     if global_batch_size is None:
-        local = float(loss.shape[0]) if loss.dim() else 1.0
+        if sample_weight is not None:  # padded examples (weight 0) are not in the batch
+            local = float(sample_weight.detach().to(torch.float64).sum())
+        else:
+            local = float(loss.shape[0]) if loss.dim() else 1.0
         if strategy is None or replicas == 1:
             global_batch_size = local
         else:

@@ -139,8 +139,10 @@ class Trainer:
             self._errors.hold(name, exc)
 
     # -- training --------------------------------------------------------------------------------
-    def _train_step(self, batch: Any) -> float:
+    def _train_step(self, batch: Any, mask: torch.Tensor | None = None) -> float:
         x, y, weight = _unpack(batch)
+        if weight is None and mask is not None:
+            weight = mask  # padding the input pipeline added at an uneven end
         pred = self.model(x)
         per_example = self.loss_fn(pred, y)
         n = _batch_len(x)
@@ -222,7 +224,8 @@ class Trainer:
             if batch is None:
                 break
             self._hook("on_train_batch_begin", self.step_in_epoch, {})
-            self.last_global_batch = self.strategy.run(self._train_step, args=(batch,))
+            mask = getattr(self.train_dataset, "mask", None)
+            self.last_global_batch = self.strategy.run(self._train_step, args=(batch, mask))
             self.step_in_epoch += 1
             self.global_step += 1
             logs = self._reduced_logs(self._all_metrics())

@@ -1,0 +1,238 @@
+"""Turn what the user has (Dataset, IterableDataset, DataLoader, files + reader, ``input_fn``)
+into a :class:`Pipeline`: a plan (which samples per step), a materialiser (how to load them)
+and the settings of the workers that run it."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+)
+
+from replicator.data.engines import check_picklable
+from replicator.data.errors import EmptyShardError
+from replicator.data.file_dataset import FileDataset
+from replicator.data.file_shards import FileShardPlan
+from replicator.data.global_batch import check_divisible
+from replicator.data.input_context import InputContext
+from replicator.data.materialise import Materialiser
+from replicator.data.options import AutoShardPolicy, InputOptions
+from replicator.data.plans import IndexPlan, LoaderPlan, PerReplicaPlan, Plan, StreamPlan
+from replicator.data.shuffle_buffer import derived_seed, shuffled
+
+
+@dataclass
+class Pipeline:
+    """Everything a distributed dataset needs to run one replica's input."""
+
+    plan: Plan
+    materialise: Materialiser
+    options: InputOptions
+    rank: int
+    world: int
+    policy: AutoShardPolicy | None = None     # None for input_fn pipelines
+    seed: int = 0
+    shuffle: bool = False
+    global_batch_size: int | None = None
+    drop_remainder: bool = False
+    num_workers: int = 0
+    worker_init_fn: Callable[[int], None] | None = None
+    start_method: Any = None
+
+
+def _is_standard_loader(loader: DataLoader) -> bool:
+    """A DataLoader whose batches are consecutive chunks of a (random) order of the whole
+    dataset, so they can be rebuilt sample by sample from a seeded order."""
+    sampler = loader.sampler
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        return False
+    if type(sampler) is SequentialSampler:
+        return True
+    return (type(sampler) is RandomSampler and not sampler.replacement
+            and sampler.num_samples == len(loader.dataset))  # type: ignore[arg-type]
+
+
+class _FileStream:
+    """Every file in the epoch's (seeded) order, for DATA sharding of files."""
+
+    def __init__(self, files: FileDataset, shuffle: bool, seed: int) -> None:
+        self.files, self.shuffle, self.seed = files, shuffle, seed
+
+    def __call__(self, epoch: int) -> Iterable[Any]:
+        paths = self.files.files
+        if self.shuffle:
+            paths = shuffled(paths, derived_seed(self.seed, epoch))
+        for path in paths:
+            yield from self.files.read(path)
+
+
+def _iterable_stream(dataset: IterableDataset) -> Callable[[int], Iterable[Any]]:
+    def open_stream(epoch: int) -> Iterable[Any]:
+        if callable(getattr(dataset, "set_epoch", None)):
+            dataset.set_epoch(epoch)  # type: ignore[attr-defined]
+        return iter(dataset)
+    return open_stream
+
+
+def _resolve_policy(policy: AutoShardPolicy, dataset: Any, world: int,
+                    custom_loader: bool) -> AutoShardPolicy:
+    is_files = isinstance(dataset, FileDataset)
+    if policy is AutoShardPolicy.FILE:
+        if not is_files:
+            raise TypeError(
+                f"AutoShardPolicy.FILE needs a list of files: pass distribute_dataset(paths, "
+                f"reader=read_file) or a rp.data.FileDataset, got {type(dataset).__name__}. "
+                "HINT: use AutoShardPolicy.DATA (or AUTO) for other datasets.")
+        if dataset.num_files < world:
+            raise EmptyShardError(
+                f"AutoShardPolicy.FILE needs at least one file per replica, but there are "
+                f"{dataset.num_files} files for {world} replicas, so some replicas would read "
+                "nothing. HINT: split the data into more files, or use AutoShardPolicy.DATA "
+                "(every replica reads every file and keeps its share) or AUTO.")
+    if custom_loader and policy is not AutoShardPolicy.OFF:
+        if policy is AutoShardPolicy.AUTO:
+            return AutoShardPolicy.OFF
+        raise ValueError(
+            f"AutoShardPolicy.{policy.name} rebuilds batches sample by sample, which this "
+            "DataLoader does not allow (a custom sampler or batch sampler, or batch_size=None). "
+            "HINT: use AutoShardPolicy.OFF (every replica runs the loader and keeps its rows), "
+            "or build the DataLoader with batch_size=GLOBAL_BATCH and shuffle=True/False.")
+    if policy is AutoShardPolicy.AUTO:
+        if is_files and dataset.num_files >= world:
+            return AutoShardPolicy.FILE
+        if is_files and world > 1:
+            warnings.warn(f"{dataset.num_files} files for {world} replicas: sharding by DATA "
+                          "(every replica reads every file) instead of by FILE", stacklevel=4)
+        return AutoShardPolicy.DATA
+    return policy
+
+
+def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffle: bool | None,
+                 seed: int, drop_remainder: bool | None, transform: Callable[[Any], Any] | None,
+                 reader: Callable[[str], Iterable[Any]] | None,
+                 options: InputOptions | None) -> Pipeline:
+    """The pipeline of ``distribute_dataset``: global batches split across replicas."""
+    options = options or InputOptions()
+    if not isinstance(options, InputOptions):
+        raise TypeError(f"options must be rp.data.InputOptions, got {type(options).__name__}")
+    if transform is not None and not callable(transform):
+        raise TypeError(f"transform must be a function sample -> sample, got "
+                        f"{type(transform).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        try:
+            seed = int(seed)  # numpy integers
+        except (TypeError, ValueError):
+            raise TypeError(f"seed must be an integer, got {type(seed).__name__}") from None
+    rank, world = ctx.input_pipeline_id, ctx.num_replicas_in_sync
+    if reader is not None:
+        if isinstance(data, (Dataset, DataLoader)):
+            raise TypeError("reader= goes with a list of file paths, not with a Dataset or "
+                            "DataLoader")
+        data = FileDataset(data, reader)
+    loader: DataLoader | None = None
+    collate: Callable[[list[Any]], Any] | None = None
+    num_workers, worker_init_fn, start_method = 0, None, options.worker_start_method
+    if isinstance(data, DataLoader):
+        loader, dataset = data, data.dataset
+        if isinstance(data.sampler, DistributedSampler):
+            raise ValueError(
+                "this DataLoader already shards its data with a DistributedSampler, but "
+                "distribute_dataset takes *global* batches and shards them itself. HINT: build "
+                "the DataLoader with batch_size=GLOBAL_BATCH and shuffle=True (no sampler), or "
+                "keep your per-replica loader and use distribute_datasets_from_function.")
+        if batch_size is None:
+            batch_size = data.batch_size
+        if drop_remainder is None:
+            drop_remainder = data.drop_last
+        if shuffle is None:
+            shuffle = isinstance(data.sampler, RandomSampler)
+        if data.collate_fn is not default_collate:
+            collate = data.collate_fn
+        num_workers, worker_init_fn = data.num_workers, data.worker_init_fn
+        start_method = start_method or data.multiprocessing_context
+    elif isinstance(data, Dataset):
+        dataset = data
+    else:
+        hint = (" HINT: for a list of files pass reader=read_file;" if isinstance(
+            data, (list, tuple)) and data and isinstance(data[0], (str, os.PathLike)) else "")
+        raise TypeError(f"distribute_dataset takes a DataLoader or a Dataset (or a list of files "
+                        f"with reader=), got {type(data).__name__}.{hint} HINT: for per-replica "
+                        "input pipelines use distribute_datasets_from_function(input_fn).")
+    if options.num_workers is not None:
+        num_workers = options.num_workers
+    iterable = isinstance(dataset, IterableDataset)
+    custom = loader is not None and (loader.batch_size is None if iterable
+                                     else not _is_standard_loader(loader))
+    policy = _resolve_policy(options.shard_policy, dataset, world, custom)
+    if batch_size is None and not (custom and policy is AutoShardPolicy.OFF):
+        raise ValueError("distribute_dataset(dataset) needs batch_size=GLOBAL_BATCH, or a "
+                         "DataLoader built with the global batch size")
+    if batch_size is not None:
+        check_divisible(batch_size, world)
+    shuffle, drop_remainder = bool(shuffle), bool(drop_remainder)
+    settings = dict(shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+                    pad_last_batch=options.pad_last_batch)
+    materialise = Materialiser(transform=transform, collate=collate)
+    plan: Plan
+    if custom or (iterable and policy is AutoShardPolicy.OFF and loader is not None):
+        if transform is not None:
+            raise ValueError("transform= needs sample-by-sample reading, which this DataLoader "
+                             "does not allow; apply the transform in the dataset instead")
+        plan = LoaderPlan(loader, batch_size, rank, world, drop_remainder=drop_remainder,
+                          pad_last_batch=options.pad_last_batch)
+        materialise = Materialiser(collated=True)
+        num_workers = 0  # the loader runs its own workers
+    elif policy is AutoShardPolicy.FILE:
+        plan = FileShardPlan(dataset, batch_size, rank, world,  # type: ignore[arg-type]
+                             shuffle_buffer=options.shuffle_buffer, **settings)
+    elif iterable:
+        opener = (_FileStream(dataset, shuffle, seed) if isinstance(dataset, FileDataset)
+                  else _iterable_stream(dataset))
+        plan = StreamPlan(opener, batch_size, rank, world,  # type: ignore[arg-type]
+                          shuffle_buffer=options.shuffle_buffer,
+                          load_all=policy is AutoShardPolicy.OFF, **settings)
+    else:
+        num_samples = len(dataset)  # type: ignore[arg-type]
+        if num_samples < world:
+            raise EmptyShardError(
+                f"the dataset has {num_samples} samples for {world} replicas, so some replica "
+                "would never get one. HINT: use fewer replicas or more data.")
+        materialise.dataset = dataset
+        plan = IndexPlan(num_samples, batch_size, rank, world,  # type: ignore[arg-type]
+                         load_all=policy is AutoShardPolicy.OFF, **settings)
+    if num_workers and options.worker_type == "process" and plan.element_level:
+        method = start_method if isinstance(start_method, str) or start_method is None \
+            else start_method.get_start_method()
+        check_picklable(transform, "transform", method)
+        check_picklable(collate, "collate_fn", method)
+    return Pipeline(plan, materialise, options, rank, world, policy, seed, shuffle, batch_size,
+                    drop_remainder, num_workers, worker_init_fn, start_method)
+
+
+def build_per_replica(input_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext, *,
+                      drop_remainder: bool | None, options: InputOptions | None) -> Pipeline:
+    """The pipeline of ``distribute_datasets_from_function``: the user's per-replica batches."""
+    options = options or InputOptions()
+    if not isinstance(options, InputOptions):
+        raise TypeError(f"options must be rp.data.InputOptions, got {type(options).__name__}")
+    if not callable(input_fn):
+        raise TypeError("distribute_datasets_from_function needs a function input_fn(ctx)")
+    loader = input_fn(ctx)
+    if not isinstance(loader, Iterable):
+        raise TypeError(f"input_fn returned {type(loader).__name__}, which is not iterable; "
+                        "return a DataLoader or another iterable of per-replica batches")
+    drop = True if drop_remainder is None else bool(drop_remainder)
+    return Pipeline(PerReplicaPlan(loader), Materialiser(collated=True), options,
+                    ctx.input_pipeline_id, ctx.num_replicas_in_sync, drop_remainder=drop)
