@@ -11,7 +11,21 @@ runs::
 
 from replicator import data, metrics, testing
 from replicator.cluster import launch
-from replicator.comm import CommunicationOptions, CrossDeviceOps, NativeAllReduce, ReduceOp
+from replicator.comm import (
+    CastCompression,
+    CommunicationOptions,
+    Compression,
+    CrossDeviceOps,
+    HierarchicalAllReduce,
+    NativeAllReduce,
+    PowerSGD,
+    ReduceOp,
+    ReductionToOneDevice,
+    RingAllReduce,
+    SharedMemoryAllReduce,
+    ddp_comm_hook,
+    register_ddp_comm_hook,
+)
 from replicator.data import InputContext
 from replicator.errors import (
     ClusterConfigError,
@@ -21,6 +35,7 @@ from replicator.errors import (
     WorkerFailedError,
 )
 from replicator.strategies import (
+    CentralStorageStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
@@ -58,4 +73,7 @@ __all__ = [
     "WorkerFailedError", "__version__", "metrics", "Trainer", "Replicator", "Callback",
     "History", "EarlyStopping", "ModelCheckpoint", "LearningRateScheduler", "CSVLogger",
     "TensorBoard", "TerminateOnNaN", "ProgressBar", "CallbackFailedError",
+    "CentralStorageStrategy", "RingAllReduce", "HierarchicalAllReduce", "ReductionToOneDevice",
+    "SharedMemoryAllReduce", "Compression", "CastCompression", "PowerSGD", "ddp_comm_hook",
+    "register_ddp_comm_hook",
 ]

@@ -91,3 +91,21 @@ def test_replicator_facade_runs_input_fn_and_step_fn():
     a, b = run_distributed(replicator_facade, 2, args=(0,))
     # shards: rank 0 has 0,2,4,...; rank 1 has 1,3,5,...; batch 2 each; mean over replicas
     assert a == b == [3.0, 11.0, 19.0, 3.0, 11.0]
+
+
+def short_fit(strategy_name: str) -> dict:
+    strategy = rp.get_strategy(strategy_name)
+    train, _ = digits(330)  # 330 = 10 full global batches of 32 + a short one of 10
+    trainer = make_trainer(strategy)
+    history = trainer.fit(loader(train), epochs=2, verbose=0)
+    return {"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "history": history.history}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy_name", ["multi_worker_mirrored", "central_storage"])
+def test_trainer_runs_unchanged_under_other_strategies(strategy_name):
+    ref = run_distributed(short_fit, 1, args=("one_device",))[0]
+    out = run_distributed(short_fit, 2, args=(strategy_name,))[0]
+    assert_params_close(ref["state"], out["state"], atol=1e-5)
+    assert out["history"]["loss"] == pytest.approx(ref["history"]["loss"], abs=1e-5)

@@ -1,10 +1,22 @@
-"""The comm room: reduce ops, collectives, all-reduce algorithms and gradient averaging."""
+"""The comm room: collectives, all-reduce algorithms, compression and gradient averaging."""
 
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
+from replicator.comm.bucket_layout import BucketLayout
 from replicator.comm.collectives import Collectives
+from replicator.comm.compression import CastCompression, Compression
+from replicator.comm.ddp_hooks import ddp_comm_hook, register_ddp_comm_hook
 from replicator.comm.gradient_sync import GradientSynchronizer
+from replicator.comm.hierarchical import HierarchicalAllReduce
 from replicator.comm.options import CommunicationOptions
+from replicator.comm.powersgd import PowerSGD
 from replicator.comm.reduce_op import ReduceOp
+from replicator.comm.reduce_to_one import ReductionToOneDevice
+from replicator.comm.ring import RingAllReduce
+from replicator.comm.selection import algorithm_for
+from replicator.comm.shared_memory import SharedMemoryAllReduce
 
-__all__ = ["CrossDeviceOps", "NativeAllReduce", "Collectives", "GradientSynchronizer",
-           "CommunicationOptions", "ReduceOp"]
+__all__ = ["CrossDeviceOps", "NativeAllReduce", "RingAllReduce", "HierarchicalAllReduce",
+           "ReductionToOneDevice", "SharedMemoryAllReduce", "Compression", "CastCompression",
+           "PowerSGD", "BucketLayout", "ddp_comm_hook", "register_ddp_comm_hook",
+           "algorithm_for", "Collectives", "GradientSynchronizer", "CommunicationOptions",
+           "ReduceOp"]

@@ -1,55 +1,192 @@
 """Cross-device all-reduce algorithms: the one argument that picks how replicas communicate.
 
-An algorithm sums a flat tensor across the replicas of a process group, in place, and may
-return a handle to wait on so that communication overlaps the rest of ``backward()``.
-``NativeAllReduce`` is the backend's own (NCCL on GPU, gloo on CPU) and the default.
+An algorithm sums a flat tensor across the replicas of a process group, in place, and returns a
+handle to wait on so that communication overlaps the rest of ``backward()``.
+``NativeAllReduce`` is the backend's own (NCCL on GPU, gloo on CPU) and the default; the others
+live in ``ring.py``, ``hierarchical.py``, ``reduce_to_one.py`` and ``shared_memory.py``.
+
+Every algorithm takes ``compression=`` (see :class:`~replicator.comm.compression.Compression`):
+the gradients are compressed before they travel and restored after, whatever the transport.
+
+Writing an algorithm: subclass :class:`CrossDeviceOps` and implement ``_sum_now`` (sum in place
+over the given group, on the calling thread). By default it then runs on the communication lane,
+a background thread with its own process group (see ``comm_thread.py``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from replicator.comm.bucket_layout import BucketLayout
+from replicator.comm.comm_thread import lane
+from replicator.comm.groups import global_rank, group_size, is_world
+from replicator.comm.handles import DONE, Done, Handle
+from replicator.comm.op_errors import algorithm_error
 
-class Handle(Protocol):
-    def wait(self) -> object: ...
+if TYPE_CHECKING:
+    from replicator.comm.compression import Compression
+
+__all__ = ["CrossDeviceOps", "NativeAllReduce", "Handle", "BucketLayout"]
+
+_Done = Done  # the name earlier code used
+
+BufferSpec = tuple[int, torch.dtype, torch.device]
 
 
-class _Done:
-    """A handle for work that already finished."""
-
-    def wait(self) -> bool:
-        return True
+def _describe(tensor: torch.Tensor) -> str:
+    nbytes = tensor.numel() * tensor.element_size()
+    size = f"{nbytes / 1e6:.1f} MB" if nbytes >= 100_000 else f"{nbytes} bytes"
+    return f"{size} {str(tensor.dtype).replace('torch.', '')}"
 
 
 class CrossDeviceOps(ABC):
-    """Base class of the all-reduce algorithms (tf.distribute's ``CrossDeviceOps``)."""
+    """Base class of the all-reduce algorithms (tf.distribute's ``CrossDeviceOps``).
+
+    ``compression``: compress what travels (``Compression.fp16()``, ``.bf16()``,
+    ``.powersgd(rank)``); ``None`` sends the tensor as it is. ``timeout_seconds``: how long a
+    wait may last (``None``: the process group's timeout).
+    """
 
     name: str = "base"
 
-    @abstractmethod
-    def all_reduce_sum_async(self, tensor: torch.Tensor,
-                             group: dist.ProcessGroup | None = None) -> Handle:
-        """Start summing ``tensor`` in place across the group; return a handle to wait on."""
+    def __init__(self, *, compression: Compression | None = None,
+                 timeout_seconds: float | None = None) -> None:
+        from replicator.comm.compression import Compression
 
-    def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
-        self.all_reduce_sum_async(tensor, group).wait()
+        if compression is not None and not isinstance(compression, Compression):
+            raise TypeError(f"compression must be a Compression such as "
+                            f"rp.Compression.fp16(), got {type(compression).__name__}")
+        if timeout_seconds is not None and timeout_seconds <= 0:
+            raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+        self.compression = compression
+        self.timeout_seconds = timeout_seconds
+
+    # -- public API ---------------------------------------------------------------------------
+    def all_reduce_sum_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                             *, layout: BucketLayout | None = None) -> Handle:
+        """Start summing ``tensor`` in place across ``group``; return a handle to wait on.
+
+        ``layout`` describes the gradients packed in ``tensor`` (PowerSGD needs their shapes,
+        error feedback needs the bucket's identity).
+        """
+        self._check(tensor, "all_reduce_sum_async")
+        world = group_size(group)
+        if world == 1 or tensor.numel() == 0:
+            return DONE
+        what = f"{self.name} all-reduce of {_describe(tensor)}"
+        if self.compression is not None:
+            compression = self.compression
+
+            def compressed(g: dist.ProcessGroup | None) -> None:
+                compression.all_reduce_sum(tensor, layout, lambda t: self._sum_now(t, g), world)
+
+            return self._on_lane(group, what, tensor, compressed)
+        return self._start(tensor, group, what)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
+                       *, layout: BucketLayout | None = None) -> None:
+        """Sum ``tensor`` in place across ``group`` and wait for the result."""
+        self.all_reduce_sum_async(tensor, group, layout=layout).wait()
+
+    def reduce_sum_async(self, tensor: torch.Tensor, dst: int = 0,
+                         group: dist.ProcessGroup | None = None, *,
+                         layout: BucketLayout | None = None) -> Handle:
+        """Start summing ``tensor`` onto global rank ``dst`` only (central storage's reduce).
+
+        Only ``dst``'s tensor is defined afterwards. With compression this is a compressed
+        all-reduce (compression is built on all-reduce).
+        """
+        self._check(tensor, "reduce_sum_async")
+        if group_size(group) == 1 or tensor.numel() == 0:
+            return DONE
+        if self.compression is not None:
+            return self.all_reduce_sum_async(tensor, group, layout=layout)
+        what = f"{self.name} reduce to rank {dst} of {_describe(tensor)}"
+        return self._start_reduce(tensor, dst, group, what)
+
+    def make_buffers(self, specs: Sequence[BufferSpec],
+                     group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+        """Allocate flat buffers ``(numel, dtype, device)`` that will be passed to this algorithm.
+
+        Called once, in the same order on every rank; an algorithm may place them where it
+        communicates fastest (shared memory for :class:`SharedMemoryAllReduce`).
+        """
+        return [torch.empty(n, dtype=d, device=dev) for n, d, dev in specs]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        extra = f"compression={self.compression!r}" if self.compression is not None else ""
+        return f"{type(self).__name__}({extra})"
+
+    # -- hooks for subclasses -------------------------------------------------------------------
+    @abstractmethod
+    def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """Sum ``tensor`` in place over exactly ``group``, on the calling thread."""
+
+    def _reduce_now(self, tensor: torch.Tensor, dst: int,
+                    group: dist.ProcessGroup | None) -> None:
+        """Sum onto global rank ``dst`` (default: a full all-reduce, also correct on ``dst``)."""
+        self._sum_now(tensor, group)
+
+    def _prepare(self, group: dist.ProcessGroup | None) -> None:  # noqa: B027 - optional hook
+        """Collective set-up for ``group``, run on the caller's thread before the work starts."""
+
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
+               what: str) -> Handle:
+        return self._on_lane(group, what, tensor, lambda g: self._sum_now(tensor, g))
+
+    def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
+                      what: str) -> Handle:
+        return self._on_lane(group, what, tensor, lambda g: self._reduce_now(tensor, dst, g))
+
+    def _on_lane(self, group: dist.ProcessGroup | None, what: str, tensor: torch.Tensor,
+                 work: Callable[[dist.ProcessGroup | None], None]) -> Handle:
+        """Run ``work(group')`` on the communication lane; on an explicit sub-group, run it now
+        on this thread over that group (the lane mirrors only the whole world)."""
+        if not is_world(group):
+            self._prepare(group)
+            try:
+                work(group)
+            except Exception as exc:
+                raise algorithm_error(exc, global_rank(), what) from exc
+            return DONE
+        ln = lane()
+        self._prepare(ln.group)
+        return ln.submit(lambda: work(ln.group), what, tensor, self.timeout_seconds)
+
+    @staticmethod
+    def _check(tensor: torch.Tensor, call: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{call} takes a tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{call} takes a dense tensor, got layout {tensor.layout}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{call} needs a contiguous tensor (it works on the memory in "
+                             "place). HINT: pass tensor.contiguous() and copy the result back")
 
 
 class NativeAllReduce(CrossDeviceOps):
-    """The backend's own all-reduce: NCCL on GPUs, gloo on CPUs."""
+    """The backend's own all-reduce: NCCL on GPUs, gloo on CPUs. Asynchronous in the backend."""
 
     name = "native"
 
-    def all_reduce_sum_async(self, tensor: torch.Tensor,
-                             group: dist.ProcessGroup | None = None) -> Handle:
-        if tensor.numel() == 0:
-            return _Done()
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
+               what: str) -> Handle:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return work if work is not None else _Done()
+        return work if work is not None else DONE
+
+    def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
+                      what: str) -> Handle:
+        work = dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return work if work is not None else DONE
+
+    def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+    def _reduce_now(self, tensor: torch.Tensor, dst: int,
+                    group: dist.ProcessGroup | None) -> None:
+        dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)

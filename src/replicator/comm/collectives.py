@@ -14,13 +14,11 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from replicator.comm.op_errors import LOST_PEER_WORDS as _LOST_PEER_WORDS
+from replicator.comm.op_errors import TIMEOUT_WORDS as _TIMEOUT_WORDS
 from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import ReplicaTimeoutError, ReplicatorError
-
-_TIMEOUT_WORDS = ("timed out", "timeout", "deadline")
-_LOST_PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "connection refused",
-                    "socket closed", "end of file")
 
 
 class Collectives:

@@ -11,6 +11,11 @@ over replicas, as with DDP.
 A parameter that got no gradient in this pass contributes its current ``.grad`` (zeros when
 ``None``); it receives the average if any rank produced a non-zero gradient for it and keeps
 ``grad=None`` otherwise.
+
+Bucket buffers are made by the algorithm (``make_buffers``), so an algorithm can keep them
+where it communicates fastest (shared memory). With ``destination=r`` the buckets are only
+reduced onto rank ``r`` (central storage): rank ``r`` gets the averages, the other ranks keep
+their local gradients.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replicator.comm.algorithms import CrossDeviceOps, Handle, NativeAllReduce
+from replicator.comm.bucket_layout import BucketLayout
 from replicator.comm.collectives import Collectives
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -43,6 +49,10 @@ class _Bucket:
     @property
     def nbytes(self) -> int:
         return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def layout(self) -> BucketLayout:
+        return BucketLayout(self.index, tuple(p.shape for p in self.params), tuple(self.offsets))
 
 
 def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
@@ -85,11 +95,22 @@ class GradientSynchronizer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], collectives: Collectives,
                  algorithm: CrossDeviceOps | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 destination: int | None = None) -> None:
+        if destination is not None and not 0 <= destination < collectives.world_size:
+            raise ValueError(f"destination must be a rank in 0..{collectives.world_size - 1}, "
+                             f"got {destination}")
         self.collectives = collectives
         self.algorithm = algorithm or NativeAllReduce()
+        self.destination = destination
         self.params = [p for p in params if p.requires_grad]
         self.buckets = make_buckets(self.params, bucket_bytes)
+        if collectives.world_size > 1 and self.buckets:
+            with collectives.guard("allocation of gradient buckets"):
+                buffers = self.algorithm.make_buffers(
+                    [(b.numel, b.dtype, b.device) for b in self.buckets], collectives.group)
+            for b, buf in zip(self.buckets, buffers):
+                b.buffer = buf
         self._where: dict[int, tuple[_Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -134,7 +155,13 @@ class GradientSynchronizer:
         what = (f"all_reduce of gradient bucket {bucket.index + 1} of {len(self.buckets)} "
                 f"({bucket.nbytes / 1e6:.1f} MB)")
         with self.collectives.guard(what):
-            bucket.handle = self.algorithm.all_reduce_sum_async(bucket.buffer)
+            if self.destination is None:
+                bucket.handle = self.algorithm.all_reduce_sum_async(
+                    bucket.buffer, self.collectives.group, layout=bucket.layout)
+            else:
+                bucket.handle = self.algorithm.reduce_sum_async(
+                    bucket.buffer, self.destination, self.collectives.group,
+                    layout=bucket.layout)
         bucket.launched = True
         self._next_launch += 1
 
@@ -151,12 +178,14 @@ class GradientSynchronizer:
                             piece.copy_(p.grad.reshape(-1))
                 self._launch(bucket)
             scale = 1.0 / self.collectives.world_size
+            receives = self.destination is None or self.collectives.rank == self.destination
             for bucket in self.buckets:
                 what = (f"all_reduce of gradient bucket {bucket.index + 1} of "
                         f"{len(self.buckets)} ({bucket.nbytes / 1e6:.1f} MB)")
                 with self.collectives.guard(what):
                     bucket.handle.wait()
-                self._write_back(bucket, scale)
+                if receives:
+                    self._write_back(bucket, scale)
         finally:
             for bucket in self.buckets:
                 bucket.ready.clear()

@@ -1,6 +1,7 @@
 """The strategies room: one API, many ways to run a step."""
 
 from replicator.strategies.base import Strategy
+from replicator.strategies.central_storage import CentralStorageStrategy
 from replicator.strategies.losses import compute_average_loss
 from replicator.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from replicator.strategies.one_device import OneDeviceStrategy
@@ -10,7 +11,8 @@ from replicator.strategies.replica_context import ReplicaContext, get_replica_co
 register_strategy(OneDeviceStrategy, "onedevice", "single", "default")
 register_strategy(MirroredStrategy)
 register_strategy(MultiWorkerMirroredStrategy, "multi_worker", "multiworker_mirrored")
+register_strategy(CentralStorageStrategy, "central")
 
 __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
-           "ReplicaContext", "get_replica_context", "compute_average_loss", "get_strategy",
-           "register_strategy", "available_strategies"]
+           "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
+           "compute_average_loss", "get_strategy", "register_strategy", "available_strategies"]

@@ -19,12 +19,13 @@ import torch.distributed as dist
 from replicator.cluster.devices import default_device_for, parse_devices
 from replicator.cluster.environment import resolve_cluster
 from replicator.cluster.process_group import initialize, open_store_client
-from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
+from replicator.comm.algorithms import CrossDeviceOps
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from replicator.comm.options import CommunicationOptions
 from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
+from replicator.comm.selection import algorithm_for
 from replicator.errors import ClusterConfigError, ReplicaMismatchError
 from replicator.strategies.base import Strategy
 
@@ -76,7 +77,12 @@ class MirroredStrategy(Strategy):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as "
                             f"rp.NativeAllReduce(), got {type(cross_device_ops).__name__}")
         self._options = communication_options or CommunicationOptions()
-        self._algorithm = cross_device_ops or NativeAllReduce()
+        if cross_device_ops is not None and self._options.implementation != "auto":
+            raise ValueError(
+                f"both cross_device_ops={cross_device_ops!r} and CommunicationOptions("
+                f"implementation={self._options.implementation!r}) choose the all-reduce "
+                "algorithm. HINT: give only one of them.")
+        self._algorithm = cross_device_ops or algorithm_for(self._options, self._device)
         info = initialize(timeout_seconds=self._options.timeout_seconds, device=self._device)
         self._rank = dist.get_rank()
         self._world = dist.get_world_size()

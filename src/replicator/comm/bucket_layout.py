@@ -1,0 +1,43 @@
+"""Where each gradient sits inside a flat bucket, so compression can see the matrix shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Bucket ``index`` holds tensors of ``shapes`` at element ``offsets`` of a flat buffer.
+
+    The index identifies the bucket across steps (error-feedback state is kept per bucket).
+    """
+
+    index: int
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def from_shapes(cls, index: int, shapes: Sequence[Sequence[int]]) -> BucketLayout:
+        """Tensors of ``shapes`` packed back to back, in order."""
+        offsets, n = [], 0
+        sizes = [torch.Size(s) for s in shapes]
+        for s in sizes:
+            offsets.append(n)
+            n += s.numel()
+        return cls(index, tuple(sizes), tuple(offsets))
+
+    @property
+    def numel(self) -> int:
+        if not self.shapes:
+            return 0
+        return self.offsets[-1] + self.shapes[-1].numel()
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors of this layout as views into ``flat``."""
+        if flat.numel() < self.numel:
+            raise ValueError(f"bucket {self.index} needs {self.numel} elements, the buffer has "
+                             f"{flat.numel()}")
+        return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]

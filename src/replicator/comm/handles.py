@@ -1,0 +1,98 @@
+"""Handles for communication in flight: wait on them, or turn them into torch futures.
+
+An algorithm's ``all_reduce_sum_async`` returns one of three things: the backend's own work
+object (``torch.distributed.Work``), :data:`DONE` for work that already finished on the calling
+thread, or a :class:`ThreadHandle` for work running on a background communication thread.
+:func:`as_torch_future` turns any of them into the future a DDP communication hook returns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from replicator.errors import ReplicaTimeoutError
+
+
+class Handle(Protocol):
+    """Anything with ``wait()``: returns once the tensor holds the result, raises on failure."""
+
+    def wait(self) -> object: ...
+
+
+class Done:
+    """A handle for work that already finished."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = Done()
+
+
+class ThreadHandle:
+    """Work submitted to a background communication thread.
+
+    ``wait()`` waits at most ``timeout_seconds`` (the collective timeout plus a margin, since the
+    collectives inside time out on their own first) and re-raises the thread's error here.
+    On CUDA the caller's stream is made to wait for the stream the thread worked on.
+    """
+
+    def __init__(self, future: concurrent.futures.Future, what: str, rank: int,
+                 timeout_seconds: float, done_event: object | None = None) -> None:
+        self._future = future
+        self.what = what
+        self.rank = rank
+        self.timeout_seconds = timeout_seconds
+        self.done_event = done_event
+
+    def wait(self) -> bool:
+        finished, _ = concurrent.futures.wait([self._future], timeout=self.timeout_seconds)
+        if not finished:
+            raise ReplicaTimeoutError(
+                f"{self.what} on rank {self.rank} did not finish within "
+                f"{self.timeout_seconds:g} s. HINT: another replica may be stuck or on another "
+                "code path; every rank must make the same collective calls in the same order.")
+        self._future.result()  # re-raises the communication thread's error here
+        if self.done_event is not None:
+            torch.cuda.current_stream().wait_event(self.done_event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(error_or_None)`` once the work ends (on the thread that ends it)."""
+        self._future.add_done_callback(lambda f: fn(f.exception()))
+
+
+def as_torch_future(handle: Handle, value: torch.Tensor,
+                    then: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> torch.futures.Future:
+    """A ``torch.futures.Future`` completed with ``then(value)`` when ``handle`` is done."""
+    finish = then or (lambda t: t)
+    if isinstance(handle, torch.distributed.Work):
+        return handle.get_future().then(lambda _: finish(value))
+    devices = [value.device] if value.device.type == "cuda" else None
+    fut: torch.futures.Future = torch.futures.Future(devices=devices)
+    if isinstance(handle, ThreadHandle):
+        def complete(error: BaseException | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+                return
+            try:
+                fut.set_result(finish(value))
+            except BaseException as exc:  # noqa: BLE001 - handed to the future's waiter
+                fut.set_exception(exc)
+
+        handle.add_done_callback(complete)
+        return fut
+    handle.wait()
+    fut.set_result(finish(value))
+    return fut

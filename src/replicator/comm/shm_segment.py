@@ -1,0 +1,273 @@
+"""Shared-memory segments mapped by every rank of a group, and a barrier that lives in one.
+
+A segment is created by the group's first rank under ``/dev/shm`` with a random name, mapped
+by every rank, and unlinked as soon as all have mapped it (or any failed): from then on it
+exists only as long as some process maps it, so nothing is left behind when processes end,
+however they end.
+
+:class:`FlagBarrier` synchronises without system calls: each rank writes its own counters (one
+cache line each) and spins until every rank's counter has caught up. It relies on stores becoming
+visible in program order (x86); on other CPUs :func:`flag_barrier_is_safe` is false and the
+group's own barrier is used instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import platform
+import secrets
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from replicator.comm.groups import group_rank, group_ranks, group_size
+from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "replicator-shm-"
+ALIGN = 64
+_PAYLOAD = 256
+_LINE = 8  # int64 per cache line: one flag line per rank
+#: Waiting for other ranks: flag checks while spinning, seconds of yielding, sleep bounds.
+SPIN_CHECKS = 40
+YIELD_SECONDS = 200e-6
+MIN_PAUSE_SECONDS = 20e-6
+MAX_PAUSE_SECONDS = 1e-3
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def flag_barrier_is_safe() -> bool:
+    """True on CPUs whose stores become visible in program order (x86, total store order)."""
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def host_id() -> int:
+    """A 63-bit number identifying this host and boot (equal for processes on one machine)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    digest = hashlib.sha256(f"{socket.gethostname()}|{boot}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def check_same_host(group: dist.ProcessGroup | None, who: str) -> None:
+    """Raise on every rank unless all ranks of ``group`` run on this host."""
+    mine = torch.tensor([host_id()], dtype=torch.int64)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    if int(low) != int(high):
+        raise ClusterConfigError(
+            f"{who} needs every replica on one host, but the replicas of this group run on "
+            "several hosts. HINT: use rp.HierarchicalAllReduce() or rp.NativeAllReduce() "
+            "across machines.")
+
+
+class SharedSegment:
+    """A mapping of one shared-memory segment; :meth:`create` is a collective over a group."""
+
+    def __init__(self, mm: mmap.mmap, nbytes: int, name: str) -> None:
+        self.mm = mm
+        self.nbytes = nbytes
+        self.name = name
+        self.base = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+
+    @classmethod
+    def create(cls, nbytes: int, group: dist.ProcessGroup | None, who: str) -> SharedSegment:
+        """Create (first rank), map (every rank) and unlink a segment of ``nbytes``."""
+        nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
+        first = group_rank(group) == 0
+        payload = torch.zeros(_PAYLOAD, dtype=torch.uint8)
+        path: str | None = None
+        mm: mmap.mmap | None = None
+        try:
+            if first:
+                name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+                try:
+                    path = os.path.join(SHM_DIR, name)
+                    mm = _map(path, nbytes, create=True)
+                    message, ok = name, 1
+                except Exception as exc:  # noqa: BLE001 - every rank must hear about it
+                    message, ok = f"{type(exc).__name__}: {exc}", 0
+                raw = message.encode()[:_PAYLOAD - 2]
+                payload[0], payload[1] = ok, len(raw)
+                payload[2:2 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            dist.broadcast(payload, group_src=0, group=group)
+            ok, length = int(payload[0]), int(payload[1])
+            message = bytes(payload[2:2 + length].tolist()).decode(errors="replace")
+            if not ok:
+                raise ReplicatorError(
+                    f"{who}: rank {group_ranks(group)[0]} could not create a {nbytes / 1e6:.1f} "
+                    f"MB shared-memory segment in {SHM_DIR} ({message}). HINT: {SHM_DIR} may "
+                    "be full or small (docker: --shm-size); or use rp.NativeAllReduce().")
+            error = ""
+            if not first:
+                try:
+                    mm = _map(os.path.join(SHM_DIR, message), nbytes, create=False)
+                except Exception as exc:  # noqa: BLE001 - every rank must hear about it
+                    error = f"{type(exc).__name__}: {exc}"
+            status = torch.tensor([0 if error else 1], dtype=torch.int64)
+            dist.all_reduce(status, op=dist.ReduceOp.MIN, group=group)
+            if error or int(status) == 0:
+                raise ReplicatorError(
+                    f"{who}: a rank could not map the shared-memory segment {message!r}"
+                    f"{' (' + error + ')' if error else ''}. HINT: every replica of the group "
+                    "must run on this host with access to /dev/shm.")
+        finally:
+            if path is not None:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        if mm is None:  # cannot happen: every path without a mapping raised above
+            raise ReplicatorError(f"{who}: the shared-memory segment was not mapped")
+        return cls(mm, nbytes, message)
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` at byte ``offset`` (a multiple of the element size)."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return self.base[offset:offset + numel * size].view(dtype)
+
+
+def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.posix_fallocate(fd, 0, nbytes)  # fails now (ENOSPC) instead of SIGBUS later
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+class FlagBarrier:
+    """Counters in shared memory that every rank of a group advances in turn (see module doc).
+
+    Each rank owns one cache line holding its counters; ``arrive(c)`` bumps this rank's
+    counter ``c`` and ``wait_for(n, c)`` waits until every rank's counter ``c`` reached ``n``.
+    Separate counters let one rank announce a new input before it has summed an older one.
+    """
+
+    #: The counters: inputs announced, and sums finished.
+    INPUTS, SUMS = 2, 0
+    #: Seconds between checks that the ranks we wait for still exist.
+    LIVENESS_EVERY = 0.5
+
+    def __init__(self, segment: SharedSegment, offset: int, group: dist.ProcessGroup | None,
+                 timeout_seconds: float, who: str) -> None:
+        self.world = group_size(group)
+        self.rank = group_rank(group)
+        self.ranks = group_ranks(group)
+        self.group = group
+        self.timeout_seconds = timeout_seconds
+        self.who = who
+        self._lines = np.frombuffer(segment.mm, dtype=np.int64, count=self.world * _LINE,
+                                    offset=offset)
+        self._counts = {c: int(self._lines[self.rank * _LINE + c])
+                        for c in (self.INPUTS, self.SUMS)}
+        self._views = {c: self._lines[c::_LINE] for c in (self.INPUTS, self.SUMS)}
+        self._pids = self._lines[1::_LINE]
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            (os.cpu_count() or 1)
+        self._spin = flag_barrier_is_safe() and cores >= self.world
+        self._use_flags = flag_barrier_is_safe()
+        self._pids[self.rank] = os.getpid()
+
+    @staticmethod
+    def nbytes(world: int) -> int:
+        return world * _LINE * 8
+
+    def arrive(self, counter: int = SUMS) -> int:
+        """Bump this rank's ``counter``; return its new value."""
+        self._counts[counter] += 1
+        if self._use_flags:
+            self._views[counter][self.rank] = self._counts[counter]
+        return self._counts[counter]
+
+    def ready(self, value: int, counter: int = SUMS) -> bool:
+        """True when every rank's ``counter`` reached ``value`` (never blocks; without flags it
+        cannot know, and says no: :meth:`wait_for` then does a real barrier)."""
+        return self._use_flags and bool(self._views[counter].min() >= value)
+
+    def wait(self, what: str) -> None:
+        """Return once every rank called ``wait`` as often as this one."""
+        self.wait_for(self.arrive(), what)
+
+    def wait_for(self, value: int, what: str, counter: int = SUMS) -> None:
+        """Block until every rank's ``counter`` reached ``value``."""
+        if not self._use_flags:
+            dist.barrier(group=self.group)
+            return
+        flags = self._views[counter]
+        if flags.min() >= value:
+            return
+        # Spin a few microseconds (peers in step arrive that fast), then yield the core for a
+        # while, then sleep with a growing pause: a waiting rank must not take the CPU that
+        # the rank it waits for needs (the host may run more processes than it has cores).
+        for _ in range(SPIN_CHECKS if self._spin else 0):
+            if flags.min() >= value:
+                return
+        start = time.monotonic()
+        next_check = start + self.LIVENESS_EVERY
+        pause = MIN_PAUSE_SECONDS
+        while flags.min() < value:
+            now = time.monotonic()
+            if now - start < YIELD_SECONDS:
+                _yield()
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, MAX_PAUSE_SECONDS)
+            if now >= next_check:
+                next_check = now + self.LIVENESS_EVERY
+                self._check_alive(flags, value, what)
+                if now - start > self.timeout_seconds:
+                    raise ReplicaTimeoutError(
+                        f"{self.who} ({what}) on rank {self.ranks[self.rank]} waited "
+                        f"{self.timeout_seconds:g} s for rank(s) {self._missing(flags, value)}. "
+                        "HINT: those ranks may be on another code path or stuck; every rank "
+                        "must make the same collective calls in the same order.")
+
+    def _missing(self, flags: np.ndarray, value: int) -> str:
+        return ", ".join(str(self.ranks[i]) for i in range(self.world) if flags[i] < value)
+
+    def _check_alive(self, flags: np.ndarray, value: int, what: str) -> None:
+        for i in range(self.world):
+            pid = int(self._pids[i])
+            if flags[i] >= value or pid <= 0:
+                continue
+            if not _alive(pid):
+                raise ReplicatorError(
+                    f"{self.who} ({what}) on rank {self.ranks[self.rank]}: rank {self.ranks[i]} "
+                    f"(pid {pid}) exited while the others waited for it. HINT: look for that "
+                    "rank's own error; the launcher reports the first failure.")
+
+
+def _yield() -> None:
+    if hasattr(os, "sched_yield"):
+        os.sched_yield()
+    else:
+        time.sleep(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

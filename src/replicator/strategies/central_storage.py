@@ -1,0 +1,156 @@
+"""CentralStorageStrategy: one copy of the optimizer state, on replica 0.
+
+Every replica computes gradients on its part of the batch. During ``backward()`` the gradients
+are *reduced* (not all-reduced) onto the central replica, bucket by bucket; ``optimizer.step()``
+updates the parameters there, once, and the updated parameters are broadcast to the others.
+The other replicas keep only a working copy of the parameters for their forward and backward
+passes: their optimizers hold no state at all (their ``step()`` becomes "receive the
+parameters"), which is the memory this strategy saves over :class:`MirroredStrategy`.
+
+User code is the same as for Mirrored. After ``backward()``, ``.grad`` on the central replica
+holds the average over replicas (so clipping there works); elsewhere it holds the local
+gradient, which no optimizer uses. On CPU jobs the central copy is in replica 0's host memory.
+Optimizers stepped with a closure (LBFGS) are refused: the closure would run ``backward()``
+a different number of times on each replica.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from replicator.comm.algorithms import CrossDeviceOps
+from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
+from replicator.comm.options import CommunicationOptions
+from replicator.errors import ReplicatorError
+from replicator.strategies.mirrored import MirroredStrategy
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of tensors in ``optimizer.state`` (momentum buffers, Adam moments, step counts)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+class CentralStorageStrategy(MirroredStrategy):
+    """Synchronous data parallelism with the optimizer state on one replica (see module doc).
+
+    ``devices`` and ``cross_device_ops`` as for :class:`MirroredStrategy`; the algorithm's
+    ``reduce_sum_async`` carries gradients to the central replica (``NativeAllReduce``: the
+    backend's reduce).
+    """
+
+    name = "central_storage"
+
+    #: The replica that holds the optimizer state and steps.
+    central_replica: int = 0
+
+    def __init__(self, devices: Sequence[str | torch.device] | None = None,
+                 cross_device_ops: CrossDeviceOps | None = None, *,
+                 communication_options: CommunicationOptions | None = None) -> None:
+        super().__init__(devices, cross_device_ops, communication_options=communication_options)
+        self._central_params: set[int] = set()
+        self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._stashed: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        me = weakref.ref(self)
+
+        def before(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            strategy = me()
+            if strategy is not None:
+                strategy._before_step(optimizer, args, kwargs)
+
+        def after(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+            strategy = me()
+            if strategy is not None:
+                strategy._after_step(optimizer)
+
+        handles = [register_optimizer_step_pre_hook(before),
+                   register_optimizer_step_post_hook(after)]
+        weakref.finalize(self, lambda: [h.remove() for h in handles])
+
+    @property
+    def is_central(self) -> bool:
+        """True on the replica that holds the optimizer state."""
+        return self.replica_id == self.central_replica
+
+    # -- state ---------------------------------------------------------------------------------
+    def _on_new_state(self, params: list[torch.nn.Parameter],
+                      buffers: list[torch.Tensor]) -> None:
+        self._check_same_structure(params, buffers)
+        self._collectives.broadcast_([*params, *buffers], src=self.central_replica,
+                                     what="broadcast of initial parameters from replica 0")
+        if params:
+            bucket = self._options.bytes_per_pack or DEFAULT_BUCKET_BYTES
+            self._synchronizers.append(GradientSynchronizer(
+                params, self._collectives, self._algorithm, bucket_bytes=bucket,
+                destination=self.central_replica))
+        self._central_params.update(id(p) for p in params)
+
+    # -- the optimizer step ----------------------------------------------------------------------
+    @staticmethod
+    def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        known = self._kinds.get(optimizer)
+        params = self._params_of(optimizer)
+        if known is not None and known[1] == len(params):
+            return known[0]
+        mine = [id(p) in self._central_params for p in params]
+        if any(mine) and not all(mine):
+            raise ReplicatorError(
+                f"{type(optimizer).__name__} holds {sum(mine)} parameters created in "
+                f"CentralStorageStrategy.scope() and {len(mine) - sum(mine)} created outside "
+                "it. HINT: create the whole model inside strategy.scope() (or pass it to "
+                "strategy.distribute_model) before building the optimizer.")
+        owned = bool(params) and all(mine)
+        self._kinds[optimizer] = (owned, len(params))
+        return owned
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: object,
+                     kwargs: object) -> None:
+        if self.num_replicas_in_sync == 1 or not self._owns(optimizer):
+            return
+        positional = [a for a in args if a is not optimizer] if isinstance(args, tuple) else []
+        closure = positional[0] if positional else \
+            (kwargs.get("closure") if isinstance(kwargs, dict) else None)
+        if closure is not None:
+            raise ReplicatorError(
+                f"{type(optimizer).__name__}.step(closure) cannot run under "
+                "CentralStorageStrategy: the closure would run backward() a different number "
+                "of times on each replica. HINT: use an optimizer stepped without a closure, "
+                "or MirroredStrategy.")
+        if self.is_central:
+            return
+        # not central: hide the gradients so the optimizer neither updates nor creates state
+        stash = [(p, p.grad) for p in self._params_of(optimizer)]
+        for p, _ in stash:
+            p.grad = None
+        self._stashed[id(optimizer)] = stash
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.num_replicas_in_sync == 1 or not self._owns(optimizer):
+            return
+        params = self._params_of(optimizer)
+        if not self.is_central:
+            for p, grad in self._stashed.pop(id(optimizer), []):
+                p.grad = grad
+            for p in params:
+                optimizer.state.pop(p, None)
+        self._collectives.broadcast_(params, src=self.central_replica,
+                                     what="broadcast of updated parameters from the central "
+                                          "replica")
