@@ -10,6 +10,7 @@ runs::
 """
 
 from replicator import data, metrics, testing
+from replicator.checkpoint import PREEMPTION_EXIT_CODE, BackupAndRestore, CheckpointManager
 from replicator.cluster import launch
 from replicator.comm import (
     CastCompression,
@@ -28,10 +29,16 @@ from replicator.comm import (
 )
 from replicator.data import InputContext
 from replicator.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointWriteError,
     ClusterConfigError,
+    NonFiniteLossError,
+    PreemptedError,
     ReplicaMismatchError,
     ReplicaTimeoutError,
     ReplicatorError,
+    UnsafeCheckpointError,
     WorkerFailedError,
 )
 from replicator.strategies import (
@@ -75,5 +82,7 @@ __all__ = [
     "TensorBoard", "TerminateOnNaN", "ProgressBar", "CallbackFailedError",
     "CentralStorageStrategy", "RingAllReduce", "HierarchicalAllReduce", "ReductionToOneDevice",
     "SharedMemoryAllReduce", "Compression", "CastCompression", "PowerSGD", "ddp_comm_hook",
-    "register_ddp_comm_hook",
+    "register_ddp_comm_hook", "BackupAndRestore", "CheckpointManager", "PREEMPTION_EXIT_CODE",
+    "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
+    "NonFiniteLossError", "PreemptedError",
 ]

@@ -61,13 +61,18 @@ class NonFiniteLossError(ReplicatorError, FloatingPointError):
     """The loss or the gradients became NaN or infinite; the optimizer step was not taken."""
 
 
-class PreemptedError(ReplicatorError):
+class PreemptedError(WorkerFailedError):
     """The job was preempted (SIGTERM): the workers saved a backup and stopped.
 
-    ``exit_code`` is the code a launcher should exit with (75, ``EX_TEMPFAIL``) so that the
-    scheduler reruns the job, which then resumes from the backup.
+    ``exit_code`` (also ``exitcode``) is what a launcher should exit with, 75
+    (``EX_TEMPFAIL``), so that the scheduler reruns the job, which then resumes from the backup.
     """
 
-    def __init__(self, message: str, exit_code: int = 75) -> None:
+    def __init__(self, message: str, rank: int = 0, exit_code: int = 75) -> None:
+        self.rank = rank
+        self.exitcode = exit_code
         self.exit_code = exit_code
-        super().__init__(message)
+        self.message = message
+        self.traceback_text = ""
+        self.others: list[str] = []
+        ReplicatorError.__init__(self, message)

@@ -109,3 +109,40 @@ def test_trainer_runs_unchanged_under_other_strategies(strategy_name):
     out = run_distributed(short_fit, 2, args=(strategy_name,))[0]
     assert_params_close(ref["state"], out["state"], atol=1e-5)
     assert out["history"]["loss"] == pytest.approx(ref["history"]["loss"], abs=1e-5)
+
+
+class InjectFault(rp.Callback):
+    def __init__(self, fault) -> None:
+        self.fault = fault
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.fault(self.trainer.global_step)
+
+
+def fit_with_backup(backup_dir: str, kill: bool) -> dict:
+    from replicator.checkpoint import BackupAndRestore
+    from replicator.testing import kill_rank
+
+    strategy = rp.MirroredStrategy()
+    train, test = digits(330)  # 11 steps per epoch with global batch 32
+    trainer = make_trainer(strategy)
+    callbacks = [BackupAndRestore(backup_dir, save_freq=5)]
+    if kill:
+        callbacks.append(InjectFault(kill_rank(1, at_step=16)))  # epoch 2, once
+    history = trainer.fit(loader(train), epochs=3, validation_data=loader(test, 64, False),
+                          callbacks=callbacks, verbose=0)
+    return {"state": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "history": history.history, "epochs": history.epoch,
+            "steps": trainer.global_step}
+
+
+@pytest.mark.timeout(180)
+def test_killed_rank_resumes_fit_to_the_same_weights_and_history(tmp_path):
+    ref = run_distributed(fit_with_backup, 2, args=(str(tmp_path / "a"), False))[0]
+    out = run_distributed(fit_with_backup, 2, args=(str(tmp_path / "b"), True),
+                          max_restarts=1)[0]
+    assert out["steps"] == ref["steps"] == 33
+    assert out["epochs"] == ref["epochs"] == [0, 1, 2]
+    assert_params_close(ref["state"], out["state"], atol=1e-6)
+    for key, values in ref["history"].items():
+        assert out["history"][key] == pytest.approx(values, abs=1e-6), key

@@ -11,8 +11,12 @@ import errno
 import hashlib
 import os
 import shutil
+import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 #: Read and hash files in chunks of this size (large enough for throughput, small for memory).
 CHUNK_BYTES = 8 << 20
@@ -70,15 +74,61 @@ def write_atomic(path: str | Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def read_and_hash(path: str | Path) -> tuple[bytes, str]:
-    """The bytes of ``path`` and their SHA-256 (hex), read once."""
-    hasher = hashlib.sha256()
-    parts = []
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            hasher.update(chunk)
-            parts.append(chunk)
-    return b"".join(parts), hasher.hexdigest()
+class OverlappedHasher:
+    """SHA-256 computed on a helper thread while the caller reads or writes the next chunk.
+
+    ``hashlib`` releases the GIL on large buffers, so hashing a chunk overlaps the I/O of the
+    next one; updates stay in order because each waits for the one before.
+    """
+
+    def __init__(self) -> None:
+        self._hasher = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="replicator-sha256")
+        self._pending: Future[None] | None = None
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        self._wait()
+        self._pending = self._pool.submit(self._hasher.update, chunk)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def hexdigest(self) -> str:
+        self._wait()
+        self._pool.shutdown(wait=False)
+        return self._hasher.hexdigest()
+
+    def close(self) -> None:
+        self._pending = None
+        self._pool.shutdown(wait=True)
+
+
+def read_and_hash(path: str | Path) -> tuple[np.ndarray, str]:
+    """The bytes of ``path`` and their SHA-256 (hex), read once, hashing each chunk while the
+    next one is read. The bytes land in an uninitialised numpy ``uint8`` array (no zero-fill
+    of a large buffer), which tensors can then view without a copy."""
+    hasher = OverlappedHasher()
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = np.empty(size, dtype=np.uint8)
+            view = memoryview(data)
+            filled = 0
+            while filled < size:
+                n = f.readinto(view[filled:filled + CHUNK_BYTES])
+                if not n:
+                    break
+                hasher.update(view[filled:filled + n])
+                filled += n
+            digest = hasher.hexdigest()
+            view.release()
+            if filled < size:  # the file shrank while being read
+                data = data[:filled]
+    finally:
+        hasher.close()
+    return data, digest
 
 
 def hash_file(path: str | Path) -> str:
@@ -90,11 +140,12 @@ def hash_file(path: str | Path) -> str:
     return hasher.hexdigest()
 
 
-def remove_tree(path: str | Path) -> None:
+def remove_tree(path: str | Path, wait: bool = True) -> None:
     """Delete a directory without ever exposing a half-deleted one under its own name.
 
     It is first renamed to a hidden ``.trash-`` name (atomic), then deleted; a crash in between
-    leaves only trash, which the next cleanup removes.
+    leaves only trash, which the next cleanup removes. ``wait=False`` deletes on a daemon
+    thread, so freeing a large old checkpoint does not hold up training.
     """
     path = Path(path)
     if not path.exists():
@@ -104,7 +155,11 @@ def remove_tree(path: str | Path) -> None:
         os.replace(path, trash)
     except OSError:
         trash = path
-    shutil.rmtree(trash, ignore_errors=True)
+    if wait:
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
+                         name="replicator-prune", daemon=True).start()
 
 
 def free_bytes(path: str | Path) -> int | None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from replicator.checkpoint.atomic import read_and_hash, write_atomic
 from replicator.errors import CheckpointCorruptError, UnsafeCheckpointError
 
@@ -83,6 +85,8 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
+        if not step_dir.is_dir():
+            raise CheckpointCorruptError(f"{where} does not exist") from None
         raise CheckpointCorruptError(f"{where} has no commit marker ({MARKER_NAME}): its save "
                                      "was interrupted before it completed") from None
     except OSError as exc:
@@ -106,7 +110,7 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_file(step_dir: Path, manifest: Mapping[str, Any], name: str) -> bytes:
+def verify_file(step_dir: Path, manifest: Mapping[str, Any], name: str) -> np.ndarray:
     """Read ``name`` from ``step_dir`` and check it against the manifest; return its bytes."""
     where = f"checkpoint {step_dir}"
     entry = manifest["files"].get(name)
@@ -129,7 +133,7 @@ def verify_file(step_dir: Path, manifest: Mapping[str, Any], name: str) -> bytes
 
 
 def verify(step_dir: Path, manifest: Mapping[str, Any],
-           keep: tuple[str, ...] = ()) -> dict[str, bytes]:
+           keep: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Check every file of the manifest; return the bytes of the files named in ``keep``."""
     kept = {}
     for name in sorted(manifest["files"]):

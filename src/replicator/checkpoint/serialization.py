@@ -4,8 +4,8 @@ A ``state_dict`` (of a model, an optimizer, a scheduler, RNG states...) is a tre
 lists and tuples whose leaves are tensors, numbers, strings, booleans and ``None``. The tree is
 split into a flat ``{key: tensor}`` mapping, stored as safetensors, and a JSON *structure* in
 which each tensor is replaced by a reference to its key; the JSON rides in the safetensors
-header's metadata. Loading therefore never runs code from the file: safetensors parses a
-header and copies bytes, and JSON builds only plain containers.
+header's metadata. Loading therefore never runs code from the file: the reader validates a
+header and views bytes (``safetensors_io``), and JSON builds only plain containers.
 
 Only plain data is accepted on save; anything else raises a ``TypeError`` naming where it sits.
 """
@@ -15,24 +15,24 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from replicator.checkpoint import safetensors_io
 from replicator.errors import CheckpointCorruptError, UnsafeCheckpointError
 
 FORMAT_KEY = "replicator.format"
 STRUCTURE_KEY = "replicator.structure"
 FORMAT_VERSION = "1"
 _TAG = "__rp__"
-_MAX_HEADER_BYTES = 100_000_000
 
 
 class _Encoder:
     def __init__(self, label: str) -> None:
         self.label = label
         self.tensors: dict[str, torch.Tensor] = {}
-        self._storages: set[tuple[str, int]] = set()
 
     def key_for(self, path: str) -> str:
         key = path or "value"
@@ -55,14 +55,6 @@ class _Encoder:
                             "tensors can be stored. HINT: call .to_dense() in state_dict().")
         if t.device.type != "cpu":
             t = t.to("cpu")
-        elif t.numel():
-            storage = (t.device.type, t.untyped_storage().data_ptr())
-            if storage in self._storages:  # tied weights or views: safetensors wants distinct
-                t = t.clone()
-            else:
-                self._storages.add(storage)
-        if not t.is_contiguous():
-            t = t.contiguous()
         key = self.key_for(path)
         self.tensors[key] = t
         return key
@@ -163,32 +155,32 @@ def _decode(obj: Any, tensors: Mapping[str, torch.Tensor], label: str) -> Any:
     raise CheckpointCorruptError(f"{label}: unknown entry type {tag!r} in the structure")
 
 
-def encode(state: Any, label: str = "state") -> bytes:
-    """``state`` (a tree of plain values and tensors) as safetensors bytes (see module doc)."""
-    from safetensors.torch import save
-
+def _flatten(state: Any, label: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     encoder = _Encoder(label)
     structure = encoder.encode(state, "")
     text = json.dumps(structure, allow_nan=True, separators=(",", ":"))
-    return save(encoder.tensors, metadata={FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: text})
+    return encoder.tensors, {FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: text}
 
 
-def looks_like_pickle(data: bytes | memoryview) -> bool:
+def encode(state: Any, label: str = "state") -> bytes:
+    """``state`` (a tree of plain values and tensors) as safetensors bytes (see module doc)."""
+    return safetensors_io.to_bytes(*_flatten(state, label))
+
+
+def write(path: str | Path, state: Any, label: str = "state") -> tuple[int, str]:
+    """Write ``state`` to ``path`` as safetensors, fsynced; return (bytes, SHA-256 hex)."""
+    return safetensors_io.write_file(path, *_flatten(state, label))
+
+
+def looks_like_pickle(data: safetensors_io.Buffer) -> bool:
     """True for ``torch.save``'s zip archive or a raw pickle (protocol 2 to 5)."""
     head = bytes(data[:4])
     return head == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05")
 
 
-def _is_safetensors(data: bytes | memoryview) -> bool:
-    if len(data) < 10:
-        return False
-    header_len = int.from_bytes(bytes(data[:8]), "little")
-    return 2 <= header_len <= min(_MAX_HEADER_BYTES, len(data) - 8) and bytes(data[8:9]) == b"{"
-
-
-def refuse_pickle(data: bytes | memoryview, label: str) -> None:
+def refuse_pickle(data: safetensors_io.Buffer, label: str) -> None:
     """Raise :class:`UnsafeCheckpointError` when ``data`` is a pickle rather than safetensors."""
-    if not _is_safetensors(data) and looks_like_pickle(data):
+    if not safetensors_io.is_safetensors(data) and looks_like_pickle(data):
         raise UnsafeCheckpointError(
             f"{label} holds a pickle payload (as written by torch.save or pickle); a backup is "
             "loaded only from safetensors and JSON, so it is refused unread. HINT: never "
@@ -196,23 +188,16 @@ def refuse_pickle(data: bytes | memoryview, label: str) -> None:
             "yourself with torch.load(path, weights_only=True) and save it again.")
 
 
-def decode(data: bytes, label: str = "state") -> Any:
-    """Inverse of :func:`encode`; raises on a pickle or on a malformed file, never unpickles."""
-    from safetensors.torch import load
+def decode(data: safetensors_io.Buffer, label: str = "state") -> Any:
+    """Inverse of :func:`encode`; raises on a pickle or on a malformed file, never unpickles.
 
+    Tensors are views of ``data`` when it is mutable (no copy).
+    """
     refuse_pickle(data, label)
-    if not _is_safetensors(data):
-        raise CheckpointCorruptError(f"{label} is not a safetensors file (truncated or bad "
-                                     f"header, {len(data)} bytes)")
-    header_len = int.from_bytes(data[:8], "little")
-    try:
-        header = json.loads(data[8:8 + header_len])
-        text = header.get("__metadata__", {}).get(STRUCTURE_KEY)
-        tensors = load(data)
-    except Exception as exc:  # noqa: BLE001 - any parse failure means corrupt
-        raise CheckpointCorruptError(f"{label} cannot be parsed as safetensors: {exc}") from exc
+    tensors, metadata = safetensors_io.read(data, label)
+    text = metadata.get(STRUCTURE_KEY)
     if text is None:
-        return dict(tensors)  # a plain safetensors file (e.g. a model state_dict)
+        return tensors  # a plain safetensors file (e.g. a model state_dict)
     try:
         structure = json.loads(text, parse_constant=_parse_constant)
     except ValueError as exc:

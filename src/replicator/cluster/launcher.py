@@ -4,6 +4,12 @@ The launcher hosts the rendezvous store itself (on loopback, on a port the OS pi
 port can be taken between choosing it and using it. When a worker fails, the others get a short
 grace to stop on their own, are then terminated, and the first failure is reported once, with
 its rank and traceback. ``max_restarts`` restarts the whole group after a failure.
+
+Preemption: a worker that exits with :data:`PREEMPTION_EXIT_CODE` (75) saved a backup after
+SIGTERM, and the others are doing the same, so they get a longer grace to finish saving. A
+preempted group is restarted like a failed one while restarts remain (the restart counts).
+When the launcher itself receives SIGTERM, it forwards it to every worker, waits for their
+backups, and raises :class:`~replicator.errors.PreemptedError` (exit code 75) without restarting.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,9 +35,10 @@ from replicator.cluster.environment import (
     STORE_HOSTED_ENV,
     TIMEOUT_ENV,
 )
+from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.cluster.ports import LOOPBACK, listen
 from replicator.cluster.worker_errors import ERROR_DIR_ENV, WorkerError, error_path, read_error
-from replicator.errors import ClusterConfigError, WorkerFailedError
+from replicator.errors import ClusterConfigError, PreemptedError, WorkerFailedError
 
 log = logging.getLogger("replicator")
 
@@ -38,6 +46,16 @@ log = logging.getLogger("replicator")
 FAILURE_GRACE_SECONDS = 5.0
 #: Seconds between SIGTERM and SIGKILL.
 KILL_GRACE_SECONDS = 3.0
+#: Seconds preempted workers get to save their backup and exit (override with the variable).
+PREEMPTION_GRACE_SECONDS = 120.0
+PREEMPTION_GRACE_ENV = "REPLICATOR_PREEMPTION_GRACE_SECONDS"
+
+
+def _preemption_grace() -> float:
+    try:
+        return float(os.environ.get(PREEMPTION_GRACE_ENV, PREEMPTION_GRACE_SECONDS))
+    except ValueError:
+        return PREEMPTION_GRACE_SECONDS
 
 
 def check_num_replicas(n: Any, flag: str = "num_replicas") -> int:
@@ -112,9 +130,19 @@ class _Outcome:
     exitcodes: dict[int, int | None] = field(default_factory=dict)
 
 
+#: Words of the collectives' error for a peer that exited (see comm/collectives.py).
+_CONSEQUENCES = ("because another replica exited or lost its connection",)
+
+
+def _describe_codes(codes: dict[int, int | None]) -> str:
+    return ", ".join(f"rank {r}: {_describe_exit(c)}" for r, c in sorted(codes.items()))
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "still running"
+    if code == PREEMPTION_EXIT_CODE:
+        return f"exit code {code} (preempted; backup saved)"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -146,15 +174,43 @@ class LocalGroup:
                                    wait_for_workers=False, master_listen_fd=sock.detach())
         self.workers: list[_Worker] = []
         self.attempt = 0
+        self.signalled = False
 
     def run(self) -> None:
         """Run to completion, restarting up to ``max_restarts`` times; raise on final failure."""
+        previous = self._install_sigterm()
+        try:
+            self._run_attempts()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _install_sigterm(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def forward(signum: int, frame: Any) -> None:
+            self.signalled = True
+            print("[replicator] received SIGTERM: asking every worker to save a backup and "
+                  "stop", file=sys.stderr, flush=True)
+            for w in self.workers:
+                w.signal(signal.SIGTERM)
+
+        return signal.signal(signal.SIGTERM, forward)
+
+    def _run_attempts(self) -> None:
         for attempt in range(self.max_restarts + 1):
             self.attempt = attempt
             outcome = self._run_once(attempt)
             if outcome.ok:
                 return
             assert outcome.failure is not None
+            if self.signalled:
+                raise PreemptedError(
+                    "the job received SIGTERM: the workers were asked to save a backup and stop "
+                    f"({_describe_codes(outcome.exitcodes)}).\nRerun the same command to resume "
+                    "from the backup.", rank=outcome.failure.rank,
+                    exit_code=PREEMPTION_EXIT_CODE) from outcome.failure
             if attempt < self.max_restarts:
                 log.warning("replicator: %s; restarting the group (restart %d of %d)",
                             str(outcome.failure).splitlines()[0], attempt + 1, self.max_restarts)
@@ -191,7 +247,8 @@ class LocalGroup:
                 first_failed = min(failed, key=lambda w: w.detected_at or now)
                 break
             time.sleep(0.02)
-        deadline = time.time() + FAILURE_GRACE_SECONDS
+        saving = self.signalled or first_failed.poll() == PREEMPTION_EXIT_CODE
+        deadline = time.time() + (_preemption_grace() if saving else FAILURE_GRACE_SECONDS)
         while time.time() < deadline and any(w.poll() is None for w in self.workers):
             time.sleep(0.02)
         terminated = [w.rank for w in self.workers if w.poll() is None]
@@ -207,12 +264,23 @@ class LocalGroup:
                 errors[w.rank] = err
         failed = [w for w in self.workers if w.rank not in terminated and w.poll() not in (None, 0)]
 
-        def when(w: _Worker) -> float:
+        def when(w: _Worker) -> tuple[bool, float]:
+            # A rank that failed only because a peer vanished is a consequence, not the cause:
+            # a peer killed by a signal leaves no error file and is detected a moment later.
             err = errors.get(w.rank)
-            return min(err.time, w.detected_at or err.time) if err else (w.detected_at or 0.0)
+            consequence = err is not None and any(m in err.message for m in _CONSEQUENCES)
+            t = min(err.time, w.detected_at or err.time) if err else (w.detected_at or 0.0)
+            return consequence, t
 
         root = min(failed, key=when) if failed else first
         code = root.poll()
+        if code == PREEMPTION_EXIT_CODE:
+            return PreemptedError(
+                "the workers were preempted (SIGTERM reached a rank): they agreed on a step, "
+                f"saved a backup and stopped with exit code {PREEMPTION_EXIT_CODE} "
+                f"({_describe_codes({w.rank: w.poll() for w in self.workers})}).\n"
+                "Rerun the same command to resume from the backup.", rank=root.rank,
+                exit_code=code)
         err = errors.get(root.rank)
         message = err.summary if err else _describe_exit(code)
         others = []

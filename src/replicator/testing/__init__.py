@@ -2,5 +2,17 @@
 
 from replicator.testing.distributed import run_distributed
 from replicator.testing.equivalence import assert_equivalent, assert_params_close
+from replicator.testing.fault_injection import (
+    Fault,
+    corrupt_latest_checkpoint,
+    delay_rank,
+    fail_rank,
+    kill_during_save,
+    kill_rank,
+    latest_checkpoint,
+    terminate_rank,
+)
 
-__all__ = ["run_distributed", "assert_equivalent", "assert_params_close"]
+__all__ = ["run_distributed", "assert_equivalent", "assert_params_close", "Fault", "kill_rank",
+           "terminate_rank", "fail_rank", "delay_rank", "kill_during_save",
+           "corrupt_latest_checkpoint", "latest_checkpoint"]

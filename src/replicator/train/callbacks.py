@@ -253,15 +253,22 @@ class TerminateOnNaN(Callback):
             self.trainer.stop_training = True
 
 
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+          "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+          "on_test_batch_end", "on_predict_begin", "on_predict_end")
+
+
 class CallbackList:
     """Calls a hook on every callback, in order."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
-            if not isinstance(cb, Callback) and not hasattr(cb, "set_trainer"):
-                raise TypeError(f"{cb!r} is not a replicator Callback")
-            cb.set_trainer(trainer)
+            if not any(hasattr(cb, h) for h in _HOOKS):
+                raise TypeError(f"{cb!r} is not a callback: it has none of the hooks "
+                                f"{', '.join(_HOOKS)}")
+            if hasattr(cb, "set_trainer"):
+                cb.set_trainer(trainer)
 
     def call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:

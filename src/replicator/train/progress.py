@@ -25,6 +25,7 @@ class ProgressBar(Callback):
         self._task: Any = None
         self._start = 0.0
         self._samples = 0.0
+        self._done = 0
 
     def _enabled(self) -> bool:
         return self.is_chief
@@ -33,6 +34,7 @@ class ProgressBar(Callback):
         if not self._enabled():
             return
         self._start, self._samples = time.perf_counter(), 0.0
+        self._done = self.trainer.step_in_epoch
         live = sys.stdout.isatty() if self.live is None else self.live
         total = self.trainer.steps_in_epoch
         if live:
@@ -56,6 +58,7 @@ class ProgressBar(Callback):
         if not self._enabled():
             return
         self._samples += self.trainer.last_global_batch
+        self._done = batch + 1
         if self._bar is not None:
             rate = self._samples / max(time.perf_counter() - self._start, 1e-9)
             self._bar.update(self._task, advance=1,
@@ -69,7 +72,7 @@ class ProgressBar(Callback):
             self._bar = None
         elapsed = time.perf_counter() - self._start
         rate = self._samples / max(elapsed, 1e-9)
-        print(f"epoch {epoch + 1}/{self.trainer.epochs}  step {self.trainer.step_in_epoch}/"
+        print(f"epoch {epoch + 1}/{self.trainer.epochs}  step {self._done}/"
               f"{self.trainer.steps_in_epoch}  {_fmt_logs(logs or {})}  {rate:,.0f} samples/s  "
               f"{elapsed:.1f} s", flush=True)
 

@@ -107,23 +107,31 @@ class Trainer:
         self.stop_training = False
         self.train_dataset: Any = None
         self._errors = ErrorAgreement(strategy)
+        self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
+        self._backup: Any = None
         self._callbacks = CallbackList([], self)
 
     # -- resumable state (for BackupAndRestore) -------------------------------------------------
-    def train_state(self) -> dict[str, Any]:
-        """Where training stands, JSON-serialisable: epoch, step, running metric sums, history."""
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands, the same on every replica: epoch, step, the epoch's metric
+        sums over all replicas so far, and the history."""
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "global_step": self.global_step,
-                "metric_states": {m.name: m.state.tolist() for m in self._all_metrics()},
+                "metric_sums": {m.name: s.tolist() for m, s in
+                                zip(self._all_metrics(), self._reduced_sums)},
                 "history": self.history.state_dict()}
 
-    def load_train_state(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: replica 0 carries the restored metric sums, the
+        others start from zero, so the next cross-replica sum is right."""
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
         self.global_step = int(state["global_step"])
         for m in self._all_metrics():
-            if m.name in state["metric_states"]:
-                m.state.copy_(torch.tensor(state["metric_states"][m.name], dtype=torch.float64))
+            m.reset()
+            if self.strategy.replica_id == 0 and m.name in state["metric_sums"]:
+                m.state.copy_(torch.tensor(state["metric_sums"][m.name], dtype=torch.float64))
+        self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
         self.history.load_state_dict(state["history"])
 
     def _all_metrics(self) -> list[Metric]:
@@ -170,6 +178,8 @@ class Trainer:
     def _reduced_logs(self, metrics: list[Metric], prefix: str = "") -> Logs:
         states, extra = reduce_states(self.strategy, metrics, [self._errors.flag])
         self._errors.check(extra[0])
+        if not prefix:
+            self._reduced_sums = [s.clone() for s in states]
         return {prefix + m.name: m.value_from(s) for m, s in zip(metrics, states)}
 
     def _distributed(self, data: Any) -> Any:
@@ -192,8 +202,16 @@ class Trainer:
         self.epochs = epochs
         self.train_dataset = self._distributed(train_data)
         extra = [ProgressBar()] if verbose else []
-        # user callbacks first, so that what they add to the logs is shown and recorded
-        self._callbacks = CallbackList([*callbacks, *extra, self.history], self)
+        callbacks = list(callbacks)
+        backups = [cb for cb in callbacks if hasattr(cb, "epoch_batches")]
+        for backup in backups:  # BackupAndRestore: what a backup holds, and the input
+            backup.track(model=self.model, optimizer=self.optimizer,
+                         dataset=self.train_dataset, trainer=self)
+        # user callbacks first, so that what they add to the logs is shown and recorded;
+        # backups last, so that a backup taken at an epoch's end holds that epoch's history
+        others = [cb for cb in callbacks if cb not in backups]
+        self._callbacks = CallbackList([*others, *extra, self.history, *backups], self)
+        self._backup = backups[0] if backups else None
         self.stop_training = False
         self.model.train()
         self._hook("on_train_begin", {})
@@ -218,11 +236,11 @@ class Trainer:
                 m.reset()
         self._hook("on_epoch_begin", epoch, {})
         logs: Logs = {}
-        iterator = iter(self.train_dataset)
-        while total is None or self.step_in_epoch < total:
-            batch = next(iterator, None)
-            if batch is None:
-                break
+        iterator = iter(self._backup.epoch_batches(self.train_dataset)) \
+            if self._backup is not None else iter(self.train_dataset)
+        # run the input to its end (so it knows the epoch is over) unless steps_per_epoch
+        # or a callback stops earlier; a later epoch then continues where this one stopped
+        for batch in iterator:
             self._hook("on_train_batch_begin", self.step_in_epoch, {})
             mask = getattr(self.train_dataset, "mask", None)
             self.last_global_batch = self.strategy.run(self._train_step, args=(batch, mask))
@@ -230,17 +248,19 @@ class Trainer:
             self.global_step += 1
             logs = self._reduced_logs(self._all_metrics())
             self._hook("on_train_batch_end", self.step_in_epoch - 1, logs)
-            if self.stop_training:
+            if self.stop_training or (steps_per_epoch is not None
+                                      and self.step_in_epoch >= steps_per_epoch):
                 break
         if not logs:
             logs = self._reduced_logs(self._all_metrics())
         if validation_data is not None:
             logs.update(self.evaluate(validation_data, _prefix="val_"))
             self.model.train()
-        self._hook("on_epoch_end", epoch, logs)
-        self._errors.agree()
+        # the epoch is done: advance first, so a backup taken in on_epoch_end resumes after it
         self.epoch += 1
         self.step_in_epoch = 0
+        self._hook("on_epoch_end", epoch, logs)
+        self._errors.agree()
 
     # -- evaluation and prediction ---------------------------------------------------------------
     def _shard_for_eval(self, data: Any, batch_size: int | None) -> DataLoader:

@@ -1,0 +1,402 @@
+"""BackupAndRestore: resume an interrupted training run at the exact step, bit for bit.
+
+Keras's ``BackupAndRestore`` redoes the unfinished epoch; this one resumes at the step after the
+last backup, with the same next samples and the same random numbers. A backup holds the
+tracked objects (model, optimizer, LR scheduler, anything with ``state_dict``), the step and
+epoch, and per rank the RNG states (torch, CUDA, numpy, Python) and the input position.
+
+In a custom loop::
+
+    backup = rp.BackupAndRestore("ckpt/", save_freq=100)
+    backup.track(model=model, optimizer=optimizer, scheduler=scheduler)
+    for step, batch in backup.steps(dist_dataset, epochs=3):
+        strategy.run(step_fn, args=(batch,))
+
+As a callback, a trainer calls ``track(...)`` and then the Keras hooks ``on_train_begin``,
+``on_epoch_begin``, ``on_train_batch_end``, ``on_epoch_end`` and ``on_train_end``, and reads
+batches of each epoch from :meth:`epoch_batches` (which resumes mid-epoch the first time).
+
+It also turns SIGTERM into a clean stop (every rank saves the same step and exits with code 75)
+and, by default, stops before an optimizer step whose gradients are NaN or infinite.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from replicator.checkpoint import rng
+from replicator.checkpoint.exchange import Channel
+from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
+from replicator.checkpoint.nonfinite import NonFiniteGuard
+from replicator.checkpoint.preemption import Preempted, PreemptionWatcher
+
+
+def _active_strategy() -> Any:
+    """The strategy of this process, if the strategies room is loaded (found, not imported,
+    so that this room stays below it)."""
+    module = sys.modules.get("replicator.strategies.replica_context")
+    return module.current_strategy() if module is not None else None
+
+
+def _epoch_length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+class BackupAndRestore:
+    """Back up training state regularly and resume from the newest valid backup on restart.
+
+    Args:
+        backup_dir: directory for the backups; one file system that every rank sees.
+        save_freq: ``"epoch"`` (after each epoch) or a number of optimizer steps.
+        keep: how many backups to keep (older ones are deleted after each new one commits).
+        delete_checkpoint: delete the backups once training completes (as Keras does); with
+            ``False`` a final backup is written, so a rerun finds nothing left to do.
+        strategy: the strategy in use (default: the one this process created); its
+            collectives name a rank that stops responding.
+        terminate_on_nan: stop before an optimizer step with NaN/inf gradients.
+        handle_preemption: save and exit with code 75 on SIGTERM (main thread only).
+        preemption_check_seconds: how often the ranks agree on whether one was signalled
+            (about; the interval in steps adapts to the step time); 0 checks every step.
+    """
+
+    def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
+                 keep: int = 2, delete_checkpoint: bool = True, *, strategy: Any = None,
+                 terminate_on_nan: bool = True, handle_preemption: bool = True,
+                 preemption_check_seconds: float = 1.0) -> None:
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
+                                     or save_freq < 1):
+            raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got "
+                             f"{save_freq!r}")
+        self.backup_dir = Path(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = bool(delete_checkpoint)
+        self.terminate_on_nan = terminate_on_nan
+        self.handle_preemption = handle_preemption
+        if preemption_check_seconds < 0:
+            raise ValueError(f"preemption_check_seconds must be >= 0, got "
+                             f"{preemption_check_seconds!r}")
+        self.preemption_check_seconds = preemption_check_seconds
+        self._strategy = strategy
+        self._keep = keep
+        self._manager: CheckpointManager | None = None
+        self._objects: dict[str, Any] = {}
+        self._dataset: Any = None
+        #: Optimizer steps completed (the next step yielded is ``step + 1``).
+        self.step = 0
+        #: Index of the epoch in progress (0-based).
+        self.epoch = 0
+        #: Batches completed in the epoch in progress.
+        self.step_in_epoch = 0
+        #: What the last restore loaded (None: a fresh start).
+        self.restored: Restored | None = None
+        self._resume: dict[str, Any] | None = None
+        self._last_saved_step: int | None = None
+        self._pending_save = False
+        self._pending_preempt = False
+        self._watcher: PreemptionWatcher | None = None
+        self._guard: NonFiniteGuard | None = None
+        self._began = False
+        if keep < 1 or isinstance(keep, bool):
+            raise ValueError(f"keep must be a positive number of backups, got {keep!r}")
+
+    # -- what to save --------------------------------------------------------------------------
+    def track(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+              dataset: Any = None, **others: Any) -> BackupAndRestore:
+        """Register what a backup holds; returns ``self``.
+
+        ``model``, ``optimizer``, ``scheduler`` and ``others`` need ``state_dict()`` and
+        ``load_state_dict()`` and must be the same on every rank (the chief writes them).
+        ``dataset`` is this rank's input (``strategy.distribute_dataset(...)``): its
+        ``state_dict()`` is saved per rank; without one, a resume replays the epoch up to the
+        saved position.
+        """
+        named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, **others}
+        for name, obj in named.items():
+            if obj is None:
+                continue
+            check_state_name(name)
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"track({name}=...) needs an object with state_dict() and "
+                                f"load_state_dict(), got {type(obj).__name__}")
+            self._objects[name] = obj
+        if dataset is not None:
+            self._dataset = dataset
+        return self
+
+    def set_model(self, model: Any) -> None:
+        """Keras's callback hook: track ``model``."""
+        self.track(model=model)
+
+    @property
+    def manager(self) -> CheckpointManager:
+        if self._manager is None:
+            self._manager = CheckpointManager(self.backup_dir, keep=self._keep,
+                                              strategy=self._strategy or _active_strategy())
+        return self._manager
+
+    @property
+    def channel(self) -> Channel:
+        return self.manager.channel
+
+    @property
+    def initial_epoch(self) -> int:
+        """The epoch a trainer should start from (after :meth:`on_train_begin`)."""
+        return self.epoch
+
+    # -- the custom-loop shape -----------------------------------------------------------------
+    def steps(self, dataset: Iterable[Any] | None = None, *, epochs: int | None = None,
+              num_steps: int | None = None) -> Iterator[tuple[int, Any]]:
+        """Yield ``(step, batch)`` from the resume point on, saving as configured.
+
+        ``step`` counts optimizer steps from 1. Stops after ``epochs`` epochs and/or
+        ``num_steps`` steps in total (at least one is needed). The body of the loop is one
+        training step; leaving the loop with ``break`` ends training without a final save.
+        """
+        if dataset is not None:
+            self._dataset = dataset
+        if self._dataset is None:
+            raise ValueError("steps() needs the dataset to iterate: steps(dist_dataset, ...)")
+        if epochs is None and num_steps is None:
+            raise ValueError("steps() needs epochs= or num_steps= to know when to stop")
+        self.on_train_begin()
+        try:
+            while (epochs is None or self.epoch < epochs) and (
+                    num_steps is None or self.step < num_steps):
+                self.on_epoch_begin(self.epoch)
+                finished = True
+                for batch in self.epoch_batches(stop_at=num_steps):
+                    yield self.step + 1, batch
+                    self.on_train_batch_end(self.step_in_epoch)
+                if num_steps is not None and self.step >= num_steps:
+                    length = _epoch_length(self._dataset)
+                    finished = length is not None and self.step_in_epoch >= length
+                if finished:
+                    self.on_epoch_end(self.epoch)
+            self.on_train_end()
+        finally:
+            self.close()
+
+    def epoch_batches(self, dataset: Iterable[Any] | None = None,
+                      stop_at: int | None = None) -> Iterator[Any]:
+        """The batches of the epoch in progress, starting where a restored backup left off.
+
+        Stops early, without fetching another batch, once ``step`` reaches ``stop_at``.
+        """
+        ds = self._dataset if dataset is None else dataset
+        if ds is None:
+            raise ValueError("epoch_batches() needs a dataset (track(dataset=...) or pass one)")
+        resume, self._resume = self._resume, None
+        stateful = callable(getattr(ds, "load_state_dict", None)) and callable(
+            getattr(ds, "state_dict", None))
+        skip = 0
+        if resume is not None and resume["step_in_epoch"] == 0:
+            self._restore_rng(resume)  # before iter(): starting an epoch may draw numbers
+        if resume is not None and resume.get("data") is not None and stateful:
+            ds.load_state_dict(resume["data"])
+        else:
+            if not stateful or resume is not None:
+                _set_epoch(ds, self.epoch)
+            if resume is not None:
+                skip = resume["step_in_epoch"]
+                if skip:
+                    _warn_replay(ds, skip)
+        it = iter(ds)
+        for _ in range(skip):
+            if next(it, _END) is _END:
+                break
+        first = True
+        while stop_at is None or self.step < stop_at:
+            if first and resume is not None and resume["step_in_epoch"] > 0:
+                self._restore_rng(resume)
+            batch = next(it, _END)
+            if batch is _END and first and resume is not None and resume.get("data") is not None \
+                    and stateful and resume["step_in_epoch"] == 0:
+                it = iter(ds)  # the loaded state was the end of the previous epoch
+                batch = next(it, _END)
+            first = False
+            if batch is _END:
+                return
+            yield batch
+
+    # -- Keras callback hooks ------------------------------------------------------------------
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Restore the newest valid backup (if any), arm preemption and the NaN check."""
+        if self._began:
+            return
+        self._began = True
+        self.restore()
+        coll = self.channel.collectives
+        if self.handle_preemption:
+            self._watcher = PreemptionWatcher(coll, check_seconds=self.preemption_check_seconds)
+            if not self._watcher.install():
+                self._watcher = None
+        optimizer = self._objects.get("optimizer")
+        if self.terminate_on_nan and optimizer is not None and hasattr(
+                optimizer, "register_step_pre_hook"):
+            self._guard = NonFiniteGuard(optimizer, self._describe_position)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Nothing to do: the epoch in progress is tracked by :meth:`on_epoch_end`."""
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Nothing to do before a step."""
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Count the step; save when due; stop everywhere once any rank was preempted."""
+        self.step += 1
+        self.step_in_epoch += 1
+        preempted = self._watcher.poll() if self._watcher is not None else False
+        due = isinstance(self.save_freq, int) and self.step % self.save_freq == 0
+        if not (due or preempted):
+            return
+        length = _epoch_length(self._dataset) if self._dataset is not None else None
+        if length is not None and self.step_in_epoch >= length:
+            # Last batch of the epoch: save after on_epoch_end, at the start of the next epoch,
+            # so the backup never depends on how an input pipeline reports a finished epoch.
+            self._pending_save = self._pending_save or due or preempted
+            self._pending_preempt = self._pending_preempt or preempted
+            return
+        self._save("preemption" if preempted else "step")
+        if preempted:
+            self._exit_preempted()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Move to the next epoch and save when ``save_freq="epoch"`` or a save is pending."""
+        self.epoch += 1
+        self.step_in_epoch = 0
+        if self.save_freq == "epoch" or self._pending_save:
+            reason = "preemption" if self._pending_preempt else "epoch"
+            self._pending_save = False
+            self._save(reason)
+        if self._pending_preempt:
+            self._exit_preempted()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Training completed on every rank: delete the backups or write the final one."""
+        if self.delete_checkpoint:
+            self.channel.max_flag(False, "end of training")  # nobody still needs a backup
+            self.manager.delete_all()
+        elif self._last_saved_step != self.step:
+            self._save("final")
+        self.close()
+
+    def close(self) -> None:
+        """Remove the signal handler and the NaN check (done by ``steps()`` and
+        ``on_train_end``; call it yourself if you leave a callback-driven loop early)."""
+        if self._watcher is not None:
+            self._watcher.uninstall()
+            self._watcher = None
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        self._began = False
+
+    # -- saving and restoring --------------------------------------------------------------------
+    def save(self) -> Path:
+        """Back up the current state now (every rank must call it at the same step)."""
+        return self._save("manual")
+
+    def _save(self, reason: str) -> Path:
+        ch = self.channel
+        replicated = ({name: obj.state_dict() for name, obj in self._objects.items()}
+                      if ch.is_chief else None)
+        ds = self._dataset
+        data = ds.state_dict() if ds is not None and callable(
+            getattr(ds, "state_dict", None)) and callable(getattr(ds, "load_state_dict", None)) \
+            else None
+        per_rank = {"rng": rng.capture(), "data": data}
+        info = {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
+                "reason": reason, "data_state": data is not None}
+        path = self.manager.save(self.step, replicated, per_rank, info)
+        self._last_saved_step = self.step
+        return path
+
+    def restore(self) -> bool:
+        """Load the newest valid backup into the tracked objects; False when there is none."""
+        restored = self.manager.restore()
+        self.restored = restored
+        if restored is None:
+            return False
+        missing = sorted(set(self._objects) - set(restored.replicated))
+        if missing:
+            raise ValueError(
+                f"the backup {restored.path} holds no state for {', '.join(missing)} (it has "
+                f"{', '.join(sorted(restored.replicated)) or 'none'}). HINT: track the same "
+                "objects as the run that wrote it, or use another backup_dir.")
+        for name, obj in self._objects.items():
+            obj.load_state_dict(restored.replicated[name])
+        extra = sorted(set(restored.replicated) - set(self._objects))
+        if extra:
+            warnings.warn(f"the backup {restored.path} also holds {', '.join(extra)}, which is "
+                          "not tracked now; it is ignored", RuntimeWarning, stacklevel=2)
+        info = restored.info
+        self.step = self._last_saved_step = int(info.get("step", restored.step))
+        self.epoch = int(info.get("epoch", 0))
+        self.step_in_epoch = int(info.get("step_in_epoch", 0))
+        per_rank = restored.per_rank or {}
+        world = self.channel.world_size
+        if restored.world_size != world:
+            warnings.warn(
+                f"resuming on {world} replicas from a backup written by {restored.world_size}: "
+                "model, optimizer and step are restored; per-rank RNG and input states are "
+                "taken from the same rank where it exists, so the run is not bit-identical to "
+                "an uninterrupted one", RuntimeWarning, stacklevel=2)
+        own = restored.per_rank_source == self.channel.rank
+        self._resume = {"step_in_epoch": self.step_in_epoch,
+                        "rng": per_rank.get("rng") if own else None,
+                        "data": per_rank.get("data")}
+        if self.channel.is_chief:
+            print(f"[replicator] resuming from {restored.path} (step {self.step}, epoch "
+                  f"{self.epoch})", file=sys.stderr, flush=True)
+        return True
+
+    def _restore_rng(self, resume: dict[str, Any]) -> None:
+        state = resume.pop("rng", None)
+        if state is None:
+            return
+        missing = rng.restore(state)
+        if missing:
+            warnings.warn(f"random generators not restored: {', '.join(missing)}",
+                          RuntimeWarning, stacklevel=3)
+
+    def _describe_position(self) -> str:
+        last = self.manager.latest_step
+        backup = f"step {last}" if last is not None else "none yet"
+        return f" at step {self.step + 1} (epoch {self.epoch}; last backup: {backup})"
+
+    def _exit_preempted(self) -> None:
+        path = str(self.manager.directory) if self._last_saved_step == self.step else None
+        exc = Preempted(self.step, self.channel.rank, path)
+        print(f"[replicator] {exc}", file=sys.stderr, flush=True)
+        self.close()
+        raise exc
+
+
+_END = object()
+
+
+def _set_epoch(ds: Any, epoch: int) -> None:
+    if callable(getattr(ds, "set_epoch", None)):
+        ds.set_epoch(epoch)
+    elif callable(getattr(getattr(ds, "sampler", None), "set_epoch", None)):
+        ds.sampler.set_epoch(epoch)
+
+
+def _warn_replay(ds: Any, skip: int) -> None:
+    if callable(getattr(ds, "set_epoch", None)) or callable(
+            getattr(getattr(ds, "sampler", None), "set_epoch", None)):
+        return  # the order depends on the epoch only: replaying it is exact, only slower
+    warnings.warn(
+        f"the input has no state_dict(); resuming replays {skip} batches of this epoch, which "
+        "gives the same samples only if its order does not depend on the random state. HINT: "
+        "use strategy.distribute_dataset(...), whose input position is saved exactly.",
+        RuntimeWarning, stacklevel=3)

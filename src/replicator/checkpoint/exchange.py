@@ -1,0 +1,78 @@
+"""How ranks agree while checkpointing: small JSON messages over the job's collectives.
+
+Every save and restore ends with an agreement step in which each rank says whether its part
+worked. All ranks then raise together or go on together, so a failure on one rank (a full
+disk, a corrupt file) becomes the same clear error everywhere instead of a hang.
+
+Messages go through :class:`replicator.comm.collectives.Collectives` (the strategy's own when it
+has one), so a rank that stops responding turns into a ``ReplicaTimeoutError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from replicator.cluster.process_group import DEFAULT_TIMEOUT_SECONDS, current_group
+from replicator.comm.collectives import Collectives
+
+
+def default_collectives(strategy: Any = None) -> Collectives:
+    """The strategy's collectives when it exposes them, else ones on the default group."""
+    own = getattr(strategy, "collectives", None)
+    if isinstance(own, Collectives):
+        return own
+    if not dist.is_available() or not dist.is_initialized():
+        return Collectives(0, 1, torch.device("cpu"), DEFAULT_TIMEOUT_SECONDS)
+    group = current_group()
+    timeout = group.timeout_seconds if group is not None else DEFAULT_TIMEOUT_SECONDS
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return Collectives(dist.get_rank(), dist.get_world_size(), device, timeout)
+
+
+class Channel:
+    """JSON messages between the ranks of a job (one collective exchange per call)."""
+
+    def __init__(self, collectives: Collectives) -> None:
+        self.collectives = collectives
+        self.rank = collectives.rank
+        self.world_size = collectives.world_size
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    def all_gather(self, message: Any, what: str) -> list[Any]:
+        """Every rank's ``message`` (JSON-serialisable), in rank order, on every rank."""
+        payload = json.dumps(message, allow_nan=True).encode()
+        if self.world_size == 1:
+            return [json.loads(payload)]
+        texts = self.collectives.all_gather_bytes(payload, what)
+        return [json.loads(t) for t in texts]
+
+    def from_chief(self, message: Any, what: str) -> Any:
+        """The chief's ``message`` on every rank (other ranks' arguments are ignored)."""
+        return self.all_gather(message if self.is_chief else None, what)[0]
+
+    def failures(self, error: str, what: str) -> dict[int, str]:
+        """Agree on who failed: ``error`` is this rank's error text, empty when it succeeded."""
+        return {r: e for r, e in enumerate(self.all_gather(error, what)) if e}
+
+    def max_flag(self, flag: bool, what: str) -> bool:
+        """True on every rank when ``flag`` is true on any rank."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0])
+        from replicator.comm.reduce_op import ReduceOp
+
+        return bool(self.collectives.all_reduce(value, ReduceOp.MAX, what).item() > 0)
+
+
+def describe_failures(failures: dict[int, str]) -> str:
+    """``rank 1: OSError: ...; rank 2: ...`` for an error message."""
+    return "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))

@@ -1,0 +1,38 @@
+"""Named points inside a save where tests may inject a fault (see ``rp.testing``).
+
+The checkpoint writer calls :func:`fire` at each point; with no hook registered it costs one
+dictionary lookup. ``rp.testing.kill_during_save`` registers a hook at ``"before_commit"``, the
+moment after the data files were written and renamed into place but before the commit marker,
+which is the hardest place for a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: Where hooks may attach: before any file is written, between the data files and the commit
+#: marker, and after the commit.
+POINTS = ("before_write", "before_commit", "after_commit")
+
+_HOOKS: dict[str, list[Callable[..., None]]] = {}
+
+
+def add_hook(point: str, hook: Callable[..., None]) -> Callable[[], None]:
+    """Call ``hook(step=..., path=..., rank=...)`` at ``point``; returns a function removing it."""
+    if point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}; available: {', '.join(POINTS)}")
+    _HOOKS.setdefault(point, []).append(hook)
+
+    def remove() -> None:
+        hooks = _HOOKS.get(point, [])
+        if hook in hooks:
+            hooks.remove(hook)
+
+    return remove
+
+
+def fire(point: str, **details: Any) -> None:
+    """Run the hooks registered at ``point`` (none in normal operation)."""
+    for hook in list(_HOOKS.get(point, ())):
+        hook(**details)

@@ -1,0 +1,137 @@
+"""Preemption: turn a SIGTERM on any rank into one agreed step at which every rank saves and stops.
+
+A scheduler (Kubernetes, Slurm, a cloud's spot reclaim) sends SIGTERM and then, after a grace
+period, SIGKILL. The signal may reach one worker only. The handler just sets a flag; at agreed
+step boundaries the ranks combine their flags with a small ``MAX`` all-reduce, so every rank
+reads the same answer at the same step: they save that step and exit with
+:data:`PREEMPTION_EXIT_CODE`.
+
+How often: about every ``check_seconds`` of training. The same all-reduce carries each rank's
+recent step time, and every rank derives the next check interval (in steps) from the reduced
+value, so the interval adapts to the step time and stays identical on every rank. A check
+costs one small collective (a fraction of a millisecond), so at one per second it is free;
+``check_seconds=0`` checks after every step.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import torch
+
+from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.comm.collectives import Collectives
+from replicator.comm.reduce_op import ReduceOp
+
+__all__ = ["PREEMPTION_EXIT_CODE", "Preempted", "PreemptionWatcher"]
+
+#: The most steps between two checks, however fast the steps are.
+MAX_CHECK_INTERVAL = 10_000
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption backup was saved; exits with code 75.
+
+    A ``SystemExit``: an uncaught one ends the process with the preemption exit code and no
+    traceback, which is what launchers and schedulers expect.
+    """
+
+    def __init__(self, step: int, rank: int, path: str | None) -> None:
+        self.step = step
+        self.rank = rank
+        self.path = path
+        where = f"; backup saved at {path}" if path else ""
+        self.message = (f"rank {rank}: preempted (SIGTERM) after step {step}{where}; exiting "
+                        f"with code {PREEMPTION_EXIT_CODE}")
+        super().__init__(PREEMPTION_EXIT_CODE)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PreemptionWatcher:
+    """Catches the preemption signals and lets the ranks agree on when to stop.
+
+    Use :meth:`install` / :meth:`uninstall` around training and call :meth:`poll` once per step,
+    at the same point on every rank.
+    """
+
+    def __init__(self, collectives: Collectives, signals: tuple[int, ...] = (signal.SIGTERM,),
+                 check_seconds: float = 1.0) -> None:
+        if check_seconds < 0:
+            raise ValueError(f"check_seconds must be >= 0, got {check_seconds}")
+        self.collectives = collectives
+        self.signals = signals
+        self.check_seconds = check_seconds
+        self.requested = False
+        self.requested_at: float | None = None
+        self._previous: dict[int, Any] = {}
+        self._interval = 1
+        self._countdown = 1
+        self._last_check: float | None = None
+
+    # -- signals -------------------------------------------------------------------------------
+    def install(self) -> bool:
+        """Install the handler (main thread only); returns False where that is impossible."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in self.signals:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return True
+
+    def uninstall(self) -> None:
+        """Put the previous handlers back."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self.requested:
+            self.requested = True
+            self.requested_at = time.time()
+            print(f"[replicator] rank {self.collectives.rank}: received "
+                  f"{signal.Signals(signum).name}; the ranks will agree on a step, save a backup"
+                  " and stop", file=sys.stderr, flush=True)
+        previous = self._previous.get(signum)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)
+
+    def request(self) -> None:
+        """Ask for a preemption stop from code (same effect as the signal)."""
+        self.requested = True
+        self.requested_at = self.requested_at or time.time()
+
+    # -- agreement -----------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Call after every step, on every rank; True on every rank, at the same step, once
+        any rank asked to stop (decided at the next check, see the module doc)."""
+        coll = self.collectives
+        if coll.world_size == 1:
+            return self.requested
+        self._countdown -= 1
+        if self._countdown > 0:
+            return False
+        now = time.perf_counter()
+        step_time = ((now - self._last_check) / self._interval
+                     if self._last_check is not None else 0.0)
+        local = torch.tensor([1.0 if self.requested else 0.0, step_time],
+                             dtype=torch.float64)
+        flag, slowest = coll.all_reduce(local, ReduceOp.MAX, "preemption check").tolist()
+        if flag > 0:
+            return True
+        if self.check_seconds == 0 or slowest <= 0:
+            self._interval = 1
+        else:
+            self._interval = int(min(MAX_CHECK_INTERVAL,
+                                     max(1, self.check_seconds // slowest)))
+        self._countdown = self._interval
+        self._last_check = time.perf_counter()
+        return False

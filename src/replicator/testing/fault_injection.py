@@ -1,0 +1,163 @@
+"""Fault injection for tests of fault tolerance: kill, stop, fail or delay a rank at a step, kill
+a rank in the middle of a save, and damage the newest checkpoint on disk.
+
+A step fault is a callable; call it with the step number at the top of each step::
+
+    kill = rp.testing.kill_rank(1, at_step=37)          # SIGKILL rank 1 once, at step 37
+    for step, batch in backup.steps(dist_dataset, num_steps=100):
+        kill(step)
+        ...
+
+"Once" means on the first attempt only (restart count 0, from ``REPLICATOR_RESTART_COUNT`` or
+torchrun's ``TORCHELASTIC_RESTART_COUNT``), so a restarted group runs through; ``once=False``
+fires on every attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from replicator.checkpoint import fault_points
+from replicator.checkpoint.manifest import MARKER_NAME
+from replicator.cluster.environment import resolve_cluster
+
+
+def _rank() -> int:
+    return resolve_cluster().rank
+
+
+def _attempt() -> int:
+    return resolve_cluster().restart_count
+
+
+class Fault:
+    """An action that fires on ``rank`` when called with ``step == at_step``."""
+
+    def __init__(self, action: Callable[[], None], rank: int, at_step: int, once: bool,
+                 description: str, on_fire: Callable[[], None] | None = None) -> None:
+        if at_step < 1:
+            raise ValueError(f"at_step counts steps from 1, got {at_step}")
+        self.action = action
+        self.rank = rank
+        self.at_step = at_step
+        self.once = once
+        self.description = description
+        self.on_fire = on_fire
+
+    def applies(self) -> bool:
+        """True on the rank and attempt where this fault fires."""
+        return _rank() == self.rank and (not self.once or _attempt() == 0)
+
+    def __call__(self, step: int) -> None:
+        if step != self.at_step or not self.applies():
+            return
+        print(f"[replicator.testing] rank {self.rank}: {self.description} at step {step} "
+              f"(attempt {_attempt()})", file=sys.stderr, flush=True)
+        if self.on_fire is not None:
+            self.on_fire()
+        self.action()
+
+    def __repr__(self) -> str:
+        when = "first attempt" if self.once else "every attempt"
+        return f"Fault({self.description}, rank={self.rank}, at_step={self.at_step}, {when})"
+
+
+def _signal_self(sig: int) -> Callable[[], None]:
+    def action() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), sig)
+        if sig == signal.SIGKILL:  # pragma: no cover - never returns
+            time.sleep(60)
+
+    return action
+
+
+def kill_rank(rank: int, at_step: int, *, once: bool = True, sig: int = signal.SIGKILL,
+              on_fire: Callable[[], None] | None = None) -> Fault:
+    """Kill rank ``rank`` with ``sig`` (default SIGKILL: no cleanup, like a lost machine)."""
+    return Fault(_signal_self(sig), rank, at_step, once,
+                 f"killing itself with {signal.Signals(sig).name}", on_fire)
+
+
+def terminate_rank(rank: int, at_step: int, *, once: bool = True) -> Fault:
+    """Send SIGTERM to rank ``rank`` (a preemption notice) and let training go on."""
+    return Fault(_signal_self(signal.SIGTERM), rank, at_step, once, "sending itself SIGTERM")
+
+
+def fail_rank(rank: int, at_step: int, *, once: bool = False,
+              message: str = "injected failure") -> Fault:
+    """Raise ``RuntimeError(message)`` on rank ``rank`` (default: on every attempt)."""
+    def action() -> None:
+        raise RuntimeError(f"{message} (rank {rank}, step {at_step})")
+
+    return Fault(action, rank, at_step, once, f"raising RuntimeError({message!r})")
+
+
+def delay_rank(rank: int, at_step: int, seconds: float, *, once: bool = True) -> Fault:
+    """Stall rank ``rank`` for ``seconds`` (a hang, if longer than the collective timeout)."""
+    return Fault(lambda: time.sleep(seconds), rank, at_step, once,
+                 f"sleeping {seconds:g} s")
+
+
+def kill_during_save(rank: int = 0, at_step: int | None = None, *,
+                     once: bool = True) -> Callable[[], None]:
+    """SIGKILL rank ``rank`` in a save after the data files, before the commit marker.
+
+    Applies to the save of ``at_step`` (any save when None). Only the chief commits, so use
+    ``rank=0`` to leave a renamed checkpoint without its marker. Returns a function that
+    removes the hook.
+    """
+    target_rank = rank
+
+    def hook(step: int, path: Path, rank: int) -> None:
+        if rank != target_rank or (at_step is not None and step != at_step):
+            return
+        if once and _attempt() != 0:
+            return
+        print(f"[replicator.testing] rank {rank}: killing itself during the save of step {step}"
+              f" (files written, no commit marker yet)", file=sys.stderr, flush=True)
+        _signal_self(signal.SIGKILL)()
+
+    return fault_points.add_hook("before_commit", hook)
+
+
+def latest_checkpoint(backup_dir: str | os.PathLike[str]) -> Path:
+    """The newest committed step directory in ``backup_dir``."""
+    dirs = sorted(p for p in Path(backup_dir).glob("step-*") if (p / MARKER_NAME).exists())
+    if not dirs:
+        raise FileNotFoundError(f"no committed checkpoint in {backup_dir}")
+    return dirs[-1]
+
+
+def corrupt_latest_checkpoint(backup_dir: str | os.PathLike[str], mode: str = "flip",
+                              file: str | None = None) -> Path:
+    """Damage the newest committed checkpoint; returns the damaged file.
+
+    ``mode``: ``"flip"`` inverts one byte in the middle of the file, ``"truncate"`` cuts it to
+    half its size, ``"delete"`` removes it. ``file`` defaults to the largest data file.
+    """
+    step_dir = latest_checkpoint(backup_dir)
+    if file is None:
+        candidates = [p for p in step_dir.iterdir() if p.name != MARKER_NAME and p.is_file()]
+        target = max(candidates, key=lambda p: p.stat().st_size)
+    else:
+        target = step_dir / file
+    if mode == "flip":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif mode == "truncate":
+        size = target.stat().st_size
+        with open(target, "r+b") as f:
+            f.truncate(size // 2)
+    elif mode == "delete":
+        target.unlink()
+    else:
+        raise ValueError(f"unknown mode {mode!r}; use 'flip', 'truncate' or 'delete'")
+    return target
