@@ -12,6 +12,7 @@ import atexit
 import threading
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +22,7 @@ from replicator.data.errors import InputTimeoutError
 from replicator.data.materialise import LocalBatch
 
 
-class _Queue:
+class _Queue(ABC):
     def __init__(self) -> None:
         self._items: deque[Staged] = deque()
         self.finished = False
@@ -38,9 +39,9 @@ class _Queue:
         ready, full = self.counts()
         return (full if need_full else ready) > 0
 
+    @abstractmethod
     def wait(self, need_full: bool = False) -> None:
         """Until a (full) batch is ready or the pipeline finished; raises its error."""
-        raise NotImplementedError
 
     def pop(self) -> Staged | None:
         """The next batch, or ``None`` at the end of the pipeline."""
@@ -53,6 +54,7 @@ class _Queue:
 
     def close(self, wait: bool = False) -> None:
         """Stop producing and drop what is buffered."""
+        return None
 
 
 class SyncQueue(_Queue):
