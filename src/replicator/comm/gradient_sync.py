@@ -12,6 +12,11 @@ A parameter that got no gradient in this pass contributes its current ``.grad`` 
 ``None``); it receives the average if any rank produced a non-zero gradient for it and keeps
 ``grad=None`` otherwise.
 
+As in DDP's ``gradient_as_bucket_view``, once a gradient has been copied into its bucket,
+``param.grad`` becomes a view of the bucket buffer, so the average lands in ``.grad`` without a
+copy back; a ``.grad`` tensor kept across steps is therefore overwritten by the next
+``backward()`` (``optimizer.zero_grad()`` works as usual).
+
 Bucket buffers are made by the algorithm (``make_buffers``), so an algorithm can keep them
 where it communicates fastest (shared memory). With ``destination=r`` the buckets are only
 reduced onto rank ``r`` (central storage): rank ``r`` gets the averages, the other ranks keep
@@ -45,6 +50,7 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     handle: Handle | None = None
     launched: bool = False
+    views: list[torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -137,14 +143,27 @@ class GradientSynchronizer:
             self._pass_active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
         bucket, i = self._where[id(param)]
-        buf = self._buffer(bucket)
-        start = bucket.offsets[i]
-        buf[start:start + param.numel()].copy_(param.grad.reshape(-1))
+        view = self._views(bucket)[i]
+        grad = param.grad
+        if grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            if self.destination is None:
+                # from now on .grad *is* the bucket slice (DDP's gradient_as_bucket_view):
+                # the averaged result lands in place, with no copy back
+                param.grad = view
         bucket.ready.add(i)
         while (self._next_launch < len(self.buckets)
                and len(self.buckets[self._next_launch].ready)
                == len(self.buckets[self._next_launch].params)):
             self._launch(self.buckets[self._next_launch])
+
+    def _views(self, bucket: _Bucket) -> list[torch.Tensor]:
+        """Per-parameter views of the bucket buffer, shaped like the parameters."""
+        if bucket.views is None:
+            buf = self._buffer(bucket)
+            bucket.views = [buf[o:o + p.numel()].view_as(p)
+                            for o, p in zip(bucket.offsets, bucket.params)]
+        return bucket.views
 
     def _buffer(self, bucket: _Bucket) -> torch.Tensor:
         if bucket.buffer is None:
@@ -194,14 +213,13 @@ class GradientSynchronizer:
             self._next_launch = 0
             self._pass_active = False
 
-    @staticmethod
-    def _write_back(bucket: _Bucket, scale: float) -> None:
-        buf = bucket.buffer
-        buf.mul_(scale)
+    def _write_back(self, bucket: _Bucket, scale: float) -> None:
+        bucket.buffer.mul_(scale)
         with torch.no_grad():
             for i, p in enumerate(bucket.params):
-                piece = buf[bucket.offsets[i]:bucket.offsets[i] + p.numel()].view_as(p)
+                piece = self._views(bucket)[i]
                 if p.grad is not None:
-                    p.grad.copy_(piece)
+                    if p.grad.data_ptr() != piece.data_ptr():
+                        p.grad.copy_(piece)
                 elif i not in bucket.ready and bool(piece.any()):
                     p.grad = piece.clone()
