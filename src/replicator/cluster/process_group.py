@@ -125,9 +125,22 @@ def current_group() -> GroupInfo | None:
     return _GROUP if dist.is_initialized() else None
 
 
+_SHUTDOWN_HOOKS: list = []
+
+
+def on_shutdown(hook) -> None:  # noqa: ANN001 - a callable taking nothing
+    """Run ``hook()`` before the process group is destroyed (stops helper threads first)."""
+    _SHUTDOWN_HOOKS.append(hook)
+
+
 def shutdown() -> None:
     """Destroy the process group this module created (a user's own group is left alone)."""
     global _GROUP
+    while _SHUTDOWN_HOOKS:
+        try:
+            _SHUTDOWN_HOOKS.pop()()
+        except Exception:  # noqa: BLE001 - shutting down must go on
+            pass
     if _GROUP is not None and _GROUP.owned and dist.is_initialized():
         dist.destroy_process_group()
     _GROUP = None

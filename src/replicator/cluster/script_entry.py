@@ -13,6 +13,24 @@ import sys
 from replicator.cluster.worker_errors import ERROR_DIR_ENV, error_path, record_exception
 
 
+def _clean_exit(code: int) -> None:
+    """Finish like a normal exit (shutdown, atexit handlers, flushed output), then leave
+    without C++ static destructors, whose order with still-running backend threads can abort
+    a worker that already succeeded."""
+    import atexit
+
+    from replicator.cluster.process_group import shutdown
+
+    try:
+        shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: python -m replicator.cluster.script_entry SCRIPT [ARGS...]")
@@ -24,6 +42,7 @@ def main() -> None:
     error_dir = os.environ.get(ERROR_DIR_ENV)
     try:
         runpy.run_path(script, run_name="__main__")
+        _clean_exit(0)
     except SystemExit as exc:
         code = exc.code
         if code in (None, 0):

@@ -80,4 +80,7 @@ class CollectiveTracker:
         return "; ".join(parts)
 
     def close(self) -> None:
+        """Stop publishing and wait for the thread, so no store call outlives the store."""
         self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=2.0)

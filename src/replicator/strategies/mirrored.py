@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from replicator.cluster.devices import default_device_for, parse_devices
 from replicator.cluster.environment import resolve_cluster
-from replicator.cluster.process_group import initialize, open_store_client
+from replicator.cluster.process_group import initialize, on_shutdown, open_store_client
 from replicator.comm.algorithms import CrossDeviceOps
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
@@ -87,6 +87,7 @@ class MirroredStrategy(Strategy):
         self._rank = dist.get_rank()
         self._world = dist.get_world_size()
         self._tracker = CollectiveTracker(self._rank, self._world, open_store_client(info))
+        on_shutdown(self._tracker.close)
         self._collectives = Collectives(self._rank, self._world, self._device,
                                         info.timeout_seconds, self._tracker)
         self._synchronizers: list[GradientSynchronizer] = []
