@@ -76,3 +76,21 @@ class PreemptedError(WorkerFailedError):
         self.traceback_text = ""
         self.others: list[str] = []
         ReplicatorError.__init__(self, message)
+
+
+class CollectiveMismatchError(ReplicaMismatchError):
+    """Replicas entered different collectives at the same point (another operation, shape,
+    dtype or call count): the fingerprints exchanged before the payload disagree.
+
+    ``calls`` maps each rank to a description of its call and the user's call site.
+    """
+
+    def __init__(self, message: str, calls: dict[int, str] | None = None) -> None:
+        self.calls = dict(calls or {})
+        super().__init__(message)
+
+
+class NotDistributedError(ReplicatorError):
+    """Trainable parameters are used under a multi-replica strategy without having been
+    distributed (built outside ``scope()`` and never passed to ``distribute_model``): each
+    replica would silently train its own model."""
