@@ -12,22 +12,31 @@ import torch
 class BucketLayout:
     """Bucket ``index`` holds tensors of ``shapes`` at element ``offsets`` of a flat buffer.
 
-    The index identifies the bucket across steps (error-feedback state is kept per bucket).
+    ``(owner, index)`` identifies the bucket across steps: ``owner`` is unique to the gradient
+    synchronizer that made the bucket (never reused), so compression state kept per bucket
+    (error feedback, PowerSGD's factors) never mixes two models under one algorithm object.
     """
 
     index: int
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]
+    owner: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The bucket's identity for per-bucket state: ``(owner, index)``."""
+        return (self.owner, self.index)
 
     @classmethod
-    def from_shapes(cls, index: int, shapes: Sequence[Sequence[int]]) -> BucketLayout:
+    def from_shapes(cls, index: int, shapes: Sequence[Sequence[int]],
+                    owner: int = 0) -> BucketLayout:
         """Tensors of ``shapes`` packed back to back, in order."""
         offsets, n = [], 0
         sizes = [torch.Size(s) for s in shapes]
         for s in sizes:
             offsets.append(n)
             n += s.numel()
-        return cls(index, tuple(sizes), tuple(offsets))
+        return cls(index, tuple(sizes), tuple(offsets), owner)
 
     @property
     def numel(self) -> int:
