@@ -9,9 +9,9 @@ runs::
         model = Net(); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 """
 
-from replicator import data, metrics, testing
+from replicator import cluster, data, metrics, testing
 from replicator.checkpoint import PREEMPTION_EXIT_CODE, BackupAndRestore, CheckpointManager
-from replicator.cluster import launch
+from replicator.cluster import Topology, launch
 from replicator.comm import (
     CastCompression,
     CommunicationOptions,
@@ -33,7 +33,9 @@ from replicator.errors import (
     CheckpointError,
     CheckpointWriteError,
     ClusterConfigError,
+    CollectiveMismatchError,
     NonFiniteLossError,
+    NotDistributedError,
     PreemptedError,
     ReplicaMismatchError,
     ReplicaTimeoutError,
@@ -84,5 +86,6 @@ __all__ = [
     "SharedMemoryAllReduce", "Compression", "CastCompression", "PowerSGD", "ddp_comm_hook",
     "register_ddp_comm_hook", "BackupAndRestore", "CheckpointManager", "PREEMPTION_EXIT_CODE",
     "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
-    "NonFiniteLossError", "PreemptedError",
+    "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
+    "Topology", "cluster",
 ]

@@ -78,3 +78,32 @@ def test_distribute_dataset_rejects_what_it_cannot_split():
         s.distribute_dataset(ds)
     batches = [b[0].tolist() for b in s.distribute_dataset(ds, batch_size=4)]
     assert batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_register_strategy_refuses_to_replace_a_name_unless_asked():
+    from replicator.strategies.registry import _REGISTRY
+
+    class Custom(rp.OneDeviceStrategy):
+        name = "mirrored"
+
+    with pytest.raises(ValueError, match="already registered.*override=True"):
+        rp.register_strategy(Custom)
+    assert _REGISTRY["mirrored"] is rp.MirroredStrategy
+    before = dict(_REGISTRY)
+    try:
+        rp.register_strategy(Custom, override=True)
+        assert _REGISTRY["mirrored"] is Custom
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(before)
+    with pytest.raises(TypeError, match="Strategy subclass"):
+        rp.register_strategy(object)  # type: ignore[arg-type]
+
+
+def test_multi_worker_mirrored_takes_an_algorithm_as_first_argument():
+    strategy = rp.MultiWorkerMirroredStrategy(rp.RingAllReduce())
+    assert isinstance(strategy.cross_device_ops, rp.RingAllReduce)
+    with pytest.raises(TypeError, match="two all-reduce algorithms"):
+        rp.MultiWorkerMirroredStrategy(rp.RingAllReduce(), cross_device_ops=rp.NativeAllReduce())
+    with pytest.raises(TypeError, match="CommunicationOptions"):
+        rp.MultiWorkerMirroredStrategy("ring")  # type: ignore[arg-type]

@@ -7,12 +7,15 @@ each strategy implements (tf.distribute's split between ``Strategy`` and ``Strat
 from __future__ import annotations
 
 import contextlib
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.distributed_dataset import (
@@ -23,7 +26,10 @@ from replicator.data.distributed_dataset import (
 from replicator.data.input_context import InputContext
 from replicator.data.options import InputOptions
 from replicator.strategies import replica_context
-from replicator.strategies.scope_capture import RegistrationCapture, module_state
+from replicator.strategies.scope_capture import RegistrationCapture, named_state
+from replicator.strategies.undistributed import UndistributedGuard
+
+_SERIALS = itertools.count(1)
 
 
 def as_tensor(value: Any, call: str) -> torch.Tensor:
@@ -46,11 +52,21 @@ class Strategy(ABC):
     """How a step function runs across replicas. Subclasses implement the ``_hooks``."""
 
     name: ClassVar[str] = "strategy"
+    #: The process group of the data-parallel replicas (``None``: the default group); the
+    #: input pipeline agrees on uneven ends over it.
+    _data_group: dist.ProcessGroup | None = None
 
     def __init__(self) -> None:
         self._scope_depth = 0
         self._capture: RegistrationCapture | None = None
-        self._distributed: set[int] = set()
+        #: unique for the process's lifetime (never reused, unlike ``id(self)``)
+        self.serial = next(_SERIALS)
+        # modules and tensors this strategy has set up, held weakly: a tensor freed later
+        # cannot make a new one with the same id look distributed
+        self._set_up_modules: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._distributed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._guard: UndistributedGuard | None = None
+        self._closed = False
         replica_context.created(self)
 
     # -- identity ------------------------------------------------------------------------------
@@ -82,6 +98,7 @@ class Strategy(ABC):
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
         """Modules created inside become distributed when the block ends (see the strategy)."""
+        self._check_open("scope")
         outermost = self._scope_depth == 0
         if outermost:
             self._capture = RegistrationCapture()
@@ -98,35 +115,72 @@ class Strategy(ABC):
             self._scope_depth -= 1
             if outermost:
                 assert self._capture is not None
-                params, buffers = self._capture.stop()
+                modules = self._capture.stop()
                 self._capture = None
                 if ok:
-                    self._distribute_state(params, buffers)
+                    self._distribute_modules(modules)
 
     def distribute_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Make a model built outside ``scope()`` distributed; returns the same module."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"distribute_model takes a torch.nn.Module, got "
                             f"{type(model).__name__}")
+        self._check_open("distribute_model")
         if self.device.type != "cpu":
             model.to(self.device)
-        params, buffers = module_state(model)
-        self._distribute_state(params, buffers)
+        self._distribute_modules([model])
         return model
 
-    def _distribute_state(self, params: list[torch.nn.Parameter],
-                          buffers: list[torch.Tensor]) -> None:
-        params = [p for p in params if id(p) not in self._distributed]
-        buffers = [b for b in buffers if id(b) not in self._distributed]
+    def _distribute_modules(self, modules: list[torch.nn.Module]) -> None:
+        for module in modules:
+            if module not in self._set_up_modules:
+                self._setup_module(module)
+                self._set_up_modules[module] = True
+                for _, t in [*module.named_parameters(), *module.named_buffers()]:
+                    self._distributed[t] = True
+
+    def is_distributed(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` belongs to a module this strategy has set up."""
+        return tensor in self._distributed
+
+    def _setup_module(self, module: torch.nn.Module) -> None:
+        """Hook: make one top-level ``module`` distributed (called once per module, at scope
+        exit and by :meth:`distribute_model`). The default passes the module's parameters and
+        buffers not yet distributed to :meth:`_on_new_state`; a strategy that shards, wraps or
+        places modules overrides this hook (and registers torch's state-dict hooks on the
+        module when its checkpoint layout differs from the module's own)."""
+        params, buffers = named_state(module)
+        params = [(n, p) for n, p in params if p not in self._distributed]
+        buffers = [(n, b) for n, b in buffers if b not in self._distributed]
         if not params and not buffers and self.num_replicas_in_sync == 1:
             return
-        self._on_new_state(params, buffers)
-        self._distributed.update(id(t) for t in [*params, *buffers])
+        self._on_new_state(module, params, buffers)
 
-    def _on_new_state(self, params: list[torch.nn.Parameter],
-                      buffers: list[torch.Tensor]) -> None:
-        """Hook: make new parameters/buffers distributed (sync initial values, add hooks)."""
+    def _on_new_state(self, module: torch.nn.Module,
+                      params: list[tuple[str, torch.nn.Parameter]],
+                      buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """Hook: make ``module``'s new (named) parameters and buffers distributed (sync initial
+        values, add gradient hooks)."""
         return None
+
+    def close(self) -> None:
+        """Release what the strategy installed (gradient hooks, helper threads); idempotent.
+        The strategy cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._guard is not None:
+            self._guard.close()
+        self._close()
+
+    def _close(self) -> None:
+        """Hook: release the strategy's own resources."""
+        return None
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{call}() on a closed {type(self).__name__}. HINT: create a new "
+                               "strategy; close() releases its hooks for good.")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -142,8 +196,18 @@ class Strategy(ABC):
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"run(fn, args=...) takes a tuple of arguments, got "
                             f"{type(args).__name__}. HINT: write args=(batch,)")
+        self._check_open("run")
+        if self.num_replicas_in_sync > 1 and self._guards_undistributed:
+            if self._guard is None:
+                self._guard = UndistributedGuard(self)
+            with replica_context.entered(self), self._guard.watching():
+                return self._run(fn, tuple(args), dict(kwargs or {}))
         with replica_context.entered(self):
             return self._run(fn, tuple(args), dict(kwargs or {}))
+
+    #: Whether ``run`` refuses trainable parameters this strategy never distributed (on for
+    #: synchronous replica strategies, where they would silently train N separate models).
+    _guards_undistributed: ClassVar[bool] = False
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         return fn(*args, **kwargs)

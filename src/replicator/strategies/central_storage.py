@@ -25,8 +25,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
-from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from replicator.comm.options import CommunicationOptions
 from replicator.errors import ReplicatorError
 from replicator.strategies.mirrored import MirroredStrategy
@@ -57,9 +57,11 @@ class CentralStorageStrategy(MirroredStrategy):
 
     def __init__(self, devices: Sequence[str | torch.device] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, *,
-                 communication_options: CommunicationOptions | None = None) -> None:
-        super().__init__(devices, cross_device_ops, communication_options=communication_options)
-        self._central_params: set[int] = set()
+                 communication_options: CommunicationOptions | None = None,
+                 mesh: Topology | None = None, axis: str = "data",
+                 buffer_sync: str = "mean") -> None:
+        super().__init__(devices, cross_device_ops, communication_options=communication_options,
+                         mesh=mesh, axis=axis, buffer_sync=buffer_sync)
         self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stashed: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         me = weakref.ref(self)
@@ -76,7 +78,11 @@ class CentralStorageStrategy(MirroredStrategy):
 
         handles = [register_optimizer_step_pre_hook(before),
                    register_optimizer_step_post_hook(after)]
-        weakref.finalize(self, lambda: [h.remove() for h in handles])
+        def remove_hooks() -> None:
+            for h in handles:
+                h.remove()
+
+        weakref.finalize(self, remove_hooks)
 
     @property
     def is_central(self) -> bool:
@@ -84,17 +90,14 @@ class CentralStorageStrategy(MirroredStrategy):
         return self.replica_id == self.central_replica
 
     # -- state ---------------------------------------------------------------------------------
-    def _on_new_state(self, params: list[torch.nn.Parameter],
-                      buffers: list[torch.Tensor]) -> None:
-        self._check_same_structure(params, buffers)
-        self._collectives.broadcast_([*params, *buffers], src=self.central_replica,
+    def _on_new_state(self, module: torch.nn.Module,
+                      params: list[tuple[str, torch.nn.Parameter]],
+                      buffers: list[tuple[str, torch.Tensor]]) -> None:
+        self._check_same_structure(module, params, buffers)
+        self._collectives.broadcast_([t for _, t in [*params, *buffers]],
+                                     src=self.central_replica,
                                      what="broadcast of initial parameters from replica 0")
-        if params:
-            bucket = self._options.bytes_per_pack or DEFAULT_BUCKET_BYTES
-            self._synchronizers.append(GradientSynchronizer(
-                params, self._collectives, self._algorithm, bucket_bytes=bucket,
-                destination=self.central_replica))
-        self._central_params.update(id(p) for p in params)
+        self._add_synchronizer(module, params, buffers, destination=self.central_replica)
 
     # -- the optimizer step ----------------------------------------------------------------------
     @staticmethod
@@ -110,7 +113,7 @@ class CentralStorageStrategy(MirroredStrategy):
         params = self._params_of(optimizer)
         if known is not None and known[1] == len(params):
             return known[0]
-        mine = [id(p) in self._central_params for p in params]
+        mine = [self.is_distributed(p) for p in params]
         if any(mine) and not all(mine):
             raise ReplicatorError(
                 f"{type(optimizer).__name__} holds {sum(mine)} parameters created in "

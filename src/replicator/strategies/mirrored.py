@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from replicator.cluster.devices import default_device_for, parse_devices
 from replicator.cluster.environment import resolve_cluster
 from replicator.cluster.process_group import initialize, on_shutdown, open_store_client
+from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
@@ -30,11 +32,13 @@ from replicator.errors import ClusterConfigError, ReplicaMismatchError
 from replicator.strategies.base import Strategy
 
 
-def _signature(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> list[str]:
-    return ([f"parameter {i}: shape {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
-             for i, p in enumerate(params)]
-            + [f"buffer {i}: shape {tuple(b.shape)} {str(b.dtype).replace('torch.', '')}"
-               for i, b in enumerate(buffers)])
+def _signature(params: Sequence[tuple[str, torch.Tensor]],
+               buffers: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    def describe(kind: str, name: str, t: torch.Tensor) -> str:
+        return f"{kind} {name}: shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+    return ([describe("parameter", n, p) for n, p in params]
+            + [describe("buffer", n, b) for n, b in buffers])
 
 
 def _first_difference(descs: list[list[str]]) -> str:
@@ -45,19 +49,31 @@ def _first_difference(descs: list[list[str]]) -> str:
     return "(no entry differs)"
 
 
+#: What ``buffer_sync`` may be: see :class:`MirroredStrategy`.
+BUFFER_SYNC_MODES = ("mean", "broadcast", "none")
+
+
 class MirroredStrategy(Strategy):
     """Synchronous data parallel training on the replicas of this job.
 
     ``devices``: the devices of this machine's replicas, one per local process (``None``: one
     GPU per process when there are enough, else the CPU). ``cross_device_ops``: the all-reduce
-    algorithm for gradients (default :class:`~replicator.NativeAllReduce`).
+    algorithm for gradients (default :class:`~replicator.NativeAllReduce`). ``mesh`` and
+    ``axis``: replicate along one axis of a :class:`~replicator.cluster.Topology` (default: every
+    process of the job is a replica). ``buffer_sync``: what happens to buffers such as
+    BatchNorm's running statistics after each synchronised backward pass: ``"mean"`` (averaged
+    across replicas, integer buffers taken from replica 0), ``"broadcast"`` (replica 0's, as
+    DDP does) or ``"none"`` (each replica keeps its own).
     """
 
     name = "mirrored"
+    _guards_undistributed = True
 
     def __init__(self, devices: Sequence[str | torch.device] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, *,
-                 communication_options: CommunicationOptions | None = None) -> None:
+                 communication_options: CommunicationOptions | None = None,
+                 mesh: Topology | None = None, axis: str = "data",
+                 buffer_sync: str = "mean") -> None:
         spec = resolve_cluster()
         parsed = parse_devices(devices)
         if parsed is not None:
@@ -76,6 +92,16 @@ class MirroredStrategy(Strategy):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as "
                             f"rp.NativeAllReduce(), got {type(cross_device_ops).__name__}")
+        if communication_options is not None and \
+                not isinstance(communication_options, CommunicationOptions):
+            raise TypeError(f"communication_options must be rp.CommunicationOptions(...), got "
+                            f"{type(communication_options).__name__}")
+        if buffer_sync not in BUFFER_SYNC_MODES:
+            raise ValueError(f"buffer_sync must be one of {', '.join(BUFFER_SYNC_MODES)}, got "
+                             f"{buffer_sync!r}")
+        if mesh is not None and not isinstance(mesh, Topology):
+            raise TypeError(f"mesh must be an rp.cluster.Topology, got {type(mesh).__name__}")
+        self._buffer_sync = buffer_sync
         self._options = communication_options or CommunicationOptions()
         if cross_device_ops is not None and self._options.implementation != "auto":
             raise ValueError(
@@ -84,12 +110,16 @@ class MirroredStrategy(Strategy):
                 "algorithm. HINT: give only one of them.")
         self._algorithm = cross_device_ops or algorithm_for(self._options, self._device)
         info = initialize(timeout_seconds=self._options.timeout_seconds, device=self._device)
-        self._rank = dist.get_rank()
-        self._world = dist.get_world_size()
+        self._mesh = mesh
+        self._axis = axis if mesh is not None else None
+        self._group = mesh.group(axis) if mesh is not None else None
+        self._data_group = self._group
+        self._rank = dist.get_rank(self._group)
+        self._world = dist.get_world_size(self._group)
         self._tracker = CollectiveTracker(self._rank, self._world, open_store_client(info))
         on_shutdown(self._tracker.close)
         self._collectives = Collectives(self._rank, self._world, self._device,
-                                        info.timeout_seconds, self._tracker)
+                                        info.timeout_seconds, self._tracker, group=self._group)
         self._synchronizers: list[GradientSynchronizer] = []
         super().__init__()
 
@@ -115,19 +145,58 @@ class MirroredStrategy(Strategy):
         """The collectives this strategy uses (for other rooms built on the public API)."""
         return self._collectives
 
-    # -- state ---------------------------------------------------------------------------------
-    def _on_new_state(self, params: list[torch.nn.Parameter],
-                      buffers: list[torch.Tensor]) -> None:
-        self._check_same_structure(params, buffers)
-        self._collectives.broadcast_([*params, *buffers], src=0,
-                                     what="broadcast of initial parameters from replica 0")
-        if params:
-            bucket = self._options.bytes_per_pack or DEFAULT_BUCKET_BYTES
-            self._synchronizers.append(GradientSynchronizer(
-                params, self._collectives, self._algorithm, bucket_bytes=bucket))
+    @property
+    def mesh(self) -> Topology | None:
+        """The topology this strategy replicates along (``None``: the whole job)."""
+        return self._mesh
 
-    def _check_same_structure(self, params: list[torch.nn.Parameter],
-                              buffers: list[torch.Tensor]) -> None:
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group of the replicas (``None``: the default group)."""
+        return self._group
+
+    # -- state ---------------------------------------------------------------------------------
+    def _on_new_state(self, module: torch.nn.Module,
+                      params: list[tuple[str, torch.nn.Parameter]],
+                      buffers: list[tuple[str, torch.Tensor]]) -> None:
+        self._check_same_structure(module, params, buffers)
+        self._collectives.broadcast_([t for _, t in [*params, *buffers]], src=0,
+                                     what="broadcast of initial parameters from replica 0")
+        self._add_synchronizer(module, params, buffers)
+
+    def _add_synchronizer(self, module: torch.nn.Module,
+                          params: list[tuple[str, torch.nn.Parameter]],
+                          buffers: list[tuple[str, torch.Tensor]],
+                          destination: int | None = None) -> None:
+        """Average (or, with ``destination``, reduce) ``module``'s gradients in backward; the
+        synchronizer is removed when the module is freed or the strategy closed."""
+        if not params:
+            return
+        bucket = self._options.bytes_per_pack or DEFAULT_BUCKET_BYTES
+        sync = GradientSynchronizer([p for _, p in params], self._collectives, self._algorithm,
+                                    bucket_bytes=bucket, destination=destination,
+                                    buffers=[b for _, b in buffers],
+                                    buffer_sync=self._buffer_sync)
+        self._synchronizers.append(sync)
+        me = weakref.ref(self)
+
+        def forget() -> None:
+            strategy = me()
+            sync.remove()
+            if strategy is not None and sync in strategy._synchronizers:
+                strategy._synchronizers.remove(sync)
+
+        weakref.finalize(module, forget)
+
+    def _close(self) -> None:
+        for sync in self._synchronizers:
+            sync.remove()
+        self._synchronizers = []
+        self._tracker.close()
+
+    def _check_same_structure(self, module: torch.nn.Module,
+                              params: list[tuple[str, torch.nn.Parameter]],
+                              buffers: list[tuple[str, torch.Tensor]]) -> None:
         desc = _signature(params, buffers)
         digest = hashlib.sha256("\n".join(desc).encode()).digest()[:8]
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
@@ -141,9 +210,10 @@ class MirroredStrategy(Strategy):
         counts = ", ".join(f"rank {r}: {sum(e.startswith('parameter') for e in d)} parameters"
                            for r, d in enumerate(descs))
         raise ReplicaMismatchError(
-            f"the replicas built different models in scope() ({counts}). First difference: "
-            f"{_first_difference(descs)}. HINT: every replica must create the same modules in "
-            "the same order; look for code that depends on the rank or on local data.")
+            f"the replicas built different models in scope() ({type(module).__name__}; "
+            f"{counts}). First difference: {_first_difference(descs)}. HINT: every replica must "
+            "create the same modules in the same order; look for code that depends on the rank "
+            "or on local data.")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -177,11 +247,22 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     In replicator's one-process-per-replica model this is the same engine as
     :class:`MirroredStrategy`; the name and ``communication_options`` follow tf.distribute.
+    An all-reduce algorithm given as the first argument (``MultiWorkerMirroredStrategy(
+    rp.RingAllReduce())``) is taken as ``cross_device_ops``.
     """
 
     name = "multi_worker_mirrored"
 
-    def __init__(self, communication_options: CommunicationOptions | None = None,
-                 cross_device_ops: CrossDeviceOps | None = None) -> None:
+    def __init__(self, communication_options: CommunicationOptions | CrossDeviceOps | None = None,
+                 cross_device_ops: CrossDeviceOps | None = None, *,
+                 mesh: Topology | None = None, axis: str = "data",
+                 buffer_sync: str = "mean") -> None:
+        if isinstance(communication_options, CrossDeviceOps):
+            if cross_device_ops is not None:
+                raise TypeError("MultiWorkerMirroredStrategy got two all-reduce algorithms "
+                                f"({communication_options!r} and {cross_device_ops!r}). HINT: "
+                                "pass one, as cross_device_ops=...")
+            communication_options, cross_device_ops = None, communication_options
         super().__init__(devices=None, cross_device_ops=cross_device_ops,
-                         communication_options=communication_options)
+                         communication_options=communication_options, mesh=mesh, axis=axis,
+                         buffer_sync=buffer_sync)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from replicator.cluster.devices import parse_device
+from replicator.cluster.environment import resolve_cluster
 from replicator.comm.reduce_op import ReduceOp
 from replicator.strategies.base import Strategy
 
@@ -19,6 +22,14 @@ class OneDeviceStrategy(Strategy):
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self._device = parse_device(device)
+        spec = resolve_cluster()
+        if spec.world_size > 1:
+            warnings.warn(
+                f"OneDeviceStrategy in a job of {spec.world_size} processes (rank {spec.rank}): "
+                "every process trains its own independent model on its own data and acts as "
+                "the chief (prints, writes checkpoints). HINT: use rp.MirroredStrategy() to "
+                "train one model on every process, or launch a single process.",
+                UserWarning, stacklevel=2)
         super().__init__()
 
     @property
@@ -28,10 +39,6 @@ class OneDeviceStrategy(Strategy):
     @property
     def device(self) -> torch.device:
         return self._device
-
-    def _on_new_state(self, params: list[torch.nn.Parameter],
-                      buffers: list[torch.Tensor]) -> None:
-        pass
 
     def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.to(self._device, copy=True)

@@ -10,9 +10,21 @@ from replicator.strategies.base import Strategy
 _REGISTRY: dict[str, type[Strategy]] = {}
 
 
-def register_strategy(cls: type[Strategy], *aliases: str) -> type[Strategy]:
-    """Make ``cls`` available to :func:`get_strategy` under ``cls.name`` and ``aliases``."""
-    for key in (cls.name, *aliases):
+def register_strategy(cls: type[Strategy], *aliases: str,
+                      override: bool = False) -> type[Strategy]:
+    """Make ``cls`` available to :func:`get_strategy` under ``cls.name`` and ``aliases``.
+
+    A name already taken by another class is an error unless ``override=True``.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise TypeError(f"register_strategy takes a Strategy subclass, got {cls!r}")
+    keys = (cls.name, *aliases)
+    taken = [k for k in keys if k in _REGISTRY and _REGISTRY[k] is not cls]
+    if taken and not override:
+        owners = ", ".join(f"{k!r} ({_REGISTRY[k].__name__})" for k in taken)
+        raise ValueError(f"strategy name(s) {owners} already registered. HINT: choose another "
+                         "name, or pass override=True to replace it on purpose.")
+    for key in keys:
         _REGISTRY[key] = cls
     return cls
 

@@ -1,8 +1,11 @@
-"""Notice the parameters and buffers that modules register while a strategy's scope is open.
+"""Notice the modules built while a strategy's scope is open, and which of them are top-level.
 
 This is what makes ``with strategy.scope(): model = Net()`` enough: the global registration
-hooks of ``torch.nn`` report every parameter and buffer created inside the block, in creation
-order, which is the same on every replica that runs the same code.
+hooks of ``torch.nn`` report every parameter, buffer and child module registered inside the
+block, in creation order, which is the same on every replica that runs the same code. The
+strategy then sets up each *top-level* module (one that no other module built in the block
+holds), so it sees ``Net`` as a whole, its children and parameters included, and can shard,
+wrap or place it rather than only broadcast a flat list of tensors.
 """
 
 from __future__ import annotations
@@ -10,39 +13,51 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
 
 
 class RegistrationCapture:
-    """Collects ``(parameters, buffers)`` registered between :meth:`start` and :meth:`stop`."""
+    """Collects the modules that register state between :meth:`start` and :meth:`stop`.
+
+    Modules are held strongly only while the scope is open (so their ids cannot be reused
+    meanwhile); :meth:`stop` returns the top-level ones and forgets the rest.
+    """
 
     def __init__(self) -> None:
-        self.params: dict[int, torch.nn.Parameter] = {}
-        self.buffers: dict[int, torch.Tensor] = {}
+        self._modules: dict[int, torch.nn.Module] = {}
+        self._children: set[int] = set()
         self._handles: list = []
 
     def start(self) -> None:
-        self._handles = [register_module_parameter_registration_hook(self._on_param),
-                         register_module_buffer_registration_hook(self._on_buffer)]
+        self._handles = [register_module_parameter_registration_hook(self._on_state),
+                         register_module_buffer_registration_hook(self._on_state),
+                         register_module_module_registration_hook(self._on_child)]
 
-    def stop(self) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    def stop(self) -> list[torch.nn.Module]:
+        """The top-level modules built in the block, in creation order."""
         for h in self._handles:
             h.remove()
         self._handles = []
-        return list(self.params.values()), list(self.buffers.values())
+        top = [m for key, m in self._modules.items() if key not in self._children]
+        self._modules, self._children = {}, set()
+        return top
 
-    def _on_param(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter | None
+    def _on_state(self, module: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
+        if value is not None:
+            self._modules.setdefault(id(module), module)
+
+    def _on_child(self, parent: torch.nn.Module, name: str, child: torch.nn.Module | None
                   ) -> None:
-        if param is not None:
-            self.params.setdefault(id(param), param)
-
-    def _on_buffer(self, module: torch.nn.Module, name: str, buffer: torch.Tensor | None
-                   ) -> None:
-        if buffer is not None:
-            self.buffers.setdefault(id(buffer), buffer)
+        self._modules.setdefault(id(parent), parent)
+        if child is not None:
+            self._modules.setdefault(id(child), child)
+            self._children.add(id(child))
 
 
-def module_state(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
-    """The parameters and buffers of a module built outside a scope, in registration order."""
-    return list(model.parameters()), [b for b in model.buffers() if b is not None]
+def named_state(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Parameter]],
+                                                  list[tuple[str, torch.Tensor]]]:
+    """A module's named parameters and buffers (shared ones once), in registration order."""
+    return (list(module.named_parameters()),
+            [(n, b) for n, b in module.named_buffers() if b is not None])

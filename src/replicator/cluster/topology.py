@@ -1,0 +1,273 @@
+"""The layout of a job: named mesh axes over the worker processes, roles, and hosts.
+
+A :class:`Topology` says, for each process of the job, its role (``chief``, ``worker`` or
+``ps``), its host, and, for worker processes, its coordinates on named axes (``data``,
+``fsdp``, ``pipeline``, ``tensor``) of a ``torch.distributed.device_mesh.DeviceMesh``. Rooms
+below the strategies never reach for the default group by themselves: a strategy asks the
+topology for the group of the axis it works on and hands that group down.
+
+Layout conventions (torchtitan's): workers are global ranks ``0 .. W-1`` and parameter servers
+the last ``num_ps`` ranks, so global rank 0 is always the chief; the mesh is row-major over the
+axes in the order given, so the last axis holds neighbouring ranks (tensor parallelism, which
+talks most, stays inside a host).
+
+Building a topology is a collective: every process of the job constructs it, with the same
+arguments, in the same order relative to its other collectives.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from replicator.cluster.hosts import exchange_host_keys, group_by_host, local_host_key
+from replicator.errors import ClusterConfigError
+
+#: The axis names a topology understands, and what each splits.
+KNOWN_AXES = {
+    "data": "replicas that each see different data (data parallelism)",
+    "fsdp": "replicas that see different data and shard parameters (fully sharded)",
+    "pipeline": "stages of the model (pipeline parallelism)",
+    "tensor": "shards of each layer (tensor parallelism)",
+}
+#: Axes along which the input is split: their product is the number of replicas.
+DATA_AXES = ("data", "fsdp")
+
+Role = Literal["chief", "worker", "ps"]
+
+
+def _close(name: str, options: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, list(options), n=1)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
+                 num_workers: int) -> dict[str, int]:
+    """Validate axis names and sizes; ``-1`` infers one axis; the product must be the workers.
+
+    Raises :class:`ClusterConfigError` with a hint on an unknown name, a bad size, or a
+    product that is not ``num_workers``.
+    """
+    items = list((axes or {"data": num_workers}).items()) if isinstance(axes, Mapping) or \
+        axes is None else list(axes)
+    if not items:
+        raise ClusterConfigError("a topology needs at least one axis. HINT: Topology({'data': "
+                                 f"{num_workers}}}) or Topology() for plain data parallelism.")
+    names = [str(n) for n, _ in items]
+    for name in names:
+        if name not in KNOWN_AXES:
+            raise ClusterConfigError(
+                f"unknown mesh axis {name!r}.{_close(name, list(KNOWN_AXES))} Known axes: "
+                + "; ".join(f"{k}: {v}" for k, v in KNOWN_AXES.items()))
+    if len(set(names)) != len(names):
+        raise ClusterConfigError(f"mesh axes {names} name an axis twice")
+    sizes: list[int] = []
+    for name, size in items:
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ClusterConfigError(f"mesh axis {name!r} has size {size!r}; sizes are positive "
+                                     "integers, or -1 for the one axis to infer")
+        sizes.append(size)
+    if sizes.count(-1) > 1:
+        raise ClusterConfigError(f"mesh axes {dict(items)}: only one axis may be -1 (inferred)")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if known == 0 or num_workers % known:
+            raise ClusterConfigError(
+                f"mesh axes {dict(items)} cannot be completed for {num_workers} worker "
+                f"processes: {num_workers} is not a multiple of {known}. HINT: choose degrees "
+                f"whose product divides {num_workers}.")
+        sizes[sizes.index(-1)] = num_workers // known
+    product = math.prod(sizes)
+    if product != num_workers:
+        shape = " x ".join(f"{n}={s}" for n, s in zip(names, sizes))
+        raise ClusterConfigError(
+            f"mesh axes {shape} make {product} processes, but the job has {num_workers} worker "
+            f"process(es). HINT: the degrees must multiply to the number of workers; use -1 "
+            f"for one axis to infer it, or launch {product} workers "
+            f"(`replicator run --nproc {product} ...`).")
+    return dict(zip(names, sizes))
+
+
+class Topology:
+    """Named mesh axes over the workers, the role and host of every process.
+
+    ``axes``: axis name -> degree, in mesh order (default ``{"data": <all workers>}``);
+    ``num_ps``: how many processes (the last ranks) are parameter servers, on no axis.
+    The process group is started from the environment if it is not running yet.
+    """
+
+    def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, *,
+                 num_ps: int = 0, device_type: str | None = None) -> None:
+        from replicator.cluster.process_group import initialize
+
+        initialize()
+        self.world_size = dist.get_world_size()
+        self.global_rank = dist.get_rank()
+        if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
+            raise ClusterConfigError(f"num_ps must be a non-negative integer, got {num_ps!r}")
+        if num_ps >= self.world_size:
+            raise ClusterConfigError(
+                f"num_ps={num_ps} leaves no worker in a job of {self.world_size} process(es). "
+                f"HINT: launch at least {num_ps + 1} processes.")
+        self.num_ps = num_ps
+        self.num_workers = self.world_size - num_ps
+        self.axes = resolve_axes(axes, self.num_workers)
+        workers: list[Role] = ["worker"] * (self.num_workers - 1)
+        servers: list[Role] = ["ps"] * num_ps
+        self.roles: list[Role] = ["chief", *workers, *servers]
+        if device_type is None:
+            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.device_type = device_type
+        ranks = torch.arange(self.num_workers).reshape(tuple(self.axes.values()))
+        self.mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(self.axes))
+        self.hosts = exchange_host_keys(None, local_host_key())
+        self._node_groups = self._make_node_groups()
+        self._data_group = self._make_data_group()
+
+    # -- who am I ------------------------------------------------------------------------------
+    @property
+    def role(self) -> Role:
+        """``chief`` (worker 0), ``worker`` or ``ps``."""
+        return self.roles[self.global_rank]
+
+    @property
+    def is_worker(self) -> bool:
+        """True for the chief and the other workers (processes that run the training loop)."""
+        return self.role != "ps"
+
+    @property
+    def is_ps(self) -> bool:
+        return self.role == "ps"
+
+    @property
+    def is_chief(self) -> bool:
+        return self.role == "chief"
+
+    @property
+    def host(self) -> str:
+        """This process's host key (see :mod:`replicator.cluster.hosts`)."""
+        return self.hosts[self.global_rank]
+
+    @property
+    def coordinate(self) -> dict[str, int]:
+        """This worker's index on each axis (empty on a parameter server)."""
+        coord = self.mesh.get_coordinate()
+        return {} if coord is None else dict(zip(self.axes, coord))
+
+    # -- axes ----------------------------------------------------------------------------------
+    def _check_axis(self, axis: str) -> None:
+        if axis not in self.axes:
+            raise ClusterConfigError(
+                f"this topology has no axis {axis!r}.{_close(axis, list(self.axes))} Its axes: "
+                + ", ".join(f"{n}={s}" for n, s in self.axes.items()))
+        if self.is_ps:
+            raise ClusterConfigError(
+                f"rank {self.global_rank} is a parameter server, which is on no mesh axis (asked "
+                f"for {axis!r}). HINT: only workers ask for axis groups; check topology.is_worker.")
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of this worker's neighbours along ``axis``."""
+        self._check_axis(axis)
+        return self.mesh.get_group(axis)
+
+    def size(self, axis: str) -> int:
+        """The degree of ``axis`` (1 for an axis the topology does not have)."""
+        return self.axes.get(axis, 1)
+
+    def index(self, axis: str) -> int:
+        """This worker's position along ``axis``."""
+        self._check_axis(axis)
+        return self.coordinate[axis]
+
+    def ranks(self, axis: str) -> list[int]:
+        """The global ranks of this worker's group along ``axis``, in group order."""
+        return list(dist.get_process_group_ranks(self.group(axis)))
+
+    # -- replicas (the data axes together) ------------------------------------------------------
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes along which the input is split (``data`` and ``fsdp`` where present)."""
+        return tuple(a for a in self.axes if a in DATA_AXES)
+
+    @property
+    def num_replicas(self) -> int:
+        """How many replicas see different data: the product of the data axes (1 if none)."""
+        return math.prod(self.axes[a] for a in self.data_axes)
+
+    @property
+    def replica_id(self) -> int:
+        """This worker's replica index over the data axes (row-major), 0 without data axes."""
+        if self.is_ps:
+            raise ClusterConfigError(f"rank {self.global_rank} is a parameter server and has "
+                                     "no replica id. HINT: check topology.is_worker first.")
+        rid = 0
+        for axis in self.data_axes:
+            rid = rid * self.axes[axis] + self.coordinate[axis]
+        return rid
+
+    def data_group(self) -> dist.ProcessGroup:
+        """The group of the replicas this worker exchanges gradients with (all data axes
+        together; a group of one when the topology has no data axis)."""
+        if self.is_ps:
+            raise ClusterConfigError(f"rank {self.global_rank} is a parameter server and has "
+                                     "no data group. HINT: check topology.is_worker first.")
+        assert self._data_group is not None  # every worker is in exactly one data group
+        return self._data_group
+
+    def _make_data_group(self) -> dist.ProcessGroup | None:
+        axes = self.data_axes
+        if len(axes) == 1:
+            return self.mesh.get_group(axes[0]) if self.is_worker else None
+        # no data axis (every worker its own replica) or several (data x fsdp): one group per
+        # combination of the other axes' coordinates
+        others = [a for a in self.axes if a not in axes]
+        order = [list(self.axes).index(a) for a in [*others, *axes]]
+        blocks = self.mesh.mesh.permute(*order).reshape(-1, self.num_replicas).tolist()
+        mine = None
+        for block in blocks:
+            group = dist.new_group(block)  # collective: every process creates every group
+            if self.global_rank in block:
+                mine = group
+        return mine
+
+    # -- hosts -----------------------------------------------------------------------------------
+    def _make_node_groups(self) -> dict[str, dist.ProcessGroup | None]:
+        by_host = group_by_host(list(range(self.world_size)), self.hosts)
+        if len(by_host) == 1:  # the whole job on one host: the default group is the node
+            return {self.hosts[0]: None}
+        # every process takes part in creating every group (new_group is collective)
+        return {self.hosts[members[0]]: dist.new_group(members) for members in by_host}
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self._node_groups)
+
+    def host_ranks(self, host: str | None = None) -> list[int]:
+        """Global ranks on ``host`` (default: this process's host), in rank order."""
+        host = self.host if host is None else host
+        if host not in self._node_groups:
+            raise ClusterConfigError(f"no process runs on host {host!r}; hosts: "
+                                     + ", ".join(self._node_groups))
+        return [r for r, h in enumerate(self.hosts) if h == host]
+
+    def node_group(self) -> dist.ProcessGroup | None:
+        """The group of every process on this host (``None`` = the default group, when the
+        whole job is on one host)."""
+        return self._node_groups[self.host]
+
+    def describe(self) -> str:
+        """One line: axes, this process's role, coordinates and host."""
+        shape = " x ".join(f"{n}={s}" for n, s in self.axes.items())
+        where = ", ".join(f"{k}={v}" for k, v in self.coordinate.items()) or "no axis"
+        ps = f" + {self.num_ps} ps" if self.num_ps else ""
+        return (f"Topology({shape}{ps}; {self.num_hosts} host(s)): rank {self.global_rank} is "
+                f"{self.role} at {where} on {self.host}")
+
+    def __repr__(self) -> str:
+        return self.describe()
