@@ -59,9 +59,10 @@ class CentralStorageStrategy(MirroredStrategy):
                  cross_device_ops: CrossDeviceOps | None = None, *,
                  communication_options: CommunicationOptions | None = None,
                  mesh: Topology | None = None, axis: str = "data",
-                 buffer_sync: str = "mean") -> None:
+                 buffer_sync: str = "mean", sync_batchnorm: bool = False) -> None:
         super().__init__(devices, cross_device_ops, communication_options=communication_options,
-                         mesh=mesh, axis=axis, buffer_sync=buffer_sync)
+                         mesh=mesh, axis=axis, buffer_sync=buffer_sync,
+                         sync_batchnorm=sync_batchnorm)
         self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stashed: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         me = weakref.ref(self)

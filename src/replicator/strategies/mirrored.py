@@ -30,6 +30,7 @@ from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.selection import algorithm_for
 from replicator.errors import ClusterConfigError, ReplicaMismatchError
 from replicator.strategies.base import Strategy
+from replicator.strategies.cross_replica_batchnorm import convert_batchnorm
 
 
 def _signature(params: Sequence[tuple[str, torch.Tensor]],
@@ -63,7 +64,9 @@ class MirroredStrategy(Strategy):
     process of the job is a replica). ``buffer_sync``: what happens to buffers such as
     BatchNorm's running statistics after each synchronised backward pass: ``"mean"`` (averaged
     across replicas, integer buffers taken from replica 0), ``"broadcast"`` (replica 0's, as
-    DDP does) or ``"none"`` (each replica keeps its own).
+    DDP does) or ``"none"`` (each replica keeps its own). ``sync_batchnorm=True``: BatchNorm
+    layers normalise with statistics over the global batch (every replica's part), so training
+    equals one device with the same global batch (see ``cross_replica_batchnorm.py``).
     """
 
     name = "mirrored"
@@ -73,7 +76,7 @@ class MirroredStrategy(Strategy):
                  cross_device_ops: CrossDeviceOps | None = None, *,
                  communication_options: CommunicationOptions | None = None,
                  mesh: Topology | None = None, axis: str = "data",
-                 buffer_sync: str = "mean") -> None:
+                 buffer_sync: str = "mean", sync_batchnorm: bool = False) -> None:
         spec = resolve_cluster()
         parsed = parse_devices(devices)
         if parsed is not None:
@@ -102,6 +105,7 @@ class MirroredStrategy(Strategy):
         if mesh is not None and not isinstance(mesh, Topology):
             raise TypeError(f"mesh must be an rp.cluster.Topology, got {type(mesh).__name__}")
         self._buffer_sync = buffer_sync
+        self._sync_batchnorm = bool(sync_batchnorm)
         self._options = communication_options or CommunicationOptions()
         if cross_device_ops is not None and self._options.implementation != "auto":
             raise ValueError(
@@ -156,6 +160,11 @@ class MirroredStrategy(Strategy):
         return self._group
 
     # -- state ---------------------------------------------------------------------------------
+    def _setup_module(self, module: torch.nn.Module) -> None:
+        if self._sync_batchnorm:
+            convert_batchnorm(module, self._group)
+        super()._setup_module(module)
+
     def _on_new_state(self, module: torch.nn.Module,
                       params: list[tuple[str, torch.nn.Parameter]],
                       buffers: list[tuple[str, torch.Tensor]]) -> None:
@@ -256,7 +265,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def __init__(self, communication_options: CommunicationOptions | CrossDeviceOps | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, *,
                  mesh: Topology | None = None, axis: str = "data",
-                 buffer_sync: str = "mean") -> None:
+                 buffer_sync: str = "mean", sync_batchnorm: bool = False) -> None:
         if isinstance(communication_options, CrossDeviceOps):
             if cross_device_ops is not None:
                 raise TypeError("MultiWorkerMirroredStrategy got two all-reduce algorithms "
@@ -265,4 +274,4 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             communication_options, cross_device_ops = None, communication_options
         super().__init__(devices=None, cross_device_ops=cross_device_ops,
                          communication_options=communication_options, mesh=mesh, axis=axis,
-                         buffer_sync=buffer_sync)
+                         buffer_sync=buffer_sync, sync_batchnorm=sync_batchnorm)
