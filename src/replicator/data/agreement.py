@@ -19,7 +19,7 @@ was doing. Without a process group, or with one replica, nothing is sent.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -98,7 +98,8 @@ class EndAgreement:
         """The global rank of the group's ``group_rank``-th process."""
         if self.world == 1:
             return self.rank
-        return dist.get_global_rank(self.group or dist.group.WORLD, group_rank)
+        group = self.group if self.group is not None else dist.group.WORLD
+        return dist.get_global_rank(cast(dist.ProcessGroup, group), group_rank)
 
     def exchange(self, values: Sequence[int], what: str) -> list[int]:
         """The elementwise MIN of ``values`` over the group's replicas."""

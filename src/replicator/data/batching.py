@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Sampler, default_collate
 
 T = TypeVar("T")
 
@@ -289,9 +289,7 @@ class Materialiser:
         if self.collated:
             batch = samples[0]
         else:
-            collate = self.collate
-            if collate is None:
-                from torch.utils.data import default_collate as collate
+            collate = self.collate if self.collate is not None else default_collate
             batch = collate(samples)
         if spec.rows is not None:
             batch = slice_rows(batch, *spec.rows)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -108,7 +108,7 @@ class DistributedIterator:
                 f"{type(exc).__name__}: {exc}") from exc
         self._step += 1
         self._last = item
-        self.mask = item.mask
+        self.mask = cast(torch.Tensor, item.mask)  # a tensor once staged
         owner = self._owner()
         if owner is not None:
             owner._advance(self, item.position)
@@ -155,10 +155,11 @@ class DistributedIterator:
                 raise EmptyShardError(f"{self._who} has no sample at all to build a "
                                       "masked batch from; the input is empty")
             last = self._stage.ready(self._stage(self._pipe.materialise(spec)))
-        rows = int(last.mask.numel()) or 1
+        mask = cast(torch.Tensor, last.mask)  # a tensor once staged
+        rows = int(mask.numel()) or 1
         batch = repeat_first_row(last.batch, rows)
-        return LocalBatch(batch, torch.zeros_like(last.mask) if last.mask.numel() else
-                          torch.zeros(rows, device=last.mask.device), 0, True, last.position)
+        return LocalBatch(batch, torch.zeros_like(mask) if mask.numel() else
+                          torch.zeros(rows, device=mask.device), 0, True, last.position)
 
     def state_dict(self) -> dict[str, Any]:
         """The owning dataset's :meth:`~DistributedDataset.state_dict` (this pass's position)."""
@@ -322,7 +323,7 @@ class DistributedDataset:
                           f"instead of {pipe.seed}", RuntimeWarning, stacklevel=2)
             pipe.seed = seed
             for obj in (plan, getattr(plan, "open_stream", None)):
-                if hasattr(obj, "seed"):
+                if obj is not None and hasattr(obj, "seed"):
                     obj.seed = seed
         self._close_active()
         self._epoch = epoch  # type: ignore[assignment]

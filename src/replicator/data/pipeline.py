@@ -106,7 +106,7 @@ class _FileStream:
             yield from self.files.read(path)
 
 
-def _iterable_stream(dataset: IterableDataset) -> Callable[[int], Iterable[Any]]:
+def _iterable_stream(dataset: Any) -> Callable[[int], Iterable[Any]]:
     def open_stream(epoch: int) -> Iterable[Any]:
         if callable(getattr(dataset, "set_epoch", None)):
             dataset.set_epoch(epoch)  # type: ignore[attr-defined]
@@ -204,18 +204,18 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
     iterable = isinstance(dataset, IterableDataset)
     custom = loader is not None and (loader.batch_size is None if iterable
                                      else not _is_standard_loader(loader))
-    policy = _resolve_policy(options.shard_policy, dataset, world, custom)
+    policy = _resolve_policy(AutoShardPolicy.parse(options.shard_policy), dataset, world, custom)
     if batch_size is None and not (custom and policy is AutoShardPolicy.OFF):
         raise ValueError("distribute_dataset(dataset) needs batch_size=GLOBAL_BATCH, or a "
                          "DataLoader built with the global batch size")
     if batch_size is not None:
         check_divisible(batch_size, world)
     shuffle, drop_remainder = bool(shuffle), bool(drop_remainder)
-    settings = dict(shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+    settings: dict[str, Any] = dict(shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
                     pad_last_batch=options.pad_last_batch)
     materialise = Materialiser(transform=transform, collate=collate)
     plan: Plan
-    if custom or (iterable and policy is AutoShardPolicy.OFF and loader is not None):
+    if loader is not None and (custom or (iterable and policy is AutoShardPolicy.OFF)):
         if transform is not None:
             raise ValueError("transform= needs sample-by-sample reading, which this DataLoader "
                              "does not allow; apply the transform in the dataset instead")
@@ -322,7 +322,7 @@ class _Specs:
         return self.specs
 
 
-def _as_is(item: LocalBatch) -> LocalBatch:
+def _as_is(item: Any) -> Any:
     return item
 
 

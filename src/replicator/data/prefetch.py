@@ -105,7 +105,8 @@ class DeviceStage:
                     t.record_stream(current)
                 return t
             _map_tensors(item.batch, mark)
-            mark(item.mask)
+            if isinstance(item.mask, torch.Tensor):
+                mark(item.mask)
         return item
 
 

@@ -260,8 +260,9 @@ class StreamPlan(GlobalSplitPlan):
 def set_epoch_on(loader: Any, epoch: int) -> None:
     """Call ``set_epoch`` on a loader, or on its sampler / batch sampler, where it exists."""
     for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-        if callable(getattr(obj, "set_epoch", None)):
-            obj.set_epoch(epoch)
+        set_epoch = getattr(obj, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
             return
 
 
