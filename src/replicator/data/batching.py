@@ -37,6 +37,7 @@ from torch.utils.data import Sampler, default_collate
 T = TypeVar("T")
 
 
+# -- order: seeded shuffles and the global order of an epoch -----------------------------------
 def derived_seed(seed: int, epoch: int, *parts: int) -> int:
     """A seed for one epoch of one stream (deterministic, independent of ``PYTHONHASHSEED``)."""
     value = (seed * 1_000_003 + epoch) & 0xFFFF_FFFF_FFFF
@@ -77,6 +78,7 @@ def global_order(num_samples: int, shuffle: bool, seed: int, epoch: int) -> list
     return torch.randperm(num_samples, generator=gen).tolist()
 
 
+# -- split: each replica's part of a global batch ----------------------------------------------
 def slice_bounds(batch_len: int, rank: int, world: int) -> tuple[int, int]:
     """The ``[start, stop)`` slice of a batch of ``batch_len`` that replica ``rank`` takes:
     as even as possible, the first ``batch_len % world`` replicas one larger."""
@@ -164,6 +166,7 @@ class GlobalBatchSplitSampler(Sampler[list[int]]):
             yield batch[start:stop]
 
 
+# -- rows of a collated batch ------------------------------------------------------------------
 def _is_row_list(value: Any) -> bool:
     return isinstance(value, list) and not any(
         isinstance(v, (torch.Tensor, list, tuple, Mapping)) or hasattr(v, "shape") for v in value)
@@ -234,6 +237,7 @@ def repeat_first_row(batch: Any, size: int) -> Any:
     return pad_rows(slice_rows(batch, 0, 1), size)
 
 
+# -- assembly: a step's spec becomes a batch and its mask --------------------------------------
 class Spec(NamedTuple):
     """One step of one replica: what to load and which rows to keep."""
 

@@ -48,6 +48,7 @@ STATE_FORMAT = "replicator.input"
 STATE_VERSION = 1
 
 
+# -- one pass over an epoch --------------------------------------------------------------------
 class DistributedIterator:
     """Iterator over this replica's batches (on its device) for the rest of one epoch."""
 
@@ -189,6 +190,7 @@ class DistributedIterator:
             pass
 
 
+# -- the dataset: a cursor over epochs, with its state -----------------------------------------
 class DistributedDataset:
     """Iterate to get this replica's batches, already on the replica's device.
 
@@ -335,6 +337,7 @@ class DistributedDataset:
                 f"position {self._position})")
 
 
+# -- entry points ------------------------------------------------------------------------------
 def distribute_dataset(data: Any, ctx: InputContext, device: torch.device, *,
                        batch_size: int | None = None, shuffle: bool | None = None,
                        seed: int = 0, drop_last: bool | None = None,

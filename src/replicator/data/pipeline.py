@@ -60,6 +60,7 @@ from replicator.data.sharding import (
 )
 
 
+# -- building ----------------------------------------------------------------------------------
 @dataclass
 class Pipeline:
     """Everything a distributed dataset needs to run one replica's input."""

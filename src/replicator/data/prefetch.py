@@ -28,6 +28,7 @@ from replicator.data.batching import LocalBatch, make_mask
 from replicator.data.errors import InputTimeoutError
 
 
+# -- device copy -------------------------------------------------------------------------------
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
@@ -110,6 +111,7 @@ class DeviceStage:
         return item
 
 
+# -- ready-batch queue -------------------------------------------------------------------------
 class _Queue(ABC):
     def __init__(self) -> None:
         self._items: deque[Staged] = deque()

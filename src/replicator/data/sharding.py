@@ -53,6 +53,7 @@ from replicator.data.batching import (
 )
 from replicator.data.errors import EmptyShardError, InputPipelineError
 
+# -- files and shard() -------------------------------------------------------------------------
 FileReader = Callable[[str], Iterable[Any]]
 
 
@@ -120,6 +121,7 @@ def shard(dataset: Dataset | FileDataset, num_shards: int, index: int) -> Any:
     return Subset(dataset, range(index, n, num_shards))
 
 
+# -- plans: DATA and OFF (global batches split across replicas) --------------------------------
 class Plan(ABC):
     """The per-replica schedule of one input pipeline."""
 
@@ -257,6 +259,7 @@ class StreamPlan(GlobalSplitPlan):
                 return
 
 
+# -- plans: a user loader's global batches, and input_fn pipelines -----------------------------
 def set_epoch_on(loader: Any, epoch: int) -> None:
     """Call ``set_epoch`` on a loader, or on its sampler / batch sampler, where it exists."""
     for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
@@ -358,6 +361,7 @@ class PerReplicaPlan(Plan):
         return None
 
 
+# -- plans: FILE shards ------------------------------------------------------------------------
 Phase = tuple[int, int, int]  # (world, per-replica batch size, steps)
 
 
