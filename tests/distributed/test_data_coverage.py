@@ -7,8 +7,8 @@ import pytest
 
 import replicator as rp
 from replicator.data import FileDataset, InputOptions
-from replicator.data.file_shards import FileShardPlan
-from replicator.data.global_batch import global_order
+from replicator.data.batching import global_order
+from replicator.data.sharding import FileShardPlan
 from replicator.testing import run_distributed
 from tests.data_helpers import IdDataset, IdStream, batch_ids, read_id_file, write_id_files
 

@@ -8,12 +8,18 @@ from collections import namedtuple
 import pytest
 import torch
 
-from replicator.data.batch_rows import batch_rows, pad_rows, repeat_first_row, slice_rows
-from replicator.data.device_transfer import DeviceStage
+from replicator.data.batching import (
+    LocalBatch,
+    batch_rows,
+    buffer_shuffle,
+    derived_seed,
+    make_mask,
+    pad_rows,
+    repeat_first_row,
+    slice_rows,
+)
 from replicator.data.errors import InputTimeoutError
-from replicator.data.materialise import LocalBatch, make_mask
-from replicator.data.prefetch import PrefetchQueue
-from replicator.data.shuffle_buffer import buffer_shuffle, derived_seed
+from replicator.data.prefetch import DeviceStage, PrefetchQueue
 
 Pair = namedtuple("Pair", "x y")
 

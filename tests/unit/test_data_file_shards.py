@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from replicator.data import FileDataset, shard
-from replicator.data.file_shards import FileShardPlan
+from replicator.data.sharding import FileShardPlan
 from tests.data_helpers import read_id_file, write_id_files
 
 SIZES = [150, 50, 100, 120, 80, 100, 90, 110, 100, 100]

@@ -11,8 +11,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 
 import replicator as rp
 from replicator.data import AutoShardPolicy, InputContext, InputOptions, distribute_dataset
-from replicator.data.global_batch import global_order
-from replicator.data.shuffle_buffer import buffer_shuffle, derived_seed
+from replicator.data.batching import buffer_shuffle, derived_seed, global_order
 from tests.data_helpers import (
     IdDataset,
     IdStream,

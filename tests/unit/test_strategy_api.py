@@ -7,7 +7,7 @@ import torch
 
 import replicator as rp
 from replicator.comm.gradient_sync import make_buckets
-from replicator.data.global_batch import GlobalBatchSplitSampler, slice_bounds
+from replicator.data.batching import GlobalBatchSplitSampler, slice_bounds
 
 
 def test_reduce_op_parse():

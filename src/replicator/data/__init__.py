@@ -1,16 +1,33 @@
-"""The data room: input contexts, sharding, per-replica batching, prefetch, resumable state."""
+"""The data room: each replica's share of the input, batched, prefetched and resumable.
 
-from replicator.data.distributed_dataset import (
+Where things are:
+
+* ``context``: :class:`InputContext` (this process's count and position on the data axis),
+  :class:`AutoShardPolicy`, :class:`InputOptions`.
+* ``batching``: where a batch is split: the seeded global order of an epoch, shuffling, and
+  cutting each global batch into per-replica batches (``replica_part``, ``slice_bounds``,
+  ``slice_rows``), with masked padding for a short last batch.
+* ``sharding``: which samples each replica reads, step by step, for each shard policy
+  (DATA/OFF global-batch plans, FILE shards of a :class:`FileDataset`, ``input_fn``
+  pipelines) and :func:`shard`.
+* ``pipeline``: building a replica's pipeline from what the user has, and the engines that
+  load it (inline, threads, processes).
+* ``prefetch``: the ready-batch queue and the copy to the replica's device.
+* ``agreement``: uneven ends: replicas agree, on their data-parallel group, when to stop.
+* ``dataset``: :class:`DistributedDataset` / :class:`DistributedIterator`,
+  :func:`distribute_dataset`, :func:`distribute_datasets_from_function`, resumable state.
+* ``errors``: the input pipeline's errors.
+"""
+
+from replicator.data.context import AutoShardPolicy, InputContext, InputOptions
+from replicator.data.dataset import (
     DistributedDataset,
+    DistributedIterator,
     distribute_dataset,
     distribute_datasets_from_function,
 )
-from replicator.data.distributed_iterator import DistributedIterator
 from replicator.data.errors import EmptyShardError, InputPipelineError, InputTimeoutError
-from replicator.data.file_dataset import FileDataset
-from replicator.data.input_context import InputContext
-from replicator.data.options import AutoShardPolicy, InputOptions
-from replicator.data.sharding import shard
+from replicator.data.sharding import FileDataset, shard
 
 __all__ = ["AutoShardPolicy", "DistributedDataset", "DistributedIterator", "EmptyShardError",
            "FileDataset", "InputContext", "InputOptions", "InputPipelineError",

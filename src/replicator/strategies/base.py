@@ -18,13 +18,12 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.comm.reduce_op import ReduceOp
-from replicator.data.distributed_dataset import (
+from replicator.data.context import InputContext, InputOptions
+from replicator.data.dataset import (
     DistributedDataset,
     distribute_dataset,
     distribute_datasets_from_function,
 )
-from replicator.data.input_context import InputContext
-from replicator.data.options import InputOptions
 from replicator.strategies import replica_context
 from replicator.strategies.scope_capture import RegistrationCapture, named_state
 from replicator.strategies.undistributed import UndistributedGuard

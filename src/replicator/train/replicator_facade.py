@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from replicator.data.input_context import InputContext
+from replicator.data.context import InputContext
 from replicator.strategies.base import Strategy
 
 

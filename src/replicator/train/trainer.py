@@ -20,8 +20,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from replicator.comm.reduce_op import ReduceOp
-from replicator.data.device_transfer import to_device
-from replicator.data.global_batch import slice_bounds
+from replicator.data.batching import slice_bounds
+from replicator.data.prefetch import to_device
 from replicator.strategies.base import Strategy
 from replicator.train.agreement import ErrorAgreement
 from replicator.train.callbacks import Callback, CallbackList, History, Logs

@@ -1,12 +1,30 @@
-"""Turn what the user has (Dataset, IterableDataset, DataLoader, files + reader, ``input_fn``)
-into a :class:`Pipeline`: a plan (which samples per step), a materialiser (how to load them)
-and the settings of the workers that run it."""
+"""Building and running one replica's input pipeline.
+
+Building: what the user has (Dataset, IterableDataset, DataLoader, files + reader, ``input_fn``)
+becomes a :class:`Pipeline`: a plan (which samples per step, from ``sharding``), a
+materialiser (how to load and assemble them, from ``batching``) and the settings of the
+workers that run it (:func:`build_global`, :func:`build_per_replica`).
+
+Running: engines take a plan's specs through workers and yield materialised batches, in order:
+
+* inline: everything in the calling thread (the prefetch thread when prefetch is on);
+* threads: a thread pool loads and transforms the samples (parallel map), one batch ahead;
+* processes: a ``torch.utils.data.DataLoader`` whose "indices" are our specs, so its worker
+  processes load, transform and collate whole batches while the plan (and any stream) is read
+  once, here. The DataLoader keeps results in order and reports worker errors with their
+  traceback; the workers never iterate the user's stream themselves. Its workers persist
+  across epochs, so a spawn start (an interpreter and ``import torch`` each) is paid once.
+"""
 
 from __future__ import annotations
 
+import math
 import os
+import pickle
 import warnings
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,18 +39,28 @@ from torch.utils.data import (
     default_collate,
 )
 
-from replicator.data.engines import check_picklable
+from replicator.data.batching import (
+    LocalBatch,
+    Materialiser,
+    Spec,
+    check_divisible,
+    derived_seed,
+    shuffled,
+)
+from replicator.data.context import AutoShardPolicy, InputContext, InputOptions
 from replicator.data.errors import EmptyShardError
-from replicator.data.file_dataset import FileDataset
-from replicator.data.file_shards import FileShardPlan
-from replicator.data.global_batch import check_divisible
-from replicator.data.input_context import InputContext
-from replicator.data.materialise import Materialiser
-from replicator.data.options import AutoShardPolicy, InputOptions
-from replicator.data.plans import IndexPlan, LoaderPlan, PerReplicaPlan, Plan, StreamPlan
-from replicator.data.shuffle_buffer import derived_seed, shuffled
+from replicator.data.sharding import (
+    FileDataset,
+    FileShardPlan,
+    IndexPlan,
+    LoaderPlan,
+    PerReplicaPlan,
+    Plan,
+    StreamPlan,
+)
 
 
+# -- building ----------------------------------------------------------------------------------
 @dataclass
 class Pipeline:
     """Everything a distributed dataset needs to run one replica's input."""
@@ -50,6 +78,7 @@ class Pipeline:
     num_workers: int = 0
     worker_init_fn: Callable[[int], None] | None = None
     start_method: Any = None
+    group: Any = None    # process group of the data-parallel replicas (None: the default)
 
 
 def _is_standard_loader(loader: DataLoader) -> bool:
@@ -78,7 +107,7 @@ class _FileStream:
             yield from self.files.read(path)
 
 
-def _iterable_stream(dataset: IterableDataset) -> Callable[[int], Iterable[Any]]:
+def _iterable_stream(dataset: Any) -> Callable[[int], Iterable[Any]]:
     def open_stream(epoch: int) -> Iterable[Any]:
         if callable(getattr(dataset, "set_epoch", None)):
             dataset.set_epoch(epoch)  # type: ignore[attr-defined]
@@ -122,8 +151,9 @@ def _resolve_policy(policy: AutoShardPolicy, dataset: Any, world: int,
 def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffle: bool | None,
                  seed: int, drop_remainder: bool | None, transform: Callable[[Any], Any] | None,
                  reader: Callable[[str], Iterable[Any]] | None,
-                 options: InputOptions | None) -> Pipeline:
-    """The pipeline of ``distribute_dataset``: global batches split across replicas."""
+                 options: InputOptions | None, group: Any = None) -> Pipeline:
+    """The pipeline of ``distribute_dataset``: global batches split across replicas (the
+    replicas of ``ctx``, whose data-parallel process group is ``group``)."""
     options = options or InputOptions()
     if not isinstance(options, InputOptions):
         raise TypeError(f"options must be rp.data.InputOptions, got {type(options).__name__}")
@@ -175,18 +205,18 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
     iterable = isinstance(dataset, IterableDataset)
     custom = loader is not None and (loader.batch_size is None if iterable
                                      else not _is_standard_loader(loader))
-    policy = _resolve_policy(options.shard_policy, dataset, world, custom)
+    policy = _resolve_policy(AutoShardPolicy.parse(options.shard_policy), dataset, world, custom)
     if batch_size is None and not (custom and policy is AutoShardPolicy.OFF):
         raise ValueError("distribute_dataset(dataset) needs batch_size=GLOBAL_BATCH, or a "
                          "DataLoader built with the global batch size")
     if batch_size is not None:
         check_divisible(batch_size, world)
     shuffle, drop_remainder = bool(shuffle), bool(drop_remainder)
-    settings = dict(shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
+    settings: dict[str, Any] = dict(shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
                     pad_last_batch=options.pad_last_batch)
     materialise = Materialiser(transform=transform, collate=collate)
     plan: Plan
-    if custom or (iterable and policy is AutoShardPolicy.OFF and loader is not None):
+    if loader is not None and (custom or (iterable and policy is AutoShardPolicy.OFF)):
         if transform is not None:
             raise ValueError("transform= needs sample-by-sample reading, which this DataLoader "
                              "does not allow; apply the transform in the dataset instead")
@@ -218,12 +248,14 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
         check_picklable(transform, "transform", method)
         check_picklable(collate, "collate_fn", method)
     return Pipeline(plan, materialise, options, rank, world, policy, seed, shuffle, batch_size,
-                    drop_remainder, num_workers, worker_init_fn, start_method)
+                    drop_remainder, num_workers, worker_init_fn, start_method, group)
 
 
 def build_per_replica(input_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext, *,
-                      drop_remainder: bool | None, options: InputOptions | None) -> Pipeline:
-    """The pipeline of ``distribute_datasets_from_function``: the user's per-replica batches."""
+                      drop_remainder: bool | None, options: InputOptions | None,
+                      group: Any = None) -> Pipeline:
+    """The pipeline of ``distribute_datasets_from_function``: the user's per-replica batches
+    (the replicas of ``ctx``, whose data-parallel process group is ``group``)."""
     options = options or InputOptions()
     if not isinstance(options, InputOptions):
         raise TypeError(f"options must be rp.data.InputOptions, got {type(options).__name__}")
@@ -235,4 +267,100 @@ def build_per_replica(input_fn: Callable[[InputContext], Iterable[Any]], ctx: In
                         "return a DataLoader or another iterable of per-replica batches")
     drop = True if drop_remainder is None else bool(drop_remainder)
     return Pipeline(PerReplicaPlan(loader), Materialiser(collated=True), options,
-                    ctx.input_pipeline_id, ctx.num_replicas_in_sync, drop_remainder=drop)
+                    ctx.input_pipeline_id, ctx.num_replicas_in_sync, drop_remainder=drop,
+                    group=group)
+
+
+# -- engines ------------------------------------------------------------------------------------
+def run_inline(specs: Iterator[Spec], materialise: Materialiser) -> Iterator[LocalBatch]:
+    for spec in specs:
+        yield materialise(spec)
+
+
+def run_threads(specs: Iterator[Spec], materialise: Materialiser, num_workers: int,
+                name: str) -> Iterator[LocalBatch]:
+    """Load the samples of the next batch while this one is collated and handed on. The pool
+    lives as long as this generator (it is shut down when the generator is closed)."""
+    pool = ThreadPoolExecutor(num_workers, thread_name_prefix=name)
+    pending: deque[tuple[Spec, list[Future[Any]] | None]] = deque()
+
+    def finish() -> LocalBatch:
+        spec, futures = pending.popleft()
+        if futures is None:
+            return materialise(spec)
+        return materialise.assemble(spec, [f.result() for f in futures])
+
+    try:
+        for spec in specs:
+            futures = None if materialise.collated else [
+                pool.submit(materialise.load, item) for item in spec.items]
+            pending.append((spec, futures))
+            if len(pending) > 1:
+                yield finish()
+        while pending:
+            yield finish()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _SpecDataset(Dataset):
+    """A map-style view whose "index" is a spec: ``dataset[spec]`` is the materialised batch."""
+
+    def __init__(self, materialise: Materialiser) -> None:
+        self.materialise = materialise
+
+    def __getitem__(self, spec: Spec) -> LocalBatch:  # type: ignore[override]
+        return self.materialise(spec)
+
+
+class _Specs:
+    """The DataLoader's sampler: hands it the current pass's specs."""
+
+    def __init__(self) -> None:
+        self.specs: Iterator[Spec] = iter(())
+
+    def __iter__(self) -> Iterator[Spec]:
+        return self.specs
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class ProcessEngine:
+    """Process workers that live as long as the dataset (started once, reused every epoch)."""
+
+    def __init__(self, materialise: Materialiser, *, num_workers: int, prefetch: int,
+                 timeout_seconds: float, start_method: Any,
+                 worker_init_fn: Callable[[int], None] | None = None) -> None:
+        self._sampler = _Specs()
+        self._loader = DataLoader(
+            _SpecDataset(materialise), batch_size=None,
+            sampler=self._sampler,  # type: ignore[arg-type]
+            collate_fn=_as_is, num_workers=num_workers,
+            prefetch_factor=max(2, math.ceil(prefetch / num_workers)),
+            persistent_workers=True, timeout=timeout_seconds,
+            multiprocessing_context=start_method, worker_init_fn=worker_init_fn)
+
+    def run(self, specs: Iterator[Spec]) -> Iterator[LocalBatch]:
+        """One pass; a pass left early is discarded by the DataLoader when the next starts.
+        Passes must not overlap (the distributed dataset ends one before starting another)."""
+        self._sampler.specs = specs
+        yield from iter(self._loader)
+
+
+def check_picklable(obj: Any, what: str, start_method: str | None) -> None:
+    """Process workers started by spawn/forkserver receive ``obj`` pickled: fail early, clearly."""
+    import multiprocessing as mp
+
+    method = start_method or mp.get_context().get_start_method()
+    if obj is None or method == "fork":
+        return
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure has the same fix
+        raise TypeError(
+            f"the {what} {getattr(obj, '__qualname__', type(obj).__name__)!r} cannot be "
+            f"pickled, but process workers started with {method!r} receive it pickled "
+            f"({type(exc).__name__}: {exc}). HINT: define it at module level (not a lambda or "
+            "a nested function), or use InputOptions(worker_type='thread').") from exc

@@ -1,35 +1,196 @@
-"""DistributedDataset: what ``strategy.distribute_dataset`` returns: each replica's batches.
+"""DistributedDataset and DistributedIterator: what ``strategy.distribute_dataset`` returns.
 
 ``distribute_dataset`` takes *global* batches (a ``DataLoader`` with the global batch size, a
 dataset plus ``batch_size=``, or files plus ``reader=``) and gives each replica its part,
 reading only what that replica needs where the input allows it (see ``AutoShardPolicy``).
 ``distribute_datasets_from_function`` calls the user's ``input_fn`` once per process with an
-:class:`InputContext`; that pipeline already yields per-replica batches.
+:class:`InputContext`; that pipeline already yields per-replica batches. Both take ``group``,
+the process group of the data-parallel replicas (``None``: the default group): the context
+gives this process's count and position on that data axis, and replicas whose inputs end
+unevenly agree on that group only (see ``agreement``).
 
 The dataset is a cursor over epochs: iterating it runs from the current position to the end of
 the epoch, then moves to the next epoch. A loop left early with ``break`` leaves it mid-epoch;
 the next loop continues there (``set_epoch(e)`` starts epoch ``e`` from its beginning).
 ``state_dict()`` / ``load_state_dict()`` save and restore that position as plain JSON data.
+
+A :class:`DistributedIterator` is one pass: it runs the plan through the chosen engine and the
+prefetch queue, makes the step's stream wait for the device copy, and keeps the owning
+dataset's position up to date (counting only batches handed to the step, so prefetched ones
+are read again after a restart).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from replicator.data.distributed_iterator import DistributedIterator
-from replicator.data.engines import ProcessEngine
-from replicator.data.input_context import InputContext
-from replicator.data.options import InputOptions
-from replicator.data.pipeline_builder import Pipeline, build_global, build_per_replica
+from replicator.data.agreement import EndAgreement, check_data_group, process_rank
+from replicator.data.batching import LocalBatch, repeat_first_row
+from replicator.data.context import InputContext, InputOptions
+from replicator.data.errors import EmptyShardError, InputPipelineError
+from replicator.data.pipeline import (
+    Pipeline,
+    ProcessEngine,
+    build_global,
+    build_per_replica,
+    run_inline,
+    run_threads,
+)
+from replicator.data.prefetch import DeviceStage, make_queue
+from replicator.errors import ReplicatorError
 
 STATE_FORMAT = "replicator.input"
 STATE_VERSION = 1
 
 
+# -- one pass over an epoch --------------------------------------------------------------------
+class DistributedIterator:
+    """Iterator over this replica's batches (on its device) for the rest of one epoch."""
+
+    def __init__(self, owner: DistributedDataset, epoch: int, position: int) -> None:
+        pipe = owner.pipeline
+        self._owner = weakref.ref(owner)  # the dataset holds its active iterator
+        self._pipe = pipe
+        self._plan = pipe.plan
+        self.epoch = epoch
+        self._position = position
+        self._fresh = pipe.plan.fresh(epoch, position)
+        self._stage = DeviceStage(owner.device, pipe.options.fetch_to_device,
+                                  pipe.options.pin_memory)
+        self._wait_on_close = False
+        self._who = f"rank {process_rank(pipe.rank)}"  # the global rank, for messages
+        specs = pipe.plan.specs(epoch, position)
+        if not pipe.num_workers or not pipe.plan.element_level:
+            source = run_inline(specs, pipe.materialise)
+        elif pipe.options.worker_type == "thread":
+            source = run_threads(specs, pipe.materialise, pipe.num_workers,
+                                 f"replicator-map-rank{pipe.rank}")
+        else:
+            source = owner._process_engine().run(specs)
+            self._wait_on_close = True
+        self._queue = make_queue(source, self._stage, prefetch=pipe.options.prefetch,
+                                 timeout_seconds=pipe.options.timeout_seconds,
+                                 name=f"replicator-input-rank{pipe.rank}",
+                                 who=self._who)
+        self._agreement = None if pipe.plan.known_end else EndAgreement(
+            pipe.rank, pipe.world, pipe.group, drop_remainder=pipe.drop_remainder,
+            describe=pipe.plan.describe())
+        self._step = 0
+        self._horizon = 0
+        self._out_of_data = False
+        self._last: LocalBatch | None = None
+        self._done = False
+        self.mask: torch.Tensor | None = None
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        try:
+            item = self._next_agreed() if self._agreement is not None else self._next_known()
+        except StopIteration:
+            self._finish(completed=True)
+            raise
+        except ReplicatorError:
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise InputPipelineError(
+                f"the input pipeline of {self._who} failed while preparing step "
+                f"{self._step} of epoch {self.epoch} ({self._plan.describe()}): "
+                f"{type(exc).__name__}: {exc}") from exc
+        self._step += 1
+        self._last = item
+        self.mask = cast(torch.Tensor, item.mask)  # a tensor once staged
+        owner = self._owner()
+        if owner is not None:
+            owner._advance(self, item.position)
+        return (item.batch, item.mask) if self._pipe.options.with_mask else item.batch
+
+    # -- known end: every replica finds the same end by itself -------------------------------
+    def _next_known(self) -> LocalBatch:
+        staged = self._queue.pop()
+        if staged is None:
+            if self._step == 0 and self._fresh:
+                raise EmptyShardError(
+                    f"epoch {self.epoch} has no batch for {self._who}: the input is "
+                    "empty, or has fewer samples than one global batch and drop_remainder=True. "
+                    "HINT: use a smaller batch size, more data, or drop_remainder=False.")
+            raise StopIteration
+        return self._stage.ready(staged)
+
+    # -- agreed end ------------------------------------------------------------------------------
+    def _next_agreed(self) -> LocalBatch:
+        if self._step >= self._horizon:
+            self._agree()
+        position = self._position + self._step + 1
+        if self._out_of_data:
+            return self._padding()._replace(position=position)
+        staged = self._queue.pop()
+        if staged is None:  # cannot happen: the agreement counted this batch as ready
+            raise InputPipelineError(f"{self._who} lost a batch it had reported "
+                                     "ready; please report this as a bug")
+        return self._stage.ready(staged)._replace(position=position)
+
+    def _agree(self) -> None:
+        assert self._agreement is not None
+        steps, out = self._agreement.agree(self._queue, epoch=self.epoch, step=self._step,
+                                           fresh=self._fresh)
+        self._horizon = self._step + steps
+        self._out_of_data = out
+
+    def _padding(self) -> LocalBatch:
+        """A fully masked batch, shaped like this replica's last one."""
+        last = self._last
+        if last is None:
+            spec = self._plan.template_spec(self.epoch)
+            if spec is None:
+                raise EmptyShardError(f"{self._who} has no sample at all to build a "
+                                      "masked batch from; the input is empty")
+            last = self._stage.ready(self._stage(self._pipe.materialise(spec)))
+        mask = cast(torch.Tensor, last.mask)  # a tensor once staged
+        rows = int(mask.numel()) or 1
+        batch = repeat_first_row(last.batch, rows)
+        return LocalBatch(batch, torch.zeros_like(mask) if mask.numel() else
+                          torch.zeros(rows, device=mask.device), 0, True, last.position)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The owning dataset's :meth:`~DistributedDataset.state_dict` (this pass's position)."""
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("the distributed dataset of this iterator no longer exists")
+        return owner.state_dict()
+
+    # -- end -------------------------------------------------------------------------------------
+    def _finish(self, completed: bool) -> None:
+        self.close()
+        owner = self._owner()
+        if completed and owner is not None:
+            owner._epoch_done(self)
+
+    def close(self) -> None:
+        """Stop the background work of this pass (the dataset keeps its position)."""
+        if self._done:
+            return
+        self._done = True
+        self._queue.close(wait=self._wait_on_close)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+# -- the dataset: a cursor over epochs, with its state -----------------------------------------
 class DistributedDataset:
     """Iterate to get this replica's batches, already on the replica's device.
 
@@ -164,7 +325,7 @@ class DistributedDataset:
                           f"instead of {pipe.seed}", RuntimeWarning, stacklevel=2)
             pipe.seed = seed
             for obj in (plan, getattr(plan, "open_stream", None)):
-                if hasattr(obj, "seed"):
+                if obj is not None and hasattr(obj, "seed"):
                     obj.seed = seed
         self._close_active()
         self._epoch = epoch  # type: ignore[assignment]
@@ -176,41 +337,49 @@ class DistributedDataset:
                 f"position {self._position})")
 
 
+# -- entry points ------------------------------------------------------------------------------
 def distribute_dataset(data: Any, ctx: InputContext, device: torch.device, *,
                        batch_size: int | None = None, shuffle: bool | None = None,
                        seed: int = 0, drop_last: bool | None = None,
                        drop_remainder: bool | None = None,
                        transform: Callable[[Any], Any] | None = None,
                        reader: Callable[[str], Iterable[Any]] | None = None,
-                       options: InputOptions | None = None) -> DistributedDataset:
+                       options: InputOptions | None = None,
+                       group: Any = None) -> DistributedDataset:
     """Split global batches across replicas (see the module doc).
 
     ``drop_remainder`` (alias ``drop_last``; default: the DataLoader's ``drop_last``, else
     False): drop a short last global batch on every replica, or keep it split as evenly as
     possible, a replica without a sample getting a masked copy. ``transform``: a per-sample
     function run by the workers. ``reader``: with a list of file paths, ``reader(path)``
-    yields the samples of one file.
+    yields the samples of one file. ``group``: the process group of the data-parallel
+    replicas (``None``: the default group); ``ctx`` gives this process's count and position
+    on that axis, and the group's size must equal ``ctx.num_replicas_in_sync``.
     """
+    check_data_group(group, ctx.num_replicas_in_sync, "distribute_dataset")
     if drop_last is not None and drop_remainder is not None and drop_last != drop_remainder:
         raise ValueError(f"drop_last={drop_last} and drop_remainder={drop_remainder} disagree; "
                          "give one of them (they are the same setting)")
     drop = drop_remainder if drop_remainder is not None else drop_last
     pipeline = build_global(data, ctx, batch_size=batch_size, shuffle=shuffle, seed=seed,
                             drop_remainder=drop, transform=transform, reader=reader,
-                            options=options)
+                            options=options, group=group)
     return DistributedDataset(pipeline, device)
 
 
 def distribute_datasets_from_function(input_fn: Callable[[InputContext], Iterable[Any]],
                                       ctx: InputContext, device: torch.device, *,
                                       drop_remainder: bool | None = None,
-                                      options: InputOptions | None = None
-                                      ) -> DistributedDataset:
+                                      options: InputOptions | None = None,
+                                      group: Any = None) -> DistributedDataset:
     """Build this process's pipeline with ``input_fn(ctx)``; batches are per replica.
 
-    When the replicas' pipelines end at different steps they agree: with
-    ``drop_remainder=True`` (the default) all stop when the first runs out; with ``False``
-    a replica out of data yields fully masked batches until all are done.
+    When the replicas' pipelines end at different steps they agree, on ``group`` (the process
+    group of the data-parallel replicas; ``None``: the default group; its size must equal
+    ``ctx.num_replicas_in_sync``): with ``drop_remainder=True`` (the default) all stop when
+    the first runs out; with ``False`` a replica out of data yields fully masked batches until
+    all are done.
     """
+    check_data_group(group, ctx.num_replicas_in_sync, "distribute_datasets_from_function")
     return DistributedDataset(build_per_replica(input_fn, ctx, drop_remainder=drop_remainder,
-                                                options=options), device)
+                                                options=options, group=group), device)
