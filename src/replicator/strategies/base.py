@@ -286,7 +286,8 @@ class Strategy(ABC):
         return distribute_dataset(dataset, self.input_context, self.device,
                                   batch_size=batch_size, shuffle=shuffle, seed=seed,
                                   drop_last=drop_last, drop_remainder=drop_remainder,
-                                  transform=transform, reader=reader, options=options)
+                                  transform=transform, reader=reader, options=options,
+                                  group=self._data_group)
 
     experimental_distribute_dataset = distribute_dataset
 
@@ -300,4 +301,5 @@ class Strategy(ABC):
         (``drop_remainder=True``, the default) or pad with masked batches (``False``).
         """
         return distribute_datasets_from_function(input_fn, self.input_context, self.device,
-                                                 drop_remainder=drop_remainder, options=options)
+                                                 drop_remainder=drop_remainder, options=options,
+                                                 group=self._data_group)
