@@ -117,9 +117,12 @@ class _Worker:
         return self.proc.exitcode
 
     def signal(self, sig: int) -> None:
+        pid = getattr(self.proc, "pid", None)
+        if not isinstance(pid, int) or pid <= 0:
+            return  # never a process group or every process (kill(0, ...), kill(-1, ...))
         try:
             if self.poll() is None:
-                os.kill(self.proc.pid, sig)
+                os.kill(pid, sig)
         except ProcessLookupError:
             pass
 
