@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -217,3 +219,16 @@ def test_port_errors_exit_with_2_and_a_hint(capsys):
     assert cli.main(["run", "--nproc", "2", "--master-port", "80000", "x.py"]) == 2
     err = capsys.readouterr().err
     assert "--master-port 80000 is not a TCP port" in err and "HINT" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_script_that_vanished_is_recorded_as_not_worth_a_restart(tmp_path):
+    env = dict(os.environ, REPLICATOR_ERROR_DIR=str(tmp_path), RANK="0")
+    out = subprocess.run([sys.executable, "-m", "replicator.cluster.script_entry",
+                          str(tmp_path / "gone.py")], env=env, capture_output=True, text=True,
+                         timeout=50)
+    assert out.returncode == 1
+    err = read_error(error_path(tmp_path, 0))
+    assert err is not None and err.type == "ScriptNotFoundError" and "gone.py" in err.message
+    assert (restart_refusal(err.types) or "").startswith(
+        "not restarting: ScriptNotFoundError repeats on restart")
