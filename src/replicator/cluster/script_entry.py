@@ -63,6 +63,7 @@ def main() -> None:
         if not error_dir:
             raise
         record_exception(exc, rank, error_path(error_dir, rank, attempt))
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
     finally:
