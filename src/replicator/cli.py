@@ -1,4 +1,4 @@
-"""The ``replicator`` command: ``run`` a script on N workers, ``demo``, ``env``."""
+"""The ``replicator`` command: ``run`` a script on N workers, ``demo``, ``env``, ``--version``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import argparse
 import os
 import sys
 
+import replicator
 from replicator.errors import ClusterConfigError, WorkerFailedError
+
+#: Exit code of a command-line mistake (argparse's too).
+USAGE_EXIT_CODE = 2
 
 
 def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> None:
@@ -18,11 +22,28 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                    help="rendezvous port on 127.0.0.1 (default: a free one)")
     p.add_argument("--timeout", type=float, default=None, dest="timeout_seconds",
                    help="seconds a collective may wait for the other replicas (default 300)")
+    p.add_argument("--quiet-workers", action="store_true",
+                   help="show only the chief's (rank 0) output; failures of any rank are "
+                   "still reported")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"replicator {replicator.__version__} (torch {torch_version})"
+
+
+def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
+    """The command's parser, and the demo's own options (forwarded to the demo)."""
+    from replicator.demo import digits
+
     parser = argparse.ArgumentParser(prog="replicator", description="Distributed training for "
                                      "PyTorch: run scripts on several local workers.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a training script on N local workers",
                          description="Run SCRIPT in N worker processes on this machine (CPU + "
@@ -31,12 +52,23 @@ def _parser() -> argparse.ArgumentParser:
     _add_launch_flags(run, None)
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    demo = sub.add_parser("demo", help="train a small CNN on the digits dataset on 2 workers")
+    demo = sub.add_parser("demo", help="train a small CNN on the digits dataset on 2 workers",
+                          description="Train a small CNN on scikit-learn's 8x8 digits with "
+                          "MirroredStrategy on --nproc local workers (nothing is downloaded).")
     _add_launch_flags(demo, 2)
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER,
-                      help="options for the demo (--epochs, --batch-size, --steps)")
+    demo_actions = digits.add_arguments(demo.add_argument_group("demo options"))
     sub.add_parser("env", help="print what replicator sees: devices, cores, torch")
-    return parser
+    return parser, demo_actions
+
+
+def _demo_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """The demo's options as given, to pass on to the demo script."""
+    argv: list[str] = []
+    for action in actions:
+        value = getattr(args, action.dest)
+        if value != action.default:
+            argv += [action.option_strings[-1], str(value)]
+    return argv
 
 
 def _print_env() -> None:
@@ -52,10 +84,9 @@ def _print_env() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command != "demo":
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser, demo_actions = _parser()
+    args = parser.parse_args(argv)
     if args.command == "env":
         _print_env()
         return 0
@@ -64,18 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from replicator.demo import digits
 
-        script, script_args = digits.__file__, [*unknown, *args.demo_args]
+        script, script_args = digits.__file__, _demo_argv(args, demo_actions)
     else:
         if args.nproc is None:
-            print("replicator run: --nproc is required (e.g. --nproc 2)", file=sys.stderr)
-            return 2
+            print("replicator run: error: --nproc is required. HINT: add --nproc 2 (the number "
+                  "of worker processes).", file=sys.stderr)
+            return USAGE_EXIT_CODE
         script, script_args = args.script, args.script_args
     try:
         run_script(script, script_args, args.nproc, master_port=args.master_port,
-                   timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts)
+                   timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts,
+                   quiet_workers=args.quiet_workers)
     except ClusterConfigError as exc:
         print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_EXIT_CODE
     except WorkerFailedError as exc:
         print(f"replicator {args.command}: {exc}", file=sys.stderr)
         code = exc.exitcode

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import replicator as rp
+from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.testing import assert_params_close
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -47,13 +50,19 @@ def test_same_script_under_python_replicator_run_and_torchrun(tmp_path):
         assert_params_close(ref, load_file(out), atol=1e-5, label=f"{out.name}: ")
 
 
-def test_plain_python_logs_how_to_use_more_replicas(tmp_path):
-    code = ("import logging; logging.basicConfig(level=logging.INFO);"
-            "import replicator as rp; s = rp.MirroredStrategy(); print(s.num_replicas_in_sync)")
-    out = _run([sys.executable, "-c", code])
+def test_plain_python_prints_how_to_use_more_replicas_once(tmp_path):
+    code = ("import replicator as rp; s = rp.MirroredStrategy(); rp.MirroredStrategy();"
+            "print(s.num_replicas_in_sync)")
+    out = _run([sys.executable, "-c", code])  # no logging configured: the hint still shows
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
-    assert "replicator run --nproc N" in out.stderr
+    assert out.stderr.count("replicator run --nproc N") == 1
+    script = tmp_path / "one.py"
+    script.write_text(code)
+    launched = _run(REPLICATOR + ["run", "--nproc", "1", str(script)])
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout.strip() == "1"  # one process: no rank prefix
+    assert "replicator run --nproc N" not in launched.stderr  # not under the launcher
 
 
 def _square(x: int) -> tuple:
@@ -163,3 +172,179 @@ def test_unknown_strategy_and_missing_devices_are_clear_errors():
         rp.OneDeviceStrategy("tpu:0")
     with pytest.raises(rp.ClusterConfigError, match="--nproc 2"):
         rp.MirroredStrategy(devices=["cpu:0", "cpu:1"])
+
+
+# -- output relay -------------------------------------------------------------------------------
+
+_LINE = re.compile(r"\[rank (\d)\] r(\d)-(\d+):([a-j])+:end")
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_printing_long_lines_at_once_reach_the_terminal_whole_and_prefixed():
+    lines, width = 200, 3000
+    out = _run(REPLICATOR + ["run", "--nproc", "2", str(SCRIPTS / "print_lines.py"), str(lines),
+                             str(width)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen: dict[tuple[str, int], list[int]] = {}
+    for name, text in (("stdout", out.stdout), ("stderr", out.stderr)):
+        for line in text.splitlines():
+            if "last line without a newline" in line:
+                assert name == "stdout" and re.fullmatch(
+                    r"\[rank (\d)\] r\1 last line without a newline", line), line
+                continue
+            m = _LINE.fullmatch(line)
+            assert m is not None and len(line) == len(m.group(0)), f"torn line: {line[:120]}"
+            rank = int(m.group(1))
+            assert int(m.group(2)) == rank and line.count("abcdefghij"[rank]) >= width
+            assert len(line) == len(f"[rank {rank}] r{rank}-{m.group(3)}:") + width + 4
+            seen.setdefault((name, rank), []).append(int(m.group(3)))
+    for rank in (0, 1):  # even lines on stdout, odd on stderr, none lost, in order
+        assert seen[("stdout", rank)] == list(range(0, lines, 2))
+        assert seen[("stderr", rank)] == list(range(1, lines, 2))
+    assert out.stdout.count("last line without a newline") == 2  # not lost at exit
+
+
+@pytest.mark.timeout(60)
+def test_quiet_workers_shows_only_the_chief():
+    out = _run(REPLICATOR + ["run", "--nproc", "2", "--quiet-workers",
+                             str(SCRIPTS / "print_lines.py"), "6", "10"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("[rank 0] r0-") == 3 and out.stderr.count("[rank 0] r0-") == 3
+    assert "[rank 1]" not in out.stdout + out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_one_process_output_has_no_prefix():
+    out = _run(REPLICATOR + ["run", "--nproc", "1", str(SCRIPTS / "print_lines.py"), "2", "5"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == "r0-0:aaaaa:end"
+    assert out.stderr.splitlines()[0] == "r0-1:aaaaa:end"
+
+
+@pytest.mark.timeout(60)
+def test_chief_progress_updates_are_relayed_in_place():
+    cmd = REPLICATOR + ["run", "--nproc", "2", str(SCRIPTS / "progress_lines.py"), "8"]
+    out = subprocess.run(cmd, capture_output=True, timeout=60,  # bytes: keep every \r
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert out.returncode == 0, out.stderr
+    stdout = out.stdout.decode()
+    # An update redraws the line behind the prefix after a carriage return; the last one
+    # ends the line. Updates that arrive together show only the newest.
+    assert re.search(r"\[rank 0\] step [1-7]/8\r\[rank 0\] step [2-8]/8", stdout), stdout
+    assert re.search(r"(^|\r|\n)\[rank 0\] step 8/8 done\n", stdout), stdout
+    assert all(f"[rank 1] rank 1 line {i}\n" in stdout for i in range(1, 9))
+    for line in stdout.split("\n"):  # no update glued to another rank's line
+        assert not ("[rank 1]" in line and "step" in line), line
+
+
+# -- failures and restarts ----------------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_a_failure_with_restarts_is_announced_once_per_restart():
+    out = _run(REPLICATOR + ["run", "--nproc", "2", "--max-restarts", "1", "--timeout", "30",
+                             str(SCRIPTS / "fail_on_rank1.py")])
+    assert out.returncode == 1
+    assert out.stderr.count("restart 1 of 1") == 1, out.stderr
+    assert out.stderr.count("Traceback of rank 1") == 1
+
+
+@pytest.mark.timeout(90)
+def test_nan_loss_is_not_restarted(tmp_path):
+    (tmp_path / "out").mkdir()
+    out = _run(REPLICATOR + ["run", "--nproc", "2", "--max-restarts", "2", "--timeout", "30",
+                             str(SCRIPTS / "backup_train.py"), str(tmp_path / "out"),
+                             str(tmp_path / "backup"), "--steps", "10", "--save-freq", "2",
+                             "--nan-at", "5"])
+    assert out.returncode == 1
+    err = out.stderr
+    assert err.count("not restarting: NonFiniteLossError repeats on restart") == 1, err
+    assert "restarting all workers" not in err
+    assert "NonFiniteLossError" in err and "last backup: step 4" in err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "log-a0-r0.jsonl", "log-a0-r1.jsonl"]  # one attempt only
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source, kind", [
+    ("def broken(:\n    pass\n", "SyntaxError"),
+    ("import replicator_no_such_module\n", "ModuleNotFoundError"),
+])
+def test_script_that_cannot_start_is_not_restarted(tmp_path, source, kind):
+    script = tmp_path / "bad.py"
+    script.write_text(source)
+    out = _run(REPLICATOR + ["run", "--nproc", "2", "--max-restarts", "3", str(script)])
+    assert out.returncode == 1
+    assert out.stderr.count(f"not restarting: {kind} repeats on restart") == 1, out.stderr
+    assert "restarting all workers" not in out.stderr
+    assert out.stderr.count(f"{kind}:") >= 1 and out.stderr.count("Traceback of rank") == 1
+
+
+def _mismatched_models_noisy(_: int) -> None:
+    print("attempt", os.environ["REPLICATOR_RESTART_COUNT"], file=sys.stderr, flush=True)
+    _mismatched_models(0)
+
+
+@pytest.mark.timeout(90)
+def test_launch_does_not_restart_replicas_that_disagree(capfd):
+    with pytest.raises(rp.WorkerFailedError, match="ReplicaMismatchError"):
+        rp.launch(_mismatched_models_noisy, num_replicas=2, args=(0,), timeout_seconds=20,
+                  max_restarts=2)
+    err = capfd.readouterr().err
+    assert "not restarting: ReplicaMismatchError repeats on restart" in err
+    assert "attempt 0" in err and "attempt 1" not in err
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_without_a_backup_does_not_promise_a_resume(tmp_path):
+    cmd = REPLICATOR + ["run", "--nproc", "2", str(SCRIPTS / "wait_for_sigterm.py")]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    ready = 0
+    deadline = time.monotonic() + 60
+    assert proc.stdout is not None
+    while ready < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        ready += line.endswith("] ready\n")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert ready == 2 and proc.returncode == PREEMPTION_EXIT_CODE, err
+    assert "No backup was saved" in err and "resume from the backup" not in err
+
+
+# -- command line -------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("port", ["80000", "0", "-1"])
+def test_master_port_out_of_range_is_a_clear_error(port):
+    out = _run(REPLICATOR + ["run", "--nproc", "2", "--master-port", port,
+                             str(SCRIPTS / "print_lines.py")])
+    assert out.returncode == 2, out.stderr
+    assert f"--master-port {port} is not a TCP port" in out.stderr and "HINT" in out.stderr
+    assert "Traceback" not in out.stderr and "OverflowError" not in out.stderr
+    with pytest.raises(rp.ClusterConfigError, match="is not a TCP port"):
+        rp.launch(_square, num_replicas=2, args=(1,), master_port=int(port))
+
+
+@pytest.mark.timeout(60)
+def test_version_and_demo_help():
+    out = _run(REPLICATOR + ["--version"])
+    assert out.returncode == 0 and out.stdout.startswith(f"replicator {rp.__version__} (torch ")
+    out = _run(REPLICATOR + ["demo", "--help"])
+    assert out.returncode == 0
+    for flag in ("--epochs", "--batch-size", "--steps", "--lr", "--nproc", "--max-restarts",
+                 "--quiet-workers"):
+        assert flag in out.stdout
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif((os.cpu_count() or 1) > 3, reason="starts one worker more than the cores")
+def test_more_workers_than_cores_warns_once():
+    from replicator.cluster.launcher import available_cores
+
+    n = available_cores() + 1
+    out = _run(REPLICATOR + ["run", "--nproc", str(n), str(SCRIPTS / "print_lines.py"), "1",
+                             "5"])
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count(f"--nproc {n} is more than the {n - 1} CPU core(s)") == 1
+    assert "take turns on the cores" in out.stderr and "slower" in out.stderr

@@ -34,6 +34,7 @@ from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
 from replicator.checkpoint.nonfinite import NonFiniteGuard
 from replicator.checkpoint.preemption import Preempted, PreemptionWatcher
+from replicator.cluster.worker_errors import record_backup
 
 
 def _active_strategy() -> Any:
@@ -318,6 +319,7 @@ class BackupAndRestore:
                 "reason": reason, "data_state": data is not None}
         path = self.manager.save(self.step, replicated, per_rank, info)
         self._last_saved_step = self.step
+        record_backup(self.manager.directory, self.step)  # the launcher's "rerun to resume"
         return path
 
     def restore(self) -> bool:
@@ -340,6 +342,7 @@ class BackupAndRestore:
                           "not tracked now; it is ignored", RuntimeWarning, stacklevel=2)
         info = restored.info
         self.step = self._last_saved_step = int(info.get("step", restored.step))
+        record_backup(self.manager.directory, self.step)
         self.epoch = int(info.get("epoch", 0))
         self.step_in_epoch = int(info.get("step_in_epoch", 0))
         per_rank = restored.per_rank or {}

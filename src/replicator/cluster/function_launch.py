@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from replicator.cluster.launcher import LocalGroup, check_num_replicas
+from replicator.cluster.ports import check_port
 from replicator.cluster.worker_errors import ERROR_DIR_ENV, error_path, record_exception
 
 
@@ -63,9 +64,11 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
     ``fn`` must be importable by the workers (a module-level function) under the default
     ``start_method="spawn"``; ``"fork"`` also takes functions defined in a notebook.
     A worker that raises makes this raise :class:`replicator.WorkerFailedError` with that
-    worker's rank and traceback, after the other workers were stopped.
+    worker's rank and traceback, after the other workers were stopped. A failure that a
+    restart would repeat (a NaN loss, replicas that disagree, an import error) is not restarted.
     """
     check_num_replicas(num_replicas)
+    check_port(master_port, "master_port")
     if not callable(fn):
         raise TypeError(f"launch() needs a callable, got {type(fn).__name__}")
     ctx = mp.get_context(start_method)
@@ -75,8 +78,9 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
     def start(rank: int, env: dict[str, str]) -> Any:
         result_file = results_dir / f"rank{rank}.pt"
         result_file.unlink(missing_ok=True)
-        proc = ctx.Process(target=_function_entry, name=f"replicator-rank{rank}",
-                           args=(fn, tuple(args), kwargs, env, str(result_file)))
+        proc = ctx.Process(  # type: ignore[attr-defined]
+            target=_function_entry, name=f"replicator-rank{rank}",
+            args=(fn, tuple(args), kwargs, env, str(result_file)))
         proc.start()
         return proc
 

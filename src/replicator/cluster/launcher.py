@@ -10,11 +10,14 @@ SIGTERM, and the others are doing the same, so they get a longer grace to finish
 preempted group is restarted like a failed one while restarts remain (the restart counts).
 When the launcher itself receives SIGTERM, it forwards it to every worker, waits for their
 backups, and raises :class:`~replicator.errors.PreemptedError` (exit code 75) without restarting.
+
+Failures that a restart would only repeat (see :mod:`replicator.cluster.restart_policy`) are
+not restarted. ``replicator run`` relays each worker's output with a ``[rank R]`` prefix
+(:mod:`replicator.cluster.output`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -36,11 +39,17 @@ from replicator.cluster.environment import (
     TIMEOUT_ENV,
 )
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
-from replicator.cluster.ports import LOOPBACK, listen
-from replicator.cluster.worker_errors import ERROR_DIR_ENV, WorkerError, error_path, read_error
+from replicator.cluster.output import OutputRelay, terminal_env
+from replicator.cluster.ports import LOOPBACK, check_port, listen
+from replicator.cluster.restart_policy import group_by_rank, restart_refusal
+from replicator.cluster.worker_errors import (
+    ERROR_DIR_ENV,
+    WorkerError,
+    error_path,
+    read_backup,
+    read_error,
+)
 from replicator.errors import ClusterConfigError, PreemptedError, WorkerFailedError
-
-log = logging.getLogger("replicator")
 
 #: Seconds the other workers get to stop by themselves after one fails, before SIGTERM.
 FAILURE_GRACE_SECONDS = 5.0
@@ -59,6 +68,7 @@ def _preemption_grace() -> float:
 
 
 def check_num_replicas(n: Any, flag: str = "num_replicas") -> int:
+    """Validate a number of workers: a positive integer, else a clear error."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ClusterConfigError(f"{flag} must be a positive integer, got {n!r}. "
                                  "HINT: use 1 for a single replica.")
@@ -107,9 +117,12 @@ class _Worker:
         return self.proc.exitcode
 
     def signal(self, sig: int) -> None:
+        pid = getattr(self.proc, "pid", None)
+        if not isinstance(pid, int) or pid <= 0:
+            return  # never a process group or every process (kill(0, ...), kill(-1, ...))
         try:
             if self.poll() is None:
-                os.kill(self.proc.pid, sig)
+                os.kill(pid, sig)
         except ProcessLookupError:
             pass
 
@@ -128,6 +141,8 @@ class _Outcome:
     ok: bool
     failure: WorkerFailedError | None = None
     exitcodes: dict[int, int | None] = field(default_factory=dict)
+    #: The failing rank's exception class and its bases (from its error file), if any.
+    error_types: tuple[str, ...] = ()
 
 
 #: Words of the collectives' error for a peer that exited (see comm/collectives.py).
@@ -135,7 +150,25 @@ _CONSEQUENCES = ("because another replica exited or lost its connection",)
 
 
 def _describe_codes(codes: dict[int, int | None]) -> str:
-    return ", ".join(f"rank {r}: {_describe_exit(c)}" for r, c in sorted(codes.items()))
+    return ", ".join(group_by_rank({r: _describe_exit(c) for r, c in codes.items()}))
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def oversubscription_warning(nproc: int, cores: int) -> str | None:
+    """The warning for more workers than cores (``None`` when they fit)."""
+    if nproc <= cores:
+        return None
+    return (f"[replicator] warning: --nproc {nproc} is more than the {cores} CPU core(s) of this "
+            f"machine: each worker gets one thread and the {nproc} workers take turns on the "
+            f"cores, so training is slower than with --nproc {cores}. HINT: use --nproc {cores} "
+            "or fewer unless you are testing the distributed code itself.")
 
 
 def _describe_exit(code: int | None) -> str:
@@ -156,12 +189,17 @@ class LocalGroup:
 
     def __init__(self, world: int, start: Callable[[int, dict[str, str]], Any], *,
                  master_port: int | None = None, timeout_seconds: float | None = None,
-                 max_restarts: int = 0, env: dict[str, str] | None = None) -> None:
+                 max_restarts: int = 0, env: dict[str, str] | None = None,
+                 output: OutputRelay | None = None) -> None:
         import torch.distributed as dist
 
         self.world = check_num_replicas(world, "the number of workers")
-        if max_restarts < 0:
-            raise ClusterConfigError(f"max_restarts must be >= 0, got {max_restarts}")
+        master_port = check_port(master_port)
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) \
+                or max_restarts < 0:
+            raise ClusterConfigError(f"max_restarts must be an integer >= 0, got "
+                                     f"{max_restarts!r}. HINT: 0 turns restarts off.")
+        self.output = output
         self.start_fn = start
         self.timeout_seconds = timeout_seconds
         self.max_restarts = max_restarts
@@ -191,12 +229,19 @@ class LocalGroup:
 
         def forward(signum: int, frame: Any) -> None:
             self.signalled = True
-            print("[replicator] received SIGTERM: asking every worker to save a backup and "
-                  "stop", file=sys.stderr, flush=True)
+            self.say("[replicator] received SIGTERM: asking every worker to save a backup and "
+                     "stop")
             for w in self.workers:
                 w.signal(signal.SIGTERM)
 
         return signal.signal(signal.SIGTERM, forward)
+
+    def say(self, line: str) -> None:
+        """Print a launcher message on stderr, between whole lines of the workers."""
+        if self.output is not None:
+            self.output.emit(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def _run_attempts(self) -> None:
         for attempt in range(self.max_restarts + 1):
@@ -204,21 +249,35 @@ class LocalGroup:
             outcome = self._run_once(attempt)
             if outcome.ok:
                 return
-            assert outcome.failure is not None
+            if outcome.failure is None:
+                raise RuntimeError("internal error: a failed attempt without its failure")
             if self.signalled:
                 raise PreemptedError(
                     "the job received SIGTERM: the workers were asked to save a backup and stop "
-                    f"({_describe_codes(outcome.exitcodes)}).\nRerun the same command to resume "
-                    "from the backup.", rank=outcome.failure.rank,
+                    f"({_describe_codes(outcome.exitcodes)}).\n"
+                    f"{self._resume_hint(outcome.exitcodes)}", rank=outcome.failure.rank,
                     exit_code=PREEMPTION_EXIT_CODE) from outcome.failure
             if attempt < self.max_restarts:
-                log.warning("replicator: %s; restarting the group (restart %d of %d)",
-                            str(outcome.failure).splitlines()[0], attempt + 1, self.max_restarts)
-                print(f"[replicator] {str(outcome.failure).splitlines()[0]}; restarting all "
-                      f"workers (restart {attempt + 1} of {self.max_restarts})",
-                      file=sys.stderr, flush=True)
+                refusal = restart_refusal(outcome.error_types)
+                if refusal is not None:
+                    self.say(f"[replicator] {refusal}; {self.max_restarts - attempt} "
+                             "restart(s) left unused")
+                    raise outcome.failure
+                self.say(f"[replicator] {str(outcome.failure).splitlines()[0]}; restarting all "
+                         f"workers (restart {attempt + 1} of {self.max_restarts})")
                 continue
             raise outcome.failure
+
+    def _resume_hint(self, codes: dict[int, int | None]) -> str:
+        """What a rerun does: resume from a committed backup, or start over without one."""
+        note = read_backup(self.error_dir, range(self.world))
+        if note is not None:
+            return (f"Rerun the same command to resume from the backup (step {note.step} in "
+                    f"{note.directory}).")
+        if any(c == PREEMPTION_EXIT_CODE for c in codes.values()):
+            return "Rerun the same command to resume from the backup."
+        return ("No backup was saved (the script uses no BackupAndRestore, or it had not saved "
+                "yet): a rerun starts from the beginning.")
 
     def _run_once(self, attempt: int) -> _Outcome:
         self.workers = []
@@ -227,10 +286,14 @@ class LocalGroup:
                 env = worker_env(rank, self.world, self.port, self.timeout_seconds, attempt,
                                  self.error_dir, self.base_env)
                 self.workers.append(_Worker(rank, self.start_fn(rank, env)))
-            return self._watch(attempt)
+            outcome = self._watch(attempt)
         except BaseException:
             self.stop_all()
             raise
+        finally:
+            if self.output is not None:
+                self.output.drain()  # the workers' last lines come before any summary
+        return outcome
 
     def _watch(self, attempt: int) -> _Outcome:
         first_failed: _Worker | None = None
@@ -253,10 +316,12 @@ class LocalGroup:
             time.sleep(0.02)
         terminated = [w.rank for w in self.workers if w.poll() is None]
         self.stop_all()
-        return _Outcome(ok=False, failure=self._failure(attempt, first_failed, terminated),
+        failure, types = self._failure(attempt, first_failed, terminated)
+        return _Outcome(ok=False, failure=failure, error_types=types,
                         exitcodes={w.rank: w.poll() for w in self.workers})
 
-    def _failure(self, attempt: int, first: _Worker, terminated: list[int]) -> WorkerFailedError:
+    def _failure(self, attempt: int, first: _Worker, terminated: list[int]
+                 ) -> tuple[WorkerFailedError, tuple[str, ...]]:
         errors: dict[int, WorkerError] = {}
         for w in self.workers:
             err = read_error(error_path(self.error_dir, w.rank, attempt))
@@ -275,26 +340,26 @@ class LocalGroup:
         root = min(failed, key=when) if failed else first
         code = root.poll()
         if code == PREEMPTION_EXIT_CODE:
+            codes = {w.rank: w.poll() for w in self.workers}
             return PreemptedError(
                 "the workers were preempted (SIGTERM reached a rank): they agreed on a step, "
                 f"saved a backup and stopped with exit code {PREEMPTION_EXIT_CODE} "
-                f"({_describe_codes({w.rank: w.poll() for w in self.workers})}).\n"
-                "Rerun the same command to resume from the backup.", rank=root.rank,
-                exit_code=code)
+                f"({_describe_codes(codes)}).\n{self._resume_hint(codes)}", rank=root.rank,
+                exit_code=code), ()
         err = errors.get(root.rank)
         message = err.summary if err else _describe_exit(code)
-        others = []
+        details: dict[int, str] = {}
         for w in self.workers:
             if w.rank == root.rank:
                 continue
             if w.rank in terminated:
-                others.append(f"rank {w.rank}: terminated by the launcher after rank "
-                              f"{root.rank} failed")
+                details[w.rank] = f"terminated by the launcher after rank {root.rank} failed"
             elif w.poll() not in (None, 0):
                 detail = errors[w.rank].summary if w.rank in errors else _describe_exit(w.poll())
-                others.append(f"rank {w.rank}: {detail.splitlines()[0][:200]} "
-                              f"(after rank {root.rank} failed)")
-        return WorkerFailedError(root.rank, code, message, err.traceback if err else "", others)
+                details[w.rank] = f"{detail.splitlines()[0][:200]} (after rank {root.rank} failed)"
+        failure = WorkerFailedError(root.rank, code, message, err.traceback if err else "",
+                                    group_by_rank(details))
+        return failure, (err.types if err else ())
 
     def stop_all(self) -> None:
         for w in self.workers:
@@ -315,20 +380,38 @@ class LocalGroup:
 
 def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
                master_port: int | None = None, timeout_seconds: float | None = None,
-               max_restarts: int = 0) -> None:
-    """Run ``python script.py args`` in ``nproc`` local workers (``replicator run``)."""
+               max_restarts: int = 0, quiet_workers: bool = False) -> None:
+    """Run ``python script.py args`` in ``nproc`` local workers (``replicator run``).
+
+    With several workers, their output is relayed line by line with a ``[rank R]`` prefix;
+    ``quiet_workers`` shows only the chief's (rank 0) output (failures are still reported).
+    """
     nproc = check_num_replicas(nproc, "--nproc")
+    master_port = check_port(master_port)
     path = Path(script)
     if not path.is_file():
         raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
                                  "HINT: give the path of a Python file.")
     cmd = [sys.executable, "-u", "-m", "replicator.cluster.script_entry", str(path), *script_args]
+    relay = OutputRelay() if nproc > 1 else None
 
     def start(rank: int, env: dict[str, str]) -> subprocess.Popen:
-        return subprocess.Popen(cmd, env=env)
+        if relay is None:
+            return subprocess.Popen(cmd, env=env)
+        if quiet_workers and rank != 0:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        env.update(terminal_env(rank, nproc))
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        relay.attach(rank, proc.stdout, "stdout")
+        relay.attach(rank, proc.stderr, "stderr")
+        return proc
 
     group = LocalGroup(nproc, start, master_port=master_port, timeout_seconds=timeout_seconds,
-                       max_restarts=max_restarts)
+                       max_restarts=max_restarts, output=relay)
+    warning = oversubscription_warning(nproc, available_cores())
+    if warning:
+        group.say(warning)
     try:
         group.run()
     finally:

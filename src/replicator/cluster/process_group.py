@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,12 +58,12 @@ def _make_store(spec: ClusterSpec, timeout: timedelta) -> dist.Store:
     if spec.world_size == 1 and spec.master_port is None:
         return dist.HashStore()
     is_master = spec.rank == 0 and not spec.store_is_hosted
-    extra = {}
+    extra: dict[str, Any] = {}
     if is_master:
         # Listen on MASTER_ADDR only (loopback for a local job), never on every interface.
         extra["master_listen_fd"] = listen(spec.master_addr, spec.master_port or 0).detach()
     try:
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master,
+        store = dist.TCPStore(spec.master_addr, spec.master_port or 0, spec.world_size, is_master,
                               timeout=timeout, wait_for_workers=False, **extra)
     except (RuntimeError, OSError) as exc:
         text = str(exc)
@@ -93,7 +95,7 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
     configure_threads(spec.local_world_size)
     store = _make_store(spec, timedelta(seconds=timeout))
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if backend == "nccl" and device is not None:
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
@@ -102,9 +104,25 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
     _GROUP = GroupInfo(spec=spec, backend=backend, timeout_seconds=timeout, store=store,
                        owned=True)
     if spec.source == "single-process":
-        log.info("replicator: running one replica in this process. To use more, launch with "
-                 "`replicator run --nproc N script.py` or `torchrun --nproc-per-node N script.py`.")
+        _hint_one_replica()
     return _GROUP
+
+
+_HINTED = False
+
+
+def _hint_one_replica() -> None:
+    """Say once per process, on stderr, that a plain ``python script.py`` is one replica.
+
+    Only a process started without any launcher gets here (a launcher sets RANK/WORLD_SIZE).
+    """
+    global _HINTED
+    if _HINTED:
+        return
+    _HINTED = True
+    print("[replicator] running one replica in this process. HINT: to use more, launch with "
+          "`replicator run --nproc N script.py` or `torchrun --nproc-per-node N script.py`.",
+          file=sys.stderr, flush=True)
 
 
 def open_store_client(info: GroupInfo, timeout_seconds: float = 10.0) -> dist.Store | None:

@@ -10,7 +10,12 @@ import os
 import runpy
 import sys
 
-from replicator.cluster.worker_errors import ERROR_DIR_ENV, error_path, record_exception
+from replicator.cluster.worker_errors import (
+    ERROR_DIR_ENV,
+    ScriptNotFoundError,
+    error_path,
+    record_exception,
+)
 
 
 def _clean_exit(code: int) -> None:
@@ -41,6 +46,9 @@ def main() -> None:
     attempt = int(os.environ.get("REPLICATOR_RESTART_COUNT", "0"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     try:
+        if not os.path.isfile(script):
+            raise ScriptNotFoundError(f"script {script!r} not found (looked in {os.getcwd()}). "
+                                      "HINT: give the path of a Python file.")
         runpy.run_path(script, run_name="__main__")
         _clean_exit(0)
     except SystemExit as exc:
@@ -55,6 +63,7 @@ def main() -> None:
         if not error_dir:
             raise
         record_exception(exc, rank, error_path(error_dir, rank, attempt))
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
     finally:

@@ -1,4 +1,8 @@
-"""Error files: how a worker tells the launcher why it died (rank, exception, traceback, time)."""
+"""Error files: how a worker tells the launcher why it died (rank, exception, traceback, time).
+
+Next to them, a backup note says whether the worker's ``BackupAndRestore`` has a committed
+backup, so that the launcher suggests a rerun "to resume from the backup" only when there is one.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,10 @@ from types import TracebackType
 ERROR_DIR_ENV = "REPLICATOR_ERROR_DIR"
 
 
+class ScriptNotFoundError(FileNotFoundError):
+    """The script a worker was asked to run does not exist (a restart cannot fix it)."""
+
+
 @dataclass
 class WorkerError:
     rank: int
@@ -20,6 +28,8 @@ class WorkerError:
     message: str
     traceback: str
     time: float
+    #: The exception's class name and its base classes' names, most derived first.
+    types: tuple[str, ...] = ()
 
     @property
     def summary(self) -> str:
@@ -49,13 +59,18 @@ def record_exception(exc: BaseException, rank: int, path: str | Path) -> None:
             "traceback": "".join(traceback.format_exception(type(exc), exc,
                                                             _user_frames(exc.__traceback__))),
             "time": time.time(),
+            "types": [cls.__name__ for cls in type(exc).__mro__ if cls is not object],
         }
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(payload, f)
-        os.replace(tmp, path)
+        _write_json(path, payload)
     except Exception:  # noqa: BLE001 - best effort by design
         pass
+
+
+def _write_json(path: str | Path, payload: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
 
 
 def read_error(path: str | Path) -> WorkerError | None:
@@ -64,6 +79,49 @@ def read_error(path: str | Path) -> WorkerError | None:
             data = json.load(f)
         return WorkerError(rank=int(data["rank"]), type=str(data["type"]),
                            message=str(data["message"]), traceback=str(data["traceback"]),
-                           time=float(data["time"]))
-    except (OSError, ValueError, KeyError):
+                           time=float(data["time"]),
+                           types=tuple(str(t) for t in data.get("types", [data["type"]])))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+@dataclass
+class BackupNote:
+    """A committed backup that a rerun would resume from."""
+
+    directory: str
+    step: int
+
+
+def _backup_path(error_dir: str | Path, rank: int) -> Path:
+    return Path(error_dir) / f"backup_rank{rank}.json"
+
+
+def record_backup(directory: str | Path, step: int) -> None:
+    """Note, for the launcher, that ``directory`` holds a committed backup of ``step``.
+
+    Called by ``BackupAndRestore`` after a save or a restore; does nothing outside the local
+    launcher, and never raises.
+    """
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if not error_dir:
+        return
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        _write_json(_backup_path(error_dir, rank), {"directory": str(directory),
+                                                     "step": int(step)})
+    except Exception:  # noqa: BLE001 - best effort by design
+        pass
+
+
+def read_backup(error_dir: str | Path, ranks: range) -> BackupNote | None:
+    """The newest backup any of ``ranks`` noted, or ``None``."""
+    notes = []
+    for rank in ranks:
+        try:
+            with open(_backup_path(error_dir, rank)) as f:
+                data = json.load(f)
+            notes.append(BackupNote(str(data["directory"]), int(data["step"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return max(notes, key=lambda n: n.step) if notes else None

@@ -7,6 +7,7 @@ The dataset ships inside scikit-learn (1,797 images), so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -37,7 +38,7 @@ class DigitsCNN(nn.Module):
 def load_digits_split(test_fraction: float = 0.2, seed: int = 0
                       ) -> tuple[TensorDataset, TensorDataset]:
     """The digits as (1, 8, 8) float images in [0, 1], split the same way on every worker."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # type: ignore[import-untyped]
 
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -50,7 +51,10 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0
 
 def _progress(enabled: bool, total: int):
     """A rich progress bar on a terminal; ``None`` (plain lines) otherwise."""
-    if not enabled or not sys.stdout.isatty():
+    # Under ``replicator run`` the chief writes into a pipe that the launcher relays to a
+    # terminal; the launcher says so with TTY_COMPATIBLE=1 (which rich honours too).
+    terminal = sys.stdout.isatty() or os.environ.get("TTY_COMPATIBLE") == "1"
+    if not enabled or not terminal:
         return None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -59,13 +63,26 @@ def _progress(enabled: bool, total: int):
                     TimeElapsedColumn())
 
 
+def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup
+                  ) -> list[argparse.Action]:
+    """Add the demo's options to ``parser`` (``replicator demo --help`` lists them too)."""
+    return [
+        parser.add_argument("--epochs", type=int, default=12,
+                            help="passes over the training digits (default 12)"),
+        parser.add_argument("--batch-size", type=int, default=64,
+                            help="global batch size, split across the replicas (default 64)"),
+        parser.add_argument("--lr", type=float, default=3e-3,
+                            help="Adam learning rate (default 0.003)"),
+        parser.add_argument("--strategy", default="mirrored",
+                            help="strategy name for rp.get_strategy (default mirrored)"),
+        parser.add_argument("--steps", type=int, default=None,
+                            help="stop after this many steps (default: all epochs)"),
+    ]
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--strategy", default="mirrored")
-    parser.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    add_arguments(parser)
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
