@@ -16,6 +16,7 @@ import threading
 from collections import Counter
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from replicator.cluster.environment import timeout_from_env
@@ -54,6 +55,13 @@ def is_world(group: dist.ProcessGroup | None) -> bool:
     return group is None or group_ranks(group) == list(range(dist.get_world_size()))
 
 
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where small tensors for collectives over ``group`` must live (a GPU for NCCL)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def check_member(group: dist.ProcessGroup | None, call: str) -> None:
     """Raise a clear error when this process is not a member of ``group``."""
     if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -78,6 +86,7 @@ def split_into_nodes(ranks: list[int], ranks_per_node: int) -> list[list[int]]:
 
 
 _CREATED: Counter[tuple[str, tuple[int, ...]]] = Counter()
+_CREATED_IN: list[object] = [None]  # the default group the counts belong to (by identity)
 _CREATED_LOCK = threading.Lock()
 
 
@@ -94,6 +103,9 @@ def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
     if me not in ranks:
         raise ValueError(f"rank {me} cannot create a group of ranks {ranks} it is not in")
     with _CREATED_LOCK:
+        if _CREATED_IN[0] is not dist.group.WORLD:  # a new world: its members count afresh
+            _CREATED.clear()
+            _CREATED_IN[0] = dist.group.WORLD
         number = _CREATED[(purpose, tuple(ranks))]
         _CREATED[(purpose, tuple(ranks))] += 1
     digest = hashlib.sha1(",".join(map(str, ranks)).encode(), usedforsecurity=False)

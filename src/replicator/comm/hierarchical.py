@@ -31,6 +31,7 @@ from replicator.comm.comm_thread import lane
 from replicator.comm.compression import Compression
 from replicator.comm.groups import (
     check_member,
+    collective_device,
     default_timeout_seconds,
     global_rank,
     group_ranks,
@@ -135,7 +136,8 @@ class HierarchicalAllReduce(CrossDeviceOps):
             hosts = split_into_nodes(ranks, self.ranks_per_node)
         else:
             hosts = group_by_host(ranks, keys)
-        usable = torch.tensor([1 if shared_memory_usable() else 0], dtype=torch.int64)
+        usable = torch.tensor([1 if shared_memory_usable() else 0], dtype=torch.int64,
+                              device=collective_device(group))
         if self.intra_host != "native" and len(ranks) > 1:
             dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
         me = global_rank()
