@@ -7,7 +7,9 @@ follows the declared hosts; compression state stays apart for two models under o
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 import time
 
 import pytest
@@ -26,6 +28,7 @@ from replicator.comm import (
     RingAllReduce,
     SharedMemoryAllReduce,
 )
+from replicator.comm.comm_thread import lane
 from replicator.testing import run_distributed
 
 SIZES = (0, 1, 7, 1000, 1_000_003)
@@ -97,17 +100,25 @@ def _sub_group_sums(first: int) -> dict:
         algo.reduce_sum_async(x, first - 1, inside).wait()
         if rank == first - 1 and not torch.equal(x, ref):
             failures.append(f"{name} reduce to group rank {first - 1}")
-    # a compressed variant on the sub-group, close to the exact sum
-    for algo in (RingAllReduce(compression=Compression.fp16()),
-                 HierarchicalAllReduce(compression=Compression.bf16())):
-        g = torch.Generator().manual_seed(rank)
-        x = torch.randn(10_007, generator=g)
-        ref = x.clone()
-        dist.all_reduce(ref, group=inside)
-        algo.all_reduce_sum(x, inside)
-        rel = float((x - ref).abs().max() / ref.abs().max())
-        if rel > 2e-2:
-            failures.append(f"{algo!r}: relative error {rel:.3g}")
+    # every algorithm with every compression on the sub-group, close to the exact sum
+    kinds = {"native": NativeAllReduce, "ring": RingAllReduce,
+             "reduce_to_one": ReductionToOneDevice, "shared_memory": SharedMemoryAllReduce,
+             "hierarchical": HierarchicalAllReduce}
+    g = torch.Generator().manual_seed(rank)
+    low_rank = torch.randn(64, 2, generator=g) @ torch.randn(2, 32, generator=g)
+    plain = torch.randn(10_007, generator=g)
+    layout = BucketLayout.from_shapes(0, [(64, 32)])
+    for kind, cls in kinds.items():
+        for comp, x, lay, tol in ((Compression.fp16(), plain, None, 2e-3),
+                                  (Compression.bf16(), plain, None, 2e-2),
+                                  (Compression.powersgd(rank=2 * first), low_rank.reshape(-1),
+                                   layout, 1e-4)):
+            y, ref = x.clone(), x.clone()
+            dist.all_reduce(ref, group=inside)
+            cls(compression=comp).all_reduce_sum(y, inside, layout=lay)
+            rel = float((y - ref).abs().max() / ref.abs().max())
+            if rel > tol:
+                failures.append(f"{kind} {comp!r}: relative error {rel:.3g} > {tol}")
     try:  # a global rank outside the group is a clear error
         NativeAllReduce().reduce_sum_async(torch.ones(3), first, inside)
         failures.append("dst outside the group was accepted")
@@ -124,6 +135,10 @@ def test_every_algorithm_on_a_sub_group_equals_torch(first):
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:30])
     assert all(r["busy"] > 0 for r in results[first:])
+
+
+def _lane_threads() -> int:
+    return sum(t.name.startswith("replicator-comm") for t in threading.enumerate())
 
 
 def _disjoint_pairs(_: int) -> dict:
@@ -155,6 +170,24 @@ def _disjoint_pairs(_: int) -> dict:
             tol = 0.05 if a.compression is not None else 0.0
             if float((x - r).abs().max()) > tol:
                 failures.append(f"step {step} {a!r}: max diff {(x - r).abs().max()}")
+    # one lane per group object, over a private copy of the group
+    mine = lane(pair)
+    if mine is not lane(pair) or mine is lane(None) or mine.group is pair:
+        failures.append("lanes are not one per group")
+    if dist.get_process_group_ranks(mine.group) != dist.get_process_group_ranks(pair):
+        failures.append("the lane's group has other ranks than its group")
+    # a group that goes away ends its lane's thread
+    temp = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    RingAllReduce().all_reduce_sum(torch.ones(3), temp)
+    before = _lane_threads()
+    dist.destroy_process_group(temp)
+    del temp
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _lane_threads() >= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _lane_threads() != before - 1:
+        failures.append(f"lane threads {before} -> {_lane_threads()} after the group went away")
     y = torch.full((5,), float(rank))
     RingAllReduce().all_reduce_sum(y)  # the world still works afterwards
     if not torch.equal(y, torch.full((5,), 6.0)):
