@@ -211,7 +211,7 @@ def _declared_hosts(hosts: str) -> dict:
     initialize()
     rank = dist.get_rank()
     out: dict = {"rank": rank, "failures": []}
-    for intra in ("auto", "native"):
+    for intra in ("auto", "native", "shared_memory"):
         algo = HierarchicalAllReduce(intra_host=intra)
         for n in (0, 1, 7, 1000, 1_000_003):
             x = _data(n, rank)
@@ -243,7 +243,7 @@ def test_hierarchical_follows_declared_hosts(hosts):
     for r in results:
         rank = r["rank"]
         host = expected[hosts[rank]]
-        for intra in ("auto", "native"):
+        for intra in ("auto", "native", "shared_memory"):
             topo = r[intra]
             assert topo["hosts"] == want_hosts
             assert topo["leaders"] == leaders
@@ -251,7 +251,7 @@ def test_hierarchical_follows_declared_hosts(hosts):
             assert topo["intra"] == (host if len(host) > 1 else None)
             # the inter-host step's group holds the host leaders only, and only they have it
             assert topo["leader_group"] == (leaders if rank in leaders else None)
-            assert topo["shared_memory"] == (intra == "auto")
+            assert topo["shared_memory"] == (intra != "native" and len(host) > 1)
 
 
 def _train_two_models(shared: bool, same_owner: bool) -> list[list[float]]:

@@ -38,7 +38,7 @@ from replicator.comm.groups import (
     new_private_group,
     split_into_nodes,
 )
-from replicator.comm.shm_segment import SHM_DIR
+from replicator.comm.shm_segment import SHM_DIR, host_id
 
 _INTRA_HOST = ("auto", "shared_memory", "native")
 
@@ -51,7 +51,8 @@ class HostTopology:
     global rank leading each host (its first). ``host``: this process's host. ``intra``: the
     group of this host (``None`` for a one-process host). ``leader_group``: the leaders'
     group (``None`` unless this process leads a host and there are several hosts).
-    ``shared_memory``: whether the intra-host steps go through shared memory (for CPU data).
+    ``shared_memory``: whether this host's intra-host steps go through shared memory (for CPU
+    data; never for a one-process host, which has no intra-host step).
     """
 
     hosts: list[list[int]]
@@ -136,19 +137,16 @@ class HierarchicalAllReduce(CrossDeviceOps):
             hosts = split_into_nodes(ranks, self.ranks_per_node)
         else:
             hosts = group_by_host(ranks, keys)
-        usable = torch.tensor([1 if shared_memory_usable() else 0], dtype=torch.int64,
-                              device=collective_device(group))
-        if self.intra_host != "native" and len(ranks) > 1:
-            dist.all_reduce(usable, op=dist.ReduceOp.MIN, group=group)
         me = global_rank()
         host = next(h for h in hosts if me in h)
-        same_machine = len({keys[ranks.index(r)] for r in host}) == 1
-        shared = self.intra_host != "native" and bool(int(usable)) and same_machine
-        if self.intra_host == "shared_memory" and not shared:
+        shared_hosts = self._shared_memory_hosts(group, ranks, hosts, keys)
+        bad = [h for h, ok in zip(hosts, shared_hosts) if not ok and len(h) > 1]
+        if self.intra_host == "shared_memory" and bad:
             raise ValueError(
                 f"HierarchicalAllReduce(intra_host='shared_memory') on rank {me}: shared memory "
-                f"is not usable for host {host} (needs {SHM_DIR} on every member, all on one "
-                "machine). HINT: use intra_host='auto'")
+                f"is not usable inside host(s) {bad} (needs {SHM_DIR} on every member, all on "
+                "one machine). HINT: use intra_host='auto'")
+        shared = shared_hosts[hosts.index(host)]
         timeout = default_timeout_seconds()
         backend = str(dist.get_backend(group))
         intra = new_private_group(host, "host", timeout, backend) if len(host) > 1 else None
@@ -157,6 +155,25 @@ class HierarchicalAllReduce(CrossDeviceOps):
             if len(hosts) > 1 and me == host[0] else None
         self._topologies[private] = HostTopology(hosts, leaders, host, intra, leader_group,
                                                  shared)
+
+    def _shared_memory_hosts(self, group: dist.ProcessGroup | None, ranks: list[int],
+                             hosts: list[list[int]], keys: list[str]) -> list[bool]:
+        """For each host: may its intra-host steps use shared memory? The same answer on
+        every rank (one all-gather of each rank's machine id and ``/dev/shm`` usability)."""
+        if self.intra_host == "native":
+            return [False] * len(hosts)
+        mine = torch.tensor([host_id(), 1 if shared_memory_usable() else 0], dtype=torch.int64,
+                            device=collective_device(group))
+        parts = [torch.empty_like(mine) for _ in ranks]
+        dist.all_gather(parts, mine, group=group)
+        facts = {r: (int(p[0]), int(p[1]), keys[i]) for i, (r, p) in enumerate(zip(ranks, parts))}
+        out = []
+        for h in hosts:
+            machines = {facts[r][0] for r in h}
+            declared = {facts[r][2] for r in h}
+            out.append(len(h) > 1 and len(machines) == 1 and len(declared) == 1
+                       and all(facts[r][1] for r in h))
+        return out
 
     # -- the work -------------------------------------------------------------------------------
     def _shared_memory(self) -> CrossDeviceOps:
