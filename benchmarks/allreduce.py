@@ -11,7 +11,11 @@ calls per round. Reported: median time per call (the slowest rank's, per round),
 ``shared_memory_resident`` sums a buffer made by ``make_buffers``, as the gradient buckets of
 ``MirroredStrategy`` are: it already lives in shared memory.
 
-Run: ``python benchmarks/allreduce.py [--worlds 2 4] [--max-mb 128] [--quick]``
+``--hosts-of k`` declares hosts of ``k`` processes each (``REPLICATOR_HOST``), so that
+``hierarchical`` has a real leader step, and adds ``hierarchical_native_intra`` (the same with
+the backend's reduce and broadcast inside each host instead of shared memory).
+
+Run: ``python benchmarks/allreduce.py [--worlds 2 4] [--max-mb 128] [--quick] [--hosts-of k]``
 """
 
 from __future__ import annotations
@@ -57,11 +61,14 @@ def memcpy_seconds(nbytes: int, rounds: int) -> float:
     return median(times)
 
 
-def _runs(x: torch.Tensor, res: torch.Tensor, ring, hier, r2o, shm, resident) -> dict:
+def _runs(x: torch.Tensor, res: torch.Tensor, ring, hier, r2o, shm, resident,
+          hier_native=None) -> dict:
     """One call of each algorithm on ``x`` (``res``: the same size, in shared memory)."""
     import torch.distributed as dist
 
-    return {
+    extra = {} if hier_native is None else \
+        {"hierarchical_native_intra": lambda: hier_native.all_reduce_sum(x)}
+    return extra | {
         "gloo": lambda: dist.all_reduce(x),
         "ring": lambda: ring.all_reduce_sum(x),
         "hierarchical": lambda: hier.all_reduce_sum(x),
@@ -71,7 +78,7 @@ def _runs(x: torch.Tensor, res: torch.Tensor, ring, hier, r2o, shm, resident) ->
     }
 
 
-def _worker(sizes: list[int], quick: bool) -> dict:
+def _worker(sizes: list[int], quick: bool, hosts_of: int = 0) -> dict:
     import torch.distributed as dist
 
     from replicator.comm import (
@@ -81,18 +88,21 @@ def _worker(sizes: list[int], quick: bool) -> dict:
         SharedMemoryAllReduce,
     )
 
+    if hosts_of:
+        os.environ["REPLICATOR_HOST"] = f"host{int(os.environ['RANK']) // hosts_of}"
     rp.MirroredStrategy()  # the process group, one thread per process
     rank = dist.get_rank()
     ring, hier, r2o = RingAllReduce(), HierarchicalAllReduce(), ReductionToOneDevice()
+    hier_native = HierarchicalAllReduce(intra_host="native") if hosts_of else None
     shm = SharedMemoryAllReduce()
-    out: dict[str, dict[int, list[float]]] = {a: {} for a in ALGOS}
+    out: dict[str, dict[int, list[float]]] = {a: {} for a in _algos(hosts_of)}
     for nbytes in sizes:
         n = nbytes // 4
         x = torch.randn(n)
         resident = SharedMemoryAllReduce()  # a fresh one per size: its segment goes with it
         (res,) = resident.make_buffers([(n, torch.float32, torch.device("cpu"))])
         res.copy_(x)
-        runs = _runs(x, res, ring, hier, r2o, shm, resident)
+        runs = _runs(x, res, ring, hier, r2o, shm, resident, hier_native)
         for fn in runs.values():  # warm-up: set-up, first-touch of buffers
             fn()
         times: dict[str, list[float]] = {a: [] for a in runs}
@@ -114,6 +124,10 @@ def _worker(sizes: list[int], quick: bool) -> dict:
     return out if rank == 0 else {}
 
 
+def _algos(hosts_of: int) -> tuple[str, ...]:
+    return (("hierarchical_native_intra",) if hosts_of else ()) + ALGOS
+
+
 def _label(nbytes: int) -> str:
     return f"{nbytes // MB} MB" if nbytes >= MB else f"{nbytes // KB} KB"
 
@@ -123,6 +137,8 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-mb", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    parser.add_argument("--hosts-of", type=int, default=0,
+                        help="declare hosts of this many processes each (REPLICATOR_HOST)")
     args = parser.parse_args()
     sizes = [s for s in (4 * KB, 16 * KB, 64 * KB, 256 * KB, MB, 4 * MB, 16 * MB, 64 * MB,
                          128 * MB) if s <= args.max_mb * MB]
@@ -131,13 +147,13 @@ def main() -> None:
     lines = []
     for world in args.worlds:
         start = time.perf_counter()
-        result = rp.launch(_worker, num_replicas=world, args=(sizes, args.quick),
-                           timeout_seconds=120)[0]
+        result = rp.launch(_worker, num_replicas=world,
+                           args=(sizes, args.quick, args.hosts_of), timeout_seconds=120)[0]
         rows = []
         for nbytes in sizes:
             factor = 2 * (world - 1) / world
             gloo_t = median(result["gloo"][nbytes])
-            for algo in ALGOS:
+            for algo in _algos(args.hosts_of):
                 t = median(result[algo][nbytes])
                 busbw = factor * nbytes / t / 1e9
                 vs_memcpy = (factor * nbytes / t) / (nbytes / memcpy[nbytes])

@@ -115,3 +115,45 @@ def test_algorithms_take_only_compression_objects():
     with pytest.raises(TypeError, match="Compression"):
         NativeAllReduce(compression="fp16")  # type: ignore[arg-type]
     assert "fp16" in repr(NativeAllReduce(compression=Compression.fp16()))
+
+
+@pytest.mark.parametrize("make", [lambda: Compression.bf16(error_feedback=True),
+                                  lambda: Compression.powersgd(rank=1)])
+def test_bucket_state_is_keyed_by_owner_and_index(make):
+    """Two synchronizers' bucket 0 keep separate state; sharing one key would mix them."""
+    g = torch.Generator().manual_seed(2)
+    grads = [torch.randn(12, 10, generator=g) for _ in range(2)]
+
+    def run(comp, pairs):
+        outs = []
+        for _ in range(3):
+            for owner, m in pairs:
+                y = m.reshape(-1).clone()
+                comp.all_reduce_sum(y, BucketLayout.from_shapes(0, [m.shape], owner=owner),
+                                    _times(1), 1)
+                outs.append(y)
+        return outs
+
+    alone = [run(make(), [(k, grads[k])]) for k in range(2)]
+    shared = run(make(), [(0, grads[0]), (1, grads[1])])
+    assert all(torch.equal(shared[2 * s + k], alone[k][s]) for s in range(3) for k in range(2))
+    mixed = run(make(), [(0, grads[0]), (0, grads[1])])
+    assert not all(torch.equal(a, b) for a, b in zip(mixed, shared))
+
+
+def test_bucket_state_is_bounded_and_released_per_owner():
+    psgd = PowerSGD(rank=1, max_buckets=3)
+    for owner in range(2):
+        for index in range(2):
+            layout = BucketLayout.from_shapes(index, [(4, 4)], owner=owner)
+            psgd.all_reduce_sum(torch.randn(16), layout, _times(1), 1)
+    assert psgd._buckets.keys() == [(0, 1), (1, 0), (1, 1)]   # least recently used went first
+    psgd.release(1)
+    assert psgd._buckets.keys() == [(0, 1)]
+    cast = Compression.fp16(error_feedback=True)
+    cast.all_reduce_sum(torch.randn(4), BucketLayout.from_shapes(0, [(4,)], owner=7),
+                        _times(1), 1)
+    NativeAllReduce(compression=cast).release_buckets(7)
+    assert len(cast._errors) == 0
+    with pytest.raises(ValueError, match="max_buckets"):
+        PowerSGD(max_buckets=0)

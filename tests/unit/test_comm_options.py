@@ -98,3 +98,17 @@ def test_bucket_layout_views_and_sizes():
 def test_a_finished_handle_becomes_a_completed_future():
     fut = as_torch_future(DONE, torch.ones(2), lambda t: t * 3)
     assert fut.done() and torch.equal(fut.wait(), torch.full((2,), 3.0))
+
+
+@pytest.mark.parametrize("make", [lambda: HierarchicalAllReduce(intra_host="nvlink"),
+                                  lambda: HierarchicalAllReduce(
+                                      inter_node=HierarchicalAllReduce())])
+def test_hierarchical_options_are_checked(make):
+    with pytest.raises((ValueError, TypeError), match="intra_host|hierarchical"):
+        make()
+
+
+@pytest.mark.parametrize("dst", [1, -1, 0.0, True])
+def test_reduce_destination_is_a_group_rank_and_checked(dst):
+    with pytest.raises(ValueError, match="group rank"):
+        NativeAllReduce().reduce_sum_async(torch.ones(3), dst)  # a lone process: only 0 exists

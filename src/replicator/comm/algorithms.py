@@ -8,9 +8,15 @@ live in ``ring.py``, ``hierarchical.py``, ``reduce_to_one.py`` and ``shared_memo
 Every algorithm takes ``compression=`` (see :class:`~replicator.comm.compression.Compression`):
 the gradients are compressed before they travel and restored after, whatever the transport.
 
+Every algorithm works on any process group: ``group=None`` is the whole world, and a sub-group
+(a data-parallel axis of a mesh, the workers of a parameter-server job) is summed over its
+members only; processes outside it are free to do something else meanwhile. Ranks that name a
+replica (``reduce_sum_async``'s ``dst``, ``ReductionToOneDevice(destination=)``) are positions
+within the group (group ranks), as in ``torch.distributed``'s ``group_dst``.
+
 Writing an algorithm: subclass :class:`CrossDeviceOps` and implement ``_sum_now`` (sum in place
-over the given group, on the calling thread). By default it then runs on the communication lane,
-a background thread with its own process group (see ``comm_thread.py``).
+over the given group, on the calling thread). By default it then runs on the group's
+communication lane, a background thread with a private copy of the group (``comm_thread.py``).
 """
 
 from __future__ import annotations
@@ -24,9 +30,8 @@ import torch.distributed as dist
 
 from replicator.comm.bucket_layout import BucketLayout
 from replicator.comm.comm_thread import lane
-from replicator.comm.groups import global_rank, group_size, is_world
+from replicator.comm.groups import check_member, group_size
 from replicator.comm.handles import DONE, Done, Handle
-from replicator.comm.op_errors import algorithm_error
 
 if TYPE_CHECKING:
     from replicator.comm.compression import Compression
@@ -75,6 +80,7 @@ class CrossDeviceOps(ABC):
         error feedback needs the bucket's identity).
         """
         self._check(tensor, "all_reduce_sum_async")
+        check_member(group, "all_reduce_sum_async")
         world = group_size(group)
         if world == 1 or tensor.numel() == 0:
             return DONE
@@ -96,18 +102,35 @@ class CrossDeviceOps(ABC):
     def reduce_sum_async(self, tensor: torch.Tensor, dst: int = 0,
                          group: dist.ProcessGroup | None = None, *,
                          layout: BucketLayout | None = None) -> Handle:
-        """Start summing ``tensor`` onto global rank ``dst`` only (central storage's reduce).
+        """Start summing ``tensor`` onto replica ``dst`` only (central storage's reduce).
 
-        Only ``dst``'s tensor is defined afterwards. With compression this is a compressed
-        all-reduce (compression is built on all-reduce).
+        ``dst`` is a group rank: the position in ``group`` (equal to the global rank for the
+        default group). Only ``dst``'s tensor is defined afterwards. With compression this is a
+        compressed all-reduce (compression is built on all-reduce).
         """
         self._check(tensor, "reduce_sum_async")
-        if group_size(group) == 1 or tensor.numel() == 0:
+        check_member(group, "reduce_sum_async")
+        world = group_size(group)
+        if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < world:
+            raise ValueError(
+                f"reduce_sum_async(dst={dst!r}): dst is a group rank, from 0 to {world - 1} "
+                f"for this group of {world}. HINT: for a global rank r, pass "
+                "torch.distributed.get_group_rank(group, r)")
+        if world == 1 or tensor.numel() == 0:
             return DONE
         if self.compression is not None:
             return self.all_reduce_sum_async(tensor, group, layout=layout)
-        what = f"{self.name} reduce to rank {dst} of {_describe(tensor)}"
+        what = f"{self.name} reduce to group rank {dst} of {_describe(tensor)}"
         return self._start_reduce(tensor, dst, group, what)
+
+    def release_buckets(self, owner: int | None = None) -> None:
+        """Forget the compression state of ``owner``'s buckets (``None``: of every bucket).
+
+        Call it when a model whose gradients this algorithm summed is gone (its synchronizer
+        is the ``owner`` of its bucket layouts).
+        """
+        if self.compression is not None:
+            self.compression.release(owner)
 
     def make_buffers(self, specs: Sequence[BufferSpec],
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -129,11 +152,13 @@ class CrossDeviceOps(ABC):
 
     def _reduce_now(self, tensor: torch.Tensor, dst: int,
                     group: dist.ProcessGroup | None) -> None:
-        """Sum onto global rank ``dst`` (default: a full all-reduce, also correct on ``dst``)."""
+        """Sum onto group rank ``dst`` (default: a full all-reduce, also correct on ``dst``)."""
         self._sum_now(tensor, group)
 
-    def _prepare(self, group: dist.ProcessGroup | None) -> None:  # noqa: B027 - optional hook
-        """Collective set-up for ``group``, run on the caller's thread before the work starts."""
+    def _prepare(self, group: dist.ProcessGroup | None,  # noqa: B027 - optional hook
+                 private: dist.ProcessGroup) -> None:
+        """Collective set-up, on the caller's thread over the caller's ``group``, before work
+        runs on the lane whose private copy of the group is ``private``."""
 
     def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                what: str) -> Handle:
@@ -144,18 +169,10 @@ class CrossDeviceOps(ABC):
         return self._on_lane(group, what, tensor, lambda g: self._reduce_now(tensor, dst, g))
 
     def _on_lane(self, group: dist.ProcessGroup | None, what: str, tensor: torch.Tensor,
-                 work: Callable[[dist.ProcessGroup | None], None]) -> Handle:
-        """Run ``work(group')`` on the communication lane; on an explicit sub-group, run it now
-        on this thread over that group (the lane mirrors only the whole world)."""
-        if not is_world(group):
-            self._prepare(group)
-            try:
-                work(group)
-            except Exception as exc:
-                raise algorithm_error(exc, global_rank(), what) from exc
-            return DONE
-        ln = lane()
-        self._prepare(ln.group)
+                 work: Callable[[dist.ProcessGroup], None]) -> Handle:
+        """Run ``work(private)`` on ``group``'s lane, over the lane's private copy of it."""
+        ln = lane(group)
+        self._prepare(group, ln.group)
         return ln.submit(lambda: work(ln.group), what, tensor, self.timeout_seconds)
 
     @staticmethod
@@ -181,7 +198,8 @@ class NativeAllReduce(CrossDeviceOps):
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
                       what: str) -> Handle:
-        work = dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work = dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group,
+                           async_op=True)
         return work if work is not None else DONE
 
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -189,4 +207,4 @@ class NativeAllReduce(CrossDeviceOps):
 
     def _reduce_now(self, tensor: torch.Tensor, dst: int,
                     group: dist.ProcessGroup | None) -> None:
-        dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)
+        dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)

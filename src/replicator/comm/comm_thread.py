@@ -1,11 +1,24 @@
-"""The communication lane: a background thread with a private copy of the world process group.
+"""Communication lanes: per process group, a background thread with a private copy of the group.
 
 Algorithms made of several dependent steps (ring, hierarchical, reduce-to-one, compressed
-all-reduce) run on the lane so that ``backward()`` goes on while they communicate. The private
-group keeps their collectives from interleaving with those the main thread issues on the default
-group: two threads issuing collectives on one group could pair different operations across
-ranks. Tasks run one at a time in submission order, which is the same on every rank, so the
-lane's collectives always match.
+all-reduce) run on a lane so that ``backward()`` goes on while they communicate.
+:func:`lane` gives the lane of a group, created on its first use, one per group object.
+
+Why a private copy of the group: two threads issuing collectives on one group can pair
+different operations across ranks (rank 0's lane sends bucket 3 while rank 1's main thread
+broadcasts a flag, and each receives the other's bytes). The lane's copy carries only the
+lane's traffic, and tasks run one at a time in submission order, which is the same on every
+rank, so the lane's collectives always match. One lane per group also keeps two groups apart:
+a data-parallel and a model-parallel group (two mesh axes, two strategies) each get their own
+thread and copy, and never interleave.
+
+The copy is created by the group's members only (:func:`~replicator.comm.groups.
+new_private_group`), so two disjoint groups may start their lanes at different times; the
+members of one group must use it in the same order, as every collective requires.
+
+Lifetime: lanes are keyed weakly by the group object (never by ``id()``, which a new group
+may reuse); when the group is collected its lane's thread ends. :func:`close_lanes` ends them
+all; it runs before replicator destroys the process group, and when the world changes.
 """
 
 from __future__ import annotations
@@ -13,14 +26,19 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from replicator.comm.groups import default_timeout_seconds
+from replicator.comm.groups import (
+    check_member,
+    default_timeout_seconds,
+    group_ranks,
+    new_private_group,
+)
 from replicator.comm.handles import ThreadHandle
 from replicator.comm.op_errors import algorithm_error
 
@@ -29,22 +47,26 @@ WAIT_MARGIN_SECONDS = 10.0
 
 
 class Lane:
-    """One background thread and a private process group spanning the whole world."""
+    """One background thread and a private copy (``self.group``) of one process group."""
 
-    def __init__(self, timeout_seconds: float) -> None:
-        self.world = dist.group.WORLD
+    def __init__(self, ranks: list[int], timeout_seconds: float, backend: str) -> None:
         self.rank = dist.get_rank()
+        self.ranks = list(ranks)
         self.timeout_seconds = timeout_seconds
-        self.group = dist.new_group(list(range(dist.get_world_size())),
-                                    timeout=timedelta(seconds=timeout_seconds))
+        self.group = new_private_group(self.ranks, "lane", timeout_seconds, backend)
         self._streams: dict[torch.device, Any] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="replicator-comm", daemon=True)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=f"replicator-comm-{'-'.join(map(str, ranks))}")
         self._thread.start()
 
     def submit(self, fn: Callable[[], None], what: str, tensor: torch.Tensor,
                wait_seconds: float | None = None) -> ThreadHandle:
         """Run ``fn()`` on the lane after everything submitted before; return its handle."""
+        if self._closed:
+            raise RuntimeError(f"the communication lane of ranks {self.ranks} is closed (its "
+                               "process group was destroyed). HINT: use a live group")
         future: concurrent.futures.Future = concurrent.futures.Future()
         ready = done = None
         if tensor.is_cuda:
@@ -83,23 +105,53 @@ class Lane:
             done.record(stream)
 
     def close(self) -> None:
-        self._queue.put(None)
+        """End the thread once the work already submitted is done."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
 
 
-_LANE: Lane | None = None
+_LANES: weakref.WeakKeyDictionary[dist.ProcessGroup, Lane] = weakref.WeakKeyDictionary()
+_WORLD: list[Any] = [None]  # the default group the lanes belong to (compared by identity)
 _LOCK = threading.Lock()
 
 
-def lane() -> Lane:
-    """This process's lane for the current default group, created on first use.
+def lane(group: dist.ProcessGroup | None = None) -> Lane:
+    """This process's lane for ``group`` (``None``: the default group), created on first use.
 
-    Creating it is a collective (a new process group): every rank must reach its first use in
-    the same order, which holds because algorithms are called in the same order everywhere.
+    Creating it makes a process group over the group's members: every member must reach its
+    first use at the same point of its collective sequence, which holds because algorithms
+    are called in the same order on every member.
     """
-    global _LANE
+    check_member(group, "lane")
+    key = dist.group.WORLD if group is None else group
+    if key is None:
+        raise RuntimeError("no process group is running. HINT: start one first "
+                           "(rp.MirroredStrategy() or torch.distributed.init_process_group)")
     with _LOCK:
-        if _LANE is None or _LANE.world is not dist.group.WORLD:
-            if _LANE is not None:
-                _LANE.close()
-            _LANE = Lane(default_timeout_seconds())
-        return _LANE
+        if _WORLD[0] is not dist.group.WORLD:
+            _close_all_locked()
+            _WORLD[0] = dist.group.WORLD
+            from replicator.cluster.process_group import on_shutdown
+
+            on_shutdown(close_lanes)
+        found = _LANES.get(key)
+        if found is None:
+            found = Lane(group_ranks(group), default_timeout_seconds(),
+                         str(dist.get_backend(group)))
+            _LANES[key] = found
+            weakref.finalize(key, found.close)
+        return found
+
+
+def close_lanes() -> None:
+    """End every lane's thread (after its submitted work); later uses create new lanes."""
+    with _LOCK:
+        _close_all_locked()
+        _WORLD[0] = None
+
+
+def _close_all_locked() -> None:
+    for ln in list(_LANES.values()):
+        ln.close()
+    _LANES.clear()

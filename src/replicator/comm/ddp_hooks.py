@@ -8,10 +8,15 @@ DDP keeps its own bucketing and overlap; the hook only decides how each bucket i
 The hook passes DDP's bucket to the algorithm together with its layout (so PowerSGD sees the
 gradient shapes) and returns a future that DDP waits on at the end of ``backward()``, holding
 the bucket averaged over the replicas, as DDP expects from a hook.
+
+Each hook is its own bucket owner (a negative number, so it never equals the owner of a
+gradient synchronizer's buckets): two DDP models hooked with one algorithm object keep apart
+their compression state (error feedback, PowerSGD factors).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +30,8 @@ from replicator.comm.handles import as_torch_future
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
+_OWNERS = itertools.count(-1, -1)
+
 
 def ddp_comm_hook(ops: CrossDeviceOps) -> CommHook:
     """A function for ``DistributedDataParallel.register_comm_hook(state, hook)``.
@@ -34,14 +41,16 @@ def ddp_comm_hook(ops: CrossDeviceOps) -> CommHook:
     if not isinstance(ops, CrossDeviceOps):
         raise TypeError(f"ddp_comm_hook takes a CrossDeviceOps such as rp.RingAllReduce(), got "
                         f"{type(ops).__name__}")
+    owner = next(_OWNERS)
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
         group = state if isinstance(state, dist.ProcessGroup) else None
         tensor = bucket.buffer()
         world = group_size(group)
-        layout = BucketLayout.from_shapes(bucket.index(), [p.shape for p in bucket.parameters()])
+        layout = BucketLayout.from_shapes(bucket.index(), [p.shape for p in bucket.parameters()],
+                                          owner=owner)
         if layout.numel != tensor.numel():  # DDP padded the bucket: the shapes do not apply
-            layout = BucketLayout.from_shapes(bucket.index(), [tensor.shape])
+            layout = BucketLayout.from_shapes(bucket.index(), [tensor.shape], owner=owner)
         handle = ops.all_reduce_sum_async(tensor, group, layout=layout)
         return as_torch_future(handle, tensor, lambda t: t.div_(world))
 

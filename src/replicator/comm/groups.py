@@ -1,11 +1,28 @@
-"""Facts about process groups that the algorithms need: size, own position, ranks, timeout."""
+"""Facts about process groups that the algorithms need, and the private groups they create.
+
+:func:`new_private_group` makes a process group that only its members create, under a name
+that every member computes alike. ``torch.distributed.new_group`` cannot do both: without
+``use_local_synchronization`` every process of the world must call it (two disjoint groups
+that start at different times would wait for each other), and with it the group's name hashes
+the number of groups this process already knows, which differs between processes as soon as
+one of them is in a group another is not in (a host leader, say); members that compute
+different names wait for each other until the timeout.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import Counter
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 
 from replicator.cluster.environment import timeout_from_env
 from replicator.cluster.process_group import DEFAULT_TIMEOUT_SECONDS, current_group
+from replicator.comm.op_errors import algorithm_error
+from replicator.errors import ClusterConfigError
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -38,6 +55,21 @@ def is_world(group: dist.ProcessGroup | None) -> bool:
     return group is None or group_ranks(group) == list(range(dist.get_world_size()))
 
 
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where small tensors for collectives over ``group`` must live (a GPU for NCCL)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_member(group: dist.ProcessGroup | None, call: str) -> None:
+    """Raise a clear error when this process is not a member of ``group``."""
+    if group is not None and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{call} on rank {global_rank()}: this process is not a member of the "
+                         "group it was given. HINT: call it only on the processes of the group "
+                         "(new_group returns a non-member marker on the others)")
+
+
 def default_timeout_seconds() -> float:
     """The collective timeout of the running job (the process group's, else the launcher's)."""
     info = current_group()
@@ -51,3 +83,55 @@ def split_into_nodes(ranks: list[int], ranks_per_node: int) -> list[list[int]]:
     if ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
     return [ranks[i:i + ranks_per_node] for i in range(0, len(ranks), ranks_per_node)]
+
+
+_CREATED: Counter[tuple[str, tuple[int, ...]]] = Counter()
+_CREATED_IN: list[object] = [None]  # the default group the counts belong to (by identity)
+_CREATED_LOCK = threading.Lock()
+
+
+def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
+                      backend: str | None = None) -> dist.ProcessGroup:
+    """A new process group over global ``ranks``, created by its members only.
+
+    Every member must call it, and members must create the groups of one ``purpose`` and rank
+    set in the same order (the n-th such group is named alike everywhere); processes outside
+    ``ranks`` must not call it. Waiting for the members is bounded by ``timeout_seconds``.
+    """
+    ranks = sorted(ranks)
+    me = global_rank()
+    if me not in ranks:
+        raise ValueError(f"rank {me} cannot create a group of ranks {ranks} it is not in")
+    with _CREATED_LOCK:
+        if _CREATED_IN[0] is not dist.group.WORLD:  # a new world: its members count afresh
+            _CREATED.clear()
+            _CREATED_IN[0] = dist.group.WORLD
+        number = _CREATED[(purpose, tuple(ranks))]
+        _CREATED[(purpose, tuple(ranks))] += 1
+    digest = hashlib.sha1(",".join(map(str, ranks)).encode(), usedforsecurity=False)
+    name = f"replicator-{purpose}-{digest.hexdigest()[:16]}-{number}"
+    timeout = timedelta(seconds=timeout_seconds)
+    backend = backend or dist.get_backend()
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        helper = c10d._new_process_group_helper
+        store = c10d._get_default_store()
+    except (ImportError, AttributeError):  # a torch without the helper: torch names the group
+        return _local_new_group(ranks, timeout, backend)
+    try:
+        pg, _ = helper(len(ranks), ranks.index(me), ranks, backend, store,
+                       c10d.GroupName(name),
+                       timeout=timeout, group_desc=name)
+    except RuntimeError as exc:
+        raise algorithm_error(exc, me, f"forming the {purpose} group of ranks {ranks}") from exc
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
+
+
+def _local_new_group(ranks: list[int], timeout: timedelta, backend: str) -> dist.ProcessGroup:
+    group = dist.new_group(ranks, timeout=timeout, backend=backend,
+                           use_local_synchronization=True)
+    if group is None:  # cannot happen: the caller is a member
+        raise ClusterConfigError(f"rank {global_rank()} got no group for ranks {ranks}")
+    return group

@@ -1,49 +1,92 @@
-"""Hierarchical all-reduce: sum inside each node, all-reduce among node leaders, broadcast back.
+"""Hierarchical all-reduce: sum inside each host, all-reduce among host leaders, share back.
 
-Only one replica per node talks across nodes, so the slow network carries the tensor once per
-node instead of once per replica. A node is ``ranks_per_node`` consecutive ranks (the
-launcher's ``LOCAL_WORLD_SIZE``); with a single node the leader step is skipped and the
-algorithm is a reduce followed by a broadcast.
+Only one replica per host talks across hosts, so the slow network carries the tensor once per
+host instead of once per replica. The hosts are the real ones: every member of the group
+sends its host key (:func:`replicator.cluster.hosts.exchange_host_keys`, which honours
+``REPLICATOR_HOST``), and ranks with one key form one host; hosts may hold different numbers
+of processes. The first rank of each host (in group order) is its leader.
+
+Per host, the intra-host steps use shared memory when every member can (CPU tensors, a
+usable ``/dev/shm``): an all-reduce through shared memory, the leaders' all-reduce, then the
+leader's result shared back (the others contribute zeros). Otherwise the backend's reduce to
+the leader and broadcast from it. With a single host the leader step is skipped.
+
+The host groups and the leaders' group are created on first use of a group, by their members
+only (see ``groups.py``), and kept per group: :meth:`HierarchicalAllReduce.topology_for` shows
+them.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from replicator.cluster.environment import resolve_cluster
+from replicator.cluster.hosts import exchange_host_keys, group_by_host
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
+from replicator.comm.comm_thread import lane
 from replicator.comm.compression import Compression
 from replicator.comm.groups import (
+    check_member,
+    collective_device,
     default_timeout_seconds,
     global_rank,
     group_ranks,
-    is_world,
+    new_private_group,
     split_into_nodes,
 )
+from replicator.comm.shm_segment import SHM_DIR, host_id
+
+_INTRA_HOST = ("auto", "shared_memory", "native")
 
 
 @dataclass
-class _Topology:
-    node: list[int]                       # global ranks of this rank's node, leader first
-    intra: dist.ProcessGroup | None       # the node's group (None for a one-rank node)
-    leaders: dist.ProcessGroup | None     # the leaders' group (None unless leader and >1 node)
+class HostTopology:
+    """How one group is split into hosts, as seen by this process.
+
+    ``hosts``: global ranks per host, hosts in order of their first rank. ``leaders``: the
+    global rank leading each host (its first). ``host``: this process's host. ``intra``: the
+    group of this host (``None`` for a one-process host). ``leader_group``: the leaders'
+    group (``None`` unless this process leads a host and there are several hosts).
+    ``shared_memory``: whether this host's intra-host steps go through shared memory (for CPU
+    data; never for a one-process host, which has no intra-host step).
+    """
+
+    hosts: list[list[int]]
+    leaders: list[int]
+    host: list[int]
+    intra: dist.ProcessGroup | None
+    leader_group: dist.ProcessGroup | None
+    shared_memory: bool
+
+    @property
+    def is_leader(self) -> bool:
+        return global_rank() == self.host[0]
+
+
+def shared_memory_usable() -> bool:
+    """True when this process can map shared memory for a same-host all-reduce."""
+    return (os.name == "posix" and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+            and hasattr(os, "posix_fallocate"))
 
 
 class HierarchicalAllReduce(CrossDeviceOps):
-    """Reduce inside each node, all-reduce among one leader per node, broadcast inside the node.
+    """Sum inside each host, all-reduce among one leader per host, share the result back.
 
-    ``ranks_per_node``: replicas per node (``None``: ``LOCAL_WORLD_SIZE``). ``inter_node``: the
-    algorithm the leaders use among themselves (default :class:`NativeAllReduce`).
+    ``ranks_per_node``: declare hosts as runs of this many consecutive group ranks instead of
+    asking every process for its real host (for tests and simulations; shared memory is then
+    used only where the real hosts agree). ``inter_node``: the algorithm the leaders use among
+    themselves (default :class:`NativeAllReduce`). ``intra_host``: ``"auto"`` (shared memory
+    where usable, else the backend), ``"shared_memory"`` or ``"native"``.
     """
 
     name = "hierarchical"
 
     def __init__(self, ranks_per_node: int | None = None,
-                 inter_node: CrossDeviceOps | None = None, *,
+                 inter_node: CrossDeviceOps | None = None, *, intra_host: str = "auto",
                  compression: Compression | None = None,
                  timeout_seconds: float | None = None) -> None:
         super().__init__(compression=compression, timeout_seconds=timeout_seconds)
@@ -54,53 +97,118 @@ class HierarchicalAllReduce(CrossDeviceOps):
         if inter_node is not None and not isinstance(inter_node, CrossDeviceOps):
             raise TypeError(f"inter_node must be a CrossDeviceOps such as rp.RingAllReduce(), "
                             f"got {type(inter_node).__name__}")
+        if isinstance(inter_node, HierarchicalAllReduce):
+            raise TypeError("inter_node cannot itself be hierarchical: the leaders are one per "
+                            "host already. HINT: use rp.NativeAllReduce() or rp.RingAllReduce()")
         if inter_node is not None and inter_node.compression is not None:
             raise ValueError("give compression to HierarchicalAllReduce itself, not to its "
                              "inter_node algorithm")
+        if intra_host not in _INTRA_HOST:
+            raise ValueError(f"intra_host must be one of {', '.join(_INTRA_HOST)}, got "
+                             f"{intra_host!r}")
         self.ranks_per_node = ranks_per_node
         self.inter_node = inter_node or NativeAllReduce()
-        # keyed by id(group); the group is kept alongside so that its id cannot be reused
-        self._topologies: dict[int, tuple[dist.ProcessGroup | None, _Topology]] = {}
+        self.intra_host = intra_host
+        self._shared: CrossDeviceOps | None = None
+        # keyed by the lane's private copy of the group (weakly: a new group gets a new entry)
+        self._topologies: weakref.WeakKeyDictionary[dist.ProcessGroup, HostTopology] = \
+            weakref.WeakKeyDictionary()
 
-    def _per_node(self) -> int:
-        if self.ranks_per_node is not None:
-            return self.ranks_per_node
-        return max(1, resolve_cluster().local_world_size)
+    # -- topology -------------------------------------------------------------------------------
+    def topology_for(self, group: dist.ProcessGroup | None = None) -> HostTopology:
+        """The hosts, leaders and groups this algorithm uses on ``group`` (``None``: world).
 
-    def _prepare(self, group: dist.ProcessGroup | None) -> None:
-        key = id(group)
-        if key in self._topologies and self._topologies[key][0] is group:
+        Built on the first all-reduce over ``group``; calling it before is a collective over
+        ``group`` (every member must call it).
+        """
+        check_member(group, "topology_for")
+        private = lane(group).group
+        self._prepare(group, private)
+        return self._topologies[private]
+
+    def _prepare(self, group: dist.ProcessGroup | None, private: dist.ProcessGroup) -> None:
+        """Find the hosts of ``group`` and create their groups (collectives over ``group`` on
+        the caller's thread; the lane only ever uses ``private`` and the groups made here)."""
+        if private in self._topologies:
             return
-        if not is_world(group):
-            raise ValueError("HierarchicalAllReduce builds node groups out of the whole world; "
-                             "it cannot run on an explicit sub-group. HINT: pass group=None")
-        nodes = split_into_nodes(group_ranks(group), self._per_node())
-        timeout = timedelta(seconds=default_timeout_seconds())
+        ranks = group_ranks(group)
+        keys = exchange_host_keys(group)
+        if self.ranks_per_node is not None:
+            hosts = split_into_nodes(ranks, self.ranks_per_node)
+        else:
+            hosts = group_by_host(ranks, keys)
         me = global_rank()
-        mine: _Topology | None = None
-        # every rank creates every group, in the same order (new_group is a collective)
-        intra_groups = [dist.new_group(node, timeout=timeout) if len(node) > 1 else None
-                        for node in nodes]
-        leaders = dist.new_group([node[0] for node in nodes], timeout=timeout) \
-            if len(nodes) > 1 else None
-        for node, intra in zip(nodes, intra_groups):
-            if me in node:
-                mine = _Topology(node, intra, leaders if me == node[0] else None)
-        if mine is None:  # cannot happen: every rank is in the world
-            raise RuntimeError(f"rank {me} is in none of the nodes {nodes}")
-        self._topologies[key] = (group, mine)
+        host = next(h for h in hosts if me in h)
+        shared_hosts = self._shared_memory_hosts(group, ranks, hosts, keys)
+        bad = [h for h, ok in zip(hosts, shared_hosts) if not ok and len(h) > 1]
+        if self.intra_host == "shared_memory" and bad:
+            raise ValueError(
+                f"HierarchicalAllReduce(intra_host='shared_memory') on rank {me}: shared memory "
+                f"is not usable inside host(s) {bad} (needs {SHM_DIR} on every member, all on "
+                "one machine). HINT: use intra_host='auto'")
+        shared = shared_hosts[hosts.index(host)]
+        timeout = default_timeout_seconds()
+        backend = str(dist.get_backend(group))
+        intra = new_private_group(host, "host", timeout, backend) if len(host) > 1 else None
+        leaders = [h[0] for h in hosts]
+        leader_group = new_private_group(leaders, "leaders", timeout, backend) \
+            if len(hosts) > 1 and me == host[0] else None
+        self._topologies[private] = HostTopology(hosts, leaders, host, intra, leader_group,
+                                                 shared)
+
+    def _shared_memory_hosts(self, group: dist.ProcessGroup | None, ranks: list[int],
+                             hosts: list[list[int]], keys: list[str]) -> list[bool]:
+        """For each host: may its intra-host steps use shared memory? The same answer on
+        every rank (one all-gather of each rank's machine id and ``/dev/shm`` usability)."""
+        if self.intra_host == "native":
+            return [False] * len(hosts)
+        mine = torch.tensor([host_id(), 1 if shared_memory_usable() else 0], dtype=torch.int64,
+                            device=collective_device(group))
+        parts = [torch.empty_like(mine) for _ in ranks]
+        dist.all_gather(parts, mine, group=group)
+        facts = {r: (int(p[0]), int(p[1]), keys[i]) for i, (r, p) in enumerate(zip(ranks, parts))}
+        out = []
+        for h in hosts:
+            machines = {facts[r][0] for r in h}
+            declared = {facts[r][2] for r in h}
+            out.append(len(h) > 1 and len(machines) == 1 and len(declared) == 1
+                       and all(facts[r][1] for r in h))
+        return out
+
+    # -- the work -------------------------------------------------------------------------------
+    def _shared_memory(self) -> CrossDeviceOps:
+        if self._shared is None:
+            from replicator.comm.shared_memory import SharedMemoryAllReduce
+
+            self._shared = SharedMemoryAllReduce(timeout_seconds=self.timeout_seconds)
+        return self._shared
 
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        topo = self._topologies[id(group)][1]
-        leader = topo.node[0]
+        topo = self._topologies.get(group) if group is not None else None
+        if topo is None:  # only the lane calls this, after _prepare
+            raise RuntimeError("HierarchicalAllReduce ran on a group it has not prepared. "
+                               "HINT: call all_reduce_sum_async(tensor, group), not _sum_now")
+        leader = topo.host[0]
+        several_hosts = len(topo.hosts) > 1
+        if topo.intra is not None and topo.shared_memory and tensor.device.type == "cpu":
+            shm = self._shared_memory()
+            shm._sum_now(tensor, topo.intra)
+            if not several_hosts:
+                return
+            if topo.leader_group is not None:
+                self.inter_node._sum_now(tensor, topo.leader_group)
+            else:
+                tensor.zero_()  # the leader's result plus zeros: a broadcast through memory
+            shm._sum_now(tensor, topo.intra)
+            return
         if topo.intra is not None:
             dist.reduce(tensor, dst=leader, group=topo.intra)
-        if topo.leaders is not None:
-            self.inter_node._sum_now(tensor, topo.leaders)
+        if topo.leader_group is not None:
+            self.inter_node._sum_now(tensor, topo.leader_group)
         if topo.intra is not None:
             dist.broadcast(tensor, src=leader, group=topo.intra)
 
     def __repr__(self) -> str:
         extra = f", compression={self.compression!r}" if self.compression is not None else ""
         return (f"HierarchicalAllReduce(ranks_per_node={self.ranks_per_node}, "
-                f"inter_node={self.inter_node!r}{extra})")
+                f"inter_node={self.inter_node!r}, intra_host={self.intra_host!r}{extra})")

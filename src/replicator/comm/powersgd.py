@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 import torch
 
 from replicator.comm.bucket_layout import BucketLayout
-from replicator.comm.compression import Compression, SumFn
+from replicator.comm.compression import (
+    DEFAULT_MAX_BUCKETS,
+    BucketStates,
+    Compression,
+    SumFn,
+)
 
 
 @dataclass
@@ -36,13 +41,15 @@ class PowerSGD(Compression):
 
     ``warm_up_steps``: steps per bucket that travel uncompressed first (PowerSGD converges
     better when the early, large gradients are exact). ``seed``: seeds the initial ``Q``
-    identically on every replica.
+    identically on every replica (per bucket index, so a model's factors start alike whether
+    or not other models share this object). ``max_buckets``: buckets whose state is kept at
+    most (see :mod:`replicator.comm.compression`).
     """
 
     name = "powersgd"
 
     def __init__(self, rank: int = 1, *, warm_up_steps: int = 0, error_feedback: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, max_buckets: int = DEFAULT_MAX_BUCKETS) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGD rank must be a positive integer, got {rank!r}")
         if warm_up_steps < 0:
@@ -51,7 +58,7 @@ class PowerSGD(Compression):
         self.warm_up_steps = warm_up_steps
         self.error_feedback = error_feedback
         self.seed = seed
-        self._buckets: dict[int, _BucketState] = {}
+        self._buckets: BucketStates[_BucketState] = BucketStates(max_buckets)
 
     def compressible(self, shape: torch.Size) -> bool:
         """True when a rank-``rank`` factorisation of ``shape`` is smaller than the tensor."""
@@ -66,9 +73,10 @@ class PowerSGD(Compression):
         if layout is None or not tensor.is_floating_point():
             sum_fn(tensor)  # no shapes to factorise: send it as it is
             return
-        state = self._buckets.get(layout.index)
+        state = self._buckets.get(layout.key)
         if state is None or state.shapes != layout.shapes:
-            state = self._buckets[layout.index] = _BucketState(layout.shapes)
+            state = _BucketState(layout.shapes)
+            self._buckets.put(layout.key, state)
         state.steps += 1
         views = layout.views(tensor)
         matrices = [i for i, v in enumerate(views) if self.compressible(v.shape)]
@@ -122,6 +130,9 @@ class PowerSGD(Compression):
             q = q.to(device=m.device, dtype=m.dtype)
             state.qs[i] = q
         return q
+
+    def release(self, owner: int | None = None) -> None:
+        self._buckets.release(owner)
 
     def error_bytes(self) -> int:
         """Bytes held for error feedback (for memory accounting)."""

@@ -2,6 +2,9 @@
 
 tf.distribute's ``ReductionToOneDevice``. Simple and robust; the destination carries all the
 traffic, so it scales worse than a ring. Its reduce step alone is what central storage needs.
+
+``destination`` (and ``reduce_sum_async``'s ``dst``) is a group rank: the position within the
+group the algorithm runs on, so one object serves any group ("the group's first replica").
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from replicator.comm.groups import group_size
 
 
 class ReductionToOneDevice(CrossDeviceOps):
-    """Reduce to replica ``destination`` (a rank within the group), then broadcast from it."""
+    """Reduce to replica ``destination`` (a group rank: position within the group), then
+    broadcast from it."""
 
     name = "reduce_to_one"
 
@@ -30,8 +34,13 @@ class ReductionToOneDevice(CrossDeviceOps):
         world = group_size(group)
         if self.destination >= world:
             raise ValueError(f"ReductionToOneDevice(destination={self.destination}) needs at "
-                             f"least {self.destination + 1} replicas, the group has {world}")
+                             f"least {self.destination + 1} replicas, the group has {world}. "
+                             "HINT: destination is a group rank (a position within the group), "
+                             "not a global rank")
         return self.destination
+
+    def _prepare(self, group: dist.ProcessGroup | None, private: dist.ProcessGroup) -> None:
+        self._dst(group)  # a wrong destination fails here, on the caller's thread
 
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         dst = self._dst(group)
@@ -40,7 +49,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def _reduce_now(self, tensor: torch.Tensor, dst: int,
                     group: dist.ProcessGroup | None) -> None:
-        dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, group=group)
+        dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
 
     def __repr__(self) -> str:
         extra = f", compression={self.compression!r}" if self.compression is not None else ""

@@ -11,10 +11,15 @@ buckets) live in the segment from the start, which skips both copies: the all-re
 two barriers and one pass over the data, close to memcpy speed.
 
 No background thread is used: on CPU the reduction needs the same cores as ``backward()``,
-and a waiting thread would only compete with it. Resident buffers are nevertheless
+and a waiting thread would only compete with it; the set-up collectives run on the caller's
+thread over the caller's group. Resident buffers are nevertheless
 asynchronous: a launch sums this rank's chunk only once every rank's input is there, and
 otherwise leaves the work to the next launch or to ``wait()``. Other tensors are summed before
 ``all_reduce_sum_async`` returns.
+
+Any group whose members share one host works; each group gets its own segment (named after the
+group's ranks, plus a random part), so two groups on one host never share a segment or its
+barrier counters.
 """
 
 from __future__ import annotations
@@ -29,7 +34,13 @@ import torch.distributed as dist
 
 from replicator.comm.algorithms import BufferSpec, CrossDeviceOps
 from replicator.comm.compression import Compression
-from replicator.comm.groups import default_timeout_seconds, global_rank, group_rank, group_size
+from replicator.comm.groups import (
+    default_timeout_seconds,
+    global_rank,
+    group_rank,
+    group_ranks,
+    group_size,
+)
 from replicator.comm.handles import DONE, Handle
 from replicator.comm.op_errors import algorithm_error
 from replicator.comm.shm_segment import (
@@ -67,6 +78,7 @@ class _Resident:
 
     segment: SharedSegment
     rank: int
+    ranks: tuple[int, ...]
     others: dict[int, torch.Tensor]
 
     def slots(self, mine: torch.Tensor) -> list[torch.Tensor]:
@@ -191,16 +203,21 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             raise ValueError(f"max_resident_bytes must be >= 0, got {max_resident_bytes}")
         self.piece_bytes = align(piece_bytes)
         self.max_resident_bytes = max_resident_bytes
-        self._channels: dict[int, _Channel] = {}
+        self._channels: weakref.WeakKeyDictionary[dist.ProcessGroup, _Channel] = \
+            weakref.WeakKeyDictionary()
         self._resident: dict[tuple[int, int, torch.dtype], _Resident] = {}
 
     # -- set-up -------------------------------------------------------------------------------
     def _channel(self, group: dist.ProcessGroup | None) -> _Channel:
-        key = id(group)
-        if key not in self._channels:
+        """The channel of ``group`` (a collective over it on first use)."""
+        key = dist.group.WORLD if group is None else group
+        if key is None:
+            raise RuntimeError("no process group is running. HINT: start one first")
+        found = self._channels.get(key)
+        if found is None:
             timeout = self.timeout_seconds or default_timeout_seconds()
-            self._channels[key] = _Channel(group, self.piece_bytes, timeout)
-        return self._channels[key]
+            found = self._channels[key] = _Channel(group, self.piece_bytes, timeout)
+        return found
 
     def make_buffers(self, specs: Sequence[BufferSpec],
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -226,7 +243,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             key = (mine.data_ptr(), n, dtype)
             others = {s: segment.view(s * total + offset, n, dtype)
                       for s in range(world) if s != me}
-            self._resident[key] = _Resident(segment, me, others)
+            self._resident[key] = _Resident(segment, me, tuple(group_ranks(group)), others)
             weakref.finalize(mine, self._resident.pop, key, None)
             out.append(mine)
         return out
@@ -249,8 +266,8 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         resident = self._resident.get((tensor.data_ptr(), tensor.numel(), tensor.dtype))
         if resident is None or tensor.device.type != "cpu":
             return None
-        if resident.rank != group_rank(group):
-            return None
+        if resident.rank != group_rank(group) or resident.ranks != tuple(group_ranks(group)):
+            return None  # made for another group: goes through the slots
         return resident
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,

@@ -60,6 +60,14 @@ def host_id() -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def group_tag(group: dist.ProcessGroup | None) -> str:
+    """A short name for ``group``'s ranks, part of its segments' names (``g0_1``, or a hash)."""
+    ranks = "_".join(map(str, group_ranks(group)))
+    if len(ranks) <= 24:
+        return f"g{ranks}"
+    return "g" + hashlib.sha1(ranks.encode(), usedforsecurity=False).hexdigest()[:12]
+
+
 def check_same_host(group: dist.ProcessGroup | None, who: str) -> None:
     """Raise on every rank unless all ranks of ``group`` run on this host."""
     mine = torch.tensor([host_id()], dtype=torch.int64)
@@ -92,7 +100,7 @@ class SharedSegment:
         mm: mmap.mmap | None = None
         try:
             if first:
-                name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+                name = f"{NAME_PREFIX}{group_tag(group)}-{os.getpid()}-{secrets.token_hex(6)}"
                 try:
                     path = os.path.join(SHM_DIR, name)
                     mm = _map(path, nbytes, create=True)
