@@ -146,17 +146,23 @@ class Trainer:
                 "callbacks": callback_states(self._callbacks.callbacks)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`: replica 0 carries the restored metric sums, the
-        others start from zero, so the next cross-replica sum is right."""
+        """Continue from :meth:`state_dict`. Every replica holds the same running sums, to
+        which each step adds its reduced numbers, so a resumed epoch's metrics are bit for
+        bit those of an uninterrupted one."""
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
         self.global_step = int(state["global_step"])
+        sums = []
         for m in self._all_metrics():
             m.reset()
-            if m.name in state["metric_sums"]:
-                sums = torch.tensor(state["metric_sums"][m.name], dtype=torch.float64)
-                m.load_state(sums if self.strategy.replica_id == 0 else torch.zeros_like(sums))
-        self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
+            saved = state["metric_sums"].get(m.name)
+            if saved is None:
+                sums.append(torch.zeros_like(m.state))
+                continue
+            restored = torch.tensor(saved, dtype=torch.float64)
+            m.load_state(torch.zeros_like(restored))  # sizes a metric that sizes itself lazily
+            sums.append(restored)
+        self._reduced_sums = sums
         self.history.load_state_dict(state["history"])
         self.stop_training = bool(state.get("stop_training", False))
         # the callbacks' on_train_begin ran before this restore (backups come last)
@@ -204,11 +210,26 @@ class Trainer:
         return total
 
     def _reduced_logs(self, metrics: list[Metric], prefix: str = "") -> Logs:
+        """Reduce the metrics' sums (and the error flag) in one collective; the logs."""
         states, extra = reduce_states(self.strategy, metrics, [self._errors.flag])
         self._errors.check(extra[0])
-        if not prefix:
-            self._reduced_sums = [s.clone() for s in states]
         return {prefix + m.name: m.value_from(s) for m, s in zip(metrics, states)}
+
+    def _step_logs(self) -> Logs:
+        """Training logs: the step's reduced sums are added to the epoch's running sums (the
+        same on every replica, and what a backup holds) and the local sums start over."""
+        metrics = self._all_metrics()
+        states, extra = reduce_states(self.strategy, metrics, [self._errors.flag])
+        self._errors.check(extra[0])
+        for i, (m, step_sums) in enumerate(zip(metrics, states)):
+            running = self._reduced_sums[i]
+            if running.numel() != step_sums.numel():  # a metric sized on its first batch
+                if bool(running.any()):
+                    raise ValueError(f"metric {m.name!r} changed its state size mid-epoch")
+                running = torch.zeros_like(step_sums)
+            self._reduced_sums[i] = running + step_sums
+            m.reset()
+        return {m.name: m.value_from(s) for m, s in zip(metrics, self._reduced_sums)}
 
     def _distributed(self, data: Any) -> Any:
         if isinstance(data, (DataLoader, Dataset)):
@@ -277,6 +298,7 @@ class Trainer:
         if self.step_in_epoch == 0:
             for m in self._all_metrics():
                 m.reset()
+            self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
         self._hook("on_epoch_begin", epoch, {})
         logs: Logs = {}
         iterator = iter(self._backup.epoch_batches(self.train_dataset)) \
@@ -290,13 +312,13 @@ class Trainer:
             self._samples_seen += self.last_global_batch
             self.step_in_epoch += 1
             self.global_step += 1
-            logs = self._reduced_logs(self._all_metrics())
+            logs = self._step_logs()
             self._hook("on_train_batch_end", self.step_in_epoch - 1, logs)
             if self.stop_training or (steps_per_epoch is not None
                                       and self.step_in_epoch >= steps_per_epoch):
                 break
         if not logs:
-            logs = self._reduced_logs(self._all_metrics())
+            logs = self._step_logs()
         if validation_data is not None:
             logs.update(self.evaluate(validation_data, _prefix="val_"))
             self.model.train()
