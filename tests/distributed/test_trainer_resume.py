@@ -15,7 +15,7 @@ import replicator as rp
 from replicator.testing import run_distributed
 from tests.train_helpers import digits, loader, model_fn
 
-EPOCHS, STEPS_PER_EPOCH, SAVE_FREQ = 12, 5, 3  # 160 samples, global batch 32
+EPOCHS, STEPS_PER_EPOCH, SAVE_FREQ = 16, 3, 4  # 96 samples, global batch 32
 
 
 class KillAt(rp.Callback):
@@ -46,9 +46,9 @@ def fit_resumable(work: str, kill_step: int | None) -> dict:
     strategy = rp.MirroredStrategy()
     train, test = digits(STEPS_PER_EPOCH * 32)
     test = TensorDataset(*test[:200])
-    trainer = rp.Trainer(strategy, model_fn, lambda p: torch.optim.Adam(p, lr=0.03),
+    trainer = rp.Trainer(strategy, model_fn, lambda p: torch.optim.Adam(p, lr=0.05),
                          nn.CrossEntropyLoss(), metrics=["accuracy"])
-    early = rp.EarlyStopping(monitor="val_loss", patience=1, min_delta=0.15)
+    early = rp.EarlyStopping(monitor="val_loss", patience=1)
     record = RecordWait(early)
     callbacks = [rp.CSVLogger(str(out / "log.csv")), early,
                  rp.ModelCheckpoint(str(out / "best.safetensors"), monitor="val_loss",
@@ -67,15 +67,16 @@ def fit_resumable(work: str, kill_step: int | None) -> dict:
 
 
 def _kill_step(reference: dict) -> int:
-    """The first step of an epoch that starts with early stopping already waiting (so a
-    forgotten patience counter or best value shows), preferring one whose previous epoch
-    ended after the last backup (so the CSV holds a row to cut off)."""
-    waits, last = reference["waits"], reference["stopped_epoch"]
-    candidates = [e for e in range(1, last + 1) if waits[e - 1] >= 1]
-    assert candidates, f"early stopping never waited: {waits}"
-    unsaved = [e for e in candidates if (e * STEPS_PER_EPOCH) % SAVE_FREQ]
-    epoch = (unsaved or candidates)[0]
-    return epoch * STEPS_PER_EPOCH + 1
+    """The first step of the epoch where early stopping ends the run. Checks that this epoch
+    tells a resume that forgot anything: early stopping was already waiting (a reset counter
+    runs on), the epoch is worse than the best (a forgotten best overwrites the checkpoint),
+    and the previous epoch ended after the last backup (the CSV holds a row to cut off)."""
+    stop = reference["stopped_epoch"]
+    val_loss = reference["history"]["val_loss"]
+    assert reference["waits"][stop - 1] >= 1, reference["waits"]
+    assert val_loss[stop] > min(val_loss[:stop]), val_loss
+    assert (stop * STEPS_PER_EPOCH) % SAVE_FREQ != 0
+    return stop * STEPS_PER_EPOCH + 1
 
 
 @pytest.mark.timeout(240)

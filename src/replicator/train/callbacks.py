@@ -251,6 +251,7 @@ class CSVLogger(Callback):
         if self._size == 0:
             writer.writerow(["epoch", *self._keys])
         writer.writerow([epoch, *(logs.get(k, "") for k in self._keys)])
+        os.makedirs(os.path.dirname(os.path.abspath(self.filename)), exist_ok=True)
         exists = os.path.exists(self.filename)
         with open(self.filename, "r+b" if exists else "wb") as f:
             f.truncate(self._size)  # rows past the restored epoch (or an old file) go
