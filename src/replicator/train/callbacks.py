@@ -192,7 +192,7 @@ class LearningRateScheduler(Callback):
     ``torch.optim.lr_scheduler`` object once per epoch."""
 
     def __init__(self, schedule: Callable[[int, float], float] | Any) -> None:
-        self.schedule = schedule
+        self.schedule: Any = schedule
 
     def _is_torch_scheduler(self) -> bool:
         return hasattr(self.schedule, "step") and hasattr(self.schedule, "get_last_lr")
@@ -283,7 +283,7 @@ class TensorBoard(Callback):
 
     def __init__(self, log_dir: str = "logs", update_freq: str | int = "epoch") -> None:
         try:
-            import tensorboard  # noqa: F401
+            import tensorboard  # type: ignore[import-not-found]  # noqa: F401
         except ImportError:
             raise ImportError("the TensorBoard callback needs the tensorboard package: "
                               "pip install tensorboard") from None

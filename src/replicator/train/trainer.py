@@ -199,8 +199,8 @@ class Trainer:
         total = float(global_count)
         # the one compute_average_loss rule; with no real sample anywhere (total == 0, the
         # same on every replica) it finds the zero count itself and returns a zero loss
-        loss = compute_average_loss(per_example, global_batch_size=total if total > 0 else None,
-                                    sample_weight=w)
+        count: Any = total if total > 0 else None  # a weighted count may be fractional
+        loss = compute_average_loss(per_example, global_batch_size=count, sample_weight=w)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -252,7 +252,7 @@ class Trainer:
         self.train_dataset = self._distributed(train_data)
         extra = [ProgressBar()] if verbose else []
         callbacks = list(callbacks)
-        backups = [cb for cb in callbacks if hasattr(cb, "epoch_batches")]
+        backups: list[Any] = [cb for cb in callbacks if hasattr(cb, "epoch_batches")]
         for backup in backups:  # BackupAndRestore: what a backup holds, and the input
             backup.track(model=self.model, optimizer=self.optimizer,
                          dataset=self.train_dataset, trainer=self)
@@ -339,13 +339,13 @@ class Trainer:
         if isinstance(dataset, IterableDataset):
             raise TypeError("evaluate() and predict() need a map-style dataset so each replica "
                             "can take its own block of samples")
-        n, replicas = len(dataset), self.strategy.num_replicas_in_sync
+        n, replicas = len(dataset), self.strategy.num_replicas_in_sync  # type: ignore[arg-type]
         if n < replicas:
             raise ValueError(f"the dataset has {n} samples for {replicas} replicas; each "
                              "replica needs at least one")
         start, stop = slice_bounds(n, self.strategy.replica_id, replicas)
         per_replica = max(1, math.ceil((batch_size or global_batch or 32) / replicas))
-        kwargs = {"collate_fn": collate} if collate is not None else {}
+        kwargs: dict[str, Any] = {"collate_fn": collate} if collate is not None else {}
         return DataLoader(Subset(dataset, range(start, stop)), batch_size=per_replica, **kwargs)
 
     def evaluate(self, data: Any, batch_size: int | None = None,
