@@ -137,7 +137,8 @@ class Trainer:
     # -- resumable state (for BackupAndRestore) -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where training stands, the same on every replica: epoch, step, the epoch's metric
-        sums over all replicas so far, and the history."""
+        sums over all replicas so far, the history, whether to stop, and each callback's
+        ``state_dict()`` (what ``BackupAndRestore`` saves for a Trainer)."""
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "global_step": self.global_step,
                 "metric_sums": {m.name: s.tolist() for m, s in
