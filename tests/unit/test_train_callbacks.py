@@ -102,7 +102,8 @@ def test_fit_ends_with_a_summary_line_unless_silent(capsys):
                          r"val_accuracy ([\d.e-]+)", last)
     assert match, last
     seconds, rate = float(match[1]), float(match[2].replace(",", ""))
-    assert rate == pytest.approx(2 * 128 / seconds, rel=0.2, abs=50)  # 2 epochs of 128
+    # 2 epochs of 128 samples; the time is printed to 0.1 s
+    assert 256 / (seconds + 0.05) * 0.98 <= rate <= 256 / max(seconds - 0.05, 1e-3) * 1.02
     assert float(match[3]) == pytest.approx(trainer.history.history["loss"][-1], rel=1e-3)
     make_trainer(rp.OneDeviceStrategy("cpu")).fit(loader(train), epochs=1, verbose=0)
     assert capsys.readouterr().out == ""
