@@ -88,6 +88,8 @@ def test_accuracy_categorical_matches_sklearn(gen):
     logits[torch.arange(N), y] += 1.0
     expected = accuracy_score(y.numpy(), logits.argmax(1).numpy())
     assert _stream(rp.metrics.Accuracy(), logits, y) == pytest.approx(expected, abs=1e-12)
+    assert _stream(rp.metrics.Accuracy(), logits, y[:, None]) == pytest.approx(expected,
+                                                                             abs=1e-12)
     one_hot = torch.nn.functional.one_hot(y, 7).float()
     assert _stream(rp.metrics.Accuracy(), logits, one_hot) == pytest.approx(expected, abs=1e-12)
     # [N, 2] outputs with 0/1 targets are categorical: arg-max of the two scores

@@ -161,6 +161,9 @@ class Accuracy(SparseCategoricalAccuracy):
 
     def _batch_state(self, y_pred, y_true, weight):
         n = weight.shape[0]
+        if y_pred.dim() == 2 and y_pred.shape[1] > 1 and y_true.dim() == 2 \
+                and y_true.shape[1] == 1 and not y_true.is_floating_point():
+            y_true = y_true.reshape(-1)  # integer labels as a column
         if y_pred.dim() == 1 or (y_pred.dim() == 2 and y_pred.shape[1] == 1):
             if y_true.numel() != n:
                 raise ValueError(f"{self.name}: outputs {_shape(y_pred)} need one target per "
