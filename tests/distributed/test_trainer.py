@@ -146,3 +146,50 @@ def test_killed_rank_resumes_fit_to_the_same_weights_and_history(tmp_path):
     assert_params_close(ref["state"], out["state"], atol=1e-6)
     for key, values in ref["history"].items():
         assert out["history"][key] == pytest.approx(values, abs=1e-6), key
+
+
+def evaluate_binary_and_multiclass(strategy_name: str) -> dict:
+    """Accuracy and AUC of fixed models over 1,001 samples (uneven across replicas)."""
+    strategy = rp.get_strategy(strategy_name)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1001, 6, generator=g)
+    y_bin = (x[:, 0] + 0.5 * torch.randn(1001, generator=g) > 0).long()
+    y_multi = (x[:, :4] + 0.8 * torch.randn(1001, 4, generator=g)).argmax(1)
+    torch.manual_seed(0)
+    binary = torch.nn.Sequential(torch.nn.Linear(6, 1), torch.nn.Sigmoid())
+    with torch.no_grad():
+        binary[0].weight.copy_(torch.tensor([[2.0, 0.3, 0, 0, 0, 0]]))
+    multi = torch.nn.Linear(6, 4)
+    with torch.no_grad():
+        multi.weight.copy_(torch.eye(4, 6) * 2)
+    out = {}
+    for name, model, y, loss in (("binary", binary, y_bin[:, None].float(), torch.nn.BCELoss()),
+                                 ("multi", multi, y_multi, torch.nn.CrossEntropyLoss())):
+        trainer = rp.Trainer(strategy, model, torch.optim.SGD(model.parameters(), lr=0.0), loss,
+                             metrics=["accuracy", rp.metrics.AUC(num_thresholds=1000)])
+        out[name] = trainer.evaluate(loader(TensorDataset(x, y), 64, False))
+        out[name + "_pred"] = trainer.predict(loader(TensorDataset(x, y), 64, False))
+    out["y_bin"], out["y_multi"] = y_bin, y_multi
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_accuracy_and_auc_are_exact_across_replicas():
+    from sklearn.metrics import accuracy_score, roc_auc_score
+
+    ref = run_distributed(evaluate_binary_and_multiclass, 1, args=("one_device",))[0]
+    out = run_distributed(evaluate_binary_and_multiclass, 2, args=("mirrored",))
+    for rank_out in out:  # every replica reports the same numbers as one device
+        for name in ("binary", "multi"):
+            assert rank_out[name]["accuracy"] == ref[name]["accuracy"]
+            assert rank_out[name]["auc"] == pytest.approx(ref[name]["auc"], abs=1e-12)
+    prob = ref["binary_pred"].reshape(-1)
+    assert ref["binary"]["accuracy"] == pytest.approx(
+        accuracy_score(ref["y_bin"], (prob > 0.5).long()), abs=1e-12)
+    assert ref["binary"]["accuracy"] > 0.7
+    assert ref["binary"]["auc"] == pytest.approx(roc_auc_score(ref["y_bin"], prob), abs=2e-3)
+    logits = ref["multi_pred"]
+    assert ref["multi"]["accuracy"] == pytest.approx(
+        accuracy_score(ref["y_multi"], logits.argmax(1)), abs=1e-12)
+    assert ref["multi"]["auc"] == pytest.approx(roc_auc_score(
+        ref["y_multi"], torch.softmax(logits, 1), multi_class="ovr"), abs=2e-3)

@@ -143,11 +143,20 @@ def test_finished_run_resumes_to_nothing_and_delete_checkpoint_cleans_up(tmp_pat
 def test_sigterm_saves_the_agreed_step_and_exits_with_75(tmp_path):
     reference = _train(tmp_path / "ref")
     term = rp.testing.terminate_rank(0, at_step=17)
-    with pytest.raises(Preempted) as info:
-        _train(tmp_path / "run", faults=[term])
+    received: list[int] = []
+
+    def before(signum, frame):  # the handler a program had before training
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, before)
+    try:
+        with pytest.raises(Preempted) as info:
+            _train(tmp_path / "run", faults=[term])
+        assert received == [signal.SIGTERM]  # the backup's handler passed it on, once
+        assert signal.getsignal(signal.SIGTERM) is before  # and put ours back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert info.value.code == PREEMPTION_EXIT_CODE and info.value.step == 17
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(
-        signal.getsignal(signal.SIGTERM))
     manifest = CheckpointManager(tmp_path / "run")
     assert manifest.committed_steps()[-1] == 17
     _assert_same(reference, _train(tmp_path / "run"), 17)

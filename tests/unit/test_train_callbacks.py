@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -88,6 +90,85 @@ def test_progress_prints_plain_lines_when_not_a_terminal(capsys):
     make_trainer(rp.OneDeviceStrategy("cpu")).fit(loader(train), epochs=2)
     out = capsys.readouterr().out
     assert "epoch 1/2  step 4/4  loss" in out and "accuracy" in out and "samples/s" in out
+
+
+def test_fit_ends_with_a_summary_line_unless_silent(capsys):
+    train, test = digits(128)
+    trainer = make_trainer(rp.OneDeviceStrategy("cpu"))
+    trainer.fit(loader(train), epochs=2, validation_data=loader(test, 64, False))
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.fullmatch(r"fit: 2 epochs in ([\d.]+) s, ([\d,]+) samples/s on 1 replica; "
+                         r"loss ([\d.e-]+), accuracy ([\d.e-]+), val_loss [\d.e-]+, "
+                         r"val_accuracy ([\d.e-]+)", last)
+    assert match, last
+    seconds, rate = float(match[1]), float(match[2].replace(",", ""))
+    # 2 epochs of 128 samples; the time is printed to 0.1 s
+    assert 256 / (seconds + 0.05) * 0.98 <= rate <= 256 / max(seconds - 0.05, 1e-3) * 1.02
+    assert float(match[3]) == pytest.approx(trainer.history.history["loss"][-1], rel=1e-3)
+    make_trainer(rp.OneDeviceStrategy("cpu")).fit(loader(train), epochs=1, verbose=0)
+    assert capsys.readouterr().out == ""
+
+
+class _Crash(Exception):
+    pass
+
+
+class CrashAt(rp.Callback):
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.trainer.global_step == self.step:
+            raise _Crash(f"crash at step {self.step}")
+
+
+def _resumable_fit(out, crash_at: int | None) -> tuple[dict, rp.EarlyStopping]:
+    train, test = digits(96)
+    trainer = make_trainer(rp.OneDeviceStrategy("cpu"))
+    early = rp.EarlyStopping(monitor="val_loss", patience=1)
+    callbacks = [CrashAt(crash_at), rp.CSVLogger(str(out / "log.csv")),
+                 rp.LearningRateScheduler(lambda epoch, lr: lr * 0.7),  # relative: not twice
+                 early,
+                 rp.ModelCheckpoint(str(out / "best.safetensors"), save_best_only=True),
+                 rp.BackupAndRestore(str(out / "backup"), save_freq=2)]
+    history = trainer.fit(loader(train), epochs=5, validation_data=loader(test, 64, False),
+                          callbacks=callbacks, verbose=0)
+    return history.history, early
+
+
+def test_callback_states_survive_a_restart(tmp_path):
+    """One process: a fit that crashes mid-epoch and is rerun equals an uninterrupted one."""
+    ref, ref_early = _resumable_fit(tmp_path / "ref", None)
+    # 3 steps per epoch: the last backup is at step 8, mid-epoch 2; the epoch-2 row is
+    # written at step 9; the crash comes at step 10. The restart resumes mid-epoch 2 (its
+    # learning rate must not be applied twice) and must cut the epoch-2 row off
+    with pytest.raises(_Crash):
+        _resumable_fit(tmp_path / "run", 10)
+    rows = (tmp_path / "run" / "log.csv").read_bytes().count(b"\n")
+    assert rows == 4  # header, epochs 0, 1 and 2
+    out, early = _resumable_fit(tmp_path / "run", None)
+    assert out == ref
+    assert (early.best, early.wait, early.stopped_epoch) == (
+        ref_early.best, ref_early.wait, ref_early.stopped_epoch)
+    for name in ("log.csv", "best.safetensors"):
+        assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+
+
+def test_callback_state_is_plain_data_and_round_trips(tmp_path):
+    early = rp.EarlyStopping(restore_best_weights=True)
+    early.best, early.wait = 0.25, 2
+    early._best_weights = {"w": torch.ones(2)}
+    again = rp.EarlyStopping(restore_best_weights=True)
+    again.load_state_dict(early.state_dict())
+    assert (again.best, again.wait) == (0.25, 2) and torch.equal(again._best_weights["w"],
+                                                                 torch.ones(2))
+    ckpt = rp.ModelCheckpoint(str(tmp_path / "m.safetensors"), save_best_only=True)
+    ckpt.best, ckpt.saved = 0.5, ["a"]
+    json_safe = json.loads(json.dumps(ckpt.state_dict()))
+    other = rp.ModelCheckpoint(str(tmp_path / "m.safetensors"), save_best_only=True)
+    other.load_state_dict(json_safe)
+    assert (other.best, other.saved) == (0.5, ["a"])
+    assert rp.TerminateOnNaN().state_dict() == {}
 
 
 def test_bad_trainer_input_is_a_clear_error():

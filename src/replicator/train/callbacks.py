@@ -8,8 +8,10 @@ stopping, NaN checks) are the same on every replica.
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +46,14 @@ class Callback:
     def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
     def on_predict_begin(self, logs: Logs | None = None) -> None: ...
     def on_predict_end(self, logs: Logs | None = None) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on as if never stopped: plain data (numbers,
+        strings, lists, dicts) and tensors only, saved in a ``BackupAndRestore`` backup."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; called on resume, after ``on_train_begin``."""
 
 
 class History(Callback):
@@ -116,6 +126,18 @@ class EarlyStopping(Callback):
             if self._best_weights is not None:
                 self.trainer.model.load_state_dict(self._best_weights)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The best value so far, the epochs waited, and the best weights if kept."""
+        return {"best": self.best, "wait": self.wait, "stopped_epoch": self.stopped_epoch,
+                "best_weights": self._best_weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = None if state["best"] is None else float(state["best"])
+        self.wait = int(state["wait"])
+        self.stopped_epoch = state["stopped_epoch"]
+        weights = state.get("best_weights")
+        self._best_weights = None if weights is None else dict(weights)
+
 
 def _atomic_save_weights(model: torch.nn.Module, path: str) -> None:
     from safetensors.torch import save_file
@@ -156,16 +178,29 @@ class ModelCheckpoint(Callback):
             _atomic_save_weights(self.trainer.model, path)
         self.saved.append(path)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The best monitored value so far and the files written."""
+        return {"best": self.best, "saved": list(self.saved)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = None if state["best"] is None else float(state["best"])
+        self.saved = list(state["saved"])
+
 
 class LearningRateScheduler(Callback):
     """Set the learning rate at each epoch's start: ``schedule(epoch, lr) -> lr``, or step a
     ``torch.optim.lr_scheduler`` object once per epoch."""
 
     def __init__(self, schedule: Callable[[int, float], float] | Any) -> None:
-        self.schedule = schedule
+        self.schedule: Any = schedule
+
+    def _is_torch_scheduler(self) -> bool:
+        return hasattr(self.schedule, "step") and hasattr(self.schedule, "get_last_lr")
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
-        if hasattr(self.schedule, "step") and hasattr(self.schedule, "get_last_lr"):
+        if self.trainer.step_in_epoch > 0:
+            return  # resumed in the middle of this epoch: its rate is already set
+        if self._is_torch_scheduler():
             if epoch > 0:
                 self.schedule.step()
             return
@@ -176,30 +211,68 @@ class LearningRateScheduler(Callback):
         if logs is not None:
             logs["lr"] = float(self.trainer.optimizer.param_groups[0]["lr"])
 
+    def state_dict(self) -> dict[str, Any]:
+        """A ``torch.optim.lr_scheduler``'s state (the rate itself is in the optimizer's)."""
+        if self._is_torch_scheduler() and callable(getattr(self.schedule, "state_dict", None)):
+            return {"scheduler": self.schedule.state_dict()}
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "scheduler" in state:
+            self.schedule.load_state_dict(state["scheduler"])
+
 
 class CSVLogger(Callback):
-    """The chief appends one row of logs per epoch to ``filename``."""
+    """The chief writes one row of logs per epoch to ``filename`` (a header first).
+
+    ``append=False`` starts a new file at the first epoch. A run resumed by
+    ``BackupAndRestore`` keeps the rows up to the restored epoch (any later row, written
+    before the failure, is cut off) and appends, so the file equals an uninterrupted run's.
+    """
 
     def __init__(self, filename: str, append: bool = False) -> None:
         self.filename, self.append = filename, append
         self._keys: list[str] | None = None
+        self._size = 0  # bytes of the file that belong to this run's past (chief)
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        if self.is_chief and not self.append and os.path.exists(self.filename):
-            os.remove(self.filename)
+        self._keys = None
+        self._size = os.path.getsize(self.filename) if self.is_chief and self.append \
+            and os.path.exists(self.filename) else 0
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        if not self.is_chief:
-            return
         logs = logs or {}
         if self._keys is None:
             self._keys = sorted(logs)
-        new = not os.path.exists(self.filename)
-        with open(self.filename, "a", newline="") as f:
-            writer = csv.writer(f)
-            if new:
-                writer.writerow(["epoch", *self._keys])
-            writer.writerow([epoch, *(logs.get(k, "") for k in self._keys)])
+        if not self.is_chief:
+            return
+        text = io.StringIO(newline="")
+        writer = csv.writer(text)
+        if self._size == 0:
+            writer.writerow(["epoch", *self._keys])
+        writer.writerow([epoch, *(logs.get(k, "") for k in self._keys)])
+        os.makedirs(os.path.dirname(os.path.abspath(self.filename)), exist_ok=True)
+        exists = os.path.exists(self.filename)
+        with open(self.filename, "r+b" if exists else "wb") as f:
+            f.truncate(self._size)  # rows past the restored epoch (or an old file) go
+            f.seek(self._size)
+            f.write(text.getvalue().encode())
+            self._size = f.tell()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The columns and how many bytes of the file the epochs so far wrote."""
+        return {"keys": self._keys, "size": self._size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        keys = state["keys"]
+        self._keys = None if keys is None else [str(k) for k in keys]
+        self._size = int(state["size"])
+        if self.is_chief and os.path.exists(self.filename) \
+                and os.path.getsize(self.filename) < self._size:
+            raise ValueError(
+                f"CSVLogger: {self.filename} holds {os.path.getsize(self.filename)} bytes but "
+                f"the backup says the epochs so far wrote {self._size}. HINT: the log was "
+                "changed or removed since the backup; restore it or use a new backup_dir.")
 
 
 class TensorBoard(Callback):
@@ -210,7 +283,7 @@ class TensorBoard(Callback):
 
     def __init__(self, log_dir: str = "logs", update_freq: str | int = "epoch") -> None:
         try:
-            import tensorboard  # noqa: F401
+            import tensorboard  # type: ignore[import-not-found]  # noqa: F401
         except ImportError:
             raise ImportError("the TensorBoard callback needs the tensorboard package: "
                               "pip install tensorboard") from None
@@ -256,6 +329,37 @@ class TerminateOnNaN(Callback):
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
           "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
           "on_test_batch_end", "on_predict_begin", "on_predict_end")
+
+
+def _stateful(callbacks: Iterable[Any]) -> dict[str, Any]:
+    """The callbacks whose state a backup holds, by ``"index:ClassName"``: not the
+    trainer's History (saved on its own) nor backups (``epoch_batches``)."""
+    out = {}
+    for i, cb in enumerate(callbacks):
+        if isinstance(cb, History) or hasattr(cb, "epoch_batches"):
+            continue
+        if callable(getattr(cb, "state_dict", None)) and callable(
+                getattr(cb, "load_state_dict", None)):
+            out[f"{i}:{type(cb).__name__}"] = cb
+    return out
+
+
+def callback_states(callbacks: Iterable[Any]) -> dict[str, Any]:
+    """Every stateful callback's ``state_dict()``, for a backup."""
+    return {key: cb.state_dict() for key, cb in _stateful(callbacks).items()}
+
+
+def load_callback_states(callbacks: Iterable[Any], states: dict[str, Any]) -> None:
+    """Give each callback its state from a backup; warn for one the backup does not know."""
+    for key, cb in _stateful(callbacks).items():
+        if key in states:
+            cb.load_state_dict(states[key])
+        elif cb.state_dict():
+            warnings.warn(f"the backup holds no state for callback {key} (it has "
+                          f"{', '.join(sorted(states)) or 'none'}); it starts afresh, so the "
+                          "resumed run may differ from an uninterrupted one. HINT: pass the "
+                          "same callbacks, in the same order, as the run that wrote it.",
+                          RuntimeWarning, stacklevel=2)
 
 
 class CallbackList:

@@ -7,6 +7,7 @@ counts once, whatever replica saw it, and samples with weight 0 (padding) count 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -40,7 +41,8 @@ class Metric(ABC):
         n = y_pred.shape[0] if y_pred.dim() else 1
         weight = torch.ones(n, dtype=torch.float64, device=y_pred.device) \
             if sample_weight is None else sample_weight.detach().to(torch.float64).reshape(-1)
-        self._state += self._batch_state(y_pred, y_true, weight).to(torch.float64).cpu()
+        added = self._batch_state(y_pred, y_true, weight).to(torch.float64).cpu()
+        self._state += added  # after _batch_state, which may size the state on first use
 
     @property
     def state(self) -> torch.Tensor:
@@ -48,6 +50,13 @@ class Metric(ABC):
 
     def reset(self) -> None:
         self._state.zero_()
+
+    def load_state(self, state: torch.Tensor) -> None:
+        """Set the state vector (e.g. sums restored from a backup)."""
+        if state.numel() != self._state.numel():
+            raise ValueError(f"{self.name}: a state of {state.numel()} numbers does not fit "
+                             f"this metric's {self._state.numel()}")
+        self._state = state.to(torch.float64).clone()
 
     def result(self, strategy: object | None = None) -> float:
         """The value over this replica's samples, or over all replicas' given a strategy
@@ -99,60 +108,216 @@ class SparseCategoricalAccuracy(Metric):
         return float(state[0] / state[1]) if state[1] > 0 else 0.0
 
 
+def _is_binary_labels(y: torch.Tensor) -> bool:
+    return bool(((y == 0) | (y == 1)).all()) if y.numel() else True
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
 class Accuracy(SparseCategoricalAccuracy):
-    """Exact-match accuracy: for logits of several classes the arg-max is compared with the
-    label; for one output per sample, ``y_pred > 0.5`` (probabilities) is compared."""
+    """Accuracy that picks binary or categorical from the shapes, as Keras's ``"accuracy"``.
+
+    * one output per sample (``[N]`` or ``[N, 1]``) with 0/1 targets: binary; a sample is
+      predicted positive when its probability is ``> threshold`` (0.5), or with
+      ``from_logits=True`` when its logit is ``> log(threshold / (1 - threshold))`` (0);
+    * ``[N, C]`` outputs with integer targets ``[N]``: arg-max against the label;
+    * ``[N, C]`` outputs with ``[N, C]`` targets (one-hot): arg-max of both;
+    * ``[N, C, ...]`` outputs with ``[N, ...]`` integer targets: arg-max over dim 1 per position,
+      averaged per sample.
+
+    ``from_logits=None`` (the default) lets a Trainer set it from its loss (logits for
+    ``BCEWithLogitsLoss``/``CrossEntropyLoss``); used on its own it assumes probabilities and
+    raises if a binary output leaves [0, 1]. Other shapes raise a ``ValueError``.
+    """
+
+    def __init__(self, name: str = "accuracy", threshold: float = 0.5,
+                 from_logits: bool | None = None) -> None:
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {threshold}")
+        self.threshold = threshold
+        self.from_logits = from_logits
+        super().__init__(name)
+
+    def _binary_hits(self, y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
+        scores, labels = y_pred.reshape(-1), y_true.reshape(-1)
+        if not _is_binary_labels(labels):
+            raise ValueError(
+                f"{self.name}: a one-output model ({_shape(y_pred)}) needs 0/1 targets, got "
+                f"values such as {labels[(labels != 0) & (labels != 1)][:3].tolist()}. HINT: "
+                "for several classes the model needs one output per class ([N, C]).")
+        if self.from_logits:
+            cut = math.log(self.threshold / (1.0 - self.threshold))
+        else:
+            if scores.numel() and (scores.min() < 0 or scores.max() > 1):
+                raise ValueError(
+                    f"{self.name}: binary outputs must be probabilities in [0, 1] but range "
+                    f"from {float(scores.min()):.3g} to {float(scores.max()):.3g}. HINT: for "
+                    "logits pass rp.metrics.Accuracy(from_logits=True) (the Trainer does so "
+                    "for BCEWithLogitsLoss), or end the model with a sigmoid.")
+            cut = self.threshold
+        return ((scores > cut).to(torch.float64) == labels.to(torch.float64)).to(torch.float64)
 
     def _batch_state(self, y_pred, y_true, weight):
-        if y_pred.dim() > 1 and y_pred.shape[-1] > 1:
-            return super()._batch_state(y_pred, y_true, weight)
-        hit = ((y_pred.reshape(-1) > 0.5).to(y_true.dtype) == y_true.reshape(-1))
-        hit = hit.to(torch.float64)
+        n = weight.shape[0]
+        if y_pred.dim() == 2 and y_pred.shape[1] > 1 and y_true.dim() == 2 \
+                and y_true.shape[1] == 1 and not y_true.is_floating_point():
+            y_true = y_true.reshape(-1)  # integer labels as a column
+        if y_pred.dim() == 1 or (y_pred.dim() == 2 and y_pred.shape[1] == 1):
+            if y_true.numel() != n:
+                raise ValueError(f"{self.name}: outputs {_shape(y_pred)} need one target per "
+                                 f"sample, got targets {_shape(y_true)}")
+            hit = self._binary_hits(y_pred, y_true)
+        elif y_pred.shape == y_true.shape and y_pred.dim() == 2:
+            hit = (y_pred.argmax(1) == y_true.argmax(1)).to(torch.float64)
+        elif y_pred.dim() == y_true.dim() + 1 and y_pred.shape[0] == y_true.shape[0] \
+                and y_pred.shape[2:] == y_true.shape[1:] and not y_true.is_floating_point():
+            hit = (y_pred.argmax(1) == y_true).to(torch.float64).reshape(n, -1).mean(1)
+        else:
+            raise ValueError(
+                f"{self.name}: cannot tell binary from categorical for outputs "
+                f"{_shape(y_pred)} and targets {_shape(y_true)}. HINT: binary needs outputs "
+                "[N] or [N, 1] with 0/1 targets; categorical needs [N, C] outputs with integer "
+                "targets [N] or one-hot targets [N, C].")
         return torch.stack([(hit * weight).sum(), weight.sum()])
 
 
 class AUC(Metric):
-    """Area under the ROC curve for binary labels, from histograms of scores at
-    ``num_thresholds`` evenly spaced thresholds in [0, 1] (Keras's approximation).
+    """Area under the ROC curve from histograms of scores at ``num_thresholds`` evenly spaced
+    thresholds in [0, 1] (Keras's approximation), exact across replicas (histograms are summed).
 
-    ``y_pred`` holds probabilities; pass ``from_logits=True`` for logits.
+    Binary: outputs ``[N]``, ``[N, 1]`` (probability or logit of the positive class) or
+    ``[N, 2]`` (two class scores; the second is the positive class), with 0/1 targets.
+    Multi-class: outputs ``[N, C]`` with integer targets ``[N]`` or one-hot targets ``[N, C]``;
+    one ROC per class against the rest (``multi_class="ovr"``), averaged with equal weights
+    (``average="macro"``) or by how many samples each class has (``"weighted"``), as
+    scikit-learn's ``roc_auc_score``. The number of classes is taken from the first batch
+    (or give ``num_classes``). ``from_logits=None`` lets a Trainer set it from its loss; on
+    its own it assumes probabilities (softmax/sigmoid are applied for logits).
     """
 
     def __init__(self, name: str = "auc", num_thresholds: int = 200,
-                 from_logits: bool = False) -> None:
+                 from_logits: bool | None = None, num_classes: int | None = None,
+                 multi_class: str = "ovr", average: str = "macro") -> None:
         if num_thresholds < 2:
             raise ValueError(f"num_thresholds must be >= 2, got {num_thresholds}")
+        if multi_class != "ovr":
+            raise ValueError(f"multi_class={multi_class!r} is not supported; use 'ovr' "
+                             "(one class against the rest)")
+        if average not in ("macro", "weighted"):
+            raise ValueError(f"average must be 'macro' or 'weighted', got {average!r}")
+        if num_classes is not None and num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         self.num_thresholds = num_thresholds
         self.from_logits = from_logits
+        self.multi_class, self.average = multi_class, average
+        # one histogram pair for binary scores, one per class for multi-class
+        self._curves: int | None = None if num_classes is None else (
+            1 if num_classes == 2 else num_classes)
         super().__init__(name)
 
     def state_size(self) -> int:
-        return 2 * self.num_thresholds
+        return 2 * self.num_thresholds * (self._curves or 1)
+
+    def _set_curves(self, curves: int) -> None:
+        if self._curves is None:
+            self._curves = curves
+            if curves != 1:
+                if bool(self._state.any()):
+                    raise ValueError(f"{self.name}: the number of classes changed after "
+                                     "updates; give num_classes")
+                self._state = torch.zeros(self.state_size(), dtype=torch.float64)
+        elif self._curves != curves:
+            raise ValueError(f"{self.name}: outputs with {curves if curves > 1 else 2} classes "
+                             f"after outputs with {self._curves if self._curves > 1 else 2}; "
+                             "every batch needs the same number of classes")
+
+    def load_state(self, state: torch.Tensor) -> None:
+        """Set the state vector (its length tells the number of classes)."""
+        curves = state.numel() // (2 * self.num_thresholds)
+        if curves * 2 * self.num_thresholds != state.numel() or curves < 1:
+            raise ValueError(f"{self.name}: a state of {state.numel()} numbers does not fit "
+                             f"{self.num_thresholds} thresholds")
+        self._curves = curves
+        self._state = state.to(torch.float64).clone()
+
+    def _scores_and_labels(self, y_pred: torch.Tensor,
+                           y_true: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores ``[N, K]`` in [0, 1] and 0/1 labels ``[N, K]``, K curves (1 for binary)."""
+        p = y_pred.to(torch.float64)
+        n = p.shape[0] if p.dim() else 1
+        if p.dim() == 1 or (p.dim() == 2 and p.shape[1] == 1):
+            scores = torch.sigmoid(p.reshape(n, 1)) if self.from_logits else p.reshape(n, 1)
+            labels = y_true.reshape(n, 1)
+        elif p.dim() == 2 and p.shape[1] == 2 and (y_true.dim() == 1 or y_true.shape == p.shape):
+            probs = torch.softmax(p, 1) if self.from_logits else p
+            scores = probs[:, 1:]
+            labels = (y_true.reshape(n) if y_true.dim() == 1 else y_true[:, 1]).reshape(n, 1)
+        elif p.dim() == 2 and (y_true.shape == p.shape or (
+                y_true.dim() == 1 and not y_true.is_floating_point())):
+            scores = torch.softmax(p, 1) if self.from_logits else p
+            if y_true.dim() == 1:
+                if y_true.numel() and (y_true.min() < 0 or y_true.max() >= p.shape[1]):
+                    raise ValueError(f"{self.name}: labels must be in [0, {p.shape[1]}) for "
+                                     f"outputs {_shape(y_pred)}")
+                labels = torch.nn.functional.one_hot(y_true.long(), p.shape[1])
+            else:
+                labels = y_true
+        else:
+            raise ValueError(
+                f"{self.name}: outputs {_shape(y_pred)} with targets {_shape(y_true)} are "
+                "neither binary ([N], [N, 1], [N, 2] with 0/1 targets) nor multi-class "
+                "([N, C] with integer targets [N] or one-hot targets [N, C])")
+        if not _is_binary_labels(labels):
+            raise ValueError(f"{self.name}: targets must be 0/1 (or class indices), got values "
+                             "outside {0, 1}")
+        if not self.from_logits and scores.numel() and (scores.min() < 0 or scores.max() > 1):
+            raise ValueError(
+                f"{self.name}: scores must be probabilities in [0, 1] but range from "
+                f"{float(scores.min()):.3g} to {float(scores.max()):.3g}. HINT: for logits pass "
+                "rp.metrics.AUC(from_logits=True) (the Trainer does so for CrossEntropyLoss "
+                "and BCEWithLogitsLoss).")
+        return scores, labels
 
     def _batch_state(self, y_pred, y_true, weight):
-        scores = y_pred.reshape(-1).to(torch.float64)
-        if self.from_logits:
-            scores = torch.sigmoid(scores)
-        bins = (scores.clamp(0, 1) * (self.num_thresholds - 1)).round().long().cpu()
-        positive = (y_true.reshape(-1) > 0.5).cpu()
-        w = weight.cpu()
-        pos = torch.zeros(self.num_thresholds, dtype=torch.float64)
-        neg = torch.zeros(self.num_thresholds, dtype=torch.float64)
-        pos.index_add_(0, bins[positive], w[positive])
-        neg.index_add_(0, bins[~positive], w[~positive])
-        return torch.cat([pos, neg])
+        scores, labels = self._scores_and_labels(y_pred, y_true)
+        self._set_curves(scores.shape[1])
+        t, k = self.num_thresholds, scores.shape[1]
+        bins = (scores.clamp(0, 1) * (t - 1)).round().long().cpu()
+        positive = (labels > 0.5).cpu()
+        w = weight.cpu().reshape(-1, 1).expand(-1, k)
+        offsets = torch.arange(k).reshape(1, k) * t
+        index = (bins + offsets).reshape(-1)
+        pos = torch.zeros(k * t, dtype=torch.float64)
+        neg = torch.zeros(k * t, dtype=torch.float64)
+        pos.index_add_(0, index, (w * positive).reshape(-1))
+        neg.index_add_(0, index, (w * ~positive).reshape(-1))
+        # state layout: for each curve, its positive then its negative histogram
+        return torch.cat([pos.reshape(k, t), neg.reshape(k, t)], 1).reshape(-1)
 
     def value_from(self, state):
-        pos, neg = state[: self.num_thresholds], state[self.num_thresholds:]
-        if pos.sum() == 0 or neg.sum() == 0:
+        t = self.num_thresholds
+        curves = state.reshape(-1, 2 * t)
+        values, weights = [], []
+        for curve in curves:
+            pos, neg = curve[:t], curve[t:]
+            if pos.sum() == 0 or neg.sum() == 0:
+                continue  # a class absent (or present everywhere): its ROC is undefined
+            # sweep thresholds from high to low: true/false positive rates
+            zero = torch.zeros(1, dtype=torch.float64)
+            tpr = torch.cat([zero, pos.flip(0).cumsum(0) / pos.sum()])
+            fpr = torch.cat([zero, neg.flip(0).cumsum(0) / neg.sum()])
+            values.append(float(torch.trapezoid(tpr, fpr)))
+            weights.append(float(pos.sum()))
+        if not values:
             return 0.0
-        # sweep thresholds from high to low: true/false positive rates
-        tpr = torch.cat([torch.zeros(1, dtype=torch.float64), pos.flip(0).cumsum(0) / pos.sum()])
-        fpr = torch.cat([torch.zeros(1, dtype=torch.float64), neg.flip(0).cumsum(0) / neg.sum()])
-        return float(torch.trapezoid(tpr, fpr))
+        if self.average == "weighted":
+            return sum(v * w for v, w in zip(values, weights)) / sum(weights)
+        return sum(values) / len(values)
 
 
-_BY_NAME = {"accuracy": SparseCategoricalAccuracy, "acc": SparseCategoricalAccuracy,
+_BY_NAME = {"accuracy": Accuracy, "acc": Accuracy,
             "sparse_categorical_accuracy": SparseCategoricalAccuracy, "auc": AUC}
 
 
