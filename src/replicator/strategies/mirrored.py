@@ -124,7 +124,8 @@ class MirroredStrategy(Strategy):
         if params:
             bucket = self._options.bytes_per_pack or DEFAULT_BUCKET_BYTES
             self._synchronizers.append(GradientSynchronizer(
-                params, self._collectives, self._algorithm, bucket_bytes=bucket))
+                params, self._collectives, self._algorithm, bucket_bytes=bucket,
+                buffers=buffers))
 
     def _check_same_structure(self, params: list[torch.nn.Parameter],
                               buffers: list[torch.Tensor]) -> None:
