@@ -183,8 +183,9 @@ class GradientSynchronizer:
     def _describe(self) -> str:
         """What every rank must agree on for one synced pass (hashed into its fingerprint)."""
         dtypes = sorted({dtype_name(b.dtype) for b in self.buckets})
-        text = (f"loss.backward() averaging {len(self.params)} gradients in "
-                f"{len(self.buckets)} buckets, {sum(b.numel for b in self.buckets)} elements "
+        n = len(self.buckets)
+        text = (f"loss.backward() averaging {len(self.params)} gradients in {n} "
+                f"bucket{'s' if n != 1 else ''}, {sum(b.numel for b in self.buckets)} elements "
                 f"{'/'.join(dtypes)}")
         if self.destination is not None:
             text += f", onto group rank {self.destination}"
