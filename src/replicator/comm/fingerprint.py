@@ -66,7 +66,7 @@ def call_site() -> str:
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith("<") and not os.path.realpath(name).startswith(skip):
+        if not name.startswith("<frozen") and not os.path.realpath(name).startswith(skip):
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return "(unknown)"
