@@ -90,6 +90,10 @@ class PendingCheck:
         self._guard = guard
         self.what = what
 
+    def is_completed(self) -> bool:
+        """True when :meth:`wait` would not block."""
+        return self._work is None or bool(self._work.is_completed())
+
     def wait(self) -> None:
         """Wait for the exchange; raise :class:`CollectiveMismatchError` on every rank if the
         ranks' fingerprints differ."""

@@ -24,8 +24,9 @@ their local gradients.
 
 Integrity: with ``check=True`` each synced pass first exchanges a fingerprint of itself
 ("gradient averaging of synchronizer k", buckets, elements, dtypes) over the strategy's
-collectives, started at the first ready gradient and awaited before the first bucket leaves, so
-a rank in ``backward()`` and a rank in ``strategy.reduce`` raise
+collectives, started at the first ready gradient; buckets that become ready before the verdict
+is in wait for it (backward goes on), and the first bucket never leaves before it, so a rank in
+``backward()`` and a rank in ``strategy.reduce`` raise
 :class:`~replicator.errors.CollectiveMismatchError` instead of pairing their payloads.
 
 Buffers (BatchNorm running statistics): at the end of each synced pass, after the gradient
@@ -231,6 +232,9 @@ class GradientSynchronizer:
                     # the averaged result lands in place, with no copy back
                     param.grad = view
             bucket.ready.add(i)
+            # ready buckets wait (in order) for the verdict without blocking backward
+            if self._pending is not None and not self._pending.is_completed():
+                return
             while (self._next_launch < len(self.buckets)
                    and len(self.buckets[self._next_launch].ready)
                    == len(self.buckets[self._next_launch].params)):
