@@ -58,6 +58,15 @@ def _reduce_against_backward(_: int) -> dict:
     loss.backward()
     out["grad_after"] = tiny.weight.grad.item()
     out["reduce_after"] = strategy.reduce("sum", torch.tensor(float(rank + 1))).item()
+    # the per-pass check is one extra (small) collective, and check=False removes it
+    tracker, sync = strategy.collectives.tracker, strategy._synchronizers[0]
+    counts = []
+    for check in (True, False):
+        sync.check = check
+        before = tracker.seq
+        tiny(torch.ones(2, 1)).sum().backward()
+        counts.append(tracker.seq - before)
+    out["collectives_per_pass"] = counts
     return out
 
 
@@ -80,6 +89,8 @@ def test_reduce_on_one_rank_while_the_other_runs_backward_raises_on_both():
     # d/dw of sum(w * x) over 2 rows of value r + 1, averaged over ranks = (2 + 4) / 2
     assert a["grad_after"] == b["grad_after"] == pytest.approx(3.0)
     assert a["reduce_after"] == b["reduce_after"] == 3.0
+    on, off = a["collectives_per_pass"]
+    assert on > off >= 1 and b["collectives_per_pass"] == [on, off]
 
 
 def _plain_mismatches(_: int) -> dict:

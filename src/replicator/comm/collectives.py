@@ -201,19 +201,26 @@ class Collectives:
 
     def _gather_rows(self, moved: torch.Tensor, what: str
                      ) -> tuple[list[torch.Tensor], list[int]]:
-        """Every rank's ``moved`` (sizes along axis 0 may differ), padded, and the sizes."""
-        meta = torch.tensor([moved.shape[0]], dtype=torch.int64, device=self.device)
+        """Every rank's ``moved`` (sizes along axis 0 may differ), padded, and the sizes.
+
+        The sizes exchange also carries the number of dimensions, so even with ``check=False``
+        tensors of different ranks give an error here rather than inside the backend.
+        """
+        meta = torch.tensor([moved.dim(), moved.shape[0]], dtype=torch.int64, device=self.device)
         metas = [torch.empty_like(meta) for _ in range(self.world_size)]
         with self.guard(f"{what} (sizes)"):
             dist.all_gather(metas, meta, group=self.group)
-        sizes = [int(m.item()) for m in metas]
+        dims, sizes = zip(*(m.tolist() for m in metas))
+        if any(d != moved.dim() for d in dims):
+            raise ReplicatorError(f"{what}: replicas passed tensors with different numbers of "
+                                  f"dimensions {list(dims)}; all must have the same")
         padded = torch.zeros((max(sizes), *moved.shape[1:]), dtype=moved.dtype,
                              device=self.device)
         padded[: moved.shape[0]] = moved
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         with self.guard(what):
             dist.all_gather(parts, padded, group=self.group)
-        return parts, sizes
+        return parts, list(sizes)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
                    what: str = "broadcast") -> None:
