@@ -42,6 +42,7 @@ def _reduce_against_backward(_: int) -> dict:
     rank = strategy.replica_id
     with strategy.scope():
         tiny = nn.Linear(1, 1, bias=False)          # one gradient element: equal payload sizes
+    with strategy.scope():
         big = nn.Linear(64, 32)                     # payload sizes differ: gloo would abort
     out: dict = {}
     for name, model, width in (("tiny", tiny, 1), ("big", big, 64)):
@@ -67,6 +68,11 @@ def _reduce_against_backward(_: int) -> dict:
         tiny(torch.ones(2, 1)).sum().backward()
         counts.append(tracker.seq - before)
     out["collectives_per_pass"] = counts
+    # two synchronizers in one backward (the same on every rank): both average correctly
+    tiny.weight.grad = None
+    big.zero_grad(set_to_none=True)
+    (tiny(torch.full((1, 1), float(rank))).sum() + big(torch.ones(1, 64)).sum() * rank).backward()
+    out["two_models"] = [tiny.weight.grad.item(), big.bias.grad[0].item()]
     return out
 
 
@@ -89,6 +95,7 @@ def test_reduce_on_one_rank_while_the_other_runs_backward_raises_on_both():
     # d/dw of sum(w * x) over 2 rows of value r + 1, averaged over ranks = (2 + 4) / 2
     assert a["grad_after"] == b["grad_after"] == pytest.approx(3.0)
     assert a["reduce_after"] == b["reduce_after"] == 3.0
+    assert a["two_models"] == b["two_models"] == [0.5, 0.5]
     on, off = a["collectives_per_pass"]
     assert on > off >= 1 and b["collectives_per_pass"] == [on, off]
 

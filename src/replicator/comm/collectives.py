@@ -53,6 +53,7 @@ class Collectives:
                                                     ranks=self.global_ranks)
         self._checked = 0
         self._synchronizers = 0
+        self._in_flight: PendingCheck | None = None
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None, device: torch.device,
@@ -93,6 +94,7 @@ class Collectives:
         ``None`` when checking is off or there is a single replica."""
         if not self.check or self.world_size == 1:
             return None
+        self.settle()  # one fingerprint in flight at a time: a mismatch is known before the next
         self._checked += 1
         seq = self._checked
         h = digest(f"{what}|{detail}|{seq}")
@@ -100,8 +102,18 @@ class Collectives:
         with self.guard(f"{what} (fingerprint)"):
             work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group,
                                    async_op=async_op)
-        return PendingCheck(work if async_op else None, buf, seq, f"{what}: {detail}",
-                            self._exchange_descriptions, self.global_ranks, self.guard, what)
+        pending = PendingCheck(work if async_op else None, buf, seq, f"{what}: {detail}",
+                               self._exchange_descriptions, self.global_ranks, self.guard, what)
+        if async_op:
+            self._in_flight = pending
+        return pending
+
+    def settle(self) -> None:
+        """Wait for the verdict of a fingerprint exchange still in flight (raises on a
+        mismatch), so that nothing else is issued before it is known."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            pending.wait()
 
     def _verify(self, what: str, detail: str) -> None:
         pending = self.start_check(what, detail)

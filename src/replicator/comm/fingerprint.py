@@ -89,14 +89,15 @@ class PendingCheck:
         self._ranks = list(ranks)
         self._guard = guard
         self.what = what
-
-    def is_completed(self) -> bool:
-        """True when :meth:`wait` would not block."""
-        return self._work is None or bool(self._work.is_completed())
+        self.done = False
 
     def wait(self) -> None:
         """Wait for the exchange; raise :class:`CollectiveMismatchError` on every rank if the
-        ranks' fingerprints differ."""
+        ranks' fingerprints differ. Only the first wait gives the verdict; later ones return
+        at once (the error has already been raised on every rank)."""
+        if self.done:
+            return
+        self.done = True
         if self._work is not None:
             with self._guard(f"{self.what} (fingerprint)"):
                 self._work.wait()

@@ -24,8 +24,9 @@ their local gradients.
 
 Integrity: with ``check=True`` each synced pass first exchanges a fingerprint of itself
 ("gradient averaging of synchronizer k", buckets, elements, dtypes) over the strategy's
-collectives, started at the first ready gradient; buckets that become ready before the verdict
-is in wait for it (backward goes on), and the first bucket never leaves before it, so a rank in
+collectives, started at the first ready gradient and awaited when the first bucket is ready
+(so its latency overlaps backward up to there; launching buckets at a point that does not
+depend on timing keeps the order of operations the same on every rank), so a rank in
 ``backward()`` and a rank in ``strategy.reduce`` raise
 :class:`~replicator.errors.CollectiveMismatchError` instead of pairing their payloads.
 
@@ -115,6 +116,12 @@ def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
     return buckets
 
 
+def _graph_task_id() -> int | None:
+    """The id of the backward pass running on this thread (``None`` where torch lacks it)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return int(current()) if current is not None else None
+
+
 class GradientSynchronizer:
     """Installs the hooks that average ``params``' gradients across replicas in ``backward()``.
 
@@ -164,6 +171,7 @@ class GradientSynchronizer:
         self._pass_active = False
         self._next_launch = 0
         self._pending: PendingCheck | None = None
+        self._pass_task: int | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                          for p in self.params]
 
@@ -214,8 +222,12 @@ class GradientSynchronizer:
             raise TypeError("sparse gradients are not supported by gradient averaging yet; "
                             "use a dense embedding (sparse=False)")
         try:
+            task = _graph_task_id()
+            if self._pass_active and task != self._pass_task:
+                self._reset()  # an error aborted the previous backward before its end ran
             if not self._pass_active:
                 self._pass_active = True
+                self._pass_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
                 if self.check:  # overlaps the rest of backward; awaited before bucket 1 leaves
                     self._pending = self.collectives.start_check(self.what, self._detail,
@@ -232,9 +244,6 @@ class GradientSynchronizer:
                     # the averaged result lands in place, with no copy back
                     param.grad = view
             bucket.ready.add(i)
-            # ready buckets wait (in order) for the verdict without blocking backward
-            if self._pending is not None and not self._pending.is_completed():
-                return
             while (self._next_launch < len(self.buckets)
                    and len(self.buckets[self._next_launch].ready)
                    == len(self.buckets[self._next_launch].params)):
