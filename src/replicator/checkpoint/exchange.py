@@ -20,19 +20,21 @@ from replicator.cluster.process_group import DEFAULT_TIMEOUT_SECONDS, current_gr
 from replicator.comm.collectives import Collectives
 
 
-def default_collectives(strategy: Any = None) -> Collectives:
-    """The strategy's collectives when it exposes them, else ones on the default group."""
+def default_collectives(strategy: Any = None,
+                        group: dist.ProcessGroup | None = None) -> Collectives:
+    """The strategy's collectives when it exposes them, else ones over ``group`` (``None``:
+    the whole job)."""
     own = getattr(strategy, "collectives", None)
     if isinstance(own, Collectives):
         return own
     if not dist.is_available() or not dist.is_initialized():
         return Collectives(0, 1, torch.device("cpu"), DEFAULT_TIMEOUT_SECONDS)
-    group = current_group()
-    timeout = group.timeout_seconds if group is not None else DEFAULT_TIMEOUT_SECONDS
+    info = current_group()
+    timeout = info.timeout_seconds if info is not None else DEFAULT_TIMEOUT_SECONDS
     device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    return Collectives(dist.get_rank(), dist.get_world_size(), device, timeout)
+    return Collectives.for_group(group, device, timeout)
 
 
 class Channel:

@@ -3,6 +3,12 @@
 Every call goes through :meth:`Collectives.guard`, which counts the operation for the progress
 tracker and turns the backend's timeout and lost-peer errors into
 :class:`~replicator.errors.ReplicaTimeoutError` / :class:`~replicator.errors.ReplicatorError`.
+
+With ``check=True`` (the default) every public call first exchanges a fixed-size fingerprint of
+itself (see :mod:`replicator.comm.fingerprint`), so replicas that entered different collectives
+raise :class:`~replicator.errors.CollectiveMismatchError` naming each rank's call and line
+instead of pairing their payloads. ``rank`` and ``world_size`` are the position in and size of
+``group`` (``None``: the whole job); every rank argument (``broadcast_(src=...)``) is a group rank.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from replicator.comm.fingerprint import PendingCheck, describe_tensor, digest, dtype_name
+from replicator.comm.fingerprint import exchange_texts as _exchange_texts
 from replicator.comm.op_errors import LOST_PEER_WORDS as _LOST_PEER_WORDS
 from replicator.comm.op_errors import TIMEOUT_WORDS as _TIMEOUT_WORDS
 from replicator.comm.progress import CollectiveTracker
@@ -26,13 +34,95 @@ class Collectives:
 
     def __init__(self, rank: int, world_size: int, device: torch.device,
                  timeout_seconds: float, tracker: CollectiveTracker | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, *, check: bool = True) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..world_size-1 and world_size >= 1, got rank "
+                             f"{rank} of {world_size}")
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.timeout_seconds = timeout_seconds
-        self.tracker = tracker or CollectiveTracker(rank, world_size, None)
         self.group = group
+        self.check = check
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            self.global_ranks = (list(dist.get_process_group_ranks(group)) if group is not None
+                                 else list(range(dist.get_world_size())))
+        else:
+            self.global_ranks = list(range(world_size))
+        self.tracker = tracker or CollectiveTracker(rank, world_size, None,
+                                                    ranks=self.global_ranks)
+        self._checked = 0
+        self._synchronizers = 0
+        self._in_flight: PendingCheck | None = None
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup | None, device: torch.device,
+                  timeout_seconds: float, tracker: CollectiveTracker | None = None, *,
+                  check: bool = True) -> Collectives:
+        """Collectives over ``group`` (``None``: the whole job) with this process's position
+        and the group's size filled in."""
+        if not dist.is_available() or not dist.is_initialized():
+            if group is not None:
+                raise ValueError("Collectives.for_group got a group but torch.distributed is "
+                                 "not initialized. HINT: create the strategy first")
+            return cls(0, 1, device, timeout_seconds, tracker, None, check=check)
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(f"global rank {dist.get_rank()} is not a member of the group "
+                             f"{dist.get_process_group_ranks(group)}. HINT: only the group's "
+                             "members may build collectives over it")
+        return cls(rank, dist.get_world_size(group), device, timeout_seconds, tracker, group,
+                   check=check)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole job (what error messages name)."""
+        return self.global_ranks[self.rank]
+
+    def next_synchronizer_index(self) -> int:
+        """A number for a new gradient synchronizer on these collectives (0, 1, ... in order
+        of creation, so the same on every rank that builds the same models)."""
+        self._synchronizers += 1
+        return self._synchronizers - 1
+
+    # -- fingerprints -------------------------------------------------------------------------
+    def start_check(self, what: str, detail: str, *, async_op: bool = False
+                    ) -> PendingCheck | None:
+        """Start the fingerprint exchange of the call ``what`` (``detail``: shapes, dtypes,
+        anything every rank must agree on); ``wait()`` on the result raises
+        :class:`~replicator.errors.CollectiveMismatchError` when the ranks disagree.
+        ``None`` when checking is off or there is a single replica."""
+        if not self.check or self.world_size == 1:
+            return None
+        self.settle()  # one fingerprint in flight at a time: a mismatch is known before the next
+        self._checked += 1
+        seq = self._checked
+        h = digest(f"{what}|{detail}|{seq}")
+        buf = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
+        with self.guard(f"{what} (fingerprint)"):
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group,
+                                   async_op=async_op)
+        pending = PendingCheck(work if async_op else None, buf, seq, f"{what}: {detail}",
+                               self._exchange_descriptions, self.global_ranks, self.guard, what)
+        if async_op:
+            self._in_flight = pending
+        return pending
+
+    def settle(self) -> None:
+        """Wait for the verdict of a fingerprint exchange still in flight (raises on a
+        mismatch), so that nothing else is issued before it is known."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None:
+            pending.wait()
+
+    def _verify(self, what: str, detail: str) -> None:
+        pending = self.start_check(what, detail)
+        if pending is not None:
+            pending.wait()
+
+    def _exchange_descriptions(self, text: str) -> list[str]:
+        with self.guard("exchange of collective descriptions after a mismatch"):
+            return _exchange_texts(text, self.group, self.world_size, self.device)
 
     # -- error translation ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -51,22 +141,29 @@ class Collectives:
         if any(w in text for w in _TIMEOUT_WORDS):
             who = self.tracker.explain(seq, what)
             return ReplicaTimeoutError(
-                f"{what} (collective #{seq}) on rank {self.rank} waited {self.timeout_seconds:g} s"
-                f" for the other replicas{': ' + who if who else ''}. HINT: a rank may be on "
+                f"{what} (collective #{seq}) on rank {self.global_rank} waited "
+                f"{self.timeout_seconds:g} s for the other replicas{': ' + who if who else ''}. "
+                "HINT: a rank may be on "
                 "another code path (a condition that depends on the rank or on its data) or "
                 "stuck; every rank must make the same collective calls in the same order.")
         if any(w in text for w in _LOST_PEER_WORDS):
             detail = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0])[:160]
             return ReplicatorError(
-                f"{what} (collective #{seq}) on rank {self.rank} failed because another replica "
-                f"exited or lost its connection ({detail}). HINT: look "
+                f"{what} (collective #{seq}) on rank {self.global_rank} failed because another "
+                f"replica exited or lost its connection ({detail}). HINT: look "
                 "for that rank's own error; the launcher reports the first failure.")
-        return ReplicatorError(f"{what} (collective #{seq}) failed on rank {self.rank}: {exc}")
+        return ReplicatorError(
+            f"{what} (collective #{seq}) failed on rank {self.global_rank}: {exc}")
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, what: str = "all_reduce"
                    ) -> torch.Tensor:
         """Return a new tensor holding ``op`` over every replica's ``tensor``."""
+        if self.world_size > 1:
+            self._verify(what, f"all_reduce {op.value} of {describe_tensor(tensor)}")
+        return self._all_reduce(tensor, op, what)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp, what: str) -> torch.Tensor:
         out = tensor.detach().to(self.device, copy=True)
         if op is ReduceOp.MEAN and not out.is_floating_point() and not out.is_complex():
             out = out.to(torch.get_default_dtype())
@@ -79,11 +176,13 @@ class Collectives:
 
     def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: ReduceOp,
                         what: str = "all_reduce") -> list[torch.Tensor]:
-        """Reduce several tensors in one collective per dtype (flattened together)."""
+        """Reduce several tensors in one collective (flattened together as float64)."""
         if self.world_size == 1:
-            return [self.all_reduce(t, op, what) for t in tensors]
+            return [self._all_reduce(t, op, what) for t in tensors]
+        self._verify(what, f"all_reduce {op.value} of {len(tensors)} tensors: "
+                     + "; ".join(describe_tensor(t) for t in tensors))
         flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float64) for t in tensors])
-        red = self.all_reduce(flat, op, what)
+        red = self._all_reduce(flat, op, what)
         out, offset = [], 0
         for t in tensors:
             n = t.numel()
@@ -100,47 +199,60 @@ class Collectives:
         if tensor.dim() == 0:
             tensor = tensor.reshape(1)
             axis = 0
+        if not -tensor.dim() <= axis < tensor.dim():
+            raise ValueError(f"{what}: axis {axis} is out of range for a tensor of shape "
+                             f"{tuple(tensor.shape)}")
         axis = axis % tensor.dim()
         if self.world_size == 1:
             return tensor.clone()
-        meta = torch.tensor([tensor.dim(), tensor.shape[axis]], dtype=torch.int64,
-                            device=self.device)
+        self._verify(what, f"all_gather along axis {axis} of {describe_tensor(tensor, axis)}")
+        moved = tensor.movedim(axis, 0).contiguous()
+        parts, sizes = self._gather_rows(moved, what)
+        joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+        return joined.movedim(0, axis)
+
+    def _gather_rows(self, moved: torch.Tensor, what: str
+                     ) -> tuple[list[torch.Tensor], list[int]]:
+        """Every rank's ``moved`` (sizes along axis 0 may differ), padded, and the sizes.
+
+        The sizes exchange also carries the number of dimensions, so even with ``check=False``
+        tensors of different ranks give an error here rather than inside the backend.
+        """
+        meta = torch.tensor([moved.dim(), moved.shape[0]], dtype=torch.int64, device=self.device)
         metas = [torch.empty_like(meta) for _ in range(self.world_size)]
         with self.guard(f"{what} (sizes)"):
             dist.all_gather(metas, meta, group=self.group)
-        sizes = [int(m[1]) for m in metas]
-        if any(int(m[0]) != tensor.dim() for m in metas):
-            raise ReplicatorError(f"{what}: replicas passed tensors of different ranks "
-                                  f"{[int(m[0]) for m in metas]}; all must have the same rank")
-        moved = tensor.movedim(axis, 0).contiguous()
+        dims, sizes = zip(*(m.tolist() for m in metas))
+        if any(d != moved.dim() for d in dims):
+            raise ReplicatorError(f"{what}: replicas passed tensors with different numbers of "
+                                  f"dimensions {list(dims)}; all must have the same")
         padded = torch.zeros((max(sizes), *moved.shape[1:]), dtype=moved.dtype,
                              device=self.device)
         padded[: moved.shape[0]] = moved
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         with self.guard(what):
-            try:
-                dist.all_gather(parts, padded, group=self.group)
-            except RuntimeError as exc:
-                if "size" in str(exc).lower() or "shape" in str(exc).lower():
-                    raise ReplicatorError(
-                        f"{what}: replicas passed tensors whose shapes differ beyond axis "
-                        f"{axis}; only the gathered axis may differ") from exc
-                raise
-        joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
-        return joined.movedim(0, axis)
+            dist.all_gather(parts, padded, group=self.group)
+        return parts, list(sizes)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
                    what: str = "broadcast") -> None:
-        """Overwrite ``tensors`` in place with replica ``src``'s values, one call per dtype."""
+        """Overwrite ``tensors`` in place with replica ``src``'s values (``src`` is a rank of
+        this group), one call per dtype."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"{what}: src must be a rank of the group, 0..{self.world_size - 1}"
+                             f", got {src}")
         if self.world_size == 1 or not tensors:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
+        self._verify(what, f"broadcast from group rank {src} of {len(tensors)} tensors ("
+                     + ", ".join(f"{sum(t.numel() for t in ts)} {dtype_name(d)}"
+                                 for d, ts in by_dtype.items()) + " elements)")
         for dtype, group in by_dtype.items():
             flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
             with self.guard(f"{what} ({dtype})"):
-                dist.broadcast(flat, src=src, group=self.group)
+                dist.broadcast(flat, group=self.group, group_src=src)
             offset = 0
             with torch.no_grad():
                 for t in group:
@@ -150,20 +262,19 @@ class Collectives:
 
     def all_gather_bytes(self, payload: bytes, what: str = "all_gather") -> list[bytes]:
         """Exchange small byte strings (e.g. JSON) without pickling anything."""
+        if self.world_size == 1:
+            return [bytes(payload)]
+        self._verify(what, "all_gather of bytes")
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
             torch.empty(0, dtype=torch.uint8)
-        gathered = self.all_gather_uneven(data.to(self.device), 0, what)
-        lengths = self.all_gather_uneven(torch.tensor([len(payload)], device=self.device), 0,
-                                         f"{what} (lengths)")
-        out, offset = [], 0
-        for n in lengths.tolist():
-            out.append(bytes(gathered[offset:offset + n].cpu().tolist()))
-            offset += n
-        return out
+        parts, sizes = self._gather_rows(data.to(self.device), what)
+        return [bytes(p[:n].cpu().tolist()) for p, n in zip(parts, sizes)]
 
     def barrier(self, what: str = "barrier") -> None:
+        """Wait until every replica of the group reaches this call."""
         if self.world_size == 1:
             return
+        self._verify(what, "barrier")
         flag = torch.zeros(1, device=self.device)
         with self.guard(what):
             dist.all_reduce(flag, group=self.group)

@@ -21,21 +21,39 @@ Bucket buffers are made by the algorithm (``make_buffers``), so an algorithm can
 where it communicates fastest (shared memory). With ``destination=r`` the buckets are only
 reduced onto rank ``r`` (central storage): rank ``r`` gets the averages, the other ranks keep
 their local gradients.
+
+Integrity: with ``check=True`` each synced pass first exchanges a fingerprint of itself
+("gradient averaging of synchronizer k", buckets, elements, dtypes) over the strategy's
+collectives, started at the first ready gradient and awaited when the first bucket is ready
+(so its latency overlaps backward up to there; launching buckets at a point that does not
+depend on timing keeps the order of operations the same on every rank), so a rank in
+``backward()`` and a rank in ``strategy.reduce`` raise
+:class:`~replicator.errors.CollectiveMismatchError` instead of pairing their payloads.
+
+Buffers (BatchNorm running statistics): at the end of each synced pass, after the gradient
+buckets, ``buffer_sync="mean"`` averages the floating-point buffers across replicas and
+broadcasts the integer ones (``num_batches_tracked``) from replica 0; ``"broadcast"`` sends all
+of replica 0's buffers (DDP's behaviour); ``"none"`` leaves them alone. One collective per dtype.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from replicator.comm.algorithms import CrossDeviceOps, Handle, NativeAllReduce
 from replicator.comm.bucket_layout import BucketLayout
 from replicator.comm.collectives import Collectives
+from replicator.comm.fingerprint import PendingCheck, dtype_name
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024
+BUFFER_SYNC_MODES = ("mean", "broadcast", "none")
+_OWNERS = itertools.count(1)  # BucketLayout.owner: unique per synchronizer, never reused
 
 
 @dataclass
@@ -51,6 +69,7 @@ class _Bucket:
     handle: Handle | None = None
     launched: bool = False
     views: list[torch.Tensor] | None = None
+    owner: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +77,8 @@ class _Bucket:
 
     @property
     def layout(self) -> BucketLayout:
-        return BucketLayout(self.index, tuple(p.shape for p in self.params), tuple(self.offsets))
+        return BucketLayout(self.index, tuple(p.shape for p in self.params), tuple(self.offsets),
+                            self.owner)
 
 
 def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
@@ -96,41 +116,103 @@ def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
     return buckets
 
 
+def _graph_task_id() -> int | None:
+    """The id of the backward pass running on this thread (``None`` where torch lacks it)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return int(current()) if current is not None else None
+
+
 class GradientSynchronizer:
-    """Installs the hooks that average ``params``' gradients across replicas in ``backward()``."""
+    """Installs the hooks that average ``params``' gradients across replicas in ``backward()``.
+
+    ``buffers``/``buffer_sync``: the module buffers to keep equal across replicas after each
+    synced pass (``"mean"``, ``"broadcast"`` or ``"none"``); ``check``: exchange a fingerprint
+    per synced pass so mismatched collectives raise instead of pairing (see the module doc).
+    """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], collectives: Collectives,
                  algorithm: CrossDeviceOps | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 destination: int | None = None) -> None:
+                 destination: int | None = None, *,
+                 buffers: Sequence[torch.Tensor] = (), buffer_sync: str = "mean",
+                 check: bool = True) -> None:
         if destination is not None and not 0 <= destination < collectives.world_size:
             raise ValueError(f"destination must be a rank in 0..{collectives.world_size - 1}, "
                              f"got {destination}")
+        if buffer_sync not in BUFFER_SYNC_MODES:
+            raise ValueError(f"buffer_sync must be one of {', '.join(BUFFER_SYNC_MODES)}, got "
+                             f"{buffer_sync!r}")
         self.collectives = collectives
         self.algorithm = algorithm or NativeAllReduce()
         self.destination = destination
+        self.check = check
+        self.buffer_sync = buffer_sync
+        self.owner = next(_OWNERS)
+        self.index = collectives.next_synchronizer_index()
         self.params = [p for p in params if p.requires_grad]
         self.buckets = make_buckets(self.params, bucket_bytes)
+        for b in self.buckets:
+            b.owner = self.owner
+        self.buffers = [b for b in buffers if b.numel() > 0] if buffer_sync != "none" else []
+        self._buffer_groups = self._group_buffers()
         if collectives.world_size > 1 and self.buckets:
             with collectives.guard("allocation of gradient buckets"):
-                buffers = self.algorithm.make_buffers(
+                bufs = self.algorithm.make_buffers(
                     [(b.numel, b.dtype, b.device) for b in self.buckets], collectives.group)
-            for b, buf in zip(self.buckets, buffers):
+            for b, buf in zip(self.buckets, bufs):
                 b.buffer = buf
         self._where: dict[int, tuple[_Bucket, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
+        self.what = f"gradient averaging of synchronizer {self.index}"
+        self._detail = self._describe()
         self.enabled = True
         self._pass_active = False
         self._next_launch = 0
+        self._pending: PendingCheck | None = None
+        self._pass_task: int | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                          for p in self.params]
 
     def remove(self) -> None:
+        """Remove the hooks and drop every reference to parameters, buckets and buffers
+        (safe to call twice; the synchronizer does nothing afterwards)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.enabled = False
+        self._pending = None
+        self.params = []
+        self.buckets = []
+        self.buffers = []
+        self._buffer_groups = []
+        self._where = {}
+
+    def _describe(self) -> str:
+        """What every rank must agree on for one synced pass (hashed into its fingerprint)."""
+        dtypes = sorted({dtype_name(b.dtype) for b in self.buckets})
+        n = len(self.buckets)
+        text = (f"loss.backward() averaging {len(self.params)} gradients in {n} "
+                f"bucket{'s' if n != 1 else ''}, {sum(b.numel for b in self.buckets)} elements "
+                f"{'/'.join(dtypes)}")
+        if self.destination is not None:
+            text += f", onto group rank {self.destination}"
+        if self._buffer_groups:
+            text += f", then {self.buffer_sync} of {len(self.buffers)} buffers (" + ", ".join(
+                f"{sum(t.numel() for t in ts)} {dtype_name(d)}"
+                for _, d, ts in self._buffer_groups) + ")"
+        return text
+
+    def _group_buffers(self) -> list[tuple[str, torch.dtype, list[torch.Tensor]]]:
+        """``(how, dtype, tensors)``: one coalesced collective each, in a fixed order."""
+        groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+        for b in self.buffers:
+            how = ("mean" if self.buffer_sync == "mean" and b.is_floating_point()
+                   else "broadcast")
+            groups.setdefault((how, b.dtype), []).append(b)
+        return [(how, d, ts) for (how, d), ts in
+                sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
 
     # -- the hot path ------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -139,23 +221,43 @@ class GradientSynchronizer:
         if param.grad is not None and param.grad.is_sparse:
             raise TypeError("sparse gradients are not supported by gradient averaging yet; "
                             "use a dense embedding (sparse=False)")
-        if not self._pass_active:
-            self._pass_active = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
-        bucket, i = self._where[id(param)]
-        view = self._views(bucket)[i]
-        grad = param.grad
-        if grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
-            if self.destination is None:
-                # from now on .grad *is* the bucket slice (DDP's gradient_as_bucket_view):
-                # the averaged result lands in place, with no copy back
-                param.grad = view
-        bucket.ready.add(i)
-        while (self._next_launch < len(self.buckets)
-               and len(self.buckets[self._next_launch].ready)
-               == len(self.buckets[self._next_launch].params)):
-            self._launch(self.buckets[self._next_launch])
+        try:
+            task = _graph_task_id()
+            if self._pass_active and task != self._pass_task:
+                self._reset()  # an error aborted the previous backward before its end ran
+            if not self._pass_active:
+                self._pass_active = True
+                self._pass_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
+                if self.check:  # overlaps the rest of backward; awaited before bucket 1 leaves
+                    self._pending = self.collectives.start_check(self.what, self._detail,
+                                                                 async_op=True)
+            bucket, i = self._where[id(param)]
+            view = self._views(bucket)[i]
+            grad = param.grad
+            if grad is None:  # the hook fires after accumulation: not reached in practice
+                return
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                if self.destination is None:
+                    # from now on .grad *is* the bucket slice (DDP's gradient_as_bucket_view):
+                    # the averaged result lands in place, with no copy back
+                    param.grad = view
+            bucket.ready.add(i)
+            while (self._next_launch < len(self.buckets)
+                   and len(self.buckets[self._next_launch].ready)
+                   == len(self.buckets[self._next_launch].params)):
+                self._launch(self.buckets[self._next_launch])
+        except BaseException:
+            self._reset()  # backward is aborted: the queued end-of-pass callback will not run
+            raise
+
+    def _verdict(self) -> None:
+        """Wait for this pass's fingerprint exchange; raises on a mismatch (on every rank, in
+        the same exchange, before any payload of this pass was sent)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
 
     def _views(self, bucket: _Bucket) -> list[torch.Tensor]:
         """Per-parameter views of the bucket buffer, shaped like the parameters."""
@@ -171,21 +273,24 @@ class GradientSynchronizer:
         return bucket.buffer
 
     def _launch(self, bucket: _Bucket) -> None:
+        self._verdict()
         what = (f"all_reduce of gradient bucket {bucket.index + 1} of {len(self.buckets)} "
                 f"({bucket.nbytes / 1e6:.1f} MB)")
         with self.collectives.guard(what):
             if self.destination is None:
                 bucket.handle = self.algorithm.all_reduce_sum_async(
-                    bucket.buffer, self.collectives.group, layout=bucket.layout)
+                    self._buffer(bucket), self.collectives.group, layout=bucket.layout)
             else:
                 bucket.handle = self.algorithm.reduce_sum_async(
-                    bucket.buffer, self.destination, self.collectives.group,
+                    self._buffer(bucket), self.collectives.global_ranks[self.destination],
+                    self.collectives.group,
                     layout=bucket.layout)
         bucket.launched = True
         self._next_launch += 1
 
     def _finish_pass(self) -> None:
         try:
+            self._verdict()
             for bucket in self.buckets[self._next_launch:]:
                 buf = self._buffer(bucket)
                 for i, p in enumerate(bucket.params):
@@ -201,20 +306,47 @@ class GradientSynchronizer:
             for bucket in self.buckets:
                 what = (f"all_reduce of gradient bucket {bucket.index + 1} of "
                         f"{len(self.buckets)} ({bucket.nbytes / 1e6:.1f} MB)")
-                with self.collectives.guard(what):
-                    bucket.handle.wait()
+                if bucket.handle is not None:
+                    with self.collectives.guard(what):
+                        bucket.handle.wait()
                 if receives:
                     self._write_back(bucket, scale)
+            self._sync_buffers()
         finally:
-            for bucket in self.buckets:
-                bucket.ready.clear()
-                bucket.launched = False
-                bucket.handle = None
-            self._next_launch = 0
-            self._pass_active = False
+            self._reset()
+
+    def _reset(self) -> None:
+        """Forget the pass in progress (after it ended, or after an error aborted it)."""
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.launched = False
+            bucket.handle = None
+        self._next_launch = 0
+        self._pass_active = False
+        self._pending = None
+
+    def _sync_buffers(self) -> None:
+        """Make the buffers equal across replicas: one coalesced collective per dtype."""
+        coll = self.collectives
+        for how, dtype, tensors in self._buffer_groups:
+            what = f"{how} of {len(tensors)} {dtype_name(dtype)} buffers ({self.what})"
+            flat = torch.cat([t.detach().reshape(-1).to(coll.device) for t in tensors])
+            with coll.guard(what):
+                if how == "mean":
+                    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=coll.group)
+                else:
+                    dist.broadcast(flat, group=coll.group, group_src=0)
+            if how == "mean":
+                flat.div_(coll.world_size)
+            offset = 0
+            with torch.no_grad():
+                for t in tensors:
+                    n = t.numel()
+                    t.copy_(flat[offset:offset + n].view_as(t))
+                    offset += n
 
     def _write_back(self, bucket: _Bucket, scale: float) -> None:
-        bucket.buffer.mul_(scale)
+        self._buffer(bucket).mul_(scale)
         with torch.no_grad():
             for i, p in enumerate(bucket.params):
                 piece = self._views(bucket)[i]

@@ -17,11 +17,15 @@ class CommunicationOptions:
     ``implementation``: the all-reduce algorithm when no ``cross_device_ops`` is given:
     ``"auto"`` (the backend's own: NCCL on GPUs, gloo on CPUs), ``"nccl"``, ``"gloo"``,
     ``"ring"``, ``"hierarchical"``, ``"reduce_to_one"`` or ``"shared_memory"`` (CPU, one host).
+    ``check_collectives``: fingerprint each backward pass's gradient averaging against the
+    other replicas' calls (on by default; a mismatch raises ``CollectiveMismatchError``). The
+    check of ``reduce``/``gather``/metrics/checkpoint agreement is always on.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
     implementation: str = "auto"
+    check_collectives: bool = True
 
     def __post_init__(self) -> None:
         if self.bytes_per_pack < 0:

@@ -3,26 +3,60 @@ name the ranks that never arrived instead of only saying that something timed ou
 
 A daemon thread writes ``(sequence number, operation, time)`` to the rendezvous store twice a
 second (so the age of the entry also tells whether the rank is alive); the hot path only bumps
-a counter.
+a counter. Entries are keyed by a tag of the process group plus the global rank, so trackers of
+two strategies on two groups never read each other's entries, and a timeout names the missing
+ranks by global rank and role ("rank 3 (ps)").
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
 
 PUBLISH_INTERVAL_SECONDS = 0.5
+_TAGS_IN_USE: Counter[str] = Counter()
+
+
+def group_tag(ranks: Sequence[int]) -> str:
+    """A short name for the group of global ``ranks`` (``r0-1-2``, or a hash when long)."""
+    text = "-".join(str(r) for r in ranks)
+    if len(text) > 48:
+        import hashlib
+
+        text = f"{len(ranks)}x{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+    return "r" + text
 
 
 class CollectiveTracker:
-    """Counts this rank's collectives and publishes its position for the others to read."""
+    """Counts this rank's collectives and publishes its position for the others to read.
 
-    def __init__(self, rank: int, world_size: int, store: dist.Store | None) -> None:
+    ``rank``/``world_size``: position in and size of the group; ``ranks``: the group's global
+    ranks in group order (default: the whole job); ``roles``: global rank -> role, used in
+    messages; ``tag``: the group's name in the store (default: from ``ranks``, with a serial
+    added for a second tracker on the same group in this process).
+    """
+
+    def __init__(self, rank: int, world_size: int, store: dist.Store | None, *,
+                 ranks: Sequence[int] | None = None, roles: Mapping[int, str] | None = None,
+                 tag: str | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.ranks = list(ranks) if ranks is not None else list(range(world_size))
+        if len(self.ranks) != world_size or not 0 <= rank < world_size:
+            raise ValueError(f"a tracker for position {rank} of a group of {world_size} got "
+                             f"the global ranks {self.ranks}")
+        self.roles = dict(roles or {})
+        if tag is None:
+            base = group_tag(self.ranks)
+            _TAGS_IN_USE[base] += 1
+            n = _TAGS_IN_USE[base]
+            tag = base if n == 1 else f"{base}.{n}"
+        self.tag = tag
         self.store = store
         self.seq = 0
         self.current = "start"
@@ -33,15 +67,35 @@ class CollectiveTracker:
                                             name="replicator-progress")
             self._thread.start()
 
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup | None, store: dist.Store | None, *,
+                  roles: Mapping[int, str] | None = None) -> CollectiveTracker:
+        """A tracker for this process in ``group`` (``None``: the whole job)."""
+        ranks = (list(dist.get_process_group_ranks(group)) if group is not None
+                 else list(range(dist.get_world_size())))
+        return cls(ranks.index(dist.get_rank()), len(ranks), store, ranks=ranks, roles=roles)
+
+    def name(self, global_rank: int) -> str:
+        """``rank 3`` or ``rank 3 (ps)`` when a role is known."""
+        role = self.roles.get(global_rank)
+        return f"rank {global_rank}" + (f" ({role})" if role else "")
+
+    def _key(self, global_rank: int) -> str:
+        return f"progress/{self.tag}/{global_rank}"
+
     def enter(self, name: str) -> int:
         self.seq += 1
         self.current = name
         return self.seq
 
     def _publish_loop(self) -> None:
+        key = self._key(self.ranks[self.rank])
+        store = self.store
+        if store is None:
+            return
         while True:
             try:
-                self.store.set(f"progress/{self.rank}", f"{self.seq}|{self.current}|{time.time()}")
+                store.set(key, f"{self.seq}|{self.current}|{time.time()}")
             except Exception:  # noqa: BLE001 - the store may be gone at shutdown
                 return
             if self._stop.wait(PUBLISH_INTERVAL_SECONDS):
@@ -53,10 +107,10 @@ class CollectiveTracker:
             return ""
         behind, silent = [], []
         now = time.time()
-        for r in range(self.world_size):
-            if r == self.rank:
+        for pos, r in enumerate(self.ranks):
+            if pos == self.rank:
                 continue
-            key = f"progress/{r}"
+            key = self._key(r)
             try:
                 self.store.set_timeout(timedelta(seconds=2))
                 if not self.store.check([key]):
@@ -67,16 +121,16 @@ class CollectiveTracker:
                 silent.append(r)
                 continue
             if int(their_seq) == 0:
-                behind.append(f"rank {r} (has entered no collective yet; last heard from "
+                behind.append(f"{self.name(r)} (has entered no collective yet; last heard from "
                               f"{now - float(stamp):.1f} s ago)")
             elif int(their_seq) < seq:
-                behind.append(f"rank {r} (still at collective #{their_seq} {their_op}; last "
+                behind.append(f"{self.name(r)} (still at collective #{their_seq} {their_op}; last "
                               f"heard from {now - float(stamp):.1f} s ago)")
         parts = []
         if behind:
             parts.append("did not arrive: " + ", ".join(behind))
         if silent:
-            parts.append("never reported progress: " + ", ".join(f"rank {r}" for r in silent))
+            parts.append("never reported progress: " + ", ".join(self.name(r) for r in silent))
         return "; ".join(parts)
 
     def close(self) -> None:

@@ -120,7 +120,9 @@ class MirroredStrategy(Strategy):
         self._data_group = self._group
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
-        self._tracker = CollectiveTracker(self._rank, self._world, open_store_client(info))
+        store = open_store_client(info)
+        roles = dict(enumerate(mesh.roles)) if mesh is not None else None
+        self._tracker = CollectiveTracker.for_group(self._group, store, roles=roles)
         on_shutdown(self._tracker.close)
         self._collectives = Collectives(self._rank, self._world, self._device,
                                         info.timeout_seconds, self._tracker, group=self._group)
@@ -185,13 +187,17 @@ class MirroredStrategy(Strategy):
         sync = GradientSynchronizer([p for _, p in params], self._collectives, self._algorithm,
                                     bucket_bytes=bucket, destination=destination,
                                     buffers=[b for _, b in buffers],
-                                    buffer_sync=self._buffer_sync)
+                                    buffer_sync=self._buffer_sync,
+                                    check=self._options.check_collectives)
         self._synchronizers.append(sync)
         me = weakref.ref(self)
+
+        algorithm = self._algorithm
 
         def forget() -> None:
             strategy = me()
             sync.remove()
+            algorithm.release_buckets(sync.owner)
             if strategy is not None and sync in strategy._synchronizers:
                 strategy._synchronizers.remove(sync)
 
@@ -200,6 +206,7 @@ class MirroredStrategy(Strategy):
     def _close(self) -> None:
         for sync in self._synchronizers:
             sync.remove()
+            self._algorithm.release_buckets(sync.owner)
         self._synchronizers = []
         self._tracker.close()
 
