@@ -202,7 +202,7 @@ class BackupAndRestore:
         if resume is not None and resume["step_in_epoch"] == 0:
             self._restore_rng(resume)  # before iter(): starting an epoch may draw numbers
         if resume is not None and resume.get("data") is not None and stateful:
-            ds.load_state_dict(resume["data"])
+            ds.load_state_dict(resume["data"])  # type: ignore[union-attr]
         else:
             if not stateful or resume is not None:
                 _set_epoch(ds, self.epoch)

@@ -34,17 +34,20 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
         loss = loss.reshape(loss.shape[0], -1).mean(dim=1)
     strategy = current_strategy()
     replicas = 1 if strategy is None else strategy.num_replicas_in_sync
+    total: float
     if global_batch_size is None:
         if sample_weight is not None:  # padded examples (weight 0) are not in the batch
             local = float(sample_weight.detach().to(torch.float64).sum())
         else:
             local = float(loss.shape[0]) if loss.dim() else 1.0
         if strategy is None or replicas == 1:
-            global_batch_size = local
+            total = local
         else:
-            global_batch_size = float(strategy.reduce(ReduceOp.SUM, torch.tensor(local)).item())
+            total = float(strategy.reduce(ReduceOp.SUM, torch.tensor(local)).item())
     elif global_batch_size <= 0:
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-    if global_batch_size == 0:
+    else:
+        total = float(global_batch_size)
+    if total == 0:
         return loss.sum() * 0.0
-    return loss.sum() * (replicas / global_batch_size)
+    return loss.sum() * (replicas / total)
