@@ -61,8 +61,16 @@ def train(strategy: rp.Strategy, optimizer_name: str = "sgd") -> dict:
     it = iter(strategy.distribute_dataset(loader, seed=3))
     losses = [float(strategy.reduce("mean", strategy.run(step, args=(next(it),))))
               for _ in range(STEPS)]
-    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "losses": losses, "state_bytes": optimizer_state_bytes(optimizer)}
+    out = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+           "losses": losses, "state_bytes": optimizer_state_bytes(optimizer)}
+    # the model's synchronizer lives as long as the model: look at it while the model exists
+    syncs = getattr(strategy, "_synchronizers", [])
+    out["buckets"] = len(syncs[0].buckets) if syncs else 0
+    algo = getattr(strategy, "cross_device_ops", None)
+    if isinstance(algo, SharedMemoryAllReduce):  # buckets made in shared memory
+        out["resident"] = all(algo._resident_for(b.buffer, None) is not None
+                              for b in syncs[0].buckets)
+    return out
 
 
 def _configs(world: int) -> dict:
@@ -101,12 +109,6 @@ def _train_everything(_: int) -> dict:
     for name, make in _configs(world).items():
         strategy = make()
         out[name] = train(strategy, "adam" if name.endswith("adam") else "sgd")
-        syncs = getattr(strategy, "_synchronizers", [])
-        out[name]["buckets"] = len(syncs[0].buckets) if syncs else 0
-        algo = strategy.cross_device_ops
-        if isinstance(algo, SharedMemoryAllReduce):  # buckets made in shared memory
-            out[name]["resident"] = all(algo._resident_for(b.buffer, None) is not None
-                                        for b in syncs[0].buckets)
     return out
 
 
