@@ -14,7 +14,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from replicator.cluster.environment import (
     LAUNCHER_ENV,
@@ -258,3 +258,64 @@ def as_spec(resolver: ClusterResolver | ClusterSpec | None) -> ClusterSpec:
         raise TypeError(f"{type(resolver).__name__}.resolve() returned "
                         f"{type(spec).__name__}, not a ClusterSpec")
     return spec
+
+
+# -- roll call: do the running processes agree with their specs? ----------------------------
+
+_ROLL = "rollcall"
+
+
+def _who(spec: ClusterSpec, rank: int) -> str:
+    if rank < len(spec.addresses):
+        return f"rank {rank} ({spec.addresses[rank]})"
+    return f"rank {rank}"
+
+
+def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
+                     poll_seconds: float = 0.05) -> None:
+    """Before the process group forms, make every process of the job answer a roll call on the
+    rendezvous store, so a spec that disagrees with the running processes is a clear
+    :class:`ClusterConfigError` within ``timeout_seconds`` instead of a hang.
+
+    Caught: a different world size on some process, two processes with one rank (a duplicate
+    task index), and ranks that never arrive (a missing host). Every process that sees a
+    mistake posts it on the store, so the others raise the same message at once.
+    """
+    import time
+
+    world, rank = spec.world_size, spec.rank
+    if world <= 1:
+        return
+    error_key = f"{_ROLL}/error"
+
+    def fail(message: str) -> None:
+        store.set(error_key, message)
+        raise ClusterConfigError(message)
+
+    first = store.compare_set(f"{_ROLL}/world", "", str(world))
+    first = first.decode() if isinstance(first, bytes) else str(first)
+    if first != str(world):
+        fail(f"the processes disagree on the size of the job: rank {rank} expects "
+             f"{world} processes ({spec.source}), but a process that joined earlier expects "
+             f"{first}. HINT: give every process the same cluster description (the same "
+             "TF_CONFIG worker list, --nnodes/--nproc-per-node, or ClusterSpec.world_size).")
+    if store.add(f"{_ROLL}/rank/{rank}", 1) > 1:
+        fail(f"two processes claim {_who(spec, rank)} of {world}: a duplicate task index. "
+             "HINT: give every process its own index (TF_CONFIG task.index / RANK / "
+             "SLURM_PROCID) from 0 to the number of processes - 1.")
+    keys = [f"{_ROLL}/rank/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if store.check([error_key]):
+            raise ClusterConfigError(store.get(error_key).decode())
+        if store.check(keys):
+            break
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            names = ", ".join(_who(spec, r) for r in missing)
+            fail(f"{len(missing)} of {world} processes did not join within "
+                 f"{timeout_seconds:.0f} s: {names} (seen from rank {rank}). HINT: is a host "
+                 "missing or unable to reach the chief at "
+                 f"{spec.master_addr}:{spec.master_port}? Start every process of the job, or "
+                 "list only the processes you start.")
+        time.sleep(poll_seconds)

@@ -1,0 +1,168 @@
+"""Across real network hosts: 2 hosts x 2 processes in network namespaces on one bridge.
+
+Every run trains tests/scripts/multi_host_train.py for 20 steps and must equal one process
+with OneDeviceStrategy and the same global batch; launched by `replicator run --nnodes`, by
+plain torchrun, and by TF_CONFIG. Hosts come from tests/hosts.py (always removed afterwards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.hosts import Network, namespaces_unavailable, virtual_hosts
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+TRAIN = str(SCRIPTS / "multi_host_train.py")
+PY = sys.executable
+
+_WHY = namespaces_unavailable()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"no network namespaces: {_WHY}")
+
+
+@pytest.fixture
+def net2():
+    with virtual_hosts(2) as net:
+        yield net
+
+
+def _port() -> int:
+    return 29000 + os.getpid() % 500 * 2
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            results.append((-999, out))
+            continue
+        results.append((proc.returncode, out))
+    return results
+
+
+def _start(net: Network, host: int, argv: list[str], tmp: Path,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    return net.hosts[host].popen(argv, env={"TMPDIR": str(tmp), **(env or {})},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _run_ok(procs: list[subprocess.Popen], timeout: float = 150.0) -> None:
+    results = _wait_all(procs, timeout)
+    bad = [(code, out[-3000:]) for code, out in results if code != 0]
+    assert not bad, f"a host failed: {bad}"
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The reference: one process, OneDeviceStrategy, the same global batch."""
+    out = tmp_path_factory.mktemp("one_device")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "TF_CONFIG", "SLURM_PROCID")}
+    subprocess.run([PY, TRAIN, str(out), "--strategy", "one_device"], check=True, env=env,
+                   timeout=120, capture_output=True)
+    return load_file(str(out / "final.safetensors"))
+
+
+def _assert_equal(out: Path, reference: dict[str, torch.Tensor]) -> None:
+    got = load_file(str(out / "final.safetensors"))
+    assert got.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def _infos(out: Path, world: int = 4) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _replicator_run(net: Network, out: Path, tmp: Path, *script_args: str,
+                    extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+    port = _port()
+    return [_start(net, h.index, [PY, "-m", "replicator.cli", "run", "--nnodes", "2",
+                                  "--node-rank", str(h.index), "--master-addr",
+                                  net.hosts[0].address, "--master-port", str(port),
+                                  "--nproc-per-node", "2", "--timeout", "60",
+                                  "--rdzv-timeout", "60", *extra, TRAIN, str(out),
+                                  *script_args], tmp)
+            for h in net.hosts]
+
+
+@pytest.mark.timeout(180, method="signal")
+def test_replicator_run_on_two_hosts_equals_one_device(net2, tmp_path, one_device):
+    out = tmp_path / "out"
+    out.mkdir()
+    _run_ok(_replicator_run(net2, out, tmp_path, "--algorithm", "hierarchical"))
+    _assert_equal(out, one_device)
+    infos = _infos(out)
+    assert [i["host"] for i in infos] == ["host0", "host0", "host1", "host1"]
+    assert all(i["hosts"] == [[0, 1], [2, 3]] and i["leaders"] == [0, 2] for i in infos)
+
+
+@pytest.mark.timeout(180, method="signal")
+def test_torchrun_on_two_hosts_equals_one_device(net2, tmp_path, one_device):
+    out = tmp_path / "out"
+    out.mkdir()
+    port = _port() + 1
+    procs = [_start(net2, h.index, [PY, "-m", "torch.distributed.run", "--nnodes", "2",
+                                    "--node-rank", str(h.index), "--master-addr",
+                                    net2.hosts[0].address, "--master-port", str(port),
+                                    "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+                                    TRAIN, str(out), "--algorithm", "hierarchical"],
+                    tmp_path, {"REPLICATOR_TIMEOUT_SECONDS": "60"})
+             for h in net2.hosts]
+    _run_ok(procs)
+    _assert_equal(out, one_device)
+    assert [i["world"] for i in _infos(out)] == [4] * 4
+
+
+def _tf_config(net: Network, port: int, workers_per_host: int = 2,
+               hosts: int | None = None) -> list[str]:
+    hosts_used = net.hosts if hosts is None else net.hosts[:hosts]
+    return [f"{h.address}:{port + i}" for h in hosts_used for i in range(workers_per_host)]
+
+
+def _tf_env(workers: list[str], index: int, timeout: float = 60) -> dict[str, str]:
+    return {"TF_CONFIG": json.dumps({"cluster": {"worker": workers},
+                                     "task": {"type": "worker", "index": index}}),
+            "REPLICATOR_TIMEOUT_SECONDS": str(timeout)}
+
+
+@pytest.mark.timeout(180, method="signal")
+def test_tf_config_on_two_hosts_equals_one_device(net2, tmp_path, one_device):
+    out = tmp_path / "out"
+    out.mkdir()
+    workers = _tf_config(net2, _port())
+    procs = [_start(net2, i // 2, [PY, TRAIN, str(out), "--algorithm", "hierarchical",
+                                   "--resolver", "tf_config"], tmp_path, _tf_env(workers, i))
+             for i in range(4)]
+    _run_ok(procs)
+    _assert_equal(out, one_device)
+    infos = _infos(out)
+    # TF_CONFIG names the hosts by address: processes of one address are one host
+    assert [i["host"] for i in infos] == ["host0", "host0", "host1", "host1"]
+    assert infos[2]["hosts"] == [[0, 1], [2, 3]]
+
+
+@pytest.mark.timeout(180, method="signal")
+def test_auto_chooses_hierarchical_across_hosts(net2, tmp_path, one_device):
+    """With more than one host, "auto" picks HierarchicalAllReduce (and still equals one
+    device); the hosts are told apart by their keys, never sharing memory across them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _run_ok(_replicator_run(net2, out, tmp_path))
+    _assert_equal(out, one_device)
+    infos = _infos(out)
+    assert {i["algorithm"] for i in infos} == {"HierarchicalAllReduce"}
+    assert infos[0]["hosts"] == [[0, 1], [2, 3]]
