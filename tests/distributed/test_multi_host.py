@@ -166,3 +166,44 @@ def test_auto_chooses_hierarchical_across_hosts(net2, tmp_path, one_device):
     infos = _infos(out)
     assert {i["algorithm"] for i in infos} == {"HierarchicalAllReduce"}
     assert infos[0]["hosts"] == [[0, 1], [2, 3]]
+
+
+def _traffic_run(net: Network, tmp: Path, algorithm: str, port: int,
+                 width: int) -> tuple[dict[str, int], list[dict]]:
+    """One 2-host run; returns the bytes each host sent on its link, and the rank reports."""
+    out = tmp / algorithm
+    out.mkdir()
+    before = net.link_bytes()
+    procs = [_start(net, h.index, [PY, "-m", "replicator.cli", "run", "--nnodes", "2",
+                                   "--node-rank", str(h.index), "--master-addr",
+                                   net.hosts[0].address, "--master-port", str(port),
+                                   "--nproc-per-node", "2", "--timeout", "60", TRAIN, str(out),
+                                   "--algorithm", algorithm, "--width", str(width)], tmp)
+             for h in net.hosts]
+    _run_ok(procs)
+    after = net.link_bytes()
+    sent = {name: after[name]["tx"] - before[name]["tx"] for name in after}
+    return sent, _infos(out)
+
+
+@pytest.mark.timeout(240, method="signal")
+def test_hierarchical_crosses_hosts_only_between_leaders(net2, tmp_path):
+    """Count bytes on the veth links and on each process's own TCP connections: with
+    hierarchical, the gradients cross between the two leaders only (about one model per step
+    per host), and a flat ring moves about 1.5x as many bytes over the same links."""
+    width = 8192  # 10*w + w + 2*w + 2 parameters: 106,498 floats = 426 KB per all-reduce
+    grad_bytes = (13 * width + 2) * 4
+    hier_sent, hier = _traffic_run(net2, tmp_path, "hierarchical", _port() + 3, width)
+    leaders, others = [hier[0], hier[2]], [hier[1], hier[3]]
+    for leader in leaders:
+        assert leader["inter_host_sent"] > 18 * grad_bytes, leader
+    for other in others:
+        # no gradient bytes during the steps: only a few small control messages
+        assert other["inter_host_sent"] < 0.02 * leaders[0]["inter_host_sent"], other
+    for host, leader in zip(("host0", "host1"), leaders):
+        # the link carries the leader's bytes plus headers, and nothing like a second stream
+        assert leader["inter_host_sent"] <= hier_sent[host] < 1.25 * leader["inter_host_sent"], \
+            (host, hier_sent, leader)
+    ring_sent, _ = _traffic_run(net2, tmp_path, "ring", _port() + 5, width)
+    ratio = sum(ring_sent.values()) / sum(hier_sent.values())
+    assert 1.3 < ratio < 1.7, (ring_sent, hier_sent)

@@ -3,11 +3,15 @@
 Usage: multi_host_train.py OUT_DIR [--strategy one_device|multi_worker] [--algorithm NAME]
        [--steps N] [--resolver tf_config|env]
 The chief writes OUT_DIR/final.safetensors; every rank writes OUT_DIR/rank<R>.json with its
-host key, the algorithm chosen and, for the hierarchical one, the hosts and leaders it built.
+host key, the algorithm chosen, for the hierarchical one the hosts and leaders it built, and the
+bytes it sent to other hosts during the training steps.
 """
 
 import argparse
 import json
+import os
+import socket
+import struct
 from pathlib import Path
 
 import torch
@@ -20,6 +24,31 @@ from replicator.cluster.hosts import local_host_key
 
 ALGORITHMS = {"native": rp.NativeAllReduce, "ring": rp.RingAllReduce,
               "hierarchical": rp.HierarchicalAllReduce}
+
+
+def inter_host_bytes_sent() -> int:
+    """Bytes this process has sent (and had acknowledged) over its open TCP connections to
+    other hosts: sockets whose peer address differs from their local address (TCP_INFO)."""
+    total = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.family != socket.AF_INET or s.type != socket.SOCK_STREAM:
+                continue
+            local, peer = s.getsockname()[0], s.getpeername()[0]
+            if local != peer:
+                info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+                total += struct.unpack_from("Q", info, 120)[0]  # tcpi_bytes_acked
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return total
 
 
 def main() -> None:
@@ -58,6 +87,9 @@ def main() -> None:
         return loss.detach()
 
     data = iter(strategy.distribute_dataset(loader))
+    if args.strategy != "one_device":
+        strategy.barrier()
+    sent_at_start = inter_host_bytes_sent()  # after the setup (parameters broadcast once)
     for _ in range(args.steps):
         strategy.run(step, args=(next(data),))
     rank = strategy.replica_id
@@ -70,6 +102,8 @@ def main() -> None:
             info["hosts"] = [list(h) for h in topo.hosts]
             info["leaders"] = list(topo.leaders)
             info["shared_memory"] = bool(topo.shared_memory)
+        strategy.barrier()
+        info["inter_host_sent"] = inter_host_bytes_sent() - sent_at_start
     (out / f"rank{rank}.json").write_text(json.dumps(info))
     if strategy.is_chief:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()},
