@@ -207,3 +207,60 @@ def test_hierarchical_crosses_hosts_only_between_leaders(net2, tmp_path):
     ring_sent, _ = _traffic_run(net2, tmp_path, "ring", _port() + 5, width)
     ratio = sum(ring_sent.values()) / sum(hier_sent.values())
     assert 1.3 < ratio < 1.7, (ring_sent, hier_sent)
+
+
+BACKUP_TRAIN = str(SCRIPTS / "backup_train.py")
+LOSS_STEPS, KILL_AT = 60, 30
+
+
+def _backup_run(net: Network, tmp: Path, name: str, port: int,
+                kill_host_at: int | None = None) -> dict[str, torch.Tensor]:
+    """2 hosts x 2 processes of backup_train.py with --max-restarts 1; optionally every worker
+    of host 1 is killed (SIGKILL) once rank 2 has logged step ``kill_host_at``."""
+    out, backup = tmp / name, tmp / f"{name}-backup"  # one directory every host reads
+    out.mkdir()
+    procs = [_start(net, h.index, [PY, "-m", "replicator.cli", "run", "--nnodes", "2",
+                                   "--node-rank", str(h.index), "--master-addr",
+                                   net.hosts[0].address, "--master-port", str(port),
+                                   "--nproc-per-node", "2", "--max-restarts", "1",
+                                   "--timeout", "30", BACKUP_TRAIN, str(out), str(backup),
+                                   "--steps", str(LOSS_STEPS), "--save-freq", "10",
+                                   "--step-sleep", "0.03"], tmp)
+             for h in net.hosts]
+    if kill_host_at is not None:
+        log = out / "log-a0-r2.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            lines = log.read_text().splitlines() if log.exists() else []
+            if lines and json.loads(lines[-1])["step"] >= kill_host_at:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail("rank 2 never reached the step to kill its host at")
+        agent = procs[1].pid  # the node's agent stays (the machine's supervisor)
+        workers = [pid for pid in net.hosts[1].pids() if pid != agent]
+        assert workers, "host 1 has no worker processes to kill"
+        for pid in workers:
+            os.kill(pid, 9)
+    _run_ok(procs, timeout=180)
+    return load_file(str(out / "final-r0.safetensors"))
+
+
+@pytest.mark.timeout(300, method="signal")
+def test_node_loss_resumes_from_backup_with_the_same_parameters(net2, tmp_path):
+    """Every worker process of host 1 is killed at step 30: the elastic agents restart the
+    whole group (--max-restarts 1), it resumes from the last BackupAndRestore backup, and the
+    final parameters equal an uninterrupted run's."""
+    reference = _backup_run(net2, tmp_path, "uninterrupted", _port() + 7)
+    resumed = _backup_run(net2, tmp_path, "killed", _port() + 9, kill_host_at=KILL_AT)
+    assert (tmp_path / "killed" / "log-a1-r2.jsonl").exists(), "the group was not restarted"
+    def steps(name: str, attempt: int) -> list[int]:
+        log = tmp_path / name / f"log-a{attempt}-r0.jsonl"
+        return [json.loads(line)["step"] for line in log.read_text().splitlines()]
+
+    restarted, full = steps("killed", 1), steps("uninterrupted", 0)
+    # resumed from a backup at or before the kill, and ran to the end
+    assert KILL_AT - 10 < restarted[0] <= KILL_AT + 1 and restarted[-1] == full[-1], restarted
+    assert reference.keys() == resumed.keys()
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
