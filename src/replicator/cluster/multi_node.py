@@ -93,13 +93,20 @@ def _register_rendezvous() -> None:
                                            is_master, self.timeout, multi_tenant=True,
                                            **extra)
                 except (RuntimeError, OSError) as exc:
+                    waited = f"{self.timeout.total_seconds():.0f} s"
+                    if is_master:
+                        raise ClusterConfigError(
+                            f"node 0 waited {waited} at {self.master_addr}:{self.master_port} "
+                            f"for the other {self.world_size - 1} node(s) of --nnodes "
+                            f"{self.world_size} ({exc}). HINT: is a node missing, unable to "
+                            "reach this address, or started with another --nnodes? Start "
+                            "every node within --rdzv-timeout.") from None
                     raise ClusterConfigError(
                         f"node {self.rank} could not reach the rendezvous store of node 0 at "
-                        f"{self.master_addr}:{self.master_port} within "
-                        f"{self.timeout.total_seconds():.0f} s ({exc}). HINT: start node 0 "
-                        "first or within the timeout, and give every node the same "
-                        "--master-addr/--master-port (node 0's address on this network)."
-                    ) from None
+                        f"{self.master_addr}:{self.master_port} within {waited} ({exc}). "
+                        "HINT: start node 0 first or within --rdzv-timeout, and give every "
+                        "node the same --master-addr/--master-port (node 0's address on this "
+                        "network).") from None
             return super().next_rendezvous()
 
     def create(params: RendezvousParameters) -> StaticTCPRendezvous:
@@ -177,6 +184,8 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
              *script_args]
     try:
         elastic_launch(config, entry[0])(*entry[1:])
+    except ClusterConfigError:
+        raise
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise WorkerFailedError(rank, failure.exitcode,
