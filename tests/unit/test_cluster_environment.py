@@ -1,4 +1,5 @@
-"""Resolving the cluster from torchrun's variables, TF_CONFIG, or nothing."""
+"""Resolving the cluster (torchrun variables, TF_CONFIG, SLURM, an explicit ClusterSpec, or
+nothing) and the multi-node command line."""
 
 from __future__ import annotations
 
@@ -6,7 +7,24 @@ import json
 
 import pytest
 
-from replicator.cluster.environment import resolve_cluster, timeout_from_env
+from replicator.cli import main as cli_main
+from replicator.cluster.environment import (
+    ClusterSpec,
+    resolve_cluster,
+    timeout_from_env,
+    use_cluster,
+)
+from replicator.cluster.multi_node import (
+    check_multi_node_args,
+    interface_towards,
+    run_multi_node,
+)
+from replicator.cluster.resolvers import (
+    SlurmResolver,
+    TFConfigResolver,
+    as_spec,
+    expand_nodelist,
+)
 from replicator.errors import ClusterConfigError
 
 
@@ -57,13 +75,6 @@ def test_timeout_from_env():
 
 # -- resolvers: TF_CONFIG with several processes per host, SLURM, an explicit ClusterSpec -----
 
-from replicator.cluster.environment import ClusterSpec, use_cluster  # noqa: E402
-from replicator.cluster.resolvers import (  # noqa: E402
-    SlurmResolver,
-    TFConfigResolver,
-    as_spec,
-    expand_nodelist,
-)
 
 
 def _tf(index: int, role: str = "worker", **cluster) -> dict[str, str]:
@@ -170,3 +181,42 @@ def test_explicit_cluster_spec_mistakes(kwargs, message):
 def test_resolver_argument_must_resolve():
     with pytest.raises(TypeError, match="cluster_resolver must be"):
         as_spec("worker-0")
+
+
+# -- multi-node command line --------------------------------------------------------------
+
+
+
+@pytest.mark.parametrize("nnodes, node_rank, addr, message", [
+    (2, None, "10.0.0.1", "needs --node-rank"),
+    (2, 2, "10.0.0.1", r"--node-rank 2 is outside 0..1"),
+    (2, 0, None, "needs --master-addr"),
+    (0, 0, "10.0.0.1", "--nnodes must be a positive integer"),
+])
+def test_multi_node_command_line_mistakes(nnodes, node_rank, addr, message):
+    with pytest.raises(ClusterConfigError, match=message):
+        check_multi_node_args(nnodes, node_rank, addr)
+
+
+def test_multi_node_missing_script_and_negative_restarts(tmp_path):
+    with pytest.raises(ClusterConfigError, match="not found"):
+        run_multi_node(str(tmp_path / "nope.py"), nnodes=2, node_rank=0,
+                       master_addr="127.0.0.1", nproc_per_node=1)
+    script = tmp_path / "s.py"
+    script.write_text("")
+    with pytest.raises(ClusterConfigError, match="--max-restarts must be 0 or more"):
+        run_multi_node(str(script), nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                       nproc_per_node=1, max_restarts=-1)
+
+
+def test_cli_multi_node_mistake_is_a_usage_error(tmp_path, capsys):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    code = cli_main(["run", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr",
+                     "127.0.0.1", str(script)])
+    assert code == 2
+    assert "needs --node-rank" in capsys.readouterr().err
+
+
+def test_interface_towards_loopback():
+    assert interface_towards("127.0.0.1") == "lo"
