@@ -65,15 +65,18 @@ def _run_ok(procs: list[subprocess.Popen], timeout: float = 150.0) -> None:
     assert not bad, f"a host failed: {bad}"
 
 
-@pytest.fixture(scope="module")
-def one_device(tmp_path_factory) -> dict[str, torch.Tensor]:
+def _one_device(out: Path, batch: int = 32) -> dict[str, torch.Tensor]:
     """The reference: one process, OneDeviceStrategy, the same global batch."""
-    out = tmp_path_factory.mktemp("one_device")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "TF_CONFIG", "SLURM_PROCID")}
-    subprocess.run([PY, TRAIN, str(out), "--strategy", "one_device"], check=True, env=env,
-                   timeout=120, capture_output=True)
+    subprocess.run([PY, TRAIN, str(out), "--strategy", "one_device", "--batch", str(batch)],
+                   check=True, env=env, timeout=120, capture_output=True)
     return load_file(str(out / "final.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory) -> dict[str, torch.Tensor]:
+    return _one_device(tmp_path_factory.mktemp("one_device"))
 
 
 def _assert_equal(out: Path, reference: dict[str, torch.Tensor]) -> None:
@@ -125,6 +128,29 @@ def test_torchrun_on_two_hosts_equals_one_device(net2, tmp_path, one_device):
     _run_ok(procs)
     _assert_equal(out, one_device)
     assert [i["world"] for i in _infos(out)] == [4] * 4
+
+
+@pytest.mark.timeout(180, method="signal")
+def test_slurm_on_three_hosts_equals_one_device(tmp_path):
+    """3 hosts x 1 process started as srun would (SLURM_* variables, a bracket node list of
+    the hosts' addresses): hierarchical with a leader per host, equal to one device."""
+    reference = _one_device(tmp_path, batch=48)
+    out = tmp_path / "out"
+    out.mkdir()
+    with virtual_hosts(3) as net:
+        prefix = net.hosts[0].address.rsplit(".", 1)[0]
+        procs = [_start(net, i, [PY, TRAIN, str(out), "--algorithm", "hierarchical",
+                                 "--resolver", "slurm", "--batch", "48"], tmp_path,
+                        {"SLURM_PROCID": str(i), "SLURM_NTASKS": "3", "SLURM_LOCALID": "0",
+                         "SLURM_NODEID": str(i), "SLURM_NODELIST": f"{prefix}.[1-3]",
+                         "SLURM_TASKS_PER_NODE": "1(x3)", "MASTER_PORT": str(_port()),
+                         "REPLICATOR_TIMEOUT_SECONDS": "60"})
+                 for i in range(3)]
+        _run_ok(procs)
+    _assert_equal(out, reference)
+    infos = _infos(out, world=3)
+    assert [i["host"] for i in infos] == ["host0", "host1", "host2"]
+    assert infos[0]["hosts"] == [[0], [1], [2]] and infos[0]["leaders"] == [0, 1, 2]
 
 
 def _tf_config(net: Network, port: int, workers_per_host: int = 2,

@@ -1,7 +1,7 @@
 """Training script of the multi-host tests: 20 steps of a small MLP, the same on any launch.
 
 Usage: multi_host_train.py OUT_DIR [--strategy one_device|multi_worker] [--algorithm NAME]
-       [--steps N] [--resolver tf_config|env]
+       [--steps N] [--resolver env|tf_config|slurm] [--batch B]
 The chief writes OUT_DIR/final.safetensors; every rank writes OUT_DIR/rank<R>.json with its
 host key, the algorithm chosen, for the hierarchical one the hosts and leaders it built, and the
 bytes it sent to other hosts during the training steps.
@@ -59,18 +59,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--resolver", default="env")
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32, help="the global batch")
     args = p.parse_args()
     out = Path(args.out)
     if args.strategy == "one_device":
         strategy = rp.OneDeviceStrategy("cpu")
     else:
         algo = None if args.algorithm == "auto" else ALGORITHMS[args.algorithm]()
-        resolver = rp.cluster.TFConfigResolver() if args.resolver == "tf_config" else None
+        resolver = {"tf_config": rp.cluster.TFConfigResolver(),
+                    "slurm": rp.cluster.SlurmResolver()}.get(args.resolver)
         strategy = rp.MultiWorkerMirroredStrategy(resolver, cross_device_ops=algo)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(64 * args.steps, 10, generator=g)
+    x = torch.randn(2 * args.batch * args.steps, 10, generator=g)
     y = (x[:, :3].sum(1) > 0).long()
-    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True,
+    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=True,
                         generator=torch.Generator().manual_seed(5))
     with strategy.scope():
         torch.manual_seed(1)
