@@ -96,12 +96,16 @@ class Host:
     interface: str = "eth0"
     procs: list[subprocess.Popen] = field(default_factory=list)
 
-    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment of a process on this host."""
+    def env(self, extra: Mapping[str, str | None] | None = None) -> dict[str, str]:
+        """The environment of a process on this host (``extra`` values of ``None`` unset)."""
         env = dict(os.environ)
         env.update({"REPLICATOR_HOST": self.name, "GLOO_SOCKET_IFNAME": self.interface,
                     "PYTHONUNBUFFERED": "1"})
-        env.update(extra or {})
+        for key, value in (extra or {}).items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         return env
 
     def command(self, argv: Sequence[str]) -> list[str]:
@@ -112,7 +116,7 @@ class Host:
                         f'hostname {self.name} && exec "$@"', "sh"]
         return wrapped + list(argv)
 
-    def popen(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+    def popen(self, argv: Sequence[str], *, env: Mapping[str, str | None] | None = None,
               **kwargs: object) -> subprocess.Popen:
         """Start ``argv`` on this host in its own process group (killed at cleanup)."""
         proc = subprocess.Popen(self.command(argv), env=self.env(env), start_new_session=True,

@@ -54,7 +54,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, 
 
 
 def _start(net: Network, host: int, argv: list[str], tmp: Path,
-           env: dict[str, str] | None = None) -> subprocess.Popen:
+           env: dict[str, str | None] | None = None) -> subprocess.Popen:
     return net.hosts[host].popen(argv, env={"TMPDIR": str(tmp), **(env or {})},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -91,25 +91,31 @@ def _infos(out: Path, world: int = 4) -> list[dict]:
 
 
 def _replicator_run(net: Network, out: Path, tmp: Path, *script_args: str,
-                    extra: tuple[str, ...] = ()) -> list[subprocess.Popen]:
+                    env: dict[str, str | None] | None = None) -> list[subprocess.Popen]:
     port = _port()
     return [_start(net, h.index, [PY, "-m", "replicator.cli", "run", "--nnodes", "2",
                                   "--node-rank", str(h.index), "--master-addr",
                                   net.hosts[0].address, "--master-port", str(port),
                                   "--nproc-per-node", "2", "--timeout", "60",
-                                  "--rdzv-timeout", "60", *extra, TRAIN, str(out),
-                                  *script_args], tmp)
+                                  "--rdzv-timeout", "60", TRAIN, str(out), *script_args],
+                   tmp, env)
             for h in net.hosts]
+
+
+#: A process that names neither its host nor its interface: replicator finds both.
+UNNAMED: dict[str, str | None] = {"REPLICATOR_HOST": None, "GLOO_SOCKET_IFNAME": None}
 
 
 @pytest.mark.timeout(180, method="signal")
 def test_replicator_run_on_two_hosts_equals_one_device(net2, tmp_path, one_device):
     out = tmp_path / "out"
     out.mkdir()
-    _run_ok(_replicator_run(net2, out, tmp_path, "--algorithm", "hierarchical"))
+    _run_ok(_replicator_run(net2, out, tmp_path, "--algorithm", "hierarchical", env=UNNAMED))
     _assert_equal(out, one_device)
     infos = _infos(out)
-    assert [i["host"] for i in infos] == ["host0", "host0", "host1", "host1"]
+    # hosts told apart by hostname and node rank; gloo went over the interface to the master
+    assert [i["host"] for i in infos] == ["host0/node0", "host0/node0", "host1/node1",
+                                          "host1/node1"]
     assert all(i["hosts"] == [[0, 1], [2, 3]] and i["leaders"] == [0, 2] for i in infos)
 
 
@@ -159,7 +165,7 @@ def _tf_config(net: Network, port: int, workers_per_host: int = 2,
     return [f"{h.address}:{port + i}" for h in hosts_used for i in range(workers_per_host)]
 
 
-def _tf_env(workers: list[str], index: int, timeout: float = 60) -> dict[str, str]:
+def _tf_env(workers: list[str], index: int, timeout: float = 60) -> dict[str, str | None]:
     return {"TF_CONFIG": json.dumps({"cluster": {"worker": workers},
                                      "task": {"type": "worker", "index": index}}),
             "REPLICATOR_TIMEOUT_SECONDS": str(timeout)}
@@ -171,13 +177,16 @@ def test_tf_config_on_two_hosts_equals_one_device(net2, tmp_path, one_device):
     out.mkdir()
     workers = _tf_config(net2, _port())
     procs = [_start(net2, i // 2, [PY, TRAIN, str(out), "--algorithm", "hierarchical",
-                                   "--resolver", "tf_config"], tmp_path, _tf_env(workers, i))
+                                   "--resolver", "tf_config"], tmp_path,
+                    {**_tf_env(workers, i), **UNNAMED})
              for i in range(4)]
     _run_ok(procs)
     _assert_equal(out, one_device)
     infos = _infos(out)
-    # TF_CONFIG names the hosts by address: processes of one address are one host
-    assert [i["host"] for i in infos] == ["host0", "host0", "host1", "host1"]
+    # TF_CONFIG names the hosts by address: processes of one address are one host, and gloo
+    # finds the interface towards the chief by itself
+    a, b = net2.hosts[0].address, net2.hosts[1].address
+    assert [i["host"] for i in infos] == [a, a, b, b]
     assert infos[2]["hosts"] == [[0, 1], [2, 3]]
 
 

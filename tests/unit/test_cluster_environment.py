@@ -220,3 +220,12 @@ def test_cli_multi_node_mistake_is_a_usage_error(tmp_path, capsys):
 
 def test_interface_towards_loopback():
     assert interface_towards("127.0.0.1") == "lo"
+
+
+def test_gloo_interface_is_chosen_only_when_unset():
+    from replicator.cluster.multi_node import choose_gloo_interface
+
+    env: dict[str, str] = {}
+    assert choose_gloo_interface("127.0.0.1", env) is None and env == {}  # a local job
+    env = {"GLOO_SOCKET_IFNAME": "eth7"}
+    assert choose_gloo_interface("10.0.0.1", env) == "eth7"

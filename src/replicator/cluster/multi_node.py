@@ -20,6 +20,7 @@ import os
 import socket
 import struct
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,25 @@ def interface_towards(addr: str) -> str | None:
         if _interface_address(name) == local:
             return name
     return None
+
+
+def choose_gloo_interface(master_addr: str,
+                          env: MutableMapping[str, str] | None = None) -> str | None:
+    """Point gloo at the interface towards ``master_addr`` unless ``GLOO_SOCKET_IFNAME`` is set.
+
+    Without it gloo resolves the hostname, which on a multi-homed or badly named machine picks
+    the wrong network (or none). Loopback masters (a one-machine job) are left alone. Returns
+    the interface now in force, if any.
+    """
+    target: MutableMapping[str, str] = os.environ if env is None else env
+    if target.get("GLOO_SOCKET_IFNAME"):
+        return target["GLOO_SOCKET_IFNAME"]
+    if master_addr.startswith("127.") or master_addr in ("localhost", "::1"):
+        return None
+    interface = interface_towards(master_addr)
+    if interface:
+        target["GLOO_SOCKET_IFNAME"] = interface
+    return interface
 
 
 def _register_rendezvous() -> None:
@@ -161,10 +181,7 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
                                  "HINT: give the path of a Python file.")
     if max_restarts < 0:
         raise ClusterConfigError(f"--max-restarts must be 0 or more, got {max_restarts}")
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        interface = interface_towards(master_addr)
-        if interface:
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    choose_gloo_interface(master_addr)
     os.environ[LAUNCHER_ENV] = "multi-node"
     if timeout_seconds is not None:
         os.environ[TIMEOUT_ENV] = str(timeout_seconds)
@@ -205,4 +222,5 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
         raise
 
 
-__all__ = ["run_multi_node", "interface_towards", "check_multi_node_args", "RENDEZVOUS_BACKEND"]
+__all__ = ["run_multi_node", "interface_towards", "choose_gloo_interface", "check_multi_node_args",
+           "RENDEZVOUS_BACKEND"]

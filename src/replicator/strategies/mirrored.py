@@ -300,6 +300,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     "running process group. HINT: create MultiWorkerMirroredStrategy before any "
                     "other strategy, or drop cluster_resolver.")
             use_cluster(spec)
+        if not dist.is_initialized():
+            from replicator.cluster.multi_node import choose_gloo_interface
+
+            spec = resolve_cluster()
+            if spec.world_size > 1:
+                choose_gloo_interface(spec.master_addr)
         super().__init__(devices=None, cross_device_ops=cross_device_ops,
                          communication_options=communication_options, mesh=mesh, axis=axis,
                          buffer_sync=buffer_sync, sync_batchnorm=sync_batchnorm)
