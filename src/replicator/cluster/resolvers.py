@@ -263,6 +263,9 @@ def as_spec(resolver: ClusterResolver | ClusterSpec | None) -> ClusterSpec:
 # -- roll call: do the running processes agree with their specs? ----------------------------
 
 _ROLL = "rollcall"
+#: Roll calls made by this process: a group created again in one process (after shutdown,
+#: on the same store and attempt) answers a fresh roll call, not the previous one.
+_ROUNDS = [0]
 
 
 def _who(spec: ClusterSpec, rank: int) -> str:
@@ -286,24 +289,26 @@ def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
     world, rank = spec.world_size, spec.rank
     if world <= 1:
         return
-    error_key = f"{_ROLL}/error"
+    _ROUNDS[0] += 1
+    roll = f"{_ROLL}/{_ROUNDS[0]}"
+    error_key = f"{roll}/error"
 
     def fail(message: str) -> None:
         store.set(error_key, message)
         raise ClusterConfigError(message)
 
-    first = store.compare_set(f"{_ROLL}/world", "", str(world))
+    first = store.compare_set(f"{roll}/world", "", str(world))
     first = first.decode() if isinstance(first, bytes) else str(first)
     if first != str(world):
         fail(f"the processes disagree on the size of the job: rank {rank} expects "
              f"{world} processes ({spec.source}), but a process that joined earlier expects "
              f"{first}. HINT: give every process the same cluster description (the same "
              "TF_CONFIG worker list, --nnodes/--nproc-per-node, or ClusterSpec.world_size).")
-    if store.add(f"{_ROLL}/rank/{rank}", 1) > 1:
+    if store.add(f"{roll}/rank/{rank}", 1) > 1:
         fail(f"two processes claim {_who(spec, rank)} of {world}: a duplicate task index. "
              "HINT: give every process its own index (TF_CONFIG task.index / RANK / "
              "SLURM_PROCID) from 0 to the number of processes - 1.")
-    keys = [f"{_ROLL}/rank/{r}" for r in range(world)]
+    keys = [f"{roll}/rank/{r}" for r in range(world)]
     deadline = time.monotonic() + timeout_seconds
     while True:
         if store.check([error_key]):
