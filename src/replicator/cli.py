@@ -25,6 +25,17 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
     p.add_argument("--quiet-workers", action="store_true",
                    help="show only the chief's (rank 0) output; failures of any rank are "
                    "still reported")
+    multi = p.add_argument_group("several nodes (torch.distributed.elastic, like torchrun)")
+    multi.add_argument("--nnodes", type=int, default=1,
+                       help="number of nodes (machines) of the job; run the same command on each")
+    multi.add_argument("--node-rank", type=int, default=None,
+                       help="this node's index, 0..nnodes-1 (node 0 hosts the rendezvous)")
+    multi.add_argument("--master-addr", default=None,
+                       help="node 0's address on the network every node shares; the "
+                       "rendezvous store listens there only (trusted networks only: "
+                       "torch.distributed has no authentication)")
+    multi.add_argument("--rdzv-timeout", type=float, default=300.0,
+                       help="seconds the nodes may take to meet (default 300)")
 
 
 def _version() -> str:
@@ -47,8 +58,9 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a training script on N local workers",
                          description="Run SCRIPT in N worker processes on this machine (CPU + "
-                         "gloo, or one process per GPU + NCCL). For several machines use "
-                         "torchrun; the script needs no change.")
+                         "gloo, or one process per GPU + NCCL). For several machines run the "
+                         "same command on each with --nnodes/--node-rank/--master-addr (or use "
+                         "torchrun); the script needs no change.")
     _add_launch_flags(run, None)
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -103,6 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             return USAGE_EXIT_CODE
         script, script_args = args.script, args.script_args
     try:
+        if args.nnodes != 1 or args.node_rank is not None or args.master_addr is not None:
+            from replicator.cluster.multi_node import run_multi_node
+
+            run_multi_node(script, script_args, nnodes=args.nnodes, node_rank=args.node_rank,
+                           master_addr=args.master_addr, nproc_per_node=args.nproc,
+                           master_port=args.master_port, max_restarts=args.max_restarts,
+                           timeout_seconds=args.timeout_seconds,
+                           rdzv_timeout=args.rdzv_timeout)
+            return 0
         run_script(script, script_args, args.nproc, master_port=args.master_port,
                    timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts,
                    quiet_workers=args.quiet_workers)

@@ -1,13 +1,14 @@
 """Who am I: resolve rank, world and rendezvous address from the launcher's environment.
 
-Three sources are understood, in this order: replicator's local launcher and ``torchrun``
-(both export ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``), a ``TF_CONFIG`` JSON
-cluster description, and nothing at all (a plain ``python script.py``: one replica).
+Sources, in this order: a :class:`ClusterSpec` installed explicitly (``use_cluster``, e.g. by
+``MultiWorkerMirroredStrategy(cluster_resolver=...)``), replicator's launchers and ``torchrun``
+(``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``), a ``TF_CONFIG`` JSON cluster
+description, SLURM (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_NODELIST``), and nothing at all
+(a plain ``python script.py``: one replica). The parsers live in :mod:`.resolvers`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,19 +24,52 @@ TIMEOUT_ENV = "REPLICATOR_TIMEOUT_SECONDS"
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """The position of this process in the job."""
+    """The position of this process in the job; give one explicitly to pin it yourself.
+
+    ``ClusterSpec(rank=2, world_size=4, local_world_size=2, master_addr="10.0.0.1",
+    master_port=29500)``: rank 0 (the chief) hosts the rendezvous store on ``master_addr``.
+    ``node_rank`` defaults (-1) to ``rank // local_world_size``, ``local_rank`` to the rest.
+    """
 
     rank: int
     world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    master_addr: str
-    master_port: int | None
-    restart_count: int
-    store_is_hosted: bool
-    source: str
+    local_rank: int = -1
+    local_world_size: int = 1
+    node_rank: int = -1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    restart_count: int = 0
+    store_is_hosted: bool = False
+    source: str = "explicit"
     role: str = "worker"
+    #: ``host:port`` of every rank where the source names them (TF_CONFIG), for error messages.
+    addresses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "local_world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ClusterConfigError(f"ClusterSpec.{name} must be an integer, got {value!r}")
+        if self.world_size < 1:
+            raise ClusterConfigError(f"ClusterSpec: world_size={self.world_size}; the world "
+                                     "needs at least one replica")
+        if not 0 <= self.rank < self.world_size:
+            raise ClusterConfigError(f"ClusterSpec: rank={self.rank} is outside "
+                                     f"0..{self.world_size - 1} (world_size={self.world_size})")
+        if self.local_world_size < 1:
+            raise ClusterConfigError(f"ClusterSpec: local_world_size={self.local_world_size} "
+                                     "must be at least 1")
+        if self.local_rank == -1:
+            object.__setattr__(self, "local_rank", self.rank % self.local_world_size)
+        if self.node_rank == -1:
+            object.__setattr__(self, "node_rank", self.rank // self.local_world_size)
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ClusterConfigError(f"ClusterSpec: local_rank={self.local_rank} is outside "
+                                     f"0..{self.local_world_size - 1}")
+        if self.world_size > 1 and self.master_port is None:
+            raise ClusterConfigError(
+                f"ClusterSpec: master_port is not set but world_size={self.world_size}. HINT: "
+                "give the chief's rendezvous port, the same on every process.")
 
     @property
     def is_chief(self) -> bool:
@@ -45,80 +79,33 @@ class ClusterSpec:
     def num_nodes(self) -> int:
         return max(1, self.world_size // max(1, self.local_world_size))
 
-
-def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise ClusterConfigError(f"environment variable {name} is not set. HINT: launch with "
-                                     "`replicator run --nproc N script.py` or `torchrun`.")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ClusterConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+    def resolve(self, env: Mapping[str, str] | None = None) -> ClusterSpec:
+        """A spec is its own resolver (so it can be passed as ``cluster_resolver``)."""
+        return self
 
 
-def _from_torchrun_style(env: Mapping[str, str]) -> ClusterSpec:
-    world = _int(env, "WORLD_SIZE")
-    rank = _int(env, "RANK")
-    local_world = _int(env, "LOCAL_WORLD_SIZE", world)
-    local_rank = _int(env, "LOCAL_RANK", rank % max(local_world, 1))
-    if world < 1:
-        raise ClusterConfigError(f"WORLD_SIZE={world}: the world needs at least one replica")
-    if not 0 <= rank < world:
-        raise ClusterConfigError(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world})")
-    if not 0 <= local_rank < local_world:
-        raise ClusterConfigError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1}")
-    launcher = env.get(LAUNCHER_ENV)
-    torchrun = "TORCHELASTIC_RUN_ID" in env
-    restart = _int(env, RESTART_COUNT_ENV, _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
-    hosted = env.get(STORE_HOSTED_ENV) == "1" or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    port = _int(env, "MASTER_PORT", 0) or None
-    if world > 1 and port is None:
-        raise ClusterConfigError("MASTER_PORT is not set but WORLD_SIZE > 1")
-    return ClusterSpec(
-        rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-        node_rank=_int(env, "GROUP_RANK", rank // max(local_world, 1)),
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
-        restart_count=restart, store_is_hosted=hosted,
-        source="local-launcher" if launcher else ("torchrun" if torchrun else "environment"),
-    )
+_EXPLICIT: ClusterSpec | None = None
 
 
-def _from_tf_config(raw: str) -> ClusterSpec:
-    try:
-        config = json.loads(raw)
-        workers = list(config["cluster"].get("chief", [])) + list(config["cluster"]["worker"])
-        task = config["task"]
-        role, index = task["type"], int(task["index"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ClusterConfigError(
-            f"TF_CONFIG is not a valid cluster description ({exc!r}); expected "
-            '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
-        ) from None
-    n_chief = len(config["cluster"].get("chief", []))
-    rank = index if role == "chief" else n_chief + index
-    if role not in ("chief", "worker") or not 0 <= rank < len(workers):
-        raise ClusterConfigError(f"TF_CONFIG task {task} is not among the cluster's workers")
-    host, _, port = workers[0].rpartition(":")
-    if not port.isdigit():
-        raise ClusterConfigError(f"TF_CONFIG address {workers[0]!r} has no port")
-    return ClusterSpec(rank=rank, world_size=len(workers), local_rank=0, local_world_size=1,
-                       node_rank=rank, master_addr=host, master_port=int(port), restart_count=0,
-                       store_is_hosted=False, source="tf_config", role=role)
+def use_cluster(spec: ClusterSpec | None) -> None:
+    """Make ``spec`` what :func:`resolve_cluster` answers in this process (``None``: undo).
+
+    Called by ``MultiWorkerMirroredStrategy(cluster_resolver=...)`` before the process group
+    exists, so every part of replicator agrees on this process's rank.
+    """
+    global _EXPLICIT
+    if spec is not None and not isinstance(spec, ClusterSpec):
+        raise TypeError(f"use_cluster takes a ClusterSpec, got {type(spec).__name__}")
+    _EXPLICIT = spec
 
 
 def resolve_cluster(env: Mapping[str, str] | None = None) -> ClusterSpec:
-    """Read this process's place in the job from the environment (see module doc)."""
-    env = os.environ if env is None else env
-    if "WORLD_SIZE" in env or "RANK" in env:
-        return _from_torchrun_style(env)
-    if env.get("TF_CONFIG"):
-        return _from_tf_config(env["TF_CONFIG"])
-    return ClusterSpec(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
-                       master_addr="127.0.0.1", master_port=None, restart_count=0,
-                       store_is_hosted=False, source="single-process")
+    """Read this process's place in the job (see module doc); ``env`` given: only from it."""
+    if env is None and _EXPLICIT is not None:
+        return _EXPLICIT
+    from replicator.cluster.resolvers import detect
+
+    return detect(os.environ if env is None else env)
 
 
 def timeout_from_env(default: float, env: Mapping[str, str] | None = None) -> float:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from replicator.cluster.environment import ClusterSpec, resolve_cluster, timeout_from_env
 from replicator.cluster.ports import listen
+from replicator.cluster.resolvers import check_membership
 from replicator.errors import ClusterConfigError
 
 log = logging.getLogger("replicator")
@@ -73,7 +74,9 @@ def _make_store(spec: ClusterSpec, timeout: timedelta) -> dist.Store:
             f"{text}. "
             "HINT: is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every worker?"
         ) from exc
-    return dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", store)
+    attempt = dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", store)
+    check_membership(attempt, spec, timeout.total_seconds())
+    return attempt
 
 
 def initialize(backend: str | None = None, timeout_seconds: float | None = None,

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from replicator.cluster.devices import default_device_for, parse_devices
-from replicator.cluster.environment import resolve_cluster
+from replicator.cluster.environment import resolve_cluster, use_cluster
 from replicator.cluster.process_group import initialize, on_shutdown, open_store_client
+from replicator.cluster.resolvers import ClusterResolver, as_spec
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
 from replicator.comm.collectives import Collectives
@@ -259,26 +260,59 @@ class MirroredStrategy(Strategy):
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):
-    """MirroredStrategy across several machines (launched with ``torchrun`` or ``TF_CONFIG``).
+    """MirroredStrategy across several machines (``replicator run --nnodes``, ``torchrun``,
+    ``TF_CONFIG``, SLURM, or an explicit ``rp.cluster.ClusterSpec``).
 
+    ``cluster_resolver``: where this process stands in the job, as an
+    :class:`~replicator.cluster.ClusterSpec` or a resolver such as
+    :class:`~replicator.cluster.TFConfigResolver` (``None``: read from the environment).
     In replicator's one-process-per-replica model this is the same engine as
-    :class:`MirroredStrategy`; the name and ``communication_options`` follow tf.distribute.
-    An all-reduce algorithm given as the first argument (``MultiWorkerMirroredStrategy(
-    rp.RingAllReduce())``) is taken as ``cross_device_ops``.
+    :class:`MirroredStrategy`; the names follow tf.distribute. ``CommunicationOptions`` or an
+    all-reduce algorithm given as the first argument is taken as such
+    (``MultiWorkerMirroredStrategy(rp.RingAllReduce())``).
     """
 
     name = "multi_worker_mirrored"
 
-    def __init__(self, communication_options: CommunicationOptions | CrossDeviceOps | None = None,
+    def __init__(self, cluster_resolver: ClusterResolver | CommunicationOptions | CrossDeviceOps
+                 | None = None,
+                 communication_options: CommunicationOptions | CrossDeviceOps | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, *,
                  mesh: Topology | None = None, axis: str = "data",
                  buffer_sync: str = "mean", sync_batchnorm: bool = False) -> None:
+        if isinstance(cluster_resolver, (CommunicationOptions, CrossDeviceOps)):
+            if communication_options is not None:
+                raise TypeError("MultiWorkerMirroredStrategy got communication options twice. "
+                                "HINT: pass cluster_resolver=..., communication_options=...")
+            cluster_resolver, communication_options = None, cluster_resolver
         if isinstance(communication_options, CrossDeviceOps):
             if cross_device_ops is not None:
                 raise TypeError("MultiWorkerMirroredStrategy got two all-reduce algorithms "
                                 f"({communication_options!r} and {cross_device_ops!r}). HINT: "
                                 "pass one, as cross_device_ops=...")
             communication_options, cross_device_ops = None, communication_options
+        if cluster_resolver is not None:
+            if not isinstance(cluster_resolver, ClusterResolver):
+                raise TypeError(
+                    f"MultiWorkerMirroredStrategy's first argument must be a cluster resolver "
+                    f"(rp.cluster.ClusterSpec, rp.cluster.TFConfigResolver()), "
+                    f"rp.CommunicationOptions(...) or an all-reduce algorithm, got "
+                    f"{type(cluster_resolver).__name__}")
+            spec = as_spec(cluster_resolver)
+            if dist.is_initialized() and (dist.get_world_size(), dist.get_rank()) != \
+                    (spec.world_size, spec.rank):
+                raise ClusterConfigError(
+                    f"the cluster resolver says rank {spec.rank} of {spec.world_size}, but this "
+                    f"process is already rank {dist.get_rank()} of {dist.get_world_size()} in a "
+                    "running process group. HINT: create MultiWorkerMirroredStrategy before any "
+                    "other strategy, or drop cluster_resolver.")
+            use_cluster(spec)
+        if not dist.is_initialized():
+            from replicator.cluster.multi_node import choose_gloo_interface
+
+            spec = resolve_cluster()
+            if spec.world_size > 1:
+                choose_gloo_interface(spec.master_addr)
         super().__init__(devices=None, cross_device_ops=cross_device_ops,
                          communication_options=communication_options, mesh=mesh, axis=axis,
                          buffer_sync=buffer_sync, sync_batchnorm=sync_batchnorm)

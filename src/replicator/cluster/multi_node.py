@@ -1,0 +1,226 @@
+"""Multi-node launch on ``torch.distributed.elastic``: ``replicator run --nnodes N ...``.
+
+Run the same command on every node, with that node's ``--node-rank``::
+
+    replicator run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 2 train.py
+    replicator run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 2 train.py
+
+This is ``torchrun --nnodes 2 --node-rank i --master-addr A --master-port P`` (the static
+rendezvous) run by torch's own elastic agent: its worker supervision and its ``--max-restarts``
+restarts of the whole group. Two differences: node 0's agent hosts the rendezvous store on
+``--master-addr`` only (torchrun listens on every interface), and gloo is told which
+interface to use (``GLOO_SOCKET_IFNAME``, unless already set): the one whose address routes to
+the master. torch.distributed has no authentication: run multi-node jobs on trusted networks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import struct
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+from replicator.cluster.environment import LAUNCHER_ENV, TIMEOUT_ENV
+from replicator.cluster.launcher import check_num_replicas
+from replicator.cluster.ports import check_port, listen
+from replicator.errors import ClusterConfigError, WorkerFailedError
+
+#: The rendezvous backend registered with torch's rendezvous registry by this module.
+RENDEZVOUS_BACKEND = "replicator-static"
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_RDZV_TIMEOUT_SECONDS = 300.0
+
+_SIOCGIFADDR = 0x8915
+
+
+def _interface_address(name: str) -> str | None:
+    """The IPv4 address of interface ``name`` (``None`` if it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def interface_towards(addr: str) -> str | None:
+    """The name of the local interface that traffic to ``addr`` leaves from, if it is found.
+
+    Asks the routing table (a UDP socket ``connect`` sends nothing) for the local address, then
+    finds the interface holding it.
+    """
+    try:
+        target = socket.gethostbyname(addr)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        if _interface_address(name) == local:
+            return name
+    return None
+
+
+def choose_gloo_interface(master_addr: str,
+                          env: MutableMapping[str, str] | None = None) -> str | None:
+    """Point gloo at the interface towards ``master_addr`` unless ``GLOO_SOCKET_IFNAME`` is set.
+
+    Without it gloo resolves the hostname, which on a multi-homed or badly named machine picks
+    the wrong network (or none). Loopback masters (a one-machine job) are left alone. Returns
+    the interface now in force, if any.
+    """
+    target: MutableMapping[str, str] = os.environ if env is None else env
+    if target.get("GLOO_SOCKET_IFNAME"):
+        return target["GLOO_SOCKET_IFNAME"]
+    if master_addr.startswith("127.") or master_addr in ("localhost", "::1"):
+        return None
+    interface = interface_towards(master_addr)
+    if interface:
+        target["GLOO_SOCKET_IFNAME"] = interface
+    return interface
+
+
+def _register_rendezvous() -> None:
+    """Register the static rendezvous whose store listens on the master address only."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
+        StaticTCPRendezvous,
+        create_rdzv_handler,
+    )
+
+    class BoundStaticRendezvous(StaticTCPRendezvous):
+        """torch's static rendezvous, with node 0's store bound to the master address."""
+
+        def get_backend(self) -> str:
+            return RENDEZVOUS_BACKEND
+
+        def next_rendezvous(self) -> Any:
+            if not self._store:
+                is_master = self.rank == 0
+                extra: dict[str, Any] = {}
+                if is_master:
+                    extra["master_listen_fd"] = listen(self.master_addr,
+                                                       self.master_port).detach()
+                try:
+                    self._store = TCPStore(self.master_addr, self.master_port, self.world_size,
+                                           is_master, self.timeout, multi_tenant=True,
+                                           **extra)
+                except (RuntimeError, OSError) as exc:
+                    waited = f"{self.timeout.total_seconds():.0f} s"
+                    if is_master:
+                        raise ClusterConfigError(
+                            f"node 0 waited {waited} at {self.master_addr}:{self.master_port} "
+                            f"for the other {self.world_size - 1} node(s) of --nnodes "
+                            f"{self.world_size} ({exc}). HINT: is a node missing, unable to "
+                            "reach this address, or started with another --nnodes? Start "
+                            "every node within --rdzv-timeout.") from None
+                    raise ClusterConfigError(
+                        f"node {self.rank} could not reach the rendezvous store of node 0 at "
+                        f"{self.master_addr}:{self.master_port} within {waited} ({exc}). "
+                        "HINT: start node 0 first or within --rdzv-timeout, and give every "
+                        "node the same --master-addr/--master-port (node 0's address on this "
+                        "network).") from None
+            return super().next_rendezvous()
+
+    def create(params: RendezvousParameters) -> StaticTCPRendezvous:
+        base = create_rdzv_handler(params)
+        assert isinstance(base, StaticTCPRendezvous)  # torch's own factory's type
+        return BoundStaticRendezvous(base.master_addr, base.master_port, base.rank,
+                                     base.world_size, base.run_id,
+                                     int(base.timeout.total_seconds()))
+
+    try:
+        registry.handler_registry.register(RENDEZVOUS_BACKEND, create)
+    except ValueError:
+        pass  # registered already in this process
+
+
+def check_multi_node_args(nnodes: int, node_rank: int | None, master_addr: str | None) -> None:
+    """Clear errors for an inconsistent multi-node command line."""
+    check_num_replicas(nnodes, "--nnodes")
+    if node_rank is None:
+        raise ClusterConfigError("--nnodes > 1 needs --node-rank (0 on the master node, 1.. on "
+                                 "the others). HINT: run the same command on every node with "
+                                 "its own --node-rank.")
+    if not 0 <= node_rank < nnodes:
+        raise ClusterConfigError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} "
+                                 f"(--nnodes {nnodes}). HINT: number the nodes 0 to {nnodes - 1}.")
+    if not master_addr:
+        raise ClusterConfigError("--nnodes > 1 needs --master-addr: the address of node 0 that "
+                                 "every node can reach. HINT: e.g. --master-addr 10.0.0.1")
+
+
+def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *,
+                   nnodes: int, node_rank: int | None, master_addr: str | None,
+                   nproc_per_node: int, master_port: int | None = None,
+                   max_restarts: int = 0, timeout_seconds: float | None = None,
+                   rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT_SECONDS,
+                   run_id: str | None = None) -> None:
+    """Run this node's ``nproc_per_node`` workers of an ``nnodes``-node job (see module doc).
+
+    Raises :class:`WorkerFailedError` when the job fails after its restarts, and
+    :class:`ClusterConfigError` for a wrong command line or an unreachable master.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    check_multi_node_args(nnodes, node_rank, master_addr)
+    node_rank, master_addr = int(node_rank or 0), str(master_addr)  # checked just above
+    nproc_per_node = check_num_replicas(nproc_per_node, "--nproc-per-node")
+    port = check_port(master_port) or DEFAULT_MASTER_PORT
+    if not Path(script).is_file():
+        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
+                                 "HINT: give the path of a Python file.")
+    if max_restarts < 0:
+        raise ClusterConfigError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    choose_gloo_interface(master_addr)
+    os.environ[LAUNCHER_ENV] = "multi-node"
+    if timeout_seconds is not None:
+        os.environ[TIMEOUT_ENV] = str(timeout_seconds)
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    _register_rendezvous()
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
+        run_id=run_id or os.environ.get("REPLICATOR_RUN_ID", "") or f"replicator-{port}",
+        rdzv_endpoint=f"{master_addr}:{port}", rdzv_backend=RENDEZVOUS_BACKEND,
+        rdzv_configs={"rank": node_rank, "timeout": int(rdzv_timeout)},
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        local_addr=master_addr if node_rank == 0 else None,
+        shutdown_timeout=10,
+    )
+    entry = [sys.executable, "-u", "-m", "replicator.cluster.script_entry", str(script),
+             *script_args]
+    try:
+        elastic_launch(config, entry[0])(*entry[1:])
+    except ClusterConfigError:
+        raise
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise WorkerFailedError(rank, failure.exitcode,
+                                f"{failure.message or 'worker failed'} on node {node_rank} "
+                                f"after {max_restarts} restart(s) allowed") from None
+    except (RendezvousError, TimeoutError) as exc:
+        raise ClusterConfigError(
+            f"node {node_rank}: the rendezvous of {nnodes} nodes at {master_addr}:{port} did "
+            f"not complete within {rdzv_timeout:.0f} s ({exc}). HINT: start every node with "
+            "the same --nnodes and --master-addr/--master-port; is a node missing?") from None
+    except RuntimeError as exc:
+        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+            raise ClusterConfigError(
+                f"node {node_rank}: the rendezvous of {nnodes} nodes at {master_addr}:{port} "
+                f"timed out ({exc}). HINT: is a node missing, or started with another --nnodes?"
+            ) from None
+        raise
+
+
+__all__ = ["run_multi_node", "interface_towards", "choose_gloo_interface", "check_multi_node_args",
+           "RENDEZVOUS_BACKEND"]

@@ -1,0 +1,326 @@
+"""Cluster resolvers: turn a launcher's description of the job into a :class:`ClusterSpec`.
+
+One resolver per source, each with ``resolve(env=None) -> ClusterSpec``:
+:class:`TorchrunResolver` (``torchrun``/``torch.distributed.elastic`` and replicator's own
+launchers), :class:`TFConfigResolver` (``TF_CONFIG``, several processes per host allowed),
+:class:`SlurmResolver` (``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODELIST`` with
+its bracket ranges, ``SLURM_LOCALID``). An explicit :class:`ClusterSpec` resolves to itself.
+Worker 0 (or TF_CONFIG's ``chief``) is rank 0, the chief, which hosts the rendezvous store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from replicator.cluster.environment import (
+    LAUNCHER_ENV,
+    RESTART_COUNT_ENV,
+    STORE_HOSTED_ENV,
+    ClusterSpec,
+)
+from replicator.errors import ClusterConfigError
+
+#: The rendezvous port a SLURM job uses when ``MASTER_PORT`` is not set.
+SLURM_DEFAULT_PORT = 29500
+
+
+@runtime_checkable
+class ClusterResolver(Protocol):
+    """Anything that says where this process stands in the job."""
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> ClusterSpec: ...
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ClusterConfigError(f"environment variable {name} is not set. HINT: launch with "
+                                     "`replicator run --nproc N script.py` or `torchrun`.")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ClusterConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+class TorchrunResolver:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK``/``MASTER_*``
+    as exported by ``torchrun``, ``replicator run`` and ``rp.launch``."""
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> ClusterSpec:
+        env = os.environ if env is None else env
+        world = _int(env, "WORLD_SIZE")
+        rank = _int(env, "RANK")
+        local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+        local_rank = _int(env, "LOCAL_RANK", rank % max(local_world, 1))
+        if world < 1:
+            raise ClusterConfigError(f"WORLD_SIZE={world}: the world needs at least one replica")
+        if not 0 <= rank < world:
+            raise ClusterConfigError(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world})")
+        if not 0 <= local_rank < max(local_world, 1):
+            raise ClusterConfigError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1}")
+        launcher = env.get(LAUNCHER_ENV)
+        torchrun = "TORCHELASTIC_RUN_ID" in env
+        restart = _int(env, RESTART_COUNT_ENV, _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
+        hosted = env.get(STORE_HOSTED_ENV) == "1" or \
+            env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        port = _int(env, "MASTER_PORT", 0) or None
+        if world > 1 and port is None:
+            raise ClusterConfigError("MASTER_PORT is not set but WORLD_SIZE > 1")
+        return ClusterSpec(
+            rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+            node_rank=_int(env, "GROUP_RANK", rank // max(local_world, 1)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
+            restart_count=restart, store_is_hosted=hosted,
+            source=("local-launcher" if launcher == "local" else f"replicator-{launcher}")
+            if launcher else ("torchrun" if torchrun else "environment"),
+        )
+
+
+def _split_address(address: str, what: str) -> tuple[str, int]:
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterConfigError(f"{what} address {address!r} is not host:port. HINT: write "
+                                 "each task as \"hostname:port\", e.g. \"10.0.0.1:2222\".")
+    return host.strip("[]"), int(port)
+
+
+class TFConfigResolver:
+    """``TF_CONFIG``: ``{"cluster": {"chief": [...], "worker": ["host:port", ...]},
+    "task": {"type": "worker", "index": i}}``; ranks follow the list (chief first).
+
+    Several entries may name the same host (several processes per host); the processes of a
+    host get local ranks in list order. ``tf_config`` given: used instead of the variable.
+    """
+
+    def __init__(self, tf_config: str | Mapping | None = None) -> None:
+        self.tf_config = tf_config
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> ClusterSpec:
+        env = os.environ if env is None else env
+        raw = self.tf_config if self.tf_config is not None else env.get("TF_CONFIG", "")
+        try:
+            config = json.loads(raw) if isinstance(raw, str) else dict(raw)
+            cluster = config["cluster"]
+            chiefs = [str(a) for a in cluster.get("chief", [])]
+            workers = chiefs + [str(a) for a in cluster.get("worker", [])]
+            task = config["task"]
+            role, index = str(task["type"]), int(task["index"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ClusterConfigError(
+                f"TF_CONFIG is not a valid cluster description ({exc!r}); expected "
+                '{"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", '
+                '"index": 0}}') from None
+        others = sorted(set(cluster) - {"chief", "worker"})
+        if others:
+            raise ClusterConfigError(
+                f"TF_CONFIG has task types {others}; replicator runs synchronous data "
+                "parallelism with a chief and workers only. HINT: list every process under "
+                "\"worker\" (parameter servers and evaluators are not supported).")
+        if len(chiefs) > 1:
+            raise ClusterConfigError(f"TF_CONFIG lists {len(chiefs)} chiefs; at most one")
+        if not workers:
+            raise ClusterConfigError("TF_CONFIG lists no workers")
+        if role not in ("chief", "worker"):
+            raise ClusterConfigError(f"TF_CONFIG task type {role!r} is not 'chief' or 'worker'")
+        rank = index if role == "chief" else len(chiefs) + index
+        count = len(chiefs) if role == "chief" else len(workers) - len(chiefs)
+        if not 0 <= index < count:
+            raise ClusterConfigError(
+                f"TF_CONFIG task {dict(task)} is not among the cluster's workers (there are "
+                f"{count} {role} entries, index 0..{count - 1}). HINT: the task index must be "
+                "this process's position in the list.")
+        duplicates = sorted({a for a in workers if workers.count(a) > 1})
+        if duplicates:
+            raise ClusterConfigError(f"TF_CONFIG lists the address(es) {duplicates} more than "
+                                     "once; every process needs its own host:port")
+        hosts = [_split_address(a, "TF_CONFIG")[0] for a in workers]
+        order = list(dict.fromkeys(hosts))
+        mine = hosts[rank]
+        same_host = [r for r, h in enumerate(hosts) if h == mine]
+        master, port = _split_address(workers[0], "TF_CONFIG")
+        restart = _int(env, RESTART_COUNT_ENV, _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
+        return ClusterSpec(rank=rank, world_size=len(workers), local_rank=same_host.index(rank),
+                           local_world_size=len(same_host), node_rank=order.index(mine),
+                           master_addr=master, master_port=port, restart_count=restart,
+                           source="tf_config", role=role, addresses=tuple(workers))
+
+
+_BRACKET = re.compile(r"^(.*?)\[([^\]]+)\](.*)$")
+
+
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth != 0:
+        raise ClusterConfigError(f"SLURM node list {text!r} has unbalanced brackets")
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_one(name: str) -> list[str]:
+    match = _BRACKET.match(name)
+    if not match:
+        return [name]
+    prefix, ranges, rest = match.groups()
+    out = []
+    for item in ranges.split(","):
+        lo, _, hi = item.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ClusterConfigError(f"SLURM node list range {item!r} in {name!r} is not N or N-M")
+        width = len(lo)
+        for n in range(int(lo), int(hi or lo) + 1):
+            out.extend(_expand_one(f"{prefix}{n:0{width}d}{rest}"))
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """``"node[01-03,07],gpu-a1"`` -> ``["node01", "node02", "node03", "node07", "gpu-a1"]``."""
+    hosts: list[str] = []
+    for part in _split_top_level(nodelist):
+        hosts.extend(_expand_one(part))
+    return hosts
+
+
+class SlurmResolver:
+    """The job of an ``srun`` step: one process per task, the first node's first task is the
+    chief. The port is ``MASTER_PORT`` if set, else ``port`` (default 29500)."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> ClusterSpec:
+        env = os.environ if env is None else env
+        rank = _int(env, "SLURM_PROCID")
+        world = _int(env, "SLURM_NTASKS")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_NODELIST") or \
+            env.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise ClusterConfigError("SLURM_NODELIST is not set. HINT: start the processes "
+                                     "with srun inside an allocation.")
+        nodes = expand_nodelist(nodelist)
+        local_rank = _int(env, "SLURM_LOCALID", 0)
+        node_rank = _int(env, "SLURM_NODEID", 0)
+        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") or \
+            env.get("SLURM_TASKS_PER_NODE") or ""
+        head = re.match(r"^(\d+)", per_node)
+        local_world = int(head.group(1)) if head else max(1, world // max(1, len(nodes)))
+        if not 0 <= rank < world:
+            raise ClusterConfigError(f"SLURM_PROCID={rank} is outside 0..{world - 1} "
+                                     f"(SLURM_NTASKS={world})")
+        if node_rank >= len(nodes):
+            raise ClusterConfigError(f"SLURM_NODEID={node_rank} but the node list {nodelist!r} "
+                                     f"has {len(nodes)} node(s)")
+        port = self.port or _int(env, "MASTER_PORT", SLURM_DEFAULT_PORT)
+        return ClusterSpec(rank=rank, world_size=world, local_rank=local_rank,
+                           local_world_size=max(local_world, local_rank + 1),
+                           node_rank=node_rank, master_addr=env.get("MASTER_ADDR", nodes[0]),
+                           master_port=port,
+                           restart_count=_int(env, RESTART_COUNT_ENV, 0), source="slurm")
+
+
+def detect(env: Mapping[str, str]) -> ClusterSpec:
+    """The spec from the first source present in ``env`` (order: see the module doc)."""
+    if "WORLD_SIZE" in env or "RANK" in env:
+        return TorchrunResolver().resolve(env)
+    if env.get("TF_CONFIG"):
+        return TFConfigResolver().resolve(env)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return SlurmResolver().resolve(env)
+    return ClusterSpec(rank=0, world_size=1, source="single-process")
+
+
+def as_spec(resolver: ClusterResolver | ClusterSpec | None) -> ClusterSpec:
+    """The spec a ``cluster_resolver`` argument stands for (``None``: from the environment)."""
+    if resolver is None:
+        return detect(os.environ)
+    if isinstance(resolver, ClusterSpec):
+        return resolver
+    if not isinstance(resolver, ClusterResolver):
+        raise TypeError(f"cluster_resolver must be an rp.cluster.ClusterSpec or a resolver "
+                        f"such as rp.cluster.TFConfigResolver(), got {type(resolver).__name__}")
+    spec = resolver.resolve()
+    if not isinstance(spec, ClusterSpec):
+        raise TypeError(f"{type(resolver).__name__}.resolve() returned "
+                        f"{type(spec).__name__}, not a ClusterSpec")
+    return spec
+
+
+# -- roll call: do the running processes agree with their specs? ----------------------------
+
+_ROLL = "rollcall"
+#: Roll calls made by this process: a group created again in one process (after shutdown,
+#: on the same store and attempt) answers a fresh roll call, not the previous one.
+_ROUNDS = [0]
+
+
+def _who(spec: ClusterSpec, rank: int) -> str:
+    if rank < len(spec.addresses):
+        return f"rank {rank} ({spec.addresses[rank]})"
+    return f"rank {rank}"
+
+
+def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
+                     poll_seconds: float = 0.05) -> None:
+    """Before the process group forms, make every process of the job answer a roll call on the
+    rendezvous store, so a spec that disagrees with the running processes is a clear
+    :class:`ClusterConfigError` within ``timeout_seconds`` instead of a hang.
+
+    Caught: a different world size on some process, two processes with one rank (a duplicate
+    task index), and ranks that never arrive (a missing host). Every process that sees a
+    mistake posts it on the store, so the others raise the same message at once.
+    """
+    import time
+
+    world, rank = spec.world_size, spec.rank
+    if world <= 1:
+        return
+    _ROUNDS[0] += 1
+    roll = f"{_ROLL}/{_ROUNDS[0]}"
+    error_key = f"{roll}/error"
+
+    def fail(message: str) -> None:
+        store.set(error_key, message)
+        raise ClusterConfigError(message)
+
+    first = store.compare_set(f"{roll}/world", "", str(world))
+    first = first.decode() if isinstance(first, bytes) else str(first)
+    if first != str(world):
+        fail(f"the processes disagree on the size of the job: rank {rank} expects "
+             f"{world} processes ({spec.source}), but a process that joined earlier expects "
+             f"{first}. HINT: give every process the same cluster description (the same "
+             "TF_CONFIG worker list, --nnodes/--nproc-per-node, or ClusterSpec.world_size).")
+    if store.add(f"{roll}/rank/{rank}", 1) > 1:
+        fail(f"two processes claim {_who(spec, rank)} of {world}: a duplicate task index. "
+             "HINT: give every process its own index (TF_CONFIG task.index / RANK / "
+             "SLURM_PROCID) from 0 to the number of processes - 1.")
+    keys = [f"{roll}/rank/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if store.check([error_key]):
+            raise ClusterConfigError(store.get(error_key).decode())
+        if store.check(keys):
+            break
+        if time.monotonic() > deadline:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            names = ", ".join(_who(spec, r) for r in missing)
+            fail(f"{len(missing)} of {world} processes did not join within "
+                 f"{timeout_seconds:.0f} s: {names} (seen from rank {rank}). HINT: is a host "
+                 "missing or unable to reach the chief at "
+                 f"{spec.master_addr}:{spec.master_port}? Start every process of the job, or "
+                 "list only the processes you start.")
+        time.sleep(poll_seconds)
