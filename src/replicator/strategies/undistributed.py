@@ -64,6 +64,8 @@ class UndistributedGuard:
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled():
             return  # inference, target networks under no_grad: nothing is trained
+        if torch.compiler.is_compiling():
+            return  # traced by torch.compile: checked in eager calls only (else no graph)
         count = len(module._parameters)
         if self._clean_modules.get(module) == count:
             return
