@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.comm.reduce_op import ReduceOp
+from replicator.compilation import compile_in_use, keep_library_eager
 from replicator.data.context import InputContext, InputOptions
 from replicator.data.dataset import (
     DistributedDataset,
@@ -240,6 +241,8 @@ class Strategy(ABC):
             raise TypeError(f"run(fn, args=...) takes a tuple of arguments, got "
                             f"{type(args).__name__}. HINT: write args=(batch,)")
         self._check_open("run")
+        if compile_in_use():
+            keep_library_eager()
         if self.num_replicas_in_sync > 1 and self._guards_undistributed:
             if self._guard is None:
                 self._guard = UndistributedGuard(self)
