@@ -107,7 +107,7 @@ class Warmup(LRScheduler):
                 lrs.append(group["lr"] * self.factor(t, i) / self.factor(t - 1, i))
         return lrs
 
-    def _get_closed_form_lr(self) -> list[float]:
+    def _get_closed_form_lr(self) -> list[float | torch.Tensor]:
         return [base * self.factor(self.last_epoch, i) for i, base in enumerate(self.base_lrs)]
 
 
