@@ -231,3 +231,25 @@ def test_lars_lamb_norms_span_the_shards_of_a_dtensor():
             assert r["max_diff"] < 1e-5, (rank, name, r)
             assert r["local_norm"] < r["true_norm"] - 1e-3  # a shard's norm is not the norm
     assert out[0]["LARS"]["full_norm"] == pytest.approx(out[0]["LARS"]["true_norm"], rel=1e-6)
+
+
+# -- the reproduction script ------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_large_batch_example_quick_run(tmp_path):
+    pytest.importorskip("mnist1d")
+    pytest.importorskip("matplotlib")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "large_batch.py"
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "LAMB+warmup" in done.stdout and "time to" in done.stdout
+    results = json.loads((tmp_path / "large_batch.json").read_text())
+    assert [r["batch"] for r in results] == [16, 64, 64, 256, 256, 256]
+    assert (tmp_path / "large_batch.png").stat().st_size > 10_000
