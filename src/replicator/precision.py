@@ -13,8 +13,8 @@ scale: every replica skips the same steps, so the replicas never drift apart.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
+import types
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,24 +119,16 @@ class MixedPrecision:
         return torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype)
 
     def apply(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Make ``module``'s forward run under this policy's autocast (once; returns it)."""
-        if not self.enabled or getattr(module, "_replicator_precision", None) is not None:
+        """Make ``module``'s forward run under this policy's autocast (once; returns it).
+
+        The module keeps only plain settings (device type, dtype, cast) and a method bound to
+        itself, so ``copy.deepcopy(module)`` (EMA or target networks) gives a copy that runs
+        its own forward under the same policy."""
+        if not self.enabled or getattr(module, "_replicator_autocast", None) is not None:
             return module
-        device_type = self._device_type(module)
-        inner = module.forward
-        dtype, cast = self.compute_dtype, self.cast_outputs
-
-        @functools.wraps(inner)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with torch.autocast(device_type, dtype=dtype):
-                out = inner(*args, **kwargs)
-            if cast:
-                out = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor)
-                               and t.dtype == dtype else t, out)
-            return out
-
-        module.forward = forward  # type: ignore[method-assign]
-        module._replicator_precision = self  # type: ignore[assignment]
+        module._replicator_autocast = (  # type: ignore[assignment]
+            self._device_type(module), self.compute_dtype, self.cast_outputs)
+        module.forward = types.MethodType(_autocast_forward, module)  # type: ignore
         return module
 
     # -- loss scaling --------------------------------------------------------------------------
@@ -218,3 +210,15 @@ class MixedPrecision:
         self._scale = float(state["scale"])
         self._growth_tracker = int(state["growth_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def _autocast_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module under a :class:`MixedPrecision` policy: the class's forward
+    under ``torch.autocast``, floating outputs of the compute dtype cast back to float32."""
+    device_type, dtype, cast = module._replicator_autocast  # type: ignore[misc]
+    with torch.autocast(device_type, dtype=dtype):
+        out = type(module).forward(module, *args, **kwargs)
+    if cast:
+        out = tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype == dtype
+                       else t, out)
+    return out

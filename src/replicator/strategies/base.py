@@ -220,6 +220,9 @@ class Strategy(ABC):
         from replicator.precision import MixedPrecision
 
         if isinstance(precision, str):
+            if self._precision is not None and \
+                    self._precision.compute_dtype == MixedPrecision(precision).compute_dtype:
+                return
             precision = MixedPrecision(precision)
         if not isinstance(precision, MixedPrecision):
             raise TypeError(f"scope(precision=...) takes rp.MixedPrecision('bf16') or a dtype "
