@@ -199,11 +199,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--samples", type=int, default=50_000, help="MNIST-1D samples "
                         "generated (80%% train)")
-    parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--warmup-epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--warmup-epochs", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
-    parser.add_argument("--base-lr", type=float, default=0.05, help="SGD lr at batch 128")
-    parser.add_argument("--lamb-lr", type=float, default=0.005, help="LAMB lr at batch 128 "
+    parser.add_argument("--base-lr", type=float, default=0.02, help="SGD lr at batch 128")
+    parser.add_argument("--lamb-lr", type=float, default=0.009, help="LAMB lr at batch 128 "
                         "(scaled by the square root)")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--out", default="large_batch_out")

@@ -78,7 +78,9 @@ class GradientAccumulator:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         inside, self._inside = self._inside, None
-        assert inside is not None
+        if inside is None:
+            raise RuntimeError("GradientAccumulator left without being entered. HINT: use it "
+                               "as `with accum:` around each micro-batch's backward")
         inside.__exit__(exc_type, exc, tb)
         if exc_type is not None:
             return  # the cycle's count stays where it was: the failed micro-batch is not counted
