@@ -9,7 +9,7 @@ runs::
         model = Net(); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 """
 
-from replicator import cluster, data, metrics, testing
+from replicator import cluster, data, metrics, optim, scaling, testing
 from replicator.checkpoint import PREEMPTION_EXIT_CODE, BackupAndRestore, CheckpointManager
 from replicator.cluster import Topology, launch
 from replicator.comm import (
@@ -43,6 +43,7 @@ from replicator.errors import (
     UnsafeCheckpointError,
     WorkerFailedError,
 )
+from replicator.precision import MixedPrecision
 from replicator.strategies import (
     CentralStorageStrategy,
     MirroredStrategy,
@@ -87,5 +88,5 @@ __all__ = [
     "register_ddp_comm_hook", "BackupAndRestore", "CheckpointManager", "PREEMPTION_EXIT_CODE",
     "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
     "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
-    "Topology", "cluster",
+    "Topology", "cluster", "scaling", "optim", "MixedPrecision",
 ]

@@ -10,7 +10,7 @@ import contextlib
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.comm.reduce_op import ReduceOp
+from replicator.compilation import compile_in_use, keep_library_eager
 from replicator.data.context import InputContext, InputOptions
 from replicator.data.dataset import (
     DistributedDataset,
@@ -27,6 +28,10 @@ from replicator.data.dataset import (
 from replicator.strategies import replica_context
 from replicator.strategies.scope_capture import RegistrationCapture, named_state
 from replicator.strategies.undistributed import UndistributedGuard
+
+if TYPE_CHECKING:
+    from replicator.optim.accumulation import GradientAccumulator
+    from replicator.precision import MixedPrecision
 
 _SERIALS = itertools.count(1)
 
@@ -54,6 +59,8 @@ class Strategy(ABC):
     #: The process group of the data-parallel replicas (``None``: the default group); the
     #: input pipeline agrees on uneven ends over it.
     _data_group: dist.ProcessGroup | None = None
+    #: The mixed-precision policy given to ``scope(precision=...)`` (``None``: full precision).
+    _precision: MixedPrecision | None = None
 
     def __init__(self) -> None:
         self._scope_depth = 0
@@ -95,9 +102,16 @@ class Strategy(ABC):
 
     # -- scope -----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
-        """Modules created inside become distributed when the block ends (see the strategy)."""
+    def scope(self, precision: MixedPrecision | str | None = None) -> Iterator[Strategy]:
+        """Modules created inside become distributed when the block ends (see the strategy).
+
+        ``precision``: a :class:`~replicator.MixedPrecision` policy (or its dtype name, e.g.
+        ``"bf16"``) whose autocast the forward pass of every module set up from now on runs
+        under; the strategy keeps it (``strategy.precision``).
+        """
         self._check_open("scope")
+        if precision is not None:
+            self._set_precision(precision)
         outermost = self._scope_depth == 0
         if outermost:
             self._capture = RegistrationCapture()
@@ -133,6 +147,8 @@ class Strategy(ABC):
     def _distribute_modules(self, modules: list[torch.nn.Module]) -> None:
         for module in modules:
             if module not in self._set_up_modules:
+                if self._precision is not None:
+                    self._precision.apply(module)
                 self._setup_module(module)
                 self._set_up_modules[module] = True
                 for _, t in [*module.named_parameters(), *module.named_buffers()]:
@@ -186,6 +202,38 @@ class Strategy(ABC):
         """Accumulate gradients locally (no communication) inside the block."""
         yield
 
+    def accumulate(self, k: int) -> GradientAccumulator:
+        """Gradient accumulation over ``k`` micro-batches, built on :meth:`no_sync`: ``k``
+        global batches of ``B`` give the gradient of one batch of ``k * B`` (see
+        :class:`~replicator.optim.GradientAccumulator`)."""
+        from replicator.optim.accumulation import GradientAccumulator
+
+        return GradientAccumulator(k, self.no_sync)
+
+    # -- mixed precision ---------------------------------------------------------------------
+    @property
+    def precision(self) -> MixedPrecision | None:
+        """The mixed-precision policy of this strategy (``None``: full precision)."""
+        return self._precision
+
+    def _set_precision(self, precision: MixedPrecision | str) -> None:
+        from replicator.precision import MixedPrecision
+
+        if isinstance(precision, str):
+            if self._precision is not None and \
+                    self._precision.compute_dtype == MixedPrecision(precision).compute_dtype:
+                return
+            precision = MixedPrecision(precision)
+        if not isinstance(precision, MixedPrecision):
+            raise TypeError(f"scope(precision=...) takes rp.MixedPrecision('bf16') or a dtype "
+                            f"name, got {type(precision).__name__}")
+        if self._precision is not None and self._precision is not precision:
+            raise ValueError(f"{type(self).__name__} already has the policy {self._precision!r}; "
+                             f"got {precision!r}. HINT: give precision= to the first scope() "
+                             "only, or use one strategy per policy")
+        precision.bind(self)
+        self._precision = precision
+
     # -- running a step ----------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple | list = (),
             kwargs: dict[str, Any] | None = None) -> Any:
@@ -196,6 +244,8 @@ class Strategy(ABC):
             raise TypeError(f"run(fn, args=...) takes a tuple of arguments, got "
                             f"{type(args).__name__}. HINT: write args=(batch,)")
         self._check_open("run")
+        if compile_in_use():
+            keep_library_eager()
         if self.num_replicas_in_sync > 1 and self._guards_undistributed:
             if self._guard is None:
                 self._guard = UndistributedGuard(self)

@@ -43,8 +43,11 @@ class UndistributedGuard:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Check modules and optimizers used inside the block."""
-        if self._depth == 0:
+        """Check modules and optimizers used inside the block. The global hooks stay
+        registered between blocks (idle outside them): registering them anew every step
+        would change torch's global hook table, which torch.compile guards on, and make a
+        compiled model recompile at every step."""
+        if not self._handles:
             self._handles = [register_module_forward_pre_hook(self._on_forward),
                              register_optimizer_step_pre_hook(self._on_step)]
         self._depth += 1
@@ -52,8 +55,6 @@ class UndistributedGuard:
             yield
         finally:
             self._depth -= 1
-            if self._depth == 0:
-                self.close()
 
     def close(self) -> None:
         for h in self._handles:
@@ -62,8 +63,10 @@ class UndistributedGuard:
 
     # -- the checks --------------------------------------------------------------------------
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # inference, target networks under no_grad: nothing is trained
+        if self._depth == 0 or not torch.is_grad_enabled():
+            return  # outside run(); inference, target networks under no_grad
+        if torch.compiler.is_compiling():
+            return  # traced by torch.compile: checked in eager calls only (else no graph)
         count = len(module._parameters)
         if self._clean_modules.get(module) == count:
             return
@@ -77,6 +80,8 @@ class UndistributedGuard:
         self._clean_modules[module] = count
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._depth == 0:
+            return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if self._clean_optimizers.get(optimizer) == len(params):
             return

@@ -1,0 +1,143 @@
+"""Learning-rate rules for large global batches: scaling with the batch, and warmup.
+
+Weak scaling trains with a global batch many times the one a learning rate was tuned for. The
+rules the large-batch literature found: scale the learning rate with the batch (linearly,
+Goyal et al. 2017, or by the square root, common with adaptive optimizers) and reach it
+gradually over the first steps (warmup), so the early, badly conditioned steps do not diverge::
+
+    lr = rp.scaling.scaled_lr(0.05, base_batch=128, global_batch=4096)          # 1.6
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    warm = rp.scaling.warmup(optimizer, steps=5 * steps_per_epoch, start_lr=0.05)
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, decay],
+                                                     milestones=[5 * steps_per_epoch])
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["RULES", "Warmup", "scaled_lr", "warmup"]
+
+#: The scaling rules :func:`scaled_lr` knows.
+RULES = ("linear", "sqrt", "none")
+
+
+def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
+    """The learning rate for ``global_batch`` from one tuned at ``base_batch``.
+
+    ``rule="linear"``: ``base_lr * global_batch / base_batch`` (Goyal et al. 2017, for SGD);
+    ``"sqrt"``: ``base_lr * sqrt(global_batch / base_batch)`` (keeps the gradient noise scale,
+    the usual choice for Adam/LAMB); ``"none"``: ``base_lr`` unchanged.
+    """
+    if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or \
+            not math.isfinite(base_lr) or base_lr < 0:
+        raise ValueError(f"scaled_lr: base_lr must be a finite number >= 0, got {base_lr!r}")
+    for name, value in (("base_batch", base_batch), ("global_batch", global_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"scaled_lr: {name} must be a positive int, got {value!r}. HINT: "
+                             "give batch sizes in samples (the global batch over all replicas)")
+    if rule not in RULES:
+        raise ValueError(f"scaled_lr: unknown rule {rule!r}; available: {', '.join(RULES)}")
+    ratio = global_batch / base_batch
+    if rule == "linear":
+        return float(base_lr) * ratio
+    if rule == "sqrt":
+        return float(base_lr) * math.sqrt(ratio)
+    return float(base_lr)
+
+
+class Warmup(LRScheduler):
+    """Multiplies each group's learning rate by a factor rising from ``start_factor`` to 1 over
+    ``steps`` calls of ``step()``, linearly (``mode="linear"``) or held at ``start_factor``
+    until the end (``mode="constant"``); afterwards it leaves the rate alone.
+
+    The update is multiplicative on the group's current rate (the "chainable" form of
+    ``torch.optim.lr_scheduler``), so it composes with the user's own schedule through
+    ``ChainedScheduler`` or by calling both ``step()``s, and ``SequentialLR`` runs a decay after
+    it. ``start_factor`` may be one number or one per parameter group.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int,
+                 start_factor: float | list[float], mode: str = "linear",
+                 last_epoch: int = -1) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"warmup: steps must be an int >= 0, got {steps!r}")
+        if mode not in ("linear", "constant"):
+            raise ValueError(f"warmup: mode must be 'linear' or 'constant', got {mode!r}")
+        groups = len(optimizer.param_groups)
+        factors = list(start_factor) if isinstance(start_factor, (list, tuple)) \
+            else [start_factor] * groups
+        if len(factors) != groups:
+            raise ValueError(f"warmup: {len(factors)} start factors for {groups} parameter "
+                             "groups. HINT: give one number, or one per group")
+        for f in factors:
+            if not 0 < float(f) <= 1:
+                raise ValueError(f"warmup: start factor {f!r} is not in (0, 1]. HINT: the warmup "
+                                 "starts at start_factor * lr and must start above zero; "
+                                 "start_lr must be at most the optimizer's lr")
+        self.steps = steps
+        self.mode = mode
+        self.start_factors = [float(f) for f in factors]
+        super().__init__(optimizer, last_epoch)
+
+    def factor(self, step: int, group: int = 0) -> float:
+        """The multiplier of group ``group``'s rate after ``step`` calls of ``step()``."""
+        start = self.start_factors[group]
+        if step >= self.steps:
+            return 1.0
+        if self.mode == "constant":
+            return start
+        return start + (1.0 - start) * step / self.steps
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        """Chainable form: scale the current rate by this step's change of the factor."""
+        t = self.last_epoch
+        lrs = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            if t == 0:
+                lrs.append(group["lr"] * self.factor(0, i))
+            elif t > self.steps:
+                lrs.append(group["lr"])
+            else:
+                lrs.append(group["lr"] * self.factor(t, i) / self.factor(t - 1, i))
+        return lrs
+
+    def _get_closed_form_lr(self) -> list[float | torch.Tensor]:
+        return [base * self.factor(self.last_epoch, i) for i, base in enumerate(self.base_lrs)]
+
+
+def warmup(optimizer: torch.optim.Optimizer, steps: int, *, start_lr: float | None = None,
+           start_factor: float | None = None, mode: str = "linear",
+           last_epoch: int = -1) -> Warmup:
+    """A scheduler that brings ``optimizer``'s learning rates up to their set values over
+    ``steps`` steps (call ``step()`` once per optimizer step).
+
+    Start at ``start_lr`` (an absolute rate, e.g. the small-batch ``base_lr`` of
+    :func:`scaled_lr`, as Goyal et al. do) or at ``start_factor`` times each group's rate;
+    neither: ``1 / steps`` of it. Returns a :class:`Warmup`, a ``torch.optim.lr_scheduler``.
+    """
+    if start_lr is not None and start_factor is not None:
+        raise ValueError("warmup: give start_lr or start_factor, not both")
+    if steps == 0:
+        factors: float | list[float] = 1.0
+    elif start_lr is not None:
+        if not start_lr > 0:
+            raise ValueError(f"warmup: start_lr must be > 0, got {start_lr!r}")
+        factors = []
+        for group in optimizer.param_groups:
+            target = group.get("initial_lr", group["lr"])
+            target = float(target) if not isinstance(target, torch.Tensor) else float(target)
+            if start_lr > target:
+                warnings.warn(f"warmup: start_lr {start_lr} is above a group's lr {target}; "
+                              "that group starts at its lr (no warmup)", stacklevel=2)
+            factors.append(min(1.0, start_lr / target) if target > 0 else 1.0)
+    elif start_factor is not None:
+        factors = start_factor
+    else:
+        factors = 1.0 / steps if isinstance(steps, int) and steps > 0 else 1.0
+    return Warmup(optimizer, steps, factors, mode=mode, last_epoch=last_epoch)
