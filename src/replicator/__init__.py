@@ -45,6 +45,9 @@ from replicator.errors import (
 )
 from replicator.strategies import (
     CentralStorageStrategy,
+    FSDPStrategy,
+    MemoryReport,
+    MeshStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
@@ -87,5 +90,5 @@ __all__ = [
     "register_ddp_comm_hook", "BackupAndRestore", "CheckpointManager", "PREEMPTION_EXIT_CODE",
     "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
     "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
-    "Topology", "cluster",
+    "Topology", "cluster", "MeshStrategy", "FSDPStrategy", "MemoryReport",
 ]
