@@ -53,6 +53,7 @@ from replicator.strategies import (
     OneDeviceStrategy,
     ReplicaContext,
     Strategy,
+    TensorParallelStrategy,
     available_strategies,
     compute_average_loss,
     get_replica_context,
@@ -91,4 +92,5 @@ __all__ = [
     "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
     "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
     "Topology", "cluster", "MeshStrategy", "FSDPStrategy", "MemoryReport",
+    "TensorParallelStrategy",
 ]

@@ -140,7 +140,9 @@ def train(strategy: rp.Strategy, model_name: str, opt_name: str, steps: int = ST
     losses = []
     for _ in range(steps):
         losses.append(float(strategy.reduce("mean", strategy.run(step, args=(next(it),)))))
-    out = {"state": full_state(strategy, model), "losses": losses}
+    out = {"state": full_state(strategy, model), "losses": losses,
+           "sharded": sorted(n for n, p in model.named_parameters()
+                             if hasattr(p, "to_local") and p.to_local().numel() < p.numel())}
     if hasattr(strategy, "memory_report"):
         out["memory"] = strategy.memory_report().as_dict()
     return out

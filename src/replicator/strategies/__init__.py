@@ -10,6 +10,7 @@ from replicator.strategies.mirrored import MirroredStrategy, MultiWorkerMirrored
 from replicator.strategies.one_device import OneDeviceStrategy
 from replicator.strategies.registry import available_strategies, get_strategy, register_strategy
 from replicator.strategies.replica_context import ReplicaContext, get_replica_context
+from replicator.strategies.tensor_parallel import TensorParallelStrategy
 
 register_strategy(OneDeviceStrategy, "onedevice", "single", "default")
 register_strategy(MirroredStrategy)
@@ -17,8 +18,9 @@ register_strategy(MultiWorkerMirroredStrategy, "multi_worker", "multiworker_mirr
 register_strategy(CentralStorageStrategy, "central")
 register_strategy(MeshStrategy)
 register_strategy(FSDPStrategy, "fully_sharded")
+register_strategy(TensorParallelStrategy, "tensor", "tp")
 
 __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
            "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
            "compute_average_loss", "get_strategy", "register_strategy", "available_strategies",
-           "MeshStrategy", "FSDPStrategy", "MemoryReport"]
+           "MeshStrategy", "FSDPStrategy", "MemoryReport", "TensorParallelStrategy"]
