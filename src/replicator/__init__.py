@@ -51,6 +51,7 @@ from replicator.strategies import (
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    PipelineStrategy,
     ReplicaContext,
     Strategy,
     TensorParallelStrategy,
@@ -92,5 +93,5 @@ __all__ = [
     "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
     "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
     "Topology", "cluster", "MeshStrategy", "FSDPStrategy", "MemoryReport",
-    "TensorParallelStrategy",
+    "TensorParallelStrategy", "PipelineStrategy",
 ]

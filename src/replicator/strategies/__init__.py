@@ -8,6 +8,7 @@ from replicator.strategies.memory import MemoryReport
 from replicator.strategies.mesh_strategy import MeshStrategy
 from replicator.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from replicator.strategies.one_device import OneDeviceStrategy
+from replicator.strategies.pipeline import PipelineStrategy
 from replicator.strategies.registry import available_strategies, get_strategy, register_strategy
 from replicator.strategies.replica_context import ReplicaContext, get_replica_context
 from replicator.strategies.tensor_parallel import TensorParallelStrategy
@@ -19,8 +20,10 @@ register_strategy(CentralStorageStrategy, "central")
 register_strategy(MeshStrategy)
 register_strategy(FSDPStrategy, "fully_sharded")
 register_strategy(TensorParallelStrategy, "tensor", "tp")
+register_strategy(PipelineStrategy, "pp")
 
 __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
            "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
            "compute_average_loss", "get_strategy", "register_strategy", "available_strategies",
-           "MeshStrategy", "FSDPStrategy", "MemoryReport", "TensorParallelStrategy"]
+           "MeshStrategy", "FSDPStrategy", "MemoryReport", "TensorParallelStrategy",
+           "PipelineStrategy"]

@@ -1,0 +1,130 @@
+"""PipelineStrategy (torch.distributed.pipelining) on 2 real gloo processes equals one device;
+splitting rules and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.strategies.pipeline_split import (
+    PipelineSplitError,
+    balanced_starts,
+    check_stage_count,
+    flatten_chain,
+    named_starts,
+)
+from replicator.testing import assert_params_close, run_distributed
+from tests.distributed.model_parallel_models import (
+    make_transformer,
+    merge_ranks,
+    one_device,
+    train,
+    train_all,
+)
+
+CONFIGS = (("mlp", "sgd"), ("mlp", "adam"), ("transformer", "sgd"), ("transformer", "adam"))
+RUNS = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8))
+
+
+def _pipelines(runs: tuple, configs: tuple) -> dict:
+    out = {}
+    for schedule, microbatches in runs:
+        stages = 2 if schedule in ("gpipe", "1f1b") else 4
+        strategy = rp.PipelineStrategy(num_stages=stages, num_microbatches=microbatches,
+                                       schedule=schedule)
+        out[f"{schedule}_m{microbatches}"] = train_all(strategy, configs)
+    return out
+
+
+def _check(ref: dict, out: list[dict]) -> None:
+    for run in out[0]:
+        merged = merge_ranks([o[run] for o in out], [0, 1])
+        for key in ref:
+            assert_params_close(ref[key]["state"], merged[key]["state"], atol=1e-5,
+                                label=f"{run} {key}: ")
+            for rank in (0, 1):  # the loss is reported on every rank, not only the last stage
+                assert out[rank][run][key]["losses"] == pytest.approx(ref[key]["losses"],
+                                                                       abs=1e-5)
+        # each rank holds its own stage only
+        key = next(iter(ref))
+        assert not set(out[0][run][key]["state"]) & set(out[1][run][key]["state"])
+
+
+@pytest.mark.timeout(300)
+def test_gpipe_and_1f1b_with_4_and_8_microbatches_equal_one_device():
+    """Gradients are neither divided twice nor left summed over microbatches: 10 SGD and 10
+    Adam steps match one device on an MLP and on a transformer."""
+    ref = run_distributed(one_device, 1, args=(CONFIGS,), timeout_seconds=120)[0]
+    out = run_distributed(_pipelines, 2, args=(RUNS, CONFIGS), timeout_seconds=280)
+    _check(ref, out)
+    gpipe = out[0]["gpipe_m8"]["transformer_adam"]["memory"]["peak_activation_bytes"]
+    one_f_one_b = out[0]["1f1b_m8"]["transformer_adam"]["memory"]["peak_activation_bytes"]
+    assert 0 < one_f_one_b < 0.6 * gpipe  # 1F1B keeps fewer microbatches in flight
+
+
+@pytest.mark.timeout(240)
+def test_interleaved_and_zero_bubble_schedules_equal_one_device():
+    configs = (("transformer", "adam"),)
+    ref = run_distributed(one_device, 1, args=(configs,), timeout_seconds=60)[0]
+    runs = (("interleaved_1f1b", 4), ("zero_bubble", 4))
+    out = run_distributed(_pipelines, 2, args=(runs, configs), timeout_seconds=220)
+    _check(ref, out)
+
+
+def _split_options(_: int) -> dict:
+    named = rp.PipelineStrategy(num_stages=2, num_microbatches=2, split_points=["2"])
+    a = train(named, "transformer", "sgd", steps=2)
+    timed = rp.PipelineStrategy(num_stages=2, num_microbatches=2, balance="time")
+    b = train(timed, "transformer", "sgd", steps=2)
+    bad = rp.PipelineStrategy(num_stages=2, num_microbatches=3)
+    with bad.scope():
+        model = make_transformer()
+    try:
+        model(torch.zeros(16, 8, dtype=torch.long))
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    return {"named": sorted(a["state"]), "timed": sorted(b["state"]), "error": error}
+
+
+@pytest.mark.timeout(120)
+def test_split_points_time_balance_and_microbatch_error():
+    out = run_distributed(_split_options, 2, args=(0,), timeout_seconds=100)
+    assert {k.split(".")[0] for k in out[0]["named"]} == {"0", "1"}
+    assert {k.split(".")[0] for k in out[1]["named"]} == {"2", "3"}
+    held = {k.split(".")[0] for k in out[0]["timed"]} | {k.split(".")[0] for k in
+                                                          out[1]["timed"]}
+    assert held == {"0", "1", "2", "3"} and out[0]["timed"] and out[1]["timed"]
+    assert "16 rows does not divide into 3 microbatches" in out[0]["error"]
+
+
+def test_chain_is_flattened_and_balanced_by_parameters():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                torch.nn.Sequential(torch.nn.Linear(4, 40), torch.nn.ReLU(),
+                                                    torch.nn.Linear(40, 4)),
+                                torch.nn.Linear(4, 2))
+    names = [n for n, _ in flatten_chain(model)]
+    assert names == ["0", "1.0", "1.1", "1.2", "2"]
+    assert balanced_starts([20, 200, 1, 164, 10], 2) == [0, 2]
+    assert balanced_starts([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+    assert named_starts(flatten_chain(model), ["1.2"], 2) == [0, 3]
+
+
+def test_split_errors_are_clear():
+    class NotAChain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+    with pytest.raises(PipelineSplitError, match="cannot cut a NotAChain.*layers.*nn.Sequential"):
+        flatten_chain(NotAChain())
+    chain = flatten_chain(make_transformer())
+    with pytest.raises(PipelineSplitError, match="5 stages but the model has only 4 block"):
+        check_stage_count(chain, 5)
+    with pytest.raises(PipelineSplitError, match="split point '7' is not a block"):
+        named_starts(chain, ["7"], 2)
+    with pytest.raises(PipelineSplitError, match="2 stages need 1 split point"):
+        named_starts(chain, ["1", "2"], 2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
+        rp.PipelineStrategy(schedule="pipedream")
