@@ -1,0 +1,64 @@
+"""MeshStrategy compositions on 4 real gloo processes equal one device; degree errors."""
+
+from __future__ import annotations
+
+import pytest
+
+import replicator as rp
+from replicator.errors import ClusterConfigError
+from replicator.testing import assert_params_close, run_distributed
+from tests.distributed.model_parallel_models import merge_ranks, one_device, train_all
+
+CONFIGS = (("mlp", "sgd"), ("mlp", "adam"), ("transformer", "sgd"), ("transformer", "adam"))
+MESHES = ({"data": 2, "pipeline": 2}, {"data": 2, "tensor": 2}, {"fsdp": 2, "tensor": 2})
+
+
+def _meshes(configs: tuple) -> dict:
+    out = {}
+    for degrees in MESHES:
+        strategy = rp.MeshStrategy(**degrees)
+        name = "x".join(f"{a}{n}" for a, n in degrees.items())
+        out[name] = {"result": train_all(strategy, configs),
+                     "replicas": strategy.num_replicas_in_sync,
+                     "replica_id": strategy.replica_id,
+                     "coordinate": strategy.topology.coordinate,
+                     "chief": strategy.is_chief}
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_data_pipeline_data_tensor_and_fsdp_tensor_equal_one_device():
+    ref = run_distributed(one_device, 1, args=(CONFIGS,), timeout_seconds=120)[0]
+    out = run_distributed(_meshes, 4, args=(CONFIGS,), timeout_seconds=380)
+    for name in out[0]:
+        info = [o[name] for o in out]
+        assert [i["replicas"] for i in info] == [2, 2, 2, 2]
+        assert [i["chief"] for i in info] == [True, False, False, False]
+        if "pipeline" in name:  # replica 0 = stage 0 on rank 0 and stage 1 on rank 2
+            assert [i["coordinate"]["pipeline"] for i in info] == [0, 0, 1, 1]
+            results = merge_ranks([i["result"] for i in info], [0, 2])
+        else:
+            results = info[0]["result"]
+        for key in ref:
+            assert_params_close(ref[key]["state"], results[key]["state"], atol=1e-5,
+                                label=f"{name} {key}: ")
+            for i in info:
+                assert i["result"][key]["losses"] == pytest.approx(ref[key]["losses"],
+                                                                   abs=1e-5)
+        # ranks of one replica got the same batch; the two replicas different halves
+        assert sorted(i["replica_id"] for i in info) == [0, 0, 1, 1]
+
+
+def _bad_degrees(_: int) -> str:
+    try:
+        rp.MeshStrategy(data=2, tensor=2)
+    except ClusterConfigError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.timeout(60)
+def test_degrees_must_multiply_to_the_world_size():
+    out = run_distributed(_bad_degrees, 2, args=(0,), timeout_seconds=50)
+    assert "make 4 processes, but the job has 2" in out[0]
+    assert "-1" in out[0]  # the hint offers inferring one axis
