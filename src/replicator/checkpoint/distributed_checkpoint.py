@@ -201,10 +201,9 @@ def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
              no_dist=ch.world_size == 1)  # in place, into the state dicts' own tensors
     if optimizer is not None and (path / GROUPS_FILE).exists():
         groups = json.loads((path / GROUPS_FILE).read_text())
-        for saved, group in zip(groups, osd.get("param_groups", [])):
-            for k, v in saved.items():
-                if k != "params":
-                    group[k] = v
+        targets: list[dict[str, Any]] = list(osd.get("param_groups", []))  # type: ignore[arg-type]
+        for saved, group in zip(groups, targets):
+            group.update({k: v for k, v in saved.items() if k != "params"})
     set_state_dict(model, optimizer if optimizer is not None else [],
                    model_state_dict=msd, optim_state_dict=osd)
     return int(choice["step"])
