@@ -128,3 +128,30 @@ def test_split_errors_are_clear():
         named_starts(chain, ["1", "2"], 2)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
         rp.PipelineStrategy(schedule="pipedream")
+
+
+def _trainer_verbose_2(_: int) -> dict:
+    import contextlib
+    import io
+
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from tests.distributed.model_parallel_models import make_mlp, mlp_data
+
+    strategy = rp.PipelineStrategy(num_stages=2, num_microbatches=4)
+    trainer = rp.Trainer(strategy, make_mlp, lambda p: torch.optim.SGD(p, lr=0.1),
+                         F.cross_entropy)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        history = trainer.fit(DataLoader(mlp_data(), batch_size=16), epochs=1,
+                              steps_per_epoch=3, verbose=2)
+    return {"out": text.getvalue(), "loss": history.history["loss"]}
+
+
+@pytest.mark.timeout(120)
+def test_trainer_runs_a_pipeline_and_prints_memory_per_rank_at_verbose_2():
+    out = run_distributed(_trainer_verbose_2, 2, args=(0,), timeout_seconds=100)
+    assert "memory per rank" in out[0]["out"] and "rank 1: parameters" in out[0]["out"]
+    assert "memory per rank" not in out[1]["out"]
+    assert out[0]["loss"] == out[1]["loss"] and out[0]["loss"][0] > 0

@@ -187,8 +187,6 @@ class MeshStrategy(Strategy):
         if self._topology.num_workers == 1:
             return
         tensors = [t for t in [*module.parameters(), *module.buffers()] if t.numel()]
-        workers = dist.new_group(list(range(self._topology.num_workers))) \
-            if self._topology.num_ps else None
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -196,7 +194,7 @@ class MeshStrategy(Strategy):
             for group in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
                 with self._collectives.guard("broadcast of initial parameters from rank 0"):
-                    dist.broadcast(flat, src=0, group=workers)
+                    dist.broadcast(flat, src=0)  # every process is a worker here
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -255,6 +253,19 @@ class MeshStrategy(Strategy):
         modules = [m for m in self._set_up_modules.keys()]
         return build_memory_report(self, modules, list(self._optimizers),
                                    self._activation_peak)
+
+    def memory_reports(self) -> list[Any]:
+        """Every worker's :meth:`memory_report`, in rank order (a collective: all call it)."""
+        from replicator.strategies.memory import MemoryReport
+
+        mine = self.memory_report()
+        values = torch.tensor([mine.rank, mine.parameter_bytes, mine.gradient_bytes,
+                               mine.optimizer_state_bytes, mine.peak_activation_bytes],
+                              dtype=torch.int64)
+        out = torch.zeros(self._topology.num_workers * 5, dtype=torch.int64)
+        with self._collectives.guard("memory report exchange"):
+            dist.all_gather_into_tensor(out, values)  # every process is a worker here
+        return [MemoryReport(*[int(v) for v in row]) for row in out.view(-1, 5).tolist()]
 
     def _run(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         from replicator.strategies.memory import ActivationMeter
