@@ -126,6 +126,8 @@ def test_split_errors_are_clear():
         named_starts(chain, ["7"], 2)
     with pytest.raises(PipelineSplitError, match="2 stages need 1 split point"):
         named_starts(chain, ["1", "2"], 2)
+    with pytest.raises(ValueError, match="at least as many microbatches as pipeline ranks"):
+        rp.PipelineStrategy(num_stages=4, num_microbatches=2, schedule="1f1b")
     with pytest.raises(ValueError, match="unknown pipeline schedule 'pipedream'"):
         rp.PipelineStrategy(schedule="pipedream")
 

@@ -3,9 +3,9 @@
 ``strategy.memory_report()`` answers "why split the model?": under Mirrored every rank holds
 everything; under FSDP about ``1/N`` of the first three; under pipeline and tensor
 parallelism a rank holds its stages or shards. Activations are measured while
-``strategy.run`` executes, as the bytes saved for backward that are alive at once (storages
-counted once), which is what pipeline schedules change (1F1B keeps fewer microbatches'
-activations alive than GPipe).
+``strategy.run`` executes, as the bytes saved for backward that are alive at once, which is
+what pipeline schedules change (1F1B keeps fewer microbatches' activations alive than GPipe).
+A view counts its own bytes, not its whole storage.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class ActivationMeter:
     def __init__(self) -> None:
         self.current = 0
         self.peak_bytes = 0
-        self._refs: dict[int, int] = {}  # storage key -> how many saved tensors use it
+        self._refs: dict[tuple[int, int], int] = {}  # view -> saved tensors using it
         self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> _Saved:
@@ -110,11 +110,13 @@ class ActivationMeter:
             local = t.to_local()  # type: ignore[attr-defined]
         else:
             local = t
+        # a view counts its own bytes (microbatches are views of one batch); the same view
+        # saved by several operations counts once
+        size = local.numel() * local.element_size()
         try:
-            storage = local.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            key, size = id(local), local.numel() * local.element_size()
+            key = (local.data_ptr(), size)
+        except RuntimeError:  # no data pointer (a tensor subclass without storage)
+            key = (id(local), size)
         if isinstance(t, torch.nn.Parameter) or size == 0:
             return _Saved(t)  # parameters are counted as parameters, not activations
         holder = _Saved(t)
@@ -125,7 +127,7 @@ class ActivationMeter:
         weakref.finalize(holder, self._release, key, size)
         return holder
 
-    def _release(self, key: int, size: int) -> None:
+    def _release(self, key: tuple[int, int], size: int) -> None:
         n = self._refs.get(key, 0) - 1
         if n <= 0:
             self._refs.pop(key, None)

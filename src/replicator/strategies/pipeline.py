@@ -292,6 +292,12 @@ class PipelineStrategy(MeshStrategy):
             raise PipelineSplitError(
                 f"schedule {schedule!r} places {per_rank} stages on each rank, so num_stages "
                 f"must be a multiple of {per_rank}, got {num_stages}")
+        if schedule != "gpipe" and num_microbatches < num_stages // per_rank:
+            raise ValueError(
+                f"schedule {schedule!r} needs at least as many microbatches as pipeline ranks "
+                f"({num_stages // per_rank}), got num_microbatches={num_microbatches}. HINT: "
+                "use more microbatches (a bubble of (p-1)/(m+p-1) wants m well above p), or "
+                "schedule='gpipe'.")
         super().__init__(pipeline=num_stages // per_rank, data=-1,
                          pipeline_options={"num_stages": num_stages,
                                            "num_microbatches": num_microbatches,
