@@ -117,8 +117,9 @@ class ActivationMeter:
             key = (local.data_ptr(), size)
         except RuntimeError:  # no data pointer (a tensor subclass without storage)
             key = (id(local), size)
-        if isinstance(t, torch.nn.Parameter) or size == 0:
-            return _Saved(t)  # parameters are counted as parameters, not activations
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or \
+                size == 0:  # parameters (and FSDP's gathered views of them) are not activations
+            return _Saved(t)
         holder = _Saved(t)
         if self._refs.get(key, 0) == 0:
             self.current += size
