@@ -87,6 +87,22 @@ def make_transformer(seed: int = 1, blocks: int = 2) -> nn.Sequential:
     return nn.Sequential(Embed(), *[Block(DIM) for _ in range(blocks)], Head())
 
 
+def make_gpt2(seed: int = 1) -> nn.Module:
+    """A tiny Hugging Face GPT-2 language model, random init, nothing downloaded; untied
+    output head (a pipeline cannot split tied weights across stages), no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=DIM, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config)
+
+
+MODELS = {"mlp": make_mlp, "transformer": make_transformer, "gpt2": make_gpt2}
+
+
 def mlp_data(n: int = 320) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 10, generator=g)
@@ -121,14 +137,15 @@ def train(strategy: rp.Strategy, model_name: str, opt_name: str, steps: int = ST
     """``steps`` steps of the given model and optimizer; the full parameters held and the
     losses reported by ``strategy.reduce``."""
     with strategy.scope():
-        model = make_mlp() if model_name == "mlp" else make_transformer()
+        model = MODELS[model_name]()
         params = model.parameters()
         optimizer = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if opt_name == "sgd"
                      else torch.optim.Adam(params, lr=0.01))
 
     def step(b):
         x, y = b
-        loss = loss_of(model(x), y)
+        out = model(x)
+        loss = loss_of(out.logits if hasattr(out, "logits") else out, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -157,3 +157,23 @@ def test_trainer_runs_a_pipeline_and_prints_memory_per_rank_at_verbose_2():
     assert "memory per rank" in out[0]["out"] and "rank 1: parameters" in out[0]["out"]
     assert "memory per rank" not in out[1]["out"]
     assert out[0]["loss"] == out[1]["loss"] and out[0]["loss"][0] > 0
+
+
+def _gpt2(kind: str) -> dict:
+    strategy = (rp.PipelineStrategy(num_stages=2, num_microbatches=4) if kind == "pipeline"
+                else rp.FSDPStrategy())
+    return train_all(strategy, (("gpt2", "adam"),))
+
+
+@pytest.mark.timeout(240)
+def test_hugging_face_gpt2_under_pipeline_and_fsdp_equals_one_device():
+    pytest.importorskip("transformers")
+    ref = run_distributed(one_device, 1, args=((("gpt2", "adam"),),), timeout_seconds=120)[0]
+    pipeline = run_distributed(_gpt2, 2, args=("pipeline",), timeout_seconds=200)
+    merged = merge_ranks(pipeline, [0, 1])
+    assert_params_close(ref["gpt2_adam"]["state"], merged["gpt2_adam"]["state"], atol=5e-5)
+    held0 = {k.split(".")[2] for k in pipeline[0]["gpt2_adam"]["state"] if ".h." in k}
+    held1 = {k.split(".")[2] for k in pipeline[1]["gpt2_adam"]["state"] if ".h." in k}
+    assert held0 and held1 and not held0 & held1  # split over its blocks
+    fsdp = run_distributed(_gpt2, 2, args=("fsdp",), timeout_seconds=200)
+    assert_params_close(ref["gpt2_adam"]["state"], fsdp[0]["gpt2_adam"]["state"], atol=5e-5)

@@ -42,6 +42,7 @@ from replicator.strategies.pipeline_split import (
     build_stages,
     check_stage_count,
     flatten_chain,
+    known_chain,
     named_starts,
     parameter_costs,
 )
@@ -88,7 +89,14 @@ class PipelineRunner:
         self.owners = stage_owners(self.num_stages, self.ranks, placement)
         self.local_ids = [s for s, r in enumerate(self.owners) if r == self.me]
         self.after_backward: Any = None
-        self.chain = flatten_chain(model)
+        self._wrap_output: Any = None
+        known = None if isinstance(model, torch.nn.Sequential) else known_chain(model)
+        if known is not None:
+            chain_module, self._wrap_output = known
+            # names for split points and messages: the chain's; parameters stay model's
+            self.chain = flatten_chain(chain_module)
+        else:
+            self.chain = flatten_chain(model)
         check_stage_count(self.chain, self.num_stages)
         self.stages: list[Stage] = []
         self._schedules: dict[tuple, Any] = {}
@@ -205,8 +213,18 @@ class PipelineRunner:
                     outs.append(act)
         return self._broadcast(torch.cat(outs) if self.me == last else None, last)
 
-    def forward(self, x: Any) -> torch.Tensor:
-        """The model's forward under the pipeline (see the module doc)."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward under the pipeline (see the module doc): one tensor, given
+        positionally or as ``input_ids``."""
+        if len(args) + len(kwargs) != 1 or (kwargs and "input_ids" not in kwargs):
+            given = ", ".join([*(type(a).__name__ for a in args), *kwargs])
+            raise TypeError(f"a pipelined model takes one tensor (the batch), got ({given}). "
+                            "HINT: pack other inputs into the first stage's module, or leave "
+                            "out options the chain does not need (attention masks, caches).")
+        out = self._forward(args[0] if args else kwargs["input_ids"])
+        return self._wrap_output(out) if self._wrap_output is not None else out
+
+    def _forward(self, x: Any) -> torch.Tensor:
         x = self._check_input(x)
         if not self.stages:
             self._measure_and_cut(x)

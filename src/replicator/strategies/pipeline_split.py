@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,6 +22,67 @@ class PipelineSplitError(ReplicatorError, ValueError):
     """The model cannot be cut as asked (not a chain, too few blocks, unknown cut point)."""
 
 
+class _TokenAndPositionEmbedding(torch.nn.Module):
+    """GPT-2's input: token plus position embeddings, then dropout."""
+
+    def __init__(self, wte: torch.nn.Module, wpe: torch.nn.Module, drop: torch.nn.Module
+                 ) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(positions))
+
+
+class _HiddenOnly(torch.nn.Module):
+    """A transformer block called with the hidden state alone; keeps only the hidden state of
+    a block that returns a tuple."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _NormAndHead(torch.nn.Module):
+    def __init__(self, norm: torch.nn.Module, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+
+def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | None:
+    """A chain sharing ``model``'s modules for a known layout, and how to wrap its output
+    like ``model``'s; ``None`` for an unknown one. Known: a Hugging Face GPT-2 language model
+    (``transformer.wte/wpe/drop/h/ln_f`` and ``lm_head``), whose blocks see no attention mask
+    (causal attention that needs none, such as ``attn_implementation="sdpa"``)."""
+    body = getattr(model, "transformer", None)
+    head = getattr(model, "lm_head", None)
+    parts = ("wte", "wpe", "drop", "h", "ln_f")
+    if body is None or head is None or not all(hasattr(body, p) for p in parts):
+        return None
+    chain = torch.nn.Sequential(_TokenAndPositionEmbedding(body.wte, body.wpe, body.drop),
+                                *[_HiddenOnly(b) for b in body.h],
+                                _NormAndHead(body.ln_f, head))
+    try:
+        from transformers.modeling_outputs import (  # type: ignore[import-not-found, unused-ignore]
+            CausalLMOutputWithCrossAttentions,
+        )
+
+        def wrap(logits: torch.Tensor) -> Any:
+            return CausalLMOutputWithCrossAttentions(logits=logits)
+    except ImportError:  # pragma: no cover - a look-alike without transformers
+        def wrap(logits: torch.Tensor) -> Any:
+            return logits
+    return chain, wrap
+
+
 def flatten_chain(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The blocks of ``model`` in order, with their names in ``model`` (nested
     ``nn.Sequential`` flattened); an error with a hint for a model that is not a chain."""
@@ -29,7 +91,8 @@ def flatten_chain(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         where = f" (it holds block lists at {', '.join(lists[:3])})" if lists else ""
         raise PipelineSplitError(
             f"PipelineStrategy cannot cut a {type(model).__name__}{where}: its forward is "
-            "arbitrary Python, so where one stage ends and the next begins is unknown. HINT: "
+            "arbitrary Python, so where one stage ends and the next begins is unknown (known "
+            "layouts: nn.Sequential, Hugging Face GPT-2). HINT: "
             "build the model as an nn.Sequential of its parts, e.g. nn.Sequential(embedding, "
             "*blocks, head), where each part takes the previous part's output.")
     chain: list[tuple[str, torch.nn.Module]] = []
