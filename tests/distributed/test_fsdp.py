@@ -14,14 +14,18 @@ CONFIGS = (("mlp", "sgd"), ("mlp", "adam"), ("transformer", "sgd"), ("transforme
 
 
 def _fsdp(configs: tuple, zero_stage: int) -> dict:
-    strategy = rp.FSDPStrategy(zero_stage=zero_stage)
-    return train_all(strategy, configs)
+    out = train_all(rp.FSDPStrategy(zero_stage=zero_stage), configs)
+    # ZeRO-2 (parameters kept gathered from forward to backward) on one config
+    out["zero2_transformer_adam"] = train(rp.FSDPStrategy(zero_stage=2), "transformer", "adam")
+    return out
 
 
 @pytest.mark.timeout(240)
-def test_fsdp_equals_one_device_mlp_and_transformer_sgd_and_adam():
+def test_fsdp_zero3_and_zero2_equal_one_device_mlp_and_transformer_sgd_and_adam():
     ref = run_distributed(one_device, 1, args=(CONFIGS,), timeout_seconds=120)[0]
     out = run_distributed(_fsdp, 2, args=(CONFIGS, 3), timeout_seconds=180)
+    assert_params_close(ref["transformer_adam"]["state"],
+                        out[1]["zero2_transformer_adam"]["state"], atol=1e-5, label="zero2")
     for key in ref:
         assert_params_close(ref[key]["state"], out[0][key]["state"], atol=1e-5, label=key)
         assert out[0][key]["losses"] == pytest.approx(ref[key]["losses"], abs=1e-5)
@@ -30,15 +34,6 @@ def test_fsdp_equals_one_device_mlp_and_transformer_sgd_and_adam():
     for key in ref:  # every parameter with more than one element is sharded
         assert len(out[0][key]["sharded"]) == sum(v.numel() > 1 for v in
                                                   ref[key]["state"].values())
-
-
-@pytest.mark.timeout(120)
-def test_zero_stage_2_keeps_parameters_gathered_and_still_equals_one_device():
-    configs = (("transformer", "adam"),)
-    ref = run_distributed(one_device, 1, args=(configs,), timeout_seconds=60)[0]
-    out = run_distributed(_fsdp, 2, args=(configs, 2), timeout_seconds=120)
-    assert_params_close(ref["transformer_adam"]["state"], out[1]["transformer_adam"]["state"],
-                        atol=1e-5)
 
 
 def _fsdp_optimizer_state_bytes(_: int) -> int:

@@ -14,7 +14,11 @@ MESHES = ({"data": 2, "pipeline": 2}, {"data": 2, "tensor": 2}, {"fsdp": 2, "ten
 
 
 def _meshes(configs: tuple) -> dict:
-    out = {}
+    out: dict = {}
+    try:
+        rp.MeshStrategy(data=2, tensor=4)
+    except ClusterConfigError as exc:
+        out["bad_degrees"] = str(exc)
     for degrees in MESHES:
         strategy = rp.MeshStrategy(**degrees)
         name = "x".join(f"{a}{n}" for a, n in degrees.items())
@@ -28,8 +32,11 @@ def _meshes(configs: tuple) -> dict:
 
 @pytest.mark.timeout(400)
 def test_data_pipeline_data_tensor_and_fsdp_tensor_equal_one_device():
+    """Also: degrees whose product is not the world size are a clear error."""
     ref = run_distributed(one_device, 1, args=(CONFIGS,), timeout_seconds=120)[0]
     out = run_distributed(_meshes, 4, args=(CONFIGS,), timeout_seconds=380)
+    assert "make 8 processes, but the job has 4" in out[0].pop("bad_degrees")
+    assert "-1" in out[1].pop("bad_degrees")  # the hint offers inferring one axis
     for name in out[0]:
         info = [o[name] for o in out]
         assert [i["replicas"] for i in info] == [2, 2, 2, 2]
@@ -47,18 +54,3 @@ def test_data_pipeline_data_tensor_and_fsdp_tensor_equal_one_device():
                                                                    abs=1e-5)
         # ranks of one replica got the same batch; the two replicas different halves
         assert sorted(i["replica_id"] for i in info) == [0, 0, 1, 1]
-
-
-def _bad_degrees(_: int) -> str:
-    try:
-        rp.MeshStrategy(data=2, tensor=2)
-    except ClusterConfigError as exc:
-        return str(exc)
-    return ""
-
-
-@pytest.mark.timeout(60)
-def test_degrees_must_multiply_to_the_world_size():
-    out = run_distributed(_bad_degrees, 2, args=(0,), timeout_seconds=50)
-    assert "make 4 processes, but the job has 2" in out[0]
-    assert "-1" in out[0]  # the hint offers inferring one axis

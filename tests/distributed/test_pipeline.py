@@ -24,12 +24,16 @@ from tests.distributed.model_parallel_models import (
 )
 
 CONFIGS = (("mlp", "sgd"), ("mlp", "adam"), ("transformer", "sgd"), ("transformer", "adam"))
-RUNS = (("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8))
+RUNS = (("gpipe", 4, CONFIGS), ("gpipe", 8, CONFIGS), ("1f1b", 4, CONFIGS),
+        ("1f1b", 8, CONFIGS),
+        # two stages per rank: 4 stages on 2 ranks
+        ("interleaved_1f1b", 4, (("transformer", "adam"),)),
+        ("zero_bubble", 4, (("transformer", "adam"),)))
 
 
-def _pipelines(runs: tuple, configs: tuple) -> dict:
+def _pipelines(runs: tuple) -> dict:
     out = {}
-    for schedule, microbatches in runs:
+    for schedule, microbatches, configs in runs:
         stages = 2 if schedule in ("gpipe", "1f1b") else 4
         strategy = rp.PipelineStrategy(num_stages=stages, num_microbatches=microbatches,
                                        schedule=schedule)
@@ -40,36 +44,28 @@ def _pipelines(runs: tuple, configs: tuple) -> dict:
 def _check(ref: dict, out: list[dict]) -> None:
     for run in out[0]:
         merged = merge_ranks([o[run] for o in out], [0, 1])
-        for key in ref:
+        for key in out[0][run]:
             assert_params_close(ref[key]["state"], merged[key]["state"], atol=1e-5,
                                 label=f"{run} {key}: ")
             for rank in (0, 1):  # the loss is reported on every rank, not only the last stage
                 assert out[rank][run][key]["losses"] == pytest.approx(ref[key]["losses"],
                                                                        abs=1e-5)
         # each rank holds its own stage only
-        key = next(iter(ref))
+        key = next(iter(out[0][run]))
         assert not set(out[0][run][key]["state"]) & set(out[1][run][key]["state"])
 
 
-@pytest.mark.timeout(300)
-def test_gpipe_and_1f1b_with_4_and_8_microbatches_equal_one_device():
+@pytest.mark.timeout(360)
+def test_gpipe_1f1b_interleaved_and_zero_bubble_equal_one_device():
     """Gradients are neither divided twice nor left summed over microbatches: 10 SGD and 10
-    Adam steps match one device on an MLP and on a transformer."""
+    Adam steps of GPipe and 1F1B with 4 and 8 microbatches match one device on an MLP and on
+    a transformer; interleaved 1F1B and zero bubble on the transformer with Adam."""
     ref = run_distributed(one_device, 1, args=(CONFIGS,), timeout_seconds=120)[0]
-    out = run_distributed(_pipelines, 2, args=(RUNS, CONFIGS), timeout_seconds=280)
+    out = run_distributed(_pipelines, 2, args=(RUNS,), timeout_seconds=340)
     _check(ref, out)
     gpipe = out[0]["gpipe_m8"]["transformer_adam"]["memory"]["peak_activation_bytes"]
     one_f_one_b = out[0]["1f1b_m8"]["transformer_adam"]["memory"]["peak_activation_bytes"]
     assert 0 < one_f_one_b < 0.6 * gpipe  # 1F1B keeps fewer microbatches in flight
-
-
-@pytest.mark.timeout(240)
-def test_interleaved_and_zero_bubble_schedules_equal_one_device():
-    configs = (("transformer", "adam"),)
-    ref = run_distributed(one_device, 1, args=(configs,), timeout_seconds=60)[0]
-    runs = (("interleaved_1f1b", 4), ("zero_bubble", 4))
-    out = run_distributed(_pipelines, 2, args=(runs, configs), timeout_seconds=220)
-    _check(ref, out)
 
 
 def _split_options(_: int) -> dict:

@@ -104,6 +104,8 @@ class MeshStrategy(Strategy):
         # parameters replaced by sharded ones (old -> new), for optimizers built in scope
         self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = \
+            weakref.WeakKeyDictionary()
         self._grad_averagers: list[DataParallelGradients] = []
         self._pipelines: list[Any] = []  # PipelineRunner per set-up module
         self._activation_peak = 0
@@ -224,7 +226,12 @@ class MeshStrategy(Strategy):
                 object.__delattr__(module, "_replicator_param_names")
 
     def _remap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizers.add(optimizer)
+        if optimizer not in self._checked:  # is it one of ours? (for memory_report)
+            ours = any(p in self._replaced or Strategy.is_distributed(self, p)
+                       for g in optimizer.param_groups for p in g["params"])
+            self._checked[optimizer] = ours
+            if ours:
+                self._optimizers.add(optimizer)
         if not len(self._replaced):
             return
         for group in optimizer.param_groups:
