@@ -43,7 +43,7 @@ AXIS_ORDER = ("pipeline", "data", "fsdp", "tensor")
 SUPPORTED = (
     frozenset({"data"}), frozenset({"fsdp"}), frozenset({"tensor"}), frozenset({"pipeline"}),
     frozenset({"data", "fsdp"}), frozenset({"data", "tensor"}), frozenset({"fsdp", "tensor"}),
-    frozenset({"data", "pipeline"}), frozenset({"data", "fsdp", "tensor"}),
+    frozenset({"data", "pipeline"}),
 )
 
 
@@ -88,7 +88,7 @@ class MeshStrategy(Strategy):
             raise ClusterConfigError(
                 f"MeshStrategy({shape}) composes axes that are not supported yet. HINT: "
                 "supported compositions: data x pipeline, data x tensor, fsdp x tensor, data x "
-                "fsdp (x tensor), and each axis alone.")
+                "fsdp, and each axis alone.")
         self._tensor_plan = dict(tensor_plan) if tensor_plan is not None else None
         self._pipeline_options = dict(pipeline_options or {})
         self._reshard_after_forward = reshard_after_forward
