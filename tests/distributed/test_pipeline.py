@@ -68,6 +68,30 @@ def test_gpipe_1f1b_interleaved_and_zero_bubble_equal_one_device():
     assert 0 < one_f_one_b < 0.6 * gpipe  # 1F1B keeps fewer microbatches in flight
 
 
+class Noise(torch.nn.Module):
+    """Adds random noise (like dropout, it draws from the RNG) and remembers each draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand_like(x)
+        self.draws.append(noise)
+        return x + noise
+
+
+def _random_layers_see_the_same_draws(_: int) -> list:
+    strategy = rp.PipelineStrategy(num_stages=2, num_microbatches=2, schedule="1f1b")
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), Noise(), torch.nn.Linear(4, 4),
+                                    Noise())
+    model(torch.randn(4, 4)).sum().backward()
+    local = [m for m in model if isinstance(m, Noise) and m.draws]
+    return [[d.tolist() for d in m.draws] for m in local]
+
+
 def _split_options(_: int) -> dict:
     named = rp.PipelineStrategy(num_stages=2, num_microbatches=2, split_points=["2"])
     a = train(named, "transformer", "sgd", steps=2)
@@ -81,11 +105,12 @@ def _split_options(_: int) -> dict:
         error = ""
     except ValueError as exc:
         error = str(exc)
-    return {"named": sorted(a["state"]), "timed": sorted(b["state"]), "error": error}
+    return {"named": sorted(a["state"]), "timed": sorted(b["state"]), "error": error,
+            "draws": _random_layers_see_the_same_draws(0)}
 
 
 @pytest.mark.timeout(120)
-def test_split_points_time_balance_and_microbatch_error():
+def test_split_points_time_balance_microbatch_error_and_replayed_randomness():
     out = run_distributed(_split_options, 2, args=(0,), timeout_seconds=100)
     assert {k.split(".")[0] for k in out[0]["named"]} == {"0", "1"}
     assert {k.split(".")[0] for k in out[1]["named"]} == {"2", "3"}
@@ -93,6 +118,9 @@ def test_split_points_time_balance_and_microbatch_error():
                                                           out[1]["timed"]}
     assert held == {"0", "1", "2", "3"} and out[0]["timed"] and out[1]["timed"]
     assert "16 rows does not divide into 3 microbatches" in out[0]["error"]
+    for rank in (0, 1):  # the value pass and the schedule draw the same random numbers
+        (draws,) = out[rank]["draws"]
+        assert len(draws) == 4 and draws[:2] == draws[2:]
 
 
 def test_chain_is_flattened_and_balanced_by_parameters():

@@ -62,6 +62,12 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER = 10  # ints: ndim, dtype code, up to 8 sizes
 
 
+def _meta(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    """An empty tensor like ``t`` that, like the schedule's own activations, requires grad
+    when ``grad`` and ``t`` is floating point (the first stage's input does not)."""
+    return torch.empty_like(t).requires_grad_(grad and t.is_floating_point())
+
+
 def stage_owners(num_stages: int, ranks: int, placement: str) -> list[int]:
     """The pipeline rank of each stage: round robin (``loop``) or down-and-back (``v``)."""
     if placement == "v":
@@ -100,6 +106,8 @@ class PipelineRunner:
         check_stage_count(self.chain, self.num_stages)
         self.stages: list[Stage] = []
         self._schedules: dict[tuple, Any] = {}
+        # each local stage's microbatch input and output (shapes for the schedule's stages)
+        self._metas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._balance = balance
         if split_points:
             self._cut(named_starts(self.chain, list(split_points), self.num_stages))
@@ -205,7 +213,9 @@ class PipelineRunner:
                     if s > 0 and self.owners[s - 1] != self.me:
                         act = self._recv(self.owners[s - 1])
                     assert act is not None
+                    stage_input = act
                     act = self.stages[s](act)
+                    self._metas[s] = (_meta(stage_input, grad=s > 0), _meta(act, grad=True))
                     if s < self.num_stages - 1 and self.owners[s + 1] != self.me:
                         self._send(act, self.owners[s + 1])
                 if self.me == last:
@@ -255,8 +265,12 @@ class PipelineRunner:
                 raise ReplicatorError(f"this torch has no {SCHEDULES[self.schedule_name][0]} "
                                       f"(schedule {self.schedule_name!r}). HINT: use 'gpipe' "
                                       "or '1f1b'.")
+            # shapes given up front (from the value pass): no shape-inference forward, which
+            # would draw random numbers and exchange pickled metadata between ranks
             stages = [PipelineStage(self.stages[s], s, self.num_stages, self.device,
-                                    group=self.group) for s in self.local_ids]
+                                    input_args=self._metas[s][0],
+                                    output_args=self._metas[s][1], group=self.group)
+                      for s in self.local_ids]
 
             def loss_fn(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
                 return (output * grad).sum()
