@@ -46,11 +46,16 @@ from replicator.errors import (
 from replicator.precision import MixedPrecision
 from replicator.strategies import (
     CentralStorageStrategy,
+    FSDPStrategy,
+    MemoryReport,
+    MeshStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    PipelineStrategy,
     ReplicaContext,
     Strategy,
+    TensorParallelStrategy,
     available_strategies,
     compute_average_loss,
     get_replica_context,
@@ -88,5 +93,6 @@ __all__ = [
     "register_ddp_comm_hook", "BackupAndRestore", "CheckpointManager", "PREEMPTION_EXIT_CODE",
     "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
     "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
-    "Topology", "cluster", "scaling", "optim", "MixedPrecision",
+    "Topology", "cluster", "scaling", "optim", "MixedPrecision", "MeshStrategy",
+    "FSDPStrategy", "MemoryReport", "TensorParallelStrategy", "PipelineStrategy",
 ]

@@ -81,6 +81,21 @@ def _batch_len(x: Any) -> int:
     raise TypeError(f"cannot tell the batch size of {type(x).__name__}")
 
 
+class _MemoryReportPrinter(Callback):
+    """``verbose=2``: every rank's ``strategy.memory_report()`` after the first batch."""
+
+    def __init__(self) -> None:
+        self._done = False
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        reports = self.trainer.strategy.memory_reports()  # type: ignore[attr-defined]
+        if self.is_chief:
+            print("memory per rank:\n  " + "\n  ".join(str(r) for r in reports), flush=True)
+
+
 class Trainer:
     """``rp.Trainer(strategy, model_fn | model, optimizer_fn | optimizer, loss_fn, metrics)``.
 
@@ -251,7 +266,9 @@ class Trainer:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
         self.epochs = epochs
         self.train_dataset = self._distributed(train_data)
-        extra = [ProgressBar()] if verbose else []
+        extra: list[Callback] = [ProgressBar()] if verbose else []
+        if verbose >= 2 and hasattr(self.strategy, "memory_reports"):
+            extra.append(_MemoryReportPrinter())
         callbacks = list(callbacks)
         backups: list[Any] = [cb for cb in callbacks if hasattr(cb, "epoch_batches")]
         for backup in backups:  # BackupAndRestore: what a backup holds, and the input

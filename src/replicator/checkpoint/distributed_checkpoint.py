@@ -1,0 +1,209 @@
+"""Sharded checkpoints of model-parallel runs through ``torch.distributed.checkpoint`` (DCP).
+
+Each rank writes only the shards it holds (FSDP shards, tensor-parallel slices, its pipeline
+stages), in safetensors files through DCP's ``HuggingFaceStorageWriter`` (no pickle: DCP's
+default ``.metadata`` file is a pickle, which replicator refuses to load). Tensors are named
+by the model's own parameter names (``get_state_dict``), so a checkpoint saved in one layout
+loads into any other: data x pipeline into FSDP, tensor parallel into one device.
+
+The commit is the checkpoint room's: every rank writes into ``.tmp-step-N-aK``, the ranks
+agree that all writes succeeded, then the chief hashes every file, renames the directory to
+``step-N`` and writes ``COMMIT.json`` (SHA-256 of each file) last. Loading verifies the
+marker and every hash first and skips partial or damaged checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree, write_durable
+from replicator.checkpoint.exchange import Channel, default_collectives, describe_failures
+from replicator.checkpoint.manifest import (
+    MARKER_NAME,
+    FileEntry,
+    build,
+    read_marker,
+    verify,
+    write_marker,
+)
+from replicator.cluster.environment import resolve_cluster
+from replicator.errors import CheckpointCorruptError, CheckpointWriteError
+
+GROUPS_FILE = "optimizer_groups.json"
+_STEP_PREFIX = "step-"
+
+
+def _step_dir(step: int) -> str:
+    return f"{_STEP_PREFIX}{step:08d}"
+
+
+def _prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+             strategy: Any) -> None:
+    """Let the strategy point an optimizer built in scope at the sharded parameters."""
+    if strategy is None:
+        from replicator.strategies.replica_context import current_strategy
+
+        strategy = current_strategy()
+    remap = getattr(strategy, "_remap_optimizer", None)
+    if optimizer is not None and callable(remap):
+        remap(optimizer)
+
+
+def _held(t: Any) -> bool:
+    """True for a tensor this rank holds (pipeline ranks leave other stages' tensors empty)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() > 0
+
+
+def _flat_state(msd: dict[str, Any], osd: dict[str, Any],
+                optimizer: torch.optim.Optimizer | None
+                ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """``model.<fqn>`` and ``optim.<fqn>.<key>`` tensors this rank holds (the same tensor
+    objects as in the state dicts); the optimizer's param groups as JSON."""
+    flat = {f"model.{k}": v for k, v in msd.items() if _held(v)}
+    groups: list[dict[str, Any]] = []
+    if optimizer is not None:
+        for fqn, state in osd.get("state", {}).items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and _held(value):
+                    flat[f"optim.{fqn}.{key}"] = value
+        groups = [{k: v for k, v in g.items() if isinstance(v, (int, float, str, bool, list))
+                   or v is None} for g in osd.get("param_groups", [])]
+    return flat, groups
+
+
+def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, *, strategy: Any = None,
+                 keep: int = 2) -> Path:
+    """Save ``model`` (and ``optimizer``) at ``step`` under ``directory``; every rank calls it.
+
+    Returns the committed ``step-N`` directory. Raises :class:`CheckpointWriteError` on every
+    rank when any rank fails, leaving the previous checkpoints as they were.
+    """
+    _prepare(model, optimizer, strategy)
+    ch = Channel(default_collectives(None))
+    root = Path(directory)
+    attempt = resolve_cluster().restart_count
+    tmp = root / f".tmp-{_step_dir(step)}-a{attempt}"
+    final = root / _step_dir(step)
+    error = ""
+    try:
+        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+        flat, groups = _flat_state(msd, osd, optimizer)
+        if ch.is_chief:
+            tmp.mkdir(parents=True, exist_ok=True)
+        ch.all_gather("", f"checkpoint save of step {step} (directory)")
+        dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp),
+                                                                   save_distributed=True),
+                 no_dist=ch.world_size == 1)
+        if ch.is_chief and optimizer is not None:
+            write_durable(tmp / GROUPS_FILE, json.dumps(groups).encode())
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
+        error = f"{type(exc).__name__}: {exc}"
+    failures = ch.failures(error, f"checkpoint save of step {step} (writes)")
+    if failures:
+        if ch.is_chief:
+            remove_tree(tmp)
+        raise CheckpointWriteError(
+            f"saving the sharded checkpoint of step {step} to {root} failed "
+            f"({describe_failures(failures)}). Nothing was committed. HINT: check that every "
+            f"rank can write to {root} and has space there.")
+    commit_error = ""
+    if ch.is_chief:
+        try:
+            files = {p.name: FileEntry(bytes=p.stat().st_size, sha256=hash_file(p))
+                     for p in sorted(tmp.iterdir()) if p.is_file()}
+            manifest = build(step, ch.world_size, files, {"layout": "dcp-safetensors"})
+            fsync_dir(tmp)
+            if final.exists():
+                remove_tree(final)
+            os.rename(tmp, final)
+            fsync_dir(root)
+            write_marker(final, manifest)
+            _prune(root, keep)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            commit_error = f"{type(exc).__name__}: {exc}"
+            remove_tree(tmp)
+    outcome = ch.from_chief(commit_error, f"checkpoint save of step {step} (commit)")
+    if outcome:
+        raise CheckpointWriteError(f"committing the sharded checkpoint of step {step} in "
+                                   f"{root} failed on the chief: {outcome}")
+    return final
+
+
+def _committed(root: Path) -> list[tuple[int, Path]]:
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    found = []
+    for p in entries:
+        if p.name.startswith(_STEP_PREFIX) and p.name[len(_STEP_PREFIX):].isdigit() and \
+                (p / MARKER_NAME).exists():
+            found.append((int(p.name[len(_STEP_PREFIX):]), p))
+    return sorted(found)
+
+
+def _prune(root: Path, keep: int) -> None:
+    for _, p in _committed(root)[:-keep]:
+        remove_tree(p, wait=False)
+
+
+def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
+                 strategy: Any = None) -> int | None:
+    """Load the newest verified checkpoint (or ``step``) into ``model`` (and ``optimizer``),
+    whatever the layout it was saved in and the one it loads into; every rank calls it.
+
+    Returns the step loaded, or ``None`` when ``directory`` holds no checkpoint. Damaged or
+    partial checkpoints are skipped with a warning; :class:`CheckpointCorruptError` when
+    checkpoints exist but none verifies.
+    """
+    _prepare(model, optimizer, strategy)
+    ch = Channel(default_collectives(None))
+    root = Path(directory)
+    choice: dict[str, Any] = {"step": -1, "skipped": [], "error": ""}
+    if ch.is_chief:
+        candidates = [(s, p) for s, p in _committed(root) if step is None or s == step]
+        for s, p in reversed(candidates):
+            try:
+                verify(p, read_marker(p))
+                choice["step"] = s
+                break
+            except CheckpointCorruptError as exc:
+                choice["skipped"].append(str(exc))
+        if choice["step"] < 0 and (candidates or step is not None):
+            choice["error"] = ("; ".join(choice["skipped"]) or
+                               f"no committed checkpoint of step {step} in {root}")
+    choice = ch.from_chief(choice, "sharded checkpoint restore (choice)")
+    for text in choice["skipped"]:
+        warnings.warn(f"skipping a damaged checkpoint: {text}", RuntimeWarning, stacklevel=2)
+    if choice["error"]:
+        raise CheckpointCorruptError(f"no valid sharded checkpoint to load in {root}: "
+                                     f"{choice['error']}. HINT: delete the damaged step "
+                                     "directories, or load an older step=.")
+    if choice["step"] < 0:
+        return None
+    path = root / _step_dir(choice["step"])
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    flat, _ = _flat_state(msd, osd, optimizer)
+    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)),
+             no_dist=ch.world_size == 1)  # in place, into the state dicts' own tensors
+    if optimizer is not None and (path / GROUPS_FILE).exists():
+        groups = json.loads((path / GROUPS_FILE).read_text())
+        targets: list[dict[str, Any]] = list(osd.get("param_groups", []))  # type: ignore[arg-type]
+        for saved, group in zip(groups, targets):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    set_state_dict(model, optimizer if optimizer is not None else [],
+                   model_state_dict=msd, optim_state_dict=osd)
+    return int(choice["step"])

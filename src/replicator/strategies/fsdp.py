@@ -1,0 +1,95 @@
+"""FSDPStrategy: fully sharded data parallelism (ZeRO-3) with FSDP2 ``fully_shard``.
+
+Each replica keeps ``1/N`` of every parameter, gradient and optimizer state; a block's full
+parameters are all-gathered just before it runs and freed after (``reshard_after_forward``),
+and gradients are reduce-scattered (averaged) in backward. The same step with global batch
+``B`` on ``N`` replicas equals one device with ``B``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from replicator.strategies.mesh_strategy import MeshStrategy
+
+
+def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks sharded one by one: every child of a ``ModuleList``/``Sequential`` that
+    holds parameters (a transformer's layers, an MLP's Linear layers), innermost lists
+    first; the root (``module``) takes whatever parameters are left."""
+    units: list[torch.nn.Module] = []
+    for sub in module.modules():
+        if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)):
+            for child in sub.children():
+                if any(True for _ in child.parameters()) and child is not module:
+                    units.append(child)
+    # a block inside another block: shard the inner one first (fully_shard order: bottom-up)
+    inner_first: list[torch.nn.Module] = []
+    for unit in units:
+        if unit not in inner_first:
+            inner_first.append(unit)
+    depth = {id(m): sum(1 for _ in m.modules()) for m in inner_first}
+    return sorted(inner_first, key=lambda m: depth[id(m)])
+
+
+def apply_fsdp(module: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True
+               ) -> torch.nn.Module:
+    """Shard ``module`` over ``mesh`` (1-D: FSDP; 2-D ``(data, fsdp)``: hybrid, replicated
+    across the first dimension and sharded across the second), block by block, then the
+    root. Returns the same module (its class becomes ``FSDP<Class>``)."""
+    for unit in shard_units(module):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return module
+
+
+def is_unsharded_view(module: torch.nn.Module, tensor: torch.Tensor) -> bool:
+    """True if ``tensor`` is the gathered (unsharded) parameter FSDP2 put in place of one of
+    ``module``'s sharded parameters while a block runs."""
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in get_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                if getattr(fsdp_param, "_unsharded_param", None) is tensor:
+                    return True
+    return False
+
+
+class FSDPStrategy(MeshStrategy):
+    """Fully sharded data parallelism on every process (FSDP2 ``fully_shard`` per block).
+
+    ``reshard_after_forward=True`` frees gathered parameters after each block's forward and
+    gathers them again in backward (ZeRO-3, least memory); ``False`` keeps them from forward to
+    backward (ZeRO-2: sharded gradients and optimizer state, one gather fewer per step).
+    ``zero_stage=3|2`` is the same choice by name. ``tensor``: add a tensor-parallel axis of
+    that degree (``fsdp x tensor``), with ``tensor_plan`` as in
+    :class:`~replicator.TensorParallelStrategy`.
+    """
+
+    name = "fsdp"
+
+    def __init__(self, reshard_after_forward: bool | None = None, *,
+                 zero_stage: int | None = None, tensor: int = 1,
+                 tensor_plan: dict[str, Any] | None = None,
+                 timeout_seconds: float | None = None) -> None:
+        if zero_stage is not None:
+            if zero_stage not in (2, 3):
+                raise ValueError(
+                    f"zero_stage must be 2 or 3, got {zero_stage!r}. HINT: FSDP always shards "
+                    "gradients and optimizer state (stage 2); stage 3 also frees parameters "
+                    "after forward. For stage 1 (sharded optimizer state only) use "
+                    "rp.MirroredStrategy, whose memory is then dominated by parameters anyway.")
+            if reshard_after_forward is not None and reshard_after_forward != (zero_stage == 3):
+                raise ValueError(f"zero_stage={zero_stage} contradicts reshard_after_forward="
+                                 f"{reshard_after_forward}. HINT: give only one of them.")
+            reshard_after_forward = zero_stage == 3
+        super().__init__(fsdp=-1, tensor=tensor, tensor_plan=tensor_plan,
+                         reshard_after_forward=True if reshard_after_forward is None
+                         else bool(reshard_after_forward),
+                         timeout_seconds=timeout_seconds)

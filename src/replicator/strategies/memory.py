@@ -1,0 +1,149 @@
+"""What a rank holds: parameter, gradient, optimizer-state and peak activation bytes.
+
+``strategy.memory_report()`` answers "why split the model?": under Mirrored every rank holds
+everything; under FSDP about ``1/N`` of the first three; under pipeline and tensor
+parallelism a rank holds its stages or shards. Activations are measured while
+``strategy.run`` executes, as the bytes saved for backward that are alive at once, which is
+what pipeline schedules change (1F1B keeps fewer microbatches' activations alive than GPipe).
+A view counts its own bytes, not its whole storage.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+def local_bytes(t: torch.Tensor | None) -> int:
+    """Bytes this rank stores for ``t`` (a DTensor's local shard only)."""
+    if t is None:
+        return 0
+    to_local = getattr(t, "to_local", None)
+    if callable(to_local):
+        t = to_local()
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by one rank. ``peak_activation_bytes`` is the most bytes saved for
+    backward alive at once during any ``strategy.run`` so far (0 before the first step)."""
+
+    rank: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    peak_activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+                + self.peak_activation_bytes)
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+    def __str__(self) -> str:
+        def mb(n: int) -> str:
+            return f"{n / 2**20:.2f} MB"
+
+        return (f"rank {self.rank}: parameters {mb(self.parameter_bytes)}, gradients "
+                f"{mb(self.gradient_bytes)}, optimizer state {mb(self.optimizer_state_bytes)}, "
+                f"peak activations {mb(self.peak_activation_bytes)} (total "
+                f"{mb(self.total_bytes)})")
+
+
+def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Local bytes of every tensor in the optimizers' state (moments, momentum, steps)."""
+    total = 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    total += local_bytes(v)
+    return total
+
+
+def build_memory_report(strategy: Any, modules: Iterable[torch.nn.Module],
+                        optimizers: Iterable[torch.optim.Optimizer],
+                        peak_activation_bytes: int) -> MemoryReport:
+    """The report for ``modules`` (each parameter counted once) and ``optimizers``."""
+    seen: set[int] = set()
+    params = grads = 0
+    for module in modules:
+        for p in module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            params += local_bytes(p)
+            grads += local_bytes(p.grad)
+    rank = getattr(getattr(strategy, "topology", None), "global_rank", 0)
+    return MemoryReport(rank=rank, parameter_bytes=params, gradient_bytes=grads,
+                        optimizer_state_bytes=optimizer_state_bytes(optimizers),
+                        peak_activation_bytes=peak_activation_bytes)
+
+
+class _Saved:
+    """A tensor saved for backward; tells the meter when autograd frees it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class ActivationMeter:
+    """Context manager: the peak bytes of tensors saved for backward alive at once."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak_bytes = 0
+        self._refs: dict[tuple[int, int], int] = {}  # view -> saved tensors using it
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> _Saved:
+        if getattr(t, "to_local", None) is not None:
+            local = t.to_local()  # type: ignore[attr-defined]
+        else:
+            local = t
+        # a view counts its own bytes (microbatches are views of one batch); the same view
+        # saved by several operations counts once
+        size = local.numel() * local.element_size()
+        try:
+            key = (local.data_ptr(), size)
+        except RuntimeError:  # no data pointer (a tensor subclass without storage)
+            key = (id(local), size)
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or \
+                size == 0:  # parameters (and FSDP's gathered views of them) are not activations
+            return _Saved(t)
+        holder = _Saved(t)
+        if self._refs.get(key, 0) == 0:
+            self.current += size
+            self.peak_bytes = max(self.peak_bytes, self.current)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        weakref.finalize(holder, self._release, key, size)
+        return holder
+
+    def _release(self, key: tuple[int, int], size: int) -> None:
+        n = self._refs.get(key, 0) - 1
+        if n <= 0:
+            self._refs.pop(key, None)
+            self.current -= size
+        else:
+            self._refs[key] = n
+
+    @staticmethod
+    def _unpack(holder: _Saved) -> torch.Tensor:
+        return holder.tensor
+
+    def __enter__(self) -> ActivationMeter:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)

@@ -1,0 +1,343 @@
+"""PipelineStrategy: the model cut into stages on different ranks, fed with microbatches.
+
+Built on ``torch.distributed.pipelining`` (``PipelineStage`` and its schedules: GPipe, 1F1B,
+interleaved 1F1B, interleaved zero bubble). The user's step function keeps its one-device
+shape (``loss = loss_fn(model(x), y); loss.backward()``), which the schedules cannot run as
+such, since 1F1B must know the loss of each microbatch before the forward pass ends. So a
+call of the model runs in two passes:
+
+1. ``model(x)`` runs the stages forward without autograd, microbatch by microbatch, and
+   gives every rank of the pipeline the full output (a leaf tensor that requires grad), so
+   the user's loss is computed, and reported, the same on every rank.
+2. ``loss.backward()`` reaches that output with ``dL/d(output)``; a hook then runs the
+   schedule, whose loss for microbatch ``i`` is ``sum(output_i * dL/d(output_i))``: its
+   gradient is exactly the user loss's gradient, for any loss, so no scaling is applied
+   (``scale_grads=False``; torch's default divides by the number of microbatches, which is
+   right only for a loss averaged per microbatch).
+
+The price is a second forward pass without autograd (about a third more compute for a
+model whose backward costs twice its forward) and a broadcast of the output within the
+pipeline group. The random-number state is replayed, so dropout masks are the same in both
+passes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from replicator.cluster.topology import Topology
+from replicator.errors import ReplicatorError
+from replicator.strategies.mesh_strategy import MeshStrategy
+from replicator.strategies.pipeline_split import (
+    PipelineSplitError,
+    Stage,
+    balanced_starts,
+    build_stages,
+    check_stage_count,
+    flatten_chain,
+    known_chain,
+    named_starts,
+    parameter_costs,
+)
+
+#: Schedule name -> (torch class name, stages per rank by default, stage placement).
+SCHEDULES: dict[str, tuple[str, int, str]] = {
+    "gpipe": ("ScheduleGPipe", 1, "loop"),
+    "1f1b": ("Schedule1F1B", 1, "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, "loop"),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", 2, "loop"),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v"),
+}
+BALANCE = ("params", "time")
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+_HEADER = 10  # ints: ndim, dtype code, up to 8 sizes
+
+
+def _meta(t: torch.Tensor, grad: bool) -> torch.Tensor:
+    """An empty tensor like ``t`` that, like the schedule's own activations, requires grad
+    when ``grad`` and ``t`` is floating point (the first stage's input does not)."""
+    return torch.empty_like(t).requires_grad_(grad and t.is_floating_point())
+
+
+def stage_owners(num_stages: int, ranks: int, placement: str) -> list[int]:
+    """The pipeline rank of each stage: round robin (``loop``) or down-and-back (``v``)."""
+    if placement == "v":
+        return [s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages)]
+    return [s % ranks for s in range(num_stages)]
+
+
+class PipelineRunner:
+    """Cuts one model into stages, keeps this rank's, and runs it (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module, topology: Topology, device: torch.device, *,
+                 num_stages: int | None = None, num_microbatches: int = 4,
+                 schedule: str = "1f1b", split_points: Sequence[str] | None = None,
+                 balance: str = "params") -> None:
+        self.model = model
+        self.device = device
+        self.group = topology.group("pipeline")
+        self.ranks = topology.size("pipeline")
+        self.me = topology.index("pipeline")
+        self.global_ranks = topology.ranks("pipeline")
+        _, per_rank, placement = SCHEDULES[schedule]
+        self.num_stages = num_stages or self.ranks * per_rank
+        self.schedule_name = schedule
+        self.num_microbatches = num_microbatches
+        self.owners = stage_owners(self.num_stages, self.ranks, placement)
+        self.local_ids = [s for s, r in enumerate(self.owners) if r == self.me]
+        self.after_backward: Any = None
+        self._wrap_output: Any = None
+        known = None if isinstance(model, torch.nn.Sequential) else known_chain(model)
+        if known is not None:
+            chain_module, self._wrap_output = known
+            # names for split points and messages: the chain's; parameters stay model's
+            self.chain = flatten_chain(chain_module)
+        else:
+            self.chain = flatten_chain(model)
+        check_stage_count(self.chain, self.num_stages)
+        self.stages: list[Stage] = []
+        self._schedules: dict[tuple, Any] = {}
+        # each local stage's microbatch input and output (shapes for the schedule's stages)
+        self._metas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._balance = balance
+        if split_points:
+            self._cut(named_starts(self.chain, list(split_points), self.num_stages))
+        elif balance == "params":
+            self._cut(balanced_starts(parameter_costs(self.chain), self.num_stages))
+        object.__setattr__(model, "forward", self.forward)
+
+    # -- cutting ---------------------------------------------------------------------------------
+    def _cut(self, starts: Sequence[int]) -> None:
+        self.starts = list(starts)
+        self.stages = build_stages(self.chain, starts)
+        mine = {id(t) for s in self.local_ids
+                for t in [*self.stages[s].parameters(), *self.stages[s].buffers()]}
+        with torch.no_grad():  # free what other ranks hold: the point of a pipeline
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                if id(t) not in mine:
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+    def _measure_and_cut(self, x: torch.Tensor) -> None:
+        """Balance by forward time measured on ``x``'s first microbatch (rank 0's timings,
+        so every rank cuts alike)."""
+        times = []
+        with torch.no_grad():
+            act = torch.tensor_split(x, self.num_microbatches)[0]
+            for _, block in self.chain:
+                best = float("inf")
+                for _ in range(3):
+                    start = time.perf_counter()
+                    out = block(act)
+                    best = min(best, time.perf_counter() - start)
+                times.append(best)
+                act = out
+        costs = torch.tensor(times, dtype=torch.float64)
+        dist.broadcast(costs, src=0)
+        self._cut(balanced_starts([max(c, 1e-9) for c in costs.tolist()], self.num_stages))
+
+    @property
+    def local_modules(self) -> list[torch.nn.Module]:
+        """This rank's stages (before the first call when balancing by time: none yet)."""
+        return [self.stages[s] for s in self.local_ids] if self.stages else []
+
+    def describe(self) -> str:
+        names = [[n for n in self.stages[s].block_names] for s in range(self.num_stages)]
+        return "; ".join(f"stage {s} (rank {self.owners[s]}): {', '.join(n)}"
+                         for s, n in enumerate(names))
+
+    # -- point to point ---------------------------------------------------------------------------
+    def _send(self, t: torch.Tensor, to: int) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        dist.send(header, group=self.group, group_dst=to)
+        dist.send(t.contiguous(), group=self.group, group_dst=to)
+
+    def _recv(self, frm: int) -> torch.Tensor:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        dist.recv(header, group=self.group, group_src=frm)
+        ndim, code = int(header[0]), int(header[1])
+        t = torch.empty(header[2:2 + ndim].tolist(), dtype=_DTYPES[code], device=self.device)
+        dist.recv(t, group=self.group, group_src=frm)
+        return t
+
+    def _broadcast(self, t: torch.Tensor | None, src: int) -> torch.Tensor:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        if self.me == src:
+            assert t is not None
+            header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+            header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        dist.broadcast(header, group=self.group, group_src=src)
+        if self.me != src:
+            ndim, code = int(header[0]), int(header[1])
+            t = torch.empty(header[2:2 + ndim].tolist(), dtype=_DTYPES[code],
+                            device=self.device)
+        assert t is not None
+        dist.broadcast(t, group=self.group, group_src=src)
+        return t
+
+    # -- running ----------------------------------------------------------------------------------
+    def _check_input(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"a pipelined model takes one tensor (the batch), got "
+                            f"{type(x).__name__}. HINT: pack several inputs into the first "
+                            "stage's own module")
+        if x.dim() == 0 or x.shape[0] % self.num_microbatches:
+            n = x.shape[0] if x.dim() else 0
+            raise ValueError(
+                f"the per-replica batch of {n} rows does not divide into "
+                f"{self.num_microbatches} microbatches. HINT: use a per-replica batch that is a "
+                f"multiple of {self.num_microbatches} (drop_remainder=True drops a short last "
+                "batch), or change num_microbatches.")
+        return x
+
+    def _value_pass(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward without autograd, microbatch by microbatch; every rank gets the output."""
+        last = self.owners[-1]
+        outs = []
+        with torch.no_grad():
+            for mb in torch.tensor_split(x, self.num_microbatches):
+                act: torch.Tensor | None = mb
+                for s in range(self.num_stages):
+                    if self.owners[s] != self.me:
+                        continue
+                    if s > 0 and self.owners[s - 1] != self.me:
+                        act = self._recv(self.owners[s - 1])
+                    assert act is not None
+                    stage_input = act
+                    act = self.stages[s](act)
+                    self._metas[s] = (_meta(stage_input, grad=s > 0), _meta(act, grad=True))
+                    if s < self.num_stages - 1 and self.owners[s + 1] != self.me:
+                        self._send(act, self.owners[s + 1])
+                if self.me == last:
+                    assert act is not None
+                    outs.append(act)
+        return self._broadcast(torch.cat(outs) if self.me == last else None, last)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward under the pipeline (see the module doc): one tensor, given
+        positionally or as ``input_ids``."""
+        if len(args) + len(kwargs) != 1 or (kwargs and "input_ids" not in kwargs):
+            given = ", ".join([*(type(a).__name__ for a in args), *kwargs])
+            raise TypeError(f"a pipelined model takes one tensor (the batch), got ({given}). "
+                            "HINT: pack other inputs into the first stage's module, or leave "
+                            "out options the chain does not need (attention masks, caches).")
+        out = self._forward(args[0] if args else kwargs["input_ids"])
+        return self._wrap_output(out) if self._wrap_output is not None else out
+
+    def _forward(self, x: Any) -> torch.Tensor:
+        x = self._check_input(x)
+        if not self.stages:
+            self._measure_and_cut(x)
+        rng = torch.get_rng_state()
+        out = self._value_pass(x)
+        if not torch.is_grad_enabled():
+            return out
+        after = torch.get_rng_state()
+        out = out.detach().requires_grad_(True)
+
+        def backward(grad: torch.Tensor) -> None:
+            torch.set_rng_state(rng)
+            try:
+                self._run_schedule(x, grad)
+            finally:
+                torch.set_rng_state(after)
+            if self.after_backward is not None:
+                self.after_backward()
+
+        out.register_hook(backward)
+        return out
+
+    def _schedule_for(self, x: torch.Tensor) -> Any:
+        key = (tuple(x.shape), x.dtype)
+        if key not in self._schedules:
+            cls = getattr(torch_schedules, SCHEDULES[self.schedule_name][0], None)
+            if cls is None:
+                raise ReplicatorError(f"this torch has no {SCHEDULES[self.schedule_name][0]} "
+                                      f"(schedule {self.schedule_name!r}). HINT: use 'gpipe' "
+                                      "or '1f1b'.")
+            # shapes given up front (from the value pass): no shape-inference forward, which
+            # would draw random numbers and exchange pickled metadata between ranks
+            stages = [PipelineStage(self.stages[s], s, self.num_stages, self.device,
+                                    input_args=self._metas[s][0],
+                                    output_args=self._metas[s][1], group=self.group)
+                      for s in self.local_ids]
+
+            def loss_fn(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+                return (output * grad).sum()
+
+            if SCHEDULES[self.schedule_name][1] == 1:
+                sched = cls(stages[0], self.num_microbatches, loss_fn=loss_fn,
+                            scale_grads=False)
+            else:
+                sched = cls(stages, self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+            self._schedules = {key: sched}  # one shape at a time: a new one replaces it
+        return self._schedules[key]
+
+    def _run_schedule(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        sched = self._schedule_for(x)
+        args = (x,) if 0 in self.local_ids else ()
+        kwargs: dict[str, Any] = {}
+        if self.num_stages - 1 in self.local_ids:
+            kwargs["target"] = grad.detach()
+        with torch.enable_grad():
+            sched.step(*args, **kwargs)
+
+
+class PipelineStrategy(MeshStrategy):
+    """Pipeline parallelism: ``num_stages`` stages fed ``num_microbatches`` microbatches.
+
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
+    (interleaved zero bubble) or ``"zbv"``; the interleaved ones place two stages on each
+    rank (``num_stages`` = 2 x pipeline ranks). The model must be an ``nn.Sequential`` (nested
+    ones are flattened into one chain of blocks); stages balance parameter counts
+    (``balance="params"``) or forward time measured on the first batch (``"time"``), or start
+    at the named blocks (``split_points=["4"]``, names as in ``model.named_modules()``).
+    Processes beyond the pipeline's ranks are data-parallel replicas of it.
+    """
+
+    name = "pipeline"
+
+    def __init__(self, num_stages: int = 2, num_microbatches: int = 4,
+                 schedule: str = "1f1b", *, split_points: Sequence[str] | None = None,
+                 balance: str = "params", timeout_seconds: float | None = None) -> None:
+        schedule = str(schedule).lower().replace("-", "_")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of "
+                             f"{', '.join(SCHEDULES)}")
+        if balance not in BALANCE:
+            raise ValueError(f"balance must be one of {', '.join(BALANCE)}, got {balance!r}")
+        for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        per_rank = SCHEDULES[schedule][1]
+        if num_stages % per_rank:
+            raise PipelineSplitError(
+                f"schedule {schedule!r} places {per_rank} stages on each rank, so num_stages "
+                f"must be a multiple of {per_rank}, got {num_stages}")
+        if schedule != "gpipe" and num_microbatches < num_stages // per_rank:
+            raise ValueError(
+                f"schedule {schedule!r} needs at least as many microbatches as pipeline ranks "
+                f"({num_stages // per_rank}), got num_microbatches={num_microbatches}. HINT: "
+                "use more microbatches (a bubble of (p-1)/(m+p-1) wants m well above p), or "
+                "schedule='gpipe'.")
+        super().__init__(pipeline=num_stages // per_rank, data=-1,
+                         pipeline_options={"num_stages": num_stages,
+                                           "num_microbatches": num_microbatches,
+                                           "schedule": schedule,
+                                           "split_points": split_points,
+                                           "balance": balance},
+                         timeout_seconds=timeout_seconds)
+
+    def describe_stages(self) -> str:
+        """Which blocks each stage holds, and on which pipeline rank."""
+        return " | ".join(r.describe() for r in self._pipelines)

@@ -1,0 +1,206 @@
+"""Cutting a model into pipeline stages: the chain of blocks, balanced or named cut points.
+
+A model the pipeline can cut is a chain: an ``nn.Sequential`` (nested ones are flattened, so
+``nn.Sequential(embed, nn.Sequential(*blocks), head)`` is the chain ``embed, blocks.0, ...,
+head``). Stages are contiguous runs of the chain, chosen to balance a cost per block
+(parameter count, or measured forward time) or cut before user-named blocks
+(``split_points=["layers.4"]``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from replicator.errors import ReplicatorError
+
+
+class PipelineSplitError(ReplicatorError, ValueError):
+    """The model cannot be cut as asked (not a chain, too few blocks, unknown cut point)."""
+
+
+class _TokenAndPositionEmbedding(torch.nn.Module):
+    """GPT-2's input: token plus position embeddings, then dropout."""
+
+    def __init__(self, wte: torch.nn.Module, wpe: torch.nn.Module, drop: torch.nn.Module
+                 ) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        return self.drop(self.wte(ids) + self.wpe(positions))
+
+
+class _HiddenOnly(torch.nn.Module):
+    """A transformer block called with the hidden state alone; keeps only the hidden state of
+    a block that returns a tuple."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _NormAndHead(torch.nn.Module):
+    def __init__(self, norm: torch.nn.Module, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+
+def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | None:
+    """A chain sharing ``model``'s modules for a known layout, and how to wrap its output
+    like ``model``'s; ``None`` for an unknown one. Known: a Hugging Face GPT-2 language model
+    (``transformer.wte/wpe/drop/h/ln_f`` and ``lm_head``), whose blocks see no attention mask
+    (causal attention that needs none, such as ``attn_implementation="sdpa"``)."""
+    body = getattr(model, "transformer", None)
+    head = getattr(model, "lm_head", None)
+    parts = ("wte", "wpe", "drop", "h", "ln_f")
+    if body is None or head is None or not all(hasattr(body, p) for p in parts):
+        return None
+    chain = torch.nn.Sequential(_TokenAndPositionEmbedding(body.wte, body.wpe, body.drop),
+                                *[_HiddenOnly(b) for b in body.h],
+                                _NormAndHead(body.ln_f, head))
+    try:
+        from transformers.modeling_outputs import (  # type: ignore[import-not-found, unused-ignore]
+            CausalLMOutputWithCrossAttentions,
+        )
+
+        def wrap(logits: torch.Tensor) -> Any:
+            return CausalLMOutputWithCrossAttentions(logits=logits)
+    except ImportError:  # pragma: no cover - a look-alike without transformers
+        def wrap(logits: torch.Tensor) -> Any:
+            return logits
+    return chain, wrap
+
+
+def flatten_chain(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The blocks of ``model`` in order, with their names in ``model`` (nested
+    ``nn.Sequential`` flattened); an error with a hint for a model that is not a chain."""
+    if not isinstance(model, torch.nn.Sequential):
+        lists = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)]
+        where = f" (it holds block lists at {', '.join(lists[:3])})" if lists else ""
+        raise PipelineSplitError(
+            f"PipelineStrategy cannot cut a {type(model).__name__}{where}: its forward is "
+            "arbitrary Python, so where one stage ends and the next begins is unknown (known "
+            "layouts: nn.Sequential, Hugging Face GPT-2). HINT: "
+            "build the model as an nn.Sequential of its parts, e.g. nn.Sequential(embedding, "
+            "*blocks, head), where each part takes the previous part's output.")
+    chain: list[tuple[str, torch.nn.Module]] = []
+
+    def walk(prefix: str, seq: torch.nn.Sequential) -> None:
+        for name, child in seq.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, torch.nn.Sequential):
+                walk(full, child)
+            else:
+                chain.append((full, child))
+
+    walk("", model)
+    if not chain:
+        raise PipelineSplitError("PipelineStrategy got an empty nn.Sequential; there is "
+                                 "nothing to cut into stages")
+    return chain
+
+
+def parameter_costs(chain: Sequence[tuple[str, torch.nn.Module]]) -> list[float]:
+    """Each block's parameter count (a block without parameters costs a little, so stages
+    still get some)."""
+    return [float(sum(p.numel() for p in m.parameters())) or 1.0 for _, m in chain]
+
+
+def balanced_starts(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Start index of each stage so the costliest stage costs least (contiguous stages, at
+    least one block each)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: least max-stage cost of splitting blocks[:i] into s stages
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    starts, i = [], n
+    for s in range(num_stages, 0, -1):
+        i = cut[s][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def named_starts(chain: Sequence[tuple[str, torch.nn.Module]], split_points: Sequence[str],
+                 num_stages: int) -> list[int]:
+    """Stage starts from cut points: each name is the first block of a new stage."""
+    names = [n for n, _ in chain]
+    if len(split_points) != num_stages - 1:
+        raise PipelineSplitError(
+            f"{num_stages} stages need {num_stages - 1} split point(s), got "
+            f"{len(split_points)}: {list(split_points)}. HINT: name the first block of each "
+            "stage after the first.")
+    starts = [0]
+    for point in split_points:
+        if point not in names:
+            close = difflib.get_close_matches(point, names, n=3, cutoff=0.4)
+            hint = f" Close names: {', '.join(close)}." if close else ""
+            raise PipelineSplitError(
+                f"split point {point!r} is not a block of the model's chain.{hint} HINT: cut "
+                f"points are names of the chain's blocks: {', '.join(names)}.")
+        starts.append(names.index(point))
+    if starts != sorted(set(starts)) or starts[1] == 0:
+        raise PipelineSplitError(f"split points {list(split_points)} must name different "
+                                 "blocks in model order, none of them the first block")
+    return starts
+
+
+def check_stage_count(chain: Sequence[tuple[str, torch.nn.Module]], num_stages: int) -> None:
+    if num_stages > len(chain):
+        raise PipelineSplitError(
+            f"PipelineStrategy asked for {num_stages} stages but the model has only "
+            f"{len(chain)} block(s) ({', '.join(n for n, _ in chain)}). HINT: use at most "
+            f"{len(chain)} stages, or split the model into more nn.Sequential parts.")
+
+
+class Stage(torch.nn.Module):
+    """A contiguous run of the chain's blocks, applied in order (the blocks are shared with
+    the original model, not copied)."""
+
+    def __init__(self, blocks: Sequence[tuple[str, torch.nn.Module]]) -> None:
+        super().__init__()
+        self.block_names = [n for n, _ in blocks]
+        self.blocks = torch.nn.ModuleList(m for _, m in blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build_stages(chain: Sequence[tuple[str, torch.nn.Module]], starts: Sequence[int]
+                 ) -> list[Stage]:
+    """One :class:`Stage` per start index; a parameter shared by two stages is an error."""
+    ends = [*starts[1:], len(chain)]
+    stages = [Stage(chain[a:b]) for a, b in zip(starts, ends)]
+    owner: dict[int, int] = {}
+    for i, stage in enumerate(stages):
+        for p in stage.parameters():
+            if owner.setdefault(id(p), i) != i:
+                raise PipelineSplitError(
+                    f"a parameter of shape {tuple(p.shape)} is used by stages {owner[id(p)]} "
+                    f"and {i} (tied weights, e.g. an embedding shared with the output head). "
+                    "HINT: keep tied blocks in one stage with split_points, or untie them.")
+    return stages

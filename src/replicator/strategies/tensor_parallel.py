@@ -1,0 +1,193 @@
+"""TensorParallelStrategy: each layer's weights split across ranks (DTensor ``parallelize_module``).
+
+Megatron's layout, as torchtitan applies it: in an MLP block the first ``Linear`` is split by
+output features (column-wise) and the second by input features (row-wise), so the activation
+between them stays sharded and one all-reduce per block gives the full output; attention splits
+the query/key/value projections by heads (column-wise) and the output projection row-wise;
+embeddings split their vocabulary rows. Every rank of one tensor-parallel group sees the same
+batch. A plan maps module names (``fnmatch`` patterns) to ``"colwise"``, ``"rowwise"``,
+``"embedding"`` or a torch ``ParallelStyle``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from replicator.strategies.mesh_strategy import MeshStrategy
+
+#: Names of attention projections: (query, key, value, output).
+ATTENTION_NAMES = (("q", "k", "v", "o"), ("q_proj", "k_proj", "v_proj", "o_proj"),
+                   ("q_proj", "k_proj", "v_proj", "out_proj"),
+                   ("query", "key", "value", "out"), ("wq", "wk", "wv", "wo"))
+#: Names of gated MLPs: (gate, up, down).
+GATED_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+#: Attributes holding a head count, divided by the degree in parallelized attention blocks.
+HEAD_COUNT_ATTRS = ("n_heads", "num_heads", "n_head", "n_local_heads")
+
+STYLE_NAMES = ("colwise", "rowwise", "embedding")
+
+
+class TensorPlanError(ValueError):
+    """A tensor-parallel plan that names a module the model does not have, or a bad style."""
+
+
+def style_for(value: Any, where: str) -> ParallelStyle:
+    """``"colwise"`` / ``"rowwise"`` / ``"embedding"`` or a ``ParallelStyle`` -> the style."""
+    if isinstance(value, ParallelStyle):
+        return value
+    if value == "colwise":
+        return ColwiseParallel()
+    if value == "rowwise":
+        return RowwiseParallel()
+    if value == "embedding":
+        return RowwiseParallel(input_layouts=Replicate())
+    raise TensorPlanError(f"tensor plan entry {where!r} has style {value!r}; use one of "
+                          f"{', '.join(STYLE_NAMES)} or a torch ParallelStyle such as "
+                          "ColwiseParallel(output_layouts=Replicate())")
+
+
+def _divisible(n: int, degree: int) -> bool:
+    return n % degree == 0 and n >= degree
+
+
+def _linear_children(module: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {n: c for n, c in module.named_children() if isinstance(c, torch.nn.Linear)}
+
+
+def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
+    """The plan used when none is given (see the module doc): attention blocks (projections
+    named like ``q/k/v/o``, ``q_proj/.../o_proj``), gated MLPs (``gate/up/down_proj``), MLPs
+    (two ``Linear`` children, or consecutive ``Linear`` layers of an ``nn.Sequential`` with
+    only parameter-free modules between them), and embeddings. Layers whose split dimension
+    does not divide by ``degree`` stay replicated."""
+    plan: dict[str, str] = {}
+
+    def full(prefix: str, name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    for prefix, module in model.named_modules():
+        linears = _linear_children(module)
+        names = set(linears)
+        done = False
+        for q, k, v, o in ATTENTION_NAMES:
+            if {q, k, v, o} <= names and _divisible(linears[q].out_features, degree) and \
+                    _divisible(linears[k].out_features, degree) and \
+                    _divisible(linears[v].out_features, degree):
+                plan.update({full(prefix, q): "colwise", full(prefix, k): "colwise",
+                             full(prefix, v): "colwise", full(prefix, o): "rowwise"})
+                done = True
+                break
+        if done:
+            continue
+        for gate, up, down in GATED_MLP_NAMES:
+            if {gate, up, down} <= names and _divisible(linears[gate].out_features, degree):
+                plan.update({full(prefix, gate): "colwise", full(prefix, up): "colwise",
+                             full(prefix, down): "rowwise"})
+                done = True
+                break
+        if done:
+            continue
+        if isinstance(module, torch.nn.Sequential):
+            pending: tuple[str, torch.nn.Linear] | None = None
+            for name, child in module.named_children():
+                if isinstance(child, torch.nn.Linear):
+                    if pending is not None and pending[1].out_features == child.in_features \
+                            and _divisible(child.in_features, degree):
+                        plan[full(prefix, pending[0])] = "colwise"
+                        plan[full(prefix, name)] = "rowwise"
+                        pending = None
+                    else:
+                        pending = (name, child)
+                elif any(True for _ in child.parameters()):
+                    pending = None  # something with weights between: not an MLP pair
+        elif len(linears) == 2 and all(isinstance(c, torch.nn.Linear)
+                                       or not any(True for _ in c.parameters())
+                                       for c in module.children()):
+            first, second = linears.values()
+            a, b = linears
+            if first.out_features == second.in_features and \
+                    _divisible(first.out_features, degree):
+                plan.update({full(prefix, a): "colwise", full(prefix, b): "rowwise"})
+        if isinstance(module, torch.nn.Embedding) and _divisible(module.num_embeddings, degree):
+            plan[prefix] = "embedding"
+    return plan
+
+
+def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, ParallelStyle]:
+    """Each entry as a style; a name (pattern) that matches no module is an error listing the
+    closest module names."""
+    names = [n for n, _ in model.named_modules() if n]
+    out: dict[str, ParallelStyle] = {}
+    for key, value in plan.items():
+        if not isinstance(key, str):
+            raise TensorPlanError(f"tensor plan keys are module names, got {key!r}")
+        if not any(fnmatch.fnmatchcase(n, key) for n in names):
+            close = difflib.get_close_matches(key, names, n=5, cutoff=0.5)
+            hint = f" Close names: {', '.join(close)}." if close else ""
+            raise TensorPlanError(
+                f"tensor plan names module {key!r}, which {type(model).__name__} does not "
+                f"have.{hint} HINT: use names from model.named_modules() (patterns such as "
+                "'layers.*.mlp.fc1' are allowed).")
+        out[key] = style_for(value, key)
+    return out
+
+
+def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh,
+                          plan: Mapping[str, Any] | None = None) -> torch.nn.Module:
+    """Parallelize ``model`` over the 1-D ``mesh`` with ``plan`` (``None``: the default plan);
+    head-count attributes of attention blocks the plan splits are divided by the degree."""
+    degree = mesh.size()
+    chosen = default_plan(model, degree) if plan is None else dict(plan)
+    styles = check_plan(model, chosen)
+    if not styles:
+        return model
+    parallelize_module(model, mesh, styles)
+    for prefix, module in model.named_modules():
+        linears = set(_linear_children(module))
+        split = any(fnmatch.fnmatchcase(f"{prefix}.{n}" if prefix else n, key)
+                    for n in linears for key in chosen
+                    if chosen[key] == "colwise" or isinstance(chosen[key], ColwiseParallel))
+        if not split or not any(set(names) <= linears for names in ATTENTION_NAMES):
+            continue
+        for attr in HEAD_COUNT_ATTRS:
+            value = getattr(module, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(module, attr, value // degree)
+    return model
+
+
+class TensorParallelStrategy(MeshStrategy):
+    """Tensor parallelism on every process (or ``tensor`` of them, the rest data parallel).
+
+    ``plan``: module name (or ``fnmatch`` pattern) -> ``"colwise"``, ``"rowwise"``,
+    ``"embedding"`` or a torch ``ParallelStyle``; ``None`` takes :func:`default_plan`. Every
+    rank of a tensor-parallel group gets the same batch; ``num_replicas_in_sync`` counts the
+    data-parallel replicas only.
+    """
+
+    name = "tensor_parallel"
+
+    def __init__(self, plan: Mapping[str, Any] | None = None, *, tensor: int = -1,
+                 timeout_seconds: float | None = None) -> None:
+        if plan is not None and not isinstance(plan, Mapping):
+            raise TypeError(f"plan must be a dict of module name -> style, got "
+                            f"{type(plan).__name__}")
+        if plan is not None:
+            for key, value in plan.items():
+                style_for(value, str(key))
+        data = 1 if tensor == -1 else -1
+        super().__init__(data=data, tensor=tensor, tensor_plan=plan,
+                         timeout_seconds=timeout_seconds)

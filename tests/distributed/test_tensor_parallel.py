@@ -1,0 +1,58 @@
+"""TensorParallelStrategy (DTensor parallelize_module) on 2 real gloo processes equals one
+device; plan errors name close modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.strategies.tensor_parallel import TensorPlanError, check_plan, default_plan
+from replicator.testing import assert_params_close, run_distributed
+from tests.distributed.model_parallel_models import (
+    make_mlp,
+    make_transformer,
+    one_device,
+    train_all,
+)
+
+CONFIGS = (("mlp", "sgd"), ("mlp", "adam"), ("transformer", "sgd"), ("transformer", "adam"))
+
+
+def _tensor_parallel(configs: tuple) -> dict:
+    strategy = rp.TensorParallelStrategy()
+    assert strategy.num_replicas_in_sync == 1
+    return train_all(strategy, configs)
+
+
+@pytest.mark.timeout(240)
+def test_tensor_parallel_equals_one_device_mlp_and_transformer_sgd_and_adam():
+    ref = run_distributed(one_device, 1, args=(CONFIGS,), timeout_seconds=120)[0]
+    out = run_distributed(_tensor_parallel, 2, args=(CONFIGS,), timeout_seconds=180)
+    for key in ref:
+        assert_params_close(ref[key]["state"], out[0][key]["state"], atol=1e-5, label=key)
+        assert out[1][key]["losses"] == pytest.approx(ref[key]["losses"], abs=1e-5)
+    sharded = out[0]["transformer_adam"]["sharded"]  # attention, MLP, embeddings split
+    assert "1.attn.q.weight" in sharded and "1.mlp.fc2.weight" in sharded
+    assert "0.tok.weight" in sharded and "3.out.weight" not in sharded
+
+
+def test_default_plan_pairs_mlp_layers_and_splits_attention_by_heads():
+    mlp = default_plan(make_mlp(), 2)
+    assert mlp == {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
+    plan = default_plan(make_transformer(), 2)
+    assert plan["1.attn.q"] == plan["1.attn.k"] == plan["1.attn.v"] == "colwise"
+    assert plan["1.attn.o"] == "rowwise"
+    assert plan["2.mlp.fc1"] == "colwise" and plan["2.mlp.fc2"] == "rowwise"
+    assert plan["0.tok"] == "embedding"
+    assert "3.out" not in plan  # the head stays replicated
+    assert default_plan(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2)),
+                        2) == {}  # 5 features do not split in 2
+
+
+def test_plan_naming_a_missing_module_lists_close_names():
+    with pytest.raises(TensorPlanError, match=r"'1\.attn\.qq'.*Close names: 1\.attn\.q"):
+        check_plan(make_transformer(), {"1.attn.qq": "colwise"})
+    with pytest.raises(TensorPlanError, match="style 'diagonal'"):
+        check_plan(make_transformer(), {"1.attn.q": "diagonal"})
+    assert len(check_plan(make_transformer(), {"*.mlp.fc1": "colwise"})) == 1
