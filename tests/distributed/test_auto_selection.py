@@ -1,0 +1,105 @@
+"""``CommunicationOptions(implementation="auto")``: the fastest correct algorithm by default.
+
+On one host the default MirroredStrategy reports shared memory, keeps its gradient buckets in
+the segment and trains like one device; with shared memory unusable it falls back to gloo and
+still trains; with replicas declared on two hosts it is hierarchical.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import replicator as rp
+from replicator.cluster.environment import resolve_cluster
+from replicator.comm.selection import describe_auto, shared_memory_problem
+from replicator.testing import assert_params_close, run_distributed
+from tests.helpers import make_mlp, regression_data
+
+STEPS = 8
+GLOBAL_BATCH = 16
+
+
+def train(strategy: rp.Strategy, keep: list | None = None) -> dict:
+    with strategy.scope():
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if keep is not None:
+        keep.append(model)  # its gradient synchronizer lives as long as the model
+
+    def step(batch):
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    loader = DataLoader(regression_data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    it = iter(strategy.distribute_dataset(loader, seed=3))
+    for _ in range(STEPS):
+        strategy.run(step, args=(next(it),))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_default(_: int) -> dict:
+    strategy = rp.MirroredStrategy()
+    models: list = []
+    params = train(strategy, models)
+    algo = strategy.cross_device_ops
+    sync = strategy._synchronizers[0]
+    resident = [algo._resident_for(b.buffer, None) is not None for b in sync.buckets] \
+        if hasattr(algo, "_resident_for") else []
+    return {"algorithm": algo.name, "params": params, "resident": resident}
+
+
+def _train_two_hosts(_: int) -> str:
+    os.environ["REPLICATOR_HOST"] = f"host{resolve_cluster().rank}"
+    strategy = rp.MirroredStrategy()
+    train(strategy)
+    return strategy.cross_device_ops.name
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return train(rp.OneDeviceStrategy("cpu"))
+
+
+@pytest.mark.skipif(bool(shared_memory_problem(2)), reason="this host has no usable /dev/shm")
+@pytest.mark.timeout(120)
+def test_auto_on_one_host_is_shared_memory_resident_and_exact(reference):
+    results = run_distributed(_train_default, world_size=2, args=(0,), timeout_seconds=60)
+    for r in results:
+        assert r["algorithm"] == "shared_memory"
+        assert r["resident"] and all(r["resident"])  # buckets live in the segment
+        assert_params_close(reference, r["params"], atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_auto_falls_back_to_gloo_without_shared_memory(reference, monkeypatch, tmp_path):
+    monkeypatch.setenv("REPLICATOR_SHM_DIR", str(tmp_path / "no-such-dir"))
+    results = run_distributed(_train_default, world_size=2, args=(0,), timeout_seconds=60)
+    for r in results:
+        assert r["algorithm"] == "native"
+        assert_params_close(reference, r["params"], atol=1e-5)
+
+
+@pytest.mark.skipif(bool(shared_memory_problem(1)), reason="this host has no usable /dev/shm")
+@pytest.mark.timeout(120)
+def test_auto_across_hosts_is_hierarchical():
+    assert run_distributed(_train_two_hosts, world_size=2, args=(0,),
+                           timeout_seconds=60) == ["hierarchical", "hierarchical"]
+
+
+def test_describe_auto_names_the_choice_and_the_reason(monkeypatch, tmp_path):
+    assert describe_auto(torch.device("cuda", 0)).name == "nccl"
+    assert describe_auto(torch.device("cpu"), hosts=3).name in ("hierarchical", "gloo")
+    from replicator.comm import shm_segment
+
+    monkeypatch.setattr(shm_segment, "SHM_DIR", str(tmp_path / "missing"))
+    choice = describe_auto(torch.device("cpu"))
+    assert choice.name == "gloo" and "missing" in choice.reason
