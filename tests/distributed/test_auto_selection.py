@@ -57,6 +57,34 @@ def _train_default(_: int) -> dict:
     return {"algorithm": algo.name, "params": params, "resident": resident}
 
 
+def _train_central(_: int) -> dict:
+    from replicator.strategies import CentralStorageStrategy
+
+    strategy = CentralStorageStrategy()
+    return {"algorithm": strategy.cross_device_ops.name, "params": train(strategy)}
+
+
+def _collectives_through_shared_memory(_: int) -> dict:
+    import torch.distributed as dist
+
+    strategy = rp.MirroredStrategy()
+    algo = strategy.cross_device_ops
+    rank, world = strategy.replica_id, strategy.num_replicas_in_sync
+    out = {}
+    for n in (0, 1, 1000, 3_000_001):  # the last one spans several 4 MB slots
+        mine = torch.arange(n, dtype=torch.float32) + 1000 * rank
+        gathered = algo.all_gather(mine)
+        expect = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(expect, mine)
+        out[f"gather{n}"] = all(torch.equal(a, b) for a, b in zip(gathered, expect))
+        tensors = [torch.full((n,), float(rank)), torch.arange(7, dtype=torch.int64) * (rank + 1)]
+        algo.broadcast_(tensors, src=1)
+        out[f"broadcast{n}"] = bool((tensors[0] == 1).all()) and \
+            tensors[1].tolist() == [2 * i for i in range(7)]
+    out["pays"] = (algo.pays_for([torch.zeros(1 << 20)]), algo.pays_for([torch.zeros(4)]))
+    return out
+
+
 def _train_two_hosts(_: int) -> str:
     os.environ["REPLICATOR_HOST"] = f"host{resolve_cluster().rank}"
     strategy = rp.MirroredStrategy()
@@ -77,6 +105,24 @@ def test_auto_on_one_host_is_shared_memory_resident_and_exact(reference):
         assert r["algorithm"] == "shared_memory"
         assert r["resident"] and all(r["resident"])  # buckets live in the segment
         assert_params_close(reference, r["params"], atol=1e-5)
+
+
+@pytest.mark.skipif(bool(shared_memory_problem(2)), reason="this host has no usable /dev/shm")
+@pytest.mark.timeout(120)
+def test_central_storage_under_auto_goes_through_shared_memory(reference):
+    results = run_distributed(_train_central, world_size=2, args=(0,), timeout_seconds=60)
+    for r in results:
+        assert r["algorithm"] == "shared_memory"
+        assert_params_close(reference, r["params"], atol=1e-5)
+
+
+@pytest.mark.skipif(bool(shared_memory_problem(2)), reason="this host has no usable /dev/shm")
+@pytest.mark.timeout(120)
+def test_broadcast_and_all_gather_through_shared_memory_equal_gloo():
+    for r in run_distributed(_collectives_through_shared_memory, world_size=2, args=(0,),
+                             timeout_seconds=60):
+        assert r.pop("pays") == (True, False)
+        assert all(r.values()), r
 
 
 @pytest.mark.timeout(120)

@@ -355,7 +355,7 @@ class CheckpointManager:
         replicated = {n.removesuffix(".safetensors"): read(n)
                       for n in sorted(manifest["files"]) if not n.startswith("rank-")}
         source: int | None = self.channel.rank
-        if rank_file(source) not in manifest["files"]:  # more ranks now than when saved
+        if rank_file(self.channel.rank) not in manifest["files"]:  # more ranks than saved
             source = 0 if rank_file(0) in manifest["files"] else None
         per_rank = read(rank_file(source)) if source is not None else None
         return Restored(step=step, path=path, info=dict(manifest.get("info", {})),
