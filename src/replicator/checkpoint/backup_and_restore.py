@@ -326,6 +326,11 @@ class BackupAndRestore:
         """Back up the current state now (every rank must call it at the same step)."""
         return self._save("manual")
 
+    def wait_for_save(self) -> None:
+        """Block until the background save in flight (if any) is committed on every rank;
+        raises its error. Training never needs this: the next save and the end wait anyway."""
+        self._settle_background()
+
     def _settle_background(self, raise_errors: bool = True) -> None:
         """Wait for the background save in flight; count it once it committed everywhere."""
         if self._saver is None:
