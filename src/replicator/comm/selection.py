@@ -26,8 +26,9 @@ from replicator.errors import ClusterConfigError
 log = logging.getLogger("replicator")
 
 #: ``/dev/shm`` must have this much room per local replica for ``"auto"`` to use it: the 4 MB
-#: transfer slots plus room for gradient buckets of a model of a few million parameters.
-MIN_SHM_BYTES_PER_REPLICA = 64 << 20
+#: transfer slots and the buckets of a small model. Buckets that do not fit stay in ordinary
+#: memory and go through the slots (slower, still correct).
+MIN_SHM_BYTES_PER_REPLICA = 16 << 20
 
 _LOGGED: set[str] = set()
 

@@ -24,6 +24,7 @@ barrier counters.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,6 +51,9 @@ from replicator.comm.shm_segment import (
     align,
     check_same_host,
 )
+from replicator.errors import ReplicatorError
+
+log = logging.getLogger("replicator")
 
 DEFAULT_PIECE_BYTES = 4 << 20
 DEFAULT_MAX_RESIDENT_BYTES = 2 << 30
@@ -291,7 +295,12 @@ class SharedMemoryAllReduce(CrossDeviceOps):
                 or self.compression is not None):  # compressed data travels in new tensors
             return super().make_buffers(specs, group)
         self._channel(group)
-        segment = SharedSegment.create(world * total, group, _WHO)
+        try:  # a collective that fails on every rank alike (a full /dev/shm, say)
+            segment = SharedSegment.create(world * total, group, _WHO)
+        except ReplicatorError as exc:
+            log.warning("%s: gradient buckets stay in ordinary memory and are copied through "
+                        "the segment's slots: %s", _WHO, exc)
+            return super().make_buffers(specs, group)
         me = group_rank(group)
         out = []
         for (n, dtype, device), offset in zip(specs, offsets):
