@@ -57,6 +57,25 @@ def _train_default(_: int) -> dict:
     return {"algorithm": algo.name, "params": params, "resident": resident}
 
 
+def _train_without_room_for_buckets(_: int) -> dict:
+    from replicator.comm import shared_memory
+    from replicator.errors import ReplicatorError
+
+    strategy = rp.MirroredStrategy()
+    algo = strategy.cross_device_ops
+    algo._channel(None)  # the 4 MB slots exist; the buckets' segment will not fit
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise ReplicatorError("No space left on device (simulated)")
+
+    shared_memory.SharedSegment.create = full  # type: ignore[method-assign, assignment]
+    models: list = []
+    params = train(strategy, models)
+    sync = strategy._synchronizers[0]
+    return {"algorithm": algo.name, "params": params,
+            "resident": [algo._resident_for(b.buffer, None) is not None for b in sync.buckets]}
+
+
 def _train_central(_: int) -> dict:
     from replicator.strategies import CentralStorageStrategy
 
@@ -104,6 +123,16 @@ def test_auto_on_one_host_is_shared_memory_resident_and_exact(reference):
     for r in results:
         assert r["algorithm"] == "shared_memory"
         assert r["resident"] and all(r["resident"])  # buckets live in the segment
+        assert_params_close(reference, r["params"], atol=1e-5)
+
+
+@pytest.mark.skipif(bool(shared_memory_problem(2)), reason="this host has no usable /dev/shm")
+@pytest.mark.timeout(120)
+def test_buckets_that_do_not_fit_stay_in_ordinary_memory_and_train(reference):
+    results = run_distributed(_train_without_room_for_buckets, world_size=2, args=(0,),
+                              timeout_seconds=60)
+    for r in results:
+        assert r["algorithm"] == "shared_memory" and not any(r["resident"])
         assert_params_close(reference, r["params"], atol=1e-5)
 
 
