@@ -9,7 +9,7 @@ CNN of ``mirrored_overhead.py`` (global batch 128), samples per second of:
 * the machine's ceiling: the same 2 processes doing the same work without any communication
   (alternated with the Mirrored rounds in the same processes).
 
-Reported per model (medians over interleaved rounds, default 3): ``vs_one_process`` = Mirrored / one
+Reported per model (medians over 3 interleaved rounds): ``vs_one_process`` = Mirrored / one
 process with 2 threads (goal >= 1.1), ``scaling_2v1`` = Mirrored / one process with 1 thread
 (goal >= 1.6) and ``vs_ceiling`` = Mirrored / the ceiling (goal >= 0.95). On a shared 2-core
 machine two busy processes reach about 1.5x one process, not 2x: the ceiling is printed beside
