@@ -17,7 +17,8 @@
   at step 25 (backup every 10). Seconds from its death to the first step after the resume, and
   the ratio to a cold start (launch to first step) of the same job (goal <= 1.5).
 
-Run: ``python benchmarks/checkpoint.py [--rounds 4] [--every 250] [--repeats 3]``
+Run: ``python benchmarks/checkpoint.py [--rounds 4] [--every 250] [--repeats 3]
+[--figures overhead overhead_100 io_100mb recovery]``
 """
 
 from __future__ import annotations
@@ -211,54 +212,70 @@ def bench_recovery(repeats: int, tmp: Path) -> dict[str, float]:
     return {"recovery": median(recovery), "cold": median(cold)}
 
 
+FIGURES = ("overhead", "overhead_100", "io_100mb", "recovery")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--every", type=int, default=250, help="steps between backups")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES),
+                        help="which figures to measure (default: all)")
     parser.add_argument("--recovery-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.recovery_worker:
         recovery_worker(args.recovery_worker)
         return
     tmp = Path(tempfile.mkdtemp(prefix="replicator-bench-ckpt-"))
+    want = set(args.figures)
+    rows: list[list[object]] = []
     try:
-        over = bench_overhead(args.rounds, args.every, tmp)
-        over100 = bench_overhead(args.rounds, 100, tmp)
-        over100_fg = bench_overhead(args.rounds, 100, tmp, background=False)
-        big = bench_100mb(max(3, args.repeats), tmp)
-        rec = bench_recovery(args.repeats, tmp)
+        if "overhead" in want:
+            over = bench_overhead(args.rounds, args.every, tmp)
+            rows.append([f"step, backup every {args.every} (ms)", over["backup_step"] * 1e3,
+                         over["plain_step"] * 1e3, over["ratio"], "<= 1.035"])
+        if "overhead_100" in want:
+            over100 = bench_overhead(args.rounds, 100, tmp)
+            over100_fg = bench_overhead(args.rounds, 100, tmp, background=False)
+            rows += [["step, backup every 100, background (ms)", over100["backup_step"] * 1e3,
+                      over100["plain_step"] * 1e3, over100["ratio"], "<= 1.02"],
+                     ["same, background=False (ms)", over100_fg["backup_step"] * 1e3,
+                      over100_fg["plain_step"] * 1e3, over100_fg["ratio"], "(reference)"]]
+        if "io_100mb" in want:
+            big = bench_100mb(max(3, args.repeats), tmp)
+            rows += [[f"save {big['mb']:.0f} MB (s)", big["save"], big["save_base"],
+                      big["save"] / big["save_base"], "<= 1.5"],
+                     [f"restore {big['mb']:.0f} MB (s)", big["restore"], big["restore_base"],
+                      big["restore"] / big["restore_base"], "<= 1.5"]]
+        if "recovery" in want:
+            rec = bench_recovery(args.repeats, tmp)
+            rows.append(["death -> first step after resume (s)", rec["recovery"], rec["cold"],
+                         rec["recovery"] / rec["cold"], "<= 1.5"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print_table(["figure", "ours", "baseline", "ratio", "goal"], [
-        [f"step, backup every {args.every} (ms)", over["backup_step"] * 1e3,
-         over["plain_step"] * 1e3, over["ratio"], "<= 1.035"],
-        ["step, backup every 100 (ms)", over100["backup_step"] * 1e3,
-         over100["plain_step"] * 1e3, over100["ratio"], "<= 1.02"],
-        ["same, background=False (ms)", over100_fg["backup_step"] * 1e3,
-         over100_fg["plain_step"] * 1e3, over100_fg["ratio"], "(reference)"],
-        [f"save {big['mb']:.0f} MB (s)", big["save"], big["save_base"],
-         big["save"] / big["save_base"], "<= 1.5"],
-        [f"restore {big['mb']:.0f} MB (s)", big["restore"], big["restore_base"],
-         big["restore"] / big["restore_base"], "<= 1.5"],
-        ["death -> first step after resume (s)", rec["recovery"], rec["cold"],
-         rec["recovery"] / rec["cold"], "<= 1.5"],
-    ])
-    print(f"(a 12 MB backup held the loop {over100['save'] * 1e3:.1f} ms in the background, "
-          f"{over100_fg['save'] * 1e3:.1f} ms written in place)")
-    print(f"(one 12 MB backup took {over['save'] * 1e3:.1f} ms in the loop; baselines: plain "
-          "loop, torch.save + fsync, torch.load(weights_only=True), cold start of the job)")
-    emit(BENCH, "overhead", over["ratio"], "<= 1.035", every=args.every,
-         step_ms=round(over["backup_step"] * 1e3, 3), save_ms=round(over["save"] * 1e3, 2))
-    emit(BENCH, "overhead_100", over100["ratio"], "<= 1.02", every=100, background=True,
-         save_ms=round(over100["save"] * 1e3, 2), foreground_ratio=round(over100_fg["ratio"], 4),
-         foreground_save_ms=round(over100_fg["save"] * 1e3, 2))
-    emit(BENCH, "save_100mb", big["save"] / big["save_base"], "<= 1.5",
-         seconds=round(big["save"], 4), baseline_seconds=round(big["save_base"], 4))
-    emit(BENCH, "restore_100mb", big["restore"] / big["restore_base"], "<= 1.5",
-         seconds=round(big["restore"], 4), baseline_seconds=round(big["restore_base"], 4))
-    emit(BENCH, "recovery", rec["recovery"] / rec["cold"], "<= 1.5",
-         seconds=round(rec["recovery"], 3), cold_start_seconds=round(rec["cold"], 3))
+    print_table(["figure", "ours", "baseline", "ratio", "goal"], rows)
+    if "overhead_100" in want:
+        print(f"(a 12 MB backup held the loop {over100['save'] * 1e3:.1f} ms in the background, "
+              f"{over100_fg['save'] * 1e3:.1f} ms written in place)")
+    print("(baselines: plain loop, torch.save + fsync, torch.load(weights_only=True), cold start "
+          "of the job)")
+    if "overhead" in want:
+        emit(BENCH, "overhead", over["ratio"], "<= 1.035", every=args.every,
+             step_ms=round(over["backup_step"] * 1e3, 3), save_ms=round(over["save"] * 1e3, 2))
+    if "overhead_100" in want:
+        emit(BENCH, "overhead_100", over100["ratio"], "<= 1.02", every=100, background=True,
+             save_ms=round(over100["save"] * 1e3, 2),
+             foreground_ratio=round(over100_fg["ratio"], 4),
+             foreground_save_ms=round(over100_fg["save"] * 1e3, 2))
+    if "io_100mb" in want:
+        emit(BENCH, "save_100mb", big["save"] / big["save_base"], "<= 1.5",
+             seconds=round(big["save"], 4), baseline_seconds=round(big["save_base"], 4))
+        emit(BENCH, "restore_100mb", big["restore"] / big["restore_base"], "<= 1.5",
+             seconds=round(big["restore"], 4), baseline_seconds=round(big["restore_base"], 4))
+    if "recovery" in want:
+        emit(BENCH, "recovery", rec["recovery"] / rec["cold"], "<= 1.5",
+             seconds=round(rec["recovery"], 3), cold_start_seconds=round(rec["cold"], 3))
     sys.stdout.flush()
 
 
