@@ -52,6 +52,8 @@ class BackgroundSaver:
         self._step: int | None = None
         self._error: BaseException | None = None
         self._saved: tuple[int, Path] | None = None
+        #: The last save's copies, reused by the next one (it is done with them by then).
+        self._frozen: dict[str, FrozenState] = {}
         #: Seconds the caller spent in the last :meth:`submit` (copying the state).
         self.last_submit_seconds = 0.0
         #: Seconds the last save took on its thread (write, agreement, commit).
@@ -88,10 +90,15 @@ class BackgroundSaver:
         self.wait()
         start = time.perf_counter()
         channel = self._private_channel()
-        frozen_rep = ({name: freeze_state(state, name) for name, state in replicated.items()}
+        old = self._frozen
+        frozen_rep = ({name: freeze_state(state, name, old.get(name))
+                       for name, state in replicated.items()}
                       if replicated is not None else None)
-        frozen_rank = freeze_state(per_rank, f"rank {channel.rank}'s state") \
-            if per_rank is not None else None
+        frozen_rank = freeze_state(per_rank, f"rank {channel.rank}'s state",
+                                   old.get("rank-")) if per_rank is not None else None
+        self._frozen = dict(frozen_rep or {})
+        if frozen_rank is not None:
+            self._frozen["rank-"] = frozen_rank
         info = dict(info or {})
         self._step, self._error, self._saved = step, None, None
         self._thread = threading.Thread(

@@ -86,15 +86,23 @@ class FrozenState:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def freeze_state(state: Any, label: str) -> FrozenState:
+def freeze_state(state: Any, label: str, reuse: FrozenState | None = None) -> FrozenState:
     """Copy ``state`` (a tree of plain values and tensors) into memory, as it is now.
 
-    Raises the same ``TypeError`` as a save would for data that cannot be stored, so a bad
-    state is reported at the step that produced it, not later on a thread.
+    ``reuse``: an earlier copy that is no longer needed; its buffers are overwritten where
+    names, shapes and dtypes match (no fresh allocation, no page faults). Raises the same
+    ``TypeError`` as a save would for data that cannot be stored, so a bad state is reported
+    at the step that produced it, not later on a thread.
     """
     tensors, metadata = serialization._flatten(state, label)
-    copies = {k: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-              for k, t in tensors.items()}
+    old = reuse.tensors if reuse is not None else {}
+    copies = {}
+    for k, t in tensors.items():
+        buf = old.get(k)
+        if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+            copies[k] = buf.copy_(t.detach())
+        else:
+            copies[k] = t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
     return FrozenState(copies, metadata)
 
 
