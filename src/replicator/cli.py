@@ -69,7 +69,8 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                           "MirroredStrategy on --nproc local workers (nothing is downloaded).")
     _add_launch_flags(demo, 2)
     demo_actions = digits.add_arguments(demo.add_argument_group("demo options"))
-    sub.add_parser("env", help="print what replicator sees: devices, cores, torch")
+    sub.add_parser("env", help="print what replicator sees: devices, cores, torch, and the "
+                   "all-reduce that 'auto' picks")
     return parser, demo_actions
 
 
@@ -92,7 +93,14 @@ def _print_env() -> None:
     print(f"torch {torch.__version__}; CPU cores {os.cpu_count()}; CUDA devices "
           f"{available_accelerators()}; gloo {torch.distributed.is_gloo_available()}; "
           f"nccl {torch.distributed.is_nccl_available()}")
-    print(f"cluster: {resolve_cluster()}")
+    spec = resolve_cluster()
+    print(f"cluster: {spec}")
+    from replicator.comm.selection import describe_auto
+
+    choice = describe_auto(local_replicas=max(1, spec.local_world_size))
+    hosts = "; across several hosts: hierarchical" if choice.name == "shared_memory" else ""
+    print(f"CommunicationOptions(implementation='auto') would choose: {choice.name} "
+          f"({choice.reason}{hosts})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,6 +75,9 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
     p.add_argument("--check-seconds", type=float, default=0.0, help="preemption checks")
     p.add_argument("--attempt-offset", type=int, default=0, help="log numbering of a rerun")
+    p.add_argument("--background", action="store_true",
+                   help="save in the background (then which backup a crash resumes from "
+                   "depends on timing; the tests here assert exact resume steps)")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -96,7 +99,8 @@ def main() -> None:
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=25, gamma=0.5)
     save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
     backup = BackupAndRestore(args.backup, save_freq=save_freq, delete_checkpoint=args.delete,
-                              preemption_check_seconds=args.check_seconds)
+                              preemption_check_seconds=args.check_seconds,
+                              background=args.background)
     backup.track(model=model, optimizer=optimizer, scheduler=scheduler)
 
     faults = []

@@ -16,6 +16,12 @@ As a callback, a trainer calls ``track(...)`` and then the Keras hooks ``on_trai
 ``on_epoch_begin``, ``on_train_batch_end``, ``on_epoch_end`` and ``on_train_end``, and reads
 batches of each epoch from :meth:`epoch_batches` (which resumes mid-epoch the first time).
 
+Saves due by ``save_freq`` run in the background by default (``background=True``): the state
+is copied to memory at the step boundary and written and committed on a thread while the next
+steps run (see ``background.py``); the commit stays atomic and verified, at most one save is in
+flight, and a failed save raises at the next save or at the end of training. Saves on
+preemption, the final save and :meth:`save` are written before they return.
+
 It also turns SIGTERM into a clean stop (every rank saves the same step and exits with code 75)
 and, by default, stops before an optimizer step whose gradients are NaN or infinite.
 """
@@ -30,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from replicator.checkpoint import rng
+from replicator.checkpoint.background import BackgroundSaver
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
 from replicator.checkpoint.nonfinite import NonFiniteGuard
@@ -66,12 +73,15 @@ class BackupAndRestore:
         handle_preemption: save and exit with code 75 on SIGTERM (main thread only).
         preemption_check_seconds: how often the ranks agree on whether one was signalled
             (about; the interval in steps adapts to the step time); 0 checks every step.
+        background: write and commit the saves due by ``save_freq`` on a thread while
+            training goes on (the state is copied to memory first); ``False`` writes each
+            save before the next step starts.
     """
 
     def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
                  keep: int = 2, delete_checkpoint: bool = True, *, strategy: Any = None,
                  terminate_on_nan: bool = True, handle_preemption: bool = True,
-                 preemption_check_seconds: float = 1.0) -> None:
+                 preemption_check_seconds: float = 1.0, background: bool = True) -> None:
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
                                      or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got "
@@ -87,6 +97,8 @@ class BackupAndRestore:
         self.preemption_check_seconds = preemption_check_seconds
         self._strategy = strategy
         self._keep = keep
+        self.background = bool(background)
+        self._saver: BackgroundSaver | None = None
         self._manager: CheckpointManager | None = None
         self._objects: dict[str, Any] = {}
         self._dataset: Any = None
@@ -183,6 +195,9 @@ class BackupAndRestore:
                 if finished:
                     self.on_epoch_end(self.epoch)
             self.on_train_end()
+        except BaseException:
+            self._settle_background(raise_errors=False)  # the loop's own error comes first
+            raise
         finally:
             self.close()
 
@@ -282,7 +297,10 @@ class BackupAndRestore:
             self._exit_preempted()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        """Training completed on every rank: delete the backups or write the final one."""
+        """Training completed on every rank: delete the backups or write the final one.
+
+        A background save still in flight is finished first (its error is raised here)."""
+        self._settle_background()
         if self.delete_checkpoint:
             self.channel.max_flag(False, "end of training")  # nobody still needs a backup
             self.manager.delete_all()
@@ -292,7 +310,9 @@ class BackupAndRestore:
 
     def close(self) -> None:
         """Remove the signal handler and the NaN check (done by ``steps()`` and
-        ``on_train_end``; call it yourself if you leave a callback-driven loop early)."""
+        ``on_train_end``; call it yourself if you leave a callback-driven loop early).
+        A background save still in flight is finished first and its error raised."""
+        self._settle_background()
         if self._watcher is not None:
             self._watcher.uninstall()
             self._watcher = None
@@ -306,7 +326,28 @@ class BackupAndRestore:
         """Back up the current state now (every rank must call it at the same step)."""
         return self._save("manual")
 
+    def wait_for_save(self) -> None:
+        """Block until the background save in flight (if any) is committed on every rank;
+        raises its error. Training never needs this: the next save and the end wait anyway."""
+        self._settle_background()
+
+    def _settle_background(self, raise_errors: bool = True) -> None:
+        """Wait for the background save in flight; count it once it committed everywhere."""
+        if self._saver is None:
+            return
+        try:
+            done = self._saver.wait()
+        except Exception as exc:
+            if raise_errors:
+                raise
+            warnings.warn(f"the background checkpoint save failed: {exc}", RuntimeWarning,
+                          stacklevel=3)
+            return
+        if done is not None:
+            self._last_saved_step = done[0]
+
     def _save(self, reason: str) -> Path:
+        self._settle_background()
         ch = self.channel
         replicated = ({name: obj.state_dict() for name, obj in self._objects.items()}
                       if ch.is_chief else None)
@@ -317,6 +358,12 @@ class BackupAndRestore:
         per_rank = {"rng": rng.capture(), "data": data}
         info = {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "reason": reason, "data_state": data is not None}
+        if self.background and reason in ("step", "epoch"):
+            if self._saver is None:
+                directory = self.manager.directory
+                self._saver = BackgroundSaver(
+                    self.manager, on_saved=lambda step, _: record_backup(directory, step))
+            return self._saver.submit(self.step, replicated, per_rank, info)
         path = self.manager.save(self.step, replicated, per_rank, info)
         self._last_saved_step = self.step
         record_backup(self.manager.directory, self.step)  # the launcher's "rerun to resume"
@@ -324,6 +371,7 @@ class BackupAndRestore:
 
     def restore(self) -> bool:
         """Load the newest valid backup into the tracked objects; False when there is none."""
+        self._settle_background()
         restored = self.manager.restore()
         self.restored = restored
         if restored is None:

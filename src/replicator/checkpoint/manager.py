@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from replicator.checkpoint import fault_points, serialization
+from replicator.checkpoint import fault_points, safetensors_io, serialization
 from replicator.checkpoint.atomic import fsync_dir, remove_tree
 from replicator.checkpoint.exchange import Channel, default_collectives, describe_failures
 from replicator.checkpoint.manifest import (
@@ -70,6 +71,39 @@ def check_state_name(name: str) -> str:
         raise ValueError(f"state name {name!r} is not usable as a file name; use letters, digits "
                          "and '_' (and not a name starting with 'rank')")
     return name
+
+
+@dataclass
+class FrozenState:
+    """A state tree flattened and copied at one moment (see :func:`freeze_state`): what a
+    background save writes while training changes the live tensors."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def freeze_state(state: Any, label: str, reuse: FrozenState | None = None) -> FrozenState:
+    """Copy ``state`` (a tree of plain values and tensors) into memory, as it is now.
+
+    ``reuse``: an earlier copy that is no longer needed; its buffers are overwritten where
+    names, shapes and dtypes match (no fresh allocation, no page faults). Raises the same
+    ``TypeError`` as a save would for data that cannot be stored, so a bad state is reported
+    at the step that produced it, not later on a thread.
+    """
+    tensors, metadata = serialization._flatten(state, label)
+    old = reuse.tensors if reuse is not None else {}
+    copies = {}
+    for k, t in tensors.items():
+        buf = old.get(k)
+        if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+            copies[k] = buf.copy_(t.detach())
+        else:
+            copies[k] = t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+    return FrozenState(copies, metadata)
 
 
 @dataclass
@@ -143,15 +177,18 @@ class CheckpointManager:
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, replicated: Mapping[str, Any] | None = None,
-             per_rank: Any = None, info: Mapping[str, Any] | None = None) -> Path:
+             per_rank: Any = None, info: Mapping[str, Any] | None = None, *,
+             channel: Channel | None = None) -> Path:
         """Write and commit the checkpoint of ``step``; every rank calls this together.
 
         ``replicated`` maps names to state trees that are the same on every rank (the chief
         writes them; other ranks may pass ``None``); ``per_rank`` is this rank's own state tree;
-        ``info`` is JSON stored in the manifest. Raises :class:`CheckpointWriteError` on every
+        either may be a :class:`FrozenState`. ``info`` is JSON stored in the manifest.
+        ``channel``: how the ranks agree (default: the manager's own; a background save
+        passes one over a private group). Raises :class:`CheckpointWriteError` on every
         rank when any rank fails, after removing the partial checkpoint.
         """
-        ch = self.channel
+        ch = channel or self.channel
         name = step_dir_name(step)
         tmp = self.directory / f".tmp-{name}-a{self.attempt}"
         final = self.directory / name
@@ -182,7 +219,7 @@ class CheckpointManager:
         commit_exc: BaseException | None = None
         if ch.is_chief:
             files = {n: FileEntry(**e) for m in results for n, e in m["files"].items()}
-            commit_exc = self._commit(step, tmp, final, files, dict(info or {}))
+            commit_exc = self._commit(step, tmp, final, files, dict(info or {}), ch)
         outcome = ch.from_chief(_text(commit_exc), f"checkpoint save of step {step} (commit)")
         if outcome:
             raise self._write_error(step, {0: outcome}, commit_exc)
@@ -192,23 +229,26 @@ class CheckpointManager:
         return final
 
     def _write(self, tmp: Path, fname: str, state: Any, label: str) -> FileEntry:
-        size, digest = serialization.write(tmp / fname, state, label)
+        if isinstance(state, FrozenState):
+            size, digest = safetensors_io.write_file(tmp / fname, state.tensors, state.metadata)
+        else:
+            size, digest = serialization.write(tmp / fname, state, label)
         return FileEntry(bytes=size, sha256=digest)
 
     def _commit(self, step: int, tmp: Path, final: Path, files: dict[str, FileEntry],
-                info: dict[str, Any]) -> BaseException | None:
+                info: dict[str, Any], ch: Channel) -> BaseException | None:
         moved = False
         try:
-            manifest = build(step, self.channel.world_size, files, info)
+            manifest = build(step, ch.world_size, files, info)
             fsync_dir(tmp)
             if final.exists():  # an uncommitted or damaged leftover of this same step
                 remove_tree(final)
             os.rename(tmp, final)
             moved = True
             fsync_dir(self.directory)
-            fault_points.fire("before_commit", step=step, path=final, rank=self.channel.rank)
+            fault_points.fire("before_commit", step=step, path=final, rank=ch.rank)
             write_marker(final, manifest)
-            fault_points.fire("after_commit", step=step, path=final, rank=self.channel.rank)
+            fault_points.fire("after_commit", step=step, path=final, rank=ch.rank)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
             remove_tree(final if moved else tmp)
             return exc
@@ -322,8 +362,8 @@ class CheckpointManager:
 
         replicated = {n.removesuffix(".safetensors"): read(n)
                       for n in sorted(manifest["files"]) if not n.startswith("rank-")}
-        source = self.channel.rank
-        if rank_file(source) not in manifest["files"]:  # more ranks now than when saved
+        source: int | None = self.channel.rank
+        if rank_file(self.channel.rank) not in manifest["files"]:  # more ranks than saved
             source = 0 if rank_file(0) in manifest["files"] else None
         per_rank = read(rank_file(source)) if source is not None else None
         return Restored(step=step, path=path, info=dict(manifest.get("info", {})),

@@ -1,19 +1,157 @@
-"""Pick the all-reduce algorithm from ``CommunicationOptions.implementation``."""
+"""Pick the all-reduce algorithm from ``CommunicationOptions.implementation``.
+
+``"auto"`` picks the fastest correct algorithm for the replicas' group: the backend's own
+(NCCL) on CUDA; on CPU, :class:`SharedMemoryAllReduce` when every replica runs on one host,
+:class:`HierarchicalAllReduce` (shared memory inside each host, the backend between hosts'
+leaders) when they span several; and the backend's own (gloo) wherever shared memory cannot be
+used (no or a too small ``/dev/shm``, a CPU without the safe barrier, a failure creating the
+segment), with the reason logged once. Every rank makes the same choice: the local facts are
+combined with one small collective before anything is decided.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import platform
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
 from replicator.comm.options import CommunicationOptions
 from replicator.errors import ClusterConfigError
 
+log = logging.getLogger("replicator")
 
-def algorithm_for(options: CommunicationOptions, device: torch.device) -> CrossDeviceOps:
+#: ``/dev/shm`` must have this much room per local replica for ``"auto"`` to use it: the 4 MB
+#: transfer slots and the buckets of a small model. Buckets that do not fit stay in ordinary
+#: memory and go through the slots (slower, still correct).
+MIN_SHM_BYTES_PER_REPLICA = 16 << 20
+
+_LOGGED: set[str] = set()
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``"auto"`` picks: ``name`` (``"nccl"``, ``"shared_memory"``, ``"hierarchical"``,
+    ``"gloo"``) and ``reason``, one sentence saying why."""
+
+    name: str
+    reason: str
+
+
+def _shm_dir() -> str:
+    from replicator.comm.shm_segment import SHM_DIR
+
+    return SHM_DIR
+
+
+def shared_memory_problem(local_replicas: int = 1) -> str:
+    """Why this process cannot use a same-host shared-memory all-reduce ('' when it can)."""
+    from replicator.comm.shm_segment import flag_barrier_is_safe
+
+    shm = _shm_dir()
+    if os.name != "posix" or not hasattr(os, "posix_fallocate"):
+        return f"shared-memory segments need a POSIX system ({os.name})"
+    if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
+        return f"{shm} does not exist or is not writable"
+    if not flag_barrier_is_safe():
+        return (f"the shared-memory barrier needs an x86 CPU (total store order); this one "
+                f"is {platform.machine() or 'unknown'}")
+    try:
+        st = os.statvfs(shm)
+        free = st.f_bavail * st.f_frsize
+    except OSError as exc:
+        return f"cannot read the free space of {shm} ({exc})"
+    need = MIN_SHM_BYTES_PER_REPLICA * max(1, local_replicas)
+    if free < need:
+        return (f"{shm} has {free / 1e6:.0f} MB free, less than the {need / 1e6:.0f} MB "
+                f"wanted for {local_replicas} replica(s) (docker: --shm-size)")
+    return ""
+
+
+def describe_auto(device: torch.device | None = None, hosts: int = 1,
+                  local_replicas: int = 1) -> AutoChoice:
+    """What ``"auto"`` would choose on this process's facts alone (for ``replicator env``).
+
+    A running job also requires every rank to agree; :func:`algorithm_for` does that.
+    """
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return AutoChoice("nccl", "the replicas compute on CUDA devices: NCCL's own "
+                          "all-reduce is the fastest there")
+    problem = shared_memory_problem(local_replicas)
+    if problem:
+        return AutoChoice("gloo", f"shared memory cannot be used: {problem}; falling back "
+                          "to gloo's all-reduce")
+    if hosts > 1:
+        return AutoChoice("hierarchical", f"the replicas run on {hosts} hosts: shared memory "
+                          "inside each host, gloo between one leader per host")
+    return AutoChoice("shared_memory", f"every replica runs on this host and {_shm_dir()} is "
+                      "usable: a shared-memory all-reduce, no sockets")
+
+
+def choose_auto(device: torch.device, group: dist.ProcessGroup | None) -> AutoChoice:
+    """``"auto"``'s choice for the replicas of ``group``, the same on every rank (collective).
+
+    Every member of ``group`` must call it. On CPU: one all-gather of host keys and one
+    all-reduce of the local shared-memory facts, and for one host a trial segment.
+    """
+    if device.type == "cuda":
+        return describe_auto(device)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return AutoChoice("gloo", "a single replica: nothing to reduce")
+    from replicator.cluster.hosts import exchange_host_keys
+
+    keys = exchange_host_keys(group)
+    hosts = len(set(keys))
+    local = max(keys.count(k) for k in set(keys))
+    problem = shared_memory_problem(local)
+    flag = torch.tensor([0 if problem else 1], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    if int(flag) == 0:
+        if not problem:
+            problem = "another replica cannot use its shared memory (its log says why)"
+        return AutoChoice("gloo", f"shared memory cannot be used: {problem}; falling back to "
+                          "gloo's all-reduce")
+    if hosts > 1:
+        return describe_auto(device, hosts, local)
+    from replicator.comm.shared_memory import SharedMemoryAllReduce
+    from replicator.comm.shm_segment import SharedSegment, check_same_host
+
+    try:  # collectives that raise on every rank alike when any rank fails
+        check_same_host(group, "shared-memory all-reduce")
+        SharedSegment.create(SharedMemoryAllReduce().piece_bytes, group,
+                             "shared-memory all-reduce (trial)")
+    except Exception as exc:  # noqa: BLE001 - every rank sees the failure and falls back
+        return AutoChoice("gloo", f"creating a shared-memory segment failed ({exc}); falling "
+                          "back to gloo's all-reduce")
+    return describe_auto(device, hosts, local)
+
+
+def _log_once(choice: AutoChoice, rank: int) -> None:
+    key = f"{choice.name}|{choice.reason}"
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    fell_back = choice.name == "gloo" and "single replica" not in choice.reason
+    level = logging.WARNING if fell_back else logging.INFO
+    if rank == 0 or fell_back:
+        log.log(level, "CommunicationOptions(implementation='auto') chose %s on rank %d: %s",
+                choice.name, rank, choice.reason)
+
+
+def algorithm_for(options: CommunicationOptions, device: torch.device,
+                  group: dist.ProcessGroup | None = None) -> CrossDeviceOps:
     """The algorithm ``options.implementation`` names, for replicas computing on ``device``.
 
-    ``"auto"``: the backend's own all-reduce (NCCL on GPUs, gloo on CPUs). ``"nccl"`` needs
-    GPUs; ``"gloo"`` needs CPUs; ``"ring"``, ``"hierarchical"``, ``"reduce_to_one"`` and
+    ``"auto"`` picks the fastest correct algorithm for ``group`` (``None``: the whole job; see
+    the module doc); it is a collective over ``group`` when a process group is running (every
+    member must call it), and the backend's own all-reduce when none is. ``"nccl"`` needs GPUs;
+    ``"gloo"`` needs CPUs; ``"ring"``, ``"hierarchical"``, ``"reduce_to_one"`` and
     ``"shared_memory"`` (CPU, one host) pick those algorithms.
     """
     impl = options.implementation
@@ -26,6 +164,11 @@ def algorithm_for(options: CommunicationOptions, device: torch.device) -> CrossD
         raise ClusterConfigError(
             "CommunicationOptions(implementation='gloo') was given for CUDA replicas, whose "
             "process group is NCCL. HINT: use implementation='auto' or 'nccl' on GPUs.")
+    if impl == "auto" and device.type == "cpu" and dist.is_initialized():
+        choice = choose_auto(device, group)
+        _log_once(choice, dist.get_rank())
+        if choice.name in ("shared_memory", "hierarchical"):
+            impl = choice.name
     if impl in ("auto", "nccl", "gloo"):
         return NativeAllReduce(timeout_seconds=timeout)
     if impl == "ring":

@@ -24,9 +24,10 @@ barrier counters.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,17 @@ from replicator.comm.shm_segment import (
     align,
     check_same_host,
 )
+from replicator.errors import ReplicatorError
+
+log = logging.getLogger("replicator")
 
 DEFAULT_PIECE_BYTES = 4 << 20
 DEFAULT_MAX_RESIDENT_BYTES = 2 << 30
 _WHO = "shared-memory all-reduce"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _sum_chunk(slots: list[torch.Tensor], me: int, lo: int, hi: int) -> None:
@@ -146,9 +154,13 @@ class _Channel:
                 return
 
     # -- any tensor: copied through the slots, synchronous -------------------------------------
-    def sum_copy(self, flat: torch.Tensor) -> None:
-        while self._queue:  # finish what was launched before, in order
+    def drain(self) -> None:
+        """Finish every resident all-reduce launched before, in order."""
+        while self._queue:
             self._advance(self._queue[-1])
+
+    def sum_copy(self, flat: torch.Tensor) -> None:
+        self.drain()
         n, size = flat.numel(), flat.element_size()
         piece = self.piece_bytes // size
         inputs, sums = FlagBarrier.INPUTS, FlagBarrier.SUMS
@@ -164,6 +176,54 @@ class _Channel:
             self.barrier.arrive(sums)
             self.barrier.wait_for(number, "sums written", sums)
             flat[start:start + m].copy_(slots[self.rank])
+
+
+    def exchange_bytes(self, mine: Sequence[torch.Tensor],
+                       read: Callable[[int, list[tuple[torch.Tensor, int, int, int]]], None],
+                       writer: int | None) -> None:
+        """Move byte views through the slots, a slot-full at a time.
+
+        ``mine``: this rank's ``uint8`` views, written into its own slot (only by ``writer``
+        when one is given, else by every rank). After each fill, ``read(slot_rank, pieces)``
+        runs for every slot to read (``writer``'s only, or every slot) with ``pieces`` as
+        ``(view, start, length, offset in the slot)``.
+        """
+        self.drain()
+        cap = self.piece_bytes
+        batch: list[tuple[torch.Tensor, int, int, int]] = []
+        fill = 0
+        inputs, sums = FlagBarrier.INPUTS, FlagBarrier.SUMS
+        slots = [self.segment.view(self.header + s * cap, cap, torch.uint8)
+                 for s in range(self.world)]
+
+        def flush() -> None:
+            if writer is None or writer == self.rank:
+                own = slots[self.rank]
+                for view, start, length, offset in batch:
+                    own[offset:offset + length].copy_(view[start:start + length])
+            number = self.barrier.arrive(inputs)
+            self.barrier.wait_for(number, "inputs written", inputs)
+            for s in ([writer] if writer is not None else range(self.world)):
+                read(s, batch)
+            self.barrier.arrive(sums)
+            self.barrier.wait_for(number, "inputs read", sums)
+
+        for view in mine:
+            pos, n = 0, view.numel()
+            while pos < n:
+                take = min(cap - fill, n - pos)
+                batch.append((view, pos, take, fill))
+                fill += take
+                pos += take
+                if fill == cap:
+                    flush()
+                    batch, fill = [], 0
+        if batch:
+            flush()
+
+    def slot(self, rank: int) -> torch.Tensor:
+        return self.segment.view(self.header + rank * self.piece_bytes, self.piece_bytes,
+                                 torch.uint8)
 
 
 class _ResidentHandle:
@@ -191,6 +251,9 @@ class SharedMemoryAllReduce(CrossDeviceOps):
     """
 
     name = "shared_memory"
+    #: From this many bytes on, :meth:`pays_for` sends reduce/gather/broadcast through the
+    #: segment rather than the backend.
+    LARGE_BYTES = 64 * 1024
 
     def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, *,
                  max_resident_bytes: int = DEFAULT_MAX_RESIDENT_BYTES,
@@ -232,7 +295,12 @@ class SharedMemoryAllReduce(CrossDeviceOps):
                 or self.compression is not None):  # compressed data travels in new tensors
             return super().make_buffers(specs, group)
         self._channel(group)
-        segment = SharedSegment.create(world * total, group, _WHO)
+        try:  # a collective that fails on every rank alike (a full /dev/shm, say)
+            segment = SharedSegment.create(world * total, group, _WHO)
+        except ReplicatorError as exc:
+            log.warning("%s: gradient buckets stay in ordinary memory and are copied through "
+                        "the segment's slots: %s", _WHO, exc)
+            return super().make_buffers(specs, group)
         me = group_rank(group)
         out = []
         for (n, dtype, device), offset in zip(specs, offsets):
@@ -286,6 +354,81 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             channel.complete(channel.launch(resident.slots(tensor)))
         else:
             channel.sum_copy(tensor.view(-1))
+
+    # -- other collectives through the segment (central storage, large reduce/gather) ----------
+    def pays_for(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """True when moving ``tensors`` through shared memory beats the backend: CPU tensors of
+        at least :attr:`LARGE_BYTES` in all (below it both cost about one round trip)."""
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        return total >= self.LARGE_BYTES and all(t.device.type == "cpu" for t in tensors)
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
+                   group: dist.ProcessGroup | None = None) -> None:
+        """Overwrite ``tensors`` on every rank of ``group`` with group rank ``src``'s, through
+        the segment (a collective: every rank passes tensors of the same shapes and dtypes)."""
+        views = self._byte_views(tensors, "broadcast_")
+        world = group_size(group)
+        if not 0 <= src < world:
+            raise ValueError(f"broadcast_(src={src}): src is a group rank, 0 to {world - 1}")
+        if world == 1 or not views:
+            return
+        what = f"shared-memory broadcast of {len(views)} tensor(s) from group rank {src}"
+        try:
+            channel = self._channel(group)
+            me = group_rank(group)
+
+            def read(slot_rank: int, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:
+                if me == src:
+                    return
+                slot = channel.slot(slot_rank)
+                for view, start, length, offset in pieces:
+                    view[start:start + length].copy_(slot[offset:offset + length])
+
+            channel.exchange_bytes(views, read, writer=src)
+        except Exception as exc:
+            raise algorithm_error(exc, global_rank(), what) from exc
+
+    def all_gather(self, tensor: torch.Tensor,
+                   group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype on every rank), in group-rank order,
+        through the segment (a collective)."""
+        views = self._byte_views([tensor], "all_gather")
+        world = group_size(group)
+        if world == 1:
+            return [tensor.clone()]
+        out = [torch.empty_like(tensor, memory_format=torch.contiguous_format)
+               for _ in range(world)]
+        if not views:
+            return out
+        outs = [o.view(-1).view(torch.uint8) for o in out]
+        what = f"shared-memory all_gather of {_nbytes(tensor) / 1e6:.1f} MB"
+        try:
+            channel = self._channel(group)
+
+            def read(slot_rank: int, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:
+                slot = channel.slot(slot_rank)
+                for _view, start, length, offset in pieces:
+                    outs[slot_rank][start:start + length].copy_(slot[offset:offset + length])
+
+            channel.exchange_bytes(views, read, writer=None)
+        except Exception as exc:
+            raise algorithm_error(exc, global_rank(), what) from exc
+        return out
+
+    @staticmethod
+    def _byte_views(tensors: Sequence[torch.Tensor], call: str) -> list[torch.Tensor]:
+        views = []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                raise TypeError(f"SharedMemoryAllReduce.{call} takes CPU tensors, got "
+                                f"{t.device if isinstance(t, torch.Tensor) else type(t)}. "
+                                "HINT: use the strategy's collectives for GPU tensors")
+            if not t.is_contiguous():
+                raise ValueError(f"SharedMemoryAllReduce.{call} needs contiguous tensors "
+                                 "(it works in place). HINT: pass t.contiguous()")
+            if t.numel():
+                views.append(t.detach().reshape(-1).view(torch.uint8))
+        return views
 
     def __repr__(self) -> str:
         extra = f", compression={self.compression!r}" if self.compression is not None else ""

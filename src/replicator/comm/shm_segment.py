@@ -28,7 +28,9 @@ import torch.distributed as dist
 from replicator.comm.groups import group_rank, group_ranks, group_size
 from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
 
-SHM_DIR = "/dev/shm"
+#: Where segments are created; ``REPLICATOR_SHM_DIR`` overrides it (a tmpfs of your choice,
+#: or a path that does not exist to keep shared memory off).
+SHM_DIR = os.environ.get("REPLICATOR_SHM_DIR", "") or "/dev/shm"
 NAME_PREFIX = "replicator-shm-"
 ALIGN = 64
 _PAYLOAD = 256

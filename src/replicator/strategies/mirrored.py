@@ -113,12 +113,13 @@ class MirroredStrategy(Strategy):
                 f"both cross_device_ops={cross_device_ops!r} and CommunicationOptions("
                 f"implementation={self._options.implementation!r}) choose the all-reduce "
                 "algorithm. HINT: give only one of them.")
-        self._algorithm = cross_device_ops or algorithm_for(self._options, self._device)
         info = initialize(timeout_seconds=self._options.timeout_seconds, device=self._device)
         self._mesh = mesh
         self._axis = axis if mesh is not None else None
         self._group = mesh.group(axis) if mesh is not None else None
         self._data_group = self._group
+        self._algorithm = cross_device_ops or algorithm_for(self._options, self._device,
+                                                            self._group)
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
         store = open_store_client(info)
