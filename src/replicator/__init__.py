@@ -43,11 +43,13 @@ from replicator.errors import (
     UnsafeCheckpointError,
     WorkerFailedError,
 )
+from replicator.ps import partitioners
 from replicator.strategies import (
     CentralStorageStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    ParameterServerStrategy,
     ReplicaContext,
     Strategy,
     available_strategies,
@@ -87,5 +89,5 @@ __all__ = [
     "register_ddp_comm_hook", "BackupAndRestore", "CheckpointManager", "PREEMPTION_EXIT_CODE",
     "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
     "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
-    "Topology", "cluster",
+    "Topology", "cluster", "ParameterServerStrategy", "partitioners",
 ]

@@ -5,6 +5,7 @@ from replicator.strategies.central_storage import CentralStorageStrategy
 from replicator.strategies.losses import compute_average_loss
 from replicator.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from replicator.strategies.one_device import OneDeviceStrategy
+from replicator.strategies.parameter_server import ParameterServerStrategy
 from replicator.strategies.registry import available_strategies, get_strategy, register_strategy
 from replicator.strategies.replica_context import ReplicaContext, get_replica_context
 
@@ -12,7 +13,9 @@ register_strategy(OneDeviceStrategy, "onedevice", "single", "default")
 register_strategy(MirroredStrategy)
 register_strategy(MultiWorkerMirroredStrategy, "multi_worker", "multiworker_mirrored")
 register_strategy(CentralStorageStrategy, "central")
+register_strategy(ParameterServerStrategy, "ps")
 
 __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
-           "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
-           "compute_average_loss", "get_strategy", "register_strategy", "available_strategies"]
+           "CentralStorageStrategy", "ParameterServerStrategy", "ReplicaContext",
+           "get_replica_context", "compute_average_loss", "get_strategy", "register_strategy",
+           "available_strategies"]
