@@ -107,10 +107,11 @@ class ServerClient:
         payload = text_tensor(text)
         self.each(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload))
 
-    def pull(self, expected: dict[int, int], sink: Sink) -> list[int]:
-        """Pull every shard of every server (``expected[k]`` shards from server ``k``)."""
+    def pull(self, expected: dict[int, int], sink: Sink, begin: bool = False) -> list[int]:
+        """Pull every shard of every server (``expected[k]`` shards from server ``k``);
+        ``begin``: a step starts with these values (the servers apply the staleness bound)."""
         def one(k: int, conn: Connection) -> int:
-            conn.send(P.PULL, a=expected.get(k, 0))
+            conn.send(P.PULL, a=expected.get(k, 0), b=int(begin))
             return self._read_values(k, conn, sink)
 
         return self.each(one)

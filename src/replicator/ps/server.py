@@ -158,13 +158,13 @@ class ParameterServer:
                 grads[nxt.var_id] = (nxt.version, nxt.payload)
             self._push(worker, grads)
             if nxt.b:
-                self._pull(conn, worker, expected=0)
+                self._pull(conn, worker, expected=0, begin=False)
         elif msg.kind == P.PUSH:  # an empty push (no gradient on this server)
             self._push(worker, {})
             if msg.b:
-                self._pull(conn, worker, expected=0)
+                self._pull(conn, worker, expected=0, begin=False)
         elif msg.kind == P.PULL:
-            self._pull(conn, worker, expected=msg.a)
+            self._pull(conn, worker, expected=msg.a, begin=bool(msg.b))
         elif msg.kind == P.STATS:
             conn.send(P.STATS, tensor=self._stats_tensor())
         elif msg.kind == P.VERSIONS:
@@ -294,21 +294,25 @@ class ParameterServer:
                 return False
         return True
 
-    def _pull(self, conn: Connection, worker: int, expected: int) -> None:
+    def _pull(self, conn: Connection, worker: int, expected: int, begin: bool) -> None:
+        """Send every shard's values; ``begin``: the worker starts a step with them (it waits
+        for the staleness bound and counts as a step in flight until its next push)."""
         deadline = time.monotonic() + self.timeout_seconds
         with self.lock:
-            while len(self.shards) < expected or not self._may_pull(worker):
+            while len(self.shards) < expected or (begin and not self._may_pull(worker)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise P.ParameterServerError(
                         f"parameter server {self.index} could not serve worker {worker}'s pull "
                         f"within {self.timeout_seconds:.0f} s ({len(self.shards)} of {expected} "
-                        "shards registered). HINT: the chief registers the variables; check "
-                        "that it is running.")
+                        f"shards registered; staleness bound {self.staleness}). HINT: the chief "
+                        "registers the variables, and with a staleness bound the slowest "
+                        "worker must keep pushing; check that they are running.")
                 self.lock.wait(min(left, 0.5))
-            state = self.workers[worker]
-            state.in_flight = True
-            state.pulled_clock = self.clock
+            if begin:
+                state = self.workers[worker]
+                state.in_flight = True
+                state.pulled_clock = self.clock
             values = [(sid, s.version, s.param.detach().clone())
                       for sid, s in sorted(self.shards.items())]
             clock = self.clock

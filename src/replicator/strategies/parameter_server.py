@@ -218,8 +218,7 @@ class ParameterServerStrategy(Strategy):
                 rows = _rows(self._params[s.shard_id].detach())[s.start:s.end]
                 initial.setdefault(s.server, []).append((s.shard_id, rows.cpu().clone()))
             self._client.register(initial)
-        expected = {k: sum(s.server == k for s in self._shards) for k in range(self._num_ps)}
-        self._client.pull(expected, self._receive)
+        self._client.pull(self._expected(), self._receive)
 
     def _receive(self, sid: int, version: int, values: torch.Tensor) -> None:
         s = self._shards[sid]
@@ -266,6 +265,15 @@ class ParameterServerStrategy(Strategy):
             p.grad = g
         self._stash = []
 
+    def _run(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if self._staleness and self._shards:
+            # bounded staleness: the step starts from values pulled under the bound
+            self._client.pull(self._expected(), self._receive, begin=True)
+        return fn(*args, **kwargs)
+
+    def _expected(self) -> dict[int, int]:
+        return {k: sum(s.server == k for s in self._shards) for k in range(self._num_ps)}
+
     @property
     def steps_pushed(self) -> int:
         """How many optimizer steps this worker has pushed to the servers."""
@@ -273,8 +281,7 @@ class ParameterServerStrategy(Strategy):
 
     def pull(self) -> None:
         """Fetch the servers' current values into the local parameters now."""
-        expected = {k: sum(s.server == k for s in self._shards) for k in range(self._num_ps)}
-        self._client.pull(expected, self._receive)
+        self._client.pull(self._expected(), self._receive)
 
     # -- statistics ----------------------------------------------------------------------------
     def staleness_stats(self) -> dict[str, Any]:
