@@ -17,7 +17,16 @@ STEPS = 20
 GLOBAL_BATCH = 32
 
 
-def train(kind: str, num_ps: int = 1, shards: int = 0, momentum: float = 0.0) -> dict:
+def batches(strategy: rp.Strategy):
+    """The strategy's split of the global batches, epoch after epoch (20 batches an epoch)."""
+    loader = DataLoader(regression_data(), batch_size=GLOBAL_BATCH, shuffle=True)
+    data = strategy.distribute_dataset(loader, seed=3)
+    while True:
+        yield from data
+
+
+def train(kind: str, num_ps: int = 1, shards: int = 0, momentum: float = 0.0,
+          steps: int = STEPS) -> dict:
     """20 SGD steps of the MLP under ``kind``; returns the parameters and what the strategy
     measured (optimizer state held by the worker, shard versions, placement)."""
     if kind == "ps":
@@ -39,9 +48,8 @@ def train(kind: str, num_ps: int = 1, shards: int = 0, momentum: float = 0.0) ->
         optimizer.zero_grad()
         return strategy.reduce("mean", loss.detach())
 
-    loader = DataLoader(regression_data(), batch_size=GLOBAL_BATCH, shuffle=True)
-    it = iter(strategy.distribute_dataset(loader, seed=3))
-    losses = [float(strategy.run(step, args=(next(it),))) for _ in range(STEPS)]
+    it = batches(strategy)
+    losses = [float(strategy.run(step, args=(next(it),))) for _ in range(steps)]
     out = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
            "losses": losses, "worker_optimizer_state": len(optimizer.state)}
     if isinstance(strategy, rp.ParameterServerStrategy):
@@ -81,3 +89,73 @@ def test_two_workers_sync_equal_global_batch_with_one_and_two_servers():
     assert two[0]["worker_optimizer_state"] == 0
     assert all(v["version"] == STEPS for v in two[0]["versions"])
     assert two[0]["stats"]["max"] == 0 and two[0]["stats"]["count"] > 0
+
+
+KILL_AT = 25
+SAVE_EVERY = 10
+
+
+def train_and_lose_a_server(checkpoint_dir: str, steps: int = 40) -> dict:
+    """2 workers + 2 servers, staleness=0; the chief saves the servers' state every 10 steps
+    and, in the first attempt, kills server 1 after step 25."""
+    import os
+    import signal
+
+    strategy = rp.ParameterServerStrategy(num_ps=2, staleness=0, checkpoint_dir=checkpoint_dir,
+                                          timeout_seconds=20)
+    with strategy.scope():
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(batch):
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return strategy.reduce("mean", loss.detach())
+
+    start = strategy.restored_step or 0
+    data = batches(strategy)
+    for _ in range(start):  # the data position: skip what the checkpoint already holds
+        next(data)
+    losses = []
+    attempt = int(os.environ.get("REPLICATOR_RESTART_COUNT", "0"))
+    for i in range(start, steps):
+        losses.append(float(strategy.run(step, args=(next(data),))))
+        done = i + 1
+        if done % SAVE_EVERY == 0:
+            strategy.save_checkpoint(done, data_position={"step": done})
+        if attempt == 0 and done == KILL_AT and strategy.is_chief:
+            os.kill(strategy.server_pids[1], signal.SIGKILL)
+    return {"start": start, "data": strategy.restored_data_position,
+            "versions": strategy.shard_versions(), "losses": losses,
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.timeout(180)
+def test_lost_server_is_a_named_error_on_every_worker(tmp_path):
+    with pytest.raises(rp.WorkerFailedError) as info:
+        launch(train_and_lose_a_server, num_replicas=4, num_ps=2, args=(str(tmp_path),),
+               timeout_seconds=20)
+    text = str(info.value)
+    # both workers failed by themselves (not stopped by the launcher), naming the server and
+    # the variables it held
+    for rank in (0, 1):
+        line = next(line for line in [text, *info.value.others] if f"rank {rank}" in line)
+        assert "ParameterServerLostError" in line, text
+    assert "parameter server 1 (rank 3) is lost with the" in text
+    held = [line for line in info.value.others if "rank 0" in line][0]
+    assert "weight" in held or "bias" in held
+
+
+@pytest.mark.timeout(240)
+def test_lost_server_restarts_from_the_servers_checkpoint(tmp_path):
+    out = launch(train_and_lose_a_server, num_replicas=4, num_ps=2, args=(str(tmp_path),),
+                 timeout_seconds=20, max_restarts=1)
+    chief = out[0]
+    assert chief["start"] == 20 and chief["data"] == {"step": 20}
+    assert all(v["version"] == 40 for v in chief["versions"]), chief["versions"]
+    ref = train("one_device", momentum=0.9, steps=40)
+    # the restart resumed the same global batches from the same variables and momentum
+    assert_params_close(ref["params"], chief["params"], atol=1e-5)

@@ -8,6 +8,7 @@ variables it held, within the connection's timeout.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -33,7 +34,8 @@ class ServerClient:
         self.timeout_seconds = timeout_seconds
         self.held = held
         self.connections: list[Connection] = []
-        self.restored: list[bool] = []
+        self.restored: list[dict[str, Any] | None] = []
+        self.pids: list[int] = []
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)),
                                         thread_name_prefix="ps-client")
         for k, address in enumerate(addresses):
@@ -44,7 +46,8 @@ class ServerClient:
                 reply = self._expect(k, conn.receive("waiting for the server's HELLO"), P.HELLO)
             except PeerLostError as exc:
                 raise self.lost(k, exc) from exc
-            self.restored.append(bool(reply.b))
+            self.restored.append(json.loads(tensor_text(reply.payload)) if reply.b else None)
+            self.pids.append(reply.c)
 
     def describe(self, k: int) -> str:
         host, port = self.addresses[k]
@@ -54,10 +57,11 @@ class ServerClient:
         names = self.held(k)
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         return P.ParameterServerLostError(
-            f"{self.describe(k)} is lost ({exc}); it held {len(names)} variable shard(s): "
-            f"{shown or 'none yet'}. HINT: training cannot go on without these variables; "
-            "launch with --max-restarts N and save the servers' state with "
-            "strategy.save_checkpoint(step) so a restart resumes from the last checkpoint.")
+            f"parameter server {k} (rank {self.server_ranks[k]}) is lost with the "
+            f"{len(names)} variable shard(s) it held: {shown or 'none yet'} ({exc}). HINT: "
+            "training cannot go on without these variables; launch with --max-restarts N and "
+            "save the servers' state with strategy.save_checkpoint(step) so that a restart "
+            "resumes from the last checkpoint.")
 
     def _expect(self, k: int, msg: Message, kind: int) -> Message:
         if msg.kind == P.ERROR:

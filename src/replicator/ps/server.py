@@ -11,6 +11,7 @@ the live set and any round waiting for it completes without it. The server retur
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -115,7 +116,11 @@ class ParameterServer:
                 state.connected, state.in_flight, state.lost = True, False, False
                 state.connections += 1
                 self.lock.notify_all()
-            conn.send(P.HELLO, a=self.index, b=int(self.restored_step is not None))
+            restored = "" if self.restored_step is None else json.dumps(
+                {"step": self.restored_step, "data": self.extra.get("worker_data", {})})
+            conn.send(P.HELLO, version=-1 if self.restored_step is None else self.restored_step,
+                      a=self.index, b=int(self.restored_step is not None), c=os.getpid(),
+                      tensor=text_tensor(restored) if restored else None)
             while True:
                 msg = conn.receive("waiting for a request", timeout_seconds=None)
                 if msg.kind == P.BYE:

@@ -186,9 +186,22 @@ class ParameterServerStrategy(Strategy):
         return self._collectives
 
     @property
-    def restored_from_checkpoint(self) -> bool:
-        """True when the servers started from a checkpoint in ``checkpoint_dir``."""
-        return any(self._client.restored)
+    def restored_step(self) -> int | None:
+        """The step of the checkpoint the servers restored at start (``None``: fresh start);
+        a restarted script skips that many steps of its input."""
+        info = self._client.restored[0]
+        return None if info is None else int(info["step"])
+
+    @property
+    def restored_data_position(self) -> dict[str, Any] | None:
+        """The ``data_position`` saved with that checkpoint (``None``: fresh start)."""
+        info = self._client.restored[0]
+        return None if info is None else dict(info.get("data") or {})
+
+    @property
+    def server_pids(self) -> list[int]:
+        """The process id of each parameter server (for monitoring and fault tests)."""
+        return list(self._client.pids)
 
     # -- placement -----------------------------------------------------------------------------
     def _held_by(self, k: int) -> list[str]:
