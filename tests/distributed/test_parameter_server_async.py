@@ -92,3 +92,69 @@ def test_bounded_staleness_with_a_slow_worker():
     assert stats["max"] <= 2, stats
     assert set(stats["histogram"]) <= {0, 1, 2}
     assert stats["histogram"].get(2, 0) > 0  # the bound was reached, and held
+
+
+def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int = 30) -> dict:
+    """3 workers + 2 servers, asynchronous; worker ``kill_rank`` SIGKILLs itself at global
+    step ``kill_step`` (once the servers applied ``kill_step`` updates per worker). The
+    survivors train ``epochs`` epochs of claimed batches."""
+    import os
+    import signal
+
+    from replicator.demo.digits import DigitsCNN, load_digits_split
+
+    strategy = rp.ParameterServerStrategy(
+        num_ps=2, variable_partitioner=rp.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = DigitsCNN()
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    def step(batch):
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    train, test = load_digits_split()
+    loader = DataLoader(train, batch_size=PER_WORKER_BATCH * strategy.num_replicas_in_sync,
+                        shuffle=True, drop_last=True)
+    data = strategy.distribute_dataset(loader, seed=0)
+    steps = 0
+    for _ in range(epochs):
+        for batch in data:
+            strategy.run(step, args=(batch,))
+            steps += 1
+            if strategy.replica_id == kill_rank and \
+                    strategy.shard_versions()[0]["version"] >= kill_step * 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+    # an epoch ends for a worker only when every batch of it is consumed: nothing is pending
+    strategy.pull()
+    with torch.no_grad():
+        x, y = test.tensors
+        accuracy = float((model(x).argmax(1) == y).float().mean())
+    return {"accuracy": accuracy, "steps": steps, "accounting": strategy.data_accounting(),
+            "versions": strategy.shard_versions(), "batches": len(data)}
+
+
+@pytest.mark.timeout(180)
+def test_lost_worker_others_finish_and_every_batch_is_consumed_once():
+    out = launch(train_and_lose_a_worker, num_replicas=5, num_ps=2, timeout_seconds=60)
+    assert out[2] is None  # the lost worker
+    chief = out[0]
+    assert chief["accuracy"] >= 0.95, chief["accuracy"]
+    accounting = chief["accounting"]
+    assert sorted(accounting) == [0, 1, 2, 3]
+    for epoch, acc in accounting.items():
+        # exactly once: every batch of every epoch consumed by one applied update
+        assert acc["consumed"] == acc["batches"] == chief["batches"], (epoch, acc)
+        assert acc["repeated"] == 0 and acc["in_flight"] == 0, (epoch, acc)
+        assert sum(acc["by_worker"].values()) == acc["batches"]
+    lost = sum(e["by_worker"].get(2, 0) for e in accounting.values())
+    assert lost >= 1  # the lost worker's updates before it died count once, like any other
+    assert accounting[3]["by_worker"].get(2, 0) == 0
+    updates = sum(acc["consumed"] for acc in accounting.values())
+    assert all(v["version"] == updates for v in chief["versions"])
+    assert out[1]["steps"] + chief["steps"] + lost == updates

@@ -121,16 +121,36 @@ class ServerClient:
         return self.each(one)
 
     def push(self, grads: dict[int, list[tuple[int, int, torch.Tensor]]], sink: Sink,
-             pull: bool = True) -> list[int]:
+             pull: bool = True, claim: tuple[int, int] | None = None) -> list[int]:
         """Push ``grads[k]`` (``(shard id, version pulled, gradient)``) to each server, then
-        (``pull``) read back every shard's new values."""
+        (``pull``) read back every shard's new values; ``claim`` (epoch, batch): the input
+        batch this update consumes (told to server 0)."""
         def one(k: int, conn: Connection) -> int:
             items = grads.get(k, [])
+            epoch, token = (claim[0], claim[1] + 1) if claim is not None and k == 0 else (0, 0)
             conn.send_many([(P.GRAD, sid, v, g, 0, 0, 0) for sid, v, g in items]
-                           + [(P.PUSH, -1, 0, None, len(items), int(pull), 0)])
+                           + [(P.PUSH, -1, epoch, None, len(items), int(pull), token)])
             return self._read_values(k, conn, sink) if pull else 0
 
         return self.each(one)
+
+    def claim(self, epoch: int, total: int) -> int:
+        """The next batch of ``epoch`` for this worker (-1: the epoch is done)."""
+        def one(k: int, conn: Connection) -> int:
+            conn.send(P.CLAIM, a=epoch, b=total)
+            return self._expect(k, conn.receive("waiting for a batch claim"), P.CLAIMED).a
+
+        return self.each(one, [0])[0]
+
+    def data_stats(self) -> dict[int, dict[str, Any]]:
+        def one(k: int, conn: Connection) -> str:
+            conn.send(P.DATA_STATS)
+            return tensor_text(self._expect(k, conn.receive("waiting for data statistics"),
+                                            P.DATA_STATS).payload)
+
+        raw = json.loads(self.each(one, [0])[0])
+        return {int(e): {**v, "by_worker": {int(w): n for w, n in v["by_worker"].items()}}
+                for e, v in raw.items()}
 
     def stats(self) -> list[torch.Tensor]:
         def one(k: int, conn: Connection) -> torch.Tensor:

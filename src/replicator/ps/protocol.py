@@ -8,7 +8,9 @@ A worker talks to each server over one :class:`~replicator.comm.messages.Connect
 - ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;
 - ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``;
 - ``STATS`` -> ``STATS`` (int64: count, sum, max, histogram); ``VERSIONS`` -> ``VERSIONS``;
-- ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal.
+- ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
+- server 0 only: ``CLAIM(a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``; a push that
+  carries ``version=epoch, c=batch+1`` consumes that claim; ``DATA_STATS`` -> json.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from replicator.errors import ReplicatorError
 
 HELLO, REGISTER, OPTIMIZER, GRAD, PUSH, PULL, VALUE, VALUES_END = range(1, 9)
 STATS, VERSIONS, SAVE, SAVED, BYE, ERROR, REGISTERED = range(9, 16)
+CLAIM, CLAIMED, DATA_STATS = range(16, 19)
 
 #: Staleness values 0 .. HISTOGRAM_BINS-2 get their own bin; the last bin counts the rest.
 HISTOGRAM_BINS = 64

@@ -24,6 +24,7 @@ import torch
 
 from replicator.comm.messages import Connection, Message, PeerLostError, tensor_text, text_tensor
 from replicator.ps import protocol as P
+from replicator.ps.claims import WAIT, ClaimLedger
 
 
 @dataclass
@@ -74,6 +75,7 @@ class ParameterServer:
         self.restored_step: int | None = None
         self.extra: dict[str, Any] = {}
         self.checkpoint_dir = checkpoint_dir
+        self.claims = ClaimLedger()
         self.threads: list[threading.Thread] = []
         if checkpoint_dir:
             self._restore(checkpoint_dir)
@@ -144,6 +146,7 @@ class ParameterServer:
                     self.workers[worker].connected = False
                     self.workers[worker].in_flight = False
                     self.round.grads.pop(worker, None)
+                    self.claims.give_back(worker)
                     self._maybe_finish_round()
                 self.lock.notify_all()
 
@@ -161,11 +164,11 @@ class ParameterServer:
                 if nxt.kind != P.GRAD:
                     raise P.ParameterServerError(f"expected GRAD or PUSH, got kind {nxt.kind}")
                 grads[nxt.var_id] = (nxt.version, nxt.payload)
-            self._push(worker, grads)
+            self._push(worker, grads, nxt)
             if nxt.b:
                 self._pull(conn, worker, expected=0, begin=False)
         elif msg.kind == P.PUSH:  # an empty push (no gradient on this server)
-            self._push(worker, {})
+            self._push(worker, {}, msg)
             if msg.b:
                 self._pull(conn, worker, expected=0, begin=False)
         elif msg.kind == P.PULL:
@@ -177,6 +180,12 @@ class ParameterServer:
                 flat = [x for sid in sorted(self.shards)
                         for x in (sid, self.shards[sid].version)]
             conn.send(P.VERSIONS, tensor=torch.tensor(flat, dtype=torch.int64))
+        elif msg.kind == P.CLAIM:
+            conn.send(P.CLAIMED, a=self._claim(worker, msg.a, msg.b))
+        elif msg.kind == P.DATA_STATS:
+            with self.lock:
+                text = json.dumps(self.claims.summary())
+            conn.send(P.DATA_STATS, tensor=text_tensor(text))
         elif msg.kind == P.SAVE:
             path = self._save(msg.a, json.loads(tensor_text(msg.payload)))
             conn.send(P.SAVED, tensor=text_tensor(path))
@@ -237,7 +246,26 @@ class ParameterServer:
         shard.version += 1
 
     # -- updates ---------------------------------------------------------------------------
-    def _push(self, worker: int, grads: dict[int, tuple[int, torch.Tensor | None]]) -> None:
+    def _claim(self, worker: int, epoch: int, total: int) -> int:
+        deadline = time.monotonic() + self.timeout_seconds
+        with self.lock:
+            while True:
+                try:
+                    index = self.claims.claim(worker, epoch, total)
+                except ValueError as exc:
+                    raise P.ParameterServerError(str(exc)) from None
+                if index != WAIT:
+                    return index
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise P.ParameterServerError(
+                        f"parameter server {self.index}: epoch {epoch} waited "
+                        f"{self.timeout_seconds:.0f} s for batches other workers claimed. HINT: "
+                        "a worker that takes a batch must push its update (optimizer.step()).")
+                self.lock.wait(min(left, 0.5))
+
+    def _push(self, worker: int, grads: dict[int, tuple[int, torch.Tensor | None]],
+              end: Message) -> None:
         with self.lock:
             state = self.workers[worker]
             if self.staleness == 0:
@@ -247,6 +275,8 @@ class ParameterServer:
                     if grad is not None:
                         self._apply(sid, grad, version)
                 self.clock += 1
+                if end.c:
+                    self.claims.consume(worker, end.version, end.c - 1)
             state.pushes += 1
             state.in_flight = False
             self.lock.notify_all()
@@ -341,7 +371,7 @@ class ParameterServer:
         info = {"versions": {str(s): sh.version for s, sh in self.shards.items()},
                 "clock": self.clock, "histogram": list(self.histogram),
                 "stale_sum": self.stale_sum, "stale_max": self.stale_max,
-                "spec": self.spec_text}
+                "spec": self.spec_text, "claims": self.claims.state()}
         return tensors, info
 
     def _manager(self, directory: str) -> Any:
@@ -385,6 +415,7 @@ class ParameterServer:
         self.stale_sum = int(info.get("stale_sum", 0))
         self.stale_max = int(info.get("stale_max", 0))
         self.extra["worker_data"] = info.get("worker_data", {})
+        self.claims.load(info.get("claims", {}))
         if info.get("spec"):
             self._set_optimizer(info["spec"])
         self.restored_step = restored.step

@@ -29,6 +29,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 from replicator.cluster.launcher import NUM_PS_ENV
 from replicator.cluster.ports import LOOPBACK, listen
@@ -39,6 +40,7 @@ from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import ClusterConfigError
 from replicator.ps import protocol as P
+from replicator.ps.claimed_data import ClaimedBatches
 from replicator.ps.client import ServerClient
 from replicator.ps.partitioners import Partitioner, Shard, place
 from replicator.ps.server import ParameterServer
@@ -118,6 +120,7 @@ class ParameterServerStrategy(Strategy):
         self._sent_spec = ""
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._steps = 0
+        self._claim: tuple[int, int] | None = None
         self._rank = self._topology.replica_id
         self._group = self._topology.data_group()
         self._data_group = self._group
@@ -267,7 +270,8 @@ class ParameterServerStrategy(Strategy):
         if spec != self._sent_spec:
             self._client.send_optimizer(spec)
             self._sent_spec = spec
-        self._client.push(grads, self._receive, pull=True)
+        self._client.push(grads, self._receive, pull=True, claim=self._claim)
+        self._claim = None
         self._steps += 1
         self._stash = [(p, p.grad) for p in mine]
         for p in mine:
@@ -317,6 +321,53 @@ class ParameterServerStrategy(Strategy):
         versions = self._client.versions()
         return [{"name": s.name, "shard": s.part, "server": s.server,
                  "version": versions.get(s.shard_id, 0)} for s in self._shards]
+
+    # -- input -----------------------------------------------------------------------------------
+    def distribute_dataset(self, dataset: Any, *, batch_size: int | None = None,
+                           shuffle: bool | None = None, seed: int = 0,
+                           drop_last: bool | None = None, drop_remainder: bool | None = None,
+                           **kwargs: Any) -> Any:
+        """As for every strategy with ``staleness=0``. Asynchronous workers (``staleness``
+        ``None`` or ``k``) given a ``DataLoader`` or map-style ``Dataset`` instead take
+        per-replica batches (global batch / workers) one at a time from server 0: each batch
+        of an epoch is consumed by exactly one applied update, fast workers take more, and a
+        lost worker's unfinished batches go to the others (:mod:`replicator.ps.claims`)."""
+        plain = isinstance(dataset, (DataLoader, Dataset)) and not isinstance(
+            dataset, IterableDataset) and not kwargs
+        if self._staleness == 0 or not plain or \
+                (isinstance(dataset, DataLoader) and isinstance(dataset.dataset, IterableDataset)):
+            return super().distribute_dataset(dataset, batch_size=batch_size, shuffle=shuffle,
+                                              seed=seed, drop_last=drop_last,
+                                              drop_remainder=drop_remainder, **kwargs)
+        collate = None
+        if isinstance(dataset, DataLoader):
+            loader = dataset
+            dataset = loader.dataset
+            batch_size = batch_size or loader.batch_size
+            shuffle = isinstance(loader.sampler, RandomSampler) if shuffle is None else shuffle
+            drop_last = loader.drop_last if drop_last is None else drop_last
+            collate = loader.collate_fn
+        if not batch_size:
+            raise ValueError("distribute_dataset(Dataset) needs batch_size= (the global batch)")
+        workers = self._num_workers
+        if batch_size % workers:
+            raise ValueError(f"the global batch {batch_size} does not split evenly over "
+                             f"{workers} workers. HINT: use a multiple of {workers}.")
+        drop = drop_remainder if drop_remainder is not None else bool(drop_last)
+        return ClaimedBatches(self, dataset, batch_size // workers, shuffle=bool(shuffle),
+                              seed=seed, drop_last=drop, collate_fn=collate)
+
+    def _claim_batch(self, epoch: int, total: int) -> int:
+        return self._client.claim(epoch, total)
+
+    def _set_claim(self, claim: tuple[int, int] | None) -> None:
+        self._claim = claim
+
+    def data_accounting(self) -> dict[int, dict[str, Any]]:
+        """Per epoch, from server 0's ledger of claimed input batches: ``batches``,
+        ``consumed`` (distinct batches whose update was applied), ``repeated`` (should be 0),
+        ``by_worker`` and ``in_flight``."""
+        return self._client.data_stats()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None
