@@ -36,7 +36,7 @@ from benchmarks._report import emit, median, print_table  # noqa: E402
 
 WORKERS = 3
 PER_WORKER_BATCH = 32
-MAX_STEPS = 3000
+MAX_STEPS = 1500
 
 
 def _model() -> nn.Module:
@@ -69,13 +69,13 @@ def time_to_target(kind: str, target: float, slow: bool) -> dict:
         initialize()
     with strategy.scope():
         model = _model()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = torch.distributed.get_rank()
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     train, ex, ey = _data()
     if kind == "ddp":
         from torch.utils.data.distributed import DistributedSampler
