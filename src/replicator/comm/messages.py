@@ -93,7 +93,8 @@ class Connection:
         self.sock = sock
         self.peer = peer
         self.timeout_seconds = timeout_seconds
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small headers
         sock.settimeout(timeout_seconds)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()

@@ -1,0 +1,126 @@
+"""The parameter server's parts in one process: partitioners and placement, the claim ledger,
+typed tensor messages over a socket pair, the optimizer description, launcher checks."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.cluster.launcher import check_num_ps
+from replicator.comm.messages import Connection, MessageFormatError, PeerLostError
+from replicator.errors import ClusterConfigError
+from replicator.ps import protocol as P
+from replicator.ps.claims import EPOCH_DONE, WAIT, ClaimLedger
+from replicator.ps.partitioners import place
+
+
+def test_min_size_partitioner_splits_by_bytes_within_caps():
+    part = rp.partitioners.MinSizePartitioner(min_shard_bytes=1024, max_shards=4)
+    assert part.num_shards((64, 16), torch.float32) == 4      # 4 KiB: 4 shards of 1 KiB
+    assert part.num_shards((8, 16), torch.float32) == 1       # 512 B: too small to split
+    assert part.num_shards((2, 1024), torch.float32) == 2     # never more shards than rows
+    assert part((64, 16), torch.float32) == [4, 1]            # TensorFlow's form
+    assert rp.partitioners.FixedShardsPartitioner(3).num_shards((10, 2), torch.float32) == 3
+    assert rp.partitioners.FixedShardsPartitioner(3).num_shards((2,), torch.float32) == 2
+    with pytest.raises(ValueError, match="max_shards"):
+        rp.partitioners.MinSizePartitioner(max_shards=0)
+
+
+def test_placement_is_even_by_size_and_covers_every_row():
+    variables = [("big", torch.zeros(100, 10)), ("mid", torch.zeros(50, 10)),
+                 ("small", torch.zeros(40, 10)), ("scalar", torch.zeros(()))]
+    shards = place(variables, 2)
+    by_server = {s.name: s.server for s in shards}
+    assert by_server["big"] != by_server["mid"]  # the two largest go to different servers
+    assert by_server["small"] == by_server["mid"]  # then the lighter server takes the next
+    split = place(variables, 3, rp.partitioners.FixedShardsPartitioner(3))
+    rows = sorted((s.start, s.end) for s in split if s.name == "big")
+    assert rows == [(0, 33), (33, 66), (66, 100)]
+    assert {s.server for s in split if s.name == "big"} == {0, 1, 2}
+    assert [s.shard_id for s in split] == list(range(len(split)))
+
+
+def test_claim_ledger_gives_each_batch_once_and_takes_back_a_lost_workers():
+    ledger = ClaimLedger()
+    assert [ledger.claim(0, 0, 3), ledger.claim(1, 0, 3)] == [0, 1]
+    ledger.consume(0, 0, 0)
+    assert ledger.claim(0, 0, 3) == 2
+    ledger.consume(0, 0, 2)
+    assert ledger.claim(0, 0, 3) == WAIT  # batch 1 is still in flight with worker 1
+    assert ledger.give_back(1) == 1       # worker 1 is lost before its update landed
+    assert ledger.claim(0, 0, 3) == 1
+    ledger.consume(0, 0, 1)
+    assert ledger.claim(0, 0, 3) == EPOCH_DONE
+    summary = ledger.summary()[0]
+    assert summary == {"batches": 3, "consumed": 3, "repeated": 0, "by_worker": {0: 3},
+                       "in_flight": 0}
+    again = ClaimLedger()
+    again.load(json.loads(json.dumps(ledger.state())))
+    assert again.summary() == ledger.summary()
+    with pytest.raises(ValueError, match="same dataset"):
+        ledger.claim(0, 0, 4)
+
+
+def _pair(timeout: float = 5.0) -> tuple[Connection, Connection]:
+    a, b = socket.socketpair()
+    return Connection(a, "peer a", timeout), Connection(b, "peer b", timeout)
+
+
+@pytest.mark.timeout(30)
+def test_typed_tensor_messages_round_trip_every_dtype_and_shape():
+    a, b = _pair()
+    sent = [torch.randn(3, 4), torch.arange(6, dtype=torch.int64).reshape(2, 3),
+            torch.randn(5).to(torch.bfloat16), torch.tensor(True), torch.zeros(0, 3)]
+    a.send_many([(P.VALUE, i, 10 + i, t, 1, 2, 3) for i, t in enumerate(sent)])
+    a.send(P.VALUES_END)
+    for i, t in enumerate(sent):
+        msg = b.receive()
+        assert (msg.kind, msg.var_id, msg.version, msg.a, msg.b, msg.c) == \
+            (P.VALUE, i, 10 + i, 1, 2, 3)
+        assert msg.payload is not None and msg.payload.dtype == t.dtype
+        assert torch.equal(msg.payload, t)
+    end = b.receive()
+    assert end.kind == P.VALUES_END and end.payload is None
+    a.close()
+    with pytest.raises(PeerLostError, match="closed the connection"):
+        b.receive()
+
+
+@pytest.mark.timeout(30)
+def test_messages_refuse_foreign_bytes_and_time_out():
+    a, b = _pair(timeout=0.3)
+    a.sock.sendall(b"GET / HTTP/1.1\r\n" * 8)
+    with pytest.raises(MessageFormatError, match="without the replicator header"):
+        b.receive()
+    c, d = _pair(timeout=0.3)
+    with pytest.raises(PeerLostError, match="sent nothing"):
+        d.receive()
+
+
+def test_optimizer_description_rebuilds_the_same_optimizer():
+    p = torch.nn.Parameter(torch.zeros(3))
+    adam = torch.optim.Adam([p], lr=0.01, betas=(0.8, 0.9), weight_decay=0.1)
+    spec = json.loads(P.describe_optimizer(adam, {7: 0}))
+    assert spec["class"] == "Adam" and spec["shard_groups"] == {"7": 0}
+    built = P.build_optimizer(spec, torch.nn.Parameter(torch.zeros(3)), 0)
+    assert isinstance(built, torch.optim.Adam)
+    assert built.param_groups[0]["betas"] == (0.8, 0.9)
+    assert built.param_groups[0]["weight_decay"] == 0.1
+
+    class Custom(torch.optim.SGD):
+        pass
+
+    with pytest.raises(P.ParameterServerError, match="not a torch.optim optimizer"):
+        P.describe_optimizer(Custom([p], lr=0.1), {})
+
+
+def test_num_ps_must_leave_a_worker():
+    assert check_num_ps(2, 3) == 2
+    with pytest.raises(ClusterConfigError, match="leaves no worker"):
+        check_num_ps(2, 2)
+    with pytest.raises(ClusterConfigError):
+        check_num_ps(-1, 2)
