@@ -159,3 +159,43 @@ def test_lost_server_restarts_from_the_servers_checkpoint(tmp_path):
     ref = train("one_device", momentum=0.9, steps=40)
     # the restart resumed the same global batches from the same variables and momentum
     assert_params_close(ref["params"], chief["params"], atol=1e-5)
+
+
+SCRIPT = '''
+import torch
+import replicator as rp
+
+strategy = rp.ParameterServerStrategy()          # num_ps comes from --num-ps
+with strategy.scope():
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)), torch.zeros(64, 1)
+for _ in range(5):
+    def step(x, y):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        return loss
+    strategy.run(step, args=(x, y))
+print(f"worker {strategy.replica_id} of {strategy.num_replicas_in_sync} done, "
+      f"servers {strategy.num_ps}, stale {strategy.staleness_stats()['count'] > 0}")
+'''
+
+
+@pytest.mark.timeout(120)
+def test_replicator_run_with_num_ps(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "replicator.cli", "run", "--nproc", "3",
+                           "--num-ps", "1", "--timeout", "60", str(script)],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    assert "worker 0 of 2 done, servers 1, stale True" in proc.stdout
+    assert "worker 1 of 2 done" in proc.stdout
+    assert "[rank 2]" not in proc.stdout  # the server ran no training loop
+    bad = subprocess.run([sys.executable, "-m", "replicator.cli", "run", "--nproc", "2",
+                          "--num-ps", "2", str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "leaves no worker" in bad.stderr
