@@ -94,7 +94,8 @@ def test_bounded_staleness_with_a_slow_worker():
     assert stats["histogram"].get(2, 0) > 0  # the bound was reached, and held
 
 
-def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int = 30) -> dict:
+def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int = 30,
+                            pace_seconds: float = 0.0) -> dict:
     """3 workers + 2 servers, asynchronous; worker ``kill_rank`` SIGKILLs itself at global
     step ``kill_step`` (once the servers applied ``kill_step`` updates per worker). The
     survivors train ``epochs`` epochs of claimed batches."""
@@ -127,7 +128,8 @@ def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int 
         for batch in data:
             strategy.run(step, args=(batch,))
             steps += 1
-            if strategy.replica_id == kill_rank and \
+            time.sleep(pace_seconds)
+            if strategy.replica_id == kill_rank and not strategy.rejoined and \
                     strategy.shard_versions()[0]["version"] >= kill_step * 3:
                 os.kill(os.getpid(), signal.SIGKILL)
     # an epoch ends for a worker only when every batch of it is consumed: nothing is pending
@@ -136,7 +138,8 @@ def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int 
         x, y = test.tensors
         accuracy = float((model(x).argmax(1) == y).float().mean())
     return {"accuracy": accuracy, "steps": steps, "accounting": strategy.data_accounting(),
-            "versions": strategy.shard_versions(), "batches": len(data)}
+            "versions": strategy.shard_versions(), "batches": len(data),
+            "rejoined": strategy.rejoined, "optimizer_state": len(optimizer.state)}
 
 
 @pytest.mark.timeout(180)
@@ -158,3 +161,20 @@ def test_lost_worker_others_finish_and_every_batch_is_consumed_once():
     updates = sum(acc["consumed"] for acc in accounting.values())
     assert all(v["version"] == updates for v in chief["versions"])
     assert out[1]["steps"] + chief["steps"] + lost == updates
+
+
+@pytest.mark.timeout(180)
+def test_lost_worker_restarted_alone_rejoins_and_continues():
+    # the survivors are paced so that training outlasts the restarted process's start
+    out = launch(train_and_lose_a_worker, num_replicas=5, num_ps=2,
+                 kwargs={"epochs": 6, "kill_step": 10, "pace_seconds": 0.03},
+                 timeout_seconds=60, max_restarts=1)
+    rejoined = out[2]
+    assert rejoined is not None and rejoined["rejoined"], rejoined
+    assert rejoined["steps"] > 0  # it pulled the current values and trained on new batches
+    assert rejoined["accuracy"] >= 0.95 and rejoined["optimizer_state"] == 0
+    accounting = out[0]["accounting"]
+    assert len(accounting) == 6
+    for epoch, acc in accounting.items():
+        assert acc["consumed"] == acc["batches"] and acc["repeated"] == 0, (epoch, acc)
+    assert sum(acc["by_worker"].get(2, 0) for acc in accounting.values()) > rejoined["steps"]

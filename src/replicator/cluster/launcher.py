@@ -60,6 +60,10 @@ PREEMPTION_GRACE_SECONDS = 120.0
 PREEMPTION_GRACE_ENV = "REPLICATOR_PREEMPTION_GRACE_SECONDS"
 #: How many of the job's processes (the last ranks) are parameter servers (``--num-ps``).
 NUM_PS_ENV = "REPLICATOR_NUM_PS"
+#: Set to "1" for a worker restarted alone to rejoin running parameter servers.
+REJOIN_ENV = "REPLICATOR_REJOIN"
+#: Store key (under the attempt's prefix) that says worker rank R is being restarted alone.
+REJOIN_KEY = "ps/rejoining/{rank}"
 
 
 def check_num_ps(num_ps: Any, world: int) -> int:
@@ -217,6 +221,8 @@ class LocalGroup:
         #: lost, not a failure: the servers and the other workers go on without it.
         self.num_ps = check_num_ps(num_ps, self.world)
         self.lost: set[int] = set()
+        self.worker_restarts = 0
+        self.rank_restarts: dict[int, int] = {}
         self.start_fn = start
         self.timeout_seconds = timeout_seconds
         self.max_restarts = max_restarts
@@ -262,6 +268,8 @@ class LocalGroup:
 
     def _run_attempts(self) -> None:
         for attempt in range(self.max_restarts + 1):
+            if attempt > self.max_restarts - self.worker_restarts:
+                break  # restarts spent on single workers
             self.attempt = attempt
             outcome = self._run_once(attempt)
             if outcome.ok:
@@ -274,7 +282,7 @@ class LocalGroup:
                     f"({_describe_codes(outcome.exitcodes)}).\n"
                     f"{self._resume_hint(outcome.exitcodes)}", rank=outcome.failure.rank,
                     exit_code=PREEMPTION_EXIT_CODE) from outcome.failure
-            if attempt < self.max_restarts:
+            if attempt < self.max_restarts - self.worker_restarts:
                 refusal = restart_refusal(outcome.error_types)
                 if refusal is not None:
                     self.say(f"[replicator] {refusal}; {self.max_restarts - attempt} "
@@ -299,6 +307,7 @@ class LocalGroup:
     def _run_once(self, attempt: int) -> _Outcome:
         self.workers = []
         self.lost = set()
+        self.rank_restarts = {}
         try:
             for rank in range(self.world):
                 env = worker_env(rank, self.world, self.port, self.timeout_seconds, attempt,
@@ -323,7 +332,8 @@ class LocalGroup:
             for w in self.workers:
                 if codes[w.rank] is not None and w.detected_at is None:
                     w.detected_at = now
-            self._note_lost_workers(codes)
+            if self._note_lost_workers(codes):
+                continue  # a worker was restarted alone: look again
             if all(c == 0 for r, c in codes.items() if r not in self.lost):
                 return _Outcome(ok=True, exitcodes=codes)
             failed = [w for w in self.workers
@@ -342,16 +352,40 @@ class LocalGroup:
         return _Outcome(ok=False, failure=failure, error_types=types,
                         exitcodes={w.rank: w.poll() for w in self.workers})
 
-    def _note_lost_workers(self, codes: dict[int, int | None]) -> None:
-        """With parameter servers: a non-chief worker killed by a signal is lost, once."""
+    def _note_lost_workers(self, codes: dict[int, int | None]) -> bool:
+        """With parameter servers: a non-chief worker killed by a signal is restarted alone
+        while restarts remain, else lost (once). True when a worker was restarted."""
+        restarted = False
         if not self.num_ps:
-            return
+            return restarted
         for rank in range(1, self.world - self.num_ps):
             code = codes.get(rank)
             if code is not None and code < 0 and rank not in self.lost:
+                left = self.max_restarts - self.attempt - self.worker_restarts
+                if left > 0:
+                    self._restart_worker(rank, code)
+                    restarted = True
+                    continue
                 self.lost.add(rank)
                 self.say(f"[replicator] worker rank {rank} was lost ({_describe_exit(code)}); "
                          "the parameter servers and the other workers go on without it")
+        return restarted
+
+    def _restart_worker(self, rank: int, code: int) -> None:
+        """Start worker ``rank`` again alone; it rejoins the running parameter servers."""
+        self.worker_restarts += 1
+        used = self.worker_restarts + self.attempt
+        self.say(f"[replicator] worker rank {rank} was lost ({_describe_exit(code)}); restarting "
+                 f"it alone to rejoin the parameter servers (restart {used} of "
+                 f"{self.max_restarts})")
+        self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
+        self.store.set(f"replicator/attempt_{self.attempt}/" + REJOIN_KEY.format(rank=rank),
+                       str(self.rank_restarts[rank]))
+        env = worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
+                         self.error_dir, self.base_env)
+        env[NUM_PS_ENV] = str(self.num_ps)
+        env[REJOIN_ENV] = "1"
+        self.workers[rank] = _Worker(rank, self.start_fn(rank, env))
 
     def _failure(self, attempt: int, first: _Worker, terminated: list[int]
                  ) -> tuple[WorkerFailedError, tuple[str, ...]]:

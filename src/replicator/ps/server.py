@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from replicator.cluster.launcher import REJOIN_KEY
 from replicator.comm.messages import Connection, Message, PeerLostError, tensor_text, text_tensor
 from replicator.ps import protocol as P
 from replicator.ps.claims import WAIT, ClaimLedger
@@ -56,7 +57,7 @@ class ParameterServer:
 
     def __init__(self, index: int, num_workers: int, staleness: int | None,
                  sock: socket.socket, timeout_seconds: float,
-                 checkpoint_dir: str | None = None) -> None:
+                 checkpoint_dir: str | None = None, store: Any = None) -> None:
         self.index = index
         self.num_workers = num_workers
         self.staleness = staleness
@@ -75,6 +76,8 @@ class ParameterServer:
         self.restored_step: int | None = None
         self.extra: dict[str, Any] = {}
         self.checkpoint_dir = checkpoint_dir
+        self.store = store
+        self.last_loss = 0.0
         self.claims = ClaimLedger()
         self.threads: list[threading.Thread] = []
         if checkpoint_dir:
@@ -89,7 +92,7 @@ class ParameterServer:
             with self.lock:
                 seen = len(self.workers)
                 live = sum(w.connected for w in self.workers.values())
-            if seen >= self.num_workers and live == 0:
+            if seen >= self.num_workers and live == 0 and not self._rejoin_pending():
                 break
             if seen == 0 and time.monotonic() - started > self.timeout_seconds:
                 raise TimeoutError(f"parameter server {self.index}: no worker connected within "
@@ -104,6 +107,25 @@ class ParameterServer:
             t.start()
             self.threads.append(t)
         self.sock.close()
+
+    def _rejoin_pending(self) -> bool:
+        """Whether a lost worker is being restarted (the launcher says so in the store)."""
+        with self.lock:
+            lost = {w: s.connections for w, s in self.workers.items() if s.lost}
+        if not lost:
+            return False
+        if time.monotonic() - self.last_loss < 1.0:
+            return True  # give the launcher a moment to notice the loss
+        if self.store is None:
+            return False
+        for worker, connections in lost.items():
+            key = REJOIN_KEY.format(rank=worker)
+            try:
+                if self.store.check([key]) and int(self.store.get(key)) >= connections:
+                    return True
+            except (RuntimeError, ValueError):
+                continue
+        return False
 
     def _handle(self, conn: Connection) -> None:
         worker = -1
@@ -132,6 +154,7 @@ class ParameterServer:
             with self.lock:
                 if worker in self.workers:
                     self.workers[worker].lost = True
+                    self.last_loss = time.monotonic()
             print(f"[replicator] parameter server {self.index}: lost worker {worker}; "
                   "going on without it", file=sys.stderr, flush=True)
         except P.ParameterServerError as exc:

@@ -31,9 +31,15 @@ from torch.optim.optimizer import (
 )
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
-from replicator.cluster.launcher import NUM_PS_ENV
+from replicator.cluster.environment import resolve_cluster, timeout_from_env
+from replicator.cluster.launcher import NUM_PS_ENV, REJOIN_ENV
 from replicator.cluster.ports import LOOPBACK, listen
-from replicator.cluster.process_group import initialize, on_shutdown, open_store_client
+from replicator.cluster.process_group import (
+    DEFAULT_TIMEOUT_SECONDS,
+    initialize,
+    on_shutdown,
+    open_store_client,
+)
 from replicator.cluster.topology import Topology
 from replicator.comm.collectives import Collectives
 from replicator.comm.progress import CollectiveTracker
@@ -102,16 +108,13 @@ class ParameterServerStrategy(Strategy):
         self._staleness = staleness
         self._partitioner = variable_partitioner
         self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
-        info = initialize(timeout_seconds=timeout_seconds)
-        self._timeout = float(timeout_seconds or info.timeout_seconds)
-        self._topology = Topology(num_ps=num_ps)
         self._num_ps = num_ps
-        self._num_workers = self._topology.num_workers
-        store = info.store if info.store is not None else \
-            dist.distributed_c10d._get_default_store()
         self._device = torch.device("cpu")
-        if self._topology.is_ps:
-            self._serve(store, address or LOOPBACK)
+        self._rejoined = os.environ.get(REJOIN_ENV) == "1"
+        if self._rejoined:
+            store, attempt = self._join_alone(timeout_seconds)
+        else:
+            store, attempt = self._join_job(timeout_seconds, address)
         self._shards: list[Shard] = []
         self._params: dict[int, torch.Tensor] = {}        # shard id -> parameter
         self._shards_of: dict[int, list[Shard]] = {}       # id(parameter) -> its shards
@@ -121,20 +124,12 @@ class ParameterServerStrategy(Strategy):
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._steps = 0
         self._claim: tuple[int, int] | None = None
-        self._rank = self._topology.replica_id
-        self._group = self._topology.data_group()
-        self._data_group = self._group
-        tracker = CollectiveTracker(self._rank, self._num_workers, open_store_client(info))
-        on_shutdown(tracker.close)
-        self._collectives = Collectives(self._rank, self._num_workers, self._device,
-                                        self._timeout, tracker, group=self._group)
         addresses = []
         for k in range(num_ps):
             key = f"replicator/ps/address/{k}"
             store.wait([key], timedelta(seconds=self._timeout))
             host, port = store.get(key).decode().rsplit(":", 1)
             addresses.append((host, int(port)))
-        attempt = info.spec.restart_count
         self._client = ServerClient(addresses, list(range(self._num_workers, self._num_workers
                                                            + num_ps)),
                                     self._rank, attempt, self._timeout, self._held_by)
@@ -145,14 +140,58 @@ class ParameterServerStrategy(Strategy):
         ]
         super().__init__()
 
+    def _join_job(self, timeout_seconds: float | None, address: str | None
+                  ) -> tuple[dist.Store, int]:
+        """Start with the whole job: the process group, the topology, the workers' group."""
+        info = initialize(timeout_seconds=timeout_seconds)
+        self._timeout = float(timeout_seconds or info.timeout_seconds)
+        topology = Topology(num_ps=self._num_ps)
+        self._topology: Topology | None = topology
+        self._num_workers = topology.num_workers
+        store = info.store if info.store is not None else \
+            dist.distributed_c10d._get_default_store()
+        if topology.is_ps:
+            self._serve(store, address or LOOPBACK, topology.global_rank - self._num_workers)
+        self._rank = topology.replica_id
+        self._group: dist.ProcessGroup | None = topology.data_group()
+        self._data_group = self._group
+        tracker = CollectiveTracker(self._rank, self._num_workers, open_store_client(info))
+        on_shutdown(tracker.close)
+        self._collectives = Collectives(self._rank, self._num_workers, self._device,
+                                        self._timeout, tracker, group=self._group)
+        return store, info.spec.restart_count
+
+    def _join_alone(self, timeout_seconds: float | None) -> tuple[dist.Store, int]:
+        """A worker restarted alone: no process group (the running job's cannot take a new
+        member); it finds the servers through the rendezvous store and talks only to them."""
+        if self._staleness == 0:
+            raise ClusterConfigError(
+                "a worker restarted alone cannot rejoin a synchronous job (staleness=0): the "
+                "other workers' collectives have moved on without it. HINT: use staleness=None "
+                "or a bound k for jobs that survive lost workers.")
+        spec = resolve_cluster()
+        self._timeout = float(timeout_seconds or timeout_from_env(DEFAULT_TIMEOUT_SECONDS))
+        try:
+            raw = dist.TCPStore(spec.master_addr, spec.master_port or 0, spec.world_size, False,
+                                timeout=timedelta(seconds=self._timeout))
+        except (RuntimeError, OSError) as exc:
+            raise ClusterConfigError(f"worker rank {spec.rank} could not reach the rendezvous "
+                                     f"store to rejoin: {exc}") from exc
+        store = dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", raw)
+        self._topology = None
+        self._num_workers = spec.world_size - self._num_ps
+        self._rank = spec.rank
+        self._group = None
+        self._collectives = Collectives(0, 1, self._device, self._timeout)  # alone
+        return store, spec.restart_count
+
     # -- the server side ---------------------------------------------------------------------
-    def _serve(self, store: dist.Store, address: str) -> None:
-        index = self._topology.global_rank - self._num_workers
+    def _serve(self, store: dist.Store, address: str, index: int) -> None:
         sock = listen(address, 0)
         host, port = sock.getsockname()[:2]
         store.set(f"replicator/ps/address/{index}", f"{host}:{port}")
         server = ParameterServer(index, self._num_workers, self._staleness, sock,
-                                 self._timeout, self._checkpoint_dir)
+                                 self._timeout, self._checkpoint_dir, store=store)
         server.serve()
         sys.stdout.flush()
         raise SystemExit(0)
@@ -180,12 +219,19 @@ class ParameterServerStrategy(Strategy):
         return self._staleness
 
     @property
-    def topology(self) -> Topology:
+    def topology(self) -> Topology | None:
+        """The job's topology (``None`` on a worker that rejoined alone after a restart)."""
         return self._topology
 
     @property
+    def rejoined(self) -> bool:
+        """True on a worker restarted alone that rejoined the running servers."""
+        return self._rejoined
+
+    @property
     def collectives(self) -> Collectives:
-        """The workers' collectives (used by reduce() with ``staleness=0``, and checkpoints)."""
+        """The workers' collectives (used by reduce() with ``staleness=0``, and checkpoints);
+        a worker that rejoined alone has collectives of its own only."""
         return self._collectives
 
     @property
