@@ -268,8 +268,6 @@ class LocalGroup:
 
     def _run_attempts(self) -> None:
         for attempt in range(self.max_restarts + 1):
-            if attempt > self.max_restarts - self.worker_restarts:
-                break  # restarts spent on single workers
             self.attempt = attempt
             outcome = self._run_once(attempt)
             if outcome.ok:
