@@ -82,7 +82,7 @@ def test_async_three_workers_two_servers_sharded_digits():
 
 @pytest.mark.timeout(180)
 def test_bounded_staleness_with_a_slow_worker():
-    kwargs = {"steps": 40, "num_ps": 1, "shards": 0, "slow_rank": 1, "slow_seconds": 0.05}
+    kwargs = {"steps": 25, "num_ps": 1, "shards": 0, "slow_rank": 1, "slow_seconds": 0.05}
     free = launch(train_digits, num_replicas=3, num_ps=1, kwargs=kwargs, timeout_seconds=60)
     bounded = launch(train_digits, num_replicas=3, num_ps=1, kwargs={**kwargs, "staleness": 2},
                      timeout_seconds=60)
@@ -95,10 +95,12 @@ def test_bounded_staleness_with_a_slow_worker():
 
 
 def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int = 30,
-                            pace_seconds: float = 0.0) -> dict:
+                            rejoin_flag: str | None = None) -> dict:
     """3 workers + 2 servers, asynchronous; worker ``kill_rank`` SIGKILLs itself at global
     step ``kill_step`` (once the servers applied ``kill_step`` updates per worker). The
-    survivors train ``epochs`` epochs of claimed batches."""
+    survivors train ``epochs`` epochs of claimed batches. With ``rejoin_flag`` (a file path),
+    the restarted worker creates the file after its first step, and the survivors wait for it
+    at their step 25, so that training outlasts the restarted process's start."""
     import os
     import signal
 
@@ -128,7 +130,12 @@ def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int 
         for batch in data:
             strategy.run(step, args=(batch,))
             steps += 1
-            time.sleep(pace_seconds)
+            if rejoin_flag and strategy.rejoined and steps == 1:
+                open(rejoin_flag, "w").close()
+            if rejoin_flag and strategy.replica_id != kill_rank and steps == 25:
+                deadline = time.monotonic() + 90
+                while not os.path.exists(rejoin_flag) and time.monotonic() < deadline:
+                    time.sleep(0.1)
             if strategy.replica_id == kill_rank and not strategy.rejoined and \
                     strategy.shard_versions()[0]["version"] >= kill_step * 3:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -164,11 +171,10 @@ def test_lost_worker_others_finish_and_every_batch_is_consumed_once():
 
 
 @pytest.mark.timeout(180)
-def test_lost_worker_restarted_alone_rejoins_and_continues():
-    # the survivors are paced so that training outlasts the restarted process's start
+def test_lost_worker_restarted_alone_rejoins_and_continues(tmp_path):
     out = launch(train_and_lose_a_worker, num_replicas=5, num_ps=2,
-                 kwargs={"epochs": 6, "kill_step": 10, "pace_seconds": 0.03},
-                 timeout_seconds=60, max_restarts=1)
+                 kwargs={"epochs": 6, "kill_step": 10, "rejoin_flag": str(tmp_path / "back")},
+                 timeout_seconds=120, max_restarts=1)
     rejoined = out[2]
     assert rejoined is not None and rejoined["rejoined"], rejoined
     assert rejoined["steps"] > 0  # it pulled the current values and trained on new batches
