@@ -34,6 +34,8 @@ def train_digits(staleness: int | None = None, steps: int = 120, num_ps: int = 2
         x, y = batch
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        if strategy.replica_id == slow_rank:
+            time.sleep(slow_seconds)  # a straggler: slow between its pull and its push
         optimizer.step()
         optimizer.zero_grad()
         return loss.detach()
@@ -47,8 +49,6 @@ def train_digits(staleness: int | None = None, steps: int = 120, num_ps: int = 2
         for batch in data:
             strategy.run(step, args=(batch,))
             done += 1
-            if strategy.replica_id == slow_rank:
-                time.sleep(slow_seconds)
             if done == steps:
                 break
     strategy.collectives.barrier()  # every worker has pushed its last update
