@@ -46,23 +46,26 @@ def test_placement_is_even_by_size_and_covers_every_row():
 
 def test_claim_ledger_gives_each_batch_once_and_takes_back_a_lost_workers():
     ledger = ClaimLedger()
-    assert [ledger.claim(0, 0, 3), ledger.claim(1, 0, 3)] == [0, 1]
-    ledger.consume(0, 0, 0)
-    assert ledger.claim(0, 0, 3) == 2
-    ledger.consume(0, 0, 2)
-    assert ledger.claim(0, 0, 3) == WAIT  # batch 1 is still in flight with worker 1
+    e0 = (0, 0)  # stream 0, epoch 0
+    assert [ledger.claim(0, e0, 3), ledger.claim(1, e0, 3)] == [0, 1]
+    ledger.consume(0, e0, 0)
+    assert ledger.claim(0, e0, 3) == 2
+    ledger.consume(0, e0, 2)
+    assert ledger.claim(0, e0, 3) == WAIT  # batch 1 is still in flight with worker 1
+    assert ledger.claim(0, (1, 0), 5) == 0  # another input stream is counted apart
     assert ledger.give_back(1) == 1       # worker 1 is lost before its update landed
-    assert ledger.claim(0, 0, 3) == 1
-    ledger.consume(0, 0, 1)
-    assert ledger.claim(0, 0, 3) == EPOCH_DONE
+    assert ledger.claim(0, e0, 3) == 1
+    ledger.consume(0, e0, 1)
+    assert ledger.claim(0, e0, 3) == EPOCH_DONE
     summary = ledger.summary()[0]
     assert summary == {"batches": 3, "consumed": 3, "repeated": 0, "by_worker": {0: 3},
                        "in_flight": 0}
     again = ClaimLedger()
     again.load(json.loads(json.dumps(ledger.state())))
     assert again.summary() == ledger.summary()
-    with pytest.raises(ValueError, match="same dataset"):
-        ledger.claim(0, 0, 4)
+    assert ledger.summary(1)[0]["in_flight"] == 1
+    with pytest.raises(ValueError, match="same datasets"):
+        ledger.claim(0, e0, 4)
 
 
 def _pair(timeout: float = 5.0) -> tuple[Connection, Connection]:

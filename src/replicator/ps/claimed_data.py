@@ -19,9 +19,9 @@ from torch.utils.data.dataloader import default_collate
 
 
 class _Claimer(Protocol):
-    def _claim_batch(self, epoch: int, total: int) -> int: ...
+    def _claim_batch(self, stream: int, epoch: int, total: int) -> int: ...
 
-    def _set_claim(self, claim: tuple[int, int] | None) -> None: ...
+    def _set_claim(self, claim: tuple[int, int, int] | None) -> None: ...
 
 
 class ClaimedBatches:
@@ -29,13 +29,15 @@ class ClaimedBatches:
 
     Every worker cuts each epoch the same way: a permutation seeded by ``seed + epoch`` (or
     the dataset order without ``shuffle``), ``batch_size`` samples a batch, a short last batch
-    dropped with ``drop_last``. Iterating once runs one epoch.
+    dropped with ``drop_last``. Iterating once runs one epoch. ``stream`` numbers the
+    strategy's distributed datasets in creation order (the same on every worker).
     """
 
-    def __init__(self, strategy: _Claimer, dataset: Dataset, batch_size: int, *,
+    def __init__(self, strategy: _Claimer, stream: int, dataset: Dataset, batch_size: int, *,
                  shuffle: bool, seed: int, drop_last: bool,
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self._strategy = strategy
+        self.stream = stream
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -66,12 +68,12 @@ class ClaimedBatches:
         total = len(self)
         try:
             while True:
-                index = self._strategy._claim_batch(epoch, total)
+                index = self._strategy._claim_batch(self.stream, epoch, total)
                 if index < 0:
                     return
                 rows = order[index * self.batch_size:(index + 1) * self.batch_size].tolist()
                 batch = self.collate_fn([self.dataset[i] for i in rows])
-                self._strategy._set_claim((epoch, index))
+                self._strategy._set_claim((self.stream, epoch, index))
                 yield batch
         finally:
             self._strategy._set_claim(None)

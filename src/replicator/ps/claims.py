@@ -1,11 +1,12 @@
 """Exactly-once input for asynchronous workers: a ledger of batch claims on server 0.
 
-Each epoch is cut into numbered per-replica batches (the same cut on every worker: a seeded
-permutation). A worker *claims* the next batch from the ledger, trains on it, and its update
-*consumes* the claim when server 0 applies it. A worker that is lost before its update lands
-gives its claims back, and the next worker to ask takes them: every batch of an epoch is
-consumed by exactly one applied update (counted at server 0). An epoch ends for a worker when
-no batch is left unclaimed and none is still in flight with another worker.
+Each epoch of each input stream (every dataset a strategy distributes, numbered in creation
+order, the same on every worker) is cut into numbered per-replica batches, the same cut on
+every worker (a seeded permutation). A worker *claims* the next batch from the ledger, trains
+on it, and its update *consumes* the claim when server 0 applies it. A worker that is lost
+before its update lands gives its claims back, and the next worker to ask takes them: every
+batch of an epoch is consumed by exactly one applied update (counted at server 0). An epoch
+ends for a worker when no batch is left unclaimed and none is in flight with another worker.
 """
 
 from __future__ import annotations
@@ -30,22 +31,27 @@ WAIT = -2
 EPOCH_DONE = -1
 
 
+#: An epoch of an input stream: ``(stream, epoch)``.
+Key = tuple[int, int]
+
+
 class ClaimLedger:
-    """Batch claims per epoch (the caller holds the server's lock around every call)."""
+    """Batch claims per stream and epoch (the caller holds the server's lock around calls)."""
 
     def __init__(self) -> None:
-        self.epochs: dict[int, _Epoch] = {}
+        self.epochs: dict[Key, _Epoch] = {}
 
-    def claim(self, worker: int, epoch: int, total: int) -> int:
-        """The batch ``worker`` takes next in ``epoch`` (of ``total``), :data:`WAIT`, or
+    def claim(self, worker: int, key: Key, total: int) -> int:
+        """The batch ``worker`` takes next in epoch ``key`` (of ``total``), :data:`WAIT`, or
         :data:`EPOCH_DONE`. A worker asking again has finished with its earlier claims."""
-        state = self.epochs.setdefault(epoch, _Epoch(total=total))
+        state = self.epochs.setdefault(key, _Epoch(total=total))
         if total != state.total:
-            raise ValueError(f"epoch {epoch} has {state.total} batches on the server but a "
-                             f"worker counts {total}. HINT: every worker must build the same "
-                             "dataset and batch size.")
+            raise ValueError(f"epoch {key[1]} of input {key[0]} has {state.total} batches on "
+                             f"the server but a worker counts {total}. HINT: every worker must "
+                             "build the same datasets, in the same order, with the same batch "
+                             "size.")
         for index in sorted(state.in_flight.get(worker, set())):
-            self.consume(worker, epoch, index)  # used without an optimizer step
+            self.consume(worker, key, index)  # used without an optimizer step
         if state.returned:
             index = state.returned.pop(0)
         elif state.next_fresh < state.total:
@@ -58,9 +64,9 @@ class ClaimLedger:
         state.in_flight.setdefault(worker, set()).add(index)
         return index
 
-    def consume(self, worker: int, epoch: int, index: int) -> None:
-        """``worker``'s update for batch ``index`` of ``epoch`` was applied."""
-        state = self.epochs.get(epoch)
+    def consume(self, worker: int, key: Key, index: int) -> None:
+        """``worker``'s update for batch ``index`` of epoch ``key`` was applied."""
+        state = self.epochs.get(key)
         if state is None:
             return
         mine = state.in_flight.get(worker, set())
@@ -79,27 +85,33 @@ class ClaimLedger:
             n += len(mine)
         return n
 
-    def summary(self) -> dict[int, dict[str, Any]]:
-        """Per epoch: batches, batches consumed (distinct), repeats, and consumed per worker."""
+    def summary(self, stream: int = 0) -> dict[int, dict[str, Any]]:
+        """Per epoch of ``stream``: batches, batches consumed (distinct), repeats, consumed
+        per worker, and batches in flight."""
         return {e: {"batches": s.total, "consumed": len(set(s.consumed)),
                     "repeated": len(s.consumed) - len(set(s.consumed)),
                     "by_worker": dict(s.by_worker),
                     "in_flight": sum(len(v) for v in s.in_flight.values())}
-                for e, s in sorted(self.epochs.items())}
+                for (st, e), s in sorted(self.epochs.items()) if st == stream}
 
     def state(self) -> dict[str, Any]:
         """JSON for a checkpoint (batches in flight count as not consumed)."""
-        return {str(e): {"total": s.total, "next": s.next_fresh,
+        return {f"{k[0]}:{k[1]}": {"total": s.total, "next": s.next_fresh,
                          "returned": sorted(s.returned + [i for v in s.in_flight.values()
                                                           for i in v]),
                          "consumed": s.consumed,
                          "by_worker": {str(w): n for w, n in s.by_worker.items()}}
-                for e, s in self.epochs.items()}
+                for k, s in self.epochs.items()}
 
     def load(self, state: dict[str, Any]) -> None:
-        self.epochs = {int(e): _Epoch(total=int(s["total"]), next_fresh=int(s["next"]),
+        self.epochs = {_key(k): _Epoch(total=int(s["total"]), next_fresh=int(s["next"]),
                                       returned=[int(i) for i in s["returned"]],
                                       consumed=[int(i) for i in s["consumed"]],
                                       by_worker={int(w): int(n)
                                                  for w, n in s["by_worker"].items()})
-                       for e, s in state.items()}
+                       for k, s in state.items()}
+
+
+def _key(text: str) -> Key:
+    stream, epoch = text.split(":")
+    return int(stream), int(epoch)

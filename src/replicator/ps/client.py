@@ -121,30 +121,31 @@ class ServerClient:
         return self.each(one)
 
     def push(self, grads: dict[int, list[tuple[int, int, torch.Tensor]]], sink: Sink,
-             pull: bool = True, claim: tuple[int, int] | None = None) -> list[int]:
+             pull: bool = True, claim: tuple[int, int, int] | None = None) -> list[int]:
         """Push ``grads[k]`` (``(shard id, version pulled, gradient)``) to each server, then
-        (``pull``) read back every shard's new values; ``claim`` (epoch, batch): the input
+        (``pull``) read back every shard's new values; ``claim`` (stream, epoch, batch): the input
         batch this update consumes (told to server 0)."""
         def one(k: int, conn: Connection) -> int:
             items = grads.get(k, [])
-            epoch, token = (claim[0], claim[1] + 1) if claim is not None and k == 0 else (0, 0)
+            stream, epoch, token = (claim[0], claim[1], claim[2] + 1) \
+                if claim is not None and k == 0 else (-1, 0, 0)
             conn.send_many([(P.GRAD, sid, v, g, 0, 0, 0) for sid, v, g in items]
-                           + [(P.PUSH, -1, epoch, None, len(items), int(pull), token)])
+                           + [(P.PUSH, stream, epoch, None, len(items), int(pull), token)])
             return self._read_values(k, conn, sink) if pull else 0
 
         return self.each(one)
 
-    def claim(self, epoch: int, total: int) -> int:
-        """The next batch of ``epoch`` for this worker (-1: the epoch is done)."""
+    def claim(self, stream: int, epoch: int, total: int) -> int:
+        """The next batch of ``epoch`` of input ``stream`` for this worker (-1: done)."""
         def one(k: int, conn: Connection) -> int:
-            conn.send(P.CLAIM, a=epoch, b=total)
+            conn.send(P.CLAIM, var_id=stream, a=epoch, b=total)
             return self._expect(k, conn.receive("waiting for a batch claim"), P.CLAIMED).a
 
         return self.each(one, [0])[0]
 
-    def data_stats(self) -> dict[int, dict[str, Any]]:
+    def data_stats(self, stream: int = 0) -> dict[int, dict[str, Any]]:
         def one(k: int, conn: Connection) -> str:
-            conn.send(P.DATA_STATS)
+            conn.send(P.DATA_STATS, a=stream)
             return tensor_text(self._expect(k, conn.receive("waiting for data statistics"),
                                             P.DATA_STATS).payload)
 

@@ -9,8 +9,9 @@ A worker talks to each server over one :class:`~replicator.comm.messages.Connect
 - ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``;
 - ``STATS`` -> ``STATS`` (int64: count, sum, max, histogram); ``VERSIONS`` -> ``VERSIONS``;
 - ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
-- server 0 only: ``CLAIM(a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``; a push that
-  carries ``version=epoch, c=batch+1`` consumes that claim; ``DATA_STATS`` -> json.
+- server 0 only: ``CLAIM(input stream, a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``;
+  a ``PUSH(stream, version=epoch, c=batch+1)`` consumes that claim; ``DATA_STATS(a=stream)``
+  -> json.
 """
 
 from __future__ import annotations

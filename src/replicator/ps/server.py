@@ -204,10 +204,10 @@ class ParameterServer:
                         for x in (sid, self.shards[sid].version)]
             conn.send(P.VERSIONS, tensor=torch.tensor(flat, dtype=torch.int64))
         elif msg.kind == P.CLAIM:
-            conn.send(P.CLAIMED, a=self._claim(worker, msg.a, msg.b))
+            conn.send(P.CLAIMED, a=self._claim(worker, (msg.var_id, msg.a), msg.b))
         elif msg.kind == P.DATA_STATS:
             with self.lock:
-                text = json.dumps(self.claims.summary())
+                text = json.dumps(self.claims.summary(msg.a))
             conn.send(P.DATA_STATS, tensor=text_tensor(text))
         elif msg.kind == P.SAVE:
             path = self._save(msg.a, json.loads(tensor_text(msg.payload)))
@@ -269,12 +269,12 @@ class ParameterServer:
         shard.version += 1
 
     # -- updates ---------------------------------------------------------------------------
-    def _claim(self, worker: int, epoch: int, total: int) -> int:
+    def _claim(self, worker: int, key: tuple[int, int], total: int) -> int:
         deadline = time.monotonic() + self.timeout_seconds
         with self.lock:
             while True:
                 try:
-                    index = self.claims.claim(worker, epoch, total)
+                    index = self.claims.claim(worker, key, total)
                 except ValueError as exc:
                     raise P.ParameterServerError(str(exc)) from None
                 if index != WAIT:
@@ -282,7 +282,7 @@ class ParameterServer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise P.ParameterServerError(
-                        f"parameter server {self.index}: epoch {epoch} waited "
+                        f"parameter server {self.index}: epoch {key[1]} of input {key[0]} waited "
                         f"{self.timeout_seconds:.0f} s for batches other workers claimed. HINT: "
                         "a worker that takes a batch must push its update (optimizer.step()).")
                 self.lock.wait(min(left, 0.5))
@@ -299,7 +299,7 @@ class ParameterServer:
                         self._apply(sid, grad, version)
                 self.clock += 1
                 if end.c:
-                    self.claims.consume(worker, end.version, end.c - 1)
+                    self.claims.consume(worker, (end.var_id, end.version), end.c - 1)
             state.pushes += 1
             state.in_flight = False
             self.lock.notify_all()

@@ -123,7 +123,8 @@ class ParameterServerStrategy(Strategy):
         self._sent_spec = ""
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._steps = 0
-        self._claim: tuple[int, int] | None = None
+        self._claim: tuple[int, int, int] | None = None
+        self._streams = 0
         addresses = []
         for k in range(num_ps):
             key = f"replicator/ps/address/{k}"
@@ -400,20 +401,24 @@ class ParameterServerStrategy(Strategy):
             raise ValueError(f"the global batch {batch_size} does not split evenly over "
                              f"{workers} workers. HINT: use a multiple of {workers}.")
         drop = drop_remainder if drop_remainder is not None else bool(drop_last)
-        return ClaimedBatches(self, dataset, batch_size // workers, shuffle=bool(shuffle),
-                              seed=seed, drop_last=drop, collate_fn=collate)
+        stream = self._streams
+        self._streams += 1
+        return ClaimedBatches(self, stream, dataset, batch_size // workers,
+                              shuffle=bool(shuffle), seed=seed, drop_last=drop,
+                              collate_fn=collate)
 
-    def _claim_batch(self, epoch: int, total: int) -> int:
-        return self._client.claim(epoch, total)
+    def _claim_batch(self, stream: int, epoch: int, total: int) -> int:
+        return self._client.claim(stream, epoch, total)
 
-    def _set_claim(self, claim: tuple[int, int] | None) -> None:
+    def _set_claim(self, claim: tuple[int, int, int] | None) -> None:
         self._claim = claim
 
-    def data_accounting(self) -> dict[int, dict[str, Any]]:
-        """Per epoch, from server 0's ledger of claimed input batches: ``batches``,
+    def data_accounting(self, stream: int = 0) -> dict[int, dict[str, Any]]:
+        """Per epoch of input ``stream`` (the strategy's distributed datasets in creation
+        order; 0 is the first), from server 0's ledger of claimed batches: ``batches``,
         ``consumed`` (distinct batches whose update was applied), ``repeated`` (should be 0),
         ``by_worker`` and ``in_flight``."""
-        return self._client.data_stats()
+        return self._client.data_stats(stream)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None
