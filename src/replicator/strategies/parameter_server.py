@@ -128,7 +128,13 @@ class ParameterServerStrategy(Strategy):
         addresses = []
         for k in range(num_ps):
             key = f"replicator/ps/address/{k}"
-            store.wait([key], timedelta(seconds=self._timeout))
+            try:
+                store.wait([key], timedelta(seconds=self._timeout))
+            except RuntimeError as exc:
+                raise P.ParameterServerLostError(
+                    f"parameter server {k} (rank {self._num_workers + k}) did not publish its "
+                    f"address within {self._timeout:.0f} s ({exc}). HINT: check that rank's "
+                    "output: it may have failed while starting.") from exc
             host, port = store.get(key).decode().rsplit(":", 1)
             addresses.append((host, int(port)))
         self._client = ServerClient(addresses, list(range(self._num_workers, self._num_workers
