@@ -127,3 +127,45 @@ def test_num_ps_must_leave_a_worker():
         check_num_ps(2, 2)
     with pytest.raises(ClusterConfigError):
         check_num_ps(-1, 2)
+
+
+def _server(staleness: int | None = None):
+    import threading
+
+    from replicator.cluster.ports import listen
+    from replicator.ps.client import ServerClient
+    from replicator.ps.server import ParameterServer
+
+    sock = listen("127.0.0.1", 0)
+    server = ParameterServer(0, 1, staleness, sock, 5.0)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    client = ServerClient([sock.getsockname()[:2]], [1], 0, 0, 5.0, lambda k: ["w"])
+    return server, thread, client
+
+
+@pytest.mark.timeout(60)
+def test_server_applies_the_described_optimizer_and_counts_versions():
+    server, thread, client = _server()
+    client.register({0: [(0, torch.ones(2, 2))]})
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    client.send_optimizer(P.describe_optimizer(torch.optim.SGD([p], lr=0.5), {0: 0}))
+    got: dict[int, tuple[int, torch.Tensor]] = {}
+    client.push({0: [(0, 0, torch.full((2, 2), 2.0))]}, lambda s, v, t: got.update({s: (v, t)}))
+    assert got[0][0] == 1 and torch.equal(got[0][1], torch.zeros(2, 2))  # 1 - 0.5 * 2
+    assert client.versions() == {0: 1}
+    assert client.stats()[0][:3].tolist() == [1, 0, 0]  # one update, staleness 0
+    client.close()
+    thread.join(5)
+    assert not thread.is_alive()  # every worker came and went: the server is done
+
+
+@pytest.mark.timeout(60)
+def test_server_refuses_a_gradient_before_the_optimizer_description():
+    server, thread, client = _server()
+    client.register({0: [(0, torch.ones(2))]})
+    with pytest.raises(P.ParameterServerError, match="before the optimizer"):
+        client.push({0: [(0, 0, torch.ones(2))]}, lambda *a: None)
+    client.close()
+    thread.join(5)
+    assert not thread.is_alive()

@@ -133,6 +133,9 @@ class ParameterServer:
             hello = conn.receive("waiting for HELLO")
             if hello.kind != P.HELLO:
                 return
+            if not 0 <= hello.a < self.num_workers:
+                raise P.ParameterServerError(f"worker index {hello.a} is not one of this job's "
+                                             f"{self.num_workers} workers")
             worker = hello.a
             conn.peer = f"worker {worker}"
             with self.lock:
@@ -157,9 +160,13 @@ class ParameterServer:
                     self.last_loss = time.monotonic()
             print(f"[replicator] parameter server {self.index}: lost worker {worker}; "
                   "going on without it", file=sys.stderr, flush=True)
-        except P.ParameterServerError as exc:
+        except Exception as exc:  # noqa: BLE001 - refused and reported to the worker
+            text = str(exc) if isinstance(exc, P.ParameterServerError) else \
+                f"{type(exc).__name__}: {exc}"
+            print(f"[replicator] parameter server {self.index}: refused a request of worker "
+                  f"{worker}: {text}", file=sys.stderr, flush=True)
             try:
-                conn.send(P.ERROR, tensor=text_tensor(str(exc)))
+                conn.send(P.ERROR, tensor=text_tensor(text))
             except PeerLostError:
                 pass
         finally:
