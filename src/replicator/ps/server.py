@@ -87,16 +87,25 @@ class ParameterServer:
     def serve(self) -> None:
         """Accept workers until every worker has come and gone."""
         self.sock.settimeout(0.2)
-        started = time.monotonic()
+        started = idle_since = time.monotonic()
         while True:
             with self.lock:
                 seen = len(self.workers)
                 live = sum(w.connected for w in self.workers.values())
+            now = time.monotonic()
+            if live:
+                idle_since = now
             if seen >= self.num_workers and live == 0 and not self._rejoin_pending():
                 break
-            if seen == 0 and time.monotonic() - started > self.timeout_seconds:
+            if seen == 0 and now - started > self.timeout_seconds:
                 raise TimeoutError(f"parameter server {self.index}: no worker connected within "
                                    f"{self.timeout_seconds:.0f} s")
+            if seen and not live and now - idle_since > self.timeout_seconds:
+                missing = sorted(set(range(self.num_workers)) - set(self.workers))
+                print(f"[replicator] parameter server {self.index}: no worker left for "
+                      f"{self.timeout_seconds:.0f} s and worker(s) {missing} never came; "
+                      "stopping", file=sys.stderr, flush=True)
+                break
             try:
                 client, _ = self.sock.accept()
             except TimeoutError:
