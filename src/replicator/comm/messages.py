@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +35,11 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )
 _CODES = {dt: i for i, dt in enumerate(DTYPES)}
+
+
+#: Where a payload may land: ``into(kind, var_id, dtype, shape)`` returns a contiguous tensor of
+#: that dtype and shape to receive into (no allocation, no copy), or ``None`` for a new one.
+Into = Callable[[int, int, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
 
 
 class PeerLostError(ReplicatorError, ConnectionError):
@@ -99,6 +106,8 @@ class Connection:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self.closed = False
+        #: Receive buffers its owner reuses from message to message (see ``into``).
+        self.buffers: dict[Any, torch.Tensor] = {}
 
     @classmethod
     def connect(cls, address: tuple[str, int], peer: str, timeout_seconds: float
@@ -147,9 +156,10 @@ class Connection:
                                 ) from exc
 
     def receive(self, what: str = "waiting for a message",
-                timeout_seconds: float | None = -1.0) -> Message:
+                timeout_seconds: float | None = -1.0, into: Into | None = None) -> Message:
         """Receive one message; waits at most ``timeout_seconds`` (default: the connection's;
-        ``None``: no limit, for a server waiting on a client that may be idle)."""
+        ``None``: no limit, for a server waiting on a client that may be idle). ``into`` may
+        name where the payload lands (a tensor that matches exactly, else a new one)."""
         timeout = self.timeout_seconds if timeout_seconds == -1.0 else timeout_seconds
         with self._recv_lock:
             head = torch.empty(HEADER_FIELDS, dtype=torch.int64)
@@ -165,7 +175,10 @@ class Connection:
                                              f"or {h[6]} dimensions")
                 dtype = DTYPES[h[5]]
                 shape = tuple(h[7:7 + h[6]])
-                payload = torch.empty(shape, dtype=dtype)
+                payload = into(h[1], h[2], dtype, shape) if into is not None else None
+                if payload is None or payload.dtype != dtype or tuple(payload.shape) != shape \
+                        or not payload.is_contiguous():
+                    payload = torch.empty(shape, dtype=dtype)
                 if payload.numel() * payload.element_size() != h[4]:
                     raise MessageFormatError(f"{self.peer} sent {h[4]} bytes for a {dtype} "
                                              f"tensor of shape {shape}")

@@ -15,7 +15,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from replicator.comm.messages import Connection, Message, PeerLostError, tensor_text, text_tensor
+from replicator.comm.messages import (
+    Connection,
+    Into,
+    Message,
+    PeerLostError,
+    tensor_text,
+    text_tensor,
+)
 from replicator.ps import protocol as P
 
 T = TypeVar("T")
@@ -28,11 +35,12 @@ class ServerClient:
 
     def __init__(self, addresses: list[tuple[str, int]], server_ranks: list[int], worker: int,
                  attempt: int, timeout_seconds: float,
-                 held: Callable[[int], list[str]]) -> None:
+                 held: Callable[[int], list[str]], into: Into | None = None) -> None:
         self.server_ranks = server_ranks
         self.addresses = addresses
         self.timeout_seconds = timeout_seconds
         self.held = held
+        self.into = into  # where pulled values land (the parameters' own memory)
         self.connections: list[Connection] = []
         self.restored: list[dict[str, Any] | None] = []
         self.pids: list[int] = []
@@ -89,7 +97,7 @@ class ServerClient:
 
     def _read_values(self, k: int, conn: Connection, sink: Sink) -> int:
         while True:
-            msg = conn.receive("waiting for variable values")
+            msg = conn.receive("waiting for variable values", into=self.into)
             if msg.kind == P.VALUES_END:
                 return msg.version
             msg = self._expect(k, msg, P.VALUE)

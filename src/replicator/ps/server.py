@@ -23,9 +23,31 @@ from typing import Any
 import torch
 
 from replicator.cluster.launcher import REJOIN_KEY
-from replicator.comm.messages import Connection, Message, PeerLostError, tensor_text, text_tensor
+from replicator.comm.messages import (
+    Connection,
+    Into,
+    Message,
+    PeerLostError,
+    tensor_text,
+    text_tensor,
+)
 from replicator.ps import protocol as P
 from replicator.ps.claims import WAIT, ClaimLedger
+
+
+def _gradient_buffers(conn: Connection) -> Into:
+    """Gradients land in buffers kept per connection and shard: a worker sends its next push
+    only after this one was applied, so a buffer is free again when it is reused."""
+    def into(kind: int, var_id: int, dtype: torch.dtype, shape: tuple[int, ...]
+             ) -> torch.Tensor | None:
+        if kind != P.GRAD:
+            return None
+        key = (var_id, dtype, shape)
+        if key not in conn.buffers:
+            conn.buffers[key] = torch.empty(shape, dtype=dtype)
+        return conn.buffers[key]
+
+    return into
 
 
 @dataclass
@@ -157,8 +179,9 @@ class ParameterServer:
             conn.send(P.HELLO, version=-1 if self.restored_step is None else self.restored_step,
                       a=self.index, b=int(self.restored_step is not None), c=os.getpid(),
                       tensor=text_tensor(restored) if restored else None)
+            into = _gradient_buffers(conn)
             while True:
-                msg = conn.receive("waiting for a request", timeout_seconds=None)
+                msg = conn.receive("waiting for a request", timeout_seconds=None, into=into)
                 if msg.kind == P.BYE:
                     break
                 self._dispatch(conn, worker, msg)
@@ -196,8 +219,9 @@ class ParameterServer:
             self._set_optimizer(tensor_text(msg.payload))
         elif msg.kind == P.GRAD:
             grads = {msg.var_id: (msg.version, msg.payload)}
+            into = _gradient_buffers(conn)
             while True:
-                nxt = conn.receive("receiving gradients")
+                nxt = conn.receive("receiving gradients", into=into)
                 if nxt.kind == P.PUSH:
                     break
                 if nxt.kind != P.GRAD:

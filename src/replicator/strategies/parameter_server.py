@@ -139,7 +139,8 @@ class ParameterServerStrategy(Strategy):
             addresses.append((host, int(port)))
         self._client = ServerClient(addresses, list(range(self._num_workers, self._num_workers
                                                            + num_ps)),
-                                    self._rank, attempt, self._timeout, self._held_by)
+                                    self._rank, attempt, self._timeout, self._held_by,
+                                    into=self._landing)
         on_shutdown(self._client.close)
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
@@ -289,11 +290,22 @@ class ParameterServerStrategy(Strategy):
             self._client.register(initial)
         self._client.pull(self._expected(), self._receive)
 
+    def _landing(self, kind: int, sid: int, dtype: torch.dtype, shape: tuple[int, ...]
+                 ) -> torch.Tensor | None:
+        """Pulled values land straight in the parameter's rows when they match."""
+        if kind != P.VALUE or not 0 <= sid < len(self._shards):
+            return None
+        s = self._shards[sid]
+        rows = _rows(self._params[sid].detach())[s.start:s.end]
+        ok = rows.is_contiguous() and rows.dtype == dtype and tuple(rows.shape) == shape
+        return rows if ok and rows.device.type == "cpu" else None
+
     def _receive(self, sid: int, version: int, values: torch.Tensor) -> None:
         s = self._shards[sid]
-        with torch.no_grad():
-            _rows(self._params[sid])[s.start:s.end].copy_(values.reshape(
-                _rows(self._params[sid])[s.start:s.end].shape))
+        rows = _rows(self._params[sid].detach())[s.start:s.end]
+        if rows.data_ptr() != values.data_ptr():  # not received in place
+            with torch.no_grad():
+                rows.copy_(values.reshape(rows.shape))
         self._pulled[sid] = version
 
     # -- the optimizer step --------------------------------------------------------------------
