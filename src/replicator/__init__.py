@@ -36,6 +36,8 @@ from replicator.errors import (
     CollectiveMismatchError,
     NonFiniteLossError,
     NotDistributedError,
+    ParameterServerError,
+    ParameterServerLostError,
     PreemptedError,
     ReplicaMismatchError,
     ReplicaTimeoutError,
@@ -89,5 +91,6 @@ __all__ = [
     "register_ddp_comm_hook", "BackupAndRestore", "CheckpointManager", "PREEMPTION_EXIT_CODE",
     "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
     "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
-    "Topology", "cluster", "ParameterServerStrategy", "partitioners",
+    "Topology", "cluster", "ParameterServerStrategy", "partitioners", "ParameterServerError",
+    "ParameterServerLostError",
 ]

@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
-from replicator.errors import ReplicatorError
+from replicator.errors import ParameterServerError, ParameterServerLostError
+
+__all__ = ["ParameterServerError", "ParameterServerLostError", "describe_optimizer",
+           "build_optimizer", "update_hyperparameters"]
 
 HELLO, REGISTER, OPTIMIZER, GRAD, PUSH, PULL, VALUE, VALUES_END = range(1, 9)
 STATS, VERSIONS, SAVE, SAVED, BYE, ERROR, REGISTERED = range(9, 16)
@@ -32,14 +35,6 @@ HISTOGRAM_BINS = 64
 
 #: The optimizer classes a server may build, by name (``torch.optim``'s own only).
 _SKIPPED_KEYS = ("params",)
-
-
-class ParameterServerError(ReplicatorError):
-    """A parameter server refused a request (bad optimizer, unknown variable)."""
-
-
-class ParameterServerLostError(ReplicatorError, ConnectionError):
-    """A parameter server died or stopped answering; names the server and its variables."""
 
 
 def _plain(value: Any, key: str) -> Any:
