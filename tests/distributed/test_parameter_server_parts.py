@@ -169,3 +169,40 @@ def test_server_refuses_a_gradient_before_the_optimizer_description():
     client.close()
     thread.join(5)
     assert not thread.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_server_state_survives_a_checkpoint_and_restore(tmp_path):
+    import threading
+
+    from replicator.cluster.ports import listen
+    from replicator.ps.client import ServerClient
+    from replicator.ps.server import ParameterServer
+
+    server, thread, client = _server()
+    server.checkpoint_dir = str(tmp_path)
+    client.register({0: [(0, torch.ones(3))]})
+    p = torch.nn.Parameter(torch.ones(3))
+    client.send_optimizer(P.describe_optimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9),
+                                               {0: 0}))
+    assert client.claim(0, 0, 4) == 0
+    client.push({0: [(0, 0, torch.ones(3))]}, lambda *a: None, claim=(0, 0, 0))
+    assert client.claim(0, 0, 4) == 1  # claimed, never pushed: handed out again on restore
+    client.save(7, json.dumps({"directory": str(tmp_path), "worker_data": {"step": 7}}))
+    client.close()
+    thread.join(5)
+
+    sock = listen("127.0.0.1", 0)
+    again = ParameterServer(0, 1, None, sock, 5.0, checkpoint_dir=str(tmp_path))
+    assert again.restored_step == 7 and again.clock == 1
+    assert again.shards[0].version == 1
+    assert torch.allclose(again.shards[0].param.detach(), torch.full((3,), 0.9))
+    momentum = again.shards[0].optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.allclose(momentum, torch.ones(3))  # the optimizer's state came back
+    t = threading.Thread(target=again.serve, daemon=True)
+    t.start()
+    client = ServerClient([sock.getsockname()[:2]], [1], 0, 0, 5.0, lambda k: ["w"])
+    assert client.restored[0] == {"step": 7, "data": {"step": 7}}
+    assert [client.claim(0, 0, 4), client.claim(0, 0, 4), client.claim(0, 0, 4)] == [1, 2, 3]
+    client.close()
+    t.join(5)
