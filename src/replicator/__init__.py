@@ -36,6 +36,8 @@ from replicator.errors import (
     CollectiveMismatchError,
     NonFiniteLossError,
     NotDistributedError,
+    ParameterServerError,
+    ParameterServerLostError,
     PreemptedError,
     ReplicaMismatchError,
     ReplicaTimeoutError,
@@ -44,6 +46,7 @@ from replicator.errors import (
     WorkerFailedError,
 )
 from replicator.precision import MixedPrecision
+from replicator.ps import partitioners
 from replicator.strategies import (
     CentralStorageStrategy,
     FSDPStrategy,
@@ -52,6 +55,7 @@ from replicator.strategies import (
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    ParameterServerStrategy,
     PipelineStrategy,
     ReplicaContext,
     Strategy,
@@ -95,4 +99,5 @@ __all__ = [
     "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
     "Topology", "cluster", "scaling", "optim", "MixedPrecision", "MeshStrategy",
     "FSDPStrategy", "MemoryReport", "TensorParallelStrategy", "PipelineStrategy",
+    "ParameterServerStrategy", "partitioners", "ParameterServerError", "ParameterServerLostError",
 ]

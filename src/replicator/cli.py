@@ -22,6 +22,9 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                    help="rendezvous port on 127.0.0.1 (default: a free one)")
     p.add_argument("--timeout", type=float, default=None, dest="timeout_seconds",
                    help="seconds a collective may wait for the other replicas (default 300)")
+    p.add_argument("--num-ps", type=int, default=0,
+                   help="how many of the --nproc processes (the last ranks) are parameter "
+                   "servers, for ParameterServerStrategy")
     p.add_argument("--quiet-workers", action="store_true",
                    help="show only the chief's (rank 0) output; failures of any rank are "
                    "still reported")
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run_script(script, script_args, args.nproc, master_port=args.master_port,
                    timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts,
-                   quiet_workers=args.quiet_workers)
+                   quiet_workers=args.quiet_workers, num_ps=args.num_ps)
     except ClusterConfigError as exc:
         print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE

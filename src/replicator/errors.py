@@ -94,3 +94,13 @@ class NotDistributedError(ReplicatorError):
     """Trainable parameters are used under a multi-replica strategy without having been
     distributed (built outside ``scope()`` and never passed to ``distribute_model``): each
     replica would silently train its own model."""
+
+
+class ParameterServerError(ReplicatorError):
+    """A parameter server refused a request (an optimizer it cannot build, an unknown
+    variable, a staleness or input wait that timed out)."""
+
+
+class ParameterServerLostError(ReplicatorError, ConnectionError):
+    """A parameter server died or stopped answering; the message names the server, its rank
+    and the variable shards it held."""

@@ -58,7 +58,7 @@ def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
 def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = (),
            kwargs: dict[str, Any] | None = None, *, timeout_seconds: float | None = None,
            max_restarts: int = 0, start_method: str = "spawn",
-           master_port: int | None = None) -> list[Any]:
+           master_port: int | None = None, num_ps: int = 0) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_replicas`` local workers; return every result.
 
     ``fn`` must be importable by the workers (a module-level function) under the default
@@ -66,6 +66,8 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
     A worker that raises makes this raise :class:`replicator.WorkerFailedError` with that
     worker's rank and traceback, after the other workers were stopped. A failure that a
     restart would repeat (a NaN loss, replicas that disagree, an import error) is not restarted.
+    ``num_ps``: the last ``num_ps`` processes are parameter servers; their result, and that of
+    a worker lost during the job, is ``None``.
     """
     check_num_replicas(num_replicas)
     check_port(master_port, "master_port")
@@ -85,12 +87,14 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
         return proc
 
     group = LocalGroup(num_replicas, start, master_port=master_port,
-                       timeout_seconds=timeout_seconds, max_restarts=max_restarts)
+                       timeout_seconds=timeout_seconds, max_restarts=max_restarts,
+                       num_ps=num_ps)
     try:
         group.run()
         import torch
 
         return [torch.load(results_dir / f"rank{r}.pt", weights_only=False)
+                if (results_dir / f"rank{r}.pt").exists() or not (num_ps or group.lost) else None
                 for r in range(num_replicas)]
     finally:
         group.close()

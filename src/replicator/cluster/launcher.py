@@ -58,6 +58,23 @@ KILL_GRACE_SECONDS = 3.0
 #: Seconds preempted workers get to save their backup and exit (override with the variable).
 PREEMPTION_GRACE_SECONDS = 120.0
 PREEMPTION_GRACE_ENV = "REPLICATOR_PREEMPTION_GRACE_SECONDS"
+#: How many of the job's processes (the last ranks) are parameter servers (``--num-ps``).
+NUM_PS_ENV = "REPLICATOR_NUM_PS"
+#: Set to "1" for a worker restarted alone to rejoin running parameter servers.
+REJOIN_ENV = "REPLICATOR_REJOIN"
+#: Store key (under the attempt's prefix) that says worker rank R is being restarted alone.
+REJOIN_KEY = "ps/rejoining/{rank}"
+
+
+def check_num_ps(num_ps: Any, world: int) -> int:
+    """Validate ``--num-ps`` / ``num_ps=``: at least one process must be left as a worker."""
+    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
+        raise ClusterConfigError(f"num_ps must be an integer >= 0, got {num_ps!r}")
+    if num_ps >= world:
+        raise ClusterConfigError(
+            f"--num-ps {num_ps} leaves no worker among {world} process(es). HINT: --nproc counts "
+            f"servers and workers together; use --nproc {num_ps + 1} or more.")
+    return num_ps
 
 
 def _preemption_grace() -> float:
@@ -190,7 +207,7 @@ class LocalGroup:
     def __init__(self, world: int, start: Callable[[int, dict[str, str]], Any], *,
                  master_port: int | None = None, timeout_seconds: float | None = None,
                  max_restarts: int = 0, env: dict[str, str] | None = None,
-                 output: OutputRelay | None = None) -> None:
+                 output: OutputRelay | None = None, num_ps: int = 0) -> None:
         import torch.distributed as dist
 
         self.world = check_num_replicas(world, "the number of workers")
@@ -200,6 +217,12 @@ class LocalGroup:
             raise ClusterConfigError(f"max_restarts must be an integer >= 0, got "
                                      f"{max_restarts!r}. HINT: 0 turns restarts off.")
         self.output = output
+        #: With parameter servers, a worker other than the chief that is killed by a signal is
+        #: lost, not a failure: the servers and the other workers go on without it.
+        self.num_ps = check_num_ps(num_ps, self.world)
+        self.lost: set[int] = set()
+        self.worker_restarts = 0
+        self.rank_restarts: dict[int, int] = {}
         self.start_fn = start
         self.timeout_seconds = timeout_seconds
         self.max_restarts = max_restarts
@@ -257,7 +280,7 @@ class LocalGroup:
                     f"({_describe_codes(outcome.exitcodes)}).\n"
                     f"{self._resume_hint(outcome.exitcodes)}", rank=outcome.failure.rank,
                     exit_code=PREEMPTION_EXIT_CODE) from outcome.failure
-            if attempt < self.max_restarts:
+            if attempt < self.max_restarts - self.worker_restarts:
                 refusal = restart_refusal(outcome.error_types)
                 if refusal is not None:
                     self.say(f"[replicator] {refusal}; {self.max_restarts - attempt} "
@@ -281,10 +304,14 @@ class LocalGroup:
 
     def _run_once(self, attempt: int) -> _Outcome:
         self.workers = []
+        self.lost = set()
+        self.rank_restarts = {}
         try:
             for rank in range(self.world):
                 env = worker_env(rank, self.world, self.port, self.timeout_seconds, attempt,
                                  self.error_dir, self.base_env)
+                if self.num_ps:
+                    env[NUM_PS_ENV] = str(self.num_ps)
                 self.workers.append(_Worker(rank, self.start_fn(rank, env)))
             outcome = self._watch(attempt)
         except BaseException:
@@ -303,9 +330,12 @@ class LocalGroup:
             for w in self.workers:
                 if codes[w.rank] is not None and w.detected_at is None:
                     w.detected_at = now
-            if all(c == 0 for c in codes.values()):
+            if self._note_lost_workers(codes):
+                continue  # a worker was restarted alone: look again
+            if all(c == 0 for r, c in codes.items() if r not in self.lost):
                 return _Outcome(ok=True, exitcodes=codes)
-            failed = [w for w in self.workers if codes[w.rank] not in (None, 0)]
+            failed = [w for w in self.workers
+                      if codes[w.rank] not in (None, 0) and w.rank not in self.lost]
             if failed:
                 first_failed = min(failed, key=lambda w: w.detected_at or now)
                 break
@@ -319,6 +349,41 @@ class LocalGroup:
         failure, types = self._failure(attempt, first_failed, terminated)
         return _Outcome(ok=False, failure=failure, error_types=types,
                         exitcodes={w.rank: w.poll() for w in self.workers})
+
+    def _note_lost_workers(self, codes: dict[int, int | None]) -> bool:
+        """With parameter servers: a non-chief worker killed by a signal is restarted alone
+        while restarts remain, else lost (once). True when a worker was restarted."""
+        restarted = False
+        if not self.num_ps:
+            return restarted
+        for rank in range(1, self.world - self.num_ps):
+            code = codes.get(rank)
+            if code is not None and code < 0 and rank not in self.lost:
+                left = self.max_restarts - self.attempt - self.worker_restarts
+                if left > 0:
+                    self._restart_worker(rank, code)
+                    restarted = True
+                    continue
+                self.lost.add(rank)
+                self.say(f"[replicator] worker rank {rank} was lost ({_describe_exit(code)}); "
+                         "the parameter servers and the other workers go on without it")
+        return restarted
+
+    def _restart_worker(self, rank: int, code: int) -> None:
+        """Start worker ``rank`` again alone; it rejoins the running parameter servers."""
+        self.worker_restarts += 1
+        used = self.worker_restarts + self.attempt
+        self.say(f"[replicator] worker rank {rank} was lost ({_describe_exit(code)}); restarting "
+                 f"it alone to rejoin the parameter servers (restart {used} of "
+                 f"{self.max_restarts})")
+        self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
+        self.store.set(f"replicator/attempt_{self.attempt}/" + REJOIN_KEY.format(rank=rank),
+                       str(self.rank_restarts[rank]))
+        env = worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
+                         self.error_dir, self.base_env)
+        env[NUM_PS_ENV] = str(self.num_ps)
+        env[REJOIN_ENV] = "1"
+        self.workers[rank] = _Worker(rank, self.start_fn(rank, env))
 
     def _failure(self, attempt: int, first: _Worker, terminated: list[int]
                  ) -> tuple[WorkerFailedError, tuple[str, ...]]:
@@ -380,13 +445,15 @@ class LocalGroup:
 
 def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
                master_port: int | None = None, timeout_seconds: float | None = None,
-               max_restarts: int = 0, quiet_workers: bool = False) -> None:
+               max_restarts: int = 0, quiet_workers: bool = False, num_ps: int = 0) -> None:
     """Run ``python script.py args`` in ``nproc`` local workers (``replicator run``).
 
     With several workers, their output is relayed line by line with a ``[rank R]`` prefix;
     ``quiet_workers`` shows only the chief's (rank 0) output (failures are still reported).
+    ``num_ps``: the last ``num_ps`` processes are parameter servers.
     """
     nproc = check_num_replicas(nproc, "--nproc")
+    check_num_ps(num_ps, nproc)
     master_port = check_port(master_port)
     path = Path(script)
     if not path.is_file():
@@ -408,7 +475,7 @@ def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
         return proc
 
     group = LocalGroup(nproc, start, master_port=master_port, timeout_seconds=timeout_seconds,
-                       max_restarts=max_restarts, output=relay)
+                       max_restarts=max_restarts, output=relay, num_ps=num_ps)
     warning = oversubscription_warning(nproc, available_cores())
     if warning:
         group.say(warning)

@@ -8,6 +8,7 @@ from replicator.strategies.memory import MemoryReport
 from replicator.strategies.mesh_strategy import MeshStrategy
 from replicator.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from replicator.strategies.one_device import OneDeviceStrategy
+from replicator.strategies.parameter_server import ParameterServerStrategy
 from replicator.strategies.pipeline import PipelineStrategy
 from replicator.strategies.registry import available_strategies, get_strategy, register_strategy
 from replicator.strategies.replica_context import ReplicaContext, get_replica_context
@@ -21,9 +22,10 @@ register_strategy(MeshStrategy)
 register_strategy(FSDPStrategy, "fully_sharded")
 register_strategy(TensorParallelStrategy, "tensor", "tp")
 register_strategy(PipelineStrategy, "pp")
+register_strategy(ParameterServerStrategy, "ps")
 
 __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
            "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
            "compute_average_loss", "get_strategy", "register_strategy", "available_strategies",
            "MeshStrategy", "FSDPStrategy", "MemoryReport", "TensorParallelStrategy",
-           "PipelineStrategy"]
+           "PipelineStrategy", "ParameterServerStrategy"]

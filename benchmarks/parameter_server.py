@@ -1,0 +1,253 @@
+"""ParameterServerStrategy: stragglers, and the transport against torch.distributed.rpc.
+
+- ``straggler``: time for the chief to reach a target loss, asynchronous ParameterServer
+  (3 workers + 1 server) / a synchronous baseline (3 workers), one worker slowed 3x per step
+  (it sleeps twice its compute time). Goal <= 0.6.
+- ``no_straggler``: the same without the slow worker. Goal <= 1.3.
+- ``vs_rpc``: push+pull round trips per second of a 10 MB model, ours (1 worker + 1 server)
+  / a parameter server written with ``torch.distributed.rpc`` in the pattern of PyTorch's
+  batch-updating parameter-server tutorial (``rpc_sync(update_and_fetch_model, grads)``).
+  Goal >= 1.5.
+
+The synchronous baseline is ``MirroredStrategy`` (``--sync-baseline mirrored``, the default)
+or torch's ``DistributedDataParallel`` (``--sync-baseline ddp``), which Mirrored matches
+within a few percent (benchmarks/mirrored_overhead.py).
+
+Run: ``python benchmarks/parameter_server.py [--target 0.35] [--rounds 20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import replicator as rp  # noqa: E402
+from benchmarks._report import emit, median, print_table  # noqa: E402
+
+WORKERS = 3
+PER_WORKER_BATCH = 32
+MAX_STEPS = 1500
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 10))
+
+
+def _data() -> tuple[torch.utils.data.TensorDataset, torch.Tensor, torch.Tensor]:
+    from replicator.demo.digits import load_digits_split
+
+    train, test = load_digits_split()
+    x, y = train.tensors
+    return torch.utils.data.TensorDataset(x.flatten(1), y), test.tensors[0].flatten(1), \
+        test.tensors[1]
+
+
+def time_to_target(kind: str, target: float, slow: bool) -> dict:
+    """One training run; the chief returns the seconds until its eval loss <= ``target``."""
+    from torch.utils.data import DataLoader
+
+    from replicator.cluster.process_group import current_group, initialize
+
+    if kind == "ps":
+        strategy: rp.Strategy = rp.ParameterServerStrategy(num_ps=1)
+    elif kind == "mirrored":
+        strategy = rp.MirroredStrategy()
+    else:
+        strategy = rp.OneDeviceStrategy("cpu")  # DDP below; the strategy only splits the data
+        initialize()
+    with strategy.scope():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = torch.distributed.get_rank()
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train, ex, ey = _data()
+    if kind == "ddp":
+        from torch.utils.data.distributed import DistributedSampler
+
+        batches = DataLoader(train, batch_size=PER_WORKER_BATCH, drop_last=True,
+                             sampler=DistributedSampler(train, shuffle=True, seed=0))
+    else:
+        loader = DataLoader(train, batch_size=PER_WORKER_BATCH * WORKERS, shuffle=True,
+                            drop_last=True)
+        batches = strategy.distribute_dataset(loader, seed=0)
+    store = current_group().store  # type: ignore[union-attr]
+    sync = kind != "ps"
+    start = time.perf_counter()
+    reached, steps, epoch = None, 0, 0
+    while reached is None and steps < MAX_STEPS:
+        if kind == "ddp":
+            batches.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        epoch += 1
+        for x, y in batches:
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps += 1
+            if slow and rank == WORKERS - 1:
+                time.sleep(2 * (time.perf_counter() - t0))  # 3x slower per step
+            done = 0.0
+            if rank == 0 and steps % 5 == 0:
+                with torch.no_grad():
+                    if F.cross_entropy(model(ex), ey).item() <= target:
+                        reached = time.perf_counter() - start
+                        done = 1.0
+            if sync:
+                flag = torch.tensor([done])
+                torch.distributed.all_reduce(flag, group=getattr(strategy, "_data_group", None))
+                if flag.item() and reached is None:
+                    reached = time.perf_counter() - start
+            elif done:
+                store.set("bench/stop", "1")
+            elif store.check(["bench/stop"]):
+                reached = time.perf_counter() - start
+            if reached is not None:
+                break
+    return {"seconds": reached, "steps": steps}
+
+
+def _straggler(target: float, baseline: str, slow: bool) -> tuple[float, float]:
+    ours = rp.launch(time_to_target, num_replicas=WORKERS + 1, num_ps=1,
+                     args=("ps", target, slow))[0]
+    base = rp.launch(time_to_target, num_replicas=WORKERS, args=(baseline, target, slow))[0]
+    if ours["seconds"] is None or base["seconds"] is None:
+        raise RuntimeError(f"the target loss {target} was not reached in {MAX_STEPS} steps "
+                           f"(ours {ours}, baseline {base}); choose a higher --target")
+    return ours["seconds"], base["seconds"]
+
+
+# -- transport: ours vs the rpc tutorial's pattern ----------------------------------------------
+MODEL_FLOATS = 10 * 2 ** 20 // 4  # 10 MB of float32
+
+
+def _big_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, MODEL_FLOATS // 1024 - 1))  # ~10 MB with the bias
+
+
+def round_trips_ours(rounds: int) -> list[float]:
+    """Worker side: each ``optimizer.step()`` pushes the gradients and pulls the values."""
+    strategy = rp.ParameterServerStrategy(num_ps=1)
+    with strategy.scope():
+        model = _big_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # the first step also sends the optimizer's description
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+        out.append(5 / (time.perf_counter() - t0))
+    return out
+
+
+class _TutorialServer:
+    """The batch-updating parameter server of PyTorch's rpc tutorial (one worker here)."""
+
+    def __init__(self) -> None:
+        self.model = _big_model()
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.0)
+
+    def get_model(self) -> nn.Module:
+        return self.model
+
+    @staticmethod
+    def update_and_fetch_model(ps_rref, grads: list[torch.Tensor]) -> nn.Module:  # noqa: ANN001
+        self = ps_rref.local_value()
+        for p, g in zip(self.model.parameters(), grads):
+            p.grad = g
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return self.model
+
+
+def _rpc_process(rank: int, port: int, rounds: int, queue: mp.Queue) -> None:
+    import torch.distributed.rpc as rpc
+
+    torch.set_num_threads(1)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                              rpc_timeout=120)
+    rpc.init_rpc(f"p{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    if rank == 0:
+        ps_rref = rpc.remote("p1", _TutorialServer)
+        model = ps_rref.rpc_sync().get_model()
+        out = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                grads = [torch.ones_like(p) for p in model.parameters()]
+                model = rpc.rpc_sync("p1", _TutorialServer.update_and_fetch_model,
+                                     args=(ps_rref, grads))
+            out.append(5 / (time.perf_counter() - t0))
+        queue.put(out)
+    rpc.shutdown()
+
+
+def round_trips_rpc(rounds: int) -> list[float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rpc_process, args=(r, port, rounds, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = queue.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", type=float, default=0.35, help="eval loss to reach")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--sync-baseline", choices=("mirrored", "ddp"), default="mirrored")
+    parser.add_argument("--only", choices=("straggler", "vs_rpc"), default=None)
+    args = parser.parse_args()
+    rows = []
+    if args.only in (None, "straggler"):
+        s_ours, s_base = _straggler(args.target, args.sync_baseline, slow=True)
+        n_ours, n_base = _straggler(args.target, args.sync_baseline, slow=False)
+        rows += [["straggler (s to target)", s_ours, s_base, s_ours / s_base],
+                 ["no straggler (s to target)", n_ours, n_base, n_ours / n_base]]
+    if args.only in (None, "vs_rpc"):
+        ours = median(rp.launch(round_trips_ours, num_replicas=2, num_ps=1,
+                                args=(args.rounds,))[0])
+        rpc = median(round_trips_rpc(args.rounds))
+        rows.append(["10 MB push+pull per s", ours, rpc, ours / rpc])
+    print(f"\nParameterServerStrategy vs {args.sync_baseline} / torch.distributed.rpc")
+    print_table(["figure", "ours", "baseline", "ratio"], rows)
+    print()
+    for row in rows:
+        name = {"straggler (s to target)": "straggler", "no straggler (s to target)":
+                "no_straggler", "10 MB push+pull per s": "vs_rpc"}[row[0]]
+        goal = {"straggler": "<= 0.6", "no_straggler": "<= 1.3", "vs_rpc": ">= 1.5"}[name]
+        emit("parameter_server", name, row[3], goal, ours=round(row[1], 4),
+             baseline=round(row[2], 4),
+             baseline_kind="rpc" if name == "vs_rpc" else args.sync_baseline)
+
+
+if __name__ == "__main__":
+    main()

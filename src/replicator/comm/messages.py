@@ -1,0 +1,214 @@
+"""Typed tensor messages between two processes: a fixed header tensor, then a raw payload.
+
+Each message is a header of :data:`HEADER_FIELDS` little-endian int64 values (magic, kind,
+variable id, version, payload bytes, dtype code, number of dimensions, up to
+:data:`MAX_DIMS` sizes, three free integers) followed by the payload tensor's bytes. Nothing
+is pickled: a receiver rebuilds the tensor from the header's dtype and shape, and refuses a
+header whose magic, dtype or length it does not know.
+
+The messages travel over a TCP connection (one per pair of processes that talk), so that a
+peer that dies closes only its own connection: the parameter server keeps serving the other
+workers, and a worker sees its server's loss as :class:`PeerLostError` on that connection.
+Every receive waits at most the connection's timeout.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replicator.errors import ReplicatorError
+
+MAGIC = 0x52504D5347  # "RPMSG"
+MAX_DIMS = 6
+HEADER_FIELDS = 16
+HEADER_BYTES = HEADER_FIELDS * 8
+
+#: dtype <-> code on the wire (append only; codes are part of the protocol).
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)
+_CODES = {dt: i for i, dt in enumerate(DTYPES)}
+
+
+#: Where a payload may land: ``into(kind, var_id, dtype, shape)`` returns a contiguous tensor of
+#: that dtype and shape to receive into (no allocation, no copy), or ``None`` for a new one.
+Into = Callable[[int, int, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
+
+
+class PeerLostError(ReplicatorError, ConnectionError):
+    """The process at the other end of a message connection closed it or stopped answering."""
+
+
+class MessageFormatError(ReplicatorError, ValueError):
+    """A message header that this version of the protocol does not understand."""
+
+
+@dataclass
+class Message:
+    """One received message: its kind, variable id, version, three free integers, payload."""
+
+    kind: int
+    var_id: int
+    version: int
+    a: int
+    b: int
+    c: int
+    payload: torch.Tensor | None
+
+
+def _header(kind: int, var_id: int, version: int, tensor: torch.Tensor | None,
+            a: int, b: int, c: int) -> torch.Tensor:
+    head = torch.zeros(HEADER_FIELDS, dtype=torch.int64)
+    head[0], head[1], head[2], head[3] = MAGIC, kind, var_id, version
+    if tensor is not None:
+        if tensor.dtype not in _CODES:
+            raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}; supported: "
+                            + ", ".join(str(d) for d in DTYPES))
+        if tensor.dim() > MAX_DIMS:
+            raise ValueError(f"cannot send a tensor of {tensor.dim()} dimensions (at most "
+                             f"{MAX_DIMS}). HINT: reshape it before sending.")
+        head[4] = tensor.numel() * tensor.element_size()
+        head[5] = _CODES[tensor.dtype]
+        head[6] = tensor.dim()
+        for i, size in enumerate(tensor.shape):
+            head[7 + i] = size
+    else:
+        head[5] = -1
+    head[13], head[14], head[15] = a, b, c
+    return head
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+class Connection:
+    """A message connection over a connected socket; ``peer`` names the other end in errors.
+
+    ``send`` and ``receive`` may be called from different threads (one lock each way).
+    """
+
+    def __init__(self, sock: socket.socket, peer: str, timeout_seconds: float) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.timeout_seconds = timeout_seconds
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small headers
+        sock.settimeout(timeout_seconds)
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self.closed = False
+        #: Receive buffers its owner reuses from message to message (see ``into``).
+        self.buffers: dict[Any, torch.Tensor] = {}
+
+    @classmethod
+    def connect(cls, address: tuple[str, int], peer: str, timeout_seconds: float
+                ) -> Connection:
+        """Open a connection to ``address``; :class:`PeerLostError` if nobody answers."""
+        try:
+            sock = socket.create_connection(address, timeout=timeout_seconds)
+        except OSError as exc:
+            raise PeerLostError(f"could not connect to {peer} at {address[0]}:{address[1]}: "
+                                f"{exc}") from exc
+        return cls(sock, peer, timeout_seconds)
+
+    def send(self, kind: int, var_id: int = -1, version: int = 0,
+             tensor: torch.Tensor | None = None, a: int = 0, b: int = 0, c: int = 0) -> None:
+        """Send one message (the header, then the tensor's bytes)."""
+        self.send_many([(kind, var_id, version, tensor, a, b, c)])
+
+    def send_many(self, messages: list[tuple[int, int, int, torch.Tensor | None, int, int, int]]
+                  ) -> None:
+        """Send several messages back to back, under one lock (they stay contiguous)."""
+        with self._send_lock:
+            try:
+                for kind, var_id, version, tensor, a, b, c in messages:
+                    head = _header(kind, var_id, version, tensor, a, b, c)
+                    self.sock.sendall(_as_bytes(head))
+                    if tensor is not None and tensor.numel():
+                        self.sock.sendall(_as_bytes(tensor))
+            except OSError as exc:
+                raise PeerLostError(f"lost the connection to {self.peer} while sending: "
+                                    f"{exc}") from exc
+
+    def _read_into(self, view: memoryview, what: str, timeout: float | None) -> None:
+        got = 0
+        self.sock.settimeout(timeout)
+        try:
+            while got < len(view):
+                n = self.sock.recv_into(view[got:])
+                if n == 0:
+                    raise PeerLostError(f"{self.peer} closed the connection (while {what})")
+                got += n
+        except TimeoutError as exc:
+            raise PeerLostError(f"{self.peer} sent nothing for {timeout:.0f} s (while {what})"
+                                ) from exc
+        except OSError as exc:
+            raise PeerLostError(f"lost the connection to {self.peer} (while {what}): {exc}"
+                                ) from exc
+
+    def receive(self, what: str = "waiting for a message",
+                timeout_seconds: float | None = -1.0, into: Into | None = None) -> Message:
+        """Receive one message; waits at most ``timeout_seconds`` (default: the connection's;
+        ``None``: no limit, for a server waiting on a client that may be idle). ``into`` may
+        name where the payload lands (a tensor that matches exactly, else a new one)."""
+        timeout = self.timeout_seconds if timeout_seconds == -1.0 else timeout_seconds
+        with self._recv_lock:
+            head = torch.empty(HEADER_FIELDS, dtype=torch.int64)
+            self._read_into(_as_bytes_writable(head), what, timeout)
+            h = head.tolist()
+            if h[0] != MAGIC:
+                raise MessageFormatError(f"{self.peer} sent a message without the replicator "
+                                         "header. HINT: is another program using this port?")
+            payload = None
+            if h[5] >= 0:
+                if h[5] >= len(DTYPES) or not 0 <= h[6] <= MAX_DIMS:
+                    raise MessageFormatError(f"{self.peer} sent an unknown dtype code {h[5]} "
+                                             f"or {h[6]} dimensions")
+                dtype = DTYPES[h[5]]
+                shape = tuple(h[7:7 + h[6]])
+                payload = into(h[1], h[2], dtype, shape) if into is not None else None
+                if payload is None or payload.dtype != dtype or tuple(payload.shape) != shape \
+                        or not payload.is_contiguous():
+                    payload = torch.empty(shape, dtype=dtype)
+                if payload.numel() * payload.element_size() != h[4]:
+                    raise MessageFormatError(f"{self.peer} sent {h[4]} bytes for a {dtype} "
+                                             f"tensor of shape {shape}")
+                if h[4]:
+                    self._read_into(_as_bytes_writable(payload), what, self.timeout_seconds)
+            return Message(kind=h[1], var_id=h[2], version=h[3], a=h[13], b=h[14], c=h[15],
+                           payload=payload)
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _as_bytes_writable(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous tensor's memory (receives land in place)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def text_tensor(text: str) -> torch.Tensor:
+    """UTF-8 text as a uint8 tensor (for JSON descriptions; never pickle)."""
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def tensor_text(tensor: torch.Tensor | None) -> str:
+    """The text a :func:`text_tensor` carried."""
+    return "" if tensor is None else tensor.numpy().tobytes().decode()

@@ -1,0 +1,207 @@
+"""A worker's connections to every parameter server; requests go to all servers at once.
+
+Each request is sent to every server concerned in parallel (one thread per server), so a pull
+or push of a sharded model costs about the time of its largest server's part. Losing a server
+raises :class:`~replicator.ps.protocol.ParameterServerLostError` naming the server and the
+variables it held, within the connection's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from replicator.comm.messages import (
+    Connection,
+    Into,
+    Message,
+    PeerLostError,
+    tensor_text,
+    text_tensor,
+)
+from replicator.ps import protocol as P
+
+T = TypeVar("T")
+#: Called with (shard id, version, values) for each value a pull brings.
+Sink = Callable[[int, int, torch.Tensor], None]
+
+
+class ServerClient:
+    """Connections from worker ``worker`` to the servers at ``addresses``."""
+
+    def __init__(self, addresses: list[tuple[str, int]], server_ranks: list[int], worker: int,
+                 attempt: int, timeout_seconds: float,
+                 held: Callable[[int], list[str]], into: Into | None = None) -> None:
+        self.server_ranks = server_ranks
+        self.addresses = addresses
+        self.timeout_seconds = timeout_seconds
+        self.held = held
+        self.into = into  # where pulled values land (the parameters' own memory)
+        self.connections: list[Connection] = []
+        self.restored: list[dict[str, Any] | None] = []
+        self.pids: list[int] = []
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)),
+                                        thread_name_prefix="ps-client")
+        for k, address in enumerate(addresses):
+            try:
+                conn = Connection.connect(address, self.describe(k), timeout_seconds)
+                self.connections.append(conn)
+                conn.send(P.HELLO, a=worker, b=attempt)
+                reply = self._expect(k, conn.receive("waiting for the server's HELLO"), P.HELLO)
+            except PeerLostError as exc:
+                raise self.lost(k, exc) from exc
+            self.restored.append(json.loads(tensor_text(reply.payload)) if reply.b else None)
+            self.pids.append(reply.c)
+
+    def describe(self, k: int) -> str:
+        host, port = self.addresses[k]
+        return f"parameter server {k} (rank {self.server_ranks[k]}, {host}:{port})"
+
+    def lost(self, k: int, exc: BaseException) -> P.ParameterServerLostError:
+        names = self.held(k)
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return P.ParameterServerLostError(
+            f"parameter server {k} (rank {self.server_ranks[k]}) is lost with the "
+            f"{len(names)} variable shard(s) it held: {shown or 'none yet'} ({exc}). HINT: "
+            "training cannot go on without these variables; launch with --max-restarts N and "
+            "save the servers' state with strategy.save_checkpoint(step) so that a restart "
+            "resumes from the last checkpoint.")
+
+    def _expect(self, k: int, msg: Message, kind: int) -> Message:
+        if msg.kind == P.ERROR:
+            raise P.ParameterServerError(f"{self.describe(k)} refused the request: "
+                                         f"{tensor_text(msg.payload)}")
+        if msg.kind != kind:
+            raise P.ParameterServerError(f"{self.describe(k)} answered with message kind "
+                                         f"{msg.kind}, expected {kind}")
+        return msg
+
+    def each(self, fn: Callable[[int, Connection], T], servers: list[int] | None = None
+             ) -> list[T]:
+        """``fn(k, connection)`` for each server ``k`` (all by default), in parallel."""
+        ks = list(range(len(self.connections))) if servers is None else servers
+
+        def call(k: int) -> T:
+            try:
+                return fn(k, self.connections[k])
+            except PeerLostError as exc:
+                raise self.lost(k, exc) from exc
+
+        if len(ks) == 1:
+            return [call(ks[0])]
+        return list(self._pool.map(call, ks))
+
+    def _read_values(self, k: int, conn: Connection, sink: Sink) -> int:
+        while True:
+            msg = conn.receive("waiting for variable values", into=self.into)
+            if msg.kind == P.VALUES_END:
+                return msg.version
+            msg = self._expect(k, msg, P.VALUE)
+            assert msg.payload is not None
+            sink(msg.var_id, msg.version, msg.payload)
+
+    # -- requests --------------------------------------------------------------------------
+    def register(self, shards: dict[int, list[tuple[int, torch.Tensor]]]) -> None:
+        """Send initial values: ``shards[k]`` lists ``(shard id, values)`` for server ``k``."""
+        def one(k: int, conn: Connection) -> None:
+            items = shards.get(k, [])
+            conn.send_many([(P.REGISTER, sid, 0, t, 0, 0, 0) for sid, t in items])
+            for _ in items:
+                self._expect(k, conn.receive("waiting for REGISTERED"), P.REGISTERED)
+
+        self.each(one)
+
+    def send_optimizer(self, text: str) -> None:
+        payload = text_tensor(text)
+        self.each(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload))
+
+    def pull(self, expected: dict[int, int], sink: Sink, begin: bool = False) -> list[int]:
+        """Pull every shard of every server (``expected[k]`` shards from server ``k``);
+        ``begin``: a step starts with these values (the servers apply the staleness bound)."""
+        def one(k: int, conn: Connection) -> int:
+            conn.send(P.PULL, a=expected.get(k, 0), b=int(begin))
+            return self._read_values(k, conn, sink)
+
+        return self.each(one)
+
+    def push(self, grads: dict[int, list[tuple[int, int, torch.Tensor]]], sink: Sink,
+             pull: bool = True, claim: tuple[int, int, int] | None = None) -> list[int]:
+        """Push ``grads[k]`` (``(shard id, version pulled, gradient)``) to each server, then
+        (``pull``) read back every shard's new values; ``claim`` (stream, epoch, batch): the input
+        batch this update consumes (told to server 0)."""
+        def one(k: int, conn: Connection) -> int:
+            items = grads.get(k, [])
+            stream, epoch, token = (claim[0], claim[1], claim[2] + 1) \
+                if claim is not None and k == 0 else (-1, 0, 0)
+            conn.send_many([(P.GRAD, sid, v, g, 0, 0, 0) for sid, v, g in items]
+                           + [(P.PUSH, stream, epoch, None, len(items), int(pull), token)])
+            return self._read_values(k, conn, sink) if pull else 0
+
+        return self.each(one)
+
+    def claim(self, stream: int, epoch: int, total: int) -> int:
+        """The next batch of ``epoch`` of input ``stream`` for this worker (-1: done)."""
+        def one(k: int, conn: Connection) -> int:
+            conn.send(P.CLAIM, var_id=stream, a=epoch, b=total)
+            return self._expect(k, conn.receive("waiting for a batch claim"), P.CLAIMED).a
+
+        return self.each(one, [0])[0]
+
+    def data_stats(self, stream: int = 0) -> dict[int, dict[str, Any]]:
+        def one(k: int, conn: Connection) -> str:
+            conn.send(P.DATA_STATS, a=stream)
+            return tensor_text(self._expect(k, conn.receive("waiting for data statistics"),
+                                            P.DATA_STATS).payload)
+
+        raw = json.loads(self.each(one, [0])[0])
+        return {int(e): {**v, "by_worker": {int(w): n for w, n in v["by_worker"].items()}}
+                for e, v in raw.items()}
+
+    def stats(self) -> list[torch.Tensor]:
+        def one(k: int, conn: Connection) -> torch.Tensor:
+            conn.send(P.STATS)
+            msg = self._expect(k, conn.receive("waiting for statistics"), P.STATS)
+            assert msg.payload is not None
+            return msg.payload
+
+        return self.each(one)
+
+    def versions(self) -> dict[int, int]:
+        def one(k: int, conn: Connection) -> list[int]:
+            conn.send(P.VERSIONS)
+            msg = self._expect(k, conn.receive("waiting for versions"), P.VERSIONS)
+            assert msg.payload is not None
+            return msg.payload.tolist()
+
+        out: dict[int, int] = {}
+        for flat in self.each(one):
+            out.update({flat[i]: flat[i + 1] for i in range(0, len(flat), 2)})
+        return out
+
+    def save(self, step: int, description: str) -> list[str]:
+        def one(k: int, conn: Connection) -> str:
+            conn.send(P.SAVE, a=step, tensor=text_tensor(description))
+            return tensor_text(self._expect(k, conn.receive("waiting for the save"),
+                                            P.SAVED).payload)
+
+        return self.each(one)
+
+    def close(self) -> None:
+        """Say goodbye to every server (a clean exit, not a lost worker) and disconnect."""
+        for conn in self.connections:
+            try:
+                conn.send(P.BYE)
+            except (PeerLostError, OSError):
+                pass
+            conn.close()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> ServerClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

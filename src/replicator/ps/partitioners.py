@@ -1,0 +1,112 @@
+"""Variable partitioners and placement: which rows of which variable live on which server.
+
+A partitioner decides how many shards a variable is split into, along its first dimension
+(tf.distribute's ``variable_partitioner``). :func:`place` then assigns whole variables, or
+their shards, to servers: biggest first, each to the server holding the fewest bytes so far,
+so the servers' loads stay even. Placement depends only on the variables' shapes and dtypes,
+so every worker computes the same placement without talking.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class Partitioner:
+    """How many shards (along dimension 0) a variable of ``shape`` and ``dtype`` gets."""
+
+    def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
+        """TensorFlow's form: the number of partitions along each axis (only axis 0 splits)."""
+        return [self.num_shards(shape, dtype)] + [1] * max(0, len(shape) - 1)
+
+
+def _check_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class FixedShardsPartitioner(Partitioner):
+    """Split every variable into ``num_shards`` shards (fewer if it has fewer rows)."""
+
+    def __init__(self, num_shards: int) -> None:
+        self.num_shards_requested = _check_positive("num_shards", num_shards)
+
+    def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        rows = shape[0] if len(shape) else 1
+        return max(1, min(self.num_shards_requested, rows))
+
+    def __repr__(self) -> str:
+        return f"FixedShardsPartitioner(num_shards={self.num_shards_requested})"
+
+
+class MinSizePartitioner(Partitioner):
+    """Split a variable into shards of at least ``min_shard_bytes``, at most ``max_shards``
+    of them (and never more than its rows): big variables spread over servers, small ones
+    stay whole."""
+
+    def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1) -> None:
+        self.min_shard_bytes = _check_positive("min_shard_bytes", min_shard_bytes)
+        self.max_shards = _check_positive("max_shards", max_shards)
+
+    def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        rows = shape[0] if len(shape) else 1
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        by_size = max(1, nbytes // self.min_shard_bytes)
+        return max(1, min(self.max_shards, by_size, rows))
+
+    def __repr__(self) -> str:
+        return (f"MinSizePartitioner(min_shard_bytes={self.min_shard_bytes}, "
+                f"max_shards={self.max_shards})")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows ``[start, end)`` of variable ``var_index`` (``name``), held by server ``server``
+    (0-based among the servers) under the wire id ``shard_id``."""
+
+    shard_id: int
+    var_index: int
+    name: str
+    part: int
+    parts: int
+    start: int
+    end: int
+    server: int
+    nbytes: int
+
+
+def place(variables: Sequence[tuple[str, torch.Tensor]], num_servers: int,
+          partitioner: Partitioner | None = None, first_shard_id: int = 0,
+          loads: list[int] | None = None) -> list[Shard]:
+    """Shards of ``variables`` and their servers; ``loads`` (bytes already on each server)
+    is updated in place, so modules set up one after another keep the servers even."""
+    loads = loads if loads is not None else [0] * num_servers
+    pieces: list[tuple[int, str, int, int, int, int, int]] = []
+    for index, (name, t) in enumerate(variables):
+        shape = tuple(t.shape)
+        parts = partitioner.num_shards(shape, t.dtype) if partitioner is not None else 1
+        if t.dim() == 0:
+            parts = 1
+        rows = shape[0] if shape else 1
+        bounds = [rows * i // parts for i in range(parts + 1)]
+        row_bytes = t.numel() * t.element_size() // max(1, rows)
+        for part in range(parts):
+            size = (bounds[part + 1] - bounds[part]) * row_bytes if shape else t.element_size()
+            pieces.append((index, name, part, parts, bounds[part], bounds[part + 1], size))
+    order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][6], i))
+    server_of: dict[int, int] = {}
+    for i in order:
+        target = min(range(num_servers), key=lambda s: (loads[s], s))
+        server_of[i] = target
+        loads[target] += pieces[i][6]
+    return [Shard(shard_id=first_shard_id + i, var_index=p[0], name=p[1], part=p[2],
+                  parts=p[3], start=p[4], end=p[5], server=server_of[i], nbytes=p[6])
+            for i, p in enumerate(pieces)]

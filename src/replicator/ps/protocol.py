@@ -1,0 +1,92 @@
+"""The parameter-server protocol: message kinds and the optimizer description on the wire.
+
+A worker talks to each server over one :class:`~replicator.comm.messages.Connection`:
+
+- ``HELLO(a=worker, b=attempt)`` -> ``HELLO`` (a = server index, b = 1 if restored);
+- ``REGISTER(shard id, values)`` (the chief; ignored by a server restored from a checkpoint);
+- ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
+- ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;
+- ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``;
+- ``STATS`` -> ``STATS`` (int64: count, sum, max, histogram); ``VERSIONS`` -> ``VERSIONS``;
+- ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
+- server 0 only: ``CLAIM(input stream, a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``;
+  a ``PUSH(stream, version=epoch, c=batch+1)`` consumes that claim; ``DATA_STATS(a=stream)``
+  -> json.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from replicator.errors import ParameterServerError, ParameterServerLostError
+
+__all__ = ["ParameterServerError", "ParameterServerLostError", "describe_optimizer",
+           "build_optimizer", "update_hyperparameters"]
+
+HELLO, REGISTER, OPTIMIZER, GRAD, PUSH, PULL, VALUE, VALUES_END = range(1, 9)
+STATS, VERSIONS, SAVE, SAVED, BYE, ERROR, REGISTERED = range(9, 16)
+CLAIM, CLAIMED, DATA_STATS = range(16, 19)
+
+#: Staleness values 0 .. HISTOGRAM_BINS-2 get their own bin; the last bin counts the rest.
+HISTOGRAM_BINS = 64
+
+#: The optimizer classes a server may build, by name (``torch.optim``'s own only).
+_SKIPPED_KEYS = ("params",)
+
+
+def _plain(value: Any, key: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ParameterServerError(
+                f"optimizer hyperparameter {key!r} is a tensor of {value.numel()} values; a "
+                "parameter server takes numbers. HINT: pass a Python number.")
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, key) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ParameterServerError(
+        f"optimizer hyperparameter {key!r} has type {type(value).__name__}, which cannot be "
+        "sent to a parameter server. HINT: use numbers, booleans and tuples of numbers.")
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer, group_of: dict[int, int]) -> str:
+    """JSON naming the optimizer's ``torch.optim`` class and each group's hyperparameters;
+    ``group_of`` maps shard ids to group indices."""
+    cls = type(optimizer)
+    if getattr(torch.optim, cls.__name__, None) is not cls:
+        raise ParameterServerError(
+            f"{cls.__module__}.{cls.__qualname__} is not a torch.optim optimizer, and a "
+            "parameter server builds optimizers only by torch.optim name (nothing is pickled). "
+            "HINT: use a torch.optim optimizer such as torch.optim.SGD or torch.optim.Adam.")
+    groups = [{k: _plain(v, k) for k, v in g.items() if k not in _SKIPPED_KEYS}
+              for g in optimizer.param_groups]
+    return json.dumps({"class": cls.__name__, "groups": groups,
+                       "shard_groups": {str(k): v for k, v in group_of.items()}},
+                      sort_keys=True)
+
+
+def build_optimizer(spec: dict[str, Any], param: torch.nn.Parameter, group: int
+                    ) -> torch.optim.Optimizer:
+    """A fresh optimizer of the described class over one shard."""
+    cls = getattr(torch.optim, str(spec["class"]), None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ParameterServerError(f"unknown optimizer class {spec['class']!r}")
+    hyper = dict(spec["groups"][group])
+    for key in ("betas", "etas", "step_sizes"):
+        if isinstance(hyper.get(key), list):
+            hyper[key] = tuple(hyper[key])
+    return cls([param], **hyper)
+
+
+def update_hyperparameters(optimizer: torch.optim.Optimizer, spec: dict[str, Any],
+                           group: int) -> None:
+    """Apply changed hyperparameters (a learning-rate schedule) to a shard's optimizer."""
+    for key, value in spec["groups"][group].items():
+        current = optimizer.param_groups[0].get(key)
+        if isinstance(current, tuple) and isinstance(value, list):
+            value = tuple(value)
+        optimizer.param_groups[0][key] = value

@@ -1,0 +1,484 @@
+"""The parameter server: holds variable shards and their optimizer state, applies updates.
+
+One thread per worker connection. Updates are applied under one lock as they arrive
+(``staleness=None``), after gating pulls so no update is more than ``k`` versions stale
+(``staleness=k``), or once per round as the average of one gradient from every live worker
+(``staleness=0``, synchronous). A worker that disconnects without ``BYE`` is lost: it leaves
+the live set and any round waiting for it completes without it. The server returns from
+:meth:`ParameterServer.serve` when every worker has connected and none remains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replicator.cluster.launcher import REJOIN_KEY
+from replicator.comm.messages import (
+    Connection,
+    Into,
+    Message,
+    PeerLostError,
+    tensor_text,
+    text_tensor,
+)
+from replicator.ps import protocol as P
+from replicator.ps.claims import WAIT, ClaimLedger
+
+
+def _gradient_buffers(conn: Connection) -> Into:
+    """Gradients land in buffers kept per connection and shard: a worker sends its next push
+    only after this one was applied, so a buffer is free again when it is reused."""
+    def into(kind: int, var_id: int, dtype: torch.dtype, shape: tuple[int, ...]
+             ) -> torch.Tensor | None:
+        if kind != P.GRAD:
+            return None
+        key = (var_id, dtype, shape)
+        if key not in conn.buffers:
+            conn.buffers[key] = torch.empty(shape, dtype=dtype)
+        return conn.buffers[key]
+
+    return into
+
+
+@dataclass
+class _ShardState:
+    param: torch.nn.Parameter
+    version: int = 0
+    optimizer: torch.optim.Optimizer | None = None
+    group: int = 0
+
+
+@dataclass
+class _WorkerState:
+    connected: bool = False
+    in_flight: bool = False
+    pulled_clock: int = 0
+    pushes: int = 0
+    lost: bool = False
+    connections: int = 0
+
+
+@dataclass
+class _Round:
+    grads: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    number: int = 0
+
+
+class ParameterServer:
+    """Serve shards to ``num_workers`` workers on ``sock`` (already listening)."""
+
+    def __init__(self, index: int, num_workers: int, staleness: int | None,
+                 sock: socket.socket, timeout_seconds: float,
+                 checkpoint_dir: str | None = None, store: Any = None) -> None:
+        self.index = index
+        self.num_workers = num_workers
+        self.staleness = staleness
+        self.sock = sock
+        self.timeout_seconds = timeout_seconds
+        self.lock = threading.Condition()
+        self.shards: dict[int, _ShardState] = {}
+        self.workers: dict[int, _WorkerState] = {}
+        self.spec: dict[str, Any] | None = None
+        self.spec_text = ""
+        self.clock = 0
+        self.round = _Round()
+        self.histogram = [0] * P.HISTOGRAM_BINS
+        self.stale_sum = 0
+        self.stale_max = 0
+        self.restored_step: int | None = None
+        self.extra: dict[str, Any] = {}
+        self.checkpoint_dir = checkpoint_dir
+        self.store = store
+        self.last_loss = 0.0
+        self.claims = ClaimLedger()
+        self.threads: list[threading.Thread] = []
+        if checkpoint_dir:
+            self._restore(checkpoint_dir)
+
+    # -- serving -------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Accept workers until every worker has come and gone."""
+        self.sock.settimeout(0.2)
+        started = idle_since = time.monotonic()
+        while True:
+            with self.lock:
+                seen = len(self.workers)
+                live = sum(w.connected for w in self.workers.values())
+            now = time.monotonic()
+            if live:
+                idle_since = now
+            if seen >= self.num_workers and live == 0 and not self._rejoin_pending():
+                break
+            if seen == 0 and now - started > self.timeout_seconds:
+                raise TimeoutError(f"parameter server {self.index}: no worker connected within "
+                                   f"{self.timeout_seconds:.0f} s")
+            if seen and not live and now - idle_since > self.timeout_seconds:
+                missing = sorted(set(range(self.num_workers)) - set(self.workers))
+                print(f"[replicator] parameter server {self.index}: no worker left for "
+                      f"{self.timeout_seconds:.0f} s and worker(s) {missing} never came; "
+                      "stopping", file=sys.stderr, flush=True)
+                break
+            try:
+                client, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            conn = Connection(client, "a worker", self.timeout_seconds)
+            t = threading.Thread(target=self._handle, args=(conn,), daemon=True,
+                                 name=f"ps{self.index}-conn")
+            t.start()
+            self.threads.append(t)
+        self.sock.close()
+
+    def _rejoin_pending(self) -> bool:
+        """Whether a lost worker is being restarted (the launcher says so in the store)."""
+        with self.lock:
+            lost = {w: s.connections for w, s in self.workers.items() if s.lost}
+        if not lost:
+            return False
+        if time.monotonic() - self.last_loss < 1.0:
+            return True  # give the launcher a moment to notice the loss
+        if self.store is None:
+            return False
+        for worker, connections in lost.items():
+            key = REJOIN_KEY.format(rank=worker)
+            try:
+                if self.store.check([key]) and int(self.store.get(key)) >= connections:
+                    return True
+            except (RuntimeError, ValueError):
+                continue
+        return False
+
+    def _handle(self, conn: Connection) -> None:
+        worker = -1
+        try:
+            hello = conn.receive("waiting for HELLO")
+            if hello.kind != P.HELLO:
+                return
+            if not 0 <= hello.a < self.num_workers:
+                raise P.ParameterServerError(f"worker index {hello.a} is not one of this job's "
+                                             f"{self.num_workers} workers")
+            worker = hello.a
+            conn.peer = f"worker {worker}"
+            with self.lock:
+                state = self.workers.setdefault(worker, _WorkerState())
+                state.connected, state.in_flight, state.lost = True, False, False
+                state.connections += 1
+                self.lock.notify_all()
+            restored = "" if self.restored_step is None else json.dumps(
+                {"step": self.restored_step, "data": self.extra.get("worker_data", {})})
+            conn.send(P.HELLO, version=-1 if self.restored_step is None else self.restored_step,
+                      a=self.index, b=int(self.restored_step is not None), c=os.getpid(),
+                      tensor=text_tensor(restored) if restored else None)
+            into = _gradient_buffers(conn)
+            while True:
+                msg = conn.receive("waiting for a request", timeout_seconds=None, into=into)
+                if msg.kind == P.BYE:
+                    break
+                self._dispatch(conn, worker, msg)
+        except PeerLostError:
+            with self.lock:
+                if worker in self.workers:
+                    self.workers[worker].lost = True
+                    self.last_loss = time.monotonic()
+            print(f"[replicator] parameter server {self.index}: lost worker {worker}; "
+                  "going on without it", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - refused and reported to the worker
+            text = str(exc) if isinstance(exc, P.ParameterServerError) else \
+                f"{type(exc).__name__}: {exc}"
+            print(f"[replicator] parameter server {self.index}: refused a request of worker "
+                  f"{worker}: {text}", file=sys.stderr, flush=True)
+            try:
+                conn.send(P.ERROR, tensor=text_tensor(text))
+            except PeerLostError:
+                pass
+        finally:
+            conn.close()
+            with self.lock:
+                if worker in self.workers:
+                    self.workers[worker].connected = False
+                    self.workers[worker].in_flight = False
+                    self.round.grads.pop(worker, None)
+                    self.claims.give_back(worker)
+                    self._maybe_finish_round()
+                self.lock.notify_all()
+
+    def _dispatch(self, conn: Connection, worker: int, msg: Message) -> None:
+        if msg.kind == P.REGISTER:
+            self._register(conn, msg)
+        elif msg.kind == P.OPTIMIZER:
+            self._set_optimizer(tensor_text(msg.payload))
+        elif msg.kind == P.GRAD:
+            grads = {msg.var_id: (msg.version, msg.payload)}
+            into = _gradient_buffers(conn)
+            while True:
+                nxt = conn.receive("receiving gradients", into=into)
+                if nxt.kind == P.PUSH:
+                    break
+                if nxt.kind != P.GRAD:
+                    raise P.ParameterServerError(f"expected GRAD or PUSH, got kind {nxt.kind}")
+                grads[nxt.var_id] = (nxt.version, nxt.payload)
+            self._push(worker, grads, nxt)
+            if nxt.b:
+                self._pull(conn, worker, expected=0, begin=False)
+        elif msg.kind == P.PUSH:  # an empty push (no gradient on this server)
+            self._push(worker, {}, msg)
+            if msg.b:
+                self._pull(conn, worker, expected=0, begin=False)
+        elif msg.kind == P.PULL:
+            self._pull(conn, worker, expected=msg.a, begin=bool(msg.b))
+        elif msg.kind == P.STATS:
+            conn.send(P.STATS, tensor=self._stats_tensor())
+        elif msg.kind == P.VERSIONS:
+            with self.lock:
+                flat = [x for sid in sorted(self.shards)
+                        for x in (sid, self.shards[sid].version)]
+            conn.send(P.VERSIONS, tensor=torch.tensor(flat, dtype=torch.int64))
+        elif msg.kind == P.CLAIM:
+            conn.send(P.CLAIMED, a=self._claim(worker, (msg.var_id, msg.a), msg.b))
+        elif msg.kind == P.DATA_STATS:
+            with self.lock:
+                text = json.dumps(self.claims.summary(msg.a))
+            conn.send(P.DATA_STATS, tensor=text_tensor(text))
+        elif msg.kind == P.SAVE:
+            path = self._save(msg.a, json.loads(tensor_text(msg.payload)))
+            conn.send(P.SAVED, tensor=text_tensor(path))
+        else:
+            raise P.ParameterServerError(f"unknown request kind {msg.kind}")
+
+    # -- variables -------------------------------------------------------------------------
+    def _register(self, conn: Connection, msg: Message) -> None:
+        assert msg.payload is not None
+        with self.lock:
+            if msg.var_id not in self.shards:
+                self.shards[msg.var_id] = _ShardState(torch.nn.Parameter(msg.payload.clone()))
+                if self.spec is not None:
+                    self._build_optimizers()
+            self.lock.notify_all()
+        conn.send(P.REGISTERED, var_id=msg.var_id)
+
+    def _set_optimizer(self, text: str) -> None:
+        spec = json.loads(text)
+        with self.lock:
+            if text == self.spec_text:
+                return
+            self.spec, self.spec_text = spec, text
+            for sid, group in spec["shard_groups"].items():
+                if int(sid) in self.shards:
+                    self.shards[int(sid)].group = int(group)
+            for shard in self.shards.values():
+                if shard.optimizer is not None:
+                    P.update_hyperparameters(shard.optimizer, spec, shard.group)
+            self._build_optimizers()
+
+    def _build_optimizers(self) -> None:
+        assert self.spec is not None
+        for sid, shard in self.shards.items():
+            if shard.optimizer is None:
+                shard.group = int(self.spec["shard_groups"].get(str(sid), shard.group))
+                shard.optimizer = P.build_optimizer(self.spec, shard.param, shard.group)
+                pending = self.extra.pop(f"optimizer_state_{sid}", None)
+                if pending is not None:
+                    shard.optimizer.load_state_dict(pending)
+
+    def _apply(self, sid: int, grad: torch.Tensor, pulled_version: int) -> None:
+        shard = self.shards.get(sid)
+        if shard is None:
+            raise P.ParameterServerError(f"parameter server {self.index} holds no shard {sid}")
+        if shard.optimizer is None:
+            raise P.ParameterServerError(
+                f"parameter server {self.index} got a gradient for shard {sid} before the "
+                "optimizer's description. HINT: create the optimizer inside strategy.scope() "
+                "and call optimizer.step() (it sends the description first).")
+        stale = max(0, shard.version - pulled_version)
+        self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
+        self.stale_sum += stale
+        self.stale_max = max(self.stale_max, stale)
+        shard.param.grad = grad.to(shard.param.dtype).reshape(shard.param.shape)
+        shard.optimizer.step()
+        shard.param.grad = None
+        shard.version += 1
+
+    # -- updates ---------------------------------------------------------------------------
+    def _claim(self, worker: int, key: tuple[int, int], total: int) -> int:
+        deadline = time.monotonic() + self.timeout_seconds
+        with self.lock:
+            while True:
+                try:
+                    index = self.claims.claim(worker, key, total)
+                except ValueError as exc:
+                    raise P.ParameterServerError(str(exc)) from None
+                if index != WAIT:
+                    return index
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise P.ParameterServerError(
+                        f"parameter server {self.index}: epoch {key[1]} of input {key[0]} waited "
+                        f"{self.timeout_seconds:.0f} s for batches other workers claimed. HINT: "
+                        "a worker that takes a batch must push its update (optimizer.step()).")
+                self.lock.wait(min(left, 0.5))
+
+    def _push(self, worker: int, grads: dict[int, tuple[int, torch.Tensor | None]],
+              end: Message) -> None:
+        with self.lock:
+            state = self.workers[worker]
+            if self.staleness == 0:
+                self._push_sync(worker, grads)
+            else:
+                for sid, (version, grad) in grads.items():
+                    if grad is not None:
+                        self._apply(sid, grad, version)
+                self.clock += 1
+                if end.c:
+                    self.claims.consume(worker, (end.var_id, end.version), end.c - 1)
+            state.pushes += 1
+            state.in_flight = False
+            self.lock.notify_all()
+
+    def _push_sync(self, worker: int, grads: dict[int, tuple[int, torch.Tensor | None]]) -> None:
+        number = self.round.number
+        self.round.grads[worker] = {sid: g for sid, (_, g) in grads.items() if g is not None}
+        self._maybe_finish_round()
+        deadline = time.monotonic() + self.timeout_seconds
+        while self.round.number == number:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [w for w, s in self.workers.items()
+                           if s.connected and w not in self.round.grads]
+                raise P.ParameterServerError(
+                    f"parameter server {self.index} waited {self.timeout_seconds:.0f} s for "
+                    f"the gradients of worker(s) {waiting} (staleness=0 waits for every live "
+                    "worker). HINT: every worker must call optimizer.step() the same number "
+                    "of times; use staleness=None for independent workers.")
+            self.lock.wait(min(left, 1.0))
+
+    def _maybe_finish_round(self) -> None:
+        if not self.round.grads:
+            return
+        live = {w for w, s in self.workers.items() if s.connected}
+        if len(self.workers) < self.num_workers or not live <= set(self.round.grads):
+            return
+        contributions = list(self.round.grads.values())
+        for sid in sorted({s for g in contributions for s in g}):
+            parts = [g[sid] for g in contributions if sid in g]
+            mean = torch.stack([p.to(torch.float64) for p in parts]).mean(0) \
+                if len(parts) > 1 else parts[0]
+            self._apply(sid, mean.to(parts[0].dtype), self.shards[sid].version)
+        self.clock += 1
+        self.round = _Round(number=self.round.number + 1)
+        self.lock.notify_all()
+
+    def _may_pull(self, worker: int) -> bool:
+        """Stale-synchronous gating: a new step of ``worker`` may not push any step in flight
+        beyond ``staleness`` versions, counting every step in flight as one future update."""
+        k = self.staleness
+        if k is None or k == 0:
+            return True
+        flying = [w for w, s in self.workers.items() if s.connected and s.in_flight
+                  and w != worker]
+        for a in flying:
+            behind = self.clock - self.workers[a].pulled_clock
+            # the other steps in flight (len - 1) and this new one (+ 1) may all land first
+            if behind + len(flying) > k:
+                return False
+        return True
+
+    def _pull(self, conn: Connection, worker: int, expected: int, begin: bool) -> None:
+        """Send every shard's values; ``begin``: the worker starts a step with them (it waits
+        for the staleness bound and counts as a step in flight until its next push)."""
+        deadline = time.monotonic() + self.timeout_seconds
+        with self.lock:
+            while len(self.shards) < expected or (begin and not self._may_pull(worker)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise P.ParameterServerError(
+                        f"parameter server {self.index} could not serve worker {worker}'s pull "
+                        f"within {self.timeout_seconds:.0f} s ({len(self.shards)} of {expected} "
+                        f"shards registered; staleness bound {self.staleness}). HINT: the chief "
+                        "registers the variables, and with a staleness bound the slowest "
+                        "worker must keep pushing; check that they are running.")
+                self.lock.wait(min(left, 0.5))
+            if begin:
+                state = self.workers[worker]
+                state.in_flight = True
+                state.pulled_clock = self.clock
+            values = [(sid, s.version, s.param.detach().clone())
+                      for sid, s in sorted(self.shards.items())]
+            clock = self.clock
+        conn.send_many([(P.VALUE, sid, version, value, 0, 0, 0)
+                        for sid, version, value in values]
+                       + [(P.VALUES_END, -1, clock, None, len(values), 0, 0)])
+
+    # -- statistics and checkpoints ----------------------------------------------------------
+    def _stats_tensor(self) -> torch.Tensor:
+        with self.lock:
+            count = sum(self.histogram)
+            return torch.tensor([count, self.stale_sum, self.stale_max, *self.histogram],
+                                dtype=torch.int64)
+
+    def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        tensors: dict[str, Any] = {}
+        for sid, shard in self.shards.items():
+            tensors[f"value_{sid}"] = shard.param.detach().clone()
+            if shard.optimizer is not None:
+                tensors[f"optimizer_state_{sid}"] = shard.optimizer.state_dict()
+        info = {"versions": {str(s): sh.version for s, sh in self.shards.items()},
+                "clock": self.clock, "histogram": list(self.histogram),
+                "stale_sum": self.stale_sum, "stale_max": self.stale_max,
+                "spec": self.spec_text, "claims": self.claims.state()}
+        return tensors, info
+
+    def _manager(self, directory: str) -> Any:
+        from replicator.checkpoint.manager import CheckpointManager
+        from replicator.comm.collectives import Collectives
+
+        class _Alone:  # a job of one for the manager's agreement step
+            collectives = Collectives(0, 1, torch.device("cpu"), self.timeout_seconds)
+
+        return CheckpointManager(Path(directory) / f"ps-{self.index:03d}", keep=2,
+                                 strategy=_Alone())
+
+    def _save(self, step: int, extra: dict[str, Any]) -> str:
+        directory = extra.get("directory") or self.checkpoint_dir
+        if not directory:
+            raise P.ParameterServerError("no checkpoint directory. HINT: pass "
+                                         "checkpoint_dir= to ParameterServerStrategy")
+        with self.lock:
+            tensors, info = self._state()
+            info["worker_data"] = extra.get("worker_data", {})
+            path = self._manager(directory).save(step, replicated={"server": tensors},
+                                                 info=info)
+        return str(path)
+
+    def _restore(self, directory: str) -> None:
+        restored = self._manager(directory).restore()
+        if restored is None:
+            return
+        tensors = restored.replicated.get("server", {})
+        info = restored.info
+        for key, value in tensors.items():
+            if key.startswith("value_"):
+                sid = int(key[len("value_"):])
+                self.shards[sid] = _ShardState(torch.nn.Parameter(value.clone()))
+            else:
+                self.extra[key] = value
+        for sid, version in info.get("versions", {}).items():
+            self.shards[int(sid)].version = int(version)
+        self.clock = int(info.get("clock", 0))
+        self.histogram = list(info.get("histogram", self.histogram))
+        self.stale_sum = int(info.get("stale_sum", 0))
+        self.stale_max = int(info.get("stale_max", 0))
+        self.extra["worker_data"] = info.get("worker_data", {})
+        self.claims.load(info.get("claims", {}))
+        if info.get("spec"):
+            self._set_optimizer(info["spec"])
+        self.restored_step = restored.step

@@ -1,0 +1,479 @@
+"""ParameterServerStrategy: variables and the optimizer live on parameter servers.
+
+Launch with ``replicator run --nproc N --num-ps K`` (or ``rp.launch(fn, num_replicas=N,
+num_ps=K)``): the last K processes serve variables, the first N-K are workers (worker 0 is the
+chief). On a server, the strategy's constructor serves until every worker has finished and
+then ends the process cleanly (``SystemExit(0)``): the rest of the script never runs there.
+
+On a worker, the parameters of modules built in ``scope()`` are placed on the servers (whole,
+biggest first to the least loaded server, or split by a partitioner). ``optimizer.step()`` of
+an optimizer over them sends their gradients to the servers, which run the optimizer (they own
+its state; the worker's optimizer keeps none) and send back the new values. ``staleness``:
+``None`` asynchronous; ``k`` a worker's step waits while another step in flight could end up
+more than ``k`` versions stale; ``0`` synchronous (each update averages one gradient from every
+live worker: the same as ``MirroredStrategy``). Messages are typed tensors over TCP, never
+pickles (:mod:`replicator.comm.messages`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
+
+from replicator.cluster.environment import resolve_cluster, timeout_from_env
+from replicator.cluster.launcher import NUM_PS_ENV, REJOIN_ENV
+from replicator.cluster.ports import LOOPBACK, listen
+from replicator.cluster.process_group import (
+    DEFAULT_TIMEOUT_SECONDS,
+    initialize,
+    on_shutdown,
+    open_store_client,
+)
+from replicator.cluster.topology import Topology
+from replicator.comm.collectives import Collectives
+from replicator.comm.progress import CollectiveTracker
+from replicator.comm.reduce_op import ReduceOp
+from replicator.errors import ClusterConfigError
+from replicator.ps import protocol as P
+from replicator.ps.claimed_data import ClaimedBatches
+from replicator.ps.client import ServerClient
+from replicator.ps.partitioners import Partitioner, Shard, place
+from replicator.ps.server import ParameterServer
+from replicator.strategies.base import Strategy
+
+
+def _num_ps_from_env() -> int | None:
+    raw = os.environ.get(NUM_PS_ENV)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ClusterConfigError(f"{NUM_PS_ENV}={raw!r} is not a number of servers") from None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as rows along dimension 0 (a scalar as one row)."""
+    return t.view(1) if t.dim() == 0 else t
+
+
+class ParameterServerStrategy(Strategy):
+    """Data-parallel workers, variables and optimizer on parameter servers (see module doc).
+
+    ``num_ps``: servers (default: the launcher's ``--num-ps``, else 1); it must match the
+    launcher's. ``variable_partitioner``: ``rp.partitioners.MinSizePartitioner(...)`` or
+    ``FixedShardsPartitioner(n)`` to split variables along dimension 0 (``None``: whole).
+    ``staleness``: ``None``, ``0`` or a positive bound. ``address``: where servers listen
+    (default loopback). ``checkpoint_dir``: servers restore from it at start, and
+    :meth:`save_checkpoint` writes there.
+    """
+
+    name = "parameter_server"
+    _guards_undistributed = True
+
+    def __init__(self, num_ps: int | None = None,
+                 variable_partitioner: Partitioner | None = None,
+                 staleness: int | None = None, *, address: str | None = None,
+                 timeout_seconds: float | None = None,
+                 checkpoint_dir: str | os.PathLike[str] | None = None) -> None:
+        launched = _num_ps_from_env()
+        if num_ps is None:
+            num_ps = launched if launched is not None else 1
+        if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
+            raise ClusterConfigError(f"num_ps must be a positive integer, got {num_ps!r}")
+        if launched is not None and launched != num_ps:
+            raise ClusterConfigError(
+                f"ParameterServerStrategy(num_ps={num_ps}) but the job was launched with "
+                f"--num-ps {launched}. HINT: give the same number to both, or leave num_ps out.")
+        if variable_partitioner is not None and not isinstance(variable_partitioner,
+                                                               Partitioner):
+            raise TypeError("variable_partitioner must be rp.partitioners.MinSizePartitioner"
+                            "(...) or FixedShardsPartitioner(n), got "
+                            f"{type(variable_partitioner).__name__}")
+        if staleness is not None and (isinstance(staleness, bool)
+                                      or not isinstance(staleness, int) or staleness < 0):
+            raise ValueError(f"staleness must be None (asynchronous), 0 (synchronous) or a "
+                             f"positive bound, got {staleness!r}")
+        self._staleness = staleness
+        self._partitioner = variable_partitioner
+        self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
+        self._num_ps = num_ps
+        self._device = torch.device("cpu")
+        self._rejoined = os.environ.get(REJOIN_ENV) == "1"
+        if self._rejoined:
+            store, attempt = self._join_alone(timeout_seconds)
+        else:
+            store, attempt = self._join_job(timeout_seconds, address)
+        self._shards: list[Shard] = []
+        self._params: dict[int, torch.Tensor] = {}        # shard id -> parameter
+        self._shards_of: dict[int, list[Shard]] = {}       # id(parameter) -> its shards
+        self._pulled: dict[int, int] = {}                  # shard id -> version pulled
+        self._loads = [0] * num_ps
+        self._sent_spec = ""
+        self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._steps = 0
+        self._claim: tuple[int, int, int] | None = None
+        self._streams = 0
+        addresses = []
+        for k in range(num_ps):
+            key = f"replicator/ps/address/{k}"
+            try:
+                store.wait([key], timedelta(seconds=self._timeout))
+            except RuntimeError as exc:
+                raise P.ParameterServerLostError(
+                    f"parameter server {k} (rank {self._num_workers + k}) did not publish its "
+                    f"address within {self._timeout:.0f} s ({exc}). HINT: check that rank's "
+                    "output: it may have failed while starting.") from exc
+            host, port = store.get(key).decode().rsplit(":", 1)
+            addresses.append((host, int(port)))
+        self._client = ServerClient(addresses, list(range(self._num_workers, self._num_workers
+                                                           + num_ps)),
+                                    self._rank, attempt, self._timeout, self._held_by,
+                                    into=self._landing)
+        on_shutdown(self._client.close)
+        self._hooks = [
+            register_optimizer_step_pre_hook(self._before_step),
+            register_optimizer_step_post_hook(self._after_step),
+        ]
+        super().__init__()
+
+    def _join_job(self, timeout_seconds: float | None, address: str | None
+                  ) -> tuple[dist.Store, int]:
+        """Start with the whole job: the process group, the topology, the workers' group."""
+        info = initialize(timeout_seconds=timeout_seconds)
+        self._timeout = float(timeout_seconds or info.timeout_seconds)
+        topology = Topology(num_ps=self._num_ps)
+        self._topology: Topology | None = topology
+        self._num_workers = topology.num_workers
+        store = info.store if info.store is not None else \
+            dist.distributed_c10d._get_default_store()
+        if topology.is_ps:
+            self._serve(store, address or LOOPBACK, topology.global_rank - self._num_workers)
+        self._rank = topology.replica_id
+        self._group: dist.ProcessGroup | None = topology.data_group()
+        self._data_group = self._group
+        tracker = CollectiveTracker(self._rank, self._num_workers, open_store_client(info))
+        on_shutdown(tracker.close)
+        self._collectives = Collectives(self._rank, self._num_workers, self._device,
+                                        self._timeout, tracker, group=self._group)
+        return store, info.spec.restart_count
+
+    def _join_alone(self, timeout_seconds: float | None) -> tuple[dist.Store, int]:
+        """A worker restarted alone: no process group (the running job's cannot take a new
+        member); it finds the servers through the rendezvous store and talks only to them."""
+        if self._staleness == 0:
+            raise ClusterConfigError(
+                "a worker restarted alone cannot rejoin a synchronous job (staleness=0): the "
+                "other workers' collectives have moved on without it. HINT: use staleness=None "
+                "or a bound k for jobs that survive lost workers.")
+        spec = resolve_cluster()
+        self._timeout = float(timeout_seconds or timeout_from_env(DEFAULT_TIMEOUT_SECONDS))
+        try:
+            raw = dist.TCPStore(spec.master_addr, spec.master_port or 0, spec.world_size, False,
+                                timeout=timedelta(seconds=self._timeout))
+        except (RuntimeError, OSError) as exc:
+            raise ClusterConfigError(f"worker rank {spec.rank} could not reach the rendezvous "
+                                     f"store to rejoin: {exc}") from exc
+        store = dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", raw)
+        self._topology = None
+        self._num_workers = spec.world_size - self._num_ps
+        self._rank = spec.rank
+        self._group = None
+        self._collectives = Collectives(0, 1, self._device, self._timeout)  # alone
+        return store, spec.restart_count
+
+    # -- the server side ---------------------------------------------------------------------
+    def _serve(self, store: dist.Store, address: str, index: int) -> None:
+        sock = listen(address, 0)
+        host, port = sock.getsockname()[:2]
+        store.set(f"replicator/ps/address/{index}", f"{host}:{port}")
+        server = ParameterServer(index, self._num_workers, self._staleness, sock,
+                                 self._timeout, self._checkpoint_dir, store=store)
+        server.serve()
+        sys.stdout.flush()
+        raise SystemExit(0)
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._num_workers
+
+    @property
+    def replica_id(self) -> int:
+        return self._rank
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def num_ps(self) -> int:
+        """How many parameter servers the job has."""
+        return self._num_ps
+
+    @property
+    def staleness(self) -> int | None:
+        return self._staleness
+
+    @property
+    def topology(self) -> Topology | None:
+        """The job's topology (``None`` on a worker that rejoined alone after a restart)."""
+        return self._topology
+
+    @property
+    def rejoined(self) -> bool:
+        """True on a worker restarted alone that rejoined the running servers."""
+        return self._rejoined
+
+    @property
+    def collectives(self) -> Collectives:
+        """The workers' collectives (used by reduce() with ``staleness=0``, and checkpoints);
+        a worker that rejoined alone has collectives of its own only."""
+        return self._collectives
+
+    @property
+    def restored_step(self) -> int | None:
+        """The step of the checkpoint the servers restored at start (``None``: fresh start);
+        a restarted script skips that many steps of its input."""
+        info = self._client.restored[0]
+        return None if info is None else int(info["step"])
+
+    @property
+    def restored_data_position(self) -> dict[str, Any] | None:
+        """The ``data_position`` saved with that checkpoint (``None``: fresh start)."""
+        info = self._client.restored[0]
+        return None if info is None else dict(info.get("data") or {})
+
+    @property
+    def server_pids(self) -> list[int]:
+        """The process id of each parameter server (for monitoring and fault tests)."""
+        return list(self._client.pids)
+
+    # -- placement -----------------------------------------------------------------------------
+    def _held_by(self, k: int) -> list[str]:
+        return [s.name if s.parts == 1 else f"{s.name} (shard {s.part + 1} of {s.parts})"
+                for s in self._shards if s.server == k]
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Where each variable (or shard) lives: name, shard, rows and server index."""
+        return [{"name": s.name, "shard": s.part, "shards": s.parts, "rows": (s.start, s.end),
+                 "server": s.server, "bytes": s.nbytes} for s in self._shards]
+
+    def _setup_module(self, module: torch.nn.Module) -> None:
+        params = [(n, p) for n, p in module.named_parameters() if p not in self._distributed]
+        if not params:
+            return
+        first = len(self._shards)
+        shards = place([(n, p.detach()) for n, p in params], self._num_ps, self._partitioner,
+                       first_shard_id=first, loads=self._loads)
+        for s in shards:
+            p = params[s.var_index][1]
+            self._shards.append(s)
+            self._params[s.shard_id] = p
+            self._shards_of.setdefault(id(p), []).append(s)
+        if self._rank == 0:
+            initial: dict[int, list[tuple[int, torch.Tensor]]] = {}
+            for s in shards:
+                rows = _rows(self._params[s.shard_id].detach())[s.start:s.end]
+                initial.setdefault(s.server, []).append((s.shard_id, rows.cpu().clone()))
+            self._client.register(initial)
+        self._client.pull(self._expected(), self._receive)
+
+    def _landing(self, kind: int, sid: int, dtype: torch.dtype, shape: tuple[int, ...]
+                 ) -> torch.Tensor | None:
+        """Pulled values land straight in the parameter's rows when they match."""
+        if kind != P.VALUE or not 0 <= sid < len(self._shards):
+            return None
+        s = self._shards[sid]
+        rows = _rows(self._params[sid].detach())[s.start:s.end]
+        ok = rows.is_contiguous() and rows.dtype == dtype and tuple(rows.shape) == shape
+        return rows if ok and rows.device.type == "cpu" else None
+
+    def _receive(self, sid: int, version: int, values: torch.Tensor) -> None:
+        s = self._shards[sid]
+        rows = _rows(self._params[sid].detach())[s.start:s.end]
+        if rows.data_ptr() != values.data_ptr():  # not received in place
+            with torch.no_grad():
+                rows.copy_(values.reshape(rows.shape))
+        self._pulled[sid] = version
+
+    # -- the optimizer step --------------------------------------------------------------------
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Send the gradients of placed parameters to the servers and take back the new
+        values; their gradients are hidden from the local step (no local optimizer state)."""
+        if self._closed:
+            return
+        group_of: dict[int, int] = {}
+        grads: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        mine: list[torch.Tensor] = []
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                shards = self._shards_of.get(id(p))
+                if not shards:
+                    continue
+                mine.append(p)
+                for s in shards:
+                    group_of[s.shard_id] = gi
+                    if p.grad is not None:
+                        g = _rows(p.grad.detach())[s.start:s.end].cpu().contiguous()
+                        grads.setdefault(s.server, []).append(
+                            (s.shard_id, self._pulled.get(s.shard_id, 0), g))
+        if not mine:
+            return
+        spec = P.describe_optimizer(optimizer, group_of)
+        if spec != self._sent_spec:
+            self._client.send_optimizer(spec)
+            self._sent_spec = spec
+        self._client.push(grads, self._receive, pull=True, claim=self._claim)
+        self._claim = None
+        self._steps += 1
+        self._stash = [(p, p.grad) for p in mine]
+        for p in mine:
+            p.grad = None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for p, g in self._stash:
+            p.grad = g
+        self._stash = []
+
+    def _run(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if self._staleness and self._shards:
+            # bounded staleness: the step starts from values pulled under the bound
+            self._client.pull(self._expected(), self._receive, begin=True)
+        return fn(*args, **kwargs)
+
+    def _expected(self) -> dict[int, int]:
+        return {k: sum(s.server == k for s in self._shards) for k in range(self._num_ps)}
+
+    @property
+    def steps_pushed(self) -> int:
+        """How many optimizer steps this worker has pushed to the servers."""
+        return self._steps
+
+    def pull(self) -> None:
+        """Fetch the servers' current values into the local parameters now."""
+        self._client.pull(self._expected(), self._receive)
+
+    # -- statistics ----------------------------------------------------------------------------
+    def staleness_stats(self) -> dict[str, Any]:
+        """Staleness of every update applied so far, over all servers and shards: ``count``,
+        ``mean``, ``max`` and ``histogram`` ({staleness: updates}; the last bin, 63, counts
+        63 and more). Staleness = the shard's version when the update was applied minus the
+        version the worker had pulled."""
+        total = torch.zeros(3 + P.HISTOGRAM_BINS, dtype=torch.int64)
+        top = 0
+        for t in self._client.stats():
+            top = max(top, int(t[2]))
+            total += t
+        count, summed = int(total[0]), int(total[1])
+        hist = {i: int(n) for i, n in enumerate(total[3:].tolist()) if n}
+        return {"count": count, "mean": summed / count if count else 0.0, "max": top,
+                "histogram": hist}
+
+    def shard_versions(self) -> list[dict[str, Any]]:
+        """Each shard's version (the number of updates its server applied to it)."""
+        versions = self._client.versions()
+        return [{"name": s.name, "shard": s.part, "server": s.server,
+                 "version": versions.get(s.shard_id, 0)} for s in self._shards]
+
+    # -- input -----------------------------------------------------------------------------------
+    def distribute_dataset(self, dataset: Any, *, batch_size: int | None = None,
+                           shuffle: bool | None = None, seed: int = 0,
+                           drop_last: bool | None = None, drop_remainder: bool | None = None,
+                           **kwargs: Any) -> Any:
+        """As for every strategy with ``staleness=0``. Asynchronous workers (``staleness``
+        ``None`` or ``k``) given a ``DataLoader`` or map-style ``Dataset`` instead take
+        per-replica batches (global batch / workers) one at a time from server 0: each batch
+        of an epoch is consumed by exactly one applied update, fast workers take more, and a
+        lost worker's unfinished batches go to the others (:mod:`replicator.ps.claims`)."""
+        plain = isinstance(dataset, (DataLoader, Dataset)) and not isinstance(
+            dataset, IterableDataset) and not kwargs
+        if self._staleness == 0 or not plain or \
+                (isinstance(dataset, DataLoader) and isinstance(dataset.dataset, IterableDataset)):
+            return super().distribute_dataset(dataset, batch_size=batch_size, shuffle=shuffle,
+                                              seed=seed, drop_last=drop_last,
+                                              drop_remainder=drop_remainder, **kwargs)
+        collate = None
+        if isinstance(dataset, DataLoader):
+            loader = dataset
+            dataset = loader.dataset
+            batch_size = batch_size or loader.batch_size
+            shuffle = isinstance(loader.sampler, RandomSampler) if shuffle is None else shuffle
+            drop_last = loader.drop_last if drop_last is None else drop_last
+            collate = loader.collate_fn
+        if not batch_size:
+            raise ValueError("distribute_dataset(Dataset) needs batch_size= (the global batch)")
+        workers = self._num_workers
+        if batch_size % workers:
+            raise ValueError(f"the global batch {batch_size} does not split evenly over "
+                             f"{workers} workers. HINT: use a multiple of {workers}.")
+        drop = drop_remainder if drop_remainder is not None else bool(drop_last)
+        stream = self._streams
+        self._streams += 1
+        return ClaimedBatches(self, stream, dataset, batch_size // workers,
+                              shuffle=bool(shuffle), seed=seed, drop_last=drop,
+                              collate_fn=collate)
+
+    def _claim_batch(self, stream: int, epoch: int, total: int) -> int:
+        return self._client.claim(stream, epoch, total)
+
+    def _set_claim(self, claim: tuple[int, int, int] | None) -> None:
+        self._claim = claim
+
+    def data_accounting(self, stream: int = 0) -> dict[int, dict[str, Any]]:
+        """Per epoch of input ``stream`` (the strategy's distributed datasets in creation
+        order; 0 is the first), from server 0's ledger of claimed batches: ``batches``,
+        ``consumed`` (distinct batches whose update was applied), ``repeated`` (should be 0),
+        ``by_worker`` and ``in_flight``."""
+        return self._client.data_stats(stream)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None
+                        ) -> list[str]:
+        """Ask every server to save its variables, optimizer state, versions and
+        ``data_position`` (JSON) as checkpoint ``step`` in ``checkpoint_dir`` (the chief only;
+        other workers return ``[]``)."""
+        if self._rank != 0:
+            return []
+        if not self._checkpoint_dir:
+            raise ValueError("save_checkpoint() needs ParameterServerStrategy(checkpoint_dir="
+                             "...). HINT: give a directory every process can reach.")
+        return self._client.save(step, json.dumps({"directory": self._checkpoint_dir,
+                                                   "worker_data": data_position or {}}))
+
+    # -- cross-replica values -------------------------------------------------------------------
+    def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
+        if self._staleness != 0:
+            return tensor.clone()  # workers are not in step: this worker's own value
+        return self._collectives.all_reduce(tensor, op, f"reduce({op.value})")
+
+    def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._staleness != 0:
+            return [t.clone() for t in tensors]
+        return self._collectives.all_reduce_many(tensors, op, f"reduce({op.value})")
+
+    def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        if self._staleness != 0:
+            return tensor.clone()
+        return self._collectives.all_gather_uneven(tensor, axis, "gather")
+
+    def barrier(self) -> None:
+        if self._staleness == 0:
+            self._collectives.barrier()
+
+    def _close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._client.close()
+
