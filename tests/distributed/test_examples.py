@@ -23,8 +23,13 @@ def test_demo_trains_digits_to_at_least_95_percent():
     assert "replicas 2" in line and "wall time" in line
 
 
+#: Examples that launch their own replicas and have their own smoke test (``--quick``).
+SELF_LAUNCHING = {"large_batch.py"}  # tests/distributed/test_large_batch.py
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")
+                                           if p.name not in SELF_LAUNCHING))
 def test_example_runs_two_steps_on_two_workers(example):
     out = subprocess.run([sys.executable, "-m", "replicator.cli", "run", "--nproc", "2",
                           str(ROOT / "examples" / example), "--steps", "2"],

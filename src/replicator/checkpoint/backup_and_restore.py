@@ -420,6 +420,9 @@ class BackupAndRestore:
                           RuntimeWarning, stacklevel=3)
 
     def _describe_position(self) -> str:
+        # a save still in flight holds the state from before this step: let it commit, so the
+        # error names the newest backup (every rank reaches this at the same step)
+        self._settle_background(raise_errors=False)
         last = self.manager.latest_step
         backup = f"step {last}" if last is not None else "none yet"
         return f" at step {self.step + 1} (epoch {self.epoch}; last backup: {backup})"
