@@ -21,6 +21,7 @@ communication lane, a background thread with a private copy of the group (``comm
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -49,6 +50,22 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{size} {str(tensor.dtype).replace('torch.', '')}"
 
 
+#: Every algorithm object alive in this process (weakly), so that shutdown can make each one
+#: drop the process groups it keeps before the groups are destroyed.
+_LIVE: weakref.WeakSet[CrossDeviceOps] = weakref.WeakSet()
+
+
+def forget_all_groups() -> None:
+    """Make every live algorithm drop what it keeps per process group (run at shutdown).
+
+    Groups still referenced when the interpreter tears down are destroyed after gloo's own
+    static state, which aborts the process ("terminate called without an active exception");
+    dropping them while the process group is being shut down frees them in time.
+    """
+    for algorithm in list(_LIVE):
+        algorithm.forget_groups()
+
+
 class CrossDeviceOps(ABC):
     """Base class of the all-reduce algorithms (tf.distribute's ``CrossDeviceOps``).
 
@@ -70,6 +87,12 @@ class CrossDeviceOps(ABC):
             raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
         self.compression = compression
         self.timeout_seconds = timeout_seconds
+        _LIVE.add(self)
+
+    def forget_groups(self) -> None:
+        """Drop state kept per process group (host layouts, shared-memory channels); the next
+        use on a group builds it again. Called at shutdown, before groups are destroyed."""
+        return None
 
     # -- public API ---------------------------------------------------------------------------
     def all_reduce_sum_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,

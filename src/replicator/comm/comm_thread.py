@@ -133,8 +133,11 @@ def lane(group: dist.ProcessGroup | None = None) -> Lane:
             _close_all_locked()
             _WORLD[0] = dist.group.WORLD
             from replicator.cluster.process_group import on_shutdown
+            from replicator.comm.algorithms import forget_all_groups
 
+            on_shutdown(forget_all_groups)  # hooks run last-in first-out: lanes close first
             on_shutdown(close_lanes)
+            _release_at_exit(forget_all_groups)
         found = _LANES.get(key)
         if found is None:
             found = Lane(group_ranks(group), default_timeout_seconds(),
@@ -142,6 +145,25 @@ def lane(group: dist.ProcessGroup | None = None) -> Lane:
             _LANES[key] = found
             weakref.finalize(key, found.close)
         return found
+
+
+_AT_EXIT: list[Callable[[], None]] = []
+
+
+def _release_at_exit(forget: Callable[[], None]) -> None:
+    """Once per process: at interpreter exit, close the lanes and drop the groups algorithms
+    keep, before module teardown would free them after gloo's static state (an abort)."""
+    if not _AT_EXIT:
+        import atexit
+
+        def release() -> None:
+            close_lanes()
+            for fn in _AT_EXIT:
+                fn()
+
+        atexit.register(release)
+    if forget not in _AT_EXIT:
+        _AT_EXIT.append(forget)
 
 
 def close_lanes() -> None:

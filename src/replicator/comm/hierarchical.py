@@ -175,6 +175,12 @@ class HierarchicalAllReduce(CrossDeviceOps):
                        and all(facts[r][1] for r in h))
         return out
 
+    def forget_groups(self) -> None:
+        self._topologies.clear()
+        if self._shared is not None:
+            self._shared.forget_groups()
+        self.inter_node.forget_groups()
+
     # -- the work -------------------------------------------------------------------------------
     def _shared_memory(self) -> CrossDeviceOps:
         if self._shared is None:

@@ -270,6 +270,10 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             weakref.WeakKeyDictionary()
         self._resident: dict[tuple[int, int, torch.dtype], _Resident] = {}
 
+    def forget_groups(self) -> None:
+        # a channel holds its group: in a weak-keyed map that keeps the key alive for good
+        self._channels.clear()
+
     # -- set-up -------------------------------------------------------------------------------
     def _channel(self, group: dist.ProcessGroup | None) -> _Channel:
         """The channel of ``group`` (a collective over it on first use)."""
