@@ -293,9 +293,16 @@ def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
     roll = f"{_ROLL}/{_ROUNDS[0]}"
     error_key = f"{roll}/error"
 
+    def leave(message: str) -> None:
+        if rank == 0:
+            # rank 0 usually hosts the store: stay a moment so the others read the verdict
+            # (instead of a lost connection) before this process exits
+            time.sleep(min(3.0, timeout_seconds))
+        raise ClusterConfigError(message)
+
     def fail(message: str) -> None:
         store.set(error_key, message)
-        raise ClusterConfigError(message)
+        leave(message)
 
     first = store.compare_set(f"{roll}/world", "", str(world))
     first = first.decode() if isinstance(first, bytes) else str(first)
@@ -312,7 +319,7 @@ def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
     deadline = time.monotonic() + timeout_seconds
     while True:
         if store.check([error_key]):
-            raise ClusterConfigError(store.get(error_key).decode())
+            leave(store.get(error_key).decode())
         if store.check(keys):
             break
         if time.monotonic() > deadline:
