@@ -9,6 +9,7 @@ import torch
 
 from replicator.optim.layerwise import (
     ExcludeRule,
+    LayerwiseOptimizer,
     as_local_scalar,
     check_exclude,
     check_hyper,
@@ -18,7 +19,7 @@ from replicator.optim.layerwise import (
 )
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(LayerwiseOptimizer):
     """Layer-wise Adaptive Moments for Batch training: Adam's direction, each parameter's step
     scaled to its own size, which lets BERT-scale batches train with one learning rate.
 
@@ -51,16 +52,10 @@ class LAMB(torch.optim.Optimizer):
                         bias_correction=bias_correction, max_trust=max_trust, exclude=None)
         super().__init__(params, defaults)
 
-    def _excluded(self, group: dict[str, Any], p: torch.Tensor) -> bool:
-        return bool(group["exclude"]) if group["exclude"] is not None else self._exclude(p)
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """One update of every parameter that has a gradient (others are left alone)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._run_closure(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]

@@ -9,6 +9,7 @@ import torch
 
 from replicator.optim.layerwise import (
     ExcludeRule,
+    LayerwiseOptimizer,
     as_local_scalar,
     check_exclude,
     check_hyper,
@@ -18,7 +19,7 @@ from replicator.optim.layerwise import (
 )
 
 
-class LARS(torch.optim.Optimizer):
+class LARS(LayerwiseOptimizer):
     """Layer-wise Adaptive Rate Scaling, for SGD at very large batches.
 
     For each parameter ``w`` with gradient ``g`` (weight decay ``wd``, coefficient ``eta``)::
@@ -50,16 +51,10 @@ class LARS(torch.optim.Optimizer):
                         exclude=None)
         super().__init__(params, defaults)
 
-    def _excluded(self, group: dict[str, Any], p: torch.Tensor) -> bool:
-        return bool(group["exclude"]) if group["exclude"] is not None else self._exclude(p)
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """One update of every parameter that has a gradient (others are left alone)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._run_closure(closure)
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             wd, eta, eps = group["weight_decay"], group["trust_coefficient"], group["eps"]

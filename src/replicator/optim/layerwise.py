@@ -82,3 +82,23 @@ def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = 
         bound = f"[{low}, {high}{']' if inclusive_high else ')'}" if high is not None \
             else f">= {low}"
         raise ValueError(f"invalid {name}: {value!r} (must be {bound})")
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """What LARS and LAMB share: the per-group exclusion rule and the closure of ``step``.
+
+    A group's ``"exclude"`` (``True``/``False``) overrides the optimizer-wide rule.
+    """
+
+    _exclude: ExcludeRule
+
+    def _excluded(self, group: dict, p: torch.Tensor) -> bool:
+        return bool(group["exclude"]) if group["exclude"] is not None else self._exclude(p)
+
+    @staticmethod
+    def _run_closure(closure: Callable[[], object] | None) -> object:
+        """The loss of ``closure`` evaluated with gradients on (``None`` without one)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()

@@ -10,17 +10,19 @@ so every worker computes the same placement without talking.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 
-class Partitioner:
+class Partitioner(ABC):
     """How many shards (along dimension 0) a variable of ``shape`` and ``dtype`` gets."""
 
+    @abstractmethod
     def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        raise NotImplementedError
+        """The number of shards, at least 1."""
 
     def __call__(self, shape: Sequence[int], dtype: torch.dtype) -> list[int]:
         """TensorFlow's form: the number of partitions along each axis (only axis 0 splits)."""
