@@ -211,3 +211,44 @@ def test_tracker_names_missing_ranks_by_global_rank_and_role():
     assert r0["tag"] == r2["tag"] == "r0-2"
     assert r0["kind"] == "ReplicaTimeoutError", r0
     assert "rank 2 (ps)" in r0["text"], r0["text"]
+
+
+def _large_payloads(implementation: str) -> dict:
+    options = rp.CommunicationOptions(implementation=implementation)
+    strategy = rp.MirroredStrategy(communication_options=options)
+    rank = strategy.replica_id
+    coll = strategy.collectives
+    big = torch.arange(40_000, dtype=torch.float32) * (rank + 1)        # 160 KB: pays
+    out: dict = {"shm": coll.uses_shared_memory}
+    out["sum"] = strategy.reduce("sum", big)[-3:].tolist()
+    out["mean"] = strategy.reduce("mean", big.double())[:2].tolist()
+    out["max"] = strategy.reduce("max", big)[-1].item()                 # not a sum: backend
+    rows = torch.full((rank + 1, 30_000), float(rank))                  # uneven, 120-240 KB
+    gathered = strategy.gather(rows)
+    out["gather"] = [list(gathered.shape), gathered[:, 0].tolist()]
+    params = [torch.full((50_000,), float(rank)), torch.full((7,), float(rank) + 0.5),
+              torch.full((3, 4), float(rank)).t()]                      # one not contiguous
+    coll.broadcast_(params, src=1)
+    out["bcast"] = [p.flatten()[0].item() for p in params]
+    if rank == 0:  # a large reduce against a large gather: caught before any payload moves
+        out["mismatch"] = _caught(lambda: strategy.reduce("sum", big))
+    else:
+        out["mismatch"] = _caught(lambda: strategy.gather(rows))
+    out["after"] = strategy.reduce("sum", big)[1].item()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("implementation", ["shared_memory", "gloo"])
+def test_large_payloads_and_fingerprints_through_either_path(implementation):
+    a, b = run_distributed(_large_payloads, world_size=2, args=(implementation,),
+                           timeout_seconds=20)
+    assert a["shm"] is b["shm"] is (implementation == "shared_memory")
+    for res in (a, b):
+        assert res["sum"] == [39_997.0 * 3, 39_998.0 * 3, 39_999.0 * 3]
+        assert res["mean"] == [0.0, 1.5]
+        assert res["max"] == 39_999.0 * 2
+        assert res["gather"] == [[3, 30_000], [0.0, 1.0, 1.0]]
+        assert res["bcast"] == [1.0, 1.5, 1.0]
+        assert res["mismatch"]["kind"] == "CollectiveMismatchError", res["mismatch"]
+        assert res["after"] == 3.0

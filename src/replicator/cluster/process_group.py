@@ -106,6 +106,7 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
                             timeout=timedelta(seconds=timeout), **kwargs)
     _GROUP = GroupInfo(spec=spec, backend=backend, timeout_seconds=timeout, store=store,
                        owned=True)
+    _shutdown_at_exit()
     if spec.source == "single-process":
         _hint_one_replica()
     return _GROUP
@@ -147,6 +148,20 @@ def current_group() -> GroupInfo | None:
 
 
 _SHUTDOWN_HOOKS: list = []
+_AT_EXIT_REGISTERED = False
+
+
+def _shutdown_at_exit() -> None:
+    """Destroy the group we created when the interpreter exits, before module teardown: a
+    script run directly (torchrun, SLURM, TF_CONFIG) that never calls :func:`shutdown` would
+    otherwise free gloo's groups after gloo's own static state and abort a finished job
+    ("terminate called without an active exception")."""
+    global _AT_EXIT_REGISTERED
+    if not _AT_EXIT_REGISTERED:
+        import atexit
+
+        atexit.register(shutdown)
+        _AT_EXIT_REGISTERED = True
 
 
 def on_shutdown(hook) -> None:  # noqa: ANN001 - a callable taking nothing

@@ -14,19 +14,33 @@ instead of pairing their payloads. ``rank`` and ``world_size`` are the position 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from replicator.comm.fingerprint import PendingCheck, describe_tensor, digest, dtype_name
+from replicator.comm.fingerprint import (
+    PendingCheck,
+    backend_verdict,
+    describe_tensor,
+    digest,
+    dtype_name,
+)
 from replicator.comm.fingerprint import exchange_texts as _exchange_texts
 from replicator.comm.op_errors import LOST_PEER_WORDS as _LOST_PEER_WORDS
 from replicator.comm.op_errors import TIMEOUT_WORDS as _TIMEOUT_WORDS
 from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import ReplicaTimeoutError, ReplicatorError
+
+if TYPE_CHECKING:
+    from replicator.comm.algorithms import CrossDeviceOps
+    from replicator.comm.shared_memory import SharedMemoryAllReduce
+
+log = logging.getLogger("replicator")
 
 
 class Collectives:
@@ -54,6 +68,7 @@ class Collectives:
         self._checked = 0
         self._synchronizers = 0
         self._in_flight: PendingCheck | None = None
+        self._same_host: SharedMemoryAllReduce | None = None
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None, device: torch.device,
@@ -85,6 +100,38 @@ class Collectives:
         self._synchronizers += 1
         return self._synchronizers - 1
 
+    # -- the same-host path -------------------------------------------------------------------
+    def use_same_host_path(self, algorithm: CrossDeviceOps) -> bool:
+        """Send fingerprints, and payloads where it pays, through ``algorithm``'s shared memory
+        when it is a :class:`~replicator.comm.shared_memory.SharedMemoryAllReduce` over this
+        group's CPU replicas (without compression); return whether it does. A collective:
+        every rank of the group calls it with the same kind of algorithm."""
+        from replicator.comm.shared_memory import SharedMemoryAllReduce
+
+        if (self.world_size == 1 or not isinstance(algorithm, SharedMemoryAllReduce)
+                or self.device.type != "cpu" or algorithm.compression is not None
+                or not algorithm.carries_fingerprints()):
+            return False
+        try:  # fails on every rank alike (another host in the group, /dev/shm full)
+            algorithm.open_channel(self.group)
+        except ReplicatorError as exc:
+            log.warning("collectives stay on the backend: %s", exc)
+            return False
+        self._same_host = algorithm
+        return True
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """True when fingerprints (and large payloads) travel through shared memory."""
+        return self._same_host is not None
+
+    def _payload_path(self, tensors: Sequence[torch.Tensor]) -> SharedMemoryAllReduce | None:
+        """The shared-memory algorithm when it moves ``tensors`` faster than the backend."""
+        algo = self._same_host
+        if algo is None or not tensors or not algo.pays_for(tensors):
+            return None
+        return algo
+
     # -- fingerprints -------------------------------------------------------------------------
     def start_check(self, what: str, detail: str, *, async_op: bool = False
                     ) -> PendingCheck | None:
@@ -98,12 +145,23 @@ class Collectives:
         self._checked += 1
         seq = self._checked
         h = digest(f"{what}|{detail}|{seq}")
-        buf = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
-        with self.guard(f"{what} (fingerprint)"):
-            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group,
-                                   async_op=async_op)
-        pending = PendingCheck(work if async_op else None, buf, seq, f"{what}: {detail}",
-                               self._exchange_descriptions, self.global_ranks, self.guard, what)
+        agreed: Callable[[], bool]
+        if self._same_host is not None:
+            algo, group = self._same_host, self.group
+            with self.guard(f"{what} (fingerprint)"):
+                number = algo.post_fingerprint(h, group)
+
+            def agreed() -> bool:
+                values = algo.collect_fingerprints(number, group)
+                return all(v == values[0] for v in values)
+        else:
+            buf = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
+            with self.guard(f"{what} (fingerprint)"):
+                work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group,
+                                       async_op=async_op)
+            agreed = backend_verdict(work if async_op else None, buf)
+        pending = PendingCheck(agreed, seq, f"{what}: {detail}", self._exchange_descriptions,
+                               self.global_ranks, self.guard, what)
         if async_op:
             self._in_flight = pending
         return pending
@@ -168,8 +226,13 @@ class Collectives:
         if op is ReduceOp.MEAN and not out.is_floating_point() and not out.is_complex():
             out = out.to(torch.get_default_dtype())
         if self.world_size > 1:
+            shm = self._payload_path([out]) if op in (ReduceOp.SUM, ReduceOp.MEAN) and \
+                out.dtype is not torch.bool else None
             with self.guard(what):
-                dist.all_reduce(out, op=op.to_dist(), group=self.group)
+                if shm is not None:
+                    shm.all_reduce_sum(out, self.group)
+                else:
+                    dist.all_reduce(out, op=op.to_dist(), group=self.group)
         if op is ReduceOp.MEAN:
             out.div_(self.world_size)
         return out
@@ -219,9 +282,12 @@ class Collectives:
         tensors of different ranks give an error here rather than inside the backend.
         """
         meta = torch.tensor([moved.dim(), moved.shape[0]], dtype=torch.int64, device=self.device)
-        metas = [torch.empty_like(meta) for _ in range(self.world_size)]
         with self.guard(f"{what} (sizes)"):
-            dist.all_gather(metas, meta, group=self.group)
+            if self._same_host is not None:
+                metas = self._same_host.all_gather(meta, self.group)
+            else:
+                metas = [torch.empty_like(meta) for _ in range(self.world_size)]
+                dist.all_gather(metas, meta, group=self.group)
         dims, sizes = zip(*(m.tolist() for m in metas))
         if any(d != moved.dim() for d in dims):
             raise ReplicatorError(f"{what}: replicas passed tensors with different numbers of "
@@ -229,9 +295,13 @@ class Collectives:
         padded = torch.zeros((max(sizes), *moved.shape[1:]), dtype=moved.dtype,
                              device=self.device)
         padded[: moved.shape[0]] = moved
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        shm = self._payload_path([padded])
         with self.guard(what):
-            dist.all_gather(parts, padded, group=self.group)
+            if shm is not None:
+                parts = shm.all_gather(padded, self.group)
+            else:
+                parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+                dist.all_gather(parts, padded, group=self.group)
         return parts, list(sizes)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
@@ -250,9 +320,17 @@ class Collectives:
                      + ", ".join(f"{sum(t.numel() for t in ts)} {dtype_name(d)}"
                                  for d, ts in by_dtype.items()) + " elements)")
         for dtype, group in by_dtype.items():
+            shm = self._payload_path(group)
+            if shm is not None and all(t.is_contiguous() for t in group):
+                with self.guard(f"{what} ({dtype})"), torch.no_grad():
+                    shm.broadcast_(group, src=src, group=self.group)  # in place, no packing
+                continue
             flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
             with self.guard(f"{what} ({dtype})"):
-                dist.broadcast(flat, group=self.group, group_src=src)
+                if shm is not None:
+                    shm.broadcast_([flat], src=src, group=self.group)
+                else:
+                    dist.broadcast(flat, group=self.group, group_src=src)
             offset = 0
             with torch.no_grad():
                 for t in group:

@@ -75,14 +75,15 @@ def call_site() -> str:
 class PendingCheck:
     """A fingerprint exchange in flight; :meth:`wait` gives the verdict (raises on mismatch).
 
-    ``describe`` is called only on a mismatch, to build this rank's line of the error.
+    ``agreed()`` waits for the exchange and says whether every rank sent the same
+    fingerprint; ``exchange`` is called only on a mismatch, to gather every rank's line of the
+    error.
     """
 
-    def __init__(self, work: Any, buffer: torch.Tensor, seq: int, description: str,
+    def __init__(self, agreed: Callable[[], bool], seq: int, description: str,
                  exchange: Callable[[str], list[str]], ranks: Sequence[int],
                  guard: Callable[[str], Any], what: str) -> None:
-        self._work = work
-        self._buffer = buffer
+        self._agreed = agreed
         self.seq = seq
         self.description = description
         self._exchange = exchange
@@ -98,16 +99,24 @@ class PendingCheck:
         if self.done:
             return
         self.done = True
-        if self._work is not None:
-            with self._guard(f"{self.what} (fingerprint)"):
-                self._work.wait()
-            self._work = None
-        high, neg_low = self._buffer.tolist()
-        if high == -neg_low:
+        with self._guard(f"{self.what} (fingerprint)"):
+            agreed = self._agreed()
+        if agreed:
             return
         mine = f"{self.description} (checked call #{self.seq}) at {call_site()}"
         texts = self._exchange(mine)
         raise mismatch_error(dict(zip(self._ranks, texts)))
+
+
+def backend_verdict(work: Any, buffer: torch.Tensor) -> Callable[[], bool]:
+    """The verdict of an all-reduce MAX of ``[h, -h]`` (``work``: its handle, or ``None`` when
+    it already ran): every rank sent the same ``h`` when ``max h == min h``."""
+    def agreed() -> bool:
+        if work is not None:
+            work.wait()
+        high, neg_low = buffer.tolist()
+        return bool(high == -neg_low)
+    return agreed
 
 
 def mismatch_error(calls: dict[int, str]) -> CollectiveMismatchError:

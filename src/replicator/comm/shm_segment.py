@@ -170,6 +170,8 @@ class FlagBarrier:
 
     #: The counters: inputs announced, and sums finished.
     INPUTS, SUMS = 2, 0
+    #: Fingerprints (:meth:`post` / :meth:`collect`): posted and read counters, and the value.
+    POSTED, READ, VALUE = 3, 4, 5
     #: Seconds between checks that the ranks we wait for still exist.
     LIVENESS_EVERY = 0.5
 
@@ -183,9 +185,9 @@ class FlagBarrier:
         self.who = who
         self._lines = np.frombuffer(segment.mm, dtype=np.int64, count=self.world * _LINE,
                                     offset=offset)
-        self._counts = {c: int(self._lines[self.rank * _LINE + c])
-                        for c in (self.INPUTS, self.SUMS)}
-        self._views = {c: self._lines[c::_LINE] for c in (self.INPUTS, self.SUMS)}
+        counters = (self.INPUTS, self.SUMS, self.POSTED, self.READ)
+        self._counts = {c: int(self._lines[self.rank * _LINE + c]) for c in counters}
+        self._views = {c: self._lines[c::_LINE] for c in counters}
         self._pids = self._lines[1::_LINE]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             (os.cpu_count() or 1)
@@ -203,6 +205,29 @@ class FlagBarrier:
         if self._use_flags:
             self._views[counter][self.rank] = self._counts[counter]
         return self._counts[counter]
+
+    def post(self, value: int) -> int:
+        """Publish ``value`` (an int64) as this rank's fingerprint; return its number.
+
+        The previous fingerprint must have been read by every rank first; that wait is almost
+        always over at once, since every rank reads right after posting or soon after.
+        """
+        if not self._use_flags:
+            raise ReplicatorError(f"{self.who}: fingerprints in shared memory need a CPU with "
+                                  "ordered stores (x86)")
+        number = self._counts[self.POSTED] + 1
+        self.wait_for(number - 1, "fingerprint read", self.READ)
+        self._lines[self.rank * _LINE + self.VALUE] = value
+        self.arrive(self.POSTED)  # stores are seen in order: the value before the counter
+        return number
+
+    def collect(self, number: int) -> list[int]:
+        """Every rank's fingerprint number ``number``, in group-rank order (waits for it)."""
+        self.wait_for(number, "fingerprints posted", self.POSTED)
+        values = [int(v) for v in self._lines[self.VALUE::_LINE]]
+        self._counts[self.READ] = number
+        self._views[self.READ][self.rank] = number
+        return values
 
     def ready(self, value: int, counter: int = SUMS) -> bool:
         """True when every rank's ``counter`` reached ``value`` (never blocks; without flags it

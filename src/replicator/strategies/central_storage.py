@@ -28,7 +28,6 @@ from torch.optim.optimizer import (
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
 from replicator.comm.options import CommunicationOptions
-from replicator.comm.shared_memory import SharedMemoryAllReduce
 from replicator.errors import ReplicatorError
 from replicator.strategies.mirrored import MirroredStrategy
 
@@ -156,10 +155,6 @@ class CentralStorageStrategy(MirroredStrategy):
                 p.grad = grad
             for p in params:
                 optimizer.state.pop(p, None)
-        what = "broadcast of updated parameters from the central replica"
-        algo = self._algorithm
-        if isinstance(algo, SharedMemoryAllReduce) and algo.pays_for(params):
-            with self._collectives.guard(what):  # shared memory: no sockets on one host
-                algo.broadcast_(params, src=self.central_replica, group=self._group)
-            return
-        self._collectives.broadcast_(params, src=self.central_replica, what=what)
+        self._collectives.broadcast_(params, src=self.central_replica,
+                                     what="broadcast of updated parameters from the central "
+                                          "replica")

@@ -128,6 +128,7 @@ class MirroredStrategy(Strategy):
         on_shutdown(self._tracker.close)
         self._collectives = Collectives(self._rank, self._world, self._device,
                                         info.timeout_seconds, self._tracker, group=self._group)
+        self._collectives.use_same_host_path(self._algorithm)
         self._synchronizers: list[GradientSynchronizer] = []
         super().__init__()
 
