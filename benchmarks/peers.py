@@ -49,6 +49,15 @@ def installed() -> dict[str, bool]:
     return {name: importlib.util.find_spec(module) is not None for name, module in PEERS.items()}
 
 
+def _check_data_parallel(peer: str, wrapped: nn.Module) -> None:
+    """A peer that did not detect the 2-process job would train alone: not a comparison."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not any(isinstance(m, DDP) for m in wrapped.modules()):
+        raise RuntimeError(f"{peer} did not wrap the model in DistributedDataParallel "
+                           f"({type(wrapped).__name__}); its figure would not be comparable")
+
+
 def _fabric(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any], None]:
     from lightning.fabric import Fabric
 
@@ -58,6 +67,7 @@ def _fabric(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any]
                         num_nodes=1)
         fabric.launch()  # launched externally: uses the running process group
         wrapped, wrapped_opt = fabric.setup(model, opt)
+    _check_data_parallel("fabric", wrapped)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         fabric.backward(F.cross_entropy(wrapped(x), y))
@@ -72,6 +82,7 @@ def _accelerate(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, 
 
     accelerator = Accelerator(cpu=True)
     wrapped, wrapped_opt = accelerator.prepare(model, opt)
+    _check_data_parallel("accelerate", wrapped)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         accelerator.backward(F.cross_entropy(wrapped(x), y))
