@@ -114,7 +114,7 @@ def read_and_hash(path: str | Path) -> tuple[np.ndarray, str]:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             data = np.empty(size, dtype=np.uint8)
-            view = memoryview(data)
+            view = data.data  # a memoryview of the array's bytes
             filled = 0
             while filled < size:
                 n = f.readinto(view[filled:filled + CHUNK_BYTES])

@@ -65,7 +65,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def _stream(f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
@@ -140,7 +140,8 @@ def read(data: Buffer, label: str) -> tuple[dict[str, torch.Tensor], dict[str, s
         raise CheckpointCorruptError(f"{label}: its metadata is not a map of strings")
     base, end_of_data = 8 + n, len(data) - 8 - n
     buffer = data if isinstance(data, (bytearray, np.ndarray)) else bytearray(data)
-    spans, tensors = [], {}
+    spans: list[tuple[int, int]] = []
+    tensors: dict[str, torch.Tensor] = {}
     for name, entry in header.items():
         tensors[name] = _tensor(buffer, base, end_of_data, name, entry, label, spans)
     spans.sort()
@@ -178,7 +179,6 @@ def _tensor(buffer: bytearray | np.ndarray, base: int, end_of_data: int, name: s
         return torch.empty(shape, dtype=dtype)
     start = base + begin
     if start % itemsize:
-        raw = torch.frombuffer(bytearray(memoryview(buffer)[start:start + end - begin]),
-                               dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray(buffer[start:start + end - begin]), dtype=torch.uint8)
         return raw.view(dtype).reshape(shape)
     return torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start).reshape(shape)

@@ -133,7 +133,7 @@ def _decode(obj: Any, tensors: Mapping[str, torch.Tensor], label: str) -> Any:
         return {k: _decode(v, tensors, label) for k, v in obj.items()}
     if tag in ("tensor", "ndarray"):
         key = obj.get("key")
-        if key not in tensors:
+        if not isinstance(key, str) or key not in tensors:
             raise CheckpointCorruptError(f"{label}: the structure refers to tensor {key!r}, "
                                          "which the file does not hold")
         t = tensors[key]

@@ -45,7 +45,7 @@ class ThreadHandle:
     """
 
     def __init__(self, future: concurrent.futures.Future, what: str, rank: int,
-                 timeout_seconds: float, done_event: object | None = None) -> None:
+                 timeout_seconds: float, done_event: torch.cuda.Event | None = None) -> None:
         self._future = future
         self.what = what
         self.rank = rank
@@ -79,7 +79,8 @@ def as_torch_future(handle: Handle, value: torch.Tensor,
     finish = then or (lambda t: t)
     if isinstance(handle, torch.distributed.Work):
         return handle.get_future().then(lambda _: finish(value))
-    devices = [value.device] if value.device.type == "cuda" else None
+    devices: list[int | str | torch.device] | None = \
+        [value.device] if value.device.type == "cuda" else None
     fut: torch.futures.Future = torch.futures.Future(devices=devices)
     if isinstance(handle, ThreadHandle):
         def complete(error: BaseException | None) -> None:

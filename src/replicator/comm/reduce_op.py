@@ -30,7 +30,7 @@ class ReduceOp(enum.Enum):
         names = ", ".join(repr(m.value) for m in cls)
         raise ValueError(f"unknown reduce op {op!r}; use one of {names} or rp.ReduceOp")
 
-    def to_dist(self) -> dist.ReduceOp:
+    def to_dist(self) -> dist.ReduceOp.RedOpType:
         """The backend op; MEAN is computed as SUM followed by a division."""
         return {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.SUM,
                 ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}[self]

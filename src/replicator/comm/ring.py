@@ -28,10 +28,19 @@ def _segments(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
 
 
-def _wait(work: dist.Work, group: dist.ProcessGroup | None, src: int, where: str) -> None:
+def _sent(work: dist.Work | None) -> dist.Work:
+    """The handle of a point-to-point call (``None`` only for ranks outside the group, which
+    never get here)."""
+    if work is None:
+        raise RuntimeError("ring all-reduce: a point-to-point call returned no handle")
+    return work
+
+
+def _wait(work: dist.Work | None, group: dist.ProcessGroup | None, src: int,
+          where: str) -> None:
     """Wait for a receive; a failure says which neighbour and which step."""
     try:
-        work.wait()
+        _sent(work).wait()
     except RuntimeError as exc:
         peer = dist.get_global_rank(group, src) if group is not None else src
         raise RuntimeError(f"receiving from rank {peer} in {where}: {exc}") from exc
@@ -105,7 +114,8 @@ class RingAllReduce(CrossDeviceOps):
                 while posted < len(segs) and len(inflight) < self.depth:
                     a, z = segs[posted]
                     buf = pool[posted % self.depth][:z - a]
-                    inflight.append((dist.irecv(buf, group=group, group_src=left), a, z, buf))
+                    inflight.append((_sent(dist.irecv(buf, group=group, group_src=left)), a, z,
+                                     buf))
                     posted += 1
                 work, a, z, buf = inflight.pop(0)
                 _wait(work, group, left, f"reduce-scatter step {step + 1} of {world - 1}")
@@ -118,14 +128,14 @@ class RingAllReduce(CrossDeviceOps):
                 [dist.irecv(flat[a:z], group=group, group_src=left) for a, z in segs]
             where = f"all-gather step {step + 1} of {world - 1}"
             if step == world - 2:  # nothing to forward: one wake-up for the whole step
-                for work in reversed(recvs):
-                    _wait(work, group, left, where)
+                for recv in reversed(recvs):
+                    _wait(recv, group, left, where)
                 continue
-            for work, (a, z) in zip(recvs, segs):
-                _wait(work, group, left, where)
+            for recv, (a, z) in zip(recvs, segs):
+                _wait(recv, group, left, where)
                 sends.append(dist.isend(flat[a:z], group=group, group_dst=right, tag=ag_tag))
-        for work in sends:
-            work.wait()
+        for send in sends:
+            _sent(send).wait()
 
     @staticmethod
     def _bounds(bounds: list[int], c: int) -> tuple[int, int]:
