@@ -1,11 +1,13 @@
 """Weak scaling on MNIST-1D: the same epochs at global batches 128, 1024 and 4096, with and
-without the large-batch rules (linear learning-rate scaling + warmup; LAMB at 4096).
+without the large-batch rules (linear learning-rate scaling + warmup; LARS and LAMB at 4096).
 
 MNIST-1D (Greydanus 2020) is generated offline by the ``mnist1d`` package (nothing is
 downloaded). The model is the paper's small CNN. Every configuration trains for the same number
-of epochs with SGD (momentum 0.9) and a cosine decay; "no rule" keeps the small-batch learning
-rate, "linear+warmup" uses ``rp.scaling.scaled_lr`` and ``rp.scaling.warmup``. The script prints
-a table (final test accuracy, seconds and epochs to reach ``--target``) and writes a PNG plot.
+of epochs with a cosine decay: SGD (momentum 0.9) at the learning rate tuned for batch 128,
+unchanged ("no rule") or scaled by ``rp.scaling.scaled_lr`` and reached by
+``rp.scaling.warmup`` ("linear+warmup"); at the largest batch also ``rp.optim.LARS`` (linear rule
++ warmup) and ``rp.optim.LAMB`` (square-root rule + warmup). The script prints a table (final
+test accuracy, seconds and epochs to reach ``--target``) and writes a PNG plot.
 
     pip install mnist1d matplotlib          # or: pip install -e ".[examples]"
     python examples/large_batch.py                      # one process (OneDeviceStrategy)
@@ -64,7 +66,10 @@ def make_data(num_samples: int, seed: int = 42) -> dict[str, torch.Tensor]:
             "y_test": torch.tensor(d["y_test"], dtype=torch.long)}
 
 
-def configs(batches: list[int], base_lr: float, lamb_lr: float) -> list[dict[str, Any]]:
+def configs(batches: list[int], base_lr: float, lamb_lr: float,
+            lars_trust: float) -> list[dict[str, Any]]:
+    """The table's rows: the base batch, then per larger batch "no rule" and "linear+warmup",
+    then LARS and LAMB at the largest batch."""
     small, *large = batches
     out = [dict(name=f"{small} (base)", batch=small, opt="sgd",
                 lr=rp.scaling.scaled_lr(base_lr, BASE_BATCH, small), warmup=False)]
@@ -72,6 +77,9 @@ def configs(batches: list[int], base_lr: float, lamb_lr: float) -> list[dict[str
         out.append(dict(name=f"{b} no rule", batch=b, opt="sgd", lr=base_lr, warmup=False))
         out.append(dict(name=f"{b} linear+warmup", batch=b, opt="sgd",
                         lr=rp.scaling.scaled_lr(base_lr, BASE_BATCH, b), warmup=True))
+    out.append(dict(name=f"{large[-1]} LARS+warmup", batch=large[-1], opt="lars",
+                    lr=rp.scaling.scaled_lr(base_lr, BASE_BATCH, large[-1]), warmup=True,
+                    trust=lars_trust))
     out.append(dict(name=f"{large[-1]} LAMB+warmup", batch=large[-1], opt="lamb",
                     lr=rp.scaling.scaled_lr(lamb_lr, BASE_BATCH, large[-1], rule="sqrt"),
                     warmup=True))
@@ -79,14 +87,17 @@ def configs(batches: list[int], base_lr: float, lamb_lr: float) -> list[dict[str
 
 
 def train_one(strategy: rp.Strategy, cfg: dict[str, Any], data: dict[str, torch.Tensor],
-              epochs: int, warmup_epochs: int, base_lr: float) -> dict[str, Any]:
+              epochs: int, warmup_epochs: float, base_lr: float) -> dict[str, Any]:
     """Train one configuration; returns its per-epoch test accuracy and training seconds."""
     torch.manual_seed(0)
     with strategy.scope():
         model = MNIST1DConvNet()
-        if cfg["opt"] == "lamb":
-            optimizer: torch.optim.Optimizer = rp.optim.LAMB(model.parameters(), lr=cfg["lr"],
-                                                             weight_decay=1e-4)
+        optimizer: torch.optim.Optimizer
+        if cfg["opt"] == "lamb":  # the library's defaults: weight decay 0.01, biases excluded
+            optimizer = rp.optim.LAMB(model.parameters(), lr=cfg["lr"])
+        elif cfg["opt"] == "lars":
+            optimizer = rp.optim.LARS(model.parameters(), lr=cfg["lr"], momentum=0.9,
+                                      trust_coefficient=cfg["trust"])
         else:
             optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     loader = DataLoader(TensorDataset(data["x"], data["y"]), batch_size=cfg["batch"],
@@ -97,8 +108,9 @@ def train_one(strategy: rp.Strategy, cfg: dict[str, Any], data: dict[str, torch.
     decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
     schedule: torch.optim.lr_scheduler.LRScheduler = decay
     if cfg["warmup"]:
-        w = min(warmup_epochs * steps_per_epoch, total // 2)
-        start = base_lr if cfg["opt"] == "sgd" else cfg["lr"] / 10
+        w = min(round(warmup_epochs * steps_per_epoch), total // 2)
+        # SGD and LARS warm up from the small-batch rate (Goyal et al.), LAMB from a tenth
+        start = base_lr if cfg["opt"] != "lamb" else cfg["lr"] / 10
         warm = rp.scaling.warmup(optimizer, steps=w, start_lr=min(start, cfg["lr"]))
         decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total - w)
         schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, decay],
@@ -137,7 +149,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     strategy = rp.MirroredStrategy() if args.replicas > 1 else rp.OneDeviceStrategy("cpu")
     data = make_data(args.samples)
     results = []
-    for cfg in configs(args.batches, args.base_lr, args.lamb_lr):
+    for cfg in configs(args.batches, args.base_lr, args.lamb_lr, args.lars_trust):
         r = train_one(strategy, cfg, data, args.epochs, args.warmup_epochs, args.base_lr)
         if strategy.is_chief:
             print(f"  {r['name']:>22}: accuracy {r['accuracy'][-1]:.4f} in "
@@ -199,13 +211,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--samples", type=int, default=50_000, help="MNIST-1D samples "
                         "generated (80%% train)")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--warmup-epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=40, help="for every batch")
+    parser.add_argument("--warmup-epochs", type=float, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 1024, 4096])
-    parser.add_argument("--base-lr", type=float, default=0.02, help="SGD lr at batch 128")
+    parser.add_argument("--base-lr", type=float, default=0.1, help="SGD lr at batch 128 "
+                        "(the best of 0.01-0.2 there)")
+    parser.add_argument("--lars-trust", type=float, default=0.014,
+                        help="LARS trust coefficient")
     parser.add_argument("--lamb-lr", type=float, default=0.009, help="LAMB lr at batch 128 "
                         "(scaled by the square root)")
-    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--out", default="large_batch_out")
     parser.add_argument("--quick", action="store_true", help="tiny run for CI (seconds)")
     args = parser.parse_args()

@@ -249,7 +249,8 @@ def test_large_batch_example_quick_run(tmp_path):
     done = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "LAMB+warmup" in done.stdout and "time to" in done.stdout
+    assert "LAMB+warmup" in done.stdout and "LARS+warmup" in done.stdout
+    assert "time to" in done.stdout
     results = json.loads((tmp_path / "large_batch.json").read_text())
-    assert [r["batch"] for r in results] == [16, 64, 64, 256, 256, 256]
+    assert [r["batch"] for r in results] == [16, 64, 64, 256, 256, 256, 256]
     assert (tmp_path / "large_batch.png").stat().st_size > 10_000
