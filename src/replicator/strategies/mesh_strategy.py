@@ -147,6 +147,12 @@ class MeshStrategy(Strategy):
     def mesh(self) -> Topology:
         return self._topology
 
+    @property
+    def shards_model(self) -> bool:
+        """True when no rank holds the whole model (pipeline stages, tensor or FSDP shards):
+        its state is then saved by every rank (``torch.distributed.checkpoint``)."""
+        return any(self._topology.size(a) > 1 for a in ("pipeline", "tensor", "fsdp"))
+
     def __repr__(self) -> str:
         shape = ", ".join(f"{a}={n}" for a, n in self._topology.axes.items())
         return f"{type(self).__name__}({shape}; rank {self._topology.global_rank})"
