@@ -109,3 +109,20 @@ def test_sequence_parallel_plan_shards_the_blocks_norms_only():
     assert "0" not in plan  # the embedding adds positions over the whole sequence
     assert sequence_parallel_plan(make_mlp(), default_plan(make_mlp(), 2)) == \
         default_plan(make_mlp(), 2)
+
+
+def _odd_sequence() -> str:
+    strategy = rp.TensorParallelStrategy(sequence_parallel=True)
+    with strategy.scope():
+        model = make_transformer()
+    try:
+        model(torch.zeros(2, SEQ - 1, dtype=torch.long))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.timeout(120)
+def test_sequence_parallel_refuses_a_sequence_that_does_not_split():
+    message = run_distributed(_odd_sequence, 2, timeout_seconds=60)[0]
+    assert "sequence-parallel block '1'" in message and "divide by the tensor-parallel" in message

@@ -176,6 +176,19 @@ def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]
     return out
 
 
+def _sequence_check(name: str, degree: int) -> Any:
+    """A forward pre-hook: the block's input splits evenly along the sequence (dimension 1)."""
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and (x.dim() < 2 or x.shape[1] % degree):
+            raise ValueError(
+                f"sequence-parallel block {name!r} got an input of shape {tuple(x.shape)}: "
+                f"its sequence (dimension 1) must divide by the tensor-parallel degree "
+                f"{degree}. HINT: pad the sequences to a multiple of {degree}, or leave "
+                "sequence_parallel off.")
+    return hook
+
+
 def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, ParallelStyle]:
     """Each entry as a style; a name (pattern) that matches no module is an error listing the
     closest module names."""
@@ -212,6 +225,10 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh,
     if not styles:
         return model
     parallelize_module(model, mesh, styles)
+    for name, style in styles.items():
+        if sequence_parallel and isinstance(style, PrepareModuleInputOutput):
+            model.get_submodule(name).register_forward_pre_hook(
+                _sequence_check(name, degree), prepend=True)
     for prefix, module in model.named_modules():
         linears = set(_linear_children(module))
         split = any(fnmatch.fnmatchcase(f"{prefix}.{n}" if prefix else n, key)
