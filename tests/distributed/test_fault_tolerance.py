@@ -231,12 +231,12 @@ def test_preempted_error_carries_the_exit_code():
     assert isinstance(err, WorkerFailedError) and err.exitcode == err.exit_code == 75
 
 
-# -- sharded backups: the model split across ranks (FSDP, data x pipeline) -----------------------
+# -- sharded backups: the model split across ranks (FSDP, data x pipeline, tensor) ---------------
 
 SHARDED_SCRIPT = str(Path(__file__).resolve().parent.parent / "scripts"
                      / "sharded_backup_train.py")
 SHARDED_STEPS = 30
-SHARDED_NPROC = {"fsdp": 2, "data_pipeline": 4}
+SHARDED_NPROC = {"fsdp": 2, "data_pipeline": 4, "tensor": 2}
 
 
 def _run_sharded(out: Path, backup: Path, layout: str, *extra: str,
@@ -278,7 +278,7 @@ def _assert_same_sharded_run(reference: Path, out: Path, nproc: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", ["fsdp", "data_pipeline"])
+@pytest.mark.parametrize("layout", ["fsdp", "data_pipeline", "tensor"])
 def test_sharded_backup_rank_killed_resumes_identically(sharded_reference, tmp_path, layout,
                                                        capfd):
     reference = sharded_reference(layout)

@@ -1,6 +1,6 @@
 """A training script with BackupAndRestore under a model-splitting strategy (sharded backups).
 
-Usage: sharded_backup_train.py OUT_DIR BACKUP_DIR --layout fsdp|data_pipeline [--steps N]
+Usage: sharded_backup_train.py OUT_DIR BACKUP_DIR --layout fsdp|data_pipeline|tensor [--steps N]
        [--save-freq K] [--kill RANK:STEP] [--kill-during-save STEP]
 
 Each rank appends one JSON line per completed step to OUT_DIR/log-a{attempt}-r{rank}.jsonl
@@ -33,7 +33,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("backup")
-    p.add_argument("--layout", choices=("fsdp", "data_pipeline"), required=True)
+    p.add_argument("--layout", choices=("fsdp", "data_pipeline", "tensor"), required=True)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-freq", type=int, default=10)
     p.add_argument("--kill", help="RANK:STEP (once)")
@@ -47,6 +47,8 @@ def main() -> None:
     np.random.seed(0)
     if args.layout == "fsdp":
         strategy: rp.Strategy = rp.FSDPStrategy()
+    elif args.layout == "tensor":
+        strategy = rp.TensorParallelStrategy()
     else:
         strategy = rp.MeshStrategy(data=2, pipeline=2,
                                    pipeline_options={"num_microbatches": 2, "schedule": "1f1b"})
