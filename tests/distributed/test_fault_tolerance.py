@@ -229,3 +229,89 @@ def test_nan_loss_stops_before_the_optimizer_step_and_keeps_the_backup(tmp_path)
 def test_preempted_error_carries_the_exit_code():
     err = PreemptedError("stopped", rank=1)
     assert isinstance(err, WorkerFailedError) and err.exitcode == err.exit_code == 75
+
+
+# -- sharded backups: the model split across ranks (FSDP, data x pipeline, tensor) ---------------
+
+SHARDED_SCRIPT = str(Path(__file__).resolve().parent.parent / "scripts"
+                     / "sharded_backup_train.py")
+SHARDED_STEPS = 30
+SHARDED_NPROC = {"fsdp": 2, "data_pipeline": 4, "tensor": 2}
+
+
+def _run_sharded(out: Path, backup: Path, layout: str, *extra: str,
+                 max_restarts: int = 1) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    run_script(SHARDED_SCRIPT, [str(out), str(backup), "--layout", layout, "--steps",
+                                str(SHARDED_STEPS), "--save-freq", "10", *extra],
+               SHARDED_NPROC[layout], max_restarts=max_restarts, timeout_seconds=30.0)
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(tmp_path_factory) -> dict[str, Path]:
+    refs: dict[str, Path] = {}
+
+    def get(layout: str) -> Path:
+        if layout not in refs:
+            root = tmp_path_factory.mktemp(f"sharded-{layout}")
+            _run_sharded(root / "out", root / "backup", layout, max_restarts=0)
+            refs[layout] = root / "out"
+        return refs[layout]
+
+    return get  # type: ignore[return-value]
+
+
+def _assert_same_sharded_run(reference: Path, out: Path, nproc: int) -> None:
+    """Each rank's parameters and optimizer state (its shards or its stage), losses and random
+    draws equal the uninterrupted run's."""
+    for rank in range(nproc):
+        ref, got = _final(reference, rank), _final(out, rank)
+        assert ref.keys() == got.keys() and ref, f"rank {rank}: {sorted(got)}"
+        for key in ref:
+            diff = (ref[key].double() - got[key].double()).abs().max().item()
+            assert diff <= 1e-6, f"rank {rank} {key}: max |diff| {diff}"
+        entries, _ = _committed(out, rank)
+        ref_entries, _ = _committed(reference, rank)
+        assert [e["step"] for e in entries] == list(range(1, SHARDED_STEPS + 1))
+        assert [e["loss"] for e in entries] == [e["loss"] for e in ref_entries]
+        assert [e["draw"] for e in entries] == [e["draw"] for e in ref_entries]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["fsdp", "data_pipeline", "tensor"])
+def test_sharded_backup_rank_killed_resumes_identically(sharded_reference, tmp_path, layout,
+                                                       capfd):
+    reference = sharded_reference(layout)
+    out, backup = tmp_path / "out", tmp_path / "backup"
+    _run_sharded(out, backup, layout, "--kill", "1:17")
+    err = capfd.readouterr().err
+    assert "killing itself with SIGKILL at step 17" in err
+    assert f"resuming from {backup / 'step-00000010'} (step 10," in err
+    nproc = SHARDED_NPROC[layout]
+    for rank in range(nproc):
+        assert _committed(out, rank)[1] == [0, 10]
+    _assert_same_sharded_run(reference, out, nproc)
+    # The backup names its sharded part; model and optimizer are not written by the chief.
+    manifest = read_marker(backup / "step-00000030")
+    assert manifest["info"]["sharded"] == {"directory": "sharded",
+                                           "states": ["model", "optimizer"]}
+    assert set(manifest["files"]) == {"scheduler.safetensors",
+                                      *(f"rank-{r:05d}.safetensors" for r in range(nproc))}
+    shards = backup / "sharded" / "step-00000030"
+    verify(shards, read_marker(shards))
+    assert len([p for p in shards.iterdir() if p.name.startswith("shard-")]) == nproc
+
+
+@pytest.mark.timeout(200)
+def test_sharded_backup_killed_between_shards_and_marker_resumes_previous(sharded_reference,
+                                                                          tmp_path, capfd):
+    reference = sharded_reference("fsdp")
+    out, backup = tmp_path / "out", tmp_path / "backup"
+    _run_sharded(out, backup, "fsdp", "--kill-during-save", "20")
+    err = capfd.readouterr().err
+    assert "killing itself during the save of step 20" in err
+    assert "skipping checkpoint step-00000020" in err
+    assert f"resuming from {backup / 'step-00000010'} (step 10," in err
+    for rank in range(2):
+        assert _committed(out, rank)[1] == [0, 10]
+    _assert_same_sharded_run(reference, out, 2)

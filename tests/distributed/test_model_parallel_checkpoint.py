@@ -97,3 +97,38 @@ def test_a_damaged_shard_is_refused(tmp_path):
     shard.write_bytes(bytes(data))
     message = run_distributed(_load_damaged, 1, args=(directory,), timeout_seconds=60)[0]
     assert "SHA-256" in message and "no valid sharded checkpoint" in message
+
+
+def _fit_fsdp(backup_dir: str | None, epochs: int) -> dict:
+    """Trainer.fit under FSDP(2), with a kept backup in ``backup_dir`` (None: no backup)."""
+    import torch.nn as nn
+
+    from replicator.checkpoint import BackupAndRestore
+    from tests.train_helpers import digits, loader, model_fn
+
+    strategy = rp.FSDPStrategy()
+    train, _ = digits(4 * 32)
+    trainer = rp.Trainer(strategy, model_fn, lambda p: torch.optim.Adam(p, lr=0.01),
+                         nn.CrossEntropyLoss(), metrics=["accuracy"])
+    callbacks = ([BackupAndRestore(backup_dir, save_freq=3, delete_checkpoint=False)]
+                 if backup_dir is not None else [])
+    history = trainer.fit(loader(train), epochs=epochs, callbacks=callbacks, verbose=0)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in trainer.model.state_dict().items()}
+    return {"state": state, "loss": history.history["loss"], "steps": trainer.global_step}
+
+
+@pytest.mark.timeout(300)
+def test_trainer_backup_under_fsdp_resumes_in_a_second_launch(tmp_path):
+    """A Trainer run under FSDP stopped after 2 of 4 epochs and launched again finishes with
+    the parameters and losses of a run that was never stopped (sharded backups, restored)."""
+    backup = str(tmp_path / "backup")
+    whole = run_distributed(_fit_fsdp, 2, args=(None, 4), timeout_seconds=150)
+    first = run_distributed(_fit_fsdp, 2, args=(backup, 2), timeout_seconds=150)
+    assert (tmp_path / "backup" / "sharded").is_dir() and first[0]["steps"] == 8
+    second = run_distributed(_fit_fsdp, 2, args=(backup, 4), timeout_seconds=150)
+    assert second[0]["steps"] == 16
+    assert second[0]["loss"] == pytest.approx(whole[0]["loss"], abs=1e-6)
+    for rank in (0, 1):
+        for key, value in whole[rank]["state"].items():
+            assert torch.equal(second[rank]["state"][key], value), key

@@ -10,6 +10,9 @@ import replicator as rp
 from replicator.strategies.tensor_parallel import TensorPlanError, check_plan, default_plan
 from replicator.testing import assert_params_close, run_distributed
 from tests.distributed.model_parallel_models import (
+    DIM,
+    GLOBAL_BATCH,
+    SEQ,
     make_mlp,
     make_transformer,
     one_device,
@@ -56,3 +59,70 @@ def test_plan_naming_a_missing_module_lists_close_names():
     with pytest.raises(TensorPlanError, match="style 'diagonal'"):
         check_plan(make_transformer(), {"1.attn.q": "diagonal"})
     assert len(check_plan(make_transformer(), {"*.mlp.fc1": "colwise"})) == 1
+
+
+SP_CONFIGS = (("transformer", "sgd"), ("transformer", "adam"))
+
+
+def _sequence_parallel(sequence_parallel: bool) -> dict:
+    return train_all(rp.TensorParallelStrategy(sequence_parallel=sequence_parallel), SP_CONFIGS)
+
+
+@pytest.mark.timeout(240)
+def test_sequence_parallel_norms_equal_one_device_and_shard_activations():
+    ref = run_distributed(one_device, 1, args=(SP_CONFIGS,), timeout_seconds=120)[0]
+    sp = run_distributed(_sequence_parallel, 2, args=(True,), timeout_seconds=180)
+    tp = run_distributed(_sequence_parallel, 2, args=(False,), timeout_seconds=180)
+    for key in ref:
+        for rank in (0, 1):
+            assert_params_close(ref[key]["state"], sp[rank][key]["state"], atol=1e-5,
+                                label=f"{key} rank {rank}")
+            assert sp[rank][key]["losses"] == pytest.approx(ref[key]["losses"], abs=1e-5)
+    # each block's two norms save half of their float32 input (the other half of the sequence
+    # is on the other rank); attention and the MLP still see the whole sequence
+    peak_sp = sp[0]["transformer_sgd"]["memory"]["peak_activation_bytes"]
+    peak_tp = tp[0]["transformer_sgd"]["memory"]["peak_activation_bytes"]
+    halved_norm_inputs = 2 * 2 * (GLOBAL_BATCH * SEQ * DIM * 4) // 2
+    assert peak_tp - peak_sp >= halved_norm_inputs, (peak_sp, peak_tp)
+
+
+def test_sequence_parallel_plan_shards_the_blocks_norms_only():
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from replicator.strategies.tensor_parallel import sequence_parallel_plan
+
+    model = make_transformer()
+    plan = sequence_parallel_plan(model, default_plan(model, 2))
+    for block in ("1", "2"):
+        assert isinstance(plan[block], PrepareModuleInputOutput)
+        assert isinstance(plan[f"{block}.ln1"], SequenceParallel)
+        assert isinstance(plan[f"{block}.ln2"], SequenceParallel)
+        assert isinstance(plan[f"{block}.attn"], PrepareModuleInput)
+        assert isinstance(plan[f"{block}.mlp.fc2"], RowwiseParallel)
+        assert plan[f"{block}.attn.q"] == "colwise"
+    assert "3.ln" not in plan and "3" not in plan  # the head's norm feeds a replicated layer
+    assert "0" not in plan  # the embedding adds positions over the whole sequence
+    assert sequence_parallel_plan(make_mlp(), default_plan(make_mlp(), 2)) == \
+        default_plan(make_mlp(), 2)
+
+
+def _odd_sequence() -> str:
+    strategy = rp.TensorParallelStrategy(sequence_parallel=True)
+    with strategy.scope():
+        model = make_transformer()
+    try:
+        model(torch.zeros(2, SEQ - 1, dtype=torch.long))
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.timeout(120)
+def test_sequence_parallel_refuses_a_sequence_that_does_not_split():
+    message = run_distributed(_odd_sequence, 2, timeout_seconds=60)[0]
+    assert "sequence-parallel block '1'" in message and "divide by the tensor-parallel" in message

@@ -22,6 +22,12 @@ steps run (see ``background.py``); the commit stays atomic and verified, at most
 flight, and a failed save raises at the next save or at the end of training. Saves on
 preemption, the final save and :meth:`save` are written before they return.
 
+Under a strategy that splits the model (pipeline stages, tensor or FSDP shards: the strategy's
+``shards_model`` is true) no rank holds the whole model, so the tracked module and optimizers
+are saved by every rank through ``torch.distributed.checkpoint`` (``distributed_checkpoint.py``,
+in ``backup_dir/sharded``) before the backup's own commit, which then names them; these saves
+are written before the next step starts (see :meth:`BackupAndRestore._save`).
+
 It also turns SIGTERM into a clean stop (every rank saves the same step and exits with code 75)
 and, by default, stops before an optimizer step whose gradients are NaN or infinite.
 """
@@ -35,8 +41,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from replicator.checkpoint import rng
+from replicator.checkpoint.atomic import remove_tree
 from replicator.checkpoint.background import BackgroundSaver
+from replicator.checkpoint.distributed_checkpoint import (
+    discard_uncommitted,
+    load_sharded,
+    save_sharded,
+)
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
 from replicator.checkpoint.nonfinite import NonFiniteGuard
@@ -49,6 +63,10 @@ def _active_strategy() -> Any:
     so that this room stays below it)."""
     module = sys.modules.get("replicator.strategies.replica_context")
     return module.current_strategy() if module is not None else None
+
+
+#: Where the sharded model and optimizer state of each backup go, under ``backup_dir``.
+SHARDED_DIR = "sharded"
 
 
 def _epoch_length(dataset: Any) -> int | None:
@@ -126,7 +144,9 @@ class BackupAndRestore:
         """Register what a backup holds; returns ``self``.
 
         ``model``, ``optimizer``, ``scheduler`` and ``others`` need ``state_dict()`` and
-        ``load_state_dict()`` and must be the same on every rank (the chief writes them).
+        ``load_state_dict()`` and must be the same on every rank (the chief writes them),
+        except under a strategy that splits the model: there the one tracked module and the
+        tracked optimizers are saved sharded, by every rank.
         ``dataset`` is this rank's input (``strategy.distribute_dataset(...)``): its
         ``state_dict()`` is saved per rank; without one, a resume replays the epoch up to the
         saved position.
@@ -159,6 +179,31 @@ class BackupAndRestore:
     @property
     def channel(self) -> Channel:
         return self.manager.channel
+
+    @property
+    def sharded_dir(self) -> Path:
+        """Where the sharded state of backups made under a model-splitting strategy goes."""
+        return self.backup_dir / SHARDED_DIR
+
+    def _strategy_now(self) -> Any:
+        return self._strategy or _active_strategy()
+
+    def _sharded_objects(self) -> tuple[str, torch.nn.Module, dict[str, Any]] | None:
+        """``(module name, module, {optimizer name: optimizer})`` when the strategy splits the
+        model (each rank saves its part); ``None`` when every rank holds all of it."""
+        if not getattr(self._strategy_now(), "shards_model", False):
+            return None
+        modules = {n: o for n, o in self._objects.items() if isinstance(o, torch.nn.Module)}
+        if len(modules) != 1:
+            raise ValueError(
+                f"under {type(self._strategy_now()).__name__} the model is split across "
+                f"ranks and is backed up sharded, which needs exactly one tracked module; got "
+                f"{', '.join(modules) or 'none'}. HINT: track(model=...) the one model "
+                "(wrap several in an nn.ModuleDict).")
+        (name, module), = modules.items()
+        optimizers = {n: o for n, o in self._objects.items()
+                      if isinstance(o, torch.optim.Optimizer)}
+        return name, module, optimizers
 
     @property
     def initial_epoch(self) -> int:
@@ -303,6 +348,8 @@ class BackupAndRestore:
         self._settle_background()
         if self.delete_checkpoint:
             self.channel.max_flag(False, "end of training")  # nobody still needs a backup
+            if self.channel.is_chief:
+                remove_tree(self.sharded_dir)
             self.manager.delete_all()
         elif self._last_saved_step != self.step:
             self._save("final")
@@ -347,18 +394,37 @@ class BackupAndRestore:
             self._last_saved_step = done[0]
 
     def _save(self, reason: str) -> Path:
+        """Write a backup of the current step; in the background when due by ``save_freq``.
+
+        Under a strategy that splits the model, the module and optimizers are first saved by
+        every rank through ``torch.distributed.checkpoint`` (committed in ``sharded/``), then
+        the backup itself (scheduler, other objects, RNG and input position) is committed and
+        names them, so a crash in between leaves the previous backup the newest. Both are
+        written before the next step: DCP's save runs collectives on the job's group, which a
+        thread must not interleave with the training's own, and copying sharded state to
+        memory first would need a gather of DTensor shards for no gain in safety."""
         self._settle_background()
         ch = self.channel
-        replicated = ({name: obj.state_dict() for name, obj in self._objects.items()}
-                      if ch.is_chief else None)
+        sharded = self._sharded_objects()
+        sharded_names: list[str] = []
+        if sharded is not None:
+            module_name, module, optimizers = sharded
+            save_sharded(self.sharded_dir, self.step, module, list(optimizers.values()),
+                         strategy=self._strategy_now(), keep=self._keep + 1)
+            sharded_names = [module_name, *optimizers]
+        replicated = ({name: obj.state_dict() for name, obj in self._objects.items()
+                       if name not in sharded_names} if ch.is_chief else None)
         ds = self._dataset
         data = ds.state_dict() if ds is not None and callable(
             getattr(ds, "state_dict", None)) and callable(getattr(ds, "load_state_dict", None)) \
             else None
         per_rank = {"rng": rng.capture(), "data": data}
-        info = {"step": self.step, "epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
-                "reason": reason, "data_state": data is not None}
-        if self.background and reason in ("step", "epoch"):
+        info: dict[str, Any] = {"step": self.step, "epoch": self.epoch,
+                                "step_in_epoch": self.step_in_epoch, "reason": reason,
+                                "data_state": data is not None}
+        if sharded_names:
+            info["sharded"] = {"directory": SHARDED_DIR, "states": sharded_names}
+        if self.background and reason in ("step", "epoch") and not sharded_names:
             if self._saver is None:
                 directory = self.manager.directory
                 self._saver = BackgroundSaver(
@@ -375,16 +441,30 @@ class BackupAndRestore:
         restored = self.manager.restore()
         self.restored = restored
         if restored is None:
+            if self.channel.is_chief:
+                discard_uncommitted(self.sharded_dir, after=-1)  # a first save that crashed
             return False
-        missing = sorted(set(self._objects) - set(restored.replicated))
+        sharded_names = list(restored.info.get("sharded", {}).get("states", []))
+        held = set(restored.replicated) | set(sharded_names)
+        missing = sorted(set(self._objects) - held)
         if missing:
             raise ValueError(
                 f"the backup {restored.path} holds no state for {', '.join(missing)} (it has "
-                f"{', '.join(sorted(restored.replicated)) or 'none'}). HINT: track the same "
+                f"{', '.join(sorted(held)) or 'none'}). HINT: track the same "
                 "objects as the run that wrote it, or use another backup_dir.")
+        sharded = self._sharded_objects()
+        if sharded is not None and not sharded_names:
+            raise ValueError(
+                f"the backup {restored.path} was written by a strategy that holds the whole "
+                f"model on each rank, and {type(self._strategy_now()).__name__} splits it; "
+                "resuming across that change is not supported. HINT: resume with the strategy "
+                "that wrote it, or use another backup_dir.")
+        if sharded_names:
+            self._load_sharded(restored, sharded_names)
         for name, obj in self._objects.items():
-            obj.load_state_dict(restored.replicated[name])
-        extra = sorted(set(restored.replicated) - set(self._objects))
+            if name not in sharded_names:
+                obj.load_state_dict(restored.replicated[name])
+        extra = sorted(held - set(self._objects))
         if extra:
             warnings.warn(f"the backup {restored.path} also holds {', '.join(extra)}, which is "
                           "not tracked now; it is ignored", RuntimeWarning, stacklevel=2)
@@ -409,6 +489,21 @@ class BackupAndRestore:
             print(f"[replicator] resuming from {restored.path} (step {self.step}, epoch "
                   f"{self.epoch})", file=sys.stderr, flush=True)
         return True
+
+    def _load_sharded(self, restored: Restored, names: list[str]) -> None:
+        """Load the tracked module and optimizers of ``names`` from the sharded save of the
+        restored step (verified; any layout loads into any other)."""
+        if self.channel.is_chief:
+            discard_uncommitted(self.sharded_dir, after=restored.step)  # before its choice
+        module = next((o for n, o in self._objects.items()
+                       if n in names and isinstance(o, torch.nn.Module)), None)
+        if module is None:
+            raise ValueError(f"the backup {restored.path} holds a sharded model "
+                             f"({names[0]}) but no module is tracked under that name")
+        optimizers = [o for n, o in self._objects.items()
+                      if n in names and isinstance(o, torch.optim.Optimizer)]
+        load_sharded(self.sharded_dir, module, optimizers, step=restored.step,
+                     strategy=self._strategy_now())
 
     def _restore_rng(self, resume: dict[str, Any]) -> None:
         state = resume.pop("rng", None)

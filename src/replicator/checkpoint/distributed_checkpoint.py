@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,21 +41,33 @@ from replicator.errors import CheckpointCorruptError, CheckpointWriteError
 GROUPS_FILE = "optimizer_groups.json"
 _STEP_PREFIX = "step-"
 
+#: One optimizer, several (of one model, e.g. one per parameter group), or none.
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def _as_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return list(optimizer)
+
 
 def _step_dir(step: int) -> str:
     return f"{_STEP_PREFIX}{step:08d}"
 
 
-def _prepare(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+def _prepare(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
              strategy: Any) -> None:
-    """Let the strategy point an optimizer built in scope at the sharded parameters."""
+    """Let the strategy point optimizers built in scope at the sharded parameters."""
     if strategy is None:
         from replicator.strategies.replica_context import current_strategy
 
         strategy = current_strategy()
     remap = getattr(strategy, "_remap_optimizer", None)
-    if optimizer is not None and callable(remap):
-        remap(optimizer)
+    if callable(remap):
+        for optimizer in optimizers:
+            remap(optimizer)
 
 
 def _held(t: Any) -> bool:
@@ -65,14 +78,13 @@ def _held(t: Any) -> bool:
     return local.numel() > 0
 
 
-def _flat_state(msd: dict[str, Any], osd: dict[str, Any],
-                optimizer: torch.optim.Optimizer | None
+def _flat_state(msd: dict[str, Any], osd: dict[str, Any], optimizer: bool
                 ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """``model.<fqn>`` and ``optim.<fqn>.<key>`` tensors this rank holds (the same tensor
     objects as in the state dicts); the optimizer's param groups as JSON."""
     flat = {f"model.{k}": v for k, v in msd.items() if _held(v)}
     groups: list[dict[str, Any]] = []
-    if optimizer is not None:
+    if optimizer:
         for fqn, state in osd.get("state", {}).items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and _held(value):
@@ -83,14 +95,16 @@ def _flat_state(msd: dict[str, Any], osd: dict[str, Any],
 
 
 def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None = None, *, strategy: Any = None,
+                 optimizer: Optimizers = None, *, strategy: Any = None,
                  keep: int = 2) -> Path:
-    """Save ``model`` (and ``optimizer``) at ``step`` under ``directory``; every rank calls it.
+    """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``;
+    every rank calls it.
 
     Returns the committed ``step-N`` directory. Raises :class:`CheckpointWriteError` on every
     rank when any rank fails, leaving the previous checkpoints as they were.
     """
-    _prepare(model, optimizer, strategy)
+    optimizers = _as_list(optimizer)
+    _prepare(model, optimizers, strategy)
     ch = Channel(default_collectives(None))
     root = Path(directory)
     attempt = resolve_cluster().restart_count
@@ -98,15 +112,15 @@ def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.M
     final = root / _step_dir(step)
     error = ""
     try:
-        msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-        flat, groups = _flat_state(msd, osd, optimizer)
+        msd, osd = get_state_dict(model, optimizers)
+        flat, groups = _flat_state(msd, osd, bool(optimizers))
         if ch.is_chief:
             tmp.mkdir(parents=True, exist_ok=True)
         ch.all_gather("", f"checkpoint save of step {step} (directory)")
         dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp),
                                                                    save_distributed=True),
                  no_dist=ch.world_size == 1)
-        if ch.is_chief and optimizer is not None:
+        if ch.is_chief and optimizers:
             write_durable(tmp / GROUPS_FILE, json.dumps(groups).encode())
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
         error = f"{type(exc).__name__}: {exc}"
@@ -160,7 +174,7 @@ def _prune(root: Path, keep: int) -> None:
 
 
 def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None = None, *, step: int | None = None,
+                 optimizer: Optimizers = None, *, step: int | None = None,
                  strategy: Any = None) -> int | None:
     """Load the newest verified checkpoint (or ``step``) into ``model`` (and ``optimizer``),
     whatever the layout it was saved in and the one it loads into; every rank calls it.
@@ -169,7 +183,8 @@ def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
     partial checkpoints are skipped with a warning; :class:`CheckpointCorruptError` when
     checkpoints exist but none verifies.
     """
-    _prepare(model, optimizer, strategy)
+    optimizers = _as_list(optimizer)
+    _prepare(model, optimizers, strategy)
     ch = Channel(default_collectives(None))
     root = Path(directory)
     choice: dict[str, Any] = {"step": -1, "skipped": [], "error": ""}
@@ -195,15 +210,31 @@ def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
     if choice["step"] < 0:
         return None
     path = root / _step_dir(choice["step"])
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-    flat, _ = _flat_state(msd, osd, optimizer)
+    msd, osd = get_state_dict(model, optimizers)
+    flat, _ = _flat_state(msd, osd, bool(optimizers))
     dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)),
              no_dist=ch.world_size == 1)  # in place, into the state dicts' own tensors
-    if optimizer is not None and (path / GROUPS_FILE).exists():
+    if optimizers and (path / GROUPS_FILE).exists():
         groups = json.loads((path / GROUPS_FILE).read_text())
         targets: list[dict[str, Any]] = list(osd.get("param_groups", []))  # type: ignore[arg-type]
         for saved, group in zip(groups, targets):
             group.update({k: v for k, v in saved.items() if k != "params"})
-    set_state_dict(model, optimizer if optimizer is not None else [],
-                   model_state_dict=msd, optim_state_dict=osd)
+    set_state_dict(model, optimizers, model_state_dict=msd, optim_state_dict=osd)
     return int(choice["step"])
+
+
+def discard_uncommitted(directory: str | os.PathLike[str], after: int | None = None) -> None:
+    """Remove interrupted saves (``.tmp-*``, ``.trash-*``) and, with ``after``, every step
+    newer than ``after`` (a run resumed from ``after`` writes them again). The chief calls it
+    while no save is running."""
+    root = Path(directory)
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return
+    for p in entries:
+        name = p.name
+        newer = (after is not None and name.startswith(_STEP_PREFIX)
+                 and name[len(_STEP_PREFIX):].isdigit() and int(name[len(_STEP_PREFIX):]) > after)
+        if name.startswith((".tmp-", ".trash-")) or newer:
+            remove_tree(p)

@@ -92,6 +92,8 @@ class MeshStrategy(Strategy):
         self._tensor_plan = dict(tensor_plan) if tensor_plan is not None else None
         self._pipeline_options = dict(pipeline_options or {})
         self._reshard_after_forward = reshard_after_forward
+        #: Sequence-parallel norms in the default tensor plan (TensorParallelStrategy's option).
+        self._sequence_parallel = False
         self._data_group = self._topology.data_group()
         self._replicas = self._topology.num_replicas
         self._replica_id = self._topology.replica_id
@@ -147,6 +149,12 @@ class MeshStrategy(Strategy):
     def mesh(self) -> Topology:
         return self._topology
 
+    @property
+    def shards_model(self) -> bool:
+        """True when no rank holds the whole model (pipeline stages, tensor or FSDP shards):
+        its state is then saved by every rank (``torch.distributed.checkpoint``)."""
+        return any(self._topology.size(a) > 1 for a in ("pipeline", "tensor", "fsdp"))
+
     def __repr__(self) -> str:
         shape = ", ".join(f"{a}={n}" for a, n in self._topology.axes.items())
         return f"{type(self).__name__}({shape}; rank {self._topology.global_rank})"
@@ -168,7 +176,8 @@ class MeshStrategy(Strategy):
             if topo.size("tensor") > 1:
                 from replicator.strategies.tensor_parallel import apply_tensor_parallel
 
-                apply_tensor_parallel(part, topo.mesh["tensor"], self._tensor_plan)
+                apply_tensor_parallel(part, topo.mesh["tensor"], self._tensor_plan,
+                                      sequence_parallel=self._sequence_parallel)
             if topo.size("fsdp") > 1:
                 from replicator.strategies.fsdp import apply_fsdp
 

@@ -7,6 +7,13 @@ the query/key/value projections by heads (column-wise) and the output projection
 embeddings split their vocabulary rows. Every rank of one tensor-parallel group sees the same
 batch. A plan maps module names (``fnmatch`` patterns) to ``"colwise"``, ``"rowwise"``,
 ``"embedding"`` or a torch ``ParallelStyle``.
+
+``sequence_parallel=True`` adds Megatron's sequence parallelism to the default plan: inside
+each block made of norms and split sub-blocks (a pre- or post-norm transformer block), the
+residual stream and the norms work on ``1/N`` of the sequence (dimension 1), the split
+sub-blocks all-gather their input and reduce-scatter their output instead of all-reducing it,
+and the block hands its output on whole. Norm activations and the residual stream inside a
+block then take ``1/N`` of the memory. The sequence length must divide by the degree.
 """
 
 from __future__ import annotations
@@ -18,11 +25,14 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -38,6 +48,8 @@ GATED_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 HEAD_COUNT_ATTRS = ("n_heads", "num_heads", "n_head", "n_local_heads")
 
 STYLE_NAMES = ("colwise", "rowwise", "embedding")
+#: Norms that run on a sequence shard (torch's ``SequenceParallel`` supports these).
+NORM_TYPES: tuple[type[torch.nn.Module], ...] = (torch.nn.LayerNorm, torch.nn.RMSNorm)
 
 
 class TensorPlanError(ValueError):
@@ -126,6 +138,57 @@ def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
     return plan
 
 
+def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]
+                           ) -> dict[str, Any]:
+    """``plan`` (a default plan) with sequence-parallel norms: for every module whose children
+    with parameters are norms and sub-blocks the plan splits (one of their ``Linear`` children
+    row-wise), the module takes its input whole and works on a sequence shard, the norms run
+    on the shard, the sub-blocks all-gather the sequence and reduce-scatter their output."""
+    out: dict[str, Any] = dict(plan)
+
+    def full(prefix: str, name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    for prefix, block in model.named_modules():
+        norms, subs, other = [], [], False
+        for name, child in block.named_children():
+            rowwise = [full(full(prefix, name), n) for n in _linear_children(child)
+                       if plan.get(full(full(prefix, name), n)) == "rowwise"]
+            if isinstance(child, NORM_TYPES):
+                norms.append(full(prefix, name))
+            elif rowwise:
+                subs.append((full(prefix, name), rowwise))
+            elif any(True for _ in child.parameters()):
+                other = True
+        if not prefix or not norms or not subs or other or isinstance(block, torch.nn.Sequential):
+            continue
+        out[prefix] = PrepareModuleInputOutput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+            use_local_input=True, output_layouts=(Shard(1),),
+            desired_output_layouts=(Replicate(),), use_local_output=True)
+        for norm in norms:
+            out[norm] = SequenceParallel(use_local_output=True)
+        for sub, rowwise in subs:
+            out[sub] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                          desired_input_layouts=(Replicate(),))
+            for name in rowwise:
+                out[name] = RowwiseParallel(output_layouts=Shard(1))
+    return out
+
+
+def _sequence_check(name: str, degree: int) -> Any:
+    """A forward pre-hook: the block's input splits evenly along the sequence (dimension 1)."""
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and (x.dim() < 2 or x.shape[1] % degree):
+            raise ValueError(
+                f"sequence-parallel block {name!r} got an input of shape {tuple(x.shape)}: "
+                f"its sequence (dimension 1) must divide by the tensor-parallel degree "
+                f"{degree}. HINT: pad the sequences to a multiple of {degree}, or leave "
+                "sequence_parallel off.")
+    return hook
+
+
 def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, ParallelStyle]:
     """Each entry as a style; a name (pattern) that matches no module is an error listing the
     closest module names."""
@@ -146,15 +209,26 @@ def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, Par
 
 
 def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh,
-                          plan: Mapping[str, Any] | None = None) -> torch.nn.Module:
-    """Parallelize ``model`` over the 1-D ``mesh`` with ``plan`` (``None``: the default plan);
-    head-count attributes of attention blocks the plan splits are divided by the degree."""
+                          plan: Mapping[str, Any] | None = None, *,
+                          sequence_parallel: bool = False) -> torch.nn.Module:
+    """Parallelize ``model`` over the 1-D ``mesh`` with ``plan`` (``None``: the default plan,
+    with sequence-parallel norms when ``sequence_parallel``); head-count attributes of
+    attention blocks the plan splits are divided by the degree."""
     degree = mesh.size()
-    chosen = default_plan(model, degree) if plan is None else dict(plan)
+    if plan is not None and sequence_parallel:
+        raise TensorPlanError("sequence_parallel=True extends the default plan; with your own "
+                              "plan, give the norms SequenceParallel() entries yourself")
+    chosen: dict[str, Any] = default_plan(model, degree) if plan is None else dict(plan)
+    if sequence_parallel:
+        chosen = sequence_parallel_plan(model, chosen)
     styles = check_plan(model, chosen)
     if not styles:
         return model
     parallelize_module(model, mesh, styles)
+    for name, style in styles.items():
+        if sequence_parallel and isinstance(style, PrepareModuleInputOutput):
+            model.get_submodule(name).register_forward_pre_hook(
+                _sequence_check(name, degree), prepend=True)
     for prefix, module in model.named_modules():
         linears = set(_linear_children(module))
         split = any(fnmatch.fnmatchcase(f"{prefix}.{n}" if prefix else n, key)
@@ -173,14 +247,17 @@ class TensorParallelStrategy(MeshStrategy):
     """Tensor parallelism on every process (or ``tensor`` of them, the rest data parallel).
 
     ``plan``: module name (or ``fnmatch`` pattern) -> ``"colwise"``, ``"rowwise"``,
-    ``"embedding"`` or a torch ``ParallelStyle``; ``None`` takes :func:`default_plan`. Every
-    rank of a tensor-parallel group gets the same batch; ``num_replicas_in_sync`` counts the
+    ``"embedding"`` or a torch ``ParallelStyle``; ``None`` takes :func:`default_plan`.
+    ``sequence_parallel``: norms and the residual stream of transformer blocks work on a
+    shard of the sequence (see the module doc; default plan only). Every rank of a
+    tensor-parallel group gets the same batch; ``num_replicas_in_sync`` counts the
     data-parallel replicas only.
     """
 
     name = "tensor_parallel"
 
     def __init__(self, plan: Mapping[str, Any] | None = None, *, tensor: int = -1,
+                 sequence_parallel: bool = False,
                  timeout_seconds: float | None = None) -> None:
         if plan is not None and not isinstance(plan, Mapping):
             raise TypeError(f"plan must be a dict of module name -> style, got "
@@ -188,6 +265,10 @@ class TensorParallelStrategy(MeshStrategy):
         if plan is not None:
             for key, value in plan.items():
                 style_for(value, str(key))
+        if plan is not None and sequence_parallel:
+            raise TensorPlanError("sequence_parallel=True extends the default plan; with your "
+                                  "own plan, give the norms SequenceParallel() entries yourself")
         data = 1 if tensor == -1 else -1
         super().__init__(data=data, tensor=tensor, tensor_plan=plan,
                          timeout_seconds=timeout_seconds)
+        self._sequence_parallel = bool(sequence_parallel)
