@@ -157,3 +157,43 @@ def test_a_worker_killed_during_a_shared_memory_transfer_leaves_the_others_going
     assert chief["shared"] == [True], chief
     assert chief["steps"] == 200
     assert chief["version"] >= 200  # its own updates, and the lost worker's applied ones
+
+
+@pytest.mark.timeout(30)
+def test_messages_through_a_lane_carry_only_headers_and_check_offsets():
+    import socket
+
+    from replicator.comm.messages import Connection, MessageFormatError
+    from replicator.comm.shm_lane import SharedLane
+    from replicator.comm.shm_segment import SharedSegment
+
+    x, y = socket.socketpair()
+    a, b = Connection(x, "peer a", 5.0), Connection(y, "peer b", 5.0)
+    size, first, second = SharedLane.layout(4096, 4096)
+    mine = SharedSegment.create_named(size, "test")
+    theirs = SharedSegment.open_named(mine.name, size)
+    assert mine.name not in _our_segments()  # unlinked once the peer mapped it
+    a.lane = SharedLane(mine, out=first, inbox=second)
+    b.lane = SharedLane(theirs, out=second, inbox=first)
+    sent = [torch.randn(3, 4), torch.arange(5, dtype=torch.int64), torch.zeros(0, 2),
+            torch.tensor(True)]
+    a.send_many([(P.VALUE, i, 0, t, 0, 0, 0) for i, t in enumerate(sent)]
+                + [(P.VALUES_END, -1, 0, None, 0, 0, 0)], shared=True)
+    target = torch.empty(3, 4)
+    for i, t in enumerate(sent):
+        msg = b.receive(into=lambda *_: target)
+        assert msg.payload is not None and torch.equal(msg.payload, t)
+        if i == 0:
+            assert msg.payload is target  # copied once to where it belongs
+        else:  # a view of the segment
+            assert msg.payload.untyped_storage().data_ptr() == theirs.base.data_ptr()
+    assert b.receive().kind == P.VALUES_END
+    # too big for the lane: the same batch goes on the socket
+    b.send_many([(P.VALUE, 0, 0, torch.ones(2048), 0, 0, 0)], shared=True)
+    assert torch.equal(a.receive().payload, torch.ones(2048))
+    b.lane = None  # a header pointing into shared memory this end never attached
+    a.send_many([(P.VALUE, 0, 0, torch.ones(4), 0, 0, 0)], shared=True)
+    with pytest.raises(MessageFormatError, match="has not attached"):
+        b.receive()
+    with pytest.raises(ValueError, match="not a replicator shared-memory segment"):
+        SharedSegment.open_named("../etc/passwd", 4096)
