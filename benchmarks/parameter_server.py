@@ -56,8 +56,9 @@ def _data() -> tuple[torch.utils.data.TensorDataset, torch.Tensor, torch.Tensor]
         test.tensors[1]
 
 
-def time_to_target(kind: str, target: float, slow: bool) -> dict:
-    """One training run; the chief returns the seconds until its eval loss <= ``target``."""
+def time_to_target(kind: str, target: float, slow: bool, stop_key: str = "bench/stop") -> dict:
+    """One training run; the chief returns the seconds until its eval loss <= ``target``
+    (asynchronous workers stop when ``stop_key``, unique to the run, appears in the store)."""
     from torch.utils.data import DataLoader
 
     from replicator.cluster.process_group import current_group, initialize
@@ -117,8 +118,8 @@ def time_to_target(kind: str, target: float, slow: bool) -> dict:
                 if flag.item() and reached is None:
                     reached = time.perf_counter() - start
             elif done:
-                store.set("bench/stop", "1")
-            elif store.check(["bench/stop"]):
+                store.set(stop_key, "1")
+            elif store.check([stop_key]):
                 reached = time.perf_counter() - start
             if reached is not None:
                 break
@@ -126,8 +127,9 @@ def time_to_target(kind: str, target: float, slow: bool) -> dict:
 
 
 def _straggler(target: float, baseline: str, slow: bool) -> tuple[float, float]:
+    # a key of its own: a key left by an earlier run must not stop this one at its first step
     ours = rp.launch(time_to_target, num_replicas=WORKERS + 1, num_ps=1,
-                     args=("ps", target, slow))[0]
+                     args=("ps", target, slow, f"bench/stop/{os.getpid()}/{time.time_ns()}"))[0]
     base = rp.launch(time_to_target, num_replicas=WORKERS, args=(baseline, target, slow))[0]
     if ours["seconds"] is None or base["seconds"] is None:
         raise RuntimeError(f"the target loss {target} was not reached in {MAX_STEPS} steps "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -55,6 +56,7 @@ class ServerClient:
         self.pids: list[int] = []
         self.same_host: list[bool] = []
         self.shared_off: str = ""  # why payloads stay on the socket (printed once)
+        self._shared_off_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)),
                                         thread_name_prefix="ps-client")
         for k, address in enumerate(addresses):
@@ -150,8 +152,9 @@ class ServerClient:
         self.each(one, [k for k in sizes if k < len(self.connections)])
 
     def _fallback(self, reason: str) -> None:
-        if not self.shared_off:
-            self.shared_off = reason
+        with self._shared_off_lock:
+            first, self.shared_off = not self.shared_off, self.shared_off or reason
+        if first:
             print(f"[replicator] parameter server payloads go over TCP, not shared memory: "
                   f"{reason}", file=sys.stderr, flush=True)
 
