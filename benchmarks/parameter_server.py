@@ -91,6 +91,14 @@ def time_to_target(kind: str, target: float, slow: bool, stop_key: str = "bench/
         batches = strategy.distribute_dataset(loader, seed=0)
     store = current_group().store  # type: ignore[union-attr]
     sync = kind != "ps"
+    # every worker starts the clock together: asynchronous workers that set up sooner must not
+    # train the shared model before the chief's clock runs
+    store.add(f"{stop_key}/ready", 1)
+    deadline = time.monotonic() + 120
+    while store.add(f"{stop_key}/ready", 0) < WORKERS:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other workers did not get ready within 120 s")
+        time.sleep(0.001)
     start = time.perf_counter()
     reached, steps, epoch = None, 0, 0
     while reached is None and steps < MAX_STEPS:
@@ -130,7 +138,8 @@ def _straggler(target: float, baseline: str, slow: bool) -> tuple[float, float]:
     # a key of its own: a key left by an earlier run must not stop this one at its first step
     ours = rp.launch(time_to_target, num_replicas=WORKERS + 1, num_ps=1,
                      args=("ps", target, slow, f"bench/stop/{os.getpid()}/{time.time_ns()}"))[0]
-    base = rp.launch(time_to_target, num_replicas=WORKERS, args=(baseline, target, slow))[0]
+    base = rp.launch(time_to_target, num_replicas=WORKERS,
+                     args=(baseline, target, slow, f"bench/stop/{os.getpid()}/{time.time_ns()}"))[0]
     if ours["seconds"] is None or base["seconds"] is None:
         raise RuntimeError(f"the target loss {target} was not reached in {MAX_STEPS} steps "
                            f"(ours {ours}, baseline {base}); choose a higher --target")
