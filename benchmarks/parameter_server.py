@@ -15,6 +15,12 @@ The synchronous baseline is ``MirroredStrategy`` (``--sync-baseline mirrored``, 
 or torch's ``DistributedDataParallel`` (``--sync-baseline ddp``), which Mirrored matches
 within a few percent (benchmarks/mirrored_overhead.py).
 
+Every process of both sides allocates each step's gradients anew (10 MB for ``vs_rpc``).
+glibc's adaptive threshold then serves such blocks either from the heap (reused) or from fresh
+mmaps (about 2,500 page faults, some 2.5 ms per 10 MB), by chance per process, which made runs
+bimodal. The benchmark fixes both thresholds for every process it starts
+(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``; ``--default-malloc`` leaves them).
+
 Run: ``python benchmarks/parameter_server.py [--target 0.35] [--rounds 20]``
 """
 
@@ -241,7 +247,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sync-baseline", choices=("mirrored", "ddp"), default="mirrored")
     parser.add_argument("--only", choices=("straggler", "vs_rpc"), default=None)
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's adaptive malloc thresholds (see the module doc)")
     args = parser.parse_args()
+    if not args.default_malloc:  # inherited by every process the runs start, on both sides
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
     rows = []
     if args.only in (None, "straggler"):
         s_ours, s_base = _straggler(args.target, args.sync_baseline, slow=True)
