@@ -9,7 +9,7 @@ the live set and any round waiting for it completes without it. The server retur
 
 A worker on this host may attach a shared-memory lane to its connection (``SHM_ATTACH``): its
 pushed gradients are then read in place from the lane for the optimizer step, and the values
-sent back are copied under the lock straight into the lane (no copy, no socket in between).
+sent back are copied under the lock straight into the lane (no clone, no socket in between).
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ class ParameterServer:
             try:
                 segment = SharedSegment.open_named(tensor_text(msg.payload), size)
                 lane = SharedLane(segment, out=pull, inbox=push)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, OverflowError) as exc:
                 reason = (f"parameter server {self.index} could not map the segment: "
                           f"{type(exc).__name__}: {exc}")
         if reason:
