@@ -7,11 +7,19 @@
 - ``vs_rpc``: push+pull round trips per second of a 10 MB model, ours (1 worker + 1 server)
   / a parameter server written with ``torch.distributed.rpc`` in the pattern of PyTorch's
   batch-updating parameter-server tutorial (``rpc_sync(update_and_fetch_model, grads)``).
-  Goal >= 1.5.
+  Goal >= 1.5. Worker and server share this host, so our payloads go through shared memory;
+  the same figure with payloads on the TCP socket (``shared_memory=False``) is shown beside
+  it for reference.
 
 The synchronous baseline is ``MirroredStrategy`` (``--sync-baseline mirrored``, the default)
 or torch's ``DistributedDataParallel`` (``--sync-baseline ddp``), which Mirrored matches
 within a few percent (benchmarks/mirrored_overhead.py).
+
+Every process of both sides allocates each step's gradients anew (10 MB for ``vs_rpc``).
+glibc's adaptive threshold then serves such blocks either from the heap (reused) or from fresh
+mmaps (about 2,500 page faults, some 2.5 ms per 10 MB), by chance per process, which made runs
+bimodal. The benchmark fixes both thresholds for every process it starts
+(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``; ``--default-malloc`` leaves them).
 
 Run: ``python benchmarks/parameter_server.py [--target 0.35] [--rounds 20]``
 """
@@ -54,8 +62,9 @@ def _data() -> tuple[torch.utils.data.TensorDataset, torch.Tensor, torch.Tensor]
         test.tensors[1]
 
 
-def time_to_target(kind: str, target: float, slow: bool) -> dict:
-    """One training run; the chief returns the seconds until its eval loss <= ``target``."""
+def time_to_target(kind: str, target: float, slow: bool, stop_key: str = "bench/stop") -> dict:
+    """One training run; the chief returns the seconds until its eval loss <= ``target``
+    (asynchronous workers stop when ``stop_key``, unique to the run, appears in the store)."""
     from torch.utils.data import DataLoader
 
     from replicator.cluster.process_group import current_group, initialize
@@ -88,6 +97,14 @@ def time_to_target(kind: str, target: float, slow: bool) -> dict:
         batches = strategy.distribute_dataset(loader, seed=0)
     store = current_group().store  # type: ignore[union-attr]
     sync = kind != "ps"
+    # every worker starts the clock together: asynchronous workers that set up sooner must not
+    # train the shared model before the chief's clock runs
+    store.add(f"{stop_key}/ready", 1)
+    deadline = time.monotonic() + 120
+    while store.add(f"{stop_key}/ready", 0) < WORKERS:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: the other workers did not get ready within 120 s")
+        time.sleep(0.001)
     start = time.perf_counter()
     reached, steps, epoch = None, 0, 0
     while reached is None and steps < MAX_STEPS:
@@ -115,8 +132,8 @@ def time_to_target(kind: str, target: float, slow: bool) -> dict:
                 if flag.item() and reached is None:
                     reached = time.perf_counter() - start
             elif done:
-                store.set("bench/stop", "1")
-            elif store.check(["bench/stop"]):
+                store.set(stop_key, "1")
+            elif store.check([stop_key]):
                 reached = time.perf_counter() - start
             if reached is not None:
                 break
@@ -124,9 +141,11 @@ def time_to_target(kind: str, target: float, slow: bool) -> dict:
 
 
 def _straggler(target: float, baseline: str, slow: bool) -> tuple[float, float]:
+    # a key of its own: a key left by an earlier run must not stop this one at its first step
     ours = rp.launch(time_to_target, num_replicas=WORKERS + 1, num_ps=1,
-                     args=("ps", target, slow))[0]
-    base = rp.launch(time_to_target, num_replicas=WORKERS, args=(baseline, target, slow))[0]
+                     args=("ps", target, slow, f"bench/stop/{os.getpid()}/{time.time_ns()}"))[0]
+    base = rp.launch(time_to_target, num_replicas=WORKERS,
+                     args=(baseline, target, slow, f"bench/stop/{os.getpid()}/{time.time_ns()}"))[0]
     if ours["seconds"] is None or base["seconds"] is None:
         raise RuntimeError(f"the target loss {target} was not reached in {MAX_STEPS} steps "
                            f"(ours {ours}, baseline {base}); choose a higher --target")
@@ -142,15 +161,18 @@ def _big_model() -> nn.Module:
     return nn.Sequential(nn.Linear(1024, MODEL_FLOATS // 1024 - 1))  # ~10 MB with the bias
 
 
-def round_trips_ours(rounds: int) -> list[float]:
+def round_trips_ours(rounds: int, shared_memory: bool = True) -> list[float]:
     """Worker side: each ``optimizer.step()`` pushes the gradients and pulls the values."""
-    strategy = rp.ParameterServerStrategy(num_ps=1)
+    strategy = rp.ParameterServerStrategy(num_ps=1, shared_memory=shared_memory)
     with strategy.scope():
         model = _big_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()  # the first step also sends the optimizer's description
+    if strategy.shared_memory != [shared_memory]:
+        raise RuntimeError(f"asked for shared_memory={shared_memory}, got "
+                           f"{strategy.shared_memory}")
     out = []
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -225,7 +247,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sync-baseline", choices=("mirrored", "ddp"), default="mirrored")
     parser.add_argument("--only", choices=("straggler", "vs_rpc"), default=None)
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave glibc's adaptive malloc thresholds (see the module doc)")
     args = parser.parse_args()
+    if not args.default_malloc:  # inherited by every process the runs start, on both sides
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
     rows = []
     if args.only in (None, "straggler"):
         s_ours, s_base = _straggler(args.target, args.sync_baseline, slow=True)
@@ -236,17 +263,22 @@ def main() -> None:
         ours = median(rp.launch(round_trips_ours, num_replicas=2, num_ps=1,
                                 args=(args.rounds,))[0])
         rpc = median(round_trips_rpc(args.rounds))
+        tcp = median(rp.launch(round_trips_ours, num_replicas=2, num_ps=1,
+                               args=(args.rounds, False))[0])
         rows.append(["10 MB push+pull per s", ours, rpc, ours / rpc])
+        tcp_row = ["  the same, payloads on TCP", tcp, rpc, tcp / rpc]
     print(f"\nParameterServerStrategy vs {args.sync_baseline} / torch.distributed.rpc")
-    print_table(["figure", "ours", "baseline", "ratio"], rows)
+    print_table(["figure", "ours", "baseline", "ratio"],
+                rows + ([tcp_row] if args.only in (None, "vs_rpc") else []))
     print()
     for row in rows:
         name = {"straggler (s to target)": "straggler", "no straggler (s to target)":
                 "no_straggler", "10 MB push+pull per s": "vs_rpc"}[row[0]]
         goal = {"straggler": "<= 0.6", "no_straggler": "<= 1.3", "vs_rpc": ">= 1.5"}[name]
+        extra = {"ours_tcp": round(tcp, 4)} if name == "vs_rpc" else {}
         emit("parameter_server", name, row[3], goal, ours=round(row[1], 4),
              baseline=round(row[2], 4),
-             baseline_kind="rpc" if name == "vs_rpc" else args.sync_baseline)
+             baseline_kind="rpc" if name == "vs_rpc" else args.sync_baseline, **extra)
 
 
 if __name__ == "__main__":

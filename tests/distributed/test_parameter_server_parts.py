@@ -96,7 +96,7 @@ def test_typed_tensor_messages_round_trip_every_dtype_and_shape():
 @pytest.mark.timeout(30)
 def test_messages_refuse_foreign_bytes_and_time_out():
     a, b = _pair(timeout=0.3)
-    a.sock.sendall(b"GET / HTTP/1.1\r\n" * 8)
+    a.sock.sendall(b"GET / HTTP/1.1\r\n" * 16)
     with pytest.raises(MessageFormatError, match="without the replicator header"):
         b.receive()
     c, d = _pair(timeout=0.3)

@@ -2,9 +2,14 @@
 
 Each message is a header of :data:`HEADER_FIELDS` little-endian int64 values (magic, kind,
 variable id, version, payload bytes, dtype code, number of dimensions, up to
-:data:`MAX_DIMS` sizes, three free integers) followed by the payload tensor's bytes. Nothing
-is pickled: a receiver rebuilds the tensor from the header's dtype and shape, and refuses a
-header whose magic, dtype or length it does not know.
+:data:`MAX_DIMS` sizes, three free integers, the payload's offset in shared memory or -1, one
+reserved) followed by the payload tensor's bytes. Nothing is pickled: a receiver rebuilds the
+tensor from the header's dtype and shape, and refuses a header whose magic, dtype or length it
+does not know.
+
+When both ends run on one host they may attach a :class:`~replicator.comm.shm_lane.SharedLane`
+to the connection: a batch sent with ``shared=True`` then puts its payloads in shared memory and
+only the headers on the socket (see the lane's reuse rule).
 
 The messages travel over a TCP connection (one per pair of processes that talk), so that a
 peer that dies closes only its own connection: the parameter server keeps serving the other
@@ -22,11 +27,14 @@ from typing import Any
 
 import torch
 
+from replicator.comm.shm_lane import SharedLane
 from replicator.errors import ReplicatorError
 
 MAGIC = 0x52504D5347  # "RPMSG"
 MAX_DIMS = 6
-HEADER_FIELDS = 16
+HEADER_FIELDS = 18
+#: Header fields: the payload's offset in the sender's shared-memory outbox (-1: on the socket).
+_SHM_FIELD = 16
 HEADER_BYTES = HEADER_FIELDS * 8
 
 #: dtype <-> code on the wire (append only; codes are part of the protocol).
@@ -38,8 +46,19 @@ _CODES = {dt: i for i, dt in enumerate(DTYPES)}
 
 
 #: Where a payload may land: ``into(kind, var_id, dtype, shape)`` returns a contiguous tensor of
-#: that dtype and shape to receive into (no allocation, no copy), or ``None`` for a new one.
+#: that dtype and shape to receive into (no allocation), or ``None`` for a new one (a payload in
+#: shared memory: a view of it, valid until the peer's next shared batch).
 Into = Callable[[int, int, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
+#: One message to send: (kind, variable id, version, payload, a, b, c).
+Outgoing = tuple[int, int, int, "torch.Tensor | None", int, int, int]
+
+
+@dataclass
+class Staged:
+    """A batch ready to go on the socket: the headers, and the payloads not in shared memory."""
+
+    chunks: list[torch.Tensor]
+    shared: bool
 
 
 class PeerLostError(ReplicatorError, ConnectionError):
@@ -82,6 +101,7 @@ def _header(kind: int, var_id: int, version: int, tensor: torch.Tensor | None,
     else:
         head[5] = -1
     head[13], head[14], head[15] = a, b, c
+    head[_SHM_FIELD] = -1
     return head
 
 
@@ -108,6 +128,8 @@ class Connection:
         self.closed = False
         #: Receive buffers its owner reuses from message to message (see ``into``).
         self.buffers: dict[Any, torch.Tensor] = {}
+        #: Shared memory with a peer on this host (see :mod:`replicator.comm.shm_lane`).
+        self.lane: SharedLane | None = None
 
     @classmethod
     def connect(cls, address: tuple[str, int], peer: str, timeout_seconds: float
@@ -125,19 +147,51 @@ class Connection:
         """Send one message (the header, then the tensor's bytes)."""
         self.send_many([(kind, var_id, version, tensor, a, b, c)])
 
-    def send_many(self, messages: list[tuple[int, int, int, torch.Tensor | None, int, int, int]]
-                  ) -> None:
-        """Send several messages back to back, under one lock (they stay contiguous)."""
+    def send_many(self, messages: list[Outgoing], shared: bool = False) -> None:
+        """Send several messages back to back, under one lock (they stay contiguous);
+        ``shared``: their payloads go through the lane if there is one and they fit."""
         with self._send_lock:
-            try:
-                for kind, var_id, version, tensor, a, b, c in messages:
-                    head = _header(kind, var_id, version, tensor, a, b, c)
-                    self.sock.sendall(_as_bytes(head))
-                    if tensor is not None and tensor.numel():
-                        self.sock.sendall(_as_bytes(tensor))
-            except OSError as exc:
-                raise PeerLostError(f"lost the connection to {self.peer} while sending: "
-                                    f"{exc}") from exc
+            self._send(self._stage(messages, shared))
+
+    def stage(self, messages: list[Outgoing], shared: bool = False) -> Staged:
+        """Prepare a batch for :meth:`send_staged`. With ``shared`` (and a lane they fit in)
+        the payloads are copied into the outbox now, so the caller may change them once this
+        returns; otherwise the batch holds the tensors themselves until it is sent."""
+        with self._send_lock:
+            return self._stage(messages, shared)
+
+    def send_staged(self, staged: Staged) -> None:
+        """Send a batch prepared by :meth:`stage`."""
+        with self._send_lock:
+            self._send(staged)
+
+    def fits_shared(self, tensors: list[torch.Tensor | None]) -> bool:
+        """Whether ``tensors`` would go through the lane in one shared batch."""
+        return self.lane is not None and self.lane.fits(tensors)
+
+    def _stage(self, messages: list[Outgoing], shared: bool) -> Staged:
+        heads = [_header(kind, var_id, version, tensor, a, b, c)
+                 for kind, var_id, version, tensor, a, b, c in messages]
+        tensors = [m[3] for m in messages]
+        lane = self.lane
+        if shared and lane is not None and lane.fits(tensors):
+            for head, offset in zip(heads, lane.write(tensors)):
+                head[_SHM_FIELD] = offset
+            return Staged([torch.cat(heads)], shared=True)
+        chunks: list[torch.Tensor] = []
+        for head, tensor in zip(heads, tensors):
+            chunks.append(head)
+            if tensor is not None and tensor.numel():
+                chunks.append(tensor)
+        return Staged(chunks, shared=False)
+
+    def _send(self, staged: Staged) -> None:
+        try:
+            for chunk in staged.chunks:
+                self.sock.sendall(_as_bytes(chunk))
+        except OSError as exc:
+            raise PeerLostError(f"lost the connection to {self.peer} while sending: "
+                                f"{exc}") from exc
 
     def _read_into(self, view: memoryview, what: str, timeout: float | None) -> None:
         got = 0
@@ -176,6 +230,10 @@ class Connection:
                 dtype = DTYPES[h[5]]
                 shape = tuple(h[7:7 + h[6]])
                 payload = into(h[1], h[2], dtype, shape) if into is not None else None
+                if h[_SHM_FIELD] >= 0:
+                    return Message(kind=h[1], var_id=h[2], version=h[3], a=h[13], b=h[14],
+                                   c=h[15], payload=self._shared_payload(h, dtype, shape,
+                                                                         payload))
                 if payload is None or payload.dtype != dtype or tuple(payload.shape) != shape \
                         or not payload.is_contiguous():
                     payload = torch.empty(shape, dtype=dtype)
@@ -186,6 +244,27 @@ class Connection:
                     self._read_into(_as_bytes_writable(payload), what, self.timeout_seconds)
             return Message(kind=h[1], var_id=h[2], version=h[3], a=h[13], b=h[14], c=h[15],
                            payload=payload)
+
+    def _shared_payload(self, h: list[int], dtype: torch.dtype, shape: tuple[int, ...],
+                        target: torch.Tensor | None) -> torch.Tensor:
+        """The payload the peer put in shared memory: a view, or copied once into ``target``
+        when that matches."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        numel = 1
+        for n in shape:
+            numel *= n
+        view = None if self.lane is None or h[4] != numel * size else \
+            self.lane.read(h[_SHM_FIELD], h[4], dtype, shape)
+        if view is None:
+            raise MessageFormatError(
+                f"{self.peer} sent a payload of {h[4]} bytes at offset {h[_SHM_FIELD]} of a "
+                "shared-memory region " + ("this end has not attached" if self.lane is None
+                                           else f"of {self.lane.in_bytes} bytes"))
+        if target is not None and target.dtype == dtype and tuple(target.shape) == shape \
+                and target.is_contiguous():
+            target.copy_(view)
+            return target
+        return view
 
     def close(self) -> None:
         """Close the connection (idempotent)."""

@@ -143,10 +143,39 @@ class SharedSegment:
             raise ReplicatorError(f"{who}: the shared-memory segment was not mapped")
         return cls(mm, nbytes, message)
 
+    @classmethod
+    def create_named(cls, nbytes: int, tag: str) -> SharedSegment:
+        """Create and map a segment for one peer to open by name (the pairwise variant of
+        :meth:`create`); the creator calls :func:`unlink_segment` once the peer has answered,
+        whatever it answered, so the name never outlives the exchange."""
+        nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
+        name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+        return cls(_map(os.path.join(SHM_DIR, name), nbytes, create=True), nbytes, name)
+
+    @classmethod
+    def open_named(cls, name: str, nbytes: int) -> SharedSegment:
+        """Map the segment a peer created with :meth:`create_named`, then unlink it (both
+        sides map it now). Refuses names that are not such a segment's."""
+        if not name.startswith(NAME_PREFIX) or "/" in name or name in (".", ".."):
+            raise ValueError(f"{name!r} is not a replicator shared-memory segment name")
+        nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
+        try:
+            return cls(_map(os.path.join(SHM_DIR, name), nbytes, create=False), nbytes, name)
+        finally:
+            unlink_segment(name)
+
     def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at byte ``offset`` (a multiple of the element size)."""
         size = torch.empty(0, dtype=dtype).element_size()
         return self.base[offset:offset + numel * size].view(dtype)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name from :data:`SHM_DIR` (mappings stay valid); idempotent."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
 
 
 def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:

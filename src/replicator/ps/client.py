@@ -4,11 +4,19 @@ Each request is sent to every server concerned in parallel (one thread per serve
 or push of a sharded model costs about the time of its largest server's part. Losing a server
 raises :class:`~replicator.ps.protocol.ParameterServerLostError` naming the server and the
 variables it held, within the connection's timeout.
+
+With a server on this host (same :func:`~replicator.comm.shm_segment.host_id`),
+:meth:`ServerClient.share_memory` attaches a shared-memory lane to its connection: a push's
+gradients are copied once into it, the values coming back are copied once out of it into the
+parameters, and only headers travel on the socket. Otherwise (or when the segment cannot be
+made) payloads stay on the socket, and the reason is printed once.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -23,6 +31,8 @@ from replicator.comm.messages import (
     tensor_text,
     text_tensor,
 )
+from replicator.comm.shm_lane import SharedLane
+from replicator.comm.shm_segment import SharedSegment, host_id, unlink_segment
 from replicator.ps import protocol as P
 
 T = TypeVar("T")
@@ -44,6 +54,9 @@ class ServerClient:
         self.connections: list[Connection] = []
         self.restored: list[dict[str, Any] | None] = []
         self.pids: list[int] = []
+        self.same_host: list[bool] = []
+        self.shared_off: str = ""  # why payloads stay on the socket (printed once)
+        self._shared_off_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)),
                                         thread_name_prefix="ps-client")
         for k, address in enumerate(addresses):
@@ -56,6 +69,7 @@ class ServerClient:
                 raise self.lost(k, exc) from exc
             self.restored.append(json.loads(tensor_text(reply.payload)) if reply.b else None)
             self.pids.append(reply.c)
+            self.same_host.append(reply.var_id == host_id())
 
     def describe(self, k: int) -> str:
         host, port = self.addresses[k]
@@ -104,6 +118,51 @@ class ServerClient:
             assert msg.payload is not None
             sink(msg.var_id, msg.version, msg.payload)
 
+    # -- shared memory ---------------------------------------------------------------------
+    def share_memory(self, sizes: dict[int, tuple[int, int]], worker: int) -> None:
+        """Attach a lane to each server's connection that ``sizes[k]`` (push bytes, pull bytes)
+        fit in, where the server runs on this host; a lane too small is replaced."""
+        def one(k: int, conn: Connection) -> None:
+            push, pull = sizes[k]
+            lane = conn.lane
+            if lane is not None and lane.out_bytes >= push and lane.in_bytes >= pull:
+                return
+            if not self.same_host[k]:
+                self._fallback(f"{self.describe(k)} runs on another host")
+                return
+            size, mine, theirs = SharedLane.layout(push, pull)
+            try:
+                segment = SharedSegment.create_named(size, f"ps{k}-w{worker}")
+            except (OSError, ValueError) as exc:
+                self._fallback(f"could not create a {size / 1e6:.1f} MB shared-memory segment "
+                               f"({type(exc).__name__}: {exc})")
+                return
+            try:
+                conn.send(P.SHM_ATTACH, version=host_id(), a=push, b=pull,
+                          tensor=text_tensor(segment.name))
+                reply = self._expect(k, conn.receive("waiting for the shared-memory answer"),
+                                     P.SHM_ATTACHED)
+            finally:
+                unlink_segment(segment.name)  # mapped by both now, or by nobody else
+            if not reply.a:
+                self._fallback(tensor_text(reply.payload))
+                return
+            conn.lane = SharedLane(segment, out=mine, inbox=theirs)
+
+        self.each(one, [k for k in sizes if k < len(self.connections)])
+
+    def _fallback(self, reason: str) -> None:
+        with self._shared_off_lock:
+            first, self.shared_off = not self.shared_off, self.shared_off or reason
+        if first:
+            print(f"[replicator] parameter server payloads go over TCP, not shared memory: "
+                  f"{reason}", file=sys.stderr, flush=True)
+
+    @property
+    def shared(self) -> list[bool]:
+        """Whether each server's connection has a shared-memory lane."""
+        return [conn.lane is not None for conn in self.connections]
+
     # -- requests --------------------------------------------------------------------------
     def register(self, shards: dict[int, list[tuple[int, torch.Tensor]]]) -> None:
         """Send initial values: ``shards[k]`` lists ``(shard id, values)`` for server ``k``."""
@@ -137,8 +196,11 @@ class ServerClient:
             items = grads.get(k, [])
             stream, epoch, token = (claim[0], claim[1], claim[2] + 1) \
                 if claim is not None and k == 0 else (-1, 0, 0)
+            # through the lane only when values answer it: the server is then done with the
+            # gradients before this worker can write its next push there
             conn.send_many([(P.GRAD, sid, v, g, 0, 0, 0) for sid, v, g in items]
-                           + [(P.PUSH, stream, epoch, None, len(items), int(pull), token)])
+                           + [(P.PUSH, stream, epoch, None, len(items), int(pull), token)],
+                           shared=pull)
             return self._read_values(k, conn, sink) if pull else 0
 
         return self.each(one)

@@ -2,7 +2,13 @@
 
 A worker talks to each server over one :class:`~replicator.comm.messages.Connection`:
 
-- ``HELLO(a=worker, b=attempt)`` -> ``HELLO`` (a = server index, b = 1 if restored);
+- ``HELLO(a=worker, b=attempt)`` -> ``HELLO`` (a = server index, b = 1 if restored, c = pid,
+  variable id = the server's host id);
+- ``SHM_ATTACH(version=host id, a=push bytes, b=pull bytes, segment name)`` -> ``SHM_ATTACHED``
+  (a = 1, or a = 0 and the reason): the worker created a segment, the server mapped and
+  unlinked it; from then on pushes (answered with values) and the values answering them or a
+  pull put their payloads in it and only headers on the socket
+  (:mod:`replicator.comm.shm_lane`);
 - ``REGISTER(shard id, values)`` (the chief; ignored by a server restored from a checkpoint);
 - ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
 - ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;
@@ -29,6 +35,10 @@ __all__ = ["ParameterServerError", "ParameterServerLostError", "describe_optimiz
 HELLO, REGISTER, OPTIMIZER, GRAD, PUSH, PULL, VALUE, VALUES_END = range(1, 9)
 STATS, VERSIONS, SAVE, SAVED, BYE, ERROR, REGISTERED = range(9, 16)
 CLAIM, CLAIMED, DATA_STATS = range(16, 19)
+SHM_ATTACH, SHM_ATTACHED = range(19, 21)
+
+#: Set to ``0`` to keep payloads on the socket between processes of one host.
+SHARED_MEMORY_ENV = "REPLICATOR_PS_SHARED_MEMORY"
 
 #: Staleness values 0 .. HISTOGRAM_BINS-2 get their own bin; the last bin counts the rest.
 HISTOGRAM_BINS = 64

@@ -6,6 +6,10 @@ One thread per worker connection. Updates are applied under one lock as they arr
 (``staleness=0``, synchronous). A worker that disconnects without ``BYE`` is lost: it leaves
 the live set and any round waiting for it completes without it. The server returns from
 :meth:`ParameterServer.serve` when every worker has connected and none remains.
+
+A worker on this host may attach a shared-memory lane to its connection (``SHM_ATTACH``): its
+pushed gradients are then read in place from the lane for the optimizer step, and the values
+sent back are copied under the lock straight into the lane (no clone, no socket in between).
 """
 
 from __future__ import annotations
@@ -28,19 +32,23 @@ from replicator.comm.messages import (
     Into,
     Message,
     PeerLostError,
+    Staged,
     tensor_text,
     text_tensor,
 )
+from replicator.comm.shm_lane import SharedLane
+from replicator.comm.shm_segment import SharedSegment, host_id
 from replicator.ps import protocol as P
 from replicator.ps.claims import WAIT, ClaimLedger
 
 
 def _gradient_buffers(conn: Connection) -> Into:
     """Gradients land in buffers kept per connection and shard: a worker sends its next push
-    only after this one was applied, so a buffer is free again when it is reused."""
+    only after this one was applied, so a buffer is free again when it is reused. Over a
+    shared-memory lane they stay where the worker wrote them (views; the same reasoning)."""
     def into(kind: int, var_id: int, dtype: torch.dtype, shape: tuple[int, ...]
              ) -> torch.Tensor | None:
-        if kind != P.GRAD:
+        if kind != P.GRAD or conn.lane is not None:
             return None
         key = (var_id, dtype, shape)
         if key not in conn.buffers:
@@ -79,8 +87,10 @@ class ParameterServer:
 
     def __init__(self, index: int, num_workers: int, staleness: int | None,
                  sock: socket.socket, timeout_seconds: float,
-                 checkpoint_dir: str | None = None, store: Any = None) -> None:
+                 checkpoint_dir: str | None = None, store: Any = None,
+                 shared_memory: bool = True) -> None:
         self.index = index
+        self.shared_memory = shared_memory
         self.num_workers = num_workers
         self.staleness = staleness
         self.sock = sock
@@ -177,7 +187,8 @@ class ParameterServer:
             restored = "" if self.restored_step is None else json.dumps(
                 {"step": self.restored_step, "data": self.extra.get("worker_data", {})})
             conn.send(P.HELLO, version=-1 if self.restored_step is None else self.restored_step,
-                      a=self.index, b=int(self.restored_step is not None), c=os.getpid(),
+                      var_id=host_id(), a=self.index, b=int(self.restored_step is not None),
+                      c=os.getpid(),
                       tensor=text_tensor(restored) if restored else None)
             into = _gradient_buffers(conn)
             while True:
@@ -249,11 +260,36 @@ class ParameterServer:
             with self.lock:
                 text = json.dumps(self.claims.summary(msg.a))
             conn.send(P.DATA_STATS, tensor=text_tensor(text))
+        elif msg.kind == P.SHM_ATTACH:
+            self._attach_lane(conn, worker, msg)
         elif msg.kind == P.SAVE:
             path = self._save(msg.a, json.loads(tensor_text(msg.payload)))
             conn.send(P.SAVED, tensor=text_tensor(path))
         else:
             raise P.ParameterServerError(f"unknown request kind {msg.kind}")
+
+    def _attach_lane(self, conn: Connection, worker: int, msg: Message) -> None:
+        """Map the segment the worker created (and unlink it), or say why not: the worker then
+        keeps payloads on the socket."""
+        reason = ""
+        if not self.shared_memory:
+            reason = f"shared memory is switched off on parameter server {self.index}"
+        elif msg.version != host_id():
+            reason = f"worker {worker} and parameter server {self.index} run on different hosts"
+        else:
+            size, push, pull = SharedLane.layout(msg.a, msg.b)
+            try:
+                segment = SharedSegment.open_named(tensor_text(msg.payload), size)
+                lane = SharedLane(segment, out=pull, inbox=push)
+            except (OSError, ValueError, OverflowError) as exc:
+                reason = (f"parameter server {self.index} could not map the segment: "
+                          f"{type(exc).__name__}: {exc}")
+        if reason:
+            conn.send(P.SHM_ATTACHED, a=0, tensor=text_tensor(reason))
+            return
+        conn.buffers.clear()  # gradients arrive in the lane from now on
+        conn.lane = lane
+        conn.send(P.SHM_ATTACHED, a=1)
 
     # -- variables -------------------------------------------------------------------------
     def _register(self, conn: Connection, msg: Message) -> None:
@@ -411,12 +447,20 @@ class ParameterServer:
                 state = self.workers[worker]
                 state.in_flight = True
                 state.pulled_clock = self.clock
-            values = [(sid, s.version, s.param.detach().clone())
-                      for sid, s in sorted(self.shards.items())]
-            clock = self.clock
-        conn.send_many([(P.VALUE, sid, version, value, 0, 0, 0)
-                        for sid, version, value in values]
-                       + [(P.VALUES_END, -1, clock, None, len(values), 0, 0)])
+            staged = self._stage_values(conn)
+        conn.send_staged(staged)
+
+    def _stage_values(self, conn: Connection) -> Staged:
+        """Every shard's values and the end marker, taken under the lock: copied once into the
+        worker's lane if there is one, else cloned (sent after the lock is released)."""
+        shards = sorted(self.shards.items())
+        params = [s.param.detach() for _, s in shards]
+        shared = conn.fits_shared(list(params))
+        values = params if shared else [p.clone() for p in params]
+        return conn.stage([(P.VALUE, sid, s.version, value, 0, 0, 0)
+                           for (sid, s), value in zip(shards, values)]
+                          + [(P.VALUES_END, -1, self.clock, None, len(values), 0, 0)],
+                          shared=shared)
 
     # -- statistics and checkpoints ----------------------------------------------------------
     def _stats_tensor(self) -> torch.Tensor:

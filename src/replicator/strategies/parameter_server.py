@@ -12,7 +12,9 @@ its state; the worker's optimizer keeps none) and send back the new values. ``st
 ``None`` asynchronous; ``k`` a worker's step waits while another step in flight could end up
 more than ``k`` versions stale; ``0`` synchronous (each update averages one gradient from every
 live worker: the same as ``MirroredStrategy``). Messages are typed tensors over TCP, never
-pickles (:mod:`replicator.comm.messages`).
+pickles (:mod:`replicator.comm.messages`); between a worker and a server on one host their
+payloads go through shared memory (``shared_memory=False`` or ``REPLICATOR_PS_SHARED_MEMORY=0``
+keeps them on the socket).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from replicator.cluster.topology import Topology
 from replicator.comm.collectives import Collectives
 from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
+from replicator.comm.shm_segment import align
 from replicator.errors import ClusterConfigError
 from replicator.ps import protocol as P
 from replicator.ps.claimed_data import ClaimedBatches
@@ -76,7 +79,9 @@ class ParameterServerStrategy(Strategy):
     ``FixedShardsPartitioner(n)`` to split variables along dimension 0 (``None``: whole).
     ``staleness``: ``None``, ``0`` or a positive bound. ``address``: where servers listen
     (default loopback). ``checkpoint_dir``: servers restore from it at start, and
-    :meth:`save_checkpoint` writes there.
+    :meth:`save_checkpoint` writes there. ``shared_memory``: payloads between a worker and a
+    server on one host go through shared memory (default on, unless
+    ``REPLICATOR_PS_SHARED_MEMORY=0``); ``False`` keeps them on the TCP connection.
     """
 
     name = "parameter_server"
@@ -86,7 +91,8 @@ class ParameterServerStrategy(Strategy):
                  variable_partitioner: Partitioner | None = None,
                  staleness: int | None = None, *, address: str | None = None,
                  timeout_seconds: float | None = None,
-                 checkpoint_dir: str | os.PathLike[str] | None = None) -> None:
+                 checkpoint_dir: str | os.PathLike[str] | None = None,
+                 shared_memory: bool | None = None) -> None:
         launched = _num_ps_from_env()
         if num_ps is None:
             num_ps = launched if launched is not None else 1
@@ -108,6 +114,10 @@ class ParameterServerStrategy(Strategy):
         self._staleness = staleness
         self._partitioner = variable_partitioner
         self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
+        if shared_memory is None:
+            shared_memory = os.environ.get(P.SHARED_MEMORY_ENV, "1").strip().lower() not in (
+                "0", "false", "no", "off")
+        self._shared_memory = bool(shared_memory)
         self._num_ps = num_ps
         self._device = torch.device("cpu")
         self._rejoined = os.environ.get(REJOIN_ENV) == "1"
@@ -199,7 +209,8 @@ class ParameterServerStrategy(Strategy):
         host, port = sock.getsockname()[:2]
         store.set(f"replicator/ps/address/{index}", f"{host}:{port}")
         server = ParameterServer(index, self._num_workers, self._staleness, sock,
-                                 self._timeout, self._checkpoint_dir, store=store)
+                                 self._timeout, self._checkpoint_dir, store=store,
+                                 shared_memory=self._shared_memory)
         server.serve()
         sys.stdout.flush()
         raise SystemExit(0)
@@ -256,6 +267,11 @@ class ParameterServerStrategy(Strategy):
         return None if info is None else dict(info.get("data") or {})
 
     @property
+    def shared_memory(self) -> list[bool]:
+        """Per server: whether payloads to and from it go through shared memory."""
+        return self._client.shared
+
+    @property
     def server_pids(self) -> list[int]:
         """The process id of each parameter server (for monitoring and fault tests)."""
         return list(self._client.pids)
@@ -289,6 +305,16 @@ class ParameterServerStrategy(Strategy):
                 initial.setdefault(s.server, []).append((s.shard_id, rows.cpu().clone()))
             self._client.register(initial)
         self._client.pull(self._expected(), self._receive)
+        if self._shared_memory:
+            self._client.share_memory(self._lane_sizes(), self._rank)
+
+    def _lane_sizes(self) -> dict[int, tuple[int, int]]:
+        """Per server: bytes of a push (this worker's gradients) and of its answer (every
+        shard's values); every placed shard counts for both."""
+        sizes = {k: 0 for k in range(self._num_ps)}
+        for s in self._shards:
+            sizes[s.server] += align(s.nbytes)
+        return {k: (n, n) for k, n in sizes.items() if n}
 
     def _landing(self, kind: int, sid: int, dtype: torch.dtype, shape: tuple[int, ...]
                  ) -> torch.Tensor | None:

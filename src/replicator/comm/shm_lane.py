@@ -1,0 +1,77 @@
+"""A shared-memory lane for one message connection whose two ends run on one host.
+
+The lane is one segment with two regions: the outbox this end writes payloads into and the
+inbox the peer writes into. A message then carries only its header on the socket, with the
+payload's offset in the sender's outbox; the receiver reads the payload in place (a view) or
+copies it once to where it belongs. The socket still carries every header, so a peer that dies
+is noticed exactly as without the lane (the connection closes, or the receive times out).
+
+Reuse rule: a sender overwrites its outbox from the start with each shared batch, so it may send
+a shared batch only once the peer is done with the previous one. A request/response protocol
+gives that for free when only requests answered after their payloads were consumed, and the
+answers to them, use the lane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from replicator.comm.shm_segment import ALIGN, SharedSegment, align
+
+
+class SharedLane:
+    """Regions of ``segment``: the outbox ``out`` and the inbox ``inbox``, as (offset, bytes)."""
+
+    def __init__(self, segment: SharedSegment, out: tuple[int, int], inbox: tuple[int, int]
+                 ) -> None:
+        for offset, nbytes in (out, inbox):
+            if offset < 0 or nbytes < 0 or offset + nbytes > segment.nbytes or offset % ALIGN:
+                raise ValueError(f"region ({offset}, {nbytes}) does not fit a segment of "
+                                 f"{segment.nbytes} bytes")
+        self.segment = segment
+        self.out_offset, self.out_bytes = out
+        self.in_offset, self.in_bytes = inbox
+
+    @staticmethod
+    def layout(first_bytes: int, second_bytes: int) -> tuple[int, tuple[int, int],
+                                                            tuple[int, int]]:
+        """The segment size and two regions for payloads of ``first_bytes`` (the creator's
+        outbox) and ``second_bytes`` (the peer's outbox)."""
+        first = align(max(first_bytes, ALIGN))
+        second = align(max(second_bytes, ALIGN))
+        return first + second, (0, first), (first, second)
+
+    @staticmethod
+    def nbytes(tensors: Sequence[torch.Tensor | None]) -> int:
+        """Outbox bytes that ``tensors`` take (each payload starts aligned)."""
+        return sum(align(t.numel() * t.element_size()) for t in tensors if t is not None)
+
+    def fits(self, tensors: Sequence[torch.Tensor | None]) -> bool:
+        return self.nbytes(tensors) <= self.out_bytes
+
+    def write(self, tensors: Sequence[torch.Tensor | None]) -> list[int]:
+        """Copy each tensor into the outbox, one after the other; their offsets there (-1 for
+        ``None``). The caller checked :meth:`fits`."""
+        offsets = []
+        at = 0
+        for t in tensors:
+            if t is None:
+                offsets.append(-1)
+                continue
+            n = t.numel() * t.element_size()
+            if n:
+                dst = self.segment.base[self.out_offset + at:self.out_offset + at + n]
+                dst.view(t.dtype).view(t.shape).copy_(t.detach())
+            offsets.append(at)
+            at += align(n)
+        return offsets
+
+    def read(self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+             ) -> torch.Tensor | None:
+        """A view of the payload at ``offset`` in the inbox (``None`` if it lies outside)."""
+        if offset < 0 or offset % ALIGN or offset + nbytes > self.in_bytes:
+            return None
+        start = self.in_offset + offset
+        return self.segment.base[start:start + nbytes].view(dtype).view(shape)
