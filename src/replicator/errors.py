@@ -14,6 +14,10 @@ class ClusterConfigError(ReplicatorError, ValueError):
 class ReplicaTimeoutError(ReplicatorError, TimeoutError):
     """A collective waited longer than its timeout for one or more replicas."""
 
+    #: True once the message names the collective and the missing ranks (set by the
+    #: collectives' error translation, so an outer translation keeps it as it is).
+    named: bool = False
+
 
 class ReplicaMismatchError(ReplicatorError, ValueError):
     """Replicas disagree on something that must be identical (model structure, call order)."""

@@ -44,6 +44,9 @@ def train_digits(staleness: int | None = None, steps: int = 120, num_ps: int = 2
     loader = DataLoader(train, batch_size=PER_WORKER_BATCH * strategy.num_replicas_in_sync,
                         shuffle=True, drop_last=True)
     data = strategy.distribute_dataset(loader, seed=0)
+    # start together: a worker whose process came up late would otherwise train after the
+    # others had finished, and no update would be stale at all
+    strategy.collectives.barrier()
     done = 0
     while done < steps:
         for batch in data:
@@ -139,6 +142,16 @@ def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int 
             if strategy.replica_id == kill_rank and not strategy.rejoined and \
                     strategy.shard_versions()[0]["version"] >= kill_step * 3:
                 os.kill(os.getpid(), signal.SIGKILL)
+    if rejoin_flag:
+        # the restarted worker reports the model the job ends with: it waits for the others
+        survivors = [r for r in range(strategy.num_replicas_in_sync) if r != kill_rank]
+        if strategy.replica_id != kill_rank:
+            open(f"{rejoin_flag}.done{strategy.replica_id}", "w").close()
+        else:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and not all(
+                    os.path.exists(f"{rejoin_flag}.done{r}") for r in survivors):
+                time.sleep(0.1)
     # an epoch ends for a worker only when every batch of it is consumed: nothing is pending
     strategy.pull()
     with torch.no_grad():

@@ -189,21 +189,25 @@ class Collectives:
         seq = self.tracker.enter(what)
         try:
             yield seq
-        except RuntimeError as exc:
+        except (RuntimeError, ReplicaTimeoutError) as exc:
             raise self.translate(exc, seq, what) from exc
 
     def translate(self, exc: BaseException, seq: int, what: str) -> Exception:
-        if isinstance(exc, ReplicatorError):
-            return exc
         text = str(exc).lower()
-        if any(w in text for w in _TIMEOUT_WORDS):
+        # a wait in shared memory times out as ReplicaTimeoutError: named like the backend's
+        timed_out = isinstance(exc, ReplicaTimeoutError) and not exc.named
+        if isinstance(exc, ReplicatorError) and not timed_out:
+            return exc
+        if timed_out or any(w in text for w in _TIMEOUT_WORDS):
             who = self.tracker.explain(seq, what)
-            return ReplicaTimeoutError(
+            error = ReplicaTimeoutError(
                 f"{what} (collective #{seq}) on rank {self.global_rank} waited "
                 f"{self.timeout_seconds:g} s for the other replicas{': ' + who if who else ''}. "
                 "HINT: a rank may be on "
                 "another code path (a condition that depends on the rank or on its data) or "
                 "stuck; every rank must make the same collective calls in the same order.")
+            error.named = True
+            return error
         if any(w in text for w in _LOST_PEER_WORDS):
             detail = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0])[:160]
             return ReplicatorError(
