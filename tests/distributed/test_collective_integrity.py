@@ -222,7 +222,8 @@ def _large_payloads(implementation: str) -> dict:
     out: dict = {"shm": coll.uses_shared_memory}
     out["sum"] = strategy.reduce("sum", big)[-3:].tolist()
     out["mean"] = strategy.reduce("mean", big.double())[:2].tolist()
-    out["max"] = strategy.reduce("max", big)[-1].item()                 # not a sum: backend
+    out["max"] = strategy.reduce("max", big)[-1].item()
+    out["min"] = strategy.reduce("min", torch.tensor([float(rank), -float(rank)])).tolist()
     rows = torch.full((rank + 1, 30_000), float(rank))                  # uneven, 120-240 KB
     gathered = strategy.gather(rows)
     out["gather"] = [list(gathered.shape), gathered[:, 0].tolist()]
@@ -248,6 +249,7 @@ def test_large_payloads_and_fingerprints_through_either_path(implementation):
         assert res["sum"] == [39_997.0 * 3, 39_998.0 * 3, 39_999.0 * 3]
         assert res["mean"] == [0.0, 1.5]
         assert res["max"] == 39_999.0 * 2
+        assert res["min"] == [0.0, -1.0]
         assert res["gather"] == [[3, 30_000], [0.0, 1.0, 1.0]]
         assert res["bcast"] == [1.0, 1.5, 1.0]
         assert res["mismatch"]["kind"] == "CollectiveMismatchError", res["mismatch"]

@@ -230,13 +230,15 @@ class Collectives:
         if op is ReduceOp.MEAN and not out.is_floating_point() and not out.is_complex():
             out = out.to(torch.get_default_dtype())
         if self.world_size > 1:
-            shm = self._payload_path([out]) if op in (ReduceOp.SUM, ReduceOp.MEAN) and \
-                out.dtype is not torch.bool else None
+            shm = self._payload_path([out]) if out.dtype is not torch.bool else None
             with self.guard(what):
-                if shm is not None:
-                    shm.all_reduce_sum(out, self.group)
-                else:
+                if shm is None:
                     dist.all_reduce(out, op=op.to_dist(), group=self.group)
+                elif op in (ReduceOp.SUM, ReduceOp.MEAN):
+                    shm.all_reduce_sum(out, self.group)
+                else:  # every rank's tensor, then the same elementwise max/min everywhere
+                    stacked = torch.stack(shm.all_gather(out, self.group))
+                    out = stacked.amax(0) if op is ReduceOp.MAX else stacked.amin(0)
         if op is ReduceOp.MEAN:
             out.div_(self.world_size)
         return out
