@@ -16,6 +16,9 @@ critical path, and ``ratio_without_transport`` is the ratio once it is taken out
 time (the schedule's own bubble). The gloo round trip of one microbatch's activation is
 measured and printed too. "whole step ms" adds the strategy's forward pass without autograd
 that precedes the schedule (see ``replicator/strategies/pipeline.py``): about a third more compute.
+At 8 microbatches the whole step is also timed with ``strategy.forward_backward`` (forward and
+backward in one schedule run, no second forward pass): ``step_forward_backward_vs_two_pass_<s>_m8``
+is its step time over the two-pass step's (goal <= 0.8: a third of the compute goes).
 
 JSON lines: ``bubble_<schedule>_m<m>`` (ratio measured / theoretical, goal <= 1.1) and
 ``activation_1f1b_vs_gpipe_m8`` (goal <= 0.6).
@@ -93,8 +96,8 @@ def _roundtrip_ms(width: int, rows: int, repeats: int = 40) -> float:
     return statistics.median(times[5:]) * 1000
 
 
-def _measure(schedule: str, m: int, steps: int, forward_ms: float, width: int
-             ) -> dict[str, Any]:
+def _measure(schedule: str, m: int, steps: int, forward_ms: float, width: int,
+             single_pass: bool = False) -> dict[str, Any]:
     """Median idle fraction and schedule wall time (ms) per step, and peak activations."""
     strategy = rp.PipelineStrategy(num_stages=2, num_microbatches=m, schedule=schedule)
     with strategy.scope():
@@ -129,6 +132,15 @@ def _measure(schedule: str, m: int, steps: int, forward_ms: float, width: int
     result = {"idle": median(idle), "wall_ms": median(walls), "step_ms": median(full[1:]),
               "busy_ms": median([w * (1 - f) for w, f in zip(walls, idle)]),
               "activation": strategy.memory_report().peak_activation_bytes}
+    if single_pass:
+        target = torch.zeros(x.shape[0], width)
+        single = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            strategy.run(lambda: strategy.forward_backward(
+                model, x, target, lambda out, t: (out - t).sum()))
+            single.append((time.perf_counter() - start) * 1000)
+        result["single_step_ms"] = median(single)
     strategy.close()
     return result
 
@@ -141,7 +153,7 @@ def _worker(steps: int, forward_ms: float, width: int) -> dict:
             if schedule == "1f1b" and m < 2:
                 continue  # 1F1B needs m >= p; with one microbatch it is GPipe
             key = f"{schedule}_m{m}"
-            out[key] = _measure(schedule, m, steps, forward_ms, width)
+            out[key] = _measure(schedule, m, steps, forward_ms, width, single_pass=m == 8)
             # the same schedule and shapes with no compute: the transport on the critical path
             out[key]["transport_ms"] = _measure(schedule, m, steps, 0.0, width)["wall_ms"]
             if "roundtrip_ms" not in out:
@@ -186,6 +198,13 @@ def main() -> None:
         emit(BENCH, f"bubble_{key}", ratio, "<= 1.1", measured=round(idle, 4),
              theoretical=round(theory, 4), transport_ms=round(transport, 2),
              ratio_without_transport=round(net_ratio, 4))
+    for schedule in ("gpipe", "1f1b"):
+        r = ranks[0][f"{schedule}_m8"]
+        print(f"{schedule} m=8 whole step: {r['step_ms']:.0f} ms with model(x) + backward, "
+              f"{r['single_step_ms']:.0f} ms with strategy.forward_backward")
+        emit(BENCH, f"step_forward_backward_vs_two_pass_{schedule}_m8",
+             r["single_step_ms"] / r["step_ms"], "<= 0.8",
+             two_pass_ms=round(r["step_ms"], 1), forward_backward_ms=round(r["single_step_ms"], 1))
     act = ranks[0]["1f1b_m8"]["activation"] / ranks[0]["gpipe_m8"]["activation"]
     emit(BENCH, "activation_1f1b_vs_gpipe_m8", act, "<= 0.6",
          gpipe_bytes=ranks[0]["gpipe_m8"]["activation"],

@@ -133,9 +133,10 @@ def full_state(strategy: rp.Strategy, model: nn.Module) -> dict[str, torch.Tenso
 
 
 def train(strategy: rp.Strategy, model_name: str, opt_name: str, steps: int = STEPS,
-          batch: int = GLOBAL_BATCH) -> dict:
+          batch: int = GLOBAL_BATCH, single_pass: bool = False) -> dict:
     """``steps`` steps of the given model and optimizer; the full parameters held and the
-    losses reported by ``strategy.reduce``."""
+    losses reported by ``strategy.reduce``. ``single_pass``: the pipeline's
+    ``forward_backward`` instead of ``loss_fn(model(x), y).backward()``."""
     with strategy.scope():
         model = MODELS[model_name]()
         params = model.parameters()
@@ -144,6 +145,11 @@ def train(strategy: rp.Strategy, model_name: str, opt_name: str, steps: int = ST
 
     def step(b):
         x, y = b
+        if single_pass:
+            loss = strategy.forward_backward(model, x, y, loss_of)
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
         out = model(x)
         loss = loss_of(out.logits if hasattr(out, "logits") else out, y)
         loss.backward()

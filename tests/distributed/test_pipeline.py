@@ -68,6 +68,46 @@ def test_gpipe_1f1b_interleaved_and_zero_bubble_equal_one_device():
     assert 0 < one_f_one_b < 0.6 * gpipe  # 1F1B keeps fewer microbatches in flight
 
 
+def _single_pass(_: int) -> dict:
+    out = {}
+    for schedule, microbatches in (("gpipe", 4), ("1f1b", 8)):
+        strategy = rp.PipelineStrategy(num_stages=2, num_microbatches=microbatches,
+                                       schedule=schedule)
+        out[f"{schedule}_m{microbatches}"] = {
+            f"{m}_{o}": train(strategy, m, o, single_pass=True)
+            for m, o in (("mlp", "sgd"), ("transformer", "adam"))}
+    # a model the strategy does not pipeline: the plain forward and backward
+    plain = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.ones_(plain.weight)
+    loss = strategy.forward_backward(plain, torch.ones(8, 2), torch.zeros(8, 2),
+                                     torch.nn.functional.mse_loss)
+    out["plain"] = [loss.item(), plain.weight.grad.tolist()]
+    # and under a data-parallel strategy, the same call
+    one = rp.OneDeviceStrategy("cpu")
+    with one.scope():
+        again = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.ones_(again.weight)
+    loss = one.forward_backward(again, torch.ones(8, 2), torch.zeros(8, 2),
+                                torch.nn.functional.mse_loss)
+    out["one_device"] = [loss.item(), again.weight.grad.tolist()]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_forward_backward_in_one_schedule_run_equals_one_device():
+    """``strategy.forward_backward(model, x, y, loss_fn)`` runs forward and backward in one
+    schedule run (no second forward pass): 10 SGD and 10 Adam steps equal one device and the
+    returned loss is the batch's, on both ranks; a model that is not pipelined, and every
+    other strategy, run the plain forward and backward."""
+    configs = (("mlp", "sgd"), ("transformer", "adam"))
+    ref = run_distributed(one_device, 1, args=(configs,), timeout_seconds=120)[0]
+    out = run_distributed(_single_pass, 2, args=(0,), timeout_seconds=220)
+    plain = [(o.pop("plain"), o.pop("one_device")) for o in out]
+    _check(ref, out)
+    # each output is 2: loss 2 ** 2 = 4; dL/dW = 8 rows x 2 x 2 x 1 / 16 outputs = 2
+    assert all(p == o == [4.0, [[2.0, 2.0], [2.0, 2.0]]] for p, o in plain), plain
+
+
 class Noise(torch.nn.Module):
     """Adds random noise (like dropout, it draws from the RNG) and remembers each draw."""
 

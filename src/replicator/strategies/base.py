@@ -261,6 +261,16 @@ class Strategy(ABC):
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         return fn(*args, **kwargs)
 
+    # -- one training step's forward and backward -------------------------------------------
+    def forward_backward(self, model: torch.nn.Module, inputs: Any, target: Any,
+                         loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """``loss = loss_fn(model(inputs), target); loss.backward()``, returning the loss
+        (detached). The same call works under every strategy; a pipeline runs it as one
+        schedule run with the loss on the last stage (no second forward pass)."""
+        loss = loss_fn(model(inputs), target)
+        loss.backward()
+        return loss.detach()
+
     # -- cross-replica values ----------------------------------------------------------------
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> torch.Tensor:
         """Combine a per-replica value across replicas (and along ``axis`` if given).

@@ -16,7 +16,7 @@ whatever ranks are left).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -191,6 +191,20 @@ class MeshStrategy(Strategy):
             if runner is not None:
                 runner.after_backward = averager.average
         self._record_replacements(module)
+
+    def forward_backward(self, model: torch.nn.Module, inputs: Any, target: Any,
+                         loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of a pipelined ``model`` in one run of the schedule, the
+        loss ``loss_fn(output, target)`` computed on the last stage per microbatch; returns
+        the batch's loss (the mean over microbatches) on every rank of the pipeline.
+
+        Use it inside ``strategy.run`` instead of ``loss = loss_fn(model(x), y);
+        loss.backward()`` to skip the extra forward pass that the one-device shape costs
+        (see :mod:`replicator.strategies.pipeline`); then step the optimizer as usual."""
+        for runner in self._pipelines:
+            if runner.model is model:
+                return runner.forward_backward(inputs, target, loss_fn)
+        return super().forward_backward(model, inputs, target, loss_fn)  # not pipelined
 
     def _broadcast_initial_state(self, module: torch.nn.Module) -> None:
         """Every rank starts from global rank 0's values (as Mirrored does), so the pieces cut

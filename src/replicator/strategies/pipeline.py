@@ -18,13 +18,15 @@ call of the model runs in two passes:
 The price is a second forward pass without autograd (about a third more compute for a
 model whose backward costs twice its forward) and a broadcast of the output within the
 pipeline group. The random-number state is replayed, so dropout masks are the same in both
-passes.
+passes. When the loss is known up front (a function of the output and a target),
+:meth:`PipelineRunner.forward_backward` (``strategy.forward_backward``) runs both in one
+schedule run instead, the loss on the last stage.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -108,6 +110,7 @@ class PipelineRunner:
         self._schedules: dict[tuple, Any] = {}
         # each local stage's microbatch input and output (shapes for the schedule's stages)
         self._metas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._metas_key: tuple | None = None
         self._balance = balance
         if split_points:
             self._cut(named_starts(self.chain, list(split_points), self.num_stages))
@@ -216,6 +219,7 @@ class PipelineRunner:
                     stage_input = act
                     act = self.stages[s](act)
                     self._metas[s] = (_meta(stage_input, grad=s > 0), _meta(act, grad=True))
+                    self._metas_key = (tuple(x.shape), x.dtype)
                     if s < self.num_stages - 1 and self.owners[s + 1] != self.me:
                         self._send(act, self.owners[s + 1])
                 if self.me == last:
@@ -257,8 +261,54 @@ class PipelineRunner:
         out.register_hook(backward)
         return out
 
-    def _schedule_for(self, x: torch.Tensor) -> Any:
+    def forward_backward(self, x: Any, target: torch.Tensor,
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                         ) -> torch.Tensor:
+        """One run of the schedule: forward and backward of every microbatch, the loss
+        computed on the last stage as ``loss_fn(output, target)`` per microbatch. Gradients
+        are those of the mean of the microbatch losses (the batch's loss for a mean-reduced
+        ``loss_fn``); that mean is returned on every rank of the pipeline (detached)."""
+        x = self._check_input(x)
+        if not isinstance(target, torch.Tensor) or target.dim() == 0 or \
+                target.shape[0] != x.shape[0]:
+            got = tuple(target.shape) if isinstance(target, torch.Tensor) else \
+                type(target).__name__
+            raise ValueError(
+                f"forward_backward: the target must be a tensor with one row per input row "
+                f"({x.shape[0]}), got {got}. HINT: pass the labels of the same batch")
+        if not self.stages:
+            self._measure_and_cut(x)
         key = (tuple(x.shape), x.dtype)
+        if self._metas_key != key:
+            # the schedule's stages need each stage's shapes: one pass without autograd
+            # measures them, with the random-number state put back (no dropout mask consumed)
+            rng = torch.get_rng_state()
+            self._value_pass(x)
+            torch.set_rng_state(rng)
+        m = self.num_microbatches
+
+        def microbatch_loss(output: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, tgt) / m
+
+        sched = self._schedule_for(x, microbatch_loss, key=(*key, "loss", id(loss_fn)))
+        last = self.num_stages - 1
+        args = (x,) if 0 in self.local_ids else ()
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        if last in self.local_ids:
+            kwargs["target"] = target.to(self.device)
+            kwargs["losses"] = losses
+        with torch.enable_grad():
+            sched.step(*args, **kwargs)
+        if self.after_backward is not None:
+            self.after_backward()
+        mine = torch.stack([loss.detach() for loss in losses]).sum() if losses else None
+        return self._broadcast(mine, self.owners[last])
+
+    def _schedule_for(self, x: torch.Tensor,
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                      key: tuple | None = None) -> Any:
+        key = key or (tuple(x.shape), x.dtype)
         if key not in self._schedules:
             cls = getattr(torch_schedules, SCHEDULES[self.schedule_name][0], None)
             if cls is None:
@@ -272,9 +322,10 @@ class PipelineRunner:
                                     output_args=self._metas[s][1], group=self.group)
                       for s in self.local_ids]
 
-            def loss_fn(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+            def output_times_grad(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
                 return (output * grad).sum()
 
+            loss_fn = loss_fn or output_times_grad
             if SCHEDULES[self.schedule_name][1] == 1:
                 sched = cls(stages[0], self.num_microbatches, loss_fn=loss_fn,
                             scale_grads=False)
