@@ -66,12 +66,16 @@ def train_digits(staleness: int | None = None, steps: int = 120, num_ps: int = 2
 
 @pytest.mark.timeout(180)
 def test_async_three_workers_two_servers_sharded_digits():
-    out = launch(train_digits, num_replicas=5, num_ps=2, timeout_seconds=60)
+    # 200 steps per worker: with every worker starting together the updates are staler than
+    # when they trickle in, and 120 steps left the accuracy at the goal's edge (0.944 and
+    # 0.964 in two runs; 200 steps: 0.983)
+    out = launch(train_digits, num_replicas=5, num_ps=2, kwargs={"steps": 200},
+                 timeout_seconds=60)
     workers = out[:3]
     assert out[3] is None and out[4] is None
     assert workers[0]["accuracy"] >= 0.95, workers[0]["accuracy"]
     total = sum(w["steps"] for w in workers)
-    assert total == 3 * 120
+    assert total == 3 * 200
     # every shard was updated once per push of every worker, never lost nor doubled
     versions = workers[0]["versions"]
     assert {v["server"] for v in versions} == {0, 1}
