@@ -68,13 +68,7 @@ def _fabric(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any]
         fabric.launch()  # launched externally: uses the running process group
         wrapped, wrapped_opt = fabric.setup(model, opt)
     _check_data_parallel("fabric", wrapped)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        fabric.backward(F.cross_entropy(wrapped(x), y))
-        wrapped_opt.step()
-        wrapped_opt.zero_grad()
-
-    return step
+    return _step(wrapped, wrapped_opt, fabric.backward)
 
 
 def _accelerate(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any], None]:
@@ -83,22 +77,22 @@ def _accelerate(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, 
     accelerator = Accelerator(cpu=True)
     wrapped, wrapped_opt = accelerator.prepare(model, opt)
     _check_data_parallel("accelerate", wrapped)
+    return _step(wrapped, wrapped_opt, accelerator.backward)
 
+
+def _step(model: nn.Module, opt: Any,
+          backward: Callable[[torch.Tensor], None]) -> Callable[[Any, Any], None]:
+    """One training step of ``model``, with the framework's own ``backward``."""
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        accelerator.backward(F.cross_entropy(wrapped(x), y))
-        wrapped_opt.step()
-        wrapped_opt.zero_grad()
+        backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
 
     return step
 
 
 def _plain(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any], None]:
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
+    return _step(model, opt, torch.Tensor.backward)
 
 
 def worker(rounds: int, steps: int, peers: list[str]) -> dict[str, Any]:

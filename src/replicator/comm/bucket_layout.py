@@ -50,3 +50,19 @@ class BucketLayout:
             raise ValueError(f"bucket {self.index} needs {self.numel} elements, the buffer has "
                              f"{flat.numel()}")
         return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` flattened back to back into one new tensor on ``device`` (for one
+    coalesced collective)."""
+    return torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
+
+
+def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` (as made by :func:`pack`) back into ``tensors``, in place."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n

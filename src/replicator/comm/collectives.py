@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from replicator.comm.bucket_layout import pack, unpack_into
 from replicator.comm.fingerprint import (
     PendingCheck,
     backend_verdict,
@@ -331,18 +332,13 @@ class Collectives:
                 with self.guard(f"{what} ({dtype})"), torch.no_grad():
                     shm.broadcast_(group, src=src, group=self.group)  # in place, no packing
                 continue
-            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
+            flat = pack(group, self.device)
             with self.guard(f"{what} ({dtype})"):
                 if shm is not None:
                     shm.broadcast_([flat], src=src, group=self.group)
                 else:
                     dist.broadcast(flat, group=self.group, group_src=src)
-            offset = 0
-            with torch.no_grad():
-                for t in group:
-                    n = t.numel()
-                    t.copy_(flat[offset:offset + n].view_as(t))
-                    offset += n
+            unpack_into(flat, group)
 
     def all_gather_bytes(self, payload: bytes, what: str = "all_gather") -> list[bytes]:
         """Exchange small byte strings (e.g. JSON) without pickling anything."""

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.algorithms import CrossDeviceOps, Handle, NativeAllReduce
-from replicator.comm.bucket_layout import BucketLayout
+from replicator.comm.bucket_layout import BucketLayout, pack, unpack_into
 from replicator.comm.collectives import Collectives
 from replicator.comm.fingerprint import PendingCheck, dtype_name
 
@@ -330,7 +330,7 @@ class GradientSynchronizer:
         coll = self.collectives
         for how, dtype, tensors in self._buffer_groups:
             what = f"{how} of {len(tensors)} {dtype_name(dtype)} buffers ({self.what})"
-            flat = torch.cat([t.detach().reshape(-1).to(coll.device) for t in tensors])
+            flat = pack(tensors, coll.device)
             with coll.guard(what):
                 if how == "mean":
                     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=coll.group)
@@ -338,12 +338,7 @@ class GradientSynchronizer:
                     dist.broadcast(flat, group=coll.group, group_src=0)
             if how == "mean":
                 flat.div_(coll.world_size)
-            offset = 0
-            with torch.no_grad():
-                for t in tensors:
-                    n = t.numel()
-                    t.copy_(flat[offset:offset + n].view_as(t))
-                    offset += n
+            unpack_into(flat, tensors)
 
     def _write_back(self, bucket: _Bucket, scale: float) -> None:
         self._buffer(bucket).mul_(scale)
