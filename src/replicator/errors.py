@@ -61,6 +61,11 @@ class CheckpointWriteError(CheckpointError):
     """Saving a checkpoint failed (for example a full disk); nothing was committed."""
 
 
+class CallbackFailedError(ReplicatorError):
+    """A callback raised on one or more replicas; raised on every replica (the Trainer's
+    replicas agree on callback errors, so none is left waiting in the next collective)."""
+
+
 class NonFiniteLossError(ReplicatorError, FloatingPointError):
     """The loss or the gradients became NaN or infinite; the optimizer step was not taken."""
 

@@ -1,6 +1,6 @@
 """The train room: Trainer.fit/evaluate/predict, callbacks, metrics, progress, Replicator."""
 
-from replicator.train.agreement import CallbackFailedError
+from replicator.errors import CallbackFailedError
 from replicator.train.callbacks import (
     Callback,
     CSVLogger,

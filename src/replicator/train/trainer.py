@@ -25,7 +25,7 @@ from replicator.data.batching import slice_bounds
 from replicator.data.prefetch import to_device
 from replicator.strategies.base import Strategy
 from replicator.strategies.losses import compute_average_loss
-from replicator.train.agreement import ErrorAgreement
+from replicator.train.callback_agreement import ErrorAgreement
 from replicator.train.callbacks import (
     Callback,
     CallbackList,

@@ -12,11 +12,9 @@ import traceback
 
 import torch
 
-from replicator.errors import ReplicatorError
+from replicator.errors import CallbackFailedError
 
-
-class CallbackFailedError(ReplicatorError):
-    """A callback raised on one or more replicas; raised on every replica."""
+__all__ = ["CallbackFailedError", "ErrorAgreement"]
 
 
 class ErrorAgreement:
