@@ -11,10 +11,10 @@ import torch
 
 import replicator as rp
 from replicator.cluster.launcher import check_num_ps
-from replicator.comm.messages import Connection, MessageFormatError, PeerLostError
 from replicator.errors import ClusterConfigError
 from replicator.ps import protocol as P
 from replicator.ps.claims import EPOCH_DONE, WAIT, ClaimLedger
+from replicator.ps.messages import Connection, MessageFormatError, PeerLostError
 from replicator.ps.partitioners import place
 
 

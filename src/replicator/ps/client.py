@@ -23,7 +23,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from replicator.comm.messages import (
+from replicator.comm.shm_segment import SharedSegment, host_id, unlink_segment
+from replicator.ps import protocol as P
+from replicator.ps.messages import (
     Connection,
     Into,
     Message,
@@ -31,9 +33,7 @@ from replicator.comm.messages import (
     tensor_text,
     text_tensor,
 )
-from replicator.comm.shm_lane import SharedLane
-from replicator.comm.shm_segment import SharedSegment, host_id, unlink_segment
-from replicator.ps import protocol as P
+from replicator.ps.shm_lane import SharedLane
 
 T = TypeVar("T")
 #: Called with (shard id, version, values) for each value a pull brings.

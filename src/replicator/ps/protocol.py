@@ -1,6 +1,6 @@
 """The parameter-server protocol: message kinds and the optimizer description on the wire.
 
-A worker talks to each server over one :class:`~replicator.comm.messages.Connection`:
+A worker talks to each server over one :class:`~replicator.ps.messages.Connection`:
 
 - ``HELLO(a=worker, b=attempt)`` -> ``HELLO`` (a = server index, b = 1 if restored, c = pid,
   variable id = the server's host id);
@@ -8,7 +8,7 @@ A worker talks to each server over one :class:`~replicator.comm.messages.Connect
   (a = 1, or a = 0 and the reason): the worker created a segment, the server mapped and
   unlinked it; from then on pushes (answered with values) and the values answering them or a
   pull put their payloads in it and only headers on the socket
-  (:mod:`replicator.comm.shm_lane`);
+  (:mod:`replicator.ps.shm_lane`);
 - ``REGISTER(shard id, values)`` (the chief; ignored by a server restored from a checkpoint);
 - ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
 - ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;

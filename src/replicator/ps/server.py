@@ -27,7 +27,10 @@ from typing import Any
 import torch
 
 from replicator.cluster.launcher import REJOIN_KEY
-from replicator.comm.messages import (
+from replicator.comm.shm_segment import SharedSegment, host_id
+from replicator.ps import protocol as P
+from replicator.ps.claims import WAIT, ClaimLedger
+from replicator.ps.messages import (
     Connection,
     Into,
     Message,
@@ -36,10 +39,7 @@ from replicator.comm.messages import (
     tensor_text,
     text_tensor,
 )
-from replicator.comm.shm_lane import SharedLane
-from replicator.comm.shm_segment import SharedSegment, host_id
-from replicator.ps import protocol as P
-from replicator.ps.claims import WAIT, ClaimLedger
+from replicator.ps.shm_lane import SharedLane
 
 
 def _gradient_buffers(conn: Connection) -> Into:

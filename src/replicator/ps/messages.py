@@ -7,7 +7,7 @@ reserved) followed by the payload tensor's bytes. Nothing is pickled: a receiver
 tensor from the header's dtype and shape, and refuses a header whose magic, dtype or length it
 does not know.
 
-When both ends run on one host they may attach a :class:`~replicator.comm.shm_lane.SharedLane`
+When both ends run on one host they may attach a :class:`~replicator.ps.shm_lane.SharedLane`
 to the connection: a batch sent with ``shared=True`` then puts its payloads in shared memory and
 only the headers on the socket (see the lane's reuse rule).
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from replicator.comm.shm_lane import SharedLane
 from replicator.errors import ReplicatorError
+from replicator.ps.shm_lane import SharedLane
 
 MAGIC = 0x52504D5347  # "RPMSG"
 MAX_DIMS = 6
@@ -128,7 +128,7 @@ class Connection:
         self.closed = False
         #: Receive buffers its owner reuses from message to message (see ``into``).
         self.buffers: dict[Any, torch.Tensor] = {}
-        #: Shared memory with a peer on this host (see :mod:`replicator.comm.shm_lane`).
+        #: Shared memory with a peer on this host (see :mod:`replicator.ps.shm_lane`).
         self.lane: SharedLane | None = None
 
     @classmethod
