@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replicator.cluster.hosts import HOST_ENV
+from replicator.cluster.env_names import HOST_ENV
 from replicator.cluster.process_group import initialize
 from replicator.comm import (
     BucketLayout,

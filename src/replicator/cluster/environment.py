@@ -13,13 +13,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from replicator.cluster.env_names import TIMEOUT_ENV
 from replicator.errors import ClusterConfigError
-
-#: Environment variables the local launcher sets in addition to torchrun's names.
-LAUNCHER_ENV = "REPLICATOR_LAUNCHER"
-STORE_HOSTED_ENV = "REPLICATOR_STORE_HOSTED"
-RESTART_COUNT_ENV = "REPLICATOR_RESTART_COUNT"
-TIMEOUT_ENV = "REPLICATOR_TIMEOUT_SECONDS"
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
 from replicator.cluster.launcher import LocalGroup, check_num_replicas
 from replicator.cluster.ports import check_port
-from replicator.cluster.worker_errors import ERROR_DIR_ENV, error_path, record_exception
+from replicator.cluster.worker_errors import error_path, record_exception
 
 
 def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                     env: dict[str, str], result_file: str) -> None:
     os.environ.update(env)
     rank = int(env["RANK"])
-    attempt = int(env.get("REPLICATOR_RESTART_COUNT", "0"))
+    attempt = int(env.get(RESTART_COUNT_ENV, "0"))
     code = 0
     try:
         import torch

@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from replicator.cluster.env_names import HOST_ENV
 from replicator.errors import ClusterConfigError
 
-HOST_ENV = "REPLICATOR_HOST"
 #: Bytes of a host key on the wire (longer keys are refused with a clear error).
 MAX_HOST_KEY_BYTES = 128
 

@@ -32,8 +32,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from replicator.cluster.environment import (
+from replicator.cluster.env_names import (
+    ERROR_DIR_ENV,
     LAUNCHER_ENV,
+    NUM_PS_ENV,
+    PREEMPTION_GRACE_ENV,
+    REJOIN_ENV,
+    REJOIN_KEY,
     RESTART_COUNT_ENV,
     STORE_HOSTED_ENV,
     TIMEOUT_ENV,
@@ -43,7 +48,6 @@ from replicator.cluster.output import OutputRelay, terminal_env
 from replicator.cluster.ports import LOOPBACK, check_port, listen
 from replicator.cluster.restart_policy import group_by_rank, restart_refusal
 from replicator.cluster.worker_errors import (
-    ERROR_DIR_ENV,
     WorkerError,
     error_path,
     read_backup,
@@ -57,13 +61,6 @@ FAILURE_GRACE_SECONDS = 5.0
 KILL_GRACE_SECONDS = 3.0
 #: Seconds preempted workers get to save their backup and exit (override with the variable).
 PREEMPTION_GRACE_SECONDS = 120.0
-PREEMPTION_GRACE_ENV = "REPLICATOR_PREEMPTION_GRACE_SECONDS"
-#: How many of the job's processes (the last ranks) are parameter servers (``--num-ps``).
-NUM_PS_ENV = "REPLICATOR_NUM_PS"
-#: Set to "1" for a worker restarted alone to rejoin running parameter servers.
-REJOIN_ENV = "REPLICATOR_REJOIN"
-#: Store key (under the attempt's prefix) that says worker rank R is being restarted alone.
-REJOIN_KEY = "ps/rejoining/{rank}"
 
 
 def check_num_ps(num_ps: Any, world: int) -> int:

@@ -24,7 +24,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-from replicator.cluster.environment import LAUNCHER_ENV, TIMEOUT_ENV
+from replicator.cluster.env_names import LAUNCHER_ENV, RUN_ID_ENV, TIMEOUT_ENV
 from replicator.cluster.launcher import check_num_replicas
 from replicator.cluster.ports import check_port, listen
 from replicator.errors import ClusterConfigError, WorkerFailedError
@@ -190,7 +190,7 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
     _register_rendezvous()
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
-        run_id=run_id or os.environ.get("REPLICATOR_RUN_ID", "") or f"replicator-{port}",
+        run_id=run_id or os.environ.get(RUN_ID_ENV, "") or f"replicator-{port}",
         rdzv_endpoint=f"{master_addr}:{port}", rdzv_backend=RENDEZVOUS_BACKEND,
         rdzv_configs={"rank": node_rank, "timeout": int(rdzv_timeout)},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",

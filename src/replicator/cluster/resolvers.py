@@ -16,12 +16,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from replicator.cluster.environment import (
-    LAUNCHER_ENV,
-    RESTART_COUNT_ENV,
-    STORE_HOSTED_ENV,
-    ClusterSpec,
-)
+from replicator.cluster.env_names import LAUNCHER_ENV, RESTART_COUNT_ENV, STORE_HOSTED_ENV
+from replicator.cluster.environment import ClusterSpec
 from replicator.errors import ClusterConfigError
 
 #: The rendezvous port a SLURM job uses when ``MASTER_PORT`` is not set.

@@ -10,12 +10,8 @@ import os
 import runpy
 import sys
 
-from replicator.cluster.worker_errors import (
-    ERROR_DIR_ENV,
-    ScriptNotFoundError,
-    error_path,
-    record_exception,
-)
+from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
+from replicator.cluster.worker_errors import ScriptNotFoundError, error_path, record_exception
 
 
 def _clean_exit(code: int) -> None:
@@ -43,7 +39,7 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("REPLICATOR_RESTART_COUNT", "0"))
+    attempt = int(os.environ.get(RESTART_COUNT_ENV, "0"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     try:
         if not os.path.isfile(script):

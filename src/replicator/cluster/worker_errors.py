@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-ERROR_DIR_ENV = "REPLICATOR_ERROR_DIR"
+from replicator.cluster.env_names import ERROR_DIR_ENV
 
 
 class ScriptNotFoundError(FileNotFoundError):

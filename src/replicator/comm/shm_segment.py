@@ -25,12 +25,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from replicator.cluster.env_names import SHM_DIR_ENV
 from replicator.comm.groups import group_rank, group_ranks, group_size
 from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
 
 #: Where segments are created; ``REPLICATOR_SHM_DIR`` overrides it (a tmpfs of your choice,
 #: or a path that does not exist to keep shared memory off).
-SHM_DIR = os.environ.get("REPLICATOR_SHM_DIR", "") or "/dev/shm"
+SHM_DIR = os.environ.get(SHM_DIR_ENV, "") or "/dev/shm"
 NAME_PREFIX = "replicator-shm-"
 ALIGN = 64
 _PAYLOAD = 256

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from replicator.cluster.env_names import PS_SHARED_MEMORY_ENV
 from replicator.errors import ParameterServerError, ParameterServerLostError
 
 __all__ = ["ParameterServerError", "ParameterServerLostError", "describe_optimizer",
@@ -38,7 +39,7 @@ CLAIM, CLAIMED, DATA_STATS = range(16, 19)
 SHM_ATTACH, SHM_ATTACHED = range(19, 21)
 
 #: Set to ``0`` to keep payloads on the socket between processes of one host.
-SHARED_MEMORY_ENV = "REPLICATOR_PS_SHARED_MEMORY"
+SHARED_MEMORY_ENV = PS_SHARED_MEMORY_ENV
 
 #: Staleness values 0 .. HISTOGRAM_BINS-2 get their own bin; the last bin counts the rest.
 HISTOGRAM_BINS = 64

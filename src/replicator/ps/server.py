@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from replicator.cluster.launcher import REJOIN_KEY
+from replicator.cluster.env_names import REJOIN_KEY
 from replicator.comm.shm_segment import SharedSegment, host_id
 from replicator.ps import protocol as P
 from replicator.ps.claims import WAIT, ClaimLedger

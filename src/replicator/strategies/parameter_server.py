@@ -33,8 +33,8 @@ from torch.optim.optimizer import (
 )
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
+from replicator.cluster.env_names import NUM_PS_ENV, REJOIN_ENV
 from replicator.cluster.environment import resolve_cluster, timeout_from_env
-from replicator.cluster.launcher import NUM_PS_ENV, REJOIN_ENV
 from replicator.cluster.ports import LOOPBACK, listen
 from replicator.cluster.process_group import (
     DEFAULT_TIMEOUT_SECONDS,

@@ -1,0 +1,41 @@
+"""The names the launcher and its workers agree on: environment variables and store keys.
+
+The launcher (parent side) sets these variables and the worker side (resolvers, the process
+group, parameter servers, shared memory) reads them. Both import the names from here, so that
+worker-side code never imports the launcher. torchrun's own names (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ...) are not repeated here.
+"""
+
+from __future__ import annotations
+
+#: Which launcher started this process ("local", "multi-node").
+LAUNCHER_ENV = "REPLICATOR_LAUNCHER"
+#: "1" when the launcher already hosts the rendezvous store (rank 0 connects as a client).
+STORE_HOSTED_ENV = "REPLICATOR_STORE_HOSTED"
+#: How many times the launcher has restarted the job (0 on the first attempt).
+RESTART_COUNT_ENV = "REPLICATOR_RESTART_COUNT"
+#: Seconds a collective or a rendezvous may wait (``--timeout``).
+TIMEOUT_ENV = "REPLICATOR_TIMEOUT_SECONDS"
+#: Directory where a failing worker writes its traceback for the launcher to report.
+ERROR_DIR_ENV = "REPLICATOR_ERROR_DIR"
+#: Seconds preempted workers get to save their backup and exit.
+PREEMPTION_GRACE_ENV = "REPLICATOR_PREEMPTION_GRACE_SECONDS"
+#: How many of the job's processes (the last ranks) are parameter servers (``--num-ps``).
+NUM_PS_ENV = "REPLICATOR_NUM_PS"
+#: Set to "1" for a worker restarted alone to rejoin running parameter servers.
+REJOIN_ENV = "REPLICATOR_REJOIN"
+#: Set to "0" to keep parameter-server payloads on the socket between processes of one host.
+PS_SHARED_MEMORY_ENV = "REPLICATOR_PS_SHARED_MEMORY"
+#: A name for this host that overrides the detected one (hosts are grouped by it).
+HOST_ENV = "REPLICATOR_HOST"
+#: The rendezvous id of a multi-node job (default: derived from the port).
+RUN_ID_ENV = "REPLICATOR_RUN_ID"
+#: Directory for shared-memory segments (default ``/dev/shm``).
+SHM_DIR_ENV = "REPLICATOR_SHM_DIR"
+
+#: Store key (under the attempt's prefix) that says worker rank R is being restarted alone.
+REJOIN_KEY = "ps/rejoining/{rank}"
+
+__all__ = ["LAUNCHER_ENV", "STORE_HOSTED_ENV", "RESTART_COUNT_ENV", "TIMEOUT_ENV",
+           "ERROR_DIR_ENV", "PREEMPTION_GRACE_ENV", "NUM_PS_ENV", "REJOIN_ENV",
+           "PS_SHARED_MEMORY_ENV", "HOST_ENV", "RUN_ID_ENV", "SHM_DIR_ENV", "REJOIN_KEY"]
