@@ -10,8 +10,9 @@ batch into per-replica batches.
 * Split: replica ``r`` takes the ``r``-th contiguous slice of each global batch
   (:func:`replica_part`, :func:`slice_bounds`). The last global batch of an epoch may be short
   (``L < B`` samples). With ``drop_remainder`` it is dropped on every replica; otherwise it is
-  split as evenly as possible and a replica whose slice is empty gets one masked copy of a
-  sample, so it still runs the step.
+  split as evenly as possible and a replica whose slice is empty gets, by ``partial_batch``,
+  one masked copy of a sample (``"mask"``, the default: every replica's step sees at least one
+  row) or a batch of 0 rows (``"empty"``, tf.distribute's behaviour).
 * Rows: a collated batch's rows are along dimension 0 of every tensor (a list of plain values
   such as ``default_collate`` makes of strings counts as one row per value); :func:`slice_rows`
   and :func:`pad_rows` take a replica's slice of a collated global batch and pad a short batch
@@ -110,17 +111,40 @@ class Part(NamedTuple):
     full: bool      # the global batch had the full size
 
 
+#: How a replica with no sample of a short last batch is served: one masked copy of a sample
+#: (every step sees a row), or a batch of 0 rows (tf.distribute's behaviour).
+PARTIAL_BATCH_MODES = ("mask", "empty")
+
+
+def check_partial_batch(mode: object, pad_last_batch: bool = False) -> str:
+    """Validate ``partial_batch=``; a clear error for an unknown mode or a contradiction."""
+    if mode not in PARTIAL_BATCH_MODES:
+        raise ValueError(
+            f"partial_batch must be 'mask' (a replica left without a sample of the last "
+            f"batch gets one masked copy of a sample, mask 0; the default) or 'empty' (it "
+            f"gets a batch of 0 rows, as tf.distribute gives), got {mode!r}")
+    if mode == "empty" and pad_last_batch:
+        raise ValueError(
+            "partial_batch='empty' gives a replica without a sample 0 rows, but "
+            "InputOptions(pad_last_batch=True) pads every replica to the full per-replica "
+            "batch; choose one of them")
+    return str(mode)
+
+
 def replica_part(length: int, global_batch_size: int, rank: int, world: int, *,
-                 drop_remainder: bool, pad_last_batch: bool) -> Part | None:
+                 drop_remainder: bool, pad_last_batch: bool,
+                 empty_part: bool = False) -> Part | None:
     """Which positions of a global batch of ``length`` replica ``rank`` takes (``None``: the
-    batch is dropped). See the module doc for the rule on a short last batch."""
+    batch is dropped). See the module doc for the rule on a short last batch;
+    ``empty_part``: a replica without a sample gets 0 rows (``partial_batch="empty"``)."""
     full = length >= global_batch_size
     if not full and drop_remainder:
         return None
     start, stop = slice_bounds(length, rank, world)
     real = stop - start
     per_replica = global_batch_size // world
-    size = per_replica if (full or pad_last_batch) else max(real, 1)
+    size = per_replica if (full or pad_last_batch) else (
+        real if empty_part else max(real, 1))
     return Part(start, stop, size, full)
 
 
@@ -233,8 +257,9 @@ def pad_rows(batch: Any, size: int) -> Any:
 
 
 def repeat_first_row(batch: Any, size: int) -> Any:
-    """A batch of ``size`` copies of row 0 (a fully masked batch for a replica out of data)."""
-    return pad_rows(slice_rows(batch, 0, 1), size)
+    """A batch of ``size`` copies of row 0 (a fully masked batch for a replica out of data);
+    ``size`` 0 gives the batch's structure with 0 rows (``partial_batch="empty"``)."""
+    return pad_rows(slice_rows(batch, 0, min(size, 1)), size)
 
 
 # -- assembly: a step's spec becomes a batch and its mask --------------------------------------

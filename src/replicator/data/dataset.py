@@ -148,7 +148,8 @@ class DistributedIterator:
         self._out_of_data = out
 
     def _padding(self) -> LocalBatch:
-        """A fully masked batch, shaped like this replica's last one."""
+        """A fully masked batch shaped like this replica's last one, or with
+        ``partial_batch="empty"`` that batch's structure with 0 rows."""
         last = self._last
         if last is None:
             spec = self._plan.template_spec(self.epoch)
@@ -157,10 +158,10 @@ class DistributedIterator:
                                       "masked batch from; the input is empty")
             last = self._stage.ready(self._stage(self._pipe.materialise(spec)))
         mask = cast(torch.Tensor, last.mask)  # a tensor once staged
-        rows = int(mask.numel()) or 1
+        rows = 0 if self._pipe.partial_batch == "empty" else int(mask.numel()) or 1
         batch = repeat_first_row(last.batch, rows)
-        return LocalBatch(batch, torch.zeros_like(mask) if mask.numel() else
-                          torch.zeros(rows, device=mask.device), 0, True, last.position)
+        return LocalBatch(batch, torch.zeros(rows, dtype=mask.dtype, device=mask.device), 0,
+                          True, last.position)
 
     def state_dict(self) -> dict[str, Any]:
         """The owning dataset's :meth:`~DistributedDataset.state_dict` (this pass's position)."""
@@ -196,7 +197,8 @@ class DistributedDataset:
 
     ``mask`` is the per-sample weight of the last batch (1.0 real, 0.0 masked padding): pass it
     as ``rp.compute_average_loss(..., sample_weight=mask)`` and weight metrics with it so that
-    a padded batch counts every real sample exactly once.
+    a padded batch counts every real sample exactly once. ``len()``, ``dataset`` and
+    ``batch_size`` answer as a DataLoader's do, so loops written for one keep working.
     """
 
     def __init__(self, pipeline: Pipeline, device: torch.device) -> None:
@@ -221,6 +223,21 @@ class DistributedDataset:
             raise TypeError(f"this input ({self.pipeline.plan.describe()}) has no length: its "
                             "epochs end where the data ends")
         return steps
+
+    @property
+    def dataset(self) -> Any:
+        """The dataset the input reads, as ``DataLoader.dataset``: the whole dataset (the
+        DataLoader's, or the one given; a ``FileDataset`` for files), not this replica's part.
+        For ``input_fn`` pipelines: the ``dataset`` of the loader ``input_fn`` returned (this
+        replica's own), or that iterable itself."""
+        return self.pipeline.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        """The *global* batch size (all replicas together), as the DataLoader given was built;
+        ``None`` where batches have no fixed size. For ``input_fn`` pipelines: the loader's
+        per-replica ``batch_size`` times the replicas in sync."""
+        return self.pipeline.global_batch_size
 
     @property
     def epoch(self) -> int:
@@ -345,12 +362,14 @@ def distribute_dataset(data: Any, ctx: InputContext, device: torch.device, *,
                        transform: Callable[[Any], Any] | None = None,
                        reader: Callable[[str], Iterable[Any]] | None = None,
                        options: InputOptions | None = None,
-                       group: Any = None) -> DistributedDataset:
+                       group: Any = None, partial_batch: str = "mask") -> DistributedDataset:
     """Split global batches across replicas (see the module doc).
 
     ``drop_remainder`` (alias ``drop_last``; default: the DataLoader's ``drop_last``, else
     False): drop a short last global batch on every replica, or keep it split as evenly as
-    possible, a replica without a sample getting a masked copy. ``transform``: a per-sample
+    possible. ``partial_batch``: what a replica without a sample of that batch gets:
+    ``"mask"`` (default) one masked copy of a sample (mask 0), so every step has a row;
+    ``"empty"`` a batch of 0 rows, as tf.distribute gives. ``transform``: a per-sample
     function run by the workers. ``reader``: with a list of file paths, ``reader(path)``
     yields the samples of one file. ``group``: the process group of the data-parallel
     replicas (``None``: the default group); ``ctx`` gives this process's count and position
@@ -363,7 +382,7 @@ def distribute_dataset(data: Any, ctx: InputContext, device: torch.device, *,
     drop = drop_remainder if drop_remainder is not None else drop_last
     pipeline = build_global(data, ctx, batch_size=batch_size, shuffle=shuffle, seed=seed,
                             drop_remainder=drop, transform=transform, reader=reader,
-                            options=options, group=group)
+                            options=options, group=group, partial_batch=partial_batch)
     return DistributedDataset(pipeline, device)
 
 
@@ -371,15 +390,20 @@ def distribute_datasets_from_function(input_fn: Callable[[InputContext], Iterabl
                                       ctx: InputContext, device: torch.device, *,
                                       drop_remainder: bool | None = None,
                                       options: InputOptions | None = None,
-                                      group: Any = None) -> DistributedDataset:
+                                      group: Any = None,
+                                      partial_batch: str = "mask") -> DistributedDataset:
     """Build this process's pipeline with ``input_fn(ctx)``; batches are per replica.
 
     When the replicas' pipelines end at different steps they agree, on ``group`` (the process
     group of the data-parallel replicas; ``None``: the default group; its size must equal
-    ``ctx.num_replicas_in_sync``): with ``drop_remainder=True`` (the default) all stop when
-    the first runs out; with ``False`` a replica out of data yields fully masked batches until
-    all are done.
+    ``ctx.num_replicas_in_sync``): with ``drop_remainder=True`` (the default) all stop before
+    the first short batch of any replica (shorter than the loader's ``batch_size``, or than
+    the epoch's first batch) or when the first runs out, so every step has full batches; with
+    ``False`` every batch is kept and a replica out of data yields, by ``partial_batch``,
+    fully masked copies of its last batch (``"mask"``) or batches of 0 rows (``"empty"``)
+    until all are done.
     """
     check_data_group(group, ctx.num_replicas_in_sync, "distribute_datasets_from_function")
     return DistributedDataset(build_per_replica(input_fn, ctx, drop_remainder=drop_remainder,
-                                                options=options, group=group), device)
+                                                options=options, group=group,
+                                                partial_batch=partial_batch), device)

@@ -44,6 +44,7 @@ from replicator.data.batching import (
     Materialiser,
     Spec,
     check_divisible,
+    check_partial_batch,
     derived_seed,
     shuffled,
 )
@@ -79,6 +80,8 @@ class Pipeline:
     worker_init_fn: Callable[[int], None] | None = None
     start_method: Any = None
     group: Any = None    # process group of the data-parallel replicas (None: the default)
+    partial_batch: str = "mask"  # a replica without a sample: "mask" (a copy) or "empty"
+    dataset: Any = None  # what the user's input reads (for DistributedDataset.dataset)
 
 
 def _is_standard_loader(loader: DataLoader) -> bool:
@@ -151,12 +154,15 @@ def _resolve_policy(policy: AutoShardPolicy, dataset: Any, world: int,
 def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffle: bool | None,
                  seed: int, drop_remainder: bool | None, transform: Callable[[Any], Any] | None,
                  reader: Callable[[str], Iterable[Any]] | None,
-                 options: InputOptions | None, group: Any = None) -> Pipeline:
+                 options: InputOptions | None, group: Any = None,
+                 partial_batch: str = "mask") -> Pipeline:
     """The pipeline of ``distribute_dataset``: global batches split across replicas (the
     replicas of ``ctx``, whose data-parallel process group is ``group``)."""
     options = options or InputOptions()
     if not isinstance(options, InputOptions):
         raise TypeError(f"options must be rp.data.InputOptions, got {type(options).__name__}")
+    partial_batch = check_partial_batch(partial_batch, options.pad_last_batch)
+    empty_part = partial_batch == "empty"
     if transform is not None and not callable(transform):
         raise TypeError(f"transform must be a function sample -> sample, got "
                         f"{type(transform).__name__}")
@@ -214,6 +220,7 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
     shuffle, drop_remainder = bool(shuffle), bool(drop_remainder)
     settings: dict[str, Any] = dict(shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
                     pad_last_batch=options.pad_last_batch)
+    split = dict(settings, empty_part=empty_part)  # the plans that split global batches
     materialise = Materialiser(transform=transform, collate=collate)
     plan: Plan
     if loader is not None and (custom or (iterable and policy is AutoShardPolicy.OFF)):
@@ -221,7 +228,7 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
             raise ValueError("transform= needs sample-by-sample reading, which this DataLoader "
                              "does not allow; apply the transform in the dataset instead")
         plan = LoaderPlan(loader, batch_size, rank, world, drop_remainder=drop_remainder,
-                          pad_last_batch=options.pad_last_batch)
+                          pad_last_batch=options.pad_last_batch, empty_part=empty_part)
         materialise = Materialiser(collated=True)
         num_workers = 0  # the loader runs its own workers
     elif policy is AutoShardPolicy.FILE:
@@ -232,7 +239,7 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
                   else _iterable_stream(dataset))
         plan = StreamPlan(opener, batch_size, rank, world,  # type: ignore[arg-type]
                           shuffle_buffer=options.shuffle_buffer,
-                          load_all=policy is AutoShardPolicy.OFF, **settings)
+                          load_all=policy is AutoShardPolicy.OFF, **split)
     else:
         num_samples = len(dataset)  # type: ignore[arg-type]
         if num_samples < world:
@@ -241,19 +248,20 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
                 "would never get one. HINT: use fewer replicas or more data.")
         materialise.dataset = dataset
         plan = IndexPlan(num_samples, batch_size, rank, world,  # type: ignore[arg-type]
-                         load_all=policy is AutoShardPolicy.OFF, **settings)
+                         load_all=policy is AutoShardPolicy.OFF, **split)
     if num_workers and options.worker_type == "process" and plan.element_level:
         method = start_method if isinstance(start_method, str) or start_method is None \
             else start_method.get_start_method()
         check_picklable(transform, "transform", method)
         check_picklable(collate, "collate_fn", method)
     return Pipeline(plan, materialise, options, rank, world, policy, seed, shuffle, batch_size,
-                    drop_remainder, num_workers, worker_init_fn, start_method, group)
+                    drop_remainder, num_workers, worker_init_fn, start_method, group,
+                    partial_batch, dataset)
 
 
 def build_per_replica(input_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext, *,
                       drop_remainder: bool | None, options: InputOptions | None,
-                      group: Any = None) -> Pipeline:
+                      group: Any = None, partial_batch: str = "mask") -> Pipeline:
     """The pipeline of ``distribute_datasets_from_function``: the user's per-replica batches
     (the replicas of ``ctx``, whose data-parallel process group is ``group``)."""
     options = options or InputOptions()
@@ -266,9 +274,14 @@ def build_per_replica(input_fn: Callable[[InputContext], Iterable[Any]], ctx: In
         raise TypeError(f"input_fn returned {type(loader).__name__}, which is not iterable; "
                         "return a DataLoader or another iterable of per-replica batches")
     drop = True if drop_remainder is None else bool(drop_remainder)
-    return Pipeline(PerReplicaPlan(loader), Materialiser(collated=True), options,
-                    ctx.input_pipeline_id, ctx.num_replicas_in_sync, drop_remainder=drop,
-                    group=group)
+    declared = getattr(loader, "batch_size", None)
+    global_batch = declared * ctx.num_replicas_in_sync \
+        if isinstance(declared, int) and declared > 0 else None
+    return Pipeline(PerReplicaPlan(loader, drop_remainder=drop), Materialiser(collated=True),
+                    options, ctx.input_pipeline_id, ctx.num_replicas_in_sync,
+                    global_batch_size=global_batch, drop_remainder=drop, group=group,
+                    partial_batch=check_partial_batch(partial_batch, options.pad_last_batch),
+                    dataset=getattr(loader, "dataset", loader))
 
 
 # -- engines ------------------------------------------------------------------------------------

@@ -161,10 +161,12 @@ class Plan(ABC):
 
 
 def _split(items: list[Any], position: int, global_batch_size: int, rank: int, world: int,
-           drop_remainder: bool, pad_last_batch: bool, load_all: bool) -> Spec | None:
+           drop_remainder: bool, pad_last_batch: bool, load_all: bool,
+           empty_part: bool = False) -> Spec | None:
     """The spec of this replica's part of one global batch (``None``: dropped)."""
     part = replica_part(len(items), global_batch_size, rank, world,
-                        drop_remainder=drop_remainder, pad_last_batch=pad_last_batch)
+                        drop_remainder=drop_remainder, pad_last_batch=pad_last_batch,
+                        empty_part=empty_part)
     if part is None:
         return None
     real = part.stop - part.start
@@ -179,12 +181,14 @@ class GlobalSplitPlan(Plan):
     """Common settings of the plans that split global batches."""
 
     def __init__(self, global_batch_size: int, rank: int, world: int, *, shuffle: bool,
-                 seed: int, drop_remainder: bool, pad_last_batch: bool, load_all: bool) -> None:
+                 seed: int, drop_remainder: bool, pad_last_batch: bool, load_all: bool,
+                 empty_part: bool = False) -> None:
         self.global_batch_size = global_batch_size
         self.rank, self.world = rank, world
         self.shuffle, self.seed = shuffle, seed
         self.drop_remainder, self.pad_last_batch = drop_remainder, pad_last_batch
         self.load_all = load_all
+        self.empty_part = empty_part  # partial_batch="empty"
 
     def describe(self) -> str:
         how = "OFF: whole global batches loaded" if self.load_all else "DATA sharding"
@@ -193,7 +197,7 @@ class GlobalSplitPlan(Plan):
 
     def _split(self, items: list[Any], position: int) -> Spec | None:
         return _split(items, position, self.global_batch_size, self.rank, self.world,
-                      self.drop_remainder, self.pad_last_batch, self.load_all)
+                      self.drop_remainder, self.pad_last_batch, self.load_all, self.empty_part)
 
 
 class IndexPlan(GlobalSplitPlan):
@@ -284,11 +288,13 @@ class LoaderPlan(Plan):
     position_unit = "steps"
 
     def __init__(self, loader: Iterable[Any], global_batch_size: int | None, rank: int,
-                 world: int, *, drop_remainder: bool, pad_last_batch: bool) -> None:
+                 world: int, *, drop_remainder: bool, pad_last_batch: bool,
+                 empty_part: bool = False) -> None:
         self.loader = loader
         self.global_batch_size = global_batch_size
         self.rank, self.world = rank, world
         self.drop_remainder, self.pad_last_batch = drop_remainder, pad_last_batch
+        self.empty_part = empty_part  # partial_batch="empty"
 
     def specs(self, epoch: int, position: int) -> Iterator[Spec]:
         set_epoch_on(self.loader, epoch)
@@ -309,11 +315,11 @@ class LoaderPlan(Plan):
             if size is None:  # batches of varying size: split each evenly, never drop
                 start, stop = slice_bounds(rows, self.rank, self.world)
                 real = stop - start
-                yield Spec((batch,), (start, stop) if real else (0, 1), real, max(real, 1),
-                           True, step)
+                size = real if self.empty_part else max(real, 1)
+                yield Spec((batch,), (start, stop) if real else (0, 1), real, size, True, step)
                 continue
             spec = _split([None] * rows, 0, size, self.rank, self.world,
-                          self.drop_remainder, self.pad_last_batch, True)
+                          self.drop_remainder, self.pad_last_batch, True, self.empty_part)
             if spec is None:
                 return
             yield Spec((batch,), spec.rows, spec.real, spec.size, spec.full, step)
@@ -330,25 +336,37 @@ class LoaderPlan(Plan):
 
 class PerReplicaPlan(Plan):
     """An ``input_fn`` pipeline: the user's iterable already yields this replica's batches.
-    Position: steps."""
+    Position: steps.
+
+    A batch is full when it has the loader's ``batch_size`` rows (a DataLoader's), or, for
+    an iterable that declares none, as many rows as the epoch's first batch. With
+    ``drop_remainder`` the plan ends before the first short batch, so with the end-of-data
+    agreement every replica stops at the first short batch of any replica.
+    """
 
     kind = "per_replica"
     known_end = False
     element_level = False
     position_unit = "steps"
 
-    def __init__(self, loader: Iterable[Any]) -> None:
+    def __init__(self, loader: Iterable[Any], drop_remainder: bool = False) -> None:
         self.loader = loader
+        self.drop_remainder = drop_remainder
 
     def specs(self, epoch: int, position: int) -> Iterator[Spec]:
         set_epoch_on(self.loader, epoch)
-        batches = iter(self.loader)
-        if not _skip(batches, position):
-            return
-        for step, batch in enumerate(batches, start=position + 1):
+        declared = getattr(self.loader, "batch_size", None)
+        expected = declared if isinstance(declared, int) and declared > 0 else None
+        for step, batch in enumerate(self.loader, start=1):
             rows = batch_rows(batch)
             rows = 1 if rows is None else rows
-            yield Spec((batch,), None, rows, rows, True, step)
+            expected = rows if expected is None else expected
+            full = rows >= expected
+            if step <= position:
+                continue  # already used before a restart (read for the reference size)
+            if not full and self.drop_remainder:
+                return
+            yield Spec((batch,), None, rows, rows, full, step)
 
     def describe(self) -> str:
         return f"{self.kind}, batches of the input_fn's {type(self.loader).__name__}"

@@ -332,22 +332,24 @@ class Strategy(ABC):
                            drop_remainder: bool | None = None,
                            transform: Callable[[Any], Any] | None = None,
                            reader: Callable[[str], Iterable[Any]] | None = None,
-                           options: InputOptions | None = None) -> DistributedDataset:
+                           options: InputOptions | None = None,
+                           partial_batch: str = "mask") -> DistributedDataset:
         """Split each *global* batch of ``dataset`` across replicas.
 
         Give a ``DataLoader`` built with the global batch size (its ``shuffle`` and
         ``drop_last`` are kept; shuffling is re-seeded from ``seed`` and the epoch so every
         world size sees the same global batches), a ``Dataset`` with ``batch_size=``, or a list
         of files with ``reader=``. ``drop_remainder`` (alias ``drop_last``) drops a short last
-        batch; otherwise it is kept, with masked padding where a replica would get nothing.
-        ``transform`` runs per sample in the workers; ``options`` is ``rp.data.InputOptions``
-        (prefetch, workers, sharding policy, device copy).
+        batch; otherwise it is kept, and a replica that would get nothing gets a masked copy
+        (``partial_batch="mask"``) or 0 rows (``"empty"``, tf's). ``transform`` runs per
+        sample in the workers; ``options`` is ``rp.data.InputOptions`` (prefetch, workers,
+        sharding policy, device copy).
         """
         return distribute_dataset(dataset, self.input_context, self.device,
                                   batch_size=batch_size, shuffle=shuffle, seed=seed,
                                   drop_last=drop_last, drop_remainder=drop_remainder,
                                   transform=transform, reader=reader, options=options,
-                                  group=self._data_group)
+                                  group=self._data_group, partial_batch=partial_batch)
 
     experimental_distribute_dataset = distribute_dataset
 
