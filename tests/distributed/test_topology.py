@@ -73,20 +73,24 @@ def _layouts(_: int) -> dict:
     out["dp_fsdp"] = (t.replica_id, t.num_replicas, dist.get_process_group_ranks(t.data_group()))
     ps = Topology({"data": 3}, num_ps=1)
     out["ps"] = (ps.role, ps.is_worker, ps.coordinate)
+    own = Topology(model=2, data=2)  # an axis of the user's own beside a known one
+    out["own"] = (own.axes, own.ranks("model"), own.ranks("data"), own.num_replicas,
+                  own.replica_id, dist.get_process_group_ranks(own.data_group()))
     errors = []
-    for axes in ({"data": 3}, {"dta": 4}, {"data": -1, "tensor": -1}, {"data": 0}):
+    for axes in ({"data": 3}, {"dta": 4}, {"data": -1, "tensor": -1}, {"data": 0},
+                 {"tensr": 2, "data": 2}):
         try:
             Topology(axes)
-        except rp.ClusterConfigError as exc:
+        except rp.errors.ClusterConfigError as exc:
             errors.append(str(exc))
     try:
         Topology({"data": 2, "tensor": 2}).group("tensr")
-    except rp.ClusterConfigError as exc:
+    except rp.errors.ClusterConfigError as exc:
         errors.append(str(exc))
     if ps.is_ps:
         try:
             ps.group("data")
-        except rp.ClusterConfigError as exc:
+        except rp.errors.ClusterConfigError as exc:
             errors.append(str(exc))
     out["errors"] = errors
     return out
@@ -103,7 +107,14 @@ def test_topology_axes_roles_and_clear_errors():
     assert "unknown mesh axis 'dta'" in errors[1] and "Did you mean 'data'" in errors[1]
     assert "only one axis may be -1" in errors[2]
     assert "positive" in errors[3]
-    assert "no axis 'tensr'" in errors[4] and "Did you mean 'tensor'" in errors[4]
+    assert "unknown mesh axis 'tensr'" in errors[4] and "Did you mean 'tensor'" in errors[4]
+    assert "no axis 'tensr'" in errors[5] and "Did you mean 'tensor'" in errors[5]
+    own = [r["own"] for r in results]
+    assert all(o[0] == {"model": 2, "data": 2} and o[3] == 2 for o in own)
+    assert [o[1] for o in own] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # model: across rows
+    assert [o[2] for o in own] == [[0, 1], [0, 1], [2, 3], [2, 3]]  # data: neighbours
+    assert [o[4] for o in own] == [0, 1, 0, 1]
+    assert [o[5] for o in own] == [o[2] for o in own]  # the data group is the data axis
     assert "parameter server" in results[3]["errors"][-1]
 
 

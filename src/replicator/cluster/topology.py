@@ -1,8 +1,12 @@
 """The layout of a job: named mesh axes over the worker processes, roles, and hosts.
 
 A :class:`Topology` says, for each process of the job, its role (``chief``, ``worker`` or
-``ps``), its host, and, for worker processes, its coordinates on named axes (``data``,
-``fsdp``, ``pipeline``, ``tensor``) of a ``torch.distributed.device_mesh.DeviceMesh``. Rooms
+``ps``), its host, and, for worker processes, its coordinates on named axes of a
+``torch.distributed.device_mesh.DeviceMesh``. Any name is an axis, as in ``DeviceMesh``; four
+have a meaning to replicator (``data``, ``fsdp``, ``pipeline``, ``tensor``: :data:`KNOWN_AXES`)
+and strategies use only theirs. Another name (``model``, ``expert``, ``dp``...) is an axis of
+your own: its groups are there for your code, and replicas along it see the same data. A name
+one or two edits from a known one (``tensr``, ``Data``) is refused as a likely typo. Rooms
 below the strategies never reach for the default group by themselves: a strategy asks the
 topology for the group of the axis it works on and hands that group down.
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -47,24 +51,68 @@ def _close(name: str, options: Sequence[str]) -> str:
     return f" Did you mean {match[0]!r}?" if match else ""
 
 
+def _edits(a: str, b: str) -> int:
+    """Edit distance of ``a`` and ``b``: insertions, deletions, substitutions and swaps of
+    two neighbouring letters each count one (optimal string alignment)."""
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(rows[i - 1][j] + 1, row[j - 1] + 1,
+                         rows[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[i - 2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
+def likely_typo(name: str, known: Collection[str] = tuple(KNOWN_AXES)) -> str | None:
+    """The known axis that ``name`` is probably a misspelling of, or ``None``.
+
+    A name that differs from a known one only in case, or by two edits from ``tensor`` or
+    ``pipeline``, or by one edit that keeps the first letter from the short ``data`` and
+    ``fsdp``, is a typo: ``tensr``, ``Data``, ``pipelin``, ``dta``, ``fdsp``. Common names of
+    other axes stay free: ``dp``, ``tp``, ``sp``, ``hsdp``, ``model``, ``expert``.
+    """
+    if name in known:
+        return None
+    lower = name.lower()
+    for axis in known:
+        if lower == axis:
+            return axis
+        if len(axis) > 4:
+            if _edits(lower, axis) <= 2:
+                return axis
+        elif lower[:1] == axis[:1] and _edits(lower, axis) <= 1:
+            return axis
+    return None
+
+
 def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
                  num_workers: int) -> dict[str, int]:
     """Validate axis names and sizes; ``-1`` infers one axis; the product must be the workers.
 
-    Raises :class:`ClusterConfigError` with a hint on an unknown name, a bad size, or a
-    product that is not ``num_workers``.
+    Any non-empty string names an axis. Raises :class:`ClusterConfigError` with a hint on a
+    name that is likely a typo of a known axis (:func:`likely_typo`), a bad size, or a product
+    that is not ``num_workers``.
     """
     items = list((axes or {"data": num_workers}).items()) if isinstance(axes, Mapping) or \
         axes is None else list(axes)
     if not items:
         raise ClusterConfigError("a topology needs at least one axis. HINT: Topology({'data': "
                                  f"{num_workers}}}) or Topology() for plain data parallelism.")
-    names = [str(n) for n, _ in items]
+    for name, _ in items:
+        if not isinstance(name, str) or not name:
+            raise ClusterConfigError(f"mesh axis names are non-empty strings, got {name!r}")
+    names = [name for name, _ in items]
     for name in names:
-        if name not in KNOWN_AXES:
+        typo = likely_typo(name)
+        if typo is not None:
             raise ClusterConfigError(
-                f"unknown mesh axis {name!r}.{_close(name, list(KNOWN_AXES))} Known axes: "
-                + "; ".join(f"{k}: {v}" for k, v in KNOWN_AXES.items()))
+                f"unknown mesh axis {name!r}. Did you mean {typo!r}? Known axes: "
+                + "; ".join(f"{k}: {v}" for k, v in KNOWN_AXES.items())
+                + f". HINT: to name an axis of your own, pick a name that is not one or two "
+                f"letters from {typo!r} (for example 'model' or 'expert').")
     if len(set(names)) != len(names):
         raise ClusterConfigError(f"mesh axes {names} name an axis twice")
     sizes: list[int] = []
@@ -97,14 +145,24 @@ def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
 class Topology:
     """Named mesh axes over the workers, the role and host of every process.
 
-    ``axes``: axis name -> degree, in mesh order (default ``{"data": <all workers>}``);
-    ``num_ps``: how many processes (the last ranks) are parameter servers, on no axis.
-    The process group is started from the environment if it is not running yet.
+    ``axes``: axis name -> degree, in mesh order (default ``{"data": <all workers>}``), or
+    the same as keywords: ``Topology(data=2, tensor=2)``, ``Topology(model=2, data=2)``. Any
+    name is an axis; ``data``, ``fsdp``, ``pipeline`` and ``tensor`` have a meaning (see the
+    module doc). ``num_ps``: how many processes (the last ranks) are parameter servers, on no
+    axis. The process group is started from the environment if it is not running yet.
     """
 
     def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, *,
-                 num_ps: int = 0, device_type: str | None = None) -> None:
+                 num_ps: int = 0, device_type: str | None = None, **axis_sizes: int) -> None:
         from replicator.cluster.process_group import initialize
+
+        if axis_sizes:
+            if axes is not None:
+                raise ClusterConfigError(
+                    f"Topology got axes twice: {axes!r} and the keywords {axis_sizes}. HINT: "
+                    "give either a mapping, Topology({'data': 2}), or keywords, "
+                    "Topology(data=2).")
+            axes = axis_sizes
 
         initialize()
         self.world_size = dist.get_world_size()
