@@ -99,7 +99,7 @@ def overhead_worker(name: str, rounds: int, steps: int) -> dict:
         "ddp": (ddp, ddp_opt)}
     unchecked = rp.MirroredStrategy(
         communication_options=rp.CommunicationOptions(check_collectives=False))
-    gloo = rp.MirroredStrategy(cross_device_ops=rp.NativeAllReduce())
+    gloo = rp.MirroredStrategy(cross_device_ops=rp.comm.NativeAllReduce())
     for name_, owner in (("ours", strategy), ("ours_unchecked", unchecked),
                          ("ours_gloo", gloo)):
         with owner.scope():

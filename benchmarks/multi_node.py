@@ -68,8 +68,8 @@ def _worker(out: Path, rounds: int, step_rounds: int) -> None:
 
     import replicator as rp
 
-    algos = {"hierarchical": rp.HierarchicalAllReduce, "ring": rp.RingAllReduce,
-             "native": rp.NativeAllReduce}
+    algos = {"hierarchical": rp.comm.HierarchicalAllReduce, "ring": rp.comm.RingAllReduce,
+             "native": rp.comm.NativeAllReduce}
     strategies = {name: rp.MultiWorkerMirroredStrategy(cross_device_ops=cls())
                   for name, cls in algos.items()}
     rank = dist.get_rank()

@@ -28,7 +28,7 @@ SIZES = (0, 1, 7, 1000, 1_000_003)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _algorithms(world: int) -> dict[str, rp.CrossDeviceOps]:
+def _algorithms(world: int) -> dict[str, rp.comm.CrossDeviceOps]:
     return {
         "native": NativeAllReduce(),
         "ring": RingAllReduce(),

@@ -25,7 +25,7 @@ from tests.helpers import make_mlp, regression_data
 STEPS = 10
 
 
-def _train_ddp(ops: rp.CrossDeviceOps | None) -> dict:
+def _train_ddp(ops: rp.comm.CrossDeviceOps | None) -> dict:
     model = DDP(make_mlp(), bucket_cap_mb=0.001)  # tiny buckets: several per step
     if ops is not None:
         register_ddp_comm_hook(model, ops)

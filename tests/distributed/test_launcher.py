@@ -160,18 +160,19 @@ def test_busy_port_nproc_zero_and_missing_script_are_clear_errors(tmp_path):
     assert out.returncode == 2 and "--nproc must be a positive integer" in out.stderr
     out = _run(REPLICATOR + ["run", "--nproc", "2", "no_such_script.py"])
     assert out.returncode == 2 and "script 'no_such_script.py' not found" in out.stderr
-    with pytest.raises(rp.ClusterConfigError, match="num_replicas must be a positive integer"):
+    with pytest.raises(rp.errors.ClusterConfigError,
+                       match="num_replicas must be a positive integer"):
         rp.launch(_square, num_replicas=0)
 
 
 def test_unknown_strategy_and_missing_devices_are_clear_errors():
     with pytest.raises(ValueError, match="unknown strategy 'mirroed'; available: .*mirrored"):
         rp.get_strategy("mirroed")
-    with pytest.raises(rp.ClusterConfigError, match="does not exist on this machine"):
+    with pytest.raises(rp.errors.ClusterConfigError, match="does not exist on this machine"):
         rp.MirroredStrategy(devices=["cuda:7"])
-    with pytest.raises(rp.ClusterConfigError, match="not a device name|not supported"):
+    with pytest.raises(rp.errors.ClusterConfigError, match="not a device name|not supported"):
         rp.OneDeviceStrategy("tpu:0")
-    with pytest.raises(rp.ClusterConfigError, match="--nproc 2"):
+    with pytest.raises(rp.errors.ClusterConfigError, match="--nproc 2"):
         rp.MirroredStrategy(devices=["cpu:0", "cpu:1"])
 
 
@@ -323,7 +324,7 @@ def test_master_port_out_of_range_is_a_clear_error(port):
     assert out.returncode == 2, out.stderr
     assert f"--master-port {port} is not a TCP port" in out.stderr and "HINT" in out.stderr
     assert "Traceback" not in out.stderr and "OverflowError" not in out.stderr
-    with pytest.raises(rp.ClusterConfigError, match="is not a TCP port"):
+    with pytest.raises(rp.errors.ClusterConfigError, match="is not a TCP port"):
         rp.launch(_square, num_replicas=2, args=(1,), master_port=int(port))
 
 

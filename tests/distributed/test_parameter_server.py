@@ -30,7 +30,7 @@ def train(kind: str, num_ps: int = 1, shards: int = 0, momentum: float = 0.0,
     """20 SGD steps of the MLP under ``kind``; returns the parameters and what the strategy
     measured (optimizer state held by the worker, shard versions, placement)."""
     if kind == "ps":
-        part = rp.partitioners.MinSizePartitioner(min_shard_bytes=512, max_shards=shards) \
+        part = rp.ps.partitioners.MinSizePartitioner(min_shard_bytes=512, max_shards=shards) \
             if shards else None
         strategy: rp.Strategy = rp.ParameterServerStrategy(num_ps=num_ps, staleness=0,
                                                            variable_partitioner=part)

@@ -22,7 +22,7 @@ def train_digits(staleness: int | None = None, steps: int = 120, num_ps: int = 2
     """Train the digits CNN for ``steps`` steps per worker; the chief reports test accuracy."""
     from replicator.demo.digits import DigitsCNN, load_digits_split
 
-    part = rp.partitioners.FixedShardsPartitioner(shards) if shards else None
+    part = rp.ps.partitioners.FixedShardsPartitioner(shards) if shards else None
     strategy = rp.ParameterServerStrategy(num_ps=num_ps, staleness=staleness,
                                           variable_partitioner=part)
     with strategy.scope():
@@ -114,7 +114,7 @@ def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int 
     from replicator.demo.digits import DigitsCNN, load_digits_split
 
     strategy = rp.ParameterServerStrategy(
-        num_ps=2, variable_partitioner=rp.partitioners.FixedShardsPartitioner(2))
+        num_ps=2, variable_partitioner=rp.ps.partitioners.FixedShardsPartitioner(2))
     with strategy.scope():
         torch.manual_seed(0)
         model = DigitsCNN()

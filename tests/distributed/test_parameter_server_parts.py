@@ -19,15 +19,15 @@ from replicator.ps.partitioners import place
 
 
 def test_min_size_partitioner_splits_by_bytes_within_caps():
-    part = rp.partitioners.MinSizePartitioner(min_shard_bytes=1024, max_shards=4)
+    part = rp.ps.partitioners.MinSizePartitioner(min_shard_bytes=1024, max_shards=4)
     assert part.num_shards((64, 16), torch.float32) == 4      # 4 KiB: 4 shards of 1 KiB
     assert part.num_shards((8, 16), torch.float32) == 1       # 512 B: too small to split
     assert part.num_shards((2, 1024), torch.float32) == 2     # never more shards than rows
     assert part((64, 16), torch.float32) == [4, 1]            # TensorFlow's form
-    assert rp.partitioners.FixedShardsPartitioner(3).num_shards((10, 2), torch.float32) == 3
-    assert rp.partitioners.FixedShardsPartitioner(3).num_shards((2,), torch.float32) == 2
+    assert rp.ps.partitioners.FixedShardsPartitioner(3).num_shards((10, 2), torch.float32) == 3
+    assert rp.ps.partitioners.FixedShardsPartitioner(3).num_shards((2,), torch.float32) == 2
     with pytest.raises(ValueError, match="max_shards"):
-        rp.partitioners.MinSizePartitioner(max_shards=0)
+        rp.ps.partitioners.MinSizePartitioner(max_shards=0)
 
 
 def test_placement_is_even_by_size_and_covers_every_row():
@@ -37,7 +37,7 @@ def test_placement_is_even_by_size_and_covers_every_row():
     by_server = {s.name: s.server for s in shards}
     assert by_server["big"] != by_server["mid"]  # the two largest go to different servers
     assert by_server["small"] == by_server["mid"]  # then the lighter server takes the next
-    split = place(variables, 3, rp.partitioners.FixedShardsPartitioner(3))
+    split = place(variables, 3, rp.ps.partitioners.FixedShardsPartitioner(3))
     rows = sorted((s.start, s.end) for s in split if s.name == "big")
     assert rows == [(0, 33), (33, 66), (66, 100)]
     assert {s.server for s in split if s.name == "big"} == {0, 1, 2}

@@ -29,7 +29,7 @@ def _our_segments() -> set[str]:
 
 def train_sync(shared_memory: bool | None = None) -> dict:
     """2 workers + 2 servers, staleness=0, a weight split over both servers, SGD+momentum."""
-    part = rp.partitioners.MinSizePartitioner(min_shard_bytes=512, max_shards=2)
+    part = rp.ps.partitioners.MinSizePartitioner(min_shard_bytes=512, max_shards=2)
     strategy = rp.ParameterServerStrategy(num_ps=2, staleness=0, variable_partitioner=part,
                                           shared_memory=shared_memory)
     with strategy.scope():

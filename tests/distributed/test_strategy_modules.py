@@ -50,7 +50,7 @@ def _outside_scope(case: str) -> str:
         return "ok"
     try:
         strategy.run(_step, args=(model, optimizer))
-    except rp.NotDistributedError as exc:
+    except rp.errors.NotDistributedError as exc:
         return f"refused: {exc}"
     return "ok"
 
@@ -107,7 +107,7 @@ def _mismatch(_: int) -> str:
     try:
         with strategy.scope():
             _Wide(4 if dist.get_rank() == 0 else 5)
-    except rp.ReplicaMismatchError as exc:
+    except rp.errors.ReplicaMismatchError as exc:
         return str(exc)
     return "no error"
 

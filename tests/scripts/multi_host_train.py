@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import replicator as rp
 from replicator.cluster.hosts import local_host_key
 
-ALGORITHMS = {"native": rp.NativeAllReduce, "ring": rp.RingAllReduce,
-              "hierarchical": rp.HierarchicalAllReduce}
+ALGORITHMS = {"native": rp.comm.NativeAllReduce, "ring": rp.comm.RingAllReduce,
+              "hierarchical": rp.comm.HierarchicalAllReduce}
 
 
 def inter_host_bytes_sent() -> int:
@@ -99,7 +99,7 @@ def main() -> None:
     if args.strategy != "one_device":
         ops = strategy.cross_device_ops
         info["algorithm"] = type(ops).__name__
-        if isinstance(ops, rp.HierarchicalAllReduce):
+        if isinstance(ops, rp.comm.HierarchicalAllReduce):
             topo = ops.topology_for(strategy.group)
             info["hosts"] = [list(h) for h in topo.hosts]
             info["leaders"] = list(topo.leaders)

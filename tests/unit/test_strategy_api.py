@@ -23,7 +23,8 @@ def test_get_strategy_by_name_and_suggestion():
     assert isinstance(rp.get_strategy("OneDeviceStrategy", device="cpu"), rp.OneDeviceStrategy)
     with pytest.raises(ValueError, match="Did you mean 'mirrored'"):
         rp.get_strategy("mirroed")
-    assert {"one_device", "mirrored", "multi_worker_mirrored"} <= set(rp.available_strategies())
+    available = set(rp.strategies.available_strategies())
+    assert {"one_device", "mirrored", "multi_worker_mirrored"} <= available
 
 
 def test_compute_average_loss_on_one_device_is_the_mean():
@@ -87,23 +88,24 @@ def test_register_strategy_refuses_to_replace_a_name_unless_asked():
         name = "mirrored"
 
     with pytest.raises(ValueError, match="already registered.*override=True"):
-        rp.register_strategy(Custom)
+        rp.strategies.register_strategy(Custom)
     assert _REGISTRY["mirrored"] is rp.MirroredStrategy
     before = dict(_REGISTRY)
     try:
-        rp.register_strategy(Custom, override=True)
+        rp.strategies.register_strategy(Custom, override=True)
         assert _REGISTRY["mirrored"] is Custom
     finally:
         _REGISTRY.clear()
         _REGISTRY.update(before)
     with pytest.raises(TypeError, match="Strategy subclass"):
-        rp.register_strategy(object)  # type: ignore[arg-type]
+        rp.strategies.register_strategy(object)  # type: ignore[arg-type]
 
 
 def test_multi_worker_mirrored_takes_an_algorithm_as_first_argument():
-    strategy = rp.MultiWorkerMirroredStrategy(rp.RingAllReduce())
-    assert isinstance(strategy.cross_device_ops, rp.RingAllReduce)
+    strategy = rp.MultiWorkerMirroredStrategy(rp.comm.RingAllReduce())
+    assert isinstance(strategy.cross_device_ops, rp.comm.RingAllReduce)
     with pytest.raises(TypeError, match="two all-reduce algorithms"):
-        rp.MultiWorkerMirroredStrategy(rp.RingAllReduce(), cross_device_ops=rp.NativeAllReduce())
+        rp.MultiWorkerMirroredStrategy(rp.comm.RingAllReduce(),
+                                       cross_device_ops=rp.comm.NativeAllReduce())
     with pytest.raises(TypeError, match="CommunicationOptions"):
         rp.MultiWorkerMirroredStrategy("ring")  # type: ignore[arg-type]

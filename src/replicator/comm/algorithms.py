@@ -82,7 +82,7 @@ class CrossDeviceOps(ABC):
 
         if compression is not None and not isinstance(compression, Compression):
             raise TypeError(f"compression must be a Compression such as "
-                            f"rp.Compression.fp16(), got {type(compression).__name__}")
+                            f"rp.comm.Compression.fp16(), got {type(compression).__name__}")
         if timeout_seconds is not None and timeout_seconds <= 0:
             raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
         self.compression = compression

@@ -2,8 +2,9 @@
 
 Compression is given to an algorithm, whichever transport it uses::
 
-    rp.MirroredStrategy(cross_device_ops=rp.NativeAllReduce(compression=rp.Compression.fp16()))
-    rp.RingAllReduce(compression=rp.Compression.powersgd(rank=2))
+    fp16 = rp.comm.Compression.fp16()
+    rp.MirroredStrategy(cross_device_ops=rp.comm.NativeAllReduce(compression=fp16))
+    rp.comm.RingAllReduce(compression=rp.comm.Compression.powersgd(rank=2))
 
 A :class:`Compression` receives the flat gradient bucket and a ``sum_fn`` that sums a tensor
 uncompressed across replicas with the chosen algorithm; it sends a smaller tensor through

@@ -3,7 +3,7 @@
 DDP keeps its own bucketing and overlap; the hook only decides how each bucket is summed::
 
     model = DistributedDataParallel(net)
-    register_ddp_comm_hook(model, rp.RingAllReduce(compression=rp.Compression.fp16()))
+    register_ddp_comm_hook(model, rp.comm.RingAllReduce(compression=rp.comm.Compression.fp16()))
 
 The hook passes DDP's bucket to the algorithm together with its layout (so PowerSGD sees the
 gradient shapes) and returns a future that DDP waits on at the end of ``backward()``, holding
@@ -39,8 +39,8 @@ def ddp_comm_hook(ops: CrossDeviceOps) -> CommHook:
     ``state`` may be the process group DDP uses (``None``: the default group).
     """
     if not isinstance(ops, CrossDeviceOps):
-        raise TypeError(f"ddp_comm_hook takes a CrossDeviceOps such as rp.RingAllReduce(), got "
-                        f"{type(ops).__name__}")
+        raise TypeError(f"ddp_comm_hook takes a CrossDeviceOps such as rp.comm.RingAllReduce(), "
+                        f"got {type(ops).__name__}")
     owner = next(_OWNERS)
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:

@@ -95,11 +95,12 @@ class HierarchicalAllReduce(CrossDeviceOps):
                                            or ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
         if inter_node is not None and not isinstance(inter_node, CrossDeviceOps):
-            raise TypeError(f"inter_node must be a CrossDeviceOps such as rp.RingAllReduce(), "
-                            f"got {type(inter_node).__name__}")
+            raise TypeError(f"inter_node must be a CrossDeviceOps such as "
+                            f"rp.comm.RingAllReduce(), got {type(inter_node).__name__}")
         if isinstance(inter_node, HierarchicalAllReduce):
             raise TypeError("inter_node cannot itself be hierarchical: the leaders are one per "
-                            "host already. HINT: use rp.NativeAllReduce() or rp.RingAllReduce()")
+                            "host already. HINT: use rp.comm.NativeAllReduce() or "
+                            "rp.comm.RingAllReduce()")
         if inter_node is not None and inter_node.compression is not None:
             raise ValueError("give compression to HierarchicalAllReduce itself, not to its "
                              "inter_node algorithm")

@@ -356,7 +356,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         if tensor.device.type != "cpu":
             raise TypeError(f"SharedMemoryAllReduce works on CPU tensors, got one on "
-                            f"{tensor.device}. HINT: use rp.NativeAllReduce() (NCCL) on GPUs")
+                            f"{tensor.device}. HINT: use rp.comm.NativeAllReduce() (NCCL) on GPUs")
         channel = self._channel(group)
         if tensor.numel() == 0:
             return

@@ -80,7 +80,7 @@ def check_same_host(group: dist.ProcessGroup | None, who: str) -> None:
     if int(low) != int(high):
         raise ClusterConfigError(
             f"{who} needs every replica on one host, but the replicas of this group run on "
-            "several hosts. HINT: use rp.HierarchicalAllReduce() or rp.NativeAllReduce() "
+            "several hosts. HINT: use rp.comm.HierarchicalAllReduce() or rp.comm.NativeAllReduce() "
             "across machines.")
 
 
@@ -120,7 +120,7 @@ class SharedSegment:
                 raise ReplicatorError(
                     f"{who}: rank {group_ranks(group)[0]} could not create a {nbytes / 1e6:.1f} "
                     f"MB shared-memory segment in {SHM_DIR} ({message}). HINT: {SHM_DIR} may "
-                    "be full or small (docker: --shm-size); or use rp.NativeAllReduce().")
+                    "be full or small (docker: --shm-size); or use rp.comm.NativeAllReduce().")
             error = ""
             if not first:
                 try:
