@@ -8,6 +8,10 @@ computed at full precision. With a loss scaler, ``policy.backward(loss)`` scales
 ``policy.step(optimizer)`` unscales the gradients, checks them for inf/NaN, *agrees on the
 answer across replicas* (a max-reduce over the strategy), then steps or skips, and adapts the
 scale: every replica skips the same steps, so the replicas never drift apart.
+
+This module sits below the strategies and imports none: the strategy is passed in
+(``scope(precision=...)`` calls :meth:`MixedPrecision.bind`), and the policy uses only its
+device, its number of replicas and its ``reduce`` (:class:`ReplicaReducer`).
 """
 
 from __future__ import annotations
@@ -15,13 +19,25 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-if TYPE_CHECKING:
-    from replicator.strategies.base import Strategy
+from replicator.errors import ReplicatorError
+
+
+class ReplicaReducer(Protocol):
+    """What a policy needs of the strategy it is bound to (every ``rp.Strategy`` has it)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    def reduce(self, op: str, value: Any, axis: int | None = None) -> torch.Tensor: ...
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "mixed_bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16, "mixed_float16": torch.float16,
@@ -73,7 +89,7 @@ class MixedPrecision:
         self._growth_tracker = 0
         self.device_type = device_type
         self.cast_outputs = bool(cast_outputs)
-        self._strategy: Strategy | None = None
+        self._strategy: ReplicaReducer | None = None
         self._unscaled: set[int] = set()
         #: steps skipped so far because some replica saw inf/NaN gradients
         self.skipped_steps = 0
@@ -94,7 +110,7 @@ class MixedPrecision:
         scale = "dynamic" if self.dynamic else (self._scale if self.scaling else None)
         return f"MixedPrecision({name!r}, loss_scale={scale!r})"
 
-    def bind(self, strategy: Strategy) -> None:
+    def bind(self, strategy: ReplicaReducer) -> None:
         """Use ``strategy`` for the autocast device and the cross-replica inf/NaN agreement
         (``strategy.scope(precision=...)`` calls this)."""
         if self._strategy is not None and self._strategy is not strategy:
@@ -166,10 +182,14 @@ class MixedPrecision:
                     break
         strategy = self._strategy
         if strategy is None:
-            from replicator.strategies.replica_context import current_strategy
-
-            strategy = current_strategy()
-        if strategy is not None and strategy.num_replicas_in_sync > 1:
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                raise ReplicatorError(
+                    f"{self!r} decides on inf/NaN gradients in a job of "
+                    f"{dist.get_world_size()} processes without a strategy: the replicas could "
+                    "skip different steps and drift apart. HINT: give the policy to the "
+                    "strategy, `with strategy.scope(precision=policy):`, or call "
+                    "policy.bind(strategy).")
+        elif strategy.num_replicas_in_sync > 1:
             local = strategy.reduce("max", local)
         return bool(local.item() > 0)
 

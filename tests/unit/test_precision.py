@@ -97,3 +97,43 @@ def test_dynamic_scale_backs_off_on_inf_and_grows_after_clean_steps():
     again = rp.MixedPrecision("fp16")
     again.load_state_dict(state)
     assert again.loss_scale == 8.0 and again.skipped_steps == 1
+
+
+class _TwoReplicas:
+    """A stand-in for a strategy of two replicas whose other replica saw inf gradients."""
+
+    device = torch.device("cpu")
+    num_replicas_in_sync = 2
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def reduce(self, op: str, value: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+        self.calls.append(op)
+        return torch.ones(())
+
+
+def test_the_bound_strategy_decides_across_replicas_with_a_max():
+    model = _mlp()
+    policy = rp.MixedPrecision("fp16", init_scale=8.0)
+    group = _TwoReplicas()
+    policy.bind(group)  # anything with device, num_replicas_in_sync and reduce
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy.backward(F.cross_entropy(model(torch.randn(4, 4)), torch.randint(0, 3, (4,))))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert not policy.step(opt)  # clean here, inf on the other replica: every replica skips
+    assert group.calls == ["max"] and policy.skipped_steps == 1 and policy.loss_scale == 4.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_an_unbound_scaler_in_a_multi_process_job_is_refused(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    model = _mlp()
+    policy = rp.MixedPrecision("fp16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy.backward(F.cross_entropy(model(torch.randn(4, 4)), torch.randint(0, 3, (4,))))
+    with pytest.raises(rp.ReplicatorError, match=r"without a strategy.*scope\(precision=policy\)"):
+        policy.step(opt)

@@ -50,9 +50,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def _skip_prefixes() -> tuple[str, ...]:
     global _SKIP_PREFIXES
     if _SKIP_PREFIXES is None:
-        import replicator
-
-        dirs = [os.path.dirname(os.path.abspath(replicator.__file__)),
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replicator/
+        dirs = [package,
                 os.path.dirname(os.path.abspath(torch.__file__)),
                 sysconfig.get_paths()["stdlib"]]
         _SKIP_PREFIXES = tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
