@@ -14,11 +14,8 @@ from replicator.cluster.environment import (
     timeout_from_env,
     use_cluster,
 )
-from replicator.cluster.multi_node import (
-    check_multi_node_args,
-    interface_towards,
-    run_multi_node,
-)
+from replicator.cluster.interfaces import choose_gloo_interface, interface_towards
+from replicator.cluster.multi_node import check_multi_node_args, run_multi_node
 from replicator.cluster.resolvers import (
     SlurmResolver,
     TFConfigResolver,
@@ -223,8 +220,6 @@ def test_interface_towards_loopback():
 
 
 def test_gloo_interface_is_chosen_only_when_unset():
-    from replicator.cluster.multi_node import choose_gloo_interface
-
     env: dict[str, str] = {}
     assert choose_gloo_interface("127.0.0.1", env) is None and env == {}  # a local job
     env = {"GLOO_SOCKET_IFNAME": "eth7"}

@@ -15,16 +15,13 @@ the master. torch.distributed has no authentication: run multi-node jobs on trus
 
 from __future__ import annotations
 
-import fcntl
 import os
-import socket
-import struct
 import sys
-from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 from replicator.cluster.env_names import LAUNCHER_ENV, RUN_ID_ENV, TIMEOUT_ENV
+from replicator.cluster.interfaces import choose_gloo_interface, interface_towards
 from replicator.cluster.launcher import check_num_replicas
 from replicator.cluster.ports import check_port, listen
 from replicator.errors import ClusterConfigError, WorkerFailedError
@@ -33,58 +30,6 @@ from replicator.errors import ClusterConfigError, WorkerFailedError
 RENDEZVOUS_BACKEND = "replicator-static"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_RDZV_TIMEOUT_SECONDS = 300.0
-
-_SIOCGIFADDR = 0x8915
-
-
-def _interface_address(name: str) -> str | None:
-    """The IPv4 address of interface ``name`` (``None`` if it has none)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
-                                 struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def interface_towards(addr: str) -> str | None:
-    """The name of the local interface that traffic to ``addr`` leaves from, if it is found.
-
-    Asks the routing table (a UDP socket ``connect`` sends nothing) for the local address, then
-    finds the interface holding it.
-    """
-    try:
-        target = socket.gethostbyname(addr)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))
-            local = s.getsockname()[0]
-    except OSError:
-        return None
-    for _, name in socket.if_nameindex():
-        if _interface_address(name) == local:
-            return name
-    return None
-
-
-def choose_gloo_interface(master_addr: str,
-                          env: MutableMapping[str, str] | None = None) -> str | None:
-    """Point gloo at the interface towards ``master_addr`` unless ``GLOO_SOCKET_IFNAME`` is set.
-
-    Without it gloo resolves the hostname, which on a multi-homed or badly named machine picks
-    the wrong network (or none). Loopback masters (a one-machine job) are left alone. Returns
-    the interface now in force, if any.
-    """
-    target: MutableMapping[str, str] = os.environ if env is None else env
-    if target.get("GLOO_SOCKET_IFNAME"):
-        return target["GLOO_SOCKET_IFNAME"]
-    if master_addr.startswith("127.") or master_addr in ("localhost", "::1"):
-        return None
-    interface = interface_towards(master_addr)
-    if interface:
-        target["GLOO_SOCKET_IFNAME"] = interface
-    return interface
-
 
 def _register_rendezvous() -> None:
     """Register the static rendezvous whose store listens on the master address only."""
