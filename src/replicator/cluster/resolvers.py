@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from replicator.cluster.env_names import LAUNCHER_ENV, RESTART_COUNT_ENV, STORE_HOSTED_ENV
-from replicator.cluster.environment import ClusterSpec
+from replicator.cluster.spec import ClusterSpec
 from replicator.errors import ClusterConfigError
 
 #: The rendezvous port a SLURM job uses when ``MASTER_PORT`` is not set.
