@@ -17,12 +17,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.batching import slice_bounds
 from replicator.data.prefetch import to_device
+from replicator.errors import NonFiniteLossError
 from replicator.strategies.base import Strategy
 from replicator.strategies.losses import compute_average_loss
 from replicator.train.callback_agreement import ErrorAgreement
@@ -31,6 +33,7 @@ from replicator.train.callbacks import (
     CallbackList,
     History,
     Logs,
+    TerminateOnNaN,
     callback_states,
     load_callback_states,
 )
@@ -142,6 +145,7 @@ class Trainer:
         self.global_step = 0
         self.last_global_batch = 0.0
         self.stop_training = False
+        self.terminate_on_nan = True  # fit(terminate_on_nan=...)
         self.train_dataset: Any = None
         self._errors = ErrorAgreement(strategy)
         self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
@@ -209,10 +213,13 @@ class Trainer:
         per_example = per_example.reshape(n, -1).mean(1) if n else per_example.reshape(0)
         w = torch.ones(n, dtype=per_example.dtype, device=per_example.device) if weight is None \
             else weight.to(per_example.dtype).reshape(-1)
-        global_count = w.sum().detach()
+        # the global count and the replicas with a non-finite loss, in one collective
+        counts = torch.stack([w.sum().detach(), self._nonfinite(per_example, w)])
         if self.strategy.num_replicas_in_sync > 1:
-            global_count = self.strategy.reduce(ReduceOp.SUM, global_count)
-        total = float(global_count)
+            counts = self.strategy.reduce(ReduceOp.SUM, counts)
+        total, bad = (float(v) for v in counts.tolist())
+        if bad:
+            self._stop_on_nonfinite(per_example, w, int(round(bad)))
         # the one compute_average_loss rule; with no real sample anywhere (total == 0, the
         # same on every replica) it finds the zero count itself and returns a zero loss
         count: Any = total if total > 0 else None  # a weighted count may be fractional
@@ -224,6 +231,28 @@ class Trainer:
         for m in self.metrics:
             m.update(pred, y, w)
         return total
+
+    def _nonfinite(self, per_example: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """1.0 when ``fit(terminate_on_nan=True)`` and a real example's loss is NaN or inf."""
+        if not self.terminate_on_nan:
+            return torch.zeros((), dtype=w.dtype, device=w.device)
+        bad = ~torch.isfinite(per_example.detach()) & (w != 0)
+        return bad.any().to(w.dtype)
+
+    def _stop_on_nonfinite(self, per_example: torch.Tensor, w: torch.Tensor, bad: int) -> None:
+        """Raise :class:`NonFiniteLossError` before backward, on every replica at once (the
+        count came from one collective), so the weights keep the previous step's values."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        mine = bool(self._nonfinite(per_example, w))
+        replicas = self.strategy.num_replicas_in_sync
+        raise NonFiniteLossError(
+            f"the loss is NaN or infinite at step {self.step_in_epoch + 1} of epoch "
+            f"{self.epoch + 1}/{self.epochs} (global step {self.global_step + 1}) on {bad} of "
+            f"{replicas} replica(s) (rank {rank}'s own loss is "
+            f"{'not finite' if mine else 'finite'}); fit stopped before the optimizer step, "
+            f"so the weights are those after global step {self.global_step}. HINT: lower the "
+            "learning rate, clip gradients, or look for NaN/inf in this step's input; "
+            "fit(..., terminate_on_nan=False) trains on regardless.")
 
     def _reduced_logs(self, metrics: list[Metric], prefix: str = "") -> Logs:
         """Reduce the metrics' sums (and the error flag) in one collective; the logs."""
@@ -257,10 +286,16 @@ class Trainer:
 
     def fit(self, train_data: Any, epochs: int = 1, validation_data: Any = None,
             steps_per_epoch: int | None = None, callbacks: Iterable[Callback] = (),
-            verbose: int = 1) -> History:
+            verbose: int = 1, terminate_on_nan: bool = True) -> History:
         """Train for ``epochs`` epochs; returns the :class:`History` of per-epoch logs.
 
         Each epoch is one pass over ``train_data`` (at most ``steps_per_epoch`` steps).
+        ``terminate_on_nan`` (Keras's ``TerminateOnNaN``, on by default): a NaN or infinite
+        loss on any replica raises :class:`~replicator.errors.NonFiniteLossError` on every
+        replica, naming the step and epoch, before that step's backward and optimizer step.
+        A ``TerminateOnNaN`` callback in ``callbacks`` takes over (it stops quietly after the
+        batch, as in Keras), and so does a ``BackupAndRestore`` (its own ``terminate_on_nan``
+        guard checks the gradients before each step and names the last backup).
         """
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
@@ -279,6 +314,9 @@ class Trainer:
         others = [cb for cb in callbacks if cb not in backups]
         self._callbacks = CallbackList([*others, *extra, self.history, *backups], self)
         self._backup = backups[0] if backups else None
+        # a BackupAndRestore's own guard, or a TerminateOnNaN callback, decides instead
+        self.terminate_on_nan = bool(terminate_on_nan) and not backups and not any(
+            isinstance(cb, TerminateOnNaN) for cb in callbacks)
         self.stop_training = False
         self.model.train()
         started = time.perf_counter()
