@@ -15,7 +15,7 @@ configuration also runs with zero compute: that step's wall time is the transpor
 critical path, and ``ratio_without_transport`` is the ratio once it is taken out of the wall
 time (the schedule's own bubble). The gloo round trip of one microbatch's activation is
 measured and printed too. "whole step ms" adds the strategy's forward pass without autograd
-that precedes the schedule (see ``replicator/strategies/pipeline.py``): about a third more compute.
+that precedes the schedule (see ``replicator/parallel/pipeline.py``): about a third more compute.
 At 8 microbatches the whole step is also timed with ``strategy.forward_backward`` (forward and
 backward in one schedule run, no second forward pass): ``step_forward_backward_vs_two_pass_<s>_m8``
 is its step time over the two-pass step's (goal <= 0.8: a third of the compute goes).

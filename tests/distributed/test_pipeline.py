@@ -3,11 +3,14 @@ splitting rules and errors."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import replicator as rp
-from replicator.strategies.pipeline_split import (
+from replicator.parallel.pipeline_split import (
     PipelineSplitError,
     balanced_starts,
     check_stage_count,
@@ -241,3 +244,56 @@ def test_hugging_face_gpt2_under_pipeline_and_fsdp_equals_one_device():
     assert held0 and held1 and not held0 & held1  # split over its blocks
     fsdp = run_distributed(_gpt2, 2, args=("fsdp",), timeout_seconds=200)
     assert_params_close(ref["gpt2_adam"]["state"], fsdp[0]["gpt2_adam"]["state"], atol=5e-5)
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class HungOnRank(torch.nn.Module):
+    """Identity whose first backward on global rank ``rank`` sleeps ``seconds`` (a stage whose
+    peer sees it hang)."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        super().__init__()
+        self.rank, self.seconds, self.slept = rank, seconds, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() != self.rank or self.slept or not torch.is_grad_enabled():
+            return x
+        self.slept = True
+        return _SleepInBackward.apply(x, self.seconds)
+
+
+def _stage_hangs(_: int) -> tuple[str, str, float]:
+    strategy = rp.PipelineStrategy(num_stages=2, num_microbatches=2, schedule="gpipe",
+                                   split_points=["1"])
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4),
+                                    HungOnRank(rank=1, seconds=12))
+    start = time.monotonic()
+    try:
+        model(torch.randn(4, 4)).sum().backward()  # the schedule's step runs in backward
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "", "no error", time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_stage_fails_its_peer_after_the_timeout_naming_the_ranks():
+    """Stage 1 (rank 1) sleeps 12 s in backward; rank 0, waiting in the schedule's step for
+    its gradients, fails after the 4 s timeout instead of hanging, naming both ranks and the
+    pass it was in."""
+    (kind, text, seconds), _ = run_distributed(_stage_hangs, 2, args=(0,), timeout_seconds=4)
+    assert kind == "ReplicaTimeoutError", (kind, text)
+    assert "on rank 0" in text and "exchanging with rank 1" in text, text
+    assert "gpipe schedule step (backward" in text and "waited 4 s" in text, text
+    assert 3 < seconds < 11, seconds

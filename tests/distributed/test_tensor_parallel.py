@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import replicator as rp
-from replicator.strategies.tensor_parallel import TensorPlanError, check_plan, default_plan
+from replicator.parallel.tensor_parallel import TensorPlanError, check_plan, default_plan
 from replicator.testing import assert_params_close, run_distributed
 from tests.distributed.model_parallel_models import (
     DIM,
@@ -94,7 +94,7 @@ def test_sequence_parallel_plan_shards_the_blocks_norms_only():
         SequenceParallel,
     )
 
-    from replicator.strategies.tensor_parallel import sequence_parallel_plan
+    from replicator.parallel.tensor_parallel import sequence_parallel_plan
 
     model = make_transformer()
     plan = sequence_parallel_plan(model, default_plan(model, 2))

@@ -2,17 +2,15 @@
 
 from replicator.strategies.base import Strategy
 from replicator.strategies.central_storage import CentralStorageStrategy
-from replicator.strategies.fsdp import FSDPStrategy
 from replicator.strategies.losses import compute_average_loss
 from replicator.strategies.memory import MemoryReport
 from replicator.strategies.mesh_strategy import MeshStrategy
 from replicator.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from replicator.strategies.one_device import OneDeviceStrategy
 from replicator.strategies.parameter_server import ParameterServerStrategy
-from replicator.strategies.pipeline import PipelineStrategy
+from replicator.strategies.presets import FSDPStrategy, PipelineStrategy, TensorParallelStrategy
 from replicator.strategies.registry import available_strategies, get_strategy, register_strategy
 from replicator.strategies.replica_context import ReplicaContext, get_replica_context
-from replicator.strategies.tensor_parallel import TensorParallelStrategy
 
 register_strategy(OneDeviceStrategy, "onedevice", "single", "default")
 register_strategy(MirroredStrategy)

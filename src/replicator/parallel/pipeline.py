@@ -1,4 +1,4 @@
-"""PipelineStrategy: the model cut into stages on different ranks, fed with microbatches.
+"""Pipeline parallelism: a model cut into stages on the ranks of a 1-D ``DeviceMesh``.
 
 Built on ``torch.distributed.pipelining`` (``PipelineStage`` and its schedules: GPipe, 1F1B,
 interleaved 1F1B, interleaved zero bubble). The user's step function keeps its one-device
@@ -21,23 +21,30 @@ pipeline group. The random-number state is replayed, so dropout masks are the sa
 passes. When the loss is known up front (a function of the output and a target),
 :meth:`PipelineRunner.forward_backward` (``strategy.forward_backward``) runs both in one
 schedule run instead, the loss on the last stage.
+
+Every exchange between stages (the value pass's sends, receives and broadcasts, and each run
+of the schedule's ``step``, whose sends and receives torch issues) runs inside the ``guard``
+the caller passes in (a strategy's ``Collectives.guard``), so a stage whose neighbour hangs
+fails after the process group's timeout with a :class:`~replicator.errors.ReplicaTimeoutError`
+naming its rank and the pass it was in, instead of waiting for ever. Each pass is one guarded
+operation on every rank of the pipeline, so all of them count the same number.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from replicator.cluster.topology import Topology
 from replicator.errors import ReplicatorError
-from replicator.strategies.mesh_strategy import MeshStrategy
-from replicator.strategies.pipeline_split import (
+from replicator.parallel.pipeline_split import (
     PipelineSplitError,
     Stage,
     balanced_starts,
@@ -59,6 +66,10 @@ SCHEDULES: dict[str, tuple[str, int, str]] = {
 }
 BALANCE = ("params", "time")
 
+#: ``guard(what)``: a context that counts ``what`` as one collective and turns a backend
+#: timeout inside it into a ``ReplicaTimeoutError`` naming the rank (``Collectives.guard``).
+Guard = Callable[[str], AbstractContextManager[Any]]
+
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _HEADER = 10  # ints: ndim, dtype code, up to 8 sizes
@@ -70,6 +81,38 @@ def _meta(t: torch.Tensor, grad: bool) -> torch.Tensor:
     return torch.empty_like(t).requires_grad_(grad and t.is_floating_point())
 
 
+def check_pipeline_options(num_stages: int, num_microbatches: int, schedule: str,
+                           balance: str = "params") -> str:
+    """Validate the options of a pipeline before any model exists; returns the schedule's
+    normalised name (``"1F1B"`` -> ``"1f1b"``, ``"zero-bubble"`` -> ``"zero_bubble"``)."""
+    schedule = str(schedule).lower().replace("-", "_")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of "
+                         f"{', '.join(SCHEDULES)}")
+    if balance not in BALANCE:
+        raise ValueError(f"balance must be one of {', '.join(BALANCE)}, got {balance!r}")
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    per_rank = SCHEDULES[schedule][1]
+    if num_stages % per_rank:
+        raise PipelineSplitError(
+            f"schedule {schedule!r} places {per_rank} stages on each rank, so num_stages "
+            f"must be a multiple of {per_rank}, got {num_stages}")
+    if schedule != "gpipe" and num_microbatches < num_stages // per_rank:
+        raise ValueError(
+            f"schedule {schedule!r} needs at least as many microbatches as pipeline ranks "
+            f"({num_stages // per_rank}), got num_microbatches={num_microbatches}. HINT: "
+            "use more microbatches (a bubble of (p-1)/(m+p-1) wants m well above p), or "
+            "schedule='gpipe'.")
+    return schedule
+
+
+def pipeline_degree(num_stages: int, schedule: str) -> int:
+    """How many ranks ``num_stages`` stages take under ``schedule`` (interleaved: 2 each)."""
+    return num_stages // SCHEDULES[schedule][1]
+
+
 def stage_owners(num_stages: int, ranks: int, placement: str) -> list[int]:
     """The pipeline rank of each stage: round robin (``loop``) or down-and-back (``v``)."""
     if placement == "v":
@@ -78,25 +121,40 @@ def stage_owners(num_stages: int, ranks: int, placement: str) -> list[int]:
 
 
 class PipelineRunner:
-    """Cuts one model into stages, keeps this rank's, and runs it (see the module doc)."""
+    """Cuts one model into stages over the 1-D ``mesh``, keeps this rank's, and runs it (see
+    the module doc); ``model``'s forward becomes :meth:`forward`.
 
-    def __init__(self, model: torch.nn.Module, topology: Topology, device: torch.device, *,
-                 num_stages: int | None = None, num_microbatches: int = 4,
+    ``guard``: wraps every exchange between stages (see :data:`Guard`). ``after_backward``:
+    called once the schedule has produced this rank's gradients (after the backward of
+    ``model(x)``, or at the end of :meth:`forward_backward`); a data axis sets it to average
+    them across replicas.
+    """
+
+    def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, *,
+                 guard: Guard, num_stages: int | None = None, num_microbatches: int = 4,
                  schedule: str = "1f1b", split_points: Sequence[str] | None = None,
                  balance: str = "params") -> None:
+        if mesh.ndim != 1:
+            raise ValueError(f"PipelineRunner takes the 1-D mesh of the pipeline axis, got a "
+                             f"{mesh.ndim}-D one. HINT: pass mesh['pipeline']")
+        name = str(schedule).lower().replace("-", "_")
+        per_rank = SCHEDULES[name][1] if name in SCHEDULES else 1
+        num_stages = num_stages or mesh.size() * per_rank
+        schedule = check_pipeline_options(num_stages, num_microbatches, name, balance)
         self.model = model
         self.device = device
-        self.group = topology.group("pipeline")
-        self.ranks = topology.size("pipeline")
-        self.me = topology.index("pipeline")
-        self.global_ranks = topology.ranks("pipeline")
-        _, per_rank, placement = SCHEDULES[schedule]
-        self.num_stages = num_stages or self.ranks * per_rank
+        self.group = mesh.get_group()
+        self.ranks = mesh.size()
+        self.me = mesh.get_local_rank()
+        self.global_ranks = list(dist.get_process_group_ranks(self.group))
+        self._guard = guard
+        placement = SCHEDULES[schedule][2]
+        self.num_stages = num_stages
         self.schedule_name = schedule
         self.num_microbatches = num_microbatches
         self.owners = stage_owners(self.num_stages, self.ranks, placement)
         self.local_ids = [s for s, r in enumerate(self.owners) if r == self.me]
-        self.after_backward: Any = None
+        self.after_backward: Callable[[], None] | None = None
         self._wrap_output: Any = None
         known = None if isinstance(model, torch.nn.Sequential) else known_chain(model)
         if known is not None:
@@ -144,7 +202,8 @@ class PipelineRunner:
                 times.append(best)
                 act = out
         costs = torch.tensor(times, dtype=torch.float64)
-        dist.broadcast(costs, src=0)
+        with self._guard("pipeline broadcast of block timings from rank 0"):
+            dist.broadcast(costs, src=0)  # every worker: all pipelines cut alike
         self._cut(balanced_starts([max(c, 1e-9) for c in costs.tolist()], self.num_stages))
 
     @property
@@ -157,7 +216,15 @@ class PipelineRunner:
         return "; ".join(f"stage {s} (rank {self.owners[s]}): {', '.join(n)}"
                          for s, n in enumerate(names))
 
-    # -- point to point ---------------------------------------------------------------------------
+    def _what(self, doing: str) -> str:
+        """A pass's name for errors: what this rank was doing, its stages and neighbours."""
+        me = self.global_ranks[self.me]
+        stages = ", ".join(str(s) for s in self.local_ids)
+        peers = sorted({self.global_ranks[r] for r in self.owners} - {me})
+        return (f"pipeline {doing} (stage {stages} of {self.num_stages} on rank {me}; "
+                f"exchanging with rank {', '.join(str(p) for p in peers)})")
+
+    # -- point to point (always inside a guarded pass) --------------------------------------------
     def _send(self, t: torch.Tensor, to: int) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
@@ -205,6 +272,11 @@ class PipelineRunner:
 
     def _value_pass(self, x: torch.Tensor) -> torch.Tensor:
         """Forward without autograd, microbatch by microbatch; every rank gets the output."""
+        what = self._what(f"forward pass of {self.num_microbatches} microbatches")
+        with self._guard(what):
+            return self._value_pass_unguarded(x)
+
+    def _value_pass_unguarded(self, x: torch.Tensor) -> torch.Tensor:
         last = self.owners[-1]
         outs = []
         with torch.no_grad():
@@ -298,12 +370,12 @@ class PipelineRunner:
         if last in self.local_ids:
             kwargs["target"] = target.to(self.device)
             kwargs["losses"] = losses
-        with torch.enable_grad():
-            sched.step(*args, **kwargs)
+        self._step(sched, args, kwargs, "forward and backward")
         if self.after_backward is not None:
             self.after_backward()
         mine = torch.stack([loss.detach() for loss in losses]).sum() if losses else None
-        return self._broadcast(mine, self.owners[last])
+        with self._guard(self._what("broadcast of the loss from the last stage")):
+            return self._broadcast(mine, self.owners[last])
 
     def _schedule_for(self, x: torch.Tensor,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -340,55 +412,12 @@ class PipelineRunner:
         kwargs: dict[str, Any] = {}
         if self.num_stages - 1 in self.local_ids:
             kwargs["target"] = grad.detach()
-        with torch.enable_grad():
+        self._step(sched, args, kwargs, "backward")
+
+    def _step(self, sched: Any, args: tuple, kwargs: dict[str, Any], doing: str) -> None:
+        """One run of the schedule; torch's sends and receives between stages happen inside,
+        so the whole step is one guarded operation."""
+        what = self._what(f"{self.schedule_name} schedule step ({doing} of "
+                          f"{self.num_microbatches} microbatches)")
+        with self._guard(what), torch.enable_grad():
             sched.step(*args, **kwargs)
-
-
-class PipelineStrategy(MeshStrategy):
-    """Pipeline parallelism: ``num_stages`` stages fed ``num_microbatches`` microbatches.
-
-    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
-    (interleaved zero bubble) or ``"zbv"``; the interleaved ones place two stages on each
-    rank (``num_stages`` = 2 x pipeline ranks). The model must be an ``nn.Sequential`` (nested
-    ones are flattened into one chain of blocks); stages balance parameter counts
-    (``balance="params"``) or forward time measured on the first batch (``"time"``), or start
-    at the named blocks (``split_points=["4"]``, names as in ``model.named_modules()``).
-    Processes beyond the pipeline's ranks are data-parallel replicas of it.
-    """
-
-    name = "pipeline"
-
-    def __init__(self, num_stages: int = 2, num_microbatches: int = 4,
-                 schedule: str = "1f1b", *, split_points: Sequence[str] | None = None,
-                 balance: str = "params", timeout_seconds: float | None = None) -> None:
-        schedule = str(schedule).lower().replace("-", "_")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of "
-                             f"{', '.join(SCHEDULES)}")
-        if balance not in BALANCE:
-            raise ValueError(f"balance must be one of {', '.join(BALANCE)}, got {balance!r}")
-        for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        per_rank = SCHEDULES[schedule][1]
-        if num_stages % per_rank:
-            raise PipelineSplitError(
-                f"schedule {schedule!r} places {per_rank} stages on each rank, so num_stages "
-                f"must be a multiple of {per_rank}, got {num_stages}")
-        if schedule != "gpipe" and num_microbatches < num_stages // per_rank:
-            raise ValueError(
-                f"schedule {schedule!r} needs at least as many microbatches as pipeline ranks "
-                f"({num_stages // per_rank}), got num_microbatches={num_microbatches}. HINT: "
-                "use more microbatches (a bubble of (p-1)/(m+p-1) wants m well above p), or "
-                "schedule='gpipe'.")
-        super().__init__(pipeline=num_stages // per_rank, data=-1,
-                         pipeline_options={"num_stages": num_stages,
-                                           "num_microbatches": num_microbatches,
-                                           "schedule": schedule,
-                                           "split_points": split_points,
-                                           "balance": balance},
-                         timeout_seconds=timeout_seconds)
-
-    def describe_stages(self) -> str:
-        """Which blocks each stage holds, and on which pipeline rank."""
-        return " | ".join(r.describe() for r in self._pipelines)

@@ -1,4 +1,4 @@
-"""TensorParallelStrategy: each layer's weights split across ranks (DTensor ``parallelize_module``).
+"""Tensor parallelism: each layer's weights split over a ``DeviceMesh`` (``parallelize_module``).
 
 Megatron's layout, as torchtitan applies it: in an MLP block the first ``Linear`` is split by
 output features (column-wise) and the second by input features (row-wise), so the activation
@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from replicator.strategies.mesh_strategy import MeshStrategy
+from replicator.errors import ReplicatorError
 
 #: Names of attention projections: (query, key, value, output).
 ATTENTION_NAMES = (("q", "k", "v", "o"), ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -52,7 +52,7 @@ STYLE_NAMES = ("colwise", "rowwise", "embedding")
 NORM_TYPES: tuple[type[torch.nn.Module], ...] = (torch.nn.LayerNorm, torch.nn.RMSNorm)
 
 
-class TensorPlanError(ValueError):
+class TensorPlanError(ReplicatorError, ValueError):
     """A tensor-parallel plan that names a module the model does not have, or a bad style."""
 
 
@@ -208,6 +208,22 @@ def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, Par
     return out
 
 
+def validate_plan(plan: Mapping[str, Any] | None, sequence_parallel: bool = False) -> None:
+    """Check a plan before any model exists (its type, each style, and that
+    ``sequence_parallel`` is asked only with the default plan), so a bad one fails where the
+    strategy is built rather than at scope exit."""
+    if plan is None:
+        return
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan must be a dict of module name -> style, got "
+                        f"{type(plan).__name__}")
+    for key, value in plan.items():
+        style_for(value, str(key))
+    if sequence_parallel:
+        raise TensorPlanError("sequence_parallel=True extends the default plan; with your own "
+                              "plan, give the norms SequenceParallel() entries yourself")
+
+
 def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh,
                           plan: Mapping[str, Any] | None = None, *,
                           sequence_parallel: bool = False) -> torch.nn.Module:
@@ -215,9 +231,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh,
     with sequence-parallel norms when ``sequence_parallel``); head-count attributes of
     attention blocks the plan splits are divided by the degree."""
     degree = mesh.size()
-    if plan is not None and sequence_parallel:
-        raise TensorPlanError("sequence_parallel=True extends the default plan; with your own "
-                              "plan, give the norms SequenceParallel() entries yourself")
+    validate_plan(plan, sequence_parallel)
     chosen: dict[str, Any] = default_plan(model, degree) if plan is None else dict(plan)
     if sequence_parallel:
         chosen = sequence_parallel_plan(model, chosen)
@@ -241,34 +255,3 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh,
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(module, attr, value // degree)
     return model
-
-
-class TensorParallelStrategy(MeshStrategy):
-    """Tensor parallelism on every process (or ``tensor`` of them, the rest data parallel).
-
-    ``plan``: module name (or ``fnmatch`` pattern) -> ``"colwise"``, ``"rowwise"``,
-    ``"embedding"`` or a torch ``ParallelStyle``; ``None`` takes :func:`default_plan`.
-    ``sequence_parallel``: norms and the residual stream of transformer blocks work on a
-    shard of the sequence (see the module doc; default plan only). Every rank of a
-    tensor-parallel group gets the same batch; ``num_replicas_in_sync`` counts the
-    data-parallel replicas only.
-    """
-
-    name = "tensor_parallel"
-
-    def __init__(self, plan: Mapping[str, Any] | None = None, *, tensor: int = -1,
-                 sequence_parallel: bool = False,
-                 timeout_seconds: float | None = None) -> None:
-        if plan is not None and not isinstance(plan, Mapping):
-            raise TypeError(f"plan must be a dict of module name -> style, got "
-                            f"{type(plan).__name__}")
-        if plan is not None:
-            for key, value in plan.items():
-                style_for(value, str(key))
-        if plan is not None and sequence_parallel:
-            raise TensorPlanError("sequence_parallel=True extends the default plan; with your "
-                                  "own plan, give the norms SequenceParallel() entries yourself")
-        data = 1 if tensor == -1 else -1
-        super().__init__(data=data, tensor=tensor, tensor_plan=plan,
-                         timeout_seconds=timeout_seconds)
-        self._sequence_parallel = bool(sequence_parallel)

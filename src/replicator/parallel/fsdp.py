@@ -1,4 +1,4 @@
-"""FSDPStrategy: fully sharded data parallelism (ZeRO-3) with FSDP2 ``fully_shard``.
+"""Fully sharded data parallelism (ZeRO-3) with FSDP2 ``fully_shard``, over a ``DeviceMesh``.
 
 Each replica keeps ``1/N`` of every parameter, gradient and optimizer state; a block's full
 parameters are all-gathered just before it runs and freed after (``reshard_after_forward``),
@@ -8,13 +8,9 @@ and gradients are reduce-scattered (averaged) in backward. The same step with gl
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-
-from replicator.strategies.mesh_strategy import MeshStrategy
 
 
 def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -59,37 +55,3 @@ def is_unsharded_view(module: torch.nn.Module, tensor: torch.Tensor) -> bool:
                 if getattr(fsdp_param, "_unsharded_param", None) is tensor:
                     return True
     return False
-
-
-class FSDPStrategy(MeshStrategy):
-    """Fully sharded data parallelism on every process (FSDP2 ``fully_shard`` per block).
-
-    ``reshard_after_forward=True`` frees gathered parameters after each block's forward and
-    gathers them again in backward (ZeRO-3, least memory); ``False`` keeps them from forward to
-    backward (ZeRO-2: sharded gradients and optimizer state, one gather fewer per step).
-    ``zero_stage=3|2`` is the same choice by name. ``tensor``: add a tensor-parallel axis of
-    that degree (``fsdp x tensor``), with ``tensor_plan`` as in
-    :class:`~replicator.TensorParallelStrategy`.
-    """
-
-    name = "fsdp"
-
-    def __init__(self, reshard_after_forward: bool | None = None, *,
-                 zero_stage: int | None = None, tensor: int = 1,
-                 tensor_plan: dict[str, Any] | None = None,
-                 timeout_seconds: float | None = None) -> None:
-        if zero_stage is not None:
-            if zero_stage not in (2, 3):
-                raise ValueError(
-                    f"zero_stage must be 2 or 3, got {zero_stage!r}. HINT: FSDP always shards "
-                    "gradients and optimizer state (stage 2); stage 3 also frees parameters "
-                    "after forward. For stage 1 (sharded optimizer state only) use "
-                    "rp.MirroredStrategy, whose memory is then dominated by parameters anyway.")
-            if reshard_after_forward is not None and reshard_after_forward != (zero_stage == 3):
-                raise ValueError(f"zero_stage={zero_stage} contradicts reshard_after_forward="
-                                 f"{reshard_after_forward}. HINT: give only one of them.")
-            reshard_after_forward = zero_stage == 3
-        super().__init__(fsdp=-1, tensor=tensor, tensor_plan=tensor_plan,
-                         reshard_after_forward=True if reshard_after_forward is None
-                         else bool(reshard_after_forward),
-                         timeout_seconds=timeout_seconds)

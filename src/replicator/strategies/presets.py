@@ -1,0 +1,108 @@
+"""FSDPStrategy, TensorParallelStrategy, PipelineStrategy: :class:`MeshStrategy` with one axis.
+
+Each preset only checks its constructor arguments (so a bad one fails where the strategy is
+built) and picks the mesh axes: its own axis, plus ``data`` for whatever processes are left
+where that applies. The parallelisms themselves are the functions of :mod:`replicator.parallel`,
+which the mesh applies at scope exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from replicator.parallel.pipeline import check_pipeline_options, pipeline_degree
+from replicator.parallel.tensor_parallel import validate_plan
+from replicator.strategies.mesh_strategy import MeshStrategy
+
+
+class FSDPStrategy(MeshStrategy):
+    """Fully sharded data parallelism on every process (FSDP2 ``fully_shard`` per block; see
+    :mod:`replicator.parallel.fsdp`).
+
+    ``reshard_after_forward=True`` frees gathered parameters after each block's forward and
+    gathers them again in backward (ZeRO-3, least memory); ``False`` keeps them from forward to
+    backward (ZeRO-2: sharded gradients and optimizer state, one gather fewer per step).
+    ``zero_stage=3|2`` is the same choice by name. ``tensor``: add a tensor-parallel axis of
+    that degree (``fsdp x tensor``), with ``tensor_plan`` as in
+    :class:`~replicator.TensorParallelStrategy`.
+    """
+
+    name = "fsdp"
+
+    def __init__(self, reshard_after_forward: bool | None = None, *,
+                 zero_stage: int | None = None, tensor: int = 1,
+                 tensor_plan: dict[str, Any] | None = None,
+                 timeout_seconds: float | None = None) -> None:
+        if zero_stage is not None:
+            if zero_stage not in (2, 3):
+                raise ValueError(
+                    f"zero_stage must be 2 or 3, got {zero_stage!r}. HINT: FSDP always shards "
+                    "gradients and optimizer state (stage 2); stage 3 also frees parameters "
+                    "after forward. For stage 1 (sharded optimizer state only) use "
+                    "rp.MirroredStrategy, whose memory is then dominated by parameters anyway.")
+            if reshard_after_forward is not None and reshard_after_forward != (zero_stage == 3):
+                raise ValueError(f"zero_stage={zero_stage} contradicts reshard_after_forward="
+                                 f"{reshard_after_forward}. HINT: give only one of them.")
+            reshard_after_forward = zero_stage == 3
+        validate_plan(tensor_plan)
+        super().__init__(fsdp=-1, tensor=tensor, tensor_plan=tensor_plan,
+                         reshard_after_forward=True if reshard_after_forward is None
+                         else bool(reshard_after_forward),
+                         timeout_seconds=timeout_seconds)
+
+
+class TensorParallelStrategy(MeshStrategy):
+    """Tensor parallelism on every process (or ``tensor`` of them, the rest data parallel).
+
+    ``plan``: module name (or ``fnmatch`` pattern) -> ``"colwise"``, ``"rowwise"``,
+    ``"embedding"`` or a torch ``ParallelStyle``; ``None`` takes
+    :func:`~replicator.parallel.tensor_parallel.default_plan` (Megatron's layout).
+    ``sequence_parallel``: norms and the residual stream of transformer blocks work on a
+    shard of the sequence (see :mod:`replicator.parallel.tensor_parallel`; default plan only).
+    Every rank of a tensor-parallel group gets the same batch; ``num_replicas_in_sync`` counts
+    the data-parallel replicas only.
+    """
+
+    name = "tensor_parallel"
+
+    def __init__(self, plan: Mapping[str, Any] | None = None, *, tensor: int = -1,
+                 sequence_parallel: bool = False,
+                 timeout_seconds: float | None = None) -> None:
+        validate_plan(plan, sequence_parallel)
+        data = 1 if tensor == -1 else -1
+        super().__init__(data=data, tensor=tensor, tensor_plan=plan,
+                         timeout_seconds=timeout_seconds)
+        self._sequence_parallel = bool(sequence_parallel)
+
+
+class PipelineStrategy(MeshStrategy):
+    """Pipeline parallelism: ``num_stages`` stages fed ``num_microbatches`` microbatches (see
+    :mod:`replicator.parallel.pipeline`).
+
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
+    (interleaved zero bubble) or ``"zbv"``; the interleaved ones place two stages on each
+    rank (``num_stages`` = 2 x pipeline ranks). The model must be an ``nn.Sequential`` (nested
+    ones are flattened into one chain of blocks); stages balance parameter counts
+    (``balance="params"``) or forward time measured on the first batch (``"time"``), or start
+    at the named blocks (``split_points=["4"]``, names as in ``model.named_modules()``).
+    Processes beyond the pipeline's ranks are data-parallel replicas of it.
+    """
+
+    name = "pipeline"
+
+    def __init__(self, num_stages: int = 2, num_microbatches: int = 4,
+                 schedule: str = "1f1b", *, split_points: Sequence[str] | None = None,
+                 balance: str = "params", timeout_seconds: float | None = None) -> None:
+        schedule = check_pipeline_options(num_stages, num_microbatches, schedule, balance)
+        super().__init__(pipeline=pipeline_degree(num_stages, schedule), data=-1,
+                         pipeline_options={"num_stages": num_stages,
+                                           "num_microbatches": num_microbatches,
+                                           "schedule": schedule,
+                                           "split_points": split_points,
+                                           "balance": balance},
+                         timeout_seconds=timeout_seconds)
+
+    def describe_stages(self) -> str:
+        """Which blocks each stage holds, and on which pipeline rank."""
+        return " | ".join(r.describe() for r in self._pipelines)
