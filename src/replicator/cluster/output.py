@@ -18,6 +18,8 @@ import threading
 import time
 from typing import IO, Any
 
+from replicator.cluster.terminal import TTY_COMPATIBLE_ENV
+
 #: What erases the current terminal line (rich writes it after each ``\r``).
 _ERASE_LINE = b"\x1b[2K"
 #: Seconds to wait for a pipe's last bytes once its worker ended.
@@ -46,7 +48,7 @@ def terminal_env(rank: int, world: int, stream: IO[Any] | None = None) -> dict[s
     columns = shutil.get_terminal_size().columns
     env = {"COLUMNS": str(max(20, columns - len(rank_prefix(world - 1))))}
     if rank == 0:
-        env["TTY_COMPATIBLE"] = "1"
+        env[TTY_COMPATIBLE_ENV] = "1"
     return env
 
 

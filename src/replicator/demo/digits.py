@@ -7,8 +7,6 @@ The dataset ships inside scikit-learn (1,797 images), so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
@@ -17,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import replicator as rp
+from replicator.cluster.terminal import is_live_terminal
 
 
 class DigitsCNN(nn.Module):
@@ -52,9 +51,8 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0
 def _progress(enabled: bool, total: int):
     """A rich progress bar on a terminal; ``None`` (plain lines) otherwise."""
     # Under ``replicator run`` the chief writes into a pipe that the launcher relays to a
-    # terminal; the launcher says so with TTY_COMPATIBLE=1 (which rich honours too).
-    terminal = sys.stdout.isatty() or os.environ.get("TTY_COMPATIBLE") == "1"
-    if not enabled or not terminal:
+    # terminal; the launcher says so with TTY_COMPATIBLE=1, which is_live_terminal reads.
+    if not enabled or not is_live_terminal():
         return None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -11,7 +11,7 @@ from replicator.train.callbacks import (
     TensorBoard,
     TerminateOnNaN,
 )
-from replicator.train.progress import ProgressBar
+from replicator.train.progress_bar import ProgressBar
 from replicator.train.replicator_facade import Replicator
 from replicator.train.trainer import Trainer
 

@@ -38,7 +38,7 @@ from replicator.train.callbacks import (
     load_callback_states,
 )
 from replicator.train.metrics import Mean, Metric, as_metric, reduce_states
-from replicator.train.progress import ProgressBar
+from replicator.train.progress_bar import ProgressBar
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -1,11 +1,12 @@
-"""The chief's progress display: a live bar on a terminal, plain log lines otherwise (CI)."""
+"""The chief's progress display: a live bar on a terminal (its own, or the one ``replicator
+run`` relays its output to), plain log lines otherwise (CI, files)."""
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
+from replicator.cluster.terminal import is_live_terminal
 from replicator.train.callbacks import Callback, Logs
 
 
@@ -16,7 +17,9 @@ def _fmt_logs(logs: Logs) -> str:
 class ProgressBar(Callback):
     """Epoch, step/total, loss and metrics, samples/s and ETA, on the chief only.
 
-    ``live=None`` picks a live bar when standard output is a terminal.
+    ``live=None`` picks a live bar when standard output is a live terminal: a terminal, or
+    ``replicator run``'s relay to one (``TTY_COMPATIBLE=1``, see
+    :func:`~replicator.cluster.terminal.is_live_terminal`).
     """
 
     def __init__(self, live: bool | None = None) -> None:
@@ -35,7 +38,7 @@ class ProgressBar(Callback):
             return
         self._start, self._samples = time.perf_counter(), 0.0
         self._done = self.trainer.step_in_epoch
-        live = sys.stdout.isatty() if self.live is None else self.live
+        live = is_live_terminal() if self.live is None else self.live
         total = self.trainer.steps_in_epoch
         if live:
             from rich.progress import (
