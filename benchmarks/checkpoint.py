@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import replicator as rp  # noqa: E402
 from benchmarks._report import emit, median, print_table  # noqa: E402
-from replicator.checkpoint import BackupAndRestore, CheckpointManager  # noqa: E402
+from replicator.checkpoint import CheckpointManager  # noqa: E402
+from replicator.resume import BackupAndRestore  # noqa: E402
 
 BENCH = "checkpoint"
 

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import replicator as rp
-from replicator.checkpoint import BackupAndRestore, fault_points
+from replicator.checkpoint import fault_points
 from replicator.errors import CheckpointWriteError
+from replicator.resume import BackupAndRestore
 from replicator.testing import run_distributed
 from tests.helpers import make_mlp, regression_data
 

@@ -11,8 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import replicator as rp
-from replicator.checkpoint.distributed_checkpoint import load_sharded, save_sharded
 from replicator.errors import CheckpointCorruptError
+from replicator.resume import load_sharded, save_sharded
 from replicator.testing import run_distributed
 from tests.distributed.model_parallel_models import loss_of, make_transformer, token_data
 
@@ -103,7 +103,7 @@ def _fit_fsdp(backup_dir: str | None, epochs: int) -> dict:
     """Trainer.fit under FSDP(2), with a kept backup in ``backup_dir`` (None: no backup)."""
     import torch.nn as nn
 
-    from replicator.checkpoint import BackupAndRestore
+    from replicator.resume import BackupAndRestore
     from tests.train_helpers import digits, loader, model_fn
 
     strategy = rp.FSDPStrategy()

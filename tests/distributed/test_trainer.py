@@ -120,7 +120,7 @@ class InjectFault(rp.Callback):
 
 
 def fit_with_backup(backup_dir: str, kill: bool) -> dict:
-    from replicator.checkpoint import BackupAndRestore
+    from replicator.resume import BackupAndRestore
     from replicator.testing import kill_rank
 
     strategy = rp.MirroredStrategy()

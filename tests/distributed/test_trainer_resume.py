@@ -40,7 +40,7 @@ class RecordWait(rp.Callback):
 
 
 def fit_resumable(work: str, kill_step: int | None) -> dict:
-    from replicator.checkpoint import BackupAndRestore
+    from replicator.resume import BackupAndRestore
 
     out = Path(work)
     strategy = rp.MirroredStrategy()

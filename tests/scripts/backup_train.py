@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch.utils.data import TensorDataset
 
 import replicator as rp
-from replicator.checkpoint import BackupAndRestore
+from replicator.resume import BackupAndRestore
 
 
 class ShardedIds:

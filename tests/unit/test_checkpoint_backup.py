@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import replicator as rp
-from replicator.checkpoint import BackupAndRestore, CheckpointManager, Preempted
-from replicator.checkpoint.preemption import PREEMPTION_EXIT_CODE
+from replicator.checkpoint import CheckpointManager
 from replicator.errors import NonFiniteLossError
+from replicator.resume import PREEMPTION_EXIT_CODE, BackupAndRestore, Preempted
 
 
 class _Crash(Exception):
@@ -227,7 +227,7 @@ class _FakeCollectives:
 
 
 def test_preemption_checks_adapt_to_the_step_time_and_agree():
-    from replicator.checkpoint.preemption import PreemptionWatcher
+    from replicator.resume.preemption import PreemptionWatcher
 
     coll = _FakeCollectives(other_step_time=0.25)  # the slowest rank: 4 steps per second
     watcher = PreemptionWatcher(coll, check_seconds=1.0)

@@ -1,12 +1,16 @@
-"""The checkpoint room: atomic, verified checkpoints and exact resume after a failure.
+"""The checkpoint room: storage only. Atomic, verified, multi-rank checkpoints.
 
-``BackupAndRestore`` is what training code uses; ``CheckpointManager`` is the layer beneath it
-(atomic step directories, SHA-256 manifests, keep-last-k, multi-rank agreement).
+``CheckpointManager`` commits step directories atomically (SHA-256 manifests, safetensors,
+keep-last-k) and agrees across the ranks of a ``Collectives`` passed in; ``BackgroundSaver``
+writes its saves on a thread; ``distributed_checkpoint`` saves sharded model state through
+``torch.distributed.checkpoint`` (under a strategy, call :func:`replicator.resume.save_sharded`,
+which prepares the optimizers first). This room never asks which strategy is active: what drives
+the training loop (``BackupAndRestore``, preemption, the NaN guard) lives in
+:mod:`replicator.resume`, which passes the strategy's collectives down.
 """
 
-from replicator.checkpoint.backup_and_restore import BackupAndRestore
+from replicator.checkpoint.background import BackgroundSaver
+from replicator.checkpoint.exchange import Channel, group_collectives
 from replicator.checkpoint.manager import CheckpointManager, Restored
-from replicator.checkpoint.preemption import PREEMPTION_EXIT_CODE, Preempted
 
-__all__ = ["BackupAndRestore", "CheckpointManager", "Restored", "Preempted",
-           "PREEMPTION_EXIT_CODE"]
+__all__ = ["BackgroundSaver", "Channel", "CheckpointManager", "Restored", "group_collectives"]

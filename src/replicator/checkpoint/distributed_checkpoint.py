@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree, write_durable
-from replicator.checkpoint.exchange import Channel, default_collectives, describe_failures
+from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
 from replicator.checkpoint.manifest import (
     MARKER_NAME,
     FileEntry,
@@ -36,6 +36,7 @@ from replicator.checkpoint.manifest import (
     write_marker,
 )
 from replicator.cluster.environment import resolve_cluster
+from replicator.comm.collectives import Collectives
 from replicator.errors import CheckpointCorruptError, CheckpointWriteError
 
 GROUPS_FILE = "optimizer_groups.json"
@@ -55,19 +56,6 @@ def _as_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
 
 def _step_dir(step: int) -> str:
     return f"{_STEP_PREFIX}{step:08d}"
-
-
-def _prepare(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-             strategy: Any) -> None:
-    """Let the strategy point optimizers built in scope at the sharded parameters."""
-    if strategy is None:
-        from replicator.strategies.replica_context import current_strategy
-
-        strategy = current_strategy()
-    remap = getattr(strategy, "_remap_optimizer", None)
-    if callable(remap):
-        for optimizer in optimizers:
-            remap(optimizer)
 
 
 def _held(t: Any) -> bool:
@@ -95,17 +83,18 @@ def _flat_state(msd: dict[str, Any], osd: dict[str, Any], optimizer: bool
 
 
 def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.Module,
-                 optimizer: Optimizers = None, *, strategy: Any = None,
+                 optimizer: Optimizers = None, *, collectives: Collectives | None = None,
                  keep: int = 2) -> Path:
     """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``;
-    every rank calls it.
+    every rank of ``collectives`` (default: the whole job) calls it.
 
+    The optimizers must already hold the model's (sharded) parameters: under a strategy use
+    :func:`replicator.resume.save_sharded`, which lets the strategy prepare them first.
     Returns the committed ``step-N`` directory. Raises :class:`CheckpointWriteError` on every
     rank when any rank fails, leaving the previous checkpoints as they were.
     """
     optimizers = _as_list(optimizer)
-    _prepare(model, optimizers, strategy)
-    ch = Channel(default_collectives(None))
+    ch = Channel(collectives if collectives is not None else group_collectives())
     root = Path(directory)
     attempt = resolve_cluster().restart_count
     tmp = root / f".tmp-{_step_dir(step)}-a{attempt}"
@@ -119,7 +108,7 @@ def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.M
         ch.all_gather("", f"checkpoint save of step {step} (directory)")
         dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp),
                                                                    save_distributed=True),
-                 no_dist=ch.world_size == 1)
+                 process_group=ch.collectives.group, no_dist=ch.world_size == 1)
         if ch.is_chief and optimizers:
             write_durable(tmp / GROUPS_FILE, json.dumps(groups).encode())
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
@@ -175,17 +164,18 @@ def _prune(root: Path, keep: int) -> None:
 
 def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
                  optimizer: Optimizers = None, *, step: int | None = None,
-                 strategy: Any = None) -> int | None:
+                 collectives: Collectives | None = None) -> int | None:
     """Load the newest verified checkpoint (or ``step``) into ``model`` (and ``optimizer``),
-    whatever the layout it was saved in and the one it loads into; every rank calls it.
+    whatever the layout it was saved in and the one it loads into; every rank of
+    ``collectives`` (default: the whole job) calls it.
 
-    Returns the step loaded, or ``None`` when ``directory`` holds no checkpoint. Damaged or
-    partial checkpoints are skipped with a warning; :class:`CheckpointCorruptError` when
-    checkpoints exist but none verifies.
+    The optimizers must already hold the model's (sharded) parameters (see
+    :func:`save_sharded`). Returns the step loaded, or ``None`` when ``directory`` holds no
+    checkpoint. Damaged or partial checkpoints are skipped with a warning;
+    :class:`CheckpointCorruptError` when checkpoints exist but none verifies.
     """
     optimizers = _as_list(optimizer)
-    _prepare(model, optimizers, strategy)
-    ch = Channel(default_collectives(None))
+    ch = Channel(collectives if collectives is not None else group_collectives())
     root = Path(directory)
     choice: dict[str, Any] = {"step": -1, "skipped": [], "error": ""}
     if ch.is_chief:
@@ -212,8 +202,9 @@ def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
     path = root / _step_dir(choice["step"])
     msd, osd = get_state_dict(model, optimizers)
     flat, _ = _flat_state(msd, osd, bool(optimizers))
-    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)),
-             no_dist=ch.world_size == 1)  # in place, into the state dicts' own tensors
+    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(path)),  # in place, into
+             process_group=ch.collectives.group,  # the state dicts' own tensors
+             no_dist=ch.world_size == 1)
     if optimizers and (path / GROUPS_FILE).exists():
         groups = json.loads((path / GROUPS_FILE).read_text())
         targets: list[dict[str, Any]] = list(osd.get("param_groups", []))  # type: ignore[arg-type]

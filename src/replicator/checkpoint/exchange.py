@@ -4,8 +4,9 @@ Every save and restore ends with an agreement step in which each rank says wheth
 worked. All ranks then raise together or go on together, so a failure on one rank (a full
 disk, a corrupt file) becomes the same clear error everywhere instead of a hang.
 
-Messages go through :class:`replicator.comm.collectives.Collectives` (the strategy's own when it
-has one), so a rank that stops responding turns into a ``ReplicaTimeoutError`` naming it.
+Messages go through a :class:`replicator.comm.collectives.Collectives` that the caller passes in
+(a strategy's own, from the room above; or :func:`group_collectives` over a group), so a rank
+that stops responding turns into a ``ReplicaTimeoutError`` naming it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,9 @@ from replicator.cluster.process_group import DEFAULT_TIMEOUT_SECONDS, current_gr
 from replicator.comm.collectives import Collectives
 
 
-def default_collectives(strategy: Any = None,
-                        group: dist.ProcessGroup | None = None) -> Collectives:
-    """The strategy's collectives when it exposes them, else ones over ``group`` (``None``:
-    the whole job)."""
-    own = getattr(strategy, "collectives", None)
-    if isinstance(own, Collectives):
-        return own
+def group_collectives(group: dist.ProcessGroup | None = None) -> Collectives:
+    """Collectives over ``group`` (``None``: the whole job) with the job's timeout; one rank
+    of one when ``torch.distributed`` is not initialized (a single-process run)."""
     if not dist.is_available() or not dist.is_initialized():
         return Collectives(0, 1, torch.device("cpu"), DEFAULT_TIMEOUT_SECONDS)
     info = current_group()

@@ -35,7 +35,7 @@ import torch
 
 from replicator.checkpoint import fault_points, safetensors_io, serialization
 from replicator.checkpoint.atomic import fsync_dir, remove_tree
-from replicator.checkpoint.exchange import Channel, default_collectives, describe_failures
+from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
 from replicator.checkpoint.manifest import (
     MARKER_NAME,
     FileEntry,
@@ -46,6 +46,7 @@ from replicator.checkpoint.manifest import (
     write_marker,
 )
 from replicator.cluster.environment import resolve_cluster
+from replicator.comm.collectives import Collectives
 from replicator.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -125,26 +126,31 @@ class CheckpointManager:
     """Save and restore checkpoints of a job in ``directory``, keeping the newest ``keep``.
 
     Every rank calls :meth:`save` and :meth:`restore` together (they agree through small
-    collectives). ``strategy`` (optional) lends its collectives so that timeouts name ranks.
+    collectives). ``collectives``: the ranks that checkpoint together and how they talk (for
+    example a strategy's, so that timeouts name ranks); default: the whole job
+    (:func:`~replicator.checkpoint.exchange.group_collectives`).
     ``directory`` must be one file system that every rank sees (a local disk for one machine,
     a shared one across machines).
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep: int = 2, *,
-                 strategy: Any = None, attempt: int | None = None) -> None:
+                 collectives: Collectives | None = None,
+                 attempt: int | None = None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive number of checkpoints, got {keep!r}")
         self.directory = Path(directory)
         self.keep = keep
-        self._strategy = strategy
-        self._channel: Channel | None = None
+        if collectives is not None and not isinstance(collectives, Collectives):
+            raise TypeError(f"collectives must be a Collectives, got {type(collectives).__name__}"
+                            ". HINT: pass strategy.collectives, or nothing for the whole job")
+        self._channel: Channel | None = Channel(collectives) if collectives is not None else None
         self.attempt = resolve_cluster().restart_count if attempt is None else attempt
         self.latest_step: int | None = None
 
     @property
     def channel(self) -> Channel:
         if self._channel is None:
-            self._channel = Channel(default_collectives(self._strategy))
+            self._channel = Channel(group_collectives())
         return self._channel
 
     # -- listing -------------------------------------------------------------------------------

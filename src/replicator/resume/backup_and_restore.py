@@ -24,9 +24,15 @@ preemption, the final save and :meth:`save` are written before they return.
 
 Under a strategy that splits the model (pipeline stages, tensor or FSDP shards: the strategy's
 ``shards_model`` is true) no rank holds the whole model, so the tracked module and optimizers
-are saved by every rank through ``torch.distributed.checkpoint`` (``distributed_checkpoint.py``,
-in ``backup_dir/sharded``) before the backup's own commit, which then names them; these saves
-are written before the next step starts (see :meth:`BackupAndRestore._save`).
+are saved by every rank through ``torch.distributed.checkpoint``
+(``checkpoint/distributed_checkpoint.py``, in ``backup_dir/sharded``) before the backup's own
+commit, which then names them; these saves are written before the next step starts (see
+:meth:`BackupAndRestore._save`).
+
+This room sits above the strategies: it asks the strategy (given, or the active one) only
+through its public API (``shards_model``, ``collectives``, ``prepare_optimizers``) and passes
+what storage needs (the collectives of the ranks that checkpoint together) down to
+:mod:`replicator.checkpoint`, which never asks which strategy is active.
 
 It also turns SIGTERM into a clean stop (every rank saves the same step and exits with code 75)
 and, by default, stops before an optimizer step whose gradients are NaN or infinite.
@@ -43,7 +49,6 @@ from typing import Any
 
 import torch
 
-from replicator.checkpoint import rng
 from replicator.checkpoint.atomic import remove_tree
 from replicator.checkpoint.background import BackgroundSaver
 from replicator.checkpoint.distributed_checkpoint import (
@@ -53,17 +58,12 @@ from replicator.checkpoint.distributed_checkpoint import (
 )
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
-from replicator.checkpoint.nonfinite import NonFiniteGuard
-from replicator.checkpoint.preemption import Preempted, PreemptionWatcher
 from replicator.cluster.worker_errors import record_backup
-
-
-def _active_strategy() -> Any:
-    """The strategy of this process, if the strategies room is loaded (found, not imported,
-    so that this room stays below it)."""
-    module = sys.modules.get("replicator.strategies.replica_context")
-    return module.current_strategy() if module is not None else None
-
+from replicator.resume import rng
+from replicator.resume.nonfinite import NonFiniteGuard
+from replicator.resume.preemption import Preempted, PreemptionWatcher
+from replicator.resume.sharded import checkpoint_collectives, resolve_strategy
+from replicator.strategies.base import Strategy
 
 #: Where the sharded model and optimizer state of each backup go, under ``backup_dir``.
 SHARDED_DIR = "sharded"
@@ -85,8 +85,9 @@ class BackupAndRestore:
         keep: how many backups to keep (older ones are deleted after each new one commits).
         delete_checkpoint: delete the backups once training completes (as Keras does); with
             ``False`` a final backup is written, so a rerun finds nothing left to do.
-        strategy: the strategy in use (default: the one this process created); its
-            collectives name a rank that stops responding.
+        strategy: the strategy in use (default: the active one, or the one a Trainer
+            passes); its collectives name a rank that stops responding, and a strategy that
+            splits the model has its part of it saved by every rank.
         terminate_on_nan: stop before an optimizer step with NaN/inf gradients.
         handle_preemption: save and exit with code 75 on SIGTERM (main thread only).
         preemption_check_seconds: how often the ranks agree on whether one was signalled
@@ -97,7 +98,8 @@ class BackupAndRestore:
     """
 
     def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
-                 keep: int = 2, delete_checkpoint: bool = True, *, strategy: Any = None,
+                 keep: int = 2, delete_checkpoint: bool = True, *,
+                 strategy: Strategy | None = None,
                  terminate_on_nan: bool = True, handle_preemption: bool = True,
                  preemption_check_seconds: float = 1.0, background: bool = True) -> None:
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
@@ -169,11 +171,19 @@ class BackupAndRestore:
         """Keras's callback hook: track ``model``."""
         self.track(model=model)
 
+    def set_strategy(self, strategy: Strategy) -> None:
+        """Use ``strategy`` when none was given (a Trainer passes its own); call it before
+        training starts."""
+        if self._strategy is None:
+            self._strategy = strategy
+
     @property
     def manager(self) -> CheckpointManager:
+        """The storage beneath: step directories over the ranks that checkpoint together."""
         if self._manager is None:
-            self._manager = CheckpointManager(self.backup_dir, keep=self._keep,
-                                              strategy=self._strategy or _active_strategy())
+            self._manager = CheckpointManager(
+                self.backup_dir, keep=self._keep,
+                collectives=checkpoint_collectives(self._strategy_now()))
         return self._manager
 
     @property
@@ -185,18 +195,19 @@ class BackupAndRestore:
         """Where the sharded state of backups made under a model-splitting strategy goes."""
         return self.backup_dir / SHARDED_DIR
 
-    def _strategy_now(self) -> Any:
-        return self._strategy or _active_strategy()
+    def _strategy_now(self) -> Strategy | None:
+        return resolve_strategy(self._strategy)
 
     def _sharded_objects(self) -> tuple[str, torch.nn.Module, dict[str, Any]] | None:
         """``(module name, module, {optimizer name: optimizer})`` when the strategy splits the
         model (each rank saves its part); ``None`` when every rank holds all of it."""
-        if not getattr(self._strategy_now(), "shards_model", False):
+        strategy = self._strategy_now()
+        if strategy is None or not strategy.shards_model:
             return None
         modules = {n: o for n, o in self._objects.items() if isinstance(o, torch.nn.Module)}
         if len(modules) != 1:
             raise ValueError(
-                f"under {type(self._strategy_now()).__name__} the model is split across "
+                f"under {type(strategy).__name__} the model is split across "
                 f"ranks and is backed up sharded, which needs exactly one tracked module; got "
                 f"{', '.join(modules) or 'none'}. HINT: track(model=...) the one model "
                 "(wrap several in an nn.ModuleDict).")
@@ -204,6 +215,13 @@ class BackupAndRestore:
         optimizers = {n: o for n, o in self._objects.items()
                       if isinstance(o, torch.optim.Optimizer)}
         return name, module, optimizers
+
+    def _prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Let the strategy point optimizers built in its scope at the parameters it made
+        (sharded ones), before their state is saved or loaded."""
+        strategy = self._strategy_now()
+        if strategy is not None:
+            strategy.prepare_optimizers(*optimizers)
 
     @property
     def initial_epoch(self) -> int:
@@ -409,8 +427,9 @@ class BackupAndRestore:
         sharded_names: list[str] = []
         if sharded is not None:
             module_name, module, optimizers = sharded
+            self._prepare_optimizers(optimizers.values())
             save_sharded(self.sharded_dir, self.step, module, list(optimizers.values()),
-                         strategy=self._strategy_now(), keep=self._keep + 1)
+                         collectives=ch.collectives, keep=self._keep + 1)
             sharded_names = [module_name, *optimizers]
         replicated = ({name: obj.state_dict() for name, obj in self._objects.items()
                        if name not in sharded_names} if ch.is_chief else None)
@@ -502,8 +521,9 @@ class BackupAndRestore:
                              f"({names[0]}) but no module is tracked under that name")
         optimizers = [o for n, o in self._objects.items()
                       if n in names and isinstance(o, torch.optim.Optimizer)]
+        self._prepare_optimizers(optimizers)
         load_sharded(self.sharded_dir, module, optimizers, step=restored.step,
-                     strategy=self._strategy_now())
+                     collectives=self.channel.collectives)
 
     def _restore_rng(self, resume: dict[str, Any]) -> None:
         state = resume.pop("rng", None)

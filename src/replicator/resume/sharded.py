@@ -1,0 +1,86 @@
+"""Checkpoints under a strategy: which ranks checkpoint together, and sharded saves.
+
+The storage room (:mod:`replicator.checkpoint`) knows no strategy; this module asks the
+strategy, through its public API, what storage needs passed in:
+
+- the ranks that checkpoint together (:func:`checkpoint_collectives`): the strategy's replicas
+  when each holds the whole model; every rank of the job when the model is split, because each
+  rank then saves its own part and a strategy's collectives span only its data axis;
+- optimizers that hold the model's own parameters: a strategy that replaces parameters at
+  scope exit (FSDP shards, tensor-parallel slices, pipeline stages) points optimizers built in
+  scope at the new ones in ``strategy.prepare_optimizers``, so a save or a load before the
+  first optimizer step sees the right tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from replicator.checkpoint import distributed_checkpoint as storage
+from replicator.checkpoint.distributed_checkpoint import Optimizers
+from replicator.checkpoint.exchange import group_collectives
+from replicator.comm.collectives import Collectives
+from replicator.strategies.base import Strategy
+from replicator.strategies.replica_context import current_strategy
+
+__all__ = ["checkpoint_collectives", "load_sharded", "resolve_strategy", "save_sharded"]
+
+
+def resolve_strategy(strategy: Strategy | None) -> Strategy | None:
+    """``strategy``, else the one this process runs under (``None``: no strategy at all)."""
+    return strategy if strategy is not None else current_strategy()
+
+
+def checkpoint_collectives(strategy: Strategy | None) -> Collectives:
+    """The collectives over the ranks that checkpoint together under ``strategy`` (see the
+    module doc); the whole job when there is no strategy."""
+    if strategy is None or strategy.shards_model:
+        return group_collectives()
+    return strategy.collectives
+
+
+def _optimizers(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return list(optimizer)
+
+
+def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.Module,
+                 optimizer: Optimizers = None, *, strategy: Strategy | None = None,
+                 keep: int = 2) -> Path:
+    """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``,
+    each rank its own shards; every rank calls it.
+
+    ``strategy``: the strategy the model was built under (default: the active one). Returns
+    the committed ``step-N`` directory; see
+    :func:`replicator.checkpoint.distributed_checkpoint.save_sharded` for the format.
+    """
+    strategy = resolve_strategy(strategy)
+    optimizers = _optimizers(optimizer)
+    if strategy is not None:
+        strategy.prepare_optimizers(*optimizers)
+    return storage.save_sharded(directory, step, model, optimizers,
+                                collectives=checkpoint_collectives(strategy), keep=keep)
+
+
+def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
+                 optimizer: Optimizers = None, *, step: int | None = None,
+                 strategy: Strategy | None = None) -> int | None:
+    """Load the newest verified sharded checkpoint (or ``step``) into ``model`` (and
+    ``optimizer``), whatever layout saved it; every rank calls it.
+
+    ``strategy``: the strategy the model was built under (default: the active one). Returns
+    the step loaded, or ``None`` when ``directory`` holds none; see
+    :func:`replicator.checkpoint.distributed_checkpoint.load_sharded` for the errors.
+    """
+    strategy = resolve_strategy(strategy)
+    optimizers = _optimizers(optimizer)
+    if strategy is not None:
+        strategy.prepare_optimizers(*optimizers)
+    return storage.load_sharded(directory, model, optimizers, step=step,
+                                collectives=checkpoint_collectives(strategy))
