@@ -485,11 +485,9 @@ class ParameterServer:
         from replicator.checkpoint.manager import CheckpointManager
         from replicator.comm.collectives import Collectives
 
-        class _Alone:  # a job of one for the manager's agreement step
-            collectives = Collectives(0, 1, torch.device("cpu"), self.timeout_seconds)
-
+        alone = Collectives(0, 1, torch.device("cpu"), self.timeout_seconds)  # a job of one
         return CheckpointManager(Path(directory) / f"ps-{self.index:03d}", keep=2,
-                                 strategy=_Alone())
+                                 collectives=alone)
 
     def _save(self, step: int, extra: dict[str, Any]) -> str:
         directory = extra.get("directory") or self.checkpoint_dir

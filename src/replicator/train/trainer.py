@@ -25,6 +25,7 @@ from replicator.comm.reduce_op import ReduceOp
 from replicator.data.batching import slice_bounds
 from replicator.data.prefetch import to_device
 from replicator.errors import NonFiniteLossError
+from replicator.resume.backup_and_restore import BackupAndRestore
 from replicator.strategies.base import Strategy
 from replicator.strategies.losses import compute_average_loss
 from replicator.train.callback_agreement import ErrorAgreement
@@ -305,8 +306,9 @@ class Trainer:
         if verbose >= 2 and hasattr(self.strategy, "memory_reports"):
             extra.append(_MemoryReportPrinter())
         callbacks = list(callbacks)
-        backups: list[Any] = [cb for cb in callbacks if hasattr(cb, "epoch_batches")]
-        for backup in backups:  # BackupAndRestore: what a backup holds, and the input
+        backups = [cb for cb in callbacks if isinstance(cb, BackupAndRestore)]
+        for backup in backups:  # what a backup holds, the input, and the strategy
+            backup.set_strategy(self.strategy)
             backup.track(model=self.model, optimizer=self.optimizer,
                          dataset=self.train_dataset, trainer=self)
         # user callbacks first, so that what they add to the logs is shown and recorded;
