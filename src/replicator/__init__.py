@@ -7,74 +7,58 @@ runs::
     strategy = rp.MirroredStrategy()
     with strategy.scope():
         model = Net(); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+The top level holds what a training script writes. The machinery lives in its room:
+all-reduce algorithms, compression and DDP hooks in :mod:`replicator.comm`, every error class
+in :mod:`replicator.errors`, storage in :mod:`replicator.checkpoint`, the cluster and exit
+codes in :mod:`replicator.cluster`, the strategy registry in :mod:`replicator.strategies`.
 """
 
-from replicator import cluster, data, metrics, optim, scaling, testing
-from replicator.checkpoint import PREEMPTION_EXIT_CODE, BackupAndRestore, CheckpointManager
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from typing import Any
+
+from replicator import (
+    checkpoint,
+    cluster,
+    comm,
+    data,
+    errors,
+    metrics,
+    optim,
+    scaling,
+    testing,
+)
 from replicator.cluster import Topology, launch
-from replicator.comm import (
-    CastCompression,
-    CommunicationOptions,
-    Compression,
-    CrossDeviceOps,
-    HierarchicalAllReduce,
-    NativeAllReduce,
-    PowerSGD,
-    ReduceOp,
-    ReductionToOneDevice,
-    RingAllReduce,
-    SharedMemoryAllReduce,
-    ddp_comm_hook,
-    register_ddp_comm_hook,
-)
+from replicator.comm import CommunicationOptions, ReduceOp
 from replicator.data import InputContext
-from replicator.errors import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointWriteError,
-    ClusterConfigError,
-    CollectiveMismatchError,
-    NonFiniteLossError,
-    NotDistributedError,
-    ParameterServerError,
-    ParameterServerLostError,
-    PreemptedError,
-    ReplicaMismatchError,
-    ReplicaTimeoutError,
-    ReplicatorError,
-    UnsafeCheckpointError,
-    WorkerFailedError,
-)
+from replicator.errors import ReplicatorError, WorkerFailedError
 from replicator.precision import MixedPrecision
-from replicator.ps import partitioners
+from replicator.resume import BackupAndRestore
 from replicator.strategies import (
     CentralStorageStrategy,
     FSDPStrategy,
-    MemoryReport,
     MeshStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     ParameterServerStrategy,
     PipelineStrategy,
-    ReplicaContext,
     Strategy,
     TensorParallelStrategy,
-    available_strategies,
     compute_average_loss,
     get_replica_context,
     get_strategy,
-    register_strategy,
 )
 from replicator.train import (
     Callback,
-    CallbackFailedError,
     CSVLogger,
     EarlyStopping,
-    History,
     LearningRateScheduler,
     ModelCheckpoint,
-    ProgressBar,
     Replicator,
     TensorBoard,
     TerminateOnNaN,
@@ -84,20 +68,63 @@ from replicator.train import (
 __version__ = "0.1.0"
 
 __all__ = [
+    # strategies: the one line that changes
     "Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
-    "ReplicaContext", "get_replica_context", "compute_average_loss", "get_strategy",
-    "register_strategy", "available_strategies", "ReduceOp", "CommunicationOptions",
-    "CrossDeviceOps", "NativeAllReduce", "InputContext", "launch", "data", "testing",
-    "ReplicatorError", "ClusterConfigError", "ReplicaTimeoutError", "ReplicaMismatchError",
-    "WorkerFailedError", "__version__", "metrics", "Trainer", "Replicator", "Callback",
-    "History", "EarlyStopping", "ModelCheckpoint", "LearningRateScheduler", "CSVLogger",
-    "TensorBoard", "TerminateOnNaN", "ProgressBar", "CallbackFailedError",
-    "CentralStorageStrategy", "RingAllReduce", "HierarchicalAllReduce", "ReductionToOneDevice",
-    "SharedMemoryAllReduce", "Compression", "CastCompression", "PowerSGD", "ddp_comm_hook",
-    "register_ddp_comm_hook", "BackupAndRestore", "CheckpointManager", "PREEMPTION_EXIT_CODE",
-    "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
-    "NonFiniteLossError", "PreemptedError", "CollectiveMismatchError", "NotDistributedError",
-    "Topology", "cluster", "scaling", "optim", "MixedPrecision", "MeshStrategy",
-    "FSDPStrategy", "MemoryReport", "TensorParallelStrategy", "PipelineStrategy",
-    "ParameterServerStrategy", "partitioners", "ParameterServerError", "ParameterServerLostError",
+    "CentralStorageStrategy", "ParameterServerStrategy", "MeshStrategy", "FSDPStrategy",
+    "TensorParallelStrategy", "PipelineStrategy", "get_strategy",
+    # inside a step and an input function
+    "get_replica_context", "compute_average_loss", "ReduceOp", "CommunicationOptions",
+    "InputContext", "MixedPrecision",
+    # cluster and launching
+    "Topology", "launch",
+    # the high-level loop and the callbacks given to it
+    "Trainer", "Replicator", "Callback", "BackupAndRestore", "EarlyStopping",
+    "ModelCheckpoint", "LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",
+    # the errors a script catches (every other one: rp.errors)
+    "ReplicatorError", "WorkerFailedError",
+    # rooms
+    "data", "metrics", "optim", "scaling", "errors", "comm", "checkpoint", "testing", "cluster",
 ]
+
+#: Names that left the top level, and the module that holds each now. They still resolve for
+#: one release, with a DeprecationWarning naming the new place.
+_MOVED: dict[str, str] = {
+    **dict.fromkeys(
+        ["CrossDeviceOps", "NativeAllReduce", "RingAllReduce", "HierarchicalAllReduce",
+         "ReductionToOneDevice", "SharedMemoryAllReduce", "Compression", "CastCompression",
+         "PowerSGD", "ddp_comm_hook", "register_ddp_comm_hook"], "replicator.comm"),
+    **dict.fromkeys(
+        ["ClusterConfigError", "ReplicaTimeoutError", "ReplicaMismatchError",
+         "CollectiveMismatchError", "NotDistributedError", "CheckpointError",
+         "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
+         "NonFiniteLossError", "PreemptedError", "ParameterServerError",
+         "ParameterServerLostError", "CallbackFailedError"], "replicator.errors"),
+    **dict.fromkeys(
+        ["ReplicaContext", "register_strategy", "available_strategies", "MemoryReport"],
+        "replicator.strategies"),
+    **dict.fromkeys(["History", "ProgressBar"], "replicator.train"),
+    "CheckpointManager": "replicator.checkpoint",
+    "PREEMPTION_EXIT_CODE": "replicator.cluster",
+    "partitioners": "replicator.ps",
+}
+
+#: Rooms that hold moved names; listed by ``dir(rp)`` beside ``__all__``.
+_ROOMS = ("strategies", "train", "ps", "resume", "parallel")
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve a name that left the top level, with a DeprecationWarning naming its place."""
+    where = _MOVED.get(name)
+    if where is None:  # name and obj let the traceback suggest a close name from dir()
+        raise AttributeError(f"module 'replicator' has no attribute {name!r}", name=name,
+                             obj=sys.modules[__name__])
+    new = f"rp.{where.removeprefix('replicator.')}.{name}"
+    warnings.warn(f"rp.{name} moved to {new}; the top-level name is removed in the next "
+                  f"release. HINT: write {new}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(where), name)
+
+
+def __dir__() -> list[str]:
+    """The public names (``__all__``), ``__version__`` and the rooms that hold the rest."""
+    rooms = [room for room in _ROOMS if room in globals()]
+    return sorted({*__all__, "__version__", *rooms})

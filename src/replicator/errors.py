@@ -1,6 +1,17 @@
-"""Exceptions raised by replicator: each carries the cause and, where it helps, a fix."""
+"""Exceptions raised by replicator: each carries the cause and, where it helps, a fix.
+
+Every error class a user may catch is here (``rp.errors.X``); the top level keeps only
+``ReplicatorError``, the base of all of them, and ``WorkerFailedError``, which ``rp.launch``
+raises. Errors of the input pipeline are in :mod:`replicator.data`.
+"""
 
 from __future__ import annotations
+
+__all__ = ["ReplicatorError", "ClusterConfigError", "ReplicaTimeoutError",
+           "ReplicaMismatchError", "CollectiveMismatchError", "WorkerFailedError",
+           "PreemptedError", "NotDistributedError", "CallbackFailedError", "NonFiniteLossError",
+           "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError",
+           "CheckpointWriteError", "ParameterServerError", "ParameterServerLostError"]
 
 
 class ReplicatorError(RuntimeError):

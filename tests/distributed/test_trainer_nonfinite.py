@@ -34,7 +34,7 @@ def fit_until_nan(row: int | None, epochs: int = 2, steps: int | None = None,
     out: dict = {"error": None}
     try:
         trainer.fit(loader, epochs=epochs, verbose=0, steps_per_epoch=steps, **fit_kwargs)
-    except rp.NonFiniteLossError as exc:
+    except rp.errors.NonFiniteLossError as exc:
         out["error"] = str(exc)
     out["state"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out["global_step"] = trainer.global_step

@@ -27,7 +27,8 @@ def _data(nan_row: int) -> DataLoader:
 
 def test_fit_raises_naming_the_step_and_epoch_with_the_weights_of_the_step_before() -> None:
     trainer = _trainer()
-    with pytest.raises(rp.NonFiniteLossError, match=r"at step 2 of epoch 1/3 \(global step 2\)"
+    with pytest.raises(rp.errors.NonFiniteLossError,
+                       match=r"at step 2 of epoch 1/3 \(global step 2\)"
                        r" on 1 of 1 replica\(s\).*weights are those after global step 1"):
         trainer.fit(_data(nan_row=9), epochs=3, verbose=0)  # row 9: in the 2nd step
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -1,6 +1,7 @@
-"""The cluster room: who am I, the process group, and the local launcher."""
+"""The cluster room: who am I, the process group, exit codes, and the local launcher."""
 
 from replicator.cluster.environment import ClusterSpec, resolve_cluster
+from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.cluster.function_launch import launch
 from replicator.cluster.hosts import local_host_key
 from replicator.cluster.launcher import run_script
@@ -15,4 +16,5 @@ from replicator.cluster.topology import Topology
 
 __all__ = ["ClusterSpec", "resolve_cluster", "launch", "run_script", "initialize", "shutdown",
            "current_group", "Topology", "local_host_key",
-           "ClusterResolver", "TorchrunResolver", "TFConfigResolver", "SlurmResolver"]
+           "ClusterResolver", "TorchrunResolver", "TFConfigResolver", "SlurmResolver",
+           "PREEMPTION_EXIT_CODE"]
