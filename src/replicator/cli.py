@@ -1,4 +1,5 @@
-"""The ``replicator`` command: ``run`` a script on N workers, ``demo``, ``env``, ``--version``."""
+"""The ``replicator`` command: ``run`` a script on N workers, ``demo``, ``env``, ``bench``,
+``plan``, ``--version``."""
 
 from __future__ import annotations
 
@@ -74,6 +75,9 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     demo_actions = digits.add_arguments(demo.add_argument_group("demo options"))
     sub.add_parser("env", help="print what replicator sees: devices, cores, torch, and the "
                    "all-reduce that 'auto' picks")
+    from replicator.plan import cli_commands
+
+    cli_commands.add_subcommands(sub)  # bench, plan
     return parser, demo_actions
 
 
@@ -113,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "env":
         _print_env()
         return 0
+    if args.command in ("bench", "plan"):
+        from replicator.plan import cli_commands
+
+        return cli_commands.run(args)
     from replicator.cluster.launcher import run_script
 
     if args.command == "demo":

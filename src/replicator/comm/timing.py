@@ -1,0 +1,111 @@
+"""Process-wide timers of communication: how long the training thread waits in collectives.
+
+Off by default; ``REPLICATOR_COMM_TIMING=1`` in the environment (``replicator bench`` sets it
+for the processes it runs) or :func:`enable` turns them on. When off, each collective pays one
+module-level boolean test. When on, every collective guarded by
+:meth:`~replicator.comm.collectives.Collectives.guard` (payloads, fingerprints, the gradient
+engine's bucket launches and waits) adds its wall time on the main thread to ``exposed``: time
+the training loop stood still for communication. Work that runs on a communication thread while
+backward goes on is added to ``background`` by the thread that ran it, so ``background -
+waited`` is what overlapped with compute. Nested guarded calls count once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+__all__ = ["ENV", "CommTime", "add_background", "enable", "enabled", "reset", "snapshot",
+           "start", "stop"]
+
+#: The environment variable that turns the timers on in a process (``"1"``).
+ENV = "REPLICATOR_COMM_TIMING"
+
+_enabled = os.environ.get(ENV, "") == "1"
+_lock = threading.Lock()
+_local = threading.local()
+_exposed = 0.0
+_calls = 0
+_background = 0.0
+_background_calls = 0
+
+
+@dataclass(frozen=True)
+class CommTime:
+    """Totals since the last :func:`reset`: seconds the main thread waited in collectives
+    (``exposed``, over ``calls`` outermost calls) and seconds of communication run on
+    other threads (``background``, over ``background_calls`` pieces of work)."""
+
+    exposed: float = 0.0
+    calls: int = 0
+    background: float = 0.0
+    background_calls: int = 0
+
+    def __sub__(self, other: CommTime) -> CommTime:
+        return CommTime(self.exposed - other.exposed, self.calls - other.calls,
+                        self.background - other.background,
+                        self.background_calls - other.background_calls)
+
+
+def enable(on: bool = True) -> None:
+    """Turn the timers on (or off) in this process."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def start() -> float | None:
+    """Mark the start of a collective; pass the result to :func:`stop`. ``None`` when the
+    timers are off or a guarded call is already open on this thread (it counts once)."""
+    if not _enabled:
+        return None
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    return time.perf_counter() if depth == 0 else None
+
+
+def stop(token: float | None) -> None:
+    """End the collective started by :func:`start` (safe with ``None``)."""
+    global _exposed, _calls, _background, _background_calls
+    if not _enabled and token is None:
+        return
+    depth = getattr(_local, "depth", 0)
+    _local.depth = max(0, depth - 1)
+    if token is None:
+        return
+    elapsed = time.perf_counter() - token
+    with _lock:
+        if threading.current_thread() is threading.main_thread():
+            _exposed += elapsed
+            _calls += 1
+        else:
+            _background += elapsed
+            _background_calls += 1
+
+
+def add_background(seconds: float) -> None:
+    """Count ``seconds`` of communication done on a communication thread."""
+    global _background, _background_calls
+    if not _enabled:
+        return
+    with _lock:
+        _background += seconds
+        _background_calls += 1
+
+
+def snapshot() -> CommTime:
+    """The totals so far (cheap; take one before and after a region and subtract)."""
+    with _lock:
+        return CommTime(_exposed, _calls, _background, _background_calls)
+
+
+def reset() -> None:
+    """Set every total back to zero."""
+    global _exposed, _calls, _background, _background_calls
+    with _lock:
+        _exposed, _calls, _background, _background_calls = 0.0, 0, 0.0, 0

@@ -1,0 +1,59 @@
+"""``bench_entry.py SCRIPT ARGS...``: run a user's script under the probe, in one worker.
+
+``replicator bench`` launches this file in place of the script (through the ordinary
+launcher, so the worker's environment is the one ``replicator run`` gives). It installs the
+:class:`~replicator.plan.probe.Probe`, sends the script's output to a log file per rank, runs the
+script as ``__main__`` and writes the probe's records when the script ends or the bench has
+its steps. Settings come from the environment (``REPLICATOR_BENCH_*``, set by the bench).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def _redirect_output(directory: str, rank: int) -> None:
+    """Send this process's stdout and stderr (file descriptors too) to ``rank<R>.log``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(os.path.join(directory, f"rank{rank}.log"),
+                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: bench_entry.py SCRIPT [ARGS...] (run by replicator bench)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    out = os.environ["REPLICATOR_BENCH_OUT"]
+    rank = int(os.environ.get("RANK", "0"))
+    _redirect_output(out, rank)
+
+    from replicator.plan.probe import BenchComplete, Probe
+
+    probe = Probe(steps=int(os.environ.get("REPLICATOR_BENCH_STEPS", "30")),
+                  warmup=int(os.environ.get("REPLICATOR_BENCH_WARMUP", "3")),
+                  mode=os.environ.get("REPLICATOR_BENCH_MODE", "bench"))
+    probe.install(progress_path=os.path.join(out, "progress"))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BenchComplete:
+        pass
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+    finally:
+        probe.uninstall()
+        probe.write(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""The alpha-beta cost model: one training step's time and memory per rank, per strategy.
+
+Formulas (``S`` bytes, ``n`` ranks, ``B`` bandwidth in bytes/s one way, ``alpha`` latency):
+
+* ring all-reduce: ``2(n-1)/n * S/B + 2(n-1) * alpha`` (reduce-scatter, then all-gather);
+* hierarchical all-reduce (``h`` hosts of ``k`` ranks): an all-reduce inside each host, then
+  a ring over the ``h`` host leaders on the network: ``T_intra(S, k) + 2(h-1)/h * S/B_link +
+  2(h-1) * alpha_link``;
+* FSDP moves ``3(n-1)/n * S`` per step (all-gather for forward, again for backward, and a
+  reduce-scatter of gradients): 1.5x the ``2(n-1)/n * S`` of all-reduce;
+* parameter server: a worker pushes its gradients and pulls the new values each step
+  (``2 alpha + (G+P)/B`` on its own link), and each of ``k`` servers carries ``1/k`` of every
+  worker's traffic, so a step cannot be shorter than ``workers * (G+P) / (k B)``;
+* pipeline: ``p`` stages and ``m`` microbatches leave a bubble of ``(p-1)/(m+p-1)``; the step
+  is ``(m+p-1)`` microbatch slots of one stage's work plus the activation sends between them;
+* memory per rank: weights + gradients + optimizer state (divided by ``n`` under FSDP, by the
+  stages under a pipeline, moved to the servers under a parameter server) + activations of the
+  rank's samples + the process's own baseline.
+
+Compute on ``cpu`` (hosts like this one) comes from the measured profile: one thread per rank,
+slowed by the measured contention of ``k`` busy processes on a host; on accelerators it is the
+counted FLOPs over ``peak * mfu`` of the device's datasheet (see :mod:`replicator.plan.devices`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from replicator.plan.devices import Device, Link
+from replicator.plan.profiles import MachineProfile, ModelProfile
+
+__all__ = [
+    "STRATEGIES", "Prediction", "allreduce_traffic_bytes", "fsdp_traffic_bytes",
+    "hierarchical_allreduce_seconds", "pipeline_bubble", "predict", "ps_step_seconds",
+    "ring_allreduce_seconds",
+]
+
+#: The strategies the planner predicts (the names ``rp.get_strategy`` knows).
+STRATEGIES = ("one_device", "mirrored", "central_storage", "parameter_server", "fsdp",
+              "pipeline")
+
+#: Memory a GPU process needs besides the model (CUDA context, allocator slack), nominal.
+GPU_PROCESS_BYTES = 1.0e9
+#: Microbatches of the pipeline the planner assumes (PipelineStrategy's default).
+PIPELINE_MICROBATCHES = 4
+#: Fixed cost of one microbatch slot of a pipeline schedule on a CPU stage (torch's
+#: pipelining runtime: Python, shape checks, the send/recv bookkeeping), nominal.
+PIPELINE_SLOT_SECONDS = 3e-4
+
+
+# -- formulas -------------------------------------------------------------------------------
+def _check(n: int, what: str = "workers") -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{what} must be a positive integer, got {n!r}. HINT: give at least "
+                         "1 (one process)")
+
+
+def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, alpha: float) -> float:
+    """``2(n-1)/n * S/B + 2(n-1) * alpha``; 0 for one rank."""
+    _check(n, "ranks")
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
+
+
+def hierarchical_allreduce_seconds(nbytes: float, hosts: int, per_host: int,
+                                   intra_bandwidth: float, intra_alpha: float,
+                                   link_bandwidth: float, link_alpha: float) -> float:
+    """An all-reduce inside each host (a ring of ``per_host``), then a ring over the hosts."""
+    _check(hosts, "hosts")
+    _check(per_host, "ranks per host")
+    return (ring_allreduce_seconds(nbytes, per_host, intra_bandwidth, intra_alpha)
+            + ring_allreduce_seconds(nbytes, hosts, link_bandwidth, link_alpha))
+
+
+def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce: ``2(n-1)/n * S``."""
+    _check(n, "ranks")
+    return 2 * (n - 1) / n * nbytes
+
+
+def fsdp_traffic_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends per FSDP step: two all-gathers and a reduce-scatter,
+    ``3(n-1)/n * S`` (1.5x all-reduce)."""
+    _check(n, "ranks")
+    return 3 * (n - 1) / n * nbytes
+
+
+def pipeline_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a GPipe/1F1B step: ``(p-1)/(m+p-1)``."""
+    _check(stages, "stages")
+    _check(microbatches, "microbatches")
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def ps_step_seconds(compute: float, grad_bytes: float, param_bytes: float, workers: int,
+                    num_ps: int, bandwidth: float, alpha: float) -> float:
+    """A parameter-server worker's step: its compute plus a push/pull round trip
+    (``2 alpha + (G+P)/B``), and never shorter than the servers' share of every worker's
+    traffic (``workers (G+P) / (num_ps B)``)."""
+    _check(workers)
+    _check(num_ps, "num_ps")
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    worker = compute + 2 * alpha + (grad_bytes + param_bytes) / bandwidth
+    servers = workers * (grad_bytes + param_bytes) / (num_ps * bandwidth)
+    return max(worker, servers)
+
+
+# -- one setting ---------------------------------------------------------------------------
+@dataclass
+class Prediction:
+    """The predicted step of one setting (``strategy`` on ``workers`` replicas)."""
+
+    strategy: str
+    workers: int
+    processes: int
+    hosts: int
+    step_seconds: float
+    samples_per_second: float
+    breakdown: dict[str, float]
+    memory_per_rank: float
+    memory_capacity: float
+    memory_detail: str
+    feasible: bool = True
+    why_not: str = ""
+    notes: list[str] = field(default_factory=list)
+    threads: int = 0  # threads per process the prediction assumes (0: the launcher's default)
+
+    @property
+    def setting(self) -> str:
+        return f"{self.strategy} x{self.workers}"
+
+    @property
+    def fits(self) -> bool:
+        return self.feasible and self.memory_per_rank <= self.memory_capacity
+
+
+@dataclass
+class Cluster:
+    """Where the workers run: a device type, the link between hosts, and this machine."""
+
+    device: Device
+    link: Link
+    machine: MachineProfile
+    ranks_per_host: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_host is not None:
+            _check(self.ranks_per_host, "ranks per host")
+
+    def per_host(self) -> int:
+        """Processes on one host: as given, else the device's count (cpu: one per core)."""
+        return self.ranks_per_host or self.device.per_host or self.machine.cores
+
+    def hosts(self, processes: int) -> int:
+        return math.ceil(processes / self.per_host())
+
+    def on_host(self, processes: int) -> int:
+        return min(processes, self.per_host())
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB" if x >= 1e8 else f"{x / 1e6:.1f} MB"
+
+
+def _compute(model: ModelProfile, c: Cluster, batch: float, busy_on_host: int) -> float:
+    """Forward + backward of ``batch`` samples on one rank with ``busy_on_host`` busy ranks."""
+    if not c.device.is_cpu:
+        return model.flops_per_sample * batch / (c.device.peak_flops * c.device.mfu)
+    if not model.measured or model.compute_fit == (0.0, 0.0):  # FLOPs at this host's rate
+        one = model.flops_per_sample * batch / c.machine.flops_per_second
+        if busy_on_host <= 1:  # every core on one process
+            return one * c.machine.slowdown_for(c.machine.cores) / c.machine.cores
+        return one * c.machine.slowdown_for(busy_on_host)
+    if busy_on_host <= 1 and model.compute_seconds > 0:
+        whole = model.compute_1thread(model.global_batch)  # all threads, scaled by the fit
+        scale = model.compute_seconds / whole if whole > 0 else 1.0
+        return model.compute_1thread(batch) * scale
+    return model.compute_1thread(batch) * c.machine.slowdown_for(busy_on_host)
+
+
+def _optimizer(model: ModelProfile, c: Cluster, share: float, busy_on_host: int) -> float:
+    if not c.device.is_cpu:  # the step streams weights, gradients and state in and out
+        return 2 * model.state_bytes * share / c.device.memory_bandwidth
+    if not model.measured:
+        return 2 * model.state_bytes * share / c.machine.memory_bandwidth
+    if busy_on_host <= 1:
+        return model.optimizer_seconds * share
+    return model.optimizer_seconds_1thread * share * c.machine.slowdown_for(busy_on_host)
+
+
+def _allreduce(c: Cluster, nbytes: float, n: int) -> float:
+    """The all-reduce 'auto' would use: shared memory on one CPU host, hierarchical across."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    k, h = c.on_host(n), c.hosts(n)
+    if c.device.is_cpu:
+        intra = c.machine.allreduce_seconds("shared_memory", nbytes, k) if k > 1 else 0.0
+    else:
+        intra = ring_allreduce_seconds(nbytes, k, c.device.intra_bandwidth, c.device.intra_alpha)
+    return intra + ring_allreduce_seconds(nbytes, h, c.link.bandwidth, c.link.alpha)
+
+
+def _small_collectives(model: ModelProfile, c: Cluster, n: int) -> float:
+    """The user loop's own reduce/gather calls (a loss reduced every step)."""
+    if n <= 1 or model.collectives_per_step <= 0:
+        return 0.0
+    if c.device.is_cpu:  # through shared memory on a host, then the network between hosts
+        per = c.machine.per_world(c.machine.small_collective, c.on_host(n))
+        per += ring_allreduce_seconds(8, c.hosts(n), c.link.bandwidth, c.link.alpha)
+    else:
+        per = _allreduce(c, 8, n)
+    return model.collectives_per_step * per
+
+
+def _sync_overhead(c: Cluster, n: int) -> float:
+    """The gradient engine's fixed cost per backward pass (fingerprint, hooks, launch)."""
+    if n <= 1:
+        return 0.0
+    if c.device.is_cpu:  # measured on one host; across hosts the check crosses the network
+        return (c.machine.per_world(c.machine.sync_overhead, c.on_host(n))
+                + ring_allreduce_seconds(16, c.hosts(n), c.link.bandwidth, c.link.alpha))
+    return _allreduce(c, 16, n)  # the fingerprint exchange: one tiny all-reduce
+
+
+def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float,
+            processes_on_host: int) -> tuple[float, float, str]:
+    """(bytes per rank, capacity per rank, the arithmetic as text)."""
+    base = c.machine.process_rss_bytes if c.device.is_cpu else GPU_PROCESS_BYTES
+    if c.device.is_cpu:
+        capacity = c.machine.ram_bytes / max(1, processes_on_host)
+    else:
+        capacity = c.device.memory_bytes
+    w, g, o = model.param_bytes, model.grad_bytes, model.optimizer_state_bytes
+    act = model.activation_bytes_per_sample * batch
+    if strategy == "fsdp":
+        state = (w + g + o) / n + 2 * model.largest_tensor_bytes
+        how = (f"({_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state) / {n} "
+               f"+ 2 x {_gb(model.largest_tensor_bytes)} gathered")
+    elif strategy == "pipeline":
+        stages = max(1, min(n, model.weight_tensors))
+        state = (w + g + o) / stages
+        act = act * 1.0  # 1F1B keeps about one batch of the stage's activations in flight
+        how = f"({_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state) / {stages}"
+    elif strategy == "parameter_server":
+        state = w + g
+        how = f"{_gb(w)} weights + {_gb(g)} gradients (optimizer state on the servers)"
+    else:
+        state = w + g + o
+        how = f"{_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state"
+    total = state + act + base
+    text = (f"{how} + {_gb(act)} activations + {_gb(base)} process = {_gb(total)} per rank, "
+            f"of {_gb(capacity)}")
+    return total, capacity, text
+
+
+def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, *,
+            num_ps: int = 1, microbatches: int = PIPELINE_MICROBATCHES) -> Prediction:
+    """Predict ``strategy`` on ``workers`` replicas (a parameter server adds ``num_ps``
+    processes; a pipeline of ``workers`` stages, or fewer when the model has fewer layers,
+    with the rest as data-parallel replicas)."""
+    _check(workers)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r} for the planner; known: "
+                         f"{', '.join(STRATEGIES)}")
+    c, n, m = cluster, workers, model
+    notes: list[str] = []
+    why_not = ""
+    processes = n + (num_ps if strategy == "parameter_server" else 0)
+    busy = c.on_host(n)
+    batch = m.global_batch / n
+    replicas = n if strategy != "pipeline" else max(1, n // max(1, min(n, m.weight_tensors)))
+    if strategy == "one_device" and n != 1:
+        why_not = "one_device runs on one process"
+    elif m.global_batch < replicas:
+        why_not = (f"the global batch of {m.global_batch} cannot be split across {replicas} "
+                   "replicas (each needs at least one sample)")
+    comm = overhead = 0.0
+    opt_share = 1.0
+    threads = 0
+    if strategy == "one_device":
+        compute = _compute(m, c, m.global_batch, 1)
+        busy = 1
+        if c.device.is_cpu and m.measured and m.threads > 1 and m.compute_fit != (0.0, 0.0):
+            one = m.compute_1thread(m.global_batch) + m.optimizer_seconds_1thread \
+                + m.input_seconds_1thread
+            if one < 0.9 * (compute + m.optimizer_seconds + m.input_seconds):
+                threads = 1  # one thread measured clearly faster than all of them
+                notes.append(f"one thread (OMP_NUM_THREADS=1) measured faster than "
+                             f"{m.threads}: the prediction uses it")
+                compute = m.compute_1thread(m.global_batch)
+    elif strategy == "fsdp":
+        compute = _compute(m, c, batch, busy)
+        opt_share = 1.0 / n
+        total = fsdp_traffic_bytes(m.param_bytes, n)
+        h = c.hosts(n)
+        bandwidth = c.link.bandwidth if h > 1 else (
+            c.device.intra_bandwidth if not c.device.is_cpu else 0.0)
+        alpha = c.link.alpha if h > 1 else c.device.intra_alpha
+        units = max(1, m.weight_tensors)
+        if c.device.is_cpu and h == 1:  # torch's FSDP2 collectives run on gloo here
+            # per unit: an all-gather in forward and in backward, a reduce-scatter
+            alpha_here = c.machine.collective_alpha("native", n)
+            bytes_part = c.machine.allreduce_seconds("native", m.param_bytes, n) - alpha_here
+            comm = 3 * units * alpha_here + 1.5 * bytes_part
+        else:
+            comm = total / bandwidth + 3 * units * (n - 1) * alpha
+        comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
+    elif strategy == "pipeline":
+        stages = max(1, min(n, m.weight_tensors))
+        data = max(1, n // stages)
+        if stages < n:
+            notes.append(f"{stages} stages (the model has {m.weight_tensors} weight layers) x "
+                         f"{data} data-parallel replicas")
+        if microbatches < stages:
+            microbatches = stages
+        per_mb = m.global_batch / data / microbatches
+        slot = _compute(m, c, per_mb, busy) / stages
+        boundary = (m.boundary_bytes_per_sample or m.activation_bytes_per_sample
+                    / max(2, m.weight_tensors)) * per_mb
+        if c.device.is_cpu and c.hosts(n) == 1:
+            send = c.machine.p2p.seconds(boundary)
+        else:
+            send = boundary / (c.device.intra_bandwidth or c.link.bandwidth) + c.link.alpha
+        slots = microbatches + stages - 1
+        if c.device.is_cpu:
+            slot += PIPELINE_SLOT_SECONDS
+        compute = slots * slot
+        comm = 2 * slots * send
+        if not m.pipeline_forward_backward:  # model(x) runs the stages once more, no autograd
+            compute += _compute(m, c, m.global_batch / data, busy) / stages / 3
+            notes.append("model(x) then loss.backward() runs one extra forward pass; "
+                         "strategy.forward_backward avoids it")
+        comm += _allreduce(c, m.grad_bytes / stages, data)
+        opt_share = 1.0 / stages
+        batch = m.global_batch / data
+    elif strategy == "parameter_server":
+        compute = _compute(m, c, batch, c.on_host(processes))
+        opt_share = 0.0
+        if c.device.is_cpu and c.hosts(processes) == 1:
+            rt = c.machine.ps_round_trip
+            worker = rt.seconds(m.grad_bytes)
+            server = n * rt.b * m.grad_bytes / num_ps
+            comm = max(worker, server - compute)
+            overhead = m.optimizer_seconds_1thread / num_ps  # the servers run the optimizer
+        else:
+            bw = c.link.bandwidth if c.hosts(processes) > 1 else c.device.intra_bandwidth
+            step = ps_step_seconds(compute, m.grad_bytes, m.param_bytes, n, num_ps, bw,
+                                   c.link.alpha)
+            comm = step - compute
+        notes.append("asynchronous: each worker steps on its own; the step is one worker's")
+    else:  # mirrored / central_storage: data parallel
+        compute = _compute(m, c, batch, busy)
+        comm = _allreduce(c, m.grad_bytes, n)
+        if strategy == "central_storage":
+            comm += 0.0  # reduce onto one rank + broadcast back: the same bytes as all-reduce
+        backward = compute * 2 / 3
+        comm = max(0.0, comm - c.device.overlap * backward)
+        overhead = _sync_overhead(c, n)
+    overhead += _small_collectives(m, c, n)
+    optimizer = _optimizer(m, c, opt_share, busy)
+    input_s = m.input_seconds * (batch / m.global_batch)
+    if c.device.is_cpu and m.measured and (busy > 1 or threads == 1):  # one thread per rank
+        input_s = (m.input_seconds_1thread or m.input_seconds) * (batch / m.global_batch) \
+            * c.machine.slowdown_for(busy)
+    if threads == 1:
+        optimizer = m.optimizer_seconds_1thread
+    breakdown = {"compute": compute, "communication": comm, "optimizer": optimizer,
+                 "input": input_s, "overhead": overhead}
+    step = sum(breakdown.values())
+    on_host = c.on_host(processes)
+    mem, cap, text = _memory(m, c, strategy, n, batch, on_host if c.device.is_cpu else 1)
+    samples = m.global_batch / step if step > 0 else math.inf
+    return Prediction(strategy, n, processes, c.hosts(processes), step, samples, breakdown,
+                      mem, cap, text, feasible=not why_not, why_not=why_not, notes=notes,
+                      threads=threads)

@@ -1,0 +1,319 @@
+"""What the planner measures on this machine (once, cached in ``bench/machine.json``).
+
+* contention: how much slower each of ``n`` busy one-thread processes runs than one alone
+  (``n`` = 1..4), so that compute per rank can be predicted for ``n`` local replicas;
+* all-reduce cost per algorithm through the comm room (``SharedMemoryAllReduce`` on buffers it
+  made, as the gradient buckets are; gloo's own; the hand ring) at 2 and 4 processes, fitted
+  as ``a + b * bytes``;
+* the gradient engine's fixed cost per backward pass and one ``strategy.reduce`` of a scalar
+  (``MirroredStrategy`` on a tiny model), point-to-point send/recv (pipeline stages), and a
+  parameter server's push + pull round trip;
+* the memory of a bare worker process, RAM and cores.
+
+Each measurement runs in worker processes of ``rp.launch``; the whole takes 20-40 s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from replicator.plan.profiles import AlphaBeta, MachineProfile
+
+__all__ = ["measure_machine", "quick_contention", "ram_bytes"]
+
+SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+ALGORITHMS = ("shared_memory", "native", "ring")
+
+
+def ram_bytes() -> float:
+    """Total memory of this machine (``/proc/meminfo``), or 0 when unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def _median_time(fn: Callable[[], Any], rounds: int, per_round: int = 1) -> float:
+    """Median over ``rounds`` of the time of ``per_round`` back-to-back calls, per call."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        times.append((time.perf_counter() - t0) / per_round)
+    return statistics.median(times)
+
+
+def _busy_work(seconds_alone: float | None = None, iterations: int = 0) -> tuple[float, int]:
+    """A fixed amount of one-thread compute (matmuls, as a model's layers do)."""
+    x = torch.randn(192, 192)
+    w = torch.randn(192, 192)
+    if not iterations:
+        iterations, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < (seconds_alone or 0.3):
+            x = torch.tanh(x @ w * 0.01)
+            iterations += 1
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        x = torch.tanh(x @ w * 0.01)
+    return time.perf_counter() - t0, iterations
+
+
+def _single_thread_rates() -> tuple[float, float]:
+    """(matmul FLOP/s, copy bytes/s) of one thread: for models known only by their size."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        flops = 2 * 256 ** 3 / _median_time(lambda: a @ b, 5, 20)
+        src = torch.randn(16 << 20)
+        dst = torch.empty_like(src)
+        copy = src.numel() * 4 / _median_time(lambda: dst.copy_(src), 5, 2)
+    finally:
+        torch.set_num_threads(threads)
+    return flops, copy
+
+
+def _contention_worker(index: int, active: list[int], iterations: int, barrier: Any,
+                       results: Any) -> None:
+    torch.set_num_threads(1)
+    _busy_work(iterations=10)
+    for n in active:
+        barrier.wait()
+        if index < n:
+            results.put((n, index, _busy_work(iterations=iterations)[0]))
+        barrier.wait()
+
+
+def quick_contention(max_processes: int, rounds: int = 2) -> dict[int, float]:
+    """Slowdown of ``n`` busy one-thread processes (``n`` = 1..``max_processes``) against
+    one alone, with plain processes (no process group): the ceiling of ``bench``'s plot."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        iterations = _busy_work(0.2)[1]
+    finally:
+        torch.set_num_threads(threads)
+    active = [n for n in range(1, max_processes + 1) for _ in range(rounds)]
+    barrier = ctx.Barrier(max_processes)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_contention_worker,
+                         args=(i, active, iterations, barrier, results), daemon=True)
+             for i in range(max_processes)]
+    for p in procs:
+        p.start()
+    times: dict[int, list[float]] = {}
+    for _ in range(sum(active)):
+        n, _, seconds = results.get(timeout=300)
+        times.setdefault(n, []).append(seconds)
+    for p in procs:
+        p.join(timeout=30)
+    alone = statistics.median(times[1])
+    return {n: statistics.median(v) / alone for n, v in sorted(times.items())}
+
+
+def _contention(rank: int, world: int, rounds: int = 3) -> dict[int, float]:
+    """Slowdown of 1..world ranks busy at once (each rank: one thread)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    flag = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        _, iters = _busy_work(0.25)
+        flag[0] = iters
+    dist.broadcast(flag, 0)
+    iters = int(flag[0])
+    out: dict[int, float] = {}
+    alone = None
+    for n in range(1, world + 1):
+        times = []
+        for _ in range(rounds):
+            dist.barrier()
+            elapsed = _busy_work(iterations=iters)[0] if rank < n else 0.0
+            t = torch.tensor([elapsed])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times.append(float(t[0]))
+        median = statistics.median(times)
+        alone = median if alone is None else alone
+        out[n] = median / alone
+    return out
+
+
+def _allreduce_curves(world: int) -> dict[str, list[list[float]]]:
+    """Median seconds per all-reduce for each algorithm and size."""
+    import replicator as rp
+
+    algos: dict[str, Any] = {"shared_memory": rp.SharedMemoryAllReduce(),
+                             "native": rp.NativeAllReduce(), "ring": rp.RingAllReduce()}
+    curves: dict[str, list[list[float]]] = {}
+    for name, algo in algos.items():
+        points = []
+        for size in SIZES:
+            numel = size // 4
+            if name == "shared_memory":
+                t = algo.make_buffers([(numel, torch.float32, torch.device("cpu"))])[0]
+            else:
+                t = torch.empty(numel)
+            t.fill_(1.0)
+            algo.all_reduce_sum(t)  # warm up (segments, connections)
+            per_round = max(1, min(20, (4 << 20) // size))
+
+            def call(a: Any = algo, x: torch.Tensor = t) -> None:
+                a.all_reduce_sum(x)
+
+            seconds = _median_time(call, 5, per_round)
+            points.append([float(size), seconds])
+        curves[name] = points
+    return curves
+
+
+def _engine_overheads() -> tuple[float, float]:
+    """(gradient-sync cost per backward pass, one strategy.reduce of a scalar), seconds."""
+    import replicator as rp
+
+    strategy = rp.MirroredStrategy()
+    x = torch.randn(8, 8)
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(8, 8)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+
+    def synced() -> None:
+        model(x).sum().backward()
+
+    def local() -> None:
+        plain(x).sum().backward()
+
+    for _ in range(5):
+        synced()
+    t_sync = _median_time(synced, 7, 10)
+    t_local = _median_time(local, 7, 10)
+    value = torch.tensor(1.0)
+    strategy.reduce("mean", value)
+    t_reduce = _median_time(lambda: strategy.reduce("mean", value), 7, 10)
+    return max(0.0, t_sync - t_local), t_reduce
+
+
+def _p2p(rank: int) -> list[list[float]]:
+    import torch.distributed as dist
+
+    points = []
+    for size in (4 << 10, 1 << 20, 8 << 20):
+        t = torch.zeros(size // 4)
+
+        def exchange(x: torch.Tensor = t) -> None:
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+
+        exchange()
+        points.append([float(size), _median_time(exchange, 5, 3) / 2])
+    return points
+
+
+def _worker_two(world: int) -> dict[str, Any]:
+    """The measurements made with ``world`` local processes (rank 0's result is used)."""
+    import replicator as rp
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    strategy = rp.MirroredStrategy()  # starts the process group
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {"rss": float(rss)}
+    out["contention"] = _contention(rank, world)
+    torch.set_num_threads(1)
+    out["allreduce"] = _allreduce_curves(world)
+    out["sync"], out["reduce"] = _engine_overheads()
+    if world == 2:
+        out["p2p"] = _p2p(rank)
+    strategy.barrier()
+    return out
+
+
+def _ps_worker() -> dict[str, Any] | None:
+    """Round trip of ``optimizer.step()`` on a parameter server, small and large models."""
+    import replicator as rp
+
+    strategy = rp.ParameterServerStrategy(num_ps=1)  # a server serves here and never returns
+    points = []
+    for width in (16, 512):
+        with strategy.scope():
+            model = torch.nn.Linear(width, width, bias=False)
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        x = torch.randn(4, width)
+
+        def step(m: torch.nn.Module = model, o: torch.optim.Optimizer = opt,
+                 inp: torch.Tensor = x) -> None:
+            m(inp).sum().backward()
+            o.step()
+            o.zero_grad()
+
+        t_all = _median_time(step, 5, 5)
+        plain = torch.nn.Linear(width, width, bias=False)
+
+        def local(p: torch.nn.Module = plain, inp: torch.Tensor = x) -> None:
+            p(inp).sum().backward()
+
+        t_local = _median_time(local, 5, 5)
+        points.append([float(width * width * 4), max(0.0, t_all - t_local)])
+    return {"ps": points}
+
+
+def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] = (2, 4)
+                    ) -> MachineProfile:
+    """Measure this machine (see the module doc); ``log`` gets one line per part."""
+    from replicator.cluster import launch
+
+    load = os.getloadavg()[0]
+    profile = MachineProfile(cores=_cores(), ram_bytes=ram_bytes() or 8e9, slowdown={1: 1.0},
+                             source="measured")
+    profile.flops_per_second, profile.memory_bandwidth = _single_thread_rates()
+    for world in worlds:
+        log(f"measuring with {world} local processes (contention, all-reduce, engine) ...")
+        result = launch(_worker_two, num_replicas=world, args=(world,))[0]
+        profile.slowdown.update({int(k): float(v) for k, v in result["contention"].items()})
+        for name, points in result["allreduce"].items():
+            fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
+            profile.allreduce.setdefault(name, {})[world] = fit
+        profile.sync_overhead[world] = result["sync"]
+        profile.small_collective[world] = result["reduce"]
+        if "p2p" in result:
+            pts = result["p2p"]
+            profile.p2p = AlphaBeta.fit([p[0] for p in pts], [p[1] for p in pts])
+        if world == worlds[0]:
+            profile.process_rss_bytes = result["rss"]
+    log("measuring a parameter-server round trip ...")
+    ps = launch(_ps_worker, num_replicas=2, num_ps=1)[0]
+    if ps:
+        pts = ps["ps"]
+        profile.ps_round_trip = AlphaBeta.fit([p[0] for p in pts], [p[1] for p in pts])
+    profile.measured_at = datetime.datetime.now().isoformat(timespec="seconds")
+    profile.load_average = max(load, os.getloadavg()[0])
+    return profile

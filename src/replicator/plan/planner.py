@@ -1,0 +1,288 @@
+"""``replicator plan``: profile the model, load this machine's figures, predict, recommend.
+
+The model's profile comes from one short run of the script (or function) in one process under
+the probe's ``profile`` mode (about 16 steps: all threads, one thread, half and quarter batch,
+one step under the FLOP and saved-tensor counters), cached in ``bench/profile-<hash>.json``
+until the script or its arguments change; or from ``--model-params``. This machine's figures
+are measured once and cached in ``bench/machine.json`` (``--remeasure`` redoes it). With both
+cached, a plan takes well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from replicator.plan.cost_model import STRATEGIES, Cluster, Prediction
+from replicator.plan.devices import get_device, parse_duration, parse_link
+from replicator.plan.profiles import AlphaBeta, MachineProfile, ModelProfile, save_json
+from replicator.plan.recommend import Plan, make_plan
+from replicator.plan.report import format_table, machine_profile_cached, ms
+
+__all__ = ["load_machine", "model_from_probe", "plan_model", "plan_table", "print_plan",
+           "profile_function", "profile_here", "profile_script"]
+
+#: Steps before the profile's measured phases (imports, first-call allocations).
+PROFILE_WARMUP = 2
+
+
+def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
+    """Build a :class:`ModelProfile` from the probe's ``profile``-mode results of one rank."""
+    records = result.get("records") or []
+    if not records or not result.get("params"):
+        raise ValueError(f"profiling {name} measured no training step with an optimizer. "
+                         "HINT: the script must train through strategy.run (or rp.Trainer) "
+                         "and call optimizer.step() inside the step")
+    phases: dict[int, list[dict[str, float]]] = {}
+    for r in records:
+        phases.setdefault(int(r["phase"]), []).append(r)
+
+    def med(phase: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in phase)
+
+    full = phases.get(0) or records
+    one = [r for i in (1, 2, 3) for r in phases.get(i, [])]
+    points: dict[float, list[float]] = {}
+    for r in one:
+        points.setdefault(r["batch"], []).append(r["compute"])
+    if len(points) >= 2:
+        sizes = sorted(points)
+        fit = AlphaBeta.fit(sizes, [statistics.median(points[b]) for b in sizes])
+        compute_fit = (fit.a, fit.b)
+    else:  # a batch the probe could not cut: assume compute proportional to the batch
+        per = med(one or full, "compute") / max(1.0, float(result.get("batch") or 1))
+        compute_fit = (0.0, per)
+    batch = int(max(r["batch"] for r in full))
+    return ModelProfile(
+        name=name, params=int(result["params"]), global_batch=max(1, batch),
+        param_bytes=float(result["param_bytes"]), grad_bytes=float(result["grad_bytes"]),
+        optimizer_state_bytes=float(result.get("optimizer_state_bytes", 0)),
+        activation_bytes_per_sample=float(result.get("activation_bytes_per_sample", 0)),
+        flops_per_sample=float(result.get("flops_per_sample", 0)),
+        largest_tensor_bytes=float(result.get("largest_tensor_bytes", 0)),
+        weight_tensors=max(1, int(result.get("weight_tensors", 1))),
+        step_seconds=med(full, "step"), compute_seconds=med(full, "compute"),
+        optimizer_seconds=med(full, "optimizer"), input_seconds=med(full, "input"),
+        compute_fit=compute_fit,
+        optimizer_seconds_1thread=med(one, "optimizer") if one else med(full, "optimizer"),
+        input_seconds_1thread=med(phases[1], "input") if phases.get(1) else med(full, "input"),
+        collectives_per_step=statistics.mean(r["collectives"] for r in records),
+        threads=int(result.get("threads", 1)), rss_bytes=float(result.get("peak_rss_bytes", 0)),
+        pipeline_forward_backward=bool(result.get("forward_backward", False)))
+
+
+def _profile_steps() -> int:
+    from replicator.plan.probe import PROFILE_PHASES
+
+    return sum(p[1] for p in PROFILE_PHASES)
+
+
+def _cache_key(script: str, args: Sequence[str]) -> str:
+    h = hashlib.sha256(Path(script).read_bytes())
+    h.update(json.dumps(list(args)).encode())
+    return h.hexdigest()[:16]
+
+
+def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str = "bench",
+                   refresh: bool = False, log: Callable[[str], None] = print) -> ModelProfile:
+    """Profile ``script`` in one process (cached by the script's content and arguments)."""
+    from replicator.plan.bench import Setting, _script_launcher, run_setting
+
+    if not Path(script).is_file():
+        raise ValueError(f"script {script!r} not found. HINT: give the path of the training "
+                         "script, or --model-params for a model known only by its size")
+    cache = Path(out_dir) / f"profile-{_cache_key(script, script_args)}.json"
+    if cache.exists() and not refresh:
+        return ModelProfile.from_json(json.loads(cache.read_text()))
+    log(f"profiling {script} in one process (about {_profile_steps() + PROFILE_WARMUP} "
+        "steps) ...")
+    setting = Setting("one_device", 1)
+    out = Path(out_dir) / "logs" / "profile"
+    result = run_setting(setting, out, _script_launcher(script, script_args, setting),
+                         steps=0, warmup=PROFILE_WARMUP, mode="profile")
+    if not result.ranks or not result.ranks[0].get("records"):
+        raise ValueError(f"profiling {script} failed: {result.error or 'no step measured'}")
+    model = model_from_probe(result.ranks[0], Path(script).name)
+    save_json(cache, model.to_json())
+    return model
+
+
+def profile_function(train_fn: Callable[[Any], Any], *, out_dir: str = "bench",
+                     log: Callable[[str], None] = print) -> ModelProfile:
+    """Profile ``train_fn(strategy)`` in one worker process (not cached)."""
+    from replicator.plan.bench import Setting, _function_launcher, run_setting
+
+    name = getattr(train_fn, "__qualname__", repr(train_fn))
+    log(f"profiling {name} in one process ...")
+    setting = Setting("one_device", 1)
+    result = run_setting(setting, Path(out_dir) / "logs" / "profile",
+                         _function_launcher(train_fn, setting), steps=0, warmup=PROFILE_WARMUP,
+                         mode="profile")
+    if not result.ranks or not result.ranks[0].get("records"):
+        raise ValueError(f"profiling {name} failed: {result.error or 'no step measured'}")
+    return model_from_probe(result.ranks[0], name)
+
+
+def profile_here(train_fn: Callable[[Any], Any], name: str | None = None) -> ModelProfile:
+    """Profile ``train_fn(strategy)`` in this process under a ``OneDeviceStrategy`` (no
+    launcher: a second or two for a small model). ``train_fn`` may loop forever; the probe
+    stops it. The process's thread count is restored afterwards."""
+    from replicator.plan.probe import BenchComplete, Probe
+    from replicator.strategies import OneDeviceStrategy
+
+    probe = Probe(steps=0, warmup=PROFILE_WARMUP, mode="profile")
+    probe.install()
+    try:
+        train_fn(OneDeviceStrategy("cpu"))
+    except BenchComplete:
+        pass
+    finally:
+        probe.uninstall()
+    return model_from_probe(probe.results(),
+                            name or str(getattr(train_fn, "__qualname__", "train_fn")))
+
+
+def load_machine(out_dir: str = "bench", *, remeasure: bool = False,
+                 log: Callable[[str], None] = print) -> MachineProfile:
+    """This machine's figures: cached in ``out_dir/machine.json``, else measured and saved."""
+    cached = None if remeasure else machine_profile_cached(out_dir)
+    if cached is not None:
+        return cached
+    from replicator.plan.measure import measure_machine
+
+    log("measuring this machine once (20-80 s; cached in "
+        f"{Path(out_dir) / 'machine.json'}) ...")
+    machine = measure_machine(log=log)
+    save_json(Path(out_dir) / "machine.json", machine.to_json())
+    return machine
+
+
+def plan_model(model: ModelProfile, workers: Sequence[int], *, device: str = "cpu",
+               link: str = "25gbit", latency: str | None = None,
+               machine: MachineProfile | None = None,
+               strategies: Sequence[str] = STRATEGIES, num_ps: int = 1,
+               ranks_per_host: int | None = None) -> Plan:
+    """The plan for ``model`` at each worker count (pure arithmetic: fast)."""
+    dev = get_device(device)
+    alpha = parse_duration(latency) if latency is not None else None
+    cluster = Cluster(dev, parse_link(link, alpha), machine or MachineProfile.nominal(),
+                      ranks_per_host)
+    return make_plan(model, cluster, list(workers), tuple(strategies), num_ps=num_ps)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3g} GB" if x >= 1e9 else f"{x / 1e6:.3g} MB"
+
+
+def plan_table(plan: Plan) -> tuple[list[str], list[list[object]]]:
+    """The plan as rows: one per setting, measured and error columns when validated."""
+    single = next((p for p in plan.predictions if p.strategy == "one_device"), None)
+    headers = ["setting", "procs", "hosts", "step ms", "samples/s", "vs 1 proc", "comm %",
+               "memory/rank", "fits"]
+    validated = bool(plan.measured)
+    if validated:
+        headers += ["measured ms", "error"]
+    rows: list[list[object]] = []
+    for p in plan.predictions:
+        mark = " *" if p is plan.recommended else ""
+        if not p.feasible:
+            row: list[object] = [p.setting + mark, p.processes, p.hosts, "-", "-", "-", "-",
+                                 "-", "no"]
+        else:
+            share = (p.breakdown["communication"] + p.breakdown["overhead"]) / p.step_seconds
+            ratio = (f"{p.samples_per_second / single.samples_per_second:.2f}x"
+                     if single is not None and single.feasible else "")
+            row = [p.setting + mark, p.processes, p.hosts, ms(p.step_seconds),
+                   f"{p.samples_per_second:.4g}", ratio, f"{share:.0%}",
+                   _gb(p.memory_per_rank), "yes" if p.fits else "no"]
+        if validated:
+            got = plan.measured.get(p.setting)
+            row += [ms(got) if got else "-",
+                    f"{(p.step_seconds - got) / got:+.0%}" if got and p.feasible else "-"]
+        rows.append(row)
+    return headers, rows
+
+
+def json_lines(plan: Plan) -> list[dict[str, Any]]:
+    """One JSON object per setting (``--json``); exactly one has ``recommended: true`` when
+    any setting fits, none when nothing does."""
+    out = []
+    for p in plan.predictions:
+        got = plan.measured.get(p.setting)
+        out.append({
+            "setting": p.setting, "strategy": p.strategy, "workers": p.workers,
+            "processes": p.processes, "hosts": p.hosts,
+            "predicted_step_s": round(p.step_seconds, 6) if p.feasible else None,
+            "predicted_samples_per_s": round(p.samples_per_second, 3) if p.feasible else None,
+            "measured_step_s": round(got, 6) if got else None,
+            "memory_per_rank_bytes": round(p.memory_per_rank),
+            "fits": p.fits, "recommended": p is plan.recommended,
+            "reason": plan.reason_for(p),
+            "breakdown_s": {k: round(v, 6) for k, v in p.breakdown.items()},
+        })
+    return out
+
+
+def _describe(plan: Plan) -> str:
+    m, c = plan.model, plan.cluster
+    where = ("hosts like this one" if c.device.is_cpu else c.device.description)
+    source = "measured here" if m.measured else "estimated from its size"
+    return (f"plan for {m.name} ({m.params:,} parameters, global batch {m.global_batch}, "
+            f"{source}) on {where}, {c.per_host()} per host, {c.link} between hosts; "
+            f"machine figures: {c.machine.source}"
+            + (f" {c.machine.measured_at} at load {c.machine.load_average:.1f}"
+               if c.machine.measured_at else ""))
+
+
+def print_plan(plan: Plan, *, as_json: bool = False, plot_path: str | Path | None = None,
+               summary: str | None = None) -> None:
+    """Print the table, the recommendation and ``summary``, then the JSON lines (or only
+    the JSON lines); draw the plot."""
+    if plot_path is not None:
+        _plot(plan, plot_path)
+    if as_json:
+        for line in json_lines(plan):
+            print(json.dumps(line), flush=True)
+        return
+    print(_describe(plan))
+    headers, rows = plan_table(plan)
+    print(format_table(headers, rows))
+    for p in plan.predictions:
+        for note in p.notes:
+            print(f"note ({p.setting}): {note}")
+    if plan.recommended is not None:
+        print(f"recommended: {plan.reason}")
+    else:
+        print(f"no recommendation: {plan.reason}")
+    if summary:
+        print(summary)
+    if plot_path is not None and Path(plot_path).exists():
+        print(f"wrote {plot_path}")
+    for line in json_lines(plan):
+        print(json.dumps(line), flush=True)
+
+
+def _plot(plan: Plan, path: str | Path) -> None:
+    from replicator.plan import plots
+
+    if not plots.available():
+        return
+    points: dict[str, list[tuple[float, float]]] = {}
+    misfits: dict[str, list[tuple[float, float]]] = {}
+    for p in plan.predictions:
+        if not p.feasible or p.samples_per_second <= 0:
+            continue
+        xy = (float(p.workers), p.samples_per_second)
+        points.setdefault(p.strategy, []).append(xy)
+        if not p.fits:
+            misfits.setdefault(p.strategy, []).append(xy)
+    rec: Prediction | None = plan.recommended
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    plots.plan_plot(points, path, misfits=misfits,
+                    recommended=(float(rec.workers), rec.samples_per_second) if rec else None,
+                    title=f"{plan.model.name} on {plan.cluster.device.name}: predicted "
+                    "throughput")

@@ -1,0 +1,373 @@
+"""The measuring side of ``replicator bench`` and ``plan``: timers inside the user's process.
+
+The user's script is not changed. The probe wraps what every training loop of the library goes
+through: ``Strategy.run`` (one call = one step; ``Trainer.fit`` and the custom loops alike),
+``Strategy.reduce``/``gather`` (counted), the global ``torch.optim`` step hooks (optimizer
+time), ``CheckpointManager.save`` (checkpoint time), and reads the comm room's own timers
+(:mod:`replicator.comm.timing`) at each boundary. Per step (from one ``run`` call to the next):
+
+* ``compute``: inside ``run``, minus the optimizer and communication inside it;
+* ``communication``: time the main thread waited in collectives (inside ``run`` and between
+  steps, e.g. the loss reduced in the loop) plus parameter-server push/pull (the optimizer
+  pre-step hooks registered by the strategy); ``overlapped``: communication-thread time
+  beyond what was waited for (reported, not part of the sum);
+* ``optimizer``: ``optimizer.step()``; ``checkpoint``: inside ``CheckpointManager.save``;
+* ``input``: the rest of the gap between steps (fetching the next batch, the loop's own code).
+
+The parts sum to the step by construction. After ``warmup + steps`` calls the next ``run``
+raises :class:`BenchComplete` on every rank at the same point (before the step's collectives),
+and the entry writes the records. In ``profile`` mode (one process, for ``plan``) the probe
+also runs some steps on one thread and on half and quarter batches (to fit compute against
+batch size), and one step under torch's FLOP counter and a saved-tensor counter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from replicator.comm import timing
+
+__all__ = ["BenchComplete", "Probe", "STRATEGY_ENV"]
+
+#: What ``bench`` tells the script: the strategy to build (``rp.get_strategy(name)``).
+STRATEGY_ENV = "REPLICATOR_STRATEGY"
+OUT_ENV = "REPLICATOR_BENCH_OUT"
+STEPS_ENV = "REPLICATOR_BENCH_STEPS"
+WARMUP_ENV = "REPLICATOR_BENCH_WARMUP"
+MODE_ENV = "REPLICATOR_BENCH_MODE"
+
+#: Profile phases after warmup: (name, steps, threads (0: default), batch fraction).
+PROFILE_PHASES = (("all_threads", 4, 0, 1.0), ("one_thread", 3, 1, 1.0),
+                  ("one_thread_half", 3, 1, 0.5), ("one_thread_quarter", 3, 1, 0.25))
+
+
+class BenchComplete(BaseException):
+    """Raised from ``strategy.run`` once the bench has its steps (caught by the entry)."""
+
+
+def _leading_size(obj: Any) -> int | None:
+    """The batch size: the leading dimension of the first tensor in ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        return int(obj.shape[0]) if obj.dim() else None
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            size = _leading_size(item)
+            if size is not None:
+                return size
+    if isinstance(obj, dict):
+        return _leading_size(list(obj.values()))
+    return None
+
+
+def slice_batch(obj: Any, keep: int, size: int) -> Any:
+    """``obj`` with every tensor whose leading dimension is ``size`` cut to ``keep`` rows."""
+    if isinstance(obj, torch.Tensor):
+        return obj[:keep] if obj.dim() and obj.shape[0] == size else obj
+    if isinstance(obj, tuple):
+        return tuple(slice_batch(x, keep, size) for x in obj)
+    if isinstance(obj, list):
+        return [slice_batch(x, keep, size) for x in obj]
+    if isinstance(obj, dict):
+        return {k: slice_batch(v, keep, size) for k, v in obj.items()}
+    return obj
+
+
+class _SavedBytes:
+    """Bytes of tensors autograd saves for backward (activations), parameters excluded."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.exclude and key not in self.seen:
+                self.seen.add(key)
+                self.total += storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+
+class Probe:
+    """Installs the timers in this process and collects per-step records."""
+
+    def __init__(self, steps: int, warmup: int, mode: str = "bench") -> None:
+        if mode not in ("bench", "profile"):
+            raise ValueError(f"probe mode must be 'bench' or 'profile', got {mode!r}")
+        self.steps, self.warmup, self.mode = steps, warmup, mode
+        self.calls = 0
+        self.records: list[dict[str, float]] = []
+        self.strategy_name = ""
+        self.replicas = 1
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.collective_calls = 0
+        self.batch_sizes: list[int] = []
+        self.extra: dict[str, Any] = {}
+        self._opt = self._ps = self._ckpt = 0.0
+        self._comm_in_opt = 0.0
+        self._t_pre: float | None = None
+        self._t_pre2: float | None = None
+        self._comm_pre: float = 0.0
+        self._open: dict[str, float] | None = None
+        self._progress_path: str | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._threads = torch.get_num_threads()
+        self._late_hook = False
+
+    @property
+    def total_calls(self) -> int:
+        if self.mode == "profile":
+            return self.warmup + sum(p[1] for p in PROFILE_PHASES) + 1
+        return self.warmup + self.steps
+
+    # -- installation --------------------------------------------------------------------
+    def install(self, progress_path: str | None = None) -> None:
+        """Wrap the library's step boundary and hooks; turn the comm timers on."""
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        from replicator.strategies.base import Strategy
+
+        was_on = timing.enabled()
+        timing.enable(True)
+        self._undo.append(lambda: timing.enable(was_on))
+        self._progress_path = progress_path
+        probe = self
+        original_run = Strategy.run
+
+        def run(strategy: Any, fn: Callable[..., Any], args: tuple | list = (),
+                kwargs: dict[str, Any] | None = None) -> Any:
+            return probe._step(strategy, original_run, fn, args, kwargs)
+
+        self._patch(Strategy, "run", run)
+        for name in ("reduce", "gather"):
+            self._count(Strategy, name)
+        original_fb = Strategy.forward_backward
+
+        def forward_backward(*args: Any, **kwargs: Any) -> Any:
+            probe.extra["forward_backward"] = True
+            return original_fb(*args, **kwargs)
+
+        self._patch(Strategy, "forward_backward", forward_backward)
+        try:
+            from replicator.checkpoint.manager import CheckpointManager
+
+            self._time_calls(CheckpointManager, "save")
+        except ImportError:  # pragma: no cover - a library without the checkpoint room
+            pass
+        pre = register_optimizer_step_pre_hook(self._before_opt)
+        post = register_optimizer_step_post_hook(self._after_opt)
+        self._undo += [pre.remove, post.remove]
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install` (the wrapped methods, hooks, timers and thread count)."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
+        torch.set_num_threads(self._threads)
+
+    def _patch(self, owner: type, name: str, replacement: Callable[..., Any]) -> None:
+        original = owner.__dict__[name]
+        setattr(owner, name, replacement)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def _count(self, owner: type, name: str) -> None:
+        original = getattr(owner, name)
+        probe = self
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            probe.collective_calls += 1
+            return original(*args, **kwargs)
+
+        self._patch(owner, name, counted)
+
+    def _time_calls(self, owner: type, name: str) -> None:
+        original = getattr(owner, name)
+        probe = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                probe._ckpt += time.perf_counter() - t0
+
+        self._patch(owner, name, timed)
+
+    # -- optimizer hooks -------------------------------------------------------------------
+    def _before_opt(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.optimizers.setdefault(id(optimizer), optimizer)
+        self._t_pre = time.perf_counter()
+        self._comm_pre = timing.snapshot().exposed
+
+    def _after_pre_hooks(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Registered after the strategy's own pre-step hooks: what ran between the two is
+        the strategy's work before the step (a parameter server's push and pull)."""
+        self._t_pre2 = time.perf_counter()
+
+    def _after_opt(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        now = time.perf_counter()
+        if self._t_pre is None:
+            return
+        t_mid = self._t_pre2 if self._t_pre2 is not None else self._t_pre
+        self._ps += t_mid - self._t_pre  # the strategy's own pre-step hooks (push and pull)
+        self._opt += now - t_mid
+        self._comm_in_opt += timing.snapshot().exposed - self._comm_pre
+        self._t_pre = self._t_pre2 = None
+
+    # -- the step boundary -----------------------------------------------------------------
+    def _step(self, strategy: Any, original_run: Callable[..., Any], fn: Callable[..., Any],
+              args: tuple | list, kwargs: dict[str, Any] | None) -> Any:
+        now = time.perf_counter()
+        comm_now = timing.snapshot()
+        if self._open is not None:
+            self._close(now, comm_now)
+        if not self._late_hook:
+            from torch.optim import optimizer as optim_module
+
+            # only when the strategy registered step hooks of its own (a parameter server)
+            if len(getattr(optim_module, "_global_optimizer_pre_hooks", ())) > 1:
+                handle = optim_module.register_optimizer_step_pre_hook(self._after_pre_hooks)
+                self._undo.append(handle.remove)
+            self._late_hook = True
+            self.strategy_name = type(strategy).__name__
+            self.replicas = int(strategy.num_replicas_in_sync)
+        if self.calls >= self.total_calls:
+            raise BenchComplete()
+        self.calls += 1
+        phase = self._phase()
+        if isinstance(args, (tuple, list)):
+            size = _leading_size(args)
+            if size is not None:
+                if phase is not None and phase[3] < 1.0 and size >= 4:
+                    keep = max(1, int(size * phase[3]))
+                    args = slice_batch(tuple(args), keep, size)
+                    size = keep
+                self.batch_sizes.append(size)
+        if phase is not None:
+            torch.set_num_threads(phase[2] or self._threads)
+        if self.mode == "profile" and self.calls == self.total_calls:
+            return self._counted_step(strategy, original_run, fn, args, kwargs)
+        self._opt = self._ps = self._ckpt = self._comm_in_opt = 0.0
+        self.collective_calls = 0
+        t_run = time.perf_counter()
+        comm_run = timing.snapshot()
+        out = original_run(strategy, fn, args, kwargs)
+        t_end = time.perf_counter()
+        comm_end = timing.snapshot()
+        self._open = {"start": now, "run": t_end - t_run,
+                      "comm_run": (comm_end - comm_run).exposed,
+                      "comm_start": comm_now.exposed, "bg_start": comm_now.background,
+                      "opt": self._opt, "ps": self._ps, "comm_in_opt": self._comm_in_opt,
+                      "end": t_end, "ckpt_start": self._ckpt,
+                      "phase": PROFILE_PHASES.index(phase) if phase else -1,
+                      "batch": float(self.batch_sizes[-1]) if self.batch_sizes else 0.0}
+        self._write_progress()
+        return out
+
+    def _phase(self) -> tuple[str, int, int, float] | None:
+        if self.mode != "profile" or self.calls <= self.warmup:
+            return None
+        k = self.calls - self.warmup
+        for phase in PROFILE_PHASES:
+            if k <= phase[1]:
+                return phase
+            k -= phase[1]
+        return None
+
+    def _close(self, now: float, comm_now: timing.CommTime) -> None:
+        """Finish the open step's record at the start of the next ``run``."""
+        r = self._open
+        assert r is not None
+        self._open = None
+        if self.calls <= self.warmup:
+            return
+        step = now - r["start"]
+        comm_total = comm_now.exposed - r["comm_start"]
+        comm_gap = comm_total - r["comm_run"]
+        ckpt = self._ckpt - r["ckpt_start"]
+        opt = max(0.0, r["opt"] - r["comm_in_opt"])
+        comm = comm_total + r["ps"]
+        compute = max(0.0, r["run"] - opt - r["ps"] - r["comm_run"])
+        background = comm_now.background - r["bg_start"]
+        self.records.append({
+            "step": step, "compute": compute, "communication": comm, "optimizer": opt,
+            "input": max(0.0, now - r["end"] - comm_gap - ckpt), "checkpoint": ckpt,
+            "overlapped": max(0.0, background - comm), "phase": r["phase"],
+            "batch": r["batch"], "collectives": float(self.collective_calls)})
+
+    def _write_progress(self) -> None:
+        if self._progress_path is None or self.rank != 0:
+            return
+        try:
+            with open(self._progress_path, "w") as f:
+                f.write(str(min(self.calls, self.total_calls)))
+        except OSError:
+            pass
+
+    # -- profile mode: FLOPs and activations of one step ---------------------------------------
+    def _counted_step(self, strategy: Any, original_run: Callable[..., Any],
+                      fn: Callable[..., Any], args: tuple | list,
+                      kwargs: dict[str, Any] | None) -> Any:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        torch.set_num_threads(self._threads)
+        exclude = {p.untyped_storage().data_ptr() for opt in self.optimizers.values()
+                   for g in opt.param_groups for p in g["params"]}
+        saved = _SavedBytes(exclude)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            out = original_run(strategy, fn, args, kwargs)
+        batch = self.batch_sizes[-1] if self.batch_sizes else 1
+        self.extra["flops_per_sample"] = counter.get_total_flops() / max(1, batch)
+        self.extra["activation_bytes_per_sample"] = saved.total / max(1, batch)
+        return out
+
+    # -- results --------------------------------------------------------------------------
+    def results(self) -> dict[str, Any]:
+        """Everything measured in this process, as JSON-ready data."""
+        params = [p for opt in self.optimizers.values() for g in opt.param_groups
+                  for p in g["params"]]
+        unique = {id(p): p for p in params}.values()
+        state_bytes = 0
+        for opt in self.optimizers.values():
+            for per_param in opt.state.values():
+                for value in per_param.values():
+                    if isinstance(value, torch.Tensor):
+                        state_bytes += value.numel() * value.element_size()
+        return {
+            "rank": self.rank, "strategy": self.strategy_name, "replicas": self.replicas,
+            "mode": self.mode, "records": self.records, "calls": self.calls,
+            "params": sum(p.numel() for p in unique),
+            "param_bytes": sum(p.numel() * p.element_size() for p in unique),
+            "grad_bytes": sum(p.numel() * p.element_size() for p in unique if p.requires_grad),
+            "optimizer_state_bytes": state_bytes,
+            "largest_tensor_bytes": max((p.numel() * p.element_size() for p in unique),
+                                        default=0),
+            "weight_tensors": sum(1 for p in unique if p.dim() >= 2),
+            "batch": statistics.median(self.batch_sizes) if self.batch_sizes else 0,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "threads": self._threads, "comm_timing": timing.enabled(), **self.extra,
+        }
+
+    def write(self, directory: str) -> None:
+        path = os.path.join(directory, f"rank{self.rank}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.results(), f)
+        os.replace(tmp, path)

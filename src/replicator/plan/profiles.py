@@ -1,0 +1,279 @@
+"""What the planner knows: a model's profile and this machine's profile, both saved as JSON.
+
+A :class:`ModelProfile` is measured by running the user's training step in one process (see
+:mod:`replicator.plan.probe`), or estimated from a parameter count alone (``--model-params``).
+A :class:`MachineProfile` is measured here once (:mod:`replicator.plan.measure`) and cached in
+``bench/machine.json``; :meth:`MachineProfile.nominal` gives typical figures of a 2-core host
+(from the measurements in the project's notes) for tests and for planning without measuring.
+All times are seconds, all sizes bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AlphaBeta", "MachineProfile", "ModelProfile"]
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """A collective's measured cost at one world size: ``seconds = a + b * nbytes``."""
+
+    a: float
+    b: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.a + self.b * nbytes
+
+    @classmethod
+    def fit(cls, sizes: list[float], seconds: list[float]) -> AlphaBeta:
+        """The line through ``(size, seconds)`` with the least *relative* squared error
+        (weights ``1/seconds^2``, so 4 KB and 16 MB points count alike), clamped to
+        non-negative terms."""
+        if len(sizes) != len(seconds) or len(sizes) < 2:
+            raise ValueError("AlphaBeta.fit needs at least two (size, seconds) points")
+        w = [1.0 / max(y, 1e-9) ** 2 for y in seconds]
+        sw = sum(w)
+        mx = sum(wi * x for wi, x in zip(w, sizes)) / sw
+        my = sum(wi * y for wi, y in zip(w, seconds)) / sw
+        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
+        sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds))
+        b = max(sxy / sxx if sxx else 0.0, 0.0)
+        return cls(max(my - b * mx, 0.0), b)
+
+
+@dataclass
+class ModelProfile:
+    """One model's training step, as measured in one process (or estimated).
+
+    ``compute_fit`` is ``(c0, c1)``: forward + backward on one thread takes ``c0 + c1 * b``
+    seconds for ``b`` samples (fitted from the full, half and quarter batch), the shape used to
+    predict a replica's share of the batch; ``compute_seconds`` etc. are the whole batch with
+    the process's default threads (what "stay on one process" gives).
+    """
+
+    name: str
+    params: int
+    global_batch: int
+    param_bytes: float
+    grad_bytes: float
+    optimizer_state_bytes: float = 0.0
+    activation_bytes_per_sample: float = 0.0
+    flops_per_sample: float = 0.0
+    largest_tensor_bytes: float = 0.0
+    weight_tensors: int = 1
+    boundary_bytes_per_sample: float = 0.0
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    optimizer_seconds: float = 0.0
+    input_seconds: float = 0.0
+    compute_fit: tuple[float, float] = (0.0, 0.0)
+    optimizer_seconds_1thread: float = 0.0
+    input_seconds_1thread: float = 0.0
+    collectives_per_step: float = 0.0
+    threads: int = 1
+    rss_bytes: float = 0.0
+    measured: bool = True
+    pipeline_forward_backward: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params < 1:
+            raise ValueError(f"a model needs at least one parameter, got params={self.params!r}")
+        if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) \
+                or self.global_batch < 1:
+            raise ValueError(f"global_batch must be a positive int, got {self.global_batch!r}")
+        self.compute_fit = (float(self.compute_fit[0]), float(self.compute_fit[1]))
+
+    @property
+    def state_bytes(self) -> float:
+        """Weights, gradients and optimizer state: what sharding divides."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
+
+    def compute_1thread(self, batch: float) -> float:
+        """Forward + backward of ``batch`` samples on one thread (the fitted line)."""
+        c0, c1 = self.compute_fit
+        return c0 + c1 * batch
+
+    @classmethod
+    def from_parameter_count(cls, params: float, *, global_batch: int = 1024,
+                             seq_len: int = 1, optimizer: str = "adam",
+                             bytes_per_value: int = 4) -> ModelProfile:
+        """A dense model known only by its size: ``6 * params * seq_len`` FLOPs per sample
+        (forward 2, backward 4 per parameter and token), fp32 weights and gradients,
+        Adam's two moments (8 bytes per parameter; SGD with momentum 4, plain SGD 0), and the
+        activations and layer sizes of a transformer of that size (hidden ``h`` from
+        ``P = 12 L h^2`` with ``L = h / 128`` layers); ``seq_len`` tokens per sample."""
+        if isinstance(params, bool) or not isinstance(params, (int, float)) or \
+                not math.isfinite(params) or params < 1:
+            raise ValueError(f"--model-params must be a number >= 1, got {params!r}. HINT: "
+                             "write the parameter count, e.g. 7e9")
+        state = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
+        if optimizer not in state:
+            raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(state)}")
+        for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        p = int(params)
+        # a transformer's shape from its size: P ~ 12 L h^2 with L ~ h / 128 layers
+        hidden = max(1.0, (p * 128 / 12) ** (1 / 3))
+        layers = max(1, round(hidden / 128))
+        return cls(name=f"{params:.3g}-parameter model", params=p, global_batch=global_batch,
+                   param_bytes=p * bytes_per_value, grad_bytes=p * bytes_per_value,
+                   optimizer_state_bytes=p * 4 * state[optimizer],
+                   flops_per_sample=6.0 * p * seq_len,
+                   # per token and layer ~34 h bytes of activations (Korthikanti et al. 2022)
+                   activation_bytes_per_sample=34.0 * hidden * layers * seq_len,
+                   boundary_bytes_per_sample=hidden * bytes_per_value * seq_len,
+                   largest_tensor_bytes=min(p, 4 * hidden * hidden) * bytes_per_value,
+                   weight_tensors=layers, measured=False)
+
+    # -- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelProfile:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "compute_fit" in values:
+            values["compute_fit"] = tuple(values["compute_fit"])
+        return cls(**values)
+
+
+@dataclass
+class MachineProfile:
+    """This machine as measured: cores, memory, how concurrent processes slow each other,
+    per-algorithm collective costs (``allreduce[algorithm][world] = [a, b]``), and one
+    thread's matmul FLOP rate and copy bandwidth (for models known only by their size)."""
+
+    cores: int
+    ram_bytes: float
+    slowdown: dict[int, float] = field(default_factory=lambda: {1: 1.0})
+    allreduce: dict[str, dict[int, AlphaBeta]] = field(default_factory=dict)
+    sync_overhead: dict[int, float] = field(default_factory=dict)
+    small_collective: dict[int, float] = field(default_factory=dict)
+    flops_per_second: float = 3e10
+    memory_bandwidth: float = 5e9
+    p2p: AlphaBeta = AlphaBeta(1e-4, 1 / 1.2e9)
+    ps_round_trip: AlphaBeta = AlphaBeta(1e-3, 2 / 1.0e9)
+    process_rss_bytes: float = 350e6
+    measured_at: str = ""
+    load_average: float = 0.0
+    source: str = "nominal"
+
+    # -- lookups with documented extrapolation --------------------------------------------
+    def slowdown_for(self, processes: int) -> float:
+        """How much slower each of ``processes`` busy one-thread processes on this host runs
+        than one alone; beyond the measured counts it grows with processes per core."""
+        if processes <= 1:
+            return 1.0
+        if processes in self.slowdown:
+            return self.slowdown[processes]
+        top = max(self.slowdown)
+        base = self.slowdown[top]
+        if processes < top:  # between measured points: the next measured one above
+            return self.slowdown[min(k for k in self.slowdown if k > processes)]
+        return base * processes / top  # each extra process takes its share of the cores
+
+    def allreduce_seconds(self, algorithm: str, nbytes: float, world: int) -> float:
+        """All-reduce time of ``nbytes`` over ``world`` ranks of this host: the measured line
+        at that world size, or the nearest one rescaled by the ring's ``2(n-1)/n`` terms."""
+        if world <= 1 or nbytes <= 0:
+            return 0.0
+        table = self.allreduce.get(algorithm) or self.allreduce.get("native")
+        if not table:
+            raise ValueError(f"no all-reduce figures for {algorithm!r} in the machine profile. "
+                             "HINT: measure this machine again (replicator plan --remeasure)")
+        if world in table:
+            return table[world].seconds(nbytes)
+        near = min(table, key=lambda k: abs(k - world))
+        ab = table[near]
+        alpha = ab.a / (2 * (near - 1))
+        per_byte = ab.b / (2 * (near - 1) / near)
+        return 2 * (world - 1) * alpha + 2 * (world - 1) / world * nbytes * per_byte
+
+    def collective_alpha(self, algorithm: str, world: int) -> float:
+        """The fixed cost of one collective of ``algorithm`` over ``world`` ranks here."""
+        if world <= 1:
+            return 0.0
+        table = self.allreduce.get(algorithm) or self.allreduce.get("native") or {}
+        if not table:
+            return 0.0
+        if world in table:
+            return table[world].a
+        near = min(table, key=lambda k: abs(k - world))
+        return table[near].a * (world - 1) / max(1, near - 1)
+
+    def per_world(self, table: dict[int, float], world: int) -> float:
+        """A per-world-size figure; beyond the measured ones it grows like ``n - 1``."""
+        if world <= 1 or not table:
+            return 0.0
+        if world in table:
+            return table[world]
+        near = min(table, key=lambda k: abs(k - world))
+        return table[near] * (world - 1) / max(1, near - 1)
+
+    # -- constructors ------------------------------------------------------------------------
+    @classmethod
+    def nominal(cls) -> MachineProfile:
+        """Typical figures of a quiet 2-core host running torch with gloo (the project's
+        measured notes, docs/collectives.md): two busy processes each ~4% slower than one
+        alone, shared-memory all-reduce of resident buffers ~3 GB/s, gloo ~0.9 GB/s with
+        0.3 ms latency, a scalar reduce 60 us, the gradient engine 0.4 ms per pass."""
+        return cls(
+            cores=2, ram_bytes=16e9, slowdown={1: 1.0, 2: 1.04, 3: 1.56, 4: 2.08},
+            allreduce={
+                "shared_memory": {2: AlphaBeta(5e-5, 1 / 3e9)},
+                "native": {2: AlphaBeta(3e-4, 1 / 0.9e9)},
+                "ring": {2: AlphaBeta(6e-4, 1 / 0.9e9)},
+            },
+            sync_overhead={2: 4e-4}, small_collective={2: 6e-5}, source="nominal")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MachineProfile:
+        def ints(d: dict[Any, Any]) -> dict[int, float]:
+            return {int(k): float(v) for k, v in d.items()}
+
+        return cls(
+            cores=int(data["cores"]), ram_bytes=float(data["ram_bytes"]),
+            slowdown=ints(data.get("slowdown", {1: 1.0})),
+            allreduce={name: {int(k): AlphaBeta(*v) for k, v in table.items()}
+                       for name, table in data.get("allreduce", {}).items()},
+            sync_overhead=ints(data.get("sync_overhead", {})),
+            small_collective=ints(data.get("small_collective", {})),
+            flops_per_second=float(data.get("flops_per_second", 3e10)),
+            memory_bandwidth=float(data.get("memory_bandwidth", 5e9)),
+            p2p=AlphaBeta(*data.get("p2p", (1e-4, 1 / 1.2e9))),
+            ps_round_trip=AlphaBeta(*data.get("ps_round_trip", (1e-3, 2 / 1e9))),
+            process_rss_bytes=float(data.get("process_rss_bytes", 350e6)),
+            measured_at=data.get("measured_at", ""),
+            load_average=float(data.get("load_average", 0.0)),
+            source=data.get("source", "measured"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cores": self.cores, "ram_bytes": self.ram_bytes, "slowdown": self.slowdown,
+            "allreduce": {name: {k: [ab.a, ab.b] for k, ab in table.items()}
+                          for name, table in self.allreduce.items()},
+            "sync_overhead": self.sync_overhead, "small_collective": self.small_collective,
+            "flops_per_second": self.flops_per_second,
+            "memory_bandwidth": self.memory_bandwidth,
+            "p2p": [self.p2p.a, self.p2p.b],
+            "ps_round_trip": [self.ps_round_trip.a, self.ps_round_trip.b],
+            "process_rss_bytes": self.process_rss_bytes, "measured_at": self.measured_at,
+            "load_average": self.load_average, "source": self.source,
+        }
+
+
+def save_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    """Write ``data`` as indented JSON, atomically (a reader never sees half a file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, target)

@@ -1,0 +1,183 @@
+"""Tables, ``report.md`` and JSON lines of ``bench`` (the plan's table is in ``planner.py``).
+
+A benchmark prints a readable table and ends with one JSON line per setting; the same table
+goes to ``bench/report.md`` with the load of the machine during the run, and the raw numbers
+to ``bench/results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from replicator.plan.profiles import MachineProfile, save_json
+
+if TYPE_CHECKING:
+    from replicator.plan.bench import BenchReport
+
+__all__ = ["format_table", "machine_profile_cached", "write_bench_report"]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
+                 markdown: bool = False) -> str:
+    """Columns padded to their widest cell (first column left-aligned), or a Markdown table."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(cells[0]) + " |",
+                 "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in cells[1:]]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
+
+
+def mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.0f}"
+
+
+def machine_profile_cached(directory: str | Path) -> MachineProfile | None:
+    """``machine.json`` in ``directory`` when a plan measured this machine before."""
+    path = Path(directory) / "machine.json"
+    if not path.exists():
+        return None
+    try:
+        return MachineProfile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_note(load: tuple[float, float], cores: int) -> str:
+    worst = max(load)
+    state = "quiet" if worst < 0.5 * cores else "loaded (shared with other work)" \
+        if worst > 1.2 * cores else "partly busy"
+    return (f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end on "
+            f"{cores} cores: {state}")
+
+
+def _ceiling(bench: BenchReport, baseline: float | None) -> dict[int, float]:
+    workers = [r.setting.workers for r in bench.results if r.ok]
+    top = max(workers, default=1)
+    if baseline is None or top < 2:
+        return {}
+    machine = machine_profile_cached(bench.out_dir)
+    if machine is not None and all(n in machine.slowdown for n in range(1, top + 1)):
+        slow = machine.slowdown
+    else:
+        from replicator.plan.measure import quick_contention
+
+        slow = quick_contention(top)
+    return {n: baseline * n / slow[n] for n in range(1, top + 1) if n in slow}
+
+
+def _rows(bench: BenchReport, baseline: float | None) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for r in bench.results:
+        if not r.ok:
+            rows.append([r.setting.label, r.setting.processes, "failed", "", "", "", "", "",
+                         "", "", "", ""])
+            continue
+        b = r.breakdown
+        rows.append([
+            r.setting.label, r.setting.processes, r.steps, ms(r.step_seconds),
+            f"{r.samples_per_second:.4g}",
+            f"{r.samples_per_second / baseline:.2f}x" if baseline else "",
+            ms(b["compute"]), ms(b["communication"]), ms(r.overlapped), ms(b["input"]),
+            ms(b["optimizer"]), ms(b["checkpoint"]),
+            " / ".join(mb(x) for x in r.peak_rss)])
+    return rows
+
+
+HEADERS = ("setting", "procs", "steps", "step ms", "samples/s", "vs 1 proc", "compute",
+           "comm exposed", "comm overlapped", "input+loop", "optimizer", "checkpoint",
+           "peak MB per rank")
+
+
+def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
+    """Write ``report.md``, ``results.json`` and the two PNGs; print the table and JSON."""
+    from replicator.plan import plots
+
+    root = Path(bench.out_dir)
+    single = next((r for r in bench.results if r.ok and r.setting.strategy == "one_device"),
+                  None)
+    baseline = single.samples_per_second if single else None
+    bench.ceiling = _ceiling(bench, baseline)
+    rows = _rows(bench, baseline)
+    cores = os.cpu_count() or 1
+    notes = [load_note(bench.load_average, cores)]
+    if any(r.ok and not r.comm_timing for r in bench.results):
+        notes.append("the comm room's timers were off: communication counts as compute")
+    notes.append("communication inside torch's FSDP2 and pipelining schedules is not timed by "
+                 "the comm room: under fsdp and pipeline it shows up as compute")
+    failures = [f"{r.setting.label}: {r.error}" for r in bench.results if not r.ok]
+    files = []
+    if plots.available() and any(r.ok for r in bench.results):
+        points: dict[str, list[tuple[float, float]]] = {}
+        for r in bench.results:
+            if r.ok:
+                points.setdefault(r.setting.strategy, []).append(
+                    (float(r.setting.workers), r.samples_per_second))
+        plots.throughput_plot(points, root / "throughput.png", baseline=baseline,
+                              ceiling=bench.ceiling, title=f"{Path(bench.target).name}: "
+                              "throughput against replicas")
+        plots.breakdown_plot([(r.setting.label, r.breakdown) for r in bench.results if r.ok],
+                             root / "breakdown.png",
+                             title=f"{Path(bench.target).name}: a step's breakdown")
+        files += [str(root / "throughput.png"), str(root / "breakdown.png")]
+    elif not plots.available():
+        notes.append("matplotlib is not installed: no plots (pip install matplotlib)")
+    md = [f"# replicator bench: {bench.target}", "",
+          f"{platform.node() or 'this machine'}, {cores} cores; {notes[0]}.", "",
+          format_table(HEADERS, rows, markdown=True), "",
+          "Times are milliseconds per step, means over the steps kept (the fastest and "
+          "slowest tenth dropped); the parts sum to the step. *comm exposed*: time the "
+          "training loop waited in collectives (incl. a parameter server's push and pull); "
+          "*comm overlapped*: communication that ran on another thread meanwhile (not in the "
+          "sum); *input+loop*: fetching the next batch and the loop's own code.", ""]
+    md += [f"- {n}" for n in notes[1:]]
+    if bench.skipped:
+        md.append("- skipped: " + "; ".join(bench.skipped))
+    if failures:
+        md += ["", "## Failed settings", ""] + [f"- {f}" for f in failures]
+    if files:
+        md += ["", "![throughput](throughput.png)", "", "![breakdown](breakdown.png)"]
+    (root / "report.md").write_text("\n".join(md) + "\n")
+    files.append(str(root / "report.md"))
+    save_json(root / "results.json", {
+        "target": bench.target, "load_average": list(bench.load_average),
+        "ceiling": bench.ceiling, "skipped": bench.skipped,
+        "results": [r.to_json() for r in bench.results]})
+    files.append(str(root / "results.json"))
+    bench.files = files
+    if echo:
+        print(format_table(HEADERS, rows))
+        for n in notes:
+            print(f"note: {n}")
+        for f in failures:
+            print(f"failed: {f}")
+        print(f"wrote {', '.join(files)}")
+        for r in bench.results:
+            print(json.dumps(_json_line(r)), flush=True)
+
+
+def _json_line(r: Any) -> dict[str, Any]:
+    return {"bench": "replicator bench", "setting": r.setting.label,
+            "strategy": r.setting.strategy, "workers": r.setting.workers, "ok": r.ok,
+            "step_s": round(r.step_seconds, 6) if r.ok else None,
+            "samples_per_s": round(r.samples_per_second, 3) if r.ok else None,
+            "breakdown_s": {k: round(v, 6) for k, v in r.breakdown.items()},
+            "overlapped_s": round(r.overlapped, 6),
+            "peak_rss_bytes": r.peak_rss, "error": r.error or None}

@@ -1,0 +1,134 @@
+"""The planner's formulas against hand-computed cases, and its memory arithmetic."""
+
+import math
+
+import pytest
+
+from replicator.plan.cost_model import (
+    Cluster,
+    allreduce_traffic_bytes,
+    fsdp_traffic_bytes,
+    hierarchical_allreduce_seconds,
+    pipeline_bubble,
+    predict,
+    ps_step_seconds,
+    ring_allreduce_seconds,
+)
+from replicator.plan.devices import get_device, parse_link
+from replicator.plan.profiles import AlphaBeta, MachineProfile, ModelProfile
+from replicator.plan.recommend import make_plan
+
+
+def test_ring_allreduce_hand_computed():
+    # 2(n-1)/n * S/B + 2(n-1) alpha = 1.5 ms + 60 us
+    assert ring_allreduce_seconds(1e6, 4, 1e9, 1e-5) == pytest.approx(1.56e-3)
+    assert ring_allreduce_seconds(8e6, 2, 1e9, 0.0) == pytest.approx(8e-3)
+    assert ring_allreduce_seconds(1e9, 1, 1e9, 1.0) == 0.0
+
+
+def test_hierarchical_is_a_host_ring_plus_a_network_ring():
+    # inside a host: 2*7/8*1e8/3e11 + 14*5e-6; between 4 hosts: 2*3/4*1e8/3.125e9 + 6*25e-6
+    got = hierarchical_allreduce_seconds(1e8, 4, 8, 3e11, 5e-6, 3.125e9, 25e-6)
+    assert got == pytest.approx(5.8333e-4 + 7e-5 + 0.048 + 1.5e-4, rel=1e-4)
+    assert hierarchical_allreduce_seconds(1e8, 1, 1, 3e11, 5e-6, 3.125e9, 25e-6) == 0.0
+
+
+def test_pipeline_bubble():
+    assert pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert pipeline_bubble(2, 4) == pytest.approx(1 / 5)
+    assert pipeline_bubble(1, 16) == 0.0
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_fsdp_moves_one_and_a_half_times_the_bytes_of_allreduce(n):
+    assert allreduce_traffic_bytes(1e9, n) == pytest.approx(2 * (n - 1) / n * 1e9)
+    assert fsdp_traffic_bytes(1e9, n) == pytest.approx(1.5 * allreduce_traffic_bytes(1e9, n))
+
+
+def test_parameter_server_push_pull_and_server_bound():
+    # worker: 0.1 + 2 * 1e-4 + (1e6 + 1e6) / 1e9; servers: 4 * 2e6 / (1 * 1e9) is less
+    assert ps_step_seconds(0.1, 1e6, 1e6, 4, 1, 1e9, 1e-4) == pytest.approx(0.1022)
+    # 100 workers on one server: the server's link bounds the step, 100 * 2e6 / 1e9
+    assert ps_step_seconds(0.1, 1e6, 1e6, 100, 1, 1e9, 1e-4) == pytest.approx(0.2)
+    assert ps_step_seconds(0.1, 1e6, 1e6, 100, 4, 1e9, 1e-4) == pytest.approx(0.1022)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: ring_allreduce_seconds(1e6, 0, 1e9, 0.0),
+    lambda: ring_allreduce_seconds(1e6, 2, -1e9, 0.0),
+    lambda: pipeline_bubble(0, 4),
+    lambda: ps_step_seconds(0.1, 1, 1, 0, 1, 1e9, 0.0),
+    lambda: ps_step_seconds(0.1, 1, 1, 2, 1, 0.0, 0.0),
+])
+def test_nonsense_is_a_clear_error(call):
+    with pytest.raises(ValueError, match="positive"):
+        call()
+
+
+def _cluster(device="cpu", link="25gbit", per_host=None):
+    return Cluster(get_device(device), parse_link(link), MachineProfile.nominal(), per_host)
+
+
+def test_memory_per_rank_is_the_sum_of_its_parts():
+    m = ModelProfile(name="m", params=1000, global_batch=10, param_bytes=4000, grad_bytes=4000,
+                     optimizer_state_bytes=8000, activation_bytes_per_sample=100,
+                     largest_tensor_bytes=400, weight_tensors=2, measured=False,
+                     flops_per_sample=1e6)
+    c = _cluster()
+    base = c.machine.process_rss_bytes
+    assert predict("mirrored", 2, m, c).memory_per_rank == pytest.approx(16000 + 500 + base)
+    # FSDP: the state divided by 2, plus two gathered largest tensors
+    assert predict("fsdp", 2, m, c).memory_per_rank == pytest.approx(
+        8000 + 800 + 500 + base)
+    # a parameter-server worker keeps no optimizer state
+    assert predict("parameter_server", 2, m, c).memory_per_rank == pytest.approx(
+        8000 + 500 + base)
+
+
+def test_a_trillion_parameters_on_8_cpus_does_not_fit():
+    model = ModelProfile.from_parameter_count(1e12)
+    plan = make_plan(model, _cluster(), [8])
+    assert plan.recommended is None
+    assert not any(p.fits for p in plan.predictions)
+    assert plan.reason.startswith("does not fit")
+    # the arithmetic: 1e12 x (4 weights + 4 gradients + 8 Adam) bytes, against the RAM per rank
+    assert "4000.0 GB weights + 4000.0 GB gradients + 8000.0 GB optimizer state" in plan.reason
+    mirrored = next(p for p in plan.predictions if p.setting == "mirrored x8")
+    assert mirrored.memory_per_rank > 16e12
+    assert "of 8.0 GB" in mirrored.memory_detail  # 16 GB of RAM shared by 2 ranks per host
+
+
+def test_global_batch_smaller_than_workers_cannot_run():
+    model = ModelProfile.from_parameter_count(1e6, global_batch=4)
+    p = predict("mirrored", 8, model, _cluster())
+    assert not p.feasible and "global batch of 4" in p.why_not
+
+
+def test_gpu_compute_comes_from_flops_and_the_datasheet():
+    model = ModelProfile.from_parameter_count(1e9, global_batch=64)
+    h100 = get_device("h100")
+    p = predict("one_device", 1, model, _cluster("h100"))
+    assert p.breakdown["compute"] == pytest.approx(6e9 * 64 / (h100.peak_flops * h100.mfu))
+
+
+def test_more_bandwidth_never_makes_data_parallel_slower():
+    model = ModelProfile.from_parameter_count(1e8, global_batch=512)
+    slow = predict("mirrored", 64, model, _cluster("a100", "10gbit"))
+    fast = predict("mirrored", 64, model, _cluster("a100", "400gbit"))
+    assert fast.step_seconds < slow.step_seconds
+    assert math.isfinite(fast.samples_per_second)
+
+
+def test_alpha_beta_fit_recovers_a_line():
+    sizes = [4e3, 6.4e4, 1e6, 1.6e7]
+    fit = AlphaBeta.fit(sizes, [2e-4 + s / 1e9 for s in sizes])
+    assert fit.a == pytest.approx(2e-4, rel=1e-6)
+    assert fit.b == pytest.approx(1e-9, rel=1e-6)
+
+
+def test_machine_profile_round_trips_through_json():
+    m = MachineProfile.nominal()
+    again = MachineProfile.from_json(m.to_json())
+    assert again.allreduce_seconds("shared_memory", 1e6, 2) == \
+        pytest.approx(m.allreduce_seconds("shared_memory", 1e6, 2))
+    assert again.slowdown == m.slowdown
