@@ -13,8 +13,9 @@ from replicator.train.callbacks import (
 )
 from replicator.train.progress_bar import ProgressBar
 from replicator.train.replicator_facade import Replicator
+from replicator.train.trackers import MLflowLogger, WandbLogger
 from replicator.train.trainer import Trainer
 
 __all__ = ["Trainer", "Replicator", "Callback", "History", "EarlyStopping", "ModelCheckpoint",
            "LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",
-           "ProgressBar", "CallbackFailedError"]
+           "ProgressBar", "CallbackFailedError", "MLflowLogger", "WandbLogger"]

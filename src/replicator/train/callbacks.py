@@ -8,6 +8,7 @@ stopping, NaN checks) are the same on every replica.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import math
 import os
@@ -16,6 +17,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from replicator.train.tracker_ledger import TrackerLedger
 
 if TYPE_CHECKING:
     from replicator.train.trainer import Trainer
@@ -278,40 +281,61 @@ class CSVLogger(Callback):
 class TensorBoard(Callback):
     """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard; the chief writes.
 
-    Needs the optional ``tensorboard`` package (``pip install tensorboard``).
+    Needs the optional ``tensorboard`` package (``pip install tensorboard``). A run resumed
+    by ``BackupAndRestore`` appends to the same ``log_dir`` and writes no step or epoch twice
+    (see :mod:`replicator.train.tracker_ledger`).
     """
 
     def __init__(self, log_dir: str = "logs", update_freq: str | int = "epoch") -> None:
         try:
-            import tensorboard  # type: ignore[import-not-found]  # noqa: F401
+            import tensorboard  # type: ignore[import-not-found,import-untyped]  # noqa: F401
         except ImportError:
             raise ImportError("the TensorBoard callback needs the tensorboard package: "
                               "pip install tensorboard") from None
         self.log_dir, self.update_freq = log_dir, update_freq
         self._writer: Any = None
+        self._ledger = TrackerLedger()
+        self._restored: dict[str, Any] | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        if self.is_chief:
+        self._restored = None  # the writer opens at the first epoch, after any restore
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.is_chief and self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(self.log_dir)
+            name = hashlib.sha1(os.path.abspath(self.log_dir).encode()).hexdigest()[:12]
+            self._ledger.attach(self.trainer, f"tensorboard-{name}", self._restored)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        step = self.trainer.global_step
         if self._writer is not None and isinstance(self.update_freq, int) \
-                and self.trainer.global_step % self.update_freq == 0:
+                and step % self.update_freq == 0 and self._ledger.wants_step(step):
             for k, v in (logs or {}).items():
-                self._writer.add_scalar(f"batch/{k}", v, self.trainer.global_step)
+                self._writer.add_scalar(f"batch/{k}", v, step)
+            self._writer.flush()
+            self._ledger.sent(step=step)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        if self._writer is not None:
+        if self._writer is not None and self._ledger.wants_epoch(epoch):
             for k, v in (logs or {}).items():
                 self._writer.add_scalar(f"epoch/{k}", v, epoch)
             self._writer.flush()
+            self._ledger.sent(epoch=epoch)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+            self._ledger.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last step and epoch written (a resumed run writes neither again)."""
+        return self._ledger.state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = dict(state)
 
 
 class TerminateOnNaN(Callback):

@@ -1,0 +1,90 @@
+"""What a logger has already sent to its tracker, so that a resumed run sends no step twice.
+
+A ``BackupAndRestore`` backup is taken every ``save_freq`` steps, but a logger sends metrics
+every step or epoch: when a worker dies at step 37 after the backup of step 32, steps 33 to 37
+are in the tracker already, and the resumed run replays them (with the same values: the resume
+is exact). Trackers cannot delete a logged point (MLflow, W&B), so the logger must not send
+them again. The backup itself holds only what was logged up to step 32 (the logger's
+``state_dict``), so the chief also keeps a small ledger file beside the backups,
+``<backup_dir>/trackers/<name>.json``, rewritten (atomically) after each send; on resume the
+logger skips every step and epoch up to the later of the two. The ledger goes when training
+completes. Without a ``BackupAndRestore`` there is no resume and no ledger.
+
+The ledger is right for trackers that have written a send when the call returns (MLflow's
+client, TensorBoard's writer after ``flush()``). W&B writes later, from its own process, so
+its logger asks W&B instead (see :class:`~replicator.train.trackers.WandbLogger`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+#: The folder under a backup directory that holds the ledgers.
+LEDGER_DIR = "trackers"
+
+
+class TrackerLedger:
+    """The last global step and epoch whose metrics a logger sent to its run."""
+
+    def __init__(self) -> None:
+        #: Highest global step whose batch metrics were sent (0: none).
+        self.step = 0
+        #: Highest epoch (0-based) whose epoch metrics were sent (-1: none).
+        self.epoch = -1
+        self._path: Path | None = None
+
+    def state(self) -> dict[str, int]:
+        """For the logger's ``state_dict`` (what a backup holds)."""
+        return {"step": self.step, "epoch": self.epoch}
+
+    def attach(self, trainer: Any, name: str | None, state: dict[str, Any] | None) -> None:
+        """Start from a backup's ``state`` (None: a fresh run) and, on the chief, keep the
+        ledger ``name`` (None: none) in the trainer's backup directory (if it has a
+        ``BackupAndRestore``), taking whatever it records beyond the backup into account."""
+        self.step, self.epoch = 0, -1
+        if state is not None:
+            self.step, self.epoch = int(state.get("step", 0)), int(state.get("epoch", -1))
+        backup_dir = getattr(getattr(trainer, "_backup", None), "backup_dir", None)
+        self._path = None if backup_dir is None or name is None else \
+            Path(backup_dir) / LEDGER_DIR / f"{name}.json"
+        if state is None or self._path is None:
+            return
+        try:
+            recorded = json.loads(self._path.read_text())
+        except (OSError, ValueError):
+            return  # none yet (nothing sent since the backup), or torn by a crash
+        self.step = max(self.step, int(recorded.get("step", 0)))
+        self.epoch = max(self.epoch, int(recorded.get("epoch", -1)))
+
+    def wants_step(self, step: int) -> bool:
+        return step > self.step
+
+    def wants_epoch(self, epoch: int) -> bool:
+        return epoch > self.epoch
+
+    def sent(self, *, step: int | None = None, epoch: int | None = None) -> None:
+        """Record a send (call after the tracker accepted it)."""
+        if step is not None:
+            self.step = max(self.step, step)
+        if epoch is not None:
+            self.epoch = max(self.epoch, epoch)
+        if self._path is None:
+            return
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.state()))
+        os.replace(tmp, self._path)
+
+    def close(self) -> None:
+        """Training completed: remove the ledger (and its folder once empty)."""
+        if self._path is None:
+            return
+        self._path.unlink(missing_ok=True)
+        try:
+            self._path.parent.rmdir()
+        except OSError:
+            pass  # other loggers' ledgers are still there
+        self._path = None

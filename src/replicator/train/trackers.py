@@ -1,0 +1,310 @@
+"""Experiment trackers for the Trainer: :class:`MLflowLogger` and :class:`WandbLogger`.
+
+Every replica runs the callback (so all of them agree on when to log), but only the chief
+talks to the tracker: one run per training job, whatever the number of replicas. A run records
+
+* the hyper-parameters: what you pass as ``params`` plus the strategy's class, the number of
+  replicas, the epochs, the optimizer's class and its first learning rate;
+* metrics per epoch (``epoch/<name>``, step = the epoch, from 0) and, with an integer
+  ``update_freq``, every that many optimizer steps (``batch/<name>``, step = the global step).
+  The values are the Trainer's logs, already reduced across replicas.
+
+A run resumed by :class:`~replicator.BackupAndRestore` continues the same run: its id is part
+of the logger's ``state_dict`` (which the backup holds), and steps already sent before the
+failure are not sent again (see :mod:`replicator.train.tracker_ledger`).
+
+Both packages are optional: ``pip install "replicator[mlflow]"`` (``mlflow-skinny``) or
+``pip install "replicator[wandb]"``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any
+
+from replicator.train.callbacks import Callback, Logs
+from replicator.train.tracker_ledger import TrackerLedger
+
+
+def _require(module: str, logger: str, extra: str) -> Any:
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ImportError(f"{logger} needs the {extra} package, which is not installed. "
+                          f"HINT: pip install 'replicator[{extra}]'") from None
+
+
+def _check_update_freq(update_freq: str | int) -> str | int:
+    if update_freq == "epoch":
+        return update_freq
+    if isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1:
+        raise ValueError(f"update_freq must be 'epoch' or a positive number of steps, got "
+                         f"{update_freq!r}")
+    return update_freq
+
+
+class RunLogger(Callback):
+    """The part every tracker shares: when to log, what the run records, how a run resumes.
+
+    A tracker implements ``_start_run() -> run id``, ``_resume_run(run_id)``,
+    ``_log(metrics, step)`` and ``_finish_run()``; only the chief calls them.
+    """
+
+    #: Names the ledger file (``<name>-<run id>.json``).
+    tracker = "tracker"
+    #: Keep a ledger of what was sent beside the backups: right for a tracker whose sends
+    #: are written when the call returns; one that writes later knows better itself
+    #: (:meth:`_last_step_in_tracker`).
+    keeps_ledger = True
+
+    def __init__(self, params: dict[str, Any] | None, update_freq: str | int) -> None:
+        self.params = dict(params or {})
+        self.update_freq = _check_update_freq(update_freq)
+        #: The tracker's id of the run (set on the chief when training starts).
+        self.run_id: str | None = None
+        self._ledger = TrackerLedger()
+        self._restored: dict[str, Any] | None = None
+        self._open = False
+
+    # -- what the run records ------------------------------------------------------------------
+    def hyperparameters(self) -> dict[str, Any]:
+        """``params`` plus the strategy, replicas, epochs and optimizer of the trainer."""
+        trainer = self.trainer
+        optimizer = trainer.optimizer
+        found: dict[str, Any] = {
+            "strategy": type(trainer.strategy).__name__,
+            "num_replicas": trainer.strategy.num_replicas_in_sync,
+            "epochs": trainer.epochs,
+            "optimizer": type(optimizer).__name__,
+            "lr": optimizer.param_groups[0].get("lr"),
+        }
+        return {**found, **self.params}
+
+    # -- resumable state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The run id and what was logged so far (a backup holds the chief's)."""
+        return {"run_id": self.run_id, **self._ledger.state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restored = dict(state)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        # the run opens at the first epoch: a resume (load_state_dict) comes after this hook
+        self._restored, self._open = None, False
+
+    def _ensure_open(self) -> None:
+        if self._open or not self.is_chief:
+            return
+        restored = self._restored
+        run_id = None if restored is None else restored.get("run_id")
+        if run_id:
+            self.run_id = str(run_id)
+            self._resume_run(self.run_id)
+        else:
+            restored = None  # a backup taken before any run opened: nothing was logged
+            self.run_id = self._start_run()
+        self._ledger.attach(self.trainer, f"{self.tracker}-{self.run_id}"
+                            if self.keeps_ledger else None, restored)
+        if restored is not None:
+            self._ledger.step = max(self._ledger.step, self._last_step_in_tracker())
+        self._open = True
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._ensure_open()
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        step = self.trainer.global_step
+        if not self.is_chief or self.update_freq == "epoch" or not logs \
+                or step % int(self.update_freq) != 0:
+            return
+        self._ensure_open()
+        if self._ledger.wants_step(step):
+            self._log({f"batch/{k}": float(v) for k, v in logs.items()}, step)
+            self._ledger.sent(step=step)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if not self.is_chief or not logs:
+            return
+        self._ensure_open()
+        if self._ledger.wants_epoch(epoch):
+            self._log({f"epoch/{k}": float(v) for k, v in logs.items()}, epoch)
+            self._ledger.sent(epoch=epoch)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self._open:
+            self._finish_run()
+            self._ledger.close()
+            self._open = False
+
+    # -- the tracker ---------------------------------------------------------------------------
+    def _start_run(self) -> str:
+        raise NotImplementedError
+
+    def _resume_run(self, run_id: str) -> None:
+        raise NotImplementedError
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def _finish_run(self) -> None:
+        raise NotImplementedError
+
+    def _last_step_in_tracker(self) -> int:
+        """After a resume: the last global step the tracker itself holds (0: unknown)."""
+        return 0
+
+
+class MLflowLogger(RunLogger):
+    """Log the run to MLflow (``pip install 'replicator[mlflow]'``, ``mlflow-skinny``).
+
+    Args:
+        experiment_name: created if it does not exist.
+        tracking_uri: e.g. ``"http://mlflow.example:5000"``, ``"databricks"`` or a local
+            ``"file:///path/mlruns"`` (MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` for
+            a file store); ``None`` takes MLflow's default (``MLFLOW_TRACKING_URI``).
+        run_name, tags: the run's name and tags.
+        params: hyper-parameters to record beside the ones found on the trainer.
+        update_freq: ``"epoch"``, or log batch metrics every that many steps too.
+    """
+
+    tracker = "mlflow"
+
+    def __init__(self, experiment_name: str = "replicator", tracking_uri: str | None = None,
+                 run_name: str | None = None, params: dict[str, Any] | None = None,
+                 tags: dict[str, str] | None = None, update_freq: str | int = "epoch") -> None:
+        _require("mlflow", "MLflowLogger", "mlflow")
+        super().__init__(params, update_freq)
+        self.experiment_name, self.tracking_uri = experiment_name, tracking_uri
+        self.run_name, self.tags = run_name, dict(tags or {})
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The ``mlflow.tracking.MlflowClient`` (created on first use, on the chief)."""
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _start_run(self) -> str:
+        from mlflow.entities import Param
+
+        client = self.client
+        experiment = client.get_experiment_by_name(self.experiment_name)
+        experiment_id = experiment.experiment_id if experiment is not None \
+            else client.create_experiment(self.experiment_name)
+        hparams = self.hyperparameters()
+        tags = {"replicator.strategy": str(hparams["strategy"]),
+                "replicator.num_replicas": str(hparams["num_replicas"]), **self.tags}
+        run = client.create_run(experiment_id, run_name=self.run_name, tags=tags)
+        client.log_batch(run.info.run_id,
+                         params=[Param(k, str(v)[:6000]) for k, v in hparams.items()])
+        return str(run.info.run_id)
+
+    def _resume_run(self, run_id: str) -> None:
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+        except Exception as exc:  # mlflow's MlflowException (RESOURCE_DOES_NOT_EXIST, ...)
+            raise RuntimeError(
+                f"MLflowLogger: the backup names run {run_id}, which the tracking store "
+                f"{self.client.tracking_uri!r} cannot resume: {exc}. HINT: resume with the "
+                "tracking_uri of the run that wrote the backup, or use a new backup_dir.") \
+                from exc
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        assert self.run_id is not None
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step)
+                                                    for k, v in metrics.items()])
+
+    def _finish_run(self) -> None:
+        assert self.run_id is not None
+        self.client.set_terminated(self.run_id, "FINISHED")
+
+
+class WandbLogger(RunLogger):
+    """Log the run to Weights & Biases (``pip install 'replicator[wandb]'``).
+
+    Args:
+        project, entity, name, tags, mode, dir: as for ``wandb.init`` (``mode="offline"``
+            or ``WANDB_MODE=offline`` writes locally for a later ``wandb sync``).
+        params: hyper-parameters to record in the run's config beside the ones found on the
+            trainer.
+        update_freq: ``"epoch"``, or log batch metrics every that many steps too.
+        init_kwargs: anything else for ``wandb.init`` (not ``id`` or ``resume``: the logger
+            sets them so that a resumed run continues).
+
+    W&B's own step is the global step (epoch metrics are charted against ``epoch``).
+
+    Resuming: W&B writes what ``log`` is given later, from its own service process (it
+    streams to the server, and offline it flushes its ``.wandb`` file every 15 s), so a
+    process killed outright loses what W&B had not yet written, and only W&B knows what
+    that was. Online, the resumed run starts after the last step the server holds (W&B's
+    ``run.step``), so each step is there once. Offline W&B knows nothing of the killed
+    process's folder: the resumed run logs again from the backup's step into a new folder
+    with the same id, and steps that the killed process had flushed after that backup are
+    in both folders.
+    """
+
+    tracker = "wandb"
+    keeps_ledger = False
+
+    def __init__(self, project: str | None = None, entity: str | None = None,
+                 name: str | None = None, params: dict[str, Any] | None = None,
+                 tags: list[str] | None = None, mode: str | None = None,
+                 dir: str | None = None, update_freq: str | int = "epoch",
+                 **init_kwargs: Any) -> None:
+        _require("wandb", "WandbLogger", "wandb")
+        clash = sorted({"id", "resume", "config"} & set(init_kwargs))
+        if clash:
+            raise ValueError(f"WandbLogger sets {', '.join(clash)} itself. HINT: pass the "
+                             "hyper-parameters as params=...; a resumed run keeps its id.")
+        super().__init__(params, update_freq)
+        self.init_kwargs = {"project": project, "entity": entity, "name": name, "tags": tags,
+                            "mode": mode, "dir": dir, **init_kwargs}
+        self.run: Any = None
+
+    def _init(self, run_id: str, config: dict[str, Any] | None) -> None:
+        import wandb
+
+        kwargs = {k: v for k, v in self.init_kwargs.items() if v is not None}
+        kwargs.setdefault("reinit", "create_new")  # never hand back another run of the process
+        try:
+            self.run = wandb.init(id=run_id, resume="allow", config=config, **kwargs)
+        except Exception as exc:
+            if "in use" not in str(exc) or not os.environ.get("WANDB_SERVICE"):
+                raise
+            raise RuntimeError(
+                f"WandbLogger: W&B run {run_id} is still open in the W&B service this process "
+                f"inherited from its parent (WANDB_SERVICE): {exc}. HINT: a worker killed "
+                "before the restart left it open there; start the workers without "
+                "WANDB_SERVICE in their environment, so each chief runs its own service.") \
+                from exc
+        self.run.define_metric("epoch")
+        self.run.define_metric("epoch/*", step_metric="epoch")
+
+    def _start_run(self) -> str:
+        run_id = secrets.token_hex(8)  # W&B's ids: letters and digits
+        self._init(run_id, self.hyperparameters())
+        return run_id
+
+    def _resume_run(self, run_id: str) -> None:
+        self._init(run_id, None)
+
+    def _last_step_in_tracker(self) -> int:
+        return max(0, int(getattr(self.run, "step", 0) or 0) - 1)  # run.step: the next one
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if any(k.startswith("epoch/") for k in metrics):
+            metrics = {**metrics, "epoch": step}
+        self.run.log(metrics, step=self.trainer.global_step)
+
+    def _finish_run(self) -> None:
+        self.run.finish()
+        self.run = None
