@@ -4,9 +4,9 @@ The rule: among the settings that fit in memory and can run (a global batch of a
 sample per worker), take the highest predicted throughput; a setting with more processes must
 beat every smaller one by more than :data:`WORTH_IT` to be chosen (10% more throughput is not
 worth twice the machines), and so must an asynchronous parameter server against a synchronous
-setting (it changes what training computes). "Stay on one process" is a setting like the others, so it wins
-whenever distributing is predicted slower. When no setting fits, nothing is recommended and
-the reason gives the arithmetic and how many ranks sharding would need.
+setting (it changes what training computes). "Stay on one process" is a setting like the
+others, so it wins whenever distributing is predicted slower. When no setting fits, nothing
+is recommended and the reason gives the arithmetic and how many ranks sharding would need.
 """
 
 from __future__ import annotations

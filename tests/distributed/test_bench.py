@@ -1,0 +1,88 @@
+"""``replicator bench`` end to end on a tiny model: report, plots, and a breakdown that adds up."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replicator.cli import main
+from replicator.plan.bench import bench_function, bench_script
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _png_size(path):
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def test_bench_writes_the_report_and_both_plots(tmp_path):
+    report = bench_script(str(SCRIPTS / "bench_tiny.py"), nproc="1,2",
+                          strategies="one_device,mirrored", steps=10, warmup=2,
+                          out_dir=str(tmp_path), quiet=True)
+    assert [r.setting.label for r in report.results] == ["one_device x1", "mirrored x2"]
+    for r in report.results:
+        assert r.ok, r.error
+        assert r.steps >= 9 and r.samples_per_second > 0
+        # the parts (compute, communication, input, optimizer, checkpoint) sum to the step
+        assert sum(r.breakdown.values()) == pytest.approx(r.step_seconds, rel=0.10)
+        assert r.breakdown["compute"] > 0 and r.breakdown["optimizer"] > 0
+        assert len(r.peak_rss) == r.setting.processes and min(r.peak_rss) > 50e6
+        assert r.batch == 64 / r.setting.workers
+    text = (tmp_path / "report.md").read_text()
+    assert "| one_device x1 |" in text and "| mirrored x2 |" in text and "load average" in text
+    for name in ("throughput.png", "breakdown.png"):
+        width, height = _png_size(tmp_path / name)
+        assert width >= 500 and height >= 400 and (tmp_path / name).stat().st_size > 10_000
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["setting"] for r in data["results"]] == ["one_device x1", "mirrored x2"]
+    assert set(data["ceiling"]) == {"1", "2"}  # the no-communication ceiling line
+
+
+def test_a_script_that_ignores_the_strategy_is_named(tmp_path):
+    # train_mirrored.py builds the strategy from --strategy, not from REPLICATOR_STRATEGY
+    args = [str(tmp_path / "out.safetensors"), "--strategy", "mirrored", "--steps", "40"]
+    report = bench_script(str(SCRIPTS / "train_mirrored.py"), args, nproc="1",
+                          strategies="one_device", steps=4, warmup=1,
+                          out_dir=str(tmp_path), quiet=True, report=False)
+    result = report.results[0]
+    assert not result.ok
+    assert "ran mirrored instead of one_device" in result.error
+    assert "REPLICATOR_STRATEGY" in result.error
+
+
+def _train(strategy):
+    x, y = torch.randn(32, 8), torch.randint(0, 2, (32,))
+    with strategy.scope():
+        model = torch.nn.Linear(8, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        xb, yb = batch
+        F.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    data = strategy.distribute_dataset(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    while True:  # the bench stops it
+        for batch in data:
+            strategy.run(step, args=(batch,))
+
+
+def test_bench_of_a_function(tmp_path):
+    report = bench_function(_train, nproc=[2], strategies=["mirrored"], steps=5, warmup=1,
+                            out_dir=str(tmp_path), quiet=True, report=False)
+    (result,) = report.results
+    assert result.ok, result.error
+    assert result.steps >= 4 and result.batch == 4
+
+
+def test_bench_command_line_errors(capsys, tmp_path):
+    script = str(SCRIPTS / "bench_tiny.py")
+    assert main(["bench", script, "--nproc", "0", "--out", str(tmp_path)]) == 2
+    assert "positive" in capsys.readouterr().err
+    assert main(["bench", script, "--strategies", "mirroed", "--out", str(tmp_path)]) == 2
+    assert "unknown strategy 'mirroed'" in capsys.readouterr().err

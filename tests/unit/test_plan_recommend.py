@@ -1,0 +1,134 @@
+"""The planner's recommendations for models profiled in this process, its speed, its JSON lines
+and its errors on nonsense input."""
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replicator.cli import main
+from replicator.plan.planner import model_from_probe, plan_model, profile_here
+from replicator.plan.profiles import MachineProfile, ModelProfile
+
+DATA_PARALLEL = {"mirrored", "central_storage", "parameter_server"}
+
+
+def _trainer(make_model, x, y):
+    """``train(strategy)``: an endless loop of SGD steps on one fixed batch."""
+    def train(strategy):
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = make_model()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step(batch):
+            xb, yb = batch
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.detach()
+
+        while True:
+            strategy.run(step, args=((x, y),))
+    return train
+
+
+def mlp_10k():
+    return torch.nn.Sequential(torch.nn.Linear(20, 100), torch.nn.ReLU(),
+                               torch.nn.Linear(100, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+class ConvNet(torch.nn.Module):
+    """Compute-bound: convolutions on 24x24 images, ~28k parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 32, 3, padding=1)
+        self.c2 = torch.nn.Conv2d(32, 64, 3, padding=1)
+        self.fc = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.c1(x)), 2)
+        return self.fc(F.relu(self.c2(x)).mean((2, 3)))
+
+
+def test_a_10k_parameter_mlp_stays_on_one_process():
+    x, y = torch.randn(64, 20), torch.randint(0, 10, (64,))
+    model = profile_here(_trainer(mlp_10k, x, y), "mlp")
+    assert 9_000 <= model.params <= 11_000 and model.global_batch == 64
+    assert model.flops_per_sample > 0 and model.activation_bytes_per_sample > 0
+    plan = plan_model(model, [2], machine=MachineProfile.nominal())
+    assert plan.recommended is not None
+    assert plan.recommended.setting == "one_device x1", plan.reason
+    assert plan.reason.startswith("stay on one process")
+
+
+def test_a_compute_bound_cnn_is_trained_data_parallel():
+    x, y = torch.randn(64, 3, 24, 24), torch.randint(0, 10, (64,))
+    model = profile_here(_trainer(ConvNet, x, y), "cnn")
+    plan = plan_model(model, [2, 8], machine=MachineProfile.nominal())
+    chosen = plan.recommended
+    assert chosen is not None and chosen.strategy in DATA_PARALLEL and chosen.workers > 1, \
+        plan.reason
+    single = next(p for p in plan.predictions if p.strategy == "one_device")
+    assert chosen.samples_per_second > 1.5 * single.samples_per_second
+
+
+def test_the_compute_fit_follows_the_batch():
+    result = {"params": 10, "param_bytes": 40, "grad_bytes": 40, "batch": 64, "records": [
+        {"phase": 0, "batch": 64, "step": 0.02, "compute": 0.01, "optimizer": 0.002,
+         "input": 0.001, "collectives": 1},
+        *[{"phase": ph, "batch": b, "step": 0.0, "compute": 0.001 + 1e-4 * b,
+           "optimizer": 0.003, "input": 0.002, "collectives": 1}
+          for ph, b in ((1, 64), (2, 32), (3, 16)) for _ in range(3)]]}
+    model = model_from_probe(result, "synthetic")
+    assert model.compute_fit == pytest.approx((0.001, 1e-4), rel=1e-6)
+    assert model.compute_seconds == 0.01 and model.optimizer_seconds_1thread == 0.003
+    assert model.collectives_per_step == 1
+
+
+def test_a_plan_takes_well_under_two_seconds():
+    model = ModelProfile.from_parameter_count(7e9, global_batch=512, seq_len=2048)
+    start = time.perf_counter()
+    for device in ("cpu", "a100", "h100"):
+        plan_model(model, [2, 8, 64, 1024], device=device, link="100gbit",
+                   machine=MachineProfile.nominal())
+    assert time.perf_counter() - start < 2.0
+
+
+def test_json_lines_have_exactly_one_recommendation(capsys, tmp_path):
+    rc = main(["plan", "--model-params", "7e9", "--device", "h100", "--workers", "8,64,1024",
+               "--link", "100gbit", "--json", "--out", str(tmp_path)])
+    assert rc == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 1 + 5 * 3
+    assert sum(line["recommended"] for line in lines) == 1
+    for line in lines:
+        assert set(line) >= {"setting", "strategy", "workers", "predicted_step_s",
+                             "measured_step_s", "fits", "recommended", "reason"}
+        assert line["measured_step_s"] is None and line["reason"]
+    best = next(line for line in lines if line["recommended"])
+    assert best["fits"] and best["predicted_step_s"] > 0
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--workers", "0"], "positive"),
+    (["--workers", "two"], "comma-separated"),
+    (["--link=-5gbit"], "negative"),
+    (["--device", "tpu9"], "unknown device"),
+    (["--model-params", "-3"], "--model-params"),
+])
+def test_nonsense_is_a_clear_error(argv, match, capsys, tmp_path):
+    base = ["plan", "--model-params", "1e6", "--device", "a100", "--out", str(tmp_path)]
+    rc = main(base + argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and "replicator plan: error" in err
+
+
+def test_plan_needs_a_script_or_a_size(capsys, tmp_path):
+    assert main(["plan", "--device", "a100", "--out", str(tmp_path)]) == 2
+    assert "give a training script or --model-params" in capsys.readouterr().err
