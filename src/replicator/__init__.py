@@ -10,8 +10,9 @@ runs::
 
 The top level holds what a training script writes. The machinery lives in its room:
 all-reduce algorithms, compression and DDP hooks in :mod:`replicator.comm`, every error class
-in :mod:`replicator.errors`, storage in :mod:`replicator.checkpoint`, the cluster and exit
-codes in :mod:`replicator.cluster`, the strategy registry in :mod:`replicator.strategies`.
+in :mod:`replicator.errors`, every callback in :mod:`replicator.callbacks`, storage in
+:mod:`replicator.checkpoint`, the cluster and exit codes in :mod:`replicator.cluster`, the
+strategy registry in :mod:`replicator.strategies`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import warnings
 from typing import Any
 
 from replicator import (
+    callbacks,
     checkpoint,
     cluster,
     comm,
@@ -53,17 +55,7 @@ from replicator.strategies import (
     get_replica_context,
     get_strategy,
 )
-from replicator.train import (
-    Callback,
-    CSVLogger,
-    EarlyStopping,
-    LearningRateScheduler,
-    ModelCheckpoint,
-    Replicator,
-    TensorBoard,
-    TerminateOnNaN,
-    Trainer,
-)
+from replicator.train import Callback, EarlyStopping, ModelCheckpoint, Replicator, Trainer
 
 __version__ = "0.1.0"
 
@@ -77,9 +69,9 @@ __all__ = [
     "InputContext", "MixedPrecision",
     # cluster and launching
     "Topology", "launch",
-    # the high-level loop and the callbacks given to it
+    # the high-level loop, the callbacks given to it most, and every callback (rp.callbacks)
     "Trainer", "Replicator", "Callback", "BackupAndRestore", "EarlyStopping",
-    "ModelCheckpoint", "LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",
+    "ModelCheckpoint", "callbacks",
     # the errors a script catches (every other one: rp.errors)
     "ReplicatorError", "WorkerFailedError",
     # rooms
@@ -102,7 +94,8 @@ _MOVED: dict[str, str] = {
     **dict.fromkeys(
         ["ReplicaContext", "register_strategy", "available_strategies", "MemoryReport"],
         "replicator.strategies"),
-    **dict.fromkeys(["History", "ProgressBar"], "replicator.train"),
+    **dict.fromkeys(["LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",
+                     "History", "ProgressBar"], "replicator.callbacks"),
     "CheckpointManager": "replicator.checkpoint",
     "PREEMPTION_EXIT_CODE": "replicator.cluster",
     "partitioners": "replicator.ps",

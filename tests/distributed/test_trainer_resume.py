@@ -50,7 +50,7 @@ def fit_resumable(work: str, kill_step: int | None) -> dict:
                          nn.CrossEntropyLoss(), metrics=["accuracy"])
     early = rp.EarlyStopping(monitor="val_loss", patience=1)
     record = RecordWait(early)
-    callbacks = [rp.CSVLogger(str(out / "log.csv")), early,
+    callbacks = [rp.callbacks.CSVLogger(str(out / "log.csv")), early,
                  rp.ModelCheckpoint(str(out / "best.safetensors"), monitor="val_loss",
                                     save_best_only=True), record,
                  BackupAndRestore(str(out / "backup"), save_freq=SAVE_FREQ)]

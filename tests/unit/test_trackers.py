@@ -123,7 +123,7 @@ def _make(kind: str, root: Path) -> rp.Callback:
         return MLflowLogger("digits", tracking_uri=(root / "mlruns").as_uri(), update_freq=1)
     if kind == "wandb":
         return WandbLogger(project="digits", dir=str(root), update_freq=1)
-    return rp.TensorBoard(str(root / "tb"), update_freq=1)
+    return rp.callbacks.TensorBoard(str(root / "tb"), update_freq=1)
 
 
 def _logged(kind: str, root: Path, key: str) -> list[tuple[int, float]]:

@@ -47,8 +47,8 @@ def test_fit_history_checkpoint_csv_lr_and_early_stopping(tmp_path):
                               save_best_only=True)
     history = trainer.fit(
         loader(train), epochs=4, validation_data=loader(test, 64, False), verbose=0,
-        callbacks=[rp.LearningRateScheduler(lambda epoch, lr: 0.01 * 0.5 ** epoch), RecordLR(),
-                   ckpt, rp.CSVLogger(str(tmp_path / "log.csv")),
+        callbacks=[rp.callbacks.LearningRateScheduler(lambda epoch, lr: 0.01 * 0.5 ** epoch),
+                   RecordLR(), ckpt, rp.callbacks.CSVLogger(str(tmp_path / "log.csv")),
                    rp.EarlyStopping(monitor="loss", patience=10)])
     assert lrs == pytest.approx([0.01, 0.005, 0.0025, 0.00125])
     assert history.epoch == [0, 1, 2, 3] and len(history.history["val_loss"]) == 4
@@ -81,7 +81,7 @@ def test_terminate_on_nan_stops_training():
     trainer = rp.Trainer(rp.OneDeviceStrategy("cpu"), lambda: nn.Linear(4, 1),
                          lambda p: torch.optim.SGD(p, lr=0.1), nn.MSELoss())
     trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8), epochs=3,
-                callbacks=[rp.TerminateOnNaN()], verbose=0)
+                callbacks=[rp.callbacks.TerminateOnNaN()], verbose=0)
     assert trainer.global_step == 1 and math.isnan(trainer.history.history["loss"][0])
 
 
@@ -126,8 +126,9 @@ def _resumable_fit(out, crash_at: int | None) -> tuple[dict, rp.EarlyStopping]:
     train, test = digits(96)
     trainer = make_trainer(rp.OneDeviceStrategy("cpu"))
     early = rp.EarlyStopping(monitor="val_loss", patience=1)
-    callbacks = [CrashAt(crash_at), rp.CSVLogger(str(out / "log.csv")),
-                 rp.LearningRateScheduler(lambda epoch, lr: lr * 0.7),  # relative: not twice
+    callbacks = [CrashAt(crash_at), rp.callbacks.CSVLogger(str(out / "log.csv")),
+                 # relative: not applied twice
+                 rp.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.7),
                  early,
                  rp.ModelCheckpoint(str(out / "best.safetensors"), save_best_only=True),
                  rp.BackupAndRestore(str(out / "backup"), save_freq=2)]
@@ -168,7 +169,7 @@ def test_callback_state_is_plain_data_and_round_trips(tmp_path):
     other = rp.ModelCheckpoint(str(tmp_path / "m.safetensors"), save_best_only=True)
     other.load_state_dict(json_safe)
     assert (other.best, other.saved) == (0.5, ["a"])
-    assert rp.TerminateOnNaN().state_dict() == {}
+    assert rp.callbacks.TerminateOnNaN().state_dict() == {}
 
 
 def test_bad_trainer_input_is_a_clear_error():

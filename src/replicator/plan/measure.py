@@ -165,8 +165,8 @@ def _allreduce_curves(world: int) -> dict[str, list[list[float]]]:
     """Median seconds per all-reduce for each algorithm and size."""
     import replicator as rp
 
-    algos: dict[str, Any] = {"shared_memory": rp.SharedMemoryAllReduce(),
-                             "native": rp.NativeAllReduce(), "ring": rp.RingAllReduce()}
+    algos: dict[str, Any] = {"shared_memory": rp.comm.SharedMemoryAllReduce(),
+                             "native": rp.comm.NativeAllReduce(), "ring": rp.comm.RingAllReduce()}
     curves: dict[str, list[list[float]]] = {}
     for name, algo in algos.items():
         points = []
