@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from replicator.resume.backup_and_restore import BackupAndRestore
 from replicator.train.tracker_ledger import TrackerLedger
 
 if TYPE_CHECKING:
@@ -357,10 +358,10 @@ _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
 
 def _stateful(callbacks: Iterable[Any]) -> dict[str, Any]:
     """The callbacks whose state a backup holds, by ``"index:ClassName"``: not the
-    trainer's History (saved on its own) nor backups (``epoch_batches``)."""
+    trainer's History (saved on its own) nor backups (``BackupAndRestore``)."""
     out = {}
     for i, cb in enumerate(callbacks):
-        if isinstance(cb, History) or hasattr(cb, "epoch_batches"):
+        if isinstance(cb, (History, BackupAndRestore)):
             continue
         if callable(getattr(cb, "state_dict", None)) and callable(
                 getattr(cb, "load_state_dict", None)):
