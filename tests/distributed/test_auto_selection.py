@@ -51,7 +51,7 @@ def _train_default(_: int) -> dict:
     models: list = []
     params = train(strategy, models)
     algo = strategy.cross_device_ops
-    sync = strategy._synchronizers[0]
+    sync = strategy._replica_group.synchronizers[0]
     resident = [algo._resident_for(b.buffer, None) is not None for b in sync.buckets] \
         if hasattr(algo, "_resident_for") else []
     return {"algorithm": algo.name, "params": params, "resident": resident}
@@ -71,7 +71,7 @@ def _train_without_room_for_buckets(_: int) -> dict:
     shared_memory.SharedSegment.create = full  # type: ignore[method-assign, assignment]
     models: list = []
     params = train(strategy, models)
-    sync = strategy._synchronizers[0]
+    sync = strategy._replica_group.synchronizers[0]
     return {"algorithm": algo.name, "params": params,
             "resident": [algo._resident_for(b.buffer, None) is not None for b in sync.buckets]}
 

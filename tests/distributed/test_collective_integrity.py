@@ -60,7 +60,7 @@ def _reduce_against_backward(_: int) -> dict:
     out["grad_after"] = tiny.weight.grad.item()
     out["reduce_after"] = strategy.reduce("sum", torch.tensor(float(rank + 1))).item()
     # the per-pass check is one extra (small) collective, and check=False removes it
-    tracker, sync = strategy.collectives.tracker, strategy._synchronizers[0]
+    tracker, sync = strategy.collectives.tracker, strategy._replica_group.synchronizers[0]
     counts = []
     for check in (True, False):
         sync.check = check

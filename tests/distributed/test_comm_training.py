@@ -64,7 +64,7 @@ def train(strategy: rp.Strategy, optimizer_name: str = "sgd") -> dict:
     out = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
            "losses": losses, "state_bytes": optimizer_state_bytes(optimizer)}
     # the model's synchronizer lives as long as the model: look at it while the model exists
-    syncs = getattr(strategy, "_synchronizers", [])
+    syncs = strategy._replica_group.synchronizers
     out["buckets"] = len(syncs[0].buckets) if syncs else 0
     algo = getattr(strategy, "cross_device_ops", None)
     if isinstance(algo, SharedMemoryAllReduce):  # buckets made in shared memory

@@ -70,10 +70,10 @@ def _freed_then_rebuilt(_: int) -> dict:
     strategy = rp.MirroredStrategy()
     with strategy.scope():
         first = nn.BatchNorm1d(4)
-    n_after_first = len(strategy._synchronizers)
+    n_after_first = len(strategy._replica_group.synchronizers)
     del first
     gc.collect()
-    n_after_free = len(strategy._synchronizers)
+    n_after_free = len(strategy._replica_group.synchronizers)
     # a new model built outside scope may reuse the freed tensors' ids: it must still be
     # broadcast (its buffer differs per rank before distribute_model)
     second = nn.BatchNorm1d(4)
@@ -83,7 +83,8 @@ def _freed_then_rebuilt(_: int) -> dict:
     strategy.distribute_model(second)
     strategy.close()
     return {"sync": (n_after_first, n_after_free), "mean": second.running_mean.tolist(),
-            "weight": second.weight.tolist(), "closed": len(strategy._synchronizers)}
+            "weight": second.weight.tolist(),
+            "closed": len(strategy._replica_group.synchronizers)}
 
 
 @pytest.mark.timeout(120)
@@ -125,10 +126,11 @@ def _top_level_modules(_: int) -> list[int]:
     with strategy.scope():
         model = nn.Sequential(backbone, nn.Linear(3, 1))
         other = nn.Linear(2, 2)
-    built = [len(strategy._synchronizers), int(strategy.is_distributed(backbone.weight))]
+    built = [len(strategy._replica_group.synchronizers),
+             int(strategy.is_distributed(backbone.weight))]
     del model, other
     gc.collect()
-    return [*built, len(strategy._synchronizers)] + \
+    return [*built, len(strategy._replica_group.synchronizers)] + \
         [round(float(v), 6) for v in backbone.weight.detach().flatten()]
 
 

@@ -34,6 +34,16 @@ Buffers (BatchNorm running statistics): at the end of each synced pass, after th
 buckets, ``buffer_sync="mean"`` averages the floating-point buffers across replicas and
 broadcasts the integer ones (``num_batches_tracked``) from replica 0; ``"broadcast"`` sends all
 of replica 0's buffers (DDP's behaviour); ``"none"`` leaves them alone. One collective per dtype.
+
+Distributed tensors (tensor-parallel shards, DTensor parameters): the buckets hold each
+parameter's local shard (``to_local()``), so replicas along a data axis average the shards
+they hold; their ``.grad`` stays a DTensor and receives the average by a copy, never becomes a
+bucket view.
+
+Manual trigger (``automatic=False``): no hooks are installed and :meth:`synchronize` averages
+every gradient at once, for a caller that knows when backward is over better than autograd does
+(a pipeline schedule, whose backward passes are nested inside the outer one). ``enabled`` gates
+both modes (``no_sync``).
 """
 
 from __future__ import annotations
@@ -56,11 +66,41 @@ BUFFER_SYNC_MODES = ("mean", "broadcast", "none")
 _OWNERS = itertools.count(1)  # BucketLayout.owner: unique per synchronizer, never reused
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores for ``t``: a DTensor's local shard, a plain tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    if not callable(to_local):
+        return t
+    with torch.no_grad():
+        return to_local()
+
+
+def _is_distributed_tensor(t: torch.Tensor) -> bool:
+    return callable(getattr(t, "to_local", None))
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The local tensor of ``param.grad``, laid out like ``param``'s: a DTensor gradient with
+    other placements (the replicated gradient of a row-sharded embedding) is redistributed
+    to the parameter's first (a replicated one is sliced, no communication)."""
+    grad = param.grad
+    if grad is None:
+        return None
+    if _is_distributed_tensor(grad) and \
+            tuple(grad.placements) != tuple(param.placements):  # type: ignore[attr-defined]
+        with torch.no_grad():
+            grad = grad.redistribute(param.device_mesh,  # type: ignore[attr-defined]
+                                     param.placements)  # type: ignore[attr-defined]
+        param.grad = grad
+    return local_tensor(grad)
+
+
 @dataclass
 class _Bucket:
     index: int
     params: list[torch.nn.Parameter]
     offsets: list[int]
+    shapes: list[torch.Size]  # of the local tensors (a DTensor's shard)
     numel: int
     dtype: torch.dtype
     device: torch.device
@@ -77,15 +117,15 @@ class _Bucket:
 
     @property
     def layout(self) -> BucketLayout:
-        return BucketLayout(self.index, tuple(p.shape for p in self.params), tuple(self.offsets),
-                            self.owner)
+        return BucketLayout(self.index, tuple(self.shapes), tuple(self.offsets), self.owner)
 
 
 def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[_Bucket]:
     """Group ``params`` (reverse order, same dtype and device) into buckets of ~``bucket_bytes``.
 
-    ``bucket_bytes=0`` gives one bucket per parameter.
+    ``bucket_bytes=0`` gives one bucket per parameter. Sizes are those of the local tensors
+    (a DTensor's shard).
     """
     buckets: list[_Bucket] = []
     current: list[torch.nn.Parameter] = []
@@ -94,19 +134,24 @@ def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
     def close() -> None:
         nonlocal current, size
         if current:
-            offsets, n = [], 0
+            offsets, shapes, n = [], [], 0
             for p in current:
+                local = local_tensor(p)
                 offsets.append(n)
-                n += p.numel()
-            buckets.append(_Bucket(len(buckets), current, offsets, n, current[0].dtype,
-                                   current[0].device))
+                shapes.append(local.shape)
+                n += local.numel()
+            first = local_tensor(current[0])
+            buckets.append(_Bucket(len(buckets), current, offsets, shapes, n, first.dtype,
+                                   first.device))
         current, size = [], 0
 
     for p in reversed(list(params)):
-        nbytes = p.numel() * p.element_size()
+        local = local_tensor(p)
+        nbytes = local.numel() * local.element_size()
         limit = first_bucket_bytes if not buckets else bucket_bytes
-        if current and (p.dtype != current[0].dtype or p.device != current[0].device
-                        or size + nbytes > limit):
+        head = local_tensor(current[0]) if current else None
+        if head is not None and (local.dtype != head.dtype or local.device != head.device
+                                 or size + nbytes > limit):
             close()
         current.append(p)
         size += nbytes
@@ -127,7 +172,8 @@ class GradientSynchronizer:
 
     ``buffers``/``buffer_sync``: the module buffers to keep equal across replicas after each
     synced pass (``"mean"``, ``"broadcast"`` or ``"none"``); ``check``: exchange a fingerprint
-    per synced pass so mismatched collectives raise instead of pairing (see the module doc).
+    per synced pass so mismatched collectives raise instead of pairing (see the module doc);
+    ``automatic=False``: install no hooks, the caller runs :meth:`synchronize` after backward.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], collectives: Collectives,
@@ -135,7 +181,7 @@ class GradientSynchronizer:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  destination: int | None = None, *,
                  buffers: Sequence[torch.Tensor] = (), buffer_sync: str = "mean",
-                 check: bool = True) -> None:
+                 check: bool = True, automatic: bool = True) -> None:
         if destination is not None and not 0 <= destination < collectives.world_size:
             raise ValueError(f"destination must be a rank in 0..{collectives.world_size - 1}, "
                              f"got {destination}")
@@ -147,13 +193,15 @@ class GradientSynchronizer:
         self.destination = destination
         self.check = check
         self.buffer_sync = buffer_sync
+        self.automatic = automatic
         self.owner = next(_OWNERS)
         self.index = collectives.next_synchronizer_index()
         self.params = [p for p in params if p.requires_grad]
         self.buckets = make_buckets(self.params, bucket_bytes)
         for b in self.buckets:
             b.owner = self.owner
-        self.buffers = [b for b in buffers if b.numel() > 0] if buffer_sync != "none" else []
+        self.buffers = [local_tensor(b) for b in buffers if b.numel() > 0] \
+            if buffer_sync != "none" else []
         self._buffer_groups = self._group_buffers()
         if collectives.world_size > 1 and self.buckets:
             with collectives.guard("allocation of gradient buckets"):
@@ -173,7 +221,7 @@ class GradientSynchronizer:
         self._pending: PendingCheck | None = None
         self._pass_task: int | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                         for p in self.params]
+                         for p in self.params] if automatic else []
 
     def remove(self) -> None:
         """Remove the hooks and drop every reference to parameters, buckets and buffers
@@ -193,7 +241,8 @@ class GradientSynchronizer:
         """What every rank must agree on for one synced pass (hashed into its fingerprint)."""
         dtypes = sorted({dtype_name(b.dtype) for b in self.buckets})
         n = len(self.buckets)
-        text = (f"loss.backward() averaging {len(self.params)} gradients in {n} "
+        text = (f"{'loss.backward()' if self.automatic else 'synchronize()'} averaging "
+                f"{len(self.params)} gradients in {n} "
                 f"bucket{'s' if n != 1 else ''}, {sum(b.numel for b in self.buckets)} elements "
                 f"{'/'.join(dtypes)}")
         if self.destination is not None:
@@ -234,12 +283,12 @@ class GradientSynchronizer:
                                                                  async_op=True)
             bucket, i = self._where[id(param)]
             view = self._views(bucket)[i]
-            grad = param.grad
+            grad = local_grad(param)
             if grad is None:  # the hook fires after accumulation: not reached in practice
                 return
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
-                if self.destination is None:
+                if self.destination is None and grad is param.grad:
                     # from now on .grad *is* the bucket slice (DDP's gradient_as_bucket_view):
                     # the averaged result lands in place, with no copy back
                     param.grad = view
@@ -263,8 +312,8 @@ class GradientSynchronizer:
         """Per-parameter views of the bucket buffer, shaped like the parameters."""
         if bucket.views is None:
             buf = self._buffer(bucket)
-            bucket.views = [buf[o:o + p.numel()].view_as(p)
-                            for o, p in zip(bucket.offsets, bucket.params)]
+            bucket.views = [buf[o:o + shape.numel()].view(shape)
+                            for o, shape in zip(bucket.offsets, bucket.shapes)]
         return bucket.views
 
     def _buffer(self, bucket: _Bucket) -> torch.Tensor:
@@ -288,18 +337,33 @@ class GradientSynchronizer:
         bucket.launched = True
         self._next_launch += 1
 
+    def synchronize(self) -> None:
+        """Average every gradient across the replicas now (the manual trigger): call it on
+        every replica at the same point, after the backward passes of a step. Does nothing
+        while ``enabled`` is off (``no_sync``) or with a single replica."""
+        if not self.enabled or self.collectives.world_size == 1 or not self.buckets:
+            return
+        if self._pass_active:
+            raise RuntimeError(f"{self.what}: synchronize() was called while a synced backward "
+                               "pass is running. HINT: build the synchronizer with "
+                               "automatic=False when the caller triggers it")
+        self._pass_active = True
+        if self.check:
+            self._pending = self.collectives.start_check(self.what, self._detail)
+        self._finish_pass()
+
     def _finish_pass(self) -> None:
         try:
             self._verdict()
             for bucket in self.buckets[self._next_launch:]:
-                buf = self._buffer(bucket)
+                views = self._views(bucket)
                 for i, p in enumerate(bucket.params):
                     if i not in bucket.ready:
-                        piece = buf[bucket.offsets[i]:bucket.offsets[i] + p.numel()]
-                        if p.grad is None:
-                            piece.zero_()
+                        grad = local_grad(p)
+                        if grad is None:
+                            views[i].zero_()
                         else:  # accumulated earlier, untouched by this pass
-                            piece.copy_(p.grad.reshape(-1))
+                            views[i].copy_(grad)
                 self._launch(bucket)
             scale = 1.0 / self.collectives.world_size
             receives = self.destination is None or self.collectives.rank == self.destination
@@ -345,8 +409,20 @@ class GradientSynchronizer:
         with torch.no_grad():
             for i, p in enumerate(bucket.params):
                 piece = self._views(bucket)[i]
-                if p.grad is not None:
-                    if p.grad.data_ptr() != piece.data_ptr():
-                        p.grad.copy_(piece)
+                grad = local_grad(p)
+                if grad is not None:
+                    if grad.data_ptr() != piece.data_ptr():
+                        grad.copy_(piece)
                 elif i not in bucket.ready and bool(piece.any()):
-                    p.grad = piece.clone()
+                    p.grad = _like_param(p, piece.clone())
+
+
+def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a gradient for ``param``: wrapped as a DTensor like ``param`` when it is
+    one (its shard), else as it is."""
+    if not _is_distributed_tensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                              run_check=False)

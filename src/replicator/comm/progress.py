@@ -36,17 +36,19 @@ class CollectiveTracker:
     """Counts this rank's collectives and publishes its position for the others to read.
 
     ``rank``/``world_size``: position in and size of the group; ``ranks``: the group's global
-    ranks in group order (default: the whole job); ``roles``: global rank -> role, used in
-    messages; ``tag``: the group's name in the store (default: from ``ranks``, with a serial
-    added for a second tracker on the same group in this process).
+    ranks in group order, always given (a sub-group keyed as if it were ranks ``0..n-1`` would
+    share its store entries with another group of the same size and name the wrong ranks);
+    ``roles``: global rank -> role, used in messages; ``tag``: the group's name in the store
+    (default: from ``ranks``, with a serial added for a second tracker on the same group in
+    this process). :meth:`for_group` fills all of it in from a process group.
     """
 
     def __init__(self, rank: int, world_size: int, store: dist.Store | None, *,
-                 ranks: Sequence[int] | None = None, roles: Mapping[int, str] | None = None,
+                 ranks: Sequence[int], roles: Mapping[int, str] | None = None,
                  tag: str | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.ranks = list(ranks) if ranks is not None else list(range(world_size))
+        self.ranks = list(ranks)
         if len(self.ranks) != world_size or not 0 <= rank < world_size:
             raise ValueError(f"a tracker for position {rank} of a group of {world_size} got "
                              f"the global ranks {self.ranks}")

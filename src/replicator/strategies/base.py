@@ -2,13 +2,15 @@
 
 Public methods validate and normalise their input once, then call a small private hook that
 each strategy implements (tf.distribute's split between ``Strategy`` and ``StrategyExtended``).
+Identity, ``collectives``, the reduce/gather/barrier hooks and ``no_sync`` are written here once,
+over the strategy's :class:`~replicator.strategies.replicas.ReplicaGroup`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,8 +32,10 @@ from replicator.strategies.scope_capture import RegistrationCapture, named_state
 from replicator.strategies.undistributed import UndistributedGuard
 
 if TYPE_CHECKING:
+    from replicator.comm.collectives import Collectives
     from replicator.optim.accumulation import GradientAccumulator
     from replicator.precision import MixedPrecision
+    from replicator.strategies.replicas import ReplicaGroup
 
 _SERIALS = itertools.count(1)
 
@@ -53,12 +57,14 @@ def as_tensor(value: Any, call: str) -> torch.Tensor:
 
 
 class Strategy(ABC):
-    """How a step function runs across replicas. Subclasses implement the ``_hooks``."""
+    """How a step function runs across replicas. A subclass opens its replica group (as
+    ``self._replica_group``, before ``Strategy.__init__``) and implements the ``_hooks`` that
+    are its own."""
 
     name: ClassVar[str] = "strategy"
-    #: The process group of the data-parallel replicas (``None``: the default group); the
-    #: input pipeline agrees on uneven ends over it.
-    _data_group: dist.ProcessGroup | None = None
+    #: The replicas this strategy keeps in step: device, group, tracker, collectives, identity,
+    #: and the data-parallel gradient engine (see :mod:`replicator.strategies.replicas`).
+    _replica_group: ReplicaGroup
     #: The mixed-precision policy given to ``scope(precision=...)`` (``None``: full precision).
     _precision: MixedPrecision | None = None
 
@@ -77,14 +83,20 @@ class Strategy(ABC):
 
     # -- identity ------------------------------------------------------------------------------
     @property
-    @abstractmethod
+    def _data_group(self) -> dist.ProcessGroup | None:
+        """The process group of the data-parallel replicas (``None``: the default group); the
+        input pipeline agrees on uneven ends over it."""
+        return self._replica_group.group
+
+    @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas take part in each synchronous step."""
+        return self._replica_group.world_size
 
     @property
     def replica_id(self) -> int:
         """This process's replica index (``replica_id_in_sync_group``)."""
-        return 0
+        return self._replica_group.rank
 
     @property
     def is_chief(self) -> bool:
@@ -92,9 +104,36 @@ class Strategy(ABC):
         return self.replica_id == 0
 
     @property
-    @abstractmethod
     def device(self) -> torch.device:
         """The device this process's replica computes on."""
+        return self._replica_group.device
+
+    @property
+    def collectives(self) -> Collectives:
+        """The collectives over this strategy's replicas (a single-rank one where there is
+        one replica), for other rooms built on the public API (checkpoint exchange)."""
+        return self._replica_group.collectives
+
+    @property
+    def shards_model(self) -> bool:
+        """True when no rank holds the whole model (pipeline stages, tensor or FSDP shards):
+        its state is then saved by every rank. False for replicating strategies."""
+        return False
+
+    def prepare_optimizers(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Make ``optimizers`` step the parameters as the strategy set them up (a strategy
+        that replaced parameters by sharded ones points optimizers built in ``scope()`` at
+        the new ones). Runs before every optimizer step; call it before loading or saving an
+        optimizer's state outside a step. A no-op for strategies that keep parameters."""
+        for optimizer in optimizers:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"prepare_optimizers takes torch optimizers, got "
+                                f"{type(optimizer).__name__}")
+            self._prepare_optimizer(optimizer)
+
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook: see :meth:`prepare_optimizers` (one optimizer)."""
+        return None
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(replicas={self.num_replicas_in_sync}, "
@@ -187,6 +226,9 @@ class Strategy(ABC):
         if self._guard is not None:
             self._guard.close()
         self._close()
+        replicas = getattr(self, "_replica_group", None)
+        if replicas is not None:
+            replicas.close()
 
     def _close(self) -> None:
         """Hook: release the strategy's own resources."""
@@ -199,8 +241,11 @@ class Strategy(ABC):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (no communication) inside the block."""
-        yield
+        """Accumulate gradients locally (no communication) inside the block; the next synced
+        backward averages the accumulated sum (gradient accumulation without extra
+        communication)."""
+        with self._replica_group.no_sync():
+            yield
 
     def accumulate(self, k: int) -> GradientAccumulator:
         """Gradient accumulation over ``k`` micro-batches, built on :meth:`no_sync`: ``k``
@@ -306,18 +351,18 @@ class Strategy(ABC):
         """The values of this process's replicas (one per process here)."""
         return (value,)
 
+    def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
+        return self._replica_group.reduce(op, tensor)
+
     def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [self._reduce(op, t) for t in tensors]
+        return self._replica_group.reduce_many(op, tensors)
 
-    @abstractmethod
-    def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor: ...
-
-    @abstractmethod
-    def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor: ...
+    def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        return self._replica_group.gather(tensor, axis)
 
     def barrier(self) -> None:
         """Wait until every replica reaches this point."""
-        return None
+        self._replica_group.barrier()
 
     # -- input -----------------------------------------------------------------------------------
     @property

@@ -95,7 +95,7 @@ class CentralStorageStrategy(MirroredStrategy):
                       params: list[tuple[str, torch.nn.Parameter]],
                       buffers: list[tuple[str, torch.Tensor]]) -> None:
         self._check_same_structure(module, params, buffers)
-        self._collectives.broadcast_([t for _, t in [*params, *buffers]],
+        self.collectives.broadcast_([t for _, t in [*params, *buffers]],
                                      src=self.central_replica,
                                      what="broadcast of initial parameters from replica 0")
         self._add_synchronizer(module, params, buffers, destination=self.central_replica)
@@ -155,6 +155,6 @@ class CentralStorageStrategy(MirroredStrategy):
                 p.grad = grad
             for p in params:
                 optimizer.state.pop(p, None)
-        self._collectives.broadcast_(params, src=self.central_replica,
+        self.collectives.broadcast_(params, src=self.central_replica,
                                      what="broadcast of updated parameters from the central "
                                           "replica")

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
+from replicator.comm.gradient_sync import local_tensor
+
 
 def local_bytes(t: torch.Tensor | None) -> int:
     """Bytes this rank stores for ``t`` (a DTensor's local shard only)."""
     if t is None:
         return 0
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local):
-        t = to_local()
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -68,10 +68,11 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     return total
 
 
-def build_memory_report(strategy: Any, modules: Iterable[torch.nn.Module],
+def build_memory_report(rank: int, modules: Iterable[torch.nn.Module],
                         optimizers: Iterable[torch.optim.Optimizer],
                         peak_activation_bytes: int) -> MemoryReport:
-    """The report for ``modules`` (each parameter counted once) and ``optimizers``."""
+    """The report of global ``rank`` for ``modules`` (each parameter counted once) and
+    ``optimizers``."""
     seen: set[int] = set()
     params = grads = 0
     for module in modules:
@@ -81,7 +82,6 @@ def build_memory_report(strategy: Any, modules: Iterable[torch.nn.Module],
             seen.add(id(p))
             params += local_bytes(p)
             grads += local_bytes(p.grad)
-    rank = getattr(getattr(strategy, "topology", None), "global_rank", 0)
     return MemoryReport(rank=rank, parameter_bytes=params, gradient_bytes=grads,
                         optimizer_state_bytes=optimizer_state_bytes(optimizers),
                         peak_activation_bytes=peak_activation_bytes)

@@ -8,6 +8,16 @@ pipeline stages (``pipeline``), each stage's layers are sharded across ranks
 across the data axes only (``data`` and ``fsdp``): the ranks of one replica (its pipeline
 stages and tensor shards) all see the same batch.
 
+The data axis runs the one data-parallel engine
+(:class:`~replicator.comm.gradient_sync.GradientSynchronizer`: buckets overlapped with
+backward, buffer sync, ``no_sync``) through the strategy's
+:class:`~replicator.strategies.replicas.ReplicaGroup` on the data axes; a tensor-parallel
+shard averages its local part, and a pipeline triggers the engine itself after its schedule
+(``PipelineRunner.after_backward``), whose backward passes are nested in the outer one.
+Work over every worker (the initial broadcast, ``barrier``, memory reports) goes through a
+second replica group over the whole job, and the pipeline's exchanges are guarded by one on
+the pipeline axis, so a stalled rank is named whichever group it stalls.
+
 :class:`~replicator.FSDPStrategy`, :class:`~replicator.TensorParallelStrategy` and
 :class:`~replicator.PipelineStrategy` are this class with one axis (plus ``data`` for
 whatever ranks are left).
@@ -15,25 +25,27 @@ whatever ranks are left).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.cluster.devices import default_device_for
 from replicator.cluster.environment import resolve_cluster
-from replicator.cluster.process_group import initialize, on_shutdown, open_store_client
+from replicator.cluster.process_group import initialize
 from replicator.cluster.topology import Topology
-from replicator.comm.collectives import Collectives
-from replicator.comm.progress import CollectiveTracker
-from replicator.comm.reduce_op import ReduceOp
+from replicator.comm.gradient_sync import GradientSynchronizer
 from replicator.errors import ClusterConfigError
+from replicator.parallel.fsdp import apply_fsdp, is_unsharded_view
+from replicator.parallel.pipeline import PipelineRunner
+from replicator.parallel.tensor_parallel import apply_tensor_parallel
 from replicator.strategies.base import Strategy
-from replicator.strategies.data_parallel_gradients import DataParallelGradients
+from replicator.strategies.memory import ActivationMeter, MemoryReport, build_memory_report
+from replicator.strategies.replicas import ReplicaGroup, bound_timeout
 
 #: Mesh order, outermost first (torchtitan's): pipeline stages talk least, tensor shards most,
 #: so tensor-parallel ranks are neighbours (the same host).
@@ -78,8 +90,8 @@ class MeshStrategy(Strategy):
         axes = _axes_from_degrees({"data": data, "fsdp": fsdp, "pipeline": pipeline,
                                    "tensor": tensor})
         spec = resolve_cluster()
-        self._device = default_device_for(spec.local_rank)
-        info = initialize(timeout_seconds=timeout_seconds, device=self._device)
+        device = default_device_for(spec.local_rank)
+        initialize(timeout_seconds=timeout_seconds, device=device)
         self._topology = Topology(axes)
         used = frozenset(a for a, n in self._topology.axes.items() if n > 1) or \
             frozenset({"data"})
@@ -94,51 +106,48 @@ class MeshStrategy(Strategy):
         self._reshard_after_forward = reshard_after_forward
         #: Sequence-parallel norms in the default tensor plan (TensorParallelStrategy's option).
         self._sequence_parallel = False
-        self._data_group = self._topology.data_group()
-        self._replicas = self._topology.num_replicas
-        self._replica_id = self._topology.replica_id
-        rank_in_data = dist.get_rank(self._data_group)
-        self._tracker = CollectiveTracker(rank_in_data, self._replicas, open_store_client(info))
-        on_shutdown(self._tracker.close)
-        self._collectives = Collectives(rank_in_data, self._replicas, self._device,
-                                        info.timeout_seconds, self._tracker,
-                                        group=self._data_group)
+        topo = self._topology
+        # the replicas (the data axes together): identity, reduce, gather, gradient averaging
+        self._replica_group = ReplicaGroup(device, topo, timeout_seconds=timeout_seconds)
+        # every worker: the initial broadcast, barrier and memory reports
+        self._job = ReplicaGroup(device, timeout_seconds=timeout_seconds)
+        # the pipeline's stages: their exchanges are guarded by a tracker of the stage ranks
+        self._stages = ReplicaGroup(device, topo, "pipeline", timeout_seconds=timeout_seconds) \
+            if topo.size("pipeline") > 1 else None
+        for axis in topo.axes:  # tensor and fsdp groups wait no longer than the job either
+            bound_timeout(topo.group(axis), self._replica_group.timeout_seconds)
         # parameters replaced by sharded ones (old -> new), for optimizers built in scope
         self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = \
             weakref.WeakKeyDictionary()
-        self._grad_averagers: list[DataParallelGradients] = []
-        self._pipelines: list[Any] = []  # PipelineRunner per set-up module
+        self._pipelines: list[PipelineRunner] = []  # per set-up module
         self._activation_peak = 0
+        self._no_sync_depth = 0
         me = weakref.ref(self)
 
-        def remap(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        def prepare(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             strategy = me()
             if strategy is not None:
-                strategy._remap_optimizer(optimizer)
+                strategy.prepare_optimizers(optimizer)
 
-        self._optimizer_hook = register_optimizer_step_pre_hook(remap)
+        self._optimizer_hook = register_optimizer_step_pre_hook(prepare)
         super().__init__()
 
     # -- identity ------------------------------------------------------------------------------
     @property
     def num_replicas_in_sync(self) -> int:
         """Data-parallel replicas (the product of the data and fsdp degrees)."""
-        return self._replicas
+        return self._topology.num_replicas
 
     @property
     def replica_id(self) -> int:
-        return self._replica_id
+        return self._topology.replica_id
 
     @property
     def is_chief(self) -> bool:
         """Global rank 0 only (several ranks share replica 0 when the model is split)."""
         return self._topology.is_chief
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     @property
     def topology(self) -> Topology:
@@ -165,31 +174,26 @@ class MeshStrategy(Strategy):
         self._broadcast_initial_state(module)
         runner = None
         if topo.size("pipeline") > 1:
-            from replicator.strategies.pipeline import PipelineRunner
-
-            runner = PipelineRunner(module, topo, self._device, **self._pipeline_options)
+            assert self._stages is not None  # opened with the pipeline axis
+            runner = PipelineRunner(module, topo.mesh["pipeline"], self.device,
+                                    guard=self._stages.collectives.guard,
+                                    **self._pipeline_options)
             self._pipelines.append(runner)
             parts = runner.local_modules
         else:
             parts = [module]
         for part in parts:
             if topo.size("tensor") > 1:
-                from replicator.strategies.tensor_parallel import apply_tensor_parallel
-
                 apply_tensor_parallel(part, topo.mesh["tensor"], self._tensor_plan,
                                       sequence_parallel=self._sequence_parallel)
             if topo.size("fsdp") > 1:
-                from replicator.strategies.fsdp import apply_fsdp
-
                 dims = ("data", "fsdp") if topo.size("data") > 1 else ("fsdp",)
                 apply_fsdp(part, topo.mesh[dims], self._reshard_after_forward)
-        if topo.size("data") > 1 and topo.size("fsdp") == 1:
-            params = [p for part in parts for p in part.parameters() if p.requires_grad]
-            averager = DataParallelGradients(params, self._collectives,
-                                             automatic=runner is None)
-            self._grad_averagers.append(averager)
-            if runner is not None:
-                runner.after_backward = averager.average
+        if topo.size("data") > 1 and topo.size("fsdp") == 1:  # FSDP averages its own
+            if runner is None:
+                _average_gradients(self._replica_group, module, parts, automatic=True)
+            else:
+                runner.after_backward = _after_schedule(self._replica_group, module, runner)
         self._record_replacements(module)
 
     def forward_backward(self, model: torch.nn.Module, inputs: Any, target: Any,
@@ -200,7 +204,7 @@ class MeshStrategy(Strategy):
 
         Use it inside ``strategy.run`` instead of ``loss = loss_fn(model(x), y);
         loss.backward()`` to skip the extra forward pass that the one-device shape costs
-        (see :mod:`replicator.strategies.pipeline`); then step the optimizer as usual."""
+        (see :mod:`replicator.parallel.pipeline`); then step the optimizer as usual."""
         for runner in self._pipelines:
             if runner.model is model:
                 return runner.forward_backward(inputs, target, loss_fn)
@@ -209,21 +213,8 @@ class MeshStrategy(Strategy):
     def _broadcast_initial_state(self, module: torch.nn.Module) -> None:
         """Every rank starts from global rank 0's values (as Mirrored does), so the pieces cut
         from each rank's copy make up one model."""
-        if self._topology.num_workers == 1:
-            return
         tensors = [t for t in [*module.parameters(), *module.buffers()] if t.numel()]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                with self._collectives.guard("broadcast of initial parameters from rank 0"):
-                    dist.broadcast(flat, src=0)  # every process is a worker here
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        self._job.broadcast_(tensors, src=0, what="broadcast of initial parameters from rank 0")
 
     def _record_replacements(self, module: torch.nn.Module) -> None:
         """Map each original parameter to the sharded one that took its place, so optimizers
@@ -248,7 +239,9 @@ class MeshStrategy(Strategy):
             if hasattr(module, "_replicator_param_names"):
                 object.__delattr__(module, "_replicator_param_names")
 
-    def _remap_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer`` (built in ``scope()``, before the sharding) at the sharded
+        parameters that replaced the ones it was given, moving their state along."""
         if optimizer not in self._checked:  # is it one of ours? (for memory_report)
             ours = any(p in self._replaced or Strategy.is_distributed(self, p)
                        for g in optimizer.param_groups for p in g["params"])
@@ -270,58 +263,89 @@ class MeshStrategy(Strategy):
         if super().is_distributed(tensor) or tensor in self._replaced:
             return True
         if self._topology.size("fsdp") > 1:  # FSDP2's gathered parameter while a block runs
-            from replicator.strategies.fsdp import is_unsharded_view
-
             return any(is_unsharded_view(m, tensor) for m in self._set_up_modules.keys())
         return False
 
     # -- memory ------------------------------------------------------------------------------------
-    def memory_report(self) -> Any:
+    def memory_report(self) -> MemoryReport:
         """Bytes this rank holds: parameters, gradients, optimizer state, peak activations."""
-        from replicator.strategies.memory import build_memory_report
-
         modules = [m for m in self._set_up_modules.keys()]
-        return build_memory_report(self, modules, list(self._optimizers),
+        return build_memory_report(self._topology.global_rank, modules, list(self._optimizers),
                                    self._activation_peak)
 
-    def memory_reports(self) -> list[Any]:
+    def memory_reports(self) -> list[MemoryReport]:
         """Every worker's :meth:`memory_report`, in rank order (a collective: all call it)."""
-        from replicator.strategies.memory import MemoryReport
-
         mine = self.memory_report()
-        values = torch.tensor([mine.rank, mine.parameter_bytes, mine.gradient_bytes,
-                               mine.optimizer_state_bytes, mine.peak_activation_bytes],
+        values = torch.tensor([[mine.rank, mine.parameter_bytes, mine.gradient_bytes,
+                                mine.optimizer_state_bytes, mine.peak_activation_bytes]],
                               dtype=torch.int64)
-        out = torch.zeros(self._topology.num_workers * 5, dtype=torch.int64)
-        with self._collectives.guard("memory report exchange"):
-            dist.all_gather_into_tensor(out, values)  # every process is a worker here
-        return [MemoryReport(*[int(v) for v in row]) for row in out.view(-1, 5).tolist()]
+        rows = self._job.collectives.all_gather_uneven(values, 0, "memory report exchange")
+        return [MemoryReport(*[int(v) for v in row]) for row in rows.tolist()]
 
     def _run(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        from replicator.strategies.memory import ActivationMeter
-
         with ActivationMeter() as meter:
             out = fn(*args, **kwargs)
         self._activation_peak = max(self._activation_peak, meter.peak_bytes)
         return out
 
-    # -- cross-replica values -------------------------------------------------------------------
-    def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
-        return self._collectives.all_reduce(tensor, op, f"reduce({op.value})")
+    # -- synchronising ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block: the data axis's engine and FSDP's
+        reduce-scatter are off, and the next synced backward reduces the accumulated sum."""
+        sharded = self._fsdp_modules() if self._no_sync_depth == 0 else []
+        for m in sharded:
+            m.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self._no_sync_depth += 1
+        try:
+            with super().no_sync():
+                yield
+        finally:
+            self._no_sync_depth -= 1
+            for m in sharded:
+                m.set_requires_gradient_sync(True)  # type: ignore[operator]
 
-    def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self._collectives.all_reduce_many(tensors, op, f"reduce({op.value})")
-
-    def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        return self._collectives.all_gather_uneven(tensor, axis, "gather")
+    def _fsdp_modules(self) -> list[torch.nn.Module]:
+        """The set-up modules FSDP2 sharded (their roots; the setting applies to every block)."""
+        if self._topology.size("fsdp") == 1:
+            return []
+        return [m for m in self._set_up_modules.keys()
+                if callable(getattr(m, "set_requires_gradient_sync", None))]
 
     def barrier(self) -> None:
-        with self._collectives.guard("barrier"):
-            dist.barrier()
+        """Wait until every worker (every rank of the mesh, not only the replicas) is here."""
+        self._job.barrier()
 
     def _close(self) -> None:
         self._optimizer_hook.remove()
-        for averager in self._grad_averagers:
-            averager.remove()
-        self._grad_averagers = []
-        self._tracker.close()
+        self._job.close()
+        if self._stages is not None:
+            self._stages.close()
+
+
+def _average_gradients(replicas: ReplicaGroup, module: torch.nn.Module,
+                       parts: list[torch.nn.Module], *, automatic: bool
+                       ) -> GradientSynchronizer | None:
+    """Average ``parts``' gradients (a DTensor's local shard) and buffers over ``replicas``."""
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    buffers = [b for part in parts for b in part.buffers()]
+    return replicas.synchronize_gradients(module, params, buffers, automatic=automatic)
+
+
+def _after_schedule(replicas: ReplicaGroup, module: torch.nn.Module,
+                    runner: PipelineRunner) -> Callable[[], None]:
+    """The pipeline's ``after_backward``: average this rank's stages' gradients over the
+    replicas once the schedule's backward passes are done. Stages balanced by time are cut at
+    the first batch: their engine is built at the first call."""
+    made: list[GradientSynchronizer | None] = []
+    if runner.local_modules:
+        made.append(_average_gradients(replicas, module, runner.local_modules, automatic=False))
+
+    def average() -> None:
+        if not made:
+            made.append(_average_gradients(replicas, module, runner.local_modules,
+                                           automatic=False))
+        if made[0] is not None:
+            made[0].synchronize()
+
+    return average

@@ -8,30 +8,26 @@ The same step with global batch ``B`` on ``N`` replicas therefore equals one dev
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from replicator.cluster.devices import default_device_for, parse_devices
 from replicator.cluster.environment import resolve_cluster, use_cluster
-from replicator.cluster.process_group import initialize, on_shutdown, open_store_client
 from replicator.cluster.resolvers import ClusterResolver, as_spec
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
-from replicator.comm.collectives import Collectives
-from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
+from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES
 from replicator.comm.options import CommunicationOptions
-from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.selection import algorithm_for
 from replicator.errors import ClusterConfigError, ReplicaMismatchError
 from replicator.strategies.base import Strategy
 from replicator.strategies.cross_replica_batchnorm import convert_batchnorm
+from replicator.strategies.replicas import ReplicaGroup
 
 
 def _signature(params: Sequence[tuple[str, torch.Tensor]],
@@ -90,9 +86,9 @@ class MirroredStrategy(Strategy):
                     f"{spec.local_world_size} replica process(es). HINT: launch one process per "
                     f"device: `replicator run --nproc {len(parsed)} script.py`, or "
                     f"rp.launch(fn, num_replicas={len(parsed)}).")
-            self._device = parsed[spec.local_rank]
+            device = parsed[spec.local_rank]
         else:
-            self._device = default_device_for(spec.local_rank)
+            device = default_device_for(spec.local_rank)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as "
                             f"rp.NativeAllReduce(), got {type(cross_device_ops).__name__}")
@@ -113,105 +109,51 @@ class MirroredStrategy(Strategy):
                 f"both cross_device_ops={cross_device_ops!r} and CommunicationOptions("
                 f"implementation={self._options.implementation!r}) choose the all-reduce "
                 "algorithm. HINT: give only one of them.")
-        info = initialize(timeout_seconds=self._options.timeout_seconds, device=self._device)
-        self._mesh = mesh
-        self._axis = axis if mesh is not None else None
-        self._group = mesh.group(axis) if mesh is not None else None
-        self._data_group = self._group
-        self._algorithm = cross_device_ops or algorithm_for(self._options, self._device,
-                                                            self._group)
-        self._rank = dist.get_rank(self._group)
-        self._world = dist.get_world_size(self._group)
-        store = open_store_client(info)
-        roles = dict(enumerate(mesh.roles)) if mesh is not None else None
-        self._tracker = CollectiveTracker.for_group(self._group, store, roles=roles)
-        on_shutdown(self._tracker.close)
-        self._collectives = Collectives(self._rank, self._world, self._device,
-                                        info.timeout_seconds, self._tracker, group=self._group)
-        self._collectives.use_same_host_path(self._algorithm)
-        self._synchronizers: list[GradientSynchronizer] = []
+        self._replica_group = ReplicaGroup(device, mesh, axis if mesh is not None else None,
+                                           timeout_seconds=self._options.timeout_seconds)
+        self._replica_group.use_algorithm(
+            cross_device_ops or algorithm_for(self._options, device, self._replica_group.group))
         super().__init__()
 
     # -- identity ------------------------------------------------------------------------------
     @property
-    def num_replicas_in_sync(self) -> int:
-        return self._world
-
-    @property
-    def replica_id(self) -> int:
-        return self._rank
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
-
-    @property
     def cross_device_ops(self) -> CrossDeviceOps:
-        return self._algorithm
-
-    @property
-    def collectives(self) -> Collectives:
-        """The collectives this strategy uses (for other rooms built on the public API)."""
-        return self._collectives
+        return self._replica_group.algorithm
 
     @property
     def mesh(self) -> Topology | None:
         """The topology this strategy replicates along (``None``: the whole job)."""
-        return self._mesh
+        return self._replica_group.topology
 
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group of the replicas (``None``: the default group)."""
-        return self._group
+        return self._replica_group.group
 
     # -- state ---------------------------------------------------------------------------------
     def _setup_module(self, module: torch.nn.Module) -> None:
         if self._sync_batchnorm:
-            convert_batchnorm(module, self._group)
+            convert_batchnorm(module, self.group)
         super()._setup_module(module)
 
     def _on_new_state(self, module: torch.nn.Module,
                       params: list[tuple[str, torch.nn.Parameter]],
                       buffers: list[tuple[str, torch.Tensor]]) -> None:
         self._check_same_structure(module, params, buffers)
-        self._collectives.broadcast_([t for _, t in [*params, *buffers]], src=0,
-                                     what="broadcast of initial parameters from replica 0")
+        self._replica_group.broadcast_([t for _, t in [*params, *buffers]], src=0,
+                                       what="broadcast of initial parameters from replica 0")
         self._add_synchronizer(module, params, buffers)
 
     def _add_synchronizer(self, module: torch.nn.Module,
                           params: list[tuple[str, torch.nn.Parameter]],
                           buffers: list[tuple[str, torch.Tensor]],
                           destination: int | None = None) -> None:
-        """Average (or, with ``destination``, reduce) ``module``'s gradients in backward; the
-        synchronizer is removed when the module is freed or the strategy closed."""
-        if not params:
-            return
-        bucket = self._options.bytes_per_pack or DEFAULT_BUCKET_BYTES
-        sync = GradientSynchronizer([p for _, p in params], self._collectives, self._algorithm,
-                                    bucket_bytes=bucket, destination=destination,
-                                    buffers=[b for _, b in buffers],
-                                    buffer_sync=self._buffer_sync,
-                                    check=self._options.check_collectives)
-        self._synchronizers.append(sync)
-        me = weakref.ref(self)
-
-        algorithm = self._algorithm
-
-        def forget() -> None:
-            strategy = me()
-            sync.remove()
-            algorithm.release_buckets(sync.owner)
-            if strategy is not None and sync in strategy._synchronizers:
-                strategy._synchronizers.remove(sync)
-
-        weakref.finalize(module, forget)
-
-    def _close(self) -> None:
-        for sync in self._synchronizers:
-            sync.remove()
-            self._algorithm.release_buckets(sync.owner)
-        self._synchronizers = []
-        self._tracker.close()
+        """Average (or, with ``destination``, reduce) ``module``'s gradients in backward, with
+        this strategy's bucket size, buffer sync and integrity check."""
+        self._replica_group.synchronize_gradients(
+            module, [p for _, p in params], [b for _, b in buffers], destination=destination,
+            bucket_bytes=self._options.bytes_per_pack or DEFAULT_BUCKET_BYTES,
+            buffer_sync=self._buffer_sync, check=self._options.check_collectives)
 
     def _check_same_structure(self, module: torch.nn.Module,
                               params: list[tuple[str, torch.nn.Parameter]],
@@ -219,11 +161,11 @@ class MirroredStrategy(Strategy):
         desc = _signature(params, buffers)
         digest = hashlib.sha256("\n".join(desc).encode()).digest()[:8]
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-        low = self._collectives.all_reduce(mine, ReduceOp.MIN, "model structure check")
-        high = self._collectives.all_reduce(mine, ReduceOp.MAX, "model structure check")
+        low = self.collectives.all_reduce(mine, ReduceOp.MIN, "model structure check")
+        high = self.collectives.all_reduce(mine, ReduceOp.MAX, "model structure check")
         if bool(low == high):
             return
-        texts = self._collectives.all_gather_bytes(json.dumps(desc).encode(),
+        texts = self.collectives.all_gather_bytes(json.dumps(desc).encode(),
                                                    "model structure exchange")
         descs = [json.loads(t) for t in texts]
         counts = ", ".join(f"rank {r}: {sum(e.startswith('parameter') for e in d)} parameters"
@@ -233,32 +175,6 @@ class MirroredStrategy(Strategy):
             f"{counts}). First difference: {_first_difference(descs)}. HINT: every replica must "
             "create the same modules in the same order; look for code that depends on the rank "
             "or on local data.")
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block; the next synced backward averages
-        the accumulated sum (gradient accumulation without extra communication)."""
-        before = [s.enabled for s in self._synchronizers]
-        for s in self._synchronizers:
-            s.enabled = False
-        try:
-            yield
-        finally:
-            for s, was in zip(self._synchronizers, before):
-                s.enabled = was
-
-    # -- cross-replica values -------------------------------------------------------------------
-    def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
-        return self._collectives.all_reduce(tensor, op, f"reduce({op.value})")
-
-    def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self._collectives.all_reduce_many(tensors, op, f"reduce({op.value})")
-
-    def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        return self._collectives.all_gather_uneven(tensor, axis, "gather")
-
-    def barrier(self) -> None:
-        self._collectives.barrier()
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):

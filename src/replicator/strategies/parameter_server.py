@@ -12,7 +12,7 @@ its state; the worker's optimizer keeps none) and send back the new values. ``st
 ``None`` asynchronous; ``k`` a worker's step waits while another step in flight could end up
 more than ``k`` versions stale; ``0`` synchronous (each update averages one gradient from every
 live worker: the same as ``MirroredStrategy``). Messages are typed tensors over TCP, never
-pickles (:mod:`replicator.comm.messages`); between a worker and a server on one host their
+pickles (:mod:`replicator.ps.messages`); between a worker and a server on one host their
 payloads go through shared memory (``shared_memory=False`` or ``REPLICATOR_PS_SHARED_MEMORY=0``
 keeps them on the socket).
 """
@@ -36,15 +36,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from replicator.cluster.env_names import NUM_PS_ENV, REJOIN_ENV
 from replicator.cluster.environment import resolve_cluster, timeout_from_env
 from replicator.cluster.ports import LOOPBACK, listen
-from replicator.cluster.process_group import (
-    DEFAULT_TIMEOUT_SECONDS,
-    initialize,
-    on_shutdown,
-    open_store_client,
-)
+from replicator.cluster.process_group import DEFAULT_TIMEOUT_SECONDS, initialize, on_shutdown
 from replicator.cluster.topology import Topology
-from replicator.comm.collectives import Collectives
-from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.shm_segment import align
 from replicator.errors import ClusterConfigError
@@ -54,6 +47,7 @@ from replicator.ps.client import ServerClient
 from replicator.ps.partitioners import Partitioner, Shard, place
 from replicator.ps.server import ParameterServer
 from replicator.strategies.base import Strategy
+from replicator.strategies.replicas import ReplicaGroup
 
 
 def _num_ps_from_env() -> int | None:
@@ -171,12 +165,9 @@ class ParameterServerStrategy(Strategy):
         if topology.is_ps:
             self._serve(store, address or LOOPBACK, topology.global_rank - self._num_workers)
         self._rank = topology.replica_id
-        self._group: dist.ProcessGroup | None = topology.data_group()
-        self._data_group = self._group
-        tracker = CollectiveTracker(self._rank, self._num_workers, open_store_client(info))
-        on_shutdown(tracker.close)
-        self._collectives = Collectives(self._rank, self._num_workers, self._device,
-                                        self._timeout, tracker, group=self._group)
+        # the workers' replica group (servers are on no axis): synchronous reduce, checkpoints
+        self._replica_group = ReplicaGroup(self._device, topology,
+                                           timeout_seconds=self._timeout)
         return store, info.spec.restart_count
 
     def _join_alone(self, timeout_seconds: float | None) -> tuple[dist.Store, int]:
@@ -199,8 +190,7 @@ class ParameterServerStrategy(Strategy):
         self._topology = None
         self._num_workers = spec.world_size - self._num_ps
         self._rank = spec.rank
-        self._group = None
-        self._collectives = Collectives(0, 1, self._device, self._timeout)  # alone
+        self._replica_group = ReplicaGroup.single(self._device, self._timeout)  # alone
         return store, spec.restart_count
 
     # -- the server side ---------------------------------------------------------------------
@@ -218,15 +208,12 @@ class ParameterServerStrategy(Strategy):
     # -- identity ------------------------------------------------------------------------------
     @property
     def num_replicas_in_sync(self) -> int:
+        """Every worker of the job (also on a worker that rejoined alone)."""
         return self._num_workers
 
     @property
     def replica_id(self) -> int:
         return self._rank
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     @property
     def num_ps(self) -> int:
@@ -246,12 +233,6 @@ class ParameterServerStrategy(Strategy):
     def rejoined(self) -> bool:
         """True on a worker restarted alone that rejoined the running servers."""
         return self._rejoined
-
-    @property
-    def collectives(self) -> Collectives:
-        """The workers' collectives (used by reduce() with ``staleness=0``, and checkpoints);
-        a worker that rejoined alone has collectives of its own only."""
-        return self._collectives
 
     @property
     def restored_step(self) -> int | None:
@@ -479,24 +460,26 @@ class ParameterServerStrategy(Strategy):
                                                    "worker_data": data_position or {}}))
 
     # -- cross-replica values -------------------------------------------------------------------
+    # the workers' replica group serves ``staleness=0``; asynchronous workers are not in step,
+    # so each returns its own value and never waits for the others
     def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
         if self._staleness != 0:
-            return tensor.clone()  # workers are not in step: this worker's own value
-        return self._collectives.all_reduce(tensor, op, f"reduce({op.value})")
+            return tensor.clone()
+        return super()._reduce(op, tensor)
 
     def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._staleness != 0:
             return [t.clone() for t in tensors]
-        return self._collectives.all_reduce_many(tensors, op, f"reduce({op.value})")
+        return super()._reduce_many(op, tensors)
 
     def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         if self._staleness != 0:
             return tensor.clone()
-        return self._collectives.all_gather_uneven(tensor, axis, "gather")
+        return super()._gather(tensor, axis)
 
     def barrier(self) -> None:
         if self._staleness == 0:
-            self._collectives.barrier()
+            super().barrier()
 
     def _close(self) -> None:
         for h in self._hooks:

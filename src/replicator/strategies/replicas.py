@@ -1,0 +1,242 @@
+"""The replica group a strategy keeps in step, written once and composed by every strategy.
+
+A :class:`ReplicaGroup` is opened on the processes a strategy replicates over (the whole job,
+one axis of a :class:`~replicator.cluster.Topology`, or the topology's data axes together)
+and owns what every synchronous strategy needs: the device, the process group, the progress
+tracker, the :class:`~replicator.comm.collectives.Collectives`, this process's identity (rank,
+size, first replica), ``reduce``/``gather``/``barrier``, and the data-parallel gradient engine
+(:class:`~replicator.comm.gradient_sync.GradientSynchronizer` per module, ``no_sync``).
+Strategies keep only what is their own: broadcast and hook (mirrored), reduce to one replica
+(central storage), shard, split or cut (mesh), place on servers (parameter server).
+Lightning Fabric's ``ParallelStrategy`` has this shape.
+
+Opening a group bounds its waits. The groups ``DeviceMesh`` makes for mesh axes keep torch's
+30-minute default timeout; they are given the job's timeout here, so a rank stalled in an
+axis collective fails the job after ``--timeout``. The tracker is always built for the
+group's global ranks (its store entries are keyed by them), so the error names the rank that
+did not arrive, also when several groups of one axis run side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from replicator.cluster.process_group import (
+    DEFAULT_TIMEOUT_SECONDS,
+    initialize,
+    on_shutdown,
+    open_store_client,
+)
+from replicator.cluster.topology import Topology
+from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
+from replicator.comm.collectives import Collectives
+from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
+from replicator.comm.progress import CollectiveTracker
+from replicator.comm.reduce_op import ReduceOp
+
+
+def bound_timeout(group: dist.ProcessGroup | None, seconds: float) -> None:
+    """Give ``group`` a collective timeout of ``seconds`` (a mesh axis group otherwise waits
+    torch's default 30 minutes); the default group (``None``) keeps the job's own."""
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    set_timeout = getattr(group, "set_timeout", None)
+    if callable(set_timeout):  # torch >= 2.6; older ones keep the group's creation timeout
+        set_timeout(timedelta(seconds=seconds))
+
+
+class ReplicaGroup:
+    """The replicas of one process group as a strategy sees them (see the module doc).
+
+    ``device``: this process's device. ``topology`` and ``axis`` choose the group: without a
+    topology, every process of the job; ``axis=None``, the topology's data axes together (its
+    data group); an axis name, that axis's group. ``timeout_seconds``: how long a collective
+    may wait (default: the job's). Opening a group is not a collective.
+    """
+
+    def __init__(self, device: torch.device, topology: Topology | None = None,
+                 axis: str | None = None, *, timeout_seconds: float | None = None) -> None:
+        if topology is None and axis is not None:
+            raise ValueError(f"ReplicaGroup(axis={axis!r}) needs the topology the axis belongs "
+                             "to. HINT: pass topology=rp.Topology(...), or no axis for the "
+                             "whole job")
+        info = initialize(timeout_seconds=timeout_seconds, device=device)
+        group: dist.ProcessGroup | None = None
+        roles = None
+        seconds = info.timeout_seconds
+        if topology is not None:
+            group = topology.data_group() if axis is None else topology.group(axis)
+            roles = dict(enumerate(topology.roles))
+            seconds = float(timeout_seconds or info.timeout_seconds)
+            bound_timeout(group, seconds)
+        tracker = CollectiveTracker.for_group(group, open_store_client(info), roles=roles)
+        on_shutdown(tracker.close)
+        self._open(device, topology, axis,
+                   Collectives.for_group(group, device, seconds, tracker))
+
+    @classmethod
+    def single(cls, device: torch.device,
+               timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> ReplicaGroup:
+        """One replica on its own, with no process group (one device; a worker restarted
+        alone): reductions return the local value."""
+        me = cls.__new__(cls)
+        me._open(device, None, None, Collectives(0, 1, device, timeout_seconds))
+        return me
+
+    def _open(self, device: torch.device, topology: Topology | None, axis: str | None,
+              collectives: Collectives) -> None:
+        self.device = device
+        self.topology = topology
+        self.axis = axis
+        self.collectives = collectives
+        self.algorithm: CrossDeviceOps = NativeAllReduce()
+        self._synchronizers: list[GradientSynchronizer] = []
+        self._paused = 0
+        self._closed = False
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (``None``: the default group, or no group at all)."""
+        return self.collectives.group
+
+    @property
+    def tracker(self) -> CollectiveTracker:
+        return self.collectives.tracker
+
+    @property
+    def rank(self) -> int:
+        """This process's position in the group (its replica index)."""
+        return self.collectives.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many replicas the group holds."""
+        return self.collectives.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole job (what error messages name)."""
+        return self.collectives.global_rank
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """The group's members by global rank, in group order."""
+        return list(self.collectives.global_ranks)
+
+    @property
+    def is_chief(self) -> bool:
+        """True on the group's first replica (it prints and writes the group's files)."""
+        return self.rank == 0
+
+    @property
+    def timeout_seconds(self) -> float:
+        return self.collectives.timeout_seconds
+
+    def __repr__(self) -> str:
+        where = "job" if self.topology is None else (self.axis or "data axes")
+        return (f"ReplicaGroup({where}: rank {self.rank} of {self.world_size}, global ranks "
+                f"{self.global_ranks}, {self.device})")
+
+    # -- cross-replica values ----------------------------------------------------------------
+    def reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
+        """``op`` over every replica's ``tensor``; every replica gets the result."""
+        return self.collectives.all_reduce(tensor, op, f"reduce({op.value})")
+
+    def reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`reduce` of several tensors in one collective."""
+        return self.collectives.all_reduce_many(tensors, op, f"reduce({op.value})")
+
+    def gather(self, tensor: torch.Tensor, axis: int = 0) -> torch.Tensor:
+        """Every replica's ``tensor`` concatenated along ``axis`` (sizes there may differ)."""
+        return self.collectives.all_gather_uneven(tensor, axis, "gather")
+
+    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
+                   what: str = "broadcast") -> None:
+        """Overwrite ``tensors`` in place with replica ``src``'s values."""
+        self.collectives.broadcast_(tensors, src=src, what=what)
+
+    def barrier(self) -> None:
+        """Wait until every replica of the group reaches this call."""
+        self.collectives.barrier()
+
+    # -- the data-parallel gradient engine -----------------------------------------------------
+    def use_algorithm(self, algorithm: CrossDeviceOps) -> None:
+        """Sum gradients with ``algorithm`` and, where it has one, send small collectives
+        through its same-host path. A collective: every replica calls it alike."""
+        self.algorithm = algorithm
+        self.collectives.use_same_host_path(algorithm)
+
+    @property
+    def synchronizers(self) -> list[GradientSynchronizer]:
+        """The gradient synchronizers of the modules set up so far, in creation order."""
+        return list(self._synchronizers)
+
+    def synchronize_gradients(self, owner: torch.nn.Module,
+                              params: Sequence[torch.nn.Parameter],
+                              buffers: Sequence[torch.Tensor] = (), *,
+                              destination: int | None = None,
+                              bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                              buffer_sync: str = "mean", check: bool = True,
+                              automatic: bool = True) -> GradientSynchronizer | None:
+        """Average ``params``' gradients over the group (with ``destination``: reduce onto that
+        replica only), bucket by bucket during backward, or when the caller runs
+        ``synchronize()`` (``automatic=False``); the synchronizer is removed when ``owner`` is
+        freed or the group closed. ``None`` when there is no parameter to synchronize."""
+        if not params:
+            return None
+        sync = GradientSynchronizer(list(params), self.collectives, self.algorithm,
+                                    bucket_bytes=bucket_bytes, destination=destination,
+                                    buffers=list(buffers), buffer_sync=buffer_sync,
+                                    check=check, automatic=automatic)
+        sync.enabled = self._paused == 0
+        self._synchronizers.append(sync)
+        me = weakref.ref(self)
+        algorithm = self.algorithm
+
+        def forget() -> None:
+            sync.remove()
+            algorithm.release_buckets(sync.owner)
+            group = me()
+            if group is not None and sync in group._synchronizers:
+                group._synchronizers.remove(sync)
+
+        weakref.finalize(owner, forget)
+        return sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block (no communication); the next synced
+        pass averages the accumulated sum. Synchronizers made inside start switched off."""
+        before = [(s, s.enabled) for s in self._synchronizers]
+        self._paused += 1
+        for s, _ in before:
+            s.enabled = False
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            known = {id(s) for s, _ in before}
+            for s, was in before:
+                s.enabled = was
+            if self._paused == 0:
+                for s in self._synchronizers:
+                    if id(s) not in known:
+                        s.enabled = True
+
+    def close(self) -> None:
+        """Remove every synchronizer's hooks and stop the tracker; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for sync in self._synchronizers:
+            sync.remove()
+            self.algorithm.release_buckets(sync.owner)
+        self._synchronizers = []
+        self.tracker.close()
