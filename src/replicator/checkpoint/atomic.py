@@ -7,11 +7,13 @@ either sees the old name or the complete new one, never a half-written file.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import hashlib
 import os
 import shutil
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -140,12 +142,32 @@ def hash_file(path: str | Path) -> str:
     return hasher.hexdigest()
 
 
+#: Name of the threads deleting trash in the background; the process waits for them at exit
+#: (here through atexit; the launcher's script entry by this name before it leaves).
+PRUNE_THREAD_NAME = "replicator-prune"
+#: Longest wait at exit for background deletions to finish.
+PRUNE_EXIT_WAIT_SECONDS = 30.0
+
+
+def finish_removals(timeout: float = PRUNE_EXIT_WAIT_SECONDS) -> None:
+    """Wait (at most ``timeout`` s in all) for background deletions, so that a process that
+    ends, even by failing, leaves no ``.trash-`` directory behind."""
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread.name == PRUNE_THREAD_NAME:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(finish_removals)
+
+
 def remove_tree(path: str | Path, wait: bool = True) -> None:
     """Delete a directory without ever exposing a half-deleted one under its own name.
 
     It is first renamed to a hidden ``.trash-`` name (atomic), then deleted; a crash in between
     leaves only trash, which the next cleanup removes. ``wait=False`` deletes on a daemon
-    thread, so freeing a large old checkpoint does not hold up training.
+    thread, so freeing a large old checkpoint does not hold up training; the process waits
+    for it when it exits (:func:`finish_removals`).
     """
     path = Path(path)
     if not path.exists():
@@ -159,7 +181,7 @@ def remove_tree(path: str | Path, wait: bool = True) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
-                         name="replicator-prune", daemon=True).start()
+                         name=PRUNE_THREAD_NAME, daemon=True).start()
 
 
 def free_bytes(path: str | Path) -> int | None:

@@ -44,11 +44,18 @@ from replicator.cluster.env_names import (
     TIMEOUT_ENV,
 )
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.failure_report import (
+    RankEnd,
+    describe_codes,
+    describe_exit,
+    failure_for,
+    resume_hint,
+    root_of,
+)
 from replicator.cluster.output import OutputRelay, terminal_env
 from replicator.cluster.ports import LOOPBACK, check_port, listen
-from replicator.cluster.restart_policy import group_by_rank, restart_refusal
+from replicator.cluster.restart_policy import restart_refusal
 from replicator.cluster.worker_errors import (
-    WorkerError,
     error_path,
     read_backup,
     read_error,
@@ -159,14 +166,6 @@ class _Outcome:
     error_types: tuple[str, ...] = ()
 
 
-#: Words of the collectives' error for a peer that exited (see comm/collectives.py).
-_CONSEQUENCES = ("because another replica exited or lost its connection",)
-
-
-def _describe_codes(codes: dict[int, int | None]) -> str:
-    return ", ".join(group_by_rank({r: _describe_exit(c) for r, c in codes.items()}))
-
-
 def available_cores() -> int:
     """The CPU cores this process may run on (its affinity mask), at least 1."""
     try:
@@ -183,19 +182,6 @@ def oversubscription_warning(nproc: int, cores: int) -> str | None:
             f"machine: each worker gets one thread and the {nproc} workers take turns on the "
             f"cores, so training is slower than with --nproc {cores}. HINT: use --nproc {cores} "
             "or fewer unless you are testing the distributed code itself.")
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code == PREEMPTION_EXIT_CODE:
-        return f"exit code {code} (preempted; backup saved)"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 class LocalGroup:
@@ -274,7 +260,7 @@ class LocalGroup:
             if self.signalled:
                 raise PreemptedError(
                     "the job received SIGTERM: the workers were asked to save a backup and stop "
-                    f"({_describe_codes(outcome.exitcodes)}).\n"
+                    f"({describe_codes(outcome.exitcodes)}).\n"
                     f"{self._resume_hint(outcome.exitcodes)}", rank=outcome.failure.rank,
                     exit_code=PREEMPTION_EXIT_CODE) from outcome.failure
             if attempt < self.max_restarts - self.worker_restarts:
@@ -290,14 +276,7 @@ class LocalGroup:
 
     def _resume_hint(self, codes: dict[int, int | None]) -> str:
         """What a rerun does: resume from a committed backup, or start over without one."""
-        note = read_backup(self.error_dir, range(self.world))
-        if note is not None:
-            return (f"Rerun the same command to resume from the backup (step {note.step} in "
-                    f"{note.directory}).")
-        if any(c == PREEMPTION_EXIT_CODE for c in codes.values()):
-            return "Rerun the same command to resume from the backup."
-        return ("No backup was saved (the script uses no BackupAndRestore, or it had not saved "
-                "yet): a rerun starts from the beginning.")
+        return resume_hint(read_backup(self.error_dir, range(self.world)), codes)
 
     def _run_once(self, attempt: int) -> _Outcome:
         self.workers = []
@@ -341,6 +320,9 @@ class LocalGroup:
         deadline = time.time() + (_preemption_grace() if saving else FAILURE_GRACE_SECONDS)
         while time.time() < deadline and any(w.poll() is None for w in self.workers):
             time.sleep(0.02)
+            for w in self.workers:  # when each end was seen orders the causes
+                if w.detected_at is None and w.poll() is not None:
+                    w.detected_at = time.time()
         terminated = [w.rank for w in self.workers if w.poll() is None]
         self.stop_all()
         failure, types = self._failure(attempt, first_failed, terminated)
@@ -362,7 +344,7 @@ class LocalGroup:
                     restarted = True
                     continue
                 self.lost.add(rank)
-                self.say(f"[replicator] worker rank {rank} was lost ({_describe_exit(code)}); "
+                self.say(f"[replicator] worker rank {rank} was lost ({describe_exit(code)}); "
                          "the parameter servers and the other workers go on without it")
         return restarted
 
@@ -370,7 +352,7 @@ class LocalGroup:
         """Start worker ``rank`` again alone; it rejoins the running parameter servers."""
         self.worker_restarts += 1
         used = self.worker_restarts + self.attempt
-        self.say(f"[replicator] worker rank {rank} was lost ({_describe_exit(code)}); restarting "
+        self.say(f"[replicator] worker rank {rank} was lost ({describe_exit(code)}); restarting "
                  f"it alone to rejoin the parameter servers (restart {used} of "
                  f"{self.max_restarts})")
         self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
@@ -384,44 +366,25 @@ class LocalGroup:
 
     def _failure(self, attempt: int, first: _Worker, terminated: list[int]
                  ) -> tuple[WorkerFailedError, tuple[str, ...]]:
-        errors: dict[int, WorkerError] = {}
-        for w in self.workers:
-            err = read_error(error_path(self.error_dir, w.rank, attempt))
-            if err is not None:
-                errors[w.rank] = err
-        failed = [w for w in self.workers if w.rank not in terminated and w.poll() not in (None, 0)]
-
-        def when(w: _Worker) -> tuple[bool, float]:
-            # A rank that failed only because a peer vanished is a consequence, not the cause:
-            # a peer killed by a signal leaves no error file and is detected a moment later.
-            err = errors.get(w.rank)
-            consequence = err is not None and any(m in err.message for m in _CONSEQUENCES)
-            t = min(err.time, w.detected_at or err.time) if err else (w.detected_at or 0.0)
-            return consequence, t
-
-        root = min(failed, key=when) if failed else first
-        code = root.poll()
-        if code == PREEMPTION_EXIT_CODE:
-            codes = {w.rank: w.poll() for w in self.workers}
+        """The attempt's failure, its root cause first (see ``failure_report``)."""
+        codes = {w.rank: w.poll() for w in self.workers}
+        ends = [RankEnd(w.rank, codes[w.rank], w.detected_at,
+                        read_error(error_path(self.error_dir, w.rank, attempt)),
+                        w.rank in terminated) for w in self.workers]
+        root = root_of(ends, first.rank)
+        if root.code == PREEMPTION_EXIT_CODE:
             return PreemptedError(
                 "the workers were preempted (SIGTERM reached a rank): they agreed on a step, "
                 f"saved a backup and stopped with exit code {PREEMPTION_EXIT_CODE} "
-                f"({_describe_codes(codes)}).\n{self._resume_hint(codes)}", rank=root.rank,
-                exit_code=code), ()
-        err = errors.get(root.rank)
-        message = err.summary if err else _describe_exit(code)
-        details: dict[int, str] = {}
-        for w in self.workers:
-            if w.rank == root.rank:
-                continue
-            if w.rank in terminated:
-                details[w.rank] = f"terminated by the launcher after rank {root.rank} failed"
-            elif w.poll() not in (None, 0):
-                detail = errors[w.rank].summary if w.rank in errors else _describe_exit(w.poll())
-                details[w.rank] = f"{detail.splitlines()[0][:200]} (after rank {root.rank} failed)"
-        failure = WorkerFailedError(root.rank, code, message, err.traceback if err else "",
-                                    group_by_rank(details))
-        return failure, (err.types if err else ())
+                f"({describe_codes(codes)}).\n{self._resume_hint(codes)}", rank=root.rank,
+                exit_code=PREEMPTION_EXIT_CODE), ()
+        return failure_for(ends, first.rank, self._role,
+                           read_backup(self.error_dir, range(self.world)))
+
+    def _role(self, rank: int) -> str:
+        """``"parameter server K"`` for the last ``num_ps`` ranks, else ``""``."""
+        first_server = self.world - self.num_ps
+        return f"parameter server {rank - first_server}" if rank >= first_server else ""
 
     def stop_all(self) -> None:
         for w in self.workers:

@@ -9,9 +9,24 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
+import time
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
 from replicator.cluster.worker_errors import ScriptNotFoundError, error_path, record_exception
+
+#: Threads whose work a failing worker waits for before it leaves (at most
+#: ``_FINISH_SECONDS``): the background deletions of ``checkpoint.atomic``, so that a failed
+#: run leaves no ``.trash-`` directory in its backup directory.
+_FINISH_THREADS = ("replicator-prune",)
+_FINISH_SECONDS = 30.0
+
+
+def _finish_threads() -> None:
+    deadline = time.monotonic() + _FINISH_SECONDS
+    for thread in threading.enumerate():
+        if thread.name in _FINISH_THREADS:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _clean_exit(code: int) -> None:
@@ -59,6 +74,7 @@ def main() -> None:
         if not error_dir:
             raise
         record_exception(exc, rank, error_path(error_dir, rank, attempt))
+        _finish_threads()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

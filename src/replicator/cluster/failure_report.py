@@ -1,0 +1,192 @@
+"""Why an attempt of the local launcher failed: the cause first, the rest as its consequences.
+
+The launcher knows every rank's exit code, the error file of each rank that raised (type,
+message, traceback, time) and when it saw each process end. From these it names one root:
+
+* A rank whose error only says that a peer vanished (a collective "failed because another
+  replica exited", a shared-memory wait whose peer "exited while the others waited", a
+  ``ParameterServerLostError``) is a consequence, never the cause while another rank failed by
+  itself: a parameter server killed by SIGKILL is the cause of its workers' errors, although
+  they wrote their errors before the launcher saw the server's end.
+* Among the rest, the earliest failure is the root (error time, or when its end was seen).
+* A consequence with no failed peer behind it waited for a rank that *finished its script
+  normally* (exit code 0): a collective called on some ranks only. That is said as it is,
+  with the waiting rank's collective and its line in the script.
+
+The other ranks are listed after the root, "after rank R failed / was killed". When the job
+has a committed backup (see ``worker_errors.read_backup``) and a rerun would not repeat the
+same failure, the summary ends with the line that says how to resume from it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.restart_policy import group_by_rank, restart_refusal
+from replicator.cluster.worker_errors import BackupNote, WorkerError
+from replicator.errors import WorkerFailedError
+
+#: Words of the errors of a rank whose peer vanished (comm/op_errors.py, comm/shm_segment.py).
+CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",
+                       "exited while the others waited for it")
+#: Exception types raised because a peer vanished (a worker losing its parameter server).
+CONSEQUENCE_TYPES = ("ParameterServerLostError",)
+
+
+def describe_exit(code: int | None) -> str:
+    """``exit code 1``, ``killed by SIGKILL``, ``exit code 75 (preempted; backup saved)``."""
+    if code is None:
+        return "still running"
+    if code == PREEMPTION_EXIT_CODE:
+        return f"exit code {code} (preempted; backup saved)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def describe_codes(codes: dict[int, int | None]) -> str:
+    """Every rank's end in one line, ranks with the same end grouped."""
+    return ", ".join(group_by_rank({r: describe_exit(c) for r, c in codes.items()}))
+
+
+def resume_hint(note: BackupNote | None, codes: dict[int, int | None]) -> str:
+    """What a rerun does: resume from a committed backup, or start over without one."""
+    if note is not None:
+        return (f"Rerun the same command to resume from the backup (step {note.step} in "
+                f"{note.directory}).")
+    if any(c == PREEMPTION_EXIT_CODE for c in codes.values()):
+        return "Rerun the same command to resume from the backup."
+    return ("No backup was saved (the script uses no BackupAndRestore, or it had not saved "
+            "yet): a rerun starts from the beginning.")
+
+
+@dataclass
+class RankEnd:
+    """How one rank of a failed attempt ended, as the launcher saw it."""
+
+    rank: int
+    code: int | None                 # exit code; None: still running when the launcher stopped
+    seen_at: float | None            # when the launcher saw it end (time.time())
+    error: WorkerError | None = None  # its error file, if it raised
+    terminated: bool = False         # stopped by the launcher after the failure
+
+    @property
+    def failed(self) -> bool:
+        return not self.terminated and self.code not in (None, 0)
+
+    @property
+    def consequence(self) -> bool:
+        """Its error only says that a peer vanished."""
+        err = self.error
+        return err is not None and (any(p in err.message for p in CONSEQUENCE_PHRASES)
+                                    or any(t in CONSEQUENCE_TYPES for t in err.types))
+
+    def time(self) -> float:
+        times = [t for t in (self.error.time if self.error else None, self.seen_at)
+                 if t is not None]
+        return min(times) if times else float("inf")
+
+
+def root_of(ends: list[RankEnd], first: int) -> RankEnd:
+    """The rank whose failure the others followed (``first``: the first the launcher saw)."""
+    failed = [e for e in ends if e.failed]
+    if not failed:
+        return next(e for e in ends if e.rank == first)
+    return min(failed, key=lambda e: (e.consequence, e.time(), e.rank))
+
+
+# -- a rank that finished while the others waited ----------------------------------------------
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+_NAMED_PEER = re.compile(r"rank (\d+) \(pid \d+\) exited while the others waited")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import torch
+
+    import replicator
+
+    dirs = [os.path.dirname(replicator.__file__), os.path.dirname(torch.__file__),
+            sysconfig.get_paths()["stdlib"]]
+    return tuple(os.path.realpath(d) + os.sep for d in dirs)
+
+
+def call_site(traceback_text: str) -> tuple[str, str] | None:
+    """``(call, "script.py:7")``: the last frame of the user's own code in a traceback and
+    the library function it called there (``None`` when there is no such frame)."""
+    frames = [m for m in map(_FRAME.match, traceback_text.splitlines()) if m]
+    library = _library_dirs()
+
+    def is_library(path: str) -> bool:
+        return path.startswith("<") or os.path.realpath(path).startswith(library)
+
+    for i in range(len(frames) - 1, 0, -1):
+        if is_library(frames[i]["path"]) and not is_library(frames[i - 1]["path"]):
+            user = frames[i - 1]
+            return frames[i]["func"], f"{user['path']}:{user['line']}"
+    return None
+
+
+def finished_while_waiting(root: RankEnd, ends: list[RankEnd]) -> str | None:
+    """The explanation when ``root`` waited for ranks that exited normally (else ``None``)."""
+    if not root.consequence or any(e.failed and e is not root for e in ends):
+        return None
+    done = [e.rank for e in ends if e.code == 0 and not e.terminated]
+    named = _NAMED_PEER.search(root.error.message) if root.error else None
+    if named and int(named.group(1)) in done:
+        done = [int(named.group(1))]
+    if not done:
+        return None
+    who = "rank" if len(done) == 1 else "ranks"
+    site = call_site(root.error.traceback) if root.error else None
+    where = f" in `{site[0]}` at {site[1]}" if site else " in a collective"
+    return (f"{who} {', '.join(map(str, done))} finished {'its' if len(done) == 1 else 'their'}"
+            f" script normally (exit code 0) while rank {root.rank} waited for "
+            f"{'it' if len(done) == 1 else 'them'}{where}. The likely cause: a collective "
+            "called on some ranks only (for example under `if strategy.is_chief:`). HINT: "
+            "every rank must make the same collective calls in the same order; call it on "
+            "every rank and use the result on the chief only.")
+
+
+# -- the summary -------------------------------------------------------------------------------
+def failure_for(ends: list[RankEnd], first: int, role: Callable[[int], str],
+                note: BackupNote | None) -> tuple[WorkerFailedError, tuple[str, ...]]:
+    """The launcher's :class:`WorkerFailedError` for a failed attempt and the root's
+    exception types. ``role(rank)``: how to name a rank besides its number (``"parameter
+    server 0"``, or ``""``); ``note``: the job's committed backup, if any."""
+    root = root_of(ends, first)
+    err = root.error
+    named = f"{role(root.rank)} (rank {root.rank})" if role(root.rank) else f"rank {root.rank}"
+    message = finished_while_waiting(root, ends)
+    if message is None:
+        message = err.summary if err else describe_exit(root.code)
+        if err is None and role(root.rank):
+            message = f"{role(root.rank)} was {describe_exit(root.code)}"
+    after = (f"after {named} was {describe_exit(root.code)}"
+             if err is None and root.code is not None and root.code < 0
+             else f"after rank {root.rank} failed")
+    details: dict[int, str] = {}
+    for e in ends:
+        if e is root:
+            continue
+        if e.terminated:
+            details[e.rank] = f"terminated by the launcher {after}"
+        elif e.failed:
+            text = e.error.summary if e.error else describe_exit(e.code)
+            if e.error is None and role(e.rank):
+                text = f"{role(e.rank)}, {text}"
+            details[e.rank] = f"{text.splitlines()[0][:200]} ({after})"
+    types = err.types if err else ()
+    if note is not None and restart_refusal(types) is None:
+        message += "\n" + resume_hint(note, {})
+    failure = WorkerFailedError(root.rank, root.code, message, err.traceback if err else "",
+                                group_by_rank(details))
+    return failure, types

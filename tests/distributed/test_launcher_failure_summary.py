@@ -1,0 +1,115 @@
+"""The launcher's summary of a failed run names the cause first: a rank that finished while
+another waited, a parameter server killed before its workers failed, and how to resume."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from replicator.cluster.failure_report import RankEnd, call_site, failure_for, root_of
+from replicator.cluster.worker_errors import BackupNote, WorkerError
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+REPLICATOR = [sys.executable, "-m", "replicator.cli"]
+
+
+def _run(args: list[str], tmp_path: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    return subprocess.run(REPLICATOR + args, capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_finished_while_the_chief_waited_is_named_as_such(tmp_path) -> None:
+    out = _run(["run", "--nproc", "2", str(SCRIPTS / "chief_only_reduce.py")], tmp_path)
+    assert out.returncode == 1, out.stderr
+    first = out.stderr.splitlines()[0]
+    assert first.startswith("replicator run: rank 0 failed (exit code 1): rank 1 finished its "
+                            "script normally (exit code 0) while rank 0 waited for it in "
+                            "`reduce` at "), first
+    assert "chief_only_reduce.py:10." in first  # the chief-only call, not the shared one
+    assert "a collective called on some ranks only" in first and "HINT" in first
+    assert "look for that rank's own error" not in first
+    assert "rank 1 done" in out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_parameter_server_is_the_cause_of_its_workers_errors(tmp_path) -> None:
+    out = _run(["run", "--nproc", "3", "--num-ps", "1", str(SCRIPTS / "kill_server.py")],
+               tmp_path)
+    assert out.returncode == 1, out.stderr
+    text = out.stderr
+    assert "rank 2 failed (exit code -9): parameter server 0 was killed by SIGKILL" in text, text
+    others = text[text.index("Other ranks:"):]
+    for rank in (0, 1):
+        line = next(ln for ln in others.splitlines() if ln.strip().startswith(f"rank {rank}:"))
+        assert "ParameterServerLostError" in line, text
+        assert line.endswith("(after parameter server 0 (rank 2) was killed by SIGKILL)"), line
+    assert "after rank 0 failed" not in text
+
+
+def _error(rank: int, message: str, when: float, kind: str = "RuntimeError",
+           traceback: str = "") -> WorkerError:
+    return WorkerError(rank, kind, message, traceback, when, (kind, "Exception"))
+
+
+def test_consequences_never_come_before_a_cause_that_was_seen_later() -> None:
+    lost = "parameter server 0 (rank 2) is lost with the 1 variable shard(s) it held: w"
+    ends = [RankEnd(0, 1, 10.02, WorkerError(0, "ParameterServerLostError", lost, "", 10.0,
+                                             ("ParameterServerLostError", "ReplicatorError"))),
+            RankEnd(1, 1, 10.02, _error(1, "because another replica exited or lost its "
+                                           "connection", 10.01)),
+            RankEnd(2, -9, 10.03)]  # seen last: the launcher polls
+    assert root_of(ends, first=0).rank == 2
+    # a real failure of its own still comes first when it was earlier
+    ends.append(RankEnd(3, 1, 9.0, _error(3, "bad value", 9.0)))
+    assert root_of(ends, first=0).rank == 3
+
+
+def test_the_call_site_is_the_users_line_and_the_library_call_it_made() -> None:
+    import replicator
+
+    lib = os.path.dirname(replicator.__file__)
+    tb = (f'Traceback (most recent call last):\n  File "train.py", line 12, in <module>\n'
+          f'    main()\n  File "train.py", line 9, in main\n    strategy.gather(x)\n'
+          f'  File "{lib}/strategies/base.py", line 400, in gather\n    return ...\n'
+          f'  File "{lib}/comm/collectives.py", line 80, in all_gather\n    ...\n'
+          "RuntimeError: boom\n")
+    assert call_site(tb) == ("gather", "train.py:9")
+    assert call_site("RuntimeError: no frames") is None
+
+
+def test_a_committed_backup_adds_the_resume_line_unless_a_rerun_repeats_the_failure() -> None:
+    note = BackupNote("/ckpt", 40)
+    killed = [RankEnd(0, None, None, terminated=True), RankEnd(1, -9, 5.0)]
+    failure, _ = failure_for(killed, 1, lambda r: "", note)
+    assert str(failure).splitlines()[0] == "rank 1 failed (exit code -9): killed by SIGKILL"
+    assert "Rerun the same command to resume from the backup (step 40 in /ckpt)." in \
+        str(failure).splitlines()[1]
+    assert "terminated by the launcher after rank 1 was killed by SIGKILL" in failure.others[0]
+    nan = [RankEnd(0, 1, 5.0, _error(0, "nan at step 41", 5.0, "NonFiniteLossError"))]
+    failure, _ = failure_for(nan, 0, lambda r: "", note)
+    assert "Rerun" not in str(failure)
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_run_leaves_no_trash_and_says_how_to_resume(tmp_path) -> None:
+    for how in ("raise", "kill"):
+        backup = tmp_path / f"backup-{how}"
+        out = _run(["run", "--nproc", "2", str(SCRIPTS / "fail_after_backups.py"), str(backup),
+                    how], tmp_path)
+        assert out.returncode == 1, out.stderr
+        lines = out.stderr.splitlines()  # the workers' own warnings come first
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("replicator run: "))
+        cause = "killed by SIGKILL" if how == "kill" else "RuntimeError: failing on purpose"
+        assert lines[at].startswith("replicator run: rank 1 failed") and cause in lines[at], \
+            out.stderr
+        assert lines[at + 1].startswith("Rerun the same command to resume from the backup "
+                                        "(step "), out.stderr
+        if how == "raise":  # a SIGKILLed rank cannot clean up; its trash goes at the next start
+            names = sorted(p.name for p in backup.iterdir())
+            assert "step-00000009" in names and not any(".trash-" in n for n in names), names
