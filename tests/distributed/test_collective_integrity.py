@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import replicator as rp
+from replicator.comm.collective_tracker import CollectiveTracker
 from replicator.comm.collectives import Collectives
-from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import CollectiveMismatchError
 from replicator.testing import run_distributed

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.bucket_layout import pack, unpack_into
+from replicator.comm.collective_tracker import CollectiveTracker
 from replicator.comm.fingerprint import (
     PendingCheck,
     backend_verdict,
@@ -33,7 +34,6 @@ from replicator.comm.fingerprint import (
 from replicator.comm.fingerprint import exchange_texts as _exchange_texts
 from replicator.comm.op_errors import LOST_PEER_WORDS as _LOST_PEER_WORDS
 from replicator.comm.op_errors import TIMEOUT_WORDS as _TIMEOUT_WORDS
-from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import ReplicaTimeoutError, ReplicatorError
 

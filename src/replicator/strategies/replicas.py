@@ -35,9 +35,9 @@ from replicator.cluster.process_group import (
 )
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
+from replicator.comm.collective_tracker import CollectiveTracker
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
-from replicator.comm.progress import CollectiveTracker
 from replicator.comm.reduce_op import ReduceOp
 
 
