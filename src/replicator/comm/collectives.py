@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from replicator.comm import timing
 from replicator.comm.bucket_layout import pack, unpack_into
 from replicator.comm.collective_tracker import CollectiveTracker
 from replicator.comm.fingerprint import (
@@ -188,10 +189,13 @@ class Collectives:
     def guard(self, what: str) -> Iterator[int]:
         """Count ``what`` as one collective and translate the backend's failures."""
         seq = self.tracker.enter(what)
+        started = timing.start()  # time spent waiting here, when the timers are on
         try:
             yield seq
         except (RuntimeError, ReplicaTimeoutError) as exc:
             raise self.translate(exc, seq, what) from exc
+        finally:
+            timing.stop(started)
 
     def translate(self, exc: BaseException, seq: int, what: str) -> Exception:
         text = str(exc).lower()

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from replicator.comm import timing
 from replicator.comm.groups import (
     check_member,
     default_timeout_seconds,
@@ -84,14 +85,17 @@ class Lane:
             fn, what, device, ready, done, future = item
             if not future.set_running_or_notify_cancel():
                 continue
+            started = timing.start()  # counted as overlapped communication
             try:
                 if ready is not None:
                     self._run_on_side_stream(fn, device, ready, done)
                 else:
                     fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                timing.stop(started)
                 future.set_exception(algorithm_error(exc, self.rank, what))
             else:
+                timing.stop(started)
                 future.set_result(True)
 
     def _run_on_side_stream(self, fn: Callable[[], None], device: torch.device,
