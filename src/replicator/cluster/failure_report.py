@@ -112,9 +112,8 @@ _NAMED_PEER = re.compile(r"rank (\d+) \(pid \d+\) exited while the others waited
 def _library_dirs() -> tuple[str, ...]:
     import torch
 
-    import replicator
-
-    dirs = [os.path.dirname(replicator.__file__), os.path.dirname(torch.__file__),
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replicator/
+    dirs = [package, os.path.dirname(torch.__file__),
             sysconfig.get_paths()["stdlib"]]
     return tuple(os.path.realpath(d) + os.sep for d in dirs)
 

@@ -56,7 +56,7 @@ class MirroredStrategy(Strategy):
 
     ``devices``: the devices of this machine's replicas, one per local process (``None``: one
     GPU per process when there are enough, else the CPU). ``cross_device_ops``: the all-reduce
-    algorithm for gradients (default :class:`~replicator.NativeAllReduce`). ``mesh`` and
+    algorithm for gradients (default :class:`~replicator.comm.NativeAllReduce`). ``mesh`` and
     ``axis``: replicate along one axis of a :class:`~replicator.cluster.Topology` (default: every
     process of the job is a replica). ``buffer_sync``: what happens to buffers such as
     BatchNorm's running statistics after each synchronised backward pass: ``"mean"`` (averaged
@@ -91,7 +91,7 @@ class MirroredStrategy(Strategy):
             device = default_device_for(spec.local_rank)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as "
-                            f"rp.NativeAllReduce(), got {type(cross_device_ops).__name__}")
+                            f"rp.comm.NativeAllReduce(), got {type(cross_device_ops).__name__}")
         if communication_options is not None and \
                 not isinstance(communication_options, CommunicationOptions):
             raise TypeError(f"communication_options must be rp.CommunicationOptions(...), got "
@@ -187,7 +187,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     In replicator's one-process-per-replica model this is the same engine as
     :class:`MirroredStrategy`; the names follow tf.distribute. ``CommunicationOptions`` or an
     all-reduce algorithm given as the first argument is taken as such
-    (``MultiWorkerMirroredStrategy(rp.RingAllReduce())``).
+    (``MultiWorkerMirroredStrategy(rp.comm.RingAllReduce())``).
     """
 
     name = "multi_worker_mirrored"
@@ -226,7 +226,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     "other strategy, or drop cluster_resolver.")
             use_cluster(spec)
         if not dist.is_initialized():
-            from replicator.cluster.multi_node import choose_gloo_interface
+            from replicator.cluster.interfaces import choose_gloo_interface
 
             spec = resolve_cluster()
             if spec.world_size > 1:
