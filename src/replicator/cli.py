@@ -26,6 +26,9 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
     p.add_argument("--num-ps", type=int, default=0,
                    help="how many of the --nproc processes (the last ranks) are parameter "
                    "servers, for ParameterServerStrategy")
+    p.add_argument("--force", action="store_true",
+                   help="start the workers even when this machine's available memory cannot "
+                   "hold them (about 300 MB each)")
     p.add_argument("--quiet-workers", action="store_true",
                    help="show only the chief's (rank 0) output; failures of any rank are "
                    "still reported")
@@ -110,6 +113,22 @@ def _print_env() -> None:
           f"({choice.reason}{hosts})")
 
 
+def _refusal(args: argparse.Namespace) -> str | None:
+    """What is refused before any worker starts: a strategy the demo cannot run, and more
+    workers than this machine's memory holds (unless ``--force``)."""
+    if args.command == "demo":
+        from replicator.demo import digits
+
+        refusal = digits.strategy_refusal(args.strategy, args.nproc, args.num_ps)
+        if refusal is not None:
+            return refusal
+    if args.force or not isinstance(args.nproc, int):
+        return None
+    from replicator.cluster.memory_budget import available_memory, memory_refusal
+
+    return memory_refusal(args.nproc, available_memory())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     parser, demo_actions = _parser()
@@ -133,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                   "of worker processes).", file=sys.stderr)
             return USAGE_EXIT_CODE
         script, script_args = args.script, args.script_args
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"replicator {args.command}: error: {refusal}", file=sys.stderr)
+        return USAGE_EXIT_CODE
     try:
         if args.nnodes != 1 or args.node_rank is not None or args.master_addr is not None:
             from replicator.cluster.multi_node import run_multi_node

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
 from collections.abc import Collection, Mapping, Sequence
 from typing import Literal
 
@@ -170,9 +171,12 @@ class Topology:
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
             raise ClusterConfigError(f"num_ps must be a non-negative integer, got {num_ps!r}")
         if num_ps >= self.world_size:
+            script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "script.py"
             raise ClusterConfigError(
-                f"num_ps={num_ps} leaves no worker in a job of {self.world_size} process(es). "
-                f"HINT: launch at least {num_ps + 1} processes.")
+                f"num_ps={num_ps} leaves no worker in a job of {self.world_size} process(es): "
+                "parameter servers and workers are processes of their own. HINT: launch at "
+                f"least {num_ps + 1}, e.g. `replicator run --nproc {num_ps + 1} --num-ps "
+                f"{num_ps} {script}` (or torchrun --nproc-per-node {num_ps + 1}).")
         self.num_ps = num_ps
         self.num_workers = self.world_size - num_ps
         self.axes = resolve_axes(axes, self.num_workers)

@@ -1,0 +1,87 @@
+"""How many local workers this machine's memory holds, checked before any worker starts.
+
+Every worker is a Python interpreter with torch imported, plus the script's model and data:
+``import torch, replicator`` alone is 300 MB of resident memory, and the digits demo peaks at
+410 MB in one process, of which the shared libraries' pages are shared between workers. So
+about 300 MB a worker is the least a job needs. Starting more than memory holds does not fail
+cleanly: the kernel's out-of-memory killer picks processes (maybe the launcher, maybe the
+desktop), so ``replicator run`` / ``demo`` refuse it up front with the arithmetic, unless
+``--force``.
+
+The memory available is the kernel's ``MemAvailable`` (``/proc/meminfo``; elsewhere
+``os.sysconf``), lowered to what a cgroup limit (a container) leaves.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Resident memory a worker needs at least (an interpreter with torch and a small model).
+WORKER_BYTES = 300 * 1024 ** 2
+_GB = 1024 ** 3
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _sysconf_available() -> int | None:
+    try:
+        pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return pages * size if pages > 0 and size > 0 else None
+
+
+def _cgroup_left(root: str = "/sys/fs/cgroup") -> int | None:
+    """What a cgroup v2 memory limit leaves (``None``: no limit)."""
+    try:
+        limit = Path(root, "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        used = int(Path(root, "memory.current").read_text().strip())
+        return max(0, int(limit) - used)
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory() -> tuple[int, str] | None:
+    """``(bytes available, where that figure comes from)``, or ``None`` when unknown."""
+    figures: list[tuple[int, str]] = []
+    value = _meminfo_available()
+    if value is not None:
+        figures.append((value, "MemAvailable in /proc/meminfo"))
+    else:
+        value = _sysconf_available()
+        if value is not None:
+            figures.append((value, "available physical pages, os.sysconf"))
+    left = _cgroup_left()
+    if left is not None:
+        figures.append((left, "what the container's cgroup memory.max leaves"))
+    return min(figures) if figures else None
+
+
+def memory_refusal(nproc: int, available: tuple[int, str] | None,
+                   per_worker: int = WORKER_BYTES) -> str | None:
+    """The error for ``nproc`` workers that ``available`` memory cannot hold, else ``None``
+    (also when the available memory is unknown: nothing to check against)."""
+    if available is None:
+        return None
+    free, source = available
+    need = nproc * per_worker
+    if need <= free:
+        return None
+    fits = free // per_worker
+    advice = f"use --nproc {fits} or fewer" if fits >= 1 else "free some memory first"
+    return (f"--nproc {nproc} needs about {need / _GB:.1f} GB ({nproc} workers x "
+            f"~{per_worker / 1024 ** 2:.0f} MB each: an interpreter with torch and a small "
+            f"model), but only {free / _GB:.1f} GB is available ({source}), which holds "
+            f"{fits} worker(s); more would be ended by the out-of-memory killer. HINT: "
+            f"{advice}, or add --force to start them anyway.")
