@@ -165,7 +165,8 @@ class MLflowLogger(RunLogger):
         tracking_uri: e.g. ``"http://mlflow.example:5000"``, ``"databricks"`` or a local
             ``"file:///path/mlruns"`` (MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` for
             a file store); ``None`` takes MLflow's default (``MLFLOW_TRACKING_URI``).
-        run_name, tags: the run's name and tags.
+        run_name: the run's name.
+        tags: the run's tags (beside ``replicator.strategy`` and ``.num_replicas``).
         params: hyper-parameters to record beside the ones found on the trainer.
         update_freq: ``"epoch"``, or log batch metrics every that many steps too.
     """
@@ -232,8 +233,13 @@ class WandbLogger(RunLogger):
     """Log the run to Weights & Biases (``pip install 'replicator[wandb]'``).
 
     Args:
-        project, entity, name, tags, mode, dir: as for ``wandb.init`` (``mode="offline"``
-            or ``WANDB_MODE=offline`` writes locally for a later ``wandb sync``).
+        project: the W&B project (``wandb.init``'s).
+        entity: the W&B team or user.
+        name: the run's display name.
+        tags: the run's tags.
+        mode: ``"online"``, ``"offline"`` (or ``WANDB_MODE=offline``: written locally for a
+            later ``wandb sync``) or ``"disabled"``.
+        dir: where W&B writes its local files.
         params: hyper-parameters to record in the run's config beside the ones found on the
             trainer.
         update_freq: ``"epoch"``, or log batch metrics every that many steps too.
