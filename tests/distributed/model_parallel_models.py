@@ -3,6 +3,9 @@ worker processes can import them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -13,6 +16,7 @@ import replicator as rp
 STEPS = 10
 GLOBAL_BATCH = 16
 VOCAB, DIM, SEQ = 32, 16, 8
+TIED_VOCAB, TIED_DIM, TIED_SEQ = 256, 64, 32  # the tied GPT-2's shapes
 
 
 def make_mlp(seed: int = 1) -> nn.Sequential:
@@ -89,7 +93,7 @@ def make_transformer(seed: int = 1, blocks: int = 2) -> nn.Sequential:
 
 def make_gpt2(seed: int = 1) -> nn.Module:
     """A tiny Hugging Face GPT-2 language model, random init, nothing downloaded; untied
-    output head (a pipeline cannot split tied weights across stages), no dropout."""
+    output head (the tied one is :func:`make_tied_gpt2`), no dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
@@ -100,7 +104,24 @@ def make_gpt2(seed: int = 1) -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
-MODELS = {"mlp": make_mlp, "transformer": make_transformer, "gpt2": make_gpt2}
+def make_tied_gpt2(seed: int = 1) -> nn.Module:
+    """A tiny Hugging Face GPT-2 language model with its default tied output head
+    (``lm_head.weight`` is ``transformer.wte.weight``): a pipeline's first and last stage
+    both use it. Random init, nothing downloaded, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=TIED_VOCAB, n_positions=TIED_SEQ, n_embd=TIED_DIM,
+                        n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    config._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+MODELS = {"mlp": make_mlp, "transformer": make_transformer, "gpt2": make_gpt2,
+          "gpt2_tied": make_tied_gpt2}
 
 
 def mlp_data(n: int = 320) -> TensorDataset:
@@ -110,10 +131,10 @@ def mlp_data(n: int = 320) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def token_data(n: int = 320) -> TensorDataset:
+def token_data(n: int = 320, vocab: int = VOCAB, seq: int = SEQ) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-    return TensorDataset(x, (x * 3 + 1) % VOCAB)
+    x = torch.randint(0, vocab, (n, seq), generator=g)
+    return TensorDataset(x, (x * 3 + 1) % vocab)
 
 
 def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -133,15 +154,21 @@ def full_state(strategy: rp.Strategy, model: nn.Module) -> dict[str, torch.Tenso
 
 
 def train(strategy: rp.Strategy, model_name: str, opt_name: str, steps: int = STEPS,
-          batch: int = GLOBAL_BATCH, single_pass: bool = False) -> dict:
+          batch: int = GLOBAL_BATCH, single_pass: bool = False,
+          inspect: Callable[[nn.Module], Any] | None = None) -> dict:
     """``steps`` steps of the given model and optimizer; the full parameters held and the
     losses reported by ``strategy.reduce``. ``single_pass``: the pipeline's
-    ``forward_backward`` instead of ``loss_fn(model(x), y).backward()``."""
+    ``forward_backward`` instead of ``loss_fn(model(x), y).backward()``. ``inspect``: called
+    with the trained model, its result returned as ``"inspected"``."""
     with strategy.scope():
         model = MODELS[model_name]()
         params = model.parameters()
+        # AdamW's eps=1e-6: GPT-2's attention key bias has a zero gradient in exact
+        # arithmetic; with eps=1e-8 Adam turns the rounding noise of another summation order
+        # (microbatches) into updates of about 4e-4 in 10 steps
         optimizer = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if opt_name == "sgd"
-                     else torch.optim.Adam(params, lr=0.01))
+                     else torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, eps=1e-6)
+                     if opt_name == "adamw" else torch.optim.Adam(params, lr=0.01))
 
     def step(b):
         x, y = b
@@ -157,7 +184,8 @@ def train(strategy: rp.Strategy, model_name: str, opt_name: str, steps: int = ST
         optimizer.zero_grad()
         return loss.detach()
 
-    data = mlp_data() if model_name == "mlp" else token_data()
+    data = (mlp_data() if model_name == "mlp" else token_data(vocab=TIED_VOCAB, seq=TIED_SEQ)
+            if model_name == "gpt2_tied" else token_data())
     it = iter(strategy.distribute_dataset(DataLoader(data, batch_size=batch, shuffle=True),
                                           seed=3))
     losses = []
@@ -166,6 +194,8 @@ def train(strategy: rp.Strategy, model_name: str, opt_name: str, steps: int = ST
     out = {"state": full_state(strategy, model), "losses": losses,
            "sharded": sorted(n for n, p in model.named_parameters()
                              if hasattr(p, "to_local") and p.to_local().numel() < p.numel())}
+    if inspect is not None:
+        out["inspected"] = inspect(model)
     if hasattr(strategy, "memory_report"):
         out["memory"] = strategy.memory_report().as_dict()
     return out

@@ -4,7 +4,8 @@ Each function takes the module, the ``DeviceMesh`` (or 1-D sub-mesh) of its axis
 options, and returns the module changed in place; none knows which strategy called it, and
 what it needs from one (the guard that names a hung peer, the device) comes as an argument.
 :class:`~replicator.strategies.MeshStrategy` composes them, innermost first: pipeline
-(:class:`PipelineRunner`, which cuts with :mod:`replicator.parallel.pipeline_split`), tensor
+(:class:`PipelineRunner`, which cuts with :mod:`replicator.parallel.pipeline_split` and keeps
+tied weights in step with :mod:`replicator.parallel.pipeline_tied`), tensor
 (:func:`apply_tensor_parallel`, with sequence parallelism), fully sharded (:func:`apply_fsdp`).
 
 This room sits below ``replicator.strategies`` and imports only the rooms under it (cluster,

@@ -28,6 +28,11 @@ the caller passes in (a strategy's ``Collectives.guard``), so a stage whose neig
 fails after the process group's timeout with a :class:`~replicator.errors.ReplicaTimeoutError`
 naming its rank and the pass it was in, instead of waiting for ever. Each pass is one guarded
 operation on every rank of the pipeline, so all of them count the same number.
+
+Tied weights (a parameter that stages on different ranks share, such as GPT-2's embedding and
+output head) are kept as a copy on each of those ranks and their gradients summed after each
+run of the schedule, before ``after_backward`` (:mod:`replicator.parallel.pipeline_tied`);
+:meth:`PipelineRunner.full_state_dict` gathers the stages into one state dict.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from replicator.comm.groups import default_timeout_seconds
 from replicator.errors import ReplicatorError
 from replicator.parallel.pipeline_split import (
     PipelineSplitError,
@@ -55,6 +61,7 @@ from replicator.parallel.pipeline_split import (
     named_starts,
     parameter_costs,
 )
+from replicator.parallel.pipeline_tied import TiedWeights
 
 #: Schedule name -> (torch class name, stages per rank by default, stage placement).
 SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -73,6 +80,7 @@ Guard = Callable[[str], AbstractContextManager[Any]]
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _HEADER = 10  # ints: ndim, dtype code, up to 8 sizes
+_RUNNER_ATTR = "_replicator_pipeline_runner"
 
 
 def _meta(t: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -126,14 +134,15 @@ class PipelineRunner:
 
     ``guard``: wraps every exchange between stages (see :data:`Guard`). ``after_backward``:
     called once the schedule has produced this rank's gradients (after the backward of
-    ``model(x)``, or at the end of :meth:`forward_backward`); a data axis sets it to average
-    them across replicas.
+    ``model(x)``, or at the end of :meth:`forward_backward`, tied weights' gradients already
+    summed); a data axis sets it to average them across replicas. ``timeout_seconds``: how
+    long the tied weights' group waits (default: the job's collective timeout).
     """
 
     def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, *,
                  guard: Guard, num_stages: int | None = None, num_microbatches: int = 4,
                  schedule: str = "1f1b", split_points: Sequence[str] | None = None,
-                 balance: str = "params") -> None:
+                 balance: str = "params", timeout_seconds: float | None = None) -> None:
         if mesh.ndim != 1:
             raise ValueError(f"PipelineRunner takes the 1-D mesh of the pipeline axis, got a "
                              f"{mesh.ndim}-D one. HINT: pass mesh['pipeline']")
@@ -148,6 +157,7 @@ class PipelineRunner:
         self.me = mesh.get_local_rank()
         self.global_ranks = list(dist.get_process_group_ranks(self.group))
         self._guard = guard
+        self._timeout_seconds = timeout_seconds
         placement = SCHEDULES[schedule][2]
         self.num_stages = num_stages
         self.schedule_name = schedule
@@ -155,6 +165,7 @@ class PipelineRunner:
         self.owners = stage_owners(self.num_stages, self.ranks, placement)
         self.local_ids = [s for s, r in enumerate(self.owners) if r == self.me]
         self.after_backward: Callable[[], None] | None = None
+        self.tied = TiedWeights([], [], self.global_ranks, self.me, {})
         self._wrap_output: Any = None
         known = None if isinstance(model, torch.nn.Sequential) else known_chain(model)
         if known is not None:
@@ -175,6 +186,13 @@ class PipelineRunner:
         elif balance == "params":
             self._cut(balanced_starts(parameter_costs(self.chain), self.num_stages))
         object.__setattr__(model, "forward", self.forward)
+        object.__setattr__(model, _RUNNER_ATTR, self)
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> PipelineRunner | None:
+        """The runner that cut ``model`` (``None`` for a model no pipeline cut)."""
+        runner = getattr(model, _RUNNER_ATTR, None)
+        return runner if isinstance(runner, PipelineRunner) else None
 
     # -- cutting ---------------------------------------------------------------------------------
     def _cut(self, starts: Sequence[int]) -> None:
@@ -186,6 +204,20 @@ class PipelineRunner:
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 if id(t) not in mine:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self._tie_weights()
+
+    def _tie_weights(self) -> None:
+        """Find the parameters that stages on different ranks share; make their groups and
+        start their copies equal (one guarded pass on every rank of the pipeline)."""
+        names: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        self.tied = TiedWeights(self.stages, self.owners, self.global_ranks, self.me,
+                                {k: " = ".join(v) for k, v in names.items()})
+        if self.tied:
+            timeout = self._timeout_seconds or default_timeout_seconds()
+            with self._guard(self.tied.what("first broadcast")):
+                self.tied.connect(timeout)
 
     def _measure_and_cut(self, x: torch.Tensor) -> None:
         """Balance by forward time measured on ``x``'s first microbatch (rank 0's timings,
@@ -213,8 +245,9 @@ class PipelineRunner:
 
     def describe(self) -> str:
         names = [[n for n in self.stages[s].block_names] for s in range(self.num_stages)]
-        return "; ".join(f"stage {s} (rank {self.owners[s]}): {', '.join(n)}"
-                         for s, n in enumerate(names))
+        stages = "; ".join(f"stage {s} (rank {self.owners[s]}): {', '.join(n)}"
+                           for s, n in enumerate(names))
+        return f"{stages}; tied: {self.tied.describe()}" if self.tied else stages
 
     def _what(self, doing: str) -> str:
         """A pass's name for errors: what this rank was doing, its stages and neighbours."""
@@ -419,5 +452,50 @@ class PipelineRunner:
         so the whole step is one guarded operation."""
         what = self._what(f"{self.schedule_name} schedule step ({doing} of "
                           f"{self.num_microbatches} microbatches)")
-        with self._guard(what), torch.enable_grad():
-            sched.step(*args, **kwargs)
+        kept = self.tied.set_aside()  # tied weights: this run's gradients alone, then summed
+        try:
+            with self._guard(what), torch.enable_grad():
+                sched.step(*args, **kwargs)
+        except BaseException:
+            self.tied.put_back(kept)
+            raise
+        if self.tied:
+            with self._guard(self.tied.what("sum of the gradients")):
+                self.tied.sum_gradients(kept)
+
+    # -- saving ------------------------------------------------------------------------------------
+    def full_state_dict(self, dst: int = 0) -> dict[str, Any]:
+        """The model's state dict with full tensors on pipeline rank ``dst`` (an empty dict on
+        the others; every rank of the pipeline calls it): each tensor from the lowest rank
+        holding it, a tied weight once (its copies are equal) under each of its names, as in
+        the one-device model's state dict, so ``torch.save`` writes it once and it loads
+        into the one-device model."""
+        if not self.stages:
+            raise ReplicatorError("full_state_dict: the pipeline is cut at its first batch "
+                                  "(balance='time'); call it after a step")
+        holder: dict[int, int] = {}
+        for s, stage in enumerate(self.stages):
+            for t in [*stage.parameters(), *stage.buffers()]:
+                holder[id(t)] = min(holder.get(id(t), self.owners[s]), self.owners[s])
+        out: dict[str, Any] = {}
+        done: dict[int, torch.Tensor] = {}
+        seen: set[int] = set()
+        with self._guard(self._what(f"gather of the full state dict on rank "
+                                    f"{self.global_ranks[dst]}")):
+            for name, t in self.model.state_dict(keep_vars=True).items():
+                src = holder.get(id(t)) if isinstance(t, torch.Tensor) else None
+                if src is None:  # not a tensor, or one no stage uses: as the model holds it
+                    if self.me == dst:
+                        out[name] = t.detach() if isinstance(t, torch.Tensor) else t
+                    continue
+                if id(t) not in seen:  # a tied weight's second name: the same tensor
+                    seen.add(id(t))
+                    if self.me == src == dst:
+                        done[id(t)] = t.detach()
+                    elif self.me == src:
+                        self._send(t.detach(), dst)
+                    elif self.me == dst:
+                        done[id(t)] = self._recv(src)
+                if self.me == dst:
+                    out[name] = done[id(t)]
+        return out

@@ -4,7 +4,8 @@ A model the pipeline can cut is a chain: an ``nn.Sequential`` (nested ones are f
 ``nn.Sequential(embed, nn.Sequential(*blocks), head)`` is the chain ``embed, blocks.0, ...,
 head``). Stages are contiguous runs of the chain, chosen to balance a cost per block
 (parameter count, or measured forward time) or cut before user-named blocks
-(``split_points=["layers.4"]``).
+(``split_points=["layers.4"]``). A parameter that blocks of several stages share (tied
+weights) is allowed: :func:`shared_parameters` lists it, and the pipeline keeps it in step.
 """
 
 from __future__ import annotations
@@ -192,15 +193,22 @@ class Stage(torch.nn.Module):
 
 def build_stages(chain: Sequence[tuple[str, torch.nn.Module]], starts: Sequence[int]
                  ) -> list[Stage]:
-    """One :class:`Stage` per start index; a parameter shared by two stages is an error."""
+    """One :class:`Stage` per start index. A parameter used by several stages (tied weights)
+    stays one parameter; :func:`shared_parameters` finds them."""
     ends = [*starts[1:], len(chain)]
-    stages = [Stage(chain[a:b]) for a, b in zip(starts, ends)]
-    owner: dict[int, int] = {}
+    return [Stage(chain[a:b]) for a, b in zip(starts, ends)]
+
+
+def shared_parameters(stages: Sequence[Stage]) -> list[tuple[torch.nn.Parameter, list[int]]]:
+    """Each parameter used by more than one stage (tied weights, such as GPT-2's token
+    embedding, which is also its output head), with the stages that use it, in order of first
+    use. A pipeline keeps a copy on each rank that runs one of those stages and sums the
+    copies' gradients (Megatron's way with a tied embedding)."""
+    users: dict[int, list[int]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
     for i, stage in enumerate(stages):
         for p in stage.parameters():
-            if owner.setdefault(id(p), i) != i:
-                raise PipelineSplitError(
-                    f"a parameter of shape {tuple(p.shape)} is used by stages {owner[id(p)]} "
-                    f"and {i} (tied weights, e.g. an embedding shared with the output head). "
-                    "HINT: keep tied blocks in one stage with split_points, or untie them.")
-    return stages
+            params.setdefault(id(p), p)
+            if i not in users.setdefault(id(p), []):
+                users[id(p)].append(i)
+    return [(params[k], used) for k, used in users.items() if len(used) > 1]
