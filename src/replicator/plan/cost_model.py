@@ -193,6 +193,13 @@ def _optimizer(model: ModelProfile, c: Cluster, share: float, busy_on_host: int)
     return model.optimizer_seconds_1thread * share * c.machine.slowdown_for(busy_on_host)
 
 
+def _input(whole: float, fixed: float, share: float) -> float:
+    """A replica's input time: the pipeline's fixed cost per batch, plus its ``share`` of
+    the part of the whole batch's input time that grows with the samples."""
+    fixed = min(fixed, whole)
+    return fixed + (whole - fixed) * share
+
+
 def _allreduce(c: Cluster, nbytes: float, n: int) -> float:
     """The all-reduce 'auto' would use: shared memory on one CPU host, hierarchical across."""
     if n <= 1 or nbytes <= 0:
@@ -339,19 +346,24 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         opt_share = 1.0 / stages
         batch = m.global_batch / data
     elif strategy == "parameter_server":
-        compute = _compute(m, c, batch, c.on_host(processes))
+        # servers run beside the workers and wait most of the time: compute contends with
+        # the workers only; the transport's own cost per round trip is measured here
+        compute = _compute(m, c, batch, busy)
         opt_share = 0.0
-        if c.device.is_cpu and c.hosts(processes) == 1:
-            rt = c.machine.ps_round_trip
+        rt = c.machine.ps_round_trip
+        # the servers run the optimizer, one thread each
+        server_update = (m.optimizer_seconds_1thread if c.device.is_cpu and m.measured
+                         else _optimizer(m, c, 1.0, 1)) / num_ps
+        if c.device.is_cpu and c.hosts(n) == 1:
             worker = rt.seconds(m.grad_bytes)
-            server = n * rt.b * m.grad_bytes / num_ps
-            comm = max(worker, server - compute)
-            overhead = m.optimizer_seconds_1thread / num_ps  # the servers run the optimizer
+            server = n * (rt.b * m.grad_bytes / num_ps + server_update)
         else:
-            bw = c.link.bandwidth if c.hosts(processes) > 1 else c.device.intra_bandwidth
-            step = ps_step_seconds(compute, m.grad_bytes, m.param_bytes, n, num_ps, bw,
-                                   c.link.alpha)
-            comm = step - compute
+            bw = c.link.bandwidth if c.hosts(n) > 1 else c.device.intra_bandwidth
+            worker = ps_step_seconds(rt.a, m.grad_bytes, m.param_bytes, 1, 1, bw,
+                                     c.link.alpha)
+            server = n * ((m.grad_bytes + m.param_bytes) / (num_ps * bw) + server_update)
+        comm = max(worker, server - compute - server_update)
+        overhead = server_update
         notes.append("asynchronous: each worker steps on its own; the step is one worker's")
     else:  # mirrored / central_storage: data parallel
         compute = _compute(m, c, batch, busy)
@@ -363,18 +375,19 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         overhead = _sync_overhead(c, n)
     overhead += _small_collectives(m, c, n)
     optimizer = _optimizer(m, c, opt_share, busy)
-    input_s = m.input_seconds * (batch / m.global_batch)
+    input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch)
     if c.device.is_cpu and m.measured and (busy > 1 or threads == 1):  # one thread per rank
-        input_s = (m.input_seconds_1thread or m.input_seconds) * (batch / m.global_batch) \
-            * c.machine.slowdown_for(busy)
+        input_s = _input(m.input_seconds_1thread or m.input_seconds, c.machine.input_fixed,
+                         batch / m.global_batch) * c.machine.slowdown_for(busy)
     if threads == 1:
         optimizer = m.optimizer_seconds_1thread
     breakdown = {"compute": compute, "communication": comm, "optimizer": optimizer,
                  "input": input_s, "overhead": overhead}
     step = sum(breakdown.values())
-    on_host = c.on_host(processes)
+    hosts = c.hosts(n)  # parameter servers run beside the workers
+    on_host = c.on_host(n) + (processes - n if hosts == 1 else 0)
     mem, cap, text = _memory(m, c, strategy, n, batch, on_host if c.device.is_cpu else 1)
     samples = m.global_batch / step if step > 0 else math.inf
-    return Prediction(strategy, n, processes, c.hosts(processes), step, samples, breakdown,
+    return Prediction(strategy, n, processes, hosts, step, samples, breakdown,
                       mem, cap, text, feasible=not why_not, why_not=why_not, notes=notes,
                       threads=threads)

@@ -8,6 +8,7 @@
 * the gradient engine's fixed cost per backward pass and one ``strategy.reduce`` of a scalar
   (``MirroredStrategy`` on a tiny model), point-to-point send/recv (pipeline stages), and a
   parameter server's push + pull round trip;
+* the input pipeline's fixed cost per batch (``distribute_dataset`` of tiny samples);
 * the memory of a bare worker process, RAM and cores.
 
 Each measurement runs in worker processes of ``rp.launch``; the whole takes 20-40 s.
@@ -91,6 +92,28 @@ def _single_thread_rates() -> tuple[float, float]:
     finally:
         torch.set_num_threads(threads)
     return flops, copy
+
+
+def _input_fixed_seconds() -> float:
+    """The input pipeline's cost per batch when samples cost nothing: ``distribute_dataset``
+    of a DataLoader of 2-sample batches of 4 floats, one process, one thread."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from replicator.strategies import OneDeviceStrategy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        data = TensorDataset(torch.randn(400, 4), torch.zeros(400, dtype=torch.int64))
+        dist = OneDeviceStrategy("cpu").distribute_dataset(DataLoader(data, batch_size=2))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            n = sum(1 for _ in dist)
+            times.append((time.perf_counter() - t0) / max(1, n))
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times)
 
 
 def _contention_worker(index: int, active: list[int], iterations: int, barrier: Any,
@@ -295,6 +318,7 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
     profile = MachineProfile(cores=_cores(), ram_bytes=ram_bytes() or 8e9, slowdown={1: 1.0},
                              source="measured")
     profile.flops_per_second, profile.memory_bandwidth = _single_thread_rates()
+    profile.input_fixed = _input_fixed_seconds()
     for world in worlds:
         log(f"measuring with {world} local processes (contention, all-reduce, engine) ...")
         result = launch(_worker_two, num_replicas=world, args=(world,))[0]

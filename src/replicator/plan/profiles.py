@@ -148,8 +148,10 @@ class ModelProfile:
 @dataclass
 class MachineProfile:
     """This machine as measured: cores, memory, how concurrent processes slow each other,
-    per-algorithm collective costs (``allreduce[algorithm][world] = [a, b]``), and one
-    thread's matmul FLOP rate and copy bandwidth (for models known only by their size)."""
+    per-algorithm collective costs (``allreduce[algorithm][world] = [a, b]``), one
+    thread's matmul FLOP rate and copy bandwidth (for models known only by their size), and
+    the input pipeline's fixed cost per batch (``input_fixed``: the part of a step's input
+    that does not shrink with a replica's share of the batch)."""
 
     cores: int
     ram_bytes: float
@@ -159,6 +161,7 @@ class MachineProfile:
     small_collective: dict[int, float] = field(default_factory=dict)
     flops_per_second: float = 3e10
     memory_bandwidth: float = 5e9
+    input_fixed: float = 1e-4
     p2p: AlphaBeta = AlphaBeta(1e-4, 1 / 1.2e9)
     ps_round_trip: AlphaBeta = AlphaBeta(1e-3, 2 / 1.0e9)
     process_rss_bytes: float = 350e6
@@ -248,6 +251,7 @@ class MachineProfile:
             small_collective=ints(data.get("small_collective", {})),
             flops_per_second=float(data.get("flops_per_second", 3e10)),
             memory_bandwidth=float(data.get("memory_bandwidth", 5e9)),
+            input_fixed=float(data.get("input_fixed", 1e-4)),
             p2p=AlphaBeta(*data.get("p2p", (1e-4, 1 / 1.2e9))),
             ps_round_trip=AlphaBeta(*data.get("ps_round_trip", (1e-3, 2 / 1e9))),
             process_rss_bytes=float(data.get("process_rss_bytes", 350e6)),
@@ -262,7 +266,7 @@ class MachineProfile:
                           for name, table in self.allreduce.items()},
             "sync_overhead": self.sync_overhead, "small_collective": self.small_collective,
             "flops_per_second": self.flops_per_second,
-            "memory_bandwidth": self.memory_bandwidth,
+            "memory_bandwidth": self.memory_bandwidth, "input_fixed": self.input_fixed,
             "p2p": [self.p2p.a, self.p2p.b],
             "ps_round_trip": [self.ps_round_trip.a, self.ps_round_trip.b],
             "process_rss_bytes": self.process_rss_bytes, "measured_at": self.measured_at,
