@@ -3,6 +3,7 @@ failed after a backup continues the same run with no step logged twice."""
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -31,7 +32,10 @@ def tracker_env(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    return tmp_path
+    yield tmp_path
+    if "wandb" in sys.modules:  # stop the W&B service this process started (and forget it)
+        sys.modules["wandb"].teardown()
+        os.environ.pop("WANDB_SERVICE", None)
 
 
 def test_a_missing_package_names_the_extra(monkeypatch):
