@@ -183,3 +183,19 @@ def test_wandb_offline_resume_continues_the_run_id_from_the_backup(tracker_env):
     assert wandb_values([resumed], "batch/loss") == wandb_values(ref, "batch/loss")[4:]
     assert wandb_values([resumed], "epoch/loss", "epoch") == \
         wandb_values(ref, "epoch/loss", "epoch")[1:]
+
+
+def test_tensorboard_files_of_a_resumed_run_hold_each_step_once(tracker_env):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    backup, log_dir = str(tracker_env / "backup"), tracker_env / "tb"
+    fault = FailAt(7, tracker_env / "failed")
+    with pytest.raises(RuntimeError, match="injected failure at step 7"):
+        fit_logged(rp.OneDeviceStrategy("cpu"), [rp.TensorBoard(str(log_dir), 1)], backup, fault)
+    fit_logged(rp.OneDeviceStrategy("cpu"), [rp.TensorBoard(str(log_dir), 1)], backup, fault)
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 2  # one file per attempt
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    assert [e.step for e in events.Scalars("batch/loss")] == list(range(1, STEPS + 1))
+    assert [e.step for e in events.Scalars("epoch/loss")] == list(range(EPOCHS))
