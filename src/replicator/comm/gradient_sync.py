@@ -79,13 +79,14 @@ def _is_distributed_tensor(t: torch.Tensor) -> bool:
     return callable(getattr(t, "to_local", None))
 
 
-def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+def local_grad(param: torch.Tensor, sharded: bool = True) -> torch.Tensor | None:
     """The local tensor of ``param.grad``, laid out like ``param``'s: a DTensor gradient with
     other placements (the replicated gradient of a row-sharded embedding) is redistributed
-    to the parameter's first (a replicated one is sliced, no communication)."""
+    to the parameter's first (a replicated one is sliced, no communication). ``sharded``:
+    whether ``param`` is a DTensor (``False`` skips the checks on the hot path)."""
     grad = param.grad
-    if grad is None:
-        return None
+    if grad is None or not sharded:
+        return grad
     if _is_distributed_tensor(grad) and \
             tuple(grad.placements) != tuple(param.placements):  # type: ignore[attr-defined]
         with torch.no_grad():
@@ -101,6 +102,7 @@ class _Bucket:
     params: list[torch.nn.Parameter]
     offsets: list[int]
     shapes: list[torch.Size]  # of the local tensors (a DTensor's shard)
+    sharded: list[bool]  # which parameters are DTensors
     numel: int
     dtype: torch.dtype
     device: torch.device
@@ -141,8 +143,9 @@ def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
                 shapes.append(local.shape)
                 n += local.numel()
             first = local_tensor(current[0])
-            buckets.append(_Bucket(len(buckets), current, offsets, shapes, n, first.dtype,
-                                   first.device))
+            sharded = [_is_distributed_tensor(p) for p in current]
+            buckets.append(_Bucket(len(buckets), current, offsets, shapes, sharded, n,
+                                   first.dtype, first.device))
         current, size = [], 0
 
     for p in reversed(list(params)):
@@ -283,12 +286,12 @@ class GradientSynchronizer:
                                                                  async_op=True)
             bucket, i = self._where[id(param)]
             view = self._views(bucket)[i]
-            grad = local_grad(param)
+            grad = local_grad(param, bucket.sharded[i])
             if grad is None:  # the hook fires after accumulation: not reached in practice
                 return
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
-                if self.destination is None and grad is param.grad:
+                if self.destination is None and not bucket.sharded[i]:
                     # from now on .grad *is* the bucket slice (DDP's gradient_as_bucket_view):
                     # the averaged result lands in place, with no copy back
                     param.grad = view
@@ -359,7 +362,7 @@ class GradientSynchronizer:
                 views = self._views(bucket)
                 for i, p in enumerate(bucket.params):
                     if i not in bucket.ready:
-                        grad = local_grad(p)
+                        grad = local_grad(p, bucket.sharded[i])
                         if grad is None:
                             views[i].zero_()
                         else:  # accumulated earlier, untouched by this pass
@@ -409,7 +412,7 @@ class GradientSynchronizer:
         with torch.no_grad():
             for i, p in enumerate(bucket.params):
                 piece = self._views(bucket)[i]
-                grad = local_grad(p)
+                grad = local_grad(p, bucket.sharded[i])
                 if grad is not None:
                     if grad.data_ptr() != piece.data_ptr():
                         grad.copy_(piece)
