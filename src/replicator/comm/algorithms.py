@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.bucket_layout import BucketLayout
-from replicator.comm.comm_thread import lane
+from replicator.comm.comm_thread import lane, on_groups_released
 from replicator.comm.groups import check_member, group_size
 from replicator.comm.handles import DONE, Done, Handle
 
@@ -65,6 +65,8 @@ def forget_all_groups() -> None:
     for algorithm in list(_LIVE):
         algorithm.forget_groups()
 
+
+on_groups_released(forget_all_groups)
 
 class CrossDeviceOps(ABC):
     """Base class of the all-reduce algorithms (tf.distribute's ``CrossDeviceOps``).

@@ -137,11 +137,10 @@ def lane(group: dist.ProcessGroup | None = None) -> Lane:
             _close_all_locked()
             _WORLD[0] = dist.group.WORLD
             from replicator.cluster.process_group import on_shutdown
-            from replicator.comm.algorithms import forget_all_groups
 
-            on_shutdown(forget_all_groups)  # hooks run last-in first-out: lanes close first
+            on_shutdown(_forget_groups)  # hooks run last-in first-out: lanes close first
             on_shutdown(close_lanes)
-            _release_at_exit(forget_all_groups)
+            _release_at_exit(_forget_groups)
         found = _LANES.get(key)
         if found is None:
             found = Lane(group_ranks(group), default_timeout_seconds(),
@@ -152,6 +151,21 @@ def lane(group: dist.ProcessGroup | None = None) -> Lane:
 
 
 _AT_EXIT: list[Callable[[], None]] = []
+#: What the users of lanes (the all-reduce algorithms) keep per process group, dropped when
+#: the lanes close; registered from above so this module imports none of its users.
+_GROUP_FORGETTERS: list[Callable[[], None]] = []
+
+
+def on_groups_released(forget: Callable[[], None]) -> None:
+    """Call ``forget`` when the process group shuts down or the interpreter exits, after the
+    lanes have closed (the algorithms drop their cached groups there)."""
+    if forget not in _GROUP_FORGETTERS:
+        _GROUP_FORGETTERS.append(forget)
+
+
+def _forget_groups() -> None:
+    for forget in list(_GROUP_FORGETTERS):
+        forget()
 
 
 def _release_at_exit(forget: Callable[[], None]) -> None:

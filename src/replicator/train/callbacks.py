@@ -14,7 +14,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -22,7 +22,22 @@ from replicator.resume.backup_and_restore import BackupAndRestore
 from replicator.train.tracker_ledger import TrackerLedger
 
 if TYPE_CHECKING:
-    from replicator.train.trainer import Trainer
+    from replicator.strategies.base import Strategy
+
+
+class Trainer(Protocol):
+    """What a callback sees of the trainer that runs it (``rp.Trainer`` is one); a protocol
+    here so the callbacks need not import the trainer that imports them."""
+
+    strategy: Strategy
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    epochs: int
+    step_in_epoch: int
+    steps_in_epoch: int
+    global_step: int
+    last_global_batch: float
+    stop_training: bool
 
 Logs = dict[str, float]
 
