@@ -286,6 +286,14 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
     elif m.global_batch < replicas:
         why_not = (f"the global batch of {m.global_batch} cannot be split across {replicas} "
                    "replicas (each needs at least one sample)")
+    elif m.measured and m.global_batch % replicas:
+        why_not = (f"the global batch of {m.global_batch} does not split evenly over "
+                   f"{replicas} replicas, which the library requires (use a multiple of "
+                   f"{replicas})")
+    elif strategy == "pipeline" and m.measured and \
+            (m.global_batch // replicas) % max(microbatches, min(n, m.weight_tensors)):
+        why_not = (f"a replica's batch of {m.global_batch // replicas} does not split into "
+                   f"{max(microbatches, min(n, m.weight_tensors))} microbatches")
     comm = overhead = 0.0
     opt_share = 1.0
     threads = 0

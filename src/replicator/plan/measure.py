@@ -212,14 +212,26 @@ def _allreduce_curves(world: int) -> dict[str, list[list[float]]]:
     return curves
 
 
-def _engine_overheads() -> tuple[float, float]:
-    """(gradient-sync cost per backward pass, one strategy.reduce of a scalar), seconds."""
+def _local_backward_seconds(width: int, rows: int, bias: bool = True) -> float:
+    """Forward + backward of a plain ``Linear(width, width)`` on ``rows`` rows. Measured before
+    any strategy exists: a distributed strategy refuses gradients of modules it never saw."""
+    plain = torch.nn.Linear(width, width, bias=bias)
+    x = torch.randn(rows, width)
+
+    def local() -> None:
+        plain(x).sum().backward()
+
+    local()
+    return _median_time(local, 7, 10)
+
+
+def _engine_overheads(t_local: float) -> tuple[float, float]:
+    """(gradient-sync cost per backward pass, one strategy.reduce of a scalar), seconds;
+    ``t_local``: the same pass without a strategy."""
     import replicator as rp
 
     strategy = rp.MirroredStrategy()
     x = torch.randn(8, 8)
-    torch.manual_seed(0)
-    plain = torch.nn.Linear(8, 8)
     with strategy.scope():
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
@@ -227,13 +239,9 @@ def _engine_overheads() -> tuple[float, float]:
     def synced() -> None:
         model(x).sum().backward()
 
-    def local() -> None:
-        plain(x).sum().backward()
-
     for _ in range(5):
         synced()
     t_sync = _median_time(synced, 7, 10)
-    t_local = _median_time(local, 7, 10)
     value = torch.tensor(1.0)
     strategy.reduce("mean", value)
     t_reduce = _median_time(lambda: strategy.reduce("mean", value), 7, 10)
@@ -265,6 +273,8 @@ def _worker_two(world: int) -> dict[str, Any]:
     import replicator as rp
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch.set_num_threads(1)
+    t_local = _local_backward_seconds(8, 8)
     strategy = rp.MirroredStrategy()  # starts the process group
     import torch.distributed as dist
 
@@ -273,7 +283,7 @@ def _worker_two(world: int) -> dict[str, Any]:
     out["contention"] = _contention(rank, world)
     torch.set_num_threads(1)
     out["allreduce"] = _allreduce_curves(world)
-    out["sync"], out["reduce"] = _engine_overheads()
+    out["sync"], out["reduce"] = _engine_overheads(t_local)
     if world == 2:
         out["p2p"] = _p2p(rank)
     strategy.barrier()
@@ -284,9 +294,11 @@ def _ps_worker() -> dict[str, Any] | None:
     """Round trip of ``optimizer.step()`` on a parameter server, small and large models."""
     import replicator as rp
 
+    widths = (16, 512)
+    local = {w: _local_backward_seconds(w, 4, bias=False) for w in widths}
     strategy = rp.ParameterServerStrategy(num_ps=1)  # a server serves here and never returns
     points = []
-    for width in (16, 512):
+    for width in widths:
         with strategy.scope():
             model = torch.nn.Linear(width, width, bias=False)
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -299,13 +311,7 @@ def _ps_worker() -> dict[str, Any] | None:
             o.zero_grad()
 
         t_all = _median_time(step, 5, 5)
-        plain = torch.nn.Linear(width, width, bias=False)
-
-        def local(p: torch.nn.Module = plain, inp: torch.Tensor = x) -> None:
-            p(inp).sum().backward()
-
-        t_local = _median_time(local, 5, 5)
-        points.append([float(width * width * 4), max(0.0, t_all - t_local)])
+        points.append([float(width * width * 4), max(0.0, t_all - local[width])])
     return {"ps": points}
 
 

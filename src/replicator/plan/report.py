@@ -87,8 +87,8 @@ def _rows(bench: BenchReport, baseline: float | None) -> list[list[object]]:
     rows: list[list[object]] = []
     for r in bench.results:
         if not r.ok:
-            rows.append([r.setting.label, r.setting.processes, "failed", "", "", "", "", "",
-                         "", "", "", ""])
+            rows.append([r.setting.label, r.setting.processes, "failed",
+                         *[""] * (len(HEADERS) - 3)])
             continue
         b = r.breakdown
         rows.append([
