@@ -35,7 +35,7 @@ SCRIPT = str(ROOT / "examples" / "plan_models.py")
 def _measure(rate: str, model: str, steps: int, warmup: int, port: int) -> dict:
     """Run the script on two throttled hosts; return the bench's summary of the run."""
     from replicator.plan import probe
-    from replicator.plan.bench import ENTRY, Setting, _read_ranks, summarize
+    from replicator.plan.benchmark import ENTRY, Setting, _read_ranks, summarize
     from tests.hosts import virtual_hosts
 
     with virtual_hosts(2) as net, tempfile.TemporaryDirectory() as tmp:

@@ -34,6 +34,7 @@ from replicator import (
     scaling,
     testing,
 )
+from replicator import plan as plan  # rp.plan.bench / rp.plan.plan; a room, not in __all__
 from replicator.cluster import Topology, launch
 from replicator.comm import CommunicationOptions, ReduceOp
 from replicator.data import InputContext
@@ -102,7 +103,7 @@ _MOVED: dict[str, str] = {
 }
 
 #: Rooms that hold moved names; listed by ``dir(rp)`` beside ``__all__``.
-_ROOMS = ("strategies", "train", "ps", "resume", "parallel")
+_ROOMS = ("strategies", "train", "ps", "resume", "parallel", "plan")
 
 
 def __getattr__(name: str) -> Any:

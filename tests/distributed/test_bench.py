@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from replicator.cli import main
-from replicator.plan.bench import bench_function, bench_script
+from replicator.plan.benchmark import bench_function, bench_script
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

@@ -19,7 +19,7 @@ _PARSERS: dict[str, argparse.ArgumentParser] = {}
 
 def add_subcommands(sub: Any) -> None:
     """Add ``bench`` and ``plan`` to the ``replicator`` command's subparsers."""
-    from replicator.plan.bench import BENCH_STRATEGIES
+    from replicator.plan.benchmark import BENCH_STRATEGIES
     from replicator.plan.cost_model import STRATEGIES
     from replicator.plan.devices import DEVICES
 
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, script_args: list[str]) -> int:
-    from replicator.plan.bench import bench_script
+    from replicator.plan.benchmark import bench_script
 
     report = bench_script(args.script, script_args, nproc=args.nproc,
                           strategies=args.strategies, steps=args.steps, warmup=args.warmup,

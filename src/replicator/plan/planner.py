@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def _cache_key(script: str, args: Sequence[str]) -> str:
 def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str = "bench",
                    refresh: bool = False, log: Callable[[str], None] = print) -> ModelProfile:
     """Profile ``script`` in one process (cached by the script's content and arguments)."""
-    from replicator.plan.bench import Setting, _script_launcher, run_setting
+    from replicator.plan.benchmark import Setting, _script_launcher, run_setting
 
     if not Path(script).is_file():
         raise ValueError(f"script {script!r} not found. HINT: give the path of the training "
@@ -114,7 +115,7 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
 def profile_function(train_fn: Callable[[Any], Any], *, out_dir: str = "bench",
                      log: Callable[[str], None] = print) -> ModelProfile:
     """Profile ``train_fn(strategy)`` in one worker process (not cached)."""
-    from replicator.plan.bench import Setting, _function_launcher, run_setting
+    from replicator.plan.benchmark import Setting, _function_launcher, run_setting
 
     name = getattr(train_fn, "__qualname__", repr(train_fn))
     log(f"profiling {name} in one process ...")
@@ -135,9 +136,12 @@ def profile_here(train_fn: Callable[[Any], Any], name: str | None = None) -> Mod
     from replicator.strategies import OneDeviceStrategy
 
     probe = Probe(steps=0, warmup=PROFILE_WARMUP, mode="profile")
+    with warnings.catch_warnings():  # one process of a job: profiling on its own is the point
+        warnings.simplefilter("ignore", UserWarning)
+        strategy = OneDeviceStrategy("cpu")
     probe.install()
     try:
-        train_fn(OneDeviceStrategy("cpu"))
+        train_fn(strategy)
     except BenchComplete:
         pass
     finally:

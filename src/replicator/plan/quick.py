@@ -53,8 +53,8 @@ def plan_line(model_fn: Callable[[], torch.nn.Module], dataset: Any, global_batc
     plan = plan_model(model, list(workers), device=device, link=link,
                       machine=machine or MachineProfile.nominal())
     figures = "this machine's measured figures" if machine else "nominal 2-core figures"
-    return (f"plan for {model.name} ({model.params:,} parameters) at workers "
-            f"{','.join(map(str, workers))} on {device} ({figures}): {plan.reason}")
+    return (f"plan ({model.name}, {model.params:,} parameters, {','.join(map(str, workers))} "
+            f"workers on {device}, {figures}) -> {plan.reason}")
 
 
 def print_plan_line(strategy: Any, model_fn: Callable[[], torch.nn.Module], dataset: Any,

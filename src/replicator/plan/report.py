@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from replicator.plan.profiles import MachineProfile, save_json
 
 if TYPE_CHECKING:
-    from replicator.plan.bench import BenchReport
+    from replicator.plan.benchmark import BenchReport
 
 __all__ = ["format_table", "machine_profile_cached", "write_bench_report"]
 

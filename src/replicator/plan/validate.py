@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from replicator.plan.bench import (
+from replicator.plan.benchmark import (
     BENCH_STRATEGIES,
     BenchReport,
     Setting,
