@@ -7,9 +7,12 @@ or hangs (pytorch issue 135712). A fresh prefix gives every attempt a clean rend
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -25,6 +28,11 @@ from replicator.errors import ClusterConfigError
 log = logging.getLogger("replicator")
 
 DEFAULT_TIMEOUT_SECONDS = 300.0
+#: The library's helper threads are named ``replicator-<what>``: comm lanes, the progress
+#: publisher, input prefetch, background checkpoint saves and deletions.
+HELPER_THREAD_PREFIX = "replicator-"
+#: Longest wait, at exit, for the helper threads to finish what they are doing.
+EXIT_WAIT_SECONDS = 60.0
 
 
 @dataclass
@@ -106,6 +114,7 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
                             timeout=timedelta(seconds=timeout), **kwargs)
     _GROUP = GroupInfo(spec=spec, backend=backend, timeout_seconds=timeout, store=store,
                        owned=True)
+    _CREATED[0] = True
     _shutdown_at_exit()
     if spec.source == "single-process":
         _hint_one_replica()
@@ -158,8 +167,6 @@ def _shutdown_at_exit() -> None:
     ("terminate called without an active exception")."""
     global _AT_EXIT_REGISTERED
     if not _AT_EXIT_REGISTERED:
-        import atexit
-
         atexit.register(shutdown)
         _AT_EXIT_REGISTERED = True
 
@@ -170,7 +177,9 @@ def on_shutdown(hook) -> None:  # noqa: ANN001 - a callable taking nothing
 
 
 def shutdown() -> None:
-    """Destroy the process group this module created (a user's own group is left alone)."""
+    """Destroy the process group this module created (a user's own group is left alone),
+    after the helpers that use it stopped and a background checkpoint save in flight
+    finished (it agrees over a copy of the group)."""
     global _GROUP
     while _SHUTDOWN_HOOKS:
         try:
@@ -178,5 +187,49 @@ def shutdown() -> None:
         except Exception:  # noqa: BLE001 - shutting down must go on
             pass
     if _GROUP is not None and _GROUP.owned and dist.is_initialized():
+        join_helper_threads(EXIT_WAIT_SECONDS, HELPER_THREAD_PREFIX + "checkpoint")
         dist.destroy_process_group()
     _GROUP = None
+
+
+def _helper_threads(prefix: str) -> list[threading.Thread]:
+    me = threading.current_thread()
+    return [t for t in threading.enumerate()
+            if t is not me and t.is_alive() and t.name.startswith(prefix)]
+
+
+def join_helper_threads(timeout: float, prefix: str = HELPER_THREAD_PREFIX) -> list[str]:
+    """Wait (at most ``timeout`` s in all) for the live threads named ``prefix...``; the
+    names of those still running."""
+    deadline = time.monotonic() + timeout
+    for thread in _helper_threads(prefix):
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in _helper_threads(prefix)]
+
+
+#: Whether this process created a process group (only then are there helpers to wait for).
+_CREATED = [False]
+
+
+def _wait_for_helpers_at_exit() -> None:
+    """The library's last exit handler: wait until its helper threads have ended.
+
+    Registered when this module is imported, before any other module of the library registers
+    one, so it runs after them all (atexit runs the last registered first): they ask the
+    helpers to stop (the process group's shutdown, the input's prefetch, the comm lanes) and
+    this waits until they have. A daemon thread still inside torch's C++ code when the
+    interpreter finalizes (a collective, a store call, a tensor operation) is ended by
+    ``pthread_exit`` as soon as it returns, and that forced unwinding through torch's
+    ``noexcept`` frames aborts the process ("terminate called without an active exception"):
+    a finished job run directly (torchrun, TF_CONFIG, SLURM) exiting with SIGABRT.
+    """
+    if not _CREATED[0]:
+        return
+    left = join_helper_threads(EXIT_WAIT_SECONDS)
+    if left:
+        print(f"[replicator] warning: helper thread(s) {', '.join(left)} still running "
+              f"{EXIT_WAIT_SECONDS:g} s after the script ended; the interpreter may abort when "
+              "they return.", file=sys.stderr, flush=True)
+
+
+atexit.register(_wait_for_helpers_at_exit)

@@ -266,8 +266,23 @@ def make_queue(source: Iterator[LocalBatch], stage: Callable[[LocalBatch], Stage
 _LIVE: weakref.WeakSet[PrefetchQueue] = weakref.WeakSet()
 
 
+#: Longest wait at exit for the prefetch threads to finish the batch they are preparing.
+EXIT_WAIT_SECONDS = 60.0
+
+
 @atexit.register
 def _stop_all() -> None:
-    """At exit, park every prefetch thread before the interpreter tears torch down under it."""
-    for queue in list(_LIVE):
-        queue.close(wait=True, timeout=1.0)
+    """At exit, stop every prefetch thread and wait until it has finished the batch in hand.
+
+    A daemon thread still inside torch's C++ code (a transform, a collate, a copy) when the
+    interpreter finalizes is ended by ``pthread_exit`` as soon as it returns, and that forced
+    unwinding through torch's ``noexcept`` frames aborts the process ("terminate called
+    without an active exception"): a finished job would exit with SIGABRT. So the wait is
+    generous (a slow transform finishes its batch), shared by all queues, not 1 s each.
+    """
+    queues = list(_LIVE)
+    for queue in queues:
+        queue.close()
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    for queue in queues:
+        queue.close(wait=True, timeout=max(0.0, deadline - time.monotonic()))
