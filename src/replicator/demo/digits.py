@@ -84,10 +84,9 @@ _CANNOT = {
 def strategy_refusal(name: str, nproc: int | None, num_ps: int = 0) -> str | None:
     """Why ``replicator demo --strategy name`` cannot run with these flags (``None``: it can),
     said before any worker starts, with the strategies that work."""
-    from replicator.strategies import registry
+    from replicator.strategies.registry import find_strategy_class
 
-    key = name.strip().lower().replace("-", "_").removesuffix("strategy").rstrip("_")
-    cls = registry._REGISTRY.get(key)  # the names get_strategy takes, aliases included
+    cls = find_strategy_class(name)  # the names get_strategy takes, aliases included
     works = "; the demo runs with: " + ", ".join(DEMO_STRATEGIES.values()) + "."
     if cls is None:
         return f"--strategy {name!r} is not a strategy name{works}"

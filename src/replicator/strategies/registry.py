@@ -33,11 +33,21 @@ def available_strategies() -> list[str]:
     return sorted({cls.name for cls in _REGISTRY.values()})
 
 
+def _key(name: str) -> str:
+    return name.strip().lower().replace("-", "_").removesuffix("strategy").rstrip("_")
+
+
+def find_strategy_class(name: str) -> type[Strategy] | None:
+    """The class :func:`get_strategy` would build for ``name`` (aliases and spellings such as
+    ``"MirroredStrategy"`` included), or ``None`` when no strategy has that name."""
+    return _REGISTRY.get(_key(name))
+
+
 def get_strategy(name: str, **kwargs: Any) -> Strategy:
     """Build the strategy registered as ``name`` with ``kwargs``; unknown names list the known."""
     if not isinstance(name, str):
         raise TypeError(f"get_strategy takes a strategy name, got {type(name).__name__}")
-    key = name.strip().lower().replace("-", "_").removesuffix("strategy").rstrip("_")
+    key = _key(name)
     cls = _REGISTRY.get(key)
     if cls is None:
         close = difflib.get_close_matches(key, list(_REGISTRY), n=1)
