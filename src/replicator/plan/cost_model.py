@@ -18,8 +18,10 @@ Formulas (``S`` bytes, ``n`` ranks, ``B`` bandwidth in bytes/s one way, ``alpha`
   rank's samples + the process's own baseline.
 
 Compute on ``cpu`` (hosts like this one) comes from the measured profile: one thread per rank,
-slowed by the measured contention of ``k`` busy processes on a host; on accelerators it is the
-counted FLOPs over ``peak * mfu`` of the device's datasheet (see :mod:`replicator.plan.devices`).
+slowed by the measured contention of ``k`` busy processes on a host, and a synchronous step
+waits at its collectives for the slowest of them (the measured straggler factor); on
+accelerators it is the counted FLOPs over ``peak * mfu`` of the device's datasheet (see
+:mod:`replicator.plan.devices`).
 """
 
 from __future__ import annotations
@@ -381,6 +383,9 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         backward = compute * 2 / 3
         comm = max(0.0, comm - c.device.overlap * backward)
         overhead = _sync_overhead(c, n)
+    if c.device.is_cpu and strategy in ("mirrored", "central_storage", "fsdp") and busy > 1:
+        # a synchronous step waits at its collectives for the slowest rank (measured here)
+        comm += compute * (c.machine.straggle_for(busy) - 1.0)
     overhead += _small_collectives(m, c, n)
     optimizer = _optimizer(m, c, opt_share, busy)
     input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch)

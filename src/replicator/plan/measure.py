@@ -1,7 +1,9 @@
 """What the planner measures on this machine (once, cached in ``bench/machine.json``).
 
 * contention: how much slower each of ``n`` busy one-thread processes runs than one alone
-  (``n`` = 1..4), so that compute per rank can be predicted for ``n`` local replicas;
+  (``n`` = 1..4), so that compute per rank can be predicted for ``n`` local replicas, and how
+  much later the slowest of them finishes a step-sized piece of work than the average one
+  (what a synchronous step waits for);
 * all-reduce cost per algorithm through the comm room (``SharedMemoryAllReduce`` on buffers it
   made, as the gradient buckets are; gloo's own; the hand ring) at 2 and 4 processes, fitted
   as ``a + b * bytes``;
@@ -157,31 +159,41 @@ def quick_contention(max_processes: int, rounds: int = 2) -> dict[int, float]:
     return {n: statistics.median(v) / alone for n, v in sorted(times.items())}
 
 
-def _contention(rank: int, world: int, rounds: int = 3) -> dict[int, float]:
-    """Slowdown of 1..world ranks busy at once (each rank: one thread)."""
+def _contention(rank: int, world: int, rounds: int = 3, short_rounds: int = 8
+                ) -> tuple[dict[int, float], dict[int, float]]:
+    """For 1..world ranks busy at once (one thread each): the slowdown of a rank's work
+    against one rank alone (0.25 s pieces), and the straggler factor of a synchronous step:
+    the slowest rank's time over the mean rank's (25 ms pieces, the length of a step)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    flag = torch.zeros(1, dtype=torch.int64)
+    flag = torch.zeros(2, dtype=torch.int64)
     if rank == 0:
-        _, iters = _busy_work(0.25)
-        flag[0] = iters
+        flag[0] = _busy_work(0.25)[1]
+        flag[1] = _busy_work(0.025)[1]
     dist.broadcast(flag, 0)
-    iters = int(flag[0])
-    out: dict[int, float] = {}
+    long_iters, short_iters = int(flag[0]), int(flag[1])
+
+    def piece(n: int, iters: int) -> list[float]:
+        dist.barrier()
+        elapsed = _busy_work(iterations=iters)[0] if rank < n else 0.0
+        parts = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(parts, torch.tensor([elapsed]))
+        return [float(p[0]) for p in parts[:n]]
+
+    slowdown: dict[int, float] = {}
+    straggle: dict[int, float] = {}
     alone = None
     for n in range(1, world + 1):
-        times = []
-        for _ in range(rounds):
-            dist.barrier()
-            elapsed = _busy_work(iterations=iters)[0] if rank < n else 0.0
-            t = torch.tensor([elapsed])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times.append(float(t[0]))
-        median = statistics.median(times)
-        alone = median if alone is None else alone
-        out[n] = median / alone
-    return out
+        mean = statistics.median(statistics.mean(piece(n, long_iters)) for _ in range(rounds))
+        alone = mean if alone is None else alone
+        slowdown[n] = mean / alone
+        ratios = []
+        for _ in range(short_rounds):
+            times = piece(n, short_iters)
+            ratios.append(max(times) / statistics.mean(times))
+        straggle[n] = statistics.median(ratios)
+    return slowdown, straggle
 
 
 def _allreduce_curves(world: int) -> dict[str, list[list[float]]]:
@@ -280,7 +292,7 @@ def _worker_two(world: int) -> dict[str, Any]:
 
     rank = dist.get_rank()
     out: dict[str, Any] = {"rss": float(rss)}
-    out["contention"] = _contention(rank, world)
+    out["contention"], out["straggle"] = _contention(rank, world)
     torch.set_num_threads(1)
     out["allreduce"] = _allreduce_curves(world)
     out["sync"], out["reduce"] = _engine_overheads(t_local)
@@ -329,6 +341,7 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
         log(f"measuring with {world} local processes (contention, all-reduce, engine) ...")
         result = launch(_worker_two, num_replicas=world, args=(world,))[0]
         profile.slowdown.update({int(k): float(v) for k, v in result["contention"].items()})
+        profile.straggle.update({int(k): float(v) for k, v in result["straggle"].items()})
         for name, points in result["allreduce"].items():
             fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
             profile.allreduce.setdefault(name, {})[world] = fit

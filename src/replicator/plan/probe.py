@@ -27,6 +27,7 @@ import json
 import os
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -201,6 +202,8 @@ class Probe:
         probe = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                return original(*args, **kwargs)  # a background save does not stop the loop
             t0 = time.perf_counter()
             try:
                 return original(*args, **kwargs)
@@ -274,7 +277,7 @@ class Probe:
                       "comm_run": (comm_end - comm_run).exposed,
                       "comm_start": comm_now.exposed, "bg_start": comm_now.background,
                       "opt": self._opt, "ps": self._ps, "comm_in_opt": self._comm_in_opt,
-                      "end": t_end, "ckpt_start": self._ckpt,
+                      "end": t_end, "ckpt_start": self._ckpt, "pre": t_run - now,
                       "phase": PROFILE_PHASES.index(phase) if phase else -1,
                       "batch": float(self.batch_sizes[-1]) if self.batch_sizes else 0.0}
         self._write_progress()
@@ -300,14 +303,17 @@ class Probe:
         step = now - r["start"]
         comm_total = comm_now.exposed - r["comm_start"]
         comm_gap = comm_total - r["comm_run"]
-        ckpt = self._ckpt - r["ckpt_start"]
+        ckpt = self._ckpt - r["ckpt_start"]  # saved between steps
+        ckpt_in_run = r["ckpt_start"]  # saved inside the step function
         opt = max(0.0, r["opt"] - r["comm_in_opt"])
         comm = comm_total + r["ps"]
-        compute = max(0.0, r["run"] - opt - r["ps"] - r["comm_run"])
+        compute = max(0.0, r["run"] - opt - r["ps"] - r["comm_run"] - ckpt_in_run)
         background = comm_now.background - r["bg_start"]
         self.records.append({
             "step": step, "compute": compute, "communication": comm, "optimizer": opt,
-            "input": max(0.0, now - r["end"] - comm_gap - ckpt), "checkpoint": ckpt,
+            # the gap between steps, and the probe's own bookkeeping before this step
+            "input": max(0.0, now - r["end"] - comm_gap - ckpt) + r["pre"],
+            "checkpoint": ckpt + ckpt_in_run,
             "overlapped": max(0.0, background - comm), "phase": r["phase"],
             "batch": r["batch"], "collectives": float(self.collective_calls)})
 

@@ -156,6 +156,7 @@ class MachineProfile:
     cores: int
     ram_bytes: float
     slowdown: dict[int, float] = field(default_factory=lambda: {1: 1.0})
+    straggle: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     allreduce: dict[str, dict[int, AlphaBeta]] = field(default_factory=dict)
     sync_overhead: dict[int, float] = field(default_factory=dict)
     small_collective: dict[int, float] = field(default_factory=dict)
@@ -182,6 +183,15 @@ class MachineProfile:
         if processes < top:  # between measured points: the next measured one above
             return self.slowdown[min(k for k in self.slowdown if k > processes)]
         return base * processes / top  # each extra process takes its share of the cores
+
+    def straggle_for(self, processes: int) -> float:
+        """How much longer the slowest of ``processes`` busy ranks takes than the mean one
+        (1 for one rank; beyond the measured counts, the largest measured)."""
+        if processes <= 1 or not self.straggle:
+            return 1.0
+        if processes in self.straggle:
+            return self.straggle[processes]
+        return self.straggle[max(self.straggle)]
 
     def allreduce_seconds(self, algorithm: str, nbytes: float, world: int) -> float:
         """All-reduce time of ``nbytes`` over ``world`` ranks of this host: the measured line
@@ -230,6 +240,7 @@ class MachineProfile:
         0.3 ms latency, a scalar reduce 60 us, the gradient engine 0.4 ms per pass."""
         return cls(
             cores=2, ram_bytes=16e9, slowdown={1: 1.0, 2: 1.04, 3: 1.56, 4: 2.08},
+            straggle={1: 1.0, 2: 1.03, 3: 1.15, 4: 1.2},
             allreduce={
                 "shared_memory": {2: AlphaBeta(5e-5, 1 / 3e9)},
                 "native": {2: AlphaBeta(3e-4, 1 / 0.9e9)},
@@ -245,6 +256,7 @@ class MachineProfile:
         return cls(
             cores=int(data["cores"]), ram_bytes=float(data["ram_bytes"]),
             slowdown=ints(data.get("slowdown", {1: 1.0})),
+            straggle=ints(data.get("straggle", {1: 1.0})),
             allreduce={name: {int(k): AlphaBeta(*v) for k, v in table.items()}
                        for name, table in data.get("allreduce", {}).items()},
             sync_overhead=ints(data.get("sync_overhead", {})),
@@ -262,6 +274,7 @@ class MachineProfile:
     def to_json(self) -> dict[str, Any]:
         return {
             "cores": self.cores, "ram_bytes": self.ram_bytes, "slowdown": self.slowdown,
+            "straggle": self.straggle,
             "allreduce": {name: {k: [ab.a, ab.b] for k, ab in table.items()}
                           for name, table in self.allreduce.items()},
             "sync_overhead": self.sync_overhead, "small_collective": self.small_collective,

@@ -1,0 +1,63 @@
+"""The probe in one process: bounded steps, a breakdown that adds up, checkpoints timed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replicator.checkpoint import CheckpointManager
+from replicator.plan.probe import BenchComplete, Probe, slice_batch
+from replicator.strategies import OneDeviceStrategy
+
+
+def _loop(strategy, directory, every):
+    with strategy.scope():
+        model = torch.nn.Linear(16, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(directory)
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+
+    def step(batch):
+        xb, yb = batch
+        F.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    n = 0
+    while True:
+        strategy.run(step, args=((x, y),))
+        strategy.reduce("sum", torch.tensor(1.0))
+        n += 1
+        if n % every == 0:
+            manager.save(n, replicated={"model": model.state_dict()})
+
+
+def test_probe_stops_the_loop_and_its_parts_add_up(tmp_path):
+    probe = Probe(steps=6, warmup=2)
+    strategy = OneDeviceStrategy("cpu")
+    probe.install()
+    try:
+        with pytest.raises(BenchComplete):
+            _loop(strategy, tmp_path, every=2)
+    finally:
+        probe.uninstall()
+    result = probe.results()
+    assert probe.calls == 8 and len(result["records"]) == 6
+    assert result["params"] == 16 * 4 + 4 and result["batch"] == 32
+    assert result["strategy"] == "OneDeviceStrategy"
+    for r in result["records"]:
+        parts = r["compute"] + r["communication"] + r["input"] + r["optimizer"] + \
+            r["checkpoint"]
+        assert parts == pytest.approx(r["step"], rel=1e-6, abs=1e-7)
+        assert r["optimizer"] > 0 and r["compute"] > 0 and r["collectives"] == 1
+    saved = [r["checkpoint"] for r in result["records"]]
+    assert sum(1 for s in saved if s > 0) == 3  # every second step saved
+    # uninstall put everything back
+    assert OneDeviceStrategy.run.__name__ == "run"
+    assert probe.records and not probe._undo
+
+
+def test_slice_batch_cuts_every_tensor_with_the_batch_dimension():
+    batch = {"x": torch.zeros(8, 3), "y": torch.zeros(8), "w": torch.zeros(3)}
+    out = slice_batch((batch, [torch.zeros(8, 2)]), 2, 8)
+    assert out[0]["x"].shape == (2, 3) and out[0]["y"].shape == (2,)
+    assert out[0]["w"].shape == (3,) and out[1][0].shape == (2, 2)
