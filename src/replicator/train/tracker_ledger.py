@@ -47,7 +47,8 @@ class TrackerLedger:
         self.step, self.epoch = 0, -1
         if state is not None:
             self.step, self.epoch = int(state.get("step", 0)), int(state.get("epoch", -1))
-        backup_dir = getattr(getattr(trainer, "_backup", None), "backup_dir", None)
+        backup = getattr(trainer, "backup", None)
+        backup_dir = None if backup is None else backup.backup_dir
         self._path = None if backup_dir is None or name is None else \
             Path(backup_dir) / LEDGER_DIR / f"{name}.json"
         if state is None or self._path is None:

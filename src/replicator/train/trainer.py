@@ -150,11 +150,17 @@ class Trainer:
         self.train_dataset: Any = None
         self._errors = ErrorAgreement(strategy)
         self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
-        self._backup: Any = None
+        self._backup: BackupAndRestore | None = None
         self._samples_seen = 0.0
         self._callbacks = CallbackList([], self)
 
     # -- resumable state (for BackupAndRestore) -------------------------------------------------
+    @property
+    def backup(self) -> BackupAndRestore | None:
+        """The ``BackupAndRestore`` among the callbacks of the current ``fit`` (``None``: no
+        backups); loggers keep what must survive a resume beside its backups."""
+        return self._backup
+
     def state_dict(self) -> dict[str, Any]:
         """Where training stands, the same on every replica: epoch, step, the epoch's metric
         sums over all replicas so far, the history, whether to stop, and each callback's
