@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from replicator.checkpoint.atomic import OverlappedHasher
+from replicator.checkpoint.placeholders import refuse_placeholders
 from replicator.errors import CheckpointCorruptError
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -50,6 +51,7 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in order:
+        refuse_placeholders(t, f"safetensors file: tensor {name!r}")
         if t.dtype not in _NAMES:
             raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
         size = t.numel() * t.element_size()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from replicator.checkpoint import safetensors_io
+from replicator.checkpoint.placeholders import refuse_placeholders
 from replicator.errors import CheckpointCorruptError, UnsafeCheckpointError
 
 FORMAT_KEY = "replicator.format"
@@ -43,6 +44,7 @@ class _Encoder:
         return key
 
     def add_tensor(self, tensor: torch.Tensor, path: str) -> str:
+        refuse_placeholders(tensor, f"{self.label}{_where(path)}")
         t = tensor.detach()
         if type(t) is not torch.Tensor:
             raise TypeError(

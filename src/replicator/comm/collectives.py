@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -249,22 +250,88 @@ class Collectives:
         return out
 
     def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: ReduceOp,
-                        what: str = "all_reduce") -> list[torch.Tensor]:
-        """Reduce several tensors in one collective (flattened together as float64)."""
+                        what: str = "all_reduce", structure: str = "") -> list[torch.Tensor]:
+        """Reduce several tensors in one collective: flattened together as float64 where that
+        is exact (floats, and integers of up to 32 bits; every integer for ``MEAN``); 64-bit
+        integers (exact sums of counts) and complex tensors each travel in one more, by dtype.
+        ``structure``: the nest the tensors come from (its description joins the
+        fingerprint, so replicas that pass different nests do not pair the wrong leaves)."""
         if self.world_size == 1:
             return [self._all_reduce(t, op, what) for t in tensors]
-        self._verify(what, f"all_reduce {op.value} of {len(tensors)} tensors: "
+        self._verify(what, f"all_reduce {op.value} of {len(tensors)} tensors"
+                     + (f" of {structure}" if structure else "") + ": "
                      + "; ".join(describe_tensor(t) for t in tensors))
-        flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float64) for t in tensors])
-        red = self._all_reduce(flat, op, what)
-        out, offset = [], 0
+        packs: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            packs.setdefault(_pack_dtype(t.dtype, op), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for dtype, members in packs.items():
+            flat = torch.cat([tensors[i].detach().reshape(-1).to(self.device, dtype)
+                              for i in members])
+            red = self._all_reduce(flat, op, what)
+            offset = 0
+            for i in members:
+                t = tensors[i]
+                n = t.numel()
+                piece = red[offset:offset + n].reshape(t.shape)
+                out[i] = piece if op is ReduceOp.MEAN and not t.is_floating_point() \
+                    and not t.is_complex() else piece.to(t.dtype)
+                offset += n
+        return [o for o in out if o is not None]
+
+    def all_gather_many(self, tensors: Sequence[torch.Tensor], axis: int = 0,
+                        what: str = "gather", structure: str = "") -> list[torch.Tensor]:
+        """:meth:`all_gather_uneven` of several tensors (any dtypes) in one exchange: each
+        rank packs its tensors' bytes, with their row counts in front, into one buffer."""
+        moved: list[torch.Tensor] = []
+        axes: list[int] = []
         for t in tensors:
-            n = t.numel()
-            piece = red[offset:offset + n].reshape(t.shape)
-            out.append(piece if op is ReduceOp.MEAN and not t.is_floating_point()
-                       else piece.to(t.dtype))
-            offset += n
-        return out
+            t = t.detach().to(self.device)
+            a = axis
+            if t.dim() == 0:
+                t, a = t.reshape(1), 0
+            if not -t.dim() <= a < t.dim():
+                raise ValueError(f"{what}: axis {a} is out of range for a tensor of shape "
+                                 f"{tuple(t.shape)}")
+            a %= t.dim()
+            axes.append(a)
+            moved.append(t.movedim(a, 0).contiguous())
+        if self.world_size == 1:
+            return [m.movedim(0, a).clone() for m, a in zip(moved, axes)]
+        self._verify(what, f"all_gather of {len(moved)} tensors"
+                     + (f" of {structure}" if structure else "") + ": "
+                     + "; ".join(f"along axis {a} {describe_tensor(m.movedim(0, a), a)}"
+                                 for m, a in zip(moved, axes)))
+        row_bytes = [math.prod(m.shape[1:]) * m.element_size() for m in moved]
+        header = torch.tensor([v for m, rb in zip(moved, row_bytes) for v in (m.shape[0], rb)],
+                              dtype=torch.int64, device=self.device)
+        buffer = torch.cat([header.view(torch.uint8)]
+                           + [m.reshape(-1).view(torch.uint8) if m.dtype is not torch.bool
+                              else m.reshape(-1).to(torch.uint8) for m in moved])
+        parts, sizes = self._gather_rows(buffer, what)
+        pieces: list[list[torch.Tensor]] = [[] for _ in moved]
+        head = header.numel() * 8
+        for rank, (part, size) in enumerate(zip(parts, sizes)):
+            theirs = part[:head].clone().view(torch.int64).tolist()
+            offset = head
+            for i, m in enumerate(moved):
+                rows, rb = theirs[2 * i], theirs[2 * i + 1]
+                if rb != row_bytes[i]:
+                    raise ReplicatorError(
+                        f"{what}: tensor {i} has rows of {rb} bytes on group rank {rank} but "
+                        f"{row_bytes[i]} here (shape {tuple(m.shape)} along the gathered "
+                        "axis); every replica must pass tensors whose other dimensions match")
+                raw = part[offset:offset + rows * rb].clone()
+                offset += rows * rb
+                if m.dtype is torch.bool:
+                    piece = raw.to(torch.bool)
+                else:
+                    piece = raw.view(m.dtype)
+                pieces[i].append(piece.reshape(rows, *m.shape[1:]))
+            if offset > size:  # pragma: no cover - the header and the sizes disagree
+                raise ReplicatorError(f"{what}: group rank {rank} sent {size} bytes, its "
+                                      f"header describes {offset}")
+        return [torch.cat(p, dim=0).movedim(0, a) for p, a in zip(pieces, axes)]
 
     def all_gather_uneven(self, tensor: torch.Tensor, axis: int = 0,
                           what: str = "gather") -> torch.Tensor:
@@ -362,3 +429,13 @@ class Collectives:
         flag = torch.zeros(1, device=self.device)
         with self.guard(what):
             dist.all_reduce(flag, group=self.group)
+
+
+def _pack_dtype(dtype: torch.dtype, op: ReduceOp) -> torch.dtype:
+    """The dtype a tensor travels in within :meth:`Collectives.all_reduce_many`: float64 where
+    that holds it exactly (or for a mean, which is a float anyway), else its own."""
+    if dtype.is_complex:
+        return dtype
+    if dtype in (torch.int64, torch.uint64, torch.uint32) and op is not ReduceOp.MEAN:
+        return torch.int64 if dtype is not torch.uint64 else dtype
+    return torch.float64

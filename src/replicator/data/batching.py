@@ -272,6 +272,8 @@ class Spec(NamedTuple):
     size: int             # rows of the result (real + masked padding)
     full: bool            # a full per-replica batch (drop mode stops before non-full ones)
     position: int         # the plan's position after this step
+    length: int = 0       # rows of the global batch this part is cut from (0: not known,
+    #                       per-replica pipelines)
 
 
 class LocalBatch(NamedTuple):
@@ -284,6 +286,7 @@ class LocalBatch(NamedTuple):
     real: int
     full: bool
     position: int
+    length: int = 0  # rows of the global batch (0: not known), see Spec
 
 
 def make_mask(real: int, size: int) -> torch.Tensor:
@@ -328,4 +331,5 @@ class Materialiser:
         elif rows is not None and rows < spec.size:
             batch = pad_rows(batch, spec.size)
         size = spec.size if rows is not None else spec.real
-        return LocalBatch(batch, max(size, spec.real), spec.real, spec.full, spec.position)
+        return LocalBatch(batch, max(size, spec.real), spec.real, spec.full, spec.position,
+                          spec.length)

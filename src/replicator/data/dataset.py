@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import torch
 
+from replicator.data import uneven
 from replicator.data.agreement import EndAgreement, check_data_group, process_rank
 from replicator.data.batching import LocalBatch, repeat_first_row
 from replicator.data.context import InputContext, InputOptions
@@ -110,6 +111,8 @@ class DistributedIterator:
         self._step += 1
         self._last = item
         self.mask = cast(torch.Tensor, item.mask)  # a tensor once staged
+        uneven.record(uneven.check(item, self._pipe.rank, self._pipe.world, self.epoch,
+                                   self._step))
         owner = self._owner()
         if owner is not None:
             owner._advance(self, item.position)

@@ -172,9 +172,10 @@ def _split(items: list[Any], position: int, global_batch_size: int, rank: int, w
     real = part.stop - part.start
     if load_all:
         rows = (part.start, part.stop) if real else (0, 1)
-        return Spec(tuple(items), rows, real, part.size, part.full, position + len(items))
+        return Spec(tuple(items), rows, real, part.size, part.full, position + len(items),
+                    len(items))
     mine = tuple(items[part.start:part.stop]) if real else (items[0],)
-    return Spec(mine, None, real, part.size, part.full, position + len(items))
+    return Spec(mine, None, real, part.size, part.full, position + len(items), len(items))
 
 
 class GlobalSplitPlan(Plan):
@@ -316,13 +317,14 @@ class LoaderPlan(Plan):
                 start, stop = slice_bounds(rows, self.rank, self.world)
                 real = stop - start
                 size = real if self.empty_part else max(real, 1)
-                yield Spec((batch,), (start, stop) if real else (0, 1), real, size, True, step)
+                yield Spec((batch,), (start, stop) if real else (0, 1), real, size, True, step,
+                           rows)
                 continue
             spec = _split([None] * rows, 0, size, self.rank, self.world,
                           self.drop_remainder, self.pad_last_batch, True, self.empty_part)
             if spec is None:
                 return
-            yield Spec((batch,), spec.rows, spec.real, spec.size, spec.full, step)
+            yield Spec((batch,), spec.rows, spec.real, spec.size, spec.full, step, rows)
 
     def describe(self) -> str:
         return f"{self.kind}, each replica splits the batches of {type(self.loader).__name__}"

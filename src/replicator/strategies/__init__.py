@@ -10,7 +10,11 @@ from replicator.strategies.one_device import OneDeviceStrategy
 from replicator.strategies.parameter_server import ParameterServerStrategy
 from replicator.strategies.presets import FSDPStrategy, PipelineStrategy, TensorParallelStrategy
 from replicator.strategies.registry import available_strategies, get_strategy, register_strategy
-from replicator.strategies.replica_context import ReplicaContext, get_replica_context
+from replicator.strategies.replica_context import (
+    ReplicaContext,
+    ValueContext,
+    get_replica_context,
+)
 
 register_strategy(OneDeviceStrategy, "onedevice", "single", "default")
 register_strategy(MirroredStrategy)
@@ -26,4 +30,4 @@ __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirr
            "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
            "compute_average_loss", "get_strategy", "register_strategy", "available_strategies",
            "MeshStrategy", "FSDPStrategy", "MemoryReport", "TensorParallelStrategy",
-           "PipelineStrategy", "ParameterServerStrategy"]
+           "PipelineStrategy", "ParameterServerStrategy", "ValueContext"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from abc import ABC
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,9 +28,14 @@ from replicator.data.dataset import (
     distribute_dataset,
     distribute_datasets_from_function,
 )
-from replicator.strategies import replica_context
+from replicator.strategies.finite import check_finite_result
+from replicator.strategies.memory import MemoryReport, MemoryTracker, exchange_reports
+from replicator.strategies.reduction import Axis, gather_value, reduce_value
 from replicator.strategies.scope_capture import RegistrationCapture, named_state
-from replicator.strategies.undistributed import UndistributedGuard
+from replicator.strategies.state_dict import plain_state_dict
+from replicator.strategies.undistributed import WATCH
+from replicator.strategies.uneven_batches import begin_step, check_step
+from replicator.strategies.value_context import ValueContext
 
 if TYPE_CHECKING:
     from replicator.comm.collectives import Collectives
@@ -38,28 +44,41 @@ if TYPE_CHECKING:
     from replicator.strategies.replicas import ReplicaGroup
 
 _SERIALS = itertools.count(1)
+_CURRENT: list[Strategy] = []
+_LAST_CREATED: list[weakref.ref[Strategy]] = []
 
 
-def as_tensor(value: Any, call: str) -> torch.Tensor:
-    """``value`` as a tensor; a clear ``TypeError`` naming ``call`` otherwise."""
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (bool, int, float)):
-        return torch.tensor(value)
+@contextlib.contextmanager
+def entered(strategy: Strategy) -> Iterator[None]:
+    """Make ``strategy`` the active one inside the block (``scope()`` and ``run()``)."""
+    _CURRENT.append(strategy)
     try:
-        import numpy as np
+        yield
+    finally:
+        _CURRENT.pop()
 
-        if isinstance(value, (np.ndarray, np.generic)):
-            return torch.as_tensor(value)
-    except ImportError:  # pragma: no cover
-        pass
-    raise TypeError(f"{call}() takes a tensor or a Python number, got {type(value).__name__}")
+
+def created(strategy: Strategy) -> None:
+    """Remember the newest strategy: in SPMD code it is the one the process runs under."""
+    _LAST_CREATED[:] = [weakref.ref(strategy)]
+
+
+def current_strategy() -> Strategy | None:
+    """The strategy whose ``scope()`` or ``run()`` is active, else the newest one created."""
+    if _CURRENT:
+        return _CURRENT[-1]
+    return _LAST_CREATED[0]() if _LAST_CREATED else None
 
 
 class Strategy(ABC):
     """How a step function runs across replicas. A subclass opens its replica group (as
     ``self._replica_group``, before ``Strategy.__init__``) and implements the ``_hooks`` that
-    are its own."""
+    are its own.
+
+    ``check_finite=True`` (every strategy's constructor takes it): :meth:`run` checks the value
+    ``step_fn`` returns and raises :class:`~replicator.errors.NonFiniteLossError` on every
+    replica when it holds a NaN or infinity on any (see :mod:`replicator.strategies.finite`).
+    """
 
     name: ClassVar[str] = "strategy"
     #: The replicas this strategy keeps in step: device, group, tracker, collectives, identity,
@@ -68,7 +87,10 @@ class Strategy(ABC):
     #: The mixed-precision policy given to ``scope(precision=...)`` (``None``: full precision).
     _precision: MixedPrecision | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, *, check_finite: bool = False) -> None:
+        self._check_finite = bool(check_finite)
+        self._runs = 0
+        self._warned_uneven = False
         self._scope_depth = 0
         self._capture: RegistrationCapture | None = None
         #: unique for the process's lifetime (never reused, unlike ``id(self)``)
@@ -77,9 +99,10 @@ class Strategy(ABC):
         # cannot make a new one with the same id look distributed
         self._set_up_modules: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._distributed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._guard: UndistributedGuard | None = None
         self._closed = False
-        replica_context.created(self)
+        self._memory = MemoryTracker(self.is_distributed, self._activation_samples)
+        created(self)
+        WATCH.add(self)
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -130,6 +153,7 @@ class Strategy(ABC):
                 raise TypeError(f"prepare_optimizers takes torch optimizers, got "
                                 f"{type(optimizer).__name__}")
             self._prepare_optimizer(optimizer)
+            self._memory.note(optimizer)
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Hook: see :meth:`prepare_optimizers` (one optimizer)."""
@@ -160,7 +184,7 @@ class Strategy(ABC):
             contextlib.nullcontext()
         ok = False
         try:
-            with replica_context.entered(self), device_ctx:
+            with entered(self), device_ctx:
                 yield self
             ok = True
         finally:
@@ -193,6 +217,22 @@ class Strategy(ABC):
                 for _, t in [*module.named_parameters(), *module.named_buffers()]:
                     self._distributed[t] = True
 
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The whole ``model``'s state dict, to save as one file (Accelerate's
+        ``get_state_dict``): a collective, every rank calls it. Where the model is split
+        (pipeline stages, tensor or FSDP shards) the chief gets full tensors on the CPU, with
+        the one-device model's keys, and the other ranks ``{}``; otherwise every rank gets
+        the plain state dict (see :mod:`replicator.strategies.state_dict`)."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"full_state_dict takes a torch.nn.Module, got "
+                            f"{type(model).__name__}")
+        self._check_open("full_state_dict")
+        return self._full_state_dict(model)
+
+    def _full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Hook: see :meth:`full_state_dict` (the default: the plain state dict)."""
+        return plain_state_dict(model)
+
     def is_distributed(self, tensor: torch.Tensor) -> bool:
         """True if ``tensor`` belongs to a module this strategy has set up."""
         return tensor in self._distributed
@@ -223,8 +263,7 @@ class Strategy(ABC):
         if self._closed:
             return
         self._closed = True
-        if self._guard is not None:
-            self._guard.close()
+        self._memory.close()
         self._close()
         replicas = getattr(self, "_replica_group", None)
         if replicas is not None:
@@ -279,10 +318,35 @@ class Strategy(ABC):
         precision.bind(self)
         self._precision = precision
 
+    # -- memory ------------------------------------------------------------------------------
+    #: How many runs measure their activations (``None``: every run); see ``memory.py``.
+    _activation_samples: ClassVar[int | None] = 3
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds: parameters, gradients and optimizer state of what this
+        strategy set up, and the peak of activations saved for backward in ``run`` (measured
+        in the first three runs; in every run where the model is split)."""
+        rank = dist.get_rank() if dist.is_initialized() else self._replica_group.global_rank
+        return self._memory.report(rank, list(self._set_up_modules.keys()))
+
+    def memory_reports(self) -> list[MemoryReport]:
+        """Every rank's :meth:`memory_report`, in rank order (a collective: all call it)."""
+        return exchange_reports(self.memory_report(), lambda rows: self._report_collectives
+                                .all_gather_uneven(rows, 0, "memory report exchange"))
+
+    @property
+    def _report_collectives(self) -> Collectives:
+        """The ranks :meth:`memory_reports` gathers from (the replicas by default)."""
+        return self.collectives
+
     # -- running a step ----------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple | list = (),
             kwargs: dict[str, Any] | None = None) -> Any:
-        """Run ``fn(*args, **kwargs)`` on this process's replica and return its result."""
+        """Run ``fn(*args, **kwargs)`` on this process's replica and return its result.
+
+        With ``check_finite=True`` on the strategy, the result is then checked on every
+        replica together (one small collective): a NaN or infinite float in it raises
+        ``NonFiniteLossError`` naming this step (the count of ``run`` calls) and the ranks."""
         if not callable(fn):
             raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
         if not isinstance(args, (tuple, list)):
@@ -291,16 +355,22 @@ class Strategy(ABC):
         self._check_open("run")
         if compile_in_use():
             keep_library_eager()
-        if self.num_replicas_in_sync > 1 and self._guards_undistributed:
-            if self._guard is None:
-                self._guard = UndistributedGuard(self)
-            with replica_context.entered(self), self._guard.watching():
-                return self._run(fn, tuple(args), dict(kwargs or {}))
-        with replica_context.entered(self):
-            return self._run(fn, tuple(args), dict(kwargs or {}))
+        self._runs += 1
+        watching = WATCH.running() if self.num_replicas_in_sync > 1 and \
+            self._guards_undistributed else contextlib.nullcontext()
+        uneven = begin_step()
+        with entered(self), watching, self._memory.measuring():
+            result = self._run(fn, tuple(args), dict(kwargs or {}))
+        self._warned_uneven = check_step(uneven, self.replica_id, self._warned_uneven)
+        if self._check_finite:
+            group = self._replica_group
+            check_finite_result(result, self._runs, group.rank, group.world_size,
+                                group.global_ranks, self._reduce)
+        return result
 
-    #: Whether ``run`` refuses trainable parameters this strategy never distributed (on for
-    #: synchronous replica strategies, where they would silently train N separate models).
+    #: Whether trainable parameters this strategy never distributed are refused, in ``run``
+    #: and outside it (on for strategies whose replicas would silently train N separate
+    #: models; see :mod:`replicator.strategies.undistributed`).
     _guards_undistributed: ClassVar[bool] = False
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -317,48 +387,57 @@ class Strategy(ABC):
         return loss.detach()
 
     # -- cross-replica values ----------------------------------------------------------------
-    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> torch.Tensor:
+    def reduce(self, op: ReduceOp | str, value: Any, axis: Axis = None) -> Any:
         """Combine a per-replica value across replicas (and along ``axis`` if given).
 
-        ``reduce("mean", x, axis=0)`` is the mean over every replica's rows of ``x``, counted
-        per row, so uneven batches give the true global mean.
+        ``value``: a tensor, a number, or a nest of them (tuples, lists, dicts, namedtuples,
+        dataclasses), reduced in one collective and returned with the same structure.
+        ``axis``: an int or a tuple of ints; ``reduce("mean", x, axis=0)`` is the mean over
+        every replica's rows of ``x``, counted per row, so uneven batches give the true global
+        mean (see :mod:`replicator.strategies.reduction`).
         """
         op = ReduceOp.parse(op)
-        tensor = as_tensor(value, "reduce")
-        if axis is None:
-            return self._reduce(op, tensor)
-        if tensor.dim() == 0:
-            raise ValueError("reduce(..., axis=...) needs a tensor with at least one dimension")
-        if op is ReduceOp.MEAN:
-            total = tensor.sum(axis, dtype=torch.float64 if not tensor.is_floating_point()
-                               else None)
-            count = torch.tensor(float(tensor.shape[axis]), dtype=total.dtype)
-            total, count = self._reduce_many(ReduceOp.SUM, [total, count])
-            return total / count
-        local = {ReduceOp.SUM: lambda t: t.sum(axis), ReduceOp.MIN: lambda t: t.amin(axis),
-                 ReduceOp.MAX: lambda t: t.amax(axis)}[op](tensor)
-        return self._reduce(op, local)
+        return reduce_value(op, value, axis, self._reduce, self._reduce_many)
 
-    def gather(self, value: Any, axis: int = 0) -> torch.Tensor:
-        """Concatenate every replica's ``value`` along ``axis`` (sizes there may differ)."""
-        tensor = as_tensor(value, "gather")
-        if tensor.dim() and not -tensor.dim() <= axis < tensor.dim():
-            raise ValueError(f"gather axis {axis} is out of range for a tensor of shape "
-                             f"{tuple(tensor.shape)}")
-        return self._gather(tensor, axis)
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenate every replica's ``value`` along ``axis`` (sizes there may differ; a
+        scalar counts as one row). A nest is gathered leaf by leaf in one exchange and
+        returned with the same structure."""
+        return gather_value(value, axis, self._gather, self._gather_many)
 
     def local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of this process's replicas (one per process here)."""
         return (value,)
 
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """tf.distribute's name for :meth:`local_results`."""
+        return self.local_results(value)
+
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """This replica's value: ``value_fn(ValueContext(replica_id_in_sync_group,
+        num_replicas_in_sync))``, called once in each process (tf.distribute calls it once
+        per replica; here the replica is the process). The result is a per-replica value, as
+        ``strategy.run`` takes and returns."""
+        if not callable(value_fn):
+            raise TypeError(f"distribute_values_from_function() needs a callable, got "
+                            f"{type(value_fn).__name__}")
+        return value_fn(ValueContext(self.replica_id, self.num_replicas_in_sync))
+
+    experimental_distribute_values_from_function = distribute_values_from_function
+
     def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
         return self._replica_group.reduce(op, tensor)
 
-    def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self._replica_group.reduce_many(op, tensors)
+    def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor],
+                     structure: str = "") -> list[torch.Tensor]:
+        return self._replica_group.reduce_many(op, tensors, structure)
 
     def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         return self._replica_group.gather(tensor, axis)
+
+    def _gather_many(self, tensors: list[torch.Tensor], axis: int,
+                     structure: str = "") -> list[torch.Tensor]:
+        return self._replica_group.gather_many(tensors, axis, structure)
 
     def barrier(self) -> None:
         """Wait until every replica reaches this point."""

@@ -59,10 +59,11 @@ class CentralStorageStrategy(MirroredStrategy):
                  cross_device_ops: CrossDeviceOps | None = None, *,
                  communication_options: CommunicationOptions | None = None,
                  mesh: Topology | None = None, axis: str = "data",
-                 buffer_sync: str = "mean", sync_batchnorm: bool = False) -> None:
+                 buffer_sync: str = "mean", sync_batchnorm: bool = False,
+                 check_finite: bool = False) -> None:
         super().__init__(devices, cross_device_ops, communication_options=communication_options,
                          mesh=mesh, axis=axis, buffer_sync=buffer_sync,
-                         sync_batchnorm=sync_batchnorm)
+                         sync_batchnorm=sync_batchnorm, check_finite=check_finite)
         self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stashed: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         me = weakref.ref(self)

@@ -6,6 +6,11 @@ return ``N / B * sum(local per-example losses)``: then
 ``mean_r grad(N/B * sum_r) = grad(1/B * sum_all)``, whatever each replica's local size. With
 equal local batches this equals the local mean. ``strategy.reduce("mean", loss)`` of the
 returned values is the global mean loss.
+
+A plain mean loss instead (DDP's semantics: each replica's mean, then gradients averaged across
+replicas) weighs each replica's samples by ``1 / its own size``: on an uneven batch it differs
+from one device. ``strategy.run`` warns once, on the first uneven batch of a distributed
+dataset whose step did not call this function (:mod:`replicator.strategies.uneven_batches`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 
 from replicator.comm.reduce_op import ReduceOp
 from replicator.strategies.replica_context import current_strategy
+from replicator.strategies.uneven_batches import note_average_loss
 
 
 def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int | None = None,
@@ -27,6 +33,7 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
     """
     if not isinstance(per_example_loss, torch.Tensor):
         raise TypeError("compute_average_loss takes a tensor of per-example losses")
+    note_average_loss()
     loss = per_example_loss
     if sample_weight is not None:
         loss = loss * sample_weight.to(loss.dtype)

@@ -6,16 +6,24 @@ parallelism a rank holds its stages or shards. Activations are measured while
 ``strategy.run`` executes, as the bytes saved for backward that are alive at once, which is
 what pipeline schedules change (1F1B keeps fewer microbatches' activations alive than GPipe).
 A view counts its own bytes, not its whole storage.
+
+Every strategy keeps a :class:`MemoryTracker`: the optimizers over its parameters (noticed at
+their first step, or at ``prepare_optimizers``) and the peak of the measured runs. Measuring
+activations hooks every tensor autograd saves, so replicating strategies measure their first
+few runs only (a step's activations repeat for a fixed batch shape); strategies that split
+the model measure every run, where schedules make steps differ.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from replicator.comm.gradient_sync import local_tensor
 
@@ -147,3 +155,63 @@ class ActivationMeter:
 
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
+
+
+class MemoryTracker:
+    """What ``memory_report`` needs across steps (see the module doc). ``is_ours``: whether a
+    parameter belongs to the strategy; ``samples``: how many runs to measure activations in
+    (``None``: every run)."""
+
+    def __init__(self, is_ours: Callable[[torch.Tensor], bool], samples: int | None) -> None:
+        self._is_ours = is_ours
+        self._samples = samples
+        self._runs = 0
+        self.peak_activation_bytes = 0
+        self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = \
+            weakref.WeakKeyDictionary()
+        me = weakref.ref(self)
+
+        def noticed(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            tracker = me()
+            if tracker is not None:
+                tracker.note(optimizer)
+
+        self._hook = register_optimizer_step_pre_hook(noticed)
+        weakref.finalize(self, self._hook.remove)
+
+    def note(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s state when it holds one of the strategy's parameters."""
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        if self._checked.get(optimizer) == count:
+            return
+        self._checked[optimizer] = count
+        if any(self._is_ours(p) for g in optimizer.param_groups for p in g["params"]):
+            self.optimizers.add(optimizer)
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Around one ``strategy.run``: measure its activations while sampling."""
+        self._runs += 1
+        if self._samples is not None and self._runs > self._samples:
+            yield
+            return
+        with ActivationMeter() as meter:
+            yield
+        self.peak_activation_bytes = max(self.peak_activation_bytes, meter.peak_bytes)
+
+    def report(self, rank: int, modules: Iterable[torch.nn.Module]) -> MemoryReport:
+        return build_memory_report(rank, modules, list(self.optimizers),
+                                   self.peak_activation_bytes)
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def exchange_reports(mine: MemoryReport, gather: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> list[MemoryReport]:
+    """Every rank's report from ``mine`` and ``gather`` (rows concatenated in rank order)."""
+    values = torch.tensor([[mine.rank, mine.parameter_bytes, mine.gradient_bytes,
+                            mine.optimizer_state_bytes, mine.peak_activation_bytes]],
+                          dtype=torch.int64)
+    return [MemoryReport(*[int(v) for v in row]) for row in gather(values).tolist()]

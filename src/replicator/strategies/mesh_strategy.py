@@ -38,14 +38,19 @@ from replicator.cluster.devices import default_device_for
 from replicator.cluster.environment import resolve_cluster
 from replicator.cluster.process_group import initialize
 from replicator.cluster.topology import Topology
+from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import GradientSynchronizer
 from replicator.errors import ClusterConfigError
 from replicator.parallel.fsdp import apply_fsdp, is_unsharded_view
 from replicator.parallel.pipeline import PipelineRunner
 from replicator.parallel.tensor_parallel import apply_tensor_parallel
 from replicator.strategies.base import Strategy
-from replicator.strategies.memory import ActivationMeter, MemoryReport, build_memory_report
 from replicator.strategies.replicas import ReplicaGroup, bound_timeout
+from replicator.strategies.state_dict import (
+    gathered_state_dict,
+    mark_stage_placeholders,
+    pipeline_state_dict,
+)
 
 #: Mesh order, outermost first (torchtitan's): pipeline stages talk least, tensor shards most,
 #: so tensor-parallel ranks are neighbours (the same host).
@@ -77,6 +82,7 @@ class MeshStrategy(Strategy):
     Their product must equal the number of processes; ``-1`` infers one. ``tensor_plan``: see
     :class:`~replicator.TensorParallelStrategy`; ``pipeline``: the options of
     :class:`~replicator.PipelineStrategy` as a dict; ``reshard_after_forward``: FSDP's option.
+    ``check_finite``: see :class:`~replicator.strategies.base.Strategy`.
     """
 
     name = "mesh"
@@ -86,7 +92,7 @@ class MeshStrategy(Strategy):
                  tensor_plan: Mapping[str, Any] | None = None,
                  pipeline_options: Mapping[str, Any] | None = None,
                  reshard_after_forward: bool = True,
-                 timeout_seconds: float | None = None) -> None:
+                 timeout_seconds: float | None = None, check_finite: bool = False) -> None:
         axes = _axes_from_degrees({"data": data, "fsdp": fsdp, "pipeline": pipeline,
                                    "tensor": tensor})
         spec = resolve_cluster()
@@ -118,11 +124,7 @@ class MeshStrategy(Strategy):
             bound_timeout(topo.group(axis), self._replica_group.timeout_seconds)
         # parameters replaced by sharded ones (old -> new), for optimizers built in scope
         self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = \
-            weakref.WeakKeyDictionary()
         self._pipelines: list[PipelineRunner] = []  # per set-up module
-        self._activation_peak = 0
         self._no_sync_depth = 0
         me = weakref.ref(self)
 
@@ -132,7 +134,7 @@ class MeshStrategy(Strategy):
                 strategy.prepare_optimizers(optimizer)
 
         self._optimizer_hook = register_optimizer_step_pre_hook(prepare)
-        super().__init__()
+        super().__init__(check_finite=check_finite)
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -179,6 +181,7 @@ class MeshStrategy(Strategy):
                                     guard=self._stages.collectives.guard,
                                     **self._pipeline_options)
             self._pipelines.append(runner)
+            mark_stage_placeholders(module, runner)
             parts = runner.local_modules
         else:
             parts = [module]
@@ -209,6 +212,19 @@ class MeshStrategy(Strategy):
             if runner.model is model:
                 return runner.forward_backward(inputs, target, loss_fn)
         return super().forward_backward(model, inputs, target, loss_fn)  # not pipelined
+
+    def _full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Pipeline stages gathered on the chief's pipeline (the other pipelines skip the
+        work), tensor and FSDP shards by ``full_tensor()`` on every rank; see
+        :meth:`Strategy.full_state_dict`."""
+        if not self.shards_model:
+            return super()._full_state_dict(model)
+        for runner in self._pipelines:
+            if runner.model is model:
+                if self.replica_id != 0:
+                    return {}
+                return pipeline_state_dict(runner, self.is_chief)
+        return gathered_state_dict(model, self.is_chief)
 
     def _broadcast_initial_state(self, module: torch.nn.Module) -> None:
         """Every rank starts from global rank 0's values (as Mirrored does), so the pieces cut
@@ -242,12 +258,6 @@ class MeshStrategy(Strategy):
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point ``optimizer`` (built in ``scope()``, before the sharding) at the sharded
         parameters that replaced the ones it was given, moving their state along."""
-        if optimizer not in self._checked:  # is it one of ours? (for memory_report)
-            ours = any(p in self._replaced or Strategy.is_distributed(self, p)
-                       for g in optimizer.param_groups for p in g["params"])
-            self._checked[optimizer] = ours
-            if ours:
-                self._optimizers.add(optimizer)
         if not len(self._replaced):
             return
         for group in optimizer.param_groups:
@@ -267,26 +277,13 @@ class MeshStrategy(Strategy):
         return False
 
     # -- memory ------------------------------------------------------------------------------------
-    def memory_report(self) -> MemoryReport:
-        """Bytes this rank holds: parameters, gradients, optimizer state, peak activations."""
-        modules = [m for m in self._set_up_modules.keys()]
-        return build_memory_report(self._topology.global_rank, modules, list(self._optimizers),
-                                   self._activation_peak)
+    #: Pipeline schedules make steps differ: activations are measured in every run.
+    _activation_samples = None
 
-    def memory_reports(self) -> list[MemoryReport]:
-        """Every worker's :meth:`memory_report`, in rank order (a collective: all call it)."""
-        mine = self.memory_report()
-        values = torch.tensor([[mine.rank, mine.parameter_bytes, mine.gradient_bytes,
-                                mine.optimizer_state_bytes, mine.peak_activation_bytes]],
-                              dtype=torch.int64)
-        rows = self._job.collectives.all_gather_uneven(values, 0, "memory report exchange")
-        return [MemoryReport(*[int(v) for v in row]) for row in rows.tolist()]
-
-    def _run(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        with ActivationMeter() as meter:
-            out = fn(*args, **kwargs)
-        self._activation_peak = max(self._activation_peak, meter.peak_bytes)
-        return out
+    @property
+    def _report_collectives(self) -> Collectives:
+        """Memory reports come from every worker, not only the replicas."""
+        return self._job.collectives
 
     # -- synchronising ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -64,6 +64,8 @@ class MirroredStrategy(Strategy):
     DDP does) or ``"none"`` (each replica keeps its own). ``sync_batchnorm=True``: BatchNorm
     layers normalise with statistics over the global batch (every replica's part), so training
     equals one device with the same global batch (see ``cross_replica_batchnorm.py``).
+    ``check_finite=True``: ``run`` raises ``NonFiniteLossError`` on every replica when a step
+    returns a NaN or infinite value (see :class:`~replicator.strategies.base.Strategy`).
     """
 
     name = "mirrored"
@@ -73,7 +75,8 @@ class MirroredStrategy(Strategy):
                  cross_device_ops: CrossDeviceOps | None = None, *,
                  communication_options: CommunicationOptions | None = None,
                  mesh: Topology | None = None, axis: str = "data",
-                 buffer_sync: str = "mean", sync_batchnorm: bool = False) -> None:
+                 buffer_sync: str = "mean", sync_batchnorm: bool = False,
+                 check_finite: bool = False) -> None:
         spec = resolve_cluster()
         parsed = parse_devices(devices)
         if parsed is not None:
@@ -113,7 +116,7 @@ class MirroredStrategy(Strategy):
                                            timeout_seconds=self._options.timeout_seconds)
         self._replica_group.use_algorithm(
             cross_device_ops or algorithm_for(self._options, device, self._replica_group.group))
-        super().__init__()
+        super().__init__(check_finite=check_finite)
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -197,7 +200,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                  communication_options: CommunicationOptions | CrossDeviceOps | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, *,
                  mesh: Topology | None = None, axis: str = "data",
-                 buffer_sync: str = "mean", sync_batchnorm: bool = False) -> None:
+                 buffer_sync: str = "mean", sync_batchnorm: bool = False,
+                 check_finite: bool = False) -> None:
         if isinstance(cluster_resolver, (CommunicationOptions, CrossDeviceOps)):
             if communication_options is not None:
                 raise TypeError("MultiWorkerMirroredStrategy got communication options twice. "
@@ -233,4 +237,5 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 choose_gloo_interface(spec.master_addr)
         super().__init__(devices=None, cross_device_ops=cross_device_ops,
                          communication_options=communication_options, mesh=mesh, axis=axis,
-                         buffer_sync=buffer_sync, sync_batchnorm=sync_batchnorm)
+                         buffer_sync=buffer_sync, sync_batchnorm=sync_batchnorm,
+                         check_finite=check_finite)

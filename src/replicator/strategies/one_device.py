@@ -17,11 +17,13 @@ class OneDeviceStrategy(Strategy):
 
     No process group is needed: its replica group is a single replica, so ``reduce`` and
     ``gather`` return the local value and ``collectives`` is a single-rank one.
+    ``check_finite``: see :class:`~replicator.strategies.base.Strategy`.
     """
 
     name = "one_device"
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
+    def __init__(self, device: str | torch.device | None = None, *,
+                 check_finite: bool = False) -> None:
         self._replica_group = ReplicaGroup.single(parse_device(device))
         spec = resolve_cluster()
         if spec.world_size > 1:
@@ -31,4 +33,4 @@ class OneDeviceStrategy(Strategy):
                 "the chief (prints, writes checkpoints). HINT: use rp.MirroredStrategy() to "
                 "train one model on every process, or launch a single process.",
                 UserWarning, stacklevel=2)
-        super().__init__()
+        super().__init__(check_finite=check_finite)

@@ -76,6 +76,8 @@ class ParameterServerStrategy(Strategy):
     :meth:`save_checkpoint` writes there. ``shared_memory``: payloads between a worker and a
     server on one host go through shared memory (default on, unless
     ``REPLICATOR_PS_SHARED_MEMORY=0``); ``False`` keeps them on the TCP connection.
+    ``check_finite``: see :class:`~replicator.strategies.base.Strategy` (asynchronous workers,
+    not in step, each check their own value).
     """
 
     name = "parameter_server"
@@ -86,7 +88,7 @@ class ParameterServerStrategy(Strategy):
                  staleness: int | None = None, *, address: str | None = None,
                  timeout_seconds: float | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None,
-                 shared_memory: bool | None = None) -> None:
+                 shared_memory: bool | None = None, check_finite: bool = False) -> None:
         launched = _num_ps_from_env()
         if num_ps is None:
             num_ps = launched if launched is not None else 1
@@ -150,7 +152,7 @@ class ParameterServerStrategy(Strategy):
             register_optimizer_step_pre_hook(self._before_step),
             register_optimizer_step_post_hook(self._after_step),
         ]
-        super().__init__()
+        super().__init__(check_finite=check_finite)
 
     def _join_job(self, timeout_seconds: float | None, address: str | None
                   ) -> tuple[dist.Store, int]:
@@ -372,6 +374,12 @@ class ParameterServerStrategy(Strategy):
         """Fetch the servers' current values into the local parameters now."""
         self._client.pull(self._expected(), self._receive)
 
+    def _full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The servers' current values (pulled first), as the model's plain state dict."""
+        if self._shards:
+            self.pull()
+        return super()._full_state_dict(model)
+
     # -- statistics ----------------------------------------------------------------------------
     def staleness_stats(self) -> dict[str, Any]:
         """Staleness of every update applied so far, over all servers and shards: ``count``,
@@ -467,15 +475,22 @@ class ParameterServerStrategy(Strategy):
             return tensor.clone()
         return super()._reduce(op, tensor)
 
-    def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor],
+                     structure: str = "") -> list[torch.Tensor]:
         if self._staleness != 0:
             return [t.clone() for t in tensors]
-        return super()._reduce_many(op, tensors)
+        return super()._reduce_many(op, tensors, structure)
 
     def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         if self._staleness != 0:
             return tensor.clone()
         return super()._gather(tensor, axis)
+
+    def _gather_many(self, tensors: list[torch.Tensor], axis: int,
+                     structure: str = "") -> list[torch.Tensor]:
+        if self._staleness != 0:
+            return [t.clone() if t.dim() else t.reshape(1) for t in tensors]
+        return super()._gather_many(tensors, axis, structure)
 
     def barrier(self) -> None:
         if self._staleness == 0:

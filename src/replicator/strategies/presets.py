@@ -33,7 +33,7 @@ class FSDPStrategy(MeshStrategy):
     def __init__(self, reshard_after_forward: bool | None = None, *,
                  zero_stage: int | None = None, tensor: int = 1,
                  tensor_plan: dict[str, Any] | None = None,
-                 timeout_seconds: float | None = None) -> None:
+                 timeout_seconds: float | None = None, check_finite: bool = False) -> None:
         if zero_stage is not None:
             if zero_stage not in (2, 3):
                 raise ValueError(
@@ -49,7 +49,7 @@ class FSDPStrategy(MeshStrategy):
         super().__init__(fsdp=-1, tensor=tensor, tensor_plan=tensor_plan,
                          reshard_after_forward=True if reshard_after_forward is None
                          else bool(reshard_after_forward),
-                         timeout_seconds=timeout_seconds)
+                         timeout_seconds=timeout_seconds, check_finite=check_finite)
 
 
 class TensorParallelStrategy(MeshStrategy):
@@ -68,11 +68,11 @@ class TensorParallelStrategy(MeshStrategy):
 
     def __init__(self, plan: Mapping[str, Any] | None = None, *, tensor: int = -1,
                  sequence_parallel: bool = False,
-                 timeout_seconds: float | None = None) -> None:
+                 timeout_seconds: float | None = None, check_finite: bool = False) -> None:
         validate_plan(plan, sequence_parallel)
         data = 1 if tensor == -1 else -1
         super().__init__(data=data, tensor=tensor, tensor_plan=plan,
-                         timeout_seconds=timeout_seconds)
+                         timeout_seconds=timeout_seconds, check_finite=check_finite)
         self._sequence_parallel = bool(sequence_parallel)
 
 
@@ -93,7 +93,8 @@ class PipelineStrategy(MeshStrategy):
 
     def __init__(self, num_stages: int = 2, num_microbatches: int = 4,
                  schedule: str = "1f1b", *, split_points: Sequence[str] | None = None,
-                 balance: str = "params", timeout_seconds: float | None = None) -> None:
+                 balance: str = "params", timeout_seconds: float | None = None,
+                 check_finite: bool = False) -> None:
         schedule = check_pipeline_options(num_stages, num_microbatches, schedule, balance)
         super().__init__(pipeline=pipeline_degree(num_stages, schedule), data=-1,
                          pipeline_options={"num_stages": num_stages,
@@ -101,7 +102,7 @@ class PipelineStrategy(MeshStrategy):
                                            "schedule": schedule,
                                            "split_points": split_points,
                                            "balance": balance},
-                         timeout_seconds=timeout_seconds)
+                         timeout_seconds=timeout_seconds, check_finite=check_finite)
 
     def describe_stages(self) -> str:
         """Which blocks each stage holds, and on which pipeline rank."""

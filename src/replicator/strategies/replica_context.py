@@ -1,21 +1,22 @@
-"""The replica context: inside ``strategy.run`` (or anywhere), who this replica is."""
+"""The replica context: inside ``strategy.run`` (or anywhere), who this replica is.
+
+tf.distribute's ``ReplicaContext`` and ``ValueContext`` in the one-process-per-replica model:
+the replica is the process, so the context's collectives are the strategy's (``all_reduce``
+is ``strategy.reduce``, ``all_gather`` is ``strategy.gather``), and ``merge_call`` runs its
+function once in each process (see :meth:`ReplicaContext.merge_call`).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
-
-import torch
+from collections.abc import Callable
+from typing import Any
 
 from replicator.comm.reduce_op import ReduceOp
+from replicator.strategies.base import Strategy, created, current_strategy, entered
+from replicator.strategies.value_context import ValueContext
 
-if TYPE_CHECKING:
-    from replicator.strategies.base import Strategy
-
-_CURRENT: list[Strategy] = []
-_LAST_CREATED: list[weakref.ref] = []
+__all__ = ["ReplicaContext", "ValueContext", "get_replica_context", "current_strategy",
+           "created", "entered"]
 
 
 class ReplicaContext:
@@ -40,34 +41,35 @@ class ReplicaContext:
     def num_replicas_in_sync(self) -> int:
         return 1 if self._strategy is None else self._strategy.num_replicas_in_sync
 
-    def all_reduce(self, op: ReduceOp | str, value: Any) -> torch.Tensor:
-        """Reduce ``value`` across all replicas; every replica gets the result."""
+    def all_reduce(self, op: ReduceOp | str, value: Any) -> Any:
+        """Reduce ``value`` (a tensor, a number, or a nest of them) across all replicas in one
+        collective; every replica gets the result, in ``value``'s structure."""
         return self.strategy.reduce(op, value)
+
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
+        """Every replica's ``value`` (or each leaf of a nest) concatenated along ``axis`` in
+        replica order; sizes along ``axis`` may differ. Every replica gets the result."""
+        return self.strategy.gather(value, axis)
+
+    def merge_call(self, merge_fn: Callable[..., Any], args: tuple | list = (),
+                   kwargs: dict[str, Any] | None = None) -> Any:
+        """Run ``merge_fn(strategy, *args, **kwargs)`` and return its result.
+
+        In tf.distribute several replicas share a process, and ``merge_call`` runs
+        ``merge_fn`` once for all of them with their values merged. Here each replica is a
+        process, so ``merge_fn`` runs once in every process with this replica's own ``args``:
+        to combine values across replicas, call ``strategy.reduce`` or ``strategy.gather``
+        inside it (every replica reaches the call, so those collectives match)."""
+        if not callable(merge_fn):
+            raise TypeError(f"merge_call() needs a callable, got {type(merge_fn).__name__}")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"merge_call(fn, args=...) takes a tuple of arguments, got "
+                            f"{type(args).__name__}. HINT: write args=(value,)")
+        return merge_fn(self.strategy, *args, **dict(kwargs or {}))
 
     def __repr__(self) -> str:
         return (f"ReplicaContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
-
-
-@contextlib.contextmanager
-def entered(strategy: Strategy) -> Iterator[None]:
-    _CURRENT.append(strategy)
-    try:
-        yield
-    finally:
-        _CURRENT.pop()
-
-
-def created(strategy: Strategy) -> None:
-    """Remember the newest strategy: in SPMD code it is the one the process runs under."""
-    _LAST_CREATED[:] = [weakref.ref(strategy)]
-
-
-def current_strategy() -> Strategy | None:
-    """The strategy whose ``scope()`` or ``run()`` is active, else the newest one created."""
-    if _CURRENT:
-        return _CURRENT[-1]
-    return _LAST_CREATED[0]() if _LAST_CREATED else None
 
 
 def get_replica_context() -> ReplicaContext:

@@ -149,13 +149,20 @@ class ReplicaGroup:
         """``op`` over every replica's ``tensor``; every replica gets the result."""
         return self.collectives.all_reduce(tensor, op, f"reduce({op.value})")
 
-    def reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """:meth:`reduce` of several tensors in one collective."""
-        return self.collectives.all_reduce_many(tensors, op, f"reduce({op.value})")
+    def reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor],
+                    structure: str = "") -> list[torch.Tensor]:
+        """:meth:`reduce` of several tensors (the leaves of the nest ``structure``
+        describes) in one collective."""
+        return self.collectives.all_reduce_many(tensors, op, f"reduce({op.value})", structure)
 
     def gather(self, tensor: torch.Tensor, axis: int = 0) -> torch.Tensor:
         """Every replica's ``tensor`` concatenated along ``axis`` (sizes there may differ)."""
         return self.collectives.all_gather_uneven(tensor, axis, "gather")
+
+    def gather_many(self, tensors: list[torch.Tensor], axis: int = 0,
+                    structure: str = "") -> list[torch.Tensor]:
+        """:meth:`gather` of several tensors (the leaves of a nest) in one exchange."""
+        return self.collectives.all_gather_many(tensors, axis, "gather", structure)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
                    what: str = "broadcast") -> None:

@@ -1,12 +1,25 @@
-"""Refuse trainable parameters that a synchronous strategy never distributed.
+"""Refuse trainable parameters that a multi-replica strategy never distributed.
 
 A model built outside ``strategy.scope()`` (and never passed to ``distribute_model``) gets no
 initial broadcast and no gradient averaging: under N replicas it silently trains N separate
-models. While ``strategy.run`` executes, a global forward pre-hook looks at every module called
-with gradients enabled, and an optimizer step pre-hook at every optimizer stepped; a trainable
-parameter the strategy does not know raises :class:`~replicator.errors.NotDistributedError`
-before anything diverges. Modules and optimizers found clean are remembered (weakly), so the
-check costs a dictionary look-up per call after the first step.
+models, with ``strategy.run`` or without it (plain ``model(x)``, ``loss.backward()``,
+``optimizer.step()``). While a multi-replica strategy with this check lives in the process
+(open, more than one replica in sync; OneDevice never checks), process-wide hooks watch for it:
+
+- an optimizer step pre-hook: a parameter with a gradient that no live strategy of this
+  process distributed raises :class:`~replicator.errors.NotDistributedError` before the step;
+- a module forward pre-hook: a trainable parameter that no live strategy distributed, used
+  with gradients enabled, raises at once inside ``strategy.run``; outside it, the parameter is
+  armed, and its first backward raises (so a forward without backward, such as a reference
+  computation, is left alone, and a model passed to ``distribute_model`` after a forward is
+  accepted, since the check runs when the gradient arrives).
+
+"Distributed" asks each strategy's own ``is_distributed`` (parameter-server and mesh
+strategies replace or shard parameters, and answer for the new ones and the old ones alike).
+Modules and optimizers found clean are remembered (weakly), so the check costs a dictionary
+look-up per call after the first step. The hooks are registered once per process and stay
+(idle once every checking strategy is closed or freed): registering them anew every step
+would change torch's global hook table, which torch.compile guards on.
 """
 
 from __future__ import annotations
@@ -14,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -23,86 +36,132 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.errors import NotDistributedError
 
-if TYPE_CHECKING:
-    from replicator.strategies.base import Strategy
+
+class Distributing(Protocol):
+    """What the check needs from a strategy."""
+
+    _closed: bool
+    _guards_undistributed: ClassVar[bool]
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def replica_id(self) -> int: ...
+
+    def is_distributed(self, tensor: torch.Tensor) -> bool: ...
 
 
 def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(d) for d in t.shape) + ")"
+    return str(tuple(t.shape))
 
 
-class UndistributedGuard:
-    """The checks ``Strategy.run`` switches on while a step runs (see the module doc)."""
+def _checks(strategy: Distributing) -> bool:
+    return (strategy._guards_undistributed and not strategy._closed
+            and strategy.num_replicas_in_sync > 1)
 
-    def __init__(self, strategy: Strategy) -> None:
-        self._strategy = weakref.ref(strategy)
+
+class UndistributedWatch:
+    """The process-wide checks (see the module doc); one instance, :data:`WATCH`."""
+
+    def __init__(self) -> None:
+        self._strategies: weakref.WeakSet[Any] = weakref.WeakSet()
         self._clean_modules: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._clean_optimizers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._armed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._depth = 0
         self._handles: list[Any] = []
 
-    @contextlib.contextmanager
-    def watching(self) -> Iterator[None]:
-        """Check modules and optimizers used inside the block. The global hooks stay
-        registered between blocks (idle outside them): registering them anew every step
-        would change torch's global hook table, which torch.compile guards on, and make a
-        compiled model recompile at every step."""
-        if not self._handles:
+    def add(self, strategy: Distributing) -> None:
+        """Know ``strategy`` (every strategy: a parameter any of them distributed is fine);
+        the hooks go in with the first one that checks."""
+        self._strategies.add(strategy)
+        if not self._handles and _checks(strategy):
             self._handles = [register_module_forward_pre_hook(self._on_forward),
                              register_optimizer_step_pre_hook(self._on_step)]
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Inside ``strategy.run``: an undistributed parameter raises at its forward."""
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
 
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
     # -- the checks --------------------------------------------------------------------------
+    def _checking(self) -> Distributing | None:
+        """A live strategy that checks (the first), or ``None``: the hooks are idle."""
+        for s in list(self._strategies):
+            if _checks(s):
+                return s
+        return None
+
+    def _distributed(self, p: torch.Tensor) -> bool:
+        return any(not s._closed and s.is_distributed(p) for s in list(self._strategies))
+
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._depth == 0 or not torch.is_grad_enabled():
-            return  # outside run(); inference, target networks under no_grad
-        if torch.compiler.is_compiling():
-            return  # traced by torch.compile: checked in eager calls only (else no graph)
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return  # inference and target networks; compiled graphs are checked eagerly
         count = len(module._parameters)
-        if self._clean_modules.get(module) == count:
+        if not count or self._clean_modules.get(module) == count:
             return
-        strategy = self._strategy()
+        strategy = self._checking()
         if strategy is None:
             return
         for name, p in module.named_parameters(recurse=False):
-            if p.requires_grad and not strategy.is_distributed(p):
-                raise self._error(strategy, f"{type(module).__name__} parameter {name!r} "
-                                  f"{_shape(p)}", "is used with gradients in strategy.run")
+            if not p.requires_grad or self._distributed(p):
+                continue
+            what = f"{type(module).__name__} parameter {name!r} {_shape(p)}"
+            if self._depth:
+                raise _error(strategy, what, "is used with gradients in strategy.run")
+            if p not in self._armed:
+                self._armed[p] = True
+                p.register_post_accumulate_grad_hook(self._backward_check(what))
         self._clean_modules[module] = count
 
+    def _backward_check(self, what: str) -> Any:
+        me = weakref.ref(self)
+
+        def check(p: torch.Tensor) -> None:
+            watch = me()
+            strategy = watch._checking() if watch is not None else None
+            if strategy is not None and watch is not None and not watch._distributed(p):
+                raise _error(strategy, what, "got a gradient in backward()")
+
+        return check
+
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._depth == 0:
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        if self._clean_optimizers.get(optimizer) == count:
             return
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self._clean_optimizers.get(optimizer) == len(params):
-            return
-        strategy = self._strategy()
+        strategy = self._checking()
         if strategy is None:
             return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        pending = False  # an undistributed trainable parameter without a gradient yet
         for i, p in enumerate(params):
-            if p.grad is not None and not strategy.is_distributed(p):
-                raise self._error(strategy, f"parameter {i} {_shape(p)} of "
-                                  f"{type(optimizer).__name__}", "is stepped by an optimizer "
-                                  "in strategy.run")
-        self._clean_optimizers[optimizer] = len(params)
+            if (p.grad is None and not p.requires_grad) or self._distributed(p):
+                continue
+            if p.grad is not None:
+                raise _error(strategy, f"parameter {i} {_shape(p)} of "
+                             f"{type(optimizer).__name__}", "is stepped by an optimizer")
+            pending = True
+        if not pending:  # clean for good; otherwise checked again at the next step
+            self._clean_optimizers[optimizer] = count
 
-    @staticmethod
-    def _error(strategy: Strategy, what: str, how: str) -> NotDistributedError:
-        n = strategy.num_replicas_in_sync
-        return NotDistributedError(
-            f"replica {strategy.replica_id}: {what} {how} but was never distributed by "
-            f"{type(strategy).__name__}: it was built outside strategy.scope(), so each of the "
-            f"{n} replicas would silently train its own copy (no initial broadcast, no gradient "
-            "averaging). HINT: build the model (and then its optimizer) inside `with "
-            "strategy.scope():`, or call `model = strategy.distribute_model(model)` before "
-            "creating the optimizer; freeze parameters you do not train "
-            "(requires_grad_(False)).")
+
+def _error(strategy: Distributing, what: str, how: str) -> NotDistributedError:
+    n = strategy.num_replicas_in_sync
+    return NotDistributedError(
+        f"replica {strategy.replica_id}: {what} {how} but was never distributed by "
+        f"{type(strategy).__name__}: it was built outside strategy.scope(), so each of the "
+        f"{n} replicas would silently train its own copy (no initial broadcast, no gradient "
+        "averaging). HINT: build the model (and then its optimizer) inside `with "
+        "strategy.scope():`, or call `model = strategy.distribute_model(model)` before "
+        "creating the optimizer; freeze parameters you do not train "
+        "(requires_grad_(False)); close() a strategy you no longer use.")
+
+
+#: The one watch of this process.
+WATCH = UndistributedWatch()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from replicator.checkpoint.placeholders import refuse_placeholders
 from replicator.resume.backup_and_restore import BackupAndRestore
 from replicator.train.tracker_ledger import TrackerLedger
 
@@ -158,12 +159,15 @@ class EarlyStopping(Callback):
         self._best_weights = None if weights is None else dict(weights)
 
 
-def _atomic_save_weights(model: torch.nn.Module, path: str) -> None:
+def _atomic_save_weights(state: dict[str, torch.Tensor], path: str) -> None:
+    """Write ``state`` (a full state dict) as a safetensors file, atomically; a state with
+    placeholders (a pipeline rank's own part) is refused."""
     from safetensors.torch import save_file
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    refuse_placeholders(state, "ModelCheckpoint")
+    state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     save_file(state, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -173,7 +177,9 @@ def _atomic_save_weights(model: torch.nn.Module, path: str) -> None:
 class ModelCheckpoint(Callback):
     """The chief saves the model's weights (safetensors) after each epoch, or only when
     ``monitor`` improves with ``save_best_only=True``. ``filepath`` may use ``{epoch}`` and
-    log names, e.g. ``"ckpt/weights-{epoch:02d}-{val_loss:.3f}.safetensors"``."""
+    log names, e.g. ``"ckpt/weights-{epoch:02d}-{val_loss:.3f}.safetensors"``. The weights
+    are ``strategy.full_state_dict(model)``, so a split model (pipeline, tensor, FSDP) is saved
+    whole and loads into the one-device model."""
 
     def __init__(self, filepath: str, monitor: str = "val_loss", save_best_only: bool = False,
                  mode: str = "auto") -> None:
@@ -193,8 +199,9 @@ class ModelCheckpoint(Callback):
                 return
             self.best = current
         path = self.filepath.format(epoch=epoch + 1, **logs)
+        state = self.trainer.strategy.full_state_dict(self.trainer.model)  # every rank
         if self.is_chief:
-            _atomic_save_weights(self.trainer.model, path)
+            _atomic_save_weights(state, path)
         self.saved.append(path)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,65 @@
+"""``check_finite=True``: ``strategy.run`` stops every replica on a NaN or infinite result.
+
+For custom training loops (``Trainer.fit`` has its own check, on by default). Where: at the
+end of ``strategy.run``, on the value ``step_fn`` returned: every floating-point tensor or
+float in it (the loss, and any other value the step returns). The replicas then agree in one
+small collective (a flag per replica), so a NaN on one replica raises
+:class:`~replicator.errors.NonFiniteLossError` on all of them at the same step, naming the
+step and the ranks, and none is left waiting in the next collective. The step has run by
+then: an optimizer update made inside ``step_fn`` is already applied (stop, lower the learning
+rate or restore a backup; ``rp.BackupAndRestore``'s guard checks the gradients before the
+update).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from replicator.comm.reduce_op import ReduceOp
+from replicator.errors import NonFiniteLossError
+from replicator.strategies.nest import flatten
+
+
+def first_non_finite(value: Any) -> float | None:
+    """The first NaN or infinite number among ``value``'s floating-point leaves (``None``:
+    all finite)."""
+    leaves, _ = flatten(value)
+    for leaf in leaves:
+        if isinstance(leaf, float):
+            if not math.isfinite(leaf):
+                return leaf
+        elif isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+            bad = ~torch.isfinite(leaf.detach())
+            if bool(bad.any()):
+                return float(leaf.detach()[bad].reshape(-1)[0].real)
+    return None
+
+
+def check_finite_result(value: Any, step: int, rank: int, world_size: int,
+                        global_ranks: Sequence[int],
+                        reduce: Callable[[ReduceOp, torch.Tensor], torch.Tensor]) -> None:
+    """Raise :class:`NonFiniteLossError` on every replica when ``value`` is not finite on any
+    of them. ``reduce`` is the strategy's cross-replica max (one collective); ``rank`` and
+    ``world_size`` place this replica in it, ``global_ranks`` name them."""
+    bad = first_non_finite(value)
+    flags = torch.zeros(world_size, dtype=torch.float32)
+    flags[rank] = 1.0 if bad is not None else 0.0
+    agreed = reduce(ReduceOp.MAX, flags)
+    found = {i for i, f in enumerate(agreed.tolist()) if f > 0}
+    if bad is not None:
+        found.add(rank)  # asynchronous workers do not agree: this one knows its own
+    if not found:
+        return
+    where = ", ".join(str(global_ranks[i]) for i in sorted(found))
+    mine = f" (here: {bad})" if bad is not None else ""
+    raise NonFiniteLossError(
+        f"strategy.run step {step}: step_fn returned a NaN or infinite value on rank(s) "
+        f"{where}{mine}; every replica stops here (check_finite=True). The step has already "
+        "run: an optimizer update made inside step_fn is applied. HINT: lower the learning "
+        "rate, clip gradients, check the input batch of this step, or track the optimizer "
+        "with rp.BackupAndRestore, whose guard stops before a non-finite update reaches the "
+        "weights.")

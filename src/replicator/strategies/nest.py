@@ -1,0 +1,107 @@
+"""Nested values: what ``reduce``, ``gather`` and ``all_reduce`` take, as tf.distribute does.
+
+A value may be a tensor or number, or any nest of them: tuples, lists, dicts, namedtuples,
+dataclasses (and anything registered with ``torch.utils._pytree``). :func:`flatten` gives its
+leaves in a fixed order and a function that builds the same structure around new leaves, so a
+strategy reduces every leaf of a nest in one fused collective and returns the nest's shape.
+``None`` leaves stay ``None``.
+
+Dataclasses are flattened field by field here rather than registered with ``_pytree`` (a
+global registration would clash with the user's own, or with a later one); the rebuilt
+instance is a shallow copy of the original with the new field values (frozen ones included).
+
+:func:`structure` describes a nest's shape for the collectives' fingerprint, so replicas that
+pass different nests (another key, another order) raise ``CollectiveMismatchError`` instead of
+pairing the wrong leaves.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.utils._pytree as pytree
+
+#: Builds the nest back around new leaves (in :func:`flatten`'s order).
+Rebuild = Callable[[list[Any]], Any]
+
+
+def _is_plain_dataclass(value: Any) -> bool:
+    """A dataclass instance that ``_pytree`` does not know (flattened by its fields here)."""
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)
+            and type(value) not in pytree.SUPPORTED_NODES)
+
+
+def _flatten_into(value: Any, leaves: list[Any]) -> Callable[[Iterator[Any]], Any]:
+    flat, spec = pytree.tree_flatten(value, is_leaf=_is_plain_dataclass)
+    parts: list[tuple[Any, Callable[[Iterator[Any]], Any]] | None] = []
+    for leaf in flat:
+        if _is_plain_dataclass(leaf):
+            fields = {f.name: getattr(leaf, f.name) for f in dataclasses.fields(leaf)}
+            parts.append((leaf, _flatten_into(fields, leaves)))
+        else:
+            leaves.append(leaf)
+            parts.append(None)
+
+    def rebuild(it: Iterator[Any]) -> Any:
+        values = []
+        for part in parts:
+            if part is None:
+                values.append(next(it))
+                continue
+            original, inner = part
+            obj = copy.copy(original)
+            for name, v in inner(it).items():
+                object.__setattr__(obj, name, v)
+            values.append(obj)
+        return pytree.tree_unflatten(values, spec)
+
+    return rebuild
+
+
+def flatten(value: Any) -> tuple[list[Any], Rebuild]:
+    """The leaves of ``value`` (a tensor, a number, or a nest of them) and a function that
+    puts new leaves back into the same structure."""
+    leaves: list[Any] = []
+    inner = _flatten_into(value, leaves)
+    count = len(leaves)
+
+    def rebuild(new: list[Any]) -> Any:
+        if len(new) != count:
+            raise ValueError(f"a nest of {count} leaves cannot take {len(new)}")
+        return inner(iter(new))
+
+    return leaves, rebuild
+
+
+def is_nest(value: Any) -> bool:
+    """True when ``value`` is a container (not a single leaf)."""
+    leaves, _ = flatten(value)
+    return not (len(leaves) == 1 and leaves[0] is value)
+
+
+def structure(value: Any) -> str:
+    """A short description of ``value``'s shape (containers, keys, field names), the same on
+    every replica that passes the same kind of nest."""
+    def describe(v: Any) -> str:
+        if _is_plain_dataclass(v):
+            inner = ", ".join(f"{f.name}={describe(getattr(v, f.name))}"
+                              for f in dataclasses.fields(v))
+            return f"{type(v).__name__}({inner})"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k!r}: {describe(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, tuple) and hasattr(v, "_fields"):
+            return f"{type(v).__name__}(" + ", ".join(describe(x) for x in v) + ")"
+        if isinstance(v, (list, tuple)):
+            inner = ", ".join(describe(x) for x in v)
+            return f"[{inner}]" if isinstance(v, list) else f"({inner})"
+        if v is None:
+            return "None"
+        if type(v) in pytree.SUPPORTED_NODES:
+            children, _ = pytree.tree_flatten(v)
+            return f"{type(v).__name__}<{len(children)}>"
+        return "*"
+
+    return describe(value)
