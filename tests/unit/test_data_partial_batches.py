@@ -109,3 +109,20 @@ def test_distributed_dataset_answers_like_a_dataloader() -> None:
     assert fn_dist.batch_size == 8  # per-replica 4 x 2 replicas
     generated = distribute_datasets_from_function(lambda c: iter([]), InputContext(1, 0, 1), CPU)
     assert generated.batch_size is None
+
+
+def test_strategy_input_fn_takes_partial_batch() -> None:
+    """The strategy's distribute_datasets_from_function passes partial_batch on (and checks it)."""
+    import replicator as rp
+
+    strategy = rp.OneDeviceStrategy("cpu")
+    data = TensorDataset(torch.arange(10.0))
+
+    def input_fn(ctx: rp.InputContext) -> DataLoader:
+        return DataLoader(data, batch_size=ctx.get_per_replica_batch_size(4))
+
+    batches = list(strategy.distribute_datasets_from_function(
+        input_fn, drop_remainder=False, partial_batch="empty"))
+    assert [int(b[0].shape[0]) for b in batches] == [4, 4, 2]
+    with pytest.raises(ValueError, match="partial_batch"):
+        strategy.distribute_datasets_from_function(input_fn, partial_batch="pad")

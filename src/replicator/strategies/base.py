@@ -480,12 +480,15 @@ class Strategy(ABC):
     def distribute_datasets_from_function(
             self, input_fn: Callable[[InputContext], Iterable[Any]], *,
             drop_remainder: bool | None = None,
-            options: InputOptions | None = None) -> DistributedDataset:
+            options: InputOptions | None = None,
+            partial_batch: str = "mask") -> DistributedDataset:
         """Call ``input_fn(ctx)`` to build this replica's own pipeline of per-replica batches.
 
         Replicas whose pipelines end at different steps stop together
-        (``drop_remainder=True``, the default) or pad with masked batches (``False``).
+        (``drop_remainder=True``, the default) or go on, a replica out of data yielding a
+        masked copy (``partial_batch="mask"``) or 0 rows (``"empty"``) (``False``).
         """
         return distribute_datasets_from_function(input_fn, self.input_context, self.device,
                                                  drop_remainder=drop_remainder, options=options,
-                                                 group=self._data_group)
+                                                 group=self._data_group,
+                                                 partial_batch=partial_batch)
