@@ -46,9 +46,6 @@ STRATEGIES = ("one_device", "mirrored", "central_storage", "parameter_server", "
 GPU_PROCESS_BYTES = 1.0e9
 #: Microbatches of the pipeline the planner assumes (PipelineStrategy's default).
 PIPELINE_MICROBATCHES = 4
-#: Fixed cost of one microbatch slot of a pipeline schedule on a CPU stage (torch's
-#: pipelining runtime: Python, shape checks, the send/recv bookkeeping), nominal.
-PIPELINE_SLOT_SECONDS = 3e-4
 
 
 # -- formulas -------------------------------------------------------------------------------
@@ -320,10 +317,13 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         alpha = c.link.alpha if h > 1 else c.device.intra_alpha
         units = max(1, m.weight_tensors)
         if c.device.is_cpu and h == 1:  # torch's FSDP2 collectives run on gloo here
-            # per unit: an all-gather in forward and in backward, a reduce-scatter
+            # per block: the engine's measured cost (two all-gathers, a reduce-scatter, the
+            # copies and hooks around them), plus 1.5x the bytes of an all-reduce
             alpha_here = c.machine.collective_alpha("native", n)
             bytes_part = c.machine.allreduce_seconds("native", m.param_bytes, n) - alpha_here
-            comm = 3 * units * alpha_here + 1.5 * bytes_part
+            per_unit = c.machine.per_world(c.machine.fsdp_unit, n) if c.machine.fsdp_unit \
+                else 3 * alpha_here
+            comm = units * per_unit + 1.5 * bytes_part
         else:
             comm = total / bandwidth + 3 * units * (n - 1) * alpha
         comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
@@ -339,13 +339,13 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         slot = _compute(m, c, per_mb, busy) / stages
         boundary = (m.boundary_bytes_per_sample or m.activation_bytes_per_sample
                     / max(2, m.weight_tensors)) * per_mb
-        if c.device.is_cpu and c.hosts(n) == 1:
-            send = c.machine.p2p.seconds(boundary)
+        if c.device.is_cpu and c.hosts(n) == 1:  # the fixed part is in the measured slot
+            send = c.machine.p2p.b * boundary
         else:
             send = boundary / (c.device.intra_bandwidth or c.link.bandwidth) + c.link.alpha
         slots = microbatches + stages - 1
-        if c.device.is_cpu:
-            slot += PIPELINE_SLOT_SECONDS
+        if c.device.is_cpu:  # the schedule's own cost per slot, measured here
+            slot += c.machine.pipeline_slot
         compute = slots * slot
         comm = 2 * slots * send
         if not m.pipeline_forward_backward:  # model(x) runs the stages once more, no autograd

@@ -10,6 +10,9 @@
 * the gradient engine's fixed cost per backward pass and one ``strategy.reduce`` of a scalar
   (``MirroredStrategy`` on a tiny model), point-to-point send/recv (pipeline stages), and a
   parameter server's push + pull round trip;
+* what ``FSDPStrategy`` costs per sharded block and ``PipelineStrategy`` per microbatch slot
+  beyond the compute, on a tiny model of 4 blocks (torch's FSDP2 and pipelining engines on
+  gloo: gathers, copies, hooks, the schedule's bookkeeping);
 * the input pipeline's fixed cost per batch (``distribute_dataset`` of tiny samples);
 * the memory of a bare worker process, RAM and cores.
 
@@ -159,11 +162,12 @@ def quick_contention(max_processes: int, rounds: int = 2) -> dict[int, float]:
     return {n: statistics.median(v) / alone for n, v in sorted(times.items())}
 
 
-def _contention(rank: int, world: int, rounds: int = 3, short_rounds: int = 8
+def _contention(rank: int, world: int, rounds: int = 3, steps: int = 8
                 ) -> tuple[dict[int, float], dict[int, float]]:
     """For 1..world ranks busy at once (one thread each): the slowdown of a rank's work
     against one rank alone (0.25 s pieces), and the straggler factor of a synchronous step:
-    the slowest rank's time over the mean rank's (25 ms pieces, the length of a step)."""
+    a loop of 25 ms pieces of work, each ended by a barrier-like all-reduce, takes this much
+    longer per piece than the mean rank's work (what waiting for the slowest costs)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -173,26 +177,33 @@ def _contention(rank: int, world: int, rounds: int = 3, short_rounds: int = 8
         flag[1] = _busy_work(0.025)[1]
     dist.broadcast(flag, 0)
     long_iters, short_iters = int(flag[0]), int(flag[1])
+    token = torch.zeros(1)
 
-    def piece(n: int, iters: int) -> list[float]:
-        dist.barrier()
-        elapsed = _busy_work(iterations=iters)[0] if rank < n else 0.0
+    def mean_of_active(value: float, n: int) -> float:
         parts = [torch.zeros(1) for _ in range(world)]
-        dist.all_gather(parts, torch.tensor([elapsed]))
-        return [float(p[0]) for p in parts[:n]]
+        dist.all_gather(parts, torch.tensor([value]))
+        return statistics.mean(float(p[0]) for p in parts[:n])
 
     slowdown: dict[int, float] = {}
     straggle: dict[int, float] = {}
     alone = None
     for n in range(1, world + 1):
-        mean = statistics.median(statistics.mean(piece(n, long_iters)) for _ in range(rounds))
+        means = []
+        for _ in range(rounds):
+            dist.barrier()
+            elapsed = _busy_work(iterations=long_iters)[0] if rank < n else 0.0
+            means.append(mean_of_active(elapsed, n))
+        mean = statistics.median(means)
         alone = mean if alone is None else alone
         slowdown[n] = mean / alone
-        ratios = []
-        for _ in range(short_rounds):
-            times = piece(n, short_iters)
-            ratios.append(max(times) / statistics.mean(times))
-        straggle[n] = statistics.median(ratios)
+        dist.barrier()
+        worked, t0 = 0.0, time.perf_counter()
+        for _ in range(steps):  # a synchronous step: work, then wait for every rank
+            if rank < n:
+                worked += _busy_work(iterations=short_iters)[0]
+            dist.all_reduce(token)
+        loop = (time.perf_counter() - t0) / steps
+        straggle[n] = max(1.0, loop / max(mean_of_active(worked / steps, n), 1e-9))
     return slowdown, straggle
 
 
@@ -260,6 +271,49 @@ def _engine_overheads(t_local: float) -> tuple[float, float]:
     return max(0.0, t_sync - t_local), t_reduce
 
 
+def _tiny_chain(blocks: int = 4) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(blocks)])
+
+
+def _strategy_step_overhead(name: str, t_local: float, batch: int = 8) -> float:
+    """Seconds per step that ``rp.get_strategy(name)`` adds to a tiny 4-block model's
+    forward, backward and SGD step (``t_local``: the same step without a strategy)."""
+    import replicator as rp
+
+    strategy = rp.get_strategy(name)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = _tiny_chain()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(batch, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        strategy.run(step)
+    seconds = _median_time(lambda: strategy.run(step), 5, 4)
+    strategy.close()
+    return max(0.0, seconds - t_local)
+
+
+def _local_step_seconds(batch: int = 8) -> float:
+    """The tiny 4-block model's step without any strategy (measured before one exists)."""
+    model = _tiny_chain()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(batch, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    return _median_time(step, 5, 10)
+
+
 def _p2p(rank: int) -> list[list[float]]:
     import torch.distributed as dist
 
@@ -287,6 +341,7 @@ def _worker_two(world: int) -> dict[str, Any]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch.set_num_threads(1)
     t_local = _local_backward_seconds(8, 8)
+    t_chain = _local_step_seconds()
     strategy = rp.MirroredStrategy()  # starts the process group
     import torch.distributed as dist
 
@@ -299,6 +354,10 @@ def _worker_two(world: int) -> dict[str, Any]:
     if world == 2:
         out["p2p"] = _p2p(rank)
     strategy.barrier()
+    strategy.close()  # a strategy refuses gradients of models it does not own: one at a time
+    out["fsdp_unit"] = _strategy_step_overhead("fsdp", t_chain) / 4
+    if world == 2:  # PipelineStrategy(): 2 stages, 4 microbatches, 5 slots per step
+        out["pipeline_slot"] = _strategy_step_overhead("pipeline", t_chain) / 5
     return out
 
 
@@ -346,6 +405,9 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
             fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
             profile.allreduce.setdefault(name, {})[world] = fit
         profile.sync_overhead[world] = result["sync"]
+        profile.fsdp_unit[world] = result["fsdp_unit"]
+        if "pipeline_slot" in result:
+            profile.pipeline_slot = result["pipeline_slot"]
         profile.small_collective[world] = result["reduce"]
         if "p2p" in result:
             pts = result["p2p"]

@@ -160,6 +160,8 @@ class MachineProfile:
     allreduce: dict[str, dict[int, AlphaBeta]] = field(default_factory=dict)
     sync_overhead: dict[int, float] = field(default_factory=dict)
     small_collective: dict[int, float] = field(default_factory=dict)
+    fsdp_unit: dict[int, float] = field(default_factory=dict)
+    pipeline_slot: float = 3e-4
     flops_per_second: float = 3e10
     memory_bandwidth: float = 5e9
     input_fixed: float = 1e-4
@@ -246,7 +248,8 @@ class MachineProfile:
                 "native": {2: AlphaBeta(3e-4, 1 / 0.9e9)},
                 "ring": {2: AlphaBeta(6e-4, 1 / 0.9e9)},
             },
-            sync_overhead={2: 4e-4}, small_collective={2: 6e-5}, source="nominal")
+            sync_overhead={2: 4e-4}, small_collective={2: 6e-5}, fsdp_unit={2: 2e-3},
+            pipeline_slot=1e-3, source="nominal")
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MachineProfile:
@@ -261,6 +264,8 @@ class MachineProfile:
                        for name, table in data.get("allreduce", {}).items()},
             sync_overhead=ints(data.get("sync_overhead", {})),
             small_collective=ints(data.get("small_collective", {})),
+            fsdp_unit=ints(data.get("fsdp_unit", {})),
+            pipeline_slot=float(data.get("pipeline_slot", 3e-4)),
             flops_per_second=float(data.get("flops_per_second", 3e10)),
             memory_bandwidth=float(data.get("memory_bandwidth", 5e9)),
             input_fixed=float(data.get("input_fixed", 1e-4)),
@@ -278,6 +283,7 @@ class MachineProfile:
             "allreduce": {name: {k: [ab.a, ab.b] for k, ab in table.items()}
                           for name, table in self.allreduce.items()},
             "sync_overhead": self.sync_overhead, "small_collective": self.small_collective,
+            "fsdp_unit": self.fsdp_unit, "pipeline_slot": self.pipeline_slot,
             "flops_per_second": self.flops_per_second,
             "memory_bandwidth": self.memory_bandwidth, "input_fixed": self.input_fixed,
             "p2p": [self.p2p.a, self.p2p.b],
