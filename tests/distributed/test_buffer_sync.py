@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import replicator as rp
+from replicator.cluster.process_group import initialize
+from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import GradientSynchronizer
 from replicator.testing import run_distributed
 
@@ -48,14 +50,17 @@ def _train(model: nn.Module, steps: int, rank: int, first: int = 0) -> None:
 
 
 def _buffer_modes(_: int) -> dict:
-    strategy = rp.MirroredStrategy()
-    rank = strategy.replica_id
+    # the engine alone first, with no strategy alive: a live multi-replica strategy refuses
+    # training of models it never distributed (the removed-synchronizer step below)
+    info = initialize()
+    collectives = Collectives.for_group(None, torch.device("cpu"), info.timeout_seconds)
+    rank = collectives.rank
     out: dict = {}
     for mode in ("none", "mean", "broadcast"):
         torch.manual_seed(0)
         model = BatchNormCNN()
-        strategy.collectives.broadcast_([*model.parameters(), *model.buffers()])
-        sync = GradientSynchronizer(list(model.parameters()), strategy.collectives,
+        collectives.broadcast_([*model.parameters(), *model.buffers()])
+        sync = GradientSynchronizer(list(model.parameters()), collectives,
                                     buffers=list(model.buffers()), buffer_sync=mode)
         _train(model, 1, rank)
         out[f"{mode}_1"] = _stats(model)
@@ -68,6 +73,7 @@ def _buffer_modes(_: int) -> dict:
         F.cross_entropy(model(x), y).backward()
         out[f"{mode}_removed"] = {"grad": model.fc.bias.grad.tolist(), **_stats(model)}
     # the strategy's own path: a model built in scope() keeps its buffers equal ("mean")
+    strategy = rp.MirroredStrategy()
     with strategy.scope():
         torch.manual_seed(0)
         model = BatchNormCNN()
