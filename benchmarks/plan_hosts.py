@@ -1,10 +1,11 @@
 """``replicator plan``'s network term against two hosts joined by a throttled link.
 
 Two network hosts (network namespaces on a bridge, from tests/hosts.py, each link limited with
-``tc tbf`` to ``--rate``) run 2 processes each: ``replicator run --nnodes 2`` of
-``examples/plan_models.py`` under the bench's probe with ``MultiWorkerMirroredStrategy``
-(hierarchical all-reduce: shared memory inside a host, a ring between the hosts). The measured
-mean step is compared with the plan's prediction for 2 hosts of 2 processes on that link.
+``tc tbf`` to ``--rate``, with a token bucket of at least 10 ms of traffic) run 2 processes
+each: ``replicator run --nnodes 2`` of ``examples/plan_models.py`` under the bench's probe
+with ``MultiWorkerMirroredStrategy`` (hierarchical all-reduce: shared memory inside a host,
+a ring between the hosts). The measured mean step is compared with the plan's prediction for
+2 hosts of 2 processes on that link.
 
 The four processes share this machine's 2 cores, which real hosts would not: the prediction
 therefore takes compute, input and optimizer as 4 processes on one host (the measured
@@ -36,10 +37,12 @@ def _measure(rate: str, model: str, steps: int, warmup: int, port: int) -> dict:
     """Run the script on two throttled hosts; return the bench's summary of the run."""
     from replicator.plan import probe
     from replicator.plan.benchmark import ENTRY, Setting, _read_ranks, summarize
+    from replicator.plan.devices import parse_link
     from tests.hosts import virtual_hosts
 
     with virtual_hosts(2) as net, tempfile.TemporaryDirectory() as tmp:
-        net.limit_rate(rate)
+        bits = parse_link(rate).bandwidth * 8
+        net.limit_rate(rate, burst=f"{max(256, int(bits / 8 / 1024 / 100))}kb")  # >= 10 ms
         out = Path(tmp) / "bench"
         out.mkdir()
         env = {"TMPDIR": tmp, probe.STRATEGY_ENV: "multi_worker_mirrored",
