@@ -15,7 +15,9 @@ models, with ``strategy.run`` or without it (plain ``model(x)``, ``loss.backward
   accepted, since the check runs when the gradient arrives).
 
 "Distributed" asks each strategy's own ``is_distributed`` (parameter-server and mesh
-strategies replace or shard parameters, and answer for the new ones and the old ones alike).
+strategies replace or shard parameters, and answer for the new ones and the old ones alike);
+the parameters of a module wrapped in torch's own ``DistributedDataParallel`` count as
+distributed too (its reducer averages them; ``rp.comm.register_ddp_comm_hook`` serves it).
 Modules and optimizers found clean are remembered (weakly), so the check costs a dictionary
 look-up per call after the first step. The hooks are registered once per process and stay
 (idle once every checking strategy is closed or freed): registering them anew every step
@@ -31,6 +33,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -69,6 +72,9 @@ class UndistributedWatch:
         self._clean_modules: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._clean_optimizers: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._armed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: parameters of modules that torch's own DistributedDataParallel wraps (its
+        #: reducer averages their gradients: distributed, though by no strategy of ours)
+        self._external: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._depth = 0
         self._handles: list[Any] = []
 
@@ -98,11 +104,16 @@ class UndistributedWatch:
         return None
 
     def _distributed(self, p: torch.Tensor) -> bool:
-        return any(not s._closed and s.is_distributed(p) for s in list(self._strategies))
+        return p in self._external or \
+            any(not s._closed and s.is_distributed(p) for s in list(self._strategies))
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return  # inference and target networks; compiled graphs are checked eagerly
+        if isinstance(module, DistributedDataParallel):  # runs before its inner modules
+            for p in module.parameters():
+                self._external[p] = True
+            return
         count = len(module._parameters)
         if not count or self._clean_modules.get(module) == count:
             return
