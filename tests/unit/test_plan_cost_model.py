@@ -132,3 +132,19 @@ def test_machine_profile_round_trips_through_json():
     assert again.allreduce_seconds("shared_memory", 1e6, 2) == \
         pytest.approx(m.allreduce_seconds("shared_memory", 1e6, 2))
     assert again.slowdown == m.slowdown
+
+
+def test_pipeline_stages_divide_the_workers():
+    from replicator.plan.cost_model import pipeline_stages
+
+    assert pipeline_stages(64, 33) == 32  # 32 stages x 2 data-parallel replicas
+    assert pipeline_stages(4, 3) == 2 and pipeline_stages(3, 3) == 3
+    assert pipeline_stages(7, 4) == 1  # no divisor fits: a single stage
+    model = ModelProfile(name="m", params=1000, global_batch=64, param_bytes=3200,
+                         grad_bytes=3200, optimizer_state_bytes=6400,
+                         activation_bytes_per_sample=100, weight_tensors=2, measured=False,
+                         flops_per_sample=1e6)
+    c = _cluster()
+    p = predict("pipeline", 2, model, c)
+    # each of the 2 stages holds half the state and half the activations of the batch
+    assert p.memory_per_rank == pytest.approx(6400 + 3200 + c.machine.process_rss_bytes)

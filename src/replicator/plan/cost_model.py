@@ -233,6 +233,12 @@ def _sync_overhead(c: Cluster, n: int) -> float:
     return _allreduce(c, 16, n)  # the fingerprint exchange: one tiny all-reduce
 
 
+def pipeline_stages(workers: int, layers: int) -> int:
+    """Stages of a pipeline over ``workers``: the largest divisor of ``workers`` that is at
+    most the model's ``layers`` (the rest of the factor becomes data-parallel replicas)."""
+    return max(d for d in range(1, min(workers, max(1, layers)) + 1) if workers % d == 0)
+
+
 def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float,
             processes_on_host: int) -> tuple[float, float, str]:
     """(bytes per rank, capacity per rank, the arithmetic as text)."""
@@ -248,9 +254,9 @@ def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float
         how = (f"({_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state) / {n} "
                f"+ 2 x {_gb(model.largest_tensor_bytes)} gathered")
     elif strategy == "pipeline":
-        stages = max(1, min(n, model.weight_tensors))
+        stages = pipeline_stages(n, model.weight_tensors)
         state = (w + g + o) / stages
-        act = act * 1.0  # 1F1B keeps about one batch of the stage's activations in flight
+        act = act / stages  # a stage keeps its layers' activations of the replica's batch
         how = f"({_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state) / {stages}"
     elif strategy == "parameter_server":
         state = w + g
@@ -279,7 +285,7 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
     processes = n + (num_ps if strategy == "parameter_server" else 0)
     busy = c.on_host(n)
     batch = m.global_batch / n
-    replicas = n if strategy != "pipeline" else max(1, n // max(1, min(n, m.weight_tensors)))
+    replicas = n if strategy != "pipeline" else n // pipeline_stages(n, m.weight_tensors)
     if strategy == "one_device" and n != 1:
         why_not = "one_device runs on one process"
     elif m.global_batch < replicas:
@@ -290,9 +296,10 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
                    f"{replicas} replicas, which the library requires (use a multiple of "
                    f"{replicas})")
     elif strategy == "pipeline" and m.measured and \
-            (m.global_batch // replicas) % max(microbatches, min(n, m.weight_tensors)):
+            (m.global_batch // replicas) % max(microbatches,
+                                               pipeline_stages(n, m.weight_tensors)):
         why_not = (f"a replica's batch of {m.global_batch // replicas} does not split into "
-                   f"{max(microbatches, min(n, m.weight_tensors))} microbatches")
+                   f"{max(microbatches, pipeline_stages(n, m.weight_tensors))} microbatches")
     comm = overhead = 0.0
     opt_share = 1.0
     threads = 0
@@ -328,7 +335,7 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
             comm = total / bandwidth + 3 * units * (n - 1) * alpha
         comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
     elif strategy == "pipeline":
-        stages = max(1, min(n, m.weight_tensors))
+        stages = pipeline_stages(n, m.weight_tensors)
         data = max(1, n // stages)
         if stages < n:
             notes.append(f"{stages} stages (the model has {m.weight_tensors} weight layers) x "
