@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None,
                         help="global batch (default 64 for tiny, 512 for mlp, 128 for cnn)")
     parser.add_argument("--epochs", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="stop after this many steps (default: every epoch's batches)")
     args = parser.parse_args()
     batch = args.batch or {"tiny": 64, "mlp": 512, "cnn": 128}.get(args.model, 64)
     strategy = rp.get_strategy(os.environ.get("REPLICATOR_STRATEGY", "mirrored"))
@@ -71,9 +73,15 @@ def main() -> None:
         return loss.detach()
 
     data = strategy.distribute_dataset(loader)
+    done = 0
     for _ in range(args.epochs):
         for b in data:
             loss = strategy.reduce("mean", strategy.run(step, args=(b,)))
+            done += 1
+            if done == args.steps:
+                break
+        if done == args.steps:
+            break
     if strategy.is_chief:
         print(f"done: loss {float(loss):.4f}", flush=True)
 
