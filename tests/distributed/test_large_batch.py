@@ -191,8 +191,12 @@ def sharded_layerwise() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    strategy = rp.MirroredStrategy()
-    mesh = init_device_mesh("cpu", (strategy.num_replicas_in_sync,))
+    from replicator.cluster.process_group import initialize
+
+    # the process group alone: a live strategy would refuse the plain reference parameters,
+    # which it never distributed
+    initialize()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     out = {}
     for cls, kwargs in ((rp.optim.LARS, dict(lr=1.0, momentum=0.9, weight_decay=0.01,
                                              trust_coefficient=0.01)),

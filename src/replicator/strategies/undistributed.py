@@ -17,7 +17,8 @@ models, with ``strategy.run`` or without it (plain ``model(x)``, ``loss.backward
 "Distributed" asks each strategy's own ``is_distributed`` (parameter-server and mesh
 strategies replace or shard parameters, and answer for the new ones and the old ones alike);
 the parameters of a module wrapped in torch's own ``DistributedDataParallel`` count as
-distributed too (its reducer averages them; ``rp.comm.register_ddp_comm_hook`` serves it).
+distributed too (its reducer averages them; ``rp.comm.register_ddp_comm_hook`` serves it),
+and so does a DTensor parameter (placed on a device mesh on purpose).
 Modules and optimizers found clean are remembered (weakly), so the check costs a dictionary
 look-up per call after the first step. The hooks are registered once per process and stay
 (idle once every checking strategy is closed or freed): registering them anew every step
@@ -27,6 +28,7 @@ would change torch's global hook table, which torch.compile guards on.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
@@ -104,7 +106,7 @@ class UndistributedWatch:
         return None
 
     def _distributed(self, p: torch.Tensor) -> bool:
-        return p in self._external or \
+        return p in self._external or _is_dtensor(p) or \
             any(not s._closed and s.is_distributed(p) for s in list(self._strategies))
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
@@ -160,6 +162,12 @@ class UndistributedWatch:
             pending = True
         if not pending:  # clean for good; otherwise checked again at the next step
             self._clean_optimizers[optimizer] = count
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    """A DTensor parameter (without importing DTensor's module: none exists until it is)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
 
 
 def _error(strategy: Distributing, what: str, how: str) -> NotDistributedError:
