@@ -285,13 +285,7 @@ def _strategy_step_overhead(name: str, t_local: float, batch: int = 8) -> float:
         torch.manual_seed(0)
         model = _tiny_chain()
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    x = torch.randn(batch, 8)
-
-    def step() -> None:
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    step = _sgd_step(model, opt, torch.randn(batch, 8))
     for _ in range(3):
         strategy.run(step)
     seconds = _median_time(lambda: strategy.run(step), 5, 4)
@@ -303,15 +297,21 @@ def _local_step_seconds(batch: int = 8) -> float:
     """The tiny 4-block model's step without any strategy (measured before one exists)."""
     model = _tiny_chain()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    x = torch.randn(batch, 8)
+    step = _sgd_step(model, opt, torch.randn(batch, 8))
+    step()
+    return _median_time(step, 5, 10)
+
+
+def _sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+              x: torch.Tensor) -> Callable[[], None]:
+    """One forward, backward and optimizer step of ``model`` on ``x``, as a callable."""
 
     def step() -> None:
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
 
-    step()
-    return _median_time(step, 5, 10)
+    return step
 
 
 def _p2p(rank: int) -> list[list[float]]:
