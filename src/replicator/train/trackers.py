@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 from replicator.train.callbacks import Callback, Logs
@@ -45,7 +46,7 @@ def _check_update_freq(update_freq: str | int) -> str | int:
     return update_freq
 
 
-class RunLogger(Callback):
+class RunLogger(Callback, ABC):
     """The part every tracker shares: when to log, what the run records, how a run resumes.
 
     A tracker implements ``_start_run() -> run id``, ``_resume_run(run_id)``,
@@ -140,17 +141,21 @@ class RunLogger(Callback):
             self._open = False
 
     # -- the tracker ---------------------------------------------------------------------------
+    @abstractmethod
     def _start_run(self) -> str:
-        raise NotImplementedError
+        """Open a new run in the tracker; its id."""
 
+    @abstractmethod
     def _resume_run(self, run_id: str) -> None:
-        raise NotImplementedError
+        """Reopen the run ``run_id`` (after a resume from a backup)."""
 
+    @abstractmethod
     def _log(self, metrics: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """Send ``metrics`` at global step ``step``."""
 
+    @abstractmethod
     def _finish_run(self) -> None:
-        raise NotImplementedError
+        """Close the run as finished."""
 
     def _last_step_in_tracker(self) -> int:
         """After a resume: the last global step the tracker itself holds (0: unknown)."""
