@@ -32,10 +32,19 @@ HOST_ENV = "REPLICATOR_HOST"
 RUN_ID_ENV = "REPLICATOR_RUN_ID"
 #: Directory for shared-memory segments (default ``/dev/shm``).
 SHM_DIR_ENV = "REPLICATOR_SHM_DIR"
+#: This process's replica group, 0..N-1 (``--replica-groups N``: live recovery over torchft).
+REPLICA_GROUP_ENV = "REPLICATOR_REPLICA_GROUP"
+#: How many replica groups the job was started with (``--replica-groups``).
+REPLICA_GROUPS_ENV = "REPLICATOR_REPLICA_GROUPS"
+#: The torchft lighthouse every group joins, as ``http://HOST:PORT``.
+LIGHTHOUSE_ENV = "REPLICATOR_LIGHTHOUSE"
+#: Fewest replica groups a step may commit with (``--min-replicas``); fewer and the job waits.
+MIN_REPLICAS_ENV = "REPLICATOR_MIN_REPLICAS"
 
 #: Store key (under the attempt's prefix) that says worker rank R is being restarted alone.
 REJOIN_KEY = "ps/rejoining/{rank}"
 
 __all__ = ["LAUNCHER_ENV", "STORE_HOSTED_ENV", "RESTART_COUNT_ENV", "TIMEOUT_ENV",
            "ERROR_DIR_ENV", "PREEMPTION_GRACE_ENV", "NUM_PS_ENV", "REJOIN_ENV",
-           "PS_SHARED_MEMORY_ENV", "HOST_ENV", "RUN_ID_ENV", "SHM_DIR_ENV", "REJOIN_KEY"]
+           "PS_SHARED_MEMORY_ENV", "HOST_ENV", "RUN_ID_ENV", "SHM_DIR_ENV", "REJOIN_KEY",
+           "REPLICA_GROUP_ENV", "REPLICA_GROUPS_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV"]
