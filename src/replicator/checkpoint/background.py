@@ -26,6 +26,7 @@ import torch
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import (
     CheckpointManager,
+    FileWriter,
     FrozenState,
     freeze_state,
     step_dir_name,
@@ -64,6 +65,10 @@ class BackgroundSaver:
         """The step being saved right now (``None``: no save is running)."""
         thread = self._thread
         return self._step if thread is not None and thread.is_alive() else None
+
+    def _writer(self) -> FileWriter | None:
+        """Who writes this rank's files: this thread (``None``) here."""
+        return None
 
     def _private_channel(self) -> Channel:
         """A channel over a private copy of the job's group (collective on first use)."""
@@ -106,20 +111,27 @@ class BackgroundSaver:
             name=f"replicator-checkpoint-{step}", daemon=True)
         self._thread.start()
         self.last_submit_seconds = time.perf_counter() - start
-        return self.manager.directory / step_dir_name(step)
+        directory = self.manager.directory
+        return directory / step_dir_name(step) if isinstance(directory, Path) \
+            else self.manager.where(step)  # type: ignore[return-value]
 
     def _run(self, step: int, replicated: dict[str, FrozenState] | None,
              per_rank: FrozenState | None, info: dict[str, Any], channel: Channel) -> None:
         start = time.perf_counter()
         try:
-            path = self.manager.save(step, replicated, per_rank, info, channel=channel)
-            self._saved = (step, path)
-            if self.on_saved is not None:
-                self.on_saved(step, path)
+            path = self.manager.save(step, replicated, per_rank, info, channel=channel,
+                                     writer=self._writer())
+            if path is not None:  # None: a store refused it (logged; the next save retries)
+                self._saved = (step, path)
+                if self.on_saved is not None:
+                    self.on_saved(step, path)
         except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread later
             self._error = exc
         finally:
             self.last_write_seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        """Nothing to release: the thread ends with its save."""
 
     def wait(self) -> tuple[int, Path] | None:
         """Wait for the save in flight; return ``(step, path)`` of the save that finished

@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from replicator.checkpoint.manifest import (
     verify_file,
     write_marker,
 )
+from replicator.checkpoint.store import is_remote, local_path
 from replicator.cluster.environment import resolve_cluster
 from replicator.comm.collectives import Collectives
 from replicator.errors import (
@@ -53,6 +54,10 @@ from replicator.errors import (
     CheckpointWriteError,
     UnsafeCheckpointError,
 )
+
+#: Writes ``(file name, state, label)`` items under a base (a local directory, or a path on
+#: the remote store given) and returns their entries: the saver process's hand-off.
+FileWriter = Callable[[str, Any, list[tuple[str, Any, str]]], dict[str, FileEntry]]
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _STATE_NAME = re.compile(r"^[A-Za-z0-9_]{1,100}$")
@@ -133,12 +138,22 @@ class CheckpointManager:
     a shared one across machines).
     """
 
+    def __new__(cls, directory: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
+        """A URL (``s3://bucket/run``) makes a
+        :class:`~replicator.checkpoint.remote_manager.RemoteCheckpointManager`."""
+        if cls is CheckpointManager and isinstance(directory, (str, os.PathLike)) \
+                and is_remote(directory):
+            from replicator.checkpoint.remote_manager import RemoteCheckpointManager
+
+            return super().__new__(RemoteCheckpointManager)
+        return super().__new__(cls)
+
     def __init__(self, directory: str | os.PathLike[str], keep: int = 2, *,
                  collectives: Collectives | None = None,
                  attempt: int | None = None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive number of checkpoints, got {keep!r}")
-        self.directory = Path(directory)
+        self.directory = local_path(directory)
         self.keep = keep
         if collectives is not None and not isinstance(collectives, Collectives):
             raise TypeError(f"collectives must be a Collectives, got {type(collectives).__name__}"
@@ -146,12 +161,18 @@ class CheckpointManager:
         self._channel: Channel | None = Channel(collectives) if collectives is not None else None
         self.attempt = resolve_cluster().restart_count if attempt is None else attempt
         self.latest_step: int | None = None
+        #: Which checkpoint of the chosen step restore loads, where a step alone is ambiguous.
+        self._choice_ref: Any = None
 
     @property
     def channel(self) -> Channel:
         if self._channel is None:
             self._channel = Channel(group_collectives())
         return self._channel
+
+    def where(self, step: int) -> str:
+        """Where the checkpoint of ``step`` lives, for messages."""
+        return str(self.directory / step_dir_name(step))
 
     # -- listing -------------------------------------------------------------------------------
     def step_dirs(self) -> list[tuple[int, Path]]:
@@ -184,14 +205,15 @@ class CheckpointManager:
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, replicated: Mapping[str, Any] | None = None,
              per_rank: Any = None, info: Mapping[str, Any] | None = None, *,
-             channel: Channel | None = None) -> Path:
+             channel: Channel | None = None, writer: FileWriter | None = None) -> Path:
         """Write and commit the checkpoint of ``step``; every rank calls this together.
 
         ``replicated`` maps names to state trees that are the same on every rank (the chief
         writes them; other ranks may pass ``None``); ``per_rank`` is this rank's own state tree;
         either may be a :class:`FrozenState`. ``info`` is JSON stored in the manifest.
         ``channel``: how the ranks agree (default: the manager's own; a background save
-        passes one over a private group). Raises :class:`CheckpointWriteError` on every
+        passes one over a private group). ``writer``: writes this rank's files (the saver
+        process; default: in this thread). Raises :class:`CheckpointWriteError` on every
         rank when any rank fails, after removing the partial checkpoint.
         """
         ch = channel or self.channel
@@ -203,13 +225,8 @@ class CheckpointManager:
         try:
             fault_points.fire("before_write", step=step, path=tmp, rank=ch.rank)
             tmp.mkdir(parents=True, exist_ok=True)
-            if per_rank is not None:
-                entries[rank_file(ch.rank)] = self._write(tmp, rank_file(ch.rank), per_rank,
-                                                          f"rank {ch.rank}'s state")
-            if ch.is_chief:
-                for key, state in (replicated or {}).items():
-                    fname = f"{check_state_name(key)}.safetensors"
-                    entries[fname] = self._write(tmp, fname, state, key)
+            entries = self._write_all(str(tmp), None,
+                                      self._items(replicated, per_rank, ch), writer)
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
             local_exc = exc
         results = ch.all_gather(
@@ -233,6 +250,25 @@ class CheckpointManager:
         if ch.is_chief:
             self._prune(step)
         return final
+
+    @staticmethod
+    def _items(replicated: Mapping[str, Any] | None, per_rank: Any,
+               ch: Channel) -> list[tuple[str, Any, str]]:
+        """``(file name, state, label)`` of the files this rank writes."""
+        items = []
+        if per_rank is not None:
+            items.append((rank_file(ch.rank), per_rank, f"rank {ch.rank}'s state"))
+        if ch.is_chief:
+            for key, state in (replicated or {}).items():
+                items.append((f"{check_state_name(key)}.safetensors", state, key))
+        return items
+
+    def _write_all(self, base: str, store: Any, items: list[tuple[str, Any, str]],
+                   writer: FileWriter | None) -> dict[str, FileEntry]:
+        if writer is not None:
+            return writer(base, store, items)
+        return {fname: self._write(Path(base), fname, state, label)
+                for fname, state, label in items}
 
     def _write(self, tmp: Path, fname: str, state: Any, label: str) -> FileEntry:
         if isinstance(state, FrozenState):
@@ -310,7 +346,9 @@ class CheckpointManager:
             except (UnsafeCheckpointError, OSError) as exc:
                 fatal = exc
                 decision["fatal"] = _text(exc)
+        decision["ref"] = self._choice_ref
         decision = ch.from_chief(decision, "checkpoint restore (choosing a checkpoint)")
+        self._choice_ref = decision["ref"]
         if decision["fatal"]:
             if fatal is not None:
                 raise fatal
@@ -334,7 +372,7 @@ class CheckpointManager:
         if failures:
             if local_exc is not None:
                 raise local_exc
-            raise CheckpointError(f"loading {self.directory / step_dir_name(step)} failed on "
+            raise CheckpointError(f"loading {self.where(step)} failed on "
                                   f"{describe_failures(failures)}")
         self.latest_step = step
         return result
@@ -375,6 +413,13 @@ class CheckpointManager:
         return Restored(step=step, path=path, info=dict(manifest.get("info", {})),
                         world_size=int(manifest.get("world_size", 1)), replicated=replicated,
                         per_rank=per_rank, per_rank_source=source)
+
+    def close(self) -> None:
+        """Let go of the location (a store's lease); nothing to do for a local directory."""
+
+    def finish(self) -> None:
+        """Called at the end of training: raises what the saves left unsaid (a remote store
+        that refused the last saves); nothing to do for a local directory."""
 
     # -- deletion ------------------------------------------------------------------------------
     def delete_all(self) -> None:

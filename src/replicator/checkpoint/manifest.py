@@ -60,14 +60,15 @@ def _checksum(body: Mapping[str, Any]) -> str:
 
 
 def build(step: int, world_size: int, files: Mapping[str, FileEntry],
-          info: Mapping[str, Any]) -> dict[str, Any]:
-    """The manifest of a checkpoint at ``step`` holding ``files``; ``info`` is free JSON."""
+          info: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    """The manifest of a checkpoint at ``step`` holding ``files``; ``info`` is free JSON;
+    ``extra``: more top-level fields (a commit object's ``prefix``), covered by the checksum."""
     for name in files:
         check_file_name(name, f"checkpoint at step {step}")
     body = {"format": FORMAT, "version": VERSION, "step": int(step),
             "world_size": int(world_size), "created": time.time(),
             "files": {name: entry.as_json() for name, entry in sorted(files.items())},
-            "info": dict(info)}
+            "info": dict(info), **extra}
     body["checksum"] = _checksum(body)
     return body
 
@@ -91,6 +92,11 @@ def read_marker(step_dir: Path) -> dict[str, Any]:
                                      "was interrupted before it completed") from None
     except OSError as exc:
         raise CheckpointCorruptError(f"{where}: cannot read {MARKER_NAME}: {exc}") from exc
+    return parse_marker(raw, where)
+
+
+def parse_marker(raw: bytes, where: str) -> dict[str, Any]:
+    """A manifest from its bytes; :class:`CheckpointCorruptError` when it does not check out."""
     try:
         manifest = json.loads(raw)
         body = {k: v for k, v in manifest.items() if k != "checksum"}
@@ -123,13 +129,20 @@ def verify_file(step_dir: Path, manifest: Mapping[str, Any], name: str) -> np.nd
         raise CheckpointCorruptError(f"{where}: {name} is missing") from None
     except OSError as exc:
         raise CheckpointCorruptError(f"{where}: cannot read {name}: {exc}") from exc
-    if len(data) != entry.get("bytes"):
-        raise CheckpointCorruptError(f"{where}: {name} has {len(data)} bytes, the manifest "
+    check_bytes(where, name, entry, len(data), digest)
+    return data
+
+
+def check_bytes(where: str, name: str, entry: Mapping[str, Any], size: int,
+                digest: str) -> None:
+    """Raise :class:`CheckpointCorruptError` when ``size``/``digest`` differ from ``entry``."""
+    if size != entry.get("bytes"):
+        raise CheckpointCorruptError(f"{where}: {name} has {size} bytes, the manifest "
                                      f"says {entry.get('bytes')} (truncated or replaced)")
     if digest != entry.get("sha256"):
-        raise CheckpointCorruptError(f"{where}: {name} fails its SHA-256 check (its bytes "
-                                     "changed after it was written)")
-    return data
+        raise CheckpointCorruptError(
+            f"{where}: {name} fails its SHA-256 check (its bytes changed after it was "
+            f"written): sha256 {digest}, the manifest says {entry.get('sha256')}")
 
 
 def verify(step_dir: Path, manifest: Mapping[str, Any],

@@ -1,0 +1,106 @@
+"""The saver process: hashes and writes (or uploads) checkpoint files staged in shared memory.
+
+It runs as ``python saver_process.py`` (standard library and fsspec only: no torch, no
+replicator import, so it starts in a fraction of a second and holds little memory), reads one
+JSON job per line on stdin and answers one JSON line per job on stdout::
+
+    {"id": 3, "buffer": "/dev/shm/replicator-stage-...", "scheme": "s3" | null,
+     "options": {...}, "files": [{"name": "model.safetensors", "offset": 0, "length": 123,
+     "dest": "bucket/run/data/step-00000030.ab12-0/model.safetensors"}]}
+    -> {"id": 3, "files": {"model.safetensors": {"bytes": 123, "sha256": "..."}}, "error": ""}
+
+Local files are written, flushed and fsynced; remote ones are streamed through fsspec. The
+parent (``saver.py``) owns the buffer and commits; this process never decides what counts.
+A job may carry ``die_during_file`` (fault injection for tests): the process SIGKILLs itself
+after the first chunk of that file (0-based), the files before it complete, that one not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import signal
+import sys
+from typing import Any
+
+CHUNK = 8 << 20
+
+
+class _Filesystems:
+    def __init__(self) -> None:
+        self._open: dict[str, Any] = {}
+
+    def get(self, scheme: str, options: dict[str, Any]) -> Any:
+        key = json.dumps([scheme, options], sort_keys=True)
+        if key not in self._open:
+            import fsspec  # type: ignore[import-untyped]
+
+            cls = fsspec.get_filesystem_class(scheme)
+            self._open[key] = cls(**options)
+        return self._open[key]
+
+
+def _write(view: memoryview, dest: str, fs: Any, die: bool) -> tuple[int, str]:
+    hasher = hashlib.sha256()
+    if fs is None:
+        with open(dest, "wb") as f:
+            for start in range(0, len(view), CHUNK):
+                part = view[start:start + CHUNK]
+                hasher.update(part)
+                f.write(part)
+                _maybe_die(die)
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        with fs.open(dest, "wb") as f:
+            for start in range(0, len(view), CHUNK):
+                part = view[start:start + CHUNK]
+                hasher.update(part)
+                f.write(bytes(part))
+                _maybe_die(die)
+    return len(view), hasher.hexdigest()
+
+
+def _maybe_die(die: bool) -> None:
+    if die:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_job(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
+    fs = filesystems.get(job["scheme"], job.get("options") or {}) if job.get("scheme") else None
+    out: dict[str, Any] = {}
+    with open(job["buffer"], "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        view = memoryview(mm)
+        try:
+            for index, item in enumerate(job["files"]):
+                part = view[item["offset"]:item["offset"] + item["length"]]
+                try:
+                    size, digest = _write(part, item["dest"], fs,
+                                          job.get("die_during_file") == index)
+                finally:
+                    part.release()
+                out[item["name"]] = {"bytes": size, "sha256": digest}
+        finally:
+            view.release()
+    return out
+
+
+def main() -> None:
+    filesystems = _Filesystems()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        try:
+            reply = {"id": job["id"], "files": run_job(job, filesystems), "error": ""}
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+            reply = {"id": job["id"], "files": {}, "error": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
