@@ -59,6 +59,10 @@ from replicator.errors import (
 #: the remote store given) and returns their entries: the saver process's hand-off.
 FileWriter = Callable[[str, Any, list[tuple[str, Any, str]]], dict[str, FileEntry]]
 
+#: The class serving URLs, registered by ``remote_manager`` (which builds on this module);
+#: the package imports it, so it is always there.
+REMOTE_MANAGER: dict[str, type[CheckpointManager]] = {}
+
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _STATE_NAME = re.compile(r"^[A-Za-z0-9_]{1,100}$")
 
@@ -141,11 +145,10 @@ class CheckpointManager:
     def __new__(cls, directory: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
         """A URL (``s3://bucket/run``) makes a
         :class:`~replicator.checkpoint.remote_manager.RemoteCheckpointManager`."""
-        if cls is CheckpointManager and isinstance(directory, (str, os.PathLike)) \
-                and is_remote(directory):
-            from replicator.checkpoint.remote_manager import RemoteCheckpointManager
-
-            return super().__new__(RemoteCheckpointManager)
+        remote = REMOTE_MANAGER.get("class")
+        if cls is CheckpointManager and remote is not None and isinstance(
+                directory, (str, os.PathLike)) and is_remote(directory):
+            return super().__new__(remote)
         return super().__new__(cls)
 
     def __init__(self, directory: str | os.PathLike[str], keep: int = 2, *,

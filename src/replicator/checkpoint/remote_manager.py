@@ -36,6 +36,7 @@ from replicator.checkpoint import fault_points, safetensors_io, serialization
 from replicator.checkpoint.exchange import Channel, describe_failures
 from replicator.checkpoint.lease import DEFAULT_LEASE_TIMEOUT, Lease
 from replicator.checkpoint.manager import (
+    REMOTE_MANAGER,
     CheckpointManager,
     FileWriter,
     FrozenState,
@@ -435,6 +436,9 @@ class RemoteCheckpointManager(CheckpointManager):
         self.store.remove(DATA, recursive=True)
         self.store.remove(COMMITS, recursive=True)
         self.lease.release()
+
+
+REMOTE_MANAGER["class"] = RemoteCheckpointManager
 
 
 def open_manager(target: str | os.PathLike[str], keep: int = 2, *,
