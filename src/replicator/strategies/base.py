@@ -29,6 +29,7 @@ from replicator.data.dataset import (
     distribute_datasets_from_function,
 )
 from replicator.strategies.finite import check_finite_result
+from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.memory import MemoryReport, MemoryTracker, exchange_reports
 from replicator.strategies.reduction import Axis, gather_value, reduce_value
 from replicator.strategies.scope_capture import RegistrationCapture, named_state
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from replicator.comm.collectives import Collectives
     from replicator.optim.accumulation import GradientAccumulator
     from replicator.precision import MixedPrecision
+    from replicator.strategies.live.engine import LiveEngine
     from replicator.strategies.replicas import ReplicaGroup
 
 _SERIALS = itertools.count(1)
@@ -101,8 +103,50 @@ class Strategy(ABC):
         self._distributed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._closed = False
         self._memory = MemoryTracker(self.is_distributed, self._activation_samples)
+        self._start_live()
         created(self)
         WATCH.add(self)
+
+    # -- live recovery across replica groups -------------------------------------------------
+    #: Whether the strategy can run as one replica group of a live-recovery job (its gradient
+    #: average then also goes across the groups through torchft's Manager).
+    _supports_live: ClassVar[bool] = False
+
+    def _start_live(self) -> None:
+        settings = LiveSettings.from_env()
+        replicas = getattr(self, "_replica_group", None)
+        if settings is None or replicas is None:
+            return
+        if not self._supports_live:
+            from replicator.errors import ClusterConfigError
+
+            raise ClusterConfigError(
+                f"{type(self).__name__} cannot run in replica groups ({settings.who} of "
+                f"{settings.groups}). HINT: use rp.MirroredStrategy(), "
+                "rp.CentralStorageStrategy() or rp.FSDPStrategy(), or launch without "
+                "--replica-groups")
+        try:
+            from replicator.strategies.live.engine import LiveEngine
+        except ImportError as exc:
+            from replicator.errors import ClusterConfigError
+
+            raise ClusterConfigError(
+                f"replica groups need torchft ({exc}). HINT: pip install 'replicator[live]'"
+            ) from exc
+        me = weakref.ref(self)
+
+        def modules() -> list[torch.nn.Module]:
+            strategy = me()
+            return [] if strategy is None else list(strategy._set_up_modules.keys())
+
+        replicas.live = LiveEngine(settings, replicas, modules)
+
+    @property
+    def live(self) -> LiveEngine | None:
+        """The live-recovery engine when this process is one replica group of several
+        (``replicator run --replica-groups N``), else ``None``."""
+        replicas = getattr(self, "_replica_group", None)
+        return None if replicas is None else replicas.live
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -267,6 +311,8 @@ class Strategy(ABC):
         self._close()
         replicas = getattr(self, "_replica_group", None)
         if replicas is not None:
+            if replicas.live is not None:
+                replicas.live.close()
             replicas.close()
 
     def _close(self) -> None:
@@ -359,8 +405,13 @@ class Strategy(ABC):
         watching = WATCH.running() if self.num_replicas_in_sync > 1 and \
             self._guards_undistributed else contextlib.nullcontext()
         uneven = begin_step()
+        live = self.live
         with entered(self), watching, self._memory.measuring():
-            result = self._run(fn, tuple(args), dict(kwargs or {}))
+            if live is None:
+                result = self._run(fn, tuple(args), dict(kwargs or {}))
+            else:  # a step not committed across the replica groups is redone
+                result = live.run_step(lambda a: self._run(fn, a, dict(kwargs or {})),
+                                       tuple(args))
         self._warned_uneven = check_step(uneven, self.replica_id, self._warned_uneven)
         if self._check_finite:
             group = self._replica_group
@@ -457,7 +508,7 @@ class Strategy(ABC):
                            transform: Callable[[Any], Any] | None = None,
                            reader: Callable[[str], Iterable[Any]] | None = None,
                            options: InputOptions | None = None,
-                           partial_batch: str = "mask") -> DistributedDataset:
+                           partial_batch: str = "mask", epochs: int | None = None) -> Any:
         """Split each *global* batch of ``dataset`` across replicas.
 
         Give a ``DataLoader`` built with the global batch size (its ``shuffle`` and
@@ -467,13 +518,35 @@ class Strategy(ABC):
         batch; otherwise it is kept, and a replica that would get nothing gets a masked copy
         (``partial_batch="mask"``) or 0 rows (``"empty"``, tf's). ``transform`` runs per
         sample in the workers; ``options`` is ``rp.data.InputOptions`` (prefetch, workers,
-        sharding policy, device copy).
+        sharding policy, device copy). ``epochs=E``: one loop over the result runs ``E``
+        epochs (the library counts them, which a replica group healed from a peer needs).
+
+        In a live-recovery job (replica groups) each step's global batch is split over the
+        groups of that step's quorum (see :mod:`replicator.strategies.live.dataset`); the
+        input must then be a map-style dataset read by index.
         """
-        return distribute_dataset(dataset, self.input_context, self.device,
-                                  batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                  drop_last=drop_last, drop_remainder=drop_remainder,
-                                  transform=transform, reader=reader, options=options,
-                                  group=self._data_group, partial_batch=partial_batch)
+        live = self.live
+        if live is not None:
+            from replicator.data.live_split import map_input
+            from replicator.strategies.live.dataset import LiveDataset
+
+            if transform is not None or reader is not None:
+                raise ValueError("transform= and reader= are not supported with replica "
+                                 "groups; apply the transform in the dataset's __getitem__")
+            drop = drop_remainder if drop_remainder is not None else drop_last
+            data = map_input(dataset, batch_size=batch_size, shuffle=shuffle,
+                             drop_remainder=drop)
+            return LiveDataset(live, data, self.device, seed=seed, epochs=epochs)
+        result = distribute_dataset(dataset, self.input_context, self.device,
+                                    batch_size=batch_size, shuffle=shuffle, seed=seed,
+                                    drop_last=drop_last, drop_remainder=drop_remainder,
+                                    transform=transform, reader=reader, options=options,
+                                    group=self._data_group, partial_batch=partial_batch)
+        if epochs is None:
+            return result
+        from replicator.data.epochs import Epochs
+
+        return Epochs(result, epochs)
 
     experimental_distribute_dataset = distribute_dataset
 

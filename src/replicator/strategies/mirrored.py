@@ -70,6 +70,7 @@ class MirroredStrategy(Strategy):
 
     name = "mirrored"
     _guards_undistributed = True
+    _supports_live = True
 
     def __init__(self, devices: Sequence[str | torch.device] | None = None,
                  cross_device_ops: CrossDeviceOps | None = None, *,

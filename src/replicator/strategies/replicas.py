@@ -23,6 +23,7 @@ import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,9 @@ from replicator.comm.collective_tracker import CollectiveTracker
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from replicator.comm.reduce_op import ReduceOp
+
+if TYPE_CHECKING:
+    from replicator.strategies.live.engine import LiveEngine
 
 
 def bound_timeout(group: dist.ProcessGroup | None, seconds: float) -> None:
@@ -99,6 +103,9 @@ class ReplicaGroup:
         self._synchronizers: list[GradientSynchronizer] = []
         self._paused = 0
         self._closed = False
+        #: The live-recovery engine when this group is one of several replica groups
+        #: (torchft's Manager averages across them; see ``strategies/live``), else ``None``.
+        self.live: LiveEngine | None = None
 
     # -- identity ------------------------------------------------------------------------------
     @property

@@ -1,0 +1,175 @@
+"""The input of a live-recovery job: each step's share of the global batch, cut per quorum.
+
+``strategy.distribute_dataset(...)`` returns a :class:`LiveDataset` when the job runs replica
+groups. Iterating it joins each step's quorum first (healing from a peer when behind), then
+cuts that step's global batch for the groups in the quorum (``data/live_split.py``), so the
+samples, their order and the global batch size are those of one device. The position is the
+committed step, which a healed group receives from its peer: a healed process can therefore
+continue the run's data, but not the script's own loop counters. ``epochs=E`` makes one loop
+run all epochs (the library counts them); without it each loop is one epoch, as a
+``DataLoader``'s, and a group that heals into another epoch than its own loop is in raises
+:class:`~replicator.strategies.live.errors.EpochLoopError` naming the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from replicator.data.live_split import MapInput, Share, StepSplit
+from replicator.strategies.live.engine import LiveEngine, Quorum
+from replicator.strategies.live.errors import EpochLoopError, LiveRecoveryError
+
+
+class LiveDataset:
+    """This process's share of each step's global batch (see the module doc)."""
+
+    def __init__(self, engine: LiveEngine, data: MapInput, device: torch.device, *, seed: int,
+                 epochs: int | None) -> None:
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                                   or epochs < 1):
+            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        s = engine.settings
+        self.engine = engine
+        self.data = data
+        self.device = torch.device(device)
+        self.epochs = epochs
+        self.split = StepSplit(len(data.dataset), data.global_batch_size, shuffle=data.shuffle,
+                               seed=seed, drop_remainder=data.drop_remainder,
+                               group_size=s.group_size, max_groups=s.groups)
+        self._epoch = 0            # the epoch of the next one-epoch pass
+        self._pass_epoch: int | None = None
+        self._last: Any = None
+        engine.expect_progress(self._check_progress)
+
+    # -- what a DataLoader answers ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.split.steps_per_epoch * (self.epochs or 1)
+
+    @property
+    def dataset(self) -> Any:
+        return self.data.dataset
+
+    @property
+    def batch_size(self) -> int:
+        """The global batch size (every group together)."""
+        return self.data.global_batch_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next batch."""
+        return self.split.locate(self.engine.committed_steps)[0]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for loops written for a ``DataLoader``: the epoch comes from the
+        committed step here, and ``epoch`` must agree with it."""
+        self._epoch = epoch
+
+    # -- iteration --------------------------------------------------------------------------------
+    def _end(self) -> int:
+        spe = self.split.steps_per_epoch
+        if self.epochs is not None:
+            return self.epochs * spe
+        return (self._pass_epoch if self._pass_epoch is not None else self._epoch) * spe + spe
+
+    def __iter__(self) -> LiveDataset:
+        self._pass_epoch = None if self.epochs is not None else self._epoch
+        return self
+
+    def __next__(self) -> Any:
+        end = self._end()
+        engine = self.engine
+        if engine.committed_steps >= end and not engine.in_step:
+            return self._finish()
+        quorum = engine.begin_step()
+        if quorum.step >= end:
+            return self._finish()
+        return self._cut(quorum)
+
+    def _finish(self) -> Any:
+        if self._pass_epoch is not None:
+            self._epoch = self._pass_epoch + 1
+            self._pass_epoch = None
+        raise StopIteration
+
+    def _cut(self, quorum: Quorum) -> Any:
+        share = self.split.share(quorum.step, quorum.participant, quorum.participants,
+                                 self.engine.settings.rank)
+        batch = self._load(share)
+        self.engine.use_share(share, self)
+        self._last = batch
+        return batch
+
+    def _load(self, share: Share) -> Any:
+        batch = self.data.load(share.indices)
+        if self.device.type == "cpu":
+            return batch
+        return tree_map(lambda t: t.to(self.device, non_blocking=True)
+                        if isinstance(t, torch.Tensor) else t, batch)
+
+    def reshare(self, args: tuple, quorum: Quorum) -> tuple | None:
+        """``args`` of a step to redo with ``quorum``: the batch this dataset gave replaced by
+        the new quorum's share (``None``: the run's data ended meanwhile)."""
+        last = self._last
+        if quorum.step >= self._end():
+            return None
+        new = self._cut(quorum)
+        found = False
+
+        def swap(arg: Any) -> Any:
+            nonlocal found
+            if arg is last:
+                found = True
+                return new
+            if isinstance(last, (tuple, list)):
+                for i, item in enumerate(last):
+                    if arg is item:
+                        found = True
+                        return new[i]
+            return arg
+
+        out = tuple(swap(a) for a in args)
+        if not found:
+            raise LiveRecoveryError(
+                f"{self.engine.who} must redo step {quorum.step} with a new quorum but cannot "
+                "find the batch the distributed dataset gave among strategy.run's arguments. "
+                "HINT: pass the batch (or its parts) from the distributed dataset to "
+                "strategy.run as they are")
+        return out
+
+    # -- healing ---------------------------------------------------------------------------------
+    def progress(self, step: int) -> dict[str, Any]:
+        """The data position of committed step ``step`` (sent to a healing peer)."""
+        epoch, index = self.split.locate(step)
+        return {"epoch": epoch, "position": index, "steps_per_epoch": self.split.steps_per_epoch,
+                "global_batch_size": self.data.global_batch_size}
+
+    def _check_progress(self, progress: dict[str, Any]) -> None:
+        who = self.engine.who
+        if progress.get("global_batch_size", self.data.global_batch_size) != \
+                self.data.global_batch_size or progress.get(
+                    "steps_per_epoch", self.split.steps_per_epoch) != self.split.steps_per_epoch:
+            raise LiveRecoveryError(
+                f"{who} reads global batches of {self.data.global_batch_size} "
+                f"({self.split.steps_per_epoch} steps per epoch) but its peer group reads "
+                f"{progress.get('global_batch_size')} ({progress.get('steps_per_epoch')}). "
+                "HINT: every group must build the same input")
+        if self._pass_epoch is None:
+            return
+        step = int(progress.get("step", 0))
+        spe = self.split.steps_per_epoch
+        if not self._pass_epoch * spe <= step <= (self._pass_epoch + 1) * spe:
+            raise EpochLoopError(
+                f"{who} heals at step {step} (epoch {step // spe}) while its own loop is in "
+                f"epoch {self._pass_epoch}: a healed process cannot learn a Python loop counter "
+                "from a peer, so a script that loops epochs itself (`for epoch in range(E): "
+                "for batch in dist: ...`) would train the wrong number of epochs. HINT: let the "
+                "library count epochs: `for batch in strategy.distribute_dataset(loader, "
+                "epochs=E)`, or `for step, batch in backup.steps(dist, epochs=E)`")
+
+    def __repr__(self) -> str:
+        return (f"LiveDataset(global batch {self.data.global_batch_size}, "
+                f"{self.split.steps_per_epoch} steps per epoch, epochs {self.epochs}, "
+                f"{self.engine.who})")

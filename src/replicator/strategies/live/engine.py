@@ -1,0 +1,351 @@
+"""The per-step protocol of live recovery: torchft's Manager composed into a replica group.
+
+Every step of a replica group runs: a quorum (torchft's lighthouse says which groups take part;
+a group behind the others heals from a live peer here), the step's share of the global batch
+(``data/live_split.py``), forward and backward (averaged inside the group by the strategy as
+always), then, at the first ``optimizer.step()``, the gradients are averaged across the groups
+of the quorum through the Manager (each group's mean weighted by its share of the batch) and
+``should_commit`` decides. A step that is not committed (a group died during the all-reduce)
+raises :class:`~replicator.strategies.live.errors.StepNotCommitted` out of ``optimizer.step()``
+before anything is updated; ``strategy.run`` catches it, puts back the buffers and random state
+of the step's start, and runs the step again with the next quorum and the same global batch.
+
+SIGTERM makes the group leave at the next step boundary (exit code 75) without a failed step;
+a quorum that does not form within the quorum timeout, a lighthouse that does not answer, and a
+group whose model differs raise errors naming the group and rank (``errors.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.comm.gradient_sync import local_tensor
+from replicator.comm.reduce_op import ReduceOp
+from replicator.data.live_split import Share
+from replicator.strategies.live import state as live_state
+from replicator.strategies.live.errors import (
+    LighthouseUnreachableError,
+    LiveRecoveryError,
+    QuorumTimeoutError,
+    StepNotCommitted,
+)
+from replicator.strategies.live.settings import (
+    COLLECTIVE_TIMEOUT_ENV,
+    QUORUM_TIMEOUT_ENV,
+    LiveSettings,
+)
+from replicator.strategies.replicas import ReplicaGroup
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """One step's quorum as this group sees it."""
+
+    step: int           # committed steps so far: the global batch this step trains on
+    participant: int    # this group's index among the participants
+    participants: int   # groups taking part in the step
+    healed: bool        # this group received its state from a peer in this quorum
+
+
+class _Snapshot:
+    """What a redone step must start from again: floating buffers and the torch RNG."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
+        self.buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
+        self.rng = torch.get_rng_state()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        torch.set_rng_state(self.rng)
+
+
+class LiveEngine:
+    """torchft's Manager for one process of one replica group (see the module doc).
+
+    ``modules``: returns the modules the strategy set up (what heals and whose gradients are
+    averaged across groups). Built by the strategy when ``REPLICATOR_REPLICA_GROUPS`` is set.
+    """
+
+    def __init__(self, settings: LiveSettings, replicas: ReplicaGroup,
+                 modules: Callable[[], list[torch.nn.Module]]) -> None:
+        from torchft.manager import Manager  # type: ignore[import-untyped]
+        from torchft.process_group import ProcessGroupGloo  # type: ignore[import-untyped]
+
+        from replicator.strategies.live.transport import BoundHTTPTransport
+
+        self.settings = settings
+        self.replicas = replicas
+        self._modules = modules
+        self.who = settings.who
+        timeout = timedelta(seconds=settings.collective_timeout)
+        store_addr, store_port = self._store_address()
+        self._phase = "idle"          # idle -> begun -> committed
+        self._quorum: Quorum | None = None
+        self._share: Share | None = None
+        self._snapshot: _Snapshot | None = None
+        self._healed_now = False
+        self._progress_check: Callable[[dict[str, Any]], None] | None = None
+        self._leave_requested = False
+        self._closed = False
+        self.source: Any = None       # the live dataset that made the step's batch
+        self.redone_steps = 0
+        try:
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state,
+                state_dict=self._state, min_replica_size=settings.min_replicas,
+                use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+                connect_timeout=timedelta(seconds=min(settings.quorum_timeout, 30.0)),
+                rank=settings.rank, world_size=settings.group_size, store_addr=store_addr,
+                store_port=store_port, lighthouse_addr=settings.lighthouse,
+                replica_id=f"replicator_group_{settings.group}", hostname=settings.bind,
+                checkpoint_transport=BoundHTTPTransport(settings.bind, timeout),
+                init_sync=True)
+        except Exception as exc:  # noqa: BLE001 - torchft raises plain RuntimeErrors
+            raise LighthouseUnreachableError(
+                f"{self.who} could not join the lighthouse at {settings.lighthouse}: "
+                f"{_first_line(exc)}. HINT: is the lighthouse running and reachable? "
+                "`replicator run --replica-groups N` starts one on loopback; otherwise start "
+                "`torchft_lighthouse --min_replicas M --bind HOST:PORT`") from exc
+        self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        self._install_sigterm()
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _store_address(self) -> tuple[str, int]:
+        """The group's store: the rendezvous store of a group of several processes, or one
+        this process hosts for a group of one."""
+        if self.settings.group_size > 1:
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self._own_store = dist.TCPStore(self.settings.bind, 0, 1, True,
+                                        timeout=timedelta(seconds=30), wait_for_workers=False)
+        return self.settings.bind, int(self._own_store.port)
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            def request_leave(signum: int, frame: Any) -> None:
+                self._leave_requested = True
+
+            signal.signal(signal.SIGTERM, request_leave)
+
+    # -- the step ----------------------------------------------------------------------------------
+    @property
+    def committed_steps(self) -> int:
+        """Steps committed so far (the next step's global batch)."""
+        return int(self.manager.current_step())
+
+    @property
+    def in_step(self) -> bool:
+        return self._phase == "begun"
+
+    def begin_step(self) -> Quorum:
+        """Join this step's quorum (healing from a peer when behind); returns it. Called by
+        the live dataset before it cuts the step's batch, else by ``strategy.run``."""
+        self._check_open()
+        if self._phase == "begun" and self._quorum is not None:
+            return self._quorum
+        self._maybe_leave()
+        self._healed_now = False
+        try:
+            self.manager.start_quorum(timeout=timedelta(seconds=self.settings.quorum_timeout))
+        except LiveRecoveryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torchft's errors are plain RuntimeErrors
+            raise self._quorum_error(exc) from exc
+        participant = self.manager.participating_rank()
+        participants = self.manager.num_participants()
+        if participant is None or participants < 1:
+            raise LiveRecoveryError(f"{self.who} is not part of the quorum it joined (step "
+                                    f"{self.committed_steps}); please report this as a bug")
+        self._quorum = Quorum(self.committed_steps, int(participant), int(participants),
+                              self._healed_now)
+        self._snapshot = _Snapshot(self._modules())
+        self._phase = "begun"
+        return self._quorum
+
+    def _quorum_error(self, exc: BaseException) -> LiveRecoveryError:
+        text = _first_line(exc)
+        low = text.lower()
+        if "timeout" in low or "timed out" in low or "deadline" in low or "elapsed" in low:
+            return QuorumTimeoutError(
+                f"{self.who} waited {self.settings.quorum_timeout:.0f} s for a quorum of at "
+                f"least {self.settings.min_replicas} replica group(s) at step "
+                f"{self.committed_steps} and none formed ({text}). HINT: fewer groups are "
+                f"alive than --min-replicas {self.settings.min_replicas}; restart the lost "
+                f"groups, lower --min-replicas, or wait longer with {QUORUM_TIMEOUT_ENV}")
+        return LighthouseUnreachableError(
+            f"{self.who} lost the lighthouse at {self.settings.lighthouse} while asking for the "
+            f"quorum of step {self.committed_steps}: {text}. HINT: the lighthouse process must "
+            "outlive every replica group; check that it is running")
+
+    def use_share(self, share: Share, source: Any) -> None:
+        """The step's batch came from ``source`` (a live dataset) with ``share``."""
+        self._share = share
+        self.source = source
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                               kwargs: Any) -> None:
+        if self._closed or not self._steps_our_parameters(optimizer):
+            return
+        if self._phase == "committed":
+            return  # a second optimizer of the same step: its gradients are averaged already
+        if self._phase == "idle":
+            self.begin_step()
+        self.commit()
+
+    def _steps_our_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
+        ours = {id(p) for m in self._modules() for p in m.parameters()}
+        return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
+
+    def commit(self) -> None:
+        """Average the gradients across the quorum's groups and ask whether the step may be
+        committed; raises ``StepNotCommitted`` when not (nothing has been updated yet)."""
+        quorum = self._quorum
+        assert quorum is not None
+        weight = 1.0 / quorum.participants if self._share is None or \
+            self._share.step != quorum.step else self._share.group_weight
+        params = [p for _, p in live_state.named_parameters(self._modules()) if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(local_tensor(p).dtype, []).append(p)
+        works = []
+        for dtype, group in by_dtype.items():
+            pieces = []
+            for p in group:
+                g = p.grad
+                pieces.append(torch.zeros(local_tensor(p).numel(), dtype=dtype,
+                                          device=local_tensor(p).device)
+                              if g is None else local_tensor(g).reshape(-1).to(dtype))
+            flat = torch.cat(pieces).mul_(weight)
+            works.append((group, flat,
+                          self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)))
+        for group, flat, work in works:
+            work.wait()
+            offset = 0
+            with torch.no_grad():
+                for p in group:
+                    n = local_tensor(p).numel()
+                    piece = flat[offset:offset + n].view_as(local_tensor(p))
+                    offset += n
+                    if p.grad is None:
+                        if bool(piece.any()):
+                            p.grad = _like(p, piece.clone())
+                    else:
+                        local_tensor(p.grad).copy_(piece)
+        if not self.manager.should_commit():
+            raise StepNotCommitted(f"{self.who}: step {quorum.step} was not committed")
+        self._phase = "committed"
+
+    def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
+        """Run one step through ``call(args)``, redoing it with the next quorum until it is
+        committed (see the module doc)."""
+        if self._phase != "begun":
+            self.begin_step()
+        while True:
+            try:
+                result = call(args)
+            except StepNotCommitted:
+                self._roll_back()
+                quorum = self.begin_step()
+                self.redone_steps += 1
+                if self.source is None:
+                    continue
+                new_args = self.source.reshare(args, quorum)
+                if new_args is None:  # healed past the end of the data
+                    return None
+                args = new_args
+                continue
+            if self._phase == "begun":
+                self._phase = "idle"  # a step without an optimizer step (evaluation)
+            return result
+
+    def _roll_back(self) -> None:
+        for _, p in live_state.named_parameters(self._modules()):
+            p.grad = None
+        if self._snapshot is not None:
+            self._snapshot.restore()
+        self._phase = "idle"
+
+    # -- state for healing -------------------------------------------------------------------------
+    def expect_progress(self, check: Callable[[dict[str, Any]], None] | None) -> None:
+        """``check(progress)`` runs on a peer's progress before its state is loaded (the live
+        dataset checks that the script's own epoch loop agrees with the healed epoch)."""
+        self._progress_check = check
+
+    def _state(self) -> dict[str, Any]:
+        progress: dict[str, Any] = {"step": self.committed_steps}
+        source = self.source
+        if source is not None:
+            progress.update(source.progress(self.committed_steps))
+        return live_state.capture(self._modules(), progress)
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        check = self._progress_check or (lambda progress: None)
+        live_state.apply(state, self._modules(), self.who, check)
+        self._healed_now = True
+        print(f"[replicator] {self.who} healed from a live peer at step "
+              f"{state.get('progress', {}).get('step')}", file=sys.stderr, flush=True)
+
+    # -- leaving ----------------------------------------------------------------------------------
+    def _maybe_leave(self) -> None:
+        flag = torch.tensor([1 if self._leave_requested else 0], dtype=torch.int64)
+        if self.replicas.world_size > 1:
+            flag = self.replicas.reduce(ReduceOp.MAX, flag)
+        if int(flag.item()):
+            print(f"[replicator] {self.who} leaves at step {self.committed_steps} (SIGTERM); "
+                  "the other groups go on without a failed step", file=sys.stderr, flush=True)
+            self.close()
+            raise SystemExit(PREEMPTION_EXIT_CODE)
+
+    def close(self) -> None:
+        """Leave the lighthouse's quorums and stop the state server; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._hook.remove()
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LiveRecoveryError(f"{self.who}: live recovery was closed (the strategy was "
+                                    "closed or the group left)")
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (f"LiveEngine({self.who} of {s.groups}, lighthouse {s.lighthouse}, "
+                f"min_replicas {s.min_replicas}, step {self.committed_steps})")
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if not callable(getattr(param, "to_local", None)):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                              run_check=False)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+__all__ = ["LiveEngine", "Quorum", "COLLECTIVE_TIMEOUT_ENV"]

@@ -1,0 +1,34 @@
+"""The errors of live recovery across replica groups, each naming the group and rank."""
+
+from __future__ import annotations
+
+from replicator.errors import ReplicaMismatchError, ReplicaTimeoutError, ReplicatorError
+
+
+class LiveRecoveryError(ReplicatorError):
+    """Live recovery across replica groups cannot go on (the message names group and rank)."""
+
+
+class LighthouseUnreachableError(LiveRecoveryError, ConnectionError):
+    """The torchft lighthouse given in ``REPLICATOR_LIGHTHOUSE`` does not answer."""
+
+
+class QuorumTimeoutError(LiveRecoveryError, ReplicaTimeoutError):
+    """No quorum of at least ``--min-replicas`` groups formed within the quorum timeout."""
+
+
+class ReplicaGroupMismatchError(LiveRecoveryError, ReplicaMismatchError):
+    """A replica group built a model (or input) that differs from its peers'."""
+
+
+class EpochLoopError(LiveRecoveryError):
+    """A healed group cannot learn the script's own epoch counter from a peer."""
+
+
+class StepNotCommitted(Exception):  # noqa: N818 - control flow, never reaches the user
+    """Raised inside a step whose gradients could not be averaged over the quorum; the
+    strategy catches it and redoes the step with the next quorum."""
+
+
+__all__ = ["LiveRecoveryError", "LighthouseUnreachableError", "QuorumTimeoutError",
+           "ReplicaGroupMismatchError", "EpochLoopError", "StepNotCommitted"]

@@ -1,0 +1,98 @@
+"""Where a process stands among the replica groups: read once from the environment.
+
+The launcher (``replicator run --replica-groups N``) sets, for every process of group ``g``,
+``REPLICATOR_REPLICA_GROUP=g``, ``REPLICATOR_REPLICA_GROUPS=N``,
+``REPLICATOR_LIGHTHOUSE=http://HOST:PORT`` and ``REPLICATOR_MIN_REPLICAS=M``, plus
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` of its own group (ranks count within
+the group). With ``torchrun`` the user sets the four ``REPLICATOR_*`` names per group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from replicator.cluster.env_names import (
+    LIGHTHOUSE_ENV,
+    MIN_REPLICAS_ENV,
+    REPLICA_GROUP_ENV,
+    REPLICA_GROUPS_ENV,
+)
+from replicator.errors import ClusterConfigError
+
+#: Seconds a step's cross-group all-reduce may wait for a peer group before the step is
+#: redone without it (the survivors' stall when a group dies).
+COLLECTIVE_TIMEOUT_ENV = "REPLICATOR_LIVE_TIMEOUT_SECONDS"
+#: Seconds a group waits for a quorum of ``--min-replicas`` groups before
+#: :class:`~replicator.strategies.live.errors.QuorumTimeoutError`.
+QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
+#: The address this process's state server and group store listen on (default loopback).
+BIND_ENV = "REPLICATOR_LIVE_BIND"
+
+
+def _number(env: Mapping[str, str], name: str, default: float, what: str) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ClusterConfigError(f"{name}={raw!r} is not a number of {what}") from None
+    if value <= 0:
+        raise ClusterConfigError(f"{name}={raw!r} must be positive ({what})")
+    return value
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """This process's replica group, the lighthouse and the waits (see the module doc)."""
+
+    group: int
+    groups: int
+    lighthouse: str
+    min_replicas: int
+    rank: int
+    group_size: int
+    collective_timeout: float = 10.0
+    quorum_timeout: float = 60.0
+    bind: str = "127.0.0.1"
+
+    @property
+    def who(self) -> str:
+        """``replica group g, rank r`` for messages."""
+        return f"replica group {self.group}, rank {self.rank}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LiveSettings | None:
+        """The settings when ``REPLICATOR_REPLICA_GROUPS`` is set, else ``None``."""
+        env = os.environ if env is None else env
+        if not env.get(REPLICA_GROUPS_ENV):
+            return None
+        try:
+            groups = int(env[REPLICA_GROUPS_ENV])
+            group = int(env.get(REPLICA_GROUP_ENV, ""))
+        except ValueError:
+            raise ClusterConfigError(
+                f"{REPLICA_GROUPS_ENV}={env.get(REPLICA_GROUPS_ENV)!r} needs an integer "
+                f"{REPLICA_GROUP_ENV} (this process's group, 0..N-1), got "
+                f"{env.get(REPLICA_GROUP_ENV)!r}. HINT: launch with `replicator run "
+                "--replica-groups N`, or set both for each torchrun-launched group") from None
+        if groups < 1 or group < 0:
+            raise ClusterConfigError(f"{REPLICA_GROUPS_ENV}={groups} and {REPLICA_GROUP_ENV}="
+                                     f"{group} must be a positive count and a group id >= 0")
+        lighthouse = env.get(LIGHTHOUSE_ENV, "")
+        if not lighthouse:
+            raise ClusterConfigError(
+                f"replica group {group} has no lighthouse: {LIGHTHOUSE_ENV} is not set. HINT: "
+                f"`replicator run --replica-groups N` starts one; with torchrun start "
+                f"`torchft_lighthouse --min_replicas 1 --bind 127.0.0.1:29510` and set "
+                f"{LIGHTHOUSE_ENV}=http://127.0.0.1:29510")
+        if "://" not in lighthouse:
+            lighthouse = f"http://{lighthouse}"
+        min_replicas = int(_number(env, MIN_REPLICAS_ENV, 1, "replica groups"))
+        return cls(group=group, groups=groups, lighthouse=lighthouse, min_replicas=min_replicas,
+                   rank=int(env.get("RANK", "0")), group_size=int(env.get("WORLD_SIZE", "1")),
+                   collective_timeout=_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0, "seconds"),
+                   quorum_timeout=_number(env, QUORUM_TIMEOUT_ENV, 60.0, "seconds"),
+                   bind=env.get(BIND_ENV, "127.0.0.1") or "127.0.0.1")

@@ -1,0 +1,63 @@
+"""torchft's HTTP checkpoint transport, listening on one address and loading without pickle.
+
+torchft's :class:`~torchft.checkpointing.HTTPTransport` serves a healthy group's state to a
+healing one. As shipped it listens on every interface and loads what it receives with
+``weights_only=False`` (arbitrary pickle). Here the same transport listens on the address
+given (loopback by default, ``REPLICATOR_LIVE_BIND``) and loads with ``weights_only=True``:
+the state replicator sends is tensors and plain values only (see ``state.py``).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.request
+from datetime import timedelta
+from http.server import ThreadingHTTPServer
+from typing import Any, cast
+
+import torchft.checkpointing.http_transport as http_transport  # type: ignore[import-untyped]
+from torchft.checkpointing import HTTPTransport  # type: ignore[import-untyped]
+from torchft.checkpointing._serialization import (  # type: ignore[import-untyped]
+    _streaming_load,
+)
+
+_SERVER_CLASS_LOCK = threading.Lock()
+
+
+def _server_class(host: str) -> type[ThreadingHTTPServer]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    class BoundServer(ThreadingHTTPServer):
+        address_family = family
+        request_queue_size = 1024
+
+        def __init__(self, server_address: Any, handler: Any) -> None:
+            super().__init__((host, 0), handler)
+
+    return BoundServer
+
+
+class BoundHTTPTransport(HTTPTransport[Any]):
+    """:class:`~torchft.checkpointing.HTTPTransport` on ``host`` only, loading tensors and
+    plain values only (``weights_only=True``)."""
+
+    def __init__(self, host: str, timeout: timedelta) -> None:
+        self._host = host
+        with _SERVER_CLASS_LOCK:  # torchft builds its server from this module-level name
+            original = http_transport._IPv6HTTPServer
+            http_transport._IPv6HTTPServer = _server_class(host)  # type: ignore[misc]
+            try:
+                super().__init__(timeout=timeout, num_chunks=0)
+            finally:
+                http_transport._IPv6HTTPServer = original  # type: ignore[misc]
+
+    def address(self) -> str:
+        port = self._server.socket.getsockname()[1]
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{port}/checkpoint/"
+
+    @classmethod
+    def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            return cast(object, _streaming_load(f, weights_only=True))

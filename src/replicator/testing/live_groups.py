@@ -1,0 +1,167 @@
+"""Replica groups on loopback for tests and benchmarks: torchft's lighthouse and N groups.
+
+What ``replicator run --replica-groups N`` does, written small so that tests can kill, restart
+and stop single groups: :func:`start_lighthouse` runs ``torchft_lighthouse`` bound to
+127.0.0.1 on a free port, :func:`start_group` starts one group of ``nproc`` processes of a
+script with the environment a group's processes get (``REPLICATOR_REPLICA_GROUP``,
+``REPLICATOR_REPLICA_GROUPS``, ``REPLICATOR_LIGHTHOUSE``, ``REPLICATOR_MIN_REPLICAS``, and
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` within the group).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from replicator.cluster.env_names import (
+    LIGHTHOUSE_ENV,
+    MIN_REPLICAS_ENV,
+    REPLICA_GROUP_ENV,
+    REPLICA_GROUPS_ENV,
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float, what: str) -> None:
+    """Wait until 127.0.0.1:``port`` accepts connections; ``TimeoutError`` naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
+
+
+@dataclass
+class Lighthouse:
+    """A running ``torchft_lighthouse`` (stop it with :meth:`stop`)."""
+
+    process: subprocess.Popen
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def lighthouse_binary() -> str:
+    """The ``torchft_lighthouse`` next to this Python, else on PATH."""
+    here = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(here) if here.exists() else shutil.which("torchft_lighthouse")
+    if found is None:
+        raise FileNotFoundError("torchft_lighthouse is not installed. HINT: pip install "
+                                "'replicator[live]'")
+    return found
+
+
+def start_lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 1000,
+                     heartbeat_timeout_ms: int = 2000, quorum_tick_ms: int = 50,
+                     log: Path | None = None) -> Lighthouse:
+    """Start a lighthouse on a free loopback port and wait until it listens."""
+    port = free_port()
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    process = subprocess.Popen(
+        [lighthouse_binary(), "--min_replicas", str(min_replicas), "--bind",
+         f"127.0.0.1:{port}", "--join_timeout_ms", str(join_timeout_ms),
+         "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--quorum_tick_ms",
+         str(quorum_tick_ms)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, 60, "torchft_lighthouse")
+    except TimeoutError:
+        process.kill()
+        raise
+    return Lighthouse(process, port)
+
+
+@dataclass
+class Group:
+    """The processes of one replica group."""
+
+    group: int
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+    def poll(self) -> list[int | None]:
+        return [p.poll() for p in self.processes]
+
+    def wait(self, timeout: float) -> list[int]:
+        """Wait for every process; ``TimeoutError`` naming the group when one is still up."""
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in self.processes:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"replica group {self.group} did not finish within "
+                                   f"{timeout:.0f} s") from None
+        return codes
+
+    def signal(self, sig: int) -> None:
+        for p in self.processes:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        for p in self.processes:
+            p.wait()
+
+
+def group_env(group: int, groups: int, lighthouse: str, min_replicas: int, rank: int,
+              nproc: int, master_port: int | None) -> dict[str, str]:
+    """The environment of rank ``rank`` of replica group ``group`` (see the module doc)."""
+    env = {REPLICA_GROUP_ENV: str(group), REPLICA_GROUPS_ENV: str(groups),
+           LIGHTHOUSE_ENV: lighthouse, MIN_REPLICAS_ENV: str(min_replicas),
+           "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+           "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1"}
+    if master_port is not None:
+        env["MASTER_PORT"] = str(master_port)
+    return env
+
+
+def start_group(script: str | Path, group: int, groups: int, lighthouse: str, *,
+                min_replicas: int = 1, nproc: int = 1, args: Sequence[str] = (),
+                env: Mapping[str, str] | None = None, log_dir: Path | None = None) -> Group:
+    """Start replica group ``group`` of ``nproc`` processes running ``script``."""
+    master_port = free_port() if nproc > 1 else None
+    out = Group(group)
+    for rank in range(nproc):
+        full = dict(os.environ)
+        full.update(env or {})
+        full.update(group_env(group, groups, lighthouse, min_replicas, rank, nproc, master_port))
+        full.setdefault("OMP_NUM_THREADS", "1")
+        log = None
+        if log_dir is not None:
+            log = open(Path(log_dir) / f"group{group}_rank{rank}.log", "ab")  # noqa: SIM115
+        out.processes.append(subprocess.Popen([sys.executable, str(script), *args], env=full,
+                                              stdout=log or subprocess.DEVNULL,
+                                              stderr=subprocess.STDOUT))
+    return out
+
+
+__all__ = ["Lighthouse", "Group", "start_lighthouse", "start_group", "group_env", "free_port",
+           "wait_for_port", "lighthouse_binary"]
