@@ -4,86 +4,13 @@ the final parameters equal an uninterrupted run and one device with the same glo
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from replicator.testing import assert_params_close
-from replicator.testing.live_groups import start_group, start_lighthouse
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "live_train.py"
-SRC = str(Path(__file__).resolve().parents[2] / "src")
-
-
-def _env() -> dict[str, str]:
-    return {"PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "REPLICATOR_LIVE_TIMEOUT_SECONDS": "20", "REPLICATOR_QUORUM_TIMEOUT_SECONDS": "120"}
-
-
-def one_device(tmp: Path, args: list[str]) -> dict[str, torch.Tensor]:
-    out = tmp / "one_device"
-    out.mkdir()
-    env = dict(os.environ, **_env())
-    subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "one_device",
-                    *args], env=env, check=True, timeout=300, capture_output=True)
-    return torch.load(out / "final_g0.pt")
-
-
-def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_replicas: int = 2,
-               kills: dict[int, int] | None = None, restart: tuple[int, ...] = (),
-               deadline: float = 400.0) -> dict:
-    """Run ``groups`` replica groups; group g kills itself at step ``kills[g]``; the groups in
-    ``restart`` are started again (once) when killed. Returns each group's results."""
-    out = tmp / name
-    out.mkdir()
-    kills = kills or {}
-    lighthouse = start_lighthouse(min_replicas, log=out / "lighthouse.log")
-    try:
-        running = {}
-        for g in range(groups):
-            extra = ["--kill-at-step", str(kills[g])] if g in kills else []
-            running[g] = start_group(SCRIPT, g, groups, lighthouse.address,
-                                     min_replicas=min_replicas, env=_env(), log_dir=out,
-                                     args=["--out", str(out), *args, *extra])
-        codes: dict[int, list[int]] = {g: [] for g in range(groups)}
-        restarted: set[int] = set()
-        end = time.monotonic() + deadline
-        while running:
-            if time.monotonic() > end:
-                raise TimeoutError(f"groups {sorted(running)} still running after {deadline} s; "
-                                   f"logs in {out}")
-            for g, grp in list(running.items()):
-                code = grp.poll()[0]
-                if code is None:
-                    continue
-                codes[g].append(code)
-                del running[g]
-                if code == -signal.SIGKILL and g in restart and g not in restarted:
-                    restarted.add(g)
-                    running[g] = start_group(SCRIPT, g, groups, lighthouse.address,
-                                             min_replicas=min_replicas, env=_env(),
-                                             log_dir=out, args=["--out", str(out), *args])
-            time.sleep(0.05)
-    finally:
-        for grp in running.values():
-            grp.kill()
-        lighthouse.stop()
-    results = {}
-    for g in range(groups):
-        final = out / f"final_g{g}.pt"
-        log = (out / f"group{g}_rank0.log").read_text(errors="replace")
-        results[g] = {"codes": codes[g], "log": log,
-                      "params": torch.load(final) if final.exists() else None,
-                      "summary": json.loads((out / f"summary_g{g}.json").read_text())
-                      if (out / f"summary_g{g}.json").exists() else None}
-    return results
+from tests.live_helpers import one_device, run_groups
 
 
 def _check_killed_run(tmp: Path, optimizer: str, args: list[str], kill_1: int, kill_2: int):

@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--kill-at-step", type=int, default=-1)
     ap.add_argument("--own-epoch-loop", action="store_true")
     ap.add_argument("--step-seconds", type=float, default=0.0)
+    ap.add_argument("--hold-at-step", type=int, default=-1)
+    ap.add_argument("--hold-for", default="")
     a = ap.parse_args()
     out = Path(a.out)
     group = int(os.environ.get("REPLICATOR_REPLICA_GROUP", "0"))
@@ -70,7 +72,19 @@ def main() -> None:
         model = build(a.width)
     opt, sched = make_optimizer(a.optimizer, model)
     live = strategy.live
+    (out / f"started_{tag}.txt").write_text("1")
     t0 = time.monotonic()
+
+    def after_step() -> None:
+        if live is None:
+            return
+        (out / f"progress_{tag}.txt").write_text(str(live.committed_steps))
+        if live.committed_steps == a.hold_at_step:
+            deadline = time.monotonic() + 120
+            while not (out / a.hold_for).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{tag} held at step {a.hold_at_step} for 120 s")
+                time.sleep(0.02)
 
     def step_fn(batch):
         x, y = batch
@@ -91,12 +105,12 @@ def main() -> None:
         for _ in range(a.epochs):
             for batch in dist:
                 strategy.run(step_fn, (batch,))
+                after_step()
     else:
         for batch in strategy.distribute_dataset(data, batch_size=a.batch, shuffle=True,
                                                  epochs=a.epochs):
             strategy.run(step_fn, (batch,))
-            if live is not None:
-                (out / f"progress_{tag}.txt").write_text(str(live.committed_steps))
+            after_step()
     state = strategy.full_state_dict(model)
     if rank == 0 or a.strategy != "fsdp":
         torch.save({k: v.detach().clone() for k, v in state.items()}, out / f"final_{tag}.pt")

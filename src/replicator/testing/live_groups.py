@@ -36,6 +36,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_for_file(path: Path, timeout: float, what: str, alive: Group | None = None) -> str:
+    """Wait until ``path`` exists and return its text; ``TimeoutError`` naming ``what`` (also
+    when the group ``alive`` exits before)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            text = path.read_text()
+            if text:
+                return text
+        if alive is not None and all(c is not None for c in alive.poll()):
+            raise TimeoutError(f"{what}: replica group {alive.group} exited first "
+                               f"({alive.poll()})")
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} did not happen within {timeout:.0f} s ({path})")
+
+
 def wait_for_port(port: int, timeout: float, what: str) -> None:
     """Wait until 127.0.0.1:``port`` accepts connections; ``TimeoutError`` naming ``what``."""
     deadline = time.monotonic() + timeout
@@ -164,4 +180,4 @@ def start_group(script: str | Path, group: int, groups: int, lighthouse: str, *,
 
 
 __all__ = ["Lighthouse", "Group", "start_lighthouse", "start_group", "group_env", "free_port",
-           "wait_for_port", "lighthouse_binary"]
+           "wait_for_port", "wait_for_file", "lighthouse_binary"]
