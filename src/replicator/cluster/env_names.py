@@ -40,6 +40,13 @@ REPLICA_GROUPS_ENV = "REPLICATOR_REPLICA_GROUPS"
 LIGHTHOUSE_ENV = "REPLICATOR_LIGHTHOUSE"
 #: Fewest replica groups a step may commit with (``--min-replicas``); fewer and the job waits.
 MIN_REPLICAS_ENV = "REPLICATOR_MIN_REPLICAS"
+#: The address a replica group's store, torchft manager and state server listen on, which the
+#: other groups reach it at: ``127.0.0.1`` when the lighthouse is on loopback, else this
+#: host's address on the network towards the lighthouse.
+LIVE_BIND_ENV = "REPLICATOR_LIVE_BIND"
+#: The replica id a group gives torchft's Manager (torchft appends ``:<uuid>``); the launcher
+#: reads the ids a lighthouse has seen to give a joining group (``--join``) an unused one.
+REPLICA_ID_FORMAT = "replicator_group_{group}"
 
 #: Store key (under the attempt's prefix) that says worker rank R is being restarted alone.
 REJOIN_KEY = "ps/rejoining/{rank}"
@@ -47,4 +54,5 @@ REJOIN_KEY = "ps/rejoining/{rank}"
 __all__ = ["LAUNCHER_ENV", "STORE_HOSTED_ENV", "RESTART_COUNT_ENV", "TIMEOUT_ENV",
            "ERROR_DIR_ENV", "PREEMPTION_GRACE_ENV", "NUM_PS_ENV", "REJOIN_ENV",
            "PS_SHARED_MEMORY_ENV", "HOST_ENV", "RUN_ID_ENV", "SHM_DIR_ENV", "REJOIN_KEY",
-           "REPLICA_GROUP_ENV", "REPLICA_GROUPS_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV"]
+           "REPLICA_GROUP_ENV", "REPLICA_GROUPS_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV",
+           "LIVE_BIND_ENV", "REPLICA_ID_FORMAT"]

@@ -105,19 +105,24 @@ def _loopback_interface() -> str | None:
 
 
 def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
-               attempt: int, error_dir: str, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of one local worker: torchrun's variable names plus replicator's own."""
+               attempt: int, error_dir: str, base: dict[str, str] | None = None,
+               master_addr: str = LOOPBACK) -> dict[str, str]:
+    """The environment of one local worker: torchrun's variable names plus replicator's own.
+
+    ``master_addr``: where the launcher's store listens (loopback, unless replica groups on
+    other machines must reach it).
+    """
     env = dict(os.environ if base is None else base)
     threads = max(1, (os.cpu_count() or 1) // world)
     env.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": LOOPBACK,
+        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(port), LAUNCHER_ENV: "local", STORE_HOSTED_ENV: "1",
         RESTART_COUNT_ENV: str(attempt), ERROR_DIR_ENV: error_dir,
     })
     env.setdefault("OMP_NUM_THREADS", str(threads))
     lo = _loopback_interface()
-    if lo:
+    if lo and master_addr == LOOPBACK:
         env.setdefault("GLOO_SOCKET_IFNAME", lo)  # a local job never listens on the network
     if timeout_seconds is not None:
         env[TIMEOUT_ENV] = str(timeout_seconds)
@@ -185,12 +190,20 @@ def oversubscription_warning(nproc: int, cores: int) -> str | None:
 
 
 class LocalGroup:
-    """Start, watch and (re)start a group of local workers around one hosted store."""
+    """Start, watch and (re)start a group of local workers around one hosted store.
+
+    ``name`` (``"replica group 2"``) marks a group that runs beside others: its messages name
+    it, a restart restarts it alone, and its output is drained apart from the others'.
+    ``restart_preempted=False`` ends the group instead of restarting it when its workers were
+    preempted (they left on purpose). ``store_addr`` is where the store listens.
+    """
 
     def __init__(self, world: int, start: Callable[[int, dict[str, str]], Any], *,
                  master_port: int | None = None, timeout_seconds: float | None = None,
                  max_restarts: int = 0, env: dict[str, str] | None = None,
-                 output: OutputRelay | None = None, num_ps: int = 0) -> None:
+                 output: OutputRelay | None = None, num_ps: int = 0,
+                 name: str | None = None, restart_preempted: bool = True,
+                 store_addr: str = LOOPBACK) -> None:
         import torch.distributed as dist
 
         self.world = check_num_replicas(world, "the number of workers")
@@ -200,6 +213,9 @@ class LocalGroup:
             raise ClusterConfigError(f"max_restarts must be an integer >= 0, got "
                                      f"{max_restarts!r}. HINT: 0 turns restarts off.")
         self.output = output
+        self.name = name
+        self.restart_preempted = restart_preempted
+        self.store_addr = store_addr
         #: With parameter servers, a worker other than the chief that is killed by a signal is
         #: lost, not a failure: the servers and the other workers go on without it.
         self.num_ps = check_num_ps(num_ps, self.world)
@@ -211,9 +227,9 @@ class LocalGroup:
         self.max_restarts = max_restarts
         self.base_env = env
         self.error_dir = tempfile.mkdtemp(prefix="replicator-errors-")
-        sock = listen(LOOPBACK, master_port or 0)
+        sock = listen(store_addr, master_port or 0)
         self.port = sock.getsockname()[1]
-        self.store = dist.TCPStore(LOOPBACK, self.port, world, True,
+        self.store = dist.TCPStore(store_addr, self.port, world, True,
                                    timeout=timedelta(seconds=timeout_seconds or 300),
                                    wait_for_workers=False, master_listen_fd=sock.detach())
         self.workers: list[_Worker] = []
@@ -263,14 +279,18 @@ class LocalGroup:
                     f"({describe_codes(outcome.exitcodes)}).\n"
                     f"{self._resume_hint(outcome.exitcodes)}", rank=outcome.failure.rank,
                     exit_code=PREEMPTION_EXIT_CODE) from outcome.failure
+            if isinstance(outcome.failure, PreemptedError) and not self.restart_preempted:
+                raise outcome.failure
             if attempt < self.max_restarts - self.worker_restarts:
+                who = f"{self.name}: " if self.name else ""
                 refusal = restart_refusal(outcome.error_types)
                 if refusal is not None:
-                    self.say(f"[replicator] {refusal}; {self.max_restarts - attempt} "
+                    self.say(f"[replicator] {who}{refusal}; {self.max_restarts - attempt} "
                              "restart(s) left unused")
                     raise outcome.failure
-                self.say(f"[replicator] {str(outcome.failure).splitlines()[0]}; restarting all "
-                         f"workers (restart {attempt + 1} of {self.max_restarts})")
+                what = f"{self.name} alone" if self.name else "all workers"
+                self.say(f"[replicator] {who}{str(outcome.failure).splitlines()[0]}; restarting "
+                         f"{what} (restart {attempt + 1} of {self.max_restarts})")
                 continue
             raise outcome.failure
 
@@ -285,17 +305,20 @@ class LocalGroup:
         try:
             for rank in range(self.world):
                 env = worker_env(rank, self.world, self.port, self.timeout_seconds, attempt,
-                                 self.error_dir, self.base_env)
+                                 self.error_dir, self.base_env, self.store_addr)
                 if self.num_ps:
                     env[NUM_PS_ENV] = str(self.num_ps)
                 self.workers.append(_Worker(rank, self.start_fn(rank, env)))
+            if self.signalled:  # SIGTERM came while these workers were starting
+                for w in self.workers:
+                    w.signal(signal.SIGTERM)
             outcome = self._watch(attempt)
         except BaseException:
             self.stop_all()
             raise
         finally:
-            if self.output is not None:
-                self.output.drain()  # the workers' last lines come before any summary
+            if self.output is not None:  # the workers' last lines come before any summary
+                self.output.drain(group=self.name)
         return outcome
 
     def _watch(self, attempt: int) -> _Outcome:
@@ -359,7 +382,7 @@ class LocalGroup:
         self.store.set(f"replicator/attempt_{self.attempt}/" + REJOIN_KEY.format(rank=rank),
                        str(self.rank_restarts[rank]))
         env = worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
-                         self.error_dir, self.base_env)
+                         self.error_dir, self.base_env, self.store_addr)
         env[NUM_PS_ENV] = str(self.num_ps)
         env[REJOIN_ENV] = "1"
         self.workers[rank] = _Worker(rank, self.start_fn(rank, env))

@@ -84,32 +84,43 @@ class OutputRelay:
         self.prefix = prefix
         self._sinks = {"stdout": _Sink(stdout or sys.stdout), "stderr": _Sink(stderr or sys.stderr)}
         self._lock = threading.RLock()  # a SIGTERM handler may print while the lock is held
-        self._threads: list[threading.Thread] = []
+        self._threads: list[tuple[str | None, threading.Thread]] = []
         #: The line being redrawn in place: (sink name, bytes shown), or None.
         self._live: tuple[str, bytes] | None = None
 
-    def attach(self, rank: int, pipe: IO[bytes] | None, stream: str) -> None:
-        """Start draining ``pipe`` (a worker's ``stdout`` or ``stderr``) into ``stream``."""
+    def attach(self, rank: int, pipe: IO[bytes] | None, stream: str, *,
+               label: str | None = None, group: str | None = None) -> None:
+        """Start draining ``pipe`` (a worker's ``stdout`` or ``stderr``) into ``stream``.
+
+        ``label`` replaces ``rank R`` in the prefix (``"group 2 rank 0"``); ``group`` files
+        the pipe under a name that :meth:`drain` can wait for alone.
+        """
         if pipe is None:
             return
-        head = rank_prefix(rank).encode() if self.prefix else b""
+        text = f"[{label}] " if label is not None else rank_prefix(rank)
+        head = text.encode() if self.prefix else b""
         thread = threading.Thread(target=self._pump, args=(pipe, head, stream),
                                   name=f"replicator-relay-{rank}-{stream}", daemon=True)
         thread.start()
-        self._threads.append(thread)
+        with self._lock:
+            self._threads.append((group, thread))
 
-    def drain(self, timeout: float = DRAIN_SECONDS) -> None:
-        """Wait until every attached pipe reached its end (its worker exited), then forget them.
+    def drain(self, timeout: float = DRAIN_SECONDS, group: str | None = None) -> None:
+        """Wait until every attached pipe (of ``group`` only, when given) reached its end (its
+        worker exited), then forget them.
 
         A pipe still open after ``timeout`` (a grandchild process holding it) is left to its
         thread, which keeps relaying in the background.
         """
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        self._threads = [t for t in self._threads if t.is_alive()]
         with self._lock:
-            self._end_live()
+            mine = [t for g, t in self._threads if group is None or g == group]
+        for thread in mine:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._threads = [(g, t) for g, t in self._threads if t.is_alive()]
+            if group is None:  # another group's line being redrawn stays live
+                self._end_live()
 
     def emit(self, text: str, stream: str = "stderr") -> None:
         """Write a launcher message of whole lines, never inside a worker's line."""

@@ -1,0 +1,410 @@
+"""Replica groups for live recovery on torchft: ``replicator run --replica-groups N --nproc K``.
+
+The launcher starts torchft's lighthouse on loopback (:mod:`replicator.cluster.lighthouse`),
+or uses a running one (``--lighthouse``, ``--join``), then N replica groups of K processes.
+Each group is a :class:`~replicator.cluster.launcher.LocalGroup` of its own, watched by its own
+thread: its own rendezvous store and port, its own restarts (``--max-restarts`` per group), its
+own failure report. A group that dies is restarted alone while the others keep training (the
+live-recovery engine heals it from a peer). A group whose restarts are spent is reported at
+once and the others go on without it; the launcher then exits non-zero naming it
+(:class:`~replicator.errors.ReplicaGroupFailedError`). A group whose processes were sent
+SIGTERM alone leaves the job (it is not restarted). SIGTERM to the launcher is forwarded to
+every process, so every group leaves at a step boundary.
+
+Every process of group g sees the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
+``MASTER_PORT`` (ranks within the group) plus the names of
+:mod:`replicator.cluster.env_names`: ``REPLICATOR_REPLICA_GROUP=g``,
+``REPLICATOR_REPLICA_GROUPS=N``, ``REPLICATOR_LIGHTHOUSE=http://HOST:PORT``,
+``REPLICATOR_MIN_REPLICAS=M`` and ``REPLICATOR_LIVE_BIND`` (and torchft's own
+``TORCHFT_LIGHTHOUSE``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from replicator.cluster.env_names import (
+    LIGHTHOUSE_ENV,
+    LIVE_BIND_ENV,
+    MIN_REPLICAS_ENV,
+    REPLICA_GROUP_ENV,
+    REPLICA_GROUPS_ENV,
+)
+from replicator.cluster.interfaces import choose_gloo_interface
+from replicator.cluster.launcher import LocalGroup, available_cores, check_num_replicas
+from replicator.cluster.lighthouse import (
+    Lighthouse,
+    LighthouseSettings,
+    foreign_replicas,
+    parse_address,
+    require_torchft,
+    seen_group_ids,
+    url_of,
+    wait_reachable,
+)
+from replicator.cluster.output import OutputRelay
+from replicator.cluster.ports import LOOPBACK
+from replicator.errors import (
+    ClusterConfigError,
+    LighthouseError,
+    PreemptedError,
+    ReplicaGroupFailedError,
+    WorkerFailedError,
+)
+
+#: Seconds to wait for a lighthouse given with ``--lighthouse``/``--join`` to answer.
+REACH_TIMEOUT_SECONDS = 30.0
+_LOOPBACK_NAMES = ("localhost", "::1")
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in _LOOPBACK_NAMES
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (a UDP ``connect`` sends nothing)."""
+    try:
+        target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(target[0], socket.SOCK_DGRAM) as s:
+            s.connect(target[4])
+            return str(s.getsockname()[0])
+    except OSError as exc:
+        raise ClusterConfigError(f"no route from this machine to the lighthouse host {host!r} "
+                                 f"({exc}). HINT: give an address of the lighthouse's machine "
+                                 "that this machine can reach.") from None
+
+
+@dataclass
+class ReplicaGroupsConfig:
+    """A checked ``--replica-groups`` command line (see :func:`run_replica_groups`)."""
+
+    groups: int
+    nproc: int
+    min_replicas: int = 1
+    #: An existing lighthouse (``--lighthouse`` / ``--join``) as ``(host, port)``.
+    lighthouse: tuple[str, int] | None = None
+    #: Where a lighthouse of this launcher listens (``--lighthouse-bind``).
+    bind: tuple[str, int] = (LOOPBACK, 0)
+    #: Derive unused group ids from the lighthouse (``--join``).
+    join: bool = False
+    first_id: int | None = None
+    max_restarts: int = 0
+    timeout_seconds: float | None = None
+    quiet_workers: bool = False
+    settings: LighthouseSettings = field(default_factory=LighthouseSettings)
+
+
+def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
+                 lighthouse: str | None = None, lighthouse_bind: str | None = None,
+                 join: str | None = None, group_id: Any = None, max_restarts: Any = 0,
+                 timeout_seconds: float | None = None, quiet_workers: bool = False,
+                 settings: LighthouseSettings | None = None) -> ReplicaGroupsConfig:
+    """Validate the replica-group flags together; clear errors with the fix."""
+    require_torchft()
+    if groups is None and join is not None:
+        groups = 1
+    groups = check_num_replicas(groups, "--replica-groups")
+    nproc = check_num_replicas(nproc, "--nproc")
+    min_replicas = check_num_replicas(min_replicas, "--min-replicas")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ClusterConfigError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}"
+                                 ". HINT: with --replica-groups it counts per group.")
+    if group_id is not None and (isinstance(group_id, bool) or not isinstance(group_id, int)
+                                 or group_id < 0):
+        raise ClusterConfigError(f"--replica-group-id must be an integer >= 0, got {group_id!r}")
+    if join is not None and lighthouse is not None:
+        raise ClusterConfigError("--join and --lighthouse both name a running lighthouse. "
+                                 "HINT: --join HOST:PORT adds groups with unused ids; "
+                                 "--lighthouse HOST:PORT starts groups 0..N-1 (or from "
+                                 "--replica-group-id). Give one.")
+    existing = join if join is not None else lighthouse
+    if existing is not None and lighthouse_bind is not None:
+        raise ClusterConfigError("--lighthouse-bind says where a lighthouse started by this "
+                                 "command listens; with --lighthouse/--join none is started. "
+                                 "HINT: leave out --lighthouse-bind.")
+    own = existing is None
+    if own and min_replicas > groups:
+        raise ClusterConfigError(
+            f"--min-replicas {min_replicas} is more than --replica-groups {groups}: no step "
+            f"could ever commit. HINT: use --min-replicas {groups} or less (1 lets the job go "
+            "on with any one group alive).")
+    cfg = ReplicaGroupsConfig(
+        groups=groups, nproc=nproc, min_replicas=min_replicas, join=join is not None,
+        first_id=group_id, max_restarts=max_restarts, timeout_seconds=timeout_seconds,
+        quiet_workers=quiet_workers, settings=settings or LighthouseSettings())
+    cfg.settings.min_replicas = min_replicas
+    if existing is not None:
+        cfg.lighthouse = parse_address(existing, "--join" if join is not None else
+                                       "--lighthouse")
+    elif lighthouse_bind is not None:
+        cfg.bind = parse_address(lighthouse_bind, "--lighthouse-bind", default_port=0)
+    return cfg
+
+
+@dataclass
+class _GroupEnd:
+    group: LocalGroup
+    thread: threading.Thread
+    error: BaseException | None = None
+    done: bool = False
+    reported: bool = False
+
+
+class ReplicaGroups:
+    """N :class:`LocalGroup` s side by side around one lighthouse; see the module doc."""
+
+    def __init__(self, script: str, script_args: Sequence[str], cfg: ReplicaGroupsConfig,
+                 lighthouse_url: str, address: str, ids: list[int],
+                 output: OutputRelay, lighthouse: Lighthouse | None = None) -> None:
+        self.cfg = cfg
+        self.url = lighthouse_url
+        self.address = address
+        self.ids = ids
+        self.output = output
+        self.lighthouse = lighthouse
+        self.cmd = [sys.executable, "-u", "-m", "replicator.cluster.script_entry", script,
+                    *script_args]
+        self.signalled = False
+        self.groups: dict[int, LocalGroup] = {}
+        self.ends: dict[int, _GroupEnd] = {}
+
+    def say(self, line: str) -> None:
+        self.output.emit(line)
+
+    def base_env(self, group: int) -> dict[str, str]:
+        """The environment every process of ``group`` starts from."""
+        env = dict(os.environ)
+        env.update({REPLICA_GROUP_ENV: str(group), REPLICA_GROUPS_ENV: str(self.cfg.groups),
+                    LIGHTHOUSE_ENV: self.url, MIN_REPLICAS_ENV: str(self.cfg.min_replicas),
+                    LIVE_BIND_ENV: self.address, "TORCHFT_LIGHTHOUSE": self.url})
+        total = self.cfg.groups * self.cfg.nproc
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
+        if not _is_loopback(self.address) and self.cfg.lighthouse is not None:
+            choose_gloo_interface(self.cfg.lighthouse[0], env)
+        return env
+
+    def _starter(self, group: int) -> Any:
+        name = f"replica group {group}"
+
+        def start(rank: int, env: dict[str, str]) -> subprocess.Popen:
+            if self.cfg.quiet_workers and rank != 0:
+                return subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+            label = f"group {group} rank {rank}"
+            self.output.attach(rank, proc.stdout, "stdout", label=label, group=name)
+            self.output.attach(rank, proc.stderr, "stderr", label=label, group=name)
+            return proc
+
+        return start
+
+    def run(self) -> None:
+        """Run every group to its end; raise for a group that failed after its restarts."""
+        for g in self.ids:
+            self.groups[g] = LocalGroup(
+                self.cfg.nproc, self._starter(g), timeout_seconds=self.cfg.timeout_seconds,
+                max_restarts=self.cfg.max_restarts, env=self.base_env(g), output=self.output,
+                name=f"replica group {g}", restart_preempted=False, store_addr=self.address)
+        previous = self._install_sigterm()
+        try:
+            for g, group in self.groups.items():
+                end = _GroupEnd(group, threading.Thread(target=self._run_group, args=(g,),
+                                                        name=f"replicator-group-{g}",
+                                                        daemon=True))
+                self.ends[g] = end
+                end.thread.start()
+            self._watch()
+        except BaseException:
+            self._stop_everything()
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        self._conclude()
+
+    def _run_group(self, g: int) -> None:
+        end = self.ends[g]
+        try:
+            end.group.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            end.error = exc
+        finally:
+            end.done = True
+
+    def _install_sigterm(self) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def forward(signum: int, frame: Any) -> None:
+            self.signalled = True
+            self.say("[replicator] received SIGTERM: asking every replica group to leave at a "
+                     "step boundary")
+            for group in self.groups.values():
+                group.signalled = True
+                for w in list(group.workers):
+                    w.signal(signal.SIGTERM)
+
+        return signal.signal(signal.SIGTERM, forward)
+
+    def _watch(self) -> None:
+        while True:
+            for g, end in self.ends.items():
+                if end.done and not end.reported:
+                    end.reported = True
+                    self._report_end(g, end)
+            if all(end.done for end in self.ends.values()):
+                return
+            if self.lighthouse is not None and not self.lighthouse.alive():
+                code = self.lighthouse.exit_code()
+                self.say(f"[replicator] the lighthouse exited (exit code {code}); stopping "
+                         "every replica group")
+                self._stop_everything()
+                raise LighthouseError(
+                    f"the lighthouse at {self.url} exited while the job ran (exit code "
+                    f"{code}); no quorum can form without it, so every replica group was "
+                    f"stopped. Its last lines:\n{self.lighthouse.tail()}")
+            time.sleep(0.05)
+
+    def _report_end(self, g: int, end: _GroupEnd) -> None:
+        """One line when a group ends while others still run."""
+        others = [o for o, e in self.ends.items() if o != g and not e.done]
+        if not others or self.signalled:
+            return
+        if isinstance(end.error, PreemptedError):
+            self.say(f"[replicator] replica group {g} left the job (its processes received "
+                     "SIGTERM); the other groups go on without it")
+        elif isinstance(end.error, WorkerFailedError):
+            self.say(f"[replicator] replica group {g} failed after {end.group.attempt} "
+                     f"restart(s) (--max-restarts {self.cfg.max_restarts} per group): "
+                     f"{str(end.error).splitlines()[0]}; the other groups go on without it")
+
+    def _stop_everything(self) -> None:
+        """Stop every group for good (no restarts), then wait for their threads."""
+        for group in self.groups.values():
+            group.signalled = True  # a group that sees its workers end does not restart
+            group.stop_all()
+        for end in self.ends.values():
+            end.thread.join(30.0)
+
+    def _conclude(self) -> None:
+        errors = {g: e.error for g, e in self.ends.items() if e.error is not None}
+        for error in errors.values():
+            if not isinstance(error, WorkerFailedError):
+                raise error
+        if self.signalled:
+            if errors:
+                first = min(errors)
+                raise PreemptedError(
+                    "the job received SIGTERM: every replica group was asked to leave at a "
+                    f"step boundary; replica group(s) {', '.join(map(str, sorted(errors)))} "
+                    f"stopped with a failure or a backup ({str(errors[first]).splitlines()[0]})",
+                    rank=getattr(errors[first], "rank", 0))
+            return
+        failed = {g: e for g, e in errors.items() if not isinstance(e, PreemptedError)}
+        if not failed:
+            return
+        first = min(failed, key=lambda g: (self.ends[g].group.attempt, g))
+        error = failed[first]
+        assert isinstance(error, WorkerFailedError)  # filtered above
+        if len(failed) > 1:
+            self.say("[replicator] replica groups " + ", ".join(map(str, sorted(failed))) +
+                     " failed after their restarts")
+        raise ReplicaGroupFailedError(first, error, self.groups[first].attempt,
+                                      self.cfg.max_restarts)
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close()
+
+
+def _group_ids(cfg: ReplicaGroupsConfig, page: str | None) -> list[int]:
+    """The ids of this command's groups: from ``--replica-group-id``, above every id the
+    lighthouse has seen (``--join``), else 0..N-1."""
+    if cfg.first_id is not None:
+        return list(range(cfg.first_id, cfg.first_id + cfg.groups))
+    if cfg.join and page is not None:
+        seen = seen_group_ids(page)
+        if not seen and foreign_replicas(page):
+            raise ClusterConfigError(
+                "the lighthouse lists replica groups that replicator did not start, so the "
+                "ids in use are unknown. HINT: give this command's first group id with "
+                "--replica-group-id G.")
+        start = max(seen) + 1 if seen else 0
+        return list(range(start, start + cfg.groups))
+    return list(range(cfg.groups))
+
+
+def _advertised_address(cfg: ReplicaGroupsConfig) -> str:
+    """The address other groups reach these groups on (see ``LIVE_BIND_ENV``)."""
+    host = cfg.lighthouse[0] if cfg.lighthouse is not None else cfg.bind[0]
+    if _is_loopback(host):
+        return LOOPBACK
+    if cfg.lighthouse is not None:
+        return local_address_towards(host)
+    if host in ("0.0.0.0", "::", ""):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return LOOPBACK
+    return host
+
+
+def run_replica_groups(script: str, script_args: Sequence[str] = (), *,
+                       cfg: ReplicaGroupsConfig, output: OutputRelay | None = None) -> None:
+    """Run ``script`` in ``cfg.groups`` replica groups of ``cfg.nproc`` processes (see the
+    module doc). Raises :class:`ReplicaGroupFailedError` naming a group that failed after its
+    restarts, :class:`PreemptedError` after SIGTERM, :class:`ClusterConfigError` for a wrong
+    command line, :class:`LighthouseError` when the lighthouse cannot be started or reached."""
+    if not Path(script).is_file():
+        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
+                                 "HINT: give the path of a Python file.")
+    relay = output or OutputRelay()
+    lighthouse: Lighthouse | None = None
+    page: str | None = None
+    if cfg.lighthouse is not None:
+        url = url_of(*cfg.lighthouse)
+        page = wait_reachable(url, REACH_TIMEOUT_SECONDS, "--join" if cfg.join else
+                              "--lighthouse")
+    else:
+        lighthouse = Lighthouse(cfg.bind[0], cfg.bind[1], cfg.settings)
+        url = lighthouse.start()
+    runner: ReplicaGroups | None = None
+    try:
+        ids = _group_ids(cfg, page)
+        address = _advertised_address(cfg)
+        where = "loopback only" if _is_loopback(address) else f"reachable at {address}"
+        relay.emit(f"[replicator] {'using the' if lighthouse is None else 'started a'} torchft "
+                   f"lighthouse at {url} ({where}); replica groups "
+                   f"{', '.join(map(str, ids))} of {cfg.nproc} process(es) each, "
+                   f"--min-replicas {cfg.min_replicas}")
+        total, cores = cfg.groups * cfg.nproc, available_cores()
+        if total > cores:
+            relay.emit(f"[replicator] warning: {cfg.groups} replica groups x --nproc "
+                       f"{cfg.nproc} = {total} workers on {cores} CPU core(s): each worker "
+                       "gets one thread and they take turns on the cores, so every step waits "
+                       "for the slowest. HINT: fine for trying recovery out; for speed keep "
+                       "groups x --nproc within the cores of each machine.")
+        runner = ReplicaGroups(str(script), script_args, cfg, url, address, ids, relay,
+                               lighthouse)
+        runner.run()
+    finally:
+        if runner is not None:
+            runner.close()
+        if lighthouse is not None:
+            lighthouse.stop()
+        relay.drain()
+
+
+__all__ = ["ReplicaGroups", "ReplicaGroupsConfig", "check_config", "run_replica_groups",
+           "local_address_towards"]

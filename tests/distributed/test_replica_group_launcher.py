@@ -1,0 +1,266 @@
+"""`replicator run --replica-groups N`: the launcher side of live recovery on torchft.
+
+Real processes, torchft's real lighthouse on loopback; the script (tests/scripts/
+replica_group_env.py) needs no training engine: it records what each process was given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from replicator.cluster.lighthouse import (
+    Lighthouse,
+    LighthouseSettings,
+    foreign_replicas,
+    seen_group_ids,
+    torchft_missing,
+    wait_reachable,
+)
+from replicator.errors import LighthouseError
+
+SCRIPT = str(Path(__file__).resolve().parent.parent / "scripts" / "replica_group_env.py")
+REPLICATOR = [sys.executable, "-m", "replicator.cli", "run"]
+
+pytestmark = pytest.mark.skipif(torchft_missing() is not None, reason="torchft not installed")
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(REPLICATOR + args, capture_output=True, text=True, timeout=timeout,
+                          env=_env())
+
+
+def _starts(out: Path) -> list[dict]:
+    path = out / "starts.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for(what: str, condition, timeout: float = 180.0, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the launcher ended (exit {proc.returncode}) before {what}:\n"
+                        f"{out[-2000:]}\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _unreachable(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url + "/status", timeout=5)
+    except OSError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(300)
+def test_each_group_sees_its_id_and_the_lighthouse(tmp_path):
+    res = _run(["--replica-groups", "3", "--nproc", "1", "--min-replicas", "2", SCRIPT,
+                str(tmp_path), "exit"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    starts = _starts(tmp_path)
+    assert sorted(int(s["REPLICATOR_REPLICA_GROUP"]) for s in starts) == [0, 1, 2]
+    url = starts[0]["REPLICATOR_LIGHTHOUSE"]
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), url
+    for s in starts:
+        assert s["REPLICATOR_LIGHTHOUSE"] == s["TORCHFT_LIGHTHOUSE"] == url
+        assert s["lighthouse_status"] == 200  # the lighthouse answered while the groups ran
+        assert (s["REPLICATOR_REPLICA_GROUPS"], s["REPLICATOR_MIN_REPLICAS"]) == ("3", "2")
+        assert (s["RANK"], s["LOCAL_RANK"], s["WORLD_SIZE"]) == ("0", "0", "1")
+        assert s["MASTER_ADDR"] == s["REPLICATOR_LIVE_BIND"] == "127.0.0.1"
+        assert s["REPLICATOR_RESTART_COUNT"] == "0"
+    assert len({s["MASTER_PORT"] for s in starts}) == 3  # a rendezvous of its own per group
+    for g in range(3):
+        assert f"[group {g} rank 0] group {g} rank 0 done" in res.stdout
+    assert f"started a torchft lighthouse at {url}" in res.stderr
+    assert _unreachable(url)  # stopped with the job
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_group_restarts_alone_and_a_sigtermed_group_leaves(tmp_path):
+    proc = subprocess.Popen(REPLICATOR + ["--replica-groups", "3", "--nproc", "1",
+                                          "--max-restarts", "1", SCRIPT, str(tmp_path), "wait",
+                                          "75"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    try:
+        _wait_for("3 groups to start", lambda: len(_starts(tmp_path)) == 3, proc=proc)
+        first = {int(s["REPLICATOR_REPLICA_GROUP"]): s for s in _starts(tmp_path)}
+        os.kill(first[1]["pid"], signal.SIGKILL)
+        _wait_for("group 1 to restart", lambda: len(_starts(tmp_path)) == 4, proc=proc)
+        again = _starts(tmp_path)[3]
+        assert again["REPLICATOR_REPLICA_GROUP"] == "1"
+        assert again["REPLICATOR_RESTART_COUNT"] == "1" and again["pid"] != first[1]["pid"]
+        assert again["MASTER_PORT"] == first[1]["MASTER_PORT"]  # its own store, kept
+        assert _alive(first[0]["pid"]) and _alive(first[2]["pid"])  # never restarted
+        # SIGTERM to one group's process alone: it leaves the job (exit 75), not restarted
+        os.kill(first[2]["pid"], signal.SIGTERM)
+        _wait_for("group 2 to leave", lambda: not _alive(first[2]["pid"]), proc=proc)
+        (tmp_path / "finish").touch()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    starts = _starts(tmp_path)
+    assert [s["REPLICATOR_REPLICA_GROUP"] for s in starts].count("0") == 1
+    assert [s["REPLICATOR_REPLICA_GROUP"] for s in starts].count("2") == 1
+    assert "replica group 1: rank 0 failed (exit code -9): killed by SIGKILL; restarting " \
+           "replica group 1 alone (restart 1 of 1)" in err
+    assert "replica group 2 left the job" in err
+    assert "group 0 rank 0 done" in out and "group 1 rank 0 done" in out
+
+
+@pytest.mark.timeout(300)
+def test_a_group_out_of_restarts_fails_the_job_naming_it(tmp_path):
+    res = _run(["--replica-groups", "3", "--nproc", "1", "--max-restarts", "1", SCRIPT,
+                str(tmp_path), "die-in-group", "1"])
+    assert res.returncode == 1, res.stderr[-3000:]
+    err = res.stderr
+    assert "replicator run: replica group 1 failed after 1 restart(s) (--max-restarts 1 per " \
+           "group): rank 0 failed (exit code 1): ValueError: bad value on purpose in group 1" \
+           in err
+    assert [s["REPLICATOR_REPLICA_GROUP"] for s in _starts(tmp_path)].count("1") == 2
+    assert "group 0 rank 0 done" in res.stdout and "group 2 rank 0 done" in res.stdout
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_launcher_reaches_every_group(tmp_path):
+    proc = subprocess.Popen(REPLICATOR + ["--replica-groups", "2", "--nproc", "1", SCRIPT,
+                                          str(tmp_path), "wait"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    try:
+        _wait_for("2 groups to start", lambda: len(_starts(tmp_path)) == 2, proc=proc)
+        url = _starts(tmp_path)[0]["REPLICATOR_LIGHTHOUSE"]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]  # both groups left cleanly (exit 0)
+    left = [json.loads(line) for line in (tmp_path / "left.jsonl").read_text().splitlines()]
+    assert sorted(entry["group"] for entry in left) == [0, 1]
+    assert "received SIGTERM: asking every replica group to leave" in err
+    assert len(_starts(tmp_path)) == 2  # nothing was restarted
+    assert _unreachable(url)
+
+
+@pytest.mark.timeout(120)
+def test_a_busy_lighthouse_port_is_a_clear_error(tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    port = sock.getsockname()[1]
+    try:
+        res = _run(["--replica-groups", "2", "--nproc", "1", "--lighthouse-bind",
+                    f"127.0.0.1:{port}", SCRIPT, str(tmp_path), "exit"])
+    finally:
+        sock.close()
+    assert res.returncode == 2, res.stderr
+    assert f"port {port} on 127.0.0.1 is already in use, so the lighthouse cannot listen " \
+           "there" in res.stderr
+    assert "Traceback" not in res.stderr and not _starts(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_without_torchft_replica_groups_say_how_to_install_it(tmp_path):
+    code = ("import sys; sys.modules['torchft'] = None; from replicator.cli import main; "
+            f"sys.exit(main(['run', '--replica-groups', '2', '--nproc', '1', {SCRIPT!r}, "
+            f"{str(tmp_path)!r}, 'exit']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=_env())
+    assert res.returncode == 2
+    assert "--replica-groups needs torchft" in res.stderr
+    assert "pip install 'replicator[live]'" in res.stderr
+    assert not _starts(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_inconsistent_replica_group_flags_are_refused(tmp_path):
+    for args, words in (
+            (["--replica-groups", "3", "--min-replicas", "4"], "--min-replicas 4 is more than "
+             "--replica-groups 3"),
+            (["--min-replicas", "2"], "--min-replicas needs --replica-groups N"),
+            (["--join", "127.0.0.1:1", "--lighthouse", "127.0.0.1:1"], "--join and "
+             "--lighthouse both name a running lighthouse"),
+            (["--replica-groups", "2", "--num-ps", "1"], "--num-ps does not combine with "
+             "--replica-groups"),
+            (["--replica-groups", "2", "--lighthouse", "nohost"], "has no port")):
+        res = _run(args + ["--nproc", "1", SCRIPT, str(tmp_path), "exit"], timeout=60)
+        assert res.returncode == 2, (args, res.stderr)
+        assert words in res.stderr, (args, res.stderr)
+    assert not _starts(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_lighthouse_is_named():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(LighthouseError, match=rf"the lighthouse at http://127.0.0.1:{port} "
+                       r"\(--join\) did not answer within 1 s"):
+        wait_reachable(f"http://127.0.0.1:{port}", 1.0, "--join")
+
+
+@pytest.mark.timeout(120)
+def test_joining_groups_get_ids_the_lighthouse_has_not_seen(tmp_path):
+    """A real torchft Manager heartbeats as replica group 4; the ids read back from the
+    lighthouse's status page are what --join counts from."""
+    lighthouse = Lighthouse(settings=LighthouseSettings(join_timeout=1.0))
+    url = lighthouse.start()
+    manager = subprocess.Popen([sys.executable, "-c", _MANAGER, url], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        _wait_for("a quorum", lambda: "replicator_group_4:" in urllib.request.urlopen(
+            url + "/status", timeout=5).read().decode(), proc=None, timeout=90)
+        page = urllib.request.urlopen(url + "/status", timeout=5).read().decode()
+        assert seen_group_ids(page) == {4} and not foreign_replicas(page)
+        assert foreign_replicas(page.replace("replicator_group_4", "someone_else"))
+    finally:
+        manager.kill()
+        manager.communicate()
+        lighthouse.stop()
+    assert not lighthouse.alive() and _unreachable(url)
+
+
+_MANAGER = """
+import sys, time, torch.distributed as dist
+from datetime import timedelta
+from torchft import Manager, ProcessGroupGloo
+store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+m = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1,
+            load_state_dict=lambda s: None, state_dict=lambda: {}, lighthouse_addr=sys.argv[1],
+            replica_id="replicator_group_4", rank=0, world_size=1, store_addr="127.0.0.1",
+            store_port=store.port, hostname="127.0.0.1", timeout=timedelta(seconds=10))
+m.start_quorum()
+time.sleep(60)
+"""
