@@ -29,6 +29,7 @@ from replicator.ps.messages import (
     Connection,
     Into,
     Message,
+    Outgoing,
     PeerLostError,
     tensor_text,
     text_tensor,
@@ -38,6 +39,13 @@ from replicator.ps.shm_lane import SharedLane
 T = TypeVar("T")
 #: Called with (shard id, version, values) for each value a pull brings.
 Sink = Callable[[int, int, torch.Tensor], None]
+#: One shard's part of a push: (shard id, version pulled, gradient[, sparse rows or None]).
+Push = tuple[Any, ...]
+
+
+def _fresh(kind: int, var_id: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Rows pulled land in new tensors (the sink scatters them into the table)."""
+    return None
 
 
 class ServerClient:
@@ -109,11 +117,15 @@ class ServerClient:
             return [call(ks[0])]
         return list(self._pool.map(call, ks))
 
-    def _read_values(self, k: int, conn: Connection, sink: Sink) -> int:
+    def _read_values(self, k: int, conn: Connection, sink: Sink, into: Into | None = None
+                     ) -> int:
+        """Values until the end marker; its clock (``-1 - clock`` when the push answered was
+        a coordinator task's repeat, which the server did not apply again)."""
         while True:
-            msg = conn.receive("waiting for variable values", into=self.into)
+            msg = conn.receive("waiting for variable values",
+                               into=self.into if into is None else into)
             if msg.kind == P.VALUES_END:
-                return msg.version
+                return -1 - msg.version if msg.b else msg.version
             msg = self._expect(k, msg, P.VALUE)
             assert msg.payload is not None
             sink(msg.var_id, msg.version, msg.payload)
@@ -164,11 +176,16 @@ class ServerClient:
         return [conn.lane is not None for conn in self.connections]
 
     # -- requests --------------------------------------------------------------------------
-    def register(self, shards: dict[int, list[tuple[int, torch.Tensor]]]) -> None:
-        """Send initial values: ``shards[k]`` lists ``(shard id, values)`` for server ``k``."""
+    def register(self, shards: dict[int, list[tuple[int, torch.Tensor]]],
+                 sparse: set[int] | None = None) -> None:
+        """Send initial values: ``shards[k]`` lists ``(shard id, values)`` for server ``k``;
+        ``sparse``: shard ids of sparse tables (pulled by rows, left out of full pulls)."""
+        sparse = sparse or set()
+
         def one(k: int, conn: Connection) -> None:
             items = shards.get(k, [])
-            conn.send_many([(P.REGISTER, sid, 0, t, 0, 0, 0) for sid, t in items])
+            conn.send_many([(P.REGISTER, sid, 0, t, int(sid in sparse), 0, 0)
+                            for sid, t in items])
             for _ in items:
                 self._expect(k, conn.receive("waiting for REGISTERED"), P.REGISTERED)
 
@@ -178,30 +195,63 @@ class ServerClient:
         payload = text_tensor(text)
         self.each(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload))
 
-    def pull(self, expected: dict[int, int], sink: Sink, begin: bool = False) -> list[int]:
-        """Pull every shard of every server (``expected[k]`` shards from server ``k``);
-        ``begin``: a step starts with these values (the servers apply the staleness bound)."""
+    def pull(self, expected: dict[int, int], sink: Sink, begin: bool = False,
+             everything: bool = False) -> list[int]:
+        """Pull every dense shard of every server (``expected[k]`` shards from server ``k``;
+        ``everything``: sparse tables whole too); ``begin``: a step starts with these values
+        (the servers apply the staleness bound)."""
         def one(k: int, conn: Connection) -> int:
-            conn.send(P.PULL, a=expected.get(k, 0), b=int(begin))
+            conn.send(P.PULL, a=expected.get(k, 0), b=int(begin), c=int(everything))
             return self._read_values(k, conn, sink)
 
         return self.each(one)
 
-    def push(self, grads: dict[int, list[tuple[int, int, torch.Tensor]]], sink: Sink,
-             pull: bool = True, claim: tuple[int, int, int] | None = None) -> list[int]:
-        """Push ``grads[k]`` (``(shard id, version pulled, gradient)``) to each server, then
-        (``pull``) read back every shard's new values; ``claim`` (stream, epoch, batch): the input
-        batch this update consumes (told to server 0)."""
+    def pull_rows(self, rows: dict[int, list[tuple[int, torch.Tensor]]], sink: Sink) -> None:
+        """The named rows of sparse table shards: ``rows[k]`` lists ``(shard id, shard-local
+        rows)`` for server ``k``; ``sink`` gets ``(shard id, version, values)``."""
+        def one(k: int, conn: Connection) -> int:
+            items = rows[k]
+            conn.send_many([(P.ROW_IDS, sid, 0, ids, 0, 0, 0) for sid, ids in items]
+                           + [(P.PULL_ROWS, -1, 0, None, len(items), 0, 0)])
+            return self._read_values(k, conn, sink, into=_fresh)
+
+        self.each(one, sorted(rows))
+
+    def push(self, grads: dict[int, list[Push]], sink: Sink, pull: bool = True,
+             claim: tuple[int, int, int] | None = None,
+             task: tuple[int, int] | None = None) -> list[int]:
+        """Push ``grads[k]`` (``(shard id, version pulled, gradient, rows)``; ``rows`` the
+        shard-local rows of a sparse table's gradient, else ``None``) to each server, then
+        (``pull``) read back every dense shard's new values; ``claim`` (stream, epoch, batch):
+        the input batch this update consumes (told to server 0); ``task`` (task id, push
+        number): a coordinator's function, applied at most once by each server (with ``task``,
+        every server gets the push, also one with no gradient for it)."""
         def one(k: int, conn: Connection) -> int:
             items = grads.get(k, [])
             stream, epoch, token = (claim[0], claim[1], claim[2] + 1) \
                 if claim is not None and k == 0 else (-1, 0, 0)
+            end = (P.PUSH, stream, epoch, None, len(items), int(pull), token) if task is None \
+                else (P.TASK_PUSH, task[0], task[1], None, len(items), int(pull), 0)
+            out: list[Outgoing] = []
+            for item in items:  # (shard, version, gradient) or with rows as a fourth
+                sid, v, g = item[0], item[1], item[2]
+                r = item[3] if len(item) > 3 else None
+                if r is not None:
+                    out.append((P.ROW_IDS, sid, 0, r, 0, 0, 0))
+                out.append((P.GRAD, sid, v, g, 0, 0, int(r is not None)))
             # through the lane only when values answer it: the server is then done with the
             # gradients before this worker can write its next push there
-            conn.send_many([(P.GRAD, sid, v, g, 0, 0, 0) for sid, v, g in items]
-                           + [(P.PUSH, stream, epoch, None, len(items), int(pull), token)],
-                           shared=pull)
+            conn.send_many(out + [end], shared=pull)
             return self._read_values(k, conn, sink) if pull else 0
+
+        return self.each(one)
+
+    def task_stats(self) -> list[dict[str, int]]:
+        """Per server: coordinator task pushes applied and repeats turned away."""
+        def one(k: int, conn: Connection) -> dict[str, int]:
+            conn.send(P.TASK_STATS)
+            return json.loads(tensor_text(self._expect(k, conn.receive(
+                "waiting for task statistics"), P.TASK_STATS).payload))
 
         return self.each(one)
 

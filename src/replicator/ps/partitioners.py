@@ -69,6 +69,30 @@ class MinSizePartitioner(Partitioner):
                 f"max_shards={self.max_shards})")
 
 
+class MaxSizePartitioner(Partitioner):
+    """Split a variable into as few shards as keep each at most ``max_shard_bytes`` (whole
+    rows; a row bigger than that is a shard of its own), at most ``max_shards`` of them
+    (tf.distribute's ``MaxSizePartitioner``): a big embedding table spreads over the servers."""
+
+    def __init__(self, max_shard_bytes: int, max_shards: int | None = None) -> None:
+        self.max_shard_bytes = _check_positive("max_shard_bytes", max_shard_bytes)
+        self.max_shards = None if max_shards is None else _check_positive("max_shards",
+                                                                          max_shards)
+
+    def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        rows = shape[0] if len(shape) else 1
+        row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        rows_per_shard = max(1, self.max_shard_bytes // max(1, row_bytes))
+        shards = max(1, math.ceil(rows / rows_per_shard))
+        if self.max_shards is not None:
+            shards = min(shards, self.max_shards)
+        return max(1, min(shards, rows))
+
+    def __repr__(self) -> str:
+        return (f"MaxSizePartitioner(max_shard_bytes={self.max_shard_bytes}, "
+                f"max_shards={self.max_shards})")
+
+
 @dataclass(frozen=True)
 class Shard:
     """Rows ``[start, end)`` of variable ``var_index`` (``name``), held by server ``server``

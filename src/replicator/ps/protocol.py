@@ -15,6 +15,13 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``;
 - ``STATS`` -> ``STATS`` (int64: count, sum, max, histogram); ``VERSIONS`` -> ``VERSIONS``;
 - ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
+- ``TASK_PUSH(var_id=task id, version=push number in the task, a=count, b=pull after)``
+  ends an update of a coordinator's function instead of ``PUSH``: a server applies each
+  (task, push) once and answers a repeat without applying it (``VALUES_END.b = 1``);
+- a sparse table's shard (``REGISTER`` with ``a=1``) is left out of pulls unless ``PULL`` has
+  ``c=1``; ``ROW_IDS(shard id, int64 rows)`` before a ``GRAD`` with ``c=1`` makes that
+  gradient the named rows' (``[n, ...]``); ``ROW_IDS`` ... ``PULL_ROWS(a=count)`` ->
+  ``VALUE(shard id, version, rows)`` ... ``VALUES_END``; ``TASK_STATS`` -> json;
 - server 0 only: ``CLAIM(input stream, a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``;
   a ``PUSH(stream, version=epoch, c=batch+1)`` consumes that claim; ``DATA_STATS(a=stream)``
   -> json.
@@ -37,6 +44,7 @@ HELLO, REGISTER, OPTIMIZER, GRAD, PUSH, PULL, VALUE, VALUES_END = range(1, 9)
 STATS, VERSIONS, SAVE, SAVED, BYE, ERROR, REGISTERED = range(9, 16)
 CLAIM, CLAIMED, DATA_STATS = range(16, 19)
 SHM_ATTACH, SHM_ATTACHED = range(19, 21)
+TASK_PUSH, ROW_IDS, PULL_ROWS, TASK_STATS = range(21, 25)
 
 #: Set to ``0`` to keep payloads on the socket between processes of one host.
 SHARED_MEMORY_ENV = PS_SHARED_MEMORY_ENV

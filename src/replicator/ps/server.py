@@ -39,6 +39,7 @@ from replicator.ps.messages import (
     tensor_text,
     text_tensor,
 )
+from replicator.ps.row_updates import TaskLedger, build_shard_optimizer, sparse_gradient
 from replicator.ps.shm_lane import SharedLane
 
 
@@ -50,12 +51,17 @@ def _gradient_buffers(conn: Connection) -> Into:
              ) -> torch.Tensor | None:
         if kind != P.GRAD or conn.lane is not None:
             return None
-        key = (var_id, dtype, shape)
-        if key not in conn.buffers:
-            conn.buffers[key] = torch.empty(shape, dtype=dtype)
-        return conn.buffers[key]
+        key = (var_id, dtype)  # one buffer per shard (a sparse table's rows change in number)
+        buffer = conn.buffers.get(key)
+        if buffer is None or tuple(buffer.shape) != shape:
+            buffer = conn.buffers[key] = torch.empty(shape, dtype=dtype)
+        return buffer
 
     return into
+
+
+#: A gradient as received: (version pulled, values, shard-local rows for a sparse one).
+Grad = tuple[int, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 @dataclass
@@ -64,6 +70,8 @@ class _ShardState:
     version: int = 0
     optimizer: torch.optim.Optimizer | None = None
     group: int = 0
+    sparse: bool = False
+    spec_text: str = ""
 
 
 @dataclass
@@ -111,6 +119,9 @@ class ParameterServer:
         self.store = store
         self.last_loss = 0.0
         self.claims = ClaimLedger()
+        self.tasks = TaskLedger()
+        #: the newest description of each optimizer, by the shards it covers
+        self.specs: dict[str, tuple[str, dict[str, Any]]] = {}
         self.threads: list[threading.Thread] = []
         if checkpoint_dir:
             self._restore(checkpoint_dir)
@@ -228,25 +239,36 @@ class ParameterServer:
             self._register(conn, msg)
         elif msg.kind == P.OPTIMIZER:
             self._set_optimizer(tensor_text(msg.payload))
-        elif msg.kind == P.GRAD:
-            grads = {msg.var_id: (msg.version, msg.payload)}
+        elif msg.kind in (P.GRAD, P.ROW_IDS, P.PUSH, P.TASK_PUSH):
+            # an update (GRADs, with ROW_IDS before a sparse one) or a pull of rows
+            grads: dict[int, Grad] = {}
+            rows: dict[int, torch.Tensor] = {}
             into = _gradient_buffers(conn)
-            while True:
+            nxt = msg
+            while nxt.kind not in (P.PUSH, P.TASK_PUSH, P.PULL_ROWS):
+                if nxt.kind == P.ROW_IDS and nxt.payload is not None:
+                    rows[nxt.var_id] = nxt.payload
+                elif nxt.kind == P.GRAD:
+                    grads[nxt.var_id] = (nxt.version, nxt.payload,
+                                         rows.pop(nxt.var_id, None) if nxt.c else None)
+                else:
+                    raise P.ParameterServerError(f"expected GRAD, ROW_IDS or PUSH, got kind "
+                                                 f"{nxt.kind}")
                 nxt = conn.receive("receiving gradients", into=into)
-                if nxt.kind == P.PUSH:
-                    break
-                if nxt.kind != P.GRAD:
-                    raise P.ParameterServerError(f"expected GRAD or PUSH, got kind {nxt.kind}")
-                grads[nxt.var_id] = (nxt.version, nxt.payload)
-            self._push(worker, grads, nxt)
+            if nxt.kind == P.PULL_ROWS:
+                self._pull_rows(conn, rows)
+                return
+            repeat = self._push(worker, grads, nxt)
             if nxt.b:
-                self._pull(conn, worker, expected=0, begin=False)
-        elif msg.kind == P.PUSH:  # an empty push (no gradient on this server)
-            self._push(worker, {}, msg)
-            if msg.b:
-                self._pull(conn, worker, expected=0, begin=False)
+                self._pull(conn, worker, expected=0, begin=False, repeat=repeat)
         elif msg.kind == P.PULL:
-            self._pull(conn, worker, expected=msg.a, begin=bool(msg.b))
+            self._pull(conn, worker, expected=msg.a, begin=bool(msg.b), everything=bool(msg.c))
+        elif msg.kind == P.PULL_ROWS:  # no row of this server's shards is looked up
+            self._pull_rows(conn, {})
+        elif msg.kind == P.TASK_STATS:
+            with self.lock:
+                text = json.dumps(self.tasks.summary())
+            conn.send(P.TASK_STATS, tensor=text_tensor(text))
         elif msg.kind == P.STATS:
             conn.send(P.STATS, tensor=self._stats_tensor())
         elif msg.kind == P.VERSIONS:
@@ -296,37 +318,56 @@ class ParameterServer:
         assert msg.payload is not None
         with self.lock:
             if msg.var_id not in self.shards:
-                self.shards[msg.var_id] = _ShardState(torch.nn.Parameter(msg.payload.clone()))
+                self.shards[msg.var_id] = _ShardState(torch.nn.Parameter(msg.payload.clone()),
+                                                      sparse=bool(msg.a))
                 if self.spec is not None:
                     self._build_optimizers()
+            elif msg.a:
+                self.shards[msg.var_id].sparse = True  # restored from a checkpoint
             self.lock.notify_all()
         conn.send(P.REGISTERED, var_id=msg.var_id)
 
     def _set_optimizer(self, text: str) -> None:
+        """An optimizer's description: it covers the shards it names (a model may have
+        several optimizers, e.g. one for a sparse table and one for the dense layers)."""
         spec = json.loads(text)
         with self.lock:
-            if text == self.spec_text:
+            covers = ",".join(sorted(spec["shard_groups"]))
+            if self.specs.get(covers, ("",))[0] == text:
                 return
+            self.specs[covers] = (text, spec)
             self.spec, self.spec_text = spec, text
             for sid, group in spec["shard_groups"].items():
-                if int(sid) in self.shards:
-                    self.shards[int(sid)].group = int(group)
-            for shard in self.shards.values():
-                if shard.optimizer is not None:
+                shard = self.shards.get(int(sid))
+                if shard is None:
+                    continue
+                same = shard.optimizer is not None and \
+                    json.loads(shard.spec_text or "{}").get("class") == spec["class"]
+                shard.group, shard.spec_text = int(group), text
+                if same:
+                    assert shard.optimizer is not None
                     P.update_hyperparameters(shard.optimizer, spec, shard.group)
+                else:
+                    shard.optimizer = None
             self._build_optimizers()
 
     def _build_optimizers(self) -> None:
-        assert self.spec is not None
         for sid, shard in self.shards.items():
-            if shard.optimizer is None:
-                shard.group = int(self.spec["shard_groups"].get(str(sid), shard.group))
-                shard.optimizer = P.build_optimizer(self.spec, shard.param, shard.group)
-                pending = self.extra.pop(f"optimizer_state_{sid}", None)
-                if pending is not None:
-                    shard.optimizer.load_state_dict(pending)
+            if shard.optimizer is not None:
+                continue
+            found = [(t, s) for t, s in self.specs.values() if str(sid) in s["shard_groups"]]
+            if not found:
+                continue
+            shard.spec_text, spec = found[-1]
+            shard.group = int(spec["shard_groups"].get(str(sid), shard.group))
+            shard.optimizer = build_shard_optimizer(spec, shard.param, shard.group,
+                                                    shard.sparse)
+            pending = self.extra.pop(f"optimizer_state_{sid}", None)
+            if pending is not None:
+                shard.optimizer.load_state_dict(pending)
 
-    def _apply(self, sid: int, grad: torch.Tensor, pulled_version: int) -> None:
+    def _apply(self, sid: int, grad: torch.Tensor, pulled_version: int,
+               rows: torch.Tensor | None = None) -> None:
         shard = self.shards.get(sid)
         if shard is None:
             raise P.ParameterServerError(f"parameter server {self.index} holds no shard {sid}")
@@ -339,7 +380,13 @@ class ParameterServer:
         self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
         self.stale_sum += stale
         self.stale_max = max(self.stale_max, stale)
-        shard.param.grad = grad.to(shard.param.dtype).reshape(shard.param.shape)
+        if rows is not None:
+            shard.param.grad = sparse_gradient(rows, grad, shard.param)
+        elif shard.sparse:
+            raise P.ParameterServerError(f"shard {sid} is a sparse table's and got a dense "
+                                         "gradient")
+        else:
+            shard.param.grad = grad.to(shard.param.dtype).reshape(shard.param.shape)
         shard.optimizer.step()
         shard.param.grad = None
         shard.version += 1
@@ -363,22 +410,38 @@ class ParameterServer:
                         "a worker that takes a batch must push its update (optimizer.step()).")
                 self.lock.wait(min(left, 0.5))
 
-    def _push(self, worker: int, grads: dict[int, tuple[int, torch.Tensor | None]],
-              end: Message) -> None:
+    def _push(self, worker: int, grads: dict[int, Grad], end: Message) -> bool:
+        """Apply an update; True when it was a coordinator task's repeat (not applied)."""
+        repeat = False
         with self.lock:
             state = self.workers[worker]
-            if self.staleness == 0:
-                self._push_sync(worker, grads)
+            if end.kind == P.TASK_PUSH:
+                # a coordinator's function: applied alone and at most once, in any mode
+                repeat = not self.tasks.first(end.var_id, end.version)
+                if not repeat:
+                    for sid, (version, grad, rows) in grads.items():
+                        if grad is not None:
+                            self._apply(sid, grad, version, rows)
+                    self.clock += 1
+            elif self.staleness == 0:
+                if any(rows is not None for _, _, rows in grads.values()):
+                    raise P.ParameterServerError(
+                        "staleness=0 averages dense gradients of every worker; sparse table "
+                        "rows are applied one function at a time by rp.ClusterCoordinator. "
+                        "HINT: schedule the steps with a ClusterCoordinator, or use "
+                        "staleness=None.")
+                self._push_sync(worker, {sid: (v, g) for sid, (v, g, _) in grads.items()})
             else:
-                for sid, (version, grad) in grads.items():
+                for sid, (version, grad, rows) in grads.items():
                     if grad is not None:
-                        self._apply(sid, grad, version)
+                        self._apply(sid, grad, version, rows)
                 self.clock += 1
                 if end.c:
                     self.claims.consume(worker, (end.var_id, end.version), end.c - 1)
             state.pushes += 1
             state.in_flight = False
             self.lock.notify_all()
+        return repeat
 
     def _push_sync(self, worker: int, grads: dict[int, tuple[int, torch.Tensor | None]]) -> None:
         number = self.round.number
@@ -428,7 +491,25 @@ class ParameterServer:
                 return False
         return True
 
-    def _pull(self, conn: Connection, worker: int, expected: int, begin: bool) -> None:
+    def _pull_rows(self, conn: Connection, rows: dict[int, torch.Tensor]) -> None:
+        """The values of the named rows of sparse table shards (each shard's own numbering)."""
+        with self.lock:
+            out = []
+            for sid, ids in sorted(rows.items()):
+                shard = self.shards.get(sid)
+                if shard is None:
+                    raise P.ParameterServerError(f"parameter server {self.index} holds no "
+                                                 f"shard {sid}")
+                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= len(shard.param)):
+                    raise P.ParameterServerError(f"rows outside shard {sid} of "
+                                                 f"{len(shard.param)} rows")
+                out.append((P.VALUE, sid, shard.version,
+                            shard.param.detach().index_select(0, ids), 0, 0, 0))
+            clock = self.clock
+        conn.send_many(out + [(P.VALUES_END, -1, clock, None, len(out), 0, 0)])
+
+    def _pull(self, conn: Connection, worker: int, expected: int, begin: bool,
+              everything: bool = False, repeat: bool = False) -> None:
         """Send every shard's values; ``begin``: the worker starts a step with them (it waits
         for the staleness bound and counts as a step in flight until its next push)."""
         deadline = time.monotonic() + self.timeout_seconds
@@ -447,19 +528,21 @@ class ParameterServer:
                 state = self.workers[worker]
                 state.in_flight = True
                 state.pulled_clock = self.clock
-            staged = self._stage_values(conn)
+            staged = self._stage_values(conn, everything, repeat)
         conn.send_staged(staged)
 
-    def _stage_values(self, conn: Connection) -> Staged:
-        """Every shard's values and the end marker, taken under the lock: copied once into the
+    def _stage_values(self, conn: Connection, everything: bool = False, repeat: bool = False
+                      ) -> Staged:
+        """Every dense shard's values (``everything``: sparse tables' too) and the end marker
+        (``b=1``: the push answered was a repeat), taken under the lock: copied once into the
         worker's lane if there is one, else cloned (sent after the lock is released)."""
-        shards = sorted(self.shards.items())
+        shards = sorted((sid, s) for sid, s in self.shards.items() if everything or not s.sparse)
         params = [s.param.detach() for _, s in shards]
         shared = conn.fits_shared(list(params))
         values = params if shared else [p.clone() for p in params]
         return conn.stage([(P.VALUE, sid, s.version, value, 0, 0, 0)
                            for (sid, s), value in zip(shards, values)]
-                          + [(P.VALUES_END, -1, self.clock, None, len(values), 0, 0)],
+                          + [(P.VALUES_END, -1, self.clock, None, len(values), int(repeat), 0)],
                           shared=shared)
 
     # -- statistics and checkpoints ----------------------------------------------------------
@@ -478,7 +561,9 @@ class ParameterServer:
         info = {"versions": {str(s): sh.version for s, sh in self.shards.items()},
                 "clock": self.clock, "histogram": list(self.histogram),
                 "stale_sum": self.stale_sum, "stale_max": self.stale_max,
-                "spec": self.spec_text, "claims": self.claims.state()}
+                "spec": self.spec_text, "claims": self.claims.state(),
+                "specs": [t for t, _ in self.specs.values()], "tasks": self.tasks.state(),
+                "sparse": sorted(sid for sid, sh in self.shards.items() if sh.sparse)}
         return tensors, info
 
     def _manager(self, directory: str) -> Any:
@@ -521,6 +606,9 @@ class ParameterServer:
         self.stale_max = int(info.get("stale_max", 0))
         self.extra["worker_data"] = info.get("worker_data", {})
         self.claims.load(info.get("claims", {}))
-        if info.get("spec"):
-            self._set_optimizer(info["spec"])
+        self.tasks.load(info.get("tasks", []))
+        for sid in info.get("sparse", []):
+            self.shards[int(sid)].sparse = True
+        for text in info.get("specs") or ([info["spec"]] if info.get("spec") else []):
+            self._set_optimizer(text)
         self.restored_step = restored.step

@@ -43,9 +43,10 @@ from replicator.comm.shm_segment import align
 from replicator.errors import ClusterConfigError
 from replicator.ps import protocol as P
 from replicator.ps.claimed_data import ClaimedBatches
-from replicator.ps.client import ServerClient
+from replicator.ps.client import Push, ServerClient
 from replicator.ps.partitioners import Partitioner, Shard, place
 from replicator.ps.server import ParameterServer
+from replicator.ps.sparse_tables import SparseTable, is_sparse_table
 from replicator.strategies.base import Strategy
 from replicator.strategies.replicas import ReplicaGroup
 
@@ -126,7 +127,12 @@ class ParameterServerStrategy(Strategy):
         self._shards_of: dict[int, list[Shard]] = {}       # id(parameter) -> its shards
         self._pulled: dict[int, int] = {}                  # shard id -> version pulled
         self._loads = [0] * num_ps
-        self._sent_spec = ""
+        self._sent_specs: dict[int, str] = {}             # id(optimizer) -> description
+        self._tables: dict[int, SparseTable] = {}          # id(parameter) -> sparse table
+        self._sparse_ids: set[int] = set()                 # shard ids of sparse tables
+        self._task: list[int] | None = None                # [task id, pushes] in a function
+        self._repeats = 0
+        self._store = store
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._steps = 0
         self._claim: tuple[int, int, int] | None = None
@@ -281,23 +287,58 @@ class ParameterServerStrategy(Strategy):
             self._shards.append(s)
             self._params[s.shard_id] = p
             self._shards_of.setdefault(id(p), []).append(s)
+        self._find_tables(module)
         if self._rank == 0:
             initial: dict[int, list[tuple[int, torch.Tensor]]] = {}
             for s in shards:
                 rows = _rows(self._params[s.shard_id].detach())[s.start:s.end]
                 initial.setdefault(s.server, []).append((s.shard_id, rows.cpu().clone()))
-            self._client.register(initial)
+            self._client.register(initial, self._sparse_ids)
         self._client.pull(self._expected(), self._receive)
         if self._shared_memory:
             self._client.share_memory(self._lane_sizes(), self._rank)
 
+    def _find_tables(self, module: torch.nn.Module) -> None:
+        """Sparse embedding tables (``sparse=True``) among the placed parameters: pulled by
+        rows before each forward, pushed as rows (:mod:`replicator.ps.sparse_tables`)."""
+        for name, sub in module.named_modules():
+            weight = getattr(sub, "weight", None)
+            if not is_sparse_table(sub) or weight is None or id(weight) in self._tables \
+                    or id(weight) not in self._shards_of:
+                continue
+            table = SparseTable(weight, self._shards_of[id(weight)], name or "embedding")
+            self._tables[id(weight)] = table
+            self._sparse_ids.update(s.shard_id for s in table.shards)
+            sub.register_forward_pre_hook(lambda _m, args, t=table: self._pull_rows(t, args))
+
+    def _pull_rows(self, table: SparseTable, args: tuple) -> None:
+        if self._closed or not args or not isinstance(args[0], torch.Tensor):
+            return
+        wanted = table.rows_to_pull(args[0])
+        asked = {sid: rows for items in wanted.values() for sid, rows in items}
+
+        def sink(sid: int, version: int, values: torch.Tensor) -> None:
+            table.store_rows(sid, asked[sid], values)
+            self._pulled[sid] = version
+
+        if wanted:
+            self._client.pull_rows(wanted, sink)
+
+    #: Push bytes kept in a lane for a sparse table's rows (more goes on the socket).
+    _SPARSE_LANE_BYTES = 8 << 20
+
     def _lane_sizes(self) -> dict[int, tuple[int, int]]:
         """Per server: bytes of a push (this worker's gradients) and of its answer (every
-        shard's values); every placed shard counts for both."""
-        sizes = {k: 0 for k in range(self._num_ps)}
+        dense shard's values); a sparse table's rows count up to a budget in pushes only."""
+        push = {k: 0 for k in range(self._num_ps)}
+        pull = {k: 0 for k in range(self._num_ps)}
         for s in self._shards:
-            sizes[s.server] += align(s.nbytes)
-        return {k: (n, n) for k, n in sizes.items() if n}
+            if s.shard_id in self._sparse_ids:
+                push[s.server] += align(min(s.nbytes, self._SPARSE_LANE_BYTES))
+            else:
+                push[s.server] += align(s.nbytes)
+                pull[s.server] += align(s.nbytes)
+        return {k: (push[k], pull[k]) for k in push if push[k] or pull[k]}
 
     def _landing(self, kind: int, sid: int, dtype: torch.dtype, shape: tuple[int, ...]
                  ) -> torch.Tensor | None:
@@ -324,7 +365,7 @@ class ParameterServerStrategy(Strategy):
         if self._closed:
             return
         group_of: dict[int, int] = {}
-        grads: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        grads: dict[int, list[Push]] = {}
         mine: list[torch.Tensor] = []
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -334,17 +375,31 @@ class ParameterServerStrategy(Strategy):
                 mine.append(p)
                 for s in shards:
                     group_of[s.shard_id] = gi
-                    if p.grad is not None:
-                        g = _rows(p.grad.detach())[s.start:s.end].cpu().contiguous()
-                        grads.setdefault(s.server, []).append(
-                            (s.shard_id, self._pulled.get(s.shard_id, 0), g))
+                table = self._tables.get(id(p))
+                if table is not None and p.grad is not None:
+                    for k, items in table.gradient_rows(p.grad.detach().cpu(),
+                                                        self._pulled).items():
+                        grads.setdefault(k, []).extend(
+                            (sid, v, g, r) for sid, v, g, r in items)
+                    continue
+                for s in shards if p.grad is not None else []:
+                    assert p.grad is not None
+                    g = _rows(p.grad.detach())[s.start:s.end].cpu().contiguous()
+                    grads.setdefault(s.server, []).append(
+                        (s.shard_id, self._pulled.get(s.shard_id, 0), g, None))
         if not mine:
             return
         spec = P.describe_optimizer(optimizer, group_of)
-        if spec != self._sent_spec:
+        if spec != self._sent_specs.get(id(optimizer)):
             self._client.send_optimizer(spec)
-            self._sent_spec = spec
-        self._client.push(grads, self._receive, pull=True, claim=self._claim)
+            self._sent_specs[id(optimizer)] = spec
+        task = None
+        if self._task is not None:
+            task = (self._task[0], self._task[1])
+            self._task[1] += 1
+        clocks = self._client.push(grads, self._receive, pull=True, claim=self._claim,
+                                   task=task)
+        self._repeats += sum(c < 0 for c in clocks)
         self._claim = None
         self._steps += 1
         self._stash = [(p, p.grad) for p in mine]
@@ -362,8 +417,9 @@ class ParameterServerStrategy(Strategy):
             self._client.pull(self._expected(), self._receive, begin=True)
         return fn(*args, **kwargs)
 
-    def _expected(self) -> dict[int, int]:
-        return {k: sum(s.server == k for s in self._shards) for k in range(self._num_ps)}
+    def _expected(self, everything: bool = False) -> dict[int, int]:
+        return {k: sum(s.server == k and (everything or s.shard_id not in self._sparse_ids)
+                       for s in self._shards) for k in range(self._num_ps)}
 
     @property
     def steps_pushed(self) -> int:
@@ -371,8 +427,31 @@ class ParameterServerStrategy(Strategy):
         return self._steps
 
     def pull(self) -> None:
-        """Fetch the servers' current values into the local parameters now."""
-        self._client.pull(self._expected(), self._receive)
+        """Fetch the servers' current values into the local parameters now (sparse tables
+        whole too)."""
+        self._client.pull(self._expected(everything=True), self._receive, everything=True)
+
+    # -- coordinator functions -------------------------------------------------------------------
+    def _begin_task(self, task_id: int) -> None:
+        """A coordinator's function starts here: its pushes carry ``task_id`` (the servers
+        apply each once); with ``staleness=0`` it first reads every committed update."""
+        self._task = [task_id, 0]
+        if self._staleness is not None and self._shards:
+            self._client.pull(self._expected(), self._receive, begin=bool(self._staleness))
+
+    def _end_task(self) -> None:
+        self._task = None
+
+    def _coordination_store(self) -> dist.Store:
+        return self._store
+
+    def task_stats(self) -> dict[str, int]:
+        """Over all servers: coordinator task pushes ``applied`` and ``repeats`` turned away
+        (pushes of a function run again after its worker was lost), and the repeats this
+        worker saw."""
+        per = self._client.task_stats()
+        return {"applied": sum(p["applied"] for p in per),
+                "repeats": sum(p["repeats"] for p in per), "repeats_seen": self._repeats}
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The servers' current values (pulled first), as the model's plain state dict."""

@@ -1,0 +1,101 @@
+"""Row-wise updates of sparse embedding tables on a server, and its record of applied tasks.
+
+A shard of a sparse table (an ``nn.Embedding(..., sparse=True)`` placed on the servers) gets
+gradients for the rows a batch looked up: ``(rows, values)``. The server wraps them as torch's
+own sparse gradient of the shard and steps torch's optimizer with it, so each row is updated
+exactly as one device with ``sparse=True`` would update it:
+
+- ``SGD`` (momentum included) and ``Adagrad``: torch's sparse paths (only the rows looked up
+  change; Adagrad's accumulator too). Weight decay is refused (torch refuses it for sparse
+  gradients on one device as well).
+- ``Adam``/``AdamW``/``SparseAdam``: *lazy* Adam, torch's ``SparseAdam``: the moments of a row
+  and the row itself move only at steps that look the row up (dense Adam would decay every
+  row's moments at every step). ``amsgrad`` and weight decay are refused.
+
+:class:`TaskLedger` remembers which (task, push) pairs of coordinator functions a server has
+applied, so that a function run again after its worker was lost is not applied twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from replicator.ps import protocol as P
+
+_LAZY_ADAM = ("Adam", "AdamW", "SparseAdam")
+_ROW_WISE = ("SGD", "Adagrad", *_LAZY_ADAM)
+
+
+def build_shard_optimizer(spec: dict[str, Any], param: torch.nn.Parameter, group: int,
+                          sparse: bool) -> torch.optim.Optimizer:
+    """The optimizer of one shard: ``spec``'s class, or for a sparse table its row-wise form."""
+    if not sparse:
+        return P.build_optimizer(spec, param, group)
+    name = str(spec["class"])
+    hyper = dict(spec["groups"][group])
+    if name not in _ROW_WISE:
+        raise P.ParameterServerError(
+            f"torch.optim.{name} cannot update the rows of a sparse embedding table. HINT: use "
+            "SGD, Adagrad, Adam (applied lazily, as SparseAdam) or SparseAdam for tables built "
+            "with sparse=True, or build the embedding with sparse=False (it then travels whole).")
+    if float(hyper.get("weight_decay", 0) or 0) != 0.0:
+        raise P.ParameterServerError(
+            f"{name}(weight_decay={hyper['weight_decay']}) cannot update a sparse embedding "
+            "table row-wise (torch refuses weight decay with sparse gradients). HINT: give "
+            "the table its own optimizer without weight decay.")
+    if name in _LAZY_ADAM:
+        if hyper.get("amsgrad"):
+            raise P.ParameterServerError("Adam(amsgrad=True) has no lazy, row-wise form for a "
+                                         "sparse embedding table. HINT: use amsgrad=False.")
+        betas = hyper.get("betas", (0.9, 0.999))
+        return torch.optim.SparseAdam([param], lr=hyper.get("lr", 1e-3),
+                                      betas=(float(betas[0]), float(betas[1])),
+                                      eps=hyper.get("eps", 1e-8),
+                                      maximize=bool(hyper.get("maximize", False)))
+    return P.build_optimizer(spec, param, group)
+
+
+def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tensor
+                    ) -> torch.Tensor:
+    """Torch's sparse gradient of ``param`` holding ``values`` at ``rows`` (shard-local)."""
+    if rows.dim() != 1 or rows.numel() != values.shape[0] or \
+            tuple(values.shape[1:]) != tuple(param.shape[1:]):
+        raise P.ParameterServerError(f"sparse gradient of {rows.numel()} rows with values of "
+                                     f"shape {tuple(values.shape)} does not fit a shard of "
+                                     f"shape {tuple(param.shape)}")
+    if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+        raise P.ParameterServerError("sparse gradient rows are not sorted and distinct "
+                                     "(a worker sends them coalesced)")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= param.shape[0]):
+        raise P.ParameterServerError(f"sparse gradient rows outside a shard of "
+                                     f"{param.shape[0]} rows")
+    return torch.sparse_coo_tensor(rows.reshape(1, -1), values.to(param.dtype),
+                                   tuple(param.shape), is_coalesced=True)
+
+
+class TaskLedger:
+    """The (task, push) pairs applied on one server, and how many repeats it turned away."""
+
+    def __init__(self) -> None:
+        self.applied: set[tuple[int, int]] = set()
+        self.repeats = 0
+
+    def first(self, task: int, push: int) -> bool:
+        """True the first time (the update is to be applied), False for a repeat."""
+        key = (task, push)
+        if key in self.applied:
+            self.repeats += 1
+            return False
+        self.applied.add(key)
+        return True
+
+    def summary(self) -> dict[str, int]:
+        return {"applied": len(self.applied), "repeats": self.repeats}
+
+    def state(self) -> list[list[int]]:
+        return sorted([t, p] for t, p in self.applied)
+
+    def load(self, state: list[list[int]]) -> None:
+        self.applied = {(int(t), int(p)) for t, p in state}

@@ -1,0 +1,78 @@
+"""A worker's view of a sparse embedding table split row-wise over the servers.
+
+An ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True`` in a parameter-server scope
+is a *sparse table*: before each forward the worker pulls only the rows the batch looks up,
+deduplicated (``torch.unique``), from the servers holding them, into its local copy of the
+table (which serves as a cache: rows not looked up may be stale, and nothing reads them); the
+gradient torch makes (a sparse tensor, duplicates summed by ``coalesce``) is pushed as rows and
+values, each shard's part to its server. Shards hold contiguous row ranges (the partitioner's
+split along dimension 0), so a row's shard is found by a binary search over the boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from replicator.ps.partitioners import Shard
+
+#: Per server: (shard id, shard-local rows) pairs.
+RowsByServer = dict[int, list[tuple[int, torch.Tensor]]]
+
+
+class SparseTable:
+    """The shards of one table (a parameter of ``rows x dim``)."""
+
+    def __init__(self, param: torch.Tensor, shards: Sequence[Shard], name: str) -> None:
+        self.param = param
+        self.name = name
+        self.shards = sorted(shards, key=lambda s: s.start)
+        self.by_id = {s.shard_id: s for s in self.shards}
+
+    def _split(self, rows: torch.Tensor) -> list[tuple[Shard, int, int]]:
+        """For sorted, distinct global ``rows``: each shard with the slice of them it holds."""
+        out = []
+        for s in self.shards:
+            lo = int(torch.searchsorted(rows, s.start))
+            hi = int(torch.searchsorted(rows, s.end))
+            if hi > lo:
+                out.append((s, lo, hi))
+        return out
+
+    def rows_to_pull(self, ids: torch.Tensor) -> RowsByServer:
+        """The distinct rows ``ids`` looks up, grouped by server and shard (shard-local)."""
+        rows = torch.unique(ids.detach().reshape(-1).to(torch.int64))
+        out: RowsByServer = {}
+        for s, lo, hi in self._split(rows):
+            out.setdefault(s.server, []).append((s.shard_id, rows[lo:hi] - s.start))
+        return out
+
+    def store_rows(self, shard_id: int, local_rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Write pulled values into the local table."""
+        s = self.by_id[shard_id]
+        with torch.no_grad():
+            self.param.index_copy_(0, local_rows + s.start, values.to(self.param.dtype))
+
+    def gradient_rows(self, grad: torch.Tensor, pulled: dict[int, int]
+                      ) -> dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]:
+        """A sparse gradient of the table as pushes per server: ``(shard id, version pulled,
+        values, shard-local rows)``; a dense gradient is cut into its nonzero rows."""
+        if grad.is_sparse:
+            g = grad.coalesce()
+            rows, values = g.indices()[0], g.values()
+        else:
+            rows = torch.nonzero(grad.reshape(len(grad), -1).abs().sum(1)).reshape(-1)
+            values = grad.index_select(0, rows)
+        out: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+        for s, lo, hi in self._split(rows):
+            out.setdefault(s.server, []).append(
+                (s.shard_id, pulled.get(s.shard_id, 0), values[lo:hi].contiguous(),
+                 (rows[lo:hi] - s.start).contiguous()))
+        return out
+
+
+def is_sparse_table(module: torch.nn.Module) -> bool:
+    """An embedding whose gradient torch makes sparse (``sparse=True``)."""
+    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
+        bool(getattr(module, "sparse", False))

@@ -1,0 +1,232 @@
+"""The connection between the coordinator (the chief) and each worker that runs its functions.
+
+Every process runs the same script (SPMD). On the chief, ``schedule`` queues a function; on a
+worker, ``schedule`` only records the function under its key, and the worker runs functions
+whenever its script reaches a call that waits on the chief (``join``, ``fetch``, ``done``,
+and the end of the script): it *asks* the chief for work and gets either a task or the marker
+of the chief's matching call, with the value that call returned there. Markers come before
+tasks, and the chief posts a marker before it queues anything scheduled after that call, so a
+worker never gets a function its own script has not scheduled yet.
+
+Messages (typed tensors over TCP, :mod:`replicator.ps.messages`; nothing is pickled):
+``HELLO(a=rank)``; ``ASK`` -> ``TASK(task id, a=attempt, json)`` | ``MARKER(a=seq, json)`` |
+``IDLE`` (a heartbeat: ask again); ``RESULT(task id, json)`` | ``FAILED(task id, text)``;
+``BYE``. A payload's tensors follow its message as ``TENSOR`` messages (``c`` counts them).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from replicator.errors import ParameterServerError
+from replicator.ps.messages import (
+    Connection,
+    Outgoing,
+    PeerLostError,
+    tensor_text,
+    text_tensor,
+)
+from replicator.ps.task_queue import Marker, Payload, RemoteFunctionError, TaskQueue
+
+HELLO, ASK, TASK, RESULT, FAILED, MARKER, IDLE, TENSOR, BYE = range(1, 10)
+
+#: Seconds between heartbeats while a worker waits for work.
+HEARTBEAT_SECONDS = 2.0
+
+
+def _send_payload(conn: Connection, kind: int, var_id: int, payload: Payload, a: int = 0,
+                  b: int = 0) -> None:
+    text, tensors = payload
+    out: list[Outgoing] = [(kind, var_id, 0, text_tensor(text), a, b, len(tensors))]
+    conn.send_many(out + [(TENSOR, i, 0, t, 0, 0, 0) for i, t in enumerate(tensors)])
+
+
+def _read_tensors(conn: Connection, count: int) -> list[torch.Tensor]:
+    out = []
+    for _ in range(count):
+        msg = conn.receive("receiving a value's tensors")
+        if msg.kind != TENSOR or msg.payload is None:
+            raise ParameterServerError(f"{conn.peer} sent message kind {msg.kind} where a "
+                                       "tensor of a value was expected")
+        out.append(msg.payload.clone())  # the receive buffer is not ours to keep
+    return out
+
+
+class TaskDispatcher:
+    """The chief's side: accepts the workers on ``sock`` and serves ``queue`` to them."""
+
+    def __init__(self, queue: TaskQueue, sock: socket.socket, timeout_seconds: float) -> None:
+        self.queue = queue
+        self.sock = sock
+        self.timeout_seconds = timeout_seconds
+        self.threads: list[threading.Thread] = []
+        self.closing = False
+        self.accepter = threading.Thread(target=self._accept, daemon=True,
+                                         name="coordinator-accept")
+        self.accepter.start()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.closing:
+            try:
+                client, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn = Connection(client, "a worker", self.timeout_seconds)
+            t = threading.Thread(target=self._handle, args=(conn,), daemon=True,
+                                 name="coordinator-conn")
+            t.start()
+            self.threads.append(t)
+
+    def _handle(self, conn: Connection) -> None:
+        worker = -1
+        try:
+            hello = conn.receive("waiting for a worker's HELLO")
+            if hello.kind != HELLO:
+                return
+            worker = hello.a
+            conn.peer = f"worker rank {worker}"
+            self.queue.connect(worker)
+            conn.send(HELLO)
+            while True:
+                msg = conn.receive("waiting for a worker", timeout_seconds=None)
+                if msg.kind == BYE:
+                    break
+                if msg.kind == ASK:
+                    item = self.queue.next_for(worker, HEARTBEAT_SECONDS)
+                    if item is None:
+                        conn.send(IDLE)
+                    elif isinstance(item, Marker):
+                        _send_payload(conn, MARKER, -1, item.value, a=item.seq,
+                                      b=_MARKER_CODES[item.kind])
+                    else:
+                        text = json.dumps({"key": item.key, "name": item.name,
+                                           "args": item.args[0]})
+                        _send_payload(conn, TASK, item.task_id, (text, item.args[1]),
+                                      a=item.attempts)
+                elif msg.kind == RESULT:
+                    tensors = _read_tensors(conn, msg.c)
+                    self.queue.complete(worker, msg.var_id, (tensor_text(msg.payload), tensors))
+                elif msg.kind == FAILED:
+                    self.queue.fail(worker, msg.var_id,
+                                    RemoteFunctionError(tensor_text(msg.payload)))
+                else:
+                    raise ParameterServerError(f"unknown message kind {msg.kind} from "
+                                               f"{conn.peer}")
+        except PeerLostError:
+            if worker >= 0:
+                task = self.queue.lost(worker)
+                again = "" if task is None else \
+                    f"; its function {task.name} (task {task.task_id}) runs again elsewhere"
+                print(f"[replicator] coordinator: lost worker rank {worker}{again}",
+                      file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - reported; the worker counts as lost
+            print(f"[replicator] coordinator: connection to worker rank {worker} failed: "
+                  f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            if worker >= 0:
+                self.queue.lost(worker)
+        finally:
+            conn.close()
+
+    def close(self, timeout: float) -> None:
+        """Stop accepting and wait (at most ``timeout`` s) for the workers to say goodbye."""
+        self.closing = True
+        for t in list(self.threads):
+            t.join(timeout)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+_MARKER_CODES = {"join": 1, "fetch": 2, "done": 3, "stop": 4}
+_MARKER_NAMES = {v: k for k, v in _MARKER_CODES.items()}
+
+#: Runs one task on the worker: ``(task id, attempt, key, name, args json, tensors)`` -> the
+#: encoded return value; raises what the function raised.
+Runner = Callable[[int, int, str, str, str, list[torch.Tensor]], Payload]
+
+
+class StopServing(Exception):
+    """The chief ended the coordination (its script finished)."""
+
+
+class TaskChannel:
+    """A worker's side: connects to the chief and runs tasks until the chief's marker."""
+
+    def __init__(self, address: tuple[str, int], rank: int, timeout_seconds: float,
+                 runner: Runner) -> None:
+        self.rank = rank
+        self.runner = runner
+        self.conn = Connection.connect(address, "the coordinator (chief)", timeout_seconds)
+        self.conn.send(HELLO, a=rank)
+        reply = self.conn.receive("waiting for the coordinator's HELLO")
+        if reply.kind != HELLO:
+            raise ParameterServerError(f"the coordinator answered HELLO with kind {reply.kind}")
+        self.stopped = False
+        self.tasks_run = 0
+
+    def serve_until(self, kind: str, seq: int) -> Payload:
+        """Run tasks until the chief's marker number ``seq`` (which must be ``kind``); its
+        value. :class:`StopServing` if the chief stopped instead."""
+        if self.stopped:
+            raise StopServing("the coordinator has stopped")
+        while True:
+            self.conn.send(ASK, a=seq)
+            msg = self.conn.receive(f"waiting for work or the chief's {kind}() (call {seq})")
+            if msg.kind == IDLE:
+                continue
+            if msg.kind == TASK:
+                spec = json.loads(tensor_text(msg.payload))
+                tensors = _read_tensors(self.conn, msg.c)
+                self._run(msg.var_id, msg.a, spec, tensors)
+                continue
+            if msg.kind != MARKER:
+                raise ParameterServerError(f"the coordinator sent message kind {msg.kind}")
+            text = tensor_text(msg.payload)
+            tensors = _read_tensors(self.conn, msg.c)
+            got = _MARKER_NAMES.get(msg.b, "?")
+            if got == "stop":
+                self.stopped = True
+                raise StopServing("the coordinator has stopped")
+            if got != kind or msg.a != seq:
+                raise ParameterServerError(
+                    f"worker rank {self.rank} reached coordinator.{kind}() (call {seq}) but the "
+                    f"chief reached {got}() (call {msg.a}). HINT: every process runs the same "
+                    "script; make the coordinator calls (schedule, join, fetch, done) the same "
+                    "on every process (no conditions on the rank around them).")
+            return text, tensors
+
+    def _run(self, task_id: int, attempt: int, spec: dict[str, Any],
+             tensors: list[torch.Tensor]) -> None:
+        try:
+            result = self.runner(task_id, attempt, spec["key"], spec["name"], spec["args"],
+                                 tensors)
+        except PeerLostError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - sent to the chief with the traceback
+            import traceback
+
+            text = (f"scheduled function {spec['name']} (task {task_id}, attempt {attempt}) "
+                    f"raised on worker rank {self.rank}: {type(exc).__name__}: {exc}\n"
+                    f"worker traceback:\n{traceback.format_exc()}")
+            self.conn.send(FAILED, var_id=task_id, tensor=text_tensor(text))
+            return
+        self.tasks_run += 1
+        _send_payload(self.conn, RESULT, task_id, result)
+
+    def close(self) -> None:
+        try:
+            self.conn.send(BYE)
+        except PeerLostError:
+            pass
+        self.conn.close()

@@ -1,0 +1,64 @@
+"""What ``ClusterCoordinator.schedule`` and ``create_per_worker_dataset`` hand back.
+
+:class:`RemoteValue`: the future result of a scheduled function; ``fetch()`` waits for it
+(and raises the function's error with the worker's rank and traceback). :class:`PerWorkerValues`:
+one value per worker, held by the workers (a per-worker dataset's iterator); passed to
+``schedule`` it becomes the running worker's own. tf.distribute's names and behaviour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from replicator.ps.values import ResourceRef
+
+if TYPE_CHECKING:
+    from replicator.strategies.cluster_coordinator import ClusterCoordinator
+
+
+class RemoteValue:
+    """The result of one scheduled function, available once it ran on some worker."""
+
+    def __init__(self, coordinator: ClusterCoordinator, number: int, name: str) -> None:
+        self._coordinator = coordinator
+        self._number = number
+        self._name = name
+
+    def fetch(self) -> Any:
+        """Wait for the function and return its value (tensors come back as CPU tensors);
+        raises what it raised, as ``RemoteFunctionError`` naming the worker and its traceback.
+        Every process calls it (SPMD): on a worker it runs functions meanwhile and returns the
+        same value the chief got."""
+        return self._coordinator._fetch(self)
+
+    def done(self) -> bool:
+        """Whether the function has finished (on the chief; a worker's answer mirrors it)."""
+        return self._coordinator._value_done(self)
+
+    def __repr__(self) -> str:
+        return f"<RemoteValue of {self._name} (schedule #{self._number})>"
+
+
+class PerWorkerValues:
+    """One value per worker, living on the workers; a function given it as an argument gets
+    the value of the worker it runs on."""
+
+    def __init__(self, number: int, local: Any = None) -> None:
+        self._resource_ref = ResourceRef(number)
+        self._local = local
+
+    def __repr__(self) -> str:
+        return f"<PerWorkerValues #{self._resource_ref.number}>"
+
+
+class PerWorkerDataset:
+    """The dataset ``input_fn`` builds on each worker; ``iter()`` gives a
+    :class:`PerWorkerValues` of iterators (``next(it)`` inside a scheduled function takes the
+    running worker's next element)."""
+
+    def __init__(self, make_iterator: Callable[[], PerWorkerValues]) -> None:
+        self._make_iterator = make_iterator
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._make_iterator()  # type: ignore[return-value]

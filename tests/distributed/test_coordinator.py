@@ -1,0 +1,94 @@
+"""rp.ClusterCoordinator on real processes: the chief schedules, workers run functions against
+real parameter servers; values, per-worker datasets, errors with the worker's traceback, and
+exactly-once updates when a worker is SIGKILLed before or after its push."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+import replicator as rp
+from replicator.cluster import launch
+from tests.helpers import make_mlp, regression_data
+
+BATCH = 16
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``i`` of the regression data (the same on every process)."""
+    x, y = regression_data().tensors
+    rows = torch.randperm(len(x), generator=torch.Generator().manual_seed(i))[:BATCH]
+    return x[rows], y[rows]
+
+
+def scheduled_training(steps: int = 24, fail_at: int | None = None) -> dict:
+    """Chief + workers + 1 server: a per-worker dataset, ``steps`` scheduled steps, join."""
+    strategy = rp.ParameterServerStrategy(num_ps=1)
+    coordinator = rp.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def input_fn(ctx: rp.InputContext):
+        loader = DataLoader(regression_data(), batch_size=BATCH, shuffle=True,
+                            generator=torch.Generator().manual_seed(ctx.input_pipeline_id))
+        while True:
+            yield from loader
+
+    def step(it, i):
+        x, y = next(it)
+        if i == fail_at:
+            raise ValueError(f"bad batch {i}")
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return {"loss": loss.detach(), "i": i, "rank": strategy.replica_id}
+
+    it = iter(coordinator.create_per_worker_dataset(input_fn))
+    values = [coordinator.schedule(step, args=(it, i)) for i in range(steps)]
+    error = ""
+    try:
+        coordinator.join()
+    except rp.ps.RemoteFunctionError as exc:
+        error = str(exc)
+    done = [v.fetch() for v in values[: (fail_at if fail_at is not None else steps)]]
+    # after an error, the coordinator goes on
+    again = coordinator.schedule(step, args=(it, -1)).fetch()
+    return {"done": done, "error": error, "again": again, "stats": coordinator.stats(),
+            "finished": coordinator.done(), "chief": coordinator.is_chief,
+            "versions": strategy.shard_versions()}
+
+
+@pytest.mark.timeout(180)
+def test_schedule_join_fetch_on_two_workers_with_a_per_worker_dataset():
+    out = launch(scheduled_training, num_replicas=4, num_ps=1, timeout_seconds=60)
+    chief, w1, w2, server = out
+    assert server is None and chief["chief"] and not w1["chief"]
+    assert [d["i"] for d in chief["done"]] == list(range(24))
+    assert {d["rank"] for d in chief["done"]} <= {1, 2}  # the chief only schedules
+    assert chief["error"] == "" and chief["finished"]
+    assert chief["again"]["i"] == -1
+    # every worker's mirror of fetch() returned the chief's values
+    for w in (w1, w2):
+        assert [d["i"] for d in w["done"]] == list(range(24))
+        assert torch.equal(w["done"][5]["loss"], chief["done"][5]["loss"])
+    # one update per function: every shard was stepped 25 times
+    assert all(v["version"] == 25 for v in chief["versions"])
+    assert chief["stats"]["reruns"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_an_error_names_the_worker_and_its_traceback_and_cancels_the_rest():
+    out = launch(scheduled_training, num_replicas=3, num_ps=1, kwargs={"fail_at": 4},
+                 timeout_seconds=60)
+    chief = out[0]
+    assert "ValueError: bad batch 4" in chief["error"]
+    assert "worker rank 1" in chief["error"] and "worker traceback" in chief["error"]
+    assert "in step" in chief["error"]  # the worker's own frame
+    assert out[1]["error"] == chief["error"].split(": ", 1)[1] or "bad batch 4" in out[1]["error"]
+    # functions 0-3 ran (one worker, in order); 5.. were cancelled, then one more ran
+    assert [d["i"] for d in chief["done"]] == [0, 1, 2, 3]
+    assert all(v["version"] == 5 for v in chief["versions"])
