@@ -34,7 +34,7 @@ def one_device(tmp: Path, args: list[str]) -> dict[str, torch.Tensor]:
 
 def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_replicas: int = 2,
                kills: dict[int, int] | None = None, restart: tuple[int, ...] = (),
-               deadline: float = 400.0) -> dict:
+               deadline: float = 400.0, nproc: int = 1) -> dict:
     """Run ``groups`` replica groups; group g kills itself at step ``kills[g]``; the groups in
     ``restart`` are started again (once) when killed. Returns each group's results."""
     out = tmp / name
@@ -47,7 +47,7 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
             extra = ["--kill-at-step", str(kills[g])] if g in kills else []
             running[g] = start_group(SCRIPT, g, groups, lighthouse.address,
                                      min_replicas=min_replicas, env=env(), log_dir=out,
-                                     args=["--out", str(out), *args, *extra])
+                                     nproc=nproc, args=["--out", str(out), *args, *extra])
         codes: dict[int, list[int]] = {g: [] for g in range(groups)}
         restarted: set[int] = set()
         end = time.monotonic() + deadline
@@ -56,16 +56,22 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
                 raise TimeoutError(f"groups {sorted(running)} still running after {deadline} s; "
                                    f"logs in {out}")
             for g, grp in list(running.items()):
-                code = grp.poll()[0]
-                if code is None:
+                polled = grp.poll()
+                if all(c is None for c in polled):
                     continue
+                if any(c is None for c in polled) and all(c in (None, 0) for c in polled):
+                    continue  # a rank finished first; the others follow
+                if any(c is None for c in polled):  # a rank died: the group goes as a whole
+                    grp.kill()
+                code = next((c for c in grp.poll() if c != 0), 0)
                 codes[g].append(code)
                 del running[g]
                 if code == -signal.SIGKILL and g in restart and g not in restarted:
                     restarted.add(g)
                     running[g] = start_group(SCRIPT, g, groups, lighthouse.address,
                                              min_replicas=min_replicas, env=env(),
-                                             log_dir=out, args=["--out", str(out), *args])
+                                             log_dir=out, nproc=nproc,
+                                             args=["--out", str(out), *args])
             time.sleep(0.05)
     finally:
         for grp in running.values():

@@ -24,8 +24,8 @@ from torch.utils.data import TensorDataset
 import replicator as rp
 
 
-def build(width: int = 32):
-    torch.manual_seed(0)
+def build(width: int = 32, seed: int = 0):
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(),
                                torch.nn.Linear(width, width), torch.nn.Tanh(),
                                torch.nn.Linear(width, 4))
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--kill-at-step", type=int, default=-1)
     ap.add_argument("--own-epoch-loop", action="store_true")
     ap.add_argument("--step-seconds", type=float, default=0.0)
+    ap.add_argument("--seed-by-group", action="store_true")
     ap.add_argument("--hold-at-step", type=int, default=-1)
     ap.add_argument("--hold-for", default="")
     a = ap.parse_args()
@@ -69,7 +70,7 @@ def main() -> None:
                 "fsdp": rp.FSDPStrategy,
                 "one_device": lambda: rp.OneDeviceStrategy("cpu")}[a.strategy]()
     with strategy.scope():
-        model = build(a.width)
+        model = build(a.width, seed=group if a.seed_by_group else 0)
     opt, sched = make_optimizer(a.optimizer, model)
     live = strategy.live
     (out / f"started_{tag}.txt").write_text("1")

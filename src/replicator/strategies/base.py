@@ -139,7 +139,11 @@ class Strategy(ABC):
             strategy = me()
             return [] if strategy is None else list(strategy._set_up_modules.keys())
 
-        replicas.live = LiveEngine(settings, replicas, modules)
+        def replicated() -> bool:
+            strategy = me()
+            return strategy is not None and not strategy.shards_model
+
+        replicas.live = LiveEngine(settings, replicas, modules, replicated)
 
     @property
     def live(self) -> LiveEngine | None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from replicator.errors import ClusterConfigError
 from replicator.parallel.pipeline import check_pipeline_options, pipeline_degree
 from replicator.parallel.tensor_parallel import validate_plan
+from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.mesh_strategy import MeshStrategy
 
 
@@ -29,6 +31,9 @@ class FSDPStrategy(MeshStrategy):
     """
 
     name = "fsdp"
+    #: Sharded inside a replica group, replicated across groups (HSDP) when the job runs
+    #: replica groups (without a tensor axis: every rank of a group is then a data replica).
+    _supports_live = True
 
     def __init__(self, reshard_after_forward: bool | None = None, *,
                  zero_stage: int | None = None, tensor: int = 1,
@@ -46,6 +51,11 @@ class FSDPStrategy(MeshStrategy):
                                  f"{reshard_after_forward}. HINT: give only one of them.")
             reshard_after_forward = zero_stage == 3
         validate_plan(tensor_plan)
+        if tensor != 1 and LiveSettings.from_env() is not None:
+            raise ClusterConfigError(
+                "FSDPStrategy(tensor=...) cannot run in replica groups yet: the ranks of a "
+                "tensor axis share their samples. HINT: FSDPStrategy() without tensor=, or "
+                "launch without --replica-groups")
         super().__init__(fsdp=-1, tensor=tensor, tensor_plan=tensor_plan,
                          reshard_after_forward=True if reshard_after_forward is None
                          else bool(reshard_after_forward),

@@ -81,7 +81,8 @@ class LiveEngine:
     """
 
     def __init__(self, settings: LiveSettings, replicas: ReplicaGroup,
-                 modules: Callable[[], list[torch.nn.Module]]) -> None:
+                 modules: Callable[[], list[torch.nn.Module]],
+                 replicated: Callable[[], bool] = lambda: True) -> None:
         from torchft.manager import Manager  # type: ignore[import-untyped]
         from torchft.process_group import ProcessGroupGloo  # type: ignore[import-untyped]
 
@@ -90,6 +91,7 @@ class LiveEngine:
         self.settings = settings
         self.replicas = replicas
         self._modules = modules
+        self._replicated = replicated
         self.who = settings.who
         timeout = timedelta(seconds=settings.collective_timeout)
         store_addr, store_port = self._store_address()
@@ -167,6 +169,7 @@ class LiveEngine:
             raise
         except Exception as exc:  # noqa: BLE001 - torchft's errors are plain RuntimeErrors
             raise self._quorum_error(exc) from exc
+        self._agree_on_healing()
         participant = self.manager.participating_rank()
         participants = self.manager.num_participants()
         if participant is None or participants < 1:
@@ -177,6 +180,20 @@ class LiveEngine:
         self._snapshot = _Snapshot(self._modules())
         self._phase = "begun"
         return self._quorum
+
+    def _agree_on_healing(self) -> None:
+        """torchft heals each rank of a group from the same rank of a peer group, and at the
+        first step (every group at step 0) some ranks of a group may heal while others keep
+        their own state. A replicating strategy's ranks must hold one model: where any rank
+        healed, the group takes group rank 0's parameters and buffers."""
+        if self.replicas.world_size == 1 or not self._replicated():
+            return
+        flag = torch.tensor([1 if self._healed_now else 0], dtype=torch.int64)
+        if int(self.replicas.reduce(ReduceOp.MAX, flag).item()):
+            tensors = [t for m in self._modules() for t in [*m.parameters(), *m.buffers()]]
+            with torch.no_grad():
+                self.replicas.broadcast_(tensors, src=0,
+                                         what="parameters of group rank 0 after healing")
 
     def _quorum_error(self, exc: BaseException) -> LiveRecoveryError:
         text = _first_line(exc)
