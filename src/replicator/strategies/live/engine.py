@@ -17,7 +17,6 @@ group whose model differs raise errors naming the group and rank (``errors.py``)
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -128,13 +127,18 @@ class LiveEngine:
 
     # -- setup -----------------------------------------------------------------------------------
     def _store_address(self) -> tuple[str, int]:
-        """The group's store: the rendezvous store of a group of several processes, or one
-        this process hosts for a group of one."""
-        if self.settings.group_size > 1:
-            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        self._own_store = dist.TCPStore(self.settings.bind, 0, 1, True,
-                                        timeout=timedelta(seconds=30), wait_for_workers=False)
-        return self.settings.bind, int(self._own_store.port)
+        """A store for torchft's keys, hosted by group rank 0 for this life of the group only
+        (a rendezvous store that outlives a restarted group would hand the new ranks the old
+        manager's address); its port goes to the other ranks by a broadcast in the group."""
+        port = torch.zeros(1, dtype=torch.int64)
+        if self.settings.rank == 0:
+            self._own_store = dist.TCPStore(self.settings.bind, 0, 1, True,
+                                            timeout=timedelta(seconds=30),
+                                            wait_for_workers=False)
+            port[0] = int(self._own_store.port)
+        if self.replicas.world_size > 1:
+            self.replicas.broadcast_([port], src=0, what="port of the replica group's store")
+        return self.settings.bind, int(port.item())
 
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
