@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from replicator.cluster.lighthouse import (
     Lighthouse,
@@ -28,6 +29,10 @@ from replicator.cluster.lighthouse import (
     wait_reachable,
 )
 from replicator.errors import LighthouseError
+from replicator.testing import assert_params_close
+from tests.live_helpers import SCRIPT as LIVE_TRAIN
+from tests.live_helpers import env as live_env
+from tests.live_helpers import one_device
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "scripts" / "replica_group_env.py")
 REPLICATOR = [sys.executable, "-m", "replicator.cli", "run"]
@@ -264,3 +269,57 @@ m = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=
 m.start_quorum()
 time.sleep(60)
 """
+
+
+def _pids_of_group(mark: str, group: int) -> list[int]:
+    """The running processes started with ``REPLICATOR_TEST_MARK=mark`` in ``group``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"REPLICATOR_TEST_MARK={mark}".encode() in env and \
+                f"REPLICATOR_REPLICA_GROUP={group}".encode() in env:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_live_training_under_the_launcher_heals_a_killed_group_and_equals_one_device(tmp_path):
+    """The launcher with the live engine: 2 groups train (--min-replicas 2: in step), group 1
+    is SIGKILLed after step 5, the launcher restarts it alone, it heals from group 0, and both
+    end equal to one device."""
+    args = ["--samples", "240", "--epochs", "3", "--hold-at-step", "5", "--hold-for", "go"]
+    reference = one_device(tmp_path, args)
+    out = tmp_path / "groups"
+    out.mkdir()
+    mark = str(tmp_path)
+    env = dict(_env(), **live_env(), REPLICATOR_TEST_MARK=mark)
+    proc = subprocess.Popen(REPLICATOR + ["--replica-groups", "2", "--nproc", "1",
+                                          "--min-replicas", "2", "--max-restarts", "1",
+                                          str(LIVE_TRAIN), "--out",
+                                          str(out), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        held = [out / f"progress_g{g}.txt" for g in (0, 1)]
+        _wait_for("both groups to reach step 5", lambda: all(
+            p.exists() and p.read_text() == "5" for p in held), timeout=300, proc=proc)
+        survivor = _pids_of_group(mark, 0)
+        victims = _pids_of_group(mark, 1)
+        assert len(survivor) == 1 and len(victims) == 1, (survivor, victims)
+        os.kill(victims[0], signal.SIGKILL)
+        (out / "go").touch()
+        out_text, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    assert "restarting replica group 1 alone (restart 1 of 1)" in err
+    assert "replica group 1, rank 0 healed from a live peer" in err + out_text
+    for g in (0, 1):
+        got = torch.load(out / f"final_g{g}.pt")
+        assert_params_close(reference, got, atol=1e-5, label=f"group {g}: ")

@@ -189,6 +189,7 @@ class ReplicaGroups:
                     LIVE_BIND_ENV: self.address, "TORCHFT_LIGHTHOUSE": self.url})
         total = self.cfg.groups * self.cfg.nproc
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
+        env.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at info
         if not _is_loopback(self.address) and self.cfg.lighthouse is not None:
             choose_gloo_interface(self.cfg.lighthouse[0], env)
         return env
