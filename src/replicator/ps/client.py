@@ -170,6 +170,11 @@ class ServerClient:
             print(f"[replicator] parameter server payloads go over TCP, not shared memory: "
                   f"{reason}", file=sys.stderr, flush=True)
 
+    def traffic(self) -> dict[str, int]:
+        """Bytes this worker sent to and received from the servers so far."""
+        return {"sent": sum(c.bytes_sent for c in self.connections),
+                "received": sum(c.bytes_received for c in self.connections)}
+
     @property
     def shared(self) -> list[bool]:
         """Whether each server's connection has a shared-memory lane."""

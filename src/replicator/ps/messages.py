@@ -59,6 +59,7 @@ class Staged:
 
     chunks: list[torch.Tensor]
     shared: bool
+    lane_bytes: int = 0
 
 
 class PeerLostError(ReplicatorError, ConnectionError):
@@ -126,6 +127,9 @@ class Connection:
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self.closed = False
+        #: Bytes of messages sent and received (headers and payloads, socket or lane).
+        self.bytes_sent = 0
+        self.bytes_received = 0
         #: Receive buffers its owner reuses from message to message (see ``into``).
         self.buffers: dict[Any, torch.Tensor] = {}
         #: Shared memory with a peer on this host (see :mod:`replicator.ps.shm_lane`).
@@ -177,7 +181,9 @@ class Connection:
         if shared and lane is not None and lane.fits(tensors):
             for head, offset in zip(heads, lane.write(tensors)):
                 head[_SHM_FIELD] = offset
-            return Staged([torch.cat(heads)], shared=True)
+            return Staged([torch.cat(heads)], shared=True,
+                          lane_bytes=sum(t.numel() * t.element_size() for t in tensors
+                                         if t is not None))
         chunks: list[torch.Tensor] = []
         for head, tensor in zip(heads, tensors):
             chunks.append(head)
@@ -186,6 +192,8 @@ class Connection:
         return Staged(chunks, shared=False)
 
     def _send(self, staged: Staged) -> None:
+        self.bytes_sent += staged.lane_bytes + sum(c.numel() * c.element_size()
+                                                   for c in staged.chunks)
         try:
             for chunk in staged.chunks:
                 self.sock.sendall(_as_bytes(chunk))
@@ -219,6 +227,7 @@ class Connection:
             head = torch.empty(HEADER_FIELDS, dtype=torch.int64)
             self._read_into(_as_bytes_writable(head), what, timeout)
             h = head.tolist()
+            self.bytes_received += HEADER_BYTES + max(0, h[4])
             if h[0] != MAGIC:
                 raise MessageFormatError(f"{self.peer} sent a message without the replicator "
                                          "header. HINT: is another program using this port?")

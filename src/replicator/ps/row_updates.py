@@ -72,7 +72,8 @@ def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tenso
         raise P.ParameterServerError(f"sparse gradient rows outside a shard of "
                                      f"{param.shape[0]} rows")
     return torch.sparse_coo_tensor(rows.reshape(1, -1), values.to(param.dtype),
-                                   tuple(param.shape), is_coalesced=True)
+                                   tuple(param.shape), is_coalesced=True,
+                                   check_invariants=False)  # checked above
 
 
 class TaskLedger:

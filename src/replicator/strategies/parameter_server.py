@@ -351,6 +351,8 @@ class ParameterServerStrategy(Strategy):
         return rows if ok and rows.device.type == "cpu" else None
 
     def _receive(self, sid: int, version: int, values: torch.Tensor) -> None:
+        if not 0 <= sid < len(self._shards):
+            return  # a variable another process has set up and this one not yet
         s = self._shards[sid]
         rows = _rows(self._params[sid].detach())[s.start:s.end]
         if rows.data_ptr() != values.data_ptr():  # not received in place
@@ -441,6 +443,11 @@ class ParameterServerStrategy(Strategy):
 
     def _end_task(self) -> None:
         self._task = None
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes this worker has sent to and received from the servers (messages' headers and
+        payloads, over the socket or shared memory)."""
+        return self._client.traffic()
 
     def _coordination_store(self) -> dist.Store:
         return self._store
