@@ -20,6 +20,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -94,6 +95,9 @@ class LiveEngine:
         self.who = settings.who
         timeout = timedelta(seconds=settings.collective_timeout)
         store_addr, store_port = self._store_address()
+        self._transport = BoundHTTPTransport(settings.bind, timeout)
+        #: Seconds the last heal took here: the state's transfer plus loading it.
+        self.last_heal_seconds: float | None = None
         self._phase = "idle"          # idle -> begun -> committed
         self._quorum: Quorum | None = None
         self._share: Share | None = None
@@ -114,7 +118,7 @@ class LiveEngine:
                 rank=settings.rank, world_size=settings.group_size, store_addr=store_addr,
                 store_port=store_port, lighthouse_addr=settings.lighthouse,
                 replica_id=f"replicator_group_{settings.group}", hostname=settings.bind,
-                checkpoint_transport=BoundHTTPTransport(settings.bind, timeout),
+                checkpoint_transport=self._transport,
                 init_sync=True)
         except Exception as exc:  # noqa: BLE001 - torchft raises plain RuntimeErrors
             raise LighthouseUnreachableError(
@@ -154,6 +158,11 @@ class LiveEngine:
     def committed_steps(self) -> int:
         """Steps committed so far (the next step's global batch)."""
         return int(self.manager.current_step())
+
+    @property
+    def participants(self) -> int:
+        """Replica groups in the quorum of the step in progress (or the last one)."""
+        return 0 if self._quorum is None else self._quorum.participants
 
     @property
     def in_step(self) -> bool:
@@ -317,7 +326,10 @@ class LiveEngine:
 
     def _load_state(self, state: dict[str, Any]) -> None:
         check = self._progress_check or (lambda progress: None)
+        start = time.perf_counter()
         live_state.apply(state, self._modules(), self.who, check)
+        self.last_heal_seconds = time.perf_counter() - start + (
+            self._transport.last_recv_seconds or 0.0)
         self._healed_now = True
         print(f"[replicator] {self.who} healed from a live peer at step "
               f"{state.get('progress', {}).get('step')}", file=sys.stderr, flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import urllib.request
 from datetime import timedelta
 from http.server import ThreadingHTTPServer
@@ -51,6 +52,24 @@ class BoundHTTPTransport(HTTPTransport[Any]):
                 super().__init__(timeout=timeout, num_chunks=0)
             finally:
                 http_transport._IPv6HTTPServer = original  # type: ignore[misc]
+
+    #: Seconds the last received state took to arrive (what a healing group waited for).
+    last_recv_seconds: float | None = None
+
+    def address(self) -> str:
+        """Where a healing group fetches the state: the bound host (torchft's own answer is
+        this machine's hostname, which need not resolve to the bound address)."""
+        port = self._server.socket.getsockname()[1]
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{port}/checkpoint/"
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
+                        timeout: timedelta) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().recv_checkpoint(src_rank, metadata, step, timeout)
+        finally:
+            self.last_recv_seconds = time.perf_counter() - start
 
     def address(self) -> str:
         port = self._server.socket.getsockname()[1]
