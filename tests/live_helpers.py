@@ -34,22 +34,26 @@ def one_device(tmp: Path, args: list[str]) -> dict[str, torch.Tensor]:
 
 def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_replicas: int = 2,
                kills: dict[int, int] | None = None, restart: tuple[int, ...] = (),
-               deadline: float = 400.0, nproc: int = 1) -> dict:
+               deadline: float = 400.0, nproc: int = 1, max_restarts: int = 1,
+               extra: dict[int, list[str]] | None = None) -> dict:
     """Run ``groups`` replica groups; group g kills itself at step ``kills[g]``; the groups in
-    ``restart`` are started again (once) when killed. Returns each group's results."""
+    ``restart`` are started again when killed (up to ``max_restarts`` times each), with the
+    same arguments (``--kill-at-step`` excepted). Returns each group's results."""
     out = tmp / name
     out.mkdir()
     kills = kills or {}
+    extra = extra or {}
     lighthouse = start_lighthouse(min_replicas, log=out / "lighthouse.log")
     try:
         running = {}
         for g in range(groups):
-            extra = ["--kill-at-step", str(kills[g])] if g in kills else []
+            kill = ["--kill-at-step", str(kills[g])] if g in kills else []
             running[g] = start_group(SCRIPT, g, groups, lighthouse.address,
                                      min_replicas=min_replicas, env=env(), log_dir=out,
-                                     nproc=nproc, args=["--out", str(out), *args, *extra])
+                                     nproc=nproc, args=["--out", str(out), *args, *kill,
+                                                        *extra.get(g, [])])
         codes: dict[int, list[int]] = {g: [] for g in range(groups)}
-        restarted: set[int] = set()
+        restarts = {g: 0 for g in range(groups)}
         end = time.monotonic() + deadline
         while running:
             if time.monotonic() > end:
@@ -66,12 +70,13 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
                 code = next((c for c in grp.poll() if c != 0), 0)
                 codes[g].append(code)
                 del running[g]
-                if code == -signal.SIGKILL and g in restart and g not in restarted:
-                    restarted.add(g)
+                if code == -signal.SIGKILL and g in restart and restarts[g] < max_restarts:
+                    restarts[g] += 1
                     running[g] = start_group(SCRIPT, g, groups, lighthouse.address,
                                              min_replicas=min_replicas, env=env(),
                                              log_dir=out, nproc=nproc,
-                                             args=["--out", str(out), *args])
+                                             args=["--out", str(out), *args,
+                                                   *extra.get(g, [])])
             time.sleep(0.05)
     finally:
         for grp in running.values():

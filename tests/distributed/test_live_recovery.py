@@ -45,3 +45,24 @@ def test_killed_groups_equal_one_device(tmp_path, optimizer):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_killed_groups_equal_one_device_120_steps(tmp_path, optimizer):
     _check_killed_run(tmp_path, optimizer, ["--samples", "960", "--epochs", "3"], 30, 80)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_soak_1000_steps_with_a_kill_every_50_steps(tmp_path):
+    # 1,000 steps (10 epochs of 100 global batches of 24); groups 1 and 2 die in turn every
+    # 50 steps and are restarted each time; the run still equals one device
+    args = ["--optimizer", "adam", "--samples", "2400", "--epochs", "10"]
+    reference = one_device(tmp_path, args)
+    kills_1 = ",".join(str(s) for s in range(50, 1000, 100))
+    kills_2 = ",".join(str(s) for s in range(100, 1000, 100))
+    out = run_groups(tmp_path, "soak", args, kills={}, restart=(1, 2), max_restarts=20,
+                     deadline=2800, extra={1: ["--kill-at-steps", kills_1],
+                                           2: ["--kill-at-steps", kills_2]})
+    assert out[0]["codes"] == [0], out[0]["log"][-3000:]
+    assert out[1]["codes"].count(-signal.SIGKILL) >= 5, out[1]["codes"]
+    assert out[2]["codes"].count(-signal.SIGKILL) >= 5, out[2]["codes"]
+    for g in range(3):
+        assert out[g]["codes"][-1] == 0, out[g]["log"][-3000:]
+        assert_params_close(reference, out[g]["params"], atol=1e-5, label=f"group {g}: ")
+    assert out[0]["summary"]["redone"] <= len(out[1]["codes"]) + len(out[2]["codes"])

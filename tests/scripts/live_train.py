@@ -56,7 +56,10 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--kill-at-step", type=int, default=-1)
+    ap.add_argument("--kill-at-steps", default="", help="comma-separated steps")
     ap.add_argument("--own-epoch-loop", action="store_true")
+    ap.add_argument("--backup", default="", help="loop with BackupAndRestore in this folder")
+    ap.add_argument("--save-freq", type=int, default=5)
     ap.add_argument("--step-seconds", type=float, default=0.0)
     ap.add_argument("--seed-by-group", action="store_true")
     ap.add_argument("--hold-at-step", type=int, default=-1)
@@ -73,6 +76,7 @@ def main() -> None:
         model = build(a.width, seed=group if a.seed_by_group else 0)
     opt, sched = make_optimizer(a.optimizer, model)
     live = strategy.live
+    kill_steps = {int(x) for x in a.kill_at_steps.split(",") if x}
     (out / f"started_{tag}.txt").write_text("1")
     t0 = time.monotonic()
 
@@ -91,7 +95,8 @@ def main() -> None:
         x, y = batch
         loss = F.mse_loss(model(x), y)
         loss.backward()
-        if live is not None and live.committed_steps == a.kill_at_step:
+        if live is not None and (live.committed_steps == a.kill_at_step
+                                 or live.committed_steps in kill_steps):
             os.kill(os.getpid(), signal.SIGKILL)
         if a.step_seconds:
             time.sleep(a.step_seconds)
@@ -101,7 +106,14 @@ def main() -> None:
         return loss.detach()
 
     data = dataset(a.samples)
-    if a.own_epoch_loop:
+    if a.backup:
+        backup = rp.BackupAndRestore(a.backup, save_freq=a.save_freq)
+        backup.track(model=model, optimizer=opt, scheduler=sched)
+        dist = strategy.distribute_dataset(data, batch_size=a.batch, shuffle=True)
+        for _, batch in backup.steps(dist, epochs=a.epochs):
+            strategy.run(step_fn, (batch,))
+            after_step()
+    elif a.own_epoch_loop:
         dist = strategy.distribute_dataset(data, batch_size=a.batch, shuffle=True)
         for _ in range(a.epochs):
             for batch in dist:

@@ -146,7 +146,7 @@ class Strategy(ABC):
         replicas.live = LiveEngine(settings, replicas, modules, replicated)
 
     @property
-    def live(self) -> LiveEngine | None:
+    def live(self) -> LiveEngine | None:  # the replica group holds it untyped (no cycle)
         """The live-recovery engine when this process is one replica group of several
         (``replicator run --replica-groups N``), else ``None``."""
         replicas = getattr(self, "_replica_group", None)

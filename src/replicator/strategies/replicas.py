@@ -23,7 +23,7 @@ import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,9 +40,6 @@ from replicator.comm.collective_tracker import CollectiveTracker
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from replicator.comm.reduce_op import ReduceOp
-
-if TYPE_CHECKING:
-    from replicator.strategies.live.engine import LiveEngine
 
 
 def bound_timeout(group: dist.ProcessGroup | None, seconds: float) -> None:
@@ -103,9 +100,9 @@ class ReplicaGroup:
         self._synchronizers: list[GradientSynchronizer] = []
         self._paused = 0
         self._closed = False
-        #: The live-recovery engine when this group is one of several replica groups
-        #: (torchft's Manager averages across them; see ``strategies/live``), else ``None``.
-        self.live: LiveEngine | None = None
+        #: The live-recovery engine (``strategies.live.engine.LiveEngine``, which builds on
+        #: this module) when this group is one of several replica groups, else ``None``.
+        self.live: Any = None
 
     # -- identity ------------------------------------------------------------------------------
     @property

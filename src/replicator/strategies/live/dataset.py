@@ -13,6 +13,7 @@ run all epochs (the library counts them); without it each loop is one epoch, as 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -87,6 +88,19 @@ class LiveDataset:
         if quorum.step >= end:
             return self._finish()
         return self._cut(quorum)
+
+    def until(self, end: int) -> Iterator[Any]:
+        """The batches of the steps before committed step ``end``, across epochs (a loop
+        driver that counts steps itself, such as ``BackupAndRestore.steps``)."""
+        self._pass_epoch = None
+        while True:
+            engine = self.engine
+            if engine.committed_steps >= end and not engine.in_step:
+                return
+            quorum = engine.begin_step()
+            if quorum.step >= end:
+                return
+            yield self._cut(quorum)
 
     def _finish(self) -> Any:
         if self._pass_epoch is not None:

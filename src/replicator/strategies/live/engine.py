@@ -160,6 +160,17 @@ class LiveEngine:
         return int(self.manager.current_step())
 
     @property
+    def writes_backups(self) -> bool:
+        """True in the group that is the first participant of the last quorum: the one group
+        whose ``BackupAndRestore`` saves (all groups hold the same state)."""
+        return self._quorum is not None and self._quorum.participant == 0
+
+    def resume_at(self, step: int) -> None:
+        """Continue from committed step ``step`` (restored from a backup on disk, when every
+        group was lost at once); a peer further on still heals this group."""
+        self.manager.load_state_dict({"step": int(step), "batches_committed": int(step)})
+
+    @property
     def participants(self) -> int:
         """Replica groups in the quorum of the step in progress (or the last one)."""
         return 0 if self._quorum is None else self._quorum.participants

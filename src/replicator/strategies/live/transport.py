@@ -71,11 +71,6 @@ class BoundHTTPTransport(HTTPTransport[Any]):
         finally:
             self.last_recv_seconds = time.perf_counter() - start
 
-    def address(self) -> str:
-        port = self._server.socket.getsockname()[1]
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{port}/checkpoint/"
-
     @classmethod
     def _load_from_address(cls, address: str, timeout: timedelta) -> object:
         with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:

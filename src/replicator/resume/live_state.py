@@ -1,0 +1,66 @@
+"""``BackupAndRestore.steps`` in a live-recovery job (replica groups on torchft).
+
+The step, the epoch and the position in it come from the committed step, which a healed group
+receives from its peer, never from a counter of the loop; each step's batch comes from the
+live dataset (split over that step's quorum). Backups are written by one group only (the first
+participant of the last quorum; every group holds the same state), so losing every group at
+once resumes from disk as without replica groups; a group restarted alone may read the backup
+and then heals from a live peer further on. SIGTERM makes a group leave the job at a step
+boundary (the others go on), so the backup's own preemption handling is off here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+if TYPE_CHECKING:
+    from replicator.strategies.live.dataset import LiveDataset
+
+
+def is_live(dataset: Any) -> TypeGuard[LiveDataset]:
+    """True for the distributed dataset of a live-recovery job."""
+    from replicator.strategies.live.dataset import LiveDataset
+
+    return isinstance(dataset, LiveDataset)
+
+
+def live_steps(backup: Any, dataset: LiveDataset, *, epochs: int | None,
+               num_steps: int | None) -> Iterator[tuple[int, Any]]:
+    """``(step, batch)`` until ``epochs`` epochs or ``num_steps`` steps are committed
+    (``backup``: the ``BackupAndRestore`` whose ``steps`` this is)."""
+    engine = dataset.engine
+    spe = dataset.split.steps_per_epoch
+    ends = [n for n in (epochs * spe if epochs is not None else None, num_steps)
+            if n is not None]
+    end = min(ends)
+    backup.handle_preemption = False  # SIGTERM: the group leaves (engine.py)
+    backup.on_train_begin()
+    resume = backup._resume
+    if backup.step > engine.committed_steps:
+        engine.resume_at(backup.step)
+        if resume is not None:
+            backup._restore_rng(resume)
+    backup._resume = None
+    try:
+        for batch in dataset.until(end):
+            yield engine.committed_steps + 1, batch
+            step = engine.committed_steps
+            epoch, index = divmod(step - 1, spe)
+            if not engine.writes_backups:
+                backup.step, (backup.epoch, backup.step_in_epoch) = step, divmod(step, spe)
+                continue
+            backup.step, backup.epoch, backup.step_in_epoch = step - 1, epoch, index
+            backup.on_train_batch_end(index)
+            if index + 1 == spe:
+                backup.on_epoch_end(epoch)
+        if engine.writes_backups:
+            backup.on_train_end()
+    except BaseException:
+        backup._settle_background(raise_errors=False)
+        raise
+    finally:
+        backup.close()
+
+
+__all__ = ["is_live", "live_steps"]
