@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from replicator.cli import main as cli_main
 from replicator.cluster.lighthouse import (
     Lighthouse,
     LighthouseSettings,
@@ -179,38 +180,43 @@ def test_sigterm_to_the_launcher_reaches_every_group(tmp_path):
     assert _unreachable(url)
 
 
+def _main(args: list[str], capsys) -> tuple[int, str]:
+    """``replicator run ARGS`` in this process (for errors raised before any process starts)."""
+    code = cli_main(["run", *args])
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.timeout(120)
-def test_a_busy_lighthouse_port_is_a_clear_error(tmp_path):
+def test_a_busy_lighthouse_port_is_a_clear_error(tmp_path, capsys):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(1)
     port = sock.getsockname()[1]
     try:
-        res = _run(["--replica-groups", "2", "--nproc", "1", "--lighthouse-bind",
-                    f"127.0.0.1:{port}", SCRIPT, str(tmp_path), "exit"])
+        code, err = _main(["--replica-groups", "2", "--nproc", "1", "--lighthouse-bind",
+                           f"127.0.0.1:{port}", SCRIPT, str(tmp_path), "exit"], capsys)
     finally:
         sock.close()
-    assert res.returncode == 2, res.stderr
+    assert code == 2, err
     assert f"port {port} on 127.0.0.1 is already in use, so the lighthouse cannot listen " \
-           "there" in res.stderr
-    assert "Traceback" not in res.stderr and not _starts(tmp_path)
+           "there" in err
+    assert "Traceback" not in err and not _starts(tmp_path)
 
 
 @pytest.mark.timeout(60)
-def test_without_torchft_replica_groups_say_how_to_install_it(tmp_path):
-    code = ("import sys; sys.modules['torchft'] = None; from replicator.cli import main; "
-            f"sys.exit(main(['run', '--replica-groups', '2', '--nproc', '1', {SCRIPT!r}, "
-            f"{str(tmp_path)!r}, 'exit']))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, env=_env())
-    assert res.returncode == 2
-    assert "--replica-groups needs torchft" in res.stderr
-    assert "pip install 'replicator[live]'" in res.stderr
+def test_without_torchft_replica_groups_say_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` fails as if absent
+    assert torchft_missing() is not None
+    code, err = _main(["--replica-groups", "2", "--nproc", "1", SCRIPT, str(tmp_path), "exit"],
+                      capsys)
+    assert code == 2
+    assert "--replica-groups needs torchft" in err
+    assert "pip install 'replicator[live]'" in err
     assert not _starts(tmp_path)
 
 
 @pytest.mark.timeout(60)
-def test_inconsistent_replica_group_flags_are_refused(tmp_path):
+def test_inconsistent_replica_group_flags_are_refused(tmp_path, capsys):
     for args, words in (
             (["--replica-groups", "3", "--min-replicas", "4"], "--min-replicas 4 is more than "
              "--replica-groups 3"),
@@ -219,10 +225,12 @@ def test_inconsistent_replica_group_flags_are_refused(tmp_path):
              "--lighthouse both name a running lighthouse"),
             (["--replica-groups", "2", "--num-ps", "1"], "--num-ps does not combine with "
              "--replica-groups"),
-            (["--replica-groups", "2", "--lighthouse", "nohost"], "has no port")):
-        res = _run(args + ["--nproc", "1", SCRIPT, str(tmp_path), "exit"], timeout=60)
-        assert res.returncode == 2, (args, res.stderr)
-        assert words in res.stderr, (args, res.stderr)
+            (["--replica-groups", "2", "--lighthouse", "nohost"], "has no port"),
+            (["--replica-groups", "2", "--heartbeat-timeout", "0"], "--heartbeat-timeout must "
+             "be a number of seconds > 0")):
+        code, err = _main(args + ["--nproc", "1", SCRIPT, str(tmp_path), "exit"], capsys)
+        assert code == 2, (args, err)
+        assert words in err, (args, err)
     assert not _starts(tmp_path)
 
 
