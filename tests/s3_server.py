@@ -63,8 +63,7 @@ class S3Server:
     def make_bucket(self, name: str) -> None:
         import s3fs
 
-        s3fs.S3FileSystem(client_kwargs={"endpoint_url": self.endpoint},
-                          skip_instance_cache=True).mkdir(name)
+        s3fs.S3FileSystem(endpoint_url=self.endpoint, skip_instance_cache=True).mkdir(name)
 
     def pause(self) -> None:
         """SIGSTOP: connections are accepted but never answered (a hung server)."""

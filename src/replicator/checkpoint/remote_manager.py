@@ -93,6 +93,8 @@ class RemoteCheckpointManager(CheckpointManager):
         self.failed_saves = 0
         self.last_error: BaseException | None = None
         self._failed_steps: list[int] = []
+        #: What each refused save said, oldest first (the last 20).
+        self.failure_log: list[str] = []
 
     @property  # type: ignore[override]
     def directory(self) -> str:  # type: ignore[override]
@@ -176,6 +178,7 @@ class RemoteCheckpointManager(CheckpointManager):
             self.failed_saves += 1
             self.last_error = exc
             self._failed_steps.append(step)
+            self.failure_log = [*self.failure_log[-19:], f"step {step}: {exc}"]
             ch = channel or self.channel
             if ch.is_chief:
                 kept = (f"; the local mirror {self.mirror.directory} holds it" if
@@ -260,7 +263,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 data = safetensors_io.to_bytes(state.tensors, state.metadata)
             else:
                 data = serialization.encode(state, label)
-            self.store.fs.pipe_file(f"{base}/{fname}", data)
+            self.store.put_path(f"{base}/{fname}", data)
             entries[fname] = FileEntry(bytes=len(data), sha256=hash_bytes(data))
         return entries
 

@@ -118,7 +118,10 @@ class SaverProcess:
                     return dict(reply)
             elif proc.poll() is not None:
                 break
-        code = proc.poll()
+        try:
+            code = proc.wait(10)  # its output ended: it is exiting
+        except subprocess.TimeoutExpired:
+            code = None
         if code is None:
             proc.kill()
             raise OSError(f"the saver process (pid {proc.pid}) did not finish writing {base} "

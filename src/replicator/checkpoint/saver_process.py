@@ -26,6 +26,8 @@ import sys
 from typing import Any
 
 CHUNK = 8 << 20
+#: Objects up to this size are uploaded in one call with a time limit; larger ones stream.
+WHOLE_OBJECT_BYTES = 512 << 20
 
 
 class _Filesystems:
@@ -38,12 +40,30 @@ class _Filesystems:
             import fsspec  # type: ignore[import-untyped]
 
             cls = fsspec.get_filesystem_class(scheme)
-            self._open[key] = cls(**options)
+            options = dict(options)
+            retries = options.pop("retries", None)
+            timeout = float(options.pop("operation_timeout", 300.0))
+            fs = cls(**options)
+            if retries is not None:
+                fs.retries = int(retries)
+            self._open[key] = (fs, {"timeout": timeout} if getattr(fs, "async_impl", False)
+                               else {})
         return self._open[key]
 
 
 def _write(view: memoryview, dest: str, fs: Any, die: bool) -> tuple[int, str]:
     hasher = hashlib.sha256()
+    if fs is not None and len(view) <= WHOLE_OBJECT_BYTES:
+        # one call with a time limit: a hung server never answers a PUT
+        fs_, limit = fs
+        for start in range(0, len(view), CHUNK):
+            hasher.update(view[start:start + CHUNK])
+        data = bytes(view)
+        if die:  # the first chunk only, then the process dies: a partial object at most
+            fs_.pipe_file(dest, data[:CHUNK // 2], **limit)
+            _maybe_die(die)
+        fs_.pipe_file(dest, data, **limit)
+        return len(view), hasher.hexdigest()
     if fs is None:
         with open(dest, "wb") as f:
             for start in range(0, len(view), CHUNK):
@@ -54,7 +74,7 @@ def _write(view: memoryview, dest: str, fs: Any, die: bool) -> tuple[int, str]:
             f.flush()
             os.fsync(f.fileno())
     else:
-        with fs.open(dest, "wb") as f:
+        with fs[0].open(dest, "wb") as f:
             for start in range(0, len(view), CHUNK):
                 part = view[start:start + CHUNK]
                 hasher.update(part)

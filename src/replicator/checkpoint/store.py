@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 from replicator.errors import StorageURLError
 
 T = TypeVar("T")
+#: Default seconds one call on a store may take (``storage_options["operation_timeout"]``).
+OPERATION_TIMEOUT = 300.0
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: Schemes read as local paths (the local code path, with atomic renames).
 LOCAL_SCHEMES = ("file", "local")
@@ -99,12 +101,14 @@ def _io(op: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
                 return fn(self, *args, **kwargs)
             except (FileNotFoundError, StorageURLError):
                 raise
-            except OSError as exc:
-                raise OSError(exc.errno, f"{op} {self.url}/{args[0] if args else ''}: "
-                              f"{exc}") from exc
             except Exception as exc:  # noqa: BLE001 - the store's own errors, translated
-                raise OSError(f"{op} {self.url}/{args[0] if args else ''}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                name = str(args[0]) if args else ""
+                what = (f"{self.scheme}://{name}" if name.startswith(self.root)
+                        else f"{self.url}/{name}")
+                detail = str(exc) or f"no answer in {self.timeout:.0f} s"
+                message = f"{op} {what}: {type(exc).__name__}: {detail}"
+                code = getattr(exc, "errno", None)
+                raise (OSError(code, message) if code else OSError(message)) from exc
         return call
     return wrap
 
@@ -123,9 +127,16 @@ class RemoteStore:
         self.scheme = url_scheme(url) or ""
         self.storage_options = merged_options(self.scheme, storage_options)
         options = dict(self.storage_options)
+        retries = options.pop("retries", None)  # s3fs's own retry count (an attribute)
+        #: Seconds one call on the store may take (a hung server never answers a PUT).
+        self.timeout = float(options.pop("operation_timeout", OPERATION_TIMEOUT))
         if getattr(cls, "cachable", True):
             options.setdefault("skip_instance_cache", True)
         self.fs = cls(**options)
+        if retries is not None:
+            self.fs.retries = int(retries)
+        self._limit = {"timeout": self.timeout} if getattr(self.fs, "async_impl", False) \
+            else {}
         self.root = str(cls._strip_protocol(self.url)).rstrip("/")  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
@@ -140,18 +151,22 @@ class RemoteStore:
     def name_url(self, name: str) -> str:
         return f"{self.url}/{name}"
 
-    @_io("writing")
     def put(self, name: str, data: bytes) -> None:
-        self.fs.pipe_file(self.path(name), bytes(data))
+        self.put_path(self.path(name), data)
+
+    @_io("writing")
+    def put_path(self, path: str, data: bytes) -> None:
+        """Write ``data`` at ``path`` (a full path on the store, without the scheme)."""
+        self.fs.pipe_file(path, bytes(data), **self._limit)
 
     @_io("reading")
     def get(self, name: str) -> bytes:
-        return bytes(self.fs.cat_file(self.path(name)))
+        return bytes(self.fs.cat_file(self.path(name), **self._limit))
 
     @_io("checking")
     def exists(self, name: str) -> bool:
         self.fs.invalidate_cache(self.path(name))
-        return bool(self.fs.exists(self.path(name)))
+        return bool(self.fs.exists(self.path(name), **self._limit))
 
     @_io("listing")
     def objects(self, prefix: str) -> list[tuple[str, int]]:
@@ -159,7 +174,7 @@ class RemoteStore:
         where = self.path(prefix)
         self.fs.invalidate_cache(where)
         try:
-            entries = self.fs.ls(where, detail=True)
+            entries = self.fs.ls(where, detail=True, **self._limit)
         except FileNotFoundError:
             return []
         base = where.rstrip("/") + "/"
@@ -177,7 +192,7 @@ class RemoteStore:
         where = self.path(prefix)
         self.fs.invalidate_cache(where)
         try:
-            entries = self.fs.ls(where, detail=True)
+            entries = self.fs.ls(where, detail=True, **self._limit)
         except FileNotFoundError:
             return []
         base = where.rstrip("/") + "/"
@@ -188,7 +203,7 @@ class RemoteStore:
     @_io("deleting")
     def remove(self, name: str, recursive: bool = False) -> None:
         try:
-            self.fs.rm(self.path(name), recursive=recursive)
+            self.fs.rm(self.path(name), recursive=recursive, **self._limit)
         except FileNotFoundError:
             pass
         self.fs.invalidate_cache(self.path(name))
@@ -206,7 +221,10 @@ def merged_options(scheme: str, options: Mapping[str, Any] | None) -> dict[str, 
         conf = {}
     base: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v
                             for k, v in (S3_DEFAULTS if scheme in ("s3", "s3a") else {}).items()}
-    for k, v in {**conf, **dict(options or {})}.items():
+    given = dict(options or {})
+    if "endpoint_url" in dict(given.get("client_kwargs") or {}):
+        conf.pop("endpoint_url", None)  # the caller's endpoint wins over the environment's
+    for k, v in {**conf, **given}.items():
         if isinstance(v, dict) and isinstance(base.get(k), dict):
             base[k] = {**base[k], **v}
         else:

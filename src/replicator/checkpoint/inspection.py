@@ -1,0 +1,265 @@
+"""``replicator checkpoints list|verify|export LOCATION``: look into backups without training.
+
+Works on a local backup directory and on an fsspec URL alike, read-only (it never takes the
+store's lease, never deletes). ``list`` shows each backup's step, time, size and status
+(committed, or partial: files without a commit); ``verify`` checks every file's size and
+SHA-256 and names the object and the hash mismatch of a damaged one; ``export`` writes one
+backup's model (or another tracked state) as a plain safetensors file, for inference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from replicator.checkpoint import safetensors_io, serialization
+from replicator.checkpoint.manager import CheckpointManager
+from replicator.checkpoint.manifest import MARKER_NAME, read_marker, verify_file
+from replicator.checkpoint.remote_manager import (
+    COMMITS,
+    DATA,
+    RemoteCheckpointManager,
+    parse_commit_name,
+)
+from replicator.checkpoint.store import RemoteStore, open_store
+from replicator.errors import CheckpointCorruptError, CheckpointError
+
+__all__ = ["Backup", "add_subcommand", "export_backup", "list_backups", "run",
+           "verify_backups"]
+
+
+@dataclass
+class Backup:
+    """One backup as ``list`` shows it."""
+
+    step: int
+    name: str
+    created: float | None
+    nbytes: int
+    status: str
+    manifest: dict[str, Any] | None = None
+
+
+class _Reader:
+    """Read-only access to the backups of a local directory or a store."""
+
+    def __init__(self, location: str | os.PathLike[str],
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        self.where = open_store(location, storage_options, "the backup location")
+        self.label = str(self.where)
+
+    def backups(self) -> list[Backup]:
+        if isinstance(self.where, RemoteStore):
+            return self._remote_backups(self.where)
+        return self._local_backups(self.where)
+
+    def _local_backups(self, root: Path) -> list[Backup]:
+        out = []
+        for step, path in CheckpointManager(root).step_dirs():
+            size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+            try:
+                manifest = read_marker(path)
+                out.append(Backup(step, path.name, manifest.get("created"), size, "committed",
+                                  manifest))
+            except CheckpointCorruptError as exc:
+                status = "partial (no commit)" if not (path / MARKER_NAME).exists() \
+                    else f"damaged: {exc}"
+                out.append(Backup(step, path.name, None, size, status))
+        return out
+
+    def _remote_backups(self, store: RemoteStore) -> list[Backup]:
+        manager = RemoteCheckpointManager(store)
+        out, committed = [], set()
+        for step, name in manager.commits():
+            try:
+                manifest = manager._read_commit(name)
+            except CheckpointCorruptError as exc:
+                out.append(Backup(step, name, None, 0, f"damaged: {exc}"))
+                continue
+            committed.add(manifest["prefix"].split("/", 1)[1])
+            size = sum(int(e["bytes"]) for e in manifest["files"].values())
+            out.append(Backup(step, name, manifest.get("created"), size, "committed", manifest))
+        for folder in store.folders(DATA):
+            parsed = parse_commit_name(folder + ".json")
+            if folder not in committed and parsed is not None:
+                size = sum(n for _, n in store.objects(f"{DATA}/{folder}"))
+                out.append(Backup(parsed[0], folder, None, size, "partial (no commit)"))
+        return sorted(out, key=lambda b: (b.step, b.created or 0.0))
+
+    def read(self, backup: Backup, fname: str) -> Any:
+        """The verified bytes of ``fname`` of ``backup`` (:class:`CheckpointCorruptError`)."""
+        assert backup.manifest is not None
+        if isinstance(self.where, RemoteStore):
+            manager = RemoteCheckpointManager(self.where)
+            return manager._fetch(backup.manifest["prefix"], backup.manifest, fname,
+                                  f"commit {COMMITS}/{backup.name}")
+        return verify_file(self.where / backup.name, backup.manifest, fname)
+
+
+def list_backups(location: str | os.PathLike[str],
+                 storage_options: Mapping[str, Any] | None = None) -> list[Backup]:
+    """Every backup at ``location``, oldest first, committed or not (nothing is verified)."""
+    return _Reader(location, storage_options).backups()
+
+
+def verify_backups(location: str | os.PathLike[str], step: int | None = None,
+                   storage_options: Mapping[str, Any] | None = None
+                   ) -> list[tuple[Backup, str]]:
+    """``(backup, "")`` for each committed backup whose every file verifies, else the reason
+    (the object's name and the hash mismatch); only ``step`` when given."""
+    reader = _Reader(location, storage_options)
+    results = []
+    for backup in reader.backups():
+        if step is not None and backup.step != step:
+            continue
+        if backup.manifest is None:
+            results.append((backup, backup.status))
+            continue
+        try:
+            for fname in sorted(backup.manifest["files"]):
+                reader.read(backup, fname)
+            results.append((backup, ""))
+        except CheckpointCorruptError as exc:
+            results.append((backup, str(exc)))
+    return results
+
+
+def _flat_tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree.contiguous()}
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            out.update(_flat_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            out.update(_flat_tensors(value, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def export_backup(location: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                  step: int | None = None, state: str = "model",
+                  storage_options: Mapping[str, Any] | None = None) -> Backup:
+    """Write ``state`` of the newest backup that verifies (or of ``step``) to ``out``, a plain
+    safetensors file (``safetensors.torch.load_file`` reads it); return the backup used."""
+    reader = _Reader(location, storage_options)
+    candidates = [b for b in reader.backups() if b.manifest is not None
+                  and (step is None or b.step == step)]
+    reasons = []
+    for backup in reversed(candidates):
+        assert backup.manifest is not None
+        fname = f"{state}.safetensors"
+        if fname not in backup.manifest["files"]:
+            sharded = backup.manifest.get("info", {}).get("sharded")
+            held = sorted(n.removesuffix(".safetensors") for n in backup.manifest["files"]
+                          if not n.startswith("rank-"))
+            hint = (" (this backup holds the model sharded, under sharded/; load it with "
+                    "rp.resume.load_sharded and save strategy.full_state_dict(model))"
+                    if sharded else "")
+            raise CheckpointError(f"backup {backup.name} holds no {state!r} state{hint}; it "
+                                  f"holds: {', '.join(held) or 'none'}")
+        try:
+            data = reader.read(backup, fname)
+        except CheckpointCorruptError as exc:
+            reasons.append(f"{backup.name}: {exc}")
+            continue
+        tensors = _flat_tensors(serialization.decode(data, f"{backup.name}/{fname}"))
+        if not tensors:
+            raise CheckpointError(f"backup {backup.name}: {state!r} holds no tensors")
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        safetensors_io.write_file(out, tensors, {"step": str(backup.step),
+                                                 "source": f"{reader.label}/{backup.name}"})
+        return backup
+    which = f"step {step}" if step is not None else "backup"
+    detail = "; ".join(reasons) if reasons else "none is committed"
+    raise CheckpointCorruptError(f"no {which} at {reader.label} to export: {detail}")
+
+
+# -- the command ----------------------------------------------------------------------------------
+def add_subcommand(sub: Any) -> None:
+    """Add ``checkpoints`` to the ``replicator`` command's subparsers."""
+    p = sub.add_parser("checkpoints", help="list, verify or export the backups at a location",
+                       description="Look into the backups of BackupAndRestore or "
+                       "CheckpointManager at a local directory or an fsspec URL (s3://..., "
+                       "gs://...): read-only. S3 credentials and endpoint come from AWS_* and "
+                       "FSSPEC_S3_ENDPOINT_URL.")
+    actions = p.add_subparsers(dest="checkpoints_action", required=True)
+    ls = actions.add_parser("list", help="each backup's step, time, size and status")
+    ls.add_argument("location")
+    ls.add_argument("--json", action="store_true", help="one JSON object per line")
+    ver = actions.add_parser("verify", help="check every file's size and SHA-256")
+    ver.add_argument("location")
+    ver.add_argument("--step", type=int, default=None, help="only this step")
+    exp = actions.add_parser("export", help="write one backup's model as a safetensors file")
+    exp.add_argument("location")
+    exp.add_argument("out", help="the safetensors file to write")
+    exp.add_argument("--step", type=int, default=None,
+                     help="the backup's step (default: the newest that verifies)")
+    exp.add_argument("--state", default="model",
+                     help="which tracked state to export (default: model)")
+
+
+def _when(created: float | None) -> str:
+    if created is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``replicator checkpoints ...``; the exit code (1: a backup failed to verify)."""
+    try:
+        if args.checkpoints_action == "list":
+            backups = list_backups(args.location)
+            if args.json:
+                for b in backups:
+                    print(json.dumps({"step": b.step, "name": b.name, "created": b.created,
+                                      "bytes": b.nbytes, "status": b.status}))
+                return 0
+            if not backups:
+                print(f"no backups at {args.location}")
+                return 0
+            print(f"{'step':>8}  {'time':19}  {'size':>9}  status  (name)")
+            for b in backups:
+                print(f"{b.step:>8}  {_when(b.created):19}  {_size(b.nbytes):>9}  {b.status}  "
+                      f"({b.name})")
+            return 0
+        if args.checkpoints_action == "verify":
+            results = verify_backups(args.location, args.step)
+            if not results:
+                print(f"no backups at {args.location}" + (f" of step {args.step}"
+                                                          if args.step is not None else ""))
+                return 1
+            bad = 0
+            for b, reason in results:
+                print(f"step {b.step:>8}  {'ok' if not reason else 'FAILED: ' + reason}  "
+                      f"({b.name})")
+                bad += bool(reason)
+            return 1 if bad else 0
+        backup = export_backup(args.location, args.out, step=args.step, state=args.state)
+        print(f"wrote {args.out}: {args.state} of step {backup.step} ({backup.name})")
+        return 0
+    except CheckpointError as exc:
+        print(f"replicator checkpoints {args.checkpoints_action}: error: {exc}",
+              file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"replicator checkpoints {args.checkpoints_action}: error: {exc}. HINT: check "
+              "the location and, for a store, its credentials and endpoint.", file=sys.stderr)
+        return 1
