@@ -331,3 +331,43 @@ def test_live_training_under_the_launcher_heals_a_killed_group_and_equals_one_de
     for g in (0, 1):
         got = torch.load(out / f"final_g{g}.pt")
         assert_params_close(reference, got, atol=1e-5, label=f"group {g}: ")
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of the processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_lighthouse_that_dies_stops_the_job_with_its_name(tmp_path):
+    proc = subprocess.Popen(REPLICATOR + ["--replica-groups", "2", "--nproc", "1",
+                                          "--max-restarts", "3", SCRIPT, str(tmp_path), "wait"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    try:
+        _wait_for("2 groups to start", lambda: len(_starts(tmp_path)) == 2, proc=proc)
+        lighthouse = [pid for pid, cmd in _children(proc.pid) if "torchft_lighthouse" in cmd]
+        assert len(lighthouse) == 1, _children(proc.pid)
+        os.kill(lighthouse[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, err[-3000:]
+    assert "the lighthouse exited (exit code -9); stopping every replica group" in err
+    assert "replicator run: error: the lighthouse at http://127.0.0.1:" in err
+    assert "no quorum can form without it" in err
+    assert len(_starts(tmp_path)) == 2  # the groups were stopped, not restarted
+    assert not any(_alive(s["pid"]) for s in _starts(tmp_path))
