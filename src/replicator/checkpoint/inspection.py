@@ -176,7 +176,7 @@ def export_backup(location: str | os.PathLike[str], out: str | os.PathLike[str],
         if not tensors:
             raise CheckpointError(f"backup {backup.name}: {state!r} holds no tensors")
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        safetensors_io.write_file(out, tensors, {"step": str(backup.step),
+        safetensors_io.write_file(Path(out), tensors, {"step": str(backup.step),
                                                  "source": f"{reader.label}/{backup.name}"})
         return backup
     which = f"step {step}" if step is not None else "backup"

@@ -266,3 +266,28 @@ def remove_location(target: Any) -> None:
     from replicator.checkpoint.atomic import remove_tree
 
     remove_tree(target)
+
+
+def read_url(url: str, storage_options: Mapping[str, Any] | None = None) -> bytes | None:
+    """The bytes of the object at ``url`` (``None`` when there is none)."""
+    store = RemoteStore(url, storage_options, "the file")
+    try:
+        return store.get("")
+    except FileNotFoundError:
+        return None
+
+
+def write_url(url: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write the object at ``url`` in one call (a reader sees the old or the new one whole)."""
+    store = RemoteStore(url, storage_options, "the file")
+    store.put_path(store.root, data)
+
+
+def upload_tree(local: str | os.PathLike[str], url: str,
+                storage_options: Mapping[str, Any] | None = None) -> None:
+    """Copy every file under the local directory ``local`` to the same names under ``url``."""
+    store = RemoteStore(url, storage_options, "the directory")
+    base = Path(local)
+    for path in sorted(base.rglob("*")):
+        if path.is_file():
+            store.put(path.relative_to(base).as_posix(), path.read_bytes())
