@@ -38,7 +38,8 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
                extra: dict[int, list[str]] | None = None) -> dict:
     """Run ``groups`` replica groups; group g kills itself at step ``kills[g]``; the groups in
     ``restart`` are started again when killed (up to ``max_restarts`` times each), with the
-    same arguments (``--kill-at-step`` excepted). Returns each group's results."""
+    same arguments (``--kill-at-step`` excepted), unless a group has already finished (it
+    would wait for peers that are gone, as a launcher knows). Returns each group's results."""
     out = tmp / name
     out.mkdir()
     kills = kills or {}
@@ -70,7 +71,9 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
                 code = next((c for c in grp.poll() if c != 0), 0)
                 codes[g].append(code)
                 del running[g]
-                if code == -signal.SIGKILL and g in restart and restarts[g] < max_restarts:
+                finished = any(0 in c for c in codes.values())  # the job is done
+                if code == -signal.SIGKILL and g in restart and restarts[g] < max_restarts \
+                        and not finished:
                     restarts[g] += 1
                     running[g] = start_group(SCRIPT, g, groups, lighthouse.address,
                                              min_replicas=min_replicas, env=env(),

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.ports import listen
 from replicator.comm.gradient_sync import local_tensor
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.live_split import Share
@@ -136,10 +137,12 @@ class LiveEngine:
         manager's address); its port goes to the other ranks by a broadcast in the group."""
         port = torch.zeros(1, dtype=torch.int64)
         if self.settings.rank == 0:
-            self._own_store = dist.TCPStore(self.settings.bind, 0, 1, True,
+            sock = listen(self.settings.bind, 0)  # this address only, never every interface
+            port[0] = int(sock.getsockname()[1])
+            self._own_store = dist.TCPStore(self.settings.bind, int(port[0]), 1, True,
                                             timeout=timedelta(seconds=30),
-                                            wait_for_workers=False)
-            port[0] = int(self._own_store.port)
+                                            wait_for_workers=False,
+                                            master_listen_fd=sock.detach())
         if self.replicas.world_size > 1:
             self.replicas.broadcast_([port], src=0, what="port of the replica group's store")
         return self.settings.bind, int(port.item())
