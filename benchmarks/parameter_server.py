@@ -11,6 +11,22 @@
   the same figure with payloads on the TCP socket (``shared_memory=False``) is shown beside
   it for reference.
 
+Embedding tables and the coordinator (``benchmarks/_ps_embedding.py`` has the models and
+the baseline; a DLRM-like model: tables of 1M x 32 and 100k x 16 floats, batch 256, 26
+lookups per sample, a 3-layer MLP; 2 workers and 2 servers, scheduled by the coordinator):
+
+- ``bytes_sparse_vs_dense``: bytes a worker moves per step with sparse tables (rows looked up,
+  deduplicated, and their gradients) / the same model with ``sparse=False`` (the tables
+  travel whole both ways). Goal <= 0.01.
+- ``embedding_vs_rpc``: steps/s, ours / the parameter server of PyTorch's
+  ``torch.distributed.rpc`` tutorial (servers own the tables, the trainer's forward fetches
+  the same deduplicated rows over RPC, distributed autograd and ``DistributedOptimizer``).
+  Goal >= 2.
+- ``schedule_us``: a scheduled no-op's round trip, ``schedule(noop).fetch()``, in
+  microseconds (reported).
+- ``coordinator_vs_loop``: steps/s of the dense MNIST-1D CNN over 2 workers and 1 server,
+  asynchronous, scheduled by the coordinator / each worker's own loop. Goal >= 0.9.
+
 The synchronous baseline is ``MirroredStrategy`` (``--sync-baseline mirrored``, the default)
 or torch's ``DistributedDataParallel`` (``--sync-baseline ddp``), which Mirrored matches
 within a few percent (benchmarks/mirrored_overhead.py).
@@ -40,6 +56,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import replicator as rp  # noqa: E402
+from benchmarks import _ps_embedding as E  # noqa: E402
 from benchmarks._report import emit, median, print_table  # noqa: E402
 
 WORKERS = 3
@@ -246,7 +263,10 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.35, help="eval loss to reach")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--sync-baseline", choices=("mirrored", "ddp"), default="mirrored")
-    parser.add_argument("--only", choices=("straggler", "vs_rpc"), default=None)
+    parser.add_argument("--only", choices=("straggler", "vs_rpc", "embedding", "coordinator"),
+                        default=None)
+    parser.add_argument("--embedding-steps", type=int, default=200)
+    parser.add_argument("--mnist-steps", type=int, default=400)
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's adaptive malloc thresholds (see the module doc)")
     args = parser.parse_args()
@@ -267,10 +287,32 @@ def main() -> None:
                                args=(args.rounds, False))[0])
         rows.append(["10 MB push+pull per s", ours, rpc, ours / rpc])
         tcp_row = ["  the same, payloads on TCP", tcp, rpc, tcp / rpc]
+    more: list[tuple[str, float, float, float, str]] = []
+    if args.only in (None, "embedding"):
+        sparse = rp.launch(E.ours_embedding, num_replicas=5, num_ps=2,
+                           args=(args.embedding_steps,))[0]
+        dense = rp.launch(E.ours_embedding, num_replicas=4, num_ps=2, args=(2,),
+                          kwargs={"sparse": False, "warmup": 1})[0]
+        rpc_rate = E.rpc_embedding(args.embedding_steps)
+        more += [("bytes_sparse_vs_dense", sparse["bytes_per_step"], dense["bytes_per_step"],
+                  sparse["bytes_per_step"] / dense["bytes_per_step"], "<= 0.01"),
+                 ("embedding_vs_rpc", sparse["steps_per_s"], rpc_rate,
+                  sparse["steps_per_s"] / rpc_rate, ">= 2")]
+    if args.only in (None, "coordinator"):
+        us = rp.launch(E.schedule_round_trip, num_replicas=3, num_ps=1, args=(200,))[0]
+        coord = rp.launch(E.mnist1d_throughput, num_replicas=4, num_ps=1,
+                          args=("coordinator", args.mnist_steps))[0]
+        loop = rp.launch(E.mnist1d_throughput, num_replicas=3, num_ps=1,
+                         args=("loop", args.mnist_steps))[0]
+        more += [("schedule_us", us["median_us"], 0.0, us["median_us"], "report"),
+                 ("coordinator_vs_loop", coord, loop, coord / loop, ">= 0.9")]
     print(f"\nParameterServerStrategy vs {args.sync_baseline} / torch.distributed.rpc")
     print_table(["figure", "ours", "baseline", "ratio"],
-                rows + ([tcp_row] if args.only in (None, "vs_rpc") else []))
+                rows + ([tcp_row] if args.only in (None, "vs_rpc") else [])
+                + [[name, o, b, r] for name, o, b, r, _ in more])
     print()
+    for name, o, b, r, goal in more:
+        emit("parameter_server", name, r, goal, ours=round(o, 4), baseline=round(b, 4))
     for row in rows:
         name = {"straggler (s to target)": "straggler", "no straggler (s to target)":
                 "no_straggler", "10 MB push+pull per s": "vs_rpc"}[row[0]]

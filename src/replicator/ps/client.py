@@ -117,6 +117,24 @@ class ServerClient:
             return [call(ks[0])]
         return list(self._pool.map(call, ks))
 
+    def exchange(self, send: Callable[[int, Connection], None],
+                 receive: Callable[[int, Connection], T], servers: list[int] | None = None
+                 ) -> list[T]:
+        """A request to each server ``k``, then each answer, all from this thread: the servers
+        work on their parts at once, and no thread hand-off adds to the round trip (measured:
+        with two servers on a loaded 2-core host, helper threads added about a millisecond)."""
+        ks = list(range(len(self.connections))) if servers is None else servers
+        k = -1
+        try:
+            for k in ks:
+                send(k, self.connections[k])
+            out = []
+            for k in ks:
+                out.append(receive(k, self.connections[k]))
+            return out
+        except PeerLostError as exc:
+            raise self.lost(k, exc) from exc
+
     def _read_values(self, k: int, conn: Connection, sink: Sink, into: Into | None = None
                      ) -> int:
         """Values until the end marker; its clock (``-1 - clock`` when the push answered was
@@ -205,22 +223,20 @@ class ServerClient:
         """Pull every dense shard of every server (``expected[k]`` shards from server ``k``;
         ``everything``: sparse tables whole too); ``begin``: a step starts with these values
         (the servers apply the staleness bound)."""
-        def one(k: int, conn: Connection) -> int:
+        def send(k: int, conn: Connection) -> None:
             conn.send(P.PULL, a=expected.get(k, 0), b=int(begin), c=int(everything))
-            return self._read_values(k, conn, sink)
 
-        return self.each(one)
+        return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink))
 
     def pull_rows(self, rows: dict[int, list[tuple[int, torch.Tensor]]], sink: Sink) -> None:
         """The named rows of sparse table shards: ``rows[k]`` lists ``(shard id, shard-local
         rows)`` for server ``k``; ``sink`` gets ``(shard id, version, values)``."""
-        def one(k: int, conn: Connection) -> int:
-            items = rows[k]
-            conn.send_many([(P.ROW_IDS, sid, 0, ids, 0, 0, 0) for sid, ids in items]
-                           + [(P.PULL_ROWS, -1, 0, None, len(items), 0, 0)])
-            return self._read_values(k, conn, sink, into=_fresh)
+        def send(k: int, conn: Connection) -> None:
+            conn.send_many([(P.ROW_IDS, sid, 0, ids, 0, 0, 0) for sid, ids in rows[k]]
+                           + [(P.PULL_ROWS, -1, 0, None, len(rows[k]), 0, 0)])
 
-        self.each(one, sorted(rows))
+        self.exchange(send, lambda k, conn: self._read_values(k, conn, sink, into=_fresh),
+                      sorted(rows))
 
     def push(self, grads: dict[int, list[Push]], sink: Sink, pull: bool = True,
              claim: tuple[int, int, int] | None = None,
@@ -231,7 +247,7 @@ class ServerClient:
         the input batch this update consumes (told to server 0); ``task`` (task id, push
         number): a coordinator's function, applied at most once by each server (with ``task``,
         every server gets the push, also one with no gradient for it)."""
-        def one(k: int, conn: Connection) -> int:
+        def send(k: int, conn: Connection) -> None:
             items = grads.get(k, [])
             stream, epoch, token = (claim[0], claim[1], claim[2] + 1) \
                 if claim is not None and k == 0 else (-1, 0, 0)
@@ -247,9 +263,9 @@ class ServerClient:
             # through the lane only when values answer it: the server is then done with the
             # gradients before this worker can write its next push there
             conn.send_many(out + [end], shared=pull)
-            return self._read_values(k, conn, sink) if pull else 0
 
-        return self.each(one)
+        return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink)
+                             if pull else 0)
 
     def task_stats(self) -> list[dict[str, int]]:
         """Per server: coordinator task pushes applied and repeats turned away."""

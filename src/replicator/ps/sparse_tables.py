@@ -29,6 +29,8 @@ class SparseTable:
         self.name = name
         self.shards = sorted(shards, key=lambda s: s.start)
         self.by_id = {s.shard_id: s for s in self.shards}
+        #: The last lookup: its ids (flat), their distinct rows and where each id's row is.
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _split(self, rows: torch.Tensor) -> list[tuple[Shard, int, int]]:
         """For sorted, distinct global ``rows``: each shard with the slice of them it holds."""
@@ -42,7 +44,9 @@ class SparseTable:
 
     def rows_to_pull(self, ids: torch.Tensor) -> RowsByServer:
         """The distinct rows ``ids`` looks up, grouped by server and shard (shard-local)."""
-        rows = torch.unique(ids.detach().reshape(-1).to(torch.int64))
+        flat = ids.detach().reshape(-1).to(torch.int64)
+        rows, inverse = torch.unique(flat, return_inverse=True)
+        self._last = (flat, rows, inverse)
         out: RowsByServer = {}
         for s, lo, hi in self._split(rows):
             out.setdefault(s.server, []).append((s.shard_id, rows[lo:hi] - s.start))
@@ -58,7 +62,15 @@ class SparseTable:
                       ) -> dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]:
         """A sparse gradient of the table as pushes per server: ``(shard id, version pulled,
         values, shard-local rows)``; a dense gradient is cut into its nonzero rows."""
-        if grad.is_sparse:
+        last = self._last
+        if grad.is_sparse and not grad.is_coalesced() and last is not None and \
+                grad._nnz() == last[0].numel() and torch.equal(grad._indices()[0], last[0]):
+            # the gradient of the last lookup: sum duplicates by the lookup's own inverse
+            # (a linear pass; coalesce would sort the ids again)
+            rows = last[1]
+            values = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype)
+            values.index_add_(0, last[2], grad._values())
+        elif grad.is_sparse:
             g = grad.coalesce()
             rows, values = g.indices()[0], g.values()
         else:

@@ -10,7 +10,8 @@ worker never gets a function its own script has not scheduled yet.
 
 Messages (typed tensors over TCP, :mod:`replicator.ps.messages`; nothing is pickled):
 ``HELLO(a=rank)``; ``ASK`` -> ``TASK(task id, a=attempt, json)`` | ``MARKER(a=seq, json)`` |
-``IDLE`` (a heartbeat: ask again); ``RESULT(task id, json)`` | ``FAILED(task id, text)``;
+``IDLE`` (a heartbeat: ask again); ``RESULT(task id, json)`` (which also asks) |
+``FAILED(task id, text)``;
 ``BYE``. A payload's tensors follow its message as ``TENSOR`` messages (``c`` counts them).
 """
 
@@ -101,7 +102,10 @@ class TaskDispatcher:
                 msg = conn.receive("waiting for a worker", timeout_seconds=None)
                 if msg.kind == BYE:
                     break
-                if msg.kind == ASK:
+                if msg.kind == RESULT:  # a result is also the next ask (one message less)
+                    tensors = _read_tensors(conn, msg.c)
+                    self.queue.complete(worker, msg.var_id, (tensor_text(msg.payload), tensors))
+                if msg.kind in (ASK, RESULT):
                     item = self.queue.next_for(worker, HEARTBEAT_SECONDS)
                     if item is None:
                         conn.send(IDLE)
@@ -113,9 +117,6 @@ class TaskDispatcher:
                                            "args": item.args[0]})
                         _send_payload(conn, TASK, item.task_id, (text, item.args[1]),
                                       a=item.attempts)
-                elif msg.kind == RESULT:
-                    tensors = _read_tensors(conn, msg.c)
-                    self.queue.complete(worker, msg.var_id, (tensor_text(msg.payload), tensors))
                 elif msg.kind == FAILED:
                     self.queue.fail(worker, msg.var_id,
                                     RemoteFunctionError(tensor_text(msg.payload)))
@@ -180,15 +181,18 @@ class TaskChannel:
         value. :class:`StopServing` if the chief stopped instead."""
         if self.stopped:
             raise StopServing("the coordinator has stopped")
+        ask = True
         while True:
-            self.conn.send(ASK, a=seq)
+            if ask:
+                self.conn.send(ASK, a=seq)
+            ask = True
             msg = self.conn.receive(f"waiting for work or the chief's {kind}() (call {seq})")
             if msg.kind == IDLE:
                 continue
             if msg.kind == TASK:
                 spec = json.loads(tensor_text(msg.payload))
                 tensors = _read_tensors(self.conn, msg.c)
-                self._run(msg.var_id, msg.a, spec, tensors)
+                ask = not self._run(msg.var_id, msg.a, spec, tensors)
                 continue
             if msg.kind != MARKER:
                 raise ParameterServerError(f"the coordinator sent message kind {msg.kind}")
@@ -207,7 +211,8 @@ class TaskChannel:
             return text, tensors
 
     def _run(self, task_id: int, attempt: int, spec: dict[str, Any],
-             tensors: list[torch.Tensor]) -> None:
+             tensors: list[torch.Tensor]) -> bool:
+        """Run a task and send its result (which asks for more: True) or its failure."""
         try:
             result = self.runner(task_id, attempt, spec["key"], spec["name"], spec["args"],
                                  tensors)
@@ -220,9 +225,10 @@ class TaskChannel:
                     f"raised on worker rank {self.rank}: {type(exc).__name__}: {exc}\n"
                     f"worker traceback:\n{traceback.format_exc()}")
             self.conn.send(FAILED, var_id=task_id, tensor=text_tensor(text))
-            return
+            return False
         self.tasks_run += 1
         _send_payload(self.conn, RESULT, task_id, result)
+        return True
 
     def close(self) -> None:
         try:

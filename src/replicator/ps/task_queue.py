@@ -86,6 +86,7 @@ class TaskQueue:
         self.running: dict[int, Task] = {}
         self.error: BaseException | None = None
         self.next_id = 0
+        self.finished = 0
         self.reruns = 0
         self.commit_order: list[int] = []
 
@@ -128,9 +129,8 @@ class TaskQueue:
                 if task is None and (not self.queue and not self.running
                                      or self.error is not None):
                     return
-                count = sum(t.state in (DONE, FAILED, CANCELLED) for t in self.tasks.values())
-                if count != finished:
-                    finished, progress = count, time.monotonic()
+                if self.finished != finished:
+                    finished, progress = self.finished, time.monotonic()
                 if not self.live and len(self.gone) >= len(self.expected):
                     raise NoWorkerError(
                         f"{len(self.queue) + len(self.running)} scheduled function(s) wait and "
@@ -197,6 +197,7 @@ class TaskQueue:
                     f"scheduled function {other.name} (task {other.task_id}) was cancelled "
                     f"because task {task_id} failed first: {error}")
                 other.finished_at = time.monotonic()
+                self.finished += 1
 
     def lost(self, worker: int) -> Task | None:
         """``worker`` is gone: its running task goes back to the front of the queue."""
@@ -217,6 +218,7 @@ class TaskQueue:
         if task is None or task.task_id != task_id:
             return None
         task.finished_at = time.monotonic()
+        self.finished += 1
         self.cond.notify_all()
         return task
 
