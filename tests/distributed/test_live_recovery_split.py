@@ -46,3 +46,23 @@ def test_split_errors_name_the_fix():
         StepSplit(100, 2, shuffle=False, seed=0, drop_remainder=True, max_groups=3)
     with pytest.raises(ValueError, match="drop_remainder=True"):
         StepSplit(101, 10, shuffle=False, seed=0, drop_remainder=False, group_size=2)
+
+
+def test_epochs_loop_without_replica_groups_runs_every_epoch_once():
+    import torch
+    from torch.utils.data import TensorDataset
+
+    import replicator as rp
+
+    strategy = rp.OneDeviceStrategy("cpu")
+    data = TensorDataset(torch.arange(20).float())
+    counted = strategy.distribute_dataset(data, batch_size=5, shuffle=True, epochs=3)
+    assert len(counted) == 12
+    seen = [b[0].tolist() for b in counted]
+    by_hand = strategy.distribute_dataset(data, batch_size=5, shuffle=True)
+    expected = [b[0].tolist() for _ in range(3) for b in by_hand]
+    assert seen == expected and len(seen) == 12
+    for epoch in range(3):  # each epoch holds every sample once
+        assert sorted(sum(seen[epoch * 4:(epoch + 1) * 4], [])) == list(map(float, range(20)))
+    with pytest.raises(ValueError, match="epochs must be a positive integer"):
+        strategy.distribute_dataset(data, batch_size=5, epochs=0)
