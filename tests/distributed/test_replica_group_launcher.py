@@ -160,7 +160,7 @@ def test_a_group_out_of_restarts_fails_the_job_naming_it(tmp_path):
 @pytest.mark.timeout(300)
 def test_sigterm_to_the_launcher_reaches_every_group(tmp_path):
     proc = subprocess.Popen(REPLICATOR + ["--replica-groups", "2", "--nproc", "1", SCRIPT,
-                                          str(tmp_path), "wait"],
+                                          str(tmp_path), "wait", "75"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env())
     try:
@@ -172,10 +172,13 @@ def test_sigterm_to_the_launcher_reaches_every_group(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, err[-3000:]  # both groups left cleanly (exit 0)
+    # both groups left at a step boundary with 75, as the live engine does: the launcher too
+    assert proc.returncode == 75, err[-3000:]
     left = [json.loads(line) for line in (tmp_path / "left.jsonl").read_text().splitlines()]
     assert sorted(entry["group"] for entry in left) == [0, 1]
     assert "received SIGTERM: asking every replica group to leave" in err
+    assert "replicator run: the job received SIGTERM: replica group(s) 0, 1 left at a step " \
+           "boundary (exit code 75)" in err
     assert len(_starts(tmp_path)) == 2  # nothing was restarted
     assert _unreachable(url)
 

@@ -305,12 +305,7 @@ class ReplicaGroups:
                 raise error
         if self.signalled:
             if errors:
-                first = min(errors)
-                raise PreemptedError(
-                    "the job received SIGTERM: every replica group was asked to leave at a "
-                    f"step boundary; replica group(s) {', '.join(map(str, sorted(errors)))} "
-                    f"stopped with a failure or a backup ({str(errors[first]).splitlines()[0]})",
-                    rank=getattr(errors[first], "rank", 0))
+                raise self._preempted(errors)
             return
         failed = {g: e for g, e in errors.items() if not isinstance(e, PreemptedError)}
         if not failed:
@@ -323,6 +318,22 @@ class ReplicaGroups:
                      " failed after their restarts")
         raise ReplicaGroupFailedError(first, error, self.groups[first].attempt,
                                       self.cfg.max_restarts)
+
+    def _preempted(self, errors: dict[int, BaseException]) -> PreemptedError:
+        """The launcher's error after SIGTERM: which groups left, which failed meanwhile."""
+        left = sorted(g for g, e in errors.items() if isinstance(e, PreemptedError))
+        failed = sorted(g for g in errors if g not in left)
+        parts = []
+        if left:
+            parts.append(f"replica group(s) {', '.join(map(str, left))} left at a step boundary "
+                         "(exit code 75)")
+        for g in failed:
+            parts.append(f"replica group {g} failed meanwhile: "
+                         f"{str(errors[g]).splitlines()[0]}")
+        hint = str(errors[left[0]]).splitlines()[1:] if left else []
+        message = "the job received SIGTERM: " + "; ".join(parts)
+        first = errors[(left or failed)[0]]
+        return PreemptedError("\n".join([message, *hint]), rank=getattr(first, "rank", 0))
 
     def close(self) -> None:
         for group in self.groups.values():
