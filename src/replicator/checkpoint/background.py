@@ -89,9 +89,11 @@ class BackgroundSaver:
         return self._channel
 
     def submit(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
-               info: Mapping[str, Any] | None) -> Path:
+               info: Mapping[str, Any] | None,
+               before: Callable[[Channel], Any] | None = None) -> Path:
         """Copy the state now and save it as ``step`` on the thread; return the path it will
-        have. Waits for the save before this one first (raising its error, if any)."""
+        have. Waits for the save before this one first (raising its error, if any).
+        ``before(channel)`` runs on the thread first (a sharded save the backup names)."""
         self.wait()
         start = time.perf_counter()
         channel = self._private_channel()
@@ -107,7 +109,7 @@ class BackgroundSaver:
         info = dict(info or {})
         self._step, self._error, self._saved = step, None, None
         self._thread = threading.Thread(
-            target=self._run, args=(step, frozen_rep, frozen_rank, info, channel),
+            target=self._run, args=(step, frozen_rep, frozen_rank, info, channel, before),
             name=f"replicator-checkpoint-{step}", daemon=True)
         self._thread.start()
         self.last_submit_seconds = time.perf_counter() - start
@@ -115,10 +117,13 @@ class BackgroundSaver:
         return directory / step_dir_name(step) if isinstance(directory, Path) \
             else self.manager.where(step)  # type: ignore[return-value]
 
-    def _run(self, step: int, replicated: dict[str, FrozenState] | None,
-             per_rank: FrozenState | None, info: dict[str, Any], channel: Channel) -> None:
+    def _run(self, step: int, replicated: Mapping[str, Any] | None,
+             per_rank: Any, info: dict[str, Any], channel: Channel,
+             before: Callable[[Channel], Any] | None = None) -> None:
         start = time.perf_counter()
         try:
+            if before is not None:
+                before(channel)
             path = self.manager.save(step, replicated, per_rank, info, channel=channel,
                                      writer=self._writer())
             if path is not None:  # None: a store refused it (logged; the next save retries)

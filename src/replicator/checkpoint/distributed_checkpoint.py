@@ -35,9 +35,10 @@ from replicator.checkpoint.manifest import (
     verify,
     write_marker,
 )
+from replicator.checkpoint.store import check_location, is_remote, local_path
 from replicator.cluster.environment import resolve_cluster
 from replicator.comm.collectives import Collectives
-from replicator.errors import CheckpointCorruptError, CheckpointWriteError
+from replicator.errors import CheckpointCorruptError, CheckpointWriteError, StorageURLError
 
 GROUPS_FILE = "optimizer_groups.json"
 _STEP_PREFIX = "step-"
@@ -82,6 +83,54 @@ def _flat_state(msd: dict[str, Any], osd: dict[str, Any], optimizer: bool
     return flat, groups
 
 
+def _local_root(directory: str | os.PathLike[str]) -> Path:
+    """The directory as a local path; a URL is refused (never a local folder named ``s3:``)."""
+    if is_remote(directory):
+        check_location(directory, "the sharded checkpoint location")
+        raise StorageURLError(
+            f"sharded (DCP) checkpoints are written to a file system every rank sees; "
+            f"{os.fspath(directory)!r} is an object store URL, which they do not support yet. "
+            "HINT: use a shared file system path (NFS, Lustre, a FUSE mount of the bucket), "
+            "or a strategy that holds the whole model on each rank, whose backups go to URLs.")
+    return local_path(directory)
+
+
+class StagedShards:
+    """This rank's sharded model and optimizer state copied at a step boundary (see
+    :func:`stage_sharded`): what a background sharded save writes while training goes on."""
+
+    def __init__(self, flat: dict[str, Any], groups: list[dict[str, Any]],
+                 optimizers: bool) -> None:
+        self.flat, self.groups, self.optimizers = flat, groups, optimizers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_local(t).numel() * _local(t).element_size() for t in self.flat.values())
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _copy(t: Any) -> Any:
+    """A CPU copy of ``t``; a DTensor keeps its mesh and placements around a copied shard."""
+    if hasattr(t, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        local = t.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.detach().to("cpu", copy=True)
+
+
+def stage_sharded(model: torch.nn.Module, optimizer: Optimizers = None) -> StagedShards:
+    """Copy this rank's part of ``model`` (and ``optimizer``) now, for :func:`write_staged`."""
+    optimizers = _as_list(optimizer)
+    msd, osd = get_state_dict(model, optimizers)
+    flat, groups = _flat_state(msd, osd, bool(optimizers))
+    return StagedShards({k: _copy(v) for k, v in flat.items()}, groups, bool(optimizers))
+
+
 def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.Module,
                  optimizer: Optimizers = None, *, collectives: Collectives | None = None,
                  keep: int = 2) -> Path:
@@ -95,21 +144,36 @@ def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.M
     """
     optimizers = _as_list(optimizer)
     ch = Channel(collectives if collectives is not None else group_collectives())
-    root = Path(directory)
+    root = _local_root(directory)
+    try:
+        msd, osd = get_state_dict(model, optimizers)
+        flat, groups = _flat_state(msd, osd, bool(optimizers))
+        staged: StagedShards | Exception = StagedShards(flat, groups, bool(optimizers))
+    except Exception as exc:  # noqa: BLE001 - shared with the other ranks in write_staged
+        staged = exc
+    return write_staged(root, step, staged, ch, keep=keep)
+
+
+def write_staged(directory: str | os.PathLike[str], step: int,
+                 staged: StagedShards | Exception, ch: Channel, *, keep: int = 2) -> Path:
+    """Write and commit ``staged`` (from :func:`stage_sharded`) as ``step``; every rank of
+    ``ch`` calls it (on a background thread, ``ch`` runs over a private group)."""
+    root = _local_root(directory)
     attempt = resolve_cluster().restart_count
     tmp = root / f".tmp-{_step_dir(step)}-a{attempt}"
     final = root / _step_dir(step)
     error = ""
     try:
-        msd, osd = get_state_dict(model, optimizers)
-        flat, groups = _flat_state(msd, osd, bool(optimizers))
+        if isinstance(staged, Exception):
+            raise staged
+        flat, groups = staged.flat, staged.groups
         if ch.is_chief:
             tmp.mkdir(parents=True, exist_ok=True)
         ch.all_gather("", f"checkpoint save of step {step} (directory)")
         dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp),
                                                                    save_distributed=True),
                  process_group=ch.collectives.group, no_dist=ch.world_size == 1)
-        if ch.is_chief and optimizers:
+        if ch.is_chief and staged.optimizers:
             write_durable(tmp / GROUPS_FILE, json.dumps(groups).encode())
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
         error = f"{type(exc).__name__}: {exc}"
@@ -176,7 +240,7 @@ def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
     """
     optimizers = _as_list(optimizer)
     ch = Channel(collectives if collectives is not None else group_collectives())
-    root = Path(directory)
+    root = _local_root(directory)
     choice: dict[str, Any] = {"step": -1, "skipped": [], "error": ""}
     if ch.is_chief:
         candidates = [(s, p) for s, p in _committed(root) if step is None or s == step]
@@ -218,6 +282,8 @@ def discard_uncommitted(directory: str | os.PathLike[str], after: int | None = N
     """Remove interrupted saves (``.tmp-*``, ``.trash-*``) and, with ``after``, every step
     newer than ``after`` (a run resumed from ``after`` writes them again). The chief calls it
     while no save is running."""
+    if is_remote(directory):
+        return  # no sharded checkpoints are written to URLs
     root = Path(directory)
     try:
         entries = list(root.iterdir())

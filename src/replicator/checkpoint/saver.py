@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from replicator.checkpoint.background import MIN_WAIT_SECONDS, BackgroundSaver
+from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, FileWriter, step_dir_name
 from replicator.checkpoint.manifest import FileEntry
 from replicator.checkpoint.staging import StagedFile, StagingBuffer, flatten
@@ -159,7 +160,8 @@ class ProcessSaver(BackgroundSaver):
         return self.process.write
 
     def submit(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
-               info: Mapping[str, Any] | None) -> Any:
+               info: Mapping[str, Any] | None,
+               before: Callable[[Channel], Any] | None = None) -> Any:
         """Copy the state into shared memory and hand it to the saver process; return where
         it will be. ``None`` when skipped: the save before is still being written."""
         ch = self.manager.channel
@@ -188,7 +190,8 @@ class ProcessSaver(BackgroundSaver):
         staged_rank = staged.get("rank")
         self._step, self._error, self._saved = step, None, None
         self._thread = threading.Thread(
-            target=self._run, args=(step, staged_rep, staged_rank, dict(info or {}), channel),
+            target=self._run, args=(step, staged_rep, staged_rank, dict(info or {}), channel,
+                                    before),
             name=f"replicator-checkpoint-{step}", daemon=True)
         self._thread.start()
         self.last_submit_seconds = time.perf_counter() - start
