@@ -19,7 +19,8 @@ relative to ``none``). ``heal_s_100mb``: a second group joins a group training a
 loading it. Goals: steps_redone <= 1 per failure; stall_s <= the collective timeout + 1 s;
 heal_s_100mb <= 3 s; goodput_live >= 0.9; live_vs_restart >= 2.
 
-Run: ``python benchmarks/recovery.py [--window 65] [--kill-every 30]`` (about 4 minutes).
+Run: ``python benchmarks/recovery.py [--window 65] [--kill-every 30] [--keep]`` (about 4
+minutes; ``--keep`` keeps the runs' logs).
 """
 
 from __future__ import annotations
@@ -302,6 +303,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--samples", type=int, default=96 * 200)
+    parser.add_argument("--keep", action="store_true", help="keep the runs' folders and logs")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -318,7 +320,10 @@ def main() -> None:
         live = run_live(args, root / "live", kills=True)
         restart = run_restart(args, root / "restart")
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            print(f"runs kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     per_failure = max(live["failures"], 1)
     stall = max(live["stalls"], default=0.0)
     rejoin = max(live["rejoins"], default=0.0)
