@@ -287,3 +287,4 @@ def mnist1d_throughput(kind: str, steps: int, per_worker_batch: int = 32) -> flo
     strategy.collectives.barrier()  # both workers have finished their share
     seconds = time.perf_counter() - t0
     return mine * workers / seconds if strategy.replica_id == 0 else None
+
