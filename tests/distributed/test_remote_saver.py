@@ -1,0 +1,89 @@
+"""The saver process, with real worker processes and gloo: its backups hold exactly what a
+foreground save of the same step holds, and a save that falls due while the previous one is
+still being written is skipped on every rank, counted and logged, never queued."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import replicator as rp
+from replicator.checkpoint import CheckpointManager, fault_points
+from replicator.resume import BackupAndRestore
+from replicator.testing import run_distributed
+from tests.helpers import make_mlp, regression_data
+
+#: The step the main loop has reached, read by a fault hook on the save's thread.
+PROGRESS = {"step": 0}
+
+
+def _train(backup_dir: str, steps: int, save_freq: int, **options) -> dict:
+    strategy = rp.MirroredStrategy()
+    data = strategy.distribute_dataset(regression_data(), batch_size=16, shuffle=True, seed=3)
+    with strategy.scope():
+        model = make_mlp()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    backup = BackupAndRestore(backup_dir, save_freq=save_freq, delete_checkpoint=False, keep=9,
+                              **options)
+    backup.track(model=model, optimizer=optimizer)
+    saver = None
+    for step, (x, y) in backup.steps(data, num_steps=steps):
+        PROGRESS["step"] = step
+        saver = backup._saver or saver
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"skipped": getattr(saver, "skipped", None), "kind": type(saver).__name__}
+
+
+def _same_as_foreground(root: str) -> list:
+    bg = _train(os.path.join(root, "process"), 12, 5, saver="process")
+    _train(os.path.join(root, "fg"), 12, 5, background=False)
+    return [bg]
+
+
+@pytest.mark.timeout(200)
+def test_the_saver_process_writes_what_a_foreground_save_writes(tmp_path):
+    results = run_distributed(_same_as_foreground, world_size=2, args=(str(tmp_path),),
+                              timeout_seconds=60)
+    assert [r[0]["kind"] for r in results] == ["ProcessSaver", "ProcessSaver"]
+    steps = CheckpointManager(tmp_path / "process").committed_steps()
+    # step 10 is skipped when the save of step 5 is still being written then (a busy machine)
+    assert steps in ([5, 10, 12], [5, 12])
+    assert (steps == [5, 12]) == (results[0][0]["skipped"] == 1)
+    for step in (f"step-{s:08d}" for s in steps):
+        for name in ("model", "optimizer", "rank-00000", "rank-00001"):
+            got = load_file(str(tmp_path / "process" / step / f"{name}.safetensors"))
+            want = load_file(str(tmp_path / "fg" / step / f"{name}.safetensors"))
+            assert got.keys() == want.keys()
+            for key in got:
+                assert torch.equal(got[key], want[key]), f"{step}/{name}: {key} differs"
+
+
+def _slow_first_save(backup_dir: str) -> dict:
+    def hold(step: int, path: object, rank: int) -> None:
+        if step != 2:
+            return
+        deadline = time.monotonic() + 60
+        while PROGRESS["step"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop runs on past the next due save (step 4)
+
+    fault_points.add_hook("before_write", hold)
+    return _train(backup_dir, 8, 2, saver="process")
+
+
+@pytest.mark.timeout(200)
+def test_a_save_due_while_one_is_written_is_skipped_and_counted(tmp_path):
+    results = run_distributed(_slow_first_save, world_size=2, args=(str(tmp_path / "b"),),
+                              timeout_seconds=60)
+    skipped = results[0]["skipped"]
+    assert results[1]["skipped"] == skipped  # the ranks agree on every skip
+    committed = CheckpointManager(tmp_path / "b").committed_steps()
+    assert 4 not in committed and committed[0] == 2 and committed[-1] == 8  # 8: the final save
+    # step 4 was skipped; 6 and 8 too if the save of step 2 was still being written then
+    assert 1 <= skipped <= 3 and len({4, 6} - set(committed)) <= skipped
