@@ -27,7 +27,8 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rows], y[rows]
 
 
-def scheduled_training(steps: int = 24, fail_at: int | None = None) -> dict:
+def scheduled_training(steps: int = 24, fail_at: int | None = None, kill_after: int = -1,
+                       flag_dir: str = "") -> dict:
     """Chief + workers + 1 server: a per-worker dataset, ``steps`` scheduled steps, join."""
     strategy = rp.ParameterServerStrategy(num_ps=1)
     coordinator = rp.ClusterCoordinator(strategy)
@@ -49,6 +50,8 @@ def scheduled_training(steps: int = 24, fail_at: int | None = None) -> dict:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if i == kill_after and _first_time(flag_dir, "after"):
+            os.kill(os.getpid(), signal.SIGKILL)  # after the push: the update is committed
         return {"loss": loss.detach(), "i": i, "rank": strategy.replica_id}
 
     it = iter(coordinator.create_per_worker_dataset(input_fn))
@@ -63,7 +66,7 @@ def scheduled_training(steps: int = 24, fail_at: int | None = None) -> dict:
     again = coordinator.schedule(step, args=(it, -1)).fetch()
     return {"done": done, "error": error, "again": again, "stats": coordinator.stats(),
             "finished": coordinator.done(), "chief": coordinator.is_chief,
-            "versions": strategy.shard_versions()}
+            "versions": strategy.shard_versions(), "tasks": strategy.task_stats()}
 
 
 @pytest.mark.timeout(180)
@@ -82,6 +85,18 @@ def test_schedule_join_fetch_on_two_workers_with_a_per_worker_dataset():
     # one update per function: every shard was stepped 25 times
     assert all(v["version"] == 25 for v in chief["versions"])
     assert chief["stats"]["reruns"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_asynchronous_worker_killed_after_its_push_is_not_applied_twice(tmp_path):
+    out = launch(scheduled_training, num_replicas=4, num_ps=1,
+                 kwargs={"kill_after": 7, "flag_dir": str(tmp_path)}, timeout_seconds=60)
+    chief = out[0]
+    assert out[1] is None or out[2] is None  # the worker that ran step 7 was killed
+    assert [d["i"] for d in chief["done"]] == list(range(24))  # step 7's value, from its rerun
+    assert chief["stats"]["reruns"] == 1
+    assert chief["tasks"] == {"applied": 25, "repeats": 1, "repeats_seen": 0}
+    assert all(v["version"] == 25 for v in chief["versions"])  # 24 steps + 1, each once
 
 
 @pytest.mark.timeout(180)
