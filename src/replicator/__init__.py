@@ -43,6 +43,7 @@ from replicator.precision import MixedPrecision
 from replicator.resume import BackupAndRestore
 from replicator.strategies import (
     CentralStorageStrategy,
+    ClusterCoordinator,
     FSDPStrategy,
     MeshStrategy,
     MirroredStrategy,
@@ -64,7 +65,7 @@ __all__ = [
     # strategies: the one line that changes
     "Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
     "CentralStorageStrategy", "ParameterServerStrategy", "MeshStrategy", "FSDPStrategy",
-    "TensorParallelStrategy", "PipelineStrategy", "get_strategy",
+    "TensorParallelStrategy", "PipelineStrategy", "get_strategy", "ClusterCoordinator",
     # inside a step and an input function
     "get_replica_context", "compute_average_loss", "ReduceOp", "CommunicationOptions",
     "InputContext", "MixedPrecision",

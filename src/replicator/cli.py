@@ -1,5 +1,5 @@
 """The ``replicator`` command: ``run`` a script on N workers, ``demo``, ``env``, ``bench``,
-``plan``, ``--version``."""
+``plan``, ``checkpoints``, ``--version``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 
 import replicator
-from replicator.errors import ClusterConfigError, WorkerFailedError
+from replicator.errors import ClusterConfigError, LighthouseError, WorkerFailedError
 
 #: Exit code of a command-line mistake (argparse's too).
 USAGE_EXIT_CODE = 2
@@ -18,7 +18,8 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
     p.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=default_nproc,
                    help="number of local worker processes (replicas)")
     p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the whole group up to this many times after a failure")
+                   help="restart the whole group up to this many times after a failure (with "
+                   "--replica-groups: each replica group alone, this many times per group)")
     p.add_argument("--master-port", type=int, default=None,
                    help="rendezvous port on 127.0.0.1 (default: a free one)")
     p.add_argument("--timeout", type=float, default=None, dest="timeout_seconds",
@@ -45,6 +46,85 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                        help="seconds the nodes may take to meet (default 300)")
 
 
+def _add_replica_group_flags(p: argparse.ArgumentParser) -> None:
+    live = p.add_argument_group(
+        "replica groups (live recovery on torchft; needs pip install 'replicator[live]')",
+        "N groups of --nproc processes each: a group that fails is restarted alone and heals "
+        "from a live peer while the others keep training. torchft's lighthouse and managers "
+        "have no authentication: use them on trusted networks only.")
+    live.add_argument("--replica-groups", type=int, default=None, metavar="N",
+                      help="start N replica groups of --nproc processes each, and torchft's "
+                      "lighthouse on 127.0.0.1 (unless --lighthouse/--join)")
+    live.add_argument("--min-replicas", type=int, default=1, metavar="M",
+                      help="fewest replica groups a step may commit with; below it the job "
+                      "waits (default 1)")
+    live.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                      help="use the torchft lighthouse running at HOST:PORT instead of "
+                      "starting one (groups 0..N-1, or from --replica-group-id)")
+    live.add_argument("--join", default=None, metavar="HOST:PORT",
+                      help="add replica groups (default 1) to the running job whose lighthouse "
+                      "is at HOST:PORT, with ids it has not seen")
+    live.add_argument("--replica-group-id", type=int, default=None, metavar="G",
+                      help="the id of this command's first group (the others follow: G, "
+                      "G+1, ...)")
+    live.add_argument("--lighthouse-bind", default=None, metavar="ADDR[:PORT]",
+                      help="where the lighthouse started here listens (default 127.0.0.1 and "
+                      "a free port); another address exposes it to that network")
+    live.add_argument("--heartbeat-timeout", type=float, default=2.0, metavar="SECONDS",
+                      help="a group silent this long counts as gone, and the next step goes "
+                      "on without it (default 2)")
+    live.add_argument("--join-timeout", type=float, default=60.0, metavar="SECONDS",
+                      help="how long a step waits for a live group that has not asked to "
+                      "join yet (default 60)")
+
+
+def _replica_groups_asked(args: argparse.Namespace) -> bool:
+    return args.command == "run" and (args.replica_groups is not None
+                                      or args.join is not None or args.lighthouse is not None)
+
+
+def _stray_replica_group_flag(args: argparse.Namespace) -> str | None:
+    """A replica-group flag given without ``--replica-groups``/``--join``/``--lighthouse``."""
+    if args.command != "run" or _replica_groups_asked(args):
+        return None
+    for flag, given in (("--min-replicas", args.min_replicas != 1),
+                        ("--replica-group-id", args.replica_group_id is not None),
+                        ("--lighthouse-bind", args.lighthouse_bind is not None),
+                        ("--heartbeat-timeout", args.heartbeat_timeout != 2.0),
+                        ("--join-timeout", args.join_timeout != 60.0)):
+        if given:
+            return flag
+    return None
+
+
+def _run_replica_groups(args: argparse.Namespace) -> None:
+    """``replicator run --replica-groups N ...``: checked, then run."""
+    from replicator.cluster.lighthouse import LighthouseSettings
+    from replicator.cluster.replica_groups import check_config, run_replica_groups
+
+    for flag, given in (("--nnodes", args.nnodes != 1 or args.node_rank is not None),
+                        ("--num-ps", args.num_ps != 0),
+                        ("--master-port", args.master_port is not None)):
+        if given:
+            raise ClusterConfigError(
+                f"{flag} does not combine with --replica-groups. HINT: each replica group "
+                "has its own rendezvous on a free port; to span machines, start groups on "
+                "each machine with --join HOST:PORT (or --lighthouse) naming one lighthouse.")
+    for flag, value in (("--heartbeat-timeout", args.heartbeat_timeout),
+                        ("--join-timeout", args.join_timeout)):
+        if not value > 0:
+            raise ClusterConfigError(f"{flag} must be a number of seconds > 0, got {value}")
+    settings = LighthouseSettings(join_timeout=args.join_timeout,
+                                  heartbeat_timeout=args.heartbeat_timeout)
+    cfg = check_config(groups=args.replica_groups, nproc=args.nproc,
+                       min_replicas=args.min_replicas, lighthouse=args.lighthouse,
+                       lighthouse_bind=args.lighthouse_bind, join=args.join,
+                       group_id=args.replica_group_id, max_restarts=args.max_restarts,
+                       timeout_seconds=args.timeout_seconds, quiet_workers=args.quiet_workers,
+                       settings=settings)
+    run_replica_groups(args.script, args.script_args, cfg=cfg)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -67,8 +147,11 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                          description="Run SCRIPT in N worker processes on this machine (CPU + "
                          "gloo, or one process per GPU + NCCL). For several machines run the "
                          "same command on each with --nnodes/--node-rank/--master-addr (or use "
-                         "torchrun); the script needs no change.")
+                         "torchrun); the script needs no change. With --replica-groups N, N "
+                         "groups that fail and heal one at a time while the others keep "
+                         "training (torchft).")
     _add_launch_flags(run, None)
+    _add_replica_group_flags(run)
     run.add_argument("script", help="the Python script to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     demo = sub.add_parser("demo", help="train a small CNN on the digits dataset on 2 workers",
@@ -81,6 +164,9 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     from replicator.plan import cli_commands
 
     cli_commands.add_subcommands(sub)  # bench, plan
+    from replicator.checkpoint import inspection
+
+    inspection.add_subcommand(sub)  # checkpoints list|verify|export
     return parser, demo_actions
 
 
@@ -126,7 +212,9 @@ def _refusal(args: argparse.Namespace) -> str | None:
         return None
     from replicator.cluster.memory_budget import available_memory, memory_refusal
 
-    return memory_refusal(args.nproc, available_memory())
+    groups = args.replica_groups if _replica_groups_asked(args) else None
+    total = args.nproc * groups if isinstance(groups, int) and groups > 0 else args.nproc
+    return memory_refusal(total, available_memory())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         from replicator.plan import cli_commands
 
         return cli_commands.run(args)
+    if args.command == "checkpoints":
+        from replicator.checkpoint import inspection
+
+        return inspection.run(args)
     from replicator.cluster.launcher import run_script
 
     if args.command == "demo":
@@ -156,7 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     if refusal is not None:
         print(f"replicator {args.command}: error: {refusal}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    stray = _stray_replica_group_flag(args)
+    if stray is not None:
+        print(f"replicator run: error: {stray} needs --replica-groups N (or --join HOST:PORT). "
+              "HINT: add --replica-groups 2 to run 2 replica groups with live recovery.",
+              file=sys.stderr)
+        return USAGE_EXIT_CODE
     try:
+        if _replica_groups_asked(args):
+            _run_replica_groups(args)
+            return 0
         if args.nnodes != 1 or args.node_rank is not None or args.master_addr is not None:
             from replicator.cluster.multi_node import run_multi_node
 
@@ -172,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     except ClusterConfigError as exc:
         print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE
+    except LighthouseError as exc:
+        print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except WorkerFailedError as exc:
         print(f"replicator {args.command}: {exc}", file=sys.stderr)
         code = exc.exitcode

@@ -11,7 +11,8 @@ __all__ = ["ReplicatorError", "ClusterConfigError", "ReplicaTimeoutError",
            "ReplicaMismatchError", "CollectiveMismatchError", "WorkerFailedError",
            "PreemptedError", "NotDistributedError", "CallbackFailedError", "NonFiniteLossError",
            "CheckpointError", "CheckpointCorruptError", "UnsafeCheckpointError",
-           "CheckpointWriteError", "ParameterServerError", "ParameterServerLostError"]
+           "CheckpointWriteError", "ParameterServerError", "ParameterServerLostError",
+           "ReplicaGroupFailedError", "LighthouseError"]
 
 
 class ReplicatorError(RuntimeError):
@@ -72,6 +73,14 @@ class CheckpointWriteError(CheckpointError):
     """Saving a checkpoint failed (for example a full disk); nothing was committed."""
 
 
+class StorageURLError(CheckpointError, ValueError):
+    """A storage URL names a scheme that is unknown or whose fsspec package is not installed."""
+
+
+class StoreLeaseError(CheckpointError):
+    """Another job holds the lease of a checkpoint location in an object store."""
+
+
 class CallbackFailedError(ReplicatorError):
     """A callback raised on one or more replicas; raised on every replica (the Trainer's
     replicas agree on callback errors, so none is left waiting in the next collective)."""
@@ -124,3 +133,22 @@ class ParameterServerError(ReplicatorError):
 class ParameterServerLostError(ReplicatorError, ConnectionError):
     """A parameter server died or stopped answering; the message names the server, its rank
     and the variable shards it held."""
+
+
+class ReplicaGroupFailedError(WorkerFailedError):
+    """A replica group of a live-recovery job (``--replica-groups``) failed after its own
+    restarts; ``group`` is its id, ``rank`` the failing rank inside it."""
+
+    def __init__(self, group: int, failure: WorkerFailedError, restarts: int,
+                 max_restarts: int) -> None:
+        super().__init__(failure.rank, failure.exitcode, failure.message,
+                         failure.traceback_text, failure.others)
+        self.group = group
+        self.restarts = restarts
+        self.args = (f"replica group {group} failed after {restarts} restart(s) "
+                     f"(--max-restarts {max_restarts} per group): {self.args[0]}",)
+
+
+class LighthouseError(ReplicatorError, ConnectionError):
+    """torchft's lighthouse (the quorum service of replica groups) could not be started or
+    reached, or stopped while the job ran."""

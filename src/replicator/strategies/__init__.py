@@ -2,6 +2,7 @@
 
 from replicator.strategies.base import Strategy
 from replicator.strategies.central_storage import CentralStorageStrategy
+from replicator.strategies.cluster_coordinator import ClusterCoordinator
 from replicator.strategies.losses import compute_average_loss
 from replicator.strategies.memory import MemoryReport
 from replicator.strategies.mesh_strategy import MeshStrategy
@@ -30,4 +31,4 @@ __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirr
            "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
            "compute_average_loss", "get_strategy", "register_strategy", "available_strategies",
            "MeshStrategy", "FSDPStrategy", "MemoryReport", "TensorParallelStrategy",
-           "PipelineStrategy", "ParameterServerStrategy", "ValueContext"]
+           "PipelineStrategy", "ParameterServerStrategy", "ValueContext", "ClusterCoordinator"]
