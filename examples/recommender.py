@@ -5,8 +5,8 @@ The data: users and items have hidden 8-dimensional vectors; a user clicks an it
 probability sigmoid(<user, item> * 3). The best possible accuracy (predicting with the true
 probabilities) is printed beside the model's, on the same held-out clicks.
 
-    replicator run --nproc 5 --num-ps 2 examples/recommender.py       # chief + 2 workers + 2 servers
-    replicator run --nproc 2 examples/recommender.py --steps 2         # chief + 1 server (quick)
+    replicator run --nproc 5 --num-ps 2 examples/recommender.py    # chief, 2 workers, 2 servers
+    replicator run --nproc 2 examples/recommender.py --steps 2     # chief + 1 server (quick)
 
 With one process beside the servers the chief runs the scheduled steps itself.
 """
