@@ -9,7 +9,9 @@ JSON job per line on stdin and answers one JSON line per job on stdout::
      "dest": "bucket/run/data/step-00000030.ab12-0/model.safetensors"}]}
     -> {"id": 3, "files": {"model.safetensors": {"bytes": 123, "sha256": "..."}}, "error": ""}
 
-Local files are written, flushed and fsynced; remote ones are streamed through fsspec. The
+Local files are written, flushed and fsynced; remote ones are uploaded through fsspec. The
+process runs at a lower priority (niceness +10): on a busy machine training gets the CPU
+first, and a slow save is skipped-and-logged rather than slowing the steps. The
 parent (``saver.py``) owns the buffer and commits; this process never decides what counts.
 A job may carry ``die_during_file`` (fault injection for tests): the process SIGKILLs itself
 after the first chunk of that file (0-based), the files before it complete, that one not.
@@ -108,7 +110,15 @@ def run_job(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
     return out
 
 
+#: The saver yields the CPU to training when both want it (a niceness above the trainer's).
+NICENESS = 10
+
+
 def main() -> None:
+    try:
+        os.nice(NICENESS)
+    except OSError:
+        pass
     filesystems = _Filesystems()
     for line in sys.stdin:
         if not line.strip():
