@@ -23,6 +23,7 @@ from replicator.checkpoint import safetensors_io, serialization
 from replicator.cluster.env_names import SHM_DIR_ENV
 
 _ALIGN = 64
+_PREFIX = "replicator-stage-"
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,33 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def remove_stale_buffers(directory: str) -> None:
+    """Delete staging files left by processes that no longer exist (killed with SIGKILL)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if name.startswith(_PREFIX) and len(parts) >= 4 and parts[2].isdigit():
+            try:
+                os.kill(int(parts[2]), 0)
+            except ProcessLookupError:
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except OSError:
+                    pass
+            except PermissionError:
+                pass
+
+
 class StagingBuffer:
     """A growable memory-mapped file that holds the images of one save's files."""
 
     def __init__(self) -> None:
-        self.path = os.path.join(_shm_dir(), f"replicator-stage-{os.getpid()}-"
-                                             f"{uuid.uuid4().hex[:8]}")
+        directory = _shm_dir()
+        remove_stale_buffers(directory)
+        self.path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self._size = 0
         self._mm: mmap.mmap | None = None
         self._used = 0
