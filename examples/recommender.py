@@ -1,9 +1,10 @@
 """A click-through model with a sparse embedding table on parameter servers, trained by a
 ClusterCoordinator, on synthetic clicks from a known model (so its accuracy has a reference).
 
-The data: users and items have hidden 8-dimensional vectors; a user clicks an item with
-probability sigmoid(<user, item> * 3). The best possible accuracy (predicting with the true
-probabilities) is printed beside the model's, on the same held-out clicks.
+The data: users and items have a hidden bias and a hidden 4-dimensional vector; a user clicks
+an item with probability sigmoid(1.5 (bias_user + bias_item) + 1.5 <user, item> / 2). The
+best possible accuracy (predicting with the true probabilities) is printed beside the
+model's, on the same held-out clicks.
 
     replicator run --nproc 5 --num-ps 2 examples/recommender.py    # chief, 2 workers, 2 servers
     replicator run --nproc 2 examples/recommender.py --steps 2     # chief + 1 server (quick)
@@ -21,12 +22,14 @@ import torch.nn.functional as F
 
 import replicator as rp
 
-USERS, ITEMS, HIDDEN, DIM, BATCH = 5_000, 2_000, 8, 16, 256
+USERS, ITEMS, HIDDEN, DIM, BATCH = 2_000, 1_000, 4, 16, 256
 
 
 def true_vectors() -> tuple[torch.Tensor, torch.Tensor]:
+    """Each user's and item's hidden vector; the first coordinate is its bias."""
     g = torch.Generator().manual_seed(1234)
-    return torch.randn(USERS, HIDDEN, generator=g), torch.randn(ITEMS, HIDDEN, generator=g)
+    return torch.randn(USERS, HIDDEN + 1, generator=g), torch.randn(ITEMS, HIDDEN + 1,
+                                                                     generator=g)
 
 
 def clicks(seed: int, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -36,7 +39,9 @@ def clicks(seed: int, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor, torch
     g = torch.Generator().manual_seed(seed)
     u = torch.randint(0, USERS, (n,), generator=g)
     i = torch.randint(0, ITEMS, (n,), generator=g)
-    p = torch.sigmoid(3 * (users[u] * items[i]).sum(1) / HIDDEN ** 0.5)
+    bias = users[u, 0] + items[i, 0]
+    affinity = (users[u, 1:] * items[i, 1:]).sum(1) / HIDDEN ** 0.5
+    p = torch.sigmoid(1.5 * bias + 1.5 * affinity)
     return torch.stack([u, USERS + i], 1), torch.bernoulli(p, generator=g), p
 
 
@@ -59,7 +64,7 @@ class ClickModel(nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args()
 
     strategy = rp.ParameterServerStrategy(
@@ -68,7 +73,7 @@ def main() -> None:
     with strategy.scope():
         model = ClickModel()
         # one optimizer: the table's rows get Adagrad row-wise on the servers
-        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.2)
 
     def input_fn(ctx: rp.InputContext):
         seed = 10_000 * (ctx.input_pipeline_id + 1)
