@@ -86,6 +86,20 @@ def test_commit_objects_last_keep_k_and_restore_the_newest(tmp_path):
     assert restored.per_rank["rank_value"].item() == 30
 
 
+def test_pruning_keeps_the_upload_of_a_later_step_in_flight():
+    url = f"memory://remote-{time.monotonic_ns()}/run"
+    manager = CheckpointManager(url, keep=1)
+    _save(manager, 10)
+    store = manager.store
+    store.put("data/step-00000005.dead-0x9/rank-00000.safetensors", b"old, never committed")
+    store.put("data/step-00000020.next-0x9/rank-00001.safetensors", b"another rank's upload")
+    _save(manager, 15)
+    folders = store.folders("data")
+    assert len(folders) == 2 and "step-00000020.next-0x9" in folders  # and step 15's own
+    _save(manager, 25)
+    assert [f.split(".")[0] for f in store.folders("data")] == ["step-00000025"]
+
+
 def test_flipped_bytes_and_partial_saves_are_skipped_by_name(tmp_path, recwarn):
     url = f"memory://remote-{time.monotonic_ns()}/run"
     manager = CheckpointManager(url, keep=3)

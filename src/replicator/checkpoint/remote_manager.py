@@ -14,8 +14,9 @@ writes the commit object (the manifest of ``manifest.py``: SHA-256 and size of e
 own checksum, and the prefix). Readers list the commit objects and choose the newest whose
 files all verify, skipping partial or damaged saves with the object's name and the hash
 mismatch in the warning. Keep-last-k deletes a save's commit object, then its prefix, only
-after a newer commit exists; prefixes that never got a commit are deleted once a newer save
-committed.
+after a newer commit exists; prefixes that never got a commit are deleted once a save of the
+same or a later step committed (never a later step's prefix: the other ranks may already be
+uploading the next save while the chief prunes).
 """
 
 from __future__ import annotations
@@ -321,8 +322,11 @@ class RemoteCheckpointManager(CheckpointManager):
                 if n not in keep:
                     self.store.remove(f"{COMMITS}/{n}")
             kept_ids = {n.removesuffix(".json") for n in keep}
-            for folder in self.store.folders(DATA):  # no other save is in flight now
-                if folder not in kept_ids:
+            for folder in self.store.folders(DATA):
+                parsed = parse_commit_name(f"{folder}.json")
+                # a newer step's folder is the next save, which other ranks may be uploading
+                # already (this rank prunes after they were told of this commit)
+                if folder not in kept_ids and (parsed is None or parsed[0] <= step):
                     self.store.remove(f"{DATA}/{folder}", recursive=True)
         except OSError as exc:
             warnings.warn(f"could not remove old checkpoints in {self.url}: {exc}",
