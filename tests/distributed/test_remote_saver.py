@@ -87,3 +87,38 @@ def test_a_save_due_while_one_is_written_is_skipped_and_counted(tmp_path):
     assert 4 not in committed and committed[0] == 2 and committed[-1] == 8  # 8: the final save
     # step 4 was skipped; 6 and 8 too if the save of step 2 was still being written then
     assert 1 <= skipped <= 3 and len({4, 6} - set(committed)) <= skipped
+
+
+def _fit_fsdp(backup_dir: str | None, epochs: int) -> dict:
+    """Trainer.fit under FSDP(2) with sharded backups written in the background."""
+    import torch.nn as nn
+
+    from tests.train_helpers import digits, loader, model_fn
+
+    strategy = rp.FSDPStrategy()
+    train, _ = digits(4 * 32)
+    trainer = rp.Trainer(strategy, model_fn, lambda p: torch.optim.Adam(p, lr=0.01),
+                         nn.CrossEntropyLoss(), metrics=["accuracy"])
+    callbacks = ([BackupAndRestore(backup_dir, save_freq=3, delete_checkpoint=False,
+                                   saver="process")] if backup_dir is not None else [])
+    history = trainer.fit(loader(train), epochs=epochs, callbacks=callbacks, verbose=0)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in trainer.model.state_dict().items()}
+    return {"state": state, "loss": history.history["loss"], "steps": trainer.global_step}
+
+
+@pytest.mark.timeout(300)
+def test_sharded_saves_in_the_background_resume_an_fsdp_run_exactly(tmp_path):
+    backup = str(tmp_path / "backup")
+    whole = run_distributed(_fit_fsdp, 2, args=(None, 4), timeout_seconds=150)
+    first = run_distributed(_fit_fsdp, 2, args=(backup, 2), timeout_seconds=150)
+    assert first[0]["steps"] == 8
+    assert CheckpointManager(backup).committed_steps()[-1] == 8
+    assert (tmp_path / "backup" / "sharded" / "step-00000006" / "COMMIT.json").exists() or \
+        (tmp_path / "backup" / "sharded" / "step-00000003" / "COMMIT.json").exists()
+    second = run_distributed(_fit_fsdp, 2, args=(backup, 4), timeout_seconds=150)
+    assert second[0]["steps"] == 16
+    assert second[0]["loss"] == pytest.approx(whole[0]["loss"], abs=1e-6)
+    for rank in (0, 1):
+        for key, value in whole[rank]["state"].items():
+            assert torch.equal(second[rank]["state"][key], value), key
