@@ -20,6 +20,7 @@ it: the same parameters as one device fed the same batches in that order.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 from replicator.cluster.ports import LOOPBACK, listen
 from replicator.cluster.process_group import on_shutdown
 from replicator.data import InputContext
-from replicator.errors import ClusterConfigError, ParameterServerError
+from replicator.errors import ParameterServerError
 from replicator.ps.task_channel import StopServing, TaskChannel, TaskDispatcher
 from replicator.ps.task_queue import (
     CANCELLED,
@@ -85,10 +86,12 @@ class ClusterCoordinator:
                             f"{type(strategy).__name__}. HINT: strategy = "
                             "rp.ParameterServerStrategy(); rp.ClusterCoordinator(strategy)")
         if strategy.rejoined:
-            raise ClusterConfigError(
-                f"worker rank {strategy.replica_id} was restarted alone; under a "
-                "ClusterCoordinator a lost worker is not replaced (its functions run on the "
-                "others). HINT: launch without --max-restarts for coordinator jobs.")
+            # the chief has moved on (its calls are not replayed to a newcomer): this worker's
+            # functions already run on the others, so it leaves cleanly
+            print(f"[replicator] worker rank {strategy.replica_id} was restarted alone; under a "
+                  "ClusterCoordinator a lost worker is not replaced (its functions run on the "
+                  "other workers), so it ends here", file=sys.stderr, flush=True)
+            raise SystemExit(0)
         self._strategy = strategy
         self._rank = strategy.replica_id
         self._timeout = float(timeout_seconds or strategy._timeout)
