@@ -174,8 +174,6 @@ def test_auto_across_hosts_is_hierarchical():
 def test_describe_auto_names_the_choice_and_the_reason(monkeypatch, tmp_path):
     assert describe_auto(torch.device("cuda", 0)).name == "nccl"
     assert describe_auto(torch.device("cpu"), hosts=3).name in ("hierarchical", "gloo")
-    from replicator.comm import shm_segment
-
-    monkeypatch.setattr(shm_segment, "SHM_DIR", str(tmp_path / "missing"))
+    monkeypatch.setenv("REPLICATOR_SHM_DIR", str(tmp_path / "missing"))
     choice = describe_auto(torch.device("cpu"))
     assert choice.name == "gloo" and "missing" in choice.reason

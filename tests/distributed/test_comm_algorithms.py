@@ -21,7 +21,7 @@ from replicator.comm import (
     RingAllReduce,
     SharedMemoryAllReduce,
 )
-from replicator.comm.shm_segment import NAME_PREFIX, SHM_DIR
+from replicator.comm.shm_segment import NAME_PREFIX, shm_dir
 from replicator.testing import run_distributed
 
 SIZES = (0, 1, 7, 1000, 1_000_003)
@@ -113,7 +113,7 @@ def _check_all_algorithms(_: int) -> dict:
 
 
 def _leftover_segments() -> set[str]:
-    return set(glob.glob(f"{SHM_DIR}/{NAME_PREFIX}*"))
+    return set(glob.glob(f"{shm_dir()}/{NAME_PREFIX}*"))
 
 
 @pytest.mark.timeout(150)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import replicator as rp
 from replicator.comm import RingAllReduce, SharedMemoryAllReduce
-from replicator.comm.shm_segment import NAME_PREFIX, SHM_DIR, check_same_host
+from replicator.comm.shm_segment import NAME_PREFIX, check_same_host, shm_dir
 from replicator.testing import run_distributed
 
 
@@ -77,7 +77,7 @@ def _segment_set_up_fails(_: int) -> dict:
         time.sleep(6)
         return {}
     kind, text, _ = _error(lambda: SharedMemoryAllReduce().all_reduce_sum(torch.ones(10)))
-    left = glob.glob(f"{SHM_DIR}/{NAME_PREFIX}{os.getpid()}-*")
+    left = glob.glob(f"{shm_dir()}/{NAME_PREFIX}{os.getpid()}-*")
     return {"kind": kind, "text": text, "left": left}
 
 

@@ -24,7 +24,7 @@ STEPS = 15
 
 
 def _our_segments() -> set[str]:
-    return {n for n in os.listdir(shm_segment.SHM_DIR) if n.startswith(shm_segment.NAME_PREFIX)}
+    return {n for n in os.listdir(shm_segment.shm_dir()) if n.startswith(shm_segment.NAME_PREFIX)}
 
 
 def train_sync(shared_memory: bool | None = None) -> dict:

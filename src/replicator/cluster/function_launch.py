@@ -4,11 +4,17 @@ Each worker runs ``fn(*args, **kwargs)`` with the same environment ``replicator 
 script; the return values come back in rank order. Return values travel through files in a
 private temporary directory written by the workers themselves (pickled by ``torch.save``), so
 they may hold tensors; nothing is read from the network.
+
+``start_method="forkserver"`` forks each worker from a server process that has already
+imported torch and replicator: a launch of two workers then takes about 0.4 s instead of the
+3-25 s two fresh interpreters take to import torch (quiet to busy 2-core machine), which is
+what keeps a test suite of a few hundred launches fast.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.reduction
 import os
 import shutil
 import sys
@@ -22,9 +28,43 @@ from replicator.cluster.launcher import LocalGroup, check_num_replicas
 from replicator.cluster.ports import check_port
 from replicator.cluster.worker_errors import error_path, record_exception
 
+#: Modules a forkserver imports once, before it forks any worker (see the module docstring).
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "replicator", "replicator.testing")
+
+
+class _ParentOutput:
+    """The launching process's stdout and stderr as they are at launch, handed to a worker.
+
+    A forkserver's children inherit the server's file descriptors, not the launcher's: a worker
+    would write to wherever output went when the server started (another cell, another test's
+    capture). Pickled while the worker starts, the two descriptors travel with it.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ReceivedOutput, (mp.reduction.DupFd(1), mp.reduction.DupFd(2)))
+
+
+class _ReceivedOutput:
+    """The worker's side of :class:`_ParentOutput`: puts the launcher's outputs on fd 1 and 2."""
+
+    def __init__(self, stdout: Any, stderr: Any) -> None:
+        self._fds = (stdout.detach(), stderr.detach())
+
+    def install(self) -> None:
+        for target, fd in zip((1, 2), self._fds):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
 
 def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                    env: dict[str, str], result_file: str) -> None:
+                    env: dict[str, str], result_file: str, output: Any = None) -> None:
+    if isinstance(output, _ReceivedOutput):
+        output.install()
+    # exactly the launcher's environment: a forkserver's child starts with the server's own,
+    # which may hold variables the parent has unset since
+    for name in set(os.environ) - set(env):
+        del os.environ[name]
     os.environ.update(env)
     rank = int(env["RANK"])
     attempt = int(env.get(RESTART_COUNT_ENV, "0"))
@@ -63,7 +103,9 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
     """Run ``fn(*args, **kwargs)`` on ``num_replicas`` local workers; return every result.
 
     ``fn`` must be importable by the workers (a module-level function) under the default
-    ``start_method="spawn"``; ``"fork"`` also takes functions defined in a notebook.
+    ``start_method="spawn"`` and under ``"forkserver"`` (workers start in a fraction of a
+    second: they fork from a server that has imported torch and replicator once);
+    ``"fork"`` also takes functions defined in a notebook.
     A worker that raises makes this raise :class:`replicator.WorkerFailedError` with that
     worker's rank and traceback, after the other workers were stopped. A failure that a
     restart would repeat (a NaN loss, replicas that disagree, an import error) is not restarted.
@@ -75,6 +117,8 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
     if not callable(fn):
         raise TypeError(f"launch() needs a callable, got {type(fn).__name__}")
     ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     results_dir = Path(tempfile.mkdtemp(prefix="replicator-results-"))
     kwargs = dict(kwargs or {})
 
@@ -83,7 +127,8 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
         result_file.unlink(missing_ok=True)
         proc = ctx.Process(  # type: ignore[attr-defined]
             target=_function_entry, name=f"replicator-rank{rank}",
-            args=(fn, tuple(args), kwargs, env, str(result_file)))
+            args=(fn, tuple(args), kwargs, env, str(result_file),
+                  _ParentOutput() if start_method == "forkserver" else None))
         proc.start()
         return proc
 

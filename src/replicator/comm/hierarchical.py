@@ -38,7 +38,7 @@ from replicator.comm.groups import (
     new_private_group,
     split_into_nodes,
 )
-from replicator.comm.shm_segment import SHM_DIR, host_id
+from replicator.comm.shm_segment import host_id, shm_dir
 
 _INTRA_HOST = ("auto", "shared_memory", "native")
 
@@ -69,7 +69,7 @@ class HostTopology:
 
 def shared_memory_usable() -> bool:
     """True when this process can map shared memory for a same-host all-reduce."""
-    return (os.name == "posix" and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+    return (os.name == "posix" and os.path.isdir(shm_dir()) and os.access(shm_dir(), os.W_OK)
             and hasattr(os, "posix_fallocate"))
 
 
@@ -145,7 +145,7 @@ class HierarchicalAllReduce(CrossDeviceOps):
         if self.intra_host == "shared_memory" and bad:
             raise ValueError(
                 f"HierarchicalAllReduce(intra_host='shared_memory') on rank {me}: shared memory "
-                f"is not usable inside host(s) {bad} (needs {SHM_DIR} on every member, all on "
+                f"is not usable inside host(s) {bad} (needs {shm_dir()} on every member, all on "
                 "one machine). HINT: use intra_host='auto'")
         shared = shared_hosts[hosts.index(host)]
         timeout = default_timeout_seconds()

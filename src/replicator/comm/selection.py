@@ -43,9 +43,9 @@ class AutoChoice:
 
 
 def _shm_dir() -> str:
-    from replicator.comm.shm_segment import SHM_DIR
+    from replicator.comm.shm_segment import shm_dir
 
-    return SHM_DIR
+    return shm_dir()
 
 
 def shared_memory_problem(local_replicas: int = 1) -> str:

@@ -29,9 +29,16 @@ from replicator.cluster.env_names import SHM_DIR_ENV
 from replicator.comm.groups import group_rank, group_ranks, group_size
 from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
 
-#: Where segments are created; ``REPLICATOR_SHM_DIR`` overrides it (a tmpfs of your choice,
-#: or a path that does not exist to keep shared memory off).
-SHM_DIR = os.environ.get(SHM_DIR_ENV, "") or "/dev/shm"
+#: Where segments are created unless ``REPLICATOR_SHM_DIR`` says otherwise.
+DEFAULT_SHM_DIR = "/dev/shm"
+
+
+def shm_dir() -> str:
+    """Where segments are created: ``REPLICATOR_SHM_DIR`` (a tmpfs of your choice, or a path
+    that does not exist to keep shared memory off), else ``/dev/shm``. Read at each call: a
+    worker forked from a preloaded server sets its environment after the import."""
+    return os.environ.get(SHM_DIR_ENV, "") or DEFAULT_SHM_DIR
+
 NAME_PREFIX = "replicator-shm-"
 ALIGN = 64
 _PAYLOAD = 256
@@ -105,7 +112,7 @@ class SharedSegment:
             if first:
                 name = f"{NAME_PREFIX}{group_tag(group)}-{os.getpid()}-{secrets.token_hex(6)}"
                 try:
-                    path = os.path.join(SHM_DIR, name)
+                    path = os.path.join(shm_dir(), name)
                     mm = _map(path, nbytes, create=True)
                     message, ok = name, 1
                 except Exception as exc:  # noqa: BLE001 - every rank must hear about it
@@ -119,12 +126,12 @@ class SharedSegment:
             if not ok:
                 raise ReplicatorError(
                     f"{who}: rank {group_ranks(group)[0]} could not create a {nbytes / 1e6:.1f} "
-                    f"MB shared-memory segment in {SHM_DIR} ({message}). HINT: {SHM_DIR} may "
+                    f"MB shared-memory segment in {shm_dir()} ({message}). HINT: {shm_dir()} may "
                     "be full or small (docker: --shm-size); or use rp.comm.NativeAllReduce().")
             error = ""
             if not first:
                 try:
-                    mm = _map(os.path.join(SHM_DIR, message), nbytes, create=False)
+                    mm = _map(os.path.join(shm_dir(), message), nbytes, create=False)
                 except Exception as exc:  # noqa: BLE001 - every rank must hear about it
                     error = f"{type(exc).__name__}: {exc}"
             status = torch.tensor([0 if error else 1], dtype=torch.int64)
@@ -151,7 +158,7 @@ class SharedSegment:
         whatever it answered, so the name never outlives the exchange."""
         nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
         name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
-        return cls(_map(os.path.join(SHM_DIR, name), nbytes, create=True), nbytes, name)
+        return cls(_map(os.path.join(shm_dir(), name), nbytes, create=True), nbytes, name)
 
     @classmethod
     def open_named(cls, name: str, nbytes: int) -> SharedSegment:
@@ -161,7 +168,7 @@ class SharedSegment:
             raise ValueError(f"{name!r} is not a replicator shared-memory segment name")
         nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
         try:
-            return cls(_map(os.path.join(SHM_DIR, name), nbytes, create=False), nbytes, name)
+            return cls(_map(os.path.join(shm_dir(), name), nbytes, create=False), nbytes, name)
         finally:
             unlink_segment(name)
 
@@ -172,9 +179,9 @@ class SharedSegment:
 
 
 def unlink_segment(name: str) -> None:
-    """Remove a segment's name from :data:`SHM_DIR` (mappings stay valid); idempotent."""
+    """Remove a segment's name from :func:`shm_dir` (mappings stay valid); idempotent."""
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
+        os.unlink(os.path.join(shm_dir(), name))
     except FileNotFoundError:
         pass
 

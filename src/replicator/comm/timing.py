@@ -23,7 +23,9 @@ __all__ = ["ENV", "CommTime", "add_background", "enable", "enabled", "reset", "s
 #: The environment variable that turns the timers on in a process (``"1"``).
 ENV = "REPLICATOR_COMM_TIMING"
 
-_enabled = os.environ.get(ENV, "") == "1"
+#: ``None`` until first asked: the environment is read then, not at import (a worker forked
+#: from a preloaded server sets its environment after the import).
+_enabled: bool | None = None
 _lock = threading.Lock()
 _local = threading.local()
 _exposed = 0.0
@@ -56,13 +58,16 @@ def enable(on: bool = True) -> None:
 
 
 def enabled() -> bool:
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get(ENV, "") == "1"
     return _enabled
 
 
 def start() -> float | None:
     """Mark the start of a collective; pass the result to :func:`stop`. ``None`` when the
     timers are off or a guarded call is already open on this thread (it counts once)."""
-    if not _enabled:
+    if not (_enabled if _enabled is not None else enabled()):
         return None
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
@@ -72,7 +77,7 @@ def start() -> float | None:
 def stop(token: float | None) -> None:
     """End the collective started by :func:`start` (safe with ``None``)."""
     global _exposed, _calls, _background, _background_calls
-    if not _enabled and token is None:
+    if token is None and not (_enabled if _enabled is not None else enabled()):
         return
     depth = getattr(_local, "depth", 0)
     _local.depth = max(0, depth - 1)
@@ -91,7 +96,7 @@ def stop(token: float | None) -> None:
 def add_background(seconds: float) -> None:
     """Count ``seconds`` of communication done on a communication thread."""
     global _background, _background_calls
-    if not _enabled:
+    if not (_enabled if _enabled is not None else enabled()):
         return
     with _lock:
         _background += seconds
