@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from replicator.cluster.env_names import REPLICA_ID_FORMAT
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.cluster.ports import listen
 from replicator.comm.gradient_sync import local_tensor
@@ -118,7 +119,8 @@ class LiveEngine:
                 connect_timeout=timedelta(seconds=min(settings.quorum_timeout, 30.0)),
                 rank=settings.rank, world_size=settings.group_size, store_addr=store_addr,
                 store_port=store_port, lighthouse_addr=settings.lighthouse,
-                replica_id=f"replicator_group_{settings.group}", hostname=settings.bind,
+                replica_id=REPLICA_ID_FORMAT.format(group=settings.group),
+                hostname=settings.bind,
                 checkpoint_transport=self._transport,
                 init_sync=True)
         except Exception as exc:  # noqa: BLE001 - torchft raises plain RuntimeErrors

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from replicator.cluster.env_names import (
     LIGHTHOUSE_ENV,
+    LIVE_BIND_ENV,
     MIN_REPLICAS_ENV,
     REPLICA_GROUP_ENV,
     REPLICA_GROUPS_ENV,
@@ -28,7 +29,7 @@ COLLECTIVE_TIMEOUT_ENV = "REPLICATOR_LIVE_TIMEOUT_SECONDS"
 #: :class:`~replicator.strategies.live.errors.QuorumTimeoutError`.
 QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
 #: The address this process's state server and group store listen on (default loopback).
-BIND_ENV = "REPLICATOR_LIVE_BIND"
+BIND_ENV = LIVE_BIND_ENV
 
 
 def _number(env: Mapping[str, str], name: str, default: float, what: str) -> float:
