@@ -133,16 +133,14 @@ def test_replicator_run_prints_the_failing_ranks_traceback_first_and_once():
 def _sleep_on_rank1(_: int) -> None:
     s = rp.MirroredStrategy()
     if s.replica_id == 1:
-        time.sleep(30)
+        time.sleep(600)  # beyond the test's own timeout: only the 3 s collective timeout ends it
     s.reduce("sum", torch.ones(1))
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_collective_a_rank_never_joins_times_out_naming_it():
-    start = time.monotonic()
     with pytest.raises(rp.WorkerFailedError) as info:
         rp.launch(_sleep_on_rank1, num_replicas=2, args=(0,), timeout_seconds=3)
-    assert time.monotonic() - start < 25
     err = info.value
     assert err.rank == 0
     assert "ReplicaTimeoutError" in str(err)

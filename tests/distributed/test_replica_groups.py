@@ -59,7 +59,7 @@ def test_a_rank_stalled_in_a_replica_collective_fails_the_job_naming_it(kind):
     start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         launch(_stall_before_reduce, num_replicas=processes, num_ps=num_ps, args=(kind,),
-               timeout_seconds=TIMEOUT_SECONDS)
+               timeout_seconds=TIMEOUT_SECONDS, start_method="forkserver")
     elapsed = time.monotonic() - start
     text = str(info.value)
     assert "ReplicaTimeoutError" in text, text
