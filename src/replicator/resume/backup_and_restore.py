@@ -26,8 +26,9 @@ Under a strategy that splits the model (pipeline stages, tensor or FSDP shards: 
 ``shards_model`` is true) no rank holds the whole model, so the tracked module and optimizers
 are saved by every rank through ``torch.distributed.checkpoint``
 (``checkpoint/distributed_checkpoint.py``, in ``backup_dir/sharded``) before the backup's own
-commit, which then names them; these saves are written before the next step starts (see
-:meth:`BackupAndRestore._save`).
+commit, which then names them. By default these are written before the next step starts;
+with ``saver=`` given, each rank's shards are copied to memory at the step boundary and
+written by DCP on the saver's thread over a private group (see :meth:`BackupAndRestore._save`).
 
 This room sits above the strategies: it asks the strategy (given, or the active one) only
 through its public API (``shards_model``, ``collectives``, ``prepare_optimizers``) and passes
@@ -49,17 +50,22 @@ from typing import Any
 
 import torch
 
-from replicator.checkpoint.atomic import remove_tree
 from replicator.checkpoint.background import BackgroundSaver
 from replicator.checkpoint.distributed_checkpoint import (
     discard_uncommitted,
     load_sharded,
     save_sharded,
+    stage_sharded,
+    write_staged,
 )
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
+from replicator.checkpoint.remote_manager import open_manager
+from replicator.checkpoint.saver import ProcessSaver, check_saver, make_saver
+from replicator.checkpoint.store import backup_location, join_location, remove_location
 from replicator.cluster.worker_errors import record_backup
 from replicator.resume import rng
+from replicator.resume.live_state import is_live, live_steps
 from replicator.resume.nonfinite import NonFiniteGuard
 from replicator.resume.preemption import Preempted, PreemptionWatcher
 from replicator.resume.sharded import checkpoint_collectives, resolve_strategy
@@ -80,7 +86,8 @@ class BackupAndRestore:
     """Back up training state regularly and resume from the newest valid backup on restart.
 
     Args:
-        backup_dir: directory for the backups; one file system that every rank sees.
+        backup_dir: directory for the backups; one file system that every rank sees, or an
+            fsspec URL (``"s3://bucket/run"``: see docs/remote_storage.md).
         save_freq: ``"epoch"`` (after each epoch) or a number of optimizer steps.
         keep: how many backups to keep (older ones are deleted after each new one commits).
         delete_checkpoint: delete the backups once training completes (as Keras does); with
@@ -92,21 +99,35 @@ class BackupAndRestore:
         handle_preemption: save and exit with code 75 on SIGTERM (main thread only).
         preemption_check_seconds: how often the ranks agree on whether one was signalled
             (about; the interval in steps adapts to the step time); 0 checks every step.
-        background: write and commit the saves due by ``save_freq`` on a thread while
-            training goes on (the state is copied to memory first); ``False`` writes each
-            save before the next step starts.
+        background: write and commit the saves due by ``save_freq`` while training goes on
+            (the state is copied to memory first); ``False`` writes each save before the
+            next step starts.
+        saver: who writes background saves: ``"process"`` (a saver process, handed the state
+            in shared memory; a save due while one runs is skipped and logged) or
+            ``"thread"``; default: the process for a URL, the thread for a local path. Under
+            a strategy that splits the model, sharded saves go to the background only when
+            ``saver`` is given (by default they are written before the next step).
+        mirror: for a URL, a local directory that also receives every backup (kept when
+            the store cannot be reached; see docs/remote_storage.md).
+        storage_options: fsspec options for a URL (e.g. ``{"client_kwargs":
+            {"endpoint_url": ...}}``); default: fsspec's environment (``AWS_*``,
+            ``FSSPEC_S3_ENDPOINT_URL``).
     """
 
     def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
                  keep: int = 2, delete_checkpoint: bool = True, *,
                  strategy: Strategy | None = None,
                  terminate_on_nan: bool = True, handle_preemption: bool = True,
-                 preemption_check_seconds: float = 1.0, background: bool = True) -> None:
+                 preemption_check_seconds: float = 1.0, background: bool = True,
+                 saver: str | None = None, mirror: str | os.PathLike[str] | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
                                      or save_freq < 1):
             raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got "
                              f"{save_freq!r}")
-        self.backup_dir = Path(backup_dir)
+        self.backup_dir = backup_location(backup_dir)
+        self._saver_kind = check_saver(saver)
+        self._mirror, self._storage_options = mirror, storage_options
         self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
         self.terminate_on_nan = terminate_on_nan
@@ -181,9 +202,10 @@ class BackupAndRestore:
     def manager(self) -> CheckpointManager:
         """The storage beneath: step directories over the ranks that checkpoint together."""
         if self._manager is None:
-            self._manager = CheckpointManager(
+            self._manager = open_manager(
                 self.backup_dir, keep=self._keep,
-                collectives=checkpoint_collectives(self._strategy_now()))
+                collectives=checkpoint_collectives(self._strategy_now()),
+                mirror=self._mirror, storage_options=self._storage_options)
         return self._manager
 
     @property
@@ -191,9 +213,9 @@ class BackupAndRestore:
         return self.manager.channel
 
     @property
-    def sharded_dir(self) -> Path:
+    def sharded_dir(self) -> Any:
         """Where the sharded state of backups made under a model-splitting strategy goes."""
-        return self.backup_dir / SHARDED_DIR
+        return join_location(self.backup_dir, SHARDED_DIR)
 
     def _strategy_now(self) -> Strategy | None:
         return resolve_strategy(self._strategy)
@@ -243,6 +265,9 @@ class BackupAndRestore:
             raise ValueError("steps() needs the dataset to iterate: steps(dist_dataset, ...)")
         if epochs is None and num_steps is None:
             raise ValueError("steps() needs epochs= or num_steps= to know when to stop")
+        if is_live(self._dataset):  # replica groups: counted from the committed step
+            yield from live_steps(self, self._dataset, epochs=epochs, num_steps=num_steps)
+            return
         self.on_train_begin()
         try:
             while (epochs is None or self.epoch < epochs) and (
@@ -367,10 +392,11 @@ class BackupAndRestore:
         if self.delete_checkpoint:
             self.channel.max_flag(False, "end of training")  # nobody still needs a backup
             if self.channel.is_chief:
-                remove_tree(self.sharded_dir)
+                remove_location(self.sharded_dir)
             self.manager.delete_all()
         elif self._last_saved_step != self.step:
             self._save("final")
+        self.manager.finish()  # a store that refused the last saves: said here, at the end
         self.close()
 
     def close(self) -> None:
@@ -384,6 +410,11 @@ class BackupAndRestore:
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+        if self._saver is not None:
+            self._saver.close()
+            self._saver = None
+        if self._manager is not None:
+            self._manager.close()
         self._began = False
 
     # -- saving and restoring --------------------------------------------------------------------
@@ -417,19 +448,32 @@ class BackupAndRestore:
         Under a strategy that splits the model, the module and optimizers are first saved by
         every rank through ``torch.distributed.checkpoint`` (committed in ``sharded/``), then
         the backup itself (scheduler, other objects, RNG and input position) is committed and
-        names them, so a crash in between leaves the previous backup the newest. Both are
-        written before the next step: DCP's save runs collectives on the job's group, which a
-        thread must not interleave with the training's own, and copying sharded state to
-        memory first would need a gather of DTensor shards for no gain in safety."""
-        self._settle_background()
+        names them, so a crash in between leaves the previous backup the newest. In the
+        background each rank copies its own shards (no gather) and DCP writes them on the
+        saver's thread over the saver's private group, which never interleaves with the
+        training's collectives. With the saver process a save due while the previous one is
+        still being written is skipped (the saver agrees on it), so nothing waits here."""
+        if not (self.background and reason in ("step", "epoch")
+                and isinstance(self._saver, ProcessSaver)):
+            self._settle_background()
         ch = self.channel
         sharded = self._sharded_objects()
         sharded_names: list[str] = []
+        in_background = self.background and reason in ("step", "epoch")
+        write_shards = None
         if sharded is not None:
             module_name, module, optimizers = sharded
             self._prepare_optimizers(optimizers.values())
-            save_sharded(self.sharded_dir, self.step, module, list(optimizers.values()),
-                         collectives=ch.collectives, keep=self._keep + 1)
+            if in_background and self._saver_kind is not None:  # saver= chosen: copied now,
+                # written on the saver's thread before the backup
+                staged = stage_sharded(module, list(optimizers.values()))
+                step, where, keep = self.step, self.sharded_dir, self._keep + 1
+
+                def write_shards(channel: Channel) -> None:
+                    write_staged(where, step, staged, channel, keep=keep)
+            else:
+                save_sharded(self.sharded_dir, self.step, module, list(optimizers.values()),
+                             collectives=ch.collectives, keep=self._keep + 1)
             sharded_names = [module_name, *optimizers]
         replicated = ({name: obj.state_dict() for name, obj in self._objects.items()
                        if name not in sharded_names} if ch.is_chief else None)
@@ -443,12 +487,13 @@ class BackupAndRestore:
                                 "data_state": data is not None}
         if sharded_names:
             info["sharded"] = {"directory": SHARDED_DIR, "states": sharded_names}
-        if self.background and reason in ("step", "epoch") and not sharded_names:
+        if in_background and (write_shards is not None or not sharded_names):
             if self._saver is None:
                 directory = self.manager.directory
-                self._saver = BackgroundSaver(
-                    self.manager, on_saved=lambda step, _: record_backup(directory, step))
-            return self._saver.submit(self.step, replicated, per_rank, info)
+                self._saver = make_saver(
+                    self.manager, self._saver_kind,
+                    on_saved=lambda step, _: record_backup(directory, step))
+            return self._saver.submit(self.step, replicated, per_rank, info, write_shards)
         path = self.manager.save(self.step, replicated, per_rank, info)
         self._last_saved_step = self.step
         record_backup(self.manager.directory, self.step)  # the launcher's "rerun to resume"

@@ -12,6 +12,8 @@ import hashlib
 import io
 import math
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from replicator.checkpoint.placeholders import refuse_placeholders
+from replicator.checkpoint.store import check_location, is_remote, read_url, upload_tree, write_url
 from replicator.resume.backup_and_restore import BackupAndRestore
 from replicator.train.tracker_ledger import TrackerLedger
 
@@ -183,6 +186,7 @@ class ModelCheckpoint(Callback):
 
     def __init__(self, filepath: str, monitor: str = "val_loss", save_best_only: bool = False,
                  mode: str = "auto") -> None:
+        check_location(filepath, "ModelCheckpoint's filepath")
         self.filepath, self.monitor, self.save_best_only = filepath, monitor, save_best_only
         self.better = _better(mode, monitor)
         self.best: float | None = None
@@ -200,7 +204,11 @@ class ModelCheckpoint(Callback):
             self.best = current
         path = self.filepath.format(epoch=epoch + 1, **logs)
         state = self.trainer.strategy.full_state_dict(self.trainer.model)  # every rank
-        if self.is_chief:
+        if self.is_chief and is_remote(path):  # an object store: one PUT is atomic
+            from safetensors.torch import save
+
+            write_url(path, save({k: v.detach().cpu().contiguous() for k, v in state.items()}))
+        elif self.is_chief:
             _atomic_save_weights(state, path)
         self.saved.append(path)
 
@@ -257,12 +265,17 @@ class CSVLogger(Callback):
     """
 
     def __init__(self, filename: str, append: bool = False) -> None:
+        check_location(filename, "CSVLogger's file")
         self.filename, self.append = filename, append
         self._keys: list[str] | None = None
         self._size = 0  # bytes of the file that belong to this run's past (chief)
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._keys = None
+        if is_remote(self.filename):  # an object store: the file is rewritten whole
+            old = read_url(self.filename) if self.is_chief and self.append else None
+            self._size = len(old) if old is not None else 0
+            return
         self._size = os.path.getsize(self.filename) if self.is_chief and self.append \
             and os.path.exists(self.filename) else 0
 
@@ -277,6 +290,12 @@ class CSVLogger(Callback):
         if self._size == 0:
             writer.writerow(["epoch", *self._keys])
         writer.writerow([epoch, *(logs.get(k, "") for k in self._keys)])
+        if is_remote(self.filename):
+            kept = (read_url(self.filename) or b"")[:self._size] if self._size else b""
+            data = kept + text.getvalue().encode()
+            write_url(self.filename, data)
+            self._size = len(data)
+            return
         os.makedirs(os.path.dirname(os.path.abspath(self.filename)), exist_ok=True)
         exists = os.path.exists(self.filename)
         with open(self.filename, "r+b" if exists else "wb") as f:
@@ -293,10 +312,15 @@ class CSVLogger(Callback):
         keys = state["keys"]
         self._keys = None if keys is None else [str(k) for k in keys]
         self._size = int(state["size"])
-        if self.is_chief and os.path.exists(self.filename) \
-                and os.path.getsize(self.filename) < self._size:
+        held: int | None = None
+        if self.is_chief and is_remote(self.filename):
+            data = read_url(self.filename)
+            held = None if data is None else len(data)
+        elif self.is_chief and os.path.exists(self.filename):
+            held = os.path.getsize(self.filename)
+        if held is not None and held < self._size:
             raise ValueError(
-                f"CSVLogger: {self.filename} holds {os.path.getsize(self.filename)} bytes but "
+                f"CSVLogger: {self.filename} holds {held} bytes but "
                 f"the backup says the epochs so far wrote {self._size}. HINT: the log was "
                 "changed or removed since the backup; restore it or use a new backup_dir.")
 
@@ -310,6 +334,7 @@ class TensorBoard(Callback):
     """
 
     def __init__(self, log_dir: str = "logs", update_freq: str | int = "epoch") -> None:
+        check_location(log_dir, "TensorBoard's log_dir")
         try:
             import tensorboard  # type: ignore[import-not-found,import-untyped]  # noqa: F401
         except ImportError:
@@ -317,6 +342,7 @@ class TensorBoard(Callback):
                               "pip install tensorboard") from None
         self.log_dir, self.update_freq = log_dir, update_freq
         self._writer: Any = None
+        self._local: str | None = None
         self._ledger = TrackerLedger()
         self._restored: dict[str, Any] | None = None
 
@@ -327,8 +353,12 @@ class TensorBoard(Callback):
         if self.is_chief and self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(self.log_dir)
-            name = hashlib.sha1(os.path.abspath(self.log_dir).encode()).hexdigest()[:12]
+            # a URL: events are written to a local folder and copied there at each flush
+            self._local = tempfile.mkdtemp(prefix="replicator-tb-") if is_remote(
+                self.log_dir) else None
+            self._writer = SummaryWriter(self._local or self.log_dir)
+            where = self.log_dir if self._local else os.path.abspath(self.log_dir)
+            name = hashlib.sha1(where.encode()).hexdigest()[:12]
             self._ledger.attach(self.trainer, f"tensorboard-{name}", self._restored)
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
@@ -337,19 +367,28 @@ class TensorBoard(Callback):
                 and step % self.update_freq == 0 and self._ledger.wants_step(step):
             for k, v in (logs or {}).items():
                 self._writer.add_scalar(f"batch/{k}", v, step)
-            self._writer.flush()
+            self._flush()
             self._ledger.sent(step=step)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self._writer is not None and self._ledger.wants_epoch(epoch):
             for k, v in (logs or {}).items():
                 self._writer.add_scalar(f"epoch/{k}", v, epoch)
-            self._writer.flush()
+            self._flush()
             self._ledger.sent(epoch=epoch)
+
+    def _flush(self) -> None:
+        self._writer.flush()
+        if self._local is not None:
+            upload_tree(self._local, self.log_dir)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self._writer is not None:
             self._writer.close()
+            if self._local is not None:
+                upload_tree(self._local, self.log_dir)
+                shutil.rmtree(self._local, ignore_errors=True)
+                self._local = None
             self._writer = None
             self._ledger.close()
 
