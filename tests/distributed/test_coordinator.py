@@ -27,8 +27,8 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rows], y[rows]
 
 
-def scheduled_training(steps: int = 24, fail_at: int | None = None, kill_after: int = -1,
-                       flag_dir: str = "") -> dict:
+def scheduled_training(steps: int = 24, fail_at: int | None = None,
+                       kill_after: int | None = None, flag_dir: str = "") -> dict:
     """Chief + workers + 1 server: a per-worker dataset, ``steps`` scheduled steps, join."""
     strategy = rp.ParameterServerStrategy(num_ps=1)
     coordinator = rp.ClusterCoordinator(strategy)
@@ -50,7 +50,7 @@ def scheduled_training(steps: int = 24, fail_at: int | None = None, kill_after: 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if i == kill_after and _first_time(flag_dir, "after"):
+        if kill_after is not None and i == kill_after and _first_time(flag_dir, "after"):
             os.kill(os.getpid(), signal.SIGKILL)  # after the push: the update is committed
         return {"loss": loss.detach(), "i": i, "rank": strategy.replica_id}
 
