@@ -65,6 +65,7 @@ from replicator.checkpoint.saver import ProcessSaver, check_saver, make_saver
 from replicator.checkpoint.store import backup_location, join_location, remove_location
 from replicator.cluster.worker_errors import record_backup
 from replicator.resume import rng
+from replicator.resume.input_epochs import epoch_length, set_epoch_of, warn_replay
 from replicator.resume.live_state import is_live, live_steps
 from replicator.resume.nonfinite import NonFiniteGuard
 from replicator.resume.preemption import Preempted, PreemptionWatcher
@@ -73,13 +74,6 @@ from replicator.strategies.base import Strategy
 
 #: Where the sharded model and optimizer state of each backup go, under ``backup_dir``.
 SHARDED_DIR = "sharded"
-
-
-def _epoch_length(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 class BackupAndRestore:
@@ -278,7 +272,7 @@ class BackupAndRestore:
                     yield self.step + 1, batch
                     self.on_train_batch_end(self.step_in_epoch)
                 if num_steps is not None and self.step >= num_steps:
-                    length = _epoch_length(self._dataset)
+                    length = epoch_length(self._dataset)
                     finished = length is not None and self.step_in_epoch >= length
                 if finished:
                     self.on_epoch_end(self.epoch)
@@ -308,11 +302,11 @@ class BackupAndRestore:
             ds.load_state_dict(resume["data"])  # type: ignore[union-attr]
         else:
             if not stateful or resume is not None:
-                _set_epoch(ds, self.epoch)
+                set_epoch_of(ds, self.epoch)
             if resume is not None:
                 skip = resume["step_in_epoch"]
                 if skip:
-                    _warn_replay(ds, skip)
+                    warn_replay(ds, skip)
         it = iter(ds)
         for _ in range(skip):
             if next(it, _END) is _END:
@@ -362,7 +356,7 @@ class BackupAndRestore:
         due = isinstance(self.save_freq, int) and self.step % self.save_freq == 0
         if not (due or preempted):
             return
-        length = _epoch_length(self._dataset) if self._dataset is not None else None
+        length = epoch_length(self._dataset) if self._dataset is not None else None
         if length is not None and self.step_in_epoch >= length:
             # Last batch of the epoch: save after on_epoch_end, at the start of the next epoch,
             # so the backup never depends on how an input pipeline reports a finished epoch.
@@ -596,21 +590,3 @@ class BackupAndRestore:
 
 
 _END = object()
-
-
-def _set_epoch(ds: Any, epoch: int) -> None:
-    if callable(getattr(ds, "set_epoch", None)):
-        ds.set_epoch(epoch)
-    elif callable(getattr(getattr(ds, "sampler", None), "set_epoch", None)):
-        ds.sampler.set_epoch(epoch)
-
-
-def _warn_replay(ds: Any, skip: int) -> None:
-    if callable(getattr(ds, "set_epoch", None)) or callable(
-            getattr(getattr(ds, "sampler", None), "set_epoch", None)):
-        return  # the order depends on the epoch only: replaying it is exact, only slower
-    warnings.warn(
-        f"the input has no state_dict(); resuming replays {skip} batches of this epoch, which "
-        "gives the same samples only if its order does not depend on the random state. HINT: "
-        "use strategy.distribute_dataset(...), whose input position is saved exactly.",
-        RuntimeWarning, stacklevel=3)
