@@ -9,18 +9,24 @@ one value per worker, held by the workers (a per-worker dataset's iterator); pas
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from replicator.ps.values import ResourceRef
 
-if TYPE_CHECKING:
-    from replicator.strategies.cluster_coordinator import ClusterCoordinator
+
+class _Coordinator(Protocol):
+    """What a value needs of the coordinator that made it (``ClusterCoordinator``); a protocol
+    rather than an import, so the two modules do not import each other."""
+
+    def _fetch(self, value: RemoteValue) -> Any: ...
+
+    def _value_done(self, value: RemoteValue) -> bool: ...
 
 
 class RemoteValue:
     """The result of one scheduled function, available once it ran on some worker."""
 
-    def __init__(self, coordinator: ClusterCoordinator, number: int, name: str) -> None:
+    def __init__(self, coordinator: _Coordinator, number: int, name: str) -> None:
         self._coordinator = coordinator
         self._number = number
         self._name = name
