@@ -91,12 +91,16 @@ def main() -> None:
                     raise TimeoutError(f"{tag} held at step {a.hold_at_step} for 120 s")
                 time.sleep(0.02)
 
+    backup = None
+
     def step_fn(batch):
         x, y = batch
         loss = F.mse_loss(model(x), y)
         loss.backward()
         if live is not None and (live.committed_steps == a.kill_at_step
                                  or live.committed_steps in kill_steps):
+            if backup is not None:  # the backup due before the kill is on disk, however fast
+                backup.wait_for_save()
             os.kill(os.getpid(), signal.SIGKILL)
         if a.step_seconds:
             time.sleep(a.step_seconds)
