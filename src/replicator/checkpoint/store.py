@@ -168,16 +168,20 @@ class RemoteStore:
         self.fs.invalidate_cache(self.path(name))
         return bool(self.fs.exists(self.path(name), **self._limit))
 
-    @_io("listing")
-    def objects(self, prefix: str) -> list[tuple[str, int]]:
-        """``(name, size)`` of the objects directly under ``prefix`` (a folder name)."""
+    def _listing(self, prefix: str) -> tuple[str, list[dict[str, Any]]]:
+        """The folder path ending in ``/`` and its fresh (uncached) entries; none if missing."""
         where = self.path(prefix)
         self.fs.invalidate_cache(where)
         try:
             entries = self.fs.ls(where, detail=True, **self._limit)
         except FileNotFoundError:
-            return []
-        base = where.rstrip("/") + "/"
+            entries = []
+        return where.rstrip("/") + "/", entries
+
+    @_io("listing")
+    def objects(self, prefix: str) -> list[tuple[str, int]]:
+        """``(name, size)`` of the objects directly under ``prefix`` (a folder name)."""
+        base, entries = self._listing(prefix)
         out = []
         for e in entries:
             full = str(e["name"]).rstrip("/")
@@ -189,13 +193,7 @@ class RemoteStore:
     @_io("listing")
     def folders(self, prefix: str) -> list[str]:
         """Names of the folders directly under ``prefix``."""
-        where = self.path(prefix)
-        self.fs.invalidate_cache(where)
-        try:
-            entries = self.fs.ls(where, detail=True, **self._limit)
-        except FileNotFoundError:
-            return []
-        base = where.rstrip("/") + "/"
+        base, entries = self._listing(prefix)
         return sorted(str(e["name"]).rstrip("/")[len(base):] for e in entries
                       if e.get("type") == "directory"
                       and str(e["name"]).startswith(base))
