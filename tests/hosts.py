@@ -26,6 +26,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from replicator.cluster.processes import process_alive
+
 #: Prefix of every namespace made here: ``rpnh<pid>x<n>-sw`` / ``-h<i>``.
 PREFIX = "rpnh"
 SUBNET = "10.213"
@@ -49,14 +51,6 @@ def namespaces_unavailable() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_namespaces() -> list[str]:
@@ -68,7 +62,7 @@ def remove_stale_namespaces() -> list[str]:
         if not name.startswith(PREFIX) or "x" not in name:
             continue
         pid_text = name[len(PREFIX):].split("x", 1)[0]
-        if pid_text.isdigit() and not _alive(int(pid_text)):
+        if pid_text.isdigit() and not process_alive(int(pid_text)):
             _kill_namespace_processes(name)
             _ip("netns", "delete", name, check=False)
             removed.append(name)

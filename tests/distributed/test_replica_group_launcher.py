@@ -29,6 +29,7 @@ from replicator.cluster.lighthouse import (
     torchft_missing,
     wait_reachable,
 )
+from replicator.cluster.processes import process_alive
 from replicator.errors import LighthouseError
 from replicator.testing import assert_params_close
 from tests.live_helpers import SCRIPT as LIVE_TRAIN
@@ -67,14 +68,6 @@ def _wait_for(what: str, condition, timeout: float = 180.0, proc=None) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _unreachable(url: str) -> bool:
@@ -124,10 +117,11 @@ def test_a_killed_group_restarts_alone_and_a_sigtermed_group_leaves(tmp_path):
         assert again["REPLICATOR_REPLICA_GROUP"] == "1"
         assert again["REPLICATOR_RESTART_COUNT"] == "1" and again["pid"] != first[1]["pid"]
         assert again["MASTER_PORT"] == first[1]["MASTER_PORT"]  # its own store, kept
-        assert _alive(first[0]["pid"]) and _alive(first[2]["pid"])  # never restarted
+        # never restarted
+        assert process_alive(first[0]["pid"]) and process_alive(first[2]["pid"])
         # SIGTERM to one group's process alone: it leaves the job (exit 75), not restarted
         os.kill(first[2]["pid"], signal.SIGTERM)
-        _wait_for("group 2 to leave", lambda: not _alive(first[2]["pid"]), proc=proc)
+        _wait_for("group 2 to leave", lambda: not process_alive(first[2]["pid"]), proc=proc)
         (tmp_path / "finish").touch()
         out, err = proc.communicate(timeout=120)
     finally:
@@ -373,4 +367,4 @@ def test_a_lighthouse_that_dies_stops_the_job_with_its_name(tmp_path):
     assert "replicator run: error: the lighthouse at http://127.0.0.1:" in err
     assert "no quorum can form without it" in err
     assert len(_starts(tmp_path)) == 2  # the groups were stopped, not restarted
-    assert not any(_alive(s["pid"]) for s in _starts(tmp_path))
+    assert not any(process_alive(s["pid"]) for s in _starts(tmp_path))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -153,6 +155,29 @@ def test_a_stale_lease_is_taken_over_and_said(capfd):
     assert json.loads(store.get(LEASE_NAME))["job_id"] == "new-job"
     fresh.close()
     assert not store.exists(LEASE_NAME)
+
+
+_NEVER_CLOSED = """
+import sys, torch
+from replicator.checkpoint.remote_manager import RemoteCheckpointManager
+manager = RemoteCheckpointManager(sys.argv[1], job_id="forgetful")
+manager.save(1, {"model": {"w": torch.ones(2)}})
+manager.finish()
+print("saved", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_never_closes_its_backups_releases_the_lease_at_exit(tmp_path):
+    url = (tmp_path / "run").as_uri()
+    done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, url], capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0 and "saved" in done.stdout, done.stderr
+    assert "still running" not in done.stderr  # the heartbeat thread was stopped
+    assert not RemoteStore(url).exists(LEASE_NAME)  # the next job need not wait it out
+    again = RemoteCheckpointManager(url, job_id="another")  # takes the location at once
+    assert again.restore() is not None
+    again.close()
 
 
 # -- a real S3 server ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ the same job id (``REPLICATOR_JOB_ID``, torchrun's ``TORCHELASTIC_RUN_ID`` or
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -17,9 +18,11 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from replicator.checkpoint.store import RemoteStore
+from replicator.cluster.processes import process_alive
 from replicator.errors import StoreLeaseError
 
 LEASE_NAME = "LEASE.json"
@@ -43,14 +46,18 @@ def default_job_id() -> str:
     return _PROCESS_ID[pid]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+#: Leases whose heartbeat runs in this process, released when the interpreter exits.
+_HELD: weakref.WeakSet[Lease] = weakref.WeakSet()
+
+
+def _release_at_exit() -> None:
+    """A script that never closed its backups still ends at once and leaves no lease: stop
+    every heartbeat (the library waits for its helper threads at exit) and delete the lease."""
+    for lease in list(_HELD):
+        lease.release()
+
+
+atexit.register(_release_at_exit)
 
 
 class Lease:
@@ -91,7 +98,7 @@ class Lease:
             age = time.time() - float(held.get("heartbeat", 0.0))
             same_job = held.get("job_id") == self.job_id
             gone = held.get("host") == self.host and isinstance(held.get("pid"), int) \
-                and not _pid_alive(held["pid"])
+                and not process_alive(held["pid"])
             who = (f"job {held.get('job_id')!r} (host {held.get('host')}, pid "
                    f"{held.get('pid')}, last heartbeat {age:.0f} s ago)")
             if not (same_job or gone) and age < self.timeout:
@@ -118,6 +125,7 @@ class Lease:
             self._thread = threading.Thread(target=self._beat, name="replicator-lease",
                                             daemon=True)
             self._thread.start()
+            _HELD.add(self)
 
     def renew(self) -> None:
         """Write a fresh heartbeat, unless another job took the lease (then :attr:`lost`)."""
@@ -146,6 +154,7 @@ class Lease:
     def release(self) -> None:
         """Stop the heartbeat and delete the lease if it is still ours."""
         self._stop.set()
+        _HELD.discard(self)
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None

@@ -21,6 +21,7 @@ import torch
 
 from replicator.checkpoint import safetensors_io, serialization
 from replicator.cluster.env_names import SHM_DIR_ENV
+from replicator.cluster.processes import process_alive
 
 _ALIGN = 64
 _PREFIX = "replicator-stage-"
@@ -51,15 +52,11 @@ def remove_stale_buffers(directory: str) -> None:
     for name in names:
         parts = name.split("-")
         if name.startswith(_PREFIX) and len(parts) >= 4 and parts[2].isdigit():
-            try:
-                os.kill(int(parts[2]), 0)
-            except ProcessLookupError:
+            if not process_alive(int(parts[2])):
                 try:
                     os.unlink(os.path.join(directory, name))
                 except OSError:
                     pass
-            except PermissionError:
-                pass
 
 
 class StagingBuffer:

@@ -217,8 +217,10 @@ def merged_options(scheme: str, options: Mapping[str, Any] | None) -> dict[str, 
         conf = {**fsspec.config.conf.get(scheme, {}), **fresh.get(scheme, {})}
     except ImportError:
         conf = {}
+    defaults = S3_DEFAULTS if scheme in ("s3", "s3a") else \
+        {"auto_mkdir": True} if scheme in ("file", "local") else {}  # folders as on S3
     base: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v
-                            for k, v in (S3_DEFAULTS if scheme in ("s3", "s3a") else {}).items()}
+                            for k, v in defaults.items()}
     given = dict(options or {})
     if "endpoint_url" in dict(given.get("client_kwargs") or {}):
         conf.pop("endpoint_url", None)  # the caller's endpoint wins over the environment's

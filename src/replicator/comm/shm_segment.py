@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from replicator.cluster.env_names import SHM_DIR_ENV
+from replicator.cluster.processes import process_alive
 from replicator.comm.groups import group_rank, group_ranks, group_size
 from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
 
@@ -317,7 +318,7 @@ class FlagBarrier:
             pid = int(self._pids[i])
             if flags[i] >= value or pid <= 0:
                 continue
-            if not _alive(pid):
+            if not process_alive(pid):
                 raise ReplicatorError(
                     f"{self.who} ({what}) on rank {self.ranks[self.rank]}: rank {self.ranks[i]} "
                     f"(pid {pid}) exited while the others waited for it. HINT: look for that "
@@ -329,17 +330,3 @@ def _yield() -> None:
         os.sched_yield()
     else:
         time.sleep(0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
