@@ -21,7 +21,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -111,18 +112,19 @@ class LiveEngine:
         self.source: Any = None       # the live dataset that made the step's batch
         self.redone_steps = 0
         try:
-            self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state,
-                state_dict=self._state, min_replica_size=settings.min_replicas,
-                use_async_quorum=False, timeout=timeout,
-                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
-                connect_timeout=timedelta(seconds=min(settings.quorum_timeout, 30.0)),
-                rank=settings.rank, world_size=settings.group_size, store_addr=store_addr,
-                store_port=store_port, lighthouse_addr=settings.lighthouse,
-                replica_id=REPLICA_ID_FORMAT.format(group=settings.group),
-                hostname=settings.bind,
-                checkpoint_transport=self._transport,
-                init_sync=True)
+            with _manager_server_bound_to(settings.bind):
+                self.manager = Manager(
+                    pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state,
+                    state_dict=self._state, min_replica_size=settings.min_replicas,
+                    use_async_quorum=False, timeout=timeout,
+                    quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+                    connect_timeout=timedelta(seconds=min(settings.quorum_timeout, 30.0)),
+                    rank=settings.rank, world_size=settings.group_size, store_addr=store_addr,
+                    store_port=store_port, lighthouse_addr=settings.lighthouse,
+                    replica_id=REPLICA_ID_FORMAT.format(group=settings.group),
+                    hostname=settings.bind,
+                    checkpoint_transport=self._transport,
+                    init_sync=True)
         except Exception as exc:  # noqa: BLE001 - torchft raises plain RuntimeErrors
             raise LighthouseUnreachableError(
                 f"{self.who} could not join the lighthouse at {settings.lighthouse}: "
@@ -397,4 +399,29 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+@contextmanager
+def _manager_server_bound_to(host: str) -> Iterator[None]:
+    """While a torchft ``Manager`` is made, its manager server listens on ``host`` only.
+
+    torchft 0.2 binds that server to ``[::]`` (every interface) with no option to change it;
+    the server carries quorum and commit calls from the group's ranks and peers, which all
+    reach it at the advertised ``host`` anyway. The constructor is swapped in torchft's module
+    for the duration of the call (made on one thread, before any other use of torchft here).
+    """
+    import torchft.manager as torchft_manager  # type: ignore[import-untyped]
+
+    original = torchft_manager.ManagerServer
+    address = f"[{host}]" if ":" in host else host
+
+    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
+        return original(*args, bind=f"{address}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    torchft_manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original
+
+
 __all__ = ["LiveEngine", "Quorum", "COLLECTIVE_TIMEOUT_ENV"]
+
