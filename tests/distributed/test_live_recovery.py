@@ -33,7 +33,7 @@ def _check_killed_run(tmp: Path, optimizer: str, args: list[str], kill_1: int, k
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("optimizer", [pytest.param("sgd", marks=pytest.mark.slow), "adam"])
 def test_killed_groups_equal_one_device(tmp_path, optimizer):
     # 30 steps of a global batch of 24 (3 epochs of 10); group 1 dies in step 8 and is
     # restarted, group 2 dies in step 20

@@ -53,7 +53,10 @@ def _stall_before_reduce(kind: str) -> float:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", list(STALLS))
+@pytest.mark.parametrize("kind", [
+    k if k in ("mesh_data2_tensor2", "mirrored", "parameter_server_sync")
+    else pytest.param(k, marks=pytest.mark.slow)  # the same timeout path on fewer ranks
+    for k in STALLS])
 def test_a_rank_stalled_in_a_replica_collective_fails_the_job_naming_it(kind):
     processes, num_ps, stalled = STALLS[kind]
     start = time.monotonic()
