@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-freq", type=int, default=10)
     p.add_argument("--kill", help="RANK:STEP (once)")
+    p.add_argument("--saver", choices=("process", "thread"), help="BackupAndRestore's saver")
     p.add_argument("--kill-during-save", type=int,
                    help="STEP: rank 0 dies after the sharded state committed, before the "
                    "backup's own marker")
@@ -64,12 +65,13 @@ def main() -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.5)
     backup = BackupAndRestore(args.backup, save_freq=args.save_freq, delete_checkpoint=False,
-                              preemption_check_seconds=0.0)
+                              preemption_check_seconds=0.0, saver=args.saver)
     backup.track(model=model, optimizer=optimizer, scheduler=scheduler)
     faults = []
     if args.kill:
         r, s = (int(v) for v in args.kill.split(":"))
-        faults.append(rp.testing.kill_rank(r, s))
+        # the backup due before the kill is committed first, however slow its upload
+        faults.append(rp.testing.kill_rank(r, s, on_fire=backup.wait_for_save))
     if args.kill_during_save:
         rp.testing.kill_during_save(0, args.kill_during_save)
 

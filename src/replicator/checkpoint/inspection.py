@@ -22,14 +22,10 @@ from typing import Any
 import torch
 
 from replicator.checkpoint import safetensors_io, serialization
+from replicator.checkpoint.commit_objects import COMMITS, DATA, parse_commit_name
 from replicator.checkpoint.manager import CheckpointManager
 from replicator.checkpoint.manifest import MARKER_NAME, read_marker, verify_file
-from replicator.checkpoint.remote_manager import (
-    COMMITS,
-    DATA,
-    RemoteCheckpointManager,
-    parse_commit_name,
-)
+from replicator.checkpoint.remote_manager import RemoteCheckpointManager
 from replicator.checkpoint.store import RemoteStore, open_store
 from replicator.errors import CheckpointCorruptError, CheckpointError
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import uuid
 import warnings
@@ -34,6 +33,14 @@ from typing import Any
 import numpy as np
 
 from replicator.checkpoint import fault_points, safetensors_io, serialization
+from replicator.checkpoint.commit_objects import (
+    COMMITS,
+    DATA,
+    hash_bytes,
+    list_commits,
+    prune_commits,
+    read_commit,
+)
 from replicator.checkpoint.exchange import Channel, describe_failures
 from replicator.checkpoint.lease import DEFAULT_LEASE_TIMEOUT, Lease
 from replicator.checkpoint.manager import (
@@ -46,26 +53,10 @@ from replicator.checkpoint.manager import (
     rank_file,
     step_dir_name,
 )
-from replicator.checkpoint.manifest import FileEntry, build, check_bytes, parse_marker
+from replicator.checkpoint.manifest import FileEntry, build, check_bytes
 from replicator.checkpoint.store import RemoteStore, is_remote, local_path, open_store
 from replicator.comm.collectives import Collectives
 from replicator.errors import CheckpointCorruptError, CheckpointWriteError, StoreLeaseError
-
-COMMITS = "commits"
-DATA = "data"
-_COMMIT = re.compile(r"^step-(\d{8,})\.([A-Za-z0-9-]{1,80})\.json$")
-
-
-def parse_commit_name(name: str) -> tuple[int, str] | None:
-    """``(step, save id)`` of a commit object's name, ``None`` for anything else."""
-    m = _COMMIT.match(name)
-    return (int(m.group(1)), m.group(2)) if m else None
-
-
-def hash_bytes(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()
 
 
 class RemoteCheckpointManager(CheckpointManager):
@@ -143,12 +134,7 @@ class RemoteCheckpointManager(CheckpointManager):
     # -- listing ------------------------------------------------------------------------------
     def commits(self) -> list[tuple[int, str]]:
         """``(step, commit object name)`` of every commit object, oldest first."""
-        found = []
-        for name, _ in self.store.objects(COMMITS):
-            parsed = parse_commit_name(name)
-            if parsed is not None:
-                found.append((parsed[0], name))
-        return sorted(found)
+        return list_commits(self.store)
 
     def committed_steps(self) -> list[int]:
         return sorted({s for s, _ in self.commits()})
@@ -312,25 +298,7 @@ class RemoteCheckpointManager(CheckpointManager):
             pass  # a later save's pruning removes it
 
     def _prune_remote(self, step: int, newest: str) -> None:
-        """Keep the newest ``keep`` commits up to ``step``; delete older commits, then their
-        data; delete uploads that never got a commit and commits newer than ``step``."""
-        try:
-            commits = self.commits()
-            upto = [n for s, n in commits if s <= step]
-            keep = set(upto[-self.keep:]) | {newest}
-            for _, n in commits:
-                if n not in keep:
-                    self.store.remove(f"{COMMITS}/{n}")
-            kept_ids = {n.removesuffix(".json") for n in keep}
-            for folder in self.store.folders(DATA):
-                parsed = parse_commit_name(f"{folder}.json")
-                # a newer step's folder is the next save, which other ranks may be uploading
-                # already (this rank prunes after they were told of this commit)
-                if folder not in kept_ids and (parsed is None or parsed[0] <= step):
-                    self.store.remove(f"{DATA}/{folder}", recursive=True)
-        except OSError as exc:
-            warnings.warn(f"could not remove old checkpoints in {self.url}: {exc}",
-                          RuntimeWarning, stacklevel=3)
+        prune_commits(self.store, step, newest, self.keep)
 
     # -- restore --------------------------------------------------------------------------------
     def restore(self) -> Restored | None:
@@ -379,16 +347,7 @@ class RemoteCheckpointManager(CheckpointManager):
         return np.frombuffer(bytearray(data), dtype=np.uint8)
 
     def _read_commit(self, name: str) -> dict[str, Any]:
-        where = f"commit {self.url}/{COMMITS}/{name}"
-        try:
-            raw = self.store.get(f"{COMMITS}/{name}")
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where} disappeared while reading it") from None
-        manifest = parse_marker(raw, where)
-        if not isinstance(manifest.get("prefix"), str) or not manifest["prefix"].startswith(
-                f"{DATA}/"):
-            raise CheckpointCorruptError(f"{where} names no data prefix")
-        return manifest
+        return read_commit(self.store, name)
 
     def _choose(self, skipped: list[str]) -> tuple[int, dict[str, np.ndarray]]:
         self._choice_ref = None

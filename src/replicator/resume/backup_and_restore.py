@@ -62,7 +62,12 @@ from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
 from replicator.checkpoint.remote_manager import open_manager
 from replicator.checkpoint.saver import ProcessSaver, check_saver, make_saver
-from replicator.checkpoint.store import backup_location, join_location, remove_location
+from replicator.checkpoint.store import (
+    backup_location,
+    join_location,
+    open_store,
+    remove_location,
+)
 from replicator.cluster.worker_errors import record_backup
 from replicator.resume import rng
 from replicator.resume.input_epochs import epoch_length, set_epoch_of, warn_replay
@@ -99,8 +104,8 @@ class BackupAndRestore:
         saver: who writes background saves: ``"process"`` (a saver process, handed the state
             in shared memory; a save due while one runs is skipped and logged) or
             ``"thread"``; default: the process for a URL, the thread for a local path. Under
-            a strategy that splits the model, sharded saves go to the background only when
-            ``saver`` is given (by default they are written before the next step).
+            a strategy that splits the model, sharded saves go to the background for a URL,
+            and for a local path when ``saver`` is given (else before the next step).
         mirror: for a URL, a local directory that also receives every backup (kept when
             the store cannot be reached; see docs/remote_storage.md).
         storage_options: fsspec options for a URL (e.g. ``{"client_kwargs":
@@ -210,6 +215,10 @@ class BackupAndRestore:
     def sharded_dir(self) -> Any:
         """Where the sharded state of backups made under a model-splitting strategy goes."""
         return join_location(self.backup_dir, SHARDED_DIR)
+
+    def _sharded_location(self) -> Any:
+        """:attr:`sharded_dir`, a URL opened with the backup's ``storage_options``."""
+        return open_store(self.sharded_dir, self._storage_options, "the sharded backup location")
 
     def _strategy_now(self) -> Strategy | None:
         return resolve_strategy(self._strategy)
@@ -332,6 +341,8 @@ class BackupAndRestore:
             return
         self._began = True
         self.restore()
+        if self.background:
+            self._start_saver()
         coll = self.channel.collectives
         if self.handle_preemption:
             self._watcher = PreemptionWatcher(coll, check_seconds=self.preemption_check_seconds)
@@ -416,6 +427,15 @@ class BackupAndRestore:
         """Back up the current state now (every rank must call it at the same step)."""
         return self._save("manual")
 
+    def _start_saver(self) -> BackgroundSaver:
+        """The background saver, made once: at the start of training, so that a saver
+        process has started (imports, store connection) before the first save is due."""
+        if self._saver is None:
+            directory = self.manager.directory
+            self._saver = make_saver(self.manager, self._saver_kind,
+                                     on_saved=lambda step, _: record_backup(directory, step))
+        return self._saver
+
     def wait_for_save(self) -> None:
         """Block until the background save in flight (if any) is committed on every rank;
         raises its error. Training never needs this: the next save and the end wait anyway."""
@@ -458,15 +478,16 @@ class BackupAndRestore:
         if sharded is not None:
             module_name, module, optimizers = sharded
             self._prepare_optimizers(optimizers.values())
-            if in_background and self._saver_kind is not None:  # saver= chosen: copied now,
-                # written on the saver's thread before the backup
+            if in_background and (self._saver_kind is not None or isinstance(
+                    self.backup_dir, str)):  # saver= chosen, or a URL: copied now, written
+                # and uploaded on the saver's thread before the backup
                 staged = stage_sharded(module, list(optimizers.values()))
-                step, where, keep = self.step, self.sharded_dir, self._keep + 1
+                step, where, keep = self.step, self._sharded_location(), self._keep + 1
 
                 def write_shards(channel: Channel) -> None:
                     write_staged(where, step, staged, channel, keep=keep)
             else:
-                save_sharded(self.sharded_dir, self.step, module, list(optimizers.values()),
+                save_sharded(self._sharded_location(), self.step, module, list(optimizers.values()),
                              collectives=ch.collectives, keep=self._keep + 1)
             sharded_names = [module_name, *optimizers]
         replicated = ({name: obj.state_dict() for name, obj in self._objects.items()
@@ -482,12 +503,8 @@ class BackupAndRestore:
         if sharded_names:
             info["sharded"] = {"directory": SHARDED_DIR, "states": sharded_names}
         if in_background and (write_shards is not None or not sharded_names):
-            if self._saver is None:
-                directory = self.manager.directory
-                self._saver = make_saver(
-                    self.manager, self._saver_kind,
-                    on_saved=lambda step, _: record_backup(directory, step))
-            return self._saver.submit(self.step, replicated, per_rank, info, write_shards)
+            return self._start_saver().submit(self.step, replicated, per_rank, info,
+                                              write_shards)
         path = self.manager.save(self.step, replicated, per_rank, info)
         self._last_saved_step = self.step
         record_backup(self.manager.directory, self.step)  # the launcher's "rerun to resume"
@@ -500,7 +517,7 @@ class BackupAndRestore:
         self.restored = restored
         if restored is None:
             if self.channel.is_chief:
-                discard_uncommitted(self.sharded_dir, after=-1)  # a first save that crashed
+                discard_uncommitted(self._sharded_location(), after=-1)  # a first save that crashed
             return False
         sharded_names = list(restored.info.get("sharded", {}).get("states", []))
         held = set(restored.replicated) | set(sharded_names)
@@ -552,7 +569,7 @@ class BackupAndRestore:
         """Load the tracked module and optimizers of ``names`` from the sharded save of the
         restored step (verified; any layout loads into any other)."""
         if self.channel.is_chief:
-            discard_uncommitted(self.sharded_dir, after=restored.step)  # before its choice
+            discard_uncommitted(self._sharded_location(), after=restored.step)  # before its choice
         module = next((o for n, o in self._objects.items()
                        if n in names and isinstance(o, torch.nn.Module)), None)
         if module is None:
@@ -561,7 +578,7 @@ class BackupAndRestore:
         optimizers = [o for n, o in self._objects.items()
                       if n in names and isinstance(o, torch.optim.Optimizer)]
         self._prepare_optimizers(optimizers)
-        load_sharded(self.sharded_dir, module, optimizers, step=restored.step,
+        load_sharded(self._sharded_location(), module, optimizers, step=restored.step,
                      collectives=self.channel.collectives)
 
     def _restore_rng(self, resume: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from replicator.checkpoint import distributed_checkpoint as storage
-from replicator.checkpoint.distributed_checkpoint import Optimizers
+from replicator.checkpoint.dcp_state import Optimizers, as_list
 from replicator.checkpoint.exchange import group_collectives
 from replicator.comm.collectives import Collectives
 from replicator.strategies.base import Strategy
@@ -42,26 +42,19 @@ def checkpoint_collectives(strategy: Strategy | None) -> Collectives:
     return strategy.collectives
 
 
-def _optimizers(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    return list(optimizer)
-
-
 def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.Module,
                  optimizer: Optimizers = None, *, strategy: Strategy | None = None,
-                 keep: int = 2) -> Path:
-    """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``,
-    each rank its own shards; every rank calls it.
+                 keep: int = 2) -> Path | str:
+    """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``
+    (a path, or a URL such as ``s3://bucket/run/sharded``), each rank its own shards; every
+    rank calls it.
 
     ``strategy``: the strategy the model was built under (default: the active one). Returns
-    the committed ``step-N`` directory; see
+    the committed ``step-N`` directory (for a URL, its commit object's URL); see
     :func:`replicator.checkpoint.distributed_checkpoint.save_sharded` for the format.
     """
     strategy = resolve_strategy(strategy)
-    optimizers = _optimizers(optimizer)
+    optimizers = as_list(optimizer)
     if strategy is not None:
         strategy.prepare_optimizers(*optimizers)
     return storage.save_sharded(directory, step, model, optimizers,
@@ -79,7 +72,7 @@ def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
     :func:`replicator.checkpoint.distributed_checkpoint.load_sharded` for the errors.
     """
     strategy = resolve_strategy(strategy)
-    optimizers = _optimizers(optimizer)
+    optimizers = as_list(optimizer)
     if strategy is not None:
         strategy.prepare_optimizers(*optimizers)
     return storage.load_sharded(directory, model, optimizers, step=step,
