@@ -81,3 +81,31 @@ def test_settings_errors_name_the_fix():
     assert s is not None and s.lighthouse == "http://127.0.0.1:29510"
     assert (s.group, s.groups, s.rank, s.group_size, s.min_replicas) == (2, 3, 1, 2, 2)
     assert s.who == "replica group 2, rank 1"
+
+
+_FIT = """
+import torch, replicator as rp
+from torch.utils.data import TensorDataset
+strategy = rp.MirroredStrategy()
+trainer = rp.Trainer(strategy, lambda: torch.nn.Linear(4, 2),
+                     lambda params: torch.optim.SGD(params, lr=0.1),
+                     torch.nn.functional.cross_entropy)
+data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+trainer.fit(torch.utils.data.DataLoader(data, batch_size=8), epochs=2, verbose=0)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_trainer_fit_in_replica_groups_is_refused_with_the_loop_to_write(tmp_path):
+    script = tmp_path / "fit.py"
+    script.write_text(_FIT)
+    lighthouse = start_lighthouse(1)
+    try:
+        g = start_group(script, 0, 1, lighthouse.address, env={**env(), **FAST},
+                        log_dir=tmp_path)
+        assert g.wait(120) == [1]
+    finally:
+        lighthouse.stop()
+    log = (tmp_path / "group0_rank0.log").read_text()
+    assert "LiveRecoveryError: Trainer.fit does not run in replica groups" in log, log[-3000:]
+    assert "backup.steps(dist, epochs=E)" in log

@@ -27,6 +27,7 @@ from replicator.data.prefetch import to_device
 from replicator.errors import NonFiniteLossError
 from replicator.resume.backup_and_restore import BackupAndRestore
 from replicator.strategies.base import Strategy
+from replicator.strategies.live.errors import LiveRecoveryError
 from replicator.strategies.losses import compute_average_loss
 from replicator.train.callback_agreement import ErrorAgreement
 from replicator.train.callbacks import (
@@ -306,6 +307,13 @@ class Trainer:
         """
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
+        if getattr(self.strategy, "live", None) is not None:
+            raise LiveRecoveryError(
+                "Trainer.fit does not run in replica groups (live recovery) yet: a group that "
+                "heals from a peer cannot take over fit's own epoch loop and history, so it "
+                "would stop with EpochLoopError at its first heal. HINT: in replica groups, "
+                "write the loop: `for step, batch in backup.steps(dist, epochs=E): "
+                "strategy.run(step_fn, (batch,))` (docs/fault_tolerance.md)")
         self.epochs = epochs
         self.train_dataset = self._distributed(train_data)
         extra: list[Callback] = [ProgressBar()] if verbose else []
