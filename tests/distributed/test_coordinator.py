@@ -114,7 +114,7 @@ def test_an_error_names_the_worker_and_its_traceback_and_cancels_the_rest():
 
 
 STEPS = 16
-KILL_BEFORE, KILL_AFTER = 5, 11
+KILL_BEFORE, KILL_AFTER, KILL_BETWEEN = 5, 11, 8
 
 
 def _first_time(flag_dir: str, name: str) -> bool:
@@ -126,10 +126,20 @@ def _first_time(flag_dir: str, name: str) -> bool:
         return False
 
 
-def train_serial(kind: str, flag_dir: str = "") -> dict:
+def train_serial(kind: str, flag_dir: str = "", between: bool = False) -> dict:
     """16 SGD-with-momentum steps on batches 0..15, one device or scheduled with staleness=0
     on 3 workers + 2 servers; the worker running step 5 is SIGKILLed before its push, the one
-    running step 11 after it."""
+    running step 11 after it (``between``: instead, the worker running step 8 is SIGKILLed
+    after server 0 applied its update and before server 1 did)."""
+    current = [-1]
+    if kind != "one_device" and between:
+        from replicator.checkpoint import fault_points
+
+        def die(**_: object) -> None:
+            if current[0] == KILL_BETWEEN and _first_time(flag_dir, "between"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        fault_points.add_hook("between_server_commits", die)
     if kind == "one_device":
         strategy: rp.Strategy = rp.OneDeviceStrategy("cpu")
     else:
@@ -140,15 +150,18 @@ def train_serial(kind: str, flag_dir: str = "") -> dict:
         model = make_mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
+    kills = kind != "one_device" and not between
+
     def step(i):
+        current[0] = i
         x, y = _batch(i)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        if kind != "one_device" and i == KILL_BEFORE and _first_time(flag_dir, "before"):
+        if kills and i == KILL_BEFORE and _first_time(flag_dir, "before"):
             os.kill(os.getpid(), signal.SIGKILL)
         optimizer.step()
         optimizer.zero_grad()
-        if kind != "one_device" and i == KILL_AFTER and _first_time(flag_dir, "after"):
+        if kills and i == KILL_AFTER and _first_time(flag_dir, "after"):
             os.kill(os.getpid(), signal.SIGKILL)
         return loss.detach()
 
@@ -186,3 +199,19 @@ def test_staleness0_exactly_once_with_workers_killed_before_and_after_their_push
     same = [i for i in range(STEPS) if i != KILL_AFTER]
     assert [chief["losses"][i] for i in same] == pytest.approx([ref["losses"][i] for i in same],
                                                               abs=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_staleness0_worker_killed_between_two_servers_commits_is_applied_once(tmp_path):
+    """The update of step 8 reached server 0 and not server 1 when its worker died: the re-run
+    (which reads server 0's half of it) commits the first attempt's update on server 1, so
+    each half is applied once and the run still equals one device."""
+    ref = train_serial("one_device")
+    out = launch(train_serial, num_replicas=5, num_ps=2, args=("ps", str(tmp_path), True),
+                 timeout_seconds=60)
+    chief = out[0]
+    assert chief["chief"] and sum(o is None for o in out[1:3]) == 1, out
+    assert chief["stats"]["reruns"] == 1, chief["stats"]
+    assert chief["tasks"]["repeats"] == 1 and chief["tasks"]["applied"] == 2 * STEPS
+    assert all(v["version"] == STEPS for v in chief["versions"])
+    assert_params_close(ref["params"], chief["params"], atol=1e-5)

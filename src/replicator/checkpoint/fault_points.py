@@ -1,4 +1,5 @@
-"""Named points inside a save where tests may inject a fault (see ``rp.testing``).
+"""Named points inside a save, or a parameter server's commit, where tests may inject a fault
+(see ``rp.testing``).
 
 The checkpoint writer calls :func:`fire` at each point; with no hook registered it costs one
 dictionary lookup. ``rp.testing.kill_during_save`` registers a hook at ``"before_commit"``, the
@@ -12,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 #: Where hooks may attach: before any file is written, between the data files and the commit
-#: marker, and after the commit.
-POINTS = ("before_write", "before_commit", "after_commit")
+#: marker, and after the commit; between two servers' commits of a coordinator's update.
+POINTS = ("before_write", "before_commit", "after_commit", "between_server_commits")
 
 _HOOKS: dict[str, list[Callable[..., None]]] = {}
 

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from replicator.checkpoint import fault_points
 from replicator.comm.shm_segment import SharedSegment, host_id, unlink_segment
 from replicator.ps import protocol as P
 from replicator.ps.messages import (
@@ -47,6 +48,18 @@ def _fresh(kind: int, var_id: int, dtype: torch.dtype, shape: tuple[int, ...]) -
     """Rows pulled land in new tensors (the sink scatters them into the table)."""
     return None
 
+
+def _gradient_messages(items: list[Push]) -> list[Outgoing]:
+    """``GRAD`` messages of a push (``(shard, version, gradient)``, or with a sparse table's
+    rows as a fourth, sent as ``ROW_IDS`` before its ``GRAD``)."""
+    out: list[Outgoing] = []
+    for item in items:
+        sid, v, g = item[0], item[1], item[2]
+        r = item[3] if len(item) > 3 else None
+        if r is not None:
+            out.append((P.ROW_IDS, sid, 0, r, 0, 0, 0))
+        out.append((P.GRAD, sid, v, g, 0, 0, int(r is not None)))
+    return out
 
 class ServerClient:
     """Connections from worker ``worker`` to the servers at ``addresses``."""
@@ -247,25 +260,48 @@ class ServerClient:
         the input batch this update consumes (told to server 0); ``task`` (task id, push
         number): a coordinator's function, applied at most once by each server (with ``task``,
         every server gets the push, also one with no gradient for it)."""
+        if task is not None and len(self.connections) > 1:
+            return self._push_task(grads, sink, pull, task)
+
         def send(k: int, conn: Connection) -> None:
-            items = grads.get(k, [])
             stream, epoch, token = (claim[0], claim[1], claim[2] + 1) \
                 if claim is not None and k == 0 else (-1, 0, 0)
-            end = (P.PUSH, stream, epoch, None, len(items), int(pull), token) if task is None \
-                else (P.TASK_PUSH, task[0], task[1], None, len(items), int(pull), 0)
-            out: list[Outgoing] = []
-            for item in items:  # (shard, version, gradient) or with rows as a fourth
-                sid, v, g = item[0], item[1], item[2]
-                r = item[3] if len(item) > 3 else None
-                if r is not None:
-                    out.append((P.ROW_IDS, sid, 0, r, 0, 0, 0))
-                out.append((P.GRAD, sid, v, g, 0, 0, int(r is not None)))
+            end = (P.PUSH, stream, epoch, None, len(grads.get(k, [])), int(pull), token) \
+                if task is None \
+                else (P.TASK_PUSH, task[0], task[1], None, len(grads.get(k, [])), int(pull), 0)
             # through the lane only when values answer it: the server is then done with the
             # gradients before this worker can write its next push there
-            conn.send_many(out + [end], shared=pull)
+            conn.send_many(_gradient_messages(grads.get(k, [])) + [end], shared=pull)
 
         return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink)
                              if pull else 0)
+
+    def _push_task(self, grads: dict[int, list[Push]], sink: Sink, pull: bool,
+                   task: tuple[int, int]) -> list[int]:
+        """A coordinator's update to several servers, in two phases: every server holds it
+        (prepare), then every server applies it (commit). A worker lost in between leaves the
+        update held, and the re-run's commit applies that first attempt's update, never the
+        re-run's (which may have read a part already applied elsewhere)."""
+        def prepare(k: int, conn: Connection) -> None:
+            items = grads.get(k, [])
+            conn.send_many(_gradient_messages(items)
+                           + [(P.TASK_PREPARE, task[0], task[1], None, len(items), 0, 0)],
+                           shared=False)  # the answer is no values: stay off the lane
+
+        self.exchange(prepare, lambda k, conn: self._expect(
+            k, conn.receive("waiting for a prepared update"), P.PREPARED).a)
+
+        def commit(k: int, conn: Connection) -> None:
+            conn.send(P.TASK_COMMIT, var_id=task[0], version=task[1], b=int(pull))
+
+        def applied(k: int, conn: Connection) -> int:
+            return self._read_values(k, conn, sink) if pull else 0
+
+        # server 0 first, then the others together: the commit is decided once one server
+        # applied it (a re-run then completes it from what the servers hold)
+        clocks = self.exchange(commit, applied, [0])
+        fault_points.fire("between_server_commits", task=task[0], push=task[1])
+        return clocks + self.exchange(commit, applied, list(range(1, len(self.connections))))
 
     def task_stats(self) -> list[dict[str, int]]:
         """Per server: coordinator task pushes applied and repeats turned away."""

@@ -18,6 +18,12 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``TASK_PUSH(var_id=task id, version=push number in the task, a=count, b=pull after)``
   ends an update of a coordinator's function instead of ``PUSH``: a server applies each
   (task, push) once and answers a repeat without applying it (``VALUES_END.b = 1``);
+- with several servers a coordinator's update is committed in two phases, so that a worker
+  lost between servers cannot leave one applying its update and another the re-run's:
+  ``GRAD ... TASK_PREPARE(var_id=task, version=push, a=count)`` -> ``PREPARED(a=1 kept, 0 when
+  an earlier attempt's update is already held or applied: the first one wins)``, then, once
+  every server answered, ``TASK_COMMIT(var_id=task, version=push, b=pull after)`` applies the
+  held update once and answers as ``TASK_PUSH`` does;
 - a sparse table's shard (``REGISTER`` with ``a=1``) is left out of pulls unless ``PULL`` has
   ``c=1``; ``ROW_IDS(shard id, int64 rows)`` before a ``GRAD`` with ``c=1`` makes that
   gradient the named rows' (``[n, ...]``); ``ROW_IDS`` ... ``PULL_ROWS(a=count)`` ->
@@ -45,6 +51,7 @@ STATS, VERSIONS, SAVE, SAVED, BYE, ERROR, REGISTERED = range(9, 16)
 CLAIM, CLAIMED, DATA_STATS = range(16, 19)
 SHM_ATTACH, SHM_ATTACHED = range(19, 21)
 TASK_PUSH, ROW_IDS, PULL_ROWS, TASK_STATS = range(21, 25)
+TASK_PREPARE, PREPARED, TASK_COMMIT = range(25, 28)
 
 #: Set to ``0`` to keep payloads on the socket between processes of one host.
 SHARED_MEMORY_ENV = PS_SHARED_MEMORY_ENV

@@ -83,6 +83,10 @@ class TaskLedger:
         self.applied: set[tuple[int, int]] = set()
         self.repeats = 0
 
+    def seen(self, task: int, push: int) -> bool:
+        """True when this update was applied already (nothing is recorded)."""
+        return (task, push) in self.applied
+
     def first(self, task: int, push: int) -> bool:
         """True the first time (the update is to be applied), False for a repeat."""
         key = (task, push)

@@ -120,6 +120,9 @@ class ParameterServer(ServerCheckpoint):
         self.last_loss = 0.0
         self.claims = ClaimLedger()
         self.tasks = TaskLedger()
+        #: Coordinator updates prepared and not yet committed, by (task, push): the first
+        #: attempt's, copied out of the connection's buffers.
+        self.prepared: dict[tuple[int, int], dict[int, Grad]] = {}
         #: the newest description of each optimizer, by the shards it covers
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {}
         self.threads: list[threading.Thread] = []
@@ -239,13 +242,17 @@ class ParameterServer(ServerCheckpoint):
             self._register(conn, msg)
         elif msg.kind == P.OPTIMIZER:
             self._set_optimizer(tensor_text(msg.payload))
-        elif msg.kind in (P.GRAD, P.ROW_IDS, P.PUSH, P.TASK_PUSH):
+        elif msg.kind == P.TASK_COMMIT:
+            repeat = self._commit_task(worker, (msg.var_id, msg.version))
+            if msg.b:
+                self._pull(conn, worker, expected=0, begin=False, repeat=repeat)
+        elif msg.kind in (P.GRAD, P.ROW_IDS, P.PUSH, P.TASK_PUSH, P.TASK_PREPARE):
             # an update (GRADs, with ROW_IDS before a sparse one) or a pull of rows
             grads: dict[int, Grad] = {}
             rows: dict[int, torch.Tensor] = {}
             into = _gradient_buffers(conn)
             nxt = msg
-            while nxt.kind not in (P.PUSH, P.TASK_PUSH, P.PULL_ROWS):
+            while nxt.kind not in (P.PUSH, P.TASK_PUSH, P.TASK_PREPARE, P.PULL_ROWS):
                 if nxt.kind == P.ROW_IDS and nxt.payload is not None:
                     rows[nxt.var_id] = nxt.payload
                 elif nxt.kind == P.GRAD:
@@ -257,6 +264,9 @@ class ParameterServer(ServerCheckpoint):
                 nxt = conn.receive("receiving gradients", into=into)
             if nxt.kind == P.PULL_ROWS:
                 self._pull_rows(conn, rows)
+                return
+            if nxt.kind == P.TASK_PREPARE:
+                conn.send(P.PREPARED, a=int(self._prepare((nxt.var_id, nxt.version), grads)))
                 return
             repeat = self._push(worker, grads, nxt)
             if nxt.b:
@@ -438,6 +448,37 @@ class ParameterServer(ServerCheckpoint):
                 self.clock += 1
                 if end.c:
                     self.claims.consume(worker, (end.var_id, end.version), end.c - 1)
+            state.pushes += 1
+            state.in_flight = False
+            self.lock.notify_all()
+        return repeat
+
+    def _prepare(self, key: tuple[int, int], grads: dict[int, Grad]) -> bool:
+        """Hold a coordinator update until its commit; False (nothing kept) when an earlier
+        attempt's is held or was applied: the first attempt's update is the one applied."""
+        with self.lock:
+            if key in self.prepared or self.tasks.seen(*key):
+                return False
+            self.prepared[key] = {sid: (v, None if g is None else g.clone(),
+                                        None if r is None else r.clone())
+                                  for sid, (v, g, r) in grads.items()}
+            return True
+
+    def _commit_task(self, worker: int, key: tuple[int, int]) -> bool:
+        """Apply the update prepared for ``key`` once; True when it was a repeat."""
+        with self.lock:
+            grads = self.prepared.pop(key, None)
+            repeat = not self.tasks.first(*key)
+            if not repeat:
+                if grads is None:
+                    raise P.ParameterServerError(
+                        f"parameter server {self.index}: task {key[0]} push {key[1]} was "
+                        "committed without being prepared")
+                for sid, (version, grad, rows) in grads.items():
+                    if grad is not None:
+                        self._apply(sid, grad, version, rows)
+                self.clock += 1
+            state = self.workers[worker]
             state.pushes += 1
             state.in_flight = False
             self.lock.notify_all()

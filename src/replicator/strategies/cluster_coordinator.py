@@ -12,7 +12,9 @@ each function on the chief when it is scheduled.
 Exactly once, where tf.distribute promises at least once: a worker lost while running a
 function gives it back, and another worker runs it again; every push of a function carries its
 task id and the servers apply each push once, so an update committed before the loss is not
-applied again (the function still runs again, for its return value). With ``staleness=0``
+applied again (the function still runs again, for its return value); with several servers a
+push is prepared on every server before it is committed on any (``ps/client.py``), so a worker
+lost between servers leaves no half-update for the re-run to complete. With ``staleness=0``
 the functions run one at a time in schedule order, each reading every update committed before
 it: the same parameters as one device fed the same batches in that order.
 """
