@@ -215,3 +215,41 @@ def test_staleness0_worker_killed_between_two_servers_commits_is_applied_once(tm
     assert chief["tasks"]["repeats"] == 1 and chief["tasks"]["applied"] == 2 * STEPS
     assert all(v["version"] == STEPS for v in chief["versions"])
     assert_params_close(ref["params"], chief["params"], atol=1e-5)
+
+
+def lose_a_server_under_the_coordinator() -> dict:
+    """2 workers + 2 servers under a coordinator; the chief SIGKILLs server 1 after 6 of 16
+    scheduled steps have completed, and schedules the rest."""
+    strategy = rp.ParameterServerStrategy(
+        num_ps=2, staleness=0, timeout_seconds=20,
+        variable_partitioner=rp.ps.FixedShardsPartitioner(2))
+    coordinator = rp.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(i):
+        x, y = _batch(i)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return i
+
+    first = [coordinator.schedule(step, args=(i,)) for i in range(6)]
+    coordinator.join()
+    os.kill(strategy.server_pids[1], signal.SIGKILL)
+    for i in range(6, STEPS):
+        coordinator.schedule(step, args=(i,))
+    coordinator.join()
+    return {"first": [v.fetch() for v in first]}
+
+
+@pytest.mark.timeout(180)
+def test_a_server_lost_under_the_coordinator_stops_the_job_naming_it():
+    with pytest.raises(rp.WorkerFailedError) as info:
+        launch(lose_a_server_under_the_coordinator, num_replicas=5, num_ps=2,
+               timeout_seconds=20)
+    # the launcher stops the job at the server's death and names it first (the cause), not
+    # the chief or a worker whose request failed after it
+    assert str(info.value).startswith("rank 4 failed (exit code -9): parameter server 1 was "
+                                      "killed by SIGKILL"), str(info.value)
