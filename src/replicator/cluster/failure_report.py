@@ -34,7 +34,9 @@ from replicator.errors import WorkerFailedError
 
 #: Words of the errors of a rank whose peer vanished (comm/op_errors.py, comm/shm_segment.py).
 CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",
-                       "exited while the others waited for it")
+                       "exited while the others waited for it",
+                       # a coordinator's function failed on a worker that lost its server
+                       "ParameterServerLostError: parameter server")
 #: Exception types raised because a peer vanished (a worker losing its parameter server).
 CONSEQUENCE_TYPES = ("ParameterServerLostError",)
 
