@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from replicator.checkpoint.atomic import write_durable
 from replicator.checkpoint.exchange import Channel
@@ -89,6 +87,8 @@ def _copy(t: Any) -> Any:
 
 def stage_sharded(model: torch.nn.Module, optimizer: Optimizers = None) -> StagedShards:
     """Copy this rank's part of ``model`` (and ``optimizer``) now, for :func:`write_staged`."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     optimizers = as_list(optimizer)
     msd, osd = get_state_dict(model, optimizers)
     flat, groups = flat_state(msd, osd, bool(optimizers))
@@ -98,6 +98,8 @@ def stage_sharded(model: torch.nn.Module, optimizer: Optimizers = None) -> Stage
 def write_dcp(folder: Path, staged: StagedShards, ch: Channel) -> None:
     """Every rank of ``ch`` writes its shards of ``staged`` into ``folder`` (which exists on
     each rank); the chief adds the optimizers' param groups."""
+    import torch.distributed.checkpoint as dcp  # imported when used: about a second
+
     dcp.save(staged.flat, storage_writer=dcp.HuggingFaceStorageWriter(str(folder),
                                                                       save_distributed=True),
              process_group=ch.collectives.group, no_dist=ch.world_size == 1)
@@ -109,6 +111,9 @@ def read_dcp(folder: Path, model: torch.nn.Module, optimizers: list[torch.optim.
              ch: Channel) -> None:
     """Every rank of ``ch`` loads its part of ``model`` and ``optimizers`` from the verified
     save in ``folder``, whatever layout wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     msd, osd = get_state_dict(model, optimizers)
     flat, _ = flat_state(msd, osd, bool(optimizers))
     dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(folder)),  # in place, into

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from replicator.checkpoint import remote_shards
 from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree
@@ -78,6 +77,8 @@ def save_sharded(directory: Location, step: int, model: torch.nn.Module,
     optimizers = as_list(optimizer)
     ch = Channel(collectives if collectives is not None else group_collectives())
     try:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         msd, osd = get_state_dict(model, optimizers)
         flat, groups = flat_state(msd, osd, bool(optimizers))
         staged: StagedShards | Exception = StagedShards(flat, groups, bool(optimizers))

@@ -29,7 +29,11 @@ from replicator.cluster.ports import check_port
 from replicator.cluster.worker_errors import error_path, record_exception
 
 #: Modules a forkserver imports once, before it forks any worker (see the module docstring).
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "replicator", "replicator.testing")
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "replicator", "replicator.testing",
+                      # imported by the library only when used (each about a second): a
+                      # forked worker finds them loaded
+                      "torch.distributed.checkpoint", "torch.distributed.pipelining",
+                      "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
 
 
 class _ParentOutput:

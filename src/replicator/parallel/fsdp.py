@@ -8,9 +8,12 @@ and gradients are reduce-scattered (averaged) in backward. The same step with gl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -37,6 +40,8 @@ def apply_fsdp(module: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward:
     """Shard ``module`` over ``mesh`` (1-D: FSDP; 2-D ``(data, fsdp)``: hybrid, replicated
     across the first dimension and sharded across the second), block by block, then the
     root. Returns the same module (its class becomes ``FSDP<Class>``)."""
+    from torch.distributed.fsdp import fully_shard  # imported when used: it imports DTensor
+
     for unit in shard_units(module):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)

@@ -45,8 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from replicator.comm.groups import default_timeout_seconds
 from replicator.errors import ReplicatorError
@@ -415,6 +413,11 @@ class PipelineRunner:
                       key: tuple | None = None) -> Any:
         key = key or (tuple(x.shape), x.dtype)
         if key not in self._schedules:
+            # imported here: torch.distributed.pipelining imports torch._dynamo (about a
+            # second), which every process importing replicator would otherwise pay
+            from torch.distributed.pipelining import PipelineStage
+            from torch.distributed.pipelining import schedules as torch_schedules
+
             cls = getattr(torch_schedules, SCHEDULES[self.schedule_name][0], None)
             if cls is None:
                 raise ReplicatorError(f"this torch has no {SCHEDULES[self.schedule_name][0]} "

@@ -21,20 +21,13 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 from replicator.errors import ReplicatorError
 
@@ -58,6 +51,9 @@ class TensorPlanError(ReplicatorError, ValueError):
 
 def style_for(value: Any, where: str) -> ParallelStyle:
     """``"colwise"`` / ``"rowwise"`` / ``"embedding"`` or a ``ParallelStyle`` -> the style."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
     if isinstance(value, ParallelStyle):
         return value
     if value == "colwise":
@@ -144,6 +140,14 @@ def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]
     with parameters are norms and sub-blocks the plan splits (one of their ``Linear`` children
     row-wise), the module takes its input whole and works on a sequence shard, the norms run
     on the shard, the sub-blocks all-gather the sequence and reduce-scatter their output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     out: dict[str, Any] = dict(plan)
 
     def full(prefix: str, name: str) -> str:
@@ -212,6 +216,7 @@ def validate_plan(plan: Mapping[str, Any] | None, sequence_parallel: bool = Fals
     """Check a plan before any model exists (its type, each style, and that
     ``sequence_parallel`` is asked only with the default plan), so a bad one fails where the
     strategy is built rather than at scope exit."""
+
     if plan is None:
         return
     if not isinstance(plan, Mapping):
@@ -230,6 +235,12 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh,
     """Parallelize ``model`` over the 1-D ``mesh`` with ``plan`` (``None``: the default plan,
     with sequence-parallel norms when ``sequence_parallel``); head-count attributes of
     attention blocks the plan splits are divided by the degree."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInputOutput,
+        parallelize_module,
+    )
+
     degree = mesh.size()
     validate_plan(plan, sequence_parallel)
     chosen: dict[str, Any] = default_plan(model, degree) if plan is None else dict(plan)
