@@ -74,7 +74,11 @@ from replicator.resume.input_epochs import epoch_length, set_epoch_of, warn_repl
 from replicator.resume.live_state import is_live, live_steps
 from replicator.resume.nonfinite import NonFiniteGuard
 from replicator.resume.preemption import Preempted, PreemptionWatcher
-from replicator.resume.sharded import checkpoint_collectives, resolve_strategy
+from replicator.resume.sharded import (
+    checkpoint_collectives,
+    resolve_strategy,
+    sharded_objects,
+)
 from replicator.strategies.base import Strategy
 
 #: Where the sharded model and optimizer state of each backup go, under ``backup_dir``.
@@ -224,22 +228,8 @@ class BackupAndRestore:
         return resolve_strategy(self._strategy)
 
     def _sharded_objects(self) -> tuple[str, torch.nn.Module, dict[str, Any]] | None:
-        """``(module name, module, {optimizer name: optimizer})`` when the strategy splits the
-        model (each rank saves its part); ``None`` when every rank holds all of it."""
-        strategy = self._strategy_now()
-        if strategy is None or not strategy.shards_model:
-            return None
-        modules = {n: o for n, o in self._objects.items() if isinstance(o, torch.nn.Module)}
-        if len(modules) != 1:
-            raise ValueError(
-                f"under {type(strategy).__name__} the model is split across "
-                f"ranks and is backed up sharded, which needs exactly one tracked module; got "
-                f"{', '.join(modules) or 'none'}. HINT: track(model=...) the one model "
-                "(wrap several in an nn.ModuleDict).")
-        (name, module), = modules.items()
-        optimizers = {n: o for n, o in self._objects.items()
-                      if isinstance(o, torch.optim.Optimizer)}
-        return name, module, optimizers
+        """See :func:`replicator.resume.sharded.sharded_objects`."""
+        return sharded_objects(self._objects, self._strategy_now())
 
     def _prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Let the strategy point optimizers built in its scope at the parameters it made

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,12 +27,32 @@ from replicator.comm.collectives import Collectives
 from replicator.strategies.base import Strategy
 from replicator.strategies.replica_context import current_strategy
 
-__all__ = ["checkpoint_collectives", "load_sharded", "resolve_strategy", "save_sharded"]
+__all__ = ["checkpoint_collectives", "load_sharded", "resolve_strategy", "save_sharded",
+           "sharded_objects"]
 
 
 def resolve_strategy(strategy: Strategy | None) -> Strategy | None:
     """``strategy``, else the one this process runs under (``None``: no strategy at all)."""
     return strategy if strategy is not None else current_strategy()
+
+
+def sharded_objects(objects: dict[str, Any], strategy: Strategy | None
+                    ) -> tuple[str, torch.nn.Module, dict[str, Any]] | None:
+    """``(module name, module, {optimizer name: optimizer})`` of the tracked ``objects`` when
+    ``strategy`` splits the model (each rank saves its part); ``None`` when every rank holds
+    all of it."""
+    if strategy is None or not strategy.shards_model:
+        return None
+    modules = {n: o for n, o in objects.items() if isinstance(o, torch.nn.Module)}
+    if len(modules) != 1:
+        raise ValueError(
+            f"under {type(strategy).__name__} the model is split across "
+            f"ranks and is backed up sharded, which needs exactly one tracked module; got "
+            f"{', '.join(modules) or 'none'}. HINT: track(model=...) the one model "
+            "(wrap several in an nn.ModuleDict).")
+    (name, module), = modules.items()
+    optimizers = {n: o for n, o in objects.items() if isinstance(o, torch.optim.Optimizer)}
+    return name, module, optimizers
 
 
 def checkpoint_collectives(strategy: Strategy | None) -> Collectives:
