@@ -66,25 +66,8 @@ class CentralStorageStrategy(MirroredStrategy):
                          sync_batchnorm=sync_batchnorm, check_finite=check_finite)
         self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stashed: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
-        me = weakref.ref(self)
-
-        def before(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-            strategy = me()
-            if strategy is not None:
-                strategy._before_step(optimizer, args, kwargs)
-
-        def after(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-            strategy = me()
-            if strategy is not None:
-                strategy._after_step(optimizer)
-
-        handles = [register_optimizer_step_pre_hook(before),
-                   register_optimizer_step_post_hook(after)]
-        def remove_hooks() -> None:
-            for h in handles:
-                h.remove()
-
-        weakref.finalize(self, remove_hooks)
+        _LIVE.add(self)
+        _install_hooks()
 
     @property
     def is_central(self) -> bool:
@@ -159,3 +142,27 @@ class CentralStorageStrategy(MirroredStrategy):
         self.collectives.broadcast_(params, src=self.central_replica,
                                      what="broadcast of updated parameters from the central "
                                           "replica")
+
+
+#: Central-storage strategies alive in this process; one pair of global optimizer hooks serves
+#: them all. Hooks are never removed: a removal from a finalizer, run by the garbage collector
+#: while torch iterates the global hooks of another optimizer's step, raised "OrderedDict
+#: mutated during iteration" there.
+_LIVE: weakref.WeakSet[CentralStorageStrategy] = weakref.WeakSet()
+_HOOKS: list[object] = []
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    for strategy in list(_LIVE):
+        strategy._before_step(optimizer, args, kwargs)
+
+
+def _after_any_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    for strategy in list(_LIVE):
+        strategy._after_step(optimizer)
+
+
+def _install_hooks() -> None:
+    if not _HOOKS:
+        _HOOKS.extend([register_optimizer_step_pre_hook(_before_any_step),
+                       register_optimizer_step_post_hook(_after_any_step)])
