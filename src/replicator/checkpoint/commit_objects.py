@@ -57,6 +57,14 @@ def read_commit(store: RemoteStore, name: str) -> dict[str, Any]:
     return manifest
 
 
+def remove_upload(store: RemoteStore, prefix: str) -> None:
+    """Delete an upload that will not be committed; a later save's pruning retries."""
+    try:
+        store.remove(prefix, recursive=True)
+    except OSError:
+        pass
+
+
 def prune_commits(store: RemoteStore, step: int, newest: str, keep: int) -> None:
     """Keep the newest ``keep`` commits up to ``step``; delete older commits, then their
     data; delete uploads that never got a commit and commits newer than ``step``."""
@@ -80,4 +88,4 @@ def prune_commits(store: RemoteStore, step: int, newest: str, keep: int) -> None
 
 
 __all__ = ["COMMITS", "DATA", "hash_bytes", "list_commits", "parse_commit_name",
-           "prune_commits", "read_commit"]
+           "prune_commits", "read_commit", "remove_upload"]

@@ -40,6 +40,7 @@ from replicator.checkpoint.commit_objects import (
     list_commits,
     prune_commits,
     read_commit,
+    remove_upload,
 )
 from replicator.checkpoint.exchange import Channel, describe_failures
 from replicator.checkpoint.lease import DEFAULT_LEASE_TIMEOUT, Lease
@@ -222,7 +223,7 @@ class RemoteCheckpointManager(CheckpointManager):
         failures = {r: m["error"] for r, m in enumerate(results) if m["error"]}
         if failures:
             if ch.is_chief:
-                self._remove_prefix(prefix)
+                remove_upload(self.store, prefix)
             if local_exc is not None and not isinstance(local_exc, OSError):
                 raise local_exc
             raise self._write_error(step, failures, local_exc)
@@ -274,7 +275,7 @@ class RemoteCheckpointManager(CheckpointManager):
             fault_points.fire("after_commit", step=step, path=self.store.name_url(prefix),
                               rank=ch.rank)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
-            self._remove_prefix(prefix)
+            remove_upload(self.store, prefix)
             return exc
         return None
 
@@ -290,12 +291,6 @@ class RemoteCheckpointManager(CheckpointManager):
         if cause is not None:
             err.__cause__ = cause
         return err
-
-    def _remove_prefix(self, prefix: str) -> None:
-        try:
-            self.store.remove(prefix, recursive=True)
-        except OSError:
-            pass  # a later save's pruning removes it
 
     def _prune_remote(self, step: int, newest: str) -> None:
         prune_commits(self.store, step, newest, self.keep)

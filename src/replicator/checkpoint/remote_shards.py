@@ -36,6 +36,7 @@ from replicator.checkpoint.commit_objects import (
     parse_commit_name,
     prune_commits,
     read_commit,
+    remove_upload,
 )
 from replicator.checkpoint.dcp_state import StagedShards, read_dcp, write_dcp
 from replicator.checkpoint.exchange import Channel, describe_failures
@@ -87,7 +88,7 @@ def write_staged(location: Any, step: int, staged: StagedShards | Exception, ch:
     failures = {r: g["error"] for r, g in enumerate(gathered) if g["error"]}
     if failures:
         if ch.is_chief:
-            _remove(store, prefix)
+            remove_upload(store, prefix)
         raise CheckpointWriteError(
             f"saving the sharded checkpoint of step {step} to {store.url} failed "
             f"({describe_failures(failures)}). Nothing was committed. HINT: check that the "
@@ -99,7 +100,7 @@ def write_staged(location: Any, step: int, staged: StagedShards | Exception, ch:
             prune_commits(store, step, f"{name}.json", keep)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             commit_error = f"{type(exc).__name__}: {exc}"
-            _remove(store, prefix)
+            remove_upload(store, prefix)
     outcome = ch.from_chief(commit_error, f"sharded save of step {step} (commit)")
     if outcome:
         raise CheckpointWriteError(f"committing the sharded checkpoint of step {step} in "
@@ -127,13 +128,6 @@ def _commit(store: RemoteStore, step: int, name: str, gathered: list[dict[str, A
     manifest = build(step, world_size, entries, {"layout": "dcp-safetensors"}, prefix=prefix)
     store.put(f"{COMMITS}/{name}.json",
               json.dumps(manifest, indent=1, sort_keys=True, allow_nan=True).encode())
-
-
-def _remove(store: RemoteStore, prefix: str) -> None:
-    try:
-        store.remove(prefix, recursive=True)
-    except OSError:
-        pass  # a later save's pruning removes it
 
 
 def _download(store: RemoteStore, name: str, into: Path) -> None:
