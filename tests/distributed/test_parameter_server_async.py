@@ -171,7 +171,9 @@ def test_lost_worker_others_finish_and_every_batch_is_consumed_once():
     out = launch(train_and_lose_a_worker, num_replicas=5, num_ps=2, timeout_seconds=60)
     assert out[2] is None  # the lost worker
     chief = out[0]
-    assert chief["accuracy"] >= 0.9, chief["accuracy"]  # asynchronous: varies with timing
+    # asynchronous around a kill: the accuracy varies with timing (0.90-0.96 seen); an
+    # untrained model scores about 0.1, so 0.8 separates trained from not without flaking
+    assert chief["accuracy"] >= 0.8, chief["accuracy"]
     accounting = chief["accounting"]
     assert sorted(accounting) == [0, 1, 2, 3]
     for epoch, acc in accounting.items():
@@ -196,9 +198,10 @@ def test_lost_worker_restarted_alone_rejoins_and_continues(tmp_path):
     assert rejoined is not None and rejoined["rejoined"], rejoined
     assert rejoined["steps"] > 0  # it pulled the current values and trained on new batches
     # asynchronous updates around a kill and a restart: the final accuracy varies with timing
-    # (0.93-0.96 on a busy machine, same before this check was written); a model that missed
-    # the training scores about 0.1, so 0.9 tells that the rejoined worker holds the trained one
-    assert rejoined["accuracy"] >= 0.9 and rejoined["optimizer_state"] == 0
+    # (0.8997-0.96 seen, the low one in a CI run); a model that missed the training scores
+    # about 0.1, so 0.8 tells that the rejoined worker holds the trained one without flaking
+    assert rejoined["accuracy"] >= 0.8, rejoined["accuracy"]
+    assert rejoined["optimizer_state"] == 0
     accounting = out[0]["accounting"]
     assert len(accounting) == 6
     for epoch, acc in accounting.items():
