@@ -88,11 +88,17 @@ def test_schedule_join_fetch_on_two_workers_with_a_per_worker_dataset():
 
 
 @pytest.mark.timeout(180)
-def test_asynchronous_worker_killed_after_its_push_is_not_applied_twice(tmp_path):
+def test_asynchronous_worker_killed_after_its_push_is_not_applied_twice(tmp_path, capfd):
+    # with a restart allowed: the restarted worker is not handed functions (the chief does not
+    # replay its calls to a newcomer); it says so and ends cleanly, and the job finishes
     out = launch(scheduled_training, num_replicas=4, num_ps=1,
-                 kwargs={"kill_after": 7, "flag_dir": str(tmp_path)}, timeout_seconds=60)
+                 kwargs={"kill_after": 7, "flag_dir": str(tmp_path)}, timeout_seconds=60,
+                 max_restarts=1)
     chief = out[0]
     assert out[1] is None or out[2] is None  # the worker that ran step 7 was killed
+    err = capfd.readouterr().err
+    assert "restarting it alone" in err, err[-3000:]
+    assert "under a ClusterCoordinator a lost worker is not replaced" in err, err[-3000:]
     assert [d["i"] for d in chief["done"]] == list(range(24))  # step 7's value, from its rerun
     assert chief["stats"]["reruns"] == 1
     assert chief["tasks"] == {"applied": 25, "repeats": 1, "repeats_seen": 0}
