@@ -106,6 +106,30 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
+#: Buffers handed to one ``sendmsg`` call (Linux takes at most 1024).
+_MAX_BUFFERS = 512
+
+
+def _send_buffers(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send every buffer, in order, with as few system calls as the kernel allows: a batch
+    of headers and payloads leaves as one write (with ``TCP_NODELAY`` one write per message
+    part would be one packet and one wake-up of the receiver each)."""
+    if not hasattr(sock, "sendmsg"):  # not on every platform
+        for view in views:
+            sock.sendall(view)
+        return
+    start = 0
+    while start < len(views):
+        batch = views[start:start + _MAX_BUFFERS]
+        sent = sock.sendmsg(batch)
+        for view in batch:
+            if sent < view.nbytes:  # a partial write: go on from inside this buffer
+                views[start] = view[sent:]
+                break
+            sent -= view.nbytes
+            start += 1
+
+
 class Connection:
     """A message connection over a connected socket; ``peer`` names the other end in errors.
 
@@ -190,8 +214,7 @@ class Connection:
         self.bytes_sent += staged.lane_bytes + sum(c.numel() * c.element_size()
                                                    for c in staged.chunks)
         try:
-            for chunk in staged.chunks:
-                self.sock.sendall(_as_bytes(chunk))
+            _send_buffers(self.sock, [_as_bytes(c) for c in staged.chunks if c.numel()])
         except OSError as exc:
             raise PeerLostError(f"lost the connection to {self.peer} while sending: "
                                 f"{exc}") from exc
