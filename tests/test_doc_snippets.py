@@ -2,7 +2,8 @@
 docs site's pages (docs/**/*.md) every block fenced as a named script, ```python title="x.py"
 (plain ```python blocks there are fragments and do not run). Each runs as its own script in a
 fresh temporary directory, in one process (``MirroredStrategy()`` under plain python is one
-replica; a script that wants more starts them with ``rp.launch``). New pages and sections are
+replica; a script that wants more starts them with ``rp.launch``), forked from an interpreter
+that has imported torch and replicator already (tests/warm_python.py). New pages and sections are
 picked up automatically; bash blocks are not run."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.warm_python import WarmPython
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -74,24 +77,43 @@ def test_the_docs_have_python_snippets():
     assert python_blocks(page, named_only=True) == [("A", "y = 2\n")]
 
 
-@pytest.mark.timeout(SNIPPET_TIMEOUT_S + 30)
-@pytest.mark.parametrize("where,heading,code", BLOCKS, ids=_ids())
-def test_doc_snippet_runs(where, heading, code, tmp_path):
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
+def _snippet_env() -> dict[str, str]:
     src = str(ROOT / "src")
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg",
                PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH"))
                                           if p))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"):
         env.pop(var, None)  # plain python: one process, one replica
+    return env
+
+
+@pytest.fixture(scope="module")
+def warm_python():
+    """One interpreter with torch and replicator imported, forking a child per snippet (each
+    snippet still its own process, as ``__main__``, from its own directory)."""
+    runner = WarmPython(_snippet_env())
+    yield runner
+    runner.close()
+
+
+def _run_fresh(script: Path, cwd: Path) -> tuple[int, str, str]:
+    done = subprocess.run([sys.executable, str(script)], cwd=cwd, env=_snippet_env(),
+                          capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.timeout(SNIPPET_TIMEOUT_S + 90)
+@pytest.mark.parametrize("where,heading,code", BLOCKS, ids=_ids())
+def test_doc_snippet_runs(where, heading, code, tmp_path, warm_python):
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
+        ran = warm_python.run(script, tmp_path, SNIPPET_TIMEOUT_S) or _run_fresh(script,
+                                                                                 tmp_path)
+    except (subprocess.TimeoutExpired, TimeoutError) as exc:
         pytest.fail(f"{where} snippet under {heading!r} ran past {SNIPPET_TIMEOUT_S} s\n"
-                    f"{(exc.stderr or b'')[-3000:]!r}")
-    if done.returncode != 0:
-        pytest.fail(f"{where} snippet under {heading!r} failed (exit code {done.returncode}):"
-                    f"\n{done.stderr[-4000:]}\n--- stdout ---\n{done.stdout[-1500:]}",
-                    pytrace=False)
+                    f"{exc}")
+    code_, stdout, stderr = ran
+    if code_ != 0:
+        pytest.fail(f"{where} snippet under {heading!r} failed (exit code {code_}):"
+                    f"\n{stderr[-4000:]}\n--- stdout ---\n{stdout[-1500:]}", pytrace=False)
