@@ -148,3 +148,27 @@ def test_pipeline_stages_divide_the_workers():
     p = predict("pipeline", 2, model, c)
     # each of the 2 stages holds half the state and half the activations of the batch
     assert p.memory_per_rank == pytest.approx(6400 + 3200 + c.machine.process_rss_bytes)
+
+
+def test_fsdp_cost_is_per_block_plus_per_byte_fitted_through_narrow_and_wide_blocks():
+    machine = MachineProfile.nominal()
+    machine.fsdp_unit = {2: 2e-3}
+    machine.fsdp_wide_sgd = {2: 4e-3}
+    machine.fsdp_wide_adam = {2: 8e-3}
+    machine.fsdp_wide_bytes = 1_000_288.0  # 1 MB more than the narrow block's 288 bytes
+    # SGD: (4 - 2) ms over 1 MB; Adam (2 bytes of state per weight byte): (8 - 2) ms
+    assert machine.fsdp_block_seconds(2, 0.0) == pytest.approx((2e-3, 2e-9))
+    assert machine.fsdp_block_seconds(2, 2.0) == pytest.approx((2e-3, 6e-9))
+    assert machine.fsdp_block_seconds(2, 1.0) == pytest.approx((2e-3, 4e-9))  # momentum
+    again = MachineProfile.from_json(machine.to_json())
+    assert again.fsdp_block_seconds(2, 2.0) == pytest.approx((2e-3, 6e-9))
+    # a model of 3 blocks, 4 MB of weights, Adam: 3 x 2 ms + 4e6 x 6e-9 s of FSDP's own cost
+    m = ModelProfile(name="m", params=10**6, global_batch=8, param_bytes=4e6, grad_bytes=4e6,
+                     optimizer_state_bytes=8e6, activation_bytes_per_sample=100,
+                     largest_tensor_bytes=2e6, weight_tensors=3, measured=False,
+                     flops_per_sample=1e3)
+    c = Cluster(get_device("cpu"), parse_link("25gbit"), machine, None)
+    assert predict("fsdp", 2, m, c).breakdown["communication"] == pytest.approx(
+        3 * 2e-3 + 4e6 * 6e-9, rel=1e-6)
+    # without the wide measurements (an older profile): the previous formula, unchanged
+    assert MachineProfile.nominal().fsdp_block_seconds(2, 2.0) is None

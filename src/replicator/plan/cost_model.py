@@ -326,11 +326,18 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         if c.device.is_cpu and h == 1:  # torch's FSDP2 collectives run on gloo here
             # per block: the engine's measured cost (two all-gathers, a reduce-scatter, the
             # copies and hooks around them), plus 1.5x the bytes of an all-reduce
-            alpha_here = c.machine.collective_alpha("native", n)
-            bytes_part = c.machine.allreduce_seconds("native", m.param_bytes, n) - alpha_here
-            per_unit = c.machine.per_world(c.machine.fsdp_unit, n) if c.machine.fsdp_unit \
-                else 3 * alpha_here
-            comm = units * per_unit + 1.5 * bytes_part
+            state_ratio = m.optimizer_state_bytes / m.param_bytes if m.param_bytes else 0.0
+            fitted = c.machine.fsdp_block_seconds(n, state_ratio)
+            if fitted is not None:  # measured on narrow and wide blocks: a + b * bytes
+                per_block, per_byte = fitted
+                comm = units * per_block + per_byte * m.param_bytes
+            else:
+                alpha_here = c.machine.collective_alpha("native", n)
+                bytes_part = c.machine.allreduce_seconds("native", m.param_bytes, n) \
+                    - alpha_here
+                per_unit = c.machine.per_world(c.machine.fsdp_unit, n) \
+                    if c.machine.fsdp_unit else 3 * alpha_here
+                comm = units * per_unit + 1.5 * bytes_part
         else:
             comm = total / bandwidth + 3 * units * (n - 1) * alpha
         comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers

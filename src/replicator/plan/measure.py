@@ -12,7 +12,8 @@
   parameter server's push + pull round trip;
 * what ``FSDPStrategy`` costs per sharded block and ``PipelineStrategy`` per microbatch slot
   beyond the compute, on a tiny model of 4 blocks (torch's FSDP2 and pipelining engines on
-  gloo: gathers, copies, hooks, the schedule's bookkeeping);
+  gloo: gathers, copies, hooks, the schedule's bookkeeping); FSDP again on blocks of
+  ``WIDE x WIDE`` (1 MB each) with SGD and with Adam, for its cost per byte of a block;
 * the input pipeline's fixed cost per batch (``distribute_dataset`` of tiny samples);
 * the memory of a bare worker process, RAM and cores.
 
@@ -271,21 +272,33 @@ def _engine_overheads(t_local: float) -> tuple[float, float]:
     return max(0.0, t_sync - t_local), t_reduce
 
 
-def _tiny_chain(blocks: int = 4) -> torch.nn.Sequential:
-    return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(blocks)])
+#: Width of the wide blocks FSDP's per-byte cost is measured on (1 MB of weights each).
+WIDE = 512
 
 
-def _strategy_step_overhead(name: str, t_local: float, batch: int = 8) -> float:
-    """Seconds per step that ``rp.get_strategy(name)`` adds to a tiny 4-block model's
-    forward, backward and SGD step (``t_local``: the same step without a strategy)."""
+def _tiny_chain(blocks: int = 4, width: int = 8) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])
+
+
+def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """SGD, or Adam (its state is what a sharded optimizer step touches per parameter)."""
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.0)
+    return torch.optim.SGD(model.parameters(), lr=0.0)
+
+
+def _strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: int = 8,
+                            optimizer: str = "sgd") -> float:
+    """Seconds per step that ``rp.get_strategy(name)`` adds to a 4-block model's forward,
+    backward and optimizer step (``t_local``: the same step without a strategy)."""
     import replicator as rp
 
     strategy = rp.get_strategy(name)
     with strategy.scope():
         torch.manual_seed(0)
-        model = _tiny_chain()
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    step = _sgd_step(model, opt, torch.randn(batch, 8))
+        model = _tiny_chain(width=width)
+        opt = _optimizer(optimizer, model)
+    step = _sgd_step(model, opt, torch.randn(batch, width))
     for _ in range(3):
         strategy.run(step)
     seconds = _median_time(lambda: strategy.run(step), 5, 4)
@@ -293,11 +306,11 @@ def _strategy_step_overhead(name: str, t_local: float, batch: int = 8) -> float:
     return max(0.0, seconds - t_local)
 
 
-def _local_step_seconds(batch: int = 8) -> float:
-    """The tiny 4-block model's step without any strategy (measured before one exists)."""
-    model = _tiny_chain()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    step = _sgd_step(model, opt, torch.randn(batch, 8))
+def _local_step_seconds(batch: int = 8, width: int = 8, optimizer: str = "sgd") -> float:
+    """The 4-block model's step without any strategy (measured before one exists)."""
+    model = _tiny_chain(width=width)
+    opt = _optimizer(optimizer, model)
+    step = _sgd_step(model, opt, torch.randn(batch, width))
     step()
     return _median_time(step, 5, 10)
 
@@ -342,6 +355,7 @@ def _worker_two(world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     t_local = _local_backward_seconds(8, 8)
     t_chain = _local_step_seconds()
+    t_wide = {kind: _local_step_seconds(width=WIDE, optimizer=kind) for kind in ("sgd", "adam")}
     strategy = rp.MirroredStrategy()  # starts the process group
     import torch.distributed as dist
 
@@ -356,6 +370,11 @@ def _worker_two(world: int) -> dict[str, Any]:
     strategy.barrier()
     strategy.close()  # a strategy refuses gradients of models it does not own: one at a time
     out["fsdp_unit"] = _strategy_step_overhead("fsdp", t_chain) / 4
+    # the same blocks 64x wider: FSDP's cost per byte of a block (gathers, reduce-scatters,
+    # copies), with SGD and with Adam (the sharded optimizer step on DTensors)
+    out["fsdp_wide"] = {kind: _strategy_step_overhead("fsdp", t_wide[kind], width=WIDE,
+                                                      optimizer=kind) / 4
+                        for kind in ("sgd", "adam")}
     if world == 2:  # PipelineStrategy(): 2 stages, 4 microbatches, 5 slots per step
         out["pipeline_slot"] = _strategy_step_overhead("pipeline", t_chain) / 5
     return out
@@ -406,6 +425,8 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
             profile.allreduce.setdefault(name, {})[world] = fit
         profile.sync_overhead[world] = result["sync"]
         profile.fsdp_unit[world] = result["fsdp_unit"]
+        profile.fsdp_wide_sgd[world] = result["fsdp_wide"]["sgd"]
+        profile.fsdp_wide_adam[world] = result["fsdp_wide"]["adam"]
         if "pipeline_slot" in result:
             profile.pipeline_slot = result["pipeline_slot"]
         profile.small_collective[world] = result["reduce"]

@@ -161,6 +161,9 @@ class MachineProfile:
     sync_overhead: dict[int, float] = field(default_factory=dict)
     small_collective: dict[int, float] = field(default_factory=dict)
     fsdp_unit: dict[int, float] = field(default_factory=dict)
+    fsdp_wide_sgd: dict[int, float] = field(default_factory=dict)
+    fsdp_wide_adam: dict[int, float] = field(default_factory=dict)
+    fsdp_wide_bytes: float = 512 * 513 * 4
     pipeline_slot: float = 3e-4
     flops_per_second: float = 3e10
     memory_bandwidth: float = 5e9
@@ -224,6 +227,21 @@ class MachineProfile:
         near = min(table, key=lambda k: abs(k - world))
         return table[near].a * (world - 1) / max(1, near - 1)
 
+    def fsdp_block_seconds(self, world: int, state_ratio: float
+                           ) -> tuple[float, float] | None:
+        """FSDP's cost ``(per block, per byte of weights)`` at ``world`` ranks here, fitted
+        through the narrow and the wide blocks' measured costs; the per-byte part moves
+        from SGD's towards Adam's with the optimizer's state per weight (``state_ratio``:
+        0 for SGD, 2 for Adam). ``None`` without the wide measurements."""
+        if not (self.fsdp_unit and self.fsdp_wide_sgd):
+            return None
+        narrow = self.per_world(self.fsdp_unit, world)
+        sgd = self.per_world(self.fsdp_wide_sgd, world)
+        adam = self.per_world(self.fsdp_wide_adam, world) if self.fsdp_wide_adam else sgd
+        wide = sgd + (adam - sgd) * min(max(state_ratio, 0.0), 2.0) / 2
+        per_byte = max(0.0, (wide - narrow) / max(self.fsdp_wide_bytes - 8 * 9 * 4, 1.0))
+        return narrow, per_byte
+
     def per_world(self, table: dict[int, float], world: int) -> float:
         """A per-world-size figure; beyond the measured ones it grows like ``n - 1``."""
         if world <= 1 or not table:
@@ -265,6 +283,9 @@ class MachineProfile:
             sync_overhead=ints(data.get("sync_overhead", {})),
             small_collective=ints(data.get("small_collective", {})),
             fsdp_unit=ints(data.get("fsdp_unit", {})),
+            fsdp_wide_sgd=ints(data.get("fsdp_wide_sgd", {})),
+            fsdp_wide_adam=ints(data.get("fsdp_wide_adam", {})),
+            fsdp_wide_bytes=float(data.get("fsdp_wide_bytes", 512 * 513 * 4)),
             pipeline_slot=float(data.get("pipeline_slot", 3e-4)),
             flops_per_second=float(data.get("flops_per_second", 3e10)),
             memory_bandwidth=float(data.get("memory_bandwidth", 5e9)),
@@ -283,7 +304,9 @@ class MachineProfile:
             "allreduce": {name: {k: [ab.a, ab.b] for k, ab in table.items()}
                           for name, table in self.allreduce.items()},
             "sync_overhead": self.sync_overhead, "small_collective": self.small_collective,
-            "fsdp_unit": self.fsdp_unit, "pipeline_slot": self.pipeline_slot,
+            "fsdp_unit": self.fsdp_unit, "fsdp_wide_sgd": self.fsdp_wide_sgd,
+            "fsdp_wide_adam": self.fsdp_wide_adam, "fsdp_wide_bytes": self.fsdp_wide_bytes,
+            "pipeline_slot": self.pipeline_slot,
             "flops_per_second": self.flops_per_second,
             "memory_bandwidth": self.memory_bandwidth, "input_fixed": self.input_fixed,
             "p2p": [self.p2p.a, self.p2p.b],
