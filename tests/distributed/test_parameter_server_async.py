@@ -102,12 +102,15 @@ def test_bounded_staleness_with_a_slow_worker():
 
 
 def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int = 30,
-                            rejoin_flag: str | None = None) -> dict:
+                            rejoin_flag: str | None = None, started_flag: str | None = None
+                            ) -> dict:
     """3 workers + 2 servers, asynchronous; worker ``kill_rank`` SIGKILLs itself at global
     step ``kill_step`` (once the servers applied ``kill_step`` updates per worker). The
     survivors train ``epochs`` epochs of claimed batches. With ``rejoin_flag`` (a file path),
     the restarted worker creates the file after its first step, and the survivors wait for it
-    at their step 25, so that training outlasts the restarted process's start."""
+    at their step 25, so that training outlasts the restarted process's start. With
+    ``started_flag``, the same for the first start of ``kill_rank`` at the survivors' step 5
+    (on a busy machine it could start after the others had claimed every batch)."""
     import os
     import signal
 
@@ -139,6 +142,12 @@ def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int 
             steps += 1
             if rejoin_flag and strategy.rejoined and steps == 1:
                 open(rejoin_flag, "w").close()
+            if started_flag and strategy.replica_id == kill_rank and steps == 1:
+                open(started_flag, "w").close()
+            if started_flag and strategy.replica_id != kill_rank and steps == 5:
+                deadline = time.monotonic() + 90
+                while not os.path.exists(started_flag) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             if rejoin_flag and strategy.replica_id != kill_rank and steps == 25:
                 deadline = time.monotonic() + 90
                 while not os.path.exists(rejoin_flag) and time.monotonic() < deadline:
@@ -167,8 +176,9 @@ def train_and_lose_a_worker(epochs: int = 4, kill_rank: int = 2, kill_step: int 
 
 
 @pytest.mark.timeout(180)
-def test_lost_worker_others_finish_and_every_batch_is_consumed_once():
-    out = launch(train_and_lose_a_worker, num_replicas=5, num_ps=2, timeout_seconds=60)
+def test_lost_worker_others_finish_and_every_batch_is_consumed_once(tmp_path):
+    out = launch(train_and_lose_a_worker, num_replicas=5, num_ps=2, timeout_seconds=60,
+                 kwargs={"started_flag": str(tmp_path / "started")})
     assert out[2] is None  # the lost worker
     chief = out[0]
     # asynchronous around a kill: the accuracy varies with timing (0.90-0.96 seen); an
