@@ -3,8 +3,10 @@
 - ``overhead``: 2 replicas train an MLP of 1M parameters with Adam (a 12 MB backup), once in
   a plain loop and once with BackupAndRestore saving every ``--every`` steps, with preemption
   handling and the NaN check on. Both run in the same processes on equal models, alternating
-  blocks of ``--every`` steps (the backed block saves at its first step) so machine noise hits
-  both alike. Ratio = median over rounds of the time with backups / without (goal <= 1.035).
+  blocks of ``--every`` steps (the backed block saves at its first step; which block comes
+  first alternates from round to round) so machine noise and position hit both alike. Ratio =
+  median over rounds of the time with backups / without (goal <= 1.035). Two equal plain
+  loops measured this way differ by up to 2 % on this 2-core machine: that is the floor.
 - ``overhead_100``: the same with a backup every 100 steps written by the saver process
   (``saver="process"``: the loop only copies the state into shared memory; goal <= 1.02),
   beside ``overhead_100_thread`` (the thread saver) and ``background=False``. A background
@@ -92,29 +94,42 @@ def overhead_worker(backup_dir: str, rounds: int, every: int,
     # rest of its block to overlap before the block's end waits for it
     block = every if block is None else block
     backup.step = block - 1
-    for _ in range(rounds):
+    def plain_block() -> float:
+        strategy.barrier()
+        start = time.perf_counter()
+        for _ in range(block):
+            strategy.run(step, args=(plain_model, plain_opt))
+        strategy.barrier()
+        return time.perf_counter() - start
+
+    def backed_block() -> float:
+        strategy.barrier()
+        start = time.perf_counter()
+        for _ in range(block):
+            strategy.run(step, args=(backed_model, backed_opt))
+            before, before_cpu = time.perf_counter(), time.thread_time()
+            backup.on_train_batch_end(0)
+            if backup.step % every == 0:
+                times["save"].append(time.perf_counter() - before)
+                times["save_cpu"].append(time.thread_time() - before_cpu)
+        # a background save still running is charged to this block, not to the plain one
+        # (with ``block < every`` an upper bound: it gets ``block - 1`` steps to overlap, not
+        # ``every - 1``)
+        backup.wait_for_save()
+        strategy.barrier()
+        return time.perf_counter() - start
+
+    for r in range(rounds):
         plain = backed = 0.0
         for _ in range(every // block):
-            strategy.barrier()
-            start = time.perf_counter()
-            for _ in range(block):
-                strategy.run(step, args=(plain_model, plain_opt))
-            strategy.barrier()
-            plain += time.perf_counter() - start
-            start = time.perf_counter()
-            for _ in range(block):
-                strategy.run(step, args=(backed_model, backed_opt))
-                before, before_cpu = time.perf_counter(), time.thread_time()
-                backup.on_train_batch_end(0)
-                if backup.step % every == 0:
-                    times["save"].append(time.perf_counter() - before)
-                    times["save_cpu"].append(time.thread_time() - before_cpu)
-            # a background save still running is charged to this block, not to the plain
-            # one that follows (with ``block < every`` an upper bound: it gets ``block - 1``
-            # steps to overlap, not ``every - 1``)
-            backup.wait_for_save()
-            strategy.barrier()
-            backed += time.perf_counter() - start
+            # the order alternates from round to round (plain first, then backed first), so
+            # whatever favours the first or the second block of a pair cancels out
+            if r % 2 == 0:
+                plain += plain_block()
+                backed += backed_block()
+            else:
+                backed += backed_block()
+                plain += plain_block()
         times["plain"].append(plain)
         times["backup"].append(backed)
     backup.on_train_end()
@@ -144,7 +159,7 @@ class LoopbackS3:
     """moto's standalone S3 server on 127.0.0.1, with the AWS_* and endpoint variables set for
     this process and the workers it starts."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, niceness: int = 0) -> None:
         import socket
         import subprocess
         import urllib.request
@@ -158,7 +173,8 @@ class LoopbackS3:
         os.environ.update(env)
         log = open(tmp / "moto.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                                      "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                                      "-p", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -324,7 +340,8 @@ FIGURES = ("overhead", "overhead_100", "overhead_100_s3", "sharded", "io_100mb",
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12,
+                        help="rounds of plain and backed blocks (even: the order alternates)")
     parser.add_argument("--every", type=int, default=250, help="steps between backups")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES),
@@ -368,9 +385,20 @@ def main() -> None:
                 over_s3 = bench_overhead(args.rounds, 100, "s3://bench", saver="process")
             finally:
                 s3.close()
-            rows.append(["step, backup every 100 to loopback S3 (ms)",
-                         over_s3["backup_step"] * 1e3, over_s3["plain_step"] * 1e3,
-                         over_s3["ratio"], "<= 1.03"])
+            # the same with the server at a lower priority: how much of the figure is the
+            # stand-in store's own CPU on these cores (a remote store costs none here)
+            s3 = LoopbackS3(tmp, niceness=10)
+            try:
+                over_s3_nice = bench_overhead(args.rounds, 100, "s3://bench",
+                                              saver="process")
+            finally:
+                s3.close()
+            rows += [["step, backup every 100 to loopback S3 (ms)",
+                      over_s3["backup_step"] * 1e3, over_s3["plain_step"] * 1e3,
+                      over_s3["ratio"], "<= 1.03"],
+                     ["same, the S3 server at niceness 10 (ms)",
+                      over_s3_nice["backup_step"] * 1e3, over_s3_nice["plain_step"] * 1e3,
+                      over_s3_nice["ratio"], "(reference)"]]
         if "sharded" in want:
             shard = bench_sharded(max(4, args.repeats + 1), tmp)
             rows.append(["FSDP(2) loop stall per save: background vs in place (ms)",
@@ -415,6 +443,8 @@ def main() -> None:
     if "overhead_100_s3" in want:
         emit(BENCH, "overhead_100_s3", over_s3["ratio"], "<= 1.03", every=100,
              saver="process", save_ms=round(over_s3["save"] * 1e3, 2))
+        emit(BENCH, "overhead_100_s3_server_niced", over_s3_nice["ratio"], "(reference)",
+             every=100, saver="process", server_niceness=10)
     if "sharded" in want:
         emit(BENCH, "sharded_stall", shard["after"] / shard["before"], "(lower is better)",
              layout="FSDP(2)", before_ms=round(shard["before"] * 1e3, 2),
