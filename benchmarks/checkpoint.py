@@ -335,6 +335,15 @@ def bench_recovery(repeats: int, tmp: Path) -> dict[str, float]:
     return {"recovery": median(recovery), "cold": median(cold)}
 
 
+def overhead_to_loopback_s3(rounds: int, tmp: Path, niceness: int) -> dict[str, float]:
+    """``overhead_100`` with the backups in a fresh loopback S3 server at ``niceness``."""
+    s3 = LoopbackS3(tmp, niceness=niceness)
+    try:
+        return bench_overhead(rounds, 100, "s3://bench", saver="process")
+    finally:
+        s3.close()
+
+
 FIGURES = ("overhead", "overhead_100", "overhead_100_s3", "sharded", "io_100mb", "recovery")
 
 
@@ -380,19 +389,10 @@ def main() -> None:
                       over100_th["save_cpu"] * 1e3,
                       over100["save_cpu"] / over100_th["save_cpu"], "(reference)"]]
         if "overhead_100_s3" in want:
-            s3 = LoopbackS3(tmp)
-            try:
-                over_s3 = bench_overhead(args.rounds, 100, "s3://bench", saver="process")
-            finally:
-                s3.close()
-            # the same with the server at a lower priority: how much of the figure is the
-            # stand-in store's own CPU on these cores (a remote store costs none here)
-            s3 = LoopbackS3(tmp, niceness=10)
-            try:
-                over_s3_nice = bench_overhead(args.rounds, 100, "s3://bench",
-                                              saver="process")
-            finally:
-                s3.close()
+            # niceness 10: the same with the server at a lower priority, to tell how much of
+            # the figure is the stand-in store's own CPU on these cores (a remote one costs none)
+            over_s3, over_s3_nice = (overhead_to_loopback_s3(args.rounds, tmp, niceness)
+                                     for niceness in (0, 10))
             rows += [["step, backup every 100 to loopback S3 (ms)",
                       over_s3["backup_step"] * 1e3, over_s3["plain_step"] * 1e3,
                       over_s3["ratio"], "<= 1.03"],

@@ -427,6 +427,7 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
         profile.fsdp_unit[world] = result["fsdp_unit"]
         profile.fsdp_wide_sgd[world] = result["fsdp_wide"]["sgd"]
         profile.fsdp_wide_adam[world] = result["fsdp_wide"]["adam"]
+        profile.fsdp_wide_bytes = float(WIDE * (WIDE + 1) * 4)
         if "pipeline_slot" in result:
             profile.pipeline_slot = result["pipeline_slot"]
         profile.small_collective[world] = result["reduce"]

@@ -19,6 +19,11 @@ from typing import Any
 
 __all__ = ["AlphaBeta", "MachineProfile", "ModelProfile"]
 
+#: Bytes of one block FSDP's costs are measured on: ``Linear(8, 8)`` and ``Linear(512, 512)``
+#: (weight and bias, float32), see :mod:`replicator.plan.measure`.
+FSDP_NARROW_BYTES = 8 * 9 * 4
+FSDP_WIDE_BYTES = 512 * 513 * 4
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -163,7 +168,7 @@ class MachineProfile:
     fsdp_unit: dict[int, float] = field(default_factory=dict)
     fsdp_wide_sgd: dict[int, float] = field(default_factory=dict)
     fsdp_wide_adam: dict[int, float] = field(default_factory=dict)
-    fsdp_wide_bytes: float = 512 * 513 * 4
+    fsdp_wide_bytes: float = FSDP_WIDE_BYTES
     pipeline_slot: float = 3e-4
     flops_per_second: float = 3e10
     memory_bandwidth: float = 5e9
@@ -239,7 +244,7 @@ class MachineProfile:
         sgd = self.per_world(self.fsdp_wide_sgd, world)
         adam = self.per_world(self.fsdp_wide_adam, world) if self.fsdp_wide_adam else sgd
         wide = sgd + (adam - sgd) * min(max(state_ratio, 0.0), 2.0) / 2
-        per_byte = max(0.0, (wide - narrow) / max(self.fsdp_wide_bytes - 8 * 9 * 4, 1.0))
+        per_byte = max(0.0, (wide - narrow) / max(self.fsdp_wide_bytes - FSDP_NARROW_BYTES, 1.0))
         return narrow, per_byte
 
     def per_world(self, table: dict[int, float], world: int) -> float:
@@ -285,7 +290,7 @@ class MachineProfile:
             fsdp_unit=ints(data.get("fsdp_unit", {})),
             fsdp_wide_sgd=ints(data.get("fsdp_wide_sgd", {})),
             fsdp_wide_adam=ints(data.get("fsdp_wide_adam", {})),
-            fsdp_wide_bytes=float(data.get("fsdp_wide_bytes", 512 * 513 * 4)),
+            fsdp_wide_bytes=float(data.get("fsdp_wide_bytes", FSDP_WIDE_BYTES)),
             pipeline_slot=float(data.get("pipeline_slot", 3e-4)),
             flops_per_second=float(data.get("flops_per_second", 3e10)),
             memory_bandwidth=float(data.get("memory_bandwidth", 5e9)),
