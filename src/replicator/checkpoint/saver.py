@@ -18,6 +18,7 @@ save starts a new process.
 from __future__ import annotations
 
 import atexit
+import base64
 import json
 import os
 import select
@@ -69,6 +70,54 @@ class SaverProcess:
               ) -> dict[str, FileEntry]:
         """Write staged ``items`` under ``base`` (a local directory, or a path on ``store``);
         blocks until the saver process answers. Raises ``OSError`` when it fails or dies."""
+        files = []
+        for fname, staged, label in items:
+            if not isinstance(staged, StagedFile):
+                raise TypeError(f"{label}: the saver process writes staged files only")
+            files.append({"name": fname, "offset": staged.offset, "length": staged.length,
+                          "dest": f"{base}/{fname}", "buffer": staged.buffer})
+        if not files:
+            return {}
+        job: dict[str, Any] = {"buffer": files[0]["buffer"], "files": files, "scheme": None,
+                               "options": {}}
+        if isinstance(store, RemoteStore):
+            job.update(scheme=store.scheme, options=store.storage_options)
+        if self.die_during_file is not None:
+            job["die_during_file"], self.die_during_file = self.die_during_file, None
+        reply = self._exchange(job, f"writing {base}")
+        if reply["error"]:
+            raise OSError(f"the saver process could not write {base}: {reply['error']}")
+        return {name: FileEntry(**entry) for name, entry in reply["files"].items()}
+
+    def call(self, scheme: str, options: Mapping[str, Any], name: str, *args: Any,
+             **kwargs: Any) -> Any:
+        """Make the file-system call ``name(*args, **kwargs)`` in the saver process (bytes
+        arguments and results travel base64-encoded); its errors come back as ``OSError``,
+        and ``FileNotFoundError`` as itself."""
+        job = {"scheme": scheme, "options": dict(options), "call": name,
+               "args": [{"b64": base64.b64encode(bytes(a)).decode()}
+                        if isinstance(a, (bytes, bytearray, memoryview)) else a for a in args],
+               "kwargs": kwargs}
+        where = str(args[0]) if args else ""
+        reply = self._exchange(job, f"{name} {where}")
+        if reply["error"]:
+            if reply.get("error_type") == "FileNotFoundError":
+                raise FileNotFoundError(where)
+            raise OSError(f"the saver process's {name} {where}: {reply['error']}")
+        result = reply["result"]
+        return base64.b64decode(result["b64"]) if isinstance(result, dict) else result
+
+    @property
+    def closed(self) -> bool:
+        return self._proc is None
+
+    @property
+    def busy(self) -> bool:
+        """A job is running (an upload can take minutes)."""
+        return self._lock.locked()
+
+    def _exchange(self, job: dict[str, Any], what: str) -> dict[str, Any]:
+        """Send one job (restarting a process that died) and wait for its answer."""
         with self._lock:
             proc = self._proc
             if proc is None or proc.poll() is not None:
@@ -80,32 +129,16 @@ class SaverProcess:
                 proc = self._proc
             assert proc is not None and proc.stdin is not None and proc.stdout is not None
             self._jobs += 1
-            files = []
-            for fname, staged, label in items:
-                if not isinstance(staged, StagedFile):
-                    raise TypeError(f"{label}: the saver process writes staged files only")
-                files.append({"name": fname, "offset": staged.offset, "length": staged.length,
-                              "dest": f"{base}/{fname}", "buffer": staged.buffer})
-            job: dict[str, Any] = {"id": self._jobs, "buffer": files[0]["buffer"] if files
-                                   else "", "files": files, "scheme": None, "options": {}}
-            if isinstance(store, RemoteStore):
-                job.update(scheme=store.scheme, options=store.storage_options)
-            if self.die_during_file is not None:
-                job["die_during_file"], self.die_during_file = self.die_during_file, None
-            if not files:
-                return {}
+            job = {**job, "id": self._jobs}
             try:
                 proc.stdin.write(json.dumps(job) + "\n")
                 proc.stdin.flush()
             except (BrokenPipeError, OSError) as exc:
                 raise OSError(f"the saver process (pid {proc.pid}) is gone: {exc}") from exc
-            reply = self._read_reply(proc, job["id"], base)
-        if reply["error"]:
-            raise OSError(f"the saver process could not write {base}: {reply['error']}")
-        return {name: FileEntry(**entry) for name, entry in reply["files"].items()}
+            return self._read_reply(proc, job["id"], what)
 
     def _read_reply(self, proc: subprocess.Popen[str], job_id: int,
-                    base: str) -> dict[str, Any]:
+                    what: str) -> dict[str, Any]:
         assert proc.stdout is not None
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
@@ -125,10 +158,11 @@ class SaverProcess:
             code = None
         if code is None:
             proc.kill()
-            raise OSError(f"the saver process (pid {proc.pid}) did not finish writing {base} "
-                          f"in {self.timeout:.0f} s; it was stopped")
+            raise OSError(f"the saver process (pid {proc.pid}) did not finish {what} in "
+                          f"{self.timeout:.0f} s; it was stopped")
+        lost = "; nothing of this save is committed" if what.startswith("writing") else ""
         raise OSError(f"the saver process (pid {proc.pid}) died (exit code {code}) while "
-                      f"writing {base}; nothing of this save is committed")
+                      f"{what}{lost}")
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
@@ -145,6 +179,47 @@ class SaverProcess:
             proc.stdout.close()
 
 
+class SaverFilesystem:
+    """The few fsspec calls :class:`RemoteStore` makes, made by the saver process.
+
+    Installed on the chief's store while a :class:`ProcessSaver` runs, so that the commit's
+    listing and write, pruning and the lease's heartbeat spend their CPU (an S3 client spends
+    milliseconds per request, holding the GIL) in the lower-priority saver process, not in
+    the training process. While that process is busy with an upload (a heartbeat must not
+    wait minutes) or once it is closed, the calls go to ``fallback``, in this process.
+    """
+
+    def __init__(self, process: SaverProcess, store: RemoteStore, fallback: Any) -> None:
+        self._process, self._store, self._fallback = process, store, fallback
+        self.async_impl = getattr(fallback, "async_impl", False)
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._process.closed or self._process.busy:
+            return getattr(self._fallback, name)(*args, **kwargs)
+        kwargs.pop("timeout", None)  # the saver process applies the store's own time limit
+        return self._process.call(self._store.scheme, self._store.storage_options, name,
+                                  *args, **kwargs)
+
+    def pipe_file(self, path: str, data: bytes, **kwargs: Any) -> None:
+        self._call("pipe_file", path, data, **kwargs)
+
+    def cat_file(self, path: str, **kwargs: Any) -> bytes:
+        return bytes(self._call("cat_file", path, **kwargs))
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        return bool(self._call("exists", path, **kwargs))
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        return list(self._call("ls", path, detail=detail, **kwargs))
+
+    def rm(self, path: str, recursive: bool = False, **kwargs: Any) -> None:
+        self._call("rm", path, recursive=recursive, **kwargs)
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        """The saver process drops its own cache before each listing; this drops ours."""
+        self._fallback.invalidate_cache(path)
+
+
 class ProcessSaver(BackgroundSaver):
     """:class:`BackgroundSaver` whose files are written by a saver process (module doc)."""
 
@@ -155,6 +230,11 @@ class ProcessSaver(BackgroundSaver):
         self._buffer = StagingBuffer()
         #: Saves skipped because the one before was still being written.
         self.skipped = 0
+        store = getattr(manager, "store", None)
+        self._store_fs: tuple[RemoteStore, Any] | None = None
+        if isinstance(store, RemoteStore):  # the store's calls run in the saver process too
+            self._store_fs = (store, store.fs)
+            store.fs = SaverFilesystem(self.process, store, store.fs)
 
     def _writer(self) -> FileWriter | None:
         return self.process.write
@@ -206,6 +286,9 @@ class ProcessSaver(BackgroundSaver):
             thread.join(MIN_WAIT_SECONDS)
         self.process.close()
         self._buffer.close()
+        if self._store_fs is not None:
+            store, fs = self._store_fs
+            store.fs = fs
 
 
 def check_saver(kind: str | None) -> str | None:

@@ -9,6 +9,17 @@ JSON job per line on stdin and answers one JSON line per job on stdout::
      "dest": "bucket/run/data/step-00000030.ab12-0/model.safetensors"}]}
     -> {"id": 3, "files": {"model.safetensors": {"bytes": 123, "sha256": "..."}}, "error": ""}
 
+or one call on the store's file system (the commit's listings, its small writes, pruning):
+the parent's ``RemoteStore`` sends them here so that their CPU (an S3 client spends
+milliseconds on each request) runs at this process's priority, not in the training process::
+
+    {"id": 4, "scheme": "s3", "options": {...}, "call": "ls", "args": ["bucket/run/data"],
+     "kwargs": {"detail": true, "timeout": 300}}
+    -> {"id": 4, "result": [{"name": ..., "size": ..., "type": ...}], "error": "",
+        "error_type": ""}
+
+Bytes travel base64-encoded (``{"b64": "..."}``); only the calls in ``CALLS`` are taken.
+
 Local files are written, flushed and fsynced; remote ones are uploaded through fsspec. The
 process runs at a lower priority (niceness +10): on a busy machine training gets the CPU
 first, and a slow save is skipped-and-logged rather than slowing the steps. The
@@ -19,6 +30,7 @@ after the first chunk of that file (0-based), the files before it complete, that
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import mmap
@@ -110,6 +122,46 @@ def run_job(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
     return out
 
 
+#: The file-system calls a parent may send (``RemoteStore`` uses these and no others).
+CALLS = ("pipe_file", "cat_file", "exists", "ls", "rm")
+
+
+def _decode(value: Any) -> Any:
+    return base64.b64decode(value["b64"]) if isinstance(value, dict) and "b64" in value \
+        else value
+
+
+def run_call(job: dict[str, Any], filesystems: _Filesystems) -> Any:
+    """One call on the store's file system; bytes and listings made JSON-able."""
+    name = job["call"]
+    if name not in CALLS:
+        raise ValueError(f"the saver process does not make the call {name!r}")
+    fs, limit = filesystems.get(job["scheme"], job.get("options") or {})
+    args = [_decode(a) for a in job.get("args", [])]
+    kwargs = {**job.get("kwargs", {}), **limit}
+    if name in ("exists", "ls", "rm"):
+        fs.invalidate_cache(args[0])  # other processes write here: never a cached listing
+    result = getattr(fs, name)(*args, **kwargs)
+    if name == "ls":
+        return [{"name": str(e["name"]), "size": int(e.get("size") or 0),
+                 "type": str(e.get("type", "file"))} for e in result]
+    if isinstance(result, (bytes, bytearray, memoryview)):
+        return {"b64": base64.b64encode(bytes(result)).decode()}
+    return bool(result) if name == "exists" else None
+
+
+def answer(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
+    """The reply to one job: written files, or a call's result; errors as text."""
+    try:
+        if "call" in job:
+            return {"id": job["id"], "result": run_call(job, filesystems), "error": "",
+                    "error_type": ""}
+        return {"id": job["id"], "files": run_job(job, filesystems), "error": ""}
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+        return {"id": job["id"], "files": {}, "result": None,
+                "error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
+
+
 #: The saver yields the CPU to training when both want it (a niceness above the trainer's).
 NICENESS = 10
 
@@ -123,11 +175,7 @@ def main() -> None:
     for line in sys.stdin:
         if not line.strip():
             continue
-        job = json.loads(line)
-        try:
-            reply = {"id": job["id"], "files": run_job(job, filesystems), "error": ""}
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
-            reply = {"id": job["id"], "files": {}, "error": f"{type(exc).__name__}: {exc}"}
+        reply = answer(json.loads(line), filesystems)
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 
