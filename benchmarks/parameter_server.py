@@ -265,7 +265,7 @@ def main() -> None:
     parser.add_argument("--sync-baseline", choices=("mirrored", "ddp"), default="mirrored")
     parser.add_argument("--only", choices=("straggler", "vs_rpc", "embedding", "coordinator"),
                         default=None)
-    parser.add_argument("--embedding-steps", type=int, default=100)
+    parser.add_argument("--embedding-steps", type=int, default=1000)
     parser.add_argument("--mnist-steps", type=int, default=300)
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's adaptive malloc thresholds (see the module doc)")

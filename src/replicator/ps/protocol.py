@@ -22,8 +22,8 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
   lost between servers cannot leave one applying its update and another the re-run's:
   ``GRAD ... TASK_PREPARE(var_id=task, version=push, a=count)`` -> ``PREPARED(a=1 kept, 0 when
   an earlier attempt's update is already held or applied: the first one wins)``, then, once
-  every server answered, ``TASK_COMMIT(var_id=task, version=push, b=pull after)`` applies the
-  held update once and answers as ``TASK_PUSH`` does;
+  every server answered, ``TASK_COMMIT(var_id=task, version=push, b=pull after)`` (to every
+  server at once) applies the held update once and answers as ``TASK_PUSH`` does;
 - a sparse table's shard (``REGISTER`` with ``a=1``) is left out of pulls unless ``PULL`` has
   ``c=1``; ``ROW_IDS(shard id, int64 rows)`` before a ``GRAD`` with ``c=1`` makes that
   gradient the named rows' (``[n, ...]``); ``ROW_IDS`` ... ``PULL_ROWS(a=count)`` ->
