@@ -191,7 +191,6 @@ class SaverFilesystem:
 
     def __init__(self, process: SaverProcess, store: RemoteStore, fallback: Any) -> None:
         self._process, self._store, self._fallback = process, store, fallback
-        self.async_impl = getattr(fallback, "async_impl", False)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._process.closed or self._process.busy:

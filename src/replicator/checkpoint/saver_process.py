@@ -14,11 +14,12 @@ the parent's ``RemoteStore`` sends them here so that their CPU (an S3 client spe
 milliseconds on each request) runs at this process's priority, not in the training process::
 
     {"id": 4, "scheme": "s3", "options": {...}, "call": "ls", "args": ["bucket/run/data"],
-     "kwargs": {"detail": true, "timeout": 300}}
+     "kwargs": {"detail": true}}
     -> {"id": 4, "result": [{"name": ..., "size": ..., "type": ...}], "error": "",
         "error_type": ""}
 
-Bytes travel base64-encoded (``{"b64": "..."}``); only the calls in ``CALLS`` are taken.
+Bytes travel base64-encoded (``{"b64": "..."}``); only the calls in ``CALLS`` are taken, each
+with the store's own time limit (``operation_timeout``).
 
 Local files are written, flushed and fsynced; remote ones are uploaded through fsspec. The
 process runs at a lower priority (niceness +10): on a busy machine training gets the CPU
