@@ -6,6 +6,7 @@ import csv
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -153,6 +154,27 @@ def test_callback_states_survive_a_restart(tmp_path):
         ref_early.best, ref_early.wait, ref_early.stopped_epoch)
     for name in ("log.csv", "best.safetensors"):
         assert (tmp_path / "run" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+
+
+def test_a_crashed_fit_lets_its_save_in_flight_commit_before_raising(tmp_path):
+    """The step-8 save is still being written when step 10 crashes: fit's error leaves only
+    after that save committed, so a rerun in the same process neither races it nor misses it."""
+    from replicator.checkpoint import fault_points
+
+    def slow_step_8(step, **_):
+        if step == 8:
+            time.sleep(1.0)
+
+    remove = fault_points.add_hook("before_commit", slow_step_8)
+    try:
+        with pytest.raises(_Crash):
+            _resumable_fit(tmp_path / "run", 10)
+    finally:
+        remove()
+    from replicator.checkpoint import CheckpointManager
+    backup = tmp_path / "run" / "backup"
+    assert CheckpointManager(backup).committed_steps()[-1] == 8
+    assert not [p.name for p in backup.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_callback_state_is_plain_data_and_round_trips(tmp_path):

@@ -30,10 +30,9 @@ commit, which then names them. By default these are written before the next step
 with ``saver=`` given, each rank's shards are copied to memory at the step boundary and
 written by DCP on the saver's thread over a private group (see :meth:`BackupAndRestore._save`).
 
-This room sits above the strategies: it asks the strategy (given, or the active one) only
-through its public API (``shards_model``, ``collectives``, ``prepare_optimizers``) and passes
-what storage needs (the collectives of the ranks that checkpoint together) down to
-:mod:`replicator.checkpoint`, which never asks which strategy is active.
+This room sits above the strategies and asks one (given, or the active one) only through its
+public API (``shards_model``, ``collectives``, ``prepare_optimizers``); :mod:`replicator.checkpoint`
+below gets the collectives of the ranks that checkpoint together, never the strategy.
 
 It also turns SIGTERM into a clean stop (every rank saves the same step and exits with code 75)
 and, by default, stops before an optimizer step whose gradients are NaN or infinite.
@@ -277,7 +276,7 @@ class BackupAndRestore:
                     self.on_epoch_end(self.epoch)
             self.on_train_end()
         except BaseException:
-            self._settle_background(raise_errors=False)  # the loop's own error comes first
+            self.close_after_error()
             raise
         finally:
             self.close()
@@ -411,6 +410,12 @@ class BackupAndRestore:
         if self._manager is not None:
             self._manager.close()
         self._began = False
+
+    def close_after_error(self) -> None:
+        """The loop stopped with an error: let a save in flight commit (its own error is only
+        warned, the loop's comes first), then :meth:`close`; a rerun must not race it."""
+        self._settle_background(raise_errors=False)
+        self.close()
 
     # -- saving and restoring --------------------------------------------------------------------
     def save(self) -> Path:

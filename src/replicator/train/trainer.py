@@ -337,13 +337,18 @@ class Trainer:
         self.model.train()
         started = time.perf_counter()
         self._samples_seen = 0.0
-        self._hook("on_train_begin", {})
-        self._errors.agree()
-        first_epoch = self.epoch  # after a restore: where this call resumed
-        while self.epoch < epochs and not self.stop_training:
-            self._run_epoch(steps_per_epoch, validation_data)
-        self._hook("on_train_end", {})
-        self._errors.agree()
+        try:
+            self._hook("on_train_begin", {})
+            self._errors.agree()
+            first_epoch = self.epoch  # after a restore: where this call resumed
+            while self.epoch < epochs and not self.stop_training:
+                self._run_epoch(steps_per_epoch, validation_data)
+            self._hook("on_train_end", {})
+            self._errors.agree()
+        except BaseException:
+            for backup in backups:  # a save still in flight commits before the error leaves
+                backup.close_after_error()
+            raise
         if verbose and self.strategy.is_chief:
             print(self._summary(self.epoch - first_epoch, time.perf_counter() - started),
                   flush=True)
