@@ -276,7 +276,7 @@ class BackupAndRestore:
                     self.on_epoch_end(self.epoch)
             self.on_train_end()
         except BaseException:
-            self.close_after_error()
+            self.close(raise_errors=False)
             raise
         finally:
             self.close()
@@ -393,11 +393,12 @@ class BackupAndRestore:
         self.manager.finish()  # a store that refused the last saves: said here, at the end
         self.close()
 
-    def close(self) -> None:
-        """Remove the signal handler and the NaN check (done by ``steps()`` and
-        ``on_train_end``; call it yourself if you leave a callback-driven loop early).
-        A background save still in flight is finished first and its error raised."""
-        self._settle_background()
+    def close(self, raise_errors: bool = True) -> None:
+        """Remove the signal handler and the NaN check (done by ``steps()``, ``on_train_end``
+        and a ``fit`` that raised; call it yourself if you leave a callback-driven loop early).
+        A background save still in flight commits first, so that a rerun never races it; its
+        error is raised, or only warned with ``raise_errors=False`` (the loop's came first)."""
+        self._settle_background(raise_errors)
         if self._watcher is not None:
             self._watcher.uninstall()
             self._watcher = None
@@ -410,12 +411,6 @@ class BackupAndRestore:
         if self._manager is not None:
             self._manager.close()
         self._began = False
-
-    def close_after_error(self) -> None:
-        """The loop stopped with an error: let a save in flight commit (its own error is only
-        warned, the loop's comes first), then :meth:`close`; a rerun must not race it."""
-        self._settle_background(raise_errors=False)
-        self.close()
 
     # -- saving and restoring --------------------------------------------------------------------
     def save(self) -> Path:

@@ -347,7 +347,7 @@ class Trainer:
             self._errors.agree()
         except BaseException:
             for backup in backups:  # a save still in flight commits before the error leaves
-                backup.close_after_error()
+                backup.close(raise_errors=False)
             raise
         if verbose and self.strategy.is_chief:
             print(self._summary(self.epoch - first_epoch, time.perf_counter() - started),
