@@ -224,3 +224,25 @@ def test_gloo_interface_is_chosen_only_when_unset():
     assert choose_gloo_interface("127.0.0.1", env) is None and env == {}  # a local job
     env = {"GLOO_SOCKET_IFNAME": "eth7"}
     assert choose_gloo_interface("10.0.0.1", env) == "eth7"
+
+
+@pytest.mark.parametrize(("gpus", "local_world", "expected"), [
+    (0, 2, ["cpu", "cpu"]),
+    (1, 1, ["cuda:0"]),
+    (1, 2, ["cpu", "cpu"]),      # never rank 0 on NCCL beside rank 1 on gloo
+    (2, 2, ["cuda:0", "cuda:1"]),
+    (4, 2, ["cuda:0", "cuda:1"]),
+])
+def test_default_devices_never_mix_gpus_and_cpus(monkeypatch, capsys, gpus, local_world,
+                                                  expected):
+    from replicator.cluster import devices
+
+    monkeypatch.setattr(devices, "available_accelerators", lambda: gpus)
+    chosen = [str(devices.default_device_for(r, local_world)) for r in range(local_world)]
+    assert chosen == expected
+    said = capsys.readouterr().err
+    if 0 < gpus < local_world:
+        assert said.count("every replica computes on the CPU") == 1  # local rank 0 only
+        assert f"start at most {gpus} process(es) per machine" in said
+    else:
+        assert said == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -61,10 +62,21 @@ def parse_devices(specs: Sequence[str | torch.device] | None) -> list[torch.devi
     return devices
 
 
-def default_device_for(local_rank: int) -> torch.device:
-    """One GPU per local process when there are enough, else the CPU."""
+def default_device_for(local_rank: int, local_world_size: int) -> torch.device:
+    """One GPU per local process when every local process can have one, else the CPU for all.
+
+    A job never mixes devices: with 2 processes and 1 GPU, rank 0 on NCCL and rank 1 on gloo
+    could not form one process group, so both use the CPU (local rank 0 says why on stderr).
+    """
     n = available_accelerators()
-    return torch.device("cuda", local_rank) if local_rank < n else torch.device("cpu")
+    if local_world_size <= n:
+        return torch.device("cuda", local_rank)
+    if n and local_rank == 0:
+        print(f"[replicator] {local_world_size} processes on this machine but {n} CUDA "
+              f"device(s): every replica computes on the CPU (gloo). HINT: start at most {n} "
+              "process(es) per machine to use the GPUs, or pass devices='cpu' to say so.",
+              file=sys.stderr, flush=True)
+    return torch.device("cpu")
 
 
 def backend_for(device: torch.device) -> str:

@@ -63,7 +63,7 @@ def configure_threads(local_world_size: int) -> int:
     return threads
 
 
-def _make_store(spec: ClusterSpec, timeout: timedelta) -> dist.Store:
+def _make_store(spec: ClusterSpec, timeout: timedelta, backend: str) -> dist.Store:
     if spec.world_size == 1 and spec.master_port is None:
         return dist.HashStore()
     is_master = spec.rank == 0 and not spec.store_is_hosted
@@ -83,7 +83,7 @@ def _make_store(spec: ClusterSpec, timeout: timedelta) -> dist.Store:
             "HINT: is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every worker?"
         ) from exc
     attempt = dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", store)
-    check_membership(attempt, spec, timeout.total_seconds())
+    check_membership(attempt, spec, timeout.total_seconds(), backend=backend)
     return attempt
 
 
@@ -105,7 +105,7 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
     if backend is None:
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
     configure_threads(spec.local_world_size)
-    store = _make_store(spec, timedelta(seconds=timeout))
+    store = _make_store(spec, timedelta(seconds=timeout), backend)
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and device is not None:
         torch.cuda.set_device(device)

@@ -271,14 +271,16 @@ def _who(spec: ClusterSpec, rank: int) -> str:
 
 
 def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
-                     poll_seconds: float = 0.05) -> None:
+                     poll_seconds: float = 0.05, backend: str | None = None) -> None:
     """Before the process group forms, make every process of the job answer a roll call on the
     rendezvous store, so a spec that disagrees with the running processes is a clear
     :class:`ClusterConfigError` within ``timeout_seconds`` instead of a hang.
 
     Caught: a different world size on some process, two processes with one rank (a duplicate
-    task index), and ranks that never arrive (a missing host). Every process that sees a
-    mistake posts it on the store, so the others raise the same message at once.
+    task index), ranks that never arrive (a missing host), and, given ``backend``, processes
+    that would start different backends (NCCL on a GPU host, gloo on a CPU-only one). Every
+    process that sees a mistake posts it on the store, so the others raise the same message at
+    once.
     """
     import time
 
@@ -307,6 +309,15 @@ def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
              f"{world} processes ({spec.source}), but a process that joined earlier expects "
              f"{first}. HINT: give every process the same cluster description (the same "
              "TF_CONFIG worker list, --nnodes/--nproc-per-node, or ClusterSpec.world_size).")
+    if backend is not None:
+        agreed = store.compare_set(f"{roll}/backend", "", backend)
+        agreed = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+        if agreed != backend:
+            fail(f"the processes disagree on the backend: {_who(spec, rank)} starts {backend} "
+                 f"but a process that joined earlier started {agreed}. HINT: every process "
+                 "must compute on the same kind of device (NCCL for CUDA, gloo for CPU): give "
+                 "each the same devices= (devices='cpu' on every host, say), or give every "
+                 "host as many GPUs as it runs processes.")
     if store.add(f"{roll}/rank/{rank}", 1) > 1:
         fail(f"two processes claim {_who(spec, rank)} of {world}: a duplicate task index. "
              "HINT: give every process its own index (TF_CONFIG task.index / RANK / "

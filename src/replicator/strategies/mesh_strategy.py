@@ -96,7 +96,7 @@ class MeshStrategy(Strategy):
         axes = _axes_from_degrees({"data": data, "fsdp": fsdp, "pipeline": pipeline,
                                    "tensor": tensor})
         spec = resolve_cluster()
-        device = default_device_for(spec.local_rank)
+        device = default_device_for(spec.local_rank, spec.local_world_size)
         initialize(timeout_seconds=timeout_seconds, device=device)
         self._topology = Topology(axes)
         used = frozenset(a for a, n in self._topology.axes.items() if n > 1) or \

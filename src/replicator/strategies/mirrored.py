@@ -92,7 +92,7 @@ class MirroredStrategy(Strategy):
                     f"rp.launch(fn, num_replicas={len(parsed)}).")
             device = parsed[spec.local_rank]
         else:
-            device = default_device_for(spec.local_rank)
+            device = default_device_for(spec.local_rank, spec.local_world_size)
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as "
                             f"rp.comm.NativeAllReduce(), got {type(cross_device_ops).__name__}")

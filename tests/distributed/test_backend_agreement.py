@@ -1,0 +1,47 @@
+"""Processes that would start different backends (NCCL on one, gloo on another) are stopped at
+the roll call with a clear error on every rank, before either backend starts: never a hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from replicator.cluster.ports import LOOPBACK, listen
+
+_WORKER = textwrap.dedent("""
+    import sys
+    from replicator.cluster.process_group import initialize
+    from replicator.errors import ClusterConfigError
+    try:
+        initialize(backend=sys.argv[1], timeout_seconds=30)
+    except ClusterConfigError as exc:
+        print("REFUSED:", exc, flush=True)
+        sys.exit(3)
+    print("STARTED", flush=True)
+""")
+
+
+@pytest.mark.timeout(120, method="signal")
+def test_ranks_that_disagree_on_the_backend_are_refused_by_name(tmp_path):
+    with listen(LOOPBACK, 0) as probe:
+        port = probe.getsockname()[1]
+    procs = []
+    for rank, backend in enumerate(["gloo", "nccl"]):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, backend], cwd=tmp_path,
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=90)[0] for p in procs]
+    assert [p.returncode for p in procs] == [3, 3], outputs
+    for out in outputs:
+        assert "the processes disagree on the backend" in out, out
+        assert "NCCL for CUDA, gloo for CPU" in out
+    # the rank that joined second names itself and both backends
+    assert any("rank 1 starts nccl but a process that joined earlier started gloo" in o or
+               "rank 0 starts gloo but a process that joined earlier started nccl" in o
+               for o in outputs), outputs
