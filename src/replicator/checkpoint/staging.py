@@ -23,7 +23,8 @@ from replicator.checkpoint import safetensors_io, serialization
 from replicator.cluster.env_names import SHM_DIR_ENV
 from replicator.cluster.processes import process_alive
 
-_ALIGN = 64
+#: Each image starts on a 4 KiB boundary, so the saver process can write it with direct I/O.
+_ALIGN = 4096
 _PREFIX = "replicator-stage-"
 
 
