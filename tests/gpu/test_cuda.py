@@ -7,6 +7,7 @@ test states what would go wrong on a GPU that the CPU suite cannot see.
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -97,7 +98,10 @@ def test_synchronous_strategies_on_one_gpu_use_nccl_and_equal_one_device(name):
     assert_params_close(reference["state"], out["state"], atol=1e-5)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one GPU")
+@pytest.mark.skipif(torch.cuda.device_count() != 1 or
+                    "," not in os.environ.get("CUDA_VISIBLE_DEVICES", ","),
+                    reason="needs exactly one GPU, not given by CUDA_VISIBLE_DEVICES (a GPU named "
+                           "there is each process's own)")
 def test_more_processes_than_gpus_all_run_on_the_cpu():
     """2 processes, 1 GPU: rank 0 on NCCL beside rank 1 on gloo cannot form a group; both take
     the CPU and the result still equals one device."""

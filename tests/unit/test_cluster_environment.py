@@ -237,6 +237,7 @@ def test_default_devices_never_mix_gpus_and_cpus(monkeypatch, capsys, gpus, loca
                                                   expected):
     from replicator.cluster import devices
 
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(devices, "available_accelerators", lambda: gpus)
     chosen = [str(devices.default_device_for(r, local_world)) for r in range(local_world)]
     assert chosen == expected
@@ -246,3 +247,26 @@ def test_default_devices_never_mix_gpus_and_cpus(monkeypatch, capsys, gpus, loca
         assert f"start at most {gpus} process(es) per machine" in said
     else:
         assert said == ""
+
+
+@pytest.mark.parametrize(("visible", "expected"), [
+    ("3", "cuda:0"),            # a scheduler's GPU per task: each process uses the one it sees
+    ("GPU-8f1c2d3e", "cuda:0"),
+    ("0,1", "cpu"),             # several visible but fewer than the processes: the CPU
+    ("", "cpu"),
+    ("-1", "cpu"),
+])
+def test_a_process_given_its_own_gpu_uses_it(monkeypatch, capsys, visible, expected):
+    from replicator.cluster import devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(devices, "available_accelerators", lambda: 1)
+    assert [str(devices.default_device_for(r, 4)) for r in range(4)] == [expected] * 4
+
+
+def test_the_device_identity_of_a_cpu_is_none():
+    import torch
+
+    from replicator.cluster.devices import device_identity
+
+    assert device_identity(torch.device("cpu")) is None and device_identity(None) is None

@@ -26,8 +26,9 @@ fsynced; remote ones are uploaded through fsspec. Direct I/O moves the bytes fro
 memory to the disk without copying them into the page cache: 1.2-1.7 ms of CPU per 12 MB file
 instead of 4-18 ms buffered (the kernel's copy, its page allocations and writeback), CPU that
 on a busy host is taken from training. The staged images start on 4 KiB boundaries
-(``staging.py``) so the writes are aligned; a file system that refuses direct I/O (tmpfs,
-some network file systems) gets buffered writes, as does a file's last partial block. The
+(``staging.py``) so the writes are aligned; a file system that refuses direct I/O (tmpfs
+before Linux 6.6, some network and FUSE file systems) gets buffered writes, as does a file's
+last partial block. The
 process runs at a lower priority (niceness +10): on a busy machine training gets the CPU
 first, and a slow save is skipped-and-logged rather than slowing the steps. The
 parent (``saver.py``) owns the buffer and commits; this process never decides what counts.
@@ -145,7 +146,7 @@ def _write(view: memoryview, dest: str, fs: Any, die: bool, aligned: bool = Fals
     if fs is None:
         return write_local(view, dest, aligned, die)
     hasher = hashlib.sha256()
-    if fs is not None and len(view) <= WHOLE_OBJECT_BYTES:
+    if len(view) <= WHOLE_OBJECT_BYTES:
         # one call with a time limit: a hung server never answers a PUT
         fs_, limit = fs
         for start in range(0, len(view), CHUNK):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -67,16 +68,40 @@ def default_device_for(local_rank: int, local_world_size: int) -> torch.device:
 
     A job never mixes devices: with 2 processes and 1 GPU, rank 0 on NCCL and rank 1 on gloo
     could not form one process group, so both use the CPU (local rank 0 says why on stderr).
+    A process whose ``CUDA_VISIBLE_DEVICES`` names one GPU (a scheduler's GPU per task: SLURM's
+    ``--gpus-per-task``, a Kubernetes pod per GPU) uses that GPU; two processes that turn out to
+    share one are stopped at the roll call (:func:`device_identity`).
     """
     n = available_accelerators()
     if local_world_size <= n:
         return torch.device("cuda", local_rank)
+    if n == 1 and _own_device_per_process():
+        return torch.device("cuda", 0)
     if n and local_rank == 0:
         print(f"[replicator] {local_world_size} processes on this machine but {n} CUDA "
               f"device(s): every replica computes on the CPU (gloo). HINT: start at most {n} "
               "process(es) per machine to use the GPUs, or pass devices='cpu' to say so.",
               file=sys.stderr, flush=True)
     return torch.device("cpu")
+
+
+def _own_device_per_process() -> bool:
+    """This process was given one GPU of its own: ``CUDA_VISIBLE_DEVICES`` names exactly one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return bool(visible) and "," not in visible and not visible.startswith("-")
+
+
+def device_identity(device: torch.device | None) -> str | None:
+    """The GPU's UUID (the same in every process that sees it, whatever its index there), so
+    that two processes on one GPU are caught before NCCL refuses them; ``None`` on the CPU or
+    where the UUID cannot be read."""
+    if device is None or device.type != "cuda":
+        return None
+    try:
+        uuid = torch.cuda.get_device_properties(device).uuid
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+    return f"GPU-{uuid}" if uuid else None
 
 
 def backend_for(device: torch.device) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from replicator.cluster.devices import device_identity
 from replicator.cluster.environment import ClusterSpec, resolve_cluster, timeout_from_env
 from replicator.cluster.ports import listen
 from replicator.cluster.resolvers import check_membership
@@ -63,7 +64,8 @@ def configure_threads(local_world_size: int) -> int:
     return threads
 
 
-def _make_store(spec: ClusterSpec, timeout: timedelta, backend: str) -> dist.Store:
+def _make_store(spec: ClusterSpec, timeout: timedelta, backend: str,
+                device_key: str | None = None) -> dist.Store:
     if spec.world_size == 1 and spec.master_port is None:
         return dist.HashStore()
     is_master = spec.rank == 0 and not spec.store_is_hosted
@@ -83,7 +85,8 @@ def _make_store(spec: ClusterSpec, timeout: timedelta, backend: str) -> dist.Sto
             "HINT: is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every worker?"
         ) from exc
     attempt = dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", store)
-    check_membership(attempt, spec, timeout.total_seconds(), backend=backend)
+    check_membership(attempt, spec, timeout.total_seconds(), backend=backend,
+                     device_key=device_key)
     return attempt
 
 
@@ -105,7 +108,8 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
     if backend is None:
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
     configure_threads(spec.local_world_size)
-    store = _make_store(spec, timedelta(seconds=timeout), backend)
+    store = _make_store(spec, timedelta(seconds=timeout), backend,
+                        device_identity(device) if backend == "nccl" else None)
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and device is not None:
         torch.cuda.set_device(device)

@@ -271,14 +271,16 @@ def _who(spec: ClusterSpec, rank: int) -> str:
 
 
 def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
-                     poll_seconds: float = 0.05, backend: str | None = None) -> None:
+                     poll_seconds: float = 0.05, backend: str | None = None,
+                     device_key: str | None = None) -> None:
     """Before the process group forms, make every process of the job answer a roll call on the
     rendezvous store, so a spec that disagrees with the running processes is a clear
     :class:`ClusterConfigError` within ``timeout_seconds`` instead of a hang.
 
     Caught: a different world size on some process, two processes with one rank (a duplicate
     task index), ranks that never arrive (a missing host), and, given ``backend``, processes
-    that would start different backends (NCCL on a GPU host, gloo on a CPU-only one). Every
+    that would start different backends (NCCL on a GPU host, gloo on a CPU-only one), and,
+    given ``device_key`` (a GPU's UUID), two processes on one GPU, which NCCL refuses. Every
     process that sees a mistake posts it on the store, so the others raise the same message at
     once.
     """
@@ -318,6 +320,11 @@ def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
                  "must compute on the same kind of device (NCCL for CUDA, gloo for CPU): give "
                  "each the same devices= (devices='cpu' on every host, say), or give every "
                  "host as many GPUs as it runs processes.")
+    if device_key is not None and store.add(f"{roll}/device/{device_key}", 1) > 1:
+        fail(f"two processes of the job would compute on the same GPU ({device_key}; seen from "
+             f"{_who(spec, rank)}), which NCCL refuses. HINT: start one process per GPU, give "
+             "each process its own CUDA_VISIBLE_DEVICES (a CUDA_VISIBLE_DEVICES naming one GPU "
+             "for every process of a machine makes each take it), or pass devices='cpu'.")
     if store.add(f"{roll}/rank/{rank}", 1) > 1:
         fail(f"two processes claim {_who(spec, rank)} of {world}: a duplicate task index. "
              "HINT: give every process its own index (TF_CONFIG task.index / RANK / "
