@@ -15,20 +15,25 @@ from replicator.cluster import launch
 from replicator.testing import assert_params_close
 
 ROWS, DIM, LOOKUPS, BATCH, STEPS = 2000, 8, 4, 16, 8
+BAG_ROWS = 300
 OPTIMIZERS = ("sgd", "adagrad", "adam")
 
 
 class Recommender(nn.Module):
-    """A sparse table and a small dense head."""
+    """A sparse table, a sparse bag (mean of a sample's ids, row 0 the padding; called with
+    ``input=``) and a small dense head."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.table = nn.Embedding(ROWS, DIM, sparse=True)
-        self.head = nn.Sequential(nn.Linear(LOOKUPS * DIM, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.bag = nn.EmbeddingBag(BAG_ROWS, DIM, mode="mean", sparse=True, padding_idx=0)
+        self.head = nn.Sequential(nn.Linear((LOOKUPS + 1) * DIM, 16), nn.ReLU(),
+                                  nn.Linear(16, 1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.table(ids).flatten(1)).squeeze(1)
+        rows = torch.cat([self.table(ids).flatten(1), self.bag(input=ids % BAG_ROWS)], 1)
+        return self.head(rows).squeeze(1)
 
 
 def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +49,7 @@ def _optimizers(kind: str, model: Recommender, one_device: bool) -> list[torch.o
     if kind == "adagrad":
         return [torch.optim.Adagrad(model.parameters(), lr=0.1)]
     if one_device:  # torch's Adam takes no sparse gradient: lazy Adam is SparseAdam
-        return [torch.optim.SparseAdam(model.table.parameters(), lr=0.01),
+        return [torch.optim.SparseAdam([model.table.weight, model.bag.weight], lr=0.01),
                 torch.optim.Adam(model.head.parameters(), lr=0.01)]
     return [torch.optim.Adam(model.parameters(), lr=0.01)]  # the table's rows: lazy Adam
 

@@ -245,8 +245,9 @@ class ServerClient:
         """The named rows of sparse table shards: ``rows[k]`` lists ``(shard id, shard-local
         rows)`` for server ``k``; ``sink`` gets ``(shard id, version, values)``."""
         def send(k: int, conn: Connection) -> None:
+            # through the lane: the server is done with the ids once the values answer
             conn.send_many([(P.ROW_IDS, sid, 0, ids, 0, 0, 0) for sid, ids in rows[k]]
-                           + [(P.PULL_ROWS, -1, 0, None, len(rows[k]), 0, 0)])
+                           + [(P.PULL_ROWS, -1, 0, None, len(rows[k]), 0, 0)], shared=True)
 
         self.exchange(send, lambda k, conn: self._read_values(k, conn, sink, into=_fresh),
                       sorted(rows))
@@ -284,9 +285,10 @@ class ServerClient:
         re-run's (which may have read a part already applied elsewhere)."""
         def prepare(k: int, conn: Connection) -> None:
             items = grads.get(k, [])
+            # through the lane: the server copies what it holds before it answers PREPARED
             conn.send_many(_gradient_messages(items)
                            + [(P.TASK_PREPARE, task[0], task[1], None, len(items), 0, 0)],
-                           shared=False)  # the answer is no values: stay off the lane
+                           shared=True)
 
         self.exchange(prepare, lambda k, conn: self._expect(
             k, conn.receive("waiting for a prepared update"), P.PREPARED).a)

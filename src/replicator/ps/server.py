@@ -40,6 +40,7 @@ from replicator.ps.messages import (
 )
 from replicator.ps.row_updates import TaskLedger, build_shard_optimizer, sparse_gradient
 from replicator.ps.server_checkpoint import ServerCheckpoint
+from replicator.ps.shared_steps import SharedSteps
 from replicator.ps.shm_lane import SharedLane
 
 
@@ -118,6 +119,7 @@ class ParameterServer(ServerCheckpoint):
         self.checkpoint_dir = checkpoint_dir
         self.store = store
         self.last_loss = 0.0
+        self.shared_steps = SharedSteps()
         self.claims = ClaimLedger()
         self.tasks = TaskLedger()
         #: Coordinator updates prepared and not yet committed, by (task, push): the first
@@ -376,8 +378,24 @@ class ParameterServer(ServerCheckpoint):
             if pending is not None:
                 shard.optimizer.load_state_dict(pending)
 
-    def _apply(self, sid: int, grad: torch.Tensor, pulled_version: int,
-               rows: torch.Tensor | None = None) -> None:
+    def _apply(self, grads: dict[int, Grad]) -> None:
+        """Apply one update: every shard's gradient is checked and set first, then each
+        optimizer steps (dense shards that agree in one shared step), so an update with a bad
+        part changes nothing."""
+        ready: list[_ShardState] = []
+        try:
+            for sid, (pulled_version, grad, rows) in grads.items():
+                if grad is not None:
+                    ready.append(self._set_gradient(sid, grad, pulled_version, rows))
+            self.shared_steps.step([s.optimizer for s in ready if s.optimizer is not None])
+            for shard in ready:
+                shard.version += 1
+        finally:
+            for shard in ready:
+                shard.param.grad = None
+
+    def _set_gradient(self, sid: int, grad: torch.Tensor, pulled_version: int,
+                      rows: torch.Tensor | None) -> _ShardState:
         shard = self.shards.get(sid)
         if shard is None:
             raise P.ParameterServerError(f"parameter server {self.index} holds no shard {sid}")
@@ -386,10 +404,6 @@ class ParameterServer(ServerCheckpoint):
                 f"parameter server {self.index} got a gradient for shard {sid} before the "
                 "optimizer's description. HINT: create the optimizer inside strategy.scope() "
                 "and call optimizer.step() (it sends the description first).")
-        stale = max(0, shard.version - pulled_version)
-        self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
-        self.stale_sum += stale
-        self.stale_max = max(self.stale_max, stale)
         if rows is not None:
             shard.param.grad = sparse_gradient(rows, grad, shard.param)
         elif shard.sparse:
@@ -397,9 +411,11 @@ class ParameterServer(ServerCheckpoint):
                                          "gradient")
         else:
             shard.param.grad = grad.to(shard.param.dtype).reshape(shard.param.shape)
-        shard.optimizer.step()
-        shard.param.grad = None
-        shard.version += 1
+        stale = max(0, shard.version - pulled_version)
+        self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
+        self.stale_sum += stale
+        self.stale_max = max(self.stale_max, stale)
+        return shard
 
     # -- updates ---------------------------------------------------------------------------
     def _claim(self, worker: int, key: tuple[int, int], total: int) -> int:
@@ -429,9 +445,7 @@ class ParameterServer(ServerCheckpoint):
                 # a coordinator's function: applied alone and at most once, in any mode
                 repeat = not self.tasks.first(end.var_id, end.version)
                 if not repeat:
-                    for sid, (version, grad, rows) in grads.items():
-                        if grad is not None:
-                            self._apply(sid, grad, version, rows)
+                    self._apply(grads)
                     self.clock += 1
             elif self.staleness == 0:
                 if any(rows is not None for _, _, rows in grads.values()):
@@ -442,9 +456,7 @@ class ParameterServer(ServerCheckpoint):
                         "staleness=None.")
                 self._push_sync(worker, {sid: (v, g) for sid, (v, g, _) in grads.items()})
             else:
-                for sid, (version, grad, rows) in grads.items():
-                    if grad is not None:
-                        self._apply(sid, grad, version, rows)
+                self._apply(grads)
                 self.clock += 1
                 if end.c:
                     self.claims.consume(worker, (end.var_id, end.version), end.c - 1)
@@ -474,9 +486,7 @@ class ParameterServer(ServerCheckpoint):
                     raise P.ParameterServerError(
                         f"parameter server {self.index}: task {key[0]} push {key[1]} was "
                         "committed without being prepared")
-                for sid, (version, grad, rows) in grads.items():
-                    if grad is not None:
-                        self._apply(sid, grad, version, rows)
+                self._apply(grads)
                 self.clock += 1
             state = self.workers[worker]
             state.pushes += 1
@@ -508,11 +518,14 @@ class ParameterServer(ServerCheckpoint):
         if len(self.workers) < self.num_workers or not live <= set(self.round.grads):
             return
         contributions = list(self.round.grads.values())
+        means: dict[int, Grad] = {}
         for sid in sorted({s for g in contributions for s in g}):
             parts = [g[sid] for g in contributions if sid in g]
             mean = torch.stack([p.to(torch.float64) for p in parts]).mean(0) \
                 if len(parts) > 1 else parts[0]
-            self._apply(sid, mean.to(parts[0].dtype), self.shards[sid].version)
+            version = self.shards[sid].version if sid in self.shards else 0
+            means[sid] = (version, mean.to(parts[0].dtype), None)
+        self._apply(means)
         self.clock += 1
         self.round = _Round(number=self.round.number + 1)
         self.lock.notify_all()
@@ -547,7 +560,9 @@ class ParameterServer(ServerCheckpoint):
                 out.append((P.VALUE, sid, shard.version,
                             shard.param.detach().index_select(0, ids), 0, 0, 0))
             clock = self.clock
-        conn.send_many(out + [(P.VALUES_END, -1, clock, None, len(out), 0, 0)])
+        # through the worker's lane when they fit: it copies the rows out before it asks again
+        conn.send_many(out + [(P.VALUES_END, -1, clock, None, len(out), 0, 0)],
+                       shared=conn.fits_shared([m[3] for m in out]))
 
     def _pull(self, conn: Connection, worker: int, expected: int, begin: bool,
               everything: bool = False, repeat: bool = False) -> None:

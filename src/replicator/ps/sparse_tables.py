@@ -1,19 +1,28 @@
 """A worker's view of a sparse embedding table split row-wise over the servers.
 
 An ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True`` in a parameter-server scope
-is a *sparse table*: before each forward the worker pulls only the rows the batch looks up,
-deduplicated (``torch.unique``), from the servers holding them, into its local copy of the
-table (which serves as a cache: rows not looked up may be stale, and nothing reads them); the
-gradient torch makes (a sparse tensor, duplicates summed by ``coalesce``) is pushed as rows and
-values, each shard's part to its server. Shards hold contiguous row ranges (the partitioner's
-split along dimension 0), so a row's shard is found by a binary search over the boundaries.
+is a *sparse table*. Each lookup (each call of the module) pulls the distinct rows the batch
+looks up (``torch.unique``) from the servers holding them into a compact tensor, and the module
+computes its output from those rows with the ids renumbered into them: the worker never reads
+or writes its own copy of the table (which stays as built; ``strategy.pull()`` fetches the
+servers' values into it). Backward gives the table's weight torch's sparse gradient of those
+rows, as ``sparse=True`` does on one device, so gradient accumulation and several lookups of one
+table in a step add up as there; the push sends each shard its rows. Shards hold contiguous row
+ranges (the partitioner's split along dimension 0), so a row's shard is found by a binary
+search over the boundaries.
+
+Measured on the benchmark's 1M-row table: writing the pulled rows into the worker's table
+(``index_copy_``) cost about 0.17 ms per lookup in scattered cache misses, and a sparse gradient
+over 1M rows another coalesce per step; a compact lookup touches only the rows pulled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from replicator.ps.partitioners import Shard
 
@@ -21,16 +30,57 @@ from replicator.ps.partitioners import Shard
 RowsByServer = dict[int, list[tuple[int, torch.Tensor]]]
 
 
-class SparseTable:
-    """The shards of one table (a parameter of ``rows x dim``)."""
+class _PulledRows(torch.autograd.Function):
+    """The rows a lookup pulled, as a function of the table's weight: the gradient reaching
+    them (sparse, one entry per id looked up) is summed per row and flows to the weight as a
+    sparse gradient of those rows, sorted and distinct (``table`` remembers its indices so the
+    push need not sort them again: autograd's accumulation drops the coalesced flag)."""
 
-    def __init__(self, param: torch.Tensor, shards: Sequence[Shard], name: str) -> None:
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+                table: SparseTable) -> torch.Tensor:
+        ctx.rows, ctx.shape, ctx.table = rows, weight.shape, table
+        return values.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        rows = ctx.rows
+        if grad.is_sparse:  # the lookup's own gradient: one entry per id
+            summed = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype,
+                                 device=grad.device)
+            summed.index_add_(0, grad._indices()[0], grad._values())
+        else:
+            summed = grad.contiguous()
+        indices = rows.reshape(1, -1)
+        ctx.table._coalesced.append(indices)
+        return torch.sparse_coo_tensor(indices, summed, ctx.shape, is_coalesced=True,
+                                       check_invariants=False), None, None, None
+
+
+class _Lookup:
+    """One call of the table's module: its arguments, the distinct rows and their values."""
+
+    def __init__(self, args: tuple, kwargs: dict[str, Any], ids: torch.Tensor,
+                 rows: torch.Tensor, inverse: torch.Tensor, values: torch.Tensor) -> None:
+        self.args, self.kwargs = args, kwargs
+        self.ids, self.rows, self.inverse, self.values = ids, rows, inverse, values
+
+
+class SparseTable:
+    """The shards of one table (a parameter of ``rows x dim``) and its module's lookups."""
+
+    def __init__(self, param: torch.Tensor, shards: Sequence[Shard], name: str,
+                 module: torch.nn.Embedding | torch.nn.EmbeddingBag | None = None) -> None:
         self.param = param
         self.name = name
+        self.module = module
         self.shards = sorted(shards, key=lambda s: s.start)
         self.by_id = {s.shard_id: s for s in self.shards}
-        #: The last lookup: its ids (flat), their distinct rows and where each id's row is.
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: Where each shard's rows of the current lookup sit in its compact values.
+        self._slices: dict[int, tuple[int, int]] = {}
+        self._lookup: _Lookup | None = None
+        #: Indices of the sparse gradients this table's lookups made since the last push.
+        self._coalesced: list[torch.Tensor] = []
 
     def _split(self, rows: torch.Tensor) -> list[tuple[Shard, int, int]]:
         """For sorted, distinct global ``rows``: each shard with the slice of them it holds."""
@@ -43,33 +93,84 @@ class SparseTable:
         return out
 
     def rows_to_pull(self, ids: torch.Tensor) -> RowsByServer:
-        """The distinct rows ``ids`` looks up, grouped by server and shard (shard-local)."""
+        """The distinct rows ``ids`` looks up, grouped by server and shard (shard-local);
+        an id outside the table raises ``IndexError`` as ``nn.Embedding`` does."""
         flat = ids.detach().reshape(-1).to(torch.int64)
         rows, inverse = torch.unique(flat, return_inverse=True)
-        self._last = (flat, rows, inverse)
+        n = len(self.param)
+        if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= n):
+            bad = int(rows[0]) if int(rows[0]) < 0 else int(rows[-1])
+            raise IndexError(f"index {bad} is out of range for the sparse table {self.name} "
+                             f"of {n} rows")
+        values = torch.empty((len(rows), *self.param.shape[1:]), dtype=self.param.dtype,
+                             device=self.param.device)
+        self._lookup = _Lookup((), {}, ids, rows, inverse.reshape(ids.shape), values)
+        self._slices = {}
         out: RowsByServer = {}
         for s, lo, hi in self._split(rows):
+            self._slices[s.shard_id] = (lo, hi)
             out.setdefault(s.server, []).append((s.shard_id, rows[lo:hi] - s.start))
         return out
 
     def store_rows(self, shard_id: int, local_rows: torch.Tensor, values: torch.Tensor) -> None:
-        """Write pulled values into the local table."""
-        s = self.by_id[shard_id]
-        with torch.no_grad():
-            self.param.index_copy_(0, local_rows + s.start, values.to(self.param.dtype))
+        """Take pulled values of ``shard_id``'s rows into the current lookup's compact rows."""
+        assert self._lookup is not None, "store_rows before rows_to_pull"
+        lo, hi = self._slices[shard_id]
+        self._lookup.values[lo:hi].copy_(values.reshape(hi - lo, *self.param.shape[1:]))
+
+    # -- the module's call, with the pulled rows ----------------------------------------------
+    def begin(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """Keep the call's arguments (``rows_to_pull`` ran on its ids) and give the module an
+        empty lookup to compute instead (its output is replaced by :meth:`finish`)."""
+        assert self._lookup is not None
+        self._lookup.args, self._lookup.kwargs = args, kwargs
+        ids = self._lookup.ids
+        if isinstance(self.module, torch.nn.EmbeddingBag):
+            offsets = torch.zeros(1 + int(self.module.include_last_offset), dtype=torch.int64,
+                                  device=ids.device)
+            return (ids.new_empty(0), offsets), {}
+        return (ids.reshape(-1)[:0],), {}
+
+    def cancel(self) -> None:
+        """Forget a lookup whose rows are not used (the module computes on its own)."""
+        self._lookup = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a call's rows were pulled and its output is still to be computed."""
+        return self._lookup is not None
+
+    def finish(self) -> torch.Tensor:
+        """The module's output for the kept call, computed from the pulled rows."""
+        call, self._lookup = self._lookup, None
+        assert call is not None and self.module is not None
+        m = self.module
+        if not isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            raise TypeError(f"{type(m).__name__} is not an embedding module")
+        weight = _PulledRows.apply(self.param, call.rows, call.values, self)
+        padding = None
+        if m.padding_idx is not None:
+            pad = m.padding_idx % len(self.param)
+            at = int(torch.searchsorted(call.rows, pad))
+            padding = at if at < len(call.rows) and int(call.rows[at]) == pad else None
+        if isinstance(m, torch.nn.EmbeddingBag):
+            offsets, psw = _bag_arguments(call.args, call.kwargs)
+            return F.embedding_bag(call.inverse, weight, offsets, m.max_norm, m.norm_type,
+                                   m.scale_grad_by_freq, m.mode, m.mode != "max", psw,
+                                   m.include_last_offset, padding)
+        # sparse: the gradient per id costs nothing to make; _PulledRows sums it per row
+        return F.embedding(call.inverse, weight, padding, m.max_norm, m.norm_type,
+                           m.scale_grad_by_freq, True)
 
     def gradient_rows(self, grad: torch.Tensor, pulled: dict[int, int]
                       ) -> dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]:
         """A sparse gradient of the table as pushes per server: ``(shard id, version pulled,
         values, shard-local rows)``; a dense gradient is cut into its nonzero rows."""
-        last = self._last
-        if grad.is_sparse and not grad.is_coalesced() and last is not None and \
-                grad._nnz() == last[0].numel() and torch.equal(grad._indices()[0], last[0]):
-            # the gradient of the last lookup: sum duplicates by the lookup's own inverse
-            # (a linear pass; coalesce would sort the ids again)
-            rows = last[1]
-            values = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype)
-            values.index_add_(0, last[2], grad._values())
+        made, self._coalesced = self._coalesced, []
+        if grad.is_sparse and any(grad._indices() is i or (
+                grad._indices().data_ptr() == i.data_ptr() and grad._nnz() == i.shape[1])
+                for i in made):
+            rows, values = grad._indices()[0], grad._values()  # one lookup's: sorted, distinct
         elif grad.is_sparse:
             g = grad.coalesce()
             rows, values = g.indices()[0], g.values()
@@ -82,6 +183,20 @@ class SparseTable:
                 (s.shard_id, pulled.get(s.shard_id, 0), values[lo:hi].contiguous(),
                  (rows[lo:hi] - s.start).contiguous()))
         return out
+
+
+def _bag_arguments(args: tuple, kwargs: dict[str, Any]
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``offsets`` and ``per_sample_weights`` of an ``nn.EmbeddingBag`` call."""
+    offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
+    psw = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
+    return offsets, psw
+
+
+def lookup_ids(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The ids of an embedding module's call (positional or ``input=``)."""
+    ids = args[0] if args else kwargs.get("input")
+    return ids if isinstance(ids, torch.Tensor) else None
 
 
 def is_sparse_table(module: torch.nn.Module) -> bool:

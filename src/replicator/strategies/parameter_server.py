@@ -46,7 +46,7 @@ from replicator.ps.claimed_data import ClaimedBatches
 from replicator.ps.client import Push, ServerClient
 from replicator.ps.partitioners import Partitioner, Shard, place
 from replicator.ps.server import ParameterServer
-from replicator.ps.sparse_tables import SparseTable, is_sparse_table
+from replicator.ps.sparse_tables import SparseTable, is_sparse_table, lookup_ids
 from replicator.strategies.base import Strategy
 from replicator.strategies.replicas import ReplicaGroup
 
@@ -299,22 +299,30 @@ class ParameterServerStrategy(Strategy):
             self._client.share_memory(self._lane_sizes(), self._rank)
 
     def _find_tables(self, module: torch.nn.Module) -> None:
-        """Sparse embedding tables (``sparse=True``) among the placed parameters: pulled by
-        rows before each forward, pushed as rows (:mod:`replicator.ps.sparse_tables`)."""
+        """Sparse embedding tables (``sparse=True``) among the placed parameters: each call
+        pulls the rows it looks up and computes from them; pushed as rows
+        (:mod:`replicator.ps.sparse_tables`)."""
         for name, sub in module.named_modules():
             weight = getattr(sub, "weight", None)
             if not is_sparse_table(sub) or weight is None or id(weight) in self._tables \
                     or id(weight) not in self._shards_of:
                 continue
-            table = SparseTable(weight, self._shards_of[id(weight)], name or "embedding")
+            table = SparseTable(weight, self._shards_of[id(weight)], name or "embedding", sub)
             self._tables[id(weight)] = table
             self._sparse_ids.update(s.shard_id for s in table.shards)
-            sub.register_forward_pre_hook(lambda _m, args, t=table: self._pull_rows(t, args))
+            sub.register_forward_pre_hook(
+                lambda _m, args, kwargs, t=table: self._pull_rows(t, args, kwargs),
+                with_kwargs=True)
+            sub.register_forward_hook(
+                lambda _m, _args, _out, t=table: t.finish() if t.pending else None)
 
-    def _pull_rows(self, table: SparseTable, args: tuple) -> None:
-        if self._closed or not args or not isinstance(args[0], torch.Tensor):
-            return
-        wanted = table.rows_to_pull(args[0])
+    def _pull_rows(self, table: SparseTable, args: tuple, kwargs: dict[str, Any]
+                   ) -> tuple[tuple, dict[str, Any]] | None:
+        ids = lookup_ids(args, kwargs)
+        if self._closed or ids is None:
+            table.cancel()
+            return None
+        wanted = table.rows_to_pull(ids)
         asked = {sid: rows for items in wanted.values() for sid, rows in items}
 
         def sink(sid: int, version: int, values: torch.Tensor) -> None:
@@ -323,18 +331,22 @@ class ParameterServerStrategy(Strategy):
 
         if wanted:
             self._client.pull_rows(wanted, sink)
+        return table.begin(args, kwargs)
 
-    #: Push bytes kept in a lane for a sparse table's rows (more goes on the socket).
+    #: Bytes kept in a lane, each way, for a sparse table's rows (more goes on the socket).
     _SPARSE_LANE_BYTES = 8 << 20
 
     def _lane_sizes(self) -> dict[int, tuple[int, int]]:
         """Per server: bytes of a push (this worker's gradients) and of its answer (every
-        dense shard's values); a sparse table's rows count up to a budget in pushes only."""
+        dense shard's values); a sparse table's rows count up to a budget each way (the rows
+        a step pulls and the row gradients it pushes)."""
         push = {k: 0 for k in range(self._num_ps)}
         pull = {k: 0 for k in range(self._num_ps)}
         for s in self._shards:
             if s.shard_id in self._sparse_ids:
-                push[s.server] += align(min(s.nbytes, self._SPARSE_LANE_BYTES))
+                budget = align(min(s.nbytes, self._SPARSE_LANE_BYTES))
+                push[s.server] += budget
+                pull[s.server] += budget
             else:
                 push[s.server] += align(s.nbytes)
                 pull[s.server] += align(s.nbytes)

@@ -1,0 +1,136 @@
+"""A worker's compact lookups of a sparse table and a server's shared optimizer steps, in one
+process: both must give exactly what one device computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import replicator as rp
+from replicator.ps.partitioners import place
+from replicator.ps.shared_steps import SharedSteps
+from replicator.ps.sparse_tables import SparseTable
+
+ROWS, DIM = 50, 4
+
+
+def _lookup(module: nn.Module, server_weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """What the strategy's hooks do around ``module(*args, **kwargs)``, with the rows taken
+    from ``server_weight`` (the servers' values) instead of over the network."""
+    shards = place([("w", module.weight.detach())], 2, rp.ps.FixedShardsPartitioner(2))
+    table = SparseTable(module.weight, shards, "t", module)
+    ids = args[0] if args else kwargs["input"]
+    for items in table.rows_to_pull(ids).values():
+        for sid, local in items:
+            start = table.by_id[sid].start
+            table.store_rows(sid, local, server_weight[local + start])
+    table.begin(args, kwargs)
+    return table.finish()
+
+
+def _pair(cls: type, **options) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    reference = cls(ROWS, DIM, sparse=True, **options)
+    worker = cls(ROWS, DIM, sparse=True, **options)
+    with torch.no_grad():
+        worker.weight.zero_()  # the worker's own copy is never read
+    return reference, worker, reference.weight.detach().clone()
+
+
+CASES = [
+    (nn.Embedding, {}, lambda ids: ((ids,), {})),
+    (nn.Embedding, {"padding_idx": 3}, lambda ids: ((), {"input": ids})),
+    (nn.EmbeddingBag, {"mode": "mean"}, lambda ids: ((ids,), {})),
+    (nn.EmbeddingBag, {"mode": "mean", "padding_idx": 3}, lambda ids: ((ids,), {})),
+    (nn.EmbeddingBag, {"mode": "sum"},
+     lambda ids: ((ids.reshape(-1), torch.tensor([0, 5, 9])),
+                  {"per_sample_weights": torch.linspace(0.1, 1.0, ids.numel())})),
+    (nn.EmbeddingBag, {"mode": "sum", "include_last_offset": True},
+     lambda ids: ((ids.reshape(-1), torch.tensor([0, 5, 9, ids.numel()])), {})),
+]
+
+
+@pytest.mark.parametrize("cls,options,call", CASES)
+def test_compact_lookup_equals_the_module_and_its_sparse_gradient(cls, options, call):
+    reference, worker, server = _pair(cls, **options)
+    ids = torch.tensor([[3, 7, 7, 49, 0], [25, 3, 11, 7, 24]])  # repeats, both shards, padding
+    args, kwargs = call(ids)
+    want = reference(*args, **kwargs)
+    got = _lookup(worker, server, *args, **kwargs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    weights = torch.randn_like(want)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    assert worker.weight.grad.is_sparse
+    torch.testing.assert_close(worker.weight.grad.to_dense(), reference.weight.grad.to_dense(),
+                               rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(worker.weight.detach()) == 0  # never written
+
+
+def test_two_lookups_of_one_table_add_their_gradients():
+    reference, worker, server = _pair(nn.Embedding)
+    a, b = torch.tensor([1, 2, 30]), torch.tensor([2, 40])
+    (reference(a).sum() + 2 * reference(b).sum()).backward()
+    (_lookup(worker, server, a).sum() + 2 * _lookup(worker, server, b).sum()).backward()
+    torch.testing.assert_close(worker.weight.grad.to_dense(), reference.weight.grad.to_dense())
+
+
+def test_ids_outside_the_table_raise_like_nn_embedding():
+    _, worker, server = _pair(nn.Embedding)
+    with pytest.raises(IndexError, match="index 50 is out of range.*50 rows"):
+        _lookup(worker, server, torch.tensor([1, 50]))
+    with pytest.raises(IndexError, match="index -1 is out of range"):
+        _lookup(worker, server, torch.tensor([-1, 2]))
+
+
+def _shards(n: int) -> list[nn.Parameter]:
+    torch.manual_seed(1)
+    return [nn.Parameter(torch.randn(3, 2)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True),
+    lambda p: torch.optim.Adam([p], lr=0.01, weight_decay=0.1),
+    lambda p: torch.optim.AdamW([p], lr=0.01),
+    lambda p: torch.optim.Adagrad([p], lr=0.1),
+    lambda p: torch.optim.RMSprop([p], lr=0.01, momentum=0.5),
+])
+def test_shared_steps_equal_each_shard_stepped_alone(make):
+    alone, shared = _shards(4), _shards(4)
+    opts_alone = [make(p) for p in alone]
+    opts_shared = [make(p) for p in shared]
+    steps = SharedSteps()
+    for step in range(5):
+        if step == 3:  # a schedule changes the learning rate of every shard
+            for o in opts_alone + opts_shared:
+                o.param_groups[0]["lr"] *= 0.5
+        with_grad = [0, 1, 2, 3] if step % 2 == 0 else [0, 2]  # a shard may get no gradient
+        for i in with_grad:
+            g = torch.full((3, 2), 0.1 * (step + 1) * (i + 1))
+            alone[i].grad, shared[i].grad = g.clone(), g.clone()
+        for i in with_grad:
+            opts_alone[i].step()
+        steps.step([opts_shared[i] for i in with_grad])
+        for p in alone + shared:
+            p.grad = None
+    for a, s, oa, os_ in zip(alone, shared, opts_alone, opts_shared):
+        torch.testing.assert_close(s, a, rtol=0, atol=0)
+        sa, ss = oa.state_dict()["state"], os_.state_dict()["state"]  # per shard, as saved
+        assert sa.keys() == ss.keys()
+        for k in sa:
+            for name, value in sa[k].items():
+                torch.testing.assert_close(ss[k][name], value, rtol=0, atol=0)
+
+
+def test_shared_steps_leave_apart_what_differs():
+    params = _shards(3)
+    opts = [torch.optim.SGD([params[0]], lr=0.1), torch.optim.SGD([params[1]], lr=0.2),
+            torch.optim.Adam([params[2]], lr=0.1)]
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    SharedSteps().step(opts)
+    torch.testing.assert_close(params[0], before[0] - 0.1)
+    torch.testing.assert_close(params[1], before[1] - 0.2)
+    assert not torch.equal(params[2], before[2])
