@@ -110,6 +110,9 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
+#: Bytes a connection reads ahead from its socket (headers, small payloads).
+_INBOX_BYTES = 64 << 10
+
 #: Buffers handed to one ``sendmsg`` call (Linux takes at most 1024).
 _MAX_BUFFERS = 512
 
@@ -157,6 +160,11 @@ class Connection:
         self.buffers: dict[Any, torch.Tensor] = {}
         #: Shared memory with a peer on this host (see :mod:`replicator.ps.shm_lane`).
         self.lane: SharedLane | None = None
+        #: Bytes read from the socket and not yet taken (``[_start, _end)`` of ``_inbox``): a
+        #: batch's headers arrive together and are taken with one system call, not one each.
+        self._inbox = bytearray(_INBOX_BYTES)
+        self._inbox_view = memoryview(self._inbox)
+        self._start = self._end = 0
 
     @classmethod
     def connect(cls, address: tuple[str, int], peer: str, timeout_seconds: float
@@ -228,8 +236,44 @@ class Connection:
             raise PeerLostError(f"lost the connection to {self.peer} while sending: "
                                 f"{exc}") from exc
 
+    def _fill(self, need: int, what: str, timeout: float | None) -> None:
+        """Read until ``need`` bytes (at most the inbox's size) wait in the inbox, taking
+        whatever else has arrived too."""
+        if self._end - self._start >= need:
+            return
+        if self._start:  # move what is left to the front
+            left = self._end - self._start
+            self._inbox[:left] = self._inbox[self._start:self._end]
+            self._start, self._end = 0, left
+        self.sock.settimeout(timeout)
+        try:
+            while self._end < need:
+                n = self.sock.recv_into(self._inbox_view[self._end:])
+                if n == 0:
+                    raise PeerLostError(f"{self.peer} closed the connection (while {what})")
+                self._end += n
+        except TimeoutError as exc:
+            raise PeerLostError(f"{self.peer} sent nothing for {timeout:.0f} s (while {what})"
+                                ) from exc
+        except OSError as exc:
+            raise PeerLostError(f"lost the connection to {self.peer} (while {what}): {exc}"
+                                ) from exc
+
     def _read_into(self, view: memoryview, what: str, timeout: float | None) -> None:
-        got = 0
+        """Fill ``view``: first from the inbox, then (a large payload) straight from the
+        socket."""
+        got = min(len(view), self._end - self._start)
+        if got:
+            view[:got] = self._inbox_view[self._start:self._start + got]
+            self._start += got
+        if got == len(view):
+            return
+        if len(view) - got < _INBOX_BYTES // 4:  # small: through the inbox
+            self._fill(len(view) - got, what, timeout)
+            rest = len(view) - got
+            view[got:] = self._inbox_view[self._start:self._start + rest]
+            self._start += rest
+            return
         self.sock.settimeout(timeout)
         try:
             while got < len(view):
@@ -251,9 +295,9 @@ class Connection:
         name where the payload lands (a tensor that matches exactly, else a new one)."""
         timeout = self.timeout_seconds if timeout_seconds == -1.0 else timeout_seconds
         with self._recv_lock:
-            head = bytearray(HEADER_BYTES)
-            self._read_into(memoryview(head), what, timeout)
-            h = list(_HEADER.unpack(head))
+            self._fill(HEADER_BYTES, what, timeout)
+            h = list(_HEADER.unpack_from(self._inbox, self._start))
+            self._start += HEADER_BYTES
             self.bytes_received += HEADER_BYTES + max(0, h[4])
             if h[0] != MAGIC:
                 raise MessageFormatError(f"{self.peer} sent a message without the replicator "
