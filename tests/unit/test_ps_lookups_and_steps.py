@@ -134,3 +134,31 @@ def test_shared_steps_leave_apart_what_differs():
     torch.testing.assert_close(params[0], before[0] - 0.1)
     torch.testing.assert_close(params[1], before[1] - 0.2)
     assert not torch.equal(params[2], before[2])
+
+
+def test_a_server_refuses_an_update_with_a_bad_part_and_changes_nothing():
+    import socket
+
+    from replicator.ps import protocol as P
+    from replicator.ps.server import ParameterServer, _ShardState
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        server = ParameterServer(0, num_workers=1, staleness=None, sock=sock,
+                                 timeout_seconds=5)
+        params = _shards(2)
+        for sid, p in enumerate(params):
+            server.shards[sid] = _ShardState(p, optimizer=torch.optim.SGD([p], lr=0.1))
+        before = [p.detach().clone() for p in params]
+        good = (0, torch.ones(3, 2), None)
+        with pytest.raises(P.ParameterServerError, match="holds no shard 7"):
+            server._apply({0: good, 7: (0, torch.ones(3, 2), None)})
+        with pytest.raises(P.ParameterServerError, match="sparse gradient rows"):
+            server._apply({0: good, 1: (0, torch.ones(2, 2), torch.tensor([2, 1]))})
+        for p, b in zip(params, before):
+            torch.testing.assert_close(p, b, rtol=0, atol=0)
+            assert p.grad is None
+        server._apply({0: good, 1: good})  # both shards, one shared step
+        torch.testing.assert_close(params[0], before[0] - 0.1)
+        torch.testing.assert_close(params[1], before[1] - 0.1)
+        assert [server.shards[s].version for s in (0, 1)] == [1, 1]

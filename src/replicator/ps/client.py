@@ -7,8 +7,9 @@ variables it held, within the connection's timeout.
 
 With a server on this host (same :func:`~replicator.comm.shm_segment.host_id`),
 :meth:`ServerClient.share_memory` attaches a shared-memory lane to its connection: a push's
-gradients are copied once into it, the values coming back are copied once out of it into the
-parameters, and only headers travel on the socket. Otherwise (or when the segment cannot be
+gradients (a coordinator's prepared update too) and the ids of a row pull are copied once into
+it, the values and rows coming back are copied once out of it, and only headers travel on the
+socket. Otherwise (or when the segment cannot be
 made) payloads stay on the socket, and the reason is printed once.
 """
 
