@@ -4,7 +4,8 @@
   the big table, 6 in the small one; ids uniform, the case where deduplication saves least),
   a 3-layer MLP (736 -> 64 -> 32 -> 1), batch 256.
 - Ours: ``ParameterServerStrategy`` (asynchronous) + ``ClusterCoordinator``, 2 workers and 2
-  servers (and the chief, which only schedules); tables split by ``MaxSizePartitioner(4 MiB)``.
+  servers (and the chief, which only schedules); every variable split in two by
+  ``FixedShardsPartitioner(2)`` (a table's halves on different servers).
 - The baseline: the parameter server of PyTorch's ``torch.distributed.rpc`` tutorial
   ("Implementing a Parameter Server Using Distributed RPC Framework"): the servers own the
   tables (``nn.Embedding(sparse=True)``, rows split by range), the trainer's forward calls the

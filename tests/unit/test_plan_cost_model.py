@@ -172,3 +172,22 @@ def test_fsdp_cost_is_per_block_plus_per_byte_fitted_through_narrow_and_wide_blo
         3 * 2e-3 + 4e6 * 6e-9, rel=1e-6)
     # without the wide measurements (an older profile): the previous formula, unchanged
     assert MachineProfile.nominal().fsdp_block_seconds(2, 2.0) is None
+
+
+@pytest.mark.parametrize("device", ["cpu", "h100"])
+def test_central_storage_waits_at_one_more_collective_than_mirrored(device):
+    """Gradients reduced onto one rank and parameters broadcast back: the bytes of one
+    all-reduce, and a second point where every rank waits (a small collective's cost)."""
+    machine = MachineProfile.nominal()
+    machine.small_collective = {2: 3e-4, 4: 9e-4}
+    c = Cluster(get_device(device), parse_link("25gbit"), machine, 4)  # one host
+    m = ModelProfile(name="m", params=10**5, global_batch=64, param_bytes=4e5, grad_bytes=4e5,
+                     optimizer_state_bytes=0, activation_bytes_per_sample=100,
+                     largest_tensor_bytes=2e5, weight_tensors=2, measured=False,
+                     flops_per_sample=1e6)
+    for n in (2, 4):
+        mirrored = predict("mirrored", n, m, c).breakdown["communication"]
+        central = predict("central_storage", n, m, c).breakdown["communication"]
+        extra = machine.small_collective[n] if device == "cpu" else \
+            ring_allreduce_seconds(8, n, c.device.intra_bandwidth, c.device.intra_alpha)
+        assert central - mirrored == pytest.approx(extra, rel=1e-6)

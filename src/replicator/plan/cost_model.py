@@ -215,12 +215,19 @@ def _small_collectives(model: ModelProfile, c: Cluster, n: int) -> float:
     """The user loop's own reduce/gather calls (a loss reduced every step)."""
     if n <= 1 or model.collectives_per_step <= 0:
         return 0.0
-    if c.device.is_cpu:  # through shared memory on a host, then the network between hosts
-        per = c.machine.per_world(c.machine.small_collective, c.on_host(n))
-        per += ring_allreduce_seconds(8, c.hosts(n), c.link.bandwidth, c.link.alpha)
-    else:
-        per = _allreduce(c, 8, n)
-    return model.collectives_per_step * per
+    return model.collectives_per_step * _one_more_collective(c, n)
+
+
+def _one_more_collective(c: Cluster, n: int) -> float:
+    """What one more collective in a step costs beyond its bytes: on a CPU host the measured
+    cost of a small collective inside a training loop (wake-ups included) through shared
+    memory, then the network between hosts; elsewhere a tiny all-reduce."""
+    if n <= 1:
+        return 0.0
+    if c.device.is_cpu:
+        return (c.machine.per_world(c.machine.small_collective, c.on_host(n))
+                + ring_allreduce_seconds(8, c.hosts(n), c.link.bandwidth, c.link.alpha))
+    return _allreduce(c, 8, n)
 
 
 def _sync_overhead(c: Cluster, n: int) -> float:
@@ -392,10 +399,13 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
     else:  # mirrored / central_storage: data parallel
         compute = _compute(m, c, batch, busy)
         comm = _allreduce(c, m.grad_bytes, n)
-        if strategy == "central_storage":
-            comm += 0.0  # reduce onto one rank + broadcast back: the same bytes as all-reduce
         backward = compute * 2 / 3
         comm = max(0.0, comm - c.device.overlap * backward)
+        if strategy == "central_storage":
+            # reduce onto one rank + broadcast back: the bytes of one all-reduce, and a second
+            # point where every rank waits (the broadcast after the central rank's step),
+            # which overlaps nothing
+            comm += _one_more_collective(c, n)
         overhead = _sync_overhead(c, n)
     if c.device.is_cpu and strategy in ("mirrored", "central_storage", "fsdp") and busy > 1:
         # a synchronous step waits at its collectives for the slowest rank (measured here)
