@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import replicator as rp
+from replicator.cluster import process_group
 from replicator.comm.gradient_sync import make_buckets
 from replicator.data.batching import GlobalBatchSplitSampler, slice_bounds
 
@@ -103,9 +104,13 @@ def test_register_strategy_refuses_to_replace_a_name_unless_asked():
 
 def test_multi_worker_mirrored_takes_an_algorithm_as_first_argument():
     strategy = rp.MultiWorkerMirroredStrategy(rp.comm.RingAllReduce())
-    assert isinstance(strategy.cross_device_ops, rp.comm.RingAllReduce)
-    with pytest.raises(TypeError, match="two all-reduce algorithms"):
-        rp.MultiWorkerMirroredStrategy(rp.comm.RingAllReduce(),
-                                       cross_device_ops=rp.comm.NativeAllReduce())
-    with pytest.raises(TypeError, match="CommunicationOptions"):
-        rp.MultiWorkerMirroredStrategy("ring")  # type: ignore[arg-type]
+    try:
+        assert isinstance(strategy.cross_device_ops, rp.comm.RingAllReduce)
+        with pytest.raises(TypeError, match="two all-reduce algorithms"):
+            rp.MultiWorkerMirroredStrategy(rp.comm.RingAllReduce(),
+                                           cross_device_ops=rp.comm.NativeAllReduce())
+        with pytest.raises(TypeError, match="CommunicationOptions"):
+            rp.MultiWorkerMirroredStrategy("ring")  # type: ignore[arg-type]
+    finally:
+        strategy.close()
+        process_group.shutdown()  # the group it started in this process: later tests expect none

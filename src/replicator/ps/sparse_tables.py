@@ -78,6 +78,8 @@ class SparseTable:
         self.module = module
         self.shards = sorted(shards, key=lambda s: s.start)
         self.by_id = {s.shard_id: s for s in self.shards}
+        self._bounds = torch.tensor([b for s in self.shards for b in (s.start, s.end)],
+                                    dtype=torch.int64)
         #: Where each shard's rows of the current lookup sit in its compact values.
         self._slices: dict[int, tuple[int, int]] = {}
         self._lookup: _Lookup | None = None
@@ -85,14 +87,11 @@ class SparseTable:
         self._coalesced: list[torch.Tensor] = []
 
     def _split(self, rows: torch.Tensor) -> list[tuple[Shard, int, int]]:
-        """For sorted, distinct global ``rows``: each shard with the slice of them it holds."""
-        out = []
-        for s in self.shards:
-            lo = int(torch.searchsorted(rows, s.start))
-            hi = int(torch.searchsorted(rows, s.end))
-            if hi > lo:
-                out.append((s, lo, hi))
-        return out
+        """For sorted, distinct global ``rows``: each shard with the slice of them it holds
+        (one search for every shard's bounds)."""
+        at = torch.searchsorted(rows, self._bounds).tolist()
+        return [(s, at[2 * k], at[2 * k + 1]) for k, s in enumerate(self.shards)
+                if at[2 * k + 1] > at[2 * k]]
 
     def rows_to_pull(self, ids: torch.Tensor) -> RowsByServer:
         """The distinct rows ``ids`` looks up, grouped by server and shard (shard-local);
@@ -100,8 +99,9 @@ class SparseTable:
         flat = ids.detach().reshape(-1).to(torch.int64)
         rows, inverse = torch.unique(flat, return_inverse=True)
         n = len(self.param)
-        if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= n):
-            bad = int(rows[0]) if int(rows[0]) < 0 else int(rows[-1])
+        first, last = rows[[0, -1]].tolist() if rows.numel() else (0, 0)
+        if first < 0 or last >= n:
+            bad = first if first < 0 else last
             raise IndexError(f"index {bad} is out of range for the sparse table {self.name} "
                              f"of {n} rows")
         values = torch.empty((len(rows), *self.param.shape[1:]), dtype=self.param.dtype,
