@@ -140,7 +140,8 @@ def test_a_server_refuses_an_update_with_a_bad_part_and_changes_nothing():
     import socket
 
     from replicator.ps import protocol as P
-    from replicator.ps.server import ParameterServer, _ShardState
+    from replicator.ps.server import ParameterServer
+    from replicator.ps.server_updates import ShardState
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -148,7 +149,7 @@ def test_a_server_refuses_an_update_with_a_bad_part_and_changes_nothing():
                                  timeout_seconds=5)
         params = _shards(2)
         for sid, p in enumerate(params):
-            server.shards[sid] = _ShardState(p, optimizer=torch.optim.SGD([p], lr=0.1))
+            server.shards[sid] = ShardState(p, optimizer=torch.optim.SGD([p], lr=0.1))
         before = [p.detach().clone() for p in params]
         good = (0, torch.ones(3, 2), None)
         with pytest.raises(P.ParameterServerError, match="holds no shard 7"):

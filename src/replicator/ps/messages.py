@@ -246,18 +246,8 @@ class Connection:
             self._inbox[:left] = self._inbox[self._start:self._end]
             self._start, self._end = 0, left
         self.sock.settimeout(timeout)
-        try:
-            while self._end < need:
-                n = self.sock.recv_into(self._inbox_view[self._end:])
-                if n == 0:
-                    raise PeerLostError(f"{self.peer} closed the connection (while {what})")
-                self._end += n
-        except TimeoutError as exc:
-            raise PeerLostError(f"{self.peer} sent nothing for {timeout:.0f} s (while {what})"
-                                ) from exc
-        except OSError as exc:
-            raise PeerLostError(f"lost the connection to {self.peer} (while {what}): {exc}"
-                                ) from exc
+        while self._end < need:
+            self._end += self._recv(self._inbox_view[self._end:], what, timeout)
 
     def _read_into(self, view: memoryview, what: str, timeout: float | None) -> None:
         """Fill ``view``: first from the inbox, then (a large payload) straight from the
@@ -275,18 +265,22 @@ class Connection:
             self._start += rest
             return
         self.sock.settimeout(timeout)
+        while got < len(view):
+            got += self._recv(view[got:], what, timeout)
+
+    def _recv(self, view: memoryview, what: str, timeout: float | None) -> int:
+        """One ``recv_into``: the bytes it took (at least one), or :class:`PeerLostError`."""
         try:
-            while got < len(view):
-                n = self.sock.recv_into(view[got:])
-                if n == 0:
-                    raise PeerLostError(f"{self.peer} closed the connection (while {what})")
-                got += n
+            n = self.sock.recv_into(view)
         except TimeoutError as exc:
             raise PeerLostError(f"{self.peer} sent nothing for {timeout:.0f} s (while {what})"
                                 ) from exc
         except OSError as exc:
             raise PeerLostError(f"lost the connection to {self.peer} (while {what}): {exc}"
                                 ) from exc
+        if n == 0:
+            raise PeerLostError(f"{self.peer} closed the connection (while {what})")
+        return n
 
     def receive(self, what: str = "waiting for a message",
                 timeout_seconds: float | None = -1.0, into: Into | None = None) -> Message:

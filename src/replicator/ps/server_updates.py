@@ -1,0 +1,220 @@
+"""How a parameter server applies updates: one update at a time as it arrives, bounded
+staleness's gate on pulls, synchronous rounds that average one gradient from every live worker,
+and a coordinator's updates applied at most once (held on ``prepare``, applied on ``commit``).
+
+An update is checked whole (every shard held, the right kind of gradient) before any shard
+changes; then each optimizer steps once, the dense shards that agree in one shared step
+(:mod:`replicator.ps.shared_steps`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from replicator.ps import protocol as P
+from replicator.ps.claims import ClaimLedger
+from replicator.ps.messages import Message
+from replicator.ps.row_updates import TaskLedger, sparse_gradient
+from replicator.ps.shared_steps import SharedSteps
+
+#: A gradient as received: (version pulled, values, shard-local rows for a sparse one).
+Grad = tuple[int, "torch.Tensor | None", "torch.Tensor | None"]
+
+
+@dataclass
+class ShardState:
+    param: torch.nn.Parameter
+    version: int = 0
+    optimizer: torch.optim.Optimizer | None = None
+    group: int = 0
+    sparse: bool = False
+    spec_text: str = ""
+
+
+@dataclass
+class WorkerState:
+    connected: bool = False
+    in_flight: bool = False
+    pulled_clock: int = 0
+    pushes: int = 0
+    lost: bool = False
+    connections: int = 0
+
+
+@dataclass
+class UpdateRound:
+    grads: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    number: int = 0
+
+
+class ServerUpdates:
+    """The update side of :class:`~replicator.ps.server.ParameterServer` (a mixin)."""
+
+    index: int
+    staleness: int | None
+    num_workers: int
+    timeout_seconds: float
+    lock: threading.Condition
+    shards: dict[int, ShardState]
+    workers: dict[int, WorkerState]
+    round: UpdateRound
+    clock: int
+    histogram: list[int]
+    stale_sum: int
+    stale_max: int
+    claims: ClaimLedger
+    tasks: TaskLedger
+    prepared: dict[tuple[int, int], dict[int, Grad]]
+    shared_steps: SharedSteps
+
+    def _apply(self, grads: dict[int, Grad]) -> None:
+        """Apply one update: every shard's gradient is checked and set first, then each
+        optimizer steps (dense shards that agree in one shared step), so an update with a bad
+        part changes nothing."""
+        ready: list[ShardState] = []
+        try:
+            for sid, (pulled_version, grad, rows) in grads.items():
+                if grad is not None:
+                    ready.append(self._set_gradient(sid, grad, pulled_version, rows))
+            self.shared_steps.step([s.optimizer for s in ready if s.optimizer is not None])
+            for shard in ready:
+                shard.version += 1
+        finally:
+            for shard in ready:
+                shard.param.grad = None
+
+    def _set_gradient(self, sid: int, grad: torch.Tensor, pulled_version: int,
+                      rows: torch.Tensor | None) -> ShardState:
+        shard = self.shards.get(sid)
+        if shard is None:
+            raise P.ParameterServerError(f"parameter server {self.index} holds no shard {sid}")
+        if shard.optimizer is None:
+            raise P.ParameterServerError(
+                f"parameter server {self.index} got a gradient for shard {sid} before the "
+                "optimizer's description. HINT: create the optimizer inside strategy.scope() "
+                "and call optimizer.step() (it sends the description first).")
+        if rows is not None:
+            shard.param.grad = sparse_gradient(rows, grad, shard.param)
+        elif shard.sparse:
+            raise P.ParameterServerError(f"shard {sid} is a sparse table's and got a dense "
+                                         "gradient")
+        else:
+            shard.param.grad = grad.to(shard.param.dtype).reshape(shard.param.shape)
+        stale = max(0, shard.version - pulled_version)
+        self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
+        self.stale_sum += stale
+        self.stale_max = max(self.stale_max, stale)
+        return shard
+
+    def _push(self, worker: int, grads: dict[int, Grad], end: Message) -> bool:
+        """Apply an update; True when it was a coordinator task's repeat (not applied)."""
+        repeat = False
+        with self.lock:
+            state = self.workers[worker]
+            if end.kind == P.TASK_PUSH:
+                # a coordinator's function: applied alone and at most once, in any mode
+                repeat = not self.tasks.first(end.var_id, end.version)
+                if not repeat:
+                    self._apply(grads)
+                    self.clock += 1
+            elif self.staleness == 0:
+                if any(rows is not None for _, _, rows in grads.values()):
+                    raise P.ParameterServerError(
+                        "staleness=0 averages dense gradients of every worker; sparse table "
+                        "rows are applied one function at a time by rp.ClusterCoordinator. "
+                        "HINT: schedule the steps with a ClusterCoordinator, or use "
+                        "staleness=None.")
+                self._push_sync(worker, {sid: (v, g) for sid, (v, g, _) in grads.items()})
+            else:
+                self._apply(grads)
+                self.clock += 1
+                if end.c:
+                    self.claims.consume(worker, (end.var_id, end.version), end.c - 1)
+            state.pushes += 1
+            state.in_flight = False
+            self.lock.notify_all()
+        return repeat
+
+    def _prepare(self, key: tuple[int, int], grads: dict[int, Grad]) -> bool:
+        """Hold a coordinator update until its commit; False (nothing kept) when an earlier
+        attempt's is held or was applied: the first attempt's update is the one applied."""
+        with self.lock:
+            if key in self.prepared or self.tasks.seen(*key):
+                return False
+            self.prepared[key] = {sid: (v, None if g is None else g.clone(),
+                                        None if r is None else r.clone())
+                                  for sid, (v, g, r) in grads.items()}
+            return True
+
+    def _commit_task(self, worker: int, key: tuple[int, int]) -> bool:
+        """Apply the update prepared for ``key`` once; True when it was a repeat."""
+        with self.lock:
+            grads = self.prepared.pop(key, None)
+            repeat = not self.tasks.first(*key)
+            if not repeat:
+                if grads is None:
+                    raise P.ParameterServerError(
+                        f"parameter server {self.index}: task {key[0]} push {key[1]} was "
+                        "committed without being prepared")
+                self._apply(grads)
+                self.clock += 1
+            state = self.workers[worker]
+            state.pushes += 1
+            state.in_flight = False
+            self.lock.notify_all()
+        return repeat
+
+    def _push_sync(self, worker: int, grads: dict[int, tuple[int, torch.Tensor | None]]) -> None:
+        number = self.round.number
+        self.round.grads[worker] = {sid: g for sid, (_, g) in grads.items() if g is not None}
+        self._maybe_finish_round()
+        deadline = time.monotonic() + self.timeout_seconds
+        while self.round.number == number:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                waiting = [w for w, s in self.workers.items()
+                           if s.connected and w not in self.round.grads]
+                raise P.ParameterServerError(
+                    f"parameter server {self.index} waited {self.timeout_seconds:.0f} s for "
+                    f"the gradients of worker(s) {waiting} (staleness=0 waits for every live "
+                    "worker). HINT: every worker must call optimizer.step() the same number "
+                    "of times; use staleness=None for independent workers.")
+            self.lock.wait(min(left, 1.0))
+
+    def _maybe_finish_round(self) -> None:
+        if not self.round.grads:
+            return
+        live = {w for w, s in self.workers.items() if s.connected}
+        if len(self.workers) < self.num_workers or not live <= set(self.round.grads):
+            return
+        contributions = list(self.round.grads.values())
+        means: dict[int, Grad] = {}
+        for sid in sorted({s for g in contributions for s in g}):
+            parts = [g[sid] for g in contributions if sid in g]
+            mean = torch.stack([p.to(torch.float64) for p in parts]).mean(0) \
+                if len(parts) > 1 else parts[0]
+            version = self.shards[sid].version if sid in self.shards else 0
+            means[sid] = (version, mean.to(parts[0].dtype), None)
+        self._apply(means)
+        self.clock += 1
+        self.round = UpdateRound(number=self.round.number + 1)
+        self.lock.notify_all()
+
+    def _may_pull(self, worker: int) -> bool:
+        """Stale-synchronous gating: a new step of ``worker`` may not push any step in flight
+        beyond ``staleness`` versions, counting every step in flight as one future update."""
+        k = self.staleness
+        if k is None or k == 0:
+            return True
+        flying = [w for w, s in self.workers.items() if s.connected and s.in_flight
+                  and w != worker]
+        for a in flying:
+            behind = self.clock - self.workers[a].pulled_clock
+            # the other steps in flight (len - 1) and this new one (+ 1) may all land first
+            if behind + len(flying) > k:
+                return False
+        return True
