@@ -24,7 +24,7 @@ def _lookup(module: nn.Module, server_weight: torch.Tensor, *args, **kwargs) -> 
     for items in table.rows_to_pull(ids).values():
         for sid, local in items:
             start = table.by_id[sid].start
-            table.store_rows(sid, local, server_weight[local + start])
+            table.store_rows(sid, server_weight[local + start])
     table.begin(args, kwargs)
     return table.finish()
 

@@ -114,7 +114,7 @@ class SparseTable:
             out.setdefault(s.server, []).append((s.shard_id, rows[lo:hi] - s.start))
         return out
 
-    def store_rows(self, shard_id: int, local_rows: torch.Tensor, values: torch.Tensor) -> None:
+    def store_rows(self, shard_id: int, values: torch.Tensor) -> None:
         """Take pulled values of ``shard_id``'s rows into the current lookup's compact rows."""
         assert self._lookup is not None, "store_rows before rows_to_pull"
         lo, hi = self._slices[shard_id]

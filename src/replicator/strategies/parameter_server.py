@@ -323,10 +323,9 @@ class ParameterServerStrategy(Strategy):
             table.cancel()
             return None
         wanted = table.rows_to_pull(ids)
-        asked = {sid: rows for items in wanted.values() for sid, rows in items}
 
         def sink(sid: int, version: int, values: torch.Tensor) -> None:
-            table.store_rows(sid, asked[sid], values)
+            table.store_rows(sid, values)
             self._pulled[sid] = version
 
         if wanted:
