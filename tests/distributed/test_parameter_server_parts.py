@@ -121,6 +121,25 @@ def test_optimizer_description_rebuilds_the_same_optimizer():
         P.describe_optimizer(Custom([p], lr=0.1), {})
 
 
+def test_optimizer_key_changes_whenever_the_description_would():
+    p = torch.nn.Parameter(torch.zeros(3))
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    key = P.optimizer_key(sgd, {0: 0})
+    assert key is not None and key == P.optimizer_key(sgd, {0: 0})
+    sched = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    sgd.step()
+    sched.step()  # a schedule's new learning rate is a new key (and is sent)
+    assert P.optimizer_key(sgd, {0: 0}) != key
+    assert P.optimizer_key(sgd, {0: 1}) != P.optimizer_key(sgd, {0: 0})
+    sgd.param_groups[0]["nesterov"] = 0
+    before = P.optimizer_key(sgd, {0: 0})
+    sgd.param_groups[0]["nesterov"] = False  # 0 == False, but JSON says 0 and false
+    assert P.optimizer_key(sgd, {0: 0}) != before
+    # a tensor learning rate can change in place: no key, the description is made each step
+    adam = torch.optim.Adam([p], lr=torch.tensor(0.01))
+    assert P.optimizer_key(adam, {0: 0}) is None
+
+
 def test_num_ps_must_leave_a_worker():
     assert check_num_ps(2, 3) == 2
     with pytest.raises(ClusterConfigError, match="leaves no worker"):

@@ -185,8 +185,9 @@ def test_messages_through_a_lane_carry_only_headers_and_check_offsets():
         assert msg.payload is not None and torch.equal(msg.payload, t)
         if i == 0:
             assert msg.payload is target  # copied once to where it belongs
-        else:  # a view of the segment
-            assert msg.payload.untyped_storage().data_ptr() == theirs.base.data_ptr()
+        elif t.numel():  # a view of the segment
+            start = theirs.base.data_ptr()
+            assert start <= msg.payload.data_ptr() <= start + size
     assert b.receive().kind == P.VALUES_END
     # too big for the lane: the same batch goes on the socket
     b.send_many([(P.VALUE, 0, 0, torch.ones(2048), 0, 0, 0)], shared=True)

@@ -81,3 +81,30 @@ def test_messages_read_ahead_arrive_whole_whatever_the_pieces_the_socket_gives()
         writer.join(30)
         left.close()
         right.close()
+
+
+def test_a_lane_carries_every_dtype_and_layout_exactly():
+    """Payloads in shared memory: numpy's fast copy where it applies, torch's copy for the
+    rest (bfloat16, strided, conjugate views), each read back bit for bit."""
+    from replicator.comm.shm_segment import SharedSegment, unlink_segment
+    from replicator.ps.shm_lane import SharedLane
+
+    size, first, second = SharedLane.layout(1 << 16, 1 << 16)
+    mine = SharedSegment.create_named(size, "lane-dtypes")
+    try:
+        theirs = SharedSegment.open_named(mine.name, size)
+    finally:
+        unlink_segment(mine.name)
+    writer = SharedLane(mine, out=first, inbox=second)
+    reader = SharedLane(theirs, out=second, inbox=first)
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    sent = [torch.randn(5, 7), torch.randn(3, dtype=torch.float64),
+            torch.randn(6).to(torch.bfloat16), torch.randn(4, 6)[:, ::2],
+            torch.tensor([True, False, True]), torch.arange(9, dtype=torch.int8).reshape(3, 3),
+            torch.randn(2, 2, requires_grad=True), z.conj(), -torch.randn(3), torch.tensor(7)]
+    offsets = writer.write(sent)
+    for t, offset in zip(sent, offsets):
+        got = reader.read(offset, t.numel() * t.element_size(), t.dtype, tuple(t.shape))
+        assert got is not None and got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got, t.detach().resolve_conj()), t.dtype
+    assert reader.read(offsets[0] + 1, 4, torch.float32, (1,)) is None  # not aligned

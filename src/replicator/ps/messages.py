@@ -47,6 +47,7 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )
 _CODES = {dt: i for i, dt in enumerate(DTYPES)}
+_ITEMSIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in DTYPES}
 
 
 #: Where a payload may land: ``into(kind, var_id, dtype, shape)`` returns a contiguous tensor of
@@ -323,7 +324,7 @@ class Connection:
                         target: torch.Tensor | None) -> torch.Tensor:
         """The payload the peer put in shared memory: a view, or copied once into ``target``
         when that matches."""
-        size = torch.empty(0, dtype=dtype).element_size()
+        size = _ITEMSIZE[dtype]
         numel = 1
         for n in shape:
             numel *= n

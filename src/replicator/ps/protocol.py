@@ -79,6 +79,30 @@ def _plain(value: Any, key: str) -> Any:
         "sent to a parameter server. HINT: use numbers, booleans and tuples of numbers.")
 
 
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+def optimizer_key(optimizer: torch.optim.Optimizer, group_of: dict[int, int]
+                  ) -> tuple[Any, ...] | None:
+    """A cheap key that changes whenever :func:`describe_optimizer`'s text would (the JSON
+    costs tens of microseconds a step); ``None`` when a hyperparameter is not a plain value
+    (a tensor learning rate can change in place), and the text must be made each time."""
+    groups = []
+    for g in optimizer.param_groups:
+        items: list[tuple[Any, ...]] = []
+        for k, v in g.items():
+            if k in _SKIPPED_KEYS:
+                continue
+            if isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v):
+                items.append((k, v))
+            elif isinstance(v, _SIMPLE):
+                items.append((k, type(v), v))  # 1 and 1.0 and True describe differently
+            else:
+                return None
+        groups.append(tuple(items))
+    return (type(optimizer), tuple(groups), tuple(group_of.items()))
+
+
 def describe_optimizer(optimizer: torch.optim.Optimizer, group_of: dict[int, int]) -> str:
     """JSON naming the optimizer's ``torch.optim`` class and each group's hyperparameters;
     ``group_of`` maps shard ids to group indices."""

@@ -128,6 +128,8 @@ class ParameterServerStrategy(Strategy):
         self._pulled: dict[int, int] = {}                  # shard id -> version pulled
         self._loads = [0] * num_ps
         self._sent_specs: dict[int, str] = {}             # id(optimizer) -> description
+        self._sent_keys: dict[int, tuple[Any, ...]] = {}   # id(optimizer) -> its key then
+        self._landings: dict[int, tuple[Any, torch.Tensor]] = {}  # shard id -> its rows
         self._tables: dict[int, SparseTable] = {}          # id(parameter) -> sparse table
         self._sparse_ids: set[int] = set()                 # shard ids of sparse tables
         self._task: list[int] | None = None                # [task id, pushes] in a function
@@ -356,16 +358,27 @@ class ParameterServerStrategy(Strategy):
         """Pulled values land straight in the parameter's rows when they match."""
         if kind != P.VALUE or not 0 <= sid < len(self._shards):
             return None
-        s = self._shards[sid]
-        rows = _rows(self._params[sid].detach())[s.start:s.end]
+        rows = self._shard_rows(sid)
         ok = rows.is_contiguous() and rows.dtype == dtype and tuple(rows.shape) == shape
         return rows if ok and rows.device.type == "cpu" else None
+
+    def _shard_rows(self, sid: int) -> torch.Tensor:
+        """The parameter's rows that shard ``sid`` holds (a view, kept while the parameter's
+        memory, shape and strides stay the same: making it costs more than the check)."""
+        p = self._params[sid]
+        layout = (p.data_ptr(), p.shape, p.stride(), p.dtype)
+        cached = self._landings.get(sid)
+        if cached is not None and cached[0] == layout:
+            return cached[1]
+        s = self._shards[sid]
+        rows = _rows(p.detach())[s.start:s.end]
+        self._landings[sid] = (layout, rows)
+        return rows
 
     def _receive(self, sid: int, version: int, values: torch.Tensor) -> None:
         if not 0 <= sid < len(self._shards):
             return  # a variable another process has set up and this one not yet
-        s = self._shards[sid]
-        rows = _rows(self._params[sid].detach())[s.start:s.end]
+        rows = self._shard_rows(sid)
         if rows.data_ptr() != values.data_ptr():  # not received in place
             with torch.no_grad():
                 rows.copy_(values.reshape(rows.shape))
@@ -402,10 +415,14 @@ class ParameterServerStrategy(Strategy):
                         (s.shard_id, self._pulled.get(s.shard_id, 0), g, None))
         if not mine:
             return
-        spec = P.describe_optimizer(optimizer, group_of)
-        if spec != self._sent_specs.get(id(optimizer)):
-            self._client.send_optimizer(spec)
-            self._sent_specs[id(optimizer)] = spec
+        key = P.optimizer_key(optimizer, group_of)
+        if key is None or key != self._sent_keys.get(id(optimizer)):
+            spec = P.describe_optimizer(optimizer, group_of)
+            if spec != self._sent_specs.get(id(optimizer)):
+                self._client.send_optimizer(spec)
+                self._sent_specs[id(optimizer)] = spec
+            if key is not None:
+                self._sent_keys[id(optimizer)] = key
         task = None
         if self._task is not None:
             task = (self._task[0], self._task[1])
