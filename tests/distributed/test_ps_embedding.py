@@ -20,19 +20,23 @@ OPTIMIZERS = ("sgd", "adagrad", "adam")
 
 
 class Recommender(nn.Module):
-    """A sparse table, a sparse bag (mean of a sample's ids, row 0 the padding; called with
-    ``input=``) and a small dense head."""
+    """A sparse table, a second module looking the same table up (tied weights), a sparse
+    bag (mean of a sample's ids, row 0 the padding; called with ``input=``) and a small dense
+    head."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.table = nn.Embedding(ROWS, DIM, sparse=True)
+        self.tied = nn.Embedding(ROWS, DIM, sparse=True)
+        self.tied.weight = self.table.weight
         self.bag = nn.EmbeddingBag(BAG_ROWS, DIM, mode="mean", sparse=True, padding_idx=0)
-        self.head = nn.Sequential(nn.Linear((LOOKUPS + 1) * DIM, 16), nn.ReLU(),
+        self.head = nn.Sequential(nn.Linear((LOOKUPS + 2) * DIM, 16), nn.ReLU(),
                                   nn.Linear(16, 1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = torch.cat([self.table(ids).flatten(1), self.bag(input=ids % BAG_ROWS)], 1)
+        rows = torch.cat([self.table(ids).flatten(1), self.tied(ids[:, 1] // 2),
+                          self.bag(input=ids % BAG_ROWS)], 1)
         return self.head(rows).squeeze(1)
 
 
@@ -40,6 +44,8 @@ def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + i)
     ids = torch.randint(0, ROWS, (BATCH, LOOKUPS), generator=g)
     ids[:, 0] = ids[0, 0]  # repeated ids in a batch: their gradients add up
+    if i % 2:  # odd steps look up the first shard's rows only: the others step with none
+        ids = ids % (ROWS // 5)
     return ids, torch.randint(0, 2, (BATCH,), generator=g).float()
 
 
@@ -112,7 +118,7 @@ def test_sparse_tables_on_servers_equal_one_device_with_sparse_embeddings():
     workers = [o for o in out[1:3] if o is not None]
     moved = sum(w["moved"] for w in workers)
     whole = 3 * STEPS * 2 * ROWS * DIM * 4  # pulling and pushing the tables whole
-    # each step looks up at most 64 rows of 2000; at this size the dense head and the
-    # 144-byte headers weigh as much as the rows (benchmarks/parameter_server.py measures the
-    # 1M-row case)
-    assert moved < 0.25 * whole, (moved, whole)
+    # each step looks up at most 80 rows of 2000; at this size the dense head and the
+    # 144-byte headers (a pull per lookup, a part per shard) weigh as much as the rows
+    # (benchmarks/parameter_server.py measures the 1M-row case)
+    assert moved < 0.35 * whole, (moved, whole)

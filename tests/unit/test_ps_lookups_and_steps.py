@@ -84,6 +84,33 @@ def test_ids_outside_the_table_raise_like_nn_embedding():
         _lookup(worker, server, torch.tensor([-1, 2]))
 
 
+def test_max_norm_on_a_sparse_table_is_refused():
+    """One device renormalises the looked-up rows of the table itself, in place; the servers'
+    rows would never see it, so the strategy refuses it instead of differing silently."""
+    from replicator.ps.sparse_tables import check_no_max_norm
+
+    with pytest.raises(ValueError, match="max_norm=1.0.*HINT"):
+        check_no_max_norm(nn.Embedding(ROWS, DIM, sparse=True, max_norm=1.0), "t")
+    _, worker, server = _pair(nn.Embedding)
+    worker.max_norm = 2.0  # set after the table was placed: refused at the lookup
+    with pytest.raises(ValueError, match="max_norm=2.0"):
+        _lookup(worker, server, torch.tensor([1, 2]))
+
+
+def test_every_shard_gets_its_part_of_a_gradient_also_an_empty_one():
+    """One device steps the whole table whenever it has a gradient (momentum moves rows looked
+    up before, Adam counts the step), so every shard is pushed, with no rows if none of its
+    rows was looked up."""
+    _, worker, server = _pair(nn.Embedding)
+    _lookup(worker, server, torch.tensor([1, 2, 3])).sum().backward()  # shard 0's rows only
+    shards = place([("w", worker.weight.detach())], 2, rp.ps.FixedShardsPartitioner(2))
+    table = SparseTable(worker.weight, shards, "t", worker)
+    parts = [p for items in table.gradient_rows(worker.weight.grad, {}).values() for p in items]
+    assert sorted(len(rows) for _, _, _, rows in parts) == [0, 3]
+    for _, _, values, rows in parts:
+        assert values.shape == (len(rows), DIM)
+
+
 def _shards(n: int) -> list[nn.Parameter]:
     torch.manual_seed(1)
     return [nn.Parameter(torch.randn(3, 2)) for _ in range(n)]
@@ -159,7 +186,9 @@ def test_a_server_refuses_an_update_with_a_bad_part_and_changes_nothing():
         for p, b in zip(params, before):
             torch.testing.assert_close(p, b, rtol=0, atol=0)
             assert p.grad is None
+        assert sum(server.histogram) == 0  # a refused update is not counted either
         server._apply({0: good, 1: good})  # both shards, one shared step
         torch.testing.assert_close(params[0], before[0] - 0.1)
         torch.testing.assert_close(params[1], before[1] - 0.1)
         assert [server.shards[s].version for s in (0, 1)] == [1, 1]
+        assert sum(server.histogram) == 2

@@ -76,12 +76,18 @@ class ServerUpdates:
         optimizer steps (dense shards that agree in one shared step), so an update with a bad
         part changes nothing."""
         ready: list[ShardState] = []
+        pulled: list[int] = []
         try:
             for sid, (pulled_version, grad, rows) in grads.items():
                 if grad is not None:
                     ready.append(self._set_gradient(sid, grad, pulled_version, rows))
+                    pulled.append(pulled_version)
             self.shared_steps.step([s.optimizer for s in ready if s.optimizer is not None])
-            for shard in ready:
+            for shard, pulled_version in zip(ready, pulled):  # counted once applied
+                stale = max(0, shard.version - pulled_version)
+                self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
+                self.stale_sum += stale
+                self.stale_max = max(self.stale_max, stale)
                 shard.version += 1
         finally:
             for shard in ready:
@@ -104,10 +110,6 @@ class ServerUpdates:
                                          "gradient")
         else:
             shard.param.grad = grad.to(shard.param.dtype).reshape(shard.param.shape)
-        stale = max(0, shard.version - pulled_version)
-        self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
-        self.stale_sum += stale
-        self.stale_max = max(self.stale_max, stale)
         return shard
 
     def _push(self, worker: int, grads: dict[int, Grad], end: Message) -> bool:

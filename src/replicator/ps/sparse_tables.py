@@ -65,6 +65,7 @@ class _Lookup:
     def __init__(self, args: tuple, kwargs: dict[str, Any], ids: torch.Tensor,
                  rows: torch.Tensor, inverse: torch.Tensor, values: torch.Tensor) -> None:
         self.args, self.kwargs = args, kwargs
+        self.module: torch.nn.Module | None = None
         self.ids, self.rows, self.inverse, self.values = ids, rows, inverse, values
 
 
@@ -121,14 +122,16 @@ class SparseTable:
         self._lookup.values[lo:hi].copy_(values.reshape(hi - lo, *self.param.shape[1:]))
 
     # -- the module's call, with the pulled rows ----------------------------------------------
-    def begin(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def begin(self, args: tuple, kwargs: dict[str, Any], module: torch.nn.Module | None = None
+              ) -> tuple[tuple, dict[str, Any]]:
         """Keep the call's arguments (``rows_to_pull`` ran on its ids) and give the module an
         empty lookup to compute instead (its output is replaced by :meth:`finish`)."""
         assert self._lookup is not None
-        self._lookup.args, self._lookup.kwargs = args, kwargs
+        module = self.module if module is None else module
+        self._lookup.args, self._lookup.kwargs, self._lookup.module = args, kwargs, module
         ids = self._lookup.ids
-        if isinstance(self.module, torch.nn.EmbeddingBag):
-            offsets = torch.zeros(1 + int(self.module.include_last_offset), dtype=torch.int64,
+        if isinstance(module, torch.nn.EmbeddingBag):
+            offsets = torch.zeros(1 + int(module.include_last_offset), dtype=torch.int64,
                                   device=ids.device)
             return (ids.new_empty(0), offsets), {}
         return (ids.reshape(-1)[:0],), {}
@@ -145,10 +148,11 @@ class SparseTable:
     def finish(self) -> torch.Tensor:
         """The module's output for the kept call, computed from the pulled rows."""
         call, self._lookup = self._lookup, None
-        assert call is not None and self.module is not None
-        m = self.module
+        assert call is not None and call.module is not None
+        m = call.module
         if not isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
             raise TypeError(f"{type(m).__name__} is not an embedding module")
+        check_no_max_norm(m, self.name)  # set after the table was placed
         weight = _PulledRows.apply(self.param, call.rows, call.values, self)
         padding = None
         if m.padding_idx is not None:
@@ -180,7 +184,11 @@ class SparseTable:
             rows = torch.nonzero(grad.reshape(len(grad), -1).abs().sum(1)).reshape(-1)
             values = grad.index_select(0, rows)
         out: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
-        for s, lo, hi in self._split(rows):
+        # every shard steps, as one device steps the whole table (momentum, Adam's step count),
+        # also a shard none of whose rows were looked up (an empty gradient)
+        found = {s.shard_id: (lo, hi) for s, lo, hi in self._split(rows)}
+        for s in self.shards:
+            lo, hi = found.get(s.shard_id, (0, 0))
             out.setdefault(s.server, []).append(
                 (s.shard_id, pulled.get(s.shard_id, 0), values[lo:hi].contiguous(),
                  (rows[lo:hi] - s.start).contiguous()))
@@ -199,6 +207,18 @@ def lookup_ids(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The ids of an embedding module's call (positional or ``input=``)."""
     ids = args[0] if args else kwargs.get("input")
     return ids if isinstance(ids, torch.Tensor) else None
+
+
+def check_no_max_norm(module: torch.nn.Module, name: str) -> None:
+    """Refuse ``max_norm`` on a sparse table: one device renormalises the looked-up rows of the
+    table itself in place, which the servers' rows would never see (a silent difference)."""
+    max_norm = getattr(module, "max_norm", None)
+    if max_norm is not None:
+        raise ValueError(
+            f"the sparse table {name} has max_norm={max_norm}: one device renormalises the "
+            "looked-up rows of the table in place, which a parameter server's rows would not "
+            "see. HINT: build the embedding without max_norm (renormalise its output instead) "
+            "or with sparse=False (the table then travels whole).")
 
 
 def is_sparse_table(module: torch.nn.Module) -> bool:

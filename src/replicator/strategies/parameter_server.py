@@ -46,7 +46,12 @@ from replicator.ps.claimed_data import ClaimedBatches
 from replicator.ps.client import Push, ServerClient
 from replicator.ps.partitioners import Partitioner, Shard, place
 from replicator.ps.server import ParameterServer
-from replicator.ps.sparse_tables import SparseTable, is_sparse_table, lookup_ids
+from replicator.ps.sparse_tables import (
+    SparseTable,
+    check_no_max_norm,
+    is_sparse_table,
+    lookup_ids,
+)
 from replicator.strategies.base import Strategy
 from replicator.strategies.replicas import ReplicaGroup
 
@@ -131,6 +136,7 @@ class ParameterServerStrategy(Strategy):
         self._sent_keys: dict[int, tuple[Any, ...]] = {}   # id(optimizer) -> its key then
         self._landings: dict[int, tuple[Any, torch.Tensor]] = {}  # shard id -> its rows
         self._tables: dict[int, SparseTable] = {}          # id(parameter) -> sparse table
+        self._hooked: set[int] = set()                     # id(module) of hooked lookups
         self._sparse_ids: set[int] = set()                 # shard ids of sparse tables
         self._task: list[int] | None = None                # [task id, pushes] in a function
         self._repeats = 0
@@ -306,19 +312,25 @@ class ParameterServerStrategy(Strategy):
         (:mod:`replicator.ps.sparse_tables`)."""
         for name, sub in module.named_modules():
             weight = getattr(sub, "weight", None)
-            if not is_sparse_table(sub) or weight is None or id(weight) in self._tables \
-                    or id(weight) not in self._shards_of:
+            if not is_sparse_table(sub) or weight is None or id(weight) not in self._shards_of \
+                    or id(sub) in self._hooked:
                 continue
-            table = SparseTable(weight, self._shards_of[id(weight)], name or "embedding", sub)
-            self._tables[id(weight)] = table
-            self._sparse_ids.update(s.shard_id for s in table.shards)
+            check_no_max_norm(sub, name or "embedding")
+            self._hooked.add(id(sub))
+            table = self._tables.get(id(weight))
+            if table is None:  # every module looking the weight up computes from pulled rows
+                table = SparseTable(weight, self._shards_of[id(weight)], name or "embedding",
+                                    sub)
+                self._tables[id(weight)] = table
+                self._sparse_ids.update(s.shard_id for s in table.shards)
             sub.register_forward_pre_hook(
-                lambda _m, args, kwargs, t=table: self._pull_rows(t, args, kwargs),
+                lambda m, args, kwargs, t=table: self._pull_rows(t, args, kwargs, m),
                 with_kwargs=True)
             sub.register_forward_hook(
                 lambda _m, _args, _out, t=table: t.finish() if t.pending else None)
 
-    def _pull_rows(self, table: SparseTable, args: tuple, kwargs: dict[str, Any]
+    def _pull_rows(self, table: SparseTable, args: tuple, kwargs: dict[str, Any],
+                   module: torch.nn.Module | None = None
                    ) -> tuple[tuple, dict[str, Any]] | None:
         ids = lookup_ids(args, kwargs)
         if self._closed or ids is None:
@@ -332,7 +344,7 @@ class ParameterServerStrategy(Strategy):
 
         if wanted:
             self._client.pull_rows(wanted, sink)
-        return table.begin(args, kwargs)
+        return table.begin(args, kwargs, module)
 
     #: Bytes kept in a lane, each way, for a sparse table's rows (more goes on the socket).
     _SPARSE_LANE_BYTES = 8 << 20
