@@ -192,3 +192,16 @@ def test_a_server_refuses_an_update_with_a_bad_part_and_changes_nothing():
         torch.testing.assert_close(params[1], before[1] - 0.1)
         assert [server.shards[s].version for s in (0, 1)] == [1, 1]
         assert sum(server.histogram) == 2
+
+
+def test_a_tables_weight_used_outside_its_modules_is_refused_at_the_push():
+    """A tied output layer reads the worker's copy of the table, which a parameter server's
+    table never updates: the dense gradient that use leaves is refused, naming the table."""
+    _, worker, server = _pair(nn.Embedding)
+    out = _lookup(worker, server, torch.tensor([1, 2]))
+    (out.sum() + (out @ worker.weight.t()).sum()).backward()  # a tied projection
+    assert not worker.weight.grad.is_sparse
+    shards = place([("w", worker.weight.detach())], 2, rp.ps.FixedShardsPartitioner(2))
+    table = SparseTable(worker.weight, shards, "t", worker)
+    with pytest.raises(ValueError, match="sparse table t has a dense gradient.*HINT"):
+        table.gradient_rows(worker.weight.grad, {})

@@ -51,7 +51,7 @@ class _PulledRows(torch.autograd.Function):
             summed.index_add_(0, grad._indices()[0], grad._values())
         else:
             summed = grad.contiguous()
-        indices = rows.reshape(1, -1)
+        indices = rows.reshape(1, -1).to(grad.device)  # rows are kept on the CPU
         made = ctx.table._coalesced
         made.append(indices)
         del made[:-64]  # backward passes without a push (gradients looked at, not stepped)
@@ -97,7 +97,7 @@ class SparseTable:
     def rows_to_pull(self, ids: torch.Tensor) -> RowsByServer:
         """The distinct rows ``ids`` looks up, grouped by server and shard (shard-local);
         an id outside the table raises ``IndexError`` as ``nn.Embedding`` does."""
-        flat = ids.detach().reshape(-1).to(torch.int64)
+        flat = ids.detach().reshape(-1).to("cpu", torch.int64)  # the row ids travel from here
         rows, inverse = torch.unique(flat, return_inverse=True)
         n = len(self.param)
         first, last = rows[[0, -1]].tolist() if rows.numel() else (0, 0)
@@ -107,7 +107,8 @@ class SparseTable:
                              f"of {n} rows")
         values = torch.empty((len(rows), *self.param.shape[1:]), dtype=self.param.dtype,
                              device=self.param.device)
-        self._lookup = _Lookup((), {}, ids, rows, inverse.reshape(ids.shape), values)
+        self._lookup = _Lookup((), {}, ids, rows, inverse.reshape(ids.shape).to(ids.device),
+                               values)
         self._slices = {}
         out: RowsByServer = {}
         for s, lo, hi in self._split(rows):
@@ -171,7 +172,7 @@ class SparseTable:
     def gradient_rows(self, grad: torch.Tensor, pulled: dict[int, int]
                       ) -> dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]:
         """A sparse gradient of the table as pushes per server: ``(shard id, version pulled,
-        values, shard-local rows)``; a dense gradient is cut into its nonzero rows."""
+        values, shard-local rows)``; a dense gradient is refused (see the error)."""
         made, self._coalesced = self._coalesced, []
         if grad.is_sparse and any(grad._indices() is i or (
                 grad._indices().data_ptr() == i.data_ptr() and grad._nnz() == i.shape[1])
@@ -181,8 +182,14 @@ class SparseTable:
             g = grad.coalesce()
             rows, values = g.indices()[0], g.values()
         else:
-            rows = torch.nonzero(grad.reshape(len(grad), -1).abs().sum(1)).reshape(-1)
-            values = grad.index_select(0, rows)
+            # only a use of the weight outside its embedding modules makes the gradient dense,
+            # and such a use read the worker's copy, which no lookup keeps up to date
+            raise ValueError(
+                f"the sparse table {self.name} has a dense gradient: its weight was used "
+                "outside its embedding modules (a tied output layer, a penalty on the weight), "
+                "and those uses read the worker's copy of the table, which stays as built on "
+                "a parameter server. HINT: use the table only through its nn.Embedding/"
+                "EmbeddingBag modules, or build it with sparse=False (it then travels whole).")
         out: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
         # every shard steps, as one device steps the whole table (momentum, Adam's step count),
         # also a shard none of whose rows were looked up (an empty gradient)
