@@ -157,6 +157,16 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
 
 
+#: Handles of optimizer hooks whose tracker was collected, removed at a safe point.
+_DEAD_HOOKS: list[Any] = []
+
+
+def _remove_dead_hooks() -> None:
+    """Remove the global optimizer hooks of collected trackers (outside any step)."""
+    while _DEAD_HOOKS:
+        _DEAD_HOOKS.pop().remove()
+
+
 class MemoryTracker:
     """What ``memory_report`` needs across steps (see the module doc). ``is_ours``: whether a
     parameter belongs to the strategy; ``samples``: how many runs to measure activations in
@@ -177,8 +187,12 @@ class MemoryTracker:
             if tracker is not None:
                 tracker.note(optimizer)
 
+        _remove_dead_hooks()
         self._hook = register_optimizer_step_pre_hook(noticed)
-        weakref.finalize(self, self._hook.remove)
+        # not removed by the finalizer itself: a collection can run inside an optimizer's
+        # step while it iterates over the global hooks, and removing one there raises
+        # "OrderedDict mutated during iteration"; a dead hook does nothing until then
+        weakref.finalize(self, _DEAD_HOOKS.append, self._hook)
 
     def note(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer``'s state when it holds one of the strategy's parameters."""
