@@ -46,12 +46,7 @@ from replicator.ps.claimed_data import ClaimedBatches
 from replicator.ps.client import Push, ServerClient
 from replicator.ps.partitioners import Partitioner, Shard, place
 from replicator.ps.server import ParameterServer
-from replicator.ps.sparse_tables import (
-    SparseTable,
-    check_no_max_norm,
-    is_sparse_table,
-    lookup_ids,
-)
+from replicator.ps.table_lookups import TableLookups
 from replicator.strategies.base import Strategy
 from replicator.strategies.replicas import ReplicaGroup
 
@@ -135,9 +130,6 @@ class ParameterServerStrategy(Strategy):
         self._sent_specs: dict[int, str] = {}             # id(optimizer) -> description
         self._sent_keys: dict[int, tuple[Any, ...]] = {}   # id(optimizer) -> its key then
         self._landings: dict[int, tuple[Any, torch.Tensor]] = {}  # shard id -> its rows
-        self._tables: dict[int, SparseTable] = {}          # id(parameter) -> sparse table
-        self._hooked: set[int] = set()                     # id(module) of hooked lookups
-        self._sparse_ids: set[int] = set()                 # shard ids of sparse tables
         self._task: list[int] | None = None                # [task id, pushes] in a function
         self._repeats = 0
         self._store = store
@@ -161,6 +153,9 @@ class ParameterServerStrategy(Strategy):
                                                            + num_ps)),
                                     self._rank, attempt, self._timeout, self._held_by,
                                     into=self._landing)
+        #: sparse tables: their modules' calls pull the rows they look up
+        self._lookups = TableLookups(self._client.pull_rows, self._pulled,
+                                     lambda: self._closed)
         on_shutdown(self._client.close)
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
@@ -295,56 +290,16 @@ class ParameterServerStrategy(Strategy):
             self._shards.append(s)
             self._params[s.shard_id] = p
             self._shards_of.setdefault(id(p), []).append(s)
-        self._find_tables(module)
+        self._lookups.find(module, self._shards_of)
         if self._rank == 0:
             initial: dict[int, list[tuple[int, torch.Tensor]]] = {}
             for s in shards:
                 rows = _rows(self._params[s.shard_id].detach())[s.start:s.end]
                 initial.setdefault(s.server, []).append((s.shard_id, rows.cpu().clone()))
-            self._client.register(initial, self._sparse_ids)
+            self._client.register(initial, self._lookups.sparse_ids)
         self._client.pull(self._expected(), self._receive)
         if self._shared_memory:
             self._client.share_memory(self._lane_sizes(), self._rank)
-
-    def _find_tables(self, module: torch.nn.Module) -> None:
-        """Sparse embedding tables (``sparse=True``) among the placed parameters: each call
-        pulls the rows it looks up and computes from them; pushed as rows
-        (:mod:`replicator.ps.sparse_tables`)."""
-        for name, sub in module.named_modules():
-            weight = getattr(sub, "weight", None)
-            if not is_sparse_table(sub) or weight is None or id(weight) not in self._shards_of \
-                    or id(sub) in self._hooked:
-                continue
-            check_no_max_norm(sub, name or "embedding")
-            self._hooked.add(id(sub))
-            table = self._tables.get(id(weight))
-            if table is None:  # every module looking the weight up computes from pulled rows
-                table = SparseTable(weight, self._shards_of[id(weight)], name or "embedding",
-                                    sub)
-                self._tables[id(weight)] = table
-                self._sparse_ids.update(s.shard_id for s in table.shards)
-            sub.register_forward_pre_hook(
-                lambda m, args, kwargs, t=table: self._pull_rows(t, args, kwargs, m),
-                with_kwargs=True)
-            sub.register_forward_hook(
-                lambda _m, _args, _out, t=table: t.finish() if t.pending else None)
-
-    def _pull_rows(self, table: SparseTable, args: tuple, kwargs: dict[str, Any],
-                   module: torch.nn.Module | None = None
-                   ) -> tuple[tuple, dict[str, Any]] | None:
-        ids = lookup_ids(args, kwargs)
-        if self._closed or ids is None:
-            table.cancel()
-            return None
-        wanted = table.rows_to_pull(ids)
-
-        def sink(sid: int, version: int, values: torch.Tensor) -> None:
-            table.store_rows(sid, values)
-            self._pulled[sid] = version
-
-        if wanted:
-            self._client.pull_rows(wanted, sink)
-        return table.begin(args, kwargs, module)
 
     #: Bytes kept in a lane, each way, for a sparse table's rows (more goes on the socket).
     _SPARSE_LANE_BYTES = 8 << 20
@@ -356,7 +311,7 @@ class ParameterServerStrategy(Strategy):
         push = {k: 0 for k in range(self._num_ps)}
         pull = {k: 0 for k in range(self._num_ps)}
         for s in self._shards:
-            if s.shard_id in self._sparse_ids:
+            if s.shard_id in self._lookups.sparse_ids:
                 budget = align(min(s.nbytes, self._SPARSE_LANE_BYTES))
                 push[s.server] += budget
                 pull[s.server] += budget
@@ -413,7 +368,7 @@ class ParameterServerStrategy(Strategy):
                 mine.append(p)
                 for s in shards:
                     group_of[s.shard_id] = gi
-                table = self._tables.get(id(p))
+                table = self._lookups.tables.get(id(p))
                 if table is not None and p.grad is not None:
                     for k, items in table.gradient_rows(p.grad.detach().cpu(),
                                                         self._pulled).items():
@@ -460,7 +415,7 @@ class ParameterServerStrategy(Strategy):
         return fn(*args, **kwargs)
 
     def _expected(self, everything: bool = False) -> dict[int, int]:
-        return {k: sum(s.server == k and (everything or s.shard_id not in self._sparse_ids)
+        return {k: sum(s.server == k and (everything or s.shard_id not in self._lookups.sparse_ids)
                        for s in self._shards) for k in range(self._num_ps)}
 
     @property
