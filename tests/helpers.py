@@ -1,6 +1,10 @@
-"""Small models and data shared by the tests (module level, so workers can import them)."""
+"""Small models and data shared by the tests, and the wait of a hung rank (module level, so
+workers can import them)."""
 
 from __future__ import annotations
+
+import os
+import time
 
 import torch
 import torch.nn as nn
@@ -42,3 +46,12 @@ def image_data(n: int = 640, seed: int = 0) -> torch.utils.data.TensorDataset:
     x = torch.randn(n, 1, 8, 8, generator=g)
     y = (x.mean((1, 2, 3)) * 10).long().clamp(-4, 5) + 4
     return torch.utils.data.TensorDataset(x, y)
+
+
+def hang(seconds: float, until: str | os.PathLike[str]) -> None:
+    """Stay away like a hung rank: ``seconds``, or less once the file ``until`` exists. The
+    rank that waits for this one writes it after it has given up, so the hang lasts past that
+    rank's timeout however slow the machine is, and no test sleeps out the rest."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not os.path.exists(until):
+        time.sleep(0.05)

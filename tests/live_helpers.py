@@ -23,13 +23,23 @@ def env() -> dict[str, str]:
             "REPLICATOR_LIVE_TIMEOUT_SECONDS": "20", "REPLICATOR_QUORUM_TIMEOUT_SECONDS": "120"}
 
 
+#: one_device's parameters by its arguments: the same arguments train the same bits, so
+#: tests that compare with the same run share one (made by the first of them).
+_ONE_DEVICE: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+
+
 def one_device(tmp: Path, args: list[str]) -> dict[str, torch.Tensor]:
-    out = tmp / "one_device"
-    out.mkdir()
-    full = dict(os.environ, **env())
-    subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--strategy", "one_device",
-                    *args], env=full, check=True, timeout=300, capture_output=True)
-    return torch.load(out / "final_g0.pt")
+    """The parameters the script trains to with ``args`` on one device (the reference)."""
+    key = tuple(args)
+    if key not in _ONE_DEVICE:
+        out = tmp / "one_device"
+        out.mkdir()
+        full = dict(os.environ, **env())
+        subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--strategy",
+                        "one_device", *args], env=full, check=True, timeout=300,
+                       capture_output=True)
+        _ONE_DEVICE[key] = torch.load(out / "final_g0.pt")
+    return {name: value.clone() for name, value in _ONE_DEVICE[key].items()}
 
 
 def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_replicas: int = 2,

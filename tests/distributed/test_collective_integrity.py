@@ -5,8 +5,8 @@ Collectives work on a sub-group."""
 from __future__ import annotations
 
 import sys
-import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from replicator.comm.collectives import Collectives
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import CollectiveMismatchError
 from replicator.testing import run_distributed
+from tests.helpers import hang
 
 
 def _caught(fn) -> dict:
@@ -184,7 +185,7 @@ def test_collectives_on_a_sub_group_use_group_ranks_and_name_global_ones():
         assert "barrier" in calls[1] and "all_reduce max" in calls[2]
 
 
-def _tracker_roles(_: int) -> dict:
+def _tracker_roles(gave_up: str) -> dict:
     from replicator.cluster.process_group import current_group, open_store_client
 
     rp.MirroredStrategy()
@@ -197,17 +198,19 @@ def _tracker_roles(_: int) -> dict:
     coll = Collectives.for_group(group, torch.device("cpu"), 3, tracker)
     coll.barrier()
     if rank == 2:  # the parameter server stays behind: rank 0 times out naming it
-        time.sleep(6)
+        hang(6, gave_up)  # 6 s, or until rank 0 has its error
         tracker.close()
         return {"tag": tracker.tag}
     res = _caught(lambda: coll.all_reduce(torch.ones(1), ReduceOp.SUM))
+    Path(gave_up).touch()
     tracker.close()
     return {"tag": tracker.tag, **res}
 
 
 @pytest.mark.timeout(120)
-def test_tracker_names_missing_ranks_by_global_rank_and_role():
-    r0, _, r2 = run_distributed(_tracker_roles, world_size=3, args=(0,), timeout_seconds=20)
+def test_tracker_names_missing_ranks_by_global_rank_and_role(tmp_path):
+    r0, _, r2 = run_distributed(_tracker_roles, world_size=3,
+                                args=(str(tmp_path / "gave_up"),), timeout_seconds=20)
     assert r0["tag"] == r2["tag"] == "r0-2"
     assert r0["kind"] == "ReplicaTimeoutError", r0
     assert "rank 2 (ps)" in r0["text"], r0["text"]

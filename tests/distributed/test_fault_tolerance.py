@@ -92,11 +92,10 @@ def _assert_same_run(reference: Path, out: Path) -> None:
         assert [e["loss"] for e in entries] == [e["loss"] for e in ref_entries]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("reference")
-    _run(root / "out", root / "backup", max_restarts=0)
-    return root / "out"
+@pytest.fixture
+def reference(backup_reference: Path) -> Path:
+    """The uninterrupted run (``_run`` with no fault), made once per session (conftest.py)."""
+    return backup_reference
 
 
 @pytest.mark.timeout(120)
@@ -245,20 +244,6 @@ def _run_sharded(out: Path, backup: Path, layout: str, *extra: str,
     run_script(SHARDED_SCRIPT, [str(out), str(backup), "--layout", layout, "--steps",
                                 str(SHARDED_STEPS), "--save-freq", "10", *extra],
                SHARDED_NPROC[layout], max_restarts=max_restarts, timeout_seconds=30.0)
-
-
-@pytest.fixture(scope="module")
-def sharded_reference(tmp_path_factory) -> dict[str, Path]:
-    refs: dict[str, Path] = {}
-
-    def get(layout: str) -> Path:
-        if layout not in refs:
-            root = tmp_path_factory.mktemp(f"sharded-{layout}")
-            _run_sharded(root / "out", root / "backup", layout, max_restarts=0)
-            refs[layout] = root / "out"
-        return refs[layout]
-
-    return get  # type: ignore[return-value]
 
 
 def _assert_same_sharded_run(reference: Path, out: Path, nproc: int) -> None:

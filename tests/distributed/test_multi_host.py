@@ -251,16 +251,17 @@ LOSS_STEPS, KILL_AT = 60, 30
 def _backup_run(net: Network, tmp: Path, name: str, port: int,
                 kill_host_at: int | None = None) -> dict[str, torch.Tensor]:
     """2 hosts x 2 processes of backup_train.py with --max-restarts 1; optionally every worker
-    of host 1 is killed (SIGKILL) once rank 2 has logged step ``kill_host_at``."""
+    of host 1 is killed (SIGKILL) once rank 2 has logged step ``kill_host_at`` (the steps of
+    that run are slowed, so that the kill lands near that step)."""
     out, backup = tmp / name, tmp / f"{name}-backup"  # one directory every host reads
     out.mkdir()
+    slow = ["--step-sleep", "0.03"] if kill_host_at is not None else []
     procs = [_start(net, h.index, [PY, "-m", "replicator.cli", "run", "--nnodes", "2",
                                    "--node-rank", str(h.index), "--master-addr",
                                    net.hosts[0].address, "--master-port", str(port),
                                    "--nproc-per-node", "2", "--max-restarts", "1",
                                    "--timeout", "30", BACKUP_TRAIN, str(out), str(backup),
-                                   "--steps", str(LOSS_STEPS), "--save-freq", "10",
-                                   "--step-sleep", "0.03"], tmp)
+                                   "--steps", str(LOSS_STEPS), "--save-freq", "10", *slow], tmp)
              for h in net.hosts]
     if kill_host_at is not None:
         log = out / "log-a0-r2.jsonl"

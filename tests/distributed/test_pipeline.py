@@ -4,6 +4,7 @@ splitting rules and errors."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from tests.distributed.model_parallel_models import (
     train,
     train_all,
 )
+from tests.helpers import hang
 
 CONFIGS = (("mlp", "sgd"), ("mlp", "adam"), ("transformer", "sgd"), ("transformer", "adam"))
 RUNS = (("gpipe", 4, CONFIGS), ("gpipe", 8, CONFIGS), ("1f1b", 4, CONFIGS),
@@ -248,51 +250,56 @@ def test_hugging_face_gpt2_under_pipeline_and_fsdp_equals_one_device():
 
 class _SleepInBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.seconds = seconds
+    def forward(ctx, x: torch.Tensor, seconds: float,  # type: ignore[override]
+                until: str) -> torch.Tensor:
+        ctx.seconds, ctx.until = seconds, until
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        time.sleep(ctx.seconds)
-        return grad, None
+        hang(ctx.seconds, ctx.until)
+        return grad, None, None
 
 
 class HungOnRank(torch.nn.Module):
-    """Identity whose first backward on global rank ``rank`` sleeps ``seconds`` (a stage whose
-    peer sees it hang)."""
+    """Identity whose first backward on global rank ``rank`` hangs for ``seconds``, or until
+    the file ``until`` exists (a stage whose peer sees it hang; see ``tests.helpers.hang``)."""
 
-    def __init__(self, rank: int, seconds: float) -> None:
+    def __init__(self, rank: int, seconds: float, until: str) -> None:
         super().__init__()
-        self.rank, self.seconds, self.slept = rank, seconds, False
+        self.rank, self.seconds, self.until, self.slept = rank, seconds, until, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if dist.get_rank() != self.rank or self.slept or not torch.is_grad_enabled():
             return x
         self.slept = True
-        return _SleepInBackward.apply(x, self.seconds)
+        return _SleepInBackward.apply(x, self.seconds, self.until)
 
 
-def _stage_hangs(_: int) -> tuple[str, str, float]:
+def _stage_hangs(gave_up: str) -> tuple[str, str, float]:
     strategy = rp.PipelineStrategy(num_stages=2, num_microbatches=2, schedule="gpipe",
                                    split_points=["1"])
     with strategy.scope():
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4),
-                                    HungOnRank(rank=1, seconds=12))
+                                    HungOnRank(rank=1, seconds=12, until=gave_up))
     start = time.monotonic()
     try:
         model(torch.randn(4, 4)).sum().backward()  # the schedule's step runs in backward
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return type(exc).__name__, str(exc), time.monotonic() - start
+    finally:
+        if dist.get_rank() == 0:
+            Path(gave_up).touch()  # the hung stage may stop hanging now
     return "", "no error", time.monotonic() - start
 
 
 @pytest.mark.timeout(90)
-def test_a_hung_stage_fails_its_peer_after_the_timeout_naming_the_ranks():
-    """Stage 1 (rank 1) sleeps 12 s in backward; rank 0, waiting in the schedule's step for
-    its gradients, fails after the 4 s timeout instead of hanging, naming both ranks and the
-    pass it was in."""
-    (kind, text, seconds), _ = run_distributed(_stage_hangs, 2, args=(0,), timeout_seconds=4)
+def test_a_hung_stage_fails_its_peer_after_the_timeout_naming_the_ranks(tmp_path):
+    """Stage 1 (rank 1) hangs in backward (12 s, or until rank 0 has failed); rank 0, waiting
+    in the schedule's step for its gradients, fails after the 4 s timeout instead of hanging,
+    naming both ranks and the pass it was in."""
+    (kind, text, seconds), _ = run_distributed(_stage_hangs, 2, args=(str(tmp_path / "gave_up"),),
+                                               timeout_seconds=4)
     assert kind == "ReplicaTimeoutError", (kind, text)
     assert "on rank 0" in text and "exchanging with rank 1" in text, text
     assert "gpipe schedule step (backward" in text and "waited 4 s" in text, text

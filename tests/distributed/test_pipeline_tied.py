@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from tests.distributed.model_parallel_models import (
     token_data,
     train,
 )
+from tests.helpers import hang
 
 WTE, HEAD = "transformer.wte.weight", "lm_head.weight"
 ATOL = 5e-5
@@ -188,18 +190,18 @@ def _tied_language_model() -> torch.nn.Sequential:
     return torch.nn.Sequential(embed, torch.nn.Linear(8, 8), head)
 
 
-def _tied_sum_hangs(_: int) -> tuple[str, str, float]:
+def _tied_sum_hangs(gave_up: str) -> tuple[str, str, float]:
     strategy = rp.PipelineStrategy(num_stages=2, num_microbatches=2, schedule="gpipe",
                                    split_points=["1"])
     with strategy.scope():
         model = _tied_language_model()
     runner = PipelineRunner.of(model)
     assert runner is not None
-    if dist.get_rank() == 1:  # rank 1 reaches the tied sum 12 s late
+    if dist.get_rank() == 1:  # rank 1 reaches the tied sum 12 s late, or once rank 0 failed
         original = runner.tied.sum_gradients
 
         def late(kept: list) -> None:
-            time.sleep(12)
+            hang(12, gave_up)
             original(kept)
 
         runner.tied.sum_gradients = late  # type: ignore[method-assign]
@@ -209,14 +211,19 @@ def _tied_sum_hangs(_: int) -> tuple[str, str, float]:
         model(x).sum().backward()
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return type(exc).__name__, str(exc), time.monotonic() - start
+    finally:
+        if dist.get_rank() == 0:
+            Path(gave_up).touch()  # the late holder may come now
     return "", "no error", time.monotonic() - start
 
 
 @pytest.mark.timeout(90)
-def test_a_hung_tied_weight_holder_is_named_after_the_timeout():
-    """Rank 1 reaches the sum of the tied gradients 12 s late; rank 0, waiting in it, fails
-    after the 4 s timeout naming the pass, the tied weight and rank 1."""
-    (kind, text, seconds), _ = run_distributed(_tied_sum_hangs, 2, args=(0,),
+def test_a_hung_tied_weight_holder_is_named_after_the_timeout(tmp_path):
+    """Rank 1 reaches the sum of the tied gradients late (12 s, or once rank 0 has failed);
+    rank 0, waiting in it, fails after the 4 s timeout naming the pass, the tied weight and
+    rank 1."""
+    (kind, text, seconds), _ = run_distributed(_tied_sum_hangs, 2,
+                                               args=(str(tmp_path / "gave_up"),),
                                                timeout_seconds=4)
     assert kind == "ReplicaTimeoutError", (kind, text)
     assert "sum of the gradients of tied weights on rank 0 with rank 1" in text, text

@@ -22,15 +22,15 @@ from safetensors.torch import load_file
 
 import replicator as rp
 from replicator.checkpoint import CheckpointManager, fault_points
-from replicator.cluster.launcher import run_script
 from replicator.errors import WorkerFailedError
 from replicator.resume import BackupAndRestore
 from replicator.testing import run_distributed
+
+# the script, steps and backups of the uninterrupted run shared with it (conftest.py)
+from tests.distributed.test_fault_tolerance import SAVE_FREQ, SCRIPT, STEPS
 from tests.helpers import make_mlp, regression_data
 from tests.s3_server import S3Server, s3_server  # noqa: F401 - a fixture
 
-SCRIPT = str(Path(__file__).resolve().parent.parent / "scripts" / "backup_train.py")
-STEPS, SAVE_FREQ = 100, 10
 #: Fail fast while the server hangs: one attempt, a few seconds (defaults are minutes).
 QUICK = {"retries": 1, "operation_timeout": 10,
          "config_kwargs": {"connect_timeout": 5, "read_timeout": 8,
@@ -42,12 +42,10 @@ def _final(out: Path, rank: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-def test_rank_killed_at_step_37_resumes_bit_identically_from_s3(s3_server, tmp_path):  # noqa: F811
+def test_rank_killed_at_step_37_resumes_bit_identically_from_s3(
+        s3_server, backup_reference, tmp_path):  # noqa: F811
     s3_server.make_bucket("kill")
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    run_script(SCRIPT, [str(ref), str(tmp_path / "ref-backup"), "--steps", str(STEPS),
-                        "--save-freq", str(SAVE_FREQ)], 2, max_restarts=0, timeout_seconds=30)
+    ref = backup_reference  # the same script, steps and backups, on local disk, uninterrupted
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "replicator.cli", "run", "--nproc", "2", "--max-restarts", "1",
@@ -78,9 +76,9 @@ def test_rank_killed_at_step_37_resumes_bit_identically_from_s3(s3_server, tmp_p
 def _train(url: str, steps: int, events: dict[str, int], server_pid: int, mirror: str | None,
            saver: str | None = None) -> dict:
     """Train an MLP for ``steps`` with backups every 5 steps at ``url``; ``events``: at which
-    step rank 0 pauses ("pause", before that save's uploads), resumes ("resume") or kills
-    ("kill") the S3 server, or makes its saver process die mid-upload ("saver_dies"), and
-    where the loop stops early ("stop")."""
+    step rank 0 pauses ("pause", before that save's uploads) or kills ("kill") the S3 server,
+    the first rank to get there resumes it ("resume"), or rank 0 makes its saver process die
+    mid-upload ("saver_dies"), and where the loop stops early ("stop")."""
     strategy = rp.MirroredStrategy()
     rank = strategy.replica_id
     data = strategy.distribute_dataset(regression_data(), batch_size=16, shuffle=True, seed=3)
@@ -98,7 +96,7 @@ def _train(url: str, steps: int, events: dict[str, int], server_pid: int, mirror
                 os.kill(server_pid, signal.SIGSTOP)
         fault_points.add_hook("before_write", pause)
     for step, (x, y) in backup.steps(data, num_steps=steps):
-        if rank == 0 and step == events.get("resume"):
+        if step == events.get("resume"):
             os.kill(server_pid, signal.SIGCONT)
         if rank == 0 and step == events.get("kill"):
             os.kill(server_pid, signal.SIGKILL)
@@ -121,7 +119,10 @@ def _train(url: str, steps: int, events: dict[str, int], server_pid: int, mirror
 def test_a_server_hung_during_a_save_is_logged_and_the_next_save_retries(
         s3_server, tmp_path):  # noqa: F811
     s3_server.make_bucket("hang")
-    events = {"pause": 10, "resume": 12}
+    # Both uploads of step 10 wait out the operation timeout; rank 1 then starts step 11 and
+    # resumes the server while rank 0 (the chief) still deletes the failed upload, which would
+    # otherwise wait out a second timeout on the paused server.
+    events = {"pause": 10, "resume": 11}
     results = run_distributed(_train, world_size=2,
                               args=("s3://hang/run", 20, events, s3_server.proc.pid, None),
                               timeout_seconds=60)

@@ -19,13 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from replicator.cluster.launcher import run_script
+# the script, steps and backups of the uninterrupted run shared with it (conftest.py)
+from tests.distributed.test_fault_tolerance import SAVE_FREQ, SCRIPT, STEPS
 from tests.hosts import namespaces_unavailable, virtual_hosts
 from tests.s3_server import CREDENTIALS
 
-SCRIPT = str(Path(__file__).resolve().parent.parent / "scripts" / "backup_train.py")
 PY = sys.executable
-STEPS, SAVE_FREQ, KILL_AFTER = 100, 10, 37
+KILL_AFTER = 37
 
 _WHY = namespaces_unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"no network namespaces: {_WHY}")
@@ -42,11 +42,8 @@ def _last_step(out: Path) -> int:
 
 
 @pytest.mark.timeout(400, method="signal")
-def test_a_killed_host_resumes_on_another_from_the_object_store(tmp_path):
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    run_script(SCRIPT, [str(reference), str(tmp_path / "ref-backup"), "--steps", str(STEPS),
-                        "--save-freq", str(SAVE_FREQ)], 2, max_restarts=0, timeout_seconds=30)
+def test_a_killed_host_resumes_on_another_from_the_object_store(backup_reference, tmp_path):
+    reference = backup_reference  # the same script, steps and backups, uninterrupted
     with virtual_hosts(3) as net:
         store = net.hosts[2]
         endpoint = f"http://{store.address}:9000"
@@ -68,8 +65,9 @@ def test_a_killed_host_resumes_on_another_from_the_object_store(tmp_path):
         out.mkdir()
         command = [PY, "-m", "replicator.cli", "run", "--nproc", "2", "--timeout", "30",
                    SCRIPT, str(out), "s3://hosts/run", "--steps", str(STEPS), "--save-freq",
-                   str(SAVE_FREQ), "--step-sleep", "0.05"]
+                   str(SAVE_FREQ)]
         # rank 0 stalls before step 38 (rank 1 waits for it), so the host dies at step 37
+        # however fast the steps run
         first = net.hosts[0].popen([*command, "--delay", f"0:{KILL_AFTER + 1}:1000"], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 200

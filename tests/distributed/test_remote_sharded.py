@@ -16,7 +16,6 @@ import torch
 
 from replicator.checkpoint.commit_objects import list_commits
 from replicator.checkpoint.store import RemoteStore
-from replicator.cluster.launcher import run_script
 from replicator.testing import run_distributed
 from tests.distributed.test_fault_tolerance import (
     SHARDED_SCRIPT,
@@ -55,13 +54,9 @@ def test_fsdp_saves_shards_to_s3_and_one_device_loads_them(s3_server):  # noqa: 
 
 @pytest.mark.timeout(400)
 def test_fsdp_rank_killed_resumes_from_s3_and_equals_the_uninterrupted_run(
-        s3_server, tmp_path):  # noqa: F811
+        s3_server, sharded_reference, tmp_path):  # noqa: F811
     s3_server.make_bucket("fsdp-kill")
-    reference = tmp_path / "ref"
-    reference.mkdir()
-    run_script(SHARDED_SCRIPT, [str(reference), str(tmp_path / "ref-backup"), "--layout",
-                                "fsdp", "--steps", str(SHARDED_STEPS), "--save-freq", "10"],
-               2, max_restarts=0, timeout_seconds=30.0)
+    reference = sharded_reference("fsdp")  # the same run on local disk, uninterrupted
     out = tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-m", "replicator.cli", "run", "--nproc", "2", "--max-restarts", "1",

@@ -27,9 +27,12 @@ from tests.live_helpers import one_device
 _WHY = namespaces_unavailable() or torchft_missing()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"cannot run: {_WHY}")
 
-#: 120 steps (3 epochs of 40 global batches of 24); slowed so a cut lands mid-run.
+#: 120 steps (3 epochs of 40 global batches of 24); slowed so the cut and the heal land
+#: mid-run, until group 1 has healed after the cut (the file HEALED): the steps after that
+#: run at full speed, both groups together.
 TRAIN_ARGS = ["--samples", "960", "--epochs", "3"]
-SLOW = ["--step-seconds", "0.4"]
+HEALED = "healed_after_the_cut"
+SLOW = ["--step-seconds", "0.4", "--slow-until", HEALED]
 LIGHTHOUSE_PORT = 29510  # inside host 0's own namespace: no other job can hold it
 
 
@@ -79,7 +82,12 @@ def test_a_cut_host_goes_on_without_its_peer_and_heals_when_the_link_returns(tmp
         cut_at = _progress(out, 0)
         _wait("host 0 to go on alone", lambda: _progress(out, 0) >= cut_at + 8, procs)
         assert _progress(out, 0) < 115, "host 0 nearly finished: the cut came too late"
+        back_at = _progress(out, 0)
         _link(net, 1, "up")
+        # group 1 commits nothing while cut off (the lighthouse is on host 0): it gets to host
+        # 0's step of the link's return only by healing from host 0
+        _wait("group 1 to heal after the cut", lambda: _progress(out, 1) >= back_at, procs)
+        (out / HEALED).write_text("1")
         texts = []
         for proc in procs:
             text, _ = proc.communicate(timeout=300)

@@ -4,7 +4,8 @@ An MLP trained with SGD or Adam (and an LR schedule) on a fixed synthetic regres
 through ``strategy.distribute_dataset(..., epochs=E)``. ``--kill-at-step S``: this process
 kills itself (SIGKILL) inside step ``S``, after backward and before the optimizer step, so the
 other groups' all-reduce of that step fails. Writes the committed step after every step to
-``progress_g<G>.txt`` and, at the end, the parameters to ``final_g<G>.pt``.
+``progress_g<G>.txt`` and, at the end, the parameters to ``final_g<G>.pt``. ``--step-seconds``
+slows every step (``--slow-until FILE``: only until FILE appears in the output folder).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def main() -> None:
     ap.add_argument("--backup", default="", help="loop with BackupAndRestore in this folder")
     ap.add_argument("--save-freq", type=int, default=5)
     ap.add_argument("--step-seconds", type=float, default=0.0)
+    ap.add_argument("--slow-until", default="",
+                    help="with --step-seconds: sleep in each step only until this file (in "
+                    "--out) exists, then train at full speed")
     ap.add_argument("--seed-by-group", action="store_true")
     ap.add_argument("--hold-at-step", type=int, default=-1)
     ap.add_argument("--hold-for", default="")
@@ -102,7 +106,7 @@ def main() -> None:
             if backup is not None:  # the backup due before the kill is on disk, however fast
                 backup.wait_for_save()
             os.kill(os.getpid(), signal.SIGKILL)
-        if a.step_seconds:
+        if a.step_seconds and not (a.slow_until and (out / a.slow_until).exists()):
             time.sleep(a.step_seconds)
         opt.step()
         opt.zero_grad()
