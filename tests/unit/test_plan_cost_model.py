@@ -174,6 +174,21 @@ def test_fsdp_cost_is_per_block_plus_per_byte_fitted_through_narrow_and_wide_blo
     assert MachineProfile.nominal().fsdp_block_seconds(2, 2.0) is None
 
 
+def test_fsdp_per_block_cost_moves_towards_the_narrow_adam_measurement():
+    """A sharded Adam step is a fixed cost per block (DTensor updates) that the narrow chain
+    measured with SGD does not see: with the narrow Adam figure, the per-block part moves
+    towards it with the optimizer's state, and the per-byte part is what is left."""
+    machine = MachineProfile.nominal()
+    machine.fsdp_unit, machine.fsdp_unit_adam = {2: 2e-3}, {2: 3e-3}
+    machine.fsdp_wide_sgd, machine.fsdp_wide_adam = {2: 4e-3}, {2: 9e-3}
+    machine.fsdp_wide_bytes = 1_000_288.0
+    assert machine.fsdp_block_seconds(2, 0.0) == pytest.approx((2e-3, 2e-9))  # SGD: as before
+    assert machine.fsdp_block_seconds(2, 2.0) == pytest.approx((3e-3, 6e-9))  # (9 - 3) ms / MB
+    assert machine.fsdp_block_seconds(2, 1.0) == pytest.approx((2.5e-3, 4e-9))
+    assert MachineProfile.from_json(machine.to_json()).fsdp_block_seconds(2, 2.0) == \
+        pytest.approx((3e-3, 6e-9))
+
+
 @pytest.mark.parametrize("device", ["cpu", "h100"])
 def test_central_storage_waits_at_one_more_collective_than_mirrored(device):
     """Gradients reduced onto one rank and parameters broadcast back: the bytes of one
@@ -191,3 +206,47 @@ def test_central_storage_waits_at_one_more_collective_than_mirrored(device):
         extra = machine.small_collective[n] if device == "cpu" else \
             ring_allreduce_seconds(8, n, c.device.intra_bandwidth, c.device.intra_alpha)
         assert central - mirrored == pytest.approx(extra, rel=1e-6)
+
+
+def test_a_short_synchronous_step_waits_for_a_rank_not_yet_scheduled():
+    """With more busy processes than cores a step's collectives wait for a rank the scheduler
+    has not run: the measured wait per step, when it is more than the compute-proportional
+    straggler wait (one per step, not one per collective); none for FSDP (its measured
+    per-block cost holds it), nor for one rank, nor with no more processes than cores."""
+    machine = MachineProfile.nominal()
+    assert machine.cores == 2
+    machine.straggle = {1: 1.0, 2: 1.1, 3: 1.3, 4: 1.2}
+    machine.sync_wait = {2: 2e-4, 3: 2e-3, 4: 1e-3}
+    assert machine.sync_wait_for(1) == 0.0
+    assert machine.sync_wait_for(3) == 2e-3
+    assert machine.sync_wait_for(8) == 1e-3  # beyond the measured counts: the nearest
+    assert MachineProfile.from_json(machine.to_json()).sync_wait == machine.sync_wait
+    without = MachineProfile.nominal()
+    without.straggle = machine.straggle
+
+    def comm(m: ModelProfile, prof: MachineProfile, strategy: str = "mirrored") -> float:
+        c = Cluster(get_device("cpu"), parse_link("25gbit"), prof, 4)  # 3 processes on a host
+        return predict(strategy, 3, m, c).breakdown["communication"]
+
+    short = ModelProfile(name="s", params=1000, global_batch=96, param_bytes=4e3, grad_bytes=4e3,
+                         optimizer_state_bytes=8e3, activation_bytes_per_sample=10,
+                         largest_tensor_bytes=4e3, weight_tensors=2, measured=False,
+                         flops_per_sample=1e3)
+    assert comm(short, machine) - comm(short, without) == pytest.approx(
+        2e-3 - 0.3 * _compute_seconds(short, machine), rel=1e-6)
+    # a long step: its straggler wait (30% of its compute) is already more than 2 ms
+    long = ModelProfile(name="l", params=1000, global_batch=96, param_bytes=4e3, grad_bytes=4e3,
+                        optimizer_state_bytes=8e3, activation_bytes_per_sample=10,
+                        largest_tensor_bytes=4e3, weight_tensors=2, measured=False,
+                        flops_per_sample=1e10)
+    assert comm(long, machine) == pytest.approx(comm(long, without))
+    assert comm(short, machine, "fsdp") == pytest.approx(comm(short, without, "fsdp"))
+    two = Cluster(get_device("cpu"), parse_link("25gbit"), machine, 4)
+    two_without = Cluster(get_device("cpu"), parse_link("25gbit"), without, 4)
+    assert predict("mirrored", 2, short, two).step_seconds == pytest.approx(
+        predict("mirrored", 2, short, two_without).step_seconds)  # 2 processes, 2 cores
+
+
+def _compute_seconds(m: ModelProfile, machine: MachineProfile) -> float:
+    c = Cluster(get_device("cpu"), parse_link("25gbit"), machine, 4)
+    return predict("mirrored", 3, m, c).breakdown["compute"]

@@ -408,8 +408,13 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
             comm += _one_more_collective(c, n)
         overhead = _sync_overhead(c, n)
     if c.device.is_cpu and strategy in ("mirrored", "central_storage", "fsdp") and busy > 1:
-        # a synchronous step waits at its collectives for the slowest rank (measured here)
-        comm += compute * (c.machine.straggle_for(busy) - 1.0)
+        # a synchronous step waits at its collectives for the slowest rank (measured here):
+        # in proportion to its compute, and, with more busy processes than cores, at least
+        # for a rank the scheduler has not run yet (a short step's wait; FSDP's per-block
+        # cost was measured under as many processes, its waits included)
+        oversubscribed = busy > c.machine.cores and strategy != "fsdp"
+        comm += max(compute * (c.machine.straggle_for(busy) - 1.0),
+                    c.machine.sync_wait_for(busy) if oversubscribed else 0.0)
     overhead += _small_collectives(m, c, n)
     optimizer = _optimizer(m, c, opt_share, busy)
     input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch)

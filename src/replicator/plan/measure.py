@@ -5,15 +5,19 @@
   much later the slowest of them finishes a step-sized piece of work than the average one
   (what a synchronous step waits for);
 * all-reduce cost per algorithm through the comm room (``SharedMemoryAllReduce`` on buffers it
-  made, as the gradient buckets are; gloo's own; the hand ring) at 2 and 4 processes, fitted
+  made, as the gradient buckets are; gloo's own; the hand ring) at 2, 3 and 4 processes, fitted
   as ``a + b * bytes``;
 * the gradient engine's fixed cost per backward pass and one ``strategy.reduce`` of a scalar
-  (``MirroredStrategy`` on a tiny model), point-to-point send/recv (pipeline stages), and a
-  parameter server's push + pull round trip;
+  (``MirroredStrategy`` on a tiny model), and how much longer the sync takes after a
+  millisecond of compute on every rank (with more processes than cores a step's first
+  collective waits for a rank not yet scheduled),
+  point-to-point send/recv (pipeline stages), and a parameter server's push + pull round
+  trip with two workers computing between steps;
 * what ``FSDPStrategy`` costs per sharded block and ``PipelineStrategy`` per microbatch slot
   beyond the compute, on a tiny model of 4 blocks (torch's FSDP2 and pipelining engines on
   gloo: gathers, copies, hooks, the schedule's bookkeeping); FSDP again on blocks of
-  ``WIDE x WIDE`` (1 MB each) with SGD and with Adam, for its cost per byte of a block;
+  ``WIDE x WIDE`` (1 MB each), both with SGD and with Adam, for its cost per block and per
+  byte as the optimizer's state weighs them;
 * the input pipeline's fixed cost per batch (``distribute_dataset`` of tiny samples);
 * the memory of a bare worker process, RAM and cores.
 
@@ -249,9 +253,17 @@ def _local_backward_seconds(width: int, rows: int, bias: bool = True) -> float:
     return _median_time(local, 7, 10)
 
 
-def _engine_overheads(t_local: float) -> tuple[float, float]:
-    """(gradient-sync cost per backward pass, one strategy.reduce of a scalar), seconds;
-    ``t_local``: the same pass without a strategy."""
+def _engine_overheads(t_local: float, work_seconds: float = 1e-3
+                      ) -> tuple[float, float, float]:
+    """(gradient-sync cost per backward pass, one strategy.reduce of a scalar, the wait for
+    the last rank per step), seconds; ``t_local``: the same pass without a strategy.
+
+    The first two are called back to back (every rank idle in the collective). The wait is
+    what the same sync costs more after ``work_seconds`` of compute on every rank, as a
+    training loop calls it: with more busy processes than cores a step's first collective
+    waits for a rank the scheduler has not run yet (measured here with 3-4 processes on 2
+    cores: 1.2-2.5 ms against 0.4-0.7 ms back to back); the step's later collectives find
+    every rank awake."""
     import replicator as rp
 
     strategy = rp.MirroredStrategy()
@@ -259,9 +271,17 @@ def _engine_overheads(t_local: float) -> tuple[float, float]:
     with strategy.scope():
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
+    iterations = _busy_work(work_seconds)[1] if work_seconds > 0 else 0
+
+    def work() -> None:
+        _busy_work(iterations=iterations)
 
     def synced() -> None:
         model(x).sum().backward()
+
+    def busy_then_synced() -> None:
+        work()
+        synced()
 
     for _ in range(5):
         synced()
@@ -269,7 +289,13 @@ def _engine_overheads(t_local: float) -> tuple[float, float]:
     value = torch.tensor(1.0)
     strategy.reduce("mean", value)
     t_reduce = _median_time(lambda: strategy.reduce("mean", value), 7, 10)
-    return max(0.0, t_sync - t_local), t_reduce
+    wait = 0.0
+    if iterations:
+        strategy.barrier()
+        t_work = _median_time(work, 7, 10)  # every rank busy at once, as below
+        strategy.barrier()
+        wait = max(0.0, _median_time(busy_then_synced, 7, 10) - t_work - t_sync)
+    return max(0.0, t_sync - t_local), t_reduce, wait
 
 
 #: Width of the wide blocks FSDP's per-byte cost is measured on (1 MB of weights each).
@@ -355,6 +381,7 @@ def _worker_two(world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     t_local = _local_backward_seconds(8, 8)
     t_chain = _local_step_seconds()
+    t_chain_adam = _local_step_seconds(optimizer="adam")
     t_wide = {kind: _local_step_seconds(width=WIDE, optimizer=kind) for kind in ("sgd", "adam")}
     strategy = rp.MirroredStrategy()  # starts the process group
     import torch.distributed as dist
@@ -364,12 +391,16 @@ def _worker_two(world: int) -> dict[str, Any]:
     out["contention"], out["straggle"] = _contention(rank, world)
     torch.set_num_threads(1)
     out["allreduce"] = _allreduce_curves(world)
-    out["sync"], out["reduce"] = _engine_overheads(t_local)
+    out["sync"], out["reduce"], out["sync_wait"] = _engine_overheads(t_local)
     if world == 2:
         out["p2p"] = _p2p(rank)
     strategy.barrier()
     strategy.close()  # a strategy refuses gradients of models it does not own: one at a time
     out["fsdp_unit"] = _strategy_step_overhead("fsdp", t_chain) / 4
+    # with Adam: a sharded optimizer step runs on DTensors, a fixed cost per block that
+    # SGD's single update hides (the wide blocks alone would spread it over their bytes)
+    out["fsdp_unit_adam"] = _strategy_step_overhead("fsdp", t_chain_adam,
+                                                    optimizer="adam") / 4
     # the same blocks 64x wider: FSDP's cost per byte of a block (gathers, reduce-scatters,
     # copies), with SGD and with Adam (the sharded optimizer step on DTensors)
     out["fsdp_wide"] = {kind: _strategy_step_overhead("fsdp", t_wide[kind], width=WIDE,
@@ -380,12 +411,17 @@ def _worker_two(world: int) -> dict[str, Any]:
     return out
 
 
-def _ps_worker() -> dict[str, Any] | None:
-    """Round trip of ``optimizer.step()`` on a parameter server, small and large models."""
+def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
+    """Round trip of ``optimizer.step()`` on a parameter server, small and large models:
+    two workers, each step after ``work_seconds`` of compute (a loop's forward and backward),
+    so that the server, woken by a push, competes for the cores with busy workers as it does
+    in training (measured here: 1.4-2x the round trip of one worker's back-to-back steps,
+    0.5-0.6 -> 0.7-1.0 ms for 1 kB, 0.5-0.8 -> 1.3 ms for 1 MB)."""
     import replicator as rp
 
     widths = (16, 512)
     local = {w: _local_backward_seconds(w, 4, bias=False) for w in widths}
+    iterations = _busy_work(work_seconds)[1] if work_seconds > 0 else 0
     strategy = rp.ParameterServerStrategy(num_ps=1)  # a server serves here and never returns
     points = []
     for width in widths:
@@ -394,18 +430,25 @@ def _ps_worker() -> dict[str, Any] | None:
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
         x = torch.randn(4, width)
 
+        def work() -> None:
+            if iterations:
+                _busy_work(iterations=iterations)
+
         def step(m: torch.nn.Module = model, o: torch.optim.Optimizer = opt,
                  inp: torch.Tensor = x) -> None:
+            work()
             m(inp).sum().backward()
             o.step()
             o.zero_grad()
 
+        step()
+        t_work = _median_time(work, 5, 5)  # the other worker is busy meanwhile too
         t_all = _median_time(step, 5, 5)
-        points.append([float(width * width * 4), max(0.0, t_all - local[width])])
+        points.append([float(width * width * 4), max(0.0, t_all - t_work - local[width])])
     return {"ps": points}
 
 
-def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] = (2, 4)
+def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] = (2, 3, 4)
                     ) -> MachineProfile:
     """Measure this machine (see the module doc); ``log`` gets one line per part."""
     from replicator.cluster import launch
@@ -424,7 +467,9 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
             fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
             profile.allreduce.setdefault(name, {})[world] = fit
         profile.sync_overhead[world] = result["sync"]
+        profile.sync_wait[world] = result["sync_wait"]
         profile.fsdp_unit[world] = result["fsdp_unit"]
+        profile.fsdp_unit_adam[world] = result["fsdp_unit_adam"]
         profile.fsdp_wide_sgd[world] = result["fsdp_wide"]["sgd"]
         profile.fsdp_wide_adam[world] = result["fsdp_wide"]["adam"]
         profile.fsdp_wide_bytes = float(WIDE * (WIDE + 1) * 4)
@@ -437,7 +482,7 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
         if world == worlds[0]:
             profile.process_rss_bytes = result["rss"]
     log("measuring a parameter-server round trip ...")
-    ps = launch(_ps_worker, num_replicas=2, num_ps=1)[0]
+    ps = launch(_ps_worker, num_replicas=3, num_ps=1)[0]  # two workers, one server
     if ps:
         pts = ps["ps"]
         profile.ps_round_trip = AlphaBeta.fit([p[0] for p in pts], [p[1] for p in pts])

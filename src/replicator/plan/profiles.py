@@ -164,8 +164,12 @@ class MachineProfile:
     straggle: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     allreduce: dict[str, dict[int, AlphaBeta]] = field(default_factory=dict)
     sync_overhead: dict[int, float] = field(default_factory=dict)
+    #: per step, a synchronous step's wait for its last rank beyond the collectives' own
+    #: cost, measured after compute on every rank (processes > cores: a rank not yet run)
+    sync_wait: dict[int, float] = field(default_factory=dict)
     small_collective: dict[int, float] = field(default_factory=dict)
     fsdp_unit: dict[int, float] = field(default_factory=dict)
+    fsdp_unit_adam: dict[int, float] = field(default_factory=dict)
     fsdp_wide_sgd: dict[int, float] = field(default_factory=dict)
     fsdp_wide_adam: dict[int, float] = field(default_factory=dict)
     fsdp_wide_bytes: float = FSDP_WIDE_BYTES
@@ -202,6 +206,13 @@ class MachineProfile:
         if processes in self.straggle:
             return self.straggle[processes]
         return self.straggle[max(self.straggle)]
+
+    def sync_wait_for(self, processes: int) -> float:
+        """A synchronous step's wait for its last rank with ``processes`` busy ones (the
+        nearest measured count; 0 for one rank or without the measurement)."""
+        if processes <= 1 or not self.sync_wait:
+            return 0.0
+        return self.sync_wait[min(self.sync_wait, key=lambda k: (abs(k - processes), -k))]
 
     def allreduce_seconds(self, algorithm: str, nbytes: float, world: int) -> float:
         """All-reduce time of ``nbytes`` over ``world`` ranks of this host: the measured line
@@ -240,10 +251,13 @@ class MachineProfile:
         0 for SGD, 2 for Adam). ``None`` without the wide measurements."""
         if not (self.fsdp_unit and self.fsdp_wide_sgd):
             return None
+        towards_adam = min(max(state_ratio, 0.0), 2.0) / 2
         narrow = self.per_world(self.fsdp_unit, world)
+        if self.fsdp_unit_adam:  # a sharded optimizer's fixed cost per block (DTensor steps)
+            narrow += (self.per_world(self.fsdp_unit_adam, world) - narrow) * towards_adam
         sgd = self.per_world(self.fsdp_wide_sgd, world)
         adam = self.per_world(self.fsdp_wide_adam, world) if self.fsdp_wide_adam else sgd
-        wide = sgd + (adam - sgd) * min(max(state_ratio, 0.0), 2.0) / 2
+        wide = sgd + (adam - sgd) * towards_adam
         per_byte = max(0.0, (wide - narrow) / max(self.fsdp_wide_bytes - FSDP_NARROW_BYTES, 1.0))
         return narrow, per_byte
 
@@ -286,8 +300,10 @@ class MachineProfile:
             allreduce={name: {int(k): AlphaBeta(*v) for k, v in table.items()}
                        for name, table in data.get("allreduce", {}).items()},
             sync_overhead=ints(data.get("sync_overhead", {})),
+            sync_wait=ints(data.get("sync_wait", {})),
             small_collective=ints(data.get("small_collective", {})),
             fsdp_unit=ints(data.get("fsdp_unit", {})),
+            fsdp_unit_adam=ints(data.get("fsdp_unit_adam", {})),
             fsdp_wide_sgd=ints(data.get("fsdp_wide_sgd", {})),
             fsdp_wide_adam=ints(data.get("fsdp_wide_adam", {})),
             fsdp_wide_bytes=float(data.get("fsdp_wide_bytes", FSDP_WIDE_BYTES)),
@@ -308,8 +324,10 @@ class MachineProfile:
             "straggle": self.straggle,
             "allreduce": {name: {k: [ab.a, ab.b] for k, ab in table.items()}
                           for name, table in self.allreduce.items()},
-            "sync_overhead": self.sync_overhead, "small_collective": self.small_collective,
-            "fsdp_unit": self.fsdp_unit, "fsdp_wide_sgd": self.fsdp_wide_sgd,
+            "sync_overhead": self.sync_overhead, "sync_wait": self.sync_wait,
+            "small_collective": self.small_collective,
+            "fsdp_unit": self.fsdp_unit, "fsdp_unit_adam": self.fsdp_unit_adam,
+            "fsdp_wide_sgd": self.fsdp_wide_sgd,
             "fsdp_wide_adam": self.fsdp_wide_adam, "fsdp_wide_bytes": self.fsdp_wide_bytes,
             "pipeline_slot": self.pipeline_slot,
             "flops_per_second": self.flops_per_second,
