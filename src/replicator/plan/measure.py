@@ -21,7 +21,7 @@
 * the input pipeline's fixed cost per batch (``distribute_dataset`` of tiny samples);
 * the memory of a bare worker process, RAM and cores.
 
-Each measurement runs in worker processes of ``rp.launch``; the whole takes 20-40 s.
+Each measurement runs in worker processes of ``rp.launch``; the whole takes about a minute.
 """
 
 from __future__ import annotations

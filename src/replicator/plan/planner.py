@@ -158,7 +158,7 @@ def load_machine(out_dir: str = "bench", *, remeasure: bool = False,
         return cached
     from replicator.plan.measure import measure_machine
 
-    log("measuring this machine once (20-80 s; cached in "
+    log("measuring this machine once (about a minute; cached in "
         f"{Path(out_dir) / 'machine.json'}) ...")
     machine = measure_machine(log=log)
     save_json(Path(out_dir) / "machine.json", machine.to_json())
