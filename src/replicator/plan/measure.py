@@ -89,6 +89,19 @@ def _busy_work(seconds_alone: float | None = None, iterations: int = 0) -> tuple
     return time.perf_counter() - t0, iterations
 
 
+def _compute_piece(seconds: float) -> Callable[[], None] | None:
+    """A callable doing about ``seconds`` of one thread's compute (a training loop's forward
+    and backward between two collectives); ``None`` for no compute."""
+    if seconds <= 0:
+        return None
+    iterations = _busy_work(seconds)[1]
+
+    def work() -> None:
+        _busy_work(iterations=iterations)
+
+    return work
+
+
 def _single_thread_rates() -> tuple[float, float]:
     """(matmul FLOP/s, copy bytes/s) of one thread: for models known only by their size."""
     threads = torch.get_num_threads()
@@ -271,17 +284,10 @@ def _engine_overheads(t_local: float, work_seconds: float = 1e-3
     with strategy.scope():
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
-    iterations = _busy_work(work_seconds)[1] if work_seconds > 0 else 0
-
-    def work() -> None:
-        _busy_work(iterations=iterations)
+    work = _compute_piece(work_seconds)
 
     def synced() -> None:
         model(x).sum().backward()
-
-    def busy_then_synced() -> None:
-        work()
-        synced()
 
     for _ in range(5):
         synced()
@@ -290,7 +296,13 @@ def _engine_overheads(t_local: float, work_seconds: float = 1e-3
     strategy.reduce("mean", value)
     t_reduce = _median_time(lambda: strategy.reduce("mean", value), 7, 10)
     wait = 0.0
-    if iterations:
+    if work is not None:
+        busy = work
+
+        def busy_then_synced() -> None:
+            busy()
+            synced()
+
         strategy.barrier()
         t_work = _median_time(work, 7, 10)  # every rank busy at once, as below
         strategy.barrier()
@@ -421,7 +433,7 @@ def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
 
     widths = (16, 512)
     local = {w: _local_backward_seconds(w, 4, bias=False) for w in widths}
-    iterations = _busy_work(work_seconds)[1] if work_seconds > 0 else 0
+    work = _compute_piece(work_seconds) or (lambda: None)
     strategy = rp.ParameterServerStrategy(num_ps=1)  # a server serves here and never returns
     points = []
     for width in widths:
@@ -429,10 +441,6 @@ def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
             model = torch.nn.Linear(width, width, bias=False)
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
         x = torch.randn(4, width)
-
-        def work() -> None:
-            if iterations:
-                _busy_work(iterations=iterations)
 
         def step(m: torch.nn.Module = model, o: torch.optim.Optimizer = opt,
                  inp: torch.Tensor = x) -> None:
