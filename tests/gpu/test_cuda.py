@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -210,3 +211,47 @@ def test_trainer_backup_on_nccl_resumes_to_the_uninterrupted_result(tmp_path):
     (resumed,) = run_distributed(_fit, world_size=1, args=(str(tmp_path / "run"), None))
     for key, value in reference["state"].items():
         assert torch.equal(value, resumed["state"][key]), key
+
+
+def test_bench_on_cuda_times_the_device_work_and_reports_gpu_memory(tmp_path):
+    """A GPU kernel runs after the call that queued it returns: timed without synchronizing,
+    ``bench``'s compute would be launch time and the step's real cost would land in whatever
+    part waited next. Its step must match the same step timed here, synchronized."""
+    from pathlib import Path
+
+    from replicator.plan.benchmark import bench_script
+
+    width, batch = 8192, 1024  # ~0.4 TFLOP a step: milliseconds on the GPU, not launches
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_tiny.py"
+    report = bench_script(str(script), ["--width", str(width), "--batch", str(batch)],
+                          nproc="1", strategies="one_device", steps=8, warmup=2,
+                          out_dir=str(tmp_path), quiet=True)
+    (result,) = report.results
+    assert result.ok, result.error
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(),
+                                torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                torch.nn.Linear(width, 2)).cuda()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(batch, 16, device="cuda"), torch.randint(0, 2, (batch,), device="cuda")
+    times = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    reference = float(np.median(times[2:]))
+
+    b = result.breakdown
+    assert sum(b.values()) == pytest.approx(result.step_seconds, rel=0.10)
+    # unsynchronized, compute would be launch time and the rest would move to the input part
+    assert 0.7 < (b["compute"] + b["optimizer"]) / reference < 1.6, (b, reference)
+    assert b["optimizer"] > 0.05 * reference  # Adam streams 4 copies of 268 MB of weights
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    (device_peak,) = result.peak_device
+    assert device_peak >= 4 * param_bytes  # weights, gradients and Adam's two moments
+    assert "(GPU " in (tmp_path / "report.md").read_text()

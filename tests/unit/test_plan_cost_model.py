@@ -1,5 +1,6 @@
 """The planner's formulas against hand-computed cases, and its memory arithmetic."""
 
+import dataclasses
 import math
 
 import pytest
@@ -250,3 +251,18 @@ def test_a_short_synchronous_step_waits_for_a_rank_not_yet_scheduled():
 def _compute_seconds(m: ModelProfile, machine: MachineProfile) -> float:
     c = Cluster(get_device("cpu"), parse_link("25gbit"), machine, 4)
     return predict("mirrored", 3, m, c).breakdown["compute"]
+
+
+def test_an_fp32_model_on_a_gpu_runs_at_the_fp32_or_tf32_rate_not_the_half_precision_one():
+    # measured on an H100: a float32 MLP's step ran at ~50 TFLOP/s, a twentieth of the bf16 peak
+    h100 = get_device("h100")
+    half = ModelProfile.from_parameter_count(1e9, global_batch=64)
+    fp32 = dataclasses.replace(half, compute_precision="fp32", tf32_fraction=0.0)
+    conv = dataclasses.replace(fp32, tf32_fraction=0.5)
+    t = {m.compute_precision + str(m.tf32_fraction):
+         predict("one_device", 1, m, _cluster("h100")).breakdown["compute"]
+         for m in (half, fp32, conv)}
+    assert t["half0.0"] == pytest.approx(6e9 * 64 / (989e12 * h100.mfu))
+    assert t["fp320.0"] == pytest.approx(6e9 * 64 / (67e12 * h100.mfu))
+    # half the FLOPs at 494 TFLOP/s, half at 67: the times add, not the rates
+    assert t["fp320.5"] == pytest.approx(6e9 * 64 * (0.5 / 494e12 + 0.5 / 67e12) / h100.mfu)

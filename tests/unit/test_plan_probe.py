@@ -61,3 +61,39 @@ def test_slice_batch_cuts_every_tensor_with_the_batch_dimension():
     out = slice_batch((batch, [torch.zeros(8, 2)]), 2, 8)
     assert out[0]["x"].shape == (2, 3) and out[0]["y"].shape == (2,)
     assert out[0]["w"].shape == (3,) and out[1][0].shape == (2, 2)
+
+
+def _precision_of(model, x, autocast=False):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from replicator.plan.probe import _precision, _SavedBytes
+
+    saved = _SavedBytes({p.untyped_storage().data_ptr() for p in model.parameters()})
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(x).float().sum().backward()
+    return _precision(saved.floating, counter)
+
+
+def test_the_probe_tells_mixed_precision_from_fp32_and_counts_the_tf32_convolutions():
+    """A GPU plan picks the datasheet's bf16, TF32 or fp32 rate from these (a float32 model
+    planned at the bf16 peak was predicted 9x too fast on an H100)."""
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(),
+                               torch.nn.Linear(8 * 6 * 6, 4))
+    x = torch.randn(5, 3, 8, 8)
+    old = torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision()
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("highest")
+        fp32 = _precision_of(conv, x)
+        assert fp32["compute_precision"] == "fp32" and 0.3 < fp32["tf32_fraction"] < 1.0
+        torch.set_float32_matmul_precision("high")  # matmuls may use TF32 too
+        assert _precision_of(conv, x)["tf32_fraction"] == pytest.approx(1.0)
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        assert _precision_of(conv, x)["tf32_fraction"] == 0.0
+        assert _precision_of(conv, x, autocast=True)["compute_precision"] == "half"
+    finally:
+        torch.backends.cudnn.allow_tf32 = old[0]
+        torch.set_float32_matmul_precision(old[1])

@@ -190,13 +190,13 @@ class Collectives:
     def guard(self, what: str) -> Iterator[int]:
         """Count ``what`` as one collective and translate the backend's failures."""
         seq = self.tracker.enter(what)
-        started = timing.start()  # time spent waiting here, when the timers are on
+        started = timing.start(self.device)  # time spent waiting here, when timers are on
         try:
             yield seq
         except (RuntimeError, ReplicaTimeoutError) as exc:
             raise self.translate(exc, seq, what) from exc
         finally:
-            timing.stop(started)
+            timing.stop(started, self.device)
 
     def translate(self, exc: BaseException, seq: int, what: str) -> Exception:
         text = str(exc).lower()

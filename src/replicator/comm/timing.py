@@ -8,6 +8,11 @@ engine's bucket launches and waits) adds its wall time on the main thread to ``e
 the training loop stood still for communication. Work that runs on a communication thread while
 backward goes on is added to ``background`` by the thread that ran it, so ``background -
 waited`` is what overlapped with compute. Nested guarded calls count once.
+
+On a CUDA device the collectives are queued on the device and return before they run, so a
+timed call given its ``device`` synchronizes it before (the compute queued earlier is not
+communication) and after (the collective itself is): the timers then cost the overlap of NCCL
+work with compute, which is why they are off outside ``bench``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+
+import torch
 
 __all__ = ["ENV", "CommTime", "add_background", "enable", "enabled", "reset", "snapshot",
            "start", "stop"]
@@ -64,17 +71,26 @@ def enabled() -> bool:
     return _enabled
 
 
-def start() -> float | None:
+def _synchronize(device: torch.device | None) -> None:
+    """Wait for the work queued on a CUDA ``device`` (nothing to wait for elsewhere)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def start(device: torch.device | None = None) -> float | None:
     """Mark the start of a collective; pass the result to :func:`stop`. ``None`` when the
     timers are off or a guarded call is already open on this thread (it counts once)."""
     if not (_enabled if _enabled is not None else enabled()):
         return None
     depth = getattr(_local, "depth", 0)
     _local.depth = depth + 1
-    return time.perf_counter() if depth == 0 else None
+    if depth:
+        return None
+    _synchronize(device)
+    return time.perf_counter()
 
 
-def stop(token: float | None) -> None:
+def stop(token: float | None, device: torch.device | None = None) -> None:
     """End the collective started by :func:`start` (safe with ``None``)."""
     global _exposed, _calls, _background, _background_calls
     if token is None and not (_enabled if _enabled is not None else enabled()):
@@ -83,6 +99,7 @@ def stop(token: float | None) -> None:
     _local.depth = max(0, depth - 1)
     if token is None:
         return
+    _synchronize(device)
     elapsed = time.perf_counter() - token
     with _lock:
         if threading.current_thread() is threading.main_thread():

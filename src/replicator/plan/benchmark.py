@@ -132,6 +132,7 @@ class SettingResult:
     breakdown: dict[str, float] = field(default_factory=dict)
     overlapped: float = 0.0
     peak_rss: list[float] = field(default_factory=list)
+    peak_device: list[float] = field(default_factory=list)  # GPU memory allocated; 0: CPU
     batch: float = 0.0
     comm_timing: bool = True
     log_dir: str = ""
@@ -162,7 +163,9 @@ def _class_key(name: str) -> str:
 def summarize(setting: Setting, ranks: list[dict[str, Any]]) -> SettingResult:
     """Combine the ranks' records into one result (or an error saying what went wrong)."""
     workers = [r for r in ranks if r.get("records")]
-    rss = [float(r.get("peak_rss_bytes", 0)) for r in sorted(ranks, key=lambda r: r["rank"])]
+    by_rank = sorted(ranks, key=lambda r: r["rank"])
+    rss = [float(r.get("peak_rss_bytes", 0)) for r in by_rank]
+    device = [float(r.get("peak_device_bytes", 0)) for r in by_rank]
     if not workers:
         return SettingResult(setting, False, "no step was measured: the script never called "
                              "strategy.run (HINT: train through strategy.run, rp.Trainer or "
@@ -196,7 +199,7 @@ def summarize(setting: Setting, ranks: list[dict[str, Any]]) -> SettingResult:
         step_seconds=statistics.mean(steps), step_median=statistics.mean(medians),
         samples_per_second=replicas * statistics.mean(rates),
         breakdown={p: statistics.mean(v) for p, v in parts.items()},
-        overlapped=statistics.mean(overl), peak_rss=rss, batch=batch,
+        overlapped=statistics.mean(overl), peak_rss=rss, peak_device=device, batch=batch,
         comm_timing=all(r.get("comm_timing", False) for r in workers), ranks=ranks)
 
 

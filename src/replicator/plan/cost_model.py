@@ -169,7 +169,8 @@ def _gb(x: float) -> str:
 def _compute(model: ModelProfile, c: Cluster, batch: float, busy_on_host: int) -> float:
     """Forward + backward of ``batch`` samples on one rank with ``busy_on_host`` busy ranks."""
     if not c.device.is_cpu:
-        return model.flops_per_sample * batch / (c.device.peak_flops * c.device.mfu)
+        rate = c.device.flops_rate(model.compute_precision, model.tf32_fraction)
+        return model.flops_per_sample * batch / (rate * c.device.mfu)
     if not model.measured or model.compute_fit == (0.0, 0.0):  # FLOPs at this host's rate
         one = model.flops_per_sample * batch / c.machine.flops_per_second
         if busy_on_host <= 1:  # every core on one process

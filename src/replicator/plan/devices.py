@@ -35,29 +35,42 @@ class Device:
     mfu: float = 0.4           # fraction of peak a training step reaches
     overlap: float = 1.0       # fraction of backward that hides gradient communication
     measured: bool = False     # True: figures come from measurements on this machine
+    peak_flops_tf32: float = 0.0  # TF32 tensor FLOP/s, dense (fp32 models' matmuls, convs)
+    peak_flops_fp32: float = 0.0  # plain fp32 FLOP/s (no tensor cores)
 
     @property
     def is_cpu(self) -> bool:
         return self.measured
 
+    def flops_rate(self, precision: str, tf32_fraction: float = 0.0) -> float:
+        """The peak rate for a model computing in ``precision`` (``"half"``: bf16/fp16 tensor
+        cores; ``"fp32"``: float32, of whose FLOPs ``tf32_fraction`` run as TF32, as cuDNN's
+        convolutions do by default): fp32 work on an H100 runs at 67, not 989, TFLOP/s."""
+        if precision == "half" or not self.peak_flops_fp32:
+            return self.peak_flops
+        f = min(1.0, max(0.0, tf32_fraction))
+        tf32 = self.peak_flops_tf32 or self.peak_flops_fp32
+        return 1.0 / (f / tf32 + (1.0 - f) / self.peak_flops_fp32)
+
 
 GB = 1e9
 
 #: The known devices. Sources: NVIDIA A100/H100/H200/V100/A10G datasheets (SXM parts, dense
-#: tensor throughput without sparsity, NVLink bandwidth one way). ``cpu``: hosts like this one.
+#: tensor throughput without sparsity, NVLink bandwidth one way; then the TF32 tensor and plain
+#: fp32 rates). ``cpu``: hosts like this one.
 DEVICES: dict[str, Device] = {
     "cpu": Device("cpu", "hosts like this machine (figures measured here)", 0.0, 0.0, 0.0,
                   0, 0.0, 0.0, mfu=1.0, overlap=0.0, measured=True),
     "v100": Device("v100", "NVIDIA V100 SXM2 32 GB", 125e12, 32 * GB, 900 * GB, 8,
-                   150 * GB, 5e-6),
+                   150 * GB, 5e-6, peak_flops_tf32=15.7e12, peak_flops_fp32=15.7e12),
     "a10g": Device("a10g", "NVIDIA A10G 24 GB (PCIe, 4 per host)", 70e12, 24 * GB, 600 * GB, 4,
-                   16 * GB, 10e-6),
+                   16 * GB, 10e-6, peak_flops_tf32=35e12, peak_flops_fp32=31.2e12),
     "a100": Device("a100", "NVIDIA A100 SXM 80 GB", 312e12, 80 * GB, 2039 * GB, 8, 300 * GB,
-                   5e-6),
+                   5e-6, peak_flops_tf32=156e12, peak_flops_fp32=19.5e12),
     "h100": Device("h100", "NVIDIA H100 SXM 80 GB", 989e12, 80 * GB, 3350 * GB, 8, 450 * GB,
-                   5e-6),
+                   5e-6, peak_flops_tf32=494e12, peak_flops_fp32=67e12),
     "h200": Device("h200", "NVIDIA H200 SXM 141 GB", 989e12, 141 * GB, 4800 * GB, 8, 450 * GB,
-                   5e-6),
+                   5e-6, peak_flops_tf32=494e12, peak_flops_fp32=67e12),
 }
 
 

@@ -73,7 +73,9 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         input_seconds_1thread=med(phases[1], "input") if phases.get(1) else med(full, "input"),
         collectives_per_step=statistics.mean(r["collectives"] for r in records),
         threads=int(result.get("threads", 1)), rss_bytes=float(result.get("peak_rss_bytes", 0)),
-        pipeline_forward_backward=bool(result.get("forward_backward", False)))
+        pipeline_forward_backward=bool(result.get("forward_backward", False)),
+        compute_precision=str(result.get("compute_precision", "half")),
+        tf32_fraction=float(result.get("tf32_fraction", 0.0)))
 
 
 def _profile_steps() -> int:
@@ -233,7 +235,12 @@ def json_lines(plan: Plan) -> list[dict[str, Any]]:
 
 def _describe(plan: Plan) -> str:
     m, c = plan.model, plan.cluster
-    where = ("hosts like this one" if c.device.is_cpu else c.device.description)
+    where = "hosts like this one"
+    if not c.device.is_cpu:
+        rate = c.device.flops_rate(m.compute_precision, m.tf32_fraction)
+        kind = ("bf16/fp16" if m.compute_precision == "half"
+                else f"fp32, {m.tf32_fraction:.0%} of FLOPs as TF32")
+        where = f"{c.device.description} ({kind}: {rate / 1e12:.0f} TFLOP/s nominal)"
     source = "measured here" if m.measured else "estimated from its size"
     return (f"plan for {m.name} ({m.params:,} parameters, global batch {m.global_batch}, "
             f"{source}) on {where}, {c.per_host()} per host, {c.link} between hosts; "

@@ -14,11 +14,16 @@ time), ``CheckpointManager.save`` (checkpoint time), and reads the comm room's o
 * ``optimizer``: ``optimizer.step()``; ``checkpoint``: inside ``CheckpointManager.save``;
 * ``input``: the rest of the gap between steps (fetching the next batch, the loop's own code).
 
-The parts sum to the step by construction. After ``warmup + steps`` calls the next ``run``
-raises :class:`BenchComplete` on every rank at the same point (before the step's collectives),
-and the entry writes the records. In ``profile`` mode (one process, for ``plan``) the probe
-also runs some steps on one thread and on half and quarter batches (to fit compute against
-batch size), and one step under torch's FLOP counter and a saved-tensor counter.
+The parts sum to the step by construction. On a CUDA device, whose kernels run after the call
+that queued them returns, the probe synchronizes the device at every boundary it times (and the
+comm room's timers at every collective), so each part is device time, not launch time; it also
+reports the device's peak allocated memory beside the process's.
+
+After ``warmup + steps`` calls the next ``run`` raises :class:`BenchComplete` on every rank at
+the same point (before the step's collectives), and the entry writes the records. In ``profile``
+mode (one process, for ``plan``) the probe also runs some steps on one thread and on half and
+quarter batches (to fit compute against batch size), and one step under torch's FLOP counter
+and a saved-tensor counter.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class _SavedBytes:
         self.exclude = exclude
         self.seen: set[int] = set()
         self.total = 0
+        self.floating: dict[torch.dtype, int] = {}  # saved floating bytes by dtype
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -96,9 +102,27 @@ class _SavedBytes:
             if key not in self.exclude and key not in self.seen:
                 self.seen.add(key)
                 self.total += storage.nbytes()
+                if t.is_floating_point():
+                    self.floating[t.dtype] = self.floating.get(t.dtype, 0) + storage.nbytes()
         except (RuntimeError, NotImplementedError):
             pass
         return t
+
+
+def _precision(saved: dict[torch.dtype, int], counter: Any) -> dict[str, Any]:
+    """What the step's FLOPs ran in, for a GPU's nominal rate: ``"half"`` when bf16/fp16
+    activations outweigh float32 ones (mixed precision), else ``"fp32"`` with the fraction of
+    FLOPs TF32 may take (convolutions under cuDNN's default, matmuls when allowed)."""
+    half = saved.get(torch.bfloat16, 0) + saved.get(torch.float16, 0)
+    if half > saved.get(torch.float32, 0):
+        return {"compute_precision": "half", "tf32_fraction": 0.0}
+    total = counter.get_total_flops()
+    by_op = counter.get_flop_counts().get("Global", {})
+    conv = sum(n for op, n in by_op.items() if "convolution" in str(op))
+    tf32 = conv if torch.backends.cudnn.allow_tf32 else 0
+    if torch.get_float32_matmul_precision() != "highest":
+        tf32 += total - conv
+    return {"compute_precision": "fp32", "tf32_fraction": tf32 / total if total else 0.0}
 
 
 class Probe:
@@ -127,6 +151,7 @@ class Probe:
         self._undo: list[Callable[[], None]] = []
         self._threads = torch.get_num_threads()
         self._late_hook = False
+        self._cuda: torch.device | None = None  # the strategy's device, when it is a GPU
 
     @property
     def total_calls(self) -> int:
@@ -204,27 +229,33 @@ class Probe:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if threading.current_thread() is not threading.main_thread():
                 return original(*args, **kwargs)  # a background save does not stop the loop
-            t0 = time.perf_counter()
+            t0 = probe._now()
             try:
                 return original(*args, **kwargs)
             finally:
-                probe._ckpt += time.perf_counter() - t0
+                probe._ckpt += probe._now() - t0
 
         self._patch(owner, name, timed)
+
+    def _now(self) -> float:
+        """The time once the work queued on the GPU (if any) is done."""
+        if self._cuda is not None:
+            torch.cuda.synchronize(self._cuda)
+        return time.perf_counter()
 
     # -- optimizer hooks -------------------------------------------------------------------
     def _before_opt(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.optimizers.setdefault(id(optimizer), optimizer)
-        self._t_pre = time.perf_counter()
+        self._t_pre = self._now()
         self._comm_pre = timing.snapshot().exposed
 
     def _after_pre_hooks(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Registered after the strategy's own pre-step hooks: what ran between the two is
         the strategy's work before the step (a parameter server's push and pull)."""
-        self._t_pre2 = time.perf_counter()
+        self._t_pre2 = self._now()
 
     def _after_opt(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        now = time.perf_counter()
+        now = self._now()
         if self._t_pre is None:
             return
         t_mid = self._t_pre2 if self._t_pre2 is not None else self._t_pre
@@ -236,7 +267,9 @@ class Probe:
     # -- the step boundary -----------------------------------------------------------------
     def _step(self, strategy: Any, original_run: Callable[..., Any], fn: Callable[..., Any],
               args: tuple | list, kwargs: dict[str, Any] | None) -> Any:
-        now = time.perf_counter()
+        if not self._late_hook and strategy.device.type == "cuda":
+            self._cuda = strategy.device
+        now = self._now()
         comm_now = timing.snapshot()
         if self._open is not None:
             self._close(now, comm_now)
@@ -271,7 +304,7 @@ class Probe:
         t_run = time.perf_counter()
         comm_run = timing.snapshot()
         out = original_run(strategy, fn, args, kwargs)
-        t_end = time.perf_counter()
+        t_end = self._now()
         comm_end = timing.snapshot()
         self._open = {"start": now, "run": t_end - t_run,
                       "comm_run": (comm_end - comm_run).exposed,
@@ -342,6 +375,7 @@ class Probe:
         batch = self.batch_sizes[-1] if self.batch_sizes else 1
         self.extra["flops_per_sample"] = counter.get_total_flops() / max(1, batch)
         self.extra["activation_bytes_per_sample"] = saved.total / max(1, batch)
+        self.extra.update(_precision(saved.floating, counter))
         return out
 
     # -- results --------------------------------------------------------------------------
@@ -368,6 +402,8 @@ class Probe:
             "weight_tensors": sum(1 for p in unique if p.dim() >= 2),
             "batch": statistics.median(self.batch_sizes) if self.batch_sizes else 0,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_device_bytes": (torch.cuda.max_memory_allocated(self._cuda)
+                                  if self._cuda is not None else 0),
             "threads": self._threads, "comm_timing": timing.enabled(), **self.extra,
         }
 

@@ -85,6 +85,12 @@ class ModelProfile:
     rss_bytes: float = 0.0
     measured: bool = True
     pipeline_forward_backward: bool = False
+    #: what the matmuls and convolutions compute in, for a GPU's nominal rate: ``"half"``
+    #: (bf16/fp16, as mixed precision runs them) or ``"fp32"``, of which ``tf32_fraction`` of
+    #: the FLOPs may use TF32 (cuDNN's convolutions by default; matmuls when the float32
+    #: matmul precision is not "highest")
+    compute_precision: str = "half"
+    tf32_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params < 1:

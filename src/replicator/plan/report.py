@@ -97,8 +97,16 @@ def _rows(bench: BenchReport, baseline: float | None) -> list[list[object]]:
             f"{r.samples_per_second / baseline:.2f}x" if baseline else "",
             ms(b["compute"]), ms(b["communication"]), ms(r.overlapped), ms(b["input"]),
             ms(b["optimizer"]), ms(b["checkpoint"]),
-            " / ".join(mb(x) for x in r.peak_rss)])
+            _memory(r)])
     return rows
+
+
+def _memory(r: Any) -> str:
+    """Peak memory per rank: the process's, and the GPU's allocated memory where it ran on one."""
+    host = " / ".join(mb(x) for x in r.peak_rss)
+    if not any(r.peak_device):
+        return host
+    return f"{host} (GPU {' / '.join(mb(x) for x in r.peak_device)})"
 
 
 HEADERS = ("setting", "procs", "steps", "step ms", "samples/s", "vs 1 proc", "compute",
@@ -182,4 +190,5 @@ def _json_line(r: Any) -> dict[str, Any]:
             "samples_per_s": round(r.samples_per_second, 3) if r.ok else None,
             "breakdown_s": {k: round(v, 6) for k, v in r.breakdown.items()},
             "overlapped_s": round(r.overlapped, 6),
-            "peak_rss_bytes": r.peak_rss, "error": r.error or None}
+            "peak_rss_bytes": r.peak_rss, "peak_device_bytes": r.peak_device,
+            "error": r.error or None}
