@@ -266,3 +266,22 @@ def test_an_fp32_model_on_a_gpu_runs_at_the_fp32_or_tf32_rate_not_the_half_preci
     assert t["fp320.0"] == pytest.approx(6e9 * 64 / (67e12 * h100.mfu))
     # half the FLOPs at 494 TFLOP/s, half at 67: the times add, not the rates
     assert t["fp320.5"] == pytest.approx(6e9 * 64 * (0.5 / 494e12 + 0.5 / 67e12) / h100.mfu)
+
+
+def test_a_pipeline_slot_is_its_busiest_stage_as_the_default_cut_makes_it():
+    # on an accelerator compute is FLOPs over the rate, so the slot's share shows exactly
+    even = ModelProfile.from_parameter_count(1e8, global_batch=64)
+    uneven = dataclasses.replace(even, pipeline_stage_shares={"2": 0.7})
+    c = _cluster("h100")
+    a = predict("pipeline", 2, even, c, microbatches=4)
+    b = predict("pipeline", 2, uneven, c, microbatches=4)
+    one = predict("one_device", 1, even, c).breakdown["compute"]
+    slots = 4 + 2 - 1
+    # model(x) then backward adds a third of one stage's forward-and-backward, unchanged
+    extra = one / 2 / 3
+    assert a.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.5 + extra)
+    assert b.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.7 + extra)
+    # a share below an even split (a profile of another cut) never makes a stage faster
+    odd = dataclasses.replace(even, pipeline_stage_shares={"2": 0.3})
+    assert predict("pipeline", 2, odd, c, microbatches=4).breakdown["compute"] \
+        == pytest.approx(a.breakdown["compute"])

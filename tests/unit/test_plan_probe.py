@@ -97,3 +97,44 @@ def test_the_probe_tells_mixed_precision_from_fp32_and_counts_the_tf32_convoluti
     finally:
         torch.backends.cudnn.allow_tf32 = old[0]
         torch.set_float32_matmul_precision(old[1])
+
+
+def _flops(model, x):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(x).sum().backward()
+    return counter.get_flop_counts()
+
+
+def test_stage_shares_follow_the_pipelines_parameter_balanced_cut():
+    """A CNN's first convolutions hold few parameters and most FLOPs: cut by parameters, its
+    first stage of two does most of the work; a chain of equal layers splits evenly."""
+    from replicator.plan.probe import stage_shares
+
+    cnn = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    shares = stage_shares(cnn, _flops(cnn, torch.randn(2, 3, 32, 32)))
+    assert 0.6 < shares["2"] < 0.8 and set(shares) == {str(k) for k in range(2, 9)}
+    mlp = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    even = stage_shares(mlp, _flops(mlp, torch.randn(8, 64, requires_grad=True)))
+    assert even["2"] == pytest.approx(0.5) and even["4"] == pytest.approx(0.25)
+
+
+def test_stage_shares_of_a_model_the_pipeline_cannot_cut_are_empty():
+    from replicator.plan.probe import stage_shares
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.a(x)
+
+    model = Residual()
+    assert stage_shares(model, _flops(model, torch.randn(2, 8))) == {}

@@ -12,7 +12,8 @@ Formulas (``S`` bytes, ``n`` ranks, ``B`` bandwidth in bytes/s one way, ``alpha`
   (``2 alpha + (G+P)/B`` on its own link), and each of ``k`` servers carries ``1/k`` of every
   worker's traffic, so a step cannot be shorter than ``workers * (G+P) / (k B)``;
 * pipeline: ``p`` stages and ``m`` microbatches leave a bubble of ``(p-1)/(m+p-1)``; the step
-  is ``(m+p-1)`` microbatch slots of one stage's work plus the activation sends between them;
+  is ``(m+p-1)`` microbatch slots of the busiest stage's work (the share of the FLOPs the
+  pipeline's default cut, which balances parameters, gives it) plus the activation sends;
 * memory per rank: weights + gradients + optimizer state (divided by ``n`` under FSDP, by the
   stages under a pipeline, moved to the servers under a parameter server) + activations of the
   rank's samples + the process's own baseline.
@@ -358,7 +359,8 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         if microbatches < stages:
             microbatches = stages
         per_mb = m.global_batch / data / microbatches
-        slot = _compute(m, c, per_mb, busy) / stages
+        # the slot is the busiest stage's: the default cut balances parameters, not FLOPs
+        slot = _compute(m, c, per_mb, busy) * m.stage_share(stages)
         boundary = (m.boundary_bytes_per_sample or m.activation_bytes_per_sample
                     / max(2, m.weight_tensors)) * per_mb
         if c.device.is_cpu and c.hosts(n) == 1:  # the fixed part is in the measured slot

@@ -75,7 +75,9 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         threads=int(result.get("threads", 1)), rss_bytes=float(result.get("peak_rss_bytes", 0)),
         pipeline_forward_backward=bool(result.get("forward_backward", False)),
         compute_precision=str(result.get("compute_precision", "half")),
-        tf32_fraction=float(result.get("tf32_fraction", 0.0)))
+        tf32_fraction=float(result.get("tf32_fraction", 0.0)),
+        pipeline_stage_shares={str(k): float(v) for k, v in
+                               dict(result.get("pipeline_stage_shares") or {}).items()})
 
 
 def _profile_steps() -> int:
@@ -84,8 +86,13 @@ def _profile_steps() -> int:
     return sum(p[1] for p in PROFILE_PHASES)
 
 
+#: Bumped when the profile measures something new, so a cached older profile is measured again.
+PROFILE_VERSION = 2
+
+
 def _cache_key(script: str, args: Sequence[str]) -> str:
     h = hashlib.sha256(Path(script).read_bytes())
+    h.update(f"profile v{PROFILE_VERSION}".encode())
     h.update(json.dumps(list(args)).encode())
     return h.hexdigest()[:16]
 

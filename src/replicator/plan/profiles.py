@@ -91,6 +91,9 @@ class ModelProfile:
     #: matmul precision is not "highest")
     compute_precision: str = "half"
     tf32_fraction: float = 0.0
+    #: per number of pipeline stages ("2".."8"): the largest share of the FLOPs one stage
+    #: holds as the pipeline cuts the model by default (absent: an even split)
+    pipeline_stage_shares: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params < 1:
@@ -104,6 +107,12 @@ class ModelProfile:
     def state_bytes(self) -> float:
         """Weights, gradients and optimizer state: what sharding divides."""
         return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
+
+    def stage_share(self, stages: int) -> float:
+        """The share of a step's compute that the busiest of ``stages`` pipeline stages does
+        (the pipeline's slot is that stage's time; 1/stages when the split is even)."""
+        share = self.pipeline_stage_shares.get(str(stages))
+        return max(1.0 / stages, float(share)) if share else 1.0 / stages
 
     def compute_1thread(self, batch: float) -> float:
         """Forward + backward of ``batch`` samples on one thread (the fitted line)."""
