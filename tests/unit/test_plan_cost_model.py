@@ -285,3 +285,30 @@ def test_a_pipeline_slot_is_its_busiest_stage_as_the_default_cut_makes_it():
     odd = dataclasses.replace(even, pipeline_stage_shares={"2": 0.3})
     assert predict("pipeline", 2, odd, c, microbatches=4).breakdown["compute"] \
         == pytest.approx(a.breakdown["compute"])
+
+
+def test_ps_queue_wait_solves_half_a_push_at_the_servers_utilisation():
+    from replicator.plan.cost_model import ps_queue_wait
+
+    t, n, s = 0.025, 3, 0.0075
+    w = ps_queue_wait(t, n, s)
+    rho = n * s / (t + 2 * w)
+    assert w == pytest.approx(rho * s / 2)  # the fixed point
+    assert 0 < rho < 1
+    assert ps_queue_wait(t, 1, s) == 0.0 and ps_queue_wait(t, 4, 0.0) == 0.0
+    assert ps_queue_wait(t, 4, s) > w  # more workers, a busier server
+
+
+def test_parameter_server_workers_wait_for_a_server_busy_with_the_others():
+    model = ModelProfile.from_parameter_count(1e6, global_batch=480)
+    c = _cluster(per_host=4)
+    one, three = (predict("parameter_server", n, model, c) for n in (1, 3))
+    # a lone worker pays the claim's round trip; three also wait behind each other's pushes
+    assert three.breakdown["input"] > one.breakdown["input"] > 0
+    assert three.breakdown["communication"] > one.breakdown["communication"]
+    assert three.step_seconds == pytest.approx(sum(three.breakdown.values()))
+    # never faster than the server's share of every worker's traffic
+    slow_link = _cluster(link="100mbit")
+    for n in (8, 64):
+        p = predict("parameter_server", n, model, slow_link)
+        assert p.step_seconds >= n * (model.grad_bytes + model.param_bytes) / 12.5e6 * 0.999

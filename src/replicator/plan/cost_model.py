@@ -10,7 +10,9 @@ Formulas (``S`` bytes, ``n`` ranks, ``B`` bandwidth in bytes/s one way, ``alpha`
   reduce-scatter of gradients): 1.5x the ``2(n-1)/n * S`` of all-reduce;
 * parameter server: a worker pushes its gradients and pulls the new values each step
   (``2 alpha + (G+P)/B`` on its own link), and each of ``k`` servers carries ``1/k`` of every
-  worker's traffic, so a step cannot be shorter than ``workers * (G+P) / (k B)``;
+  worker's traffic, so a step cannot be shorter than ``workers * (G+P) / (k B)``; below that
+  bound a request (the push, the claim of the next batch) finds the server busy with another
+  worker's push with probability ``rho`` and waits half a push (:func:`ps_queue_wait`);
 * pipeline: ``p`` stages and ``m`` microbatches leave a bubble of ``(p-1)/(m+p-1)``; the step
   is ``(m+p-1)`` microbatch slots of the busiest stage's work (the share of the FLOPs the
   pipeline's default cut, which balances parameters, gives it) plus the activation sends;
@@ -35,7 +37,8 @@ from replicator.plan.profiles import MachineProfile, ModelProfile
 
 __all__ = [
     "STRATEGIES", "Prediction", "allreduce_traffic_bytes", "fsdp_traffic_bytes",
-    "hierarchical_allreduce_seconds", "pipeline_bubble", "predict", "ps_step_seconds",
+    "hierarchical_allreduce_seconds", "pipeline_bubble", "predict", "ps_queue_wait",
+    "ps_step_seconds",
     "ring_allreduce_seconds",
 ]
 
@@ -279,6 +282,20 @@ def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float
     return total, capacity, text
 
 
+def ps_queue_wait(base_step: float, workers: int, service: float) -> float:
+    """The mean wait of one request to a parameter server that ``workers`` workers keep busy
+    ``service`` seconds per push, each pushing once per step (``base_step`` seconds without
+    waiting, plus its two waits: the push and the batch claim). A request finds the server
+    busy with probability ``rho = workers * S / step`` and waits on average the rest of that
+    push, ``S / 2``; solving ``W = rho S / 2`` with the step lengthened by ``2 W`` gives
+    ``W = (sqrt(T^2 + 4 n S^2) - T) / 4``. (Queues of more than one push are rare at the
+    utilisations this machine reaches; the saturation bound covers the rest.)"""
+    if service <= 0 or workers < 2:
+        return 0.0  # a lone worker never finds its server busy with another's push
+    t = max(0.0, base_step)
+    return (math.sqrt(t * t + 4 * workers * service * service) - t) / 4
+
+
 def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, *,
             num_ps: int = 1, microbatches: int = PIPELINE_MICROBATCHES) -> Prediction:
     """Predict ``strategy`` on ``workers`` replicas (a parameter server adds ``num_ps``
@@ -310,6 +327,7 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         why_not = (f"a replica's batch of {m.global_batch // replicas} does not split into "
                    f"{max(microbatches, pipeline_stages(n, m.weight_tensors))} microbatches")
     comm = overhead = 0.0
+    ps_service = ps_claim = 0.0
     opt_share = 1.0
     threads = 0
     if strategy == "one_device":
@@ -390,14 +408,19 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
                          else _optimizer(m, c, 1.0, 1)) / num_ps
         if c.device.is_cpu and c.hosts(n) == 1:
             worker = rt.seconds(m.grad_bytes)
-            server = n * (rt.b * m.grad_bytes / num_ps + server_update)
+            # while a worker waits, its server shares the cores with the other workers
+            slow = c.machine.slowdown_for(n) if processes > c.machine.cores else 1.0
+            ps_service = (rt.b * m.grad_bytes / num_ps + server_update) * slow
+            ps_claim = rt.a  # the next batch claimed from server 0 (exactly-once input)
         else:
             bw = c.link.bandwidth if c.hosts(n) > 1 else c.device.intra_bandwidth
             worker = ps_step_seconds(rt.a, m.grad_bytes, m.param_bytes, 1, 1, bw,
                                      c.link.alpha)
-            server = n * ((m.grad_bytes + m.param_bytes) / (num_ps * bw) + server_update)
-        comm = max(worker, server - compute - server_update)
-        overhead = server_update
+            slow = 1.0
+            ps_service = (m.grad_bytes + m.param_bytes) / (num_ps * bw) + server_update
+            ps_claim = 2 * (c.link.alpha if c.hosts(n) > 1 else c.device.intra_alpha)
+        comm = worker
+        overhead = server_update * slow
         notes.append("asynchronous: each worker steps on its own; the step is one worker's")
     else:  # mirrored / central_storage: data parallel
         compute = _compute(m, c, batch, busy)
@@ -428,6 +451,13 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         optimizer = m.optimizer_seconds_1thread
     breakdown = {"compute": compute, "communication": comm, "optimizer": optimizer,
                  "input": input_s, "overhead": overhead}
+    if strategy == "parameter_server":
+        # the push and the batch claim each find the server busy with another worker's push
+        # part of the time; the servers' share of every worker's traffic bounds the step
+        base = sum(breakdown.values()) + ps_claim
+        wait = ps_queue_wait(base, n, ps_service)
+        breakdown["input"] += ps_claim + wait
+        breakdown["communication"] += wait + max(0.0, n * ps_service - base - 2 * wait)
     step = sum(breakdown.values())
     hosts = c.hosts(n)  # parameter servers run beside the workers
     on_host = c.on_host(n) + (processes - n if hosts == 1 else 0)
