@@ -138,3 +138,43 @@ def test_stage_shares_of_a_model_the_pipeline_cannot_cut_are_empty():
 
     model = Residual()
     assert stage_shares(model, _flops(model, torch.randn(2, 8))) == {}
+
+
+def _profile_records(tmp_path, pause):
+    """A profile of ``_loop`` whose steps take at least ``pause`` seconds."""
+    import time
+
+    from replicator.plan.probe import PROFILE_PHASES
+
+    probe = Probe(steps=0, warmup=2, mode="profile")
+    strategy = OneDeviceStrategy("cpu")
+    original = strategy.reduce
+
+    def slow_reduce(*args, **kwargs):
+        time.sleep(pause)
+        return original(*args, **kwargs)
+
+    strategy.reduce = slow_reduce
+    probe.install()
+    try:
+        with pytest.raises(BenchComplete):
+            _loop(strategy, tmp_path, every=10**9)
+    finally:
+        probe.uninstall()
+    result = probe.results()
+    per_phase = [sum(r["phase"] == k for r in result["records"])
+                 for k in range(len(PROFILE_PHASES))]
+    return result, per_phase
+
+
+def test_a_short_steps_profile_phases_run_long_enough_to_measure(tmp_path):
+    """Three steps of a millisecond are noise: a short step's phases run up to 20 times the
+    steps, so the shortest lasts about 0.15 s; a long step keeps the counts."""
+    from replicator.plan.probe import PROFILE_MAX_SCALE, PROFILE_PHASES
+
+    short, counts = _profile_records(tmp_path, 0.0)
+    scale = short["profile_phase_scale"]
+    assert 1 < scale <= PROFILE_MAX_SCALE
+    assert counts == [p[1] * scale for p in PROFILE_PHASES]
+    long, counts = _profile_records(tmp_path, 0.06)  # 3 x 60 ms: past 0.15 s already
+    assert long["profile_phase_scale"] == 1 and counts == [p[1] for p in PROFILE_PHASES]

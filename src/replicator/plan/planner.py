@@ -1,11 +1,12 @@
 """``replicator plan``: profile the model, load this machine's figures, predict, recommend.
 
 The model's profile comes from one short run of the script (or function) in one process under
-the probe's ``profile`` mode (about 16 steps: all threads, one thread, half and quarter batch,
-one step under the FLOP and saved-tensor counters), cached in ``bench/profile-<hash>.json``
-until the script or its arguments change; or from ``--model-params``. This machine's figures
-are measured once and cached in ``bench/machine.json`` (``--remeasure`` redoes it). With both
-cached, a plan takes well under a second.
+the probe's ``profile`` mode (about 16 steps, more for a short step: all threads, one thread,
+half and quarter batch, one step under the FLOP and saved-tensor counters), cached in
+``bench/profile-<hash>.json`` until the script or its arguments change; or from
+``--model-params``. This machine's figures are measured once and cached in
+``bench/machine.json`` (``--remeasure`` redoes it). With both cached, a plan takes well under
+a second.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
     cache = Path(out_dir) / f"profile-{_cache_key(script, script_args)}.json"
     if cache.exists() and not refresh:
         return ModelProfile.from_json(json.loads(cache.read_text()))
-    log(f"profiling {script} in one process (about {_profile_steps() + PROFILE_WARMUP} "
-        "steps) ...")
+    log(f"profiling {script} in one process ({_profile_steps() + PROFILE_WARMUP} steps, more "
+        "when they are short) ...")
     setting = Setting("one_device", 1)
     out = Path(out_dir) / "logs" / "profile"
     result = run_setting(setting, out, _script_launcher(script, script_args, setting),

@@ -29,6 +29,7 @@ and a saved-tensor counter.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import statistics
@@ -53,6 +54,10 @@ MODE_ENV = "REPLICATOR_BENCH_MODE"
 #: Profile phases after warmup: (name, steps, threads (0: default), batch fraction).
 PROFILE_PHASES = (("all_threads", 4, 0, 1.0), ("one_thread", 3, 1, 1.0),
                   ("one_thread_half", 3, 1, 0.5), ("one_thread_quarter", 3, 1, 0.25))
+#: A short step's phases run more steps (up to this many times the counts above), so that the
+#: shortest phase lasts about PROFILE_PHASE_SECONDS: three 1 ms steps are noise, not a median.
+PROFILE_MAX_SCALE = 20
+PROFILE_PHASE_SECONDS = 0.15
 
 
 class BenchComplete(BaseException):
@@ -182,12 +187,14 @@ class Probe:
         self._undo: list[Callable[[], None]] = []
         self._threads = torch.get_num_threads()
         self._late_hook = False
+        self._scale = 1  # profile phases' steps are PROFILE_PHASES' counts times this
+        self._warm_steps: list[float] = []
         self._cuda: torch.device | None = None  # the strategy's device, when it is a GPU
 
     @property
     def total_calls(self) -> int:
         if self.mode == "profile":
-            return self.warmup + sum(p[1] for p in PROFILE_PHASES) + 1
+            return self.warmup + self._scale * sum(p[1] for p in PROFILE_PHASES) + 1
         return self.warmup + self.steps
 
     # -- installation --------------------------------------------------------------------
@@ -314,6 +321,10 @@ class Probe:
             self._late_hook = True
             self.strategy_name = type(strategy).__name__
             self.replicas = int(strategy.num_replicas_in_sync)
+        if self.mode == "profile" and self.calls == self.warmup and self._warm_steps:
+            shortest = min(p[1] for p in PROFILE_PHASES) * min(self._warm_steps)
+            self._scale = max(1, min(PROFILE_MAX_SCALE,
+                                     math.ceil(PROFILE_PHASE_SECONDS / max(shortest, 1e-6))))
         if self.calls >= self.total_calls:
             raise BenchComplete()
         self.calls += 1
@@ -352,9 +363,9 @@ class Probe:
             return None
         k = self.calls - self.warmup
         for phase in PROFILE_PHASES:
-            if k <= phase[1]:
+            if k <= phase[1] * self._scale:
                 return phase
-            k -= phase[1]
+            k -= phase[1] * self._scale
         return None
 
     def _close(self, now: float, comm_now: timing.CommTime) -> None:
@@ -362,9 +373,10 @@ class Probe:
         r = self._open
         assert r is not None
         self._open = None
-        if self.calls <= self.warmup:
-            return
         step = now - r["start"]
+        if self.calls <= self.warmup:
+            self._warm_steps.append(step)
+            return
         comm_total = comm_now.exposed - r["comm_start"]
         comm_gap = comm_total - r["comm_run"]
         ckpt = self._ckpt - r["ckpt_start"]  # saved between steps
@@ -448,7 +460,8 @@ class Probe:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_device_bytes": (torch.cuda.max_memory_allocated(self._cuda)
                                   if self._cuda is not None else 0),
-            "threads": self._threads, "comm_timing": timing.enabled(), **self.extra,
+            "threads": self._threads, "comm_timing": timing.enabled(),
+            "profile_phase_scale": self._scale, **self.extra,
         }
 
     def write(self, directory: str) -> None:
