@@ -408,9 +408,11 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
                          else _optimizer(m, c, 1.0, 1)) / num_ps
         if c.device.is_cpu and c.hosts(n) == 1:
             worker = rt.seconds(m.grad_bytes)
-            # while a worker waits, its server shares the cores with the other workers
+            # while a worker waits, its server shares the cores with the other workers; of the
+            # round trip's four copies per byte (out of the worker, into the server, out of
+            # it, into the worker) the server makes two
             slow = c.machine.slowdown_for(n) if processes > c.machine.cores else 1.0
-            ps_service = (rt.b * m.grad_bytes / num_ps + server_update) * slow
+            ps_service = (rt.b * m.grad_bytes / 2 / num_ps + server_update) * slow
             ps_claim = rt.a  # the next batch claimed from server 0 (exactly-once input)
         else:
             bw = c.link.bandwidth if c.hosts(n) > 1 else c.device.intra_bandwidth
