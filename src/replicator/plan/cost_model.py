@@ -441,7 +441,11 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         # for a rank the scheduler has not run yet (a short step's wait; FSDP's per-block
         # cost was measured under as many processes, its waits included)
         oversubscribed = busy > c.machine.cores and strategy != "fsdp"
-        comm += max(compute * (c.machine.straggle_for(busy) - 1.0),
+        # FSDP stops at every block's collectives (3 per block) instead of once a step: the
+        # ranks drift apart anew between each, and with independent drifts the waits of k
+        # stops add up to sqrt(k) times one stop's over the whole step
+        stops = math.sqrt(3 * max(1, m.weight_tensors)) if strategy == "fsdp" else 1.0
+        comm += max(compute * (c.machine.straggle_for(busy) - 1.0) * stops,
                     c.machine.sync_wait_for(busy) if oversubscribed else 0.0)
     overhead += _small_collectives(m, c, n)
     optimizer = _optimizer(m, c, opt_share, busy)
