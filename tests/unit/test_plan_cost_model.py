@@ -312,3 +312,28 @@ def test_parameter_server_workers_wait_for_a_server_busy_with_the_others():
     for n in (8, 64):
         p = predict("parameter_server", n, model, slow_link)
         assert p.step_seconds >= n * (model.grad_bytes + model.param_bytes) / 12.5e6 * 0.999
+
+
+def test_fsdp_waits_for_its_slowest_rank_at_every_blocks_collectives():
+    """Mirrored stops once a step; FSDP at 3 collectives per block: with independent drifts
+    between stops its straggler wait is sqrt(3 x blocks) times one stop's."""
+    machine = MachineProfile.nominal()
+    machine.straggle = {1: 1.0, 2: 1.1}
+    even = MachineProfile.nominal()
+    even.straggle = {1: 1.0, 2: 1.0}
+    model = ModelProfile(name="c", params=1000, global_batch=96, param_bytes=4e3,
+                         grad_bytes=4e3, optimizer_state_bytes=8e3,
+                         activation_bytes_per_sample=10, largest_tensor_bytes=4e3,
+                         weight_tensors=4, measured=False, flops_per_sample=1e8)
+
+    def wait(strategy: str) -> float:
+        def comm(prof: MachineProfile) -> float:
+            c = Cluster(get_device("cpu"), parse_link("25gbit"), prof, 2)
+            return predict(strategy, 2, model, c).breakdown["communication"]
+        return comm(machine) - comm(even)
+
+    compute = predict("mirrored", 2, model,
+                      Cluster(get_device("cpu"), parse_link("25gbit"), machine, 2)
+                      ).breakdown["compute"]
+    assert wait("mirrored") == pytest.approx(0.1 * compute, rel=1e-6)
+    assert wait("fsdp") == pytest.approx(0.1 * compute * math.sqrt(12), rel=1e-6)
