@@ -132,3 +132,27 @@ def test_nonsense_is_a_clear_error(argv, match, capsys, tmp_path):
 def test_plan_needs_a_script_or_a_size(capsys, tmp_path):
     assert main(["plan", "--device", "a100", "--out", str(tmp_path)]) == 2
     assert "give a training script or --model-params" in capsys.readouterr().err
+
+
+def test_a_short_steps_profile_takes_trimmed_means_whose_parts_add_up():
+    """A loader's new epoch makes one short step in twenty long: medians of the parts miss
+    it (and no longer add up to the step), the bench's trimmed means count it."""
+    def record(step, inp, phase=0):
+        return {"step": step, "compute": 0.4e-3, "input": inp, "optimizer": 0.2e-3,
+                "communication": 0.0, "checkpoint": 0.0, "phase": phase, "batch": 64.0,
+                "collectives": 1.0, "overlapped": 0.0}
+
+    records = []
+    for phase in range(4):
+        for i in range(40):
+            slow = i % 5 == 4  # every fifth step waits 1 ms more for its input
+            inp = 1.4e-3 if slow else 0.4e-3
+            records.append(record(0.6e-3 + inp, inp, phase))
+    result = {"params": 100, "param_bytes": 400, "grad_bytes": 400, "batch": 64,
+              "records": records}
+    model = model_from_probe(result, "m")
+    kept = sorted(records[:40], key=lambda r: r["step"])[4:36]
+    mean_input = sum(r["input"] for r in kept) / len(kept)
+    assert model.input_seconds == pytest.approx(mean_input) and mean_input > 0.5e-3
+    assert model.compute_seconds + model.optimizer_seconds + model.input_seconds == \
+        pytest.approx(model.step_seconds)

@@ -44,16 +44,24 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         phases.setdefault(int(r["phase"]), []).append(r)
 
     def med(phase: list[dict[str, float]], key: str) -> float:
-        return statistics.median(r[key] for r in phase)
+        """A phase's typical ``key``: the mean over its steps without the fastest and slowest
+        tenth (as ``bench`` measures, and additive: the parts' means sum to the step's; a
+        short step's occasional long one, such as a loader's new epoch, counts as it does in
+        a run), or the median of the few steps of a long step's phase."""
+        if len(phase) < 10:
+            return statistics.median(r[key] for r in phase)
+        ordered = sorted(phase, key=lambda r: r["step"])
+        cut = len(ordered) // 10
+        return statistics.mean(r[key] for r in ordered[cut:len(ordered) - cut])
 
     full = phases.get(0) or records
     one = [r for i in (1, 2, 3) for r in phases.get(i, [])]
-    points: dict[float, list[float]] = {}
+    points: dict[float, list[dict[str, float]]] = {}
     for r in one:
-        points.setdefault(r["batch"], []).append(r["compute"])
+        points.setdefault(r["batch"], []).append(r)
     if len(points) >= 2:
         sizes = sorted(points)
-        fit = AlphaBeta.fit(sizes, [statistics.median(points[b]) for b in sizes])
+        fit = AlphaBeta.fit(sizes, [med(points[b], "compute") for b in sizes])
         compute_fit = (fit.a, fit.b)
     else:  # a batch the probe could not cut: assume compute proportional to the batch
         per = med(one or full, "compute") / max(1.0, float(result.get("batch") or 1))
