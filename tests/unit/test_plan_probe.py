@@ -167,11 +167,13 @@ def _profile_records(tmp_path, pause):
     return result, per_phase
 
 
-def test_a_short_steps_profile_phases_run_long_enough_to_measure(tmp_path):
+def test_a_short_steps_profile_phases_run_long_enough_to_measure(tmp_path, monkeypatch):
     """Three steps of a millisecond are noise: a short step's phases run up to 20 times the
-    steps, so the shortest lasts about 0.15 s; a long step keeps the counts."""
+    steps, until the shortest lasts long enough; a long step keeps the counts."""
+    from replicator.plan import probe as probe_module
     from replicator.plan.probe import PROFILE_MAX_SCALE, PROFILE_PHASES
 
+    monkeypatch.setattr(probe_module, "PROFILE_PHASE_SECONDS", 0.15)  # the test's own pace
     short, counts = _profile_records(tmp_path, 0.0)
     scale = short["profile_phase_scale"]
     assert 1 < scale <= PROFILE_MAX_SCALE

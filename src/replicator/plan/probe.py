@@ -57,7 +57,7 @@ PROFILE_PHASES = (("all_threads", 4, 0, 1.0), ("one_thread", 3, 1, 1.0),
 #: A short step's phases run more steps (up to this many times the counts above), so that the
 #: shortest phase lasts about PROFILE_PHASE_SECONDS: three 1 ms steps are noise, not a median.
 PROFILE_MAX_SCALE = 20
-PROFILE_PHASE_SECONDS = 0.15
+PROFILE_PHASE_SECONDS = 0.5
 
 
 class BenchComplete(BaseException):
