@@ -180,3 +180,43 @@ def test_a_short_steps_profile_phases_run_long_enough_to_measure(tmp_path, monke
     assert counts == [p[1] * scale for p in PROFILE_PHASES]
     long, counts = _profile_records(tmp_path, 0.06)  # 3 x 60 ms: past 0.15 s already
     assert long["profile_phase_scale"] == 1 and counts == [p[1] for p in PROFILE_PHASES]
+
+
+def test_a_script_that_stops_early_still_has_its_flops_counted(tmp_path):
+    """The FLOP-counting step comes first after the warmup: a script shorter than the
+    profile's phases (which grow for short steps) still gives what a GPU plan needs."""
+    probe = Probe(steps=0, warmup=2, mode="profile")
+    strategy = OneDeviceStrategy("cpu")
+    with strategy.scope():
+        model = torch.nn.Linear(16, 4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+
+    def step(batch):
+        xb, yb = batch
+        F.cross_entropy(model(xb), yb).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    probe.install()
+    try:
+        for _ in range(6):  # far fewer than the phases
+            strategy.run(step, args=((x, y),))
+    finally:
+        probe.uninstall()
+    result = probe.results()
+    # forward and the weight's gradient (the input needs none): 2 x 2 x 16 x 4 per sample
+    assert result["flops_per_sample"] == pytest.approx(2 * 2 * 16 * 4, rel=0.01)
+    assert result["activation_bytes_per_sample"] > 0 and result["compute_precision"] == "fp32"
+    # after the warmup and the counted step; the last step closes at a call that never came
+    assert len(result["records"]) == 6 - probe.warmup - 2
+
+
+def test_a_gpu_plan_refuses_a_profile_without_flops():
+    from replicator.plan.planner import plan_model
+    from replicator.plan.profiles import ModelProfile
+
+    model = ModelProfile(name="m", params=10, global_batch=8, param_bytes=40, grad_bytes=40)
+    plan_model(model, [1, 2])  # the CPU plan uses the measured times
+    with pytest.raises(ValueError, match="counted no FLOPs"):
+        plan_model(model, [1, 2], device="h100")

@@ -190,6 +190,11 @@ def plan_model(model: ModelProfile, workers: Sequence[int], *, device: str = "cp
                ranks_per_host: int | None = None) -> Plan:
     """The plan for ``model`` at each worker count (pure arithmetic: fast)."""
     dev = get_device(device)
+    if not dev.is_cpu and model.flops_per_sample <= 0:
+        raise ValueError(
+            f"the profile of {model.name} counted no FLOPs, and a plan for {dev.name} computes "
+            "its step from them. HINT: the script must run at least one step past the "
+            "profile's warmup (3 steps), forward and backward inside strategy.run")
     alpha = parse_duration(latency) if latency is not None else None
     cluster = Cluster(dev, parse_link(link, alpha), machine or MachineProfile.nominal(),
                       ranks_per_host)

@@ -22,8 +22,8 @@ reports the device's peak allocated memory beside the process's.
 After ``warmup + steps`` calls the next ``run`` raises :class:`BenchComplete` on every rank at
 the same point (before the step's collectives), and the entry writes the records. In ``profile``
 mode (one process, for ``plan``) the probe also runs some steps on one thread and on half and
-quarter batches (to fit compute against batch size), and one step under torch's FLOP counter
-and a saved-tensor counter.
+quarter batches (to fit compute against batch size), and one step (the first after the warmup)
+under torch's FLOP counter and a saved-tensor counter.
 """
 
 from __future__ import annotations
@@ -319,6 +319,11 @@ class Probe:
                 handle = optim_module.register_optimizer_step_pre_hook(self._after_pre_hooks)
                 self._undo.append(handle.remove)
             self._late_hook = True
+            samples = getattr(type(strategy), "_activation_samples", None)
+            if self.mode == "profile" and isinstance(samples, int):
+                # the strategy meters activations in its first runs under saved-tensor hooks
+                # of its own, which would hide the counted step's: warm up past them
+                self.warmup = max(self.warmup, samples)
             self.strategy_name = type(strategy).__name__
             self.replicas = int(strategy.num_replicas_in_sync)
         if self.mode == "profile" and self.calls == self.warmup and self._warm_steps:
@@ -339,7 +344,8 @@ class Probe:
                 self.batch_sizes.append(size)
         if phase is not None:
             torch.set_num_threads(phase[2] or self._threads)
-        if self.mode == "profile" and self.calls == self.total_calls:
+        if self.mode == "profile" and self.calls == self.warmup + 1:
+            # first after the warmup: a script that stops before the phases end still has it
             return self._counted_step(strategy, original_run, fn, args, kwargs)
         self._opt = self._ps = self._ckpt = self._comm_in_opt = 0.0
         self.collective_calls = 0
@@ -359,9 +365,9 @@ class Probe:
         return out
 
     def _phase(self) -> tuple[str, int, int, float] | None:
-        if self.mode != "profile" or self.calls <= self.warmup:
-            return None
-        k = self.calls - self.warmup
+        if self.mode != "profile" or self.calls <= self.warmup + 1:
+            return None  # the warmup, then the counted step
+        k = self.calls - self.warmup - 1
         for phase in PROFILE_PHASES:
             if k <= phase[1] * self._scale:
                 return phase
