@@ -9,11 +9,11 @@ from replicator.plan.probe import BenchComplete, Probe, slice_batch
 from replicator.strategies import OneDeviceStrategy
 
 
-def _loop(strategy, directory, every):
+def _linear_step(strategy):
+    """A linear model made in ``strategy``'s scope, its SGD step and one fixed batch."""
     with strategy.scope():
         model = torch.nn.Linear(16, 4)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    manager = CheckpointManager(directory)
     x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
 
     def step(batch):
@@ -22,9 +22,15 @@ def _loop(strategy, directory, every):
         optimizer.step()
         optimizer.zero_grad()
 
+    return model, step, (x, y)
+
+
+def _loop(strategy, directory, every):
+    model, step, batch = _linear_step(strategy)
+    manager = CheckpointManager(directory)
     n = 0
     while True:
-        strategy.run(step, args=((x, y),))
+        strategy.run(step, args=(batch,))
         strategy.reduce("sum", torch.tensor(1.0))
         n += 1
         if n % every == 0:
@@ -187,21 +193,11 @@ def test_a_script_that_stops_early_still_has_its_flops_counted(tmp_path):
     profile's phases (which grow for short steps) still gives what a GPU plan needs."""
     probe = Probe(steps=0, warmup=2, mode="profile")
     strategy = OneDeviceStrategy("cpu")
-    with strategy.scope():
-        model = torch.nn.Linear(16, 4)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-
-    def step(batch):
-        xb, yb = batch
-        F.cross_entropy(model(xb), yb).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
+    _, step, batch = _linear_step(strategy)
     probe.install()
     try:
         for _ in range(6):  # far fewer than the phases
-            strategy.run(step, args=((x, y),))
+            strategy.run(step, args=(batch,))
     finally:
         probe.uninstall()
     result = probe.results()
