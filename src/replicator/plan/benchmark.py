@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from replicator.plan import probe as probe_mod
+from replicator.plan.profiles import kept_steps
 
 __all__ = ["BENCH_STRATEGIES", "BenchReport", "Setting", "SettingResult", "bench_function",
            "bench_script", "parse_settings"]
@@ -148,13 +149,6 @@ class SettingResult:
         return out
 
 
-def _kept(records: list[dict[str, float]]) -> list[dict[str, float]]:
-    """The steps kept for the means: all but the fastest and slowest tenth."""
-    ordered = sorted(records, key=lambda r: r["step"])
-    cut = len(ordered) // 10
-    return ordered[cut:len(ordered) - cut] if cut else ordered
-
-
 def _class_key(name: str) -> str:
     base = name.removesuffix("Strategy")
     return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", base).lower()
@@ -186,7 +180,7 @@ def summarize(setting: Setting, ranks: list[dict[str, Any]]) -> SettingResult:
     replicas = max(int(r.get("replicas", 1)) for r in workers)
     batch = statistics.mean(float(r.get("batch", 0)) for r in workers)
     for r in workers:
-        kept = _kept(r["records"])
+        kept = kept_steps(r["records"])
         step = statistics.mean(k["step"] for k in kept)
         steps.append(step)
         medians.append(statistics.median(k["step"] for k in r["records"]))

@@ -21,7 +21,13 @@ from typing import Any
 
 from replicator.plan.cost_model import STRATEGIES, Cluster, Prediction
 from replicator.plan.devices import get_device, parse_duration, parse_link
-from replicator.plan.profiles import AlphaBeta, MachineProfile, ModelProfile, save_json
+from replicator.plan.profiles import (
+    AlphaBeta,
+    MachineProfile,
+    ModelProfile,
+    kept_steps,
+    save_json,
+)
 from replicator.plan.recommend import Plan, make_plan
 from replicator.plan.report import format_table, machine_profile_cached, ms
 
@@ -50,9 +56,7 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         a run), or the median of the few steps of a long step's phase."""
         if len(phase) < 10:
             return statistics.median(r[key] for r in phase)
-        ordered = sorted(phase, key=lambda r: r["step"])
-        cut = len(ordered) // 10
-        return statistics.mean(r[key] for r in ordered[cut:len(ordered) - cut])
+        return statistics.mean(r[key] for r in kept_steps(phase))
 
     full = phases.get(0) or records
     one = [r for i in (1, 2, 3) for r in phases.get(i, [])]

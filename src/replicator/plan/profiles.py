@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AlphaBeta", "MachineProfile", "ModelProfile"]
+__all__ = ["AlphaBeta", "MachineProfile", "ModelProfile", "kept_steps"]
 
 #: Bytes of one block FSDP's costs are measured on: ``Linear(8, 8)`` and ``Linear(512, 512)``
 #: (weight and bias, float32), see :mod:`replicator.plan.measure`.
@@ -361,3 +361,11 @@ def save_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     tmp = target.with_suffix(target.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(tmp, target)
+
+
+def kept_steps(records: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The steps kept for means, in ``bench`` and in the profile alike: all but the fastest
+    and slowest tenth (a tenth of fewer than ten steps is none)."""
+    ordered = sorted(records, key=lambda r: r["step"])
+    cut = len(ordered) // 10
+    return ordered[cut:len(ordered) - cut] if cut else ordered
