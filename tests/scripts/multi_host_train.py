@@ -26,13 +26,16 @@ ALGORITHMS = {"native": rp.comm.NativeAllReduce, "ring": rp.comm.RingAllReduce,
               "hierarchical": rp.comm.HierarchicalAllReduce}
 
 
-def inter_host_bytes_sent() -> int:
-    """Bytes this process has sent (and had acknowledged) over its open TCP connections to
-    other hosts: sockets whose peer address differs from their local address (TCP_INFO)."""
-    total = 0
+def inter_host_bytes_sent() -> dict[str, int]:
+    """Bytes this process has sent (and had acknowledged) over each of its open TCP connections
+    to other hosts (sockets whose peer address differs from their local address; TCP_INFO),
+    keyed by the socket's inode, so that a count over a window can skip connections that
+    closed or opened in it."""
+    sent: dict[str, int] = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if not link.startswith("socket:"):
                 continue
             s = socket.socket(fileno=os.dup(int(name)))
         except OSError:
@@ -43,12 +46,19 @@ def inter_host_bytes_sent() -> int:
             local, peer = s.getsockname()[0], s.getpeername()[0]
             if local != peer:
                 info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
-                total += struct.unpack_from("Q", info, 120)[0]  # tcpi_bytes_acked
+                sent[link] = struct.unpack_from("Q", info, 120)[0]  # tcpi_bytes_acked
         except OSError:
             pass
         finally:
             s.close()
-    return total
+    return sent
+
+
+def sent_since(start: dict[str, int]) -> int:
+    """Bytes sent to other hosts since ``start`` on the connections open at both counts (a
+    connection that closed in between would make a plain difference of sums negative)."""
+    now = inter_host_bytes_sent()
+    return sum(n - start.get(key, 0) for key, n in now.items())
 
 
 def main() -> None:
@@ -105,7 +115,7 @@ def main() -> None:
             info["leaders"] = list(topo.leaders)
             info["shared_memory"] = bool(topo.shared_memory)
         strategy.barrier()
-        info["inter_host_sent"] = inter_host_bytes_sent() - sent_at_start
+        info["inter_host_sent"] = sent_since(sent_at_start)
     (out / f"rank{rank}.json").write_text(json.dumps(info))
     if strategy.is_chief:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()},
