@@ -205,3 +205,62 @@ def test_a_tables_weight_used_outside_its_modules_is_refused_at_the_push():
     table = SparseTable(worker.weight, shards, "t", worker)
     with pytest.raises(ValueError, match="sparse table t has a dense gradient.*HINT"):
         table.gradient_rows(worker.weight.grad, {})
+
+
+def _table_lookup(table: SparseTable, server: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One call through ``table`` (its module's lookup), rows taken from ``server``."""
+    for items in table.rows_to_pull(ids).values():
+        for sid, local in items:
+            table.store_rows(sid, server[local + table.by_id[sid].start])
+    table.begin((ids,), {})
+    return table.finish()
+
+
+def test_a_gradient_of_the_pulled_rows_is_pushed_without_them_and_any_other_with_them():
+    """A lookup's gradient rows are the rows it pulled, which the servers kept: the push
+    names them AS_PULLED (not sent again) for the shards that pull asked, and sends rows
+    for an empty shard, for two lookups' summed gradient, and when another pull came since."""
+    from replicator.ps.client import AS_PULLED
+
+    _, worker, server = _pair(nn.Embedding)
+    shards = place([("w", worker.weight.detach())], 2, rp.ps.FixedShardsPartitioner(2))
+    table = SparseTable(worker.weight, shards, "t", worker)
+
+    def parts() -> dict[int, object]:
+        out = table.gradient_rows(worker.weight.grad, {})
+        worker.weight.grad = None
+        return {sid: rows for items in out.values() for sid, _, _, rows in items}
+
+    _table_lookup(table, server, torch.tensor([1, 2, 3])).sum().backward()  # shard 0 only
+    got = parts()
+    assert got[0] is AS_PULLED and len(got[1]) == 0  # shard 1 was not pulled: empty rows
+    _table_lookup(table, server, torch.tensor([1, 30])).sum().backward()
+    got = parts()
+    assert got[0] is AS_PULLED and got[1] is AS_PULLED
+    (_table_lookup(table, server, torch.tensor([1, 2])).sum()
+     + _table_lookup(table, server, torch.tensor([40])).sum()).backward()
+    got = parts()
+    assert got[0].tolist() == [1, 2] and got[1].tolist() == [15]  # summed: rows sent
+    _table_lookup(table, server, torch.tensor([4, 30])).sum().backward()
+    with torch.no_grad():
+        _table_lookup(table, server, torch.tensor([5]))  # a later pull: the servers keep it
+    got = parts()
+    assert got[0].tolist() == [4] and got[1].tolist() == [5]
+
+
+def test_a_server_refuses_rows_as_pulled_that_it_never_served():
+    import socket
+
+    from replicator.ps import protocol as P
+    from replicator.ps.messages import Message
+    from replicator.ps.server import ParameterServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        server = ParameterServer(0, num_workers=1, staleness=None, sock=sock,
+                                 timeout_seconds=5)
+        grad = Message(P.GRAD, 3, 0, 0, 0, 2, torch.ones(2, 4))
+        with pytest.raises(P.ParameterServerError, match="shard 3 names the rows of the last"):
+            server._gradient_rows(object(), grad, {})  # type: ignore[arg-type]
+        with pytest.raises(P.ParameterServerError, match="announced 2 shard.*named 1"):
+            server._rows_asked(Message(P.PULL_ROWS, 3, 0, 2, 0, 0, torch.arange(3)), {})

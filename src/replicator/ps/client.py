@@ -50,17 +50,32 @@ def _fresh(kind: int, var_id: int, dtype: torch.dtype, shape: tuple[int, ...]) -
     return None
 
 
+class RowsAsPulled:
+    """Stands for a sparse gradient's rows when they are exactly the rows its shard's last row
+    pull named: the server kept those, so the rows are not sent again (``GRAD`` with ``c=2``)."""
+
+    def __repr__(self) -> str:
+        return "AS_PULLED"
+
+
+AS_PULLED = RowsAsPulled()
+
+
 def _gradient_messages(items: list[Push]) -> list[Outgoing]:
     """``GRAD`` messages of a push (``(shard, version, gradient)``, or with a sparse table's
-    rows as a fourth, sent as ``ROW_IDS`` before its ``GRAD``)."""
+    rows as a fourth, sent as ``ROW_IDS`` before its ``GRAD``, or :data:`AS_PULLED`)."""
     out: list[Outgoing] = []
     for item in items:
         sid, v, g = item[0], item[1], item[2]
         r = item[3] if len(item) > 3 else None
+        if r is AS_PULLED:
+            out.append((P.GRAD, sid, v, g, 0, 0, 2))
+            continue
         if r is not None:
             out.append((P.ROW_IDS, sid, 0, r, 0, 0, 0))
         out.append((P.GRAD, sid, v, g, 0, 0, int(r is not None)))
     return out
+
 
 class ServerClient:
     """Connections from worker ``worker`` to the servers at ``addresses``."""
@@ -247,8 +262,12 @@ class ServerClient:
         rows)`` for server ``k``; ``sink`` gets ``(shard id, version, values)``."""
         def send(k: int, conn: Connection) -> None:
             # through the lane: the server is done with the ids once the values answer
-            conn.send_many([(P.ROW_IDS, sid, 0, ids, 0, 0, 0) for sid, ids in rows[k]]
-                           + [(P.PULL_ROWS, -1, 0, None, len(rows[k]), 0, 0)], shared=True)
+            named = rows[k]
+            # the last shard's ids ride on PULL_ROWS itself: one message fewer per pull
+            last, last_ids = named[-1] if named else (-1, None)
+            conn.send_many([(P.ROW_IDS, sid, 0, ids, 0, 0, 0) for sid, ids in named[:-1]]
+                           + [(P.PULL_ROWS, last, 0, last_ids, len(named), 0, 0)],
+                           shared=True)
 
         self.exchange(send, lambda k, conn: self._read_values(k, conn, sink, into=_fresh),
                       sorted(rows))

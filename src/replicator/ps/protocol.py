@@ -26,8 +26,10 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
   server at once) applies the held update once and answers as ``TASK_PUSH`` does;
 - a sparse table's shard (``REGISTER`` with ``a=1``) is left out of pulls unless ``PULL`` has
   ``c=1``; ``ROW_IDS(shard id, int64 rows)`` before a ``GRAD`` with ``c=1`` makes that
-  gradient the named rows' (``[n, ...]``); ``ROW_IDS`` ... ``PULL_ROWS(a=count)`` ->
-  ``VALUE(shard id, version, rows)`` ... ``VALUES_END``; ``TASK_STATS`` -> json;
+  gradient the named rows' (``[n, ...]``), and ``GRAD`` with ``c=2`` the rows that this
+  connection's last row pull named for that shard (the server keeps them; a lookup's gradient
+  rows are the rows it pulled); ``ROW_IDS`` ... ``PULL_ROWS(last shard id, its rows,
+  a=count)`` -> ``VALUE(shard id, version, rows)`` ... ``VALUES_END``; ``TASK_STATS`` -> json;
 - server 0 only: ``CLAIM(input stream, a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``;
   a ``PUSH(stream, version=epoch, c=batch+1)`` consumes that claim; ``DATA_STATS(a=stream)``
   -> json.

@@ -101,6 +101,10 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
         #: Coordinator updates prepared and not yet committed, by (task, push): the first
         #: attempt's, copied out of the connection's buffers.
         self.prepared: dict[tuple[int, int], dict[int, Grad]] = {}
+        #: Per connection (``id``): the rows of each sparse shard its last row pull named,
+        #: which a ``GRAD`` with ``c=2`` takes as its rows (the lookup's gradient rows are
+        #: the rows it pulled, so the worker need not send them again).
+        self.served_rows: dict[int, dict[int, torch.Tensor]] = {}
         #: the newest description of each optimizer, by the shards it covers
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {}
         self.threads: list[threading.Thread] = []
@@ -206,6 +210,7 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                 pass
         finally:
             conn.close()
+            self.served_rows.pop(id(conn), None)
             with self.lock:
                 if worker in self.workers:
                     self.workers[worker].connected = False
@@ -235,13 +240,13 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                     rows[nxt.var_id] = nxt.payload
                 elif nxt.kind == P.GRAD:
                     grads[nxt.var_id] = (nxt.version, nxt.payload,
-                                         rows.pop(nxt.var_id, None) if nxt.c else None)
+                                         self._gradient_rows(conn, nxt, rows))
                 else:
                     raise P.ParameterServerError(f"expected GRAD, ROW_IDS or PUSH, got kind "
                                                  f"{nxt.kind}")
                 nxt = conn.receive("receiving gradients", into=into)
             if nxt.kind == P.PULL_ROWS:
-                self._pull_rows(conn, rows)
+                self._pull_rows(conn, self._rows_asked(nxt, rows))
                 return
             if nxt.kind == P.TASK_PREPARE:
                 conn.send(P.PREPARED, a=int(self._prepare((nxt.var_id, nxt.version), grads)))
@@ -251,8 +256,8 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                 self._pull(conn, worker, expected=0, begin=False, repeat=repeat)
         elif msg.kind == P.PULL:
             self._pull(conn, worker, expected=msg.a, begin=bool(msg.b), everything=bool(msg.c))
-        elif msg.kind == P.PULL_ROWS:  # no row of this server's shards is looked up
-            self._pull_rows(conn, {})
+        elif msg.kind == P.PULL_ROWS:  # one shard's rows (its ids as payload), or none
+            self._pull_rows(conn, self._rows_asked(msg, {}))
         elif msg.kind == P.TASK_STATS:
             with self.lock:
                 text = json.dumps(self.tasks.summary())
@@ -373,8 +378,33 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                         "a worker that takes a batch must push its update (optimizer.step()).")
                 self.lock.wait(min(left, 0.5))
 
+    @staticmethod
+    def _rows_asked(end: Message, rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The rows a ``PULL_ROWS`` asks for: the ``ROW_IDS`` before it and, as its payload,
+        the last shard's ids (one message fewer per pull); ``a`` counts them all."""
+        if end.payload is not None:
+            rows[end.var_id] = end.payload
+        if end.a != len(rows):
+            raise P.ParameterServerError(f"a row pull announced {end.a} shard(s) and named "
+                                         f"{len(rows)}")
+        return rows
+
+    def _gradient_rows(self, conn: Connection, grad: Message, rows: dict[int, torch.Tensor]
+                       ) -> torch.Tensor | None:
+        """A ``GRAD``'s sparse rows: none (``c=0``, dense), the ``ROW_IDS`` before it
+        (``c=1``), or the rows this connection's last pull of the shard named (``c=2``)."""
+        if grad.c == 2:
+            served = self.served_rows.get(id(conn), {}).pop(grad.var_id, None)
+            if served is None:
+                raise P.ParameterServerError(
+                    f"a gradient of shard {grad.var_id} names the rows of the last row pull, "
+                    f"and this connection pulled none of that shard's rows")
+            return served
+        return rows.pop(grad.var_id, None) if grad.c else None
+
     def _pull_rows(self, conn: Connection, rows: dict[int, torch.Tensor]) -> None:
         """The values of the named rows of sparse table shards (each shard's own numbering)."""
+        served = self.served_rows.setdefault(id(conn), {})
         with self.lock:
             out = []
             for sid, ids in sorted(rows.items()):
@@ -387,6 +417,7 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                                                  f"{len(shard.param)} rows")
                 out.append((P.VALUE, sid, shard.version,
                             shard.param.detach().index_select(0, ids), 0, 0, 0))
+                served[sid] = ids.clone()  # the ids may sit in the worker's lane: kept
             clock = self.clock
         # through the worker's lane when they fit: it copies the rows out before it asks again
         conn.send_many(out + [(P.VALUES_END, -1, clock, None, len(out), 0, 0)],

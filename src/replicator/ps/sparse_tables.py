@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from replicator.ps.client import AS_PULLED, RowsAsPulled
 from replicator.ps.partitioners import Shard
 
 #: Per server: (shard id, shard-local rows) pairs.
@@ -86,6 +87,10 @@ class SparseTable:
         self._lookup: _Lookup | None = None
         #: Indices of the sparse gradients this table's lookups made since the last push.
         self._coalesced: list[torch.Tensor] = []
+        #: The distinct rows of the last pull, and the shards it asked rows of: a gradient
+        #: of exactly those rows is pushed without them (the servers kept what was pulled).
+        self._pulled_rows: torch.Tensor | None = None
+        self._pulled_shards: set[int] = set()
 
     def _split(self, rows: torch.Tensor) -> list[tuple[Shard, int, int]]:
         """For sorted, distinct global ``rows``: each shard with the slice of them it holds
@@ -114,6 +119,7 @@ class SparseTable:
         for s, lo, hi in self._split(rows):
             self._slices[s.shard_id] = (lo, hi)
             out.setdefault(s.server, []).append((s.shard_id, rows[lo:hi] - s.start))
+        self._pulled_rows, self._pulled_shards = rows, set(self._slices)
         return out
 
     def store_rows(self, shard_id: int, values: torch.Tensor) -> None:
@@ -170,14 +176,21 @@ class SparseTable:
                            m.scale_grad_by_freq, True)
 
     def gradient_rows(self, grad: torch.Tensor, pulled: dict[int, int]
-                      ) -> dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]:
+                      ) -> dict[int, list[tuple[int, int, torch.Tensor,
+                                              torch.Tensor | RowsAsPulled]]]:
         """A sparse gradient of the table as pushes per server: ``(shard id, version pulled,
-        values, shard-local rows)``; a dense gradient is refused (see the error)."""
+        values, shard-local rows)``, the rows :data:`~replicator.ps.client.AS_PULLED` where
+        they are the last pull's; a dense gradient is refused (see the error)."""
         made, self._coalesced = self._coalesced, []
+        last, self._pulled_rows = self._pulled_rows, None  # a push uses the last pull once
+        as_pulled: set[int] = set()
         if grad.is_sparse and any(grad._indices() is i or (
                 grad._indices().data_ptr() == i.data_ptr() and grad._nnz() == i.shape[1])
                 for i in made):
             rows, values = grad._indices()[0], grad._values()  # one lookup's: sorted, distinct
+            if last is not None and rows.data_ptr() == last.data_ptr() and \
+                    rows.numel() == last.numel():
+                as_pulled = self._pulled_shards  # the last lookup's rows, as it pulled them
         elif grad.is_sparse:
             g = grad.coalesce()
             rows, values = g.indices()[0], g.values()
@@ -190,7 +203,7 @@ class SparseTable:
                 "and those uses read the worker's copy of the table, which stays as built on "
                 "a parameter server. HINT: use the table only through its nn.Embedding/"
                 "EmbeddingBag modules, or build it with sparse=False (it then travels whole).")
-        out: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+        out: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor | RowsAsPulled]]] = {}
         # every shard steps, as one device steps the whole table (momentum, Adam's step count),
         # also a shard none of whose rows were looked up (an empty gradient)
         found = {s.shard_id: (lo, hi) for s, lo, hi in self._split(rows)}
@@ -198,7 +211,8 @@ class SparseTable:
             lo, hi = found.get(s.shard_id, (0, 0))
             out.setdefault(s.server, []).append(
                 (s.shard_id, pulled.get(s.shard_id, 0), values[lo:hi].contiguous(),
-                 (rows[lo:hi] - s.start).contiguous()))
+                 AS_PULLED if s.shard_id in as_pulled
+                 else (rows[lo:hi] - s.start).contiguous()))
         return out
 
 
