@@ -56,3 +56,6 @@ __all__ = ["LAUNCHER_ENV", "STORE_HOSTED_ENV", "RESTART_COUNT_ENV", "TIMEOUT_ENV
            "PS_SHARED_MEMORY_ENV", "HOST_ENV", "RUN_ID_ENV", "SHM_DIR_ENV", "REJOIN_KEY",
            "REPLICA_GROUP_ENV", "REPLICA_GROUPS_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV",
            "LIVE_BIND_ENV", "REPLICA_ID_FORMAT"]
+#: How a parameter-server job's processes are scheduled on their cores: "auto" (batch when they
+#: outnumber the cores), "batch" or "default" (:mod:`replicator.cluster.cpu_scheduling`).
+CPU_SCHEDULING_ENV = "REPLICATOR_CPU_SCHEDULING"

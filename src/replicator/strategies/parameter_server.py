@@ -33,6 +33,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
+from replicator.cluster.cpu_scheduling import use_batch_scheduling
 from replicator.cluster.env_names import NUM_PS_ENV, REJOIN_ENV
 from replicator.cluster.environment import resolve_cluster, timeout_from_env
 from replicator.cluster.ports import LOOPBACK, listen
@@ -168,6 +169,9 @@ class ParameterServerStrategy(Strategy):
         """Start with the whole job: the process group, the topology, the workers' group."""
         info = initialize(timeout_seconds=timeout_seconds)
         self._timeout = float(timeout_seconds or info.timeout_seconds)
+        # chief, workers and servers wake each other every step: on too few cores, batch
+        # scheduling keeps the servers of one request working at once (see the module)
+        use_batch_scheduling(info.spec.local_world_size, announce=info.spec.rank == 0)
         topology = Topology(num_ps=self._num_ps)
         self._topology: Topology | None = topology
         self._num_workers = topology.num_workers
@@ -191,6 +195,7 @@ class ParameterServerStrategy(Strategy):
                 "or a bound k for jobs that survive lost workers.")
         spec = resolve_cluster()
         self._timeout = float(timeout_seconds or timeout_from_env(DEFAULT_TIMEOUT_SECONDS))
+        use_batch_scheduling(spec.local_world_size)
         try:
             raw = dist.TCPStore(spec.master_addr, spec.master_port or 0, spec.world_size, False,
                                 timeout=timedelta(seconds=self._timeout))
