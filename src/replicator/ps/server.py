@@ -67,6 +67,15 @@ def _gradient_buffers(conn: Connection) -> Into:
     return into
 
 
+def _import_optimizer_dependencies() -> None:
+    """What the first optimizer a server builds imports (torch.optim's constructor imports
+    torch._dynamo; the library itself no longer does at import)."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # noqa: BLE001 - the optimizer's own import then reports it
+        pass
+
+
 class ParameterServer(ServerCheckpoint, ServerUpdates):
     """Serve shards to ``num_workers`` workers on ``sock`` (already listening)."""
 
@@ -114,6 +123,10 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
     # -- serving -------------------------------------------------------------------------------
     def serve(self) -> None:
         """Accept workers until every worker has come and gone."""
+        # building a torch.optim optimizer imports torch._dynamo (about a second here): done
+        # while the workers set up, not when the first update arrives and every worker waits
+        threading.Thread(target=_import_optimizer_dependencies, daemon=True,
+                         name="ps-warm-imports").start()
         self.sock.settimeout(0.2)
         started = idle_since = time.monotonic()
         while True:
