@@ -6,9 +6,9 @@ that wakes another on a busy core is often preempted by it at once, so the worke
 the second server waits until the first has answered: the servers, meant to work at the same
 time, take turns. ``SCHED_BATCH`` (same priority, no preemption at wake-up) lets a process go
 on until it blocks. Measured on 2 cores with the embedding benchmark's 5 processes (chief, 2
-workers, 2 servers): 2-20% more steps per second in three alternating pairs (docs/
-parameter_server.md); the ``torch.distributed.rpc`` baseline of that benchmark, run under
-``chrt --batch``, did not change.
+workers, 2 servers): 1-22% more steps per second, median 10%, in seven alternating pairs
+(docs/parameter_server.md); the ``torch.distributed.rpc`` baseline of that benchmark, run
+under ``chrt --batch``, did not change.
 
 The policy is applied like ``torchrun``'s ``OMP_NUM_THREADS=1``: by the library, when its
 processes on this host outnumber the cores, and said once on stderr; ``REPLICATOR_CPU_SCHEDULING``
