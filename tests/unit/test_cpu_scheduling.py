@@ -21,7 +21,7 @@ early = threading.Event(); done = threading.Event(); seen = {}
 def before():  # a thread running before the policy is set
     early.set(); done.wait(); seen['before'] = os.sched_getscheduler(0)
 t = threading.Thread(target=before); t.start(); early.wait()
-applied = use_batch_scheduling(N)
+applied = use_batch_scheduling(PROCESSES)
 after = threading.Thread(target=lambda: seen.__setitem__('after', os.sched_getscheduler(0)))
 after.start(); after.join(); done.set(); t.join()
 print(applied, os.sched_getscheduler(0) == os.SCHED_BATCH, seen['before'] == os.SCHED_BATCH,
@@ -34,7 +34,8 @@ def _run(n: int, choice: str | None) -> list[str]:
     env.pop("REPLICATOR_CPU_SCHEDULING", None)
     if choice is not None:
         env["REPLICATOR_CPU_SCHEDULING"] = choice
-    out = subprocess.run([sys.executable, "-c", PROBE.replace("N)", f"{n})")], env=env, timeout=60,
+    code = PROBE.replace("PROCESSES", str(n))
+    out = subprocess.run([sys.executable, "-c", code], env=env, timeout=60,
                          capture_output=True, text=True, check=True)
     return out.stdout.split()
 

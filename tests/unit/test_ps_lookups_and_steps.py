@@ -261,6 +261,6 @@ def test_a_server_refuses_rows_as_pulled_that_it_never_served():
                                  timeout_seconds=5)
         grad = Message(P.GRAD, 3, 0, 0, 0, 2, torch.ones(2, 4))
         with pytest.raises(P.ParameterServerError, match="shard 3 names the rows of the last"):
-            server._gradient_rows(object(), grad, {})  # type: ignore[arg-type]
+            server._gradient_rows({}, grad, {})
         with pytest.raises(P.ParameterServerError, match="announced 2 shard.*named 1"):
             server._rows_asked(Message(P.PULL_ROWS, 3, 0, 2, 0, 0, torch.arange(3)), {})

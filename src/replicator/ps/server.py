@@ -110,10 +110,6 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
         #: Coordinator updates prepared and not yet committed, by (task, push): the first
         #: attempt's, copied out of the connection's buffers.
         self.prepared: dict[tuple[int, int], dict[int, Grad]] = {}
-        #: Per connection (``id``): the rows of each sparse shard its last row pull named,
-        #: which a ``GRAD`` with ``c=2`` takes as its rows (the lookup's gradient rows are
-        #: the rows it pulled, so the worker need not send them again).
-        self.served_rows: dict[int, dict[int, torch.Tensor]] = {}
         #: the newest description of each optimizer, by the shards it covers
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {}
         self.threads: list[threading.Thread] = []
@@ -200,11 +196,14 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                       c=os.getpid(),
                       tensor=text_tensor(restored) if restored else None)
             into = _gradient_buffers(conn)
+            # the rows of each sparse shard this connection's last row pull named, which a
+            # GRAD with c=2 takes as its rows (a lookup's gradient rows are the rows it pulled)
+            served: dict[int, torch.Tensor] = {}
             while True:
                 msg = conn.receive("waiting for a request", timeout_seconds=None, into=into)
                 if msg.kind == P.BYE:
                     break
-                self._dispatch(conn, worker, msg)
+                self._dispatch(conn, worker, msg, served)
         except PeerLostError:
             with self.lock:
                 if worker in self.workers:
@@ -223,7 +222,6 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                 pass
         finally:
             conn.close()
-            self.served_rows.pop(id(conn), None)
             with self.lock:
                 if worker in self.workers:
                     self.workers[worker].connected = False
@@ -233,7 +231,8 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                     self._maybe_finish_round()
                 self.lock.notify_all()
 
-    def _dispatch(self, conn: Connection, worker: int, msg: Message) -> None:
+    def _dispatch(self, conn: Connection, worker: int, msg: Message,
+                  served: dict[int, torch.Tensor]) -> None:
         if msg.kind == P.REGISTER:
             self._register(conn, msg)
         elif msg.kind == P.OPTIMIZER:
@@ -253,13 +252,13 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                     rows[nxt.var_id] = nxt.payload
                 elif nxt.kind == P.GRAD:
                     grads[nxt.var_id] = (nxt.version, nxt.payload,
-                                         self._gradient_rows(conn, nxt, rows))
+                                         self._gradient_rows(served, nxt, rows))
                 else:
                     raise P.ParameterServerError(f"expected GRAD, ROW_IDS or PUSH, got kind "
                                                  f"{nxt.kind}")
                 nxt = conn.receive("receiving gradients", into=into)
             if nxt.kind == P.PULL_ROWS:
-                self._pull_rows(conn, self._rows_asked(nxt, rows))
+                self._pull_rows(conn, self._rows_asked(nxt, rows), served)
                 return
             if nxt.kind == P.TASK_PREPARE:
                 conn.send(P.PREPARED, a=int(self._prepare((nxt.var_id, nxt.version), grads)))
@@ -270,7 +269,7 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
         elif msg.kind == P.PULL:
             self._pull(conn, worker, expected=msg.a, begin=bool(msg.b), everything=bool(msg.c))
         elif msg.kind == P.PULL_ROWS:  # one shard's rows (its ids as payload), or none
-            self._pull_rows(conn, self._rows_asked(msg, {}))
+            self._pull_rows(conn, self._rows_asked(msg, {}), served)
         elif msg.kind == P.TASK_STATS:
             with self.lock:
                 text = json.dumps(self.tasks.summary())
@@ -402,22 +401,24 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                                          f"{len(rows)}")
         return rows
 
-    def _gradient_rows(self, conn: Connection, grad: Message, rows: dict[int, torch.Tensor]
-                       ) -> torch.Tensor | None:
+    @staticmethod
+    def _gradient_rows(served: dict[int, torch.Tensor], grad: Message,
+                       rows: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """A ``GRAD``'s sparse rows: none (``c=0``, dense), the ``ROW_IDS`` before it
         (``c=1``), or the rows this connection's last pull of the shard named (``c=2``)."""
         if grad.c == 2:
-            served = self.served_rows.get(id(conn), {}).pop(grad.var_id, None)
-            if served is None:
+            kept = served.pop(grad.var_id, None)
+            if kept is None:
                 raise P.ParameterServerError(
                     f"a gradient of shard {grad.var_id} names the rows of the last row pull, "
                     f"and this connection pulled none of that shard's rows")
-            return served
+            return kept
         return rows.pop(grad.var_id, None) if grad.c else None
 
-    def _pull_rows(self, conn: Connection, rows: dict[int, torch.Tensor]) -> None:
-        """The values of the named rows of sparse table shards (each shard's own numbering)."""
-        served = self.served_rows.setdefault(id(conn), {})
+    def _pull_rows(self, conn: Connection, rows: dict[int, torch.Tensor],
+                   served: dict[int, torch.Tensor]) -> None:
+        """The values of the named rows of sparse table shards (each shard's own numbering);
+        ``served`` keeps the ids for a gradient of those rows (``GRAD`` with ``c=2``)."""
         with self.lock:
             out = []
             for sid, ids in sorted(rows.items()):
