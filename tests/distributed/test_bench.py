@@ -86,3 +86,41 @@ def test_bench_command_line_errors(capsys, tmp_path):
     assert "positive" in capsys.readouterr().err
     assert main(["bench", script, "--strategies", "mirroed", "--out", str(tmp_path)]) == 2
     assert "unknown strategy 'mirroed'" in capsys.readouterr().err
+
+
+def test_plan_validate_interleaves_repeated_passes(capsys, tmp_path):
+    """``plan --validate --repeat 2``: the script is profiled and every setting run twice in
+    turn; each setting's figure is the median of its passes, and a short step is measured for
+    at least a second (more steps than --steps asks)."""
+    from replicator.plan.profiles import MachineProfile, save_json
+
+    save_json(tmp_path / "machine.json", MachineProfile.nominal().to_json())  # not measured
+    script = str(SCRIPTS / "bench_tiny.py")
+    code = main(["plan", script, "--workers", "1", "--per-host", "2", "--strategies",
+                 "one_device", "--validate", "--repeat", "2", "--steps", "4",
+                 "--json", "--out", str(tmp_path), "--", "--batch", "32"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    lines = [json.loads(line) for line in captured.out.splitlines()]  # only the plan's lines
+    measured = {line["setting"]: line["measured_step_s"] for line in lines}
+    assert set(measured) == {"one_device x1"}
+    assert "profiling again" in captured.err and "pass 2 of 2" in captured.err
+    passes = []
+    for k in (1, 2):
+        data = json.loads((tmp_path / "validate" / f"pass{k}" / "results.json").read_text())
+        passes.append({r["setting"]: r for r in data["results"]})
+    for label in ("one_device x1",):
+        runs = [p[label]["step_seconds"] for p in passes]
+        assert measured[label] == pytest.approx(sum(runs) / 2, rel=1e-3)  # median of two
+        # a step of a few milliseconds: a second's worth of steps, not the 4 asked for
+        assert all(p[label]["steps"] > 20 for p in passes), [p[label]["steps"] for p in passes]
+    combined = json.loads((tmp_path / "validate" / "results.json").read_text())
+    assert [r["setting"] for r in combined["results"]] == ["one_device x1"]
+
+
+def test_plan_repeat_needs_validate(capsys, tmp_path):
+    script = str(SCRIPTS / "bench_tiny.py")
+    assert main(["plan", script, "--repeat", "3", "--out", str(tmp_path)]) == 2
+    assert "add --validate" in capsys.readouterr().err
+    assert main(["plan", script, "--validate", "--repeat", "0", "--out", str(tmp_path)]) == 2
+    assert "1 or more" in capsys.readouterr().err

@@ -308,8 +308,7 @@ def _function_launcher(train_fn: Callable[[Any], Any], setting: Setting
 class _Progress:
     """A bar per setting (a terminal) or a line per setting, fed from the chief's file."""
 
-    def __init__(self, total: int) -> None:
-        self.total = total
+    def __init__(self) -> None:
         self.rich: Any = None
         if sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -319,8 +318,8 @@ class _Progress:
             self.rich.start()
 
     @contextlib.contextmanager
-    def track(self, label: str, out: Path) -> Iterator[None]:
-        task = self.rich.add_task(label, total=self.total, note="") if self.rich else None
+    def track(self, label: str, out: Path, total: int) -> Iterator[None]:
+        task = self.rich.add_task(label, total=total, note="") if self.rich else None
         stop = threading.Event()
         started = time.perf_counter()
 
@@ -340,7 +339,7 @@ class _Progress:
             thread.join()
             seconds = time.perf_counter() - started
             if self.rich is not None:
-                self.rich.update(task, completed=self.total, note=f"{seconds:.1f} s")
+                self.rich.update(task, completed=total, note=f"{seconds:.1f} s")
             else:
                 print(f"bench: {label} done in {seconds:.1f} s", flush=True)
 
@@ -368,7 +367,10 @@ class BenchReport:
 
 def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: str,
              steps: int, warmup: int, make_launch: Callable[[Setting], Callable[[], None]],
-             *, report: bool = True, quiet: bool = False) -> BenchReport:
+             *, report: bool = True, quiet: bool = False,
+             steps_for: Callable[[Setting], int] | None = None) -> BenchReport:
+    """Run each setting in turn (``steps_for(setting)`` measured steps where given, else
+    ``steps``) and write the report."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"--steps must be an integer >= 2, got {steps!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -376,15 +378,17 @@ def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: 
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
-    progress = _Progress(warmup + steps) if not quiet else None
+    progress = _Progress() if not quiet else None
     results = []
     try:
         for setting in settings:
             out = root / "logs" / setting.slug
-            track = progress.track(setting.label, out) if progress else \
+            measured = max(steps, steps_for(setting)) if steps_for is not None else steps
+            track = progress.track(setting.label, out, warmup + measured) if progress else \
                 contextlib.nullcontext()
             with track:
-                results.append(run_setting(setting, out, make_launch(setting), steps, warmup))
+                results.append(run_setting(setting, out, make_launch(setting), measured,
+                                           warmup))
     finally:
         if progress:
             progress.close()
@@ -393,7 +397,7 @@ def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: 
     if report:
         from replicator.plan.report import write_bench_report
 
-        write_bench_report(bench)
+        write_bench_report(bench, echo=not quiet)  # quiet: --json prints only the plan
     return bench
 
 

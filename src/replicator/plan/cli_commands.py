@@ -83,6 +83,10 @@ def add_subcommands(sub: Any) -> None:
                       "measured")
     plan.add_argument("--steps", type=int, default=20,
                       help="measured steps per setting with --validate (default 20)")
+    plan.add_argument("--repeat", type=int, default=1,
+                      help="with --validate: profile and run every setting this many times "
+                      "in turn, and compare the plan of the median profile with each "
+                      "setting's median (default 1; 3 on a shared machine)")
     plan.add_argument("--json", action="store_true",
                       help="print one JSON line per setting, nothing else")
     plan.add_argument("--remeasure", action="store_true",
@@ -153,8 +157,10 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
         plan_model,
         print_plan,
         profile_script,
+        save_profile,
     )
     from replicator.plan.profiles import MachineProfile, ModelProfile
+    from replicator.plan.recommend import Plan
 
     workers = _workers(args.workers)
     device = get_device(args.device)  # errors early, before anything is measured
@@ -166,6 +172,10 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
                          "train.py --workers 2,8 or replicator plan --model-params 7e9")
     if args.validate and args.script is None:
         raise ValueError("--validate runs the script: give one (not --model-params)")
+    if args.repeat != 1 and not args.validate:
+        raise ValueError("--repeat repeats --validate's profile and runs: add --validate")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be 1 or more, got {args.repeat}")
     log = (lambda text: print(text, file=sys.stderr)) if args.json else print
     if args.model_params is not None:
         model = ModelProfile.from_parameter_count(args.model_params,
@@ -177,15 +187,28 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
                                refresh=args.reprofile, log=log)
     machine = load_machine(args.out, remeasure=args.remeasure, log=log) if device.is_cpu \
         else MachineProfile.nominal()
-    plan = plan_model(model, workers, device=args.device, link=args.link,
-                      latency=args.latency, machine=machine, strategies=strategies,
-                      num_ps=args.num_ps, ranks_per_host=args.per_host)
+
+    def make_plan(profile: ModelProfile) -> Plan:
+        return plan_model(profile, workers, device=args.device, link=args.link,
+                          latency=args.latency, machine=machine, strategies=strategies,
+                          num_ps=args.num_ps, ranks_per_host=args.per_host)
+
     report = None
     if args.validate:
-        from replicator.plan.validate import validate
+        from replicator.plan.validate import validate_interleaved
 
-        report = validate(plan, script=args.script, script_args=tuple(script_args),
-                          out_dir=args.out, steps=args.steps, quiet=args.json)
+        def reprofile() -> ModelProfile:
+            return profile_script(args.script, script_args, out_dir=args.out, refresh=True,
+                                  log=log)
+
+        plan, report = validate_interleaved(
+            model, make_plan, reprofile, args.repeat, script=args.script,
+            script_args=tuple(script_args), out_dir=args.out, steps=args.steps,
+            quiet=args.json, log=log)
+        if args.repeat > 1:  # later plans of this script start from the median profile
+            save_profile(args.script, script_args, args.out, plan.model)
+    else:
+        plan = make_plan(model)
     text = None
     if report is not None:
         from replicator.plan.validate import summary

@@ -32,7 +32,7 @@ from replicator.plan.recommend import Plan, make_plan
 from replicator.plan.report import format_table, machine_profile_cached, ms
 
 __all__ = ["load_machine", "model_from_probe", "plan_model", "plan_table", "print_plan",
-           "profile_function", "profile_here", "profile_script"]
+           "profile_function", "profile_here", "profile_script", "save_profile"]
 
 #: Steps before the profile's measured phases (imports, first-call allocations).
 PROFILE_WARMUP = 2
@@ -110,6 +110,16 @@ def _cache_key(script: str, args: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _cache_path(script: str, script_args: Sequence[str], out_dir: str) -> Path:
+    return Path(out_dir) / f"profile-{_cache_key(script, script_args)}.json"
+
+
+def save_profile(script: str, script_args: Sequence[str], out_dir: str,
+                 model: ModelProfile) -> None:
+    """Cache ``model`` as the profile of ``script`` with ``script_args`` (in ``out_dir``)."""
+    save_json(_cache_path(script, script_args, out_dir), model.to_json())
+
+
 def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str = "bench",
                    refresh: bool = False, log: Callable[[str], None] = print) -> ModelProfile:
     """Profile ``script`` in one process (cached by the script's content and arguments)."""
@@ -118,7 +128,7 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
     if not Path(script).is_file():
         raise ValueError(f"script {script!r} not found. HINT: give the path of the training "
                          "script, or --model-params for a model known only by its size")
-    cache = Path(out_dir) / f"profile-{_cache_key(script, script_args)}.json"
+    cache = _cache_path(script, script_args, out_dir)
     if cache.exists() and not refresh:
         return ModelProfile.from_json(json.loads(cache.read_text()))
     log(f"profiling {script} in one process ({_profile_steps() + PROFILE_WARMUP} steps, more "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,29 @@ class ModelProfile:
         values = {k: v for k, v in data.items() if k in known}
         if "compute_fit" in values:
             values["compute_fit"] = tuple(values["compute_fit"])
+        return cls(**values)
+
+    @classmethod
+    def median_of(cls, profiles: list[ModelProfile]) -> ModelProfile:
+        """One profile from several of the same model measured at different times: each
+        measured time is the median of theirs (so one profile taken while the machine was
+        busy does not set the plan); counts, sizes and names are the first's."""
+        if not profiles:
+            raise ValueError("median_of needs at least one profile")
+        first = profiles[0]
+        if len(profiles) == 1:
+            return first
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            mine = getattr(first, f.name)
+            if f.name.endswith("_seconds") or f.name.endswith("_1thread") \
+                    or f.name == "collectives_per_step":
+                values[f.name] = statistics.median(getattr(p, f.name) for p in profiles)
+            elif f.name == "compute_fit":
+                values[f.name] = tuple(statistics.median(p.compute_fit[i] for p in profiles)
+                                       for i in range(2))
+            else:
+                values[f.name] = mine
         return cls(**values)
 
 

@@ -6,11 +6,21 @@ Runnable here: ``cpu`` plans whose setting fits on this host (one host, at most
 its mean step time is set beside the prediction; the error is ``(predicted - measured) /
 measured``. The goal is within :data:`GOAL` for every setting; the summary says how the
 machine was loaded while it ran, since a shared 2-core machine moves these figures a lot.
+
+Two things keep one noisy moment from deciding a figure. Each setting runs at least
+:data:`MIN_MEASURED_SECONDS` of measured steps (a 1 ms step measured 12 times is 12 ms of
+scheduler noise). With ``repeat`` > 1 (:func:`validate_interleaved`) the model is profiled
+and every setting run ``repeat`` times in turn (profile, all settings, profile, all
+settings, ...), and the plan is made from the median profile and compared with each
+setting's median step: the machine's minute-to-minute swings then reach the profile and the
+runs alike instead of landing on one side.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,19 +29,26 @@ from replicator.plan.benchmark import (
     BENCH_STRATEGIES,
     BenchReport,
     Setting,
+    SettingResult,
     _function_launcher,
     _run_all,
     _script_launcher,
 )
 from replicator.plan.cost_model import Prediction
+from replicator.plan.profiles import ModelProfile
 from replicator.plan.recommend import Plan
 
-__all__ = ["GOAL", "MAX_LOCAL_PROCESSES", "runnable_here", "summary", "validate"]
+__all__ = ["GOAL", "MAX_LOCAL_PROCESSES", "MIN_MEASURED_SECONDS", "combine_passes",
+           "runnable_here", "summary", "validate", "validate_interleaved"]
 
 #: The error the cost model aims to stay within on this machine.
 GOAL = 0.20
 #: Processes one validation setting may start on this machine.
 MAX_LOCAL_PROCESSES = 4
+#: Each setting measures at least this long (by its predicted step), steps permitting.
+MIN_MEASURED_SECONDS = 1.0
+#: ... but never more steps than this.
+MAX_MEASURED_STEPS = 2000
 
 
 def runnable_here(p: Prediction, plan: Plan) -> bool:
@@ -50,12 +67,25 @@ def _settings(plan: Plan) -> list[Setting]:
     return out
 
 
+def steps_to_measure(p: Prediction, steps: int,
+                     min_seconds: float = MIN_MEASURED_SECONDS) -> int:
+    """``steps``, or more where the predicted step is so short that ``steps`` of them would
+    last under ``min_seconds`` (at most :data:`MAX_MEASURED_STEPS`)."""
+    if p.step_seconds <= 0:
+        return steps
+    wanted = math.ceil(min_seconds / p.step_seconds)
+    return max(steps, min(wanted, MAX_MEASURED_STEPS))
+
+
 def validate(plan: Plan, *, script: str | None = None, script_args: tuple[str, ...] = (),
              train_fn: Callable[[Any], Any] | None = None, out_dir: str = "bench",
-             steps: int = 20, warmup: int = 3, quiet: bool = False) -> BenchReport:
+             steps: int = 20, warmup: int = 3, quiet: bool = False,
+             min_seconds: float = MIN_MEASURED_SECONDS, folder: str = "validate"
+             ) -> BenchReport:
     """Run every runnable setting of ``plan`` (a script or a function) and fill
     ``plan.measured`` with the measured step times; returns the bench report (written to
-    ``out_dir/validate``)."""
+    ``out_dir/folder``). Each setting measures ``steps`` steps, or more to last
+    ``min_seconds`` by its prediction."""
     if (script is None) == (train_fn is None):
         raise ValueError("validate needs the script or the function the plan was made for. "
                          "HINT: --validate works with a script, not with --model-params alone")
@@ -75,11 +105,78 @@ def validate(plan: Plan, *, script: str | None = None, script_args: tuple[str, .
         def make(s: Setting) -> Callable[[], None]:
             return _function_launcher(train_fn, s)
 
-    report = _run_all(target, settings, [], str(Path(out_dir) / "validate"), steps, warmup,
-                      make, report=True, quiet=quiet)
+    predicted = {p.setting: p for p in plan.predictions}
+
+    def steps_for(s: Setting) -> int:
+        p = predicted.get(s.label)
+        return steps_to_measure(p, steps, min_seconds) if p is not None else steps
+
+    report = _run_all(target, settings, [], str(Path(out_dir) / folder), steps, warmup,
+                      make, report=True, quiet=quiet, steps_for=steps_for)
     for r in report.results:
         plan.measured[r.setting.label] = r.step_seconds if r.ok else None
     return report
+
+
+def combine_passes(reports: list[BenchReport], out_dir: str, echo: bool = True
+                   ) -> tuple[dict[str, float | None], BenchReport]:
+    """Each setting's median step time over ``reports`` (``None`` where no pass ran it), and
+    one report of the pass nearest that median per setting (written to ``out_dir``)."""
+    from replicator.plan.report import write_bench_report
+
+    measured: dict[str, float | None] = {}
+    results: list[SettingResult] = []
+    for first in reports[0].results:
+        label = first.setting.label
+        runs = [r for rep in reports if (r := rep.result(label)) is not None]
+        ok = [r for r in runs if r.ok]
+        if not ok:
+            measured[label] = None
+            results.append(runs[-1])
+            continue
+        median = statistics.median(r.step_seconds for r in ok)
+        measured[label] = median
+        results.append(min(ok, key=lambda r: abs(r.step_seconds - median)))
+    loads = [rep.load_average for rep in reports]
+    combined = BenchReport(reports[0].target, results, reports[0].skipped, out_dir,
+                           (loads[0][0], loads[-1][1]))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_bench_report(combined, echo=echo)
+    return measured, combined
+
+
+def validate_interleaved(model: ModelProfile, make_plan: Callable[[ModelProfile], Plan],
+                         reprofile: Callable[[], ModelProfile], repeat: int, *,
+                         script: str | None = None, script_args: tuple[str, ...] = (),
+                         train_fn: Callable[[Any], Any] | None = None, out_dir: str = "bench",
+                         steps: int = 20, warmup: int = 3, quiet: bool = False,
+                         log: Callable[[str], None] = print) -> tuple[Plan, BenchReport]:
+    """``repeat`` passes of (profile, every runnable setting), the first with ``model``; the
+    plan of the median profile with each setting's median step (see the module doc)."""
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"--repeat must be an integer >= 1, got {repeat!r}")
+    plan = make_plan(model)
+    if repeat == 1:
+        return plan, validate(plan, script=script, script_args=script_args, train_fn=train_fn,
+                              out_dir=out_dir, steps=steps, warmup=warmup, quiet=quiet)
+    profiles = [model]
+    reports = []
+    for i in range(repeat):
+        if i:
+            log(f"pass {i + 1} of {repeat}: profiling again ...")
+            profiles.append(reprofile())
+        elif not quiet:
+            log(f"pass 1 of {repeat}")
+        reports.append(validate(plan, script=script, script_args=script_args,
+                                train_fn=train_fn, out_dir=out_dir, steps=steps,
+                                warmup=warmup, quiet=quiet, folder=f"validate/pass{i + 1}"))
+    final = make_plan(ModelProfile.median_of(profiles))
+    if not quiet:
+        log(f"each setting's median of {repeat} passes, against the plan of the median "
+            "profile:")
+    final.measured, report = combine_passes(reports, str(Path(out_dir) / "validate"),
+                                            echo=not quiet)
+    return final, report
 
 
 def summary(plan: Plan, report: BenchReport) -> str:

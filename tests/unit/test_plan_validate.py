@@ -1,0 +1,39 @@
+"""The pieces of ``plan --validate`` that keep one noisy moment from deciding a figure."""
+
+import pytest
+
+from replicator.plan.planner import plan_model
+from replicator.plan.profiles import MachineProfile, ModelProfile
+from replicator.plan.validate import MAX_MEASURED_STEPS, steps_to_measure
+
+
+def _profile(step: float, fit: tuple[float, float]) -> ModelProfile:
+    return ModelProfile(name="m", params=1000, global_batch=64, param_bytes=4000,
+                        grad_bytes=4000, step_seconds=step, compute_seconds=step * 0.8,
+                        optimizer_seconds=step * 0.1, input_seconds=step * 0.1,
+                        compute_fit=fit, collectives_per_step=1.0)
+
+
+def test_median_profile_takes_each_time_from_the_middle_profile():
+    slow, fast, usual = _profile(3e-3, (1e-4, 2e-5)), _profile(1e-3, (3e-4, 1e-5)), \
+        _profile(1.5e-3, (2e-4, 4e-5))
+    median = ModelProfile.median_of([slow, fast, usual])
+    assert median.step_seconds == 1.5e-3 and median.compute_seconds == pytest.approx(1.2e-3)
+    assert median.compute_fit == (2e-4, 2e-5)  # each term's own median
+    assert median.params == 1000 and median.name == "m"
+    assert ModelProfile.median_of([slow]) is slow
+    with pytest.raises(ValueError, match="at least one"):
+        ModelProfile.median_of([])
+
+
+def test_a_short_step_is_measured_for_a_second():
+    machine = MachineProfile.nominal()
+    plan = plan_model(_profile(2e-3, (1e-4, 2e-5)), [1], machine=machine,
+                      strategies=("one_device",))
+    (p,) = plan.predictions
+    assert steps_to_measure(p, 12) == pytest.approx(1.0 / p.step_seconds, abs=1)
+    assert steps_to_measure(p, 5000) == 5000  # never fewer than asked
+    p.step_seconds = 1e-6
+    assert steps_to_measure(p, 12) == MAX_MEASURED_STEPS
+    p.step_seconds = 0.5
+    assert steps_to_measure(p, 12) == 12
