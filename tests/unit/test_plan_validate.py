@@ -37,3 +37,20 @@ def test_a_short_step_is_measured_for_a_second():
     assert steps_to_measure(p, 12) == MAX_MEASURED_STEPS
     p.step_seconds = 0.5
     assert steps_to_measure(p, 12) == 12
+
+
+def test_median_machine_takes_each_figure_from_the_middle():
+    from replicator.plan.profiles import AlphaBeta
+
+    base = MachineProfile.nominal()
+    busy = MachineProfile.from_json({**base.to_json(), "slowdown": {1: 1.0, 2: 1.3},
+                                     "ps_round_trip": [2e-3, 3e-9]})
+    quiet = MachineProfile.from_json({**base.to_json(), "slowdown": {1: 1.0, 2: 1.0},
+                                      "ps_round_trip": [5e-4, 1e-9]})
+    usual = MachineProfile.from_json({**base.to_json(), "slowdown": {1: 1.0, 2: 1.1},
+                                      "ps_round_trip": [1e-3, 4e-9]})
+    median = MachineProfile.median_of([busy, quiet, usual])
+    assert median.slowdown == {1: 1.0, 2: 1.1}
+    assert median.ps_round_trip == AlphaBeta(1e-3, 3e-9)  # a and b each their own median
+    assert median.allreduce == base.allreduce and median.cores == base.cores
+    assert MachineProfile.median_of([busy]) is busy

@@ -84,9 +84,10 @@ def add_subcommands(sub: Any) -> None:
     plan.add_argument("--steps", type=int, default=20,
                       help="measured steps per setting with --validate (default 20)")
     plan.add_argument("--repeat", type=int, default=1,
-                      help="with --validate: profile and run every setting this many times "
-                      "in turn, and compare the plan of the median profile with each "
-                      "setting's median (default 1; 3 on a shared machine)")
+                      help="with --validate: profile (with --remeasure, measure this machine "
+                      "too) and run every setting this many times in turn; compare the plan "
+                      "of the medians with each setting's median (default 1; 3 on a shared "
+                      "machine)")
     plan.add_argument("--json", action="store_true",
                       help="print one JSON line per setting, nothing else")
     plan.add_argument("--remeasure", action="store_true",
@@ -159,7 +160,7 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
         profile_script,
         save_profile,
     )
-    from replicator.plan.profiles import MachineProfile, ModelProfile
+    from replicator.plan.profiles import MachineProfile, ModelProfile, save_json
     from replicator.plan.recommend import Plan
 
     workers = _workers(args.workers)
@@ -188,9 +189,9 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
     machine = load_machine(args.out, remeasure=args.remeasure, log=log) if device.is_cpu \
         else MachineProfile.nominal()
 
-    def make_plan(profile: ModelProfile) -> Plan:
+    def make_plan(profile: ModelProfile, figures: MachineProfile) -> Plan:
         return plan_model(profile, workers, device=args.device, link=args.link,
-                          latency=args.latency, machine=machine, strategies=strategies,
+                          latency=args.latency, machine=figures, strategies=strategies,
                           num_ps=args.num_ps, ranks_per_host=args.per_host)
 
     report = None
@@ -201,14 +202,20 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
             return profile_script(args.script, script_args, out_dir=args.out, refresh=True,
                                   log=log)
 
+        def remeasure() -> MachineProfile:
+            return load_machine(args.out, remeasure=True, log=log)
+
         plan, report = validate_interleaved(
-            model, make_plan, reprofile, args.repeat, script=args.script,
-            script_args=tuple(script_args), out_dir=args.out, steps=args.steps,
-            quiet=args.json, log=log)
-        if args.repeat > 1:  # later plans of this script start from the median profile
+            model, machine, make_plan, reprofile,
+            remeasure if args.remeasure and device.is_cpu else None, args.repeat,
+            script=args.script, script_args=tuple(script_args), out_dir=args.out,
+            steps=args.steps, quiet=args.json, log=log)
+        if args.repeat > 1:  # later plans start from the medians, not the last pass
             save_profile(args.script, script_args, args.out, plan.model)
+            if args.remeasure and device.is_cpu:
+                save_json(Path(args.out) / "machine.json", plan.cluster.machine.to_json())
     else:
-        plan = make_plan(model)
+        plan = make_plan(model, machine)
     text = None
     if report is not None:
         from replicator.plan.validate import summary

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AlphaBeta", "MachineProfile", "ModelProfile", "kept_steps"]
+__all__ = ["AlphaBeta", "MachineProfile", "ModelProfile", "kept_steps", "median_json"]
 
 #: Bytes of one block FSDP's costs are measured on: ``Linear(8, 8)`` and ``Linear(512, 512)``
 #: (weight and bias, float32), see :mod:`replicator.plan.measure`.
@@ -357,6 +357,17 @@ class MachineProfile:
             load_average=float(data.get("load_average", 0.0)),
             source=data.get("source", "measured"))
 
+    @classmethod
+    def median_of(cls, profiles: list[MachineProfile]) -> MachineProfile:
+        """One profile from several measured at different times: each figure (a collective's
+        ``a`` and ``b`` apart) is the median of theirs; text fields are the first's."""
+        if not profiles:
+            raise ValueError("median_of needs at least one profile")
+        if len(profiles) == 1:
+            return profiles[0]
+        return cls.from_json(median_json([json.loads(json.dumps(p.to_json()))
+                                          for p in profiles]))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "cores": self.cores, "ram_bytes": self.ram_bytes, "slowdown": self.slowdown,
@@ -376,6 +387,21 @@ class MachineProfile:
             "process_rss_bytes": self.process_rss_bytes, "measured_at": self.measured_at,
             "load_average": self.load_average, "source": self.source,
         }
+
+
+def median_json(values: list[Any]) -> Any:
+    """The median of JSON values of one shape: numbers by their median, lists element by
+    element, dicts key by key (the keys of the first), anything else the first's."""
+    first = values[0]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return statistics.median(numbers) if len(numbers) == len(values) else first
+    if isinstance(first, list) and all(isinstance(v, list) and len(v) == len(first)
+                                       for v in values):
+        return [median_json([v[i] for v in values]) for i in range(len(first))]
+    if isinstance(first, dict) and all(isinstance(v, dict) for v in values):
+        return {k: median_json([v[k] for v in values if k in v]) for k in first}
+    return first
 
 
 def save_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:

@@ -9,11 +9,12 @@ machine was loaded while it ran, since a shared 2-core machine moves these figur
 
 Two things keep one noisy moment from deciding a figure. Each setting runs at least
 :data:`MIN_MEASURED_SECONDS` of measured steps (a 1 ms step measured 12 times is 12 ms of
-scheduler noise). With ``repeat`` > 1 (:func:`validate_interleaved`) the model is profiled
-and every setting run ``repeat`` times in turn (profile, all settings, profile, all
-settings, ...), and the plan is made from the median profile and compared with each
-setting's median step: the machine's minute-to-minute swings then reach the profile and the
-runs alike instead of landing on one side.
+scheduler noise). With ``repeat`` > 1 (:func:`validate_interleaved`) the model is profiled,
+this machine measured (with ``--remeasure``) and every setting run ``repeat`` times in turn
+(profile, machine, all settings, profile, machine, all settings, ...); the plan is made from
+the median profile and the median machine figures and compared with each setting's median
+step: the machine's minute-to-minute swings then reach the profile and the runs alike instead
+of landing on one side.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from replicator.plan.benchmark import (
     _script_launcher,
 )
 from replicator.plan.cost_model import Prediction
-from replicator.plan.profiles import ModelProfile
+from replicator.plan.profiles import MachineProfile, ModelProfile
 from replicator.plan.recommend import Plan
 
 __all__ = ["GOAL", "MAX_LOCAL_PROCESSES", "MIN_MEASURED_SECONDS", "combine_passes",
@@ -145,35 +146,40 @@ def combine_passes(reports: list[BenchReport], out_dir: str, echo: bool = True
     return measured, combined
 
 
-def validate_interleaved(model: ModelProfile, make_plan: Callable[[ModelProfile], Plan],
-                         reprofile: Callable[[], ModelProfile], repeat: int, *,
+def validate_interleaved(model: ModelProfile, machine: MachineProfile,
+                         make_plan: Callable[[ModelProfile, MachineProfile], Plan],
+                         reprofile: Callable[[], ModelProfile],
+                         remeasure: Callable[[], MachineProfile] | None, repeat: int, *,
                          script: str | None = None, script_args: tuple[str, ...] = (),
                          train_fn: Callable[[Any], Any] | None = None, out_dir: str = "bench",
                          steps: int = 20, warmup: int = 3, quiet: bool = False,
                          log: Callable[[str], None] = print) -> tuple[Plan, BenchReport]:
-    """``repeat`` passes of (profile, every runnable setting), the first with ``model``; the
-    plan of the median profile with each setting's median step (see the module doc)."""
+    """``repeat`` passes of (profile, this machine's figures where ``remeasure`` is given,
+    every runnable setting), the first pass with ``model`` and ``machine``; returns the plan
+    of the median profiles with each setting's median step (see the module doc)."""
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"--repeat must be an integer >= 1, got {repeat!r}")
-    plan = make_plan(model)
+    plan = make_plan(model, machine)
     if repeat == 1:
         return plan, validate(plan, script=script, script_args=script_args, train_fn=train_fn,
                               out_dir=out_dir, steps=steps, warmup=warmup, quiet=quiet)
-    profiles = [model]
+    models, machines = [model], [machine]
     reports = []
     for i in range(repeat):
         if i:
             log(f"pass {i + 1} of {repeat}: profiling again ...")
-            profiles.append(reprofile())
-        elif not quiet:
+            models.append(reprofile())
+            if remeasure is not None:
+                machines.append(remeasure())
+        else:
             log(f"pass 1 of {repeat}")
         reports.append(validate(plan, script=script, script_args=script_args,
                                 train_fn=train_fn, out_dir=out_dir, steps=steps,
                                 warmup=warmup, quiet=quiet, folder=f"validate/pass{i + 1}"))
-    final = make_plan(ModelProfile.median_of(profiles))
+    final = make_plan(ModelProfile.median_of(models), MachineProfile.median_of(machines))
     if not quiet:
         log(f"each setting's median of {repeat} passes, against the plan of the median "
-            "profile:")
+            "profile" + (" and machine figures:" if len(machines) > 1 else ":"))
     final.measured, report = combine_passes(reports, str(Path(out_dir) / "validate"),
                                             echo=not quiet)
     return final, report
