@@ -87,7 +87,7 @@ def add_subcommands(sub: Any) -> None:
                       help="with --validate: profile (with --remeasure, measure this machine "
                       "too) and run every setting this many times in turn; compare the plan "
                       "of the medians with each setting's median (default 1; 3 on a shared "
-                      "machine)")
+                      "machine, 5 for steps of a few milliseconds)")
     plan.add_argument("--json", action="store_true",
                       help="print one JSON line per setting, nothing else")
     plan.add_argument("--remeasure", action="store_true",
