@@ -430,10 +430,19 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         backward = compute * 2 / 3
         comm = max(0.0, comm - c.device.overlap * backward)
         if strategy == "central_storage":
-            # reduce onto one rank + broadcast back: the bytes of one all-reduce, and a second
-            # point where every rank waits (the broadcast after the central rank's step),
-            # which overlaps nothing
+            # reduce onto one rank (the all-reduce's cost), then after the central rank's
+            # step a broadcast of the parameters, which overlaps nothing: a point where every
+            # rank waits
             comm += _one_more_collective(c, n)
+            if c.device.is_cpu and c.hosts(n) == 1:
+                # two copies of every parameter byte: the central rank writes them into the
+                # segment, the others read them out; and with no more busy ranks than cores,
+                # a second wait (the broadcast's check, then the broadcast itself; with more,
+                # the wait for a rank not yet run, counted below, covers both)
+                comm += 2 * m.param_bytes / c.machine.memory_bandwidth * \
+                    c.machine.slowdown_for(busy)
+                if busy <= c.machine.cores:
+                    comm += _one_more_collective(c, n)
         overhead = _sync_overhead(c, n)
     if c.device.is_cpu and strategy in ("mirrored", "central_storage", "fsdp") and busy > 1:
         # a synchronous step waits at its collectives for the slowest rank (measured here):
