@@ -173,6 +173,10 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
                 machines.append(remeasure())
         else:
             log(f"pass 1 of {repeat}")
+        last = models[-1]
+        one_thread = last.compute_1thread(last.global_batch)
+        log(f"pass {i + 1}: the profile's step {last.step_seconds * 1e3:.3g} ms (forward and "
+            f"backward on one thread {one_thread * 1e3:.3g} ms)")
         reports.append(validate(plan, script=script, script_args=script_args,
                                 train_fn=train_fn, out_dir=out_dir, steps=steps,
                                 warmup=warmup, quiet=quiet, folder=f"validate/pass{i + 1}"))
