@@ -342,8 +342,8 @@ class Probe:
                     args = slice_batch(tuple(args), keep, size)
                     size = keep
                 self.batch_sizes.append(size)
-        if phase is not None:
-            torch.set_num_threads(phase[2] or self._threads)
+        if phase is not None and torch.get_num_threads() != (phase[2] or self._threads):
+            torch.set_num_threads(phase[2] or self._threads)  # at a phase's first step only
         if self.mode == "profile" and self.calls == self.warmup + 1:
             # first after the warmup: a script that stops before the phases end still has it
             return self._counted_step(strategy, original_run, fn, args, kwargs)
