@@ -205,14 +205,15 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
         def remeasure() -> MachineProfile:
             return load_machine(args.out, remeasure=True, log=log)
 
+        remeasuring = args.remeasure and device.is_cpu  # each pass measures this machine
         plan, report = validate_interleaved(
-            model, machine, make_plan, reprofile,
-            remeasure if args.remeasure and device.is_cpu else None, args.repeat,
+            model, machine, make_plan, reprofile, remeasure if remeasuring else None,
+            args.repeat,
             script=args.script, script_args=tuple(script_args), out_dir=args.out,
             steps=args.steps, quiet=args.json, log=log)
         if args.repeat > 1:  # later plans start from the medians, not the last pass
             save_profile(args.script, script_args, args.out, plan.model)
-            if args.remeasure and device.is_cpu:
+            if remeasuring:
                 save_json(Path(args.out) / "machine.json", plan.cluster.machine.to_json())
     else:
         plan = make_plan(model, machine)
