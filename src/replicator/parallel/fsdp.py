@@ -48,6 +48,16 @@ def apply_fsdp(module: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward:
     return module
 
 
+def _param_groups(state: object) -> list:
+    """An FSDP2 state's parameter groups: a list in torch 2.13, one group (or
+    ``None``) named ``_fsdp_param_group`` in 2.11 (where FSDP failed before this)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def is_unsharded_view(module: torch.nn.Module, tensor: torch.Tensor) -> bool:
     """True if ``tensor`` is the gathered (unsharded) parameter FSDP2 put in place of one of
     ``module``'s sharded parameters while a block runs."""
@@ -55,7 +65,7 @@ def is_unsharded_view(module: torch.nn.Module, tensor: torch.Tensor) -> bool:
         get_state = getattr(sub, "_get_fsdp_state", None)
         if get_state is None:
             continue
-        for group in get_state()._fsdp_param_groups:
+        for group in _param_groups(get_state()):
             for fsdp_param in group.fsdp_params:
                 if getattr(fsdp_param, "_unsharded_param", None) is tensor:
                     return True

@@ -66,11 +66,19 @@ def assert_equivalent(train_fn: Callable[..., Any],
     processes, and rank 0's result is compared. ``train_fn`` must be a module-level function
     that builds its model under ``strategy.scope()`` and returns the model or its state_dict.
     Returns the parameters per strategy name.
+
+    Every strategy computes on the same kind of device: where this host has fewer GPUs than
+    ``world_size`` (the distributed strategies then compute on the CPU), ``one_device`` does
+    too unless its spec names a device (a model built on a GPU draws its initial values from
+    the GPU's generator, so a CUDA run and a CPU run start from different parameters).
     """
     results: dict[str, dict[str, torch.Tensor]] = {}
+    gpus_for_all = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     for spec in strategies:
         name, kwargs = _spec(spec)
         n = 1 if name in ("one_device", "onedevice", "default") else world_size
+        if n == 1 and not gpus_for_all and "device" not in kwargs:
+            kwargs = {**kwargs, "device": "cpu"}
         results[name] = run_distributed(_train_under, n, args=(train_fn, name, kwargs),
                                         timeout_seconds=timeout_seconds)[0]
     names = list(results)
