@@ -52,12 +52,18 @@ def train_sync(shared_memory: bool | None = None) -> dict:
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+@pytest.fixture(scope="module")
+def tcp_reference() -> list:
+    """The job with ``shared_memory=False``: every payload on TCP (the tests' reference)."""
+    return launch(train_sync, num_replicas=4, num_ps=2, kwargs={"shared_memory": False},
+                  timeout_seconds=60)
+
+
 @pytest.mark.timeout(240)
-def test_same_host_payloads_go_through_shared_memory_and_equal_tcp(monkeypatch):
+def test_same_host_payloads_go_through_shared_memory_and_equal_tcp(monkeypatch, tcp_reference):
     before = _our_segments()
     shm = launch(train_sync, num_replicas=4, num_ps=2, timeout_seconds=60)
-    tcp = launch(train_sync, num_replicas=4, num_ps=2, kwargs={"shared_memory": False},
-                 timeout_seconds=60)
+    tcp = tcp_reference
     assert [r["shared"] for r in shm[:2]] == [[True, True]] * 2
     assert [r["shared"] for r in tcp[:2]] == [[False, False]] * 2
     assert all(v == STEPS for v in shm[0]["versions"]), shm[0]["versions"]
@@ -74,14 +80,12 @@ def test_same_host_payloads_go_through_shared_memory_and_equal_tcp(monkeypatch):
 
 
 @pytest.mark.timeout(240)
-def test_a_segment_that_cannot_be_made_falls_back_to_tcp(monkeypatch, tmp_path):
+def test_a_segment_that_cannot_be_made_falls_back_to_tcp(monkeypatch, tmp_path, tcp_reference):
     monkeypatch.setenv("REPLICATOR_SHM_DIR", str(tmp_path / "missing"))
     out = launch(train_sync, num_replicas=4, num_ps=2, timeout_seconds=60)
     assert out[0]["shared"] == [False, False]
     assert "could not create" in out[0]["reason"] and "FileNotFoundError" in out[0]["reason"]
-    ref = launch(train_sync, num_replicas=4, num_ps=2, kwargs={"shared_memory": False},
-                 timeout_seconds=60)
-    for name, value in ref[0]["params"].items():
+    for name, value in tcp_reference[0]["params"].items():
         assert torch.equal(out[0]["params"][name], value), name
 
 
