@@ -104,9 +104,12 @@ def train(kind: str) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_sparse_tables_on_servers_equal_one_device_with_sparse_embeddings():
+def test_sparse_tables_on_servers_equal_one_device_with_sparse_embeddings(capfd):
     ref = train("one_device")
+    capfd.readouterr()
     out = launch(train, num_replicas=5, num_ps=2, args=("ps",), timeout_seconds=60)
+    # the servers' sparse Adagrad steps leave torch's invariant-check warning unsaid
+    assert "invariant checks are implicitly disabled" not in capfd.readouterr().err
     chief = out[0]
     for kind in OPTIMIZERS:
         assert_params_close(ref[kind]["params"], chief[kind]["params"], atol=1e-5)

@@ -85,6 +85,10 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                  shared_memory: bool = True) -> None:
         self.index = index
         self.shared_memory = shared_memory
+        if not torch.sparse.check_sparse_tensor_invariants.is_enabled():
+            # said explicitly (the default): torch's Adagrad otherwise warns at the first sparse
+            # step that the checks are "implicitly disabled"; the rows are checked on arrival
+            torch.sparse.check_sparse_tensor_invariants.disable()
         self.num_workers = num_workers
         self.staleness = staleness
         self.sock = sock
