@@ -54,3 +54,14 @@ def test_median_machine_takes_each_figure_from_the_middle():
     assert median.ps_round_trip == AlphaBeta(1e-3, 3e-9)  # a and b each their own median
     assert median.allreduce == base.allreduce and median.cores == base.cores
     assert MachineProfile.median_of([busy]) is busy
+
+
+def test_validating_a_gpu_plan_says_only_cpu_plans_are_measured():
+    from replicator.plan.validate import validate
+
+    profile = ModelProfile.from_parameter_count(1e6, global_batch=64)
+    plan = plan_model(profile, [1, 2], device="h100",
+                      machine=MachineProfile.nominal(), strategies=("one_device", "mirrored"))
+    with pytest.raises(ValueError, match="a plan for h100 is predicted from nominal figures, "
+                                         "and --validate measures CPU plans only"):
+        validate(plan, train_fn=lambda strategy: None)

@@ -92,8 +92,13 @@ def validate(plan: Plan, *, script: str | None = None, script_args: tuple[str, .
                          "HINT: --validate works with a script, not with --model-params alone")
     settings = _settings(plan)
     if not settings:
-        raise ValueError("no setting of this plan can run on this machine (a cpu plan with "
-                         f"settings of at most {MAX_LOCAL_PROCESSES} processes on one host). "
+        device = plan.cluster.device
+        why = (f"a plan for {device.name} is predicted from nominal figures, and --validate "
+               "measures CPU plans only" if not device.is_cpu else
+               f"every setting needs more than {MAX_LOCAL_PROCESSES} processes or one host")
+        raise ValueError("no setting of this plan can run on this machine: --validate runs "
+                         f"settings of a --device cpu plan with at most {MAX_LOCAL_PROCESSES} "
+                         f"processes on one host ({why}). "
                          "HINT: --device cpu --workers 1,2,3,4 --per-host 4")
     target = script if script is not None else str(getattr(train_fn, "__qualname__",
                                                            "train_fn"))
