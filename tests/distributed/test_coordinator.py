@@ -4,6 +4,7 @@ exactly-once updates when a worker is SIGKILLed before or after its push."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 
@@ -259,3 +260,52 @@ def test_a_server_lost_under_the_coordinator_stops_the_job_naming_it():
     # the chief or a worker whose request failed after it
     assert str(info.value).startswith("rank 4 failed (exit code -9): parameter server 1 was "
                                       "killed by SIGKILL"), str(info.value)
+
+
+def train_async_killed_between_pushes(flag_dir: str) -> dict:
+    """16 steps scheduled asynchronously on 2 workers + 2 servers; the worker running step 8
+    is SIGKILLed after its push reached server 0 and before it reached server 1."""
+    from replicator.checkpoint import fault_points
+
+    current = [-1]
+
+    def die(**_: object) -> None:
+        if current[0] == KILL_BETWEEN and _first_time(flag_dir, "between"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    fault_points.add_hook("between_server_pushes", die)
+    strategy = rp.ParameterServerStrategy(
+        num_ps=2, variable_partitioner=rp.ps.FixedShardsPartitioner(2))
+    coordinator = rp.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = make_mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(i):
+        current[0] = i
+        x, y = _batch(i)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    values = [coordinator.schedule(step, args=(i,)) for i in range(STEPS)]
+    coordinator.join()
+    return {"losses": [float(v.fetch()) for v in values], "stats": coordinator.stats(),
+            "tasks": strategy.task_stats(), "versions": strategy.shard_versions(),
+            "chief": coordinator.is_chief}
+
+
+@pytest.mark.timeout(240)
+def test_asynchronous_worker_killed_between_two_servers_pushes_is_applied_once(tmp_path):
+    """Asynchronous functions push to each server in one round trip: server 0 applied step 8's
+    part of the killed attempt and turns the re-run's away; server 1 applies the re-run's."""
+    out = launch(train_async_killed_between_pushes, num_replicas=5, num_ps=2,
+                 args=(str(tmp_path),), timeout_seconds=60)
+    chief = out[0]
+    assert chief["chief"] and sum(o is None for o in out[1:3]) == 1, out
+    assert chief["stats"]["reruns"] == 1, chief["stats"]
+    assert chief["tasks"]["repeats"] == 1 and chief["tasks"]["applied"] == 2 * STEPS
+    assert all(v["version"] == STEPS for v in chief["versions"]), chief["versions"]
+    assert len(chief["losses"]) == STEPS and all(math.isfinite(v) for v in chief["losses"])

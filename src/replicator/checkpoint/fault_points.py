@@ -13,8 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 #: Where hooks may attach: before any file is written, between the data files and the commit
-#: marker, and after the commit; between two servers' commits of a coordinator's update.
-POINTS = ("before_write", "before_commit", "after_commit", "between_server_commits")
+#: marker, and after the commit; between two servers' commits of a coordinator's update
+#: (``staleness=0``) or between two servers' pushes of one (asynchronous).
+POINTS = ("before_write", "before_commit", "after_commit", "between_server_commits",
+          "between_server_pushes")
 
 _HOOKS: dict[str, list[Callable[..., None]]] = {}
 

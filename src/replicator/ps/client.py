@@ -274,14 +274,17 @@ class ServerClient:
 
     def push(self, grads: dict[int, list[Push]], sink: Sink, pull: bool = True,
              claim: tuple[int, int, int] | None = None,
-             task: tuple[int, int] | None = None) -> list[int]:
+             task: tuple[int, int] | None = None, atomic: bool = True) -> list[int]:
         """Push ``grads[k]`` (``(shard id, version pulled, gradient, rows)``; ``rows`` the
         shard-local rows of a sparse table's gradient, else ``None``) to each server, then
         (``pull``) read back every dense shard's new values; ``claim`` (stream, epoch, batch):
         the input batch this update consumes (told to server 0); ``task`` (task id, push
         number): a coordinator's function, applied at most once by each server (with ``task``,
-        every server gets the push, also one with no gradient for it)."""
-        if task is not None and len(self.connections) > 1:
+        every server gets the push, also one with no gradient for it). ``atomic`` (with ``task``
+        and several servers): commit in two phases, so that the whole update applied comes from
+        one attempt (``staleness=0`` needs it); otherwise each server applies its part of the
+        first attempt that reaches it, in one round trip."""
+        if task is not None and atomic and len(self.connections) > 1:
             return self._push_task(grads, sink, pull, task)
 
         def send(k: int, conn: Connection) -> None:
@@ -293,6 +296,8 @@ class ServerClient:
             # through the lane only when values answer it: the server is then done with the
             # gradients before this worker can write its next push there
             conn.send_many(_gradient_messages(grads.get(k, [])) + [end], shared=pull)
+            if task is not None and k == 0:
+                fault_points.fire("between_server_pushes", task=task[0], push=task[1])
 
         return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink)
                              if pull else 0)

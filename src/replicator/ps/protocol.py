@@ -18,8 +18,10 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``TASK_PUSH(var_id=task id, version=push number in the task, a=count, b=pull after)``
   ends an update of a coordinator's function instead of ``PUSH``: a server applies each
   (task, push) once and answers a repeat without applying it (``VALUES_END.b = 1``);
-- with several servers a coordinator's update is committed in two phases, so that a worker
-  lost between servers cannot leave one applying its update and another the re-run's:
+- asynchronous (``staleness`` not 0): each server applies its part of the first attempt that
+  reaches it (one ``TASK_PUSH`` round trip); with ``staleness=0`` and several servers a
+  coordinator's update is committed in two phases, so that a worker lost between servers
+  cannot leave one applying its update and another the re-run's:
   ``GRAD ... TASK_PREPARE(var_id=task, version=push, a=count)`` -> ``PREPARED(a=1 kept, 0 when
   an earlier attempt's update is already held or applied: the first one wins)``, then, once
   every server answered, ``TASK_COMMIT(var_id=task, version=push, b=pull after)`` (to every

@@ -399,8 +399,10 @@ class ParameterServerStrategy(Strategy):
         if self._task is not None:
             task = (self._task[0], self._task[1])
             self._task[1] += 1
+        # staleness=0 promises serializable functions: a function's whole update from one
+        # attempt; asynchronous ones need only each server's part applied once
         clocks = self._client.push(grads, self._receive, pull=True, claim=self._claim,
-                                   task=task)
+                                   task=task, atomic=self._staleness == 0)
         self._repeats += sum(c < 0 for c in clocks)
         self._claim = None
         self._steps += 1
