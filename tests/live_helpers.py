@@ -10,9 +10,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from replicator.cluster.lighthouse import torchft_missing
 from replicator.testing.live_groups import start_group, start_lighthouse
+
+#: Live recovery runs on torchft (the ``live`` extra, in ``test``): without it these tests skip.
+needs_torchft = pytest.mark.skipif(torchft_missing() is not None,
+                                   reason="torchft not installed: pip install 'replicator[live]'")
 
 SCRIPT = Path(__file__).resolve().parents[0] / "scripts" / "live_train.py"
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from replicator.testing import assert_params_close
-from tests.live_helpers import one_device, run_groups
+from tests.live_helpers import needs_torchft, one_device, run_groups
+
+pytestmark = needs_torchft
 
 
 def _check_killed_run(tmp: Path, optimizer: str, args: list[str], kill_1: int, kill_2: int):

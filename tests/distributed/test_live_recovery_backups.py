@@ -11,7 +11,9 @@ import signal
 import pytest
 
 from replicator.testing import assert_params_close
-from tests.live_helpers import one_device, run_groups
+from tests.live_helpers import needs_torchft, one_device, run_groups
+
+pytestmark = needs_torchft
 
 ARGS = ["--optimizer", "adam", "--samples", "240", "--epochs", "2"]  # 20 steps of 24
 

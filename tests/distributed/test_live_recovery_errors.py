@@ -11,7 +11,7 @@ import pytest
 from replicator.errors import ClusterConfigError
 from replicator.strategies.live.settings import LiveSettings
 from replicator.testing.live_groups import free_port, start_group, start_lighthouse
-from tests.live_helpers import SCRIPT, env
+from tests.live_helpers import SCRIPT, env, needs_torchft
 
 FAST = {"REPLICATOR_QUORUM_TIMEOUT_SECONDS": "5"}
 
@@ -26,6 +26,7 @@ def _run_alone(tmp_path, lighthouse: str, *, min_replicas: int = 1, group: int =
 
 
 @pytest.mark.timeout(180)
+@needs_torchft
 def test_unreachable_lighthouse_names_group_and_rank(tmp_path):
     log = _run_alone(tmp_path, f"http://127.0.0.1:{free_port()}", group=1)
     assert "LighthouseUnreachableError: replica group 1, rank 0 could not join the lighthouse" \
@@ -33,6 +34,7 @@ def test_unreachable_lighthouse_names_group_and_rank(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@needs_torchft
 def test_quorum_below_min_replicas_times_out_with_a_named_error(tmp_path):
     lighthouse = start_lighthouse(2)
     try:
@@ -45,6 +47,7 @@ def test_quorum_below_min_replicas_times_out_with_a_named_error(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@needs_torchft
 def test_a_group_whose_model_differs_is_refused(tmp_path):
     lighthouse = start_lighthouse(2, join_timeout_ms=10000)
     groups = []
@@ -96,6 +99,7 @@ trainer.fit(torch.utils.data.DataLoader(data, batch_size=8), epochs=2, verbose=0
 
 
 @pytest.mark.timeout(180)
+@needs_torchft
 def test_trainer_fit_in_replica_groups_is_refused_with_the_loop_to_write(tmp_path):
     script = tmp_path / "fit.py"
     script.write_text(_FIT)

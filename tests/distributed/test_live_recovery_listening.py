@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from replicator.testing.live_groups import start_group, start_lighthouse, wait_for_file
-from tests.live_helpers import SCRIPT, env
+from tests.live_helpers import SCRIPT, env, needs_torchft
+
+pytestmark = needs_torchft
 
 
 def _listening(pid: int) -> list[str]:

@@ -13,7 +13,9 @@ import pytest
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.testing import assert_params_close
 from replicator.testing.live_groups import start_group, start_lighthouse, wait_for_file
-from tests.live_helpers import SCRIPT, env, one_device
+from tests.live_helpers import SCRIPT, env, needs_torchft, one_device
+
+pytestmark = needs_torchft
 
 ARGS = ["--samples", "240", "--epochs", "4"]  # 40 steps of a global batch of 24
 
