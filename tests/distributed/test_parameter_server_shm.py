@@ -202,3 +202,49 @@ def test_messages_through_a_lane_carry_only_headers_and_check_offsets():
         b.receive()
     with pytest.raises(ValueError, match="not a replicator shared-memory segment"):
         SharedSegment.open_named("../etc/passwd", 4096)
+
+
+def test_a_large_shard_answers_in_parts_that_land_in_the_parameter():
+    """Values of a 3 MB shard come back through the lane in 1 MB parts (the worker copies one
+    while the server writes the next), straight into the tensor ``into`` names; over TCP the
+    answer stays whole. Both give the same values."""
+    from replicator.cluster.ports import listen
+    from replicator.ps.client import ServerClient
+    from replicator.ps.messages import HEADER_BYTES
+    from replicator.ps.server import ParameterServer
+
+    shape = (768, 1024)  # 3 MB: 3 parts of 256 rows
+    start = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    received = {}
+    for on in (True, False):
+        sock = listen("127.0.0.1", 0)
+        server = ParameterServer(0, 1, None, sock, 5.0, shared_memory=on)
+        thread = threading.Thread(target=server.serve, daemon=True)
+        thread.start()
+        landing = torch.zeros(shape)
+
+        def into(kind, sid, dtype, want, landing=landing):
+            return landing if kind == P.VALUE and sid == 0 and want == shape else None
+
+        client = ServerClient([sock.getsockname()[:2]], [1], 0, 0, 5.0, lambda k: ["w"],
+                              into=into)
+        client.register({0: [(0, start.clone())]})
+        p = torch.nn.Parameter(torch.zeros(shape))
+        client.send_optimizer(P.describe_optimizer(torch.optim.SGD([p], lr=0.5), {0: 0}))
+        client.share_memory({0: (8 << 20, 8 << 20)}, worker=0)
+        assert client.shared == [on]
+        got: dict[int, torch.Tensor] = {}
+        before = client.traffic()["received"]
+        for _ in range(2):  # the lane is reused answer after answer
+            client.push({0: [(0, 0, grad)]}, lambda s, v, t, got=got: got.update({s: t}))
+        headers = (client.traffic()["received"] - before - 2 * start.nbytes) // HEADER_BYTES
+        assert got[0] is landing  # every part landed in the named tensor, whole over TCP too
+        received[on] = (landing.clone(), headers)
+        client.close()
+        thread.join(5)
+    expected = start - 2 * 0.5 * grad
+    assert torch.allclose(received[True][0], expected, atol=1e-6) and torch.equal(*[
+        received[on][0] for on in (True, False)])
+    assert received[True][1] == 2 * (3 + 1)  # per answer: 3 parts and the end marker
+    assert received[False][1] == 2 * (1 + 1)

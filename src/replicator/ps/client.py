@@ -37,6 +37,7 @@ from replicator.ps.messages import (
     text_tensor,
 )
 from replicator.ps.shm_lane import SharedLane
+from replicator.ps.value_parts import PartAssembler
 
 T = TypeVar("T")
 #: Called with (shard id, version, values) for each value a pull brings.
@@ -167,14 +168,23 @@ class ServerClient:
     def _read_values(self, k: int, conn: Connection, sink: Sink, into: Into | None = None
                      ) -> int:
         """Values until the end marker; its clock (``-1 - clock`` when the push answered was
-        a coordinator task's repeat, which the server did not apply again)."""
+        a coordinator task's repeat, which the server did not apply again). A large shard's
+        values may come in parts (rows ``c - 1`` on, of ``b``: see
+        :mod:`replicator.ps.value_parts`); ``sink`` gets the whole shard after its last."""
+        land = self.into if into is None else into
+        parts: PartAssembler | None = None
         while True:
-            msg = conn.receive("waiting for variable values",
-                               into=self.into if into is None else into)
+            msg = conn.receive("waiting for variable values", into=land)
             if msg.kind == P.VALUES_END:
                 return -1 - msg.version if msg.b else msg.version
             msg = self._expect(k, msg, P.VALUE)
             assert msg.payload is not None
+            if msg.c:
+                parts = parts or PartAssembler()
+                whole = parts.take(msg.var_id, msg.c - 1, msg.b, msg.payload, land)
+                if whole is not None:
+                    sink(msg.var_id, msg.version, whole)
+                continue
             sink(msg.var_id, msg.version, msg.payload)
 
     # -- shared memory ---------------------------------------------------------------------

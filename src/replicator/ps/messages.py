@@ -189,12 +189,14 @@ class Connection:
         with self._send_lock:
             self._send(self._stage(messages, shared))
 
-    def stage(self, messages: list[Outgoing], shared: bool = False) -> Staged:
+    def stage(self, messages: list[Outgoing], shared: bool = False, lane_start: int = 0
+              ) -> Staged:
         """Prepare a batch for :meth:`send_staged`. With ``shared`` (and a lane they fit in)
-        the payloads are copied into the outbox now, so the caller may change them once this
-        returns; otherwise the batch holds the tensors themselves until it is sent."""
+        the payloads are copied into the outbox now, from ``lane_start`` (after an earlier
+        batch of the same answer), so the caller may change them once this returns; otherwise
+        the batch holds the tensors themselves until it is sent."""
         with self._send_lock:
-            return self._stage(messages, shared)
+            return self._stage(messages, shared, lane_start)
 
     def send_staged(self, staged: Staged) -> None:
         """Send a batch prepared by :meth:`stage`."""
@@ -205,13 +207,13 @@ class Connection:
         """Whether ``tensors`` would go through the lane in one shared batch."""
         return self.lane is not None and self.lane.fits(tensors)
 
-    def _stage(self, messages: list[Outgoing], shared: bool) -> Staged:
+    def _stage(self, messages: list[Outgoing], shared: bool, lane_start: int = 0) -> Staged:
         heads = [_header(kind, var_id, version, tensor, a, b, c)
                  for kind, var_id, version, tensor, a, b, c in messages]
         tensors = [m[3] for m in messages]
         lane = self.lane
-        if shared and lane is not None and lane.fits(tensors):
-            for head, offset in zip(heads, lane.write(tensors)):
+        if shared and lane is not None and lane_start + lane.nbytes(tensors) <= lane.out_bytes:
+            for head, offset in zip(heads, lane.write(tensors, lane_start)):
                 head[_SHM_FIELD] = offset
             return Staged([b"".join(_HEADER.pack(*head) for head in heads)], shared=True,
                           lane_bytes=sum(t.numel() * t.element_size() for t in tensors

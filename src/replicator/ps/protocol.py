@@ -12,7 +12,9 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``REGISTER(shard id, values)`` (the chief; ignored by a server restored from a checkpoint);
 - ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
 - ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;
-- ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``;
+- ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``; through
+  the shared-memory lane a large shard's values may come as several ``VALUE`` parts, rows
+  ``c - 1`` on of ``b`` rows (see :mod:`replicator.ps.value_parts`);
 - ``STATS`` -> ``STATS`` (int64: count, sum, max, histogram); ``VERSIONS`` -> ``VERSIONS``;
 - ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
 - ``TASK_PUSH(var_id=task id, version=push number in the task, a=count, b=pull after)``

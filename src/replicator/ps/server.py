@@ -48,6 +48,7 @@ from replicator.ps.server_updates import (
 )
 from replicator.ps.shared_steps import SharedSteps
 from replicator.ps.shm_lane import SharedLane
+from replicator.ps.value_parts import in_parts_fit, send_in_parts, value_messages
 
 
 def _gradient_buffers(conn: Connection) -> Into:
@@ -462,20 +463,27 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
                 state.in_flight = True
                 state.pulled_clock = self.clock
             staged = self._stage_values(conn, everything, repeat)
+            if staged is None:
+                return  # sent in parts, under the lock
         conn.send_staged(staged)
 
     def _stage_values(self, conn: Connection, everything: bool = False, repeat: bool = False
-                      ) -> Staged:
+                      ) -> Staged | None:
         """Every dense shard's values (``everything``: sparse tables' too) and the end marker
         (``b=1``: the push answered was a repeat), taken under the lock: copied once into the
-        worker's lane if there is one, else cloned (sent after the lock is released)."""
-        shards = sorted((sid, s) for sid, s in self.shards.items() if everything or not s.sparse)
-        params = [s.param.detach() for _, s in shards]
-        shared = conn.fits_shared(list(params))
-        values = params if shared else [p.clone() for p in params]
-        return conn.stage([(P.VALUE, sid, s.version, value, 0, 0, 0)
-                           for (sid, s), value in zip(shards, values)]
-                          + [(P.VALUES_END, -1, self.clock, None, len(values), int(repeat), 0)],
+        worker's lane if there is one, else cloned (sent after the lock is released). A large
+        shard's values go through the lane in parts, each sent as it is written (``None``:
+        already sent; see :mod:`replicator.ps.value_parts`)."""
+        shards = [(sid, s.version, s.param.detach()) for sid, s in sorted(self.shards.items())
+                  if everything or not s.sparse]
+        parts = value_messages(shards, self.clock, repeat, in_parts=True)
+        if len(parts) > len(shards) + 1 and in_parts_fit(conn, parts):
+            send_in_parts(conn, parts)
+            return None
+        shared = conn.fits_shared([v for _, _, v in shards])
+        if not shared:
+            shards = [(sid, version, v.clone()) for sid, version, v in shards]
+        return conn.stage(value_messages(shards, self.clock, repeat, in_parts=False),
                           shared=shared)
 
     # -- statistics (checkpoints: replicator.ps.server_checkpoint) ---------------------------

@@ -60,11 +60,12 @@ class SharedLane:
     def fits(self, tensors: Sequence[torch.Tensor | None]) -> bool:
         return self.nbytes(tensors) <= self.out_bytes
 
-    def write(self, tensors: Sequence[torch.Tensor | None]) -> list[int]:
-        """Copy each tensor into the outbox, one after the other; their offsets there (-1 for
-        ``None``). The caller checked :meth:`fits`."""
+    def write(self, tensors: Sequence[torch.Tensor | None], start: int = 0) -> list[int]:
+        """Copy each tensor into the outbox, one after the other from ``start`` (a multiple of
+        the alignment: a batch that continues an earlier one of the same answer); their
+        offsets there (-1 for ``None``). The caller checked :meth:`fits`."""
         offsets = []
-        at = 0
+        at = start
         for t in tensors:
             if t is None:
                 offsets.append(-1)
