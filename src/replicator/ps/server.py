@@ -48,7 +48,7 @@ from replicator.ps.server_updates import (
 )
 from replicator.ps.shared_steps import SharedSteps
 from replicator.ps.shm_lane import SharedLane
-from replicator.ps.value_parts import in_parts_fit, send_in_parts, value_messages
+from replicator.ps.value_parts import in_parts_fit, send_in_parts, splits, value_messages
 
 
 def _gradient_buffers(conn: Connection) -> Into:
@@ -476,10 +476,11 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
         already sent; see :mod:`replicator.ps.value_parts`)."""
         shards = [(sid, s.version, s.param.detach()) for sid, s in sorted(self.shards.items())
                   if everything or not s.sparse]
-        parts = value_messages(shards, self.clock, repeat, in_parts=True)
-        if len(parts) > len(shards) + 1 and in_parts_fit(conn, parts):
-            send_in_parts(conn, parts)
-            return None
+        if any(splits(v) for _, _, v in shards):  # else one batch, built once
+            parts = value_messages(shards, self.clock, repeat, in_parts=True)
+            if in_parts_fit(conn, parts):
+                send_in_parts(conn, parts)
+                return None
         shared = conn.fits_shared([v for _, _, v in shards])
         if not shared:
             shards = [(sid, version, v.clone()) for sid, version, v in shards]

@@ -19,10 +19,17 @@ from replicator.ps import protocol as P
 from replicator.ps.messages import Connection, Into, Outgoing
 from replicator.ps.shm_lane import SharedLane
 
-__all__ = ["PART_BYTES", "PartAssembler", "send_in_parts", "value_messages"]
+__all__ = ["PART_BYTES", "PartAssembler", "in_parts_fit", "send_in_parts", "splits",
+           "value_messages"]
 
 #: About how much of a large shard's values each part carries.
 PART_BYTES = 1 << 20
+
+
+def splits(value: torch.Tensor) -> bool:
+    """Whether ``value`` is large enough to travel in parts (two or more, by rows)."""
+    return value.dim() > 0 and len(value) > 1 \
+        and value.numel() * value.element_size() >= 2 * PART_BYTES
 
 
 def value_messages(shards: Iterable[tuple[int, int, torch.Tensor]], clock: int, repeat: bool,
@@ -33,11 +40,10 @@ def value_messages(shards: Iterable[tuple[int, int, torch.Tensor]], clock: int, 
     count = 0
     for sid, version, value in shards:
         count += 1
-        nbytes = value.numel() * value.element_size()
-        rows = len(value) if value.dim() else 0
-        if not in_parts or nbytes < 2 * PART_BYTES or rows < 2:
+        if not in_parts or not splits(value):
             out.append((P.VALUE, sid, version, value, 0, 0, 0))
             continue
+        nbytes, rows = value.numel() * value.element_size(), len(value)
         per = max(1, PART_BYTES // max(1, nbytes // rows))
         for start in range(0, rows, per):
             out.append((P.VALUE, sid, version, value[start:start + per], 0, rows, start + 1))
