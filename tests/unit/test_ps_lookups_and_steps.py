@@ -264,3 +264,51 @@ def test_a_server_refuses_rows_as_pulled_that_it_never_served():
             server._gradient_rows({}, grad, {})
         with pytest.raises(P.ParameterServerError, match="announced 2 shard.*named 1"):
             server._rows_asked(Message(P.PULL_ROWS, 3, 0, 2, 0, 0, torch.arange(3)), {})
+
+
+@pytest.mark.parametrize("options", [{}, {"maximize": True}, {"momentum": 0.9},
+                                     {"momentum": 0.5, "dampening": 0.1}])
+def test_a_server_steps_table_rows_as_torchs_sparse_sgd_does(options):
+    """Plain SGD's rows are updated in place without stepping the optimizer (momentum keeps
+    torch's sparse step); either way the shard ends as torch's sparse SGD leaves it."""
+    import socket
+
+    from replicator.ps.row_updates import plain_sgd_alpha
+    from replicator.ps.server import ParameterServer
+    from replicator.ps.server_updates import ShardState
+
+    torch.manual_seed(0)
+    table = torch.randn(50, 4)
+    reference = nn.Parameter(table.clone())
+    ref_opt = torch.optim.SGD([reference], lr=0.05, **options)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        server = ParameterServer(0, num_workers=1, staleness=None, sock=sock,
+                                 timeout_seconds=5)
+        shard = nn.Parameter(table.clone())
+        opt = torch.optim.SGD([shard], lr=0.05, **options)
+        server.shards[0] = ShardState(shard, optimizer=opt, sparse=True)
+        assert (plain_sgd_alpha(opt) is not None) == (not options.get("momentum"))
+        for step in range(4):
+            rows = torch.randperm(50)[:7].sort().values
+            values = torch.randn(7, 4)
+            reference.grad = torch.sparse_coo_tensor(rows.reshape(1, -1), values, (50, 4))
+            ref_opt.step()
+            server._apply({0: (step, values, rows)})
+            torch.testing.assert_close(shard, reference, rtol=0, atol=1e-7)
+            assert shard.grad is None
+        assert server.shards[0].version == 4
+
+
+def test_plain_sgd_is_only_sgd_without_momentum_decay_or_hooks():
+    from replicator.ps.row_updates import plain_sgd_alpha
+
+    p = nn.Parameter(torch.zeros(3))
+    assert plain_sgd_alpha(torch.optim.SGD([p], lr=0.1)) == -0.1
+    assert plain_sgd_alpha(torch.optim.SGD([p], lr=0.1, maximize=True)) == 0.1
+    assert plain_sgd_alpha(torch.optim.SGD([p], lr=0.1, momentum=0.9)) is None
+    assert plain_sgd_alpha(torch.optim.SGD([p], lr=0.1, weight_decay=0.1)) is None
+    assert plain_sgd_alpha(torch.optim.Adagrad([p], lr=0.1)) is None
+    hooked = torch.optim.SGD([p], lr=0.1)
+    hooked.register_step_post_hook(lambda *a: None)
+    assert plain_sgd_alpha(hooked) is None

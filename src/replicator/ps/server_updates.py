@@ -18,7 +18,13 @@ import torch
 from replicator.ps import protocol as P
 from replicator.ps.claims import ClaimLedger
 from replicator.ps.messages import Message
-from replicator.ps.row_updates import TaskLedger, sparse_gradient
+from replicator.ps.row_updates import (
+    TaskLedger,
+    add_to_rows,
+    check_gradient_rows,
+    plain_sgd_alpha,
+    sparse_gradient,
+)
 from replicator.ps.shared_steps import SharedSteps
 
 #: A gradient as received: (version pulled, values, shard-local rows for a sparse one).
@@ -77,12 +83,26 @@ class ServerUpdates:
         part changes nothing."""
         ready: list[ShardState] = []
         pulled: list[int] = []
+        by_rows: list[tuple[ShardState, torch.Tensor, torch.Tensor, float]] = []
         try:
             for sid, (pulled_version, grad, rows) in grads.items():
-                if grad is not None:
-                    ready.append(self._set_gradient(sid, grad, pulled_version, rows))
-                    pulled.append(pulled_version)
-            self.shared_steps.step([s.optimizer for s in ready if s.optimizer is not None])
+                if grad is None:
+                    continue
+                shard = self._shard_for_gradient(sid)
+                alpha = plain_sgd_alpha(shard.optimizer) \
+                    if rows is not None and shard.optimizer is not None else None
+                if rows is not None and alpha is not None:
+                    check_gradient_rows(rows, grad, shard.param)
+                    by_rows.append((shard, rows, grad, alpha))  # plain SGD: stepped below
+                else:
+                    self._set_gradient(sid, shard, grad, rows)
+                ready.append(shard)
+                pulled.append(pulled_version)
+            for shard, rows, grad, alpha in by_rows:
+                add_to_rows(shard.param, rows, grad, alpha)
+            stepped = {id(s) for s, _, _, _ in by_rows}
+            self.shared_steps.step([s.optimizer for s in ready
+                                    if s.optimizer is not None and id(s) not in stepped])
             for shard, pulled_version in zip(ready, pulled):  # counted once applied
                 stale = max(0, shard.version - pulled_version)
                 self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
@@ -93,8 +113,8 @@ class ServerUpdates:
             for shard in ready:
                 shard.param.grad = None
 
-    def _set_gradient(self, sid: int, grad: torch.Tensor, pulled_version: int,
-                      rows: torch.Tensor | None) -> ShardState:
+    def _shard_for_gradient(self, sid: int) -> ShardState:
+        """The shard ``sid``, refused where it is unknown or has no optimizer yet."""
         shard = self.shards.get(sid)
         if shard is None:
             raise P.ParameterServerError(f"parameter server {self.index} holds no shard {sid}")
@@ -103,6 +123,10 @@ class ServerUpdates:
                 f"parameter server {self.index} got a gradient for shard {sid} before the "
                 "optimizer's description. HINT: create the optimizer inside strategy.scope() "
                 "and call optimizer.step() (it sends the description first).")
+        return shard
+
+    def _set_gradient(self, sid: int, shard: ShardState, grad: torch.Tensor,
+                      rows: torch.Tensor | None) -> None:
         if rows is not None:
             shard.param.grad = sparse_gradient(rows, grad, shard.param)
         elif shard.sparse:
@@ -110,7 +134,6 @@ class ServerUpdates:
                                          "gradient")
         else:
             shard.param.grad = grad.to(shard.param.dtype).reshape(shard.param.shape)
-        return shard
 
     def _push(self, worker: int, grads: dict[int, Grad], end: Message) -> bool:
         """Apply an update; True when it was a coordinator task's repeat (not applied)."""
