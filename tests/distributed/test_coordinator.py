@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import replicator as rp
-from replicator.cluster import launch
 from replicator.testing import assert_params_close
-from tests.helpers import make_mlp, regression_data
+from tests.helpers import launch, make_mlp, regression_data
 
 BATCH = 16
 

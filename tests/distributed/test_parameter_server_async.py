@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import replicator as rp
-from replicator.cluster import launch
+from tests.helpers import launch
 
 PER_WORKER_BATCH = 16
 

@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 
 import replicator as rp
-from replicator.cluster import launch
 from replicator.comm import shm_segment
 from replicator.ps import protocol as P
 from tests.distributed.test_parameter_server import batches
-from tests.helpers import make_mlp
+from tests.helpers import launch, make_mlp
 
 STEPS = 15
 

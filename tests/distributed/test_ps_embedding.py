@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import replicator as rp
-from replicator.cluster import launch
 from replicator.testing import assert_params_close
+from tests.helpers import launch
 
 ROWS, DIM, LOOKUPS, BATCH, STEPS = 2000, 8, 4, 16, 8
 BAG_ROWS = 300
