@@ -10,16 +10,21 @@
   whole (each under 256 KB; splitting a 64-float bias over two servers only adds messages:
   ``FixedShardsPartitioner(2)`` ran 0-27% slower, median 13%, in five alternating pairs).
 - The baseline: the parameter server of PyTorch's ``torch.distributed.rpc`` tutorial
-  ("Implementing a Parameter Server Using Distributed RPC Framework"): the servers own the
-  tables (``nn.Embedding(sparse=True)``, rows split by range), the trainer's forward calls the
-  servers over RPC for the rows a batch looks up (deduplicated, as ours), distributed autograd
-  sends the row gradients back, and ``DistributedOptimizer`` steps SGD on both sides.
+  ("Implementing a Parameter Server Using Distributed RPC Framework"): one model on the
+  servers that every trainer trains (each server builds its part once, whichever trainer asks
+  first, as the tutorial's ``get_parameter_server()``): the tables (``nn.Embedding(sparse=
+  True)``, rows split by range) and, on server 0, the MLP. The trainer's forward calls the
+  servers over RPC for the rows a batch looks up (deduplicated, as ours) and for the MLP's
+  parameters, distributed autograd sends their gradients back, and ``DistributedOptimizer``
+  steps SGD on the servers. ``shared=False`` is the design measured before: each trainer
+  its own tables and a local MLP, i.e. two models trained apart.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 import time
 from typing import Any
 
@@ -99,22 +104,47 @@ def ours_embedding(steps: int, sparse: bool = True, warmup: int = 3,
 
 # -- the rpc tutorial's design ------------------------------------------------------------------
 class _TableServer(nn.Module):
-    """The rows ``[start, end)`` of each table, on one server."""
+    """The rows ``[start, end)`` of each table, on one server; server 0 also holds the MLP
+    (with ``dense``)."""
 
-    def __init__(self, index: int, servers: int) -> None:
+    def __init__(self, index: int, servers: int, dense: bool) -> None:
         super().__init__()
         torch.manual_seed(index)
         self.starts = [rows * index // servers for rows, _ in (BIG, SMALL)]
         ends = [rows * (index + 1) // servers for rows, _ in (BIG, SMALL)]
         self.tables = nn.ModuleList(nn.Embedding(e - s, dim, sparse=True) for s, e, (_, dim)
                                     in zip(self.starts, ends, (BIG, SMALL)))
+        if dense:
+            torch.manual_seed(0)
+            self.mlp = MLP(LOOKUPS[0] * BIG[1] + LOOKUPS[1] * SMALL[1])
 
     def lookup(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         return self.tables[table](ids - self.starts[table])
 
 
+#: The tutorial's ``get_parameter_server()``: one model per server process, whichever trainer
+#: asks first builds it, every trainer gets an RRef to the same one.
+_SERVER: _TableServer | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def _get_server(index: int, servers: int, dense: bool) -> _TableServer:
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is None:
+            _SERVER = _TableServer(index, servers, dense)
+        return _SERVER
+
+
 def _lookup(rref: Any, table: int, ids: torch.Tensor) -> torch.Tensor:
     return rref.local_value().lookup(table, ids)
+
+
+def _mlp_values(rref: Any) -> list[torch.Tensor]:
+    """The MLP's parameters, returned inside the trainer's distributed autograd context as
+    views (distributed autograd sends back the gradients of results computed from a
+    parameter, as a lookup's rows; a parameter returned as itself gets none)."""
+    return [p.view_as(p) for p in rref.local_value().mlp.parameters()]
 
 
 def _param_rrefs(rref: Any) -> list[Any]:
@@ -138,11 +168,12 @@ def _rpc_rows(rrefs: list[Any], table: int, ids: torch.Tensor, rows: int) -> tor
     return got[inverse].reshape(*ids.shape, -1)
 
 
-def _rpc_process(rank: int, world: int, port: int, steps: int, warmup: int,
+def _rpc_process(rank: int, world: int, port: int, steps: int, warmup: int, shared: bool,
                  queue: Any) -> None:
     import torch.distributed.autograd as dist_autograd
     import torch.distributed.rpc as rpc
     from torch.distributed.optim import DistributedOptimizer
+    from torch.func import functional_call
 
     torch.set_num_threads(1)
     trainers = world // 2
@@ -151,11 +182,13 @@ def _rpc_process(rank: int, world: int, port: int, steps: int, warmup: int,
     name = f"trainer{rank}" if rank < trainers else f"ps{rank - trainers}"
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
     if rank < trainers:
-        servers = [rpc.remote(f"ps{k}", _TableServer, args=(k, world - trainers))
+        build = _get_server if shared else _TableServer
+        servers = [rpc.remote(f"ps{k}", build, args=(k, world - trainers, shared and k == 0))
                    for k in range(world - trainers)]
         torch.manual_seed(0)
         mlp = MLP(LOOKUPS[0] * BIG[1] + LOOKUPS[1] * SMALL[1])
-        params = [rpc.RRef(p) for p in mlp.parameters()]
+        names = [n for n, _ in mlp.named_parameters()]
+        params = [] if shared else [rpc.RRef(p) for p in mlp.parameters()]
         for s in servers:
             params += rpc.rpc_sync(s.owner(), _param_rrefs, args=(s,))
         opt = DistributedOptimizer(torch.optim.SGD, params, lr=LR)
@@ -163,9 +196,13 @@ def _rpc_process(rank: int, world: int, port: int, steps: int, warmup: int,
         def step(seed: int) -> None:
             big, small, y = click_batch(seed)
             with dist_autograd.context() as cid:
+                dense = rpc.rpc_async(servers[0].owner(), _mlp_values, args=(servers[0],)) \
+                    if shared else None
                 rows = torch.cat([_rpc_rows(servers, 0, big, BIG[0]).flatten(1),
                                   _rpc_rows(servers, 1, small, SMALL[0]).flatten(1)], 1)
-                loss = F.binary_cross_entropy_with_logits(mlp(rows).squeeze(1), y)
+                out = mlp(rows) if dense is None else \
+                    functional_call(mlp, dict(zip(names, dense.wait())), (rows,))
+                loss = F.binary_cross_entropy_with_logits(out.squeeze(1), y)
                 dist_autograd.backward(cid, [loss])
                 opt.step(cid)
 
@@ -179,8 +216,13 @@ def _rpc_process(rank: int, world: int, port: int, steps: int, warmup: int,
     rpc.shutdown()
 
 
-def rpc_embedding(steps: int, trainers: int = 2, servers: int = 2, warmup: int = 3) -> float:
-    """Steps per second of ``trainers`` trainers (``steps`` in all) against ``servers``."""
+def rpc_embedding(steps: int, trainers: int = 2, servers: int = 2, warmup: int = 3,
+                  shared: bool = True) -> float:
+    """Steps per second of ``trainers`` trainers (``steps`` in all) against ``servers``.
+    ``shared``: the tutorial's design, one model on the servers that every trainer trains
+    (the MLP on server 0, fetched by each step and its gradient sent back, as ours does);
+    ``False``: each trainer its own tables and its own local MLP (nothing shared between the
+    trainers, no dense traffic)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -188,7 +230,8 @@ def rpc_embedding(steps: int, trainers: int = 2, servers: int = 2, warmup: int =
     queue = ctx.Queue()
     world = trainers + servers
     per = steps // trainers
-    procs = [ctx.Process(target=_rpc_process, args=(r, world, port, per, warmup, queue))
+    procs = [ctx.Process(target=_rpc_process,
+                         args=(r, world, port, per, warmup, shared, queue))
              for r in range(world)]
     for p in procs:
         p.start()
