@@ -84,6 +84,7 @@ class ServerUpdates:
         ready: list[ShardState] = []
         pulled: list[int] = []
         by_rows: list[tuple[ShardState, torch.Tensor, torch.Tensor, float]] = []
+        to_step: list[torch.optim.Optimizer] = []  # the rest step their optimizers
         try:
             for sid, (pulled_version, grad, rows) in grads.items():
                 if grad is None:
@@ -96,13 +97,13 @@ class ServerUpdates:
                     by_rows.append((shard, rows, grad, alpha))  # plain SGD: stepped below
                 else:
                     self._set_gradient(sid, shard, grad, rows)
+                    if shard.optimizer is not None:
+                        to_step.append(shard.optimizer)
                 ready.append(shard)
                 pulled.append(pulled_version)
             for shard, rows, grad, alpha in by_rows:
                 add_to_rows(shard.param, rows, grad, alpha)
-            stepped = {id(s) for s, _, _, _ in by_rows}
-            self.shared_steps.step([s.optimizer for s in ready
-                                    if s.optimizer is not None and id(s) not in stepped])
+            self.shared_steps.step(to_step)
             for shard, pulled_version in zip(ready, pulled):  # counted once applied
                 stale = max(0, shard.version - pulled_version)
                 self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
