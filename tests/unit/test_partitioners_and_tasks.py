@@ -89,3 +89,31 @@ def test_task_queue_markers_first_a_lost_workers_task_runs_again_and_errors_canc
     queue.fail(2, a.task_id, RuntimeError("boom"))
     assert b.state == CANCELLED and "task 0 failed first" in str(b.error)
     assert isinstance(queue.take_error(), RuntimeError) and queue.take_error() is None
+
+
+def test_a_worker_takes_one_task_ahead_and_a_lost_worker_gives_both_back_in_order():
+    queue = TaskQueue([1, 2], serial=False)
+    queue.connect(1)
+    queue.connect(2)
+    a, b, c, d = (queue.add("f", "f", ("{}", [])) for _ in range(4))
+    assert queue.next_for(1, 0.01) is a
+    assert queue.next_for(1, 5.0, ahead=True) is b  # answered at once
+    assert queue.next_for(1, 5.0, ahead=True) is None  # one ahead at most
+    assert queue.next_for(2, 0.01) is c
+    assert queue.pending() == 4
+    assert queue.lost(1) is a and queue.reruns == 1  # b had not started
+    assert (a.attempts, b.attempts, b.ran_on) == (1, 0, [])
+    assert queue.next_for(2, 0.01, ahead=True) is a  # back at the front, in order
+    queue.complete(2, c.task_id, ("1", []))
+    assert queue.next_for(2, 0.01, ahead=True) is b
+    assert d.state == "queued" and queue.pending() == 3
+
+
+def test_functions_run_one_at_a_time_take_nothing_ahead():
+    queue = TaskQueue([1], serial=True)
+    queue.connect(1)
+    a, _ = queue.add("f", "f", ("{}", [])), queue.add("f", "f", ("{}", []))
+    assert queue.next_for(1, 0.01) is a
+    assert queue.next_for(1, 0.01, ahead=True) is None
+    queue.complete(1, a.task_id, ("1", []))
+    assert queue.next_for(1, 0.01, ahead=True) is None  # serial: never ahead

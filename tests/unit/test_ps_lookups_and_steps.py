@@ -10,7 +10,7 @@ import torch.nn as nn
 import replicator as rp
 from replicator.ps.partitioners import place
 from replicator.ps.shared_steps import SharedSteps
-from replicator.ps.sparse_tables import SparseTable
+from replicator.ps.sparse_tables import SparseTable, distinct_ids
 
 ROWS, DIM = 50, 4
 
@@ -74,6 +74,17 @@ def test_two_lookups_of_one_table_add_their_gradients():
     (reference(a).sum() + 2 * reference(b).sum()).backward()
     (_lookup(worker, server, a).sum() + 2 * _lookup(worker, server, b).sum()).backward()
     torch.testing.assert_close(worker.weight.grad.to_dense(), reference.weight.grad.to_dense())
+
+
+@pytest.mark.parametrize("ids", [
+    torch.randint(0, 1_000_000, (5120,)), torch.randint(0, 50, (5120,)),
+    torch.randint(0, 100_000, (1536,)), torch.tensor([7]), torch.tensor([], dtype=torch.long),
+    torch.tensor([3, -1, 3]), torch.tensor([2**61, 5, 2**61]), torch.arange(9000).flip(0)])
+def test_distinct_ids_equal_torch_unique(ids):
+    rows, inverse = distinct_ids(ids)
+    want_rows, want_inverse = torch.unique(ids, return_inverse=True)
+    assert torch.equal(rows, want_rows) and torch.equal(inverse, want_inverse)
+    assert rows.dtype == inverse.dtype == torch.int64
 
 
 def test_ids_outside_the_table_raise_like_nn_embedding():

@@ -13,6 +13,12 @@ Messages (typed tensors over TCP, :mod:`replicator.ps.messages`; nothing is pick
 ``IDLE`` (a heartbeat: ask again); ``RESULT(task id, json)`` (which also asks) |
 ``FAILED(task id, text)``;
 ``BYE``. A payload's tensors follow its message as ``TENSOR`` messages (``c`` counts them).
+
+Asynchronous functions (``staleness`` not 0) are asked for one ahead: a worker that gets a task
+sends ``ASK(b=1)`` before running it, answered at once with the next task, a marker or
+``IDLE``, and its ``RESULT(b=1)`` then asks nothing. The next task is waiting when the first one
+ends, where one ask per task put a round trip to the chief between every two functions of a
+worker (on 2 shared cores, 10% of a worker's time in the embedding benchmark).
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ HELLO, ASK, TASK, RESULT, FAILED, MARKER, IDLE, TENSOR, BYE = range(1, 10)
 
 #: Seconds between heartbeats while a worker waits for work.
 HEARTBEAT_SECONDS = 2.0
+
+#: ``b`` of an ``ASK`` for the next task while one runs, and of a ``RESULT`` that asks nothing.
+AHEAD = 1
 
 
 def _send_payload(conn: Connection, kind: int, var_id: int, payload: Payload, a: int = 0,
@@ -105,8 +114,11 @@ class TaskDispatcher:
                 if msg.kind == RESULT:  # a result is also the next ask (one message less)
                     tensors = _read_tensors(conn, msg.c)
                     self.queue.complete(worker, msg.var_id, (tensor_text(msg.payload), tensors))
+                    if msg.b == AHEAD:  # the worker asked ahead already
+                        continue
                 if msg.kind in (ASK, RESULT):
-                    item = self.queue.next_for(worker, HEARTBEAT_SECONDS)
+                    item = self.queue.next_for(worker, HEARTBEAT_SECONDS,
+                                               ahead=msg.kind == ASK and msg.b == AHEAD)
                     if item is None:
                         conn.send(IDLE)
                     elif isinstance(item, Marker):
@@ -165,9 +177,10 @@ class TaskChannel:
     """A worker's side: connects to the chief and runs tasks until the chief's marker."""
 
     def __init__(self, address: tuple[str, int], rank: int, timeout_seconds: float,
-                 runner: Runner) -> None:
+                 runner: Runner, ahead: bool = False) -> None:
         self.rank = rank
         self.runner = runner
+        self.ahead = ahead  # ask for the next task while one runs (not with staleness=0)
         self.conn = Connection.connect(address, "the coordinator (chief)", timeout_seconds)
         self.conn.send(HELLO, a=rank)
         reply = self.conn.receive("waiting for the coordinator's HELLO")
@@ -181,18 +194,24 @@ class TaskChannel:
         value. :class:`StopServing` if the chief stopped instead."""
         if self.stopped:
             raise StopServing("the coordinator has stopped")
-        ask = True
+        ask, drop = True, False
         while True:
             if ask:
                 self.conn.send(ASK, a=seq)
             ask = True
             msg = self.conn.receive(f"waiting for work or the chief's {kind}() (call {seq})")
+            dropped, drop = drop and msg.kind == TASK, False
             if msg.kind == IDLE:
                 continue
             if msg.kind == TASK:
                 spec = json.loads(tensor_text(msg.payload))
                 tensors = _read_tensors(self.conn, msg.c)
-                ask = not self._run(msg.var_id, msg.a, spec, tensors)
+                if dropped:  # taken ahead of a task that failed: the chief cancelled it
+                    continue
+                if self.ahead:  # its answer is the next thing to read after this task
+                    self.conn.send(ASK, a=seq, b=AHEAD)
+                ran = self._run(msg.var_id, msg.a, spec, tensors)
+                ask, drop = not ran and not self.ahead, not ran and self.ahead
                 continue
             if msg.kind != MARKER:
                 raise ParameterServerError(f"the coordinator sent message kind {msg.kind}")
@@ -227,7 +246,7 @@ class TaskChannel:
             self.conn.send(FAILED, var_id=task_id, tensor=text_tensor(text))
             return False
         self.tasks_run += 1
-        _send_payload(self.conn, RESULT, task_id, result)
+        _send_payload(self.conn, RESULT, task_id, result, b=AHEAD if self.ahead else 0)
         return True
 
     def close(self) -> None:

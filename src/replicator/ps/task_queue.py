@@ -7,7 +7,9 @@ lost while running a task gives it back to the front of the queue with its attem
 the task runs again elsewhere, and the servers apply its update once (its id travels with every
 push; see :mod:`replicator.ps.task_ledger`). ``serial=True`` (``staleness=0``) hands out a task
 only when none is running, so each function reads every update committed before it and its own
-update is applied alone.
+update is applied alone. Otherwise a worker running a task may take the next one *ahead*
+(``next_for(..., ahead=True)``): it starts the moment the first one ends, without a round trip
+to the chief between them; a worker lost with a task ahead gives both back, in order.
 
 The first function to raise cancels every task still queued (as tf.distribute does); the error
 is raised by the chief's next ``join``/``fetch``/``schedule``.
@@ -83,7 +85,9 @@ class TaskQueue:
         self.markers: dict[int, deque[Marker]] = {w: deque() for w in expected}
         self.live: set[int] = set()
         self.gone: set[int] = set()
-        self.running: dict[int, Task] = {}
+        #: Per worker, the tasks handed to it and not finished: the one it runs first, then
+        #: at most one taken ahead.
+        self.running: dict[int, list[Task]] = {}
         self.error: BaseException | None = None
         self.next_id = 0
         self.finished = 0
@@ -115,7 +119,10 @@ class TaskQueue:
 
     def pending(self) -> int:
         with self.cond:
-            return len(self.queue) + len(self.running)
+            return len(self.queue) + self._running()
+
+    def _running(self) -> int:
+        return sum(len(tasks) for tasks in self.running.values())
 
     def wait(self, task: Task | None, timeout: float) -> None:
         """Until ``task`` (``None``: every task) is finished, a function failed, or no worker
@@ -126,20 +133,20 @@ class TaskQueue:
             while True:
                 if task is not None and task.state in (DONE, FAILED, CANCELLED):
                     return
-                if task is None and (not self.queue and not self.running
+                if task is None and (not self.queue and not self._running()
                                      or self.error is not None):
                     return
                 if self.finished != finished:
                     finished, progress = self.finished, time.monotonic()
                 if not self.live and len(self.gone) >= len(self.expected):
                     raise NoWorkerError(
-                        f"{len(self.queue) + len(self.running)} scheduled function(s) wait and "
+                        f"{len(self.queue) + self._running()} scheduled function(s) wait and "
                         f"every worker ({len(self.expected)}) is lost. HINT: see the workers' "
                         "output for why they ended; launch with --max-restarts to replace them.")
                 if time.monotonic() - progress > timeout:
                     raise NoWorkerError(
                         f"no scheduled function finished for {timeout:.0f} s ({len(self.live)} "
-                        f"worker(s) connected, {len(self.running)} running, {len(self.queue)} "
+                        f"worker(s) connected, {self._running()} running, {len(self.queue)} "
                         "queued). HINT: a worker connects when its script creates the "
                         "ClusterCoordinator; check that every worker runs the same script.")
                 self.cond.wait(1.0)
@@ -154,21 +161,26 @@ class TaskQueue:
             self.gone.discard(worker)
             self.cond.notify_all()
 
-    def next_for(self, worker: int, timeout: float) -> Marker | Task | None:
+    def next_for(self, worker: int, timeout: float, ahead: bool = False
+                 ) -> Marker | Task | None:
         """The next marker for ``worker``, else a task it may run, else ``None`` after
-        ``timeout`` s (the worker asks again: a heartbeat)."""
-        deadline = time.monotonic() + timeout
+        ``timeout`` s (the worker asks again: a heartbeat). ``ahead``: the worker is running a
+        task and asks for the next one now; answered at once, and never with a task when
+        functions run one at a time (``serial``)."""
+        deadline = time.monotonic() + (0.0 if ahead else timeout)
         with self.cond:
             while True:
                 markers = self.markers[worker]
                 if markers:
                     return markers.popleft()
-                if self.queue and not (self.serial and self.running):
+                mine = self.running.setdefault(worker, [])
+                if self.queue and len(mine) < 1 + int(ahead) and \
+                        not (self.serial and (ahead or self._running())):
                     task = self.queue.popleft()
                     task.state, task.worker = RUNNING, worker
                     task.attempts += 1
                     task.ran_on.append(worker)
-                    self.running[worker] = task
+                    mine.append(task)
                     return task
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -190,8 +202,11 @@ class TaskQueue:
             task.state, task.error = FAILED, error
             if self.error is None:
                 self.error = error
-            while self.queue:  # tf.distribute's rule: the first failure cancels the rest
-                other = self.queue.popleft()
+            # tf.distribute's rule: the first failure cancels the rest; a task this worker took
+            # ahead has not started (the worker drops it after a failure) and goes with them
+            ahead = self.running.pop(worker, [])
+            while ahead or self.queue:
+                other = ahead.pop(0) if ahead else self.queue.popleft()
                 other.state = CANCELLED
                 other.error = TaskCancelledError(
                     f"scheduled function {other.name} (task {other.task_id}) was cancelled "
@@ -200,23 +215,30 @@ class TaskQueue:
                 self.finished += 1
 
     def lost(self, worker: int) -> Task | None:
-        """``worker`` is gone: its running task goes back to the front of the queue."""
+        """``worker`` is gone: its tasks go back to the front of the queue, in their order;
+        the one it was running (returned) runs again, one it had taken ahead had not started
+        (a worker starts it after sending the first one's result) and counts no attempt."""
         with self.cond:
             self.live.discard(worker)
             self.gone.add(worker)
             self.markers[worker].clear()
-            task = self.running.pop(worker, None)
-            if task is not None and task.state == RUNNING:
+            tasks = [t for t in self.running.pop(worker, []) if t.state == RUNNING]
+            for task in reversed(tasks):
                 task.state, task.worker = QUEUED, None
                 self.queue.appendleft(task)
-                self.reruns += 1
+            for task in tasks[1:]:
+                task.attempts -= 1
+                task.ran_on.pop()
+            self.reruns += bool(tasks)
             self.cond.notify_all()
-            return task
+            return tasks[0] if tasks else None
 
     def _finish(self, worker: int, task_id: int) -> Task | None:
-        task = self.running.pop(worker, None)
-        if task is None or task.task_id != task_id:
+        mine = self.running.get(worker, [])
+        task = next((t for t in mine if t.task_id == task_id), None)
+        if task is None:
             return None
+        mine.remove(task)
         task.finished_at = time.monotonic()
         self.finished += 1
         self.cond.notify_all()

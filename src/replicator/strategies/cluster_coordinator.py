@@ -127,7 +127,7 @@ class ClusterCoordinator:
                     "ClusterCoordinator on every process, the chief (rank 0) included.") from exc
             host, port = store.get(_ADDRESS_KEY).decode().rsplit(":", 1)
             self._channel = TaskChannel((host, int(port)), self._rank, self._timeout,
-                                        self._run_task)
+                                        self._run_task, ahead=strategy.staleness != 0)
         on_shutdown(self._finish)
 
     # -- identity ------------------------------------------------------------------------------
