@@ -2,7 +2,7 @@
 
 An ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True`` in a parameter-server scope
 is a *sparse table*. Each lookup (each call of the module) pulls the distinct rows the batch
-looks up (``torch.unique``) from the servers holding them into a compact tensor, and the module
+looks up (:func:`distinct_ids`) from the servers holding them into a compact tensor, and the module
 computes its output from those rows with the ids renumbered into them: the worker never reads
 or writes its own copy of the table (which stays as built; ``strategy.pull()`` fetches the
 servers' values into it). Backward gives the table's weight torch's sparse gradient of those
