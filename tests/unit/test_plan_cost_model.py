@@ -344,3 +344,26 @@ def test_fsdp_waits_for_its_slowest_rank_at_every_blocks_collectives():
                       ).breakdown["compute"]
     assert wait("mirrored") == pytest.approx(0.1 * compute, rel=1e-6)
     assert wait("fsdp") == pytest.approx(0.1 * compute * math.sqrt(12), rel=1e-6)
+
+
+@pytest.mark.parametrize("fit", [(2e-3, 0.0), (0.0, 1e-4), (1e-3, 5e-5)])
+def test_a_pipeline_stage_takes_a_flop_share_of_per_sample_work_and_even_share_of_fixed(
+        fit):
+    # a measured CPU profile: compute = c0 + c1 * batch; the default cut gives one stage 80%
+    # of the FLOPs, but a forward and backward's fixed cost follows the layers, evenly
+    base = ModelProfile(name="m", params=1000, global_batch=64, param_bytes=4000,
+                        grad_bytes=4000, step_seconds=0.01, compute_seconds=0.008,
+                        optimizer_seconds=1e-4, input_seconds=1e-4, compute_fit=fit,
+                        collectives_per_step=1.0, weight_tensors=4)
+    c = _cluster()
+
+    def compute(share: float) -> float:
+        m = dataclasses.replace(base, pipeline_stage_shares={"2": share})
+        return predict("pipeline", 2, m, c, microbatches=4).breakdown["compute"]
+
+    even, uneven, whole = compute(0.5), compute(0.8), compute(1.0)
+    if fit[1] == 0.0:  # all fixed: the uneven cut costs nothing more
+        assert uneven == pytest.approx(even) and whole == pytest.approx(even)
+    else:  # the per-sample part grows with the share, linearly
+        assert uneven - even == pytest.approx((whole - even) * 0.6)
+        assert uneven > even
