@@ -378,11 +378,16 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
             microbatches = stages
         per_mb = m.global_batch / data / microbatches
         # the slot is the busiest stage's: the default cut balances parameters, not FLOPs, so
-        # the busiest stage does its FLOP share of the work that grows with the samples; the
-        # fixed cost of a forward and backward (the engine, each layer's call) is split with
-        # the layers, evenly
+        # the busiest stage does its FLOP share of the work that grows with the samples; of
+        # the fixed cost of a forward and backward, a stage repeats its layers' calls in every
+        # slot (an even share), while the step's own (the loss, the engine, the run) is the
+        # schedule's, counted in the measured slot cost below
         fixed = _compute(m, c, 0.0, busy)
-        slot = fixed / stages + (_compute(m, c, per_mb, busy) - fixed) * m.stage_share(stages)
+        slot_fixed = fixed / stages
+        if c.device.is_cpu and m.layer_calls:
+            slot_fixed = min(fixed, m.layer_calls * c.machine.layer_call
+                             * c.machine.slowdown_for(busy)) / stages
+        slot = slot_fixed + (_compute(m, c, per_mb, busy) - fixed) * m.stage_share(stages)
         boundary = (m.boundary_bytes_per_sample or m.activation_bytes_per_sample
                     / max(2, m.weight_tensors)) * per_mb
         if c.device.is_cpu and c.hosts(n) == 1:  # the fixed part is in the measured slot

@@ -344,6 +344,39 @@ def _strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: in
     return max(0.0, seconds - t_local)
 
 
+def _local_forward_backward_seconds(blocks: int, batch: int, width: int = 8) -> float:
+    """Forward and backward of a ``blocks``-block chain on ``batch`` samples (no optimizer)."""
+    model = _tiny_chain(blocks, width)
+    x = torch.randn(batch, width)
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    step()
+    return _median_time(step, 5, 10)
+
+
+def _layer_call_seconds(batch: int = 2) -> float:
+    """One small layer's forward and backward call beyond the engine's fixed cost: the
+    difference between a 4- and a 2-block chain, per block (what a pipeline stage pays per
+    layer and microbatch, however few its samples)."""
+    return max(0.0, (_local_forward_backward_seconds(4, batch)
+                     - _local_forward_backward_seconds(2, batch)) / 2)
+
+
+def _pipeline_slot_seconds(t_chain: float, t_chain_fb: float, layer_call: float,
+                           stages: int = 2, microbatches: int = 4) -> float:
+    """The schedule's own cost per slot: a pipelined step of the 4-block chain, less what the
+    cost model counts apart for any model: each stage's layer calls per slot, the extra
+    forward of ``model(x)`` (a third of a forward and backward, per stage) and the stage's
+    optimizer step."""
+    slots = microbatches + stages - 1
+    t_pipe = _strategy_step_overhead("pipeline", t_chain) + t_chain
+    counted = (slots * layer_call * 4 / stages + t_chain_fb / stages / 3
+               + max(0.0, t_chain - t_chain_fb) / stages)
+    return max(0.0, t_pipe - counted) / slots
+
+
 def _local_step_seconds(batch: int = 8, width: int = 8, optimizer: str = "sgd") -> float:
     """The 4-block model's step without any strategy (measured before one exists)."""
     model = _tiny_chain(width=width)
@@ -393,13 +426,15 @@ def _worker_two(world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     t_local = _local_backward_seconds(8, 8)
     t_chain = _local_step_seconds()
+    t_chain_fb = _local_forward_backward_seconds(4, 8)
+    layer_call = _layer_call_seconds()
     t_chain_adam = _local_step_seconds(optimizer="adam")
     t_wide = {kind: _local_step_seconds(width=WIDE, optimizer=kind) for kind in ("sgd", "adam")}
     strategy = rp.MirroredStrategy()  # starts the process group
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    out: dict[str, Any] = {"rss": float(rss)}
+    out: dict[str, Any] = {"rss": float(rss), "layer_call": layer_call}
     out["contention"], out["straggle"] = _contention(rank, world)
     torch.set_num_threads(1)
     out["allreduce"] = _allreduce_curves(world)
@@ -419,7 +454,7 @@ def _worker_two(world: int) -> dict[str, Any]:
                                                       optimizer=kind) / 4
                         for kind in ("sgd", "adam")}
     if world == 2:  # PipelineStrategy(): 2 stages, 4 microbatches, 5 slots per step
-        out["pipeline_slot"] = _strategy_step_overhead("pipeline", t_chain) / 5
+        out["pipeline_slot"] = _pipeline_slot_seconds(t_chain, t_chain_fb, layer_call)
     return out
 
 
@@ -483,6 +518,7 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
         profile.fsdp_wide_bytes = float(WIDE * (WIDE + 1) * 4)
         if "pipeline_slot" in result:
             profile.pipeline_slot = result["pipeline_slot"]
+            profile.layer_call = result["layer_call"]
         profile.small_collective[world] = result["reduce"]
         if "p2p" in result:
             pts = result["p2p"]

@@ -90,7 +90,8 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         compute_precision=str(result.get("compute_precision", "half")),
         tf32_fraction=float(result.get("tf32_fraction", 0.0)),
         pipeline_stage_shares={str(k): float(v) for k, v in
-                               dict(result.get("pipeline_stage_shares") or {}).items()})
+                               dict(result.get("pipeline_stage_shares") or {}).items()},
+        layer_calls=int(result.get("layer_calls", 0)))
 
 
 def _profile_steps() -> int:
@@ -100,7 +101,7 @@ def _profile_steps() -> int:
 
 
 #: Bumped when the profile measures something new, so a cached older profile is measured again.
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def _cache_key(script: str, args: Sequence[str]) -> str:

@@ -420,10 +420,13 @@ class Probe:
         saved = _SavedBytes(exclude)
         counter = FlopCounterMode(display=False)
         roots: list[torch.nn.Module] = []
+        leaf_calls = [0]
 
         def first_module(module: torch.nn.Module, args: Any) -> None:
             if not roots:
                 roots.append(module)  # the step's first call: the model, as a rule
+            if next(module.children(), None) is None:
+                leaf_calls[0] += 1  # a layer's call (a pipeline stage repeats its share)
 
         hook = torch.nn.modules.module.register_module_forward_pre_hook(first_module)
         try:
@@ -432,6 +435,7 @@ class Probe:
         finally:
             hook.remove()
         batch = self.batch_sizes[-1] if self.batch_sizes else 1
+        self.extra["layer_calls"] = leaf_calls[0]
         self.extra["flops_per_sample"] = counter.get_total_flops() / max(1, batch)
         self.extra["activation_bytes_per_sample"] = saved.total / max(1, batch)
         self.extra.update(_precision(saved.floating, counter))

@@ -95,6 +95,9 @@ class ModelProfile:
     #: per number of pipeline stages ("2".."8"): the largest share of the FLOPs one stage
     #: holds as the pipeline cuts the model by default (absent: an even split)
     pipeline_stage_shares: dict[str, float] = field(default_factory=dict)
+    #: leaf modules called in one forward (0: not measured); a pipeline stage calls its share
+    #: of them once per microbatch
+    layer_calls: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params < 1:
@@ -213,6 +216,9 @@ class MachineProfile:
     fsdp_wide_adam: dict[int, float] = field(default_factory=dict)
     fsdp_wide_bytes: float = FSDP_WIDE_BYTES
     pipeline_slot: float = 3e-4
+    #: one small layer's forward and backward call (what a pipeline stage pays per layer and
+    #: microbatch besides its samples' work)
+    layer_call: float = 1.5e-5
     flops_per_second: float = 3e10
     memory_bandwidth: float = 5e9
     input_fixed: float = 1e-4
@@ -347,6 +353,7 @@ class MachineProfile:
             fsdp_wide_adam=ints(data.get("fsdp_wide_adam", {})),
             fsdp_wide_bytes=float(data.get("fsdp_wide_bytes", FSDP_WIDE_BYTES)),
             pipeline_slot=float(data.get("pipeline_slot", 3e-4)),
+            layer_call=float(data.get("layer_call", 1.5e-5)),
             flops_per_second=float(data.get("flops_per_second", 3e10)),
             memory_bandwidth=float(data.get("memory_bandwidth", 5e9)),
             input_fixed=float(data.get("input_fixed", 1e-4)),
@@ -379,7 +386,7 @@ class MachineProfile:
             "fsdp_unit": self.fsdp_unit, "fsdp_unit_adam": self.fsdp_unit_adam,
             "fsdp_wide_sgd": self.fsdp_wide_sgd,
             "fsdp_wide_adam": self.fsdp_wide_adam, "fsdp_wide_bytes": self.fsdp_wide_bytes,
-            "pipeline_slot": self.pipeline_slot,
+            "pipeline_slot": self.pipeline_slot, "layer_call": self.layer_call,
             "flops_per_second": self.flops_per_second,
             "memory_bandwidth": self.memory_bandwidth, "input_fixed": self.input_fixed,
             "p2p": [self.p2p.a, self.p2p.b],
