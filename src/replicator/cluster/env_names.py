@@ -59,3 +59,5 @@ __all__ = ["LAUNCHER_ENV", "STORE_HOSTED_ENV", "RESTART_COUNT_ENV", "TIMEOUT_ENV
 #: How a parameter-server job's processes are scheduled on their cores: "auto" (batch when they
 #: outnumber the cores), "batch" or "default" (:mod:`replicator.cluster.cpu_scheduling`).
 CPU_SCHEDULING_ENV = "REPLICATOR_CPU_SCHEDULING"
+#: "default" keeps glibc's malloc thresholds in the launcher's workers ("auto": raised).
+MALLOC_ENV = "REPLICATOR_MALLOC"

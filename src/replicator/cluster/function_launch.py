@@ -76,8 +76,10 @@ def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
     try:
         import torch
 
+        from replicator.cluster.malloc_tuning import tune_malloc
         from replicator.cluster.process_group import configure_threads
 
+        tune_malloc()  # a step's large buffers stay in the heap (malloc_tuning)
         configure_threads(int(env["LOCAL_WORLD_SIZE"]))
         result = fn(*args, **kwargs)
         torch.save(result, result_file)

@@ -13,6 +13,7 @@ import threading
 import time
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
+from replicator.cluster.malloc_tuning import tune_malloc
 from replicator.cluster.worker_errors import ScriptNotFoundError, error_path, record_exception
 
 #: Threads whose work a failing worker waits for before it leaves (at most
@@ -60,6 +61,7 @@ def main() -> None:
         if not os.path.isfile(script):
             raise ScriptNotFoundError(f"script {script!r} not found (looked in {os.getcwd()}). "
                                       "HINT: give the path of a Python file.")
+        tune_malloc()  # a step's large buffers stay in the heap (malloc_tuning)
         runpy.run_path(script, run_name="__main__")
         _clean_exit(0)
     except SystemExit as exc:

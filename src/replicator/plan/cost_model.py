@@ -378,15 +378,17 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
             microbatches = stages
         per_mb = m.global_batch / data / microbatches
         # the slot is the busiest stage's: the default cut balances parameters, not FLOPs, so
-        # the busiest stage does its FLOP share of the work that grows with the samples; of
-        # the fixed cost of a forward and backward, a stage repeats its layers' calls in every
-        # slot (an even share), while the step's own (the loss, the engine, the run) is the
-        # schedule's, counted in the measured slot cost below
+        # the busiest stage does its FLOP share of the work that grows with the samples. Of
+        # the fixed cost of a forward and backward, a stage repeats in every slot what its
+        # layers cost whatever the batch (an even share): their calls, and reading each weight
+        # in forward and backward and writing its gradient; the step's own fixed cost (the
+        # loss, the engine, the run) the schedule replaces by its own, the measured slot cost
         fixed = _compute(m, c, 0.0, busy)
         slot_fixed = fixed / stages
         if c.device.is_cpu and m.layer_calls:
-            slot_fixed = min(fixed, m.layer_calls * c.machine.layer_call
-                             * c.machine.slowdown_for(busy)) / stages
+            per_layer = (m.layer_calls * c.machine.layer_call
+                         + 3 * m.param_bytes / c.machine.memory_bandwidth)
+            slot_fixed = min(fixed, per_layer * c.machine.slowdown_for(busy)) / stages
         slot = slot_fixed + (_compute(m, c, per_mb, busy) - fixed) * m.stage_share(stages)
         boundary = (m.boundary_bytes_per_sample or m.activation_bytes_per_sample
                     / max(2, m.weight_tensors)) * per_mb
