@@ -227,6 +227,9 @@ class _TutorialServer:
 def _rpc_process(rank: int, port: int, rounds: int, queue: mp.Queue) -> None:
     import torch.distributed.rpc as rpc
 
+    from replicator.cluster.malloc_tuning import tune_malloc
+
+    tune_malloc()  # the allocator settings the library's own workers run with
     torch.set_num_threads(1)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
                                               rpc_timeout=120)
