@@ -266,7 +266,7 @@ def _local_backward_seconds(width: int, rows: int, bias: bool = True) -> float:
     return _median_time(local, 7, 10)
 
 
-def _engine_overheads(t_local: float, work_seconds: float = 1e-3
+def _engine_overheads(t_local: float, work_seconds: float = 1e-3, slowdown: float = 1.0
                       ) -> tuple[float, float, float]:
     """(gradient-sync cost per backward pass, one strategy.reduce of a scalar, the wait for
     the last rank per step), seconds; ``t_local``: the same pass without a strategy.
@@ -274,9 +274,12 @@ def _engine_overheads(t_local: float, work_seconds: float = 1e-3
     The first two are called back to back (every rank idle in the collective). The wait is
     what the same sync costs more after ``work_seconds`` of compute on every rank, as a
     training loop calls it: with more busy processes than cores a step's first collective
-    waits for a rank the scheduler has not run yet (measured here with 3-4 processes on 2
-    cores: 1.2-2.5 ms against 0.4-0.7 ms back to back); the step's later collectives find
-    every rank awake."""
+    waits for a rank the scheduler has not run yet; the step's later collectives find every
+    rank awake. It is taken beyond the work slowed by ``slowdown`` (the contention of this
+    many busy ranks, which the cost model already applies to a step's compute): a short piece
+    of work mostly runs whole once started, so at 3 processes on 2 cores its median is the
+    time alone and the wait held the time-sharing too (1.0-1.3 ms after a millisecond,
+    against 0.4 ms at 4 processes, where the pieces themselves ran twice as long)."""
     import replicator as rp
 
     strategy = rp.MirroredStrategy()
@@ -303,10 +306,19 @@ def _engine_overheads(t_local: float, work_seconds: float = 1e-3
             busy()
             synced()
 
+        import torch.distributed as dist
+
+        t_alone = 0.0
+        for turn in range(dist.get_world_size()):  # each rank alone in turn
+            strategy.barrier()
+            if dist.get_rank() == turn:
+                t_alone = _median_time(work, 7, 10)
         strategy.barrier()
         t_work = _median_time(work, 7, 10)  # every rank busy at once, as below
         strategy.barrier()
-        wait = max(0.0, _median_time(busy_then_synced, 7, 10) - t_work - t_sync)
+        # the work as the cost model counts it: alone, slowed by the measured contention
+        counted = max(t_work, t_alone * slowdown)
+        wait = max(0.0, _median_time(busy_then_synced, 7, 10) - counted - t_sync)
     return max(0.0, t_sync - t_local), t_reduce, wait
 
 
@@ -438,7 +450,8 @@ def _worker_two(world: int) -> dict[str, Any]:
     out["contention"], out["straggle"] = _contention(rank, world)
     torch.set_num_threads(1)
     out["allreduce"] = _allreduce_curves(world)
-    out["sync"], out["reduce"], out["sync_wait"] = _engine_overheads(t_local)
+    out["sync"], out["reduce"], out["sync_wait"] = _engine_overheads(
+        t_local, slowdown=float(out["contention"].get(world, 1.0)))
     if world == 2:
         out["p2p"] = _p2p(rank)
     strategy.barrier()
