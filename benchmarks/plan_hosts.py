@@ -1,19 +1,21 @@
-"""``replicator plan``'s network term against two hosts joined by a throttled link.
+"""``replicator plan``'s network term against hosts joined by a throttled link.
 
-Two network hosts (network namespaces on a bridge, from tests/hosts.py, each link limited with
-``tc tbf`` to ``--rate``, with a token bucket of at least 10 ms of traffic) run 2 processes
-each: ``replicator run --nnodes 2`` of ``examples/plan_models.py`` under the bench's probe
-with ``MultiWorkerMirroredStrategy`` (hierarchical all-reduce: shared memory inside a host,
-a ring between the hosts). The measured mean step is compared with the plan's prediction for
-2 hosts of 2 processes on that link.
+Network hosts (network namespaces on a bridge, from tests/hosts.py, each link limited with
+``tc tbf`` to the rate, with a token bucket of at least 10 ms of traffic) run
+``replicator run --nnodes H --nproc-per-node K`` of ``examples/plan_models.py`` under the
+bench's probe with ``MultiWorkerMirroredStrategy`` (hierarchical all-reduce: shared memory
+inside a host, a ring between the hosts' leaders). Layouts ``HxK``: 2 hosts of 2 processes
+and 3 hosts of 1 (a ring of 3 over the links). The measured mean step is compared with the
+plan's prediction for H hosts of K processes on that link.
 
-The four processes share this machine's 2 cores, which real hosts would not: the prediction
-therefore takes compute, input and optimizer as 4 processes on one host (the measured
-contention) and communication and synchronisation as 2 hosts of 2 on the link.
+The processes share this machine's 2 cores, which real hosts would not: the prediction
+therefore takes compute, input, optimizer and the wait for the slowest rank as H x K
+processes on one host (the measured contention) and the rest of communication and
+synchronisation as H hosts of K on the link.
 
 Run (root, for the namespaces): ``python benchmarks/plan_hosts.py [--rates 200mbit 1gbit]
-[--model mlp] [--steps 10]``; it reuses ``bench/machine.json`` and the script's profile (or
-makes them).
+[--layouts 2x2 3x1] [--model mlp] [--steps 10]``; it reuses ``bench/machine.json`` and the
+script's profile (or makes them).
 """
 
 from __future__ import annotations
@@ -33,14 +35,28 @@ from benchmarks._report import emit, print_table  # noqa: E402
 SCRIPT = str(ROOT / "examples" / "plan_models.py")
 
 
-def _measure(rate: str, model: str, steps: int, warmup: int, port: int) -> dict:
-    """Run the script on two throttled hosts; return the bench's summary of the run."""
+def _layout(text: str) -> tuple[int, int]:
+    """``"2x2"`` -> (hosts, processes per host)."""
+    try:
+        hosts, per_host = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a layout is HOSTSxPROCESSES, like 2x2, not {text!r}") from None
+    if hosts < 2 or per_host < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 2 hosts of at least 1 process")
+    return hosts, per_host
+
+
+def _measure(rate: str, layout: tuple[int, int], model: str, steps: int, warmup: int,
+             port: int) -> dict:
+    """Run the script on throttled hosts; return the bench's summary of the run."""
     from replicator.plan import probe
     from replicator.plan.benchmark import ENTRY, Setting, _read_ranks, summarize
     from replicator.plan.devices import parse_link
     from tests.hosts import virtual_hosts
 
-    with virtual_hosts(2) as net, tempfile.TemporaryDirectory() as tmp:
+    hosts, per_host = layout
+    with virtual_hosts(hosts) as net, tempfile.TemporaryDirectory() as tmp:
         bits = parse_link(rate).bandwidth * 8
         net.limit_rate(rate, burst=f"{max(256, int(bits / 8 / 1024 / 100))}kb")  # >= 10 ms
         out = Path(tmp) / "bench"
@@ -50,40 +66,52 @@ def _measure(rate: str, model: str, steps: int, warmup: int, port: int) -> dict:
                probe.WARMUP_ENV: str(warmup), probe.MODE_ENV: "bench",
                "REPLICATOR_COMM_TIMING": "1", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-        procs = [h.popen([sys.executable, "-m", "replicator.cli", "run", "--nnodes", "2",
+        procs = [h.popen([sys.executable, "-m", "replicator.cli", "run", "--nnodes", str(hosts),
                           "--node-rank", str(h.index), "--master-addr", net.hosts[0].address,
-                          "--master-port", str(port), "--nproc-per-node", "2", "--timeout",
-                          "300", "--quiet-workers", ENTRY, SCRIPT, "--model", model], env=env)
+                          "--master-port", str(port), "--nproc-per-node", str(per_host),
+                          "--timeout", "300", "--quiet-workers", ENTRY, SCRIPT, "--model",
+                          model], env=env)
                  for h in net.hosts]
         for proc in procs:
             if proc.wait(timeout=1800) != 0:
-                raise SystemExit(f"the {rate} run failed (exit code {proc.returncode}); "
-                                 f"logs in {out}")
-        result = summarize(Setting("multi_worker_mirrored", 4), _read_ranks(out))
+                raise SystemExit(f"the {rate} {hosts}x{per_host} run failed (exit code "
+                                 f"{proc.returncode}); logs in {out}")
+        result = summarize(Setting("multi_worker_mirrored", hosts * per_host), _read_ranks(out))
         if not result.ok:
             raise SystemExit(f"the {rate} run measured nothing: {result.error}")
         return {"step": result.step_seconds, "breakdown": result.breakdown}
 
 
-def _predict(rate: str, model_name: str, out_dir: str) -> dict:
-    from replicator.plan.cost_model import Cluster, predict
+def _predict(rate: str, layout: tuple[int, int], model_name: str, out_dir: str) -> dict:
+    from replicator.plan.cost_model import Cluster, predict, straggler_wait_seconds
     from replicator.plan.devices import get_device, parse_link
     from replicator.plan.planner import load_machine, profile_script
 
     model = profile_script(SCRIPT, ["--model", model_name], out_dir=out_dir)
     machine = load_machine(out_dir)
     cpu, link = get_device("cpu"), parse_link(rate)
-    local = predict("mirrored", 4, model, Cluster(cpu, link, machine, ranks_per_host=4))
-    hosts = predict("mirrored", 4, model, Cluster(cpu, link, machine, ranks_per_host=2))
+    hosts, per_host = layout
+    n = hosts * per_host
+    local = predict("mirrored", n, model, Cluster(cpu, link, machine, ranks_per_host=n))
+    apart = predict("mirrored", n, model, Cluster(cpu, link, machine, ranks_per_host=per_host))
     parts = dict(local.breakdown)
-    parts["communication"] = hosts.breakdown["communication"]
-    parts["overhead"] = hosts.breakdown["overhead"]
+    # the network's part as H hosts of K; the wait for the slowest rank as the n processes
+    # sharing these cores make it
+    parts["communication"] = (
+        apart.breakdown["communication"]
+        - straggler_wait_seconds(machine, "mirrored", apart.breakdown["compute"], per_host,
+                                 model.weight_tensors)
+        + straggler_wait_seconds(machine, "mirrored", local.breakdown["compute"], n,
+                                 model.weight_tensors))
+    parts["overhead"] = apart.breakdown["overhead"]
     return {"step": sum(parts.values()), "breakdown": parts}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=["200mbit", "1gbit"])
+    parser.add_argument("--layouts", nargs="+", type=_layout, default=[(2, 2), (3, 1)],
+                        help="HOSTSxPROCESSES per host (default 2x2 3x1)")
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -95,19 +123,23 @@ def main() -> None:
     if why:
         raise SystemExit(f"benchmarks/plan_hosts.py needs network namespaces: {why}")
     rows, lines = [], []
-    for i, rate in enumerate(args.rates):
-        predicted = _predict(rate, args.model, args.out)
-        measured = _measure(rate, args.model, args.steps, args.warmup, 29600 + i)
+    runs = [(rate, layout) for layout in args.layouts for rate in args.rates]
+    for i, (rate, layout) in enumerate(runs):
+        predicted = _predict(rate, layout, args.model, args.out)
+        measured = _measure(rate, layout, args.model, args.steps, args.warmup, 29600 + i)
         error = (predicted["step"] - measured["step"]) / measured["step"]
-        rows.append([rate, args.model, predicted["step"] * 1e3, measured["step"] * 1e3,
+        name = f"{layout[0]}x{layout[1]}"
+        rows.append([name, rate, args.model, predicted["step"] * 1e3, measured["step"] * 1e3,
                      predicted["breakdown"]["communication"] * 1e3,
                      measured["breakdown"]["communication"] * 1e3, f"{error:+.0%}"])
-        lines.append((rate, error, predicted, measured))
-    print_table(["link", "model", "predicted ms", "measured ms", "predicted comm ms",
-                 "measured comm ms", "error"], rows)
+        lines.append((name, rate, error, predicted, measured))
+    print_table(["hosts x processes", "link", "model", "predicted ms", "measured ms",
+                 "predicted comm ms", "measured comm ms", "error"], rows)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end")
-    for rate, error, predicted, measured in lines:
-        emit("plan_hosts", f"step_error_{rate}", abs(error), "<= 0.2",
+    for name, rate, error, predicted, measured in lines:
+        # the 2x2 names stay as before, so earlier results compare
+        label = rate if name == "2x2" else f"{name}_{rate}"
+        emit("plan_hosts", f"step_error_{label}", abs(error), "<= 0.2",
              predicted_ms=round(predicted["step"] * 1e3, 2),
              measured_ms=round(measured["step"] * 1e3, 2),
              measured_breakdown_ms={k: round(v * 1e3, 2)

@@ -64,3 +64,26 @@ def test_zero_stage_1_is_refused_with_a_hint():
         rp.FSDPStrategy(zero_stage=1)
     with pytest.raises(ValueError, match="contradicts"):
         rp.FSDPStrategy(reshard_after_forward=False, zero_stage=3)
+
+
+def _reduce_and_gather_paths(_: int) -> dict:
+    strategy = rp.FSDPStrategy()
+    rank = strategy.replica_id
+    out = {"shared_memory": strategy.collectives.uses_shared_memory,
+           "mean": float(strategy.reduce("mean", torch.tensor(float(rank + 1)))),
+           "sum": strategy.reduce("sum", torch.tensor([rank, 10.0 * rank])).tolist(),
+           "gather": strategy.gather(torch.full((rank + 1,), float(rank))).tolist()}
+    strategy.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_reduces_and_gathers_through_shared_memory_on_one_cpu_host():
+    """The data axes' own collectives (reduce, gather, fingerprints) take the same-host path
+    MirroredStrategy takes, not a gloo round trip per scalar; the values are the same."""
+    out = run_distributed(_reduce_and_gather_paths, 2, args=(0,), timeout_seconds=90)
+    for rank in (0, 1):
+        assert out[rank]["shared_memory"] is True
+        assert out[rank]["mean"] == pytest.approx(1.5)
+        assert out[rank]["sum"] == [1.0, 10.0]
+        assert out[rank]["gather"] == [0.0, 1.0, 1.0]

@@ -39,7 +39,7 @@ __all__ = [
     "STRATEGIES", "Prediction", "allreduce_traffic_bytes", "fsdp_traffic_bytes",
     "hierarchical_allreduce_seconds", "pipeline_bubble", "predict", "ps_queue_wait",
     "ps_step_seconds",
-    "ring_allreduce_seconds",
+    "ring_allreduce_seconds", "straggler_wait_seconds",
 ]
 
 #: The strategies the planner predicts (the names ``rp.get_strategy`` knows).
@@ -243,6 +243,25 @@ def _sync_overhead(c: Cluster, n: int) -> float:
         return (c.machine.per_world(c.machine.sync_overhead, c.on_host(n))
                 + ring_allreduce_seconds(16, c.hosts(n), c.link.bandwidth, c.link.alpha))
     return _allreduce(c, 16, n)  # the fingerprint exchange: one tiny all-reduce
+
+
+def straggler_wait_seconds(machine: MachineProfile, strategy: str, compute: float,
+                           busy: int, weight_tensors: int = 1) -> float:
+    """What a synchronous step of ``busy`` one-thread processes on one CPU host waits at its
+    collectives for the slowest rank (measured here), counted as communication.
+
+    In proportion to its ``compute`` (the measured straggler share), and at least what the
+    measured reference loop, a small model's real training loop, waited beyond its work,
+    sync and reduce (a short step's wait; with more busy processes than cores, for a rank
+    the scheduler has not run yet; FSDP's per-block cost was measured under as many
+    processes, its waits included). FSDP stops at every block's collectives (3 per block)
+    instead of once a step: the ranks drift apart anew between each, and with independent
+    drifts the waits of k stops add up to ``sqrt(k)`` times one stop's over the whole step."""
+    if strategy not in ("mirrored", "central_storage", "fsdp") or busy <= 1:
+        return 0.0
+    stops = math.sqrt(3 * max(1, weight_tensors)) if strategy == "fsdp" else 1.0
+    return max(compute * (machine.straggle_for(busy) - 1.0) * stops,
+               machine.sync_wait_for(busy) if strategy != "fsdp" else 0.0)
 
 
 def pipeline_stages(workers: int, layers: int) -> int:
@@ -455,18 +474,8 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
                 if busy <= c.machine.cores:
                     comm += _one_more_collective(c, n)
         overhead = _sync_overhead(c, n)
-    if c.device.is_cpu and strategy in ("mirrored", "central_storage", "fsdp") and busy > 1:
-        # a synchronous step waits at its collectives for the slowest rank (measured here):
-        # in proportion to its compute, and, with more busy processes than cores, at least
-        # for a rank the scheduler has not run yet (a short step's wait; FSDP's per-block
-        # cost was measured under as many processes, its waits included)
-        oversubscribed = busy > c.machine.cores and strategy != "fsdp"
-        # FSDP stops at every block's collectives (3 per block) instead of once a step: the
-        # ranks drift apart anew between each, and with independent drifts the waits of k
-        # stops add up to sqrt(k) times one stop's over the whole step
-        stops = math.sqrt(3 * max(1, m.weight_tensors)) if strategy == "fsdp" else 1.0
-        comm += max(compute * (c.machine.straggle_for(busy) - 1.0) * stops,
-                    c.machine.sync_wait_for(busy) if oversubscribed else 0.0)
+    if c.device.is_cpu:
+        comm += straggler_wait_seconds(c.machine, strategy, compute, busy, m.weight_tensors)
     overhead += _small_collectives(m, c, n)
     optimizer = _optimizer(m, c, opt_share, busy)
     input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch)

@@ -42,6 +42,8 @@ __all__ = ["measure_machine", "quick_contention", "ram_bytes"]
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 ALGORITHMS = ("shared_memory", "native", "ring")
+#: Rows per rank of the reference training loop the wait for a descheduled rank is taken on.
+REFERENCE_ROWS = 32
 
 
 def ram_bytes() -> float:
@@ -266,20 +268,64 @@ def _local_backward_seconds(width: int, rows: int, bias: bool = True) -> float:
     return _median_time(local, 7, 10)
 
 
-def _engine_overheads(t_local: float, work_seconds: float = 1e-3, slowdown: float = 1.0
+def _reference_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The reference training loop's model: a 10k-parameter MLP with Adam, whose one-thread
+    step (about 0.3 ms at 32 rows here) is mostly the fixed costs a short step waits through."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 100), torch.nn.ReLU(),
+                                torch.nn.Linear(100, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def _reference_batch(rows: int = REFERENCE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(rows, 20, generator=generator),
+            torch.randint(0, 10, (rows,), generator=generator))
+
+
+def _reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    batch: tuple[torch.Tensor, torch.Tensor]) -> Callable[[], torch.Tensor]:
+    x, y = batch
+
+    def step() -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def _reference_step_seconds() -> float:
+    """The reference loop's step in one thread with nothing else running (no strategy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step = _reference_step(*_reference_model(), _reference_batch())
+        for _ in range(20):
+            step()
+        return _median_time(step, 7, 20)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: float = 1.0
                       ) -> tuple[float, float, float]:
     """(gradient-sync cost per backward pass, one strategy.reduce of a scalar, the wait for
     the last rank per step), seconds; ``t_local``: the same pass without a strategy.
 
-    The first two are called back to back (every rank idle in the collective). The wait is
-    what the same sync costs more after ``work_seconds`` of compute on every rank, as a
-    training loop calls it: with more busy processes than cores a step's first collective
-    waits for a rank the scheduler has not run yet; the step's later collectives find every
-    rank awake. It is taken beyond the work slowed by ``slowdown`` (the contention of this
-    many busy ranks, which the cost model already applies to a step's compute): a short piece
-    of work mostly runs whole once started, so at 3 processes on 2 cores its median is the
-    time alone and the wait held the time-sharing too (1.0-1.3 ms after a millisecond,
-    against 0.4 ms at 4 processes, where the pieces themselves ran twice as long)."""
+    The first two are called back to back. The wait is what a small synchronous training
+    loop (the reference model under MirroredStrategy, ``strategy.reduce`` of the loss every
+    step) takes beyond what the cost model counts for it: its step alone
+    (``reference_alone``, measured with nothing else running) slowed by ``slowdown`` (the
+    contention of this many busy ranks), the sync and the reduce. With more busy processes
+    than cores a step's first collective waits for a rank the scheduler has not run yet.
+    An earlier version timed a sync after a millisecond of spinning compute instead; at 3
+    processes on 2 cores that measured 1.0-1.3 ms where the tiny model's runs waited
+    0.5-0.9 ms (its mirrored x3 came out +22..+42% in five rounds), and at 4 processes it
+    was either 0.02 or 0.9 ms from one measurement to the next."""
     import replicator as rp
 
     strategy = rp.MirroredStrategy()
@@ -287,7 +333,8 @@ def _engine_overheads(t_local: float, work_seconds: float = 1e-3, slowdown: floa
     with strategy.scope():
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
-    work = _compute_piece(work_seconds)
+        reference, reference_opt = _reference_model()
+    loop_step = _reference_step(reference, reference_opt, _reference_batch())
 
     def synced() -> None:
         model(x).sum().backward()
@@ -298,28 +345,19 @@ def _engine_overheads(t_local: float, work_seconds: float = 1e-3, slowdown: floa
     value = torch.tensor(1.0)
     strategy.reduce("mean", value)
     t_reduce = _median_time(lambda: strategy.reduce("mean", value), 7, 10)
+    sync = max(0.0, t_sync - t_local)
     wait = 0.0
-    if work is not None:
-        busy = work
+    if reference_alone > 0:
 
-        def busy_then_synced() -> None:
-            busy()
-            synced()
+        def loop() -> None:
+            strategy.reduce("mean", strategy.run(loop_step))
 
-        import torch.distributed as dist
-
-        t_alone = 0.0
-        for turn in range(dist.get_world_size()):  # each rank alone in turn
-            strategy.barrier()
-            if dist.get_rank() == turn:
-                t_alone = _median_time(work, 7, 10)
+        for _ in range(20):
+            loop()
         strategy.barrier()
-        t_work = _median_time(work, 7, 10)  # every rank busy at once, as below
-        strategy.barrier()
-        # the work as the cost model counts it: alone, slowed by the measured contention
-        counted = max(t_work, t_alone * slowdown)
-        wait = max(0.0, _median_time(busy_then_synced, 7, 10) - counted - t_sync)
-    return max(0.0, t_sync - t_local), t_reduce, wait
+        t_loop = _median_time(loop, 7, 30)
+        wait = max(0.0, t_loop - reference_alone * slowdown - sync - t_reduce)
+    return sync, t_reduce, wait
 
 
 #: Width of the wide blocks FSDP's per-byte cost is measured on (1 MB of weights each).
@@ -338,9 +376,11 @@ def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: int = 8,
-                            optimizer: str = "sgd") -> float:
+                            optimizer: str = "sgd", rounds: int = 5, per_round: int = 4
+                            ) -> float:
     """Seconds per step that ``rp.get_strategy(name)`` adds to a 4-block model's forward,
-    backward and optimizer step (``t_local``: the same step without a strategy)."""
+    backward and optimizer step (``t_local``: the same step without a strategy); the median
+    of ``rounds`` rounds of ``per_round`` steps."""
     import replicator as rp
 
     strategy = rp.get_strategy(name)
@@ -351,7 +391,7 @@ def _strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: in
     step = _sgd_step(model, opt, torch.randn(batch, width))
     for _ in range(3):
         strategy.run(step)
-    seconds = _median_time(lambda: strategy.run(step), 5, 4)
+    seconds = _median_time(lambda: strategy.run(step), rounds, per_round)
     strategy.close()
     return max(0.0, seconds - t_local)
 
@@ -383,7 +423,10 @@ def _pipeline_slot_seconds(t_chain: float, t_chain_fb: float, layer_call: float,
     forward of ``model(x)`` (a third of a forward and backward, per stage) and the stage's
     optimizer step."""
     slots = microbatches + stages - 1
-    t_pipe = _strategy_step_overhead("pipeline", t_chain) + t_chain
+    # 2 processes' point-to-point waits: one step of this chain took 3.9-12 ms within a
+    # minute here, and a median of 5 x 4 steps moved 1.0 -> 2.0 ms a slot between two
+    # measurements; 11 x 10 steps (about half a second)
+    t_pipe = _strategy_step_overhead("pipeline", t_chain, rounds=11, per_round=10) + t_chain
     counted = (slots * layer_call * 4 / stages + t_chain_fb / stages / 3
                + max(0.0, t_chain - t_chain_fb) / stages)
     return max(0.0, t_pipe - counted) / slots
@@ -430,7 +473,7 @@ def _p2p(rank: int) -> list[list[float]]:
     return points
 
 
-def _worker_two(world: int) -> dict[str, Any]:
+def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     """The measurements made with ``world`` local processes (rank 0's result is used)."""
     import replicator as rp
 
@@ -452,7 +495,7 @@ def _worker_two(world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out["allreduce"] = _allreduce_curves(world)
     out["sync"], out["reduce"], out["sync_wait"] = _engine_overheads(
-        t_local, slowdown=float(out["contention"].get(world, 1.0)))
+        t_local, reference_alone, slowdown=float(out["contention"].get(world, 1.0)))
     if world == 2:
         out["p2p"] = _p2p(rank)
     strategy.barrier()
@@ -516,9 +559,10 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
                              source="measured")
     profile.flops_per_second, profile.memory_bandwidth = _single_thread_rates()
     profile.input_fixed = _input_fixed_seconds()
+    reference_alone = _reference_step_seconds()
     for world in worlds:
         log(f"measuring with {world} local processes (contention, all-reduce, engine) ...")
-        result = launch(_worker_two, num_replicas=world, args=(world,))[0]
+        result = launch(_worker_two, num_replicas=world, args=(world, reference_alone))[0]
         profile.slowdown.update({int(k): float(v) for k, v in result["contention"].items()})
         profile.straggle.update({int(k): float(v) for k, v in result["straggle"].items()})
         for name, points in result["allreduce"].items():

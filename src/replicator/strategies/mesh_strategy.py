@@ -40,6 +40,8 @@ from replicator.cluster.process_group import initialize
 from replicator.cluster.topology import Topology
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import GradientSynchronizer
+from replicator.comm.options import CommunicationOptions
+from replicator.comm.selection import algorithm_for
 from replicator.errors import ClusterConfigError
 from replicator.parallel.fsdp import apply_fsdp, is_unsharded_view
 from replicator.parallel.pipeline import PipelineRunner
@@ -115,6 +117,14 @@ class MeshStrategy(Strategy):
         topo = self._topology
         # the replicas (the data axes together): identity, reduce, gather, gradient averaging
         self._replica_group = ReplicaGroup(device, topo, timeout_seconds=timeout_seconds)
+        # the data axes' own collectives (gradient averaging of data replicas, reduce, gather,
+        # the engine's fingerprints) through shared memory when the replicas share one CPU
+        # host, as MirroredStrategy's: gloo took 0.65 ms for a reduce of a scalar with 2
+        # processes here, shared memory 0.05 ms (FSDP's and tensor parallel's own collectives
+        # stay on the backend)
+        self._replica_group.use_algorithm(algorithm_for(
+            CommunicationOptions(timeout_seconds=timeout_seconds), device,
+            self._replica_group.group))
         # every worker: the initial broadcast, barrier and memory reports
         self._job = ReplicaGroup(device, timeout_seconds=timeout_seconds)
         # the pipeline's stages: their exchanges are guarded by a tracker of the stage ranks

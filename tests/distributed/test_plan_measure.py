@@ -1,0 +1,39 @@
+"""The machine figures ``replicator plan`` measures with several processes, on real ranks."""
+
+import math
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.plan import measure
+
+
+def _engine_figures(reference_alone: float) -> tuple[float, float, float]:
+    torch.set_num_threads(1)
+    t_local = measure._local_backward_seconds(8, 8)
+    return measure._engine_overheads(t_local, reference_alone, slowdown=1.0)
+
+
+@pytest.mark.timeout(120)
+def test_the_wait_for_the_slowest_rank_is_taken_on_a_real_training_loop():
+    threads = torch.get_num_threads()
+    alone = measure._reference_step_seconds()
+    assert torch.get_num_threads() == threads  # measured on one thread, then restored
+    assert 0 < alone < 0.5
+    results = rp.launch(_engine_figures, num_replicas=2, args=(alone,), timeout_seconds=90)
+    assert len(results) == 2
+    for sync, reduce, wait in results:
+        # a reduce and a gradient sync cost something; the wait is never negative
+        assert all(math.isfinite(v) for v in (sync, reduce, wait))
+        assert reduce > 0 and sync >= 0 and wait >= 0
+        assert reduce < 0.5 and wait < 1.0
+
+
+def _without_reference() -> float:
+    return measure._engine_overheads(measure._local_backward_seconds(8, 8), 0.0)[2]
+
+
+@pytest.mark.timeout(120)
+def test_without_the_reference_step_no_wait_is_claimed():
+    assert rp.launch(_without_reference, num_replicas=2, timeout_seconds=90) == [0.0, 0.0]
