@@ -14,14 +14,16 @@ processes on one host (the measured contention) and the rest of communication an
 synchronisation as H hosts of K on the link.
 
 Run (root, for the namespaces): ``python benchmarks/plan_hosts.py [--rates 200mbit 1gbit]
-[--layouts 2x2 3x1] [--model mlp] [--steps 10]``; it reuses ``bench/machine.json`` and the
-script's profile (or makes them).
+[--layouts 2x2 3x1] [--model mlp] [--batch 480] [--steps 10]``; it reuses
+``bench/machine.json`` and the script's profile (or makes them).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,9 +49,10 @@ def _layout(text: str) -> tuple[int, int]:
     return hosts, per_host
 
 
-def _measure(rate: str, layout: tuple[int, int], model: str, steps: int, warmup: int,
-             port: int) -> dict:
-    """Run the script on throttled hosts; return the bench's summary of the run."""
+def _measure(rate: str, layout: tuple[int, int], script_args: list[str], steps: int,
+             warmup: int, port: int, logs: Path) -> dict:
+    """Run the script on throttled hosts; return the bench's summary of the run (its ranks'
+    files and the hosts' output are kept in ``logs``)."""
     from replicator.plan import probe
     from replicator.plan.benchmark import ENTRY, Setting, _read_ranks, summarize
     from replicator.plan.devices import parse_link
@@ -59,8 +62,9 @@ def _measure(rate: str, layout: tuple[int, int], model: str, steps: int, warmup:
     with virtual_hosts(hosts) as net, tempfile.TemporaryDirectory() as tmp:
         bits = parse_link(rate).bandwidth * 8
         net.limit_rate(rate, burst=f"{max(256, int(bits / 8 / 1024 / 100))}kb")  # >= 10 ms
-        out = Path(tmp) / "bench"
-        out.mkdir()
+        out = logs
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
         env = {"TMPDIR": tmp, probe.STRATEGY_ENV: "multi_worker_mirrored",
                probe.OUT_ENV: str(out), probe.STEPS_ENV: str(steps),
                probe.WARMUP_ENV: str(warmup), probe.MODE_ENV: "bench",
@@ -69,8 +73,9 @@ def _measure(rate: str, layout: tuple[int, int], model: str, steps: int, warmup:
         procs = [h.popen([sys.executable, "-m", "replicator.cli", "run", "--nnodes", str(hosts),
                           "--node-rank", str(h.index), "--master-addr", net.hosts[0].address,
                           "--master-port", str(port), "--nproc-per-node", str(per_host),
-                          "--timeout", "300", "--quiet-workers", ENTRY, SCRIPT, "--model",
-                          model], env=env)
+                          "--timeout", "300", "--quiet-workers", ENTRY, SCRIPT, *script_args],
+                          env=env, stdout=(out / f"host{h.index}.log").open("w"),
+                          stderr=subprocess.STDOUT)
                  for h in net.hosts]
         for proc in procs:
             if proc.wait(timeout=1800) != 0:
@@ -82,12 +87,12 @@ def _measure(rate: str, layout: tuple[int, int], model: str, steps: int, warmup:
         return {"step": result.step_seconds, "breakdown": result.breakdown}
 
 
-def _predict(rate: str, layout: tuple[int, int], model_name: str, out_dir: str) -> dict:
+def _predict(rate: str, layout: tuple[int, int], script_args: list[str], out_dir: str) -> dict:
     from replicator.plan.cost_model import Cluster, predict, straggler_wait_seconds
     from replicator.plan.devices import get_device, parse_link
     from replicator.plan.planner import load_machine, profile_script
 
-    model = profile_script(SCRIPT, ["--model", model_name], out_dir=out_dir)
+    model = profile_script(SCRIPT, script_args, out_dir=out_dir)
     machine = load_machine(out_dir)
     cpu, link = get_device("cpu"), parse_link(rate)
     hosts, per_host = layout
@@ -113,6 +118,8 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", type=_layout, default=[(2, 2), (3, 1)],
                         help="HOSTSxPROCESSES per host (default 2x2 3x1)")
     parser.add_argument("--model", default="mlp")
+    parser.add_argument("--batch", type=int, default=480,
+                        help="global batch (default 480: divisible by 2, 3 and 4 replicas)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="bench", help="where machine.json and profiles live")
@@ -125,8 +132,11 @@ def main() -> None:
     rows, lines = [], []
     runs = [(rate, layout) for layout in args.layouts for rate in args.rates]
     for i, (rate, layout) in enumerate(runs):
-        predicted = _predict(rate, layout, args.model, args.out)
-        measured = _measure(rate, layout, args.model, args.steps, args.warmup, 29600 + i)
+        script_args = ["--model", args.model, "--batch", str(args.batch)]
+        predicted = _predict(rate, layout, script_args, args.out)
+        logs = Path(args.out) / "hosts" / f"{layout[0]}x{layout[1]}-{rate}"
+        measured = _measure(rate, layout, script_args, args.steps, args.warmup, 29600 + i,
+                            logs)
         error = (predicted["step"] - measured["step"]) / measured["step"]
         name = f"{layout[0]}x{layout[1]}"
         rows.append([name, rate, args.model, predicted["step"] * 1e3, measured["step"] * 1e3,
