@@ -320,8 +320,9 @@ def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: fl
     loop (the reference model under MirroredStrategy, ``strategy.reduce`` of the loss every
     step) takes beyond what the cost model counts for it: its step alone
     (``reference_alone``, measured with nothing else running) slowed by ``slowdown`` (the
-    contention of this many busy ranks), the sync and the reduce. With more busy processes
-    than cores a step's first collective waits for a rank the scheduler has not run yet.
+    contention of this many busy ranks), the sync and the reduce: ``strategy.run``'s own
+    work and the wait for the other ranks' drift, and with more busy processes than cores
+    the wait of a step's first collective for a rank the scheduler has not run yet.
     An earlier version timed a sync after a millisecond of spinning compute instead; at 3
     processes on 2 cores that measured 1.0-1.3 ms where the tiny model's runs waited
     0.5-0.9 ms (its mirrored x3 came out +22..+42% in five rounds), and at 4 processes it

@@ -206,8 +206,8 @@ class MachineProfile:
     straggle: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     allreduce: dict[str, dict[int, AlphaBeta]] = field(default_factory=dict)
     sync_overhead: dict[int, float] = field(default_factory=dict)
-    #: per step, a synchronous step's wait for its last rank beyond the collectives' own
-    #: cost, measured after compute on every rank (processes > cores: a rank not yet run)
+    #: per step, what a small real training loop took beyond its work, sync and reduce: the
+    #: wait for its last rank (processes > cores: a rank not yet run) and the run's own cost
     sync_wait: dict[int, float] = field(default_factory=dict)
     small_collective: dict[int, float] = field(default_factory=dict)
     fsdp_unit: dict[int, float] = field(default_factory=dict)
