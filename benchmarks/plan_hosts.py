@@ -21,6 +21,7 @@ Run (root, for the namespaces): ``python benchmarks/plan_hosts.py [--rates 200mb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -59,7 +60,8 @@ def _measure(rate: str, layout: tuple[int, int], script_args: list[str], steps: 
     from tests.hosts import virtual_hosts
 
     hosts, per_host = layout
-    with virtual_hosts(hosts) as net, tempfile.TemporaryDirectory() as tmp:
+    with virtual_hosts(hosts) as net, tempfile.TemporaryDirectory() as tmp, \
+            contextlib.ExitStack() as files:
         bits = parse_link(rate).bandwidth * 8
         net.limit_rate(rate, burst=f"{max(256, int(bits / 8 / 1024 / 100))}kb")  # >= 10 ms
         out = logs
@@ -74,8 +76,8 @@ def _measure(rate: str, layout: tuple[int, int], script_args: list[str], steps: 
                           "--node-rank", str(h.index), "--master-addr", net.hosts[0].address,
                           "--master-port", str(port), "--nproc-per-node", str(per_host),
                           "--timeout", "300", "--quiet-workers", ENTRY, SCRIPT, *script_args],
-                          env=env, stdout=(out / f"host{h.index}.log").open("w"),
-                          stderr=subprocess.STDOUT)
+                          env=env, stderr=subprocess.STDOUT,
+                          stdout=files.enter_context((out / f"host{h.index}.log").open("w")))
                  for h in net.hosts]
         for proc in procs:
             if proc.wait(timeout=1800) != 0:
