@@ -398,3 +398,27 @@ def test_a_pipeline_slot_repeats_the_stage_layer_calls_not_the_step_fixed_cost()
     # never more than the fixed cost itself: 1,000 calls of 20 us cap at the 2 ms
     capped = compute(dataclasses.replace(base, layer_calls=1000))
     assert capped == pytest.approx(unmeasured)
+
+
+def test_a_replicas_input_keeps_the_occasional_gaps_and_shares_the_samples_part():
+    """Every replica starts every epoch (the global batches per epoch do not change with
+    the replicas): the occasional part of the input is not divided by the replicas, the
+    steady part is, above the pipeline's fixed cost per batch."""
+    machine = MachineProfile.nominal()
+    machine.input_fixed = 5e-5
+    c = Cluster(get_device("cpu"), parse_link("25gbit"), machine, 4)
+
+    def model(occasional: float) -> ModelProfile:
+        return ModelProfile(name="m", params=1000, global_batch=96, param_bytes=4e3,
+                            grad_bytes=4e3, largest_tensor_bytes=4e3, measured=True,
+                            compute_fit=(1e-4, 1e-5), input_seconds=1e-3,
+                            input_seconds_1thread=1e-3, optimizer_seconds_1thread=1e-4,
+                            input_occasional_seconds=occasional)
+
+    slow = machine.slowdown_for(2)
+    without = predict("mirrored", 2, model(0.0), c).breakdown["input"]
+    assert without == pytest.approx((5e-5 + (1e-3 - 5e-5) / 2) * slow)
+    with_gaps = predict("mirrored", 2, model(4e-4), c).breakdown["input"]
+    assert with_gaps == pytest.approx((4e-4 + 5e-5 + (6e-4 - 5e-5) / 2) * slow)
+    # one process pays its whole input either way
+    assert predict("one_device", 1, model(4e-4), c).breakdown["input"] == pytest.approx(1e-3)

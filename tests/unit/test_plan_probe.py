@@ -216,3 +216,54 @@ def test_a_gpu_plan_refuses_a_profile_without_flops():
     plan_model(model, [1, 2])  # the CPU plan uses the measured times
     with pytest.raises(ValueError, match="counted no FLOPs"):
         plan_model(model, [1, 2], device="h100")
+
+
+def test_the_progress_file_is_written_at_most_every_interval_and_at_the_end(tmp_path):
+    """The bench's bar reads the chief's step count from a file; written every step it cost
+    a fifth of a small model's step, so it is written at most every ``PROGRESS_INTERVAL``
+    seconds, and always at the last step."""
+    from replicator.plan import probe as probe_module
+
+    progress = tmp_path / "progress"
+    writes = []
+    probe = Probe(steps=40, warmup=2)
+    original = probe._write_progress
+
+    def counting() -> None:
+        before = progress.stat().st_mtime_ns if progress.exists() else None
+        original()
+        if progress.exists() and progress.stat().st_mtime_ns != before:
+            writes.append(progress.read_text())
+
+    probe._write_progress = counting
+    strategy = OneDeviceStrategy("cpu")
+    probe.install(progress_path=str(progress))
+    try:
+        with pytest.raises(BenchComplete):
+            _loop(strategy, tmp_path, every=10**9)
+    finally:
+        probe.uninstall()
+    assert probe_module.PROGRESS_INTERVAL >= 0.1
+    assert progress.read_text() == "42"  # the last step's count, whatever the interval
+    assert 1 <= len(writes) < 42 and writes[0] == "1"
+
+
+def test_the_profile_keeps_the_inputs_occasional_long_gaps_apart():
+    """A loader's new epoch is a long gap every few steps; every replica has it whatever its
+    share of the batch, so the profile keeps it apart from the typical step's input."""
+    from replicator.plan.planner import model_from_probe
+
+    def record(i, phase, gap):
+        return {"step": 1e-3 + gap, "compute": 5e-4, "communication": 0.0, "optimizer": 1e-4,
+                "input": 4e-4 - 1e-4 + gap, "checkpoint": 0.0, "overlapped": 0.0,
+                "phase": phase, "batch": 32.0 / (1 + (phase > 1)), "collectives": 1.0}
+
+    # one epoch start of 1.2 ms in every 6 steps (in the kept steps' mean: 1 in 8 there)
+    records = [record(i, phase, 1.2e-3 if i % 6 == 5 else 0.0)
+               for phase in (0, 1, 2) for i in range(24)]
+    result = {"records": records, "params": 10, "param_bytes": 40, "grad_bytes": 40,
+              "batch": 32}
+    model = model_from_probe(result, "m")
+    kept_mean = model.input_seconds_1thread
+    assert kept_mean > 3e-4 + 1e-4  # the gaps count in the mean
+    assert model.input_occasional_seconds == pytest.approx(kept_mean - 3e-4, rel=1e-6)

@@ -197,11 +197,14 @@ def _optimizer(model: ModelProfile, c: Cluster, share: float, busy_on_host: int)
     return model.optimizer_seconds_1thread * share * c.machine.slowdown_for(busy_on_host)
 
 
-def _input(whole: float, fixed: float, share: float) -> float:
-    """A replica's input time: the pipeline's fixed cost per batch, plus its ``share`` of
-    the part of the whole batch's input time that grows with the samples."""
-    fixed = min(fixed, whole)
-    return fixed + (whole - fixed) * share
+def _input(whole: float, fixed: float, share: float, occasional: float = 0.0) -> float:
+    """A replica's input time: the occasional gaps every replica has (a new epoch's start)
+    and the pipeline's fixed cost per batch, plus its ``share`` of the part of the whole
+    batch's input time that grows with the samples."""
+    occasional = min(max(occasional, 0.0), whole)
+    steady = whole - occasional
+    fixed = min(fixed, steady)
+    return occasional + fixed + (steady - fixed) * share
 
 
 def _allreduce(c: Cluster, nbytes: float, n: int) -> float:
@@ -478,10 +481,12 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         comm += straggler_wait_seconds(c.machine, strategy, compute, busy, m.weight_tensors)
     overhead += _small_collectives(m, c, n)
     optimizer = _optimizer(m, c, opt_share, busy)
-    input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch)
+    input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch,
+                     m.input_occasional_seconds)
     if c.device.is_cpu and m.measured and (busy > 1 or threads == 1):  # one thread per rank
         input_s = _input(m.input_seconds_1thread or m.input_seconds, c.machine.input_fixed,
-                         batch / m.global_batch) * c.machine.slowdown_for(busy)
+                         batch / m.global_batch, m.input_occasional_seconds
+                         ) * c.machine.slowdown_for(busy)
     if threads == 1:
         optimizer = m.optimizer_seconds_1thread
     breakdown = {"compute": compute, "communication": comm, "optimizer": optimizer,

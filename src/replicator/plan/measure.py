@@ -377,11 +377,14 @@ def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: int = 8,
-                            optimizer: str = "sgd", rounds: int = 5, per_round: int = 4
-                            ) -> float:
+                            optimizer: str = "sgd", rounds: int = 5, per_round: int = 4,
+                            reduce_seconds: float | None = None) -> float:
     """Seconds per step that ``rp.get_strategy(name)`` adds to a 4-block model's forward,
     backward and optimizer step (``t_local``: the same step without a strategy); the median
-    of ``rounds`` rounds of ``per_round`` steps."""
+    of ``rounds`` rounds of ``per_round`` steps. With ``reduce_seconds`` (a scalar reduce's
+    own cost) each step is a training loop's, ``strategy.reduce`` of the loss after the
+    run, and what the reduce costs beyond ``reduce_seconds`` (its wait for the last rank)
+    counts in the strategy's cost."""
     import replicator as rp
 
     strategy = rp.get_strategy(name)
@@ -390,11 +393,18 @@ def _strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: in
         model = _tiny_chain(width=width)
         opt = _optimizer(optimizer, model)
     step = _sgd_step(model, opt, torch.randn(batch, width))
+
+    def one() -> None:
+        if reduce_seconds is None:
+            strategy.run(step)
+        else:
+            strategy.reduce("mean", strategy.run(step))
+
     for _ in range(3):
-        strategy.run(step)
-    seconds = _median_time(lambda: strategy.run(step), rounds, per_round)
+        one()
+    seconds = _median_time(one, rounds, per_round)
     strategy.close()
-    return max(0.0, seconds - t_local)
+    return max(0.0, seconds - t_local - (reduce_seconds or 0.0))
 
 
 def _local_forward_backward_seconds(blocks: int, batch: int, width: int = 8) -> float:
@@ -443,13 +453,16 @@ def _local_step_seconds(batch: int = 8, width: int = 8, optimizer: str = "sgd") 
 
 
 def _sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
-              x: torch.Tensor) -> Callable[[], None]:
-    """One forward, backward and optimizer step of ``model`` on ``x``, as a callable."""
+              x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One forward, backward and optimizer step of ``model`` on ``x``, as a callable that
+    returns the loss (detached), as a training loop's step does."""
 
-    def step() -> None:
-        model(x).sum().backward()
+    def step() -> torch.Tensor:
+        loss = model(x).sum()
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss.detach()
 
     return step
 
@@ -501,15 +514,24 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
         out["p2p"] = _p2p(rank)
     strategy.barrier()
     strategy.close()  # a strategy refuses gradients of models it does not own: one at a time
-    out["fsdp_unit"] = _strategy_step_overhead("fsdp", t_chain) / 4
+    # FSDP's cost per block, in a training loop's steps: the loss reduced after each run
+    # waits there for the last rank (after a step of many collectives, 0.8-1.75 ms at 2 and
+    # 3 processes here beyond the reduce's own 0.06-0.2 ms; a bare run's ranks instead
+    # drift into the next step's first all-gather)
+    reduce = float(out["reduce"])
+    out["fsdp_unit"] = _strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
     # with Adam: a sharded optimizer step runs on DTensors, a fixed cost per block that
-    # SGD's single update hides (the wide blocks alone would spread it over their bytes)
-    out["fsdp_unit_adam"] = _strategy_step_overhead("fsdp", t_chain_adam,
-                                                    optimizer="adam") / 4
+    # SGD's single update hides (the wide blocks alone would spread it over their bytes).
+    # 11 x 10 steps: one block's cost moved 3.0-5.1 ms at 2 processes between medians of
+    # 5 x 4 steps taken minutes apart, and every model trained with Adam is predicted by it
+    out["fsdp_unit_adam"] = _strategy_step_overhead("fsdp", t_chain_adam, optimizer="adam",
+                                                    rounds=11, per_round=10,
+                                                    reduce_seconds=reduce) / 4
     # the same blocks 64x wider: FSDP's cost per byte of a block (gathers, reduce-scatters,
     # copies), with SGD and with Adam (the sharded optimizer step on DTensors)
     out["fsdp_wide"] = {kind: _strategy_step_overhead("fsdp", t_wide[kind], width=WIDE,
-                                                      optimizer=kind) / 4
+                                                      optimizer=kind,
+                                                      reduce_seconds=reduce) / 4
                         for kind in ("sgd", "adam")}
     if world == 2:  # PipelineStrategy(): 2 stages, 4 microbatches, 5 slots per step
         out["pipeline_slot"] = _pipeline_slot_seconds(t_chain, t_chain_fb, layer_call)

@@ -59,6 +59,13 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         return statistics.mean(r[key] for r in kept_steps(phase))
 
     full = phases.get(0) or records
+
+    def occasional(phase: list[dict[str, float]]) -> float:
+        """A phase's input mean beyond its typical step's: the occasional long gaps."""
+        if len(phase) < 10:
+            return 0.0
+        return max(0.0, med(phase, "input") - statistics.median(r["input"] for r in phase))
+
     one = [r for i in (1, 2, 3) for r in phases.get(i, [])]
     points: dict[float, list[dict[str, float]]] = {}
     for r in one:
@@ -84,6 +91,7 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         compute_fit=compute_fit,
         optimizer_seconds_1thread=med(one, "optimizer") if one else med(full, "optimizer"),
         input_seconds_1thread=med(phases[1], "input") if phases.get(1) else med(full, "input"),
+        input_occasional_seconds=occasional(phases.get(1) or full),
         collectives_per_step=statistics.mean(r["collectives"] for r in records),
         threads=int(result.get("threads", 1)), rss_bytes=float(result.get("peak_rss_bytes", 0)),
         pipeline_forward_backward=bool(result.get("forward_backward", False)),
@@ -101,7 +109,7 @@ def _profile_steps() -> int:
 
 
 #: Bumped when the profile measures something new, so a cached older profile is measured again.
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 def _cache_key(script: str, args: Sequence[str]) -> str:

@@ -81,6 +81,10 @@ class ModelProfile:
     compute_fit: tuple[float, float] = (0.0, 0.0)
     optimizer_seconds_1thread: float = 0.0
     input_seconds_1thread: float = 0.0
+    #: of the input's mean per step, what comes in occasional long gaps (a loader's new
+    #: epoch: its sampler, its prefetch thread), spread over the steps; a replica pays it
+    #: whatever its share of the batch, since every replica starts every epoch
+    input_occasional_seconds: float = 0.0
     collectives_per_step: float = 0.0
     threads: int = 1
     rss_bytes: float = 0.0
