@@ -515,9 +515,9 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     strategy.barrier()
     strategy.close()  # a strategy refuses gradients of models it does not own: one at a time
     # FSDP's cost per block, in a training loop's steps: the loss reduced after each run
-    # waits there for the last rank (after a step of many collectives, 0.8-1.75 ms at 2 and
-    # 3 processes here beyond the reduce's own 0.06-0.2 ms; a bare run's ranks instead
-    # drift into the next step's first all-gather)
+    # waits there for the last rank (after a step of many collectives it added 0.8-1.75 ms
+    # a step at 2 and 3 processes here, of which the reduce itself is 0.06-0.2 ms; a bare
+    # run's ranks instead drift into the next step's first all-gather)
     reduce = float(out["reduce"])
     out["fsdp_unit"] = _strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
     # with Adam: a sharded optimizer step runs on DTensors, a fixed cost per block that
