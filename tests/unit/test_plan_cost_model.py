@@ -289,10 +289,18 @@ def test_a_pipeline_slot_is_its_busiest_stage_as_the_default_cut_makes_it():
     b = predict("pipeline", 2, uneven, c, microbatches=4)
     one = predict("one_device", 1, even, c).breakdown["compute"]
     slots = 4 + 2 - 1
-    # model(x) then backward adds a third of one stage's forward-and-backward, unchanged
-    extra = one / 2 / 3
-    assert a.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.5 + extra)
-    assert b.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.7 + extra)
+    # model(x) then backward adds the busiest stage's forward of the batch (its share of a
+    # third of the forward-and-backward, without a measured forward fraction)
+    assert a.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.5 + one / 3 * 0.5)
+    assert b.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.7 + one / 3 * 0.7)
+    # a measured forward fraction (a CNN's forward was 60% of its forward and backward)
+    measured = dataclasses.replace(uneven, forward_fraction=0.6)
+    assert predict("pipeline", 2, measured, c, microbatches=4).breakdown["compute"] \
+        == pytest.approx(slots * one / 4 * 0.7 + one * 0.6 * 0.7)
+    # strategy.forward_backward runs no second forward
+    fb = dataclasses.replace(measured, pipeline_forward_backward=True)
+    assert predict("pipeline", 2, fb, c, microbatches=4).breakdown["compute"] \
+        == pytest.approx(slots * one / 4 * 0.7)
     # a share below an even split (a profile of another cut) never makes a stage faster
     odd = dataclasses.replace(even, pipeline_stage_shares={"2": 0.3})
     assert predict("pipeline", 2, odd, c, microbatches=4).breakdown["compute"] \
@@ -359,7 +367,8 @@ def test_a_pipeline_stage_takes_a_flop_share_of_per_sample_work_and_even_share_o
     base = ModelProfile(name="m", params=1000, global_batch=64, param_bytes=4000,
                         grad_bytes=4000, step_seconds=0.01, compute_seconds=0.008,
                         optimizer_seconds=1e-4, input_seconds=1e-4, compute_fit=fit,
-                        collectives_per_step=1.0, weight_tensors=4)
+                        collectives_per_step=1.0, weight_tensors=4,
+                        pipeline_forward_backward=True)  # the slots alone
     c = _cluster()
 
     def compute(share: float) -> float:

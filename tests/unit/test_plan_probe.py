@@ -267,3 +267,32 @@ def test_the_profile_keeps_the_inputs_occasional_long_gaps_apart():
     kept_mean = model.input_seconds_1thread
     assert kept_mean > 3e-4 + 1e-4  # the gaps count in the mean
     assert model.input_occasional_seconds == pytest.approx(kept_mean - 3e-4, rel=1e-6)
+
+
+def test_the_profile_times_the_forward_pass_up_to_the_first_backward(tmp_path):
+    """In profile mode each step records the time from the run's start to its first
+    backward (a pipeline's second, value-only forward costs that share of the work); the
+    planner takes the median share of compute; uninstall puts autograd's backward back."""
+    from replicator.plan.planner import model_from_probe
+
+    original_backward = torch.autograd.backward
+    probe = Probe(steps=0, warmup=2, mode="profile")
+    strategy = OneDeviceStrategy("cpu")
+    probe.install()
+    try:
+        with pytest.raises(BenchComplete):
+            _loop(strategy, tmp_path, every=10**9)
+    finally:
+        probe.uninstall()
+    assert torch.autograd.backward is original_backward
+    records = probe.results()["records"]
+    assert records and all(0 < r["forward"] < r["compute"] for r in records)
+    model = model_from_probe(probe.results(), "m")
+    assert 0 < model.forward_fraction < 1
+    # a bench (not a profile) does not patch autograd
+    bench = Probe(steps=1, warmup=0)
+    bench.install()
+    try:
+        assert torch.autograd.backward is original_backward
+    finally:
+        bench.uninstall()

@@ -424,7 +424,10 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
         compute = slots * slot
         comm = 2 * slots * send
         if not m.pipeline_forward_backward:  # model(x) runs the stages once more, no autograd
-            compute += _compute(m, c, m.global_batch / data, busy) / stages / 3
+            # microbatch by microbatch: the busiest stage's forward of the replica's batch
+            forward = m.forward_fraction or 1.0 / 3
+            compute += _compute(m, c, m.global_batch / data, busy) * forward \
+                * m.stage_share(stages)
             notes.append("model(x) then loss.backward() runs one extra forward pass; "
                          "strategy.forward_backward avoids it")
         comm += _allreduce(c, m.grad_bytes / stages, data)

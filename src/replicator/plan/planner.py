@@ -60,6 +60,12 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
 
     full = phases.get(0) or records
 
+    def forward_fraction(phase: list[dict[str, float]]) -> float:
+        """The median step's share of compute before its backward (0: no backward seen)."""
+        shares = [r["forward"] / r["compute"] for r in phase
+                  if r.get("forward", 0.0) > 0 and r["compute"] > 0]
+        return min(1.0, statistics.median(shares)) if shares else 0.0
+
     def occasional(phase: list[dict[str, float]]) -> float:
         """A phase's input mean beyond its typical step's: the occasional long gaps."""
         if len(phase) < 10:
@@ -92,6 +98,7 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         optimizer_seconds_1thread=med(one, "optimizer") if one else med(full, "optimizer"),
         input_seconds_1thread=med(phases[1], "input") if phases.get(1) else med(full, "input"),
         input_occasional_seconds=occasional(phases.get(1) or full),
+        forward_fraction=forward_fraction(phases.get(1) or full),
         collectives_per_step=statistics.mean(r["collectives"] for r in records),
         threads=int(result.get("threads", 1)), rss_bytes=float(result.get("peak_rss_bytes", 0)),
         pipeline_forward_backward=bool(result.get("forward_backward", False)),

@@ -187,6 +187,8 @@ class Probe:
         self._open: dict[str, float] | None = None
         self._progress_path: str | None = None
         self._progress_at = -math.inf
+        self._in_run = False
+        self._t_backward: float | None = None  # when the step's first backward began
         self._undo: list[Callable[[], None]] = []
         self._threads = torch.get_num_threads()
         self._late_hook = False
@@ -237,6 +239,16 @@ class Probe:
             self._time_calls(CheckpointManager, "save")
         except ImportError:  # pragma: no cover - a library without the checkpoint room
             pass
+        if self.mode == "profile":  # the forward pass's share of compute (the pipeline's
+            # second, value-only forward costs that share of the busiest stage's work)
+            original_backward = torch.autograd.backward
+
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                if probe._in_run and probe._t_backward is None:
+                    probe._t_backward = probe._now()
+                return original_backward(*args, **kwargs)
+
+            self._patch(torch.autograd, "backward", backward)
         pre = register_optimizer_step_pre_hook(self._before_opt)
         post = register_optimizer_step_post_hook(self._after_opt)
         self._undo += [pre.remove, post.remove]
@@ -248,7 +260,7 @@ class Probe:
         self._undo = []
         torch.set_num_threads(self._threads)
 
-    def _patch(self, owner: type, name: str, replacement: Callable[..., Any]) -> None:
+    def _patch(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
         original = owner.__dict__[name]
         setattr(owner, name, replacement)
         self._undo.append(lambda: setattr(owner, name, original))
@@ -354,7 +366,11 @@ class Probe:
         self.collective_calls = 0
         t_run = time.perf_counter()
         comm_run = timing.snapshot()
-        out = original_run(strategy, fn, args, kwargs)
+        self._t_backward, self._in_run = None, True
+        try:
+            out = original_run(strategy, fn, args, kwargs)
+        finally:
+            self._in_run = False
         t_end = self._now()
         comm_end = timing.snapshot()
         self._open = {"start": now, "run": t_end - t_run,
@@ -362,6 +378,7 @@ class Probe:
                       "comm_start": comm_now.exposed, "bg_start": comm_now.background,
                       "opt": self._opt, "ps": self._ps, "comm_in_opt": self._comm_in_opt,
                       "end": t_end, "ckpt_start": self._ckpt, "pre": t_run - now,
+                      "forward": (self._t_backward - t_run) if self._t_backward else 0.0,
                       "phase": PROFILE_PHASES.index(phase) if phase else -1,
                       "batch": float(self.batch_sizes[-1]) if self.batch_sizes else 0.0}
         self._write_progress()
@@ -400,7 +417,9 @@ class Probe:
             "input": max(0.0, now - r["end"] - comm_gap - ckpt) + r["pre"],
             "checkpoint": ckpt + ckpt_in_run,
             "overlapped": max(0.0, background - comm), "phase": r["phase"],
-            "batch": r["batch"], "collectives": float(self.collective_calls)})
+            "batch": r["batch"], "collectives": float(self.collective_calls),
+            # from the run's start to its first backward (0: no backward seen; profile only)
+            "forward": r["forward"]})
 
     def _write_progress(self) -> None:
         """The chief's step count for the bench's progress bar, at most every

@@ -99,6 +99,9 @@ class ModelProfile:
     #: per number of pipeline stages ("2".."8"): the largest share of the FLOPs one stage
     #: holds as the pipeline cuts the model by default (absent: an even split)
     pipeline_stage_shares: dict[str, float] = field(default_factory=dict)
+    #: the forward pass's share of forward + backward (one thread, the full batch; 0: not
+    #: measured, a third assumed: backward computes two products per forward one)
+    forward_fraction: float = 0.0
     #: leaf modules called in one forward (0: not measured); a pipeline stage calls its share
     #: of them once per microbatch
     layer_calls: int = 0
