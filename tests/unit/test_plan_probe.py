@@ -37,6 +37,16 @@ def _loop(strategy, directory, every):
             manager.save(n, replicated={"model": model.state_dict()})
 
 
+def _run_until_complete(probe, strategy, directory, **install):
+    """``_loop`` under ``probe`` until the probe has its steps (then uninstalled)."""
+    probe.install(**install)
+    try:
+        with pytest.raises(BenchComplete):
+            _loop(strategy, directory, every=10**9)
+    finally:
+        probe.uninstall()
+
+
 def test_probe_stops_the_loop_and_its_parts_add_up(tmp_path):
     probe = Probe(steps=6, warmup=2)
     strategy = OneDeviceStrategy("cpu")
@@ -161,12 +171,7 @@ def _profile_records(tmp_path, pause):
         return original(*args, **kwargs)
 
     strategy.reduce = slow_reduce
-    probe.install()
-    try:
-        with pytest.raises(BenchComplete):
-            _loop(strategy, tmp_path, every=10**9)
-    finally:
-        probe.uninstall()
+    _run_until_complete(probe, strategy, tmp_path)
     result = probe.results()
     per_phase = [sum(r["phase"] == k for r in result["records"])
                  for k in range(len(PROFILE_PHASES))]
@@ -237,12 +242,7 @@ def test_the_progress_file_is_written_at_most_every_interval_and_at_the_end(tmp_
 
     probe._write_progress = counting
     strategy = OneDeviceStrategy("cpu")
-    probe.install(progress_path=str(progress))
-    try:
-        with pytest.raises(BenchComplete):
-            _loop(strategy, tmp_path, every=10**9)
-    finally:
-        probe.uninstall()
+    _run_until_complete(probe, strategy, tmp_path, progress_path=str(progress))
     assert probe_module.PROGRESS_INTERVAL >= 0.1
     assert progress.read_text() == "42"  # the last step's count, whatever the interval
     assert 1 <= len(writes) < 42 and writes[0] == "1"
@@ -278,12 +278,7 @@ def test_the_profile_times_the_forward_pass_up_to_the_first_backward(tmp_path):
     original_backward = torch.autograd.backward
     probe = Probe(steps=0, warmup=2, mode="profile")
     strategy = OneDeviceStrategy("cpu")
-    probe.install()
-    try:
-        with pytest.raises(BenchComplete):
-            _loop(strategy, tmp_path, every=10**9)
-    finally:
-        probe.uninstall()
+    _run_until_complete(probe, strategy, tmp_path)
     assert torch.autograd.backward is original_backward
     records = probe.results()["records"]
     assert records and all(0 < r["forward"] < r["compute"] for r in records)
