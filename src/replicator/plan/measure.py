@@ -36,6 +36,15 @@ from typing import Any
 
 import torch
 
+from replicator.plan.engine_costs import (
+    WIDE,
+    layer_call_seconds,
+    local_forward_backward_seconds,
+    local_step_seconds,
+    median_time,
+    pipeline_slot_seconds,
+    strategy_step_overhead,
+)
 from replicator.plan.profiles import AlphaBeta, MachineProfile
 
 __all__ = ["measure_machine", "quick_contention", "ram_bytes"]
@@ -63,17 +72,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
-
-
-def _median_time(fn: Callable[[], Any], rounds: int, per_round: int = 1) -> float:
-    """Median over ``rounds`` of the time of ``per_round`` back-to-back calls, per call."""
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(per_round):
-            fn()
-        times.append((time.perf_counter() - t0) / per_round)
-    return statistics.median(times)
 
 
 def _busy_work(seconds_alone: float | None = None, iterations: int = 0) -> tuple[float, int]:
@@ -110,10 +108,10 @@ def _single_thread_rates() -> tuple[float, float]:
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(256, 256), torch.randn(256, 256)
-        flops = 2 * 256 ** 3 / _median_time(lambda: a @ b, 5, 20)
+        flops = 2 * 256 ** 3 / median_time(lambda: a @ b, 5, 20)
         src = torch.randn(16 << 20)
         dst = torch.empty_like(src)
-        copy = src.numel() * 4 / _median_time(lambda: dst.copy_(src), 5, 2)
+        copy = src.numel() * 4 / median_time(lambda: dst.copy_(src), 5, 2)
     finally:
         torch.set_num_threads(threads)
     return flops, copy
@@ -249,7 +247,7 @@ def _allreduce_curves(world: int) -> dict[str, list[list[float]]]:
             def call(a: Any = algo, x: torch.Tensor = t) -> None:
                 a.all_reduce_sum(x)
 
-            seconds = _median_time(call, 5, per_round)
+            seconds = median_time(call, 5, per_round)
             points.append([float(size), seconds])
         curves[name] = points
     return curves
@@ -265,7 +263,7 @@ def _local_backward_seconds(width: int, rows: int, bias: bool = True) -> float:
         plain(x).sum().backward()
 
     local()
-    return _median_time(local, 7, 10)
+    return median_time(local, 7, 10)
 
 
 def _reference_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -306,7 +304,7 @@ def _reference_step_seconds() -> float:
         step = _reference_step(*_reference_model(), _reference_batch())
         for _ in range(20):
             step()
-        return _median_time(step, 7, 20)
+        return median_time(step, 7, 20)
     finally:
         torch.set_num_threads(threads)
 
@@ -342,10 +340,10 @@ def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: fl
 
     for _ in range(5):
         synced()
-    t_sync = _median_time(synced, 7, 10)
+    t_sync = median_time(synced, 7, 10)
     value = torch.tensor(1.0)
     strategy.reduce("mean", value)
-    t_reduce = _median_time(lambda: strategy.reduce("mean", value), 7, 10)
+    t_reduce = median_time(lambda: strategy.reduce("mean", value), 7, 10)
     sync = max(0.0, t_sync - t_local)
     wait = 0.0
     if reference_alone > 0:
@@ -356,115 +354,9 @@ def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: fl
         for _ in range(20):
             loop()
         strategy.barrier()
-        t_loop = _median_time(loop, 7, 30)
+        t_loop = median_time(loop, 7, 30)
         wait = max(0.0, t_loop - reference_alone * slowdown - sync - t_reduce)
     return sync, t_reduce, wait
-
-
-#: Width of the wide blocks FSDP's per-byte cost is measured on (1 MB of weights each).
-WIDE = 512
-
-
-def _tiny_chain(blocks: int = 4, width: int = 8) -> torch.nn.Sequential:
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])
-
-
-def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """SGD, or Adam (its state is what a sharded optimizer step touches per parameter)."""
-    if kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=0.0)
-    return torch.optim.SGD(model.parameters(), lr=0.0)
-
-
-def _strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: int = 8,
-                            optimizer: str = "sgd", rounds: int = 5, per_round: int = 4,
-                            reduce_seconds: float | None = None) -> float:
-    """Seconds per step that ``rp.get_strategy(name)`` adds to a 4-block model's forward,
-    backward and optimizer step (``t_local``: the same step without a strategy); the median
-    of ``rounds`` rounds of ``per_round`` steps. With ``reduce_seconds`` (a scalar reduce's
-    own cost) each step is a training loop's, ``strategy.reduce`` of the loss after the
-    run, and what the reduce costs beyond ``reduce_seconds`` (its wait for the last rank)
-    counts in the strategy's cost."""
-    import replicator as rp
-
-    strategy = rp.get_strategy(name)
-    with strategy.scope():
-        torch.manual_seed(0)
-        model = _tiny_chain(width=width)
-        opt = _optimizer(optimizer, model)
-    step = _sgd_step(model, opt, torch.randn(batch, width))
-
-    def one() -> None:
-        if reduce_seconds is None:
-            strategy.run(step)
-        else:
-            strategy.reduce("mean", strategy.run(step))
-
-    for _ in range(3):
-        one()
-    seconds = _median_time(one, rounds, per_round)
-    strategy.close()
-    return max(0.0, seconds - t_local - (reduce_seconds or 0.0))
-
-
-def _local_forward_backward_seconds(blocks: int, batch: int, width: int = 8) -> float:
-    """Forward and backward of a ``blocks``-block chain on ``batch`` samples (no optimizer)."""
-    model = _tiny_chain(blocks, width)
-    x = torch.randn(batch, width)
-
-    def step() -> None:
-        model(x).sum().backward()
-
-    step()
-    return _median_time(step, 5, 10)
-
-
-def _layer_call_seconds(batch: int = 2) -> float:
-    """One small layer's forward and backward call beyond the engine's fixed cost: the
-    difference between a 4- and a 2-block chain, per block (what a pipeline stage pays per
-    layer and microbatch, however few its samples)."""
-    return max(0.0, (_local_forward_backward_seconds(4, batch)
-                     - _local_forward_backward_seconds(2, batch)) / 2)
-
-
-def _pipeline_slot_seconds(t_chain: float, t_chain_fb: float, layer_call: float,
-                           stages: int = 2, microbatches: int = 4) -> float:
-    """The schedule's own cost per slot: a pipelined step of the 4-block chain, less what the
-    cost model counts apart for any model: each stage's layer calls per slot, the extra
-    forward of ``model(x)`` (a third of a forward and backward, per stage) and the stage's
-    optimizer step."""
-    slots = microbatches + stages - 1
-    # 2 processes' point-to-point waits: one step of this chain took 3.9-12 ms within a
-    # minute here, and a median of 5 x 4 steps moved 1.0 -> 2.0 ms a slot between two
-    # measurements; 11 x 10 steps (about half a second)
-    t_pipe = _strategy_step_overhead("pipeline", t_chain, rounds=11, per_round=10) + t_chain
-    counted = (slots * layer_call * 4 / stages + t_chain_fb / stages / 3
-               + max(0.0, t_chain - t_chain_fb) / stages)
-    return max(0.0, t_pipe - counted) / slots
-
-
-def _local_step_seconds(batch: int = 8, width: int = 8, optimizer: str = "sgd") -> float:
-    """The 4-block model's step without any strategy (measured before one exists)."""
-    model = _tiny_chain(width=width)
-    opt = _optimizer(optimizer, model)
-    step = _sgd_step(model, opt, torch.randn(batch, width))
-    step()
-    return _median_time(step, 5, 10)
-
-
-def _sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
-              x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """One forward, backward and optimizer step of ``model`` on ``x``, as a callable that
-    returns the loss (detached), as a training loop's step does."""
-
-    def step() -> torch.Tensor:
-        loss = model(x).sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return step
 
 
 def _p2p(rank: int) -> list[list[float]]:
@@ -483,7 +375,7 @@ def _p2p(rank: int) -> list[list[float]]:
                 dist.send(x, 0)
 
         exchange()
-        points.append([float(size), _median_time(exchange, 5, 3) / 2])
+        points.append([float(size), median_time(exchange, 5, 3) / 2])
     return points
 
 
@@ -494,12 +386,12 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch.set_num_threads(1)
     t_local = _local_backward_seconds(8, 8)
-    t_chain = _local_step_seconds()
+    t_chain = local_step_seconds()
     if world == 2:  # for the pipeline's slot, measured with 2 processes only
-        t_chain_fb = _local_forward_backward_seconds(4, 8)
-        layer_call = _layer_call_seconds()
-    t_chain_adam = _local_step_seconds(optimizer="adam")
-    t_wide = {kind: _local_step_seconds(width=WIDE, optimizer=kind) for kind in ("sgd", "adam")}
+        t_chain_fb = local_forward_backward_seconds(4, 8)
+        layer_call = layer_call_seconds()
+    t_chain_adam = local_step_seconds(optimizer="adam")
+    t_wide = {kind: local_step_seconds(width=WIDE, optimizer=kind) for kind in ("sgd", "adam")}
     strategy = rp.MirroredStrategy()  # starts the process group
     import torch.distributed as dist
 
@@ -519,22 +411,22 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     # a step at 2 and 3 processes here, of which the reduce itself is 0.06-0.2 ms; a bare
     # run's ranks instead drift into the next step's first all-gather)
     reduce = float(out["reduce"])
-    out["fsdp_unit"] = _strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
+    out["fsdp_unit"] = strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
     # with Adam: a sharded optimizer step runs on DTensors, a fixed cost per block that
     # SGD's single update hides (the wide blocks alone would spread it over their bytes).
     # 11 x 10 steps: one block's cost moved 3.0-5.1 ms at 2 processes between medians of
     # 5 x 4 steps taken minutes apart, and every model trained with Adam is predicted by it
-    out["fsdp_unit_adam"] = _strategy_step_overhead("fsdp", t_chain_adam, optimizer="adam",
+    out["fsdp_unit_adam"] = strategy_step_overhead("fsdp", t_chain_adam, optimizer="adam",
                                                     rounds=11, per_round=10,
                                                     reduce_seconds=reduce) / 4
     # the same blocks 64x wider: FSDP's cost per byte of a block (gathers, reduce-scatters,
     # copies), with SGD and with Adam (the sharded optimizer step on DTensors)
-    out["fsdp_wide"] = {kind: _strategy_step_overhead("fsdp", t_wide[kind], width=WIDE,
+    out["fsdp_wide"] = {kind: strategy_step_overhead("fsdp", t_wide[kind], width=WIDE,
                                                       optimizer=kind,
                                                       reduce_seconds=reduce) / 4
                         for kind in ("sgd", "adam")}
     if world == 2:  # PipelineStrategy(): 2 stages, 4 microbatches, 5 slots per step
-        out["pipeline_slot"] = _pipeline_slot_seconds(t_chain, t_chain_fb, layer_call)
+        out["pipeline_slot"] = pipeline_slot_seconds(t_chain, t_chain_fb, layer_call)
         out["layer_call"] = layer_call
     return out
 
@@ -566,8 +458,8 @@ def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
             o.zero_grad()
 
         step()
-        t_work = _median_time(work, 5, 5)  # the other worker is busy meanwhile too
-        t_all = _median_time(step, 5, 5)
+        t_work = median_time(work, 5, 5)  # the other worker is busy meanwhile too
+        t_all = median_time(step, 5, 5)
         points.append([float(width * width * 4), max(0.0, t_all - t_work - local[width])])
     return {"ps": points}
 
