@@ -37,3 +37,19 @@ def _without_reference() -> float:
 @pytest.mark.timeout(120)
 def test_without_the_reference_step_no_wait_is_claimed():
     assert rp.launch(_without_reference, num_replicas=2, timeout_seconds=90) == [0.0, 0.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_servers_round_trip_grows_with_the_gradients_bytes():
+    """Two workers and a real server: the calibration's round trip costs more per byte at
+    8 MB than nothing (a fit that had found no cost per byte predicted a 4 MB model's round
+    trip at a quarter of what it took)."""
+    from replicator.plan.profiles import AlphaBeta
+
+    results = rp.launch(measure._ps_worker, num_replicas=3, num_ps=1, timeout_seconds=90)
+    points = results[0]["ps"]
+    assert [p[0] for p in points] == [float(n * 4) for n in measure.PS_SIZES]
+    assert all(math.isfinite(p[1]) and p[1] >= 0 for p in points)
+    assert points[-1][1] > 2 * points[0][1]
+    fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
+    assert fit.a > 0 and fit.b > 0

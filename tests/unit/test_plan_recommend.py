@@ -156,3 +156,28 @@ def test_a_short_steps_profile_takes_trimmed_means_whose_parts_add_up():
     assert model.input_seconds == pytest.approx(mean_input) and mean_input > 0.5e-3
     assert model.compute_seconds + model.optimizer_seconds + model.input_seconds == \
         pytest.approx(model.step_seconds)
+
+
+def test_a_cached_machine_profile_from_an_older_calibration_is_measured_again(tmp_path,
+                                                                               monkeypatch):
+    """``machine.json`` keeps its calibration's version; one from before the current
+    calibration is measured again instead of feeding the plan outdated figures."""
+    from replicator.plan import measure, planner
+    from replicator.plan.profiles import MACHINE_VERSION, save_json
+
+    fresh = MachineProfile.nominal()
+    fresh.source, fresh.version, fresh.cores = "measured", MACHINE_VERSION, 7
+    measured = []
+    monkeypatch.setattr(measure, "measure_machine",
+                        lambda log=print: measured.append(1) or fresh)
+    old = MachineProfile.nominal().to_json()
+    old.pop("version")  # written before versions were kept
+    old["source"] = "measured"
+    save_json(tmp_path / "machine.json", old)
+    lines = []
+    machine = planner.load_machine(str(tmp_path), log=lines.append)
+    assert measured == [1] and machine.cores == 7
+    assert "older calibration (version 1" in lines[0]
+    assert json.loads((tmp_path / "machine.json").read_text())["version"] == MACHINE_VERSION
+    assert planner.load_machine(str(tmp_path), log=lines.append).cores == 7
+    assert measured == [1]  # the current version is kept

@@ -45,7 +45,7 @@ from replicator.plan.engine_costs import (
     pipeline_slot_seconds,
     strategy_step_overhead,
 )
-from replicator.plan.profiles import AlphaBeta, MachineProfile
+from replicator.plan.profiles import MACHINE_VERSION, AlphaBeta, MachineProfile
 
 __all__ = ["measure_machine", "quick_contention", "ram_bytes"]
 
@@ -431,36 +431,66 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     return out
 
 
+class _Weights(torch.nn.Module):
+    """A model that is only its weights: the loss ``sum(w * x)`` costs one pass over them, so
+    a parameter server's round trip is not lost in the noise of a layer's own compute."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.w * x).sum()
+
+
+def _weights_backward_seconds(size: int) -> float:
+    """Forward + backward of :class:`_Weights`, measured before any strategy exists."""
+    plain, x = _Weights(size), torch.tensor(2.0)
+
+    def local() -> None:
+        plain(x).backward()
+        plain.w.grad = None
+
+    local()
+    return median_time(local, 7, 10)
+
+
+#: Gradient sizes a parameter server's round trip is measured at (1 kB to 8 MB).
+PS_SIZES = (256, 1 << 18, 1 << 20, 1 << 21)
+
+
 def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
-    """Round trip of ``optimizer.step()`` on a parameter server, small and large models:
+    """Round trip of ``optimizer.step()`` on a parameter server, 1 kB to 8 MB of weights:
     two workers, each step after ``work_seconds`` of compute (a loop's forward and backward),
     so that the server, woken by a push, competes for the cores with busy workers as it does
-    in training (measured here: 1.4-2x the round trip of one worker's back-to-back steps,
-    0.5-0.6 -> 0.7-1.0 ms for 1 kB, 0.5-0.8 -> 1.3 ms for 1 MB)."""
+    in training (measured here: 1.4-2x the round trip of one worker's back-to-back steps).
+    The weights are a bare vector: measured on ``Linear`` layers, their forward and backward,
+    timed apart and taken off, moved by 0.2-0.6 ms at 1 MB and 1-2.6 ms at 4 MB from one run to
+    the next, and a fit on 1 kB and 1 MB found no cost per byte in one calibration of three;
+    the round trip here is 0.45-0.5 ms at 1 kB, 0.5-0.7 at 1 MB, 2.4-2.5 at 4 MB, 3.7-5.6 at
+    8 MB (the MLP's 4 MB of gradients measured 5 ms a step with its queue)."""
     import replicator as rp
 
-    widths = (16, 512)
-    local = {w: _local_backward_seconds(w, 4, bias=False) for w in widths}
+    local = {n: _weights_backward_seconds(n) for n in PS_SIZES}
     work = _compute_piece(work_seconds) or (lambda: None)
     strategy = rp.ParameterServerStrategy(num_ps=1)  # a server serves here and never returns
     points = []
-    for width in widths:
+    x = torch.tensor(2.0)
+    for size in PS_SIZES:
         with strategy.scope():
-            model = torch.nn.Linear(width, width, bias=False)
+            model = _Weights(size)
             opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        x = torch.randn(4, width)
 
-        def step(m: torch.nn.Module = model, o: torch.optim.Optimizer = opt,
-                 inp: torch.Tensor = x) -> None:
+        def step(m: torch.nn.Module = model, o: torch.optim.Optimizer = opt) -> None:
             work()
-            m(inp).sum().backward()
+            m(x).backward()
             o.step()
             o.zero_grad()
 
         step()
         t_work = median_time(work, 5, 5)  # the other worker is busy meanwhile too
         t_all = median_time(step, 5, 5)
-        points.append([float(width * width * 4), max(0.0, t_all - t_work - local[width])])
+        points.append([float(size * 4), max(0.0, t_all - t_work - local[size])])
     return {"ps": points}
 
 
@@ -471,7 +501,7 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
 
     load = os.getloadavg()[0]
     profile = MachineProfile(cores=_cores(), ram_bytes=ram_bytes() or 8e9, slowdown={1: 1.0},
-                             source="measured")
+                             source="measured", version=MACHINE_VERSION)
     profile.flops_per_second, profile.memory_bandwidth = _single_thread_rates()
     profile.input_fixed = _input_fixed_seconds()
     reference_alone = _reference_step_seconds()

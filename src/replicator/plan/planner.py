@@ -1,8 +1,8 @@
 """``replicator plan``: profile the model, load this machine's figures, predict, recommend.
 
 The model's profile comes from one short run of the script (or function) in one process under
-the probe's ``profile`` mode (about 16 steps, more for a short step: all threads, one thread,
-half and quarter batch, one step under the FLOP and saved-tensor counters), cached in
+the probe's ``profile`` mode (16 steps, up to 250 times more for a short step: all threads,
+one thread, half and quarter batch, one step under the FLOP and saved-tensor counters), cached in
 ``bench/profile-<hash>.json`` until the script or its arguments change; or from
 ``--model-params``. This machine's figures are measured once and cached in
 ``bench/machine.json`` (``--remeasure`` redoes it). With both cached, a plan takes well under
@@ -22,6 +22,7 @@ from typing import Any
 from replicator.plan.cost_model import STRATEGIES, Cluster, Prediction
 from replicator.plan.devices import get_device, parse_duration, parse_link
 from replicator.plan.profiles import (
+    MACHINE_VERSION,
     AlphaBeta,
     MachineProfile,
     ModelProfile,
@@ -202,10 +203,13 @@ def load_machine(out_dir: str = "bench", *, remeasure: bool = False,
                  log: Callable[[str], None] = print) -> MachineProfile:
     """This machine's figures: cached in ``out_dir/machine.json``, else measured and saved."""
     cached = None if remeasure else machine_profile_cached(out_dir)
-    if cached is not None:
+    if cached is not None and cached.version >= MACHINE_VERSION:
         return cached
     from replicator.plan.measure import measure_machine
 
+    if cached is not None:
+        log(f"{Path(out_dir) / 'machine.json'} comes from an older calibration (version "
+            f"{cached.version}, now {MACHINE_VERSION}): measuring again")
     log("measuring this machine once (about a minute; cached in "
         f"{Path(out_dir) / 'machine.json'}) ...")
     machine = measure_machine(log=log)

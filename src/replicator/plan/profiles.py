@@ -199,6 +199,12 @@ class ModelProfile:
         return cls(**values)
 
 
+#: Bumped when the machine's calibration measures a figure differently, so that a cached
+#: ``machine.json`` from before is measured again (2: the parameter server's round trip on
+#: 1 kB to 8 MB of bare weights).
+MACHINE_VERSION = 2
+
+
 @dataclass
 class MachineProfile:
     """This machine as measured: cores, memory, how concurrent processes slow each other,
@@ -235,6 +241,8 @@ class MachineProfile:
     measured_at: str = ""
     load_average: float = 0.0
     source: str = "nominal"
+    #: the calibration that measured it (MACHINE_VERSION then); 1: before versions were kept
+    version: int = 1
 
     # -- lookups with documented extrapolation --------------------------------------------
     def slowdown_for(self, processes: int) -> float:
@@ -369,7 +377,7 @@ class MachineProfile:
             process_rss_bytes=float(data.get("process_rss_bytes", 350e6)),
             measured_at=data.get("measured_at", ""),
             load_average=float(data.get("load_average", 0.0)),
-            source=data.get("source", "measured"))
+            source=data.get("source", "measured"), version=int(data.get("version", 1)))
 
     @classmethod
     def median_of(cls, profiles: list[MachineProfile]) -> MachineProfile:
@@ -399,7 +407,7 @@ class MachineProfile:
             "p2p": [self.p2p.a, self.p2p.b],
             "ps_round_trip": [self.ps_round_trip.a, self.ps_round_trip.b],
             "process_rss_bytes": self.process_rss_bytes, "measured_at": self.measured_at,
-            "load_average": self.load_average, "source": self.source,
+            "load_average": self.load_average, "source": self.source, "version": self.version,
         }
 
 
