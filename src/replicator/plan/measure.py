@@ -467,7 +467,7 @@ def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
     The weights are a bare vector: measured on ``Linear`` layers, their forward and backward,
     timed apart and taken off, moved by 0.2-0.6 ms at 1 MB and 1-2.6 ms at 4 MB from one run to
     the next, and a fit on 1 kB and 1 MB found no cost per byte in one calibration of three;
-    the round trip here is 0.45-0.5 ms at 1 kB, 0.5-0.7 at 1 MB, 2.4-2.5 at 4 MB, 3.7-5.6 at
+    the round trip here is 0.45-0.7 ms at 1 kB, 0.5-0.8 at 1 MB, 2.4-2.7 at 4 MB, 3.7-8.3 at
     8 MB (the MLP's 4 MB of gradients measured 5 ms a step with its queue)."""
     import replicator as rp
 
