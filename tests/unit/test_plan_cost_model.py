@@ -44,6 +44,34 @@ def test_pipeline_bubble():
 def test_fsdp_moves_one_and_a_half_times_the_bytes_of_allreduce(n):
     assert allreduce_traffic_bytes(1e9, n) == pytest.approx(2 * (n - 1) / n * 1e9)
     assert fsdp_traffic_bytes(1e9, n) == pytest.approx(1.5 * allreduce_traffic_bytes(1e9, n))
+    # gloo's reduce-scatter sends an all-reduce's bytes: 4(n-1)/n, twice an all-reduce
+    assert fsdp_traffic_bytes(1e9, n, gloo=True) == pytest.approx(
+        2 * allreduce_traffic_bytes(1e9, n))
+
+
+def test_fsdp_across_cpu_hosts_pays_the_slower_of_its_bytes_and_its_blocks_own_cost():
+    """CPU hosts over a link: the bytes at gloo's 4(n-1)/n, or, where the link is fast, the
+    blocks' own cost measured on one host (with a host's processes, at least 2), whichever is
+    slower; so 2 hosts of 2 are never predicted faster than FSDP's blocks cost on one."""
+    machine = MachineProfile.nominal()
+    machine.fsdp_unit = {2: 2e-3, 3: 3e-3, 4: 4e-3}
+    machine.fsdp_wide_sgd = {2: 4e-3, 3: 6e-3, 4: 8e-3}
+    machine.fsdp_wide_bytes = 1_000_288.0
+    m = ModelProfile(name="m", params=10**6, global_batch=8, param_bytes=4e6, grad_bytes=4e6,
+                     optimizer_state_bytes=0.0, activation_bytes_per_sample=100,
+                     largest_tensor_bytes=2e6, weight_tensors=3, measured=False,
+                     flops_per_sample=1e3)
+    alpha = 25e-6
+    slow = Cluster(get_device("cpu"), parse_link("200mbit", alpha), machine, 2)
+    got = predict("fsdp", 4, m, slow).breakdown["communication"]
+    wire = 4 * 3 / 4 * 4e6 / 25e6  # 0.48 s: slower than 3 blocks x 2 ms
+    assert got == pytest.approx(wire + 3 * 3 * 3 * alpha, rel=1e-6)
+    fast = Cluster(get_device("cpu"), parse_link("400gbit", alpha), machine, 2)
+    got = predict("fsdp", 4, m, fast).breakdown["communication"]
+    assert got == pytest.approx(3 * 2e-3 + 3 * 3 * 3 * alpha, rel=1e-6)  # blocks at 2 a host
+    three_apart = Cluster(get_device("cpu"), parse_link("400gbit", alpha), machine, 1)
+    got = predict("fsdp", 3, m, three_apart).breakdown["communication"]
+    assert got == pytest.approx(3 * 2e-3 + 3 * 3 * 2 * alpha, rel=1e-6)  # one a host: at 2
 
 
 def test_parameter_server_push_pull_and_server_bound():

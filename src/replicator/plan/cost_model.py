@@ -85,11 +85,13 @@ def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
     return 2 * (n - 1) / n * nbytes
 
 
-def fsdp_traffic_bytes(nbytes: float, n: int) -> float:
+def fsdp_traffic_bytes(nbytes: float, n: int, *, gloo: bool = False) -> float:
     """Bytes each rank sends per FSDP step: two all-gathers and a reduce-scatter,
-    ``3(n-1)/n * S`` (1.5x all-reduce)."""
+    ``3(n-1)/n * S`` (1.5x all-reduce). On gloo (``gloo=True``) the reduce-scatter sends
+    an all-reduce's bytes, ``2(n-1)/n * S`` (measured on hosts' links: 1.05 S at 2 ranks,
+    1.40 S at 3, the all-gather 0.53 and 0.70 S), so the step sends ``4(n-1)/n * S``."""
     _check(n, "ranks")
-    return 3 * (n - 1) / n * nbytes
+    return (4 if gloo else 3) * (n - 1) / n * nbytes
 
 
 def pipeline_bubble(stages: int, microbatches: int) -> float:
@@ -366,16 +368,18 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
     elif strategy == "fsdp":
         compute = _compute(m, c, batch, busy)
         opt_share = 1.0 / n
-        total = fsdp_traffic_bytes(m.param_bytes, n)
+        total = fsdp_traffic_bytes(m.param_bytes, n, gloo=c.device.is_cpu)
         h = c.hosts(n)
         bandwidth = c.link.bandwidth if h > 1 else (
             c.device.intra_bandwidth if not c.device.is_cpu else 0.0)
         alpha = c.link.alpha if h > 1 else c.device.intra_alpha
         units = max(1, m.weight_tensors)
+        state_ratio = m.optimizer_state_bytes / m.param_bytes if m.param_bytes else 0.0
         if c.device.is_cpu and h == 1:  # torch's FSDP2 collectives run on gloo here
             # per block: the engine's measured cost (two all-gathers, a reduce-scatter, the
-            # copies and hooks around them), plus 1.5x the bytes of an all-reduce
-            state_ratio = m.optimizer_state_bytes / m.param_bytes if m.param_bytes else 0.0
+            # copies and hooks around them), plus the bytes: measured on narrow and wide
+            # blocks, or else twice an all-reduce's (gloo's reduce-scatter moves as many as
+            # an all-reduce, each all-gather half as many)
             fitted = c.machine.fsdp_block_seconds(n, state_ratio)
             if fitted is not None:  # measured on narrow and wide blocks: a + b * bytes
                 per_block, per_byte = fitted
@@ -386,9 +390,17 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
                     - alpha_here
                 per_unit = c.machine.per_world(c.machine.fsdp_unit, n) \
                     if c.machine.fsdp_unit else 3 * alpha_here
-                comm = units * per_unit + 1.5 * bytes_part
+                comm = units * per_unit + 2.0 * bytes_part
         else:
-            comm = total / bandwidth + 3 * units * (n - 1) * alpha
+            comm = total / bandwidth
+            fitted = c.machine.fsdp_block_seconds(max(2, c.on_host(n)), state_ratio) \
+                if c.device.is_cpu else None
+            if fitted is not None:
+                # CPU hosts: a block's own cost (its hooks, copies and gloo's steps, as
+                # measured on one host of this many) runs while the bytes of the blocks
+                # around it are on the wire, so the slower of the two sets the pace
+                comm = max(comm, units * fitted[0])
+            comm += 3 * units * (n - 1) * alpha
         comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
     elif strategy == "pipeline":
         stages = pipeline_stages(n, m.weight_tensors)
