@@ -42,6 +42,18 @@ def test_bench_writes_the_report_and_both_plots(tmp_path):
     assert set(data["ceiling"]) == {"1", "2"}  # the no-communication ceiling line
 
 
+def test_a_script_that_ends_before_the_steps_asked_for_is_said_so(tmp_path):
+    # one epoch of 1024 samples at batch 64: 16 steps, fewer than warmup + 30
+    report = bench_script(str(SCRIPTS / "bench_tiny.py"), ["--epochs", "1"], nproc="1",
+                          strategies="one_device", steps=30, warmup=2,
+                          out_dir=str(tmp_path), quiet=True)
+    (result,) = report.results
+    assert result.ok, result.error
+    assert 0 < result.steps < 30 and result.steps_asked == 30
+    text = (tmp_path / "report.md").read_text()
+    assert f"ended before the steps asked for (one_device x1 {result.steps} of 30" in text
+
+
 def test_a_script_that_ignores_the_strategy_is_named(tmp_path):
     # train_mirrored.py builds the strategy from --strategy, not from REPLICATOR_STRATEGY
     args = [str(tmp_path / "out.safetensors"), "--strategy", "mirrored", "--steps", "40"]

@@ -127,6 +127,7 @@ class SettingResult:
     ok: bool
     error: str = ""
     steps: int = 0
+    steps_asked: int = 0  # the steps the bench would have measured had the script gone on
     step_seconds: float = 0.0
     step_median: float = 0.0
     samples_per_second: float = 0.0
@@ -254,6 +255,7 @@ def run_setting(setting: Setting, out: Path, launch: Callable[[], None], steps: 
     result = summarize(setting, _read_ranks(out))
     if error:
         result.ok, result.error = False, error
+    result.steps_asked = steps
     result.log_dir = str(out)
     return result
 

@@ -132,6 +132,12 @@ def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
         notes.append("fsdp: FSDP2's own collectives bypass the comm room and count as compute; "
                      "pipeline: the whole schedule runs inside one guarded call and counts "
                      "as communication")
+    short = [f"{r.setting.label} {r.steps} of {r.steps_asked}" for r in bench.results
+             if r.ok and 0 < r.steps < r.steps_asked]
+    if short:
+        notes.append("the script ended before the steps asked for (" + ", ".join(short)
+                     + " measured): the figures rest on fewer steps; train longer (more "
+                     "epochs or data) for steadier ones")
     failures = [f"{r.setting.label}: {r.error}" for r in bench.results if not r.ok]
     files = []
     if plots.available() and any(r.ok for r in bench.results):
