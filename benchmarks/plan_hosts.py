@@ -6,8 +6,8 @@ Network hosts (network namespaces on a bridge, from tests/hosts.py, each link li
 bench's probe with ``MultiWorkerMirroredStrategy`` (hierarchical all-reduce: shared memory
 inside a host, a ring between the hosts' leaders). Layouts ``HxK``: 2 hosts of 2 processes
 and 3 hosts of 1 (a ring of 3 over the links); and the same under ``FSDPStrategy`` (FSDP2
-on gloo: a flat ring through every rank). The measured mean step is
-compared with the plan's prediction for H hosts of K processes on that link.
+on gloo: a flat ring through every rank). The measured mean step is compared with the
+plan's prediction for H hosts of K processes on that link.
 
 The processes share this machine's 2 cores, which real hosts would not: the prediction
 therefore takes compute, input, optimizer and (data parallel) the wait for the slowest rank
