@@ -155,6 +155,28 @@ def test_alpha_beta_fit_recovers_a_line():
     assert fit.b == pytest.approx(1e-9, rel=1e-6)
 
 
+def test_alpha_beta_fit_refits_the_other_term_when_one_would_be_negative():
+    """A free fit with a negative fixed cost becomes the best line through the origin (its
+    relative error no worse than the free slope with the fixed cost cut off); a negative
+    slope becomes the weighted mean."""
+    sizes, seconds = [1e3, 1e6, 4e6, 8e6], [0.2e-6, 0.5e-3, 3.0e-3, 8.0e-3]
+
+    def relative_error(a, b):
+        return sum(((a + b * x) - y) ** 2 / y ** 2 for x, y in zip(sizes, seconds))
+
+    w = [1 / y ** 2 for y in seconds]
+    mx = sum(wi * x for wi, x in zip(w, sizes)) / sum(w)
+    my = sum(wi * y for wi, y in zip(w, seconds)) / sum(w)
+    free_b = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds)) / \
+        sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
+    assert my - free_b * mx < 0  # the case: the free fit's fixed cost is negative
+    fit = AlphaBeta.fit(sizes, seconds)
+    assert fit.a == 0.0 and fit.b > 0
+    assert relative_error(fit.a, fit.b) < relative_error(0.0, free_b)
+    flat = AlphaBeta.fit([1e3, 1e6], [2e-3, 1e-3])
+    assert flat.b == 0.0 and 1e-3 < flat.a < 2e-3
+
+
 def test_machine_profile_round_trips_through_json():
     m = MachineProfile.nominal()
     again = MachineProfile.from_json(m.to_json())

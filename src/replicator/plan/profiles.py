@@ -39,8 +39,10 @@ class AlphaBeta:
     @classmethod
     def fit(cls, sizes: list[float], seconds: list[float]) -> AlphaBeta:
         """The line through ``(size, seconds)`` with the least *relative* squared error
-        (weights ``1/seconds^2``, so 4 KB and 16 MB points count alike), clamped to
-        non-negative terms."""
+        (weights ``1/seconds^2``, so 4 KB and 16 MB points count alike) among those with
+        non-negative terms: where the free fit's term is negative, that term is 0 and the
+        other is fitted again (not merely clamped, which leaves the other fitted for a
+        term that is gone)."""
         if len(sizes) != len(seconds) or len(sizes) < 2:
             raise ValueError("AlphaBeta.fit needs at least two (size, seconds) points")
         w = [1.0 / max(y, 1e-9) ** 2 for y in seconds]
@@ -49,8 +51,14 @@ class AlphaBeta:
         my = sum(wi * y for wi, y in zip(w, seconds)) / sw
         sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
         sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, seconds))
-        b = max(sxy / sxx if sxx else 0.0, 0.0)
-        return cls(max(my - b * mx, 0.0), b)
+        b = sxy / sxx if sxx else 0.0
+        if b < 0:  # no cost per byte: the weighted mean
+            return cls(max(my, 0.0), 0.0)
+        if my - b * mx < 0:  # no fixed cost: the slope through the origin
+            sxx0 = sum(wi * x * x for wi, x in zip(w, sizes))
+            b0 = sum(wi * x * y for wi, x, y in zip(w, sizes, seconds)) / sxx0 if sxx0 else 0.0
+            return cls(0.0, max(b0, 0.0))
+        return cls(my - b * mx, b)
 
 
 @dataclass
