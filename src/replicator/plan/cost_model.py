@@ -368,7 +368,6 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
     elif strategy == "fsdp":
         compute = _compute(m, c, batch, busy)
         opt_share = 1.0 / n
-        total = fsdp_traffic_bytes(m.param_bytes, n, gloo=c.device.is_cpu)
         h = c.hosts(n)
         bandwidth = c.link.bandwidth if h > 1 else (
             c.device.intra_bandwidth if not c.device.is_cpu else 0.0)
@@ -390,9 +389,10 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
                     - alpha_here
                 per_unit = c.machine.per_world(c.machine.fsdp_unit, n) \
                     if c.machine.fsdp_unit else 3 * alpha_here
-                comm = units * per_unit + 2.0 * bytes_part
+                comm = units * per_unit + bytes_part * fsdp_traffic_bytes(
+                    1.0, n, gloo=True) / allreduce_traffic_bytes(1.0, n)
         else:
-            comm = total / bandwidth
+            comm = fsdp_traffic_bytes(m.param_bytes, n, gloo=c.device.is_cpu) / bandwidth
             fitted = c.machine.fsdp_block_seconds(max(2, c.on_host(n)), state_ratio) \
                 if c.device.is_cpu else None
             if fitted is not None:
