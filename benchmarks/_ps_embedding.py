@@ -175,7 +175,7 @@ def _rpc_process(rank: int, world: int, port: int, steps: int, warmup: int, shar
     from torch.distributed.optim import DistributedOptimizer
     from torch.func import functional_call
 
-    from replicator.cluster.malloc_tuning import tune_malloc
+    from replicator.launch.malloc_tuning import tune_malloc
 
     tune_malloc()  # the allocator settings the library's own workers run with
     torch.set_num_threads(1)

@@ -325,7 +325,7 @@ def recovery_worker(out: str) -> None:
 
 
 def bench_recovery(repeats: int, tmp: Path) -> dict[str, float]:
-    from replicator.cluster.launcher import run_script
+    from replicator.launch.launcher import run_script
 
     recovery, cold = [], []
     for i in range(repeats):

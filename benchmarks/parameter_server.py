@@ -227,7 +227,7 @@ class _TutorialServer:
 def _rpc_process(rank: int, port: int, rounds: int, queue: mp.Queue) -> None:
     import torch.distributed.rpc as rpc
 
-    from replicator.cluster.malloc_tuning import tune_malloc
+    from replicator.launch.malloc_tuning import tune_malloc
 
     tune_malloc()  # the allocator settings the library's own workers run with
     torch.set_num_threads(1)

@@ -61,7 +61,7 @@ def launch(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
     """``rp.launch`` with the workers forked from a server that imported torch once
     (``start_method="forkserver"``): a launch of 3-5 processes starts in a fraction of a
     second instead of the seconds fresh interpreters take to import torch."""
-    from replicator.cluster import launch as cluster_launch
+    from replicator.launch import launch as cluster_launch
 
     kwargs.setdefault("start_method", "forkserver")
     return cluster_launch(fn, *args, **kwargs)

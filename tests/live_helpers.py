@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replicator.cluster.lighthouse import torchft_missing
+from replicator.launch.lighthouse import torchft_missing
 from replicator.testing.live_groups import start_group, start_lighthouse
 
 #: Live recovery runs on torchft (the ``live`` extra, in ``test``): without it these tests skip.

@@ -35,21 +35,21 @@ from replicator import (
     testing,
 )
 from replicator import plan as plan  # rp.plan.bench / rp.plan.plan; a room, not in __all__
-from replicator.cluster import Topology, launch
+from replicator.cluster import Topology
 from replicator.comm import CommunicationOptions, ReduceOp
 from replicator.data import InputContext
 from replicator.errors import ReplicatorError, WorkerFailedError
+from replicator.launch import launch
 from replicator.precision import MixedPrecision
+from replicator.ps import ClusterCoordinator, ParameterServerStrategy
 from replicator.resume import BackupAndRestore
 from replicator.strategies import (
     CentralStorageStrategy,
-    ClusterCoordinator,
     FSDPStrategy,
     MeshStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
-    ParameterServerStrategy,
     PipelineStrategy,
     Strategy,
     TensorParallelStrategy,

@@ -99,8 +99,8 @@ def _stray_replica_group_flag(args: argparse.Namespace) -> str | None:
 
 def _run_replica_groups(args: argparse.Namespace) -> None:
     """``replicator run --replica-groups N ...``: checked, then run."""
-    from replicator.cluster.lighthouse import LighthouseSettings
-    from replicator.cluster.replica_groups import check_config, run_replica_groups
+    from replicator.launch.lighthouse import LighthouseSettings
+    from replicator.launch.replica_groups import check_config, run_replica_groups
 
     for flag, given in (("--nnodes", args.nnodes != 1 or args.node_rank is not None),
                         ("--num-ps", args.num_ps != 0),
@@ -210,7 +210,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
             return refusal
     if args.force or not isinstance(args.nproc, int):
         return None
-    from replicator.cluster.memory_budget import available_memory, memory_refusal
+    from replicator.launch.memory_budget import available_memory, memory_refusal
 
     groups = args.replica_groups if _replica_groups_asked(args) else None
     total = args.nproc * groups if isinstance(groups, int) and groups > 0 else args.nproc
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         from replicator.checkpoint import inspection
 
         return inspection.run(args)
-    from replicator.cluster.launcher import run_script
+    from replicator.launch.launcher import run_script
 
     if args.command == "demo":
         from replicator.demo import digits
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             _run_replica_groups(args)
             return 0
         if args.nnodes != 1 or args.node_rank is not None or args.master_addr is not None:
-            from replicator.cluster.multi_node import run_multi_node
+            from replicator.launch.multi_node import run_multi_node
 
             run_multi_node(script, script_args, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, nproc_per_node=args.nproc,

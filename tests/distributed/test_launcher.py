@@ -361,7 +361,7 @@ def test_version_and_demo_help():
 @pytest.mark.timeout(90)
 @pytest.mark.skipif((os.cpu_count() or 1) > 3, reason="starts one worker more than the cores")
 def test_more_workers_than_cores_warns_once():
-    from replicator.cluster.launcher import available_cores
+    from replicator.launch.launcher import available_cores
 
     n = available_cores() + 1
     out = _run(REPLICATOR + ["run", "--nproc", str(n), str(SCRIPTS / "print_lines.py"), "1",

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from replicator.cluster.failure_report import RankEnd, call_site, failure_for, root_of
 from replicator.cluster.worker_errors import BackupNote, WorkerError
+from replicator.launch.failure_report import RankEnd, call_site, failure_for, root_of
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 REPLICATOR = [sys.executable, "-m", "replicator.cli"]

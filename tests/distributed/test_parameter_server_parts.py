@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import replicator as rp
-from replicator.cluster.launcher import check_num_ps
 from replicator.errors import ClusterConfigError
+from replicator.launch.launcher import check_num_ps
 from replicator.ps import protocol as P
 from replicator.ps.claims import EPOCH_DONE, WAIT, ClaimLedger
 from replicator.ps.messages import Connection, MessageFormatError, PeerLostError

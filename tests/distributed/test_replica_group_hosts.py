@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replicator.cluster.lighthouse import torchft_missing
+from replicator.launch.lighthouse import torchft_missing
 from replicator.testing import assert_params_close
 from tests.hosts import Network, namespaces_unavailable, virtual_hosts
 from tests.live_helpers import SCRIPT as LIVE_TRAIN

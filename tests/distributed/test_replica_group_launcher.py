@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from replicator.cli import main as cli_main
-from replicator.cluster.lighthouse import (
+from replicator.cluster.processes import process_alive
+from replicator.errors import LighthouseError
+from replicator.launch.lighthouse import (
     Lighthouse,
     LighthouseSettings,
     foreign_replicas,
@@ -29,8 +31,6 @@ from replicator.cluster.lighthouse import (
     torchft_missing,
     wait_reachable,
 )
-from replicator.cluster.processes import process_alive
-from replicator.errors import LighthouseError
 from replicator.testing import assert_params_close
 from tests.live_helpers import SCRIPT as LIVE_TRAIN
 from tests.live_helpers import env as live_env

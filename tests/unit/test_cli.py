@@ -14,10 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from replicator import cli
-from replicator.cluster.launcher import LocalGroup, _Worker, oversubscription_warning
-from replicator.cluster.output import OutputRelay, terminal_env
 from replicator.cluster.ports import check_port
-from replicator.cluster.restart_policy import group_by_rank, rank_ranges, restart_refusal
 from replicator.cluster.worker_errors import (
     error_path,
     read_backup,
@@ -26,6 +23,9 @@ from replicator.cluster.worker_errors import (
     record_exception,
 )
 from replicator.errors import ClusterConfigError, NonFiniteLossError
+from replicator.launch.launcher import LocalGroup, _Worker, oversubscription_warning
+from replicator.launch.output import OutputRelay, terminal_env
+from replicator.launch.restart_policy import group_by_rank, rank_ranges, restart_refusal
 
 
 class _Terminal(io.TextIOWrapper):
@@ -224,7 +224,7 @@ def test_port_errors_exit_with_2_and_a_hint(capsys):
 @pytest.mark.timeout(60)
 def test_a_script_that_vanished_is_recorded_as_not_worth_a_restart(tmp_path):
     env = dict(os.environ, REPLICATOR_ERROR_DIR=str(tmp_path), RANK="0")
-    out = subprocess.run([sys.executable, "-m", "replicator.cluster.script_entry",
+    out = subprocess.run([sys.executable, "-m", "replicator.launch.script_entry",
                           str(tmp_path / "gone.py")], env=env, capture_output=True, text=True,
                          timeout=50)
     assert out.returncode == 1

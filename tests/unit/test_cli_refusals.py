@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from replicator.cluster import memory_budget
-from replicator.cluster.memory_budget import WORKER_BYTES, available_memory, memory_refusal
 from replicator.demo.digits import DEMO_STRATEGIES, strategy_refusal
+from replicator.launch import memory_budget
+from replicator.launch.memory_budget import WORKER_BYTES, available_memory, memory_refusal
 
 CLI = [sys.executable, "-m", "replicator.cli"]
 

@@ -15,7 +15,6 @@ from replicator.cluster.environment import (
     use_cluster,
 )
 from replicator.cluster.interfaces import choose_gloo_interface, interface_towards
-from replicator.cluster.multi_node import check_multi_node_args, run_multi_node
 from replicator.cluster.resolvers import (
     SlurmResolver,
     TFConfigResolver,
@@ -23,6 +22,7 @@ from replicator.cluster.resolvers import (
     expand_nodelist,
 )
 from replicator.errors import ClusterConfigError
+from replicator.launch.multi_node import check_multi_node_args, run_multi_node
 
 
 def test_plain_process_is_one_replica():

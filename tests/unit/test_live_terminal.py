@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import replicator as rp
-from replicator.cluster.output import terminal_env
 from replicator.cluster.terminal import TTY_COMPATIBLE_ENV, is_live_terminal
+from replicator.launch.output import terminal_env
 
 
 class FakeTerminal(io.StringIO):

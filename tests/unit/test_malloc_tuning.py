@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from replicator.cluster.malloc_tuning import tune_malloc
+from replicator.launch.malloc_tuning import tune_malloc
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(platform.system() != "Linux", reason="glibc's malloc")]
@@ -41,7 +41,7 @@ def _run(env_extra: dict[str, str], *args: str) -> str:
 
 
 def test_tuned_process_reuses_its_heap_where_glibc_faults_every_buffer_in():
-    tuned = FAULTS + ("from replicator.cluster.malloc_tuning import tune_malloc\n"
+    tuned = FAULTS + ("from replicator.launch.malloc_tuning import tune_malloc\n"
                       "assert tune_malloc()\nprint(faults())\n")
     plain = FAULTS + "print(faults())\n"
     faults_plain = int(_run({}, "-c", plain))
@@ -53,7 +53,7 @@ def test_tuned_process_reuses_its_heap_where_glibc_faults_every_buffer_in():
 def test_workers_started_by_the_launcher_are_tuned_unless_the_user_opts_out(tmp_path):
     script = tmp_path / "faults.py"
     script.write_text(FAULTS + "print(faults())\n")
-    entry = ("-m", "replicator.cluster.script_entry", str(script))
+    entry = ("-m", "replicator.launch.script_entry", str(script))
     assert int(_run({}, *entry)) <= 2 * PAGES_PER_BUFFER
     assert int(_run({"REPLICATOR_MALLOC": "default"}, *entry)) >= 15 * PAGES_PER_BUFFER
 

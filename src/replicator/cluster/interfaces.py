@@ -1,7 +1,7 @@
 """Which network interface gloo uses: the one whose address routes to the master.
 
 Worker-side (a strategy calls :func:`choose_gloo_interface` before starting its process
-group) as well as launcher-side (:mod:`replicator.cluster.multi_node` calls it for its
+group) as well as launcher-side (:mod:`replicator.launch.multi_node` calls it for its
 agents), so it lives apart from the launcher.
 """
 

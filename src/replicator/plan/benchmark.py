@@ -262,7 +262,7 @@ def run_setting(setting: Setting, out: Path, launch: Callable[[], None], steps: 
 
 def _script_launcher(script: str, args: Sequence[str], setting: Setting
                      ) -> Callable[[], None]:
-    from replicator.cluster.launcher import run_script
+    from replicator.launch.launcher import run_script
 
     argv = [a.replace("{strategy}", setting.strategy) for a in args]
 
@@ -297,7 +297,7 @@ def _function_worker(train_fn: Callable[[Any], Any], name: str) -> None:
 
 def _function_launcher(train_fn: Callable[[Any], Any], setting: Setting
                        ) -> Callable[[], None]:
-    from replicator.cluster import launch as rp_launch
+    from replicator.launch import launch as rp_launch
 
     def launch() -> None:
         rp_launch(_function_worker, num_replicas=setting.processes, num_ps=setting.num_ps,

@@ -497,7 +497,7 @@ def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
 def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] = (2, 3, 4)
                     ) -> MachineProfile:
     """Measure this machine (see the module doc); ``log`` gets one line per part."""
-    from replicator.cluster import launch
+    from replicator.launch import launch
 
     load = os.getloadavg()[0]
     profile = MachineProfile(cores=_cores(), ram_bytes=ram_bytes() or 8e9, slowdown={1: 1.0},

@@ -2,13 +2,11 @@
 
 from replicator.strategies.base import Strategy
 from replicator.strategies.central_storage import CentralStorageStrategy
-from replicator.strategies.cluster_coordinator import ClusterCoordinator
 from replicator.strategies.losses import compute_average_loss
 from replicator.strategies.memory import MemoryReport
 from replicator.strategies.mesh_strategy import MeshStrategy
 from replicator.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from replicator.strategies.one_device import OneDeviceStrategy
-from replicator.strategies.parameter_server import ParameterServerStrategy
 from replicator.strategies.presets import FSDPStrategy, PipelineStrategy, TensorParallelStrategy
 from replicator.strategies.registry import available_strategies, get_strategy, register_strategy
 from replicator.strategies.replica_context import (
@@ -25,10 +23,9 @@ register_strategy(MeshStrategy)
 register_strategy(FSDPStrategy, "fully_sharded")
 register_strategy(TensorParallelStrategy, "tensor", "tp")
 register_strategy(PipelineStrategy, "pp")
-register_strategy(ParameterServerStrategy, "ps")
 
 __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
            "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
            "compute_average_loss", "get_strategy", "register_strategy", "available_strategies",
            "MeshStrategy", "FSDPStrategy", "MemoryReport", "TensorParallelStrategy",
-           "PipelineStrategy", "ParameterServerStrategy", "ValueContext", "ClusterCoordinator"]
+           "PipelineStrategy", "ValueContext"]

@@ -22,9 +22,9 @@ from typing import Any
 
 from replicator.cluster.env_names import LAUNCHER_ENV, RUN_ID_ENV, TIMEOUT_ENV
 from replicator.cluster.interfaces import choose_gloo_interface, interface_towards
-from replicator.cluster.launcher import check_num_replicas
 from replicator.cluster.ports import check_port, listen
 from replicator.errors import ClusterConfigError, WorkerFailedError
+from replicator.launch.launcher import check_num_replicas
 
 #: The rendezvous backend registered with torch's rendezvous registry by this module.
 RENDEZVOUS_BACKEND = "replicator-static"
@@ -142,7 +142,7 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
         local_addr=master_addr if node_rank == 0 else None,
         shutdown_timeout=10,
     )
-    entry = [sys.executable, "-u", "-m", "replicator.cluster.script_entry", str(script),
+    entry = [sys.executable, "-u", "-m", "replicator.launch.script_entry", str(script),
              *script_args]
     try:
         elastic_launch(config, entry[0])(*entry[1:])

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
-from replicator.cluster.restart_policy import group_by_rank, restart_refusal
 from replicator.cluster.worker_errors import BackupNote, WorkerError
 from replicator.errors import WorkerFailedError
+from replicator.launch.restart_policy import group_by_rank, restart_refusal
 
 #: Words of the errors of a rank whose peer vanished (comm/op_errors.py, comm/shm_segment.py).
 CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",

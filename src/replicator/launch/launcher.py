@@ -11,9 +11,9 @@ preempted group is restarted like a failed one while restarts remain (the restar
 When the launcher itself receives SIGTERM, it forwards it to every worker, waits for their
 backups, and raises :class:`~replicator.errors.PreemptedError` (exit code 75) without restarting.
 
-Failures that a restart would only repeat (see :mod:`replicator.cluster.restart_policy`) are
+Failures that a restart would only repeat (see :mod:`replicator.launch.restart_policy`) are
 not restarted. ``replicator run`` relays each worker's output with a ``[rank R]`` prefix
-(:mod:`replicator.cluster.output`).
+(:mod:`replicator.launch.output`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,14 @@ from replicator.cluster.env_names import (
     TIMEOUT_ENV,
 )
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
-from replicator.cluster.failure_report import (
+from replicator.cluster.ports import LOOPBACK, check_port, listen
+from replicator.cluster.worker_errors import (
+    error_path,
+    read_backup,
+    read_error,
+)
+from replicator.errors import ClusterConfigError, PreemptedError, WorkerFailedError
+from replicator.launch.failure_report import (
     RankEnd,
     describe_codes,
     describe_exit,
@@ -52,15 +59,8 @@ from replicator.cluster.failure_report import (
     resume_hint,
     root_of,
 )
-from replicator.cluster.output import OutputRelay, terminal_env
-from replicator.cluster.ports import LOOPBACK, check_port, listen
-from replicator.cluster.restart_policy import restart_refusal
-from replicator.cluster.worker_errors import (
-    error_path,
-    read_backup,
-    read_error,
-)
-from replicator.errors import ClusterConfigError, PreemptedError, WorkerFailedError
+from replicator.launch.output import OutputRelay, terminal_env
+from replicator.launch.restart_policy import restart_refusal
 
 #: Seconds the other workers get to stop by themselves after one fails, before SIGTERM.
 FAILURE_GRACE_SECONDS = 5.0
@@ -442,7 +442,7 @@ def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
     if not path.is_file():
         raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
                                  "HINT: give the path of a Python file.")
-    cmd = [sys.executable, "-u", "-m", "replicator.cluster.script_entry", str(path), *script_args]
+    cmd = [sys.executable, "-u", "-m", "replicator.launch.script_entry", str(path), *script_args]
     relay = OutputRelay() if nproc > 1 else None
 
     def start(rank: int, env: dict[str, str]) -> subprocess.Popen:

@@ -33,6 +33,8 @@ from replicator.cluster.ports import LOOPBACK, listen
 from replicator.cluster.process_group import on_shutdown
 from replicator.data import InputContext
 from replicator.errors import ParameterServerError
+from replicator.ps.parameter_server import ParameterServerStrategy
+from replicator.ps.remote_value import PerWorkerDataset, PerWorkerValues, RemoteValue
 from replicator.ps.task_channel import StopServing, TaskChannel, TaskDispatcher
 from replicator.ps.task_queue import (
     CANCELLED,
@@ -45,8 +47,6 @@ from replicator.ps.task_queue import (
     TaskQueue,
 )
 from replicator.ps.values import decode, encode
-from replicator.strategies.parameter_server import ParameterServerStrategy
-from replicator.strategies.remote_value import PerWorkerDataset, PerWorkerValues, RemoteValue
 
 _ADDRESS_KEY = "replicator/coordinator/address"
 

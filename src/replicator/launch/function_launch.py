@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
-from replicator.cluster.launcher import LocalGroup, check_num_replicas
 from replicator.cluster.ports import check_port
 from replicator.cluster.worker_errors import error_path, record_exception
+from replicator.launch.launcher import LocalGroup, check_num_replicas
 
 #: Modules a forkserver imports once, before it forks any worker (see the module docstring).
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "replicator", "replicator.testing",
@@ -76,8 +76,8 @@ def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
     try:
         import torch
 
-        from replicator.cluster.malloc_tuning import tune_malloc
         from replicator.cluster.process_group import configure_threads
+        from replicator.launch.malloc_tuning import tune_malloc
 
         tune_malloc()  # a step's large buffers stay in the heap (malloc_tuning)
         configure_threads(int(env["LOCAL_WORLD_SIZE"]))

@@ -1,4 +1,4 @@
-"""``python -m replicator.cluster.script_entry script.py args...``: how the launcher runs a script.
+"""``python -m replicator.launch.script_entry script.py args...``: how the launcher runs a script.
 
 It runs the script as ``__main__`` and, when it fails, writes the exception to the rank's error
 file instead of printing it, so the launcher can print the first failure once.
@@ -13,8 +13,8 @@ import threading
 import time
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
-from replicator.cluster.malloc_tuning import tune_malloc
 from replicator.cluster.worker_errors import ScriptNotFoundError, error_path, record_exception
+from replicator.launch.malloc_tuning import tune_malloc
 
 #: Threads whose work a failing worker waits for before it leaves (at most
 #: ``_FINISH_SECONDS``): the background deletions of ``checkpoint.atomic``, so that a failed
@@ -50,7 +50,7 @@ def _clean_exit(code: int) -> None:
 
 def main() -> None:
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m replicator.cluster.script_entry SCRIPT [ARGS...]")
+        sys.exit("usage: python -m replicator.launch.script_entry SCRIPT [ARGS...]")
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

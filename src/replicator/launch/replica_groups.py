@@ -1,8 +1,8 @@
 """Replica groups for live recovery on torchft: ``replicator run --replica-groups N --nproc K``.
 
-The launcher starts torchft's lighthouse on loopback (:mod:`replicator.cluster.lighthouse`),
+The launcher starts torchft's lighthouse on loopback (:mod:`replicator.launch.lighthouse`),
 or uses a running one (``--lighthouse``, ``--join``), then N replica groups of K processes.
-Each group is a :class:`~replicator.cluster.launcher.LocalGroup` of its own, watched by its own
+Each group is a :class:`~replicator.launch.launcher.LocalGroup` of its own, watched by its own
 thread: its own rendezvous store and port, its own restarts (``--max-restarts`` per group), its
 own failure report. A group that dies is restarted alone while the others keep training (the
 live-recovery engine heals it from a peer). A group whose restarts are spent is reported at
@@ -41,8 +41,16 @@ from replicator.cluster.env_names import (
     REPLICA_GROUPS_ENV,
 )
 from replicator.cluster.interfaces import choose_gloo_interface
-from replicator.cluster.launcher import LocalGroup, available_cores, check_num_replicas
-from replicator.cluster.lighthouse import (
+from replicator.cluster.ports import LOOPBACK
+from replicator.errors import (
+    ClusterConfigError,
+    LighthouseError,
+    PreemptedError,
+    ReplicaGroupFailedError,
+    WorkerFailedError,
+)
+from replicator.launch.launcher import LocalGroup, available_cores, check_num_replicas
+from replicator.launch.lighthouse import (
     Lighthouse,
     LighthouseSettings,
     foreign_replicas,
@@ -52,15 +60,7 @@ from replicator.cluster.lighthouse import (
     url_of,
     wait_reachable,
 )
-from replicator.cluster.output import OutputRelay
-from replicator.cluster.ports import LOOPBACK
-from replicator.errors import (
-    ClusterConfigError,
-    LighthouseError,
-    PreemptedError,
-    ReplicaGroupFailedError,
-    WorkerFailedError,
-)
+from replicator.launch.output import OutputRelay
 
 #: Seconds to wait for a lighthouse given with ``--lighthouse``/``--join`` to answer.
 REACH_TIMEOUT_SECONDS = 30.0
@@ -172,7 +172,7 @@ class ReplicaGroups:
         self.ids = ids
         self.output = output
         self.lighthouse = lighthouse
-        self.cmd = [sys.executable, "-u", "-m", "replicator.cluster.script_entry", script,
+        self.cmd = [sys.executable, "-u", "-m", "replicator.launch.script_entry", script,
                     *script_args]
         self.signalled = False
         self.groups: dict[int, LocalGroup] = {}
