@@ -17,9 +17,12 @@ Where things are:
 * ``dataset``: :class:`DistributedDataset` / :class:`DistributedIterator`,
   :func:`distribute_dataset`, :func:`distribute_datasets_from_function`, resumable state.
 * ``errors``: the input pipeline's errors.
+* ``dataflow``: :class:`Dataset`, the tf.data-style pipeline (sources, operators, AUTOTUNE,
+  sharded tar datasets, exact resume), :class:`Options`, :data:`AUTOTUNE`.
 """
 
 from replicator.data.context import AutoShardPolicy, InputContext, InputOptions
+from replicator.data.dataflow import AUTOTUNE, INFINITE, UNKNOWN, Dataset, Options
 from replicator.data.dataset import (
     DistributedDataset,
     DistributedIterator,
@@ -29,7 +32,8 @@ from replicator.data.dataset import (
 from replicator.data.errors import EmptyShardError, InputPipelineError, InputTimeoutError
 from replicator.data.sharding import FileDataset, shard
 
-__all__ = ["AutoShardPolicy", "DistributedDataset", "DistributedIterator", "EmptyShardError",
+__all__ = ["AUTOTUNE", "INFINITE", "UNKNOWN", "AutoShardPolicy", "Dataset", "Options",
+           "DistributedDataset", "DistributedIterator", "EmptyShardError",
            "FileDataset", "InputContext", "InputOptions", "InputPipelineError",
            "InputTimeoutError", "distribute_dataset", "distribute_datasets_from_function",
            "shard"]
