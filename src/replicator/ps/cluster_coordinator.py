@@ -4,10 +4,15 @@ Every process runs the same script. The chief (worker 0 of a ``ParameterServerSt
 queues each ``schedule(fn, args)`` and returns a :class:`RemoteValue` at once; the other
 workers run the functions, whichever is free taking the next one, reading variables from the
 servers and pushing their updates there. On a worker the same calls mirror the chief's:
-``schedule`` records the function under its name, and ``join``/``fetch``/``done`` (and the end
-of the script) run functions until the chief passes the same call, then return what it
-returned there (:mod:`replicator.ps.task_channel`). A job whose chief is its only worker runs
-each function on the chief when it is scheduled.
+``schedule`` records the function under its name (and refuses what the chief refuses),
+``join`` (and the end of the script) runs functions until the chief passes the same call, then
+returns what it returned there; ``fetch`` and ``done`` run functions until the chief can
+answer them (:mod:`replicator.ps.task_channel`). ``fetch`` and ``done`` need nothing from the
+workers, so the chief may call them alone (``if coordinator.is_chief: print(v.fetch())``);
+``schedule``, ``join`` and ``create_per_worker_dataset`` must be the same on every process,
+and a mismatch raises :class:`CallMismatchError` naming both sides. An error is the same class
+on every process. A job whose chief is its only worker runs each function on the chief when it
+is scheduled.
 
 Exactly once, where tf.distribute promises at least once: a worker lost while running a
 function gives it back, and another worker runs it again; every push of a function carries its
@@ -35,16 +40,24 @@ from replicator.data import InputContext
 from replicator.errors import ParameterServerError
 from replicator.ps.parameter_server import ParameterServerStrategy
 from replicator.ps.remote_value import PerWorkerDataset, PerWorkerValues, RemoteValue
-from replicator.ps.task_channel import StopServing, TaskChannel, TaskDispatcher
+from replicator.ps.task_channel import Reply, StopServing, TaskChannel, TaskDispatcher
 from replicator.ps.task_queue import (
     CANCELLED,
     DONE,
+    DONE_CALL,
     FAILED,
+    FETCH_CALL,
+    MARKER_CALL,
+    VALUE_DONE_CALL,
+    CallMismatchError,
     NoWorkerError,
     Payload,
     RemoteFunctionError,
+    Request,
     Task,
     TaskQueue,
+    error_fields,
+    rebuild_error,
 )
 from replicator.ps.values import decode, encode
 
@@ -104,7 +117,8 @@ class ClusterCoordinator:
         self._datasets: list[Any] = []
         self._resources: list[Any] = []
         self._scheduled = 0
-        self._seq = 0
+        self._seq = 0  # join() calls
+        self._reported = -1  # on a worker: the last failed function its join/done raised
         self._inline_error: BaseException | None = None
         self._finished = False
         self._queue: TaskQueue | None = None
@@ -153,46 +167,54 @@ class ClusterCoordinator:
         number = self._scheduled
         self._scheduled += 1
         value = RemoteValue(self, number, name)
+        call = {"args": list(args), "kwargs": dict(kwargs or {})}
+        try:
+            if self.is_chief:
+                self._raise_pending()
+            # encoded on every process, so that what the chief refuses a worker refuses too
+            payload = encode(call, f"schedule({name}) argument")
+        except BaseException as exc:
+            if self._queue is not None:  # a worker's fetch() of it raises this too
+                self._queue.refuse(number, name, exc)
+            raise
         if not self.is_chief:
             return value  # recorded: the chief hands it to a worker
-        self._raise_pending()
-        call = {"args": list(args), "kwargs": dict(kwargs or {})}
-        payload = encode(call, f"schedule({name}) argument")
         if self._inline:
             task = Task(number, key, name, payload)
             self._tasks[number] = task
             self._run_inline(task)
             return value
         assert self._queue is not None
-        self._tasks[number] = self._queue.add(key, name, payload)
+        self._tasks[number] = self._queue.add(key, name, payload, task_id=number)
         return value
 
     def join(self) -> None:
         """Wait until every scheduled function has finished; raises the first error of a
         function (the functions queued after it were cancelled)."""
-        if not self.is_chief:
-            self._mirror("join")
-            return
         seq = self._next_seq()
+        if not self.is_chief:
+            self._mirror_join(seq)
+            return
         error: BaseException | None = None
         try:
             if self._queue is not None:
                 self._queue.wait(None, self._timeout)
-        except NoWorkerError as exc:
+        except (NoWorkerError, CallMismatchError) as exc:
             error = exc
         error = error or self._take_error()
-        self._post("join", seq, error, None)
+        self._post_join(seq, error)
         if error is not None:
             raise error
 
     def done(self) -> bool:
-        """Whether every scheduled function has finished (raises a function's error)."""
+        """Whether every scheduled function has finished (raises a function's error). The
+        chief may call it alone; on a worker it runs a function if one is waiting, then
+        answers for the functions its own script scheduled."""
         if not self.is_chief:
-            return bool(self._mirror("done"))
-        seq = self._next_seq()
+            answer = self._worker_done(Request(DONE_CALL, 0, self._reported, self._scheduled))
+            return bool(answer["finished"])
         error = self._take_error()
         finished = self._queue is None or self._queue.pending() == 0
-        self._post("done", seq, error, finished)
         if error is not None:
             raise error
         return finished
@@ -243,12 +265,21 @@ class ClusterCoordinator:
         self._seq += 1
         return self._seq
 
-    def _post(self, kind: str, seq: int, error: BaseException | None, value: Any) -> None:
+    def _counts(self) -> dict[str, int]:
+        """The calls every process must make alike, counted (compared at join and at the end)."""
+        return {"scheduled": self._scheduled, "datasets": len(self._datasets),
+                "iterators": len(self._resources)}
+
+    def _post_join(self, seq: int, error: BaseException | None) -> None:
+        """The join marker the workers' join() returns with: the chief's error and counts."""
         if self._queue is None:
             return
-        payload = encode({"error": f"{type(error).__name__}: {error}"} if error is not None
-                         else {"ok": value}, f"the value of {kind}()")
-        self._queue.post(kind, seq, payload)
+        value: dict[str, Any] = {"ok": None, **self._counts()}
+        if error is not None:
+            value.update(error_fields(error))
+            value["task"] = next((t.task_id for t in self._tasks.values()
+                                  if t.error is error), -1)
+        self._queue.post("join", seq, encode(value, "the value of join()"))
 
     def _take_error(self) -> BaseException | None:
         if self._inline:
@@ -266,32 +297,20 @@ class ClusterCoordinator:
         if value._coordinator is not self:
             raise ValueError("this RemoteValue belongs to another ClusterCoordinator")
         if not self.is_chief:
-            return self._mirror("fetch")
-        seq = self._next_seq()
+            return self._worker_fetch(value._number)
         task = self._tasks[value._number]
-        try:
-            if self._queue is not None:
-                self._queue.wait(task, self._timeout)
-        except NoWorkerError as exc:
-            self._post("fetch", seq, exc, None)
-            raise
-        if task.state != DONE:
-            error = task.error or ParameterServerError(f"task {task.task_id} ended {task.state}")
-            self._post("fetch", seq, error, None)
-            raise error
-        assert task.result is not None
-        result = decode(*task.result)
         if self._queue is not None:
-            self._queue.post("fetch", seq, encode({"ok": result}, "a fetched value"))
-        return result
+            self._queue.wait(task, self._timeout)
+        if task.state != DONE:
+            raise task.error or ParameterServerError(f"task {task.task_id} ended {task.state}")
+        assert task.result is not None
+        return decode(*task.result)
 
     def _value_done(self, value: RemoteValue) -> bool:
         if not self.is_chief:
-            return bool(self._mirror("done"))
-        seq = self._next_seq()
-        finished = self._tasks[value._number].state in (DONE, FAILED, CANCELLED)
-        self._post("done", seq, None, finished)
-        return finished
+            request = Request(VALUE_DONE_CALL, 0, value._number, self._scheduled)
+            return bool(self._worker_done(request)["finished"])
+        return self._tasks[value._number].state in (DONE, FAILED, CANCELLED)
 
     def _run_inline(self, task: Task) -> None:
         if self._inline_error is not None:
@@ -313,41 +332,96 @@ class ClusterCoordinator:
 
     def _finish(self) -> None:
         """At the end of the script: the chief waits for the functions still queued, then
-        stops the workers; a worker runs functions until then."""
+        stops the workers; a worker runs functions until then. (A mismatch found here is
+        printed: the end of a script has no caller to raise to.)"""
         if self._finished:
             return
         self._finished = True
         if self._channel is not None:
             try:
-                self._channel.serve_until("end", -1)
+                end = Request(MARKER_CALL, -1, -1, self._scheduled)
+                self._check_marker(self._channel.serve_until(end), "the end of its script", -1)
             except StopServing:
-                pass
+                try:
+                    self._check_counts(decode(*self._channel.stop_value),
+                                       "the end of its script")
+                except CallMismatchError as exc:
+                    print(f"[replicator] {exc}", file=sys.stderr, flush=True)
+            except CallMismatchError as exc:
+                print(f"[replicator] {exc}", file=sys.stderr, flush=True)
             finally:
-                self._channel.close()
+                self._channel.close(self._scheduled)
         if self._queue is not None and self._dispatcher is not None:
             try:
                 self._queue.wait(None, self._timeout)
-            except NoWorkerError:
+            except (NoWorkerError, CallMismatchError):
                 pass
-            self._queue.post("stop", 0, encode(None, "stop"))
+            self._queue.post("stop", 0, encode(self._counts(), "stop"))
             self._dispatcher.close(self._timeout)
 
     # -- a worker's side ---------------------------------------------------------------------------
-    def _mirror(self, kind: str) -> Any:
-        """Run functions until the chief passes the same call; return what it returned."""
-        seq = self._next_seq()
+    def _serve(self, request: Request) -> Reply:
+        """Run functions until the chief's marker or the answer to ``request`` comes."""
         assert self._channel is not None
         try:
-            text, tensors = self._channel.serve_until(kind, seq)
+            return self._channel.serve_until(request)
         except StopServing:
-            raise ParameterServerError(
-                f"worker rank {self._rank} reached coordinator.{kind}() (call {seq}) after the "
-                "chief had finished. HINT: every process runs the same script; make the "
-                "coordinator calls the same on every process.") from None
-        answer = decode(text, tensors)
+            raise CallMismatchError(
+                f"worker rank {self._rank} reached {request.describe()} after the chief had "
+                "finished its script. HINT: every process runs the same script; make schedule(), "
+                "join() and create_per_worker_dataset() the same on every process.") from None
+
+    def _mirror_join(self, seq: int) -> None:
+        """A worker's join(): returns (or raises) what the chief's join() did."""
+        where = f"coordinator.join() (call {seq})"
+        answer = self._check_marker(
+            self._serve(Request(MARKER_CALL, seq, -1, self._scheduled)), where, seq)
+        self._check_counts(answer, where)
         if "error" in answer:
-            raise RemoteFunctionError(answer["error"])
-        return answer["ok"]
+            self._reported = max(self._reported, int(answer.get("task", -1)))
+            raise rebuild_error(answer)
+
+    def _check_marker(self, reply: Reply, where: str, seq: int) -> dict[str, Any]:
+        """The chief's join marker's value, if it is the one this worker's call waits for."""
+        if reply.marker != "join" or reply.seq != seq:
+            raise CallMismatchError(
+                f"worker rank {self._rank} reached {where} but the chief reached "
+                f"coordinator.join() (call {reply.seq}). HINT: every process runs the same "
+                "script; make schedule(), join() and create_per_worker_dataset() the same on "
+                "every process (no condition on the rank around them); fetch() and done() may "
+                "be called on the chief only.")
+        return dict(decode(*reply.value))
+
+    def _check_counts(self, chief: dict[str, Any], where: str) -> None:
+        mine = self._counts()
+        theirs = {k: chief.get(k, v) for k, v in mine.items()}
+        if mine != theirs:
+            def say(c: dict[str, int]) -> str:
+                return (f"{c['scheduled']} function(s) scheduled, {c['datasets']} per-worker "
+                        f"dataset(s) and {c['iterators']} iterator(s) of them")
+
+            raise CallMismatchError(
+                f"worker rank {self._rank} reached {where} with {say(mine)}; the chief with "
+                f"{say(theirs)}. HINT: every process runs the same script; make schedule(), "
+                "join() and create_per_worker_dataset() the same on every process (no "
+                "condition on the rank around them).")
+
+    def _worker_fetch(self, number: int) -> Any:
+        """A worker's fetch(): the chief's value of function ``number`` (or its error)."""
+        reply = self._serve(Request(FETCH_CALL, 0, number, self._scheduled))
+        if reply.marker:
+            self._check_marker(reply, f"fetch() of schedule #{number}", -1)
+        if reply.failed:
+            raise rebuild_error(decode(*reply.value))
+        return decode(*reply.value)
+
+    def _worker_done(self, request: Request) -> dict[str, Any]:
+        """A worker's done(): whether its functions finished; raises a failure it has not."""
+        answer = dict(decode(*self._serve(request).value))
+        if answer.get("task", -1) >= 0 and "error" in answer:
+            self._reported = int(answer["task"])
+            raise rebuild_error(answer)
+        return answer
 
     def _run_task(self, task_id: int, attempt: int, key: str, name: str, args: str,
                   tensors: list[torch.Tensor]) -> Payload:

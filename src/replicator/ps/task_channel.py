@@ -8,11 +8,18 @@ of the chief's matching call, with the value that call returned there. Markers c
 tasks, and the chief posts a marker before it queues anything scheduled after that call, so a
 worker never gets a function its own script has not scheduled yet.
 
+Only ``join`` (and the end of the script) waits for a marker: ``fetch`` and ``done`` are
+answered from the tasks' states (``ANSWER``), so the chief may call them alone, and each ask
+carries the worker's call and how many functions its script has scheduled (a
+:class:`~replicator.ps.task_queue.Request`), so a worker never runs a function its own script
+has not scheduled yet.
+
 Messages (typed tensors over TCP, :mod:`replicator.ps.messages`; nothing is pickled):
-``HELLO(a=rank)``; ``ASK`` -> ``TASK(task id, a=attempt, json)`` | ``MARKER(a=seq, json)`` |
-``IDLE`` (a heartbeat: ask again); ``RESULT(task id, json)`` (which also asks) |
-``FAILED(task id, text)``;
-``BYE``. A payload's tensors follow its message as ``TENSOR`` messages (``c`` counts them).
+``HELLO(a=rank)``; ``ASK(var_id=task, version=call, a=seq, c=scheduled)`` ->
+``TASK(task id, a=attempt, json)`` | ``MARKER(a=seq, json)`` | ``ANSWER(task, b=error, json)``
+| ``IDLE`` (a heartbeat: ask again); ``RESULT(task id, json)`` (which also asks) |
+``FAILED(task id, text)``; ``BYE(c=scheduled)``. A payload's tensors follow its message as
+``TENSOR`` messages (``c`` counts them).
 
 Asynchronous functions (``staleness`` not 0) are asked for one ahead: a worker that gets a task
 sends ``ASK(b=1)`` before running it, answered at once with the next task, a marker or
@@ -28,6 +35,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,14 +43,26 @@ import torch
 from replicator.errors import ParameterServerError
 from replicator.ps.messages import (
     Connection,
+    Message,
     Outgoing,
     PeerLostError,
     tensor_text,
     text_tensor,
 )
-from replicator.ps.task_queue import Marker, Payload, RemoteFunctionError, TaskQueue
+from replicator.ps.task_queue import (
+    DONE,
+    FETCH_CALL,
+    Answer,
+    Marker,
+    Payload,
+    RemoteFunctionError,
+    Request,
+    TaskQueue,
+    error_fields,
+)
+from replicator.ps.values import encode
 
-HELLO, ASK, TASK, RESULT, FAILED, MARKER, IDLE, TENSOR, BYE = range(1, 10)
+HELLO, ASK, TASK, RESULT, FAILED, MARKER, IDLE, TENSOR, BYE, ANSWER = range(1, 11)
 
 #: Seconds between heartbeats while a worker waits for work.
 HEARTBEAT_SECONDS = 2.0
@@ -56,6 +76,22 @@ def _send_payload(conn: Connection, kind: int, var_id: int, payload: Payload, a:
     text, tensors = payload
     out: list[Outgoing] = [(kind, var_id, 0, text_tensor(text), a, b, len(tensors))]
     conn.send_many(out + [(TENSOR, i, 0, t, 0, 0, 0) for i, t in enumerate(tensors)])
+
+
+def _answer_payload(answer: Answer) -> tuple[bool, Payload]:
+    """What a worker's ``fetch``/``done`` gets: (an error?, the value or the error's fields)."""
+    task = answer.task
+    if answer.call == FETCH_CALL:
+        assert task is not None
+        if task.state == DONE and task.result is not None:
+            return False, task.result
+        error = task.error or ParameterServerError(f"task {task.task_id} ended {task.state}")
+        return True, encode(error_fields(error), "an error")
+    value: dict[str, Any] = {"finished": answer.finished,
+                             "task": -1 if task is None else task.task_id}
+    if task is not None and task.error is not None:
+        value.update(error_fields(task.error))
+    return False, encode(value, "the value of done()")
 
 
 def _read_tensors(conn: Connection, count: int) -> list[torch.Tensor]:
@@ -110,7 +146,11 @@ class TaskDispatcher:
             while True:
                 msg = conn.receive("waiting for a worker", timeout_seconds=None)
                 if msg.kind == BYE:
+                    self.queue.leave(worker, msg.c)
+                    worker = -1  # left, not lost
                     break
+                if msg.kind == ASK:
+                    self.queue.ask(worker, Request(msg.version, msg.a, msg.var_id, msg.c))
                 if msg.kind == RESULT:  # a result is also the next ask (one message less)
                     tensors = _read_tensors(conn, msg.c)
                     self.queue.complete(worker, msg.var_id, (tensor_text(msg.payload), tensors))
@@ -121,6 +161,10 @@ class TaskDispatcher:
                                                ahead=msg.kind == ASK and msg.b == AHEAD)
                     if item is None:
                         conn.send(IDLE)
+                    elif isinstance(item, Answer):
+                        failed, payload = _answer_payload(item)
+                        _send_payload(conn, ANSWER, -1 if item.task is None else
+                                      item.task.task_id, payload, b=int(failed))
                     elif isinstance(item, Marker):
                         _send_payload(conn, MARKER, -1, item.value, a=item.seq,
                                       b=_MARKER_CODES[item.kind])
@@ -161,7 +205,7 @@ class TaskDispatcher:
             pass
 
 
-_MARKER_CODES = {"join": 1, "fetch": 2, "done": 3, "stop": 4}
+_MARKER_CODES = {"join": 1, "stop": 4}
 _MARKER_NAMES = {v: k for k, v in _MARKER_CODES.items()}
 
 #: Runs one task on the worker: ``(task id, attempt, key, name, args json, tensors)`` -> the
@@ -171,6 +215,18 @@ Runner = Callable[[int, int, str, str, str, list[torch.Tensor]], Payload]
 
 class StopServing(Exception):
     """The chief ended the coordination (its script finished)."""
+
+
+@dataclass
+class Reply:
+    """What ended a worker's wait: the chief's marker (``marker``: its name, ``seq``), or the
+    answer to a ``fetch``/``done`` (``marker`` empty; ``failed``: the value is an error's
+    fields)."""
+
+    marker: str
+    seq: int
+    failed: bool
+    value: Payload
 
 
 class TaskChannel:
@@ -187,19 +243,22 @@ class TaskChannel:
         if reply.kind != HELLO:
             raise ParameterServerError(f"the coordinator answered HELLO with kind {reply.kind}")
         self.stopped = False
+        self.stop_value: Payload = ("null", [])
         self.tasks_run = 0
 
-    def serve_until(self, kind: str, seq: int) -> Payload:
-        """Run tasks until the chief's marker number ``seq`` (which must be ``kind``); its
-        value. :class:`StopServing` if the chief stopped instead."""
+    def serve_until(self, request: Request) -> Reply:
+        """Run tasks until the chief's marker or the answer to ``request`` comes; it.
+        :class:`StopServing` if the chief stopped instead (its value: ``stop_value``)."""
         if self.stopped:
             raise StopServing("the coordinator has stopped")
         ask, drop = True, False
+        fields = {"var_id": request.task, "version": request.call, "a": request.seq,
+                  "c": request.horizon}
         while True:
             if ask:
-                self.conn.send(ASK, a=seq)
+                self.conn.send(ASK, **fields)
             ask = True
-            msg = self.conn.receive(f"waiting for work or the chief's {kind}() (call {seq})")
+            msg = self.conn.receive(f"waiting for work or the chief, in {request.describe()}")
             dropped, drop = drop and msg.kind == TASK, False
             if msg.kind == IDLE:
                 continue
@@ -209,25 +268,23 @@ class TaskChannel:
                 if dropped:  # taken ahead of a task that failed: the chief cancelled it
                     continue
                 if self.ahead:  # its answer is the next thing to read after this task
-                    self.conn.send(ASK, a=seq, b=AHEAD)
+                    self.conn.send(ASK, b=AHEAD, **fields)
                 ran = self._run(msg.var_id, msg.a, spec, tensors)
                 ask, drop = not ran and not self.ahead, not ran and self.ahead
                 continue
-            if msg.kind != MARKER:
+            if msg.kind not in (MARKER, ANSWER):
                 raise ParameterServerError(f"the coordinator sent message kind {msg.kind}")
-            text = tensor_text(msg.payload)
-            tensors = _read_tensors(self.conn, msg.c)
-            got = _MARKER_NAMES.get(msg.b, "?")
-            if got == "stop":
-                self.stopped = True
-                raise StopServing("the coordinator has stopped")
-            if got != kind or msg.a != seq:
-                raise ParameterServerError(
-                    f"worker rank {self.rank} reached coordinator.{kind}() (call {seq}) but the "
-                    f"chief reached {got}() (call {msg.a}). HINT: every process runs the same "
-                    "script; make the coordinator calls (schedule, join, fetch, done) the same "
-                    "on every process (no conditions on the rank around them).")
-            return text, tensors
+            return self._reply(msg)
+
+    def _reply(self, msg: Message) -> Reply:
+        value = (tensor_text(msg.payload), _read_tensors(self.conn, msg.c))
+        if msg.kind == ANSWER:
+            return Reply("", msg.var_id, bool(msg.b), value)
+        got = _MARKER_NAMES.get(msg.b, "?")
+        if got == "stop":
+            self.stopped, self.stop_value = True, value
+            raise StopServing("the coordinator has stopped")
+        return Reply(got, msg.a, False, value)
 
     def _run(self, task_id: int, attempt: int, spec: dict[str, Any],
              tensors: list[torch.Tensor]) -> bool:
@@ -249,9 +306,10 @@ class TaskChannel:
         _send_payload(self.conn, RESULT, task_id, result, b=AHEAD if self.ahead else 0)
         return True
 
-    def close(self) -> None:
+    def close(self, scheduled: int) -> None:
+        """Say goodbye: this worker's script ended having scheduled ``scheduled`` functions."""
         try:
-            self.conn.send(BYE)
+            self.conn.send(BYE, c=scheduled)
         except PeerLostError:
             pass
         self.conn.close()

@@ -13,6 +13,13 @@ to the chief between them; a worker lost with a task ahead gives both back, in o
 
 The first function to raise cancels every task still queued (as tf.distribute does); the error
 is raised by the chief's next ``join``/``fetch``/``schedule``.
+
+Each worker's ask says what its script waits for (a :class:`Request`: the chief's next ``join``
+marker, a function's value, or whether functions finished) and how many functions its script
+has scheduled: a worker is never handed a function its own script has not scheduled yet, and
+``fetch``/``done`` are answered from the tasks' states, so the chief may call them alone. When
+the chief waits for functions that no worker can take (each one waits in a call, or ended,
+having scheduled fewer), the scripts differ: :class:`CallMismatchError` at once, naming both.
 """
 
 from __future__ import annotations
@@ -46,6 +53,36 @@ class NoWorkerError(ParameterServerError):
     """Scheduled functions wait and no worker is left to run them."""
 
 
+class CallMismatchError(ParameterServerError):
+    """The chief and a worker reached different coordinator calls (``schedule``, ``join``,
+    ``create_per_worker_dataset`` must be the same on every process)."""
+
+
+#: The errors a coordinator call may raise, by name: a worker raises the class the chief did.
+ERRORS: dict[str, type[ParameterServerError]] = {
+    cls.__name__: cls for cls in (ParameterServerError, RemoteFunctionError, TaskCancelledError,
+                                  NoWorkerError, CallMismatchError)}
+
+def error_fields(error: BaseException) -> dict[str, str]:
+    """An error as it travels to a worker (:func:`rebuild_error` makes it again there)."""
+    name = type(error).__name__
+    if name in ERRORS:
+        return {"type": name, "error": str(error)}
+    return {"type": "ParameterServerError", "error": f"{name}: {error}"}
+
+
+def rebuild_error(fields: dict[str, Any]) -> ParameterServerError:
+    """The error the chief raised, of the same class, from :func:`error_fields`."""
+    return ERRORS.get(str(fields.get("type")), ParameterServerError)(fields["error"])
+
+
+#: What a worker's call waits for (:class:`Request`): the chief's marker (``join`` or, with
+#: ``seq`` -1, the end), a function's value, whether all (``DONE``) or one function finished.
+MARKER_CALL, FETCH_CALL, DONE_CALL, VALUE_DONE_CALL = range(4)
+#: Functions a worker's script may have scheduled when it sent no :class:`Request`.
+UNLIMITED = 1 << 62
+
+
 @dataclass
 class Task:
     """One scheduled function call."""
@@ -61,6 +98,38 @@ class Task:
     result: Payload | None = None
     error: BaseException | None = None
     finished_at: float = 0.0
+
+
+@dataclass
+class Request:
+    """A worker's coordinator call: ``call`` (``*_CALL``), the ``join`` number ``seq`` it
+    waits for, the function ``task`` it asks about (``DONE_CALL``: the last failure it
+    raised) and ``horizon``, the functions its script has scheduled so far."""
+
+    call: int = MARKER_CALL
+    seq: int = 0
+    task: int = -1
+    horizon: int = UNLIMITED
+
+    def describe(self) -> str:
+        if self.call == MARKER_CALL:
+            where = "the end of its script" if self.seq < 0 else \
+                f"coordinator.join() (call {self.seq})"
+        elif self.call == FETCH_CALL:
+            where = f"fetch() of schedule #{self.task}"
+        else:
+            where = "done()"
+        return f"{where} having scheduled {self.horizon} function(s)"
+
+
+@dataclass
+class Answer:
+    """A worker's ``fetch``/``done`` answered: the function ``task`` (its value or error), or
+    ``finished`` and the first failure after the worker's last (``task``, -1: none)."""
+
+    call: int
+    task: Task | None
+    finished: bool = True
 
 
 @dataclass
@@ -90,19 +159,34 @@ class TaskQueue:
         self.running: dict[int, list[Task]] = {}
         self.error: BaseException | None = None
         self.next_id = 0
+        #: Per worker, its last :class:`Request`; ``waiting``: those blocked in it; ``ended``:
+        #: the workers whose script ended (said BYE), with the functions it had scheduled.
+        self.requests: dict[int, Request] = {}
+        self.waiting: set[int] = set()
+        self.ended: dict[int, int] = {}
         self.finished = 0
         self.reruns = 0
         self.commit_order: list[int] = []
 
     # -- the chief's side --------------------------------------------------------------------
-    def add(self, key: str, name: str, args: Payload) -> Task:
+    def add(self, key: str, name: str, args: Payload, task_id: int | None = None) -> Task:
+        """Queue a function; ``task_id``: its schedule number (default: the next one)."""
         with self.cond:
-            task = Task(self.next_id, key, name, args)
-            self.next_id += 1
+            task = Task(self.next_id if task_id is None else task_id, key, name, args)
+            self.next_id = task.task_id + 1
             self.tasks[task.task_id] = task
             self.queue.append(task)
             self.cond.notify_all()
             return task
+
+    def refuse(self, task_id: int, name: str, error: BaseException) -> None:
+        """Schedule number ``task_id`` raised on the chief: a worker's ``fetch`` of it raises
+        ``error`` too."""
+        with self.cond:
+            task = Task(task_id, "", name, ("null", []), state=FAILED, error=error)
+            self.tasks[task_id] = task
+            self.next_id = max(self.next_id, task_id + 1)
+            self.cond.notify_all()
 
     def post(self, kind: str, seq: int, value: Payload) -> None:
         """A marker for every worker not lost (they mirror the chief's call with it)."""
@@ -138,6 +222,15 @@ class TaskQueue:
                     return
                 if self.finished != finished:
                     finished, progress = self.finished, time.monotonic()
+                stuck = self._stuck()
+                if stuck:
+                    raise CallMismatchError(
+                        f"the chief waits for scheduled function {self.queue[0].name} (schedule "
+                        f"#{self.queue[0].task_id}) but no worker can run it: {stuck}. HINT: "
+                        "every process runs the same script; make schedule(), join() and "
+                        "create_per_worker_dataset() the same on every process (no condition "
+                        "on the rank around them); fetch() and done() may be called on the "
+                        "chief only.")
                 if not self.live and len(self.gone) >= len(self.expected):
                     raise NoWorkerError(
                         f"{len(self.queue) + self._running()} scheduled function(s) wait and "
@@ -151,6 +244,43 @@ class TaskQueue:
                         "ClusterCoordinator; check that every worker runs the same script.")
                 self.cond.wait(1.0)
 
+    def _stuck(self) -> str:
+        """Why no worker will take the next queued function (the scripts differ), or ``""``:
+        nothing runs, and every worker ended or waits in a call whose own schedule stopped
+        short of it (a worker lost, or not connected yet, is not a mismatch)."""
+        if not self.queue or self._running():
+            return ""
+        head, says = self.queue[0].task_id, []
+        for w in self.expected:
+            if w in self.ended and self.ended[w] <= head:
+                says.append(f"worker rank {w} reached the end of its script having scheduled "
+                            f"{self.ended[w]} function(s)")
+            elif w in self.live and w in self.waiting and self.requests[w].horizon <= head \
+                    and not self.markers[w] and self._answer(self.requests[w]) is None:
+                says.append(f"worker rank {w} waits in {self.requests[w].describe()}")
+            elif w not in self.gone:
+                return ""
+        return "; ".join(says)
+
+    def _answer(self, request: Request) -> Answer | None:
+        """The answer to a ``fetch``/``done`` request, if it has one now."""
+        if request.call == FETCH_CALL:
+            task = self.tasks.get(request.task)
+            if task is None or task.state not in (DONE, FAILED, CANCELLED):
+                return None
+            return Answer(FETCH_CALL, task)
+        if request.call == VALUE_DONE_CALL:
+            task = self.tasks.get(request.task)
+            return Answer(VALUE_DONE_CALL, None, task is not None and
+                          task.state in (DONE, FAILED, CANCELLED))
+        if request.call == DONE_CALL:
+            mine = [t for i, t in self.tasks.items() if i < request.horizon]
+            failed = next((t for t in sorted(mine, key=lambda t: t.task_id)
+                           if t.task_id > request.task and t.state == FAILED), None)
+            return Answer(DONE_CALL, failed,
+                          all(t.state in (DONE, FAILED, CANCELLED) for t in mine))
+        return None
+
     # -- the workers' side -------------------------------------------------------------------
     def connect(self, worker: int) -> None:
         with self.cond:
@@ -159,33 +289,63 @@ class TaskQueue:
                                            f"coordinator's workers {self.expected}")
             self.live.add(worker)
             self.gone.discard(worker)
+            self.ended.pop(worker, None)
             self.cond.notify_all()
 
+    def ask(self, worker: int, request: Request) -> None:
+        """``worker``'s script is in the call ``request`` (its later asks are for it too)."""
+        with self.cond:
+            self.requests[worker] = request
+            self.waiting.discard(worker)
+
     def next_for(self, worker: int, timeout: float, ahead: bool = False
-                 ) -> Marker | Task | None:
-        """The next marker for ``worker``, else a task it may run, else ``None`` after
-        ``timeout`` s (the worker asks again: a heartbeat). ``ahead``: the worker is running a
-        task and asks for the next one now; answered at once, and never with a task when
-        functions run one at a time (``serial``)."""
+                 ) -> Marker | Task | Answer | None:
+        """What ``worker``'s call (its :class:`Request`) gets next: the answer to a ``fetch``,
+        a marker, a task its script has scheduled (a ``done`` is answered when there is none),
+        else ``None`` after ``timeout`` s (the worker asks again: a heartbeat). ``ahead``: the
+        worker is running a task and asks for the next one now; answered at once, and never
+        with a task when functions run one at a time (``serial``)."""
         deadline = time.monotonic() + (0.0 if ahead else timeout)
         with self.cond:
+            request = self.requests.get(worker, Request())
             while True:
-                markers = self.markers[worker]
-                if markers:
-                    return markers.popleft()
-                mine = self.running.setdefault(worker, [])
-                if self.queue and len(mine) < 1 + int(ahead) and \
-                        not (self.serial and (ahead or self._running())):
-                    task = self.queue.popleft()
-                    task.state, task.worker = RUNNING, worker
-                    task.attempts += 1
-                    task.ran_on.append(worker)
-                    mine.append(task)
-                    return task
+                item = self._next_item(worker, request, ahead)
+                if item is not None:
+                    self.waiting.discard(worker)
+                    return item
+                if request.call in (DONE_CALL, VALUE_DONE_CALL):  # never waits
+                    return self._answer(request)
+                self.waiting.add(worker)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self.cond.wait(left)
+
+    def _next_item(self, worker: int, request: Request, ahead: bool
+                   ) -> Marker | Task | Answer | None:
+        if request.call == FETCH_CALL:
+            answer = self._answer(request)
+            if answer is not None:
+                return answer
+        markers = self.markers[worker]
+        if markers and request.call in (MARKER_CALL, FETCH_CALL):
+            return markers.popleft()
+        mine = self.running.setdefault(worker, [])
+        if self.queue and self.queue[0].task_id < request.horizon and \
+                len(mine) < 1 + int(ahead) and not (self.serial and (ahead or self._running())):
+            task = self.queue.popleft()
+            task.state, task.worker = RUNNING, worker
+            task.attempts += 1
+            task.ran_on.append(worker)
+            mine.append(task)
+            return task
+        return None
+
+    def leave(self, worker: int, horizon: int) -> None:
+        """``worker``'s script ended (it said BYE) having scheduled ``horizon`` functions."""
+        with self.cond:
+            self.ended[worker] = horizon
+            self.lost(worker)
 
     def complete(self, worker: int, task_id: int, result: Payload) -> None:
         with self.cond:
@@ -221,6 +381,7 @@ class TaskQueue:
         with self.cond:
             self.live.discard(worker)
             self.gone.add(worker)
+            self.waiting.discard(worker)
             self.markers[worker].clear()
             tasks = [t for t in self.running.pop(worker, []) if t.state == RUNNING]
             for task in reversed(tasks):
