@@ -60,8 +60,9 @@ def _measure(strategy: str, rate: str, layout: tuple[int, int], script_args: lis
     """Run the script on throttled hosts; return the bench's summary of the run (its ranks'
     files and the hosts' output are kept in ``logs``)."""
     from replicator.plan import probe
-    from replicator.plan.benchmark import ENTRY, Setting, _read_ranks, summarize
+    from replicator.plan.benchmark import ENTRY, _read_ranks
     from replicator.plan.devices import parse_link
+    from replicator.plan.settings import Setting, summarize
     from tests.hosts import virtual_hosts
 
     hosts, per_host = layout

@@ -10,192 +10,49 @@ How the script is run, unchanged, under each strategy (the contract, also in doc
   call is one step. The bench stops it after ``warmup + steps`` calls, on every rank at the
   same call, so the script's own step count does not matter.
 
+The settings run in interleaved rounds (``--rounds``, default 3: every setting once, then
+again), so that a busy minute on a shared machine lands on all of them instead of one; each
+setting's figure is its median round. The one-process baseline ("vs 1 proc") is the faster of
+one process at the launcher's default threads and at one thread, both measured in the rounds.
+
 A function works the same way: ``rp.plan.bench(train_fn)`` calls ``train_fn(strategy)`` in
 each worker process with the strategy already built. The script runs in worker processes of
 the ordinary launcher (``--num-ps 1`` added for the parameter server); its output goes to
-``bench/logs/<setting>/rank<R>.log``. Results: ``bench/report.md``, ``bench/results.json``,
-``bench/throughput.png`` and ``bench/breakdown.png``, a table on the terminal and one JSON line
-per setting.
+``bench/logs/<setting>[-r<round>]/rank<R>.log``. Results: ``bench/report.md``,
+``bench/results.json``, a table on the terminal and one JSON line per setting, and with
+matplotlib (``pip install "replicator[examples]"``) ``bench/throughput.png`` and
+``bench/breakdown.png``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
-import re
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from replicator.plan import probe as probe_mod
-from replicator.plan.profiles import kept_steps
+from replicator.plan.report import write_bench_report
+from replicator.plan.settings import (
+    BenchReport,
+    Setting,
+    SettingResult,
+    combine_rounds,
+    parse_settings,
+    summarize,
+)
 
-__all__ = ["BENCH_STRATEGIES", "BenchReport", "Setting", "SettingResult", "bench_function",
-           "bench_script", "parse_settings"]
+__all__ = ["bench_function", "bench_script", "run_setting"]
 
-#: The strategies ``bench`` knows how to launch (registry names).
-BENCH_STRATEGIES = ("one_device", "mirrored", "central_storage", "parameter_server",
-                    "pipeline", "fsdp")
-PARTS = ("compute", "communication", "input", "optimizer", "checkpoint")
 ENTRY = str(Path(__file__).with_name("bench_entry.py"))
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One way of running: ``strategy`` on ``workers`` replicas (+ ``num_ps`` servers)."""
-
-    strategy: str
-    workers: int
-    num_ps: int = 0
-    threads: int = 0  # torch threads per process (0: the launcher's default)
-
-    @property
-    def processes(self) -> int:
-        return self.workers + self.num_ps
-
-    @property
-    def label(self) -> str:
-        return f"{self.strategy} x{self.workers}"
-
-    @property
-    def slug(self) -> str:
-        return f"{self.strategy}-x{self.workers}"
-
-
-def _positive_ints(values: Sequence[int] | str, what: str) -> list[int]:
-    if isinstance(values, str):
-        try:
-            values = [int(v) for v in values.split(",") if v.strip()]
-        except ValueError:
-            raise ValueError(f"{what} must be comma-separated integers such as 1,2,4, got "
-                             f"{values!r}") from None
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{what} must be positive integers, got {v!r}. HINT: 1 is one "
-                             "process; e.g. --nproc 1,2")
-        out.append(v)
-    if not out:
-        raise ValueError(f"{what} is empty. HINT: give at least one number, e.g. 1,2")
-    return sorted(set(out))
-
-
-def parse_settings(strategies: Sequence[str] | str, nproc: Sequence[int] | str
-                   ) -> tuple[list[Setting], list[str]]:
-    """Every (strategy, worker count) that can run, and a note for each skipped pair:
-    ``one_device`` runs only on one process, the others on two or more; a pipeline has 2
-    stages, so it needs an even count; a parameter server adds one server process."""
-    names = [s.strip() for s in strategies.split(",")] if isinstance(strategies, str) \
-        else list(strategies)
-    counts = _positive_ints(nproc, "--nproc")
-    settings: list[Setting] = []
-    skipped: list[str] = []
-    for name in names:
-        key = name.strip().lower().replace("-", "_")
-        if key not in BENCH_STRATEGIES:
-            raise ValueError(f"unknown strategy {name!r} for bench; available: "
-                             f"{', '.join(BENCH_STRATEGIES)}")
-        for n in counts:
-            if key == "one_device":
-                if n == 1:
-                    settings.append(Setting(key, 1))
-            elif n == 1:
-                skipped.append(f"{key} x1 (one replica: that is one_device)")
-            elif key == "pipeline" and n % 2:
-                skipped.append(f"pipeline x{n} (2 stages need an even number of processes)")
-            else:
-                settings.append(Setting(key, n, 1 if key == "parameter_server" else 0))
-    if not settings:
-        raise ValueError("no setting to run from --strategies and --nproc. HINT: one_device "
-                         "runs on --nproc 1, the others on 2 or more")
-    return settings, skipped
-
-
-@dataclass
-class SettingResult:
-    """What one setting measured (times in seconds, per step, means over kept steps)."""
-
-    setting: Setting
-    ok: bool
-    error: str = ""
-    steps: int = 0
-    steps_asked: int = 0  # the steps the bench would have measured had the script gone on
-    step_seconds: float = 0.0
-    step_median: float = 0.0
-    samples_per_second: float = 0.0
-    breakdown: dict[str, float] = field(default_factory=dict)
-    overlapped: float = 0.0
-    peak_rss: list[float] = field(default_factory=list)
-    peak_device: list[float] = field(default_factory=list)  # GPU memory allocated; 0: CPU
-    batch: float = 0.0
-    comm_timing: bool = True
-    log_dir: str = ""
-    ranks: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("ranks")
-        out["setting"] = self.setting.label
-        out["strategy"] = self.setting.strategy
-        out["workers"] = self.setting.workers
-        out["processes"] = self.setting.processes
-        return out
-
-
-def _class_key(name: str) -> str:
-    base = name.removesuffix("Strategy")
-    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", base).lower()
-
-
-def summarize(setting: Setting, ranks: list[dict[str, Any]]) -> SettingResult:
-    """Combine the ranks' records into one result (or an error saying what went wrong)."""
-    workers = [r for r in ranks if r.get("records")]
-    by_rank = sorted(ranks, key=lambda r: r["rank"])
-    rss = [float(r.get("peak_rss_bytes", 0)) for r in by_rank]
-    device = [float(r.get("peak_device_bytes", 0)) for r in by_rank]
-    if not workers:
-        return SettingResult(setting, False, "no step was measured: the script never called "
-                             "strategy.run (HINT: train through strategy.run, rp.Trainer or "
-                             "rp.Replicator), or ended before the warmup steps", peak_rss=rss,
-                             ranks=ranks)
-    ran = {_class_key(r["strategy"]) for r in workers}
-    expected = setting.strategy
-    if expected not in ran:
-        return SettingResult(setting, False, f"the script ran {', '.join(sorted(ran))} "
-                             f"instead of {expected}. HINT: build the strategy with "
-                             "rp.get_strategy(os.environ['REPLICATOR_STRATEGY']) or pass "
-                             "{strategy} in the script's arguments", peak_rss=rss, ranks=ranks)
-    steps: list[float] = []
-    rates: list[float] = []
-    medians: list[float] = []
-    overl: list[float] = []
-    parts: dict[str, list[float]] = {p: [] for p in PARTS}
-    replicas = max(int(r.get("replicas", 1)) for r in workers)
-    batch = statistics.mean(float(r.get("batch", 0)) for r in workers)
-    for r in workers:
-        kept = kept_steps(r["records"])
-        step = statistics.mean(k["step"] for k in kept)
-        steps.append(step)
-        medians.append(statistics.median(k["step"] for k in r["records"]))
-        for p in PARTS:
-            parts[p].append(statistics.mean(k[p] for k in kept))
-        overl.append(statistics.mean(k["overlapped"] for k in kept))
-        rates.append(float(r.get("batch", 0)) / step if step > 0 else 0.0)
-    return SettingResult(
-        setting, True, steps=min(len(r["records"]) for r in workers),
-        step_seconds=statistics.mean(steps), step_median=statistics.mean(medians),
-        samples_per_second=replicas * statistics.mean(rates),
-        breakdown={p: statistics.mean(v) for p, v in parts.items()},
-        overlapped=statistics.mean(overl), peak_rss=rss, peak_device=device, batch=batch,
-        comm_timing=all(r.get("comm_timing", False) for r in workers), ranks=ranks)
 
 
 # -- running one setting -------------------------------------------------------------------
@@ -351,78 +208,70 @@ class _Progress:
 
 
 # -- the whole bench -----------------------------------------------------------------------
-@dataclass
-class BenchReport:
-    """Every setting's result, where the files went, and the machine's state."""
-
-    target: str
-    results: list[SettingResult]
-    skipped: list[str]
-    out_dir: str
-    load_average: tuple[float, float]
-    ceiling: dict[int, float] = field(default_factory=dict)
-    files: list[str] = field(default_factory=list)
-
-    def result(self, label: str) -> SettingResult | None:
-        return next((r for r in self.results if r.setting.label == label), None)
-
-
 def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: str,
              steps: int, warmup: int, make_launch: Callable[[Setting], Callable[[], None]],
-             *, report: bool = True, quiet: bool = False,
+             *, report: bool = True, quiet: bool = False, rounds: int = 1,
              steps_for: Callable[[Setting], int] | None = None) -> BenchReport:
-    """Run each setting in turn (``steps_for(setting)`` measured steps where given, else
-    ``steps``) and write the report."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"--steps must be an integer >= 2, got {steps!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    """Run every setting once per round, in turn (interleaved: a setting's rounds meet the
+    machine at different moments), ``steps`` (or ``steps_for(setting)``) measured steps split
+    over the rounds; each setting's figure is its median round. Write the report."""
+    for name, value, least in (("--steps", steps, 2), ("warmup", warmup, 0),
+                               ("--rounds", rounds, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
     progress = _Progress() if not quiet else None
-    results = []
+    runs: dict[Setting, list[SettingResult]] = {s: [] for s in settings}
     try:
-        for setting in settings:
-            out = root / "logs" / setting.slug
-            measured = max(steps, steps_for(setting)) if steps_for is not None else steps
-            track = progress.track(setting.label, out, warmup + measured) if progress else \
-                contextlib.nullcontext()
-            with track:
-                results.append(run_setting(setting, out, make_launch(setting), measured,
-                                           warmup))
+        for k in range(rounds):
+            for setting in settings:
+                out = root / "logs" / (setting.slug + (f"-r{k + 1}" if rounds > 1 else ""))
+                total = max(steps, steps_for(setting)) if steps_for is not None else steps
+                measured = max(2, math.ceil(total / rounds))
+                track = progress.track(setting.label, out, warmup + measured) if progress \
+                    else contextlib.nullcontext()
+                with track:
+                    runs[setting].append(run_setting(setting, out, make_launch(setting),
+                                                     measured, warmup))
     finally:
         if progress:
             progress.close()
-    bench = BenchReport(target, results, skipped, str(root),
-                        (load_start, os.getloadavg()[0]))
+    bench = BenchReport(target, [combine_rounds(runs[s]) for s in settings], skipped,
+                        str(root), (load_start, os.getloadavg()[0]))
     if report:
-        from replicator.plan.report import write_bench_report
-
         write_bench_report(bench, echo=not quiet)  # quiet: --json prints only the plan
     return bench
+
+
+def _default_threads(processes: int = 1) -> int:
+    """The threads the launcher gives each of ``processes`` processes here."""
+    return int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // processes))
 
 
 def bench_script(script: str, script_args: Sequence[str] = (), *,
                  nproc: Sequence[int] | str = (1, 2),
                  strategies: Sequence[str] | str = ("one_device", "mirrored"),
                  steps: int = 30, warmup: int = 3, out_dir: str = "bench",
-                 report: bool = True, quiet: bool = False) -> BenchReport:
-    """Run ``script`` under every setting (see the module doc); write the report."""
+                 report: bool = True, quiet: bool = False, rounds: int = 3) -> BenchReport:
+    """Run ``script`` under every setting, ``rounds`` times in turn (see the module doc);
+    write the report."""
     if not os.path.isfile(script):
         raise ValueError(f"script {script!r} not found (looked in {os.getcwd()}). HINT: give "
                          "the path of the training script")
-    settings, skipped = parse_settings(strategies, nproc)
+    settings, skipped = parse_settings(strategies, nproc, _default_threads())
     return _run_all(script, settings, skipped, out_dir, steps, warmup,
                     lambda s: _script_launcher(script, script_args, s), report=report,
-                    quiet=quiet)
+                    quiet=quiet, rounds=rounds)
 
 
 def bench_function(train_fn: Callable[[Any], Any], *, nproc: Sequence[int] | str = (1, 2),
                    strategies: Sequence[str] | str = ("one_device", "mirrored"),
                    steps: int = 30, warmup: int = 3, out_dir: str = "bench",
-                   report: bool = True, quiet: bool = False) -> BenchReport:
-    """``rp.plan.bench(train_fn)``: call ``train_fn(strategy)`` under every setting.
+                   report: bool = True, quiet: bool = False, rounds: int = 3) -> BenchReport:
+    """``rp.plan.bench(train_fn)``: call ``train_fn(strategy)`` under every setting, in
+    ``rounds`` interleaved rounds.
 
     ``train_fn`` must be importable by the worker processes (a module-level function); it
     trains with ``strategy.run`` and may loop for as long as it likes: the bench stops it
@@ -431,10 +280,11 @@ def bench_function(train_fn: Callable[[Any], Any], *, nproc: Sequence[int] | str
     if not callable(train_fn):
         raise TypeError(f"bench needs a callable train_fn(strategy), got "
                         f"{type(train_fn).__name__}")
-    settings, skipped = parse_settings(strategies, nproc)
+    settings, skipped = parse_settings(strategies, nproc, _default_threads())
     name = getattr(train_fn, "__qualname__", repr(train_fn))
     return _run_all(name, settings, skipped, out_dir, steps, warmup,
-                    lambda s: _function_launcher(train_fn, s), report=report, quiet=quiet)
+                    lambda s: _function_launcher(train_fn, s), report=report, quiet=quiet,
+                    rounds=rounds)
 
 
 def temporary_out_dir() -> str:

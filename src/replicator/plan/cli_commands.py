@@ -19,16 +19,19 @@ _PARSERS: dict[str, argparse.ArgumentParser] = {}
 
 def add_subcommands(sub: Any) -> None:
     """Add ``bench`` and ``plan`` to the ``replicator`` command's subparsers."""
-    from replicator.plan.benchmark import BENCH_STRATEGIES
     from replicator.plan.cost_model import STRATEGIES
     from replicator.plan.devices import DEVICES
+    from replicator.plan.settings import BENCH_STRATEGIES
 
     bench = sub.add_parser(
         "bench", help="run a training script under each setting and measure every step",
         description="Run SCRIPT for a bounded number of steps under each strategy and number "
         "of processes, and measure each step: compute, communication (exposed and "
-        "overlapped), input, optimizer, checkpoint; samples/s; peak memory per rank. Writes "
-        "OUT/report.md, OUT/results.json and PNG plots. The script picks its strategy with "
+        "overlapped), input, optimizer, checkpoint; samples/s; peak memory per rank. The "
+        "settings run in interleaved rounds; one process is measured at its default threads "
+        "and at one thread, and the faster is the baseline. Writes OUT/report.md, "
+        "OUT/results.json and, with matplotlib (pip install \"replicator[examples]\"), PNG "
+        "plots. The script picks its strategy with "
         "rp.get_strategy(os.environ['REPLICATOR_STRATEGY']) (or takes {strategy} in its "
         "arguments) and trains through strategy.run. Script arguments go after --.")
     bench.add_argument("script", help="the training script")
@@ -41,7 +44,10 @@ def add_subcommands(sub: Any) -> None:
     bench.add_argument("--steps", type=int, default=30, help="measured steps per setting "
                        "(default 30)")
     bench.add_argument("--warmup", type=int, default=3,
-                       help="steps run before measuring (default 3)")
+                       help="steps run before measuring, in each round (default 3)")
+    bench.add_argument("--rounds", type=int, default=3,
+                       help="run every setting this many times in turn, the steps split "
+                       "over them; each setting's figure is its median round (default 3)")
     bench.add_argument("--out", default="bench", help="output folder (default ./bench)")
     _PARSERS["bench"] = bench
 
@@ -135,7 +141,7 @@ def _bench(args: argparse.Namespace, script_args: list[str]) -> int:
 
     report = bench_script(args.script, script_args, nproc=args.nproc,
                           strategies=args.strategies, steps=args.steps, warmup=args.warmup,
-                          out_dir=args.out)
+                          out_dir=args.out, rounds=args.rounds)
     return 0 if all(r.ok for r in report.results) else 1
 
 

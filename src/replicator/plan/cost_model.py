@@ -320,204 +320,278 @@ def ps_queue_wait(base_step: float, workers: int, service: float) -> float:
     return (math.sqrt(t * t + 4 * workers * service * service) - t) / 4
 
 
+@dataclass
+class _Step:
+    """What every strategy's cost function reads: the setting and its shared figures."""
+
+    strategy: str
+    n: int
+    m: ModelProfile
+    c: Cluster
+    num_ps: int
+    microbatches: int
+
+    @property
+    def busy(self) -> int:
+        return self.c.on_host(self.n)
+
+    @property
+    def cpu(self) -> bool:
+        return self.c.device.is_cpu
+
+    def compute(self, batch: float, busy: int | None = None) -> float:
+        return _compute(self.m, self.c, batch, self.busy if busy is None else busy)
+
+
+@dataclass
+class _Costs:
+    """One strategy's share of a step: its compute and communication, and what the common
+    part (optimizer, input, waits) needs to know."""
+
+    compute: float
+    comm: float = 0.0
+    overhead: float = 0.0
+    opt_share: float = 1.0  # the share of the optimizer step a rank runs
+    batch: float | None = None  # a rank's samples (default: the global batch over n)
+    busy: int | None = None  # busy ranks on a host (default: the setting's)
+    threads: int = 0
+    ps_service: float = 0.0  # a parameter server's time per push (its queue)
+    ps_claim: float = 0.0  # a parameter server's batch claim per step
+    notes: list[str] = field(default_factory=list)
+
+
+def _one_device_costs(s: _Step) -> _Costs:
+    """All threads of one process, or one thread where the profile measured that faster."""
+    m = s.m
+    compute = s.compute(m.global_batch, 1)
+    if s.cpu and m.measured and m.threads > 1 and m.compute_fit != (0.0, 0.0):
+        one = m.compute_1thread(m.global_batch) + m.optimizer_seconds_1thread \
+            + m.input_seconds_1thread
+        if one < 0.9 * (compute + m.optimizer_seconds + m.input_seconds):
+            return _Costs(m.compute_1thread(m.global_batch), busy=1, threads=1, notes=[
+                f"one thread (OMP_NUM_THREADS=1) measured faster than {m.threads}: the "
+                "prediction uses it"])
+    return _Costs(compute, busy=1)
+
+
+def _data_parallel_costs(s: _Step) -> _Costs:
+    """Mirrored: a replica's share of the batch, then an all-reduce of the gradients, part
+    of which overlaps the backward pass where the device overlaps."""
+    compute = s.compute(s.m.global_batch / s.n)
+    comm = _allreduce(s.c, s.m.grad_bytes, s.n)
+    comm = max(0.0, comm - s.c.device.overlap * compute * 2 / 3)
+    return _Costs(compute, comm, _sync_overhead(s.c, s.n))
+
+
+def _central_storage_costs(s: _Step) -> _Costs:
+    """Mirrored's reduce onto one rank, then after the central rank's step a broadcast of
+    the parameters, which overlaps nothing: a point where every rank waits. On one CPU host
+    two copies of every parameter byte (the central rank writes them into the segment, the
+    others read them out), and with no more busy ranks than cores a second wait (the
+    broadcast's check, then the broadcast; with more, the wait for a rank not yet run,
+    counted with the stragglers, covers both)."""
+    costs = _data_parallel_costs(s)
+    c = s.c
+    costs.comm += _one_more_collective(c, s.n)
+    if s.cpu and c.hosts(s.n) == 1:
+        costs.comm += 2 * s.m.param_bytes / c.machine.memory_bandwidth \
+            * c.machine.slowdown_for(s.busy)
+        if s.busy <= c.machine.cores:
+            costs.comm += _one_more_collective(c, s.n)
+    return costs
+
+
+def _fsdp_one_cpu_host(s: _Step, units: int, state_ratio: float) -> float:
+    """FSDP on one CPU host (torch's FSDP2 on gloo): per block the engine's measured cost
+    (two all-gathers, a reduce-scatter, the copies and hooks around them) plus the bytes,
+    measured on narrow and wide blocks, or else twice an all-reduce's (gloo's reduce-scatter
+    moves as many as an all-reduce, each all-gather half as many)."""
+    machine, n, m = s.c.machine, s.n, s.m
+    fitted = machine.fsdp_block_seconds(n, state_ratio)
+    if fitted is not None:  # measured on narrow and wide blocks: a + b * bytes
+        return units * fitted[0] + fitted[1] * m.param_bytes
+    alpha = machine.collective_alpha("native", n)
+    bytes_part = machine.allreduce_seconds("native", m.param_bytes, n) - alpha
+    per_unit = machine.per_world(machine.fsdp_unit, n) if machine.fsdp_unit else 3 * alpha
+    return units * per_unit + bytes_part * fsdp_traffic_bytes(1.0, n, gloo=True) \
+        / allreduce_traffic_bytes(1.0, n)
+
+
+def _fsdp_costs(s: _Step) -> _Costs:
+    """Sharded weights: every block gathered for forward and again for backward, its
+    gradients reduce-scattered; a rank steps its shard of the optimizer."""
+    c, n, m = s.c, s.n, s.m
+    h = c.hosts(n)
+    units = max(1, m.weight_tensors)
+    state_ratio = m.optimizer_state_bytes / m.param_bytes if m.param_bytes else 0.0
+    if s.cpu and h == 1:
+        comm = _fsdp_one_cpu_host(s, units, state_ratio)
+    else:
+        bandwidth = c.link.bandwidth if h > 1 else c.device.intra_bandwidth
+        alpha = c.link.alpha if h > 1 else c.device.intra_alpha
+        comm = fsdp_traffic_bytes(m.param_bytes, n, gloo=s.cpu) / bandwidth
+        fitted = c.machine.fsdp_block_seconds(max(2, s.busy), state_ratio) if s.cpu else None
+        if fitted is not None:
+            # CPU hosts: a block's own cost (its hooks, copies and gloo's steps, as measured
+            # on one host of this many) runs while the bytes of the blocks around it are on
+            # the wire, so the slower of the two sets the pace
+            comm = max(comm, units * fitted[0])
+        comm += 3 * units * (n - 1) * alpha
+    comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
+    return _Costs(s.compute(m.global_batch / n), comm, opt_share=1.0 / n)
+
+
+def _pipeline_slot(s: _Step, stages: int, per_mb: float) -> float:
+    """One microbatch slot of the busiest stage. The default cut balances parameters, not
+    FLOPs, so that stage does its FLOP share of the work that grows with the samples. Of the
+    fixed cost of a forward and backward a stage repeats in every slot what its layers cost
+    whatever the batch (an even share: their calls, reading each weight in forward and
+    backward and writing its gradient); the step's own fixed cost (the loss, the engine, the
+    run) the schedule replaces by its own, the measured slot cost."""
+    c, m = s.c, s.m
+    fixed = s.compute(0.0)
+    slot_fixed = fixed / stages
+    if s.cpu and m.layer_calls:
+        per_layer = m.layer_calls * c.machine.layer_call \
+            + 3 * m.param_bytes / c.machine.memory_bandwidth
+        slot_fixed = min(fixed, per_layer * c.machine.slowdown_for(s.busy)) / stages
+    slot = slot_fixed + (s.compute(per_mb) - fixed) * m.stage_share(stages)
+    return slot + (c.machine.pipeline_slot if s.cpu else 0.0)  # the schedule's own cost
+
+
+def _pipeline_costs(s: _Step) -> _Costs:
+    """Stages of the model's layers (the rest of the workers data-parallel replicas), each
+    step ``microbatches + stages - 1`` slots of the busiest stage plus the sends between."""
+    c, n, m = s.c, s.n, s.m
+    stages = pipeline_stages(n, m.weight_tensors)
+    data = max(1, n // stages)
+    notes = [f"{stages} stages (the model has {m.weight_tensors} weight layers) x {data} "
+             "data-parallel replicas"] if stages < n else []
+    microbatches = max(s.microbatches, stages)
+    per_mb = m.global_batch / data / microbatches
+    boundary = (m.boundary_bytes_per_sample or m.activation_bytes_per_sample
+                / max(2, m.weight_tensors)) * per_mb
+    if s.cpu and c.hosts(n) == 1:  # the fixed part is in the measured slot
+        send = c.machine.p2p.b * boundary
+    else:
+        send = boundary / (c.device.intra_bandwidth or c.link.bandwidth) + c.link.alpha
+    slots = microbatches + stages - 1
+    compute = slots * _pipeline_slot(s, stages, per_mb)
+    if not m.pipeline_forward_backward:  # model(x) runs the stages once more, no autograd:
+        # microbatch by microbatch, the busiest stage's forward of the replica's batch
+        compute += s.compute(m.global_batch / data) * (m.forward_fraction or 1.0 / 3) \
+            * m.stage_share(stages)
+        notes.append("model(x) then loss.backward() runs one extra forward pass; "
+                     "strategy.forward_backward avoids it")
+    comm = 2 * slots * send + _allreduce(c, m.grad_bytes / stages, data)
+    return _Costs(compute, comm, opt_share=1.0 / stages, batch=m.global_batch / data,
+                  notes=notes)
+
+
+def _parameter_server_costs(s: _Step) -> _Costs:
+    """Asynchronous workers: each pushes its gradients and pulls the new weights (a round
+    trip measured here on one host), while the servers, one thread each, run the optimizer
+    and share the cores with the busy workers. Servers wait most of the time: compute
+    contends with the workers only."""
+    c, n, m = s.c, s.n, s.m
+    rt = c.machine.ps_round_trip
+    server_update = (m.optimizer_seconds_1thread if s.cpu and m.measured
+                     else _optimizer(m, c, 1.0, 1)) / s.num_ps
+    if s.cpu and c.hosts(n) == 1:
+        worker = rt.seconds(m.grad_bytes)
+        # of the round trip's four copies per byte (out of the worker, into the server, out
+        # of it, into the worker) the server makes two
+        slow = c.machine.slowdown_for(n) if n + s.num_ps > c.machine.cores else 1.0
+        service = (rt.b * m.grad_bytes / 2 / s.num_ps + server_update) * slow
+        claim = rt.a  # the next batch claimed from server 0 (exactly-once input)
+    else:
+        bw = c.link.bandwidth if c.hosts(n) > 1 else c.device.intra_bandwidth
+        worker = ps_step_seconds(rt.a, m.grad_bytes, m.param_bytes, 1, 1, bw, c.link.alpha)
+        slow = 1.0
+        service = (m.grad_bytes + m.param_bytes) / (s.num_ps * bw) + server_update
+        claim = 2 * (c.link.alpha if c.hosts(n) > 1 else c.device.intra_alpha)
+    return _Costs(s.compute(m.global_batch / n), worker, server_update * slow, opt_share=0.0,
+                  ps_service=service, ps_claim=claim, notes=[
+                      "asynchronous: each worker steps on its own; the step is one worker's"])
+
+
+#: One cost function per strategy the planner predicts.
+COSTS = {"one_device": _one_device_costs, "mirrored": _data_parallel_costs,
+         "central_storage": _central_storage_costs, "fsdp": _fsdp_costs,
+         "pipeline": _pipeline_costs, "parameter_server": _parameter_server_costs}
+
+
+def _why_not(s: _Step) -> str:
+    """Why the setting cannot run ("" when it can)."""
+    m, n = s.m, s.n
+    stages = pipeline_stages(n, m.weight_tensors)
+    replicas = n if s.strategy != "pipeline" else n // stages
+    if s.strategy == "one_device" and n != 1:
+        return "one_device runs on one process"
+    if m.global_batch < replicas:
+        return (f"the global batch of {m.global_batch} cannot be split across {replicas} "
+                "replicas (each needs at least one sample)")
+    if m.measured and m.global_batch % replicas:
+        return (f"the global batch of {m.global_batch} does not split evenly over {replicas} "
+                f"replicas, which the library requires (use a multiple of {replicas})")
+    pieces = max(s.microbatches, stages)
+    if s.strategy == "pipeline" and m.measured and (m.global_batch // replicas) % pieces:
+        return (f"a replica's batch of {m.global_batch // replicas} does not split into "
+                f"{pieces} microbatches")
+    return ""
+
+
+def _common_parts(s: _Step, k: _Costs) -> dict[str, float]:
+    """The step's parts: the strategy's compute and communication, plus what every setting
+    pays (the wait for the slowest rank, the loop's own collectives, the optimizer, the
+    input) and, for a parameter server, the waits in the servers' queue."""
+    c, m, n = s.c, s.m, s.n
+    busy = k.busy if k.busy is not None else s.busy
+    batch = k.batch if k.batch is not None else m.global_batch / n
+    comm = k.comm + (straggler_wait_seconds(c.machine, s.strategy, k.compute, busy,
+                                            m.weight_tensors) if s.cpu else 0.0)
+    optimizer = _optimizer(m, c, k.opt_share, busy)
+    input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch,
+                     m.input_occasional_seconds)
+    if s.cpu and m.measured and (busy > 1 or k.threads == 1):  # one thread per rank
+        input_s = _input(m.input_seconds_1thread or m.input_seconds, c.machine.input_fixed,
+                         batch / m.global_batch, m.input_occasional_seconds
+                         ) * c.machine.slowdown_for(busy)
+    if k.threads == 1:
+        optimizer = m.optimizer_seconds_1thread
+    parts = {"compute": k.compute, "communication": comm, "optimizer": optimizer,
+             "input": input_s, "overhead": k.overhead + _small_collectives(m, c, n)}
+    if s.strategy == "parameter_server":
+        # the push and the batch claim each find the server busy with another worker's push
+        # part of the time; the servers' share of every worker's traffic bounds the step
+        base = sum(parts.values()) + k.ps_claim
+        wait = ps_queue_wait(base, n, k.ps_service)
+        parts["input"] += k.ps_claim + wait
+        parts["communication"] += wait + max(0.0, n * k.ps_service - base - 2 * wait)
+    return parts
+
+
 def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, *,
             num_ps: int = 1, microbatches: int = PIPELINE_MICROBATCHES) -> Prediction:
     """Predict ``strategy`` on ``workers`` replicas (a parameter server adds ``num_ps``
     processes; a pipeline of ``workers`` stages, or fewer when the model has fewer layers,
     with the rest as data-parallel replicas)."""
     _check(workers)
-    if strategy not in STRATEGIES:
+    if strategy not in COSTS:
         raise ValueError(f"unknown strategy {strategy!r} for the planner; known: "
                          f"{', '.join(STRATEGIES)}")
-    c, n, m = cluster, workers, model
-    notes: list[str] = []
-    why_not = ""
-    processes = n + (num_ps if strategy == "parameter_server" else 0)
-    busy = c.on_host(n)
-    batch = m.global_batch / n
-    replicas = n if strategy != "pipeline" else n // pipeline_stages(n, m.weight_tensors)
-    if strategy == "one_device" and n != 1:
-        why_not = "one_device runs on one process"
-    elif m.global_batch < replicas:
-        why_not = (f"the global batch of {m.global_batch} cannot be split across {replicas} "
-                   "replicas (each needs at least one sample)")
-    elif m.measured and m.global_batch % replicas:
-        why_not = (f"the global batch of {m.global_batch} does not split evenly over "
-                   f"{replicas} replicas, which the library requires (use a multiple of "
-                   f"{replicas})")
-    elif strategy == "pipeline" and m.measured and \
-            (m.global_batch // replicas) % max(microbatches,
-                                               pipeline_stages(n, m.weight_tensors)):
-        why_not = (f"a replica's batch of {m.global_batch // replicas} does not split into "
-                   f"{max(microbatches, pipeline_stages(n, m.weight_tensors))} microbatches")
-    comm = overhead = 0.0
-    ps_service = ps_claim = 0.0
-    opt_share = 1.0
-    threads = 0
-    if strategy == "one_device":
-        compute = _compute(m, c, m.global_batch, 1)
-        busy = 1
-        if c.device.is_cpu and m.measured and m.threads > 1 and m.compute_fit != (0.0, 0.0):
-            one = m.compute_1thread(m.global_batch) + m.optimizer_seconds_1thread \
-                + m.input_seconds_1thread
-            if one < 0.9 * (compute + m.optimizer_seconds + m.input_seconds):
-                threads = 1  # one thread measured clearly faster than all of them
-                notes.append(f"one thread (OMP_NUM_THREADS=1) measured faster than "
-                             f"{m.threads}: the prediction uses it")
-                compute = m.compute_1thread(m.global_batch)
-    elif strategy == "fsdp":
-        compute = _compute(m, c, batch, busy)
-        opt_share = 1.0 / n
-        h = c.hosts(n)
-        bandwidth = c.link.bandwidth if h > 1 else (
-            c.device.intra_bandwidth if not c.device.is_cpu else 0.0)
-        alpha = c.link.alpha if h > 1 else c.device.intra_alpha
-        units = max(1, m.weight_tensors)
-        state_ratio = m.optimizer_state_bytes / m.param_bytes if m.param_bytes else 0.0
-        if c.device.is_cpu and h == 1:  # torch's FSDP2 collectives run on gloo here
-            # per block: the engine's measured cost (two all-gathers, a reduce-scatter, the
-            # copies and hooks around them), plus the bytes: measured on narrow and wide
-            # blocks, or else twice an all-reduce's (gloo's reduce-scatter moves as many as
-            # an all-reduce, each all-gather half as many)
-            fitted = c.machine.fsdp_block_seconds(n, state_ratio)
-            if fitted is not None:  # measured on narrow and wide blocks: a + b * bytes
-                per_block, per_byte = fitted
-                comm = units * per_block + per_byte * m.param_bytes
-            else:
-                alpha_here = c.machine.collective_alpha("native", n)
-                bytes_part = c.machine.allreduce_seconds("native", m.param_bytes, n) \
-                    - alpha_here
-                per_unit = c.machine.per_world(c.machine.fsdp_unit, n) \
-                    if c.machine.fsdp_unit else 3 * alpha_here
-                comm = units * per_unit + bytes_part * fsdp_traffic_bytes(
-                    1.0, n, gloo=True) / allreduce_traffic_bytes(1.0, n)
-        else:
-            comm = fsdp_traffic_bytes(m.param_bytes, n, gloo=c.device.is_cpu) / bandwidth
-            fitted = c.machine.fsdp_block_seconds(max(2, c.on_host(n)), state_ratio) \
-                if c.device.is_cpu else None
-            if fitted is not None:
-                # CPU hosts: a block's own cost (its hooks, copies and gloo's steps, as
-                # measured on one host of this many) runs while the bytes of the blocks
-                # around it are on the wire, so the slower of the two sets the pace
-                comm = max(comm, units * fitted[0])
-            comm += 3 * units * (n - 1) * alpha
-        comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
-    elif strategy == "pipeline":
-        stages = pipeline_stages(n, m.weight_tensors)
-        data = max(1, n // stages)
-        if stages < n:
-            notes.append(f"{stages} stages (the model has {m.weight_tensors} weight layers) x "
-                         f"{data} data-parallel replicas")
-        if microbatches < stages:
-            microbatches = stages
-        per_mb = m.global_batch / data / microbatches
-        # the slot is the busiest stage's: the default cut balances parameters, not FLOPs, so
-        # the busiest stage does its FLOP share of the work that grows with the samples. Of
-        # the fixed cost of a forward and backward, a stage repeats in every slot what its
-        # layers cost whatever the batch (an even share): their calls, and reading each weight
-        # in forward and backward and writing its gradient; the step's own fixed cost (the
-        # loss, the engine, the run) the schedule replaces by its own, the measured slot cost
-        fixed = _compute(m, c, 0.0, busy)
-        slot_fixed = fixed / stages
-        if c.device.is_cpu and m.layer_calls:
-            per_layer = (m.layer_calls * c.machine.layer_call
-                         + 3 * m.param_bytes / c.machine.memory_bandwidth)
-            slot_fixed = min(fixed, per_layer * c.machine.slowdown_for(busy)) / stages
-        slot = slot_fixed + (_compute(m, c, per_mb, busy) - fixed) * m.stage_share(stages)
-        boundary = (m.boundary_bytes_per_sample or m.activation_bytes_per_sample
-                    / max(2, m.weight_tensors)) * per_mb
-        if c.device.is_cpu and c.hosts(n) == 1:  # the fixed part is in the measured slot
-            send = c.machine.p2p.b * boundary
-        else:
-            send = boundary / (c.device.intra_bandwidth or c.link.bandwidth) + c.link.alpha
-        slots = microbatches + stages - 1
-        if c.device.is_cpu:  # the schedule's own cost per slot, measured here
-            slot += c.machine.pipeline_slot
-        compute = slots * slot
-        comm = 2 * slots * send
-        if not m.pipeline_forward_backward:  # model(x) runs the stages once more, no autograd
-            # microbatch by microbatch: the busiest stage's forward of the replica's batch
-            forward = m.forward_fraction or 1.0 / 3
-            compute += _compute(m, c, m.global_batch / data, busy) * forward \
-                * m.stage_share(stages)
-            notes.append("model(x) then loss.backward() runs one extra forward pass; "
-                         "strategy.forward_backward avoids it")
-        comm += _allreduce(c, m.grad_bytes / stages, data)
-        opt_share = 1.0 / stages
-        batch = m.global_batch / data
-    elif strategy == "parameter_server":
-        # servers run beside the workers and wait most of the time: compute contends with
-        # the workers only; the transport's own cost per round trip is measured here
-        compute = _compute(m, c, batch, busy)
-        opt_share = 0.0
-        rt = c.machine.ps_round_trip
-        # the servers run the optimizer, one thread each
-        server_update = (m.optimizer_seconds_1thread if c.device.is_cpu and m.measured
-                         else _optimizer(m, c, 1.0, 1)) / num_ps
-        if c.device.is_cpu and c.hosts(n) == 1:
-            worker = rt.seconds(m.grad_bytes)
-            # while a worker waits, its server shares the cores with the other workers; of the
-            # round trip's four copies per byte (out of the worker, into the server, out of
-            # it, into the worker) the server makes two
-            slow = c.machine.slowdown_for(n) if processes > c.machine.cores else 1.0
-            ps_service = (rt.b * m.grad_bytes / 2 / num_ps + server_update) * slow
-            ps_claim = rt.a  # the next batch claimed from server 0 (exactly-once input)
-        else:
-            bw = c.link.bandwidth if c.hosts(n) > 1 else c.device.intra_bandwidth
-            worker = ps_step_seconds(rt.a, m.grad_bytes, m.param_bytes, 1, 1, bw,
-                                     c.link.alpha)
-            slow = 1.0
-            ps_service = (m.grad_bytes + m.param_bytes) / (num_ps * bw) + server_update
-            ps_claim = 2 * (c.link.alpha if c.hosts(n) > 1 else c.device.intra_alpha)
-        comm = worker
-        overhead = server_update * slow
-        notes.append("asynchronous: each worker steps on its own; the step is one worker's")
-    else:  # mirrored / central_storage: data parallel
-        compute = _compute(m, c, batch, busy)
-        comm = _allreduce(c, m.grad_bytes, n)
-        backward = compute * 2 / 3
-        comm = max(0.0, comm - c.device.overlap * backward)
-        if strategy == "central_storage":
-            # reduce onto one rank (the all-reduce's cost), then after the central rank's
-            # step a broadcast of the parameters, which overlaps nothing: a point where every
-            # rank waits
-            comm += _one_more_collective(c, n)
-            if c.device.is_cpu and c.hosts(n) == 1:
-                # two copies of every parameter byte: the central rank writes them into the
-                # segment, the others read them out; and with no more busy ranks than cores,
-                # a second wait (the broadcast's check, then the broadcast itself; with more,
-                # the wait for a rank not yet run, counted below, covers both)
-                comm += 2 * m.param_bytes / c.machine.memory_bandwidth * \
-                    c.machine.slowdown_for(busy)
-                if busy <= c.machine.cores:
-                    comm += _one_more_collective(c, n)
-        overhead = _sync_overhead(c, n)
-    if c.device.is_cpu:
-        comm += straggler_wait_seconds(c.machine, strategy, compute, busy, m.weight_tensors)
-    overhead += _small_collectives(m, c, n)
-    optimizer = _optimizer(m, c, opt_share, busy)
-    input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch,
-                     m.input_occasional_seconds)
-    if c.device.is_cpu and m.measured and (busy > 1 or threads == 1):  # one thread per rank
-        input_s = _input(m.input_seconds_1thread or m.input_seconds, c.machine.input_fixed,
-                         batch / m.global_batch, m.input_occasional_seconds
-                         ) * c.machine.slowdown_for(busy)
-    if threads == 1:
-        optimizer = m.optimizer_seconds_1thread
-    breakdown = {"compute": compute, "communication": comm, "optimizer": optimizer,
-                 "input": input_s, "overhead": overhead}
-    if strategy == "parameter_server":
-        # the push and the batch claim each find the server busy with another worker's push
-        # part of the time; the servers' share of every worker's traffic bounds the step
-        base = sum(breakdown.values()) + ps_claim
-        wait = ps_queue_wait(base, n, ps_service)
-        breakdown["input"] += ps_claim + wait
-        breakdown["communication"] += wait + max(0.0, n * ps_service - base - 2 * wait)
-    step = sum(breakdown.values())
-    hosts = c.hosts(n)  # parameter servers run beside the workers
-    on_host = c.on_host(n) + (processes - n if hosts == 1 else 0)
-    mem, cap, text = _memory(m, c, strategy, n, batch, on_host if c.device.is_cpu else 1)
-    samples = m.global_batch / step if step > 0 else math.inf
-    return Prediction(strategy, n, processes, hosts, step, samples, breakdown,
-                      mem, cap, text, feasible=not why_not, why_not=why_not, notes=notes,
-                      threads=threads)
+    s = _Step(strategy, workers, model, cluster, num_ps, microbatches)
+    costs = COSTS[strategy](s)
+    parts = _common_parts(s, costs)
+    step = sum(parts.values())
+    processes = workers + (num_ps if strategy == "parameter_server" else 0)
+    hosts = cluster.hosts(workers)  # parameter servers run beside the workers
+    on_host = cluster.on_host(workers) + (processes - workers if hosts == 1 else 0)
+    batch = costs.batch if costs.batch is not None else model.global_batch / workers
+    mem, cap, text = _memory(model, cluster, strategy, workers, batch,
+                             on_host if s.cpu else 1)
+    why_not = _why_not(s)
+    return Prediction(strategy, workers, processes, hosts, step,
+                      model.global_batch / step if step > 0 else math.inf, parts, mem, cap,
+                      text, feasible=not why_not, why_not=why_not, notes=costs.notes,
+                      threads=costs.threads)

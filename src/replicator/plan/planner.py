@@ -140,7 +140,8 @@ def save_profile(script: str, script_args: Sequence[str], out_dir: str,
 def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str = "bench",
                    refresh: bool = False, log: Callable[[str], None] = print) -> ModelProfile:
     """Profile ``script`` in one process (cached by the script's content and arguments)."""
-    from replicator.plan.benchmark import Setting, _script_launcher, run_setting
+    from replicator.plan.benchmark import _script_launcher, run_setting
+    from replicator.plan.settings import Setting
 
     if not Path(script).is_file():
         raise ValueError(f"script {script!r} not found. HINT: give the path of the training "
@@ -164,7 +165,8 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
 def profile_function(train_fn: Callable[[Any], Any], *, out_dir: str = "bench",
                      log: Callable[[str], None] = print) -> ModelProfile:
     """Profile ``train_fn(strategy)`` in one worker process (not cached)."""
-    from replicator.plan.benchmark import Setting, _function_launcher, run_setting
+    from replicator.plan.benchmark import _function_launcher, run_setting
+    from replicator.plan.settings import Setting
 
     name = getattr(train_fn, "__qualname__", repr(train_fn))
     log(f"profiling {name} in one process ...")

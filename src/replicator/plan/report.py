@@ -12,12 +12,10 @@ import os
 import platform
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from replicator.plan.profiles import MachineProfile, save_json
-
-if TYPE_CHECKING:
-    from replicator.plan.benchmark import BenchReport
+from replicator.plan.settings import BenchReport, baseline, reliability_notes
 
 __all__ = ["format_table", "machine_profile_cached", "write_bench_report"]
 
@@ -68,10 +66,10 @@ def load_note(load: tuple[float, float], cores: int) -> str:
             f"{cores} cores: {state}")
 
 
-def _ceiling(bench: BenchReport, baseline: float | None) -> dict[int, float]:
+def _ceiling(bench: BenchReport, base: float | None) -> dict[int, float]:
     workers = [r.setting.workers for r in bench.results if r.ok]
     top = max(workers, default=1)
-    if baseline is None or top < 2:
+    if base is None or top < 2:
         return {}
     machine = machine_profile_cached(bench.out_dir)
     if machine is not None and all(n in machine.slowdown for n in range(1, top + 1)):
@@ -80,10 +78,10 @@ def _ceiling(bench: BenchReport, baseline: float | None) -> dict[int, float]:
         from replicator.plan.measure import quick_contention
 
         slow = quick_contention(top)
-    return {n: baseline * n / slow[n] for n in range(1, top + 1) if n in slow}
+    return {n: base * n / slow[n] for n in range(1, top + 1) if n in slow}
 
 
-def _rows(bench: BenchReport, baseline: float | None) -> list[list[object]]:
+def _rows(bench: BenchReport, base: float | None) -> list[list[object]]:
     rows: list[list[object]] = []
     for r in bench.results:
         if not r.ok:
@@ -94,7 +92,7 @@ def _rows(bench: BenchReport, baseline: float | None) -> list[list[object]]:
         rows.append([
             r.setting.label, r.setting.processes, r.steps, ms(r.step_seconds),
             f"{r.samples_per_second:.4g}",
-            f"{r.samples_per_second / baseline:.2f}x" if baseline else "",
+            f"{r.samples_per_second / base:.2f}x" if base else "",
             ms(b["compute"]), ms(b["communication"]), ms(r.overlapped), ms(b["input"]),
             ms(b["optimizer"]), ms(b["checkpoint"]),
             _memory(r)])
@@ -119,13 +117,15 @@ def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
     from replicator.plan import plots
 
     root = Path(bench.out_dir)
-    single = next((r for r in bench.results if r.ok and r.setting.strategy == "one_device"),
-                  None)
-    baseline = single.samples_per_second if single else None
-    bench.ceiling = _ceiling(bench, baseline)
-    rows = _rows(bench, baseline)
+    single = baseline(bench.results)
+    base = single.samples_per_second if single else None
+    bench.ceiling = _ceiling(bench, base)
+    rows = _rows(bench, base)
     cores = os.cpu_count() or 1
     notes = [load_note(bench.load_average, cores)]
+    if single is not None and sum(r.setting.key == "one_device x1" for r in bench.results) > 1:
+        notes.append(f"vs 1 proc: against {single.setting.label}, the faster one-process run")
+    notes += reliability_notes(bench.results, bench.load_average, cores)
     if any(r.ok and not r.comm_timing for r in bench.results):
         notes.append("the comm room's timers were off: communication counts as compute")
     if any(r.ok and r.setting.strategy in ("fsdp", "pipeline") for r in bench.results):
@@ -143,10 +143,10 @@ def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
     if plots.available() and any(r.ok for r in bench.results):
         points: dict[str, list[tuple[float, float]]] = {}
         for r in bench.results:
-            if r.ok:
+            if r.ok and r.setting.threads == 0:
                 points.setdefault(r.setting.strategy, []).append(
                     (float(r.setting.workers), r.samples_per_second))
-        plots.throughput_plot(points, root / "throughput.png", baseline=baseline,
+        plots.throughput_plot(points, root / "throughput.png", baseline=base,
                               ceiling=bench.ceiling, title=f"{Path(bench.target).name}: "
                               "throughput against replicas")
         plots.breakdown_plot([(r.setting.label, r.breakdown) for r in bench.results if r.ok],
@@ -154,7 +154,8 @@ def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
                              title=f"{Path(bench.target).name}: a step's breakdown")
         files += [str(root / "throughput.png"), str(root / "breakdown.png")]
     elif not plots.available():
-        notes.append("matplotlib is not installed: no plots (pip install matplotlib)")
+        notes.append('no plots: matplotlib is not installed (pip install "replicator[examples]" '
+                     "for bench/throughput.png and bench/breakdown.png)")
     md = [f"# replicator bench: {bench.target}", "",
           f"{platform.node() or 'this machine'}, {cores} cores; {notes[0]}.", "",
           format_table(HEADERS, rows, markdown=True), "",

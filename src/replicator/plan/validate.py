@@ -21,23 +21,22 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from replicator.plan.benchmark import (
+from replicator.plan.benchmark import _function_launcher, _run_all, _script_launcher
+from replicator.plan.cost_model import Prediction
+from replicator.plan.profiles import MachineProfile, ModelProfile
+from replicator.plan.recommend import Plan
+from replicator.plan.report import load_note, write_bench_report
+from replicator.plan.settings import (
     BENCH_STRATEGIES,
     BenchReport,
     Setting,
     SettingResult,
-    _function_launcher,
-    _run_all,
-    _script_launcher,
+    combine_rounds,
 )
-from replicator.plan.cost_model import Prediction
-from replicator.plan.profiles import MachineProfile, ModelProfile
-from replicator.plan.recommend import Plan
 
 __all__ = ["GOAL", "MAX_LOCAL_PROCESSES", "MIN_MEASURED_SECONDS", "combine_passes",
            "runnable_here", "summary", "validate", "validate_interleaved"]
@@ -114,13 +113,13 @@ def validate(plan: Plan, *, script: str | None = None, script_args: tuple[str, .
     predicted = {p.setting: p for p in plan.predictions}
 
     def steps_for(s: Setting) -> int:
-        p = predicted.get(s.label)
+        p = predicted.get(s.key)
         return steps_to_measure(p, steps, min_seconds) if p is not None else steps
 
     report = _run_all(target, settings, [], str(Path(out_dir) / folder), steps, warmup,
                       make, report=True, quiet=quiet, steps_for=steps_for)
     for r in report.results:
-        plan.measured[r.setting.label] = r.step_seconds if r.ok else None
+        plan.measured[r.setting.key] = r.step_seconds if r.ok else None
     return report
 
 
@@ -128,21 +127,13 @@ def combine_passes(reports: list[BenchReport], out_dir: str, echo: bool = True
                    ) -> tuple[dict[str, float | None], BenchReport]:
     """Each setting's median step time over ``reports`` (``None`` where no pass ran it), and
     one report of the pass nearest that median per setting (written to ``out_dir``)."""
-    from replicator.plan.report import write_bench_report
-
     measured: dict[str, float | None] = {}
     results: list[SettingResult] = []
     for first in reports[0].results:
-        label = first.setting.label
-        runs = [r for rep in reports if (r := rep.result(label)) is not None]
-        ok = [r for r in runs if r.ok]
-        if not ok:
-            measured[label] = None
-            results.append(runs[-1])
-            continue
-        median = statistics.median(r.step_seconds for r in ok)
-        measured[label] = median
-        results.append(min(ok, key=lambda r: abs(r.step_seconds - median)))
+        result = combine_rounds([r for rep in reports
+                                 if (r := rep.result(first.setting.label)) is not None])
+        measured[first.setting.key] = result.step_seconds if result.ok else None
+        results.append(result)
     loads = [rep.load_average for rep in reports]
     combined = BenchReport(reports[0].target, results, reports[0].skipped, out_dir,
                            (loads[0][0], loads[-1][1]))
@@ -196,8 +187,6 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
 
 def summary(plan: Plan, report: BenchReport) -> str:
     """One paragraph: how many settings ran, the errors against the goal, the load."""
-    from replicator.plan.report import load_note
-
     errors = []
     for p in plan.predictions:
         got = plan.measured.get(p.setting)
