@@ -11,7 +11,6 @@ from replicator.cli import main as cli_main
 from replicator.cluster.environment import (
     ClusterSpec,
     resolve_cluster,
-    timeout_from_env,
     use_cluster,
 )
 from replicator.cluster.interfaces import choose_gloo_interface, interface_towards
@@ -21,6 +20,8 @@ from replicator.cluster.resolvers import (
     as_spec,
     expand_nodelist,
 )
+from replicator.cluster.timeouts import DEFAULT_TIMEOUT_SECONDS, resolve_timeout
+from replicator.comm.options import CommunicationOptions
 from replicator.errors import ClusterConfigError
 from replicator.launch.multi_node import check_multi_node_args, run_multi_node
 
@@ -63,11 +64,20 @@ def test_bad_environment_is_a_clear_error(env, message):
         resolve_cluster(env)
 
 
-def test_timeout_from_env():
-    assert timeout_from_env(300, {}) == 300
-    assert timeout_from_env(300, {"REPLICATOR_TIMEOUT_SECONDS": "2.5"}) == 2.5
+def test_resolve_timeout_takes_the_first_that_is_set():
+    env = {"REPLICATOR_TIMEOUT_SECONDS": "2.5"}
+    options = CommunicationOptions(timeout_seconds=7)
+    assert resolve_timeout(env={}) == DEFAULT_TIMEOUT_SECONDS
+    assert resolve_timeout(env=env) == 2.5
+    assert resolve_timeout(None, options, env=env) == 7
+    assert resolve_timeout(4, options, env=env) == 4
+    assert resolve_timeout(None, CommunicationOptions(), env=env) == 2.5
     with pytest.raises(ClusterConfigError, match="must be positive"):
-        timeout_from_env(300, {"REPLICATOR_TIMEOUT_SECONDS": "0"})
+        resolve_timeout(env={"REPLICATOR_TIMEOUT_SECONDS": "0"})
+    with pytest.raises(ClusterConfigError, match="not a number"):
+        resolve_timeout(env={"REPLICATOR_TIMEOUT_SECONDS": "soon"})
+    with pytest.raises(ValueError, match="must be positive"):
+        resolve_timeout(-1)
 
 
 # -- resolvers: TF_CONFIG with several processes per host, SLURM, an explicit ClusterSpec -----

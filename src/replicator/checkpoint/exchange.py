@@ -17,21 +17,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replicator.cluster.process_group import DEFAULT_TIMEOUT_SECONDS, current_group
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.comm.collectives import Collectives
+from replicator.comm.groups import collective_device
 
 
 def group_collectives(group: dist.ProcessGroup | None = None) -> Collectives:
-    """Collectives over ``group`` (``None``: the whole job) with the job's timeout; one rank
+    """Collectives over ``group`` (``None``: the whole job) with the group's timeout; one rank
     of one when ``torch.distributed`` is not initialized (a single-process run)."""
     if not dist.is_available() or not dist.is_initialized():
-        return Collectives(0, 1, torch.device("cpu"), DEFAULT_TIMEOUT_SECONDS)
-    info = current_group()
-    timeout = info.timeout_seconds if info is not None else DEFAULT_TIMEOUT_SECONDS
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    return Collectives.for_group(group, device, timeout)
+        return Collectives(0, 1, torch.device("cpu"), resolve_timeout())
+    return Collectives.for_group(group, collective_device(group),
+                                 resolve_timeout(group=group))
 
 
 class Channel:

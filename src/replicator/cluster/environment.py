@@ -12,12 +12,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from replicator.cluster.env_names import TIMEOUT_ENV
 from replicator.cluster.resolvers import detect
 from replicator.cluster.spec import ClusterSpec
-from replicator.errors import ClusterConfigError
 
-__all__ = ["ClusterSpec", "use_cluster", "resolve_cluster", "timeout_from_env"]
+__all__ = ["ClusterSpec", "use_cluster", "resolve_cluster"]
 
 
 _EXPLICIT: ClusterSpec | None = None
@@ -41,17 +39,3 @@ def resolve_cluster(env: Mapping[str, str] | None = None) -> ClusterSpec:
         return _EXPLICIT
     return detect(os.environ if env is None else env)
 
-
-def timeout_from_env(default: float, env: Mapping[str, str] | None = None) -> float:
-    """The collective timeout in seconds set by the launcher, else ``default``."""
-    env = os.environ if env is None else env
-    raw = env.get(TIMEOUT_ENV)
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ClusterConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ClusterConfigError(f"{TIMEOUT_ENV} must be positive, got {value}")
-    return value

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from replicator.cluster.devices import device_identity
-from replicator.cluster.environment import ClusterSpec, resolve_cluster, timeout_from_env
+from replicator.cluster.environment import ClusterSpec, resolve_cluster
 from replicator.cluster.ports import listen
 from replicator.cluster.resolvers import check_membership
+from replicator.cluster.timeouts import resolve_timeout, set_group_timeout
 from replicator.errors import ClusterConfigError
 
 log = logging.getLogger("replicator")
 
-DEFAULT_TIMEOUT_SECONDS = 300.0
 #: The library's helper threads are named ``replicator-<what>``: comm lanes, the progress
 #: publisher, input prefetch, background checkpoint saves and deletions.
 HELPER_THREAD_PREFIX = "replicator-"
@@ -92,15 +92,14 @@ def _make_store(spec: ClusterSpec, timeout: timedelta, backend: str,
 
 def initialize(backend: str | None = None, timeout_seconds: float | None = None,
                device: torch.device | None = None) -> GroupInfo:
-    """Create the default process group from the environment, once; later calls return it.
-
-    A group the user created already is adopted as it is.
-    """
+    """Create the default process group from the environment, once; later calls return it
+    (with the first call's timeout: a later strategy that waits another time makes a group of
+    its own). A group the user created already is adopted as it is."""
     global _GROUP
     if _GROUP is not None and dist.is_initialized():
         return _GROUP
     spec = resolve_cluster()
-    timeout = timeout_seconds or timeout_from_env(DEFAULT_TIMEOUT_SECONDS)
+    timeout = resolve_timeout(timeout_seconds)
     if dist.is_initialized():
         _GROUP = GroupInfo(spec=spec, backend=dist.get_backend(), timeout_seconds=timeout,
                            store=None, owned=False)
@@ -118,6 +117,7 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
                             timeout=timedelta(seconds=timeout), **kwargs)
     _GROUP = GroupInfo(spec=spec, backend=backend, timeout_seconds=timeout, store=store,
                        owned=True)
+    set_group_timeout(dist.group.WORLD, timeout)
     _CREATED[0] = True
     _shutdown_at_exit()
     if spec.source == "single-process":

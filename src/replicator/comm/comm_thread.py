@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.comm import timing
 from replicator.comm.groups import (
     check_member,
-    default_timeout_seconds,
     group_ranks,
     new_private_group,
 )
@@ -143,7 +143,7 @@ def lane(group: dist.ProcessGroup | None = None) -> Lane:
             _release_at_exit(_forget_groups)
         found = _LANES.get(key)
         if found is None:
-            found = Lane(group_ranks(group), default_timeout_seconds(),
+            found = Lane(group_ranks(group), resolve_timeout(group=group),
                          str(dist.get_backend(group)))
             _LANES[key] = found
             weakref.finalize(key, found.close)

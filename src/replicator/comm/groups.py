@@ -19,8 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from replicator.cluster.environment import timeout_from_env
-from replicator.cluster.process_group import DEFAULT_TIMEOUT_SECONDS, current_group
+from replicator.cluster.timeouts import set_group_timeout
 from replicator.comm.op_errors import algorithm_error
 from replicator.errors import ClusterConfigError
 
@@ -70,14 +69,6 @@ def check_member(group: dist.ProcessGroup | None, call: str) -> None:
                          "(new_group returns a non-member marker on the others)")
 
 
-def default_timeout_seconds() -> float:
-    """The collective timeout of the running job (the process group's, else the launcher's)."""
-    info = current_group()
-    if info is not None:
-        return info.timeout_seconds
-    return timeout_from_env(DEFAULT_TIMEOUT_SECONDS)
-
-
 def split_into_nodes(ranks: list[int], ranks_per_node: int) -> list[list[int]]:
     """Consecutive runs of ``ranks_per_node`` ranks (the last node may hold fewer)."""
     if ranks_per_node < 1:
@@ -118,7 +109,9 @@ def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
         helper = c10d._new_process_group_helper
         store = c10d._get_default_store()
     except (ImportError, AttributeError):  # a torch without the helper: torch names the group
-        return _local_new_group(ranks, timeout, backend)
+        pg = _local_new_group(ranks, timeout, backend)
+        set_group_timeout(pg, timeout_seconds)
+        return pg
     try:
         pg, _ = helper(len(ranks), ranks.index(me), ranks, backend, store,
                        c10d.GroupName(name),
@@ -126,6 +119,7 @@ def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
     except RuntimeError as exc:
         raise algorithm_error(exc, me, f"forming the {purpose} group of ranks {ranks}") from exc
     c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    set_group_timeout(pg, timeout_seconds)
     return pg
 
 

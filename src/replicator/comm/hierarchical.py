@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from replicator.cluster.hosts import exchange_host_keys, group_by_host
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
 from replicator.comm.comm_thread import lane
 from replicator.comm.compression import Compression
 from replicator.comm.groups import (
     check_member,
     collective_device,
-    default_timeout_seconds,
     global_rank,
     group_ranks,
     new_private_group,
@@ -148,7 +148,7 @@ class HierarchicalAllReduce(CrossDeviceOps):
                 f"is not usable inside host(s) {bad} (needs {shm_dir()} on every member, all on "
                 "one machine). HINT: use intra_host='auto'")
         shared = shared_hosts[hosts.index(host)]
-        timeout = default_timeout_seconds()
+        timeout = resolve_timeout(self.timeout_seconds, group=group)
         backend = str(dist.get_backend(group))
         intra = new_private_group(host, "host", timeout, backend) if len(host) > 1 else None
         leaders = [h[0] for h in hosts]

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.comm.algorithms import BufferSpec, CrossDeviceOps
 from replicator.comm.compression import Compression
 from replicator.comm.groups import (
-    default_timeout_seconds,
     global_rank,
     group_rank,
     group_ranks,
@@ -284,7 +284,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             raise RuntimeError("no process group is running. HINT: start one first")
         found = self._channels.get(key)
         if found is None:
-            timeout = self.timeout_seconds or default_timeout_seconds()
+            timeout = resolve_timeout(self.timeout_seconds, group=group)
             found = self._channels[key] = _Channel(group, self.piece_bytes, timeout)
         return found
 

@@ -45,6 +45,7 @@ from replicator.cluster.env_names import (
 )
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.cluster.ports import LOOPBACK, check_port, listen
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.cluster.worker_errors import (
     error_path,
     read_backup,
@@ -230,7 +231,7 @@ class LocalGroup:
         sock = listen(store_addr, master_port or 0)
         self.port = sock.getsockname()[1]
         self.store = dist.TCPStore(store_addr, self.port, world, True,
-                                   timeout=timedelta(seconds=timeout_seconds or 300),
+                                   timeout=timedelta(seconds=resolve_timeout(timeout_seconds)),
                                    wait_for_workers=False, master_listen_fd=sock.detach())
         self.workers: list[_Worker] = []
         self.attempt = 0

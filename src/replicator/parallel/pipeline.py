@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from replicator.comm.groups import default_timeout_seconds
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.errors import ReplicatorError
 from replicator.parallel.pipeline_split import (
     PipelineSplitError,
@@ -213,7 +213,7 @@ class PipelineRunner:
         self.tied = TiedWeights(self.stages, self.owners, self.global_ranks, self.me,
                                 {k: " = ".join(v) for k, v in names.items()})
         if self.tied:
-            timeout = self._timeout_seconds or default_timeout_seconds()
+            timeout = resolve_timeout(self._timeout_seconds, group=self.group)
             with self._guard(self.tied.what("first broadcast")):
                 self.tied.connect(timeout)
 

@@ -36,6 +36,7 @@ import torch
 
 from replicator.cluster.ports import LOOPBACK, listen
 from replicator.cluster.process_group import on_shutdown
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.data import InputContext
 from replicator.errors import ParameterServerError
 from replicator.ps.parameter_server import ParameterServerStrategy
@@ -109,7 +110,7 @@ class ClusterCoordinator:
             raise SystemExit(0)
         self._strategy = strategy
         self._rank = strategy.replica_id
-        self._timeout = float(timeout_seconds or strategy._timeout)
+        self._timeout = resolve_timeout(timeout_seconds, group=strategy._replica_group.group)
         self._workers = list(range(1, strategy.num_replicas_in_sync))
         self._inline = not self._workers
         self._functions: dict[str, Callable[..., Any]] = {}

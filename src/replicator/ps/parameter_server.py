@@ -35,9 +35,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 from replicator.cluster.cpu_scheduling import use_batch_scheduling
 from replicator.cluster.env_names import NUM_PS_ENV, REJOIN_ENV
-from replicator.cluster.environment import resolve_cluster, timeout_from_env
+from replicator.cluster.environment import resolve_cluster
 from replicator.cluster.ports import LOOPBACK, listen
-from replicator.cluster.process_group import DEFAULT_TIMEOUT_SECONDS, initialize, on_shutdown
+from replicator.cluster.process_group import initialize, on_shutdown
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.cluster.topology import Topology
 from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.shm_segment import align
@@ -167,8 +168,8 @@ class ParameterServerStrategy(Strategy):
     def _join_job(self, timeout_seconds: float | None, address: str | None
                   ) -> tuple[dist.Store, int]:
         """Start with the whole job: the process group, the topology, the workers' group."""
-        info = initialize(timeout_seconds=timeout_seconds)
-        self._timeout = float(timeout_seconds or info.timeout_seconds)
+        self._timeout = resolve_timeout(timeout_seconds)
+        info = initialize(timeout_seconds=self._timeout)
         # chief, workers and servers wake each other every step: on too few cores, batch
         # scheduling keeps the servers of one request working at once (see the module)
         use_batch_scheduling(info.spec.local_world_size, announce=info.spec.rank == 0)
@@ -194,7 +195,7 @@ class ParameterServerStrategy(Strategy):
                 "other workers' collectives have moved on without it. HINT: use staleness=None "
                 "or a bound k for jobs that survive lost workers.")
         spec = resolve_cluster()
-        self._timeout = float(timeout_seconds or timeout_from_env(DEFAULT_TIMEOUT_SECONDS))
+        self._timeout = resolve_timeout(timeout_seconds)
         use_batch_scheduling(spec.local_world_size)
         try:
             raw = dist.TCPStore(spec.master_addr, spec.master_port or 0, spec.world_size, False,

@@ -37,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from replicator.cluster.devices import default_device_for
 from replicator.cluster.environment import resolve_cluster
 from replicator.cluster.process_group import initialize
+from replicator.cluster.timeouts import set_group_timeout
 from replicator.cluster.topology import Topology
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import GradientSynchronizer
@@ -47,7 +48,7 @@ from replicator.parallel.fsdp import apply_fsdp, is_unsharded_view
 from replicator.parallel.pipeline import PipelineRunner
 from replicator.parallel.tensor_parallel import apply_tensor_parallel
 from replicator.strategies.base import Strategy
-from replicator.strategies.replicas import ReplicaGroup, bound_timeout
+from replicator.strategies.replicas import ReplicaGroup
 from replicator.strategies.state_dict import (
     gathered_state_dict,
     mark_stage_placeholders,
@@ -131,7 +132,7 @@ class MeshStrategy(Strategy):
         self._stages = ReplicaGroup(device, topo, "pipeline", timeout_seconds=timeout_seconds) \
             if topo.size("pipeline") > 1 else None
         for axis in topo.axes:  # tensor and fsdp groups wait no longer than the job either
-            bound_timeout(topo.group(axis), self._replica_group.timeout_seconds)
+            set_group_timeout(topo.group(axis), self._replica_group.timeout_seconds)
         # parameters replaced by sharded ones (old -> new), for optimizers built in scope
         self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._pipelines: list[PipelineRunner] = []  # per set-up module

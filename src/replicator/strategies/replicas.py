@@ -10,9 +10,10 @@ Strategies keep only what is their own: broadcast and hook (mirrored), reduce to
 (central storage), shard, split or cut (mesh), place on servers (parameter server).
 Lightning Fabric's ``ParallelStrategy`` has this shape.
 
-Opening a group bounds its waits. The groups ``DeviceMesh`` makes for mesh axes keep torch's
-30-minute default timeout; they are given the job's timeout here, so a rank stalled in an
-axis collective fails the job after ``--timeout``. The tracker is always built for the
+Opening a group bounds its waits with the strategy's own timeout (``resolve_timeout``): the
+groups ``DeviceMesh`` makes for mesh axes, which otherwise wait torch's 30 minutes, and, when
+an earlier strategy made the default group with another timeout, a group of every rank made
+for this one. The tracker is always built for the
 group's global ranks (its store entries are keyed by them), so the error names the rank that
 did not arrive, also when several groups of one axis run side by side.
 """
@@ -22,34 +23,20 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from replicator.cluster.process_group import (
-    DEFAULT_TIMEOUT_SECONDS,
-    initialize,
-    on_shutdown,
-    open_store_client,
-)
+from replicator.cluster.process_group import initialize, on_shutdown, open_store_client
+from replicator.cluster.timeouts import resolve_timeout, set_group_timeout
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
 from replicator.comm.collective_tracker import CollectiveTracker
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
+from replicator.comm.groups import new_private_group
 from replicator.comm.reduce_op import ReduceOp
-
-
-def bound_timeout(group: dist.ProcessGroup | None, seconds: float) -> None:
-    """Give ``group`` a collective timeout of ``seconds`` (a mesh axis group otherwise waits
-    torch's default 30 minutes); the default group (``None``) keeps the job's own."""
-    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
-        return
-    set_timeout = getattr(group, "set_timeout", None)
-    if callable(set_timeout):  # torch >= 2.6; older ones keep the group's creation timeout
-        set_timeout(timedelta(seconds=seconds))
 
 
 class ReplicaGroup:
@@ -67,15 +54,18 @@ class ReplicaGroup:
             raise ValueError(f"ReplicaGroup(axis={axis!r}) needs the topology the axis belongs "
                              "to. HINT: pass topology=rp.Topology(...), or no axis for the "
                              "whole job")
-        info = initialize(timeout_seconds=timeout_seconds, device=device)
+        seconds = resolve_timeout(timeout_seconds)
+        info = initialize(timeout_seconds=seconds, device=device)
         group: dist.ProcessGroup | None = None
         roles = None
-        seconds = info.timeout_seconds
         if topology is not None:
             group = topology.data_group() if axis is None else topology.group(axis)
             roles = dict(enumerate(topology.roles))
-            seconds = float(timeout_seconds or info.timeout_seconds)
-            bound_timeout(group, seconds)
+            set_group_timeout(group, seconds)
+        elif seconds != info.timeout_seconds and dist.get_world_size() > 1:
+            # the default group waits an earlier strategy's timeout: this one's collectives
+            # get a group of every rank that waits its own
+            group = new_private_group(list(range(dist.get_world_size())), "replicas", seconds)
         tracker = CollectiveTracker.for_group(group, open_store_client(info), roles=roles)
         on_shutdown(tracker.close)
         self._open(device, topology, axis,
@@ -83,11 +73,11 @@ class ReplicaGroup:
 
     @classmethod
     def single(cls, device: torch.device,
-               timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> ReplicaGroup:
+               timeout_seconds: float | None = None) -> ReplicaGroup:
         """One replica on its own, with no process group (one device; a worker restarted
         alone): reductions return the local value."""
         me = cls.__new__(cls)
-        me._open(device, None, None, Collectives(0, 1, device, timeout_seconds))
+        me._open(device, None, None, Collectives(0, 1, device, resolve_timeout(timeout_seconds)))
         return me
 
     def _open(self, device: torch.device, topology: Topology | None, axis: str | None,

@@ -1,0 +1,62 @@
+"""The one place a timeout is chosen: every process group, store and wait of the library takes
+its seconds from :func:`resolve_timeout`, and a group made with a timeout is remembered with it
+(:func:`set_group_timeout`) so that waits over that group wait as long as its collectives do.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from replicator.cluster.env_names import TIMEOUT_ENV
+from replicator.errors import ClusterConfigError
+
+#: How long anything waits when neither the caller nor the launcher (``--timeout``) said.
+DEFAULT_TIMEOUT_SECONDS = 300.0
+_NO_GROUP: Any = object()  # "the wait is not over a process group"
+_OF_GROUP: weakref.WeakKeyDictionary[dist.ProcessGroup, float] = weakref.WeakKeyDictionary()
+
+
+def resolve_timeout(timeout_seconds: float | None = None, options: Any = None, *,
+                    group: dist.ProcessGroup | None = _NO_GROUP,
+                    env: Mapping[str, str] | None = None) -> float:
+    """Seconds a group, store or wait may last: the first that is set of ``timeout_seconds``,
+    ``options.timeout_seconds`` (a :class:`~replicator.CommunicationOptions`), the timeout
+    ``group`` was made with (only when ``group`` is passed; ``None``: the job's default group),
+    the launcher's ``REPLICATOR_TIMEOUT_SECONDS`` and 300 s."""
+    for given in (timeout_seconds, getattr(options, "timeout_seconds", None)):
+        if given is not None:
+            if not given > 0:
+                raise ValueError(f"timeout_seconds must be positive, got {given}")
+            return float(given)
+    if group is not _NO_GROUP and dist.is_available() and dist.is_initialized():
+        found = _OF_GROUP.get(dist.group.WORLD if group is None else group)
+        if found is not None:
+            return found
+    raw = (os.environ if env is None else env).get(TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_TIMEOUT_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ClusterConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ClusterConfigError(f"{TIMEOUT_ENV} must be positive, got {value}")
+    return value
+
+
+def set_group_timeout(group: dist.ProcessGroup | None, seconds: float) -> None:
+    """Make collectives over ``group`` wait at most ``seconds`` (a ``DeviceMesh`` axis group
+    otherwise waits torch's 30 minutes) and remember it for ``resolve_timeout(group=group)``;
+    ``None`` (the default group) and a non-member marker are left alone."""
+    if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    _OF_GROUP[group] = float(seconds)
+    set_timeout = getattr(group, "set_timeout", None)
+    if callable(set_timeout):  # torch >= 2.6; older ones keep the group's creation timeout
+        set_timeout(timedelta(seconds=seconds))
