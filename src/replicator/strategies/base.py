@@ -28,6 +28,7 @@ from replicator.data.dataset import (
     distribute_dataset,
     distribute_datasets_from_function,
 )
+from replicator.strategies import observers
 from replicator.strategies.finite import check_finite_result
 from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.memory import MemoryReport, MemoryTracker, exchange_reports
@@ -403,6 +404,15 @@ class Strategy(ABC):
             raise TypeError(f"run(fn, args=...) takes a tuple of arguments, got "
                             f"{type(args).__name__}. HINT: write args=(batch,)")
         self._check_open("run")
+        args = observers.run_started(self, tuple(args))
+        try:
+            return self._run_step(fn, args, kwargs)
+        finally:
+            observers.run_finished(self)
+
+    def _run_step(self, fn: Callable[..., Any], args: tuple,
+                  kwargs: dict[str, Any] | None) -> Any:
+        """The step of :meth:`run`, between the observers' start and finish."""
         if compile_in_use():
             keep_library_eager()
         self._runs += 1
@@ -437,6 +447,7 @@ class Strategy(ABC):
         """``loss = loss_fn(model(inputs), target); loss.backward()``, returning the loss
         (detached). The same call works under every strategy; a pipeline runs it as one
         schedule run with the loss on the last stage (no second forward pass)."""
+        observers.called(self, "forward_backward")
         loss = loss_fn(model(inputs), target)
         loss.backward()
         return loss.detach()
@@ -452,12 +463,14 @@ class Strategy(ABC):
         mean (see :mod:`replicator.strategies.reduction`).
         """
         op = ReduceOp.parse(op)
+        observers.called(self, "reduce")
         return reduce_value(op, value, axis, self._reduce, self._reduce_many)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate every replica's ``value`` along ``axis`` (sizes there may differ; a
         scalar counts as one row). A nest is gathered leaf by leaf in one exchange and
         returned with the same structure."""
+        observers.called(self, "gather")
         return gather_value(value, axis, self._gather, self._gather_many)
 
     def local_results(self, value: Any) -> tuple[Any, ...]:
