@@ -17,15 +17,17 @@ work with compute, which is why they are off outside ``bench``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ENV", "CommTime", "add_background", "enable", "enabled", "reset", "snapshot",
-           "start", "stop"]
+__all__ = ["ENV", "CommTime", "add_background", "enable", "enabled", "region", "region_seconds",
+           "reset", "snapshot", "start", "stop"]
 
 #: The environment variable that turns the timers on in a process (``"1"``).
 ENV = "REPLICATOR_COMM_TIMING"
@@ -39,6 +41,7 @@ _exposed = 0.0
 _calls = 0
 _background = 0.0
 _background_calls = 0
+_regions: dict[str, float] = {}
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,29 @@ def add_background(seconds: float) -> None:
         _background_calls += 1
 
 
+@contextlib.contextmanager
+def region(name: str) -> Iterator[None]:
+    """Count the main thread's time inside the block under ``name`` (a library's own work
+    between collectives that a profiler shows apart, such as ``"checkpoint"`` for a save);
+    free when the timers are off, and on other threads (background work stops nothing)."""
+    if not (_enabled if _enabled is not None else enabled()) or \
+            threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        with _lock:
+            _regions[name] = _regions.get(name, 0.0) + time.perf_counter() - t0
+
+
+def region_seconds(name: str) -> float:
+    """The total time counted under ``name`` by :func:`region` since the last reset."""
+    with _lock:
+        return _regions.get(name, 0.0)
+
+
 def snapshot() -> CommTime:
     """The totals so far (cheap; take one before and after a region and subtract)."""
     with _lock:
@@ -131,3 +157,4 @@ def reset() -> None:
     global _exposed, _calls, _background, _background_calls
     with _lock:
         _exposed, _calls, _background, _background_calls = 0.0, 0, 0.0, 0
+        _regions.clear()
