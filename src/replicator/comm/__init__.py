@@ -3,12 +3,11 @@
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
 from replicator.comm.bucket_layout import BucketLayout
 from replicator.comm.collectives import Collectives
-from replicator.comm.compression import CastCompression, Compression
+from replicator.comm.compression import CastCompression, Compression, PowerSGD
 from replicator.comm.ddp_hooks import ddp_comm_hook, register_ddp_comm_hook
 from replicator.comm.gradient_sync import GradientSynchronizer
 from replicator.comm.hierarchical import HierarchicalAllReduce
 from replicator.comm.options import CommunicationOptions
-from replicator.comm.powersgd import PowerSGD
 from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.reduce_to_one import ReductionToOneDevice
 from replicator.comm.ring import RingAllReduce
