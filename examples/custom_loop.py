@@ -65,7 +65,7 @@ def main() -> None:
     step = 0
     for epoch in range(args.epochs):
         for batch in dataset:
-            loss = strategy.reduce("mean", strategy.run(step_fn, args=(batch,)))
+            loss = strategy.reduce("sum", strategy.run(step_fn, args=(batch,)))  # the global mean
             step += 1
             if args.steps is not None and step >= args.steps:
                 break

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> float:
     try:
         for epoch in range(args.epochs):
             for batch in dist_train:
-                loss = strategy.reduce("mean", strategy.run(train_step, args=(batch,)))
+                loss = strategy.reduce("sum", strategy.run(train_step, args=(batch,)))
                 step += 1
                 speed = step / (time.perf_counter() - t0)
                 if progress:

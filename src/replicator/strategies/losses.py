@@ -1,19 +1,26 @@
-"""``compute_average_loss``: the loss scaling that makes uneven local batches exact.
+"""``compute_average_loss``: tf.distribute's loss value, with gradients that equal one device's.
 
-Gradients are *averaged* over the ``N`` replicas during ``backward()``. For that average to be
-the gradient of the mean loss over the whole global batch of ``B`` samples, each replica must
-return ``N / B * sum(local per-example losses)``: then
-``mean_r grad(N/B * sum_r) = grad(1/B * sum_all)``, whatever each replica's local size. With
-equal local batches this equals the local mean. ``strategy.reduce("mean", loss)`` of the
-returned values is the global mean loss.
+``compute_average_loss(per_example_loss)`` returns ``sum(local per-example losses) / B`` for a
+global batch of ``B`` samples, as ``tf.nn.compute_average_loss`` does: summed over the replicas
+(``strategy.reduce("sum", loss)``) it is the mean loss over the global batch, whatever each
+replica's local size, so a ported TensorFlow loop reports TensorFlow's numbers.
+
+TensorFlow *sums* gradients across replicas; replicator *averages* them over the ``N``
+replicas (PyTorch's DDP semantics, so a plain mean loss needs nothing). So the returned value
+passes its gradient back ``N`` times larger (an identity in forward, ``grad * N`` in
+backward): the average over replicas of ``N * grad(sum_r / B)`` is ``grad(sum_all / B)``,
+exactly one device's gradient, on uneven local batches too.
 
 A plain mean loss instead (DDP's semantics: each replica's mean, then gradients averaged across
-replicas) weighs each replica's samples by ``1 / its own size``: on an uneven batch it differs
-from one device. ``strategy.run`` warns once, on the first uneven batch of a distributed
-dataset whose step did not call this function (:mod:`replicator.strategies.uneven_batches`).
+replicas; report it with ``strategy.reduce("mean", loss)``) weighs each replica's samples by
+``1 / its own size``: on an uneven batch it differs from one device. ``strategy.run`` warns
+once, on the first uneven batch of a distributed dataset whose step did not call this function
+(:mod:`replicator.strategies.uneven_batches`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -22,9 +29,37 @@ from replicator.strategies.replica_context import current_strategy
 from replicator.strategies.uneven_batches import note_average_loss
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """The identity in forward; multiplies the gradient by ``factor`` in backward (the number
+    of replicas whose gradients are averaged, so the average is the gradients' sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _global_count(loss: torch.Tensor, sample_weight: torch.Tensor | None,
+                  strategy: Any, replicas: int) -> float:
+    """The global batch size: the local sizes (or the weights' sums) summed over replicas."""
+    if sample_weight is not None:  # padded examples (weight 0) are not in the batch
+        local = float(sample_weight.detach().to(torch.float64).sum())
+    else:
+        local = float(loss.shape[0]) if loss.dim() else 1.0
+    if strategy is None or replicas == 1:
+        return local
+    return float(strategy.reduce(ReduceOp.SUM, torch.tensor(local)).item())
+
+
 def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int | None = None,
                          sample_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Scale per-example losses so averaged gradients equal the global-batch mean's gradient.
+    """``sum(per-example losses) / global batch size`` (``tf.nn.compute_average_loss``'s value;
+    ``strategy.reduce("sum", loss)`` of it is the global mean loss), whose gradient, averaged
+    across replicas, equals one device's gradient of the global mean.
 
     ``global_batch_size=None`` sums the local batch sizes across replicas (one small
     collective, so every replica must call it). ``sample_weight`` multiplies each example's
@@ -41,20 +76,13 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
         loss = loss.reshape(loss.shape[0], -1).mean(dim=1)
     strategy = current_strategy()
     replicas = 1 if strategy is None else strategy.num_replicas_in_sync
-    total: float
     if global_batch_size is None:
-        if sample_weight is not None:  # padded examples (weight 0) are not in the batch
-            local = float(sample_weight.detach().to(torch.float64).sum())
-        else:
-            local = float(loss.shape[0]) if loss.dim() else 1.0
-        if strategy is None or replicas == 1:
-            total = local
-        else:
-            total = float(strategy.reduce(ReduceOp.SUM, torch.tensor(local)).item())
+        total = _global_count(loss, sample_weight, strategy, replicas)
     elif global_batch_size <= 0:
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
     else:
         total = float(global_batch_size)
-    if total == 0:
-        return loss.sum() * 0.0
-    return loss.sum() * (replicas / total)
+    value = loss.sum() * 0.0 if total == 0 else loss.sum() / total
+    if replicas > 1 and value.requires_grad:
+        value = _ScaleGradient.apply(value, float(replicas))
+    return value
