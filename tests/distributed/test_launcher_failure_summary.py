@@ -36,6 +36,13 @@ def test_a_rank_that_finished_while_the_chief_waited_is_named_as_such(tmp_path) 
     assert "a collective called on some ranks only" in first and "HINT" in first
     assert "look for that rank's own error" not in first
     assert "rank 1 done" in out.stdout
+    # rank 0's own error (its traceback follows the summary) says so too
+    own = [line for line in out.stderr.splitlines()
+           if line.startswith("replicator.errors.ReplicatorError: ")]
+    assert own and "on rank 0 failed because rank 1 finished its script normally (exit code " \
+        "0) while rank 0 waited for it" in own[-1], out.stderr
+    assert "a collective called on some ranks only" in own[-1] and "HINT" in own[-1]
+    assert "look for that rank's own error" not in out.stderr
 
 
 @pytest.mark.timeout(180)

@@ -1,5 +1,9 @@
 """Error files: how a worker tells the launcher why it died (rank, exception, traceback, time).
 
+A worker that finishes its script normally leaves a note too, before it leaves the process
+group: a peer still waiting for it in a collective then says that it finished, not that it
+failed (:func:`finished_peers`).
+
 Next to them, a backup note says whether the worker's ``BackupAndRestore`` has a committed
 backup, so that the launcher suggests a rerun "to resume from the backup" only when there is one.
 """
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from replicator.cluster.env_names import ERROR_DIR_ENV
+from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
 
 
 class ScriptNotFoundError(FileNotFoundError):
@@ -125,3 +129,36 @@ def read_backup(error_dir: str | Path, ranks: range) -> BackupNote | None:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return max(notes, key=lambda n: n.step) if notes else None
+
+
+def _finished_path(error_dir: str | Path, rank: int, attempt: int) -> Path:
+    return Path(error_dir) / f"attempt{attempt}_rank{rank}.finished"
+
+
+def _attempt() -> int:
+    try:
+        return int(os.environ.get(RESTART_COUNT_ENV, "0"))
+    except ValueError:
+        return 0
+
+
+def record_finished(rank: int) -> None:
+    """Note that ``rank`` finished its script normally (exit code 0), before it leaves the
+    process group; does nothing outside the local launcher, and never raises."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if not error_dir:
+        return
+    try:
+        _finished_path(error_dir, rank, _attempt()).touch()
+    except OSError:
+        pass
+
+
+def finished_peers(ranks: list[int]) -> list[int]:
+    """Those of ``ranks`` that finished their script normally in this attempt (see
+    :func:`record_finished`); empty outside the local launcher."""
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if not error_dir:
+        return []
+    attempt = _attempt()
+    return [r for r in ranks if _finished_path(error_dir, r, attempt).exists()]

@@ -36,6 +36,7 @@ from replicator.comm.fingerprint import (
 from replicator.comm.fingerprint import exchange_texts as _exchange_texts
 from replicator.comm.op_errors import LOST_PEER_WORDS as _LOST_PEER_WORDS
 from replicator.comm.op_errors import TIMEOUT_WORDS as _TIMEOUT_WORDS
+from replicator.comm.op_errors import finished_peer_error
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import ReplicaTimeoutError, ReplicatorError
 
@@ -216,6 +217,10 @@ class Collectives:
             return error
         if any(w in text for w in _LOST_PEER_WORDS):
             detail = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0])[:160]
+            finished = finished_peer_error(f"{what} (collective #{seq})", self.global_rank,
+                                           self.global_ranks)
+            if finished is not None:
+                return finished
             return ReplicatorError(
                 f"{what} (collective #{seq}) on rank {self.global_rank} failed because another "
                 f"replica exited or lost its connection ({detail}). HINT: look "

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
+
+from replicator.cluster.worker_errors import finished_peers
 from replicator.errors import ReplicaTimeoutError, ReplicatorError
 
 TIMEOUT_WORDS = ("timed out", "timeout", "deadline")
@@ -9,11 +13,33 @@ LOST_PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "conn
                    "socket closed", "end of file")
 
 
-def algorithm_error(exc: BaseException, rank: int, what: str) -> BaseException:
+def finished_peer_error(what: str, rank: int, peers: Iterable[int] | None = None
+                        ) -> ReplicatorError | None:
+    """When a peer that ``rank`` waited for in ``what`` finished its script normally (exit
+    code 0; ``peers``: the ranks it may be, default every rank of the job): an error saying so,
+    with the likely cause; ``None`` when none did (or outside the local launcher)."""
+    if peers is None:
+        peers = range(int(os.environ.get("WORLD_SIZE", "1")))
+    done = finished_peers([p for p in peers if p != rank])
+    if not done:
+        return None
+    one = len(done) == 1
+    who = f"rank {done[0]}" if one else "ranks " + ", ".join(map(str, done))
+    return ReplicatorError(
+        f"{what} on rank {rank} failed because {who} finished {'its' if one else 'their'} "
+        f"script normally (exit code 0) while rank {rank} waited for {'it' if one else 'them'}."
+        " The likely cause: a collective called on some ranks only (for example under `if "
+        "strategy.is_chief:`). HINT: every rank must make the same collective calls in the "
+        "same order; call it on every rank and use the result on the chief only.")
+
+
+def algorithm_error(exc: BaseException, rank: int, what: str,
+                    peers: Iterable[int] | None = None) -> BaseException:
     """``exc`` (raised during ``what`` on ``rank``) as a :class:`ReplicatorError` with a hint.
 
     Errors that are already replicator's own, and programming errors (``TypeError``,
-    ``ValueError``), pass through unchanged.
+    ``ValueError``), pass through unchanged. A lost peer that finished its script normally is
+    said as such (:func:`finished_peer_error`; ``peers``: the ranks it may be).
     """
     if isinstance(exc, (ReplicatorError, TypeError, ValueError)):
         return exc
@@ -27,7 +53,7 @@ def algorithm_error(exc: BaseException, rank: int, what: str) -> BaseException:
             "rank may be on another code path or stuck; every rank must make the same "
             "collective calls in the same order.")
     if any(w in text for w in LOST_PEER_WORDS):
-        return ReplicatorError(
+        return finished_peer_error(what, rank, peers) or ReplicatorError(
             f"{what} on rank {rank} failed because another replica exited or lost its "
             f"connection ({first}). HINT: look for that rank's own error; the launcher reports "
             "the first failure.")

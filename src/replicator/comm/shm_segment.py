@@ -28,6 +28,7 @@ import torch.distributed as dist
 from replicator.cluster.env_names import SHM_DIR_ENV
 from replicator.cluster.processes import process_alive
 from replicator.comm.groups import group_rank, group_ranks, group_size
+from replicator.comm.op_errors import finished_peer_error
 from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
 
 #: Where segments are created unless ``REPLICATOR_SHM_DIR`` says otherwise.
@@ -319,6 +320,10 @@ class FlagBarrier:
             if flags[i] >= value or pid <= 0:
                 continue
             if not process_alive(pid):
+                finished = finished_peer_error(f"{self.who} ({what})", self.ranks[self.rank],
+                                               [self.ranks[i]])
+                if finished is not None:
+                    raise finished
                 raise ReplicatorError(
                     f"{self.who} ({what}) on rank {self.ranks[self.rank]}: rank {self.ranks[i]} "
                     f"(pid {pid}) exited while the others waited for it. HINT: look for that "

@@ -35,6 +35,8 @@ from replicator.launch.restart_policy import group_by_rank, restart_refusal
 #: Words of the errors of a rank whose peer vanished (comm/op_errors.py, comm/shm_segment.py).
 CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",
                        "exited while the others waited for it",
+                       # a peer that finished normally (comm/op_errors.finished_peer_error)
+                       "script normally (exit code 0) while rank",
                        # a coordinator's function failed on a worker that lost its server
                        "ParameterServerLostError: parameter server")
 #: Exception types raised because a peer vanished (a worker losing its parameter server).
@@ -108,7 +110,8 @@ def root_of(ends: list[RankEnd], first: int) -> RankEnd:
 
 # -- a rank that finished while the others waited ----------------------------------------------
 _FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
-_NAMED_PEER = re.compile(r"rank (\d+) \(pid \d+\) exited while the others waited")
+_NAMED_PEER = re.compile(r"rank (\d+) \(pid \d+\) exited while the others waited|"
+                         r"because rank (\d+) finished its script normally")
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -142,8 +145,9 @@ def finished_while_waiting(root: RankEnd, ends: list[RankEnd]) -> str | None:
         return None
     done = [e.rank for e in ends if e.code == 0 and not e.terminated]
     named = _NAMED_PEER.search(root.error.message) if root.error else None
-    if named and int(named.group(1)) in done:
-        done = [int(named.group(1))]
+    peer = int(named.group(1) or named.group(2)) if named else -1
+    if peer in done:
+        done = [peer]
     if not done:
         return None
     who = "rank" if len(done) == 1 else "ranks"

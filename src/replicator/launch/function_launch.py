@@ -25,7 +25,7 @@ from typing import Any
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
 from replicator.cluster.ports import check_port
-from replicator.cluster.worker_errors import error_path, record_exception
+from replicator.cluster.worker_errors import error_path, record_exception, record_finished
 from replicator.launch.launcher import LocalGroup, check_num_replicas
 
 #: Modules a forkserver imports once, before it forks any worker (see the module docstring).
@@ -83,8 +83,11 @@ def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
         configure_threads(int(env["LOCAL_WORLD_SIZE"]))
         result = fn(*args, **kwargs)
         torch.save(result, result_file)
+        record_finished(rank)  # before leaving the group: a peer still waiting can say so
     except SystemExit as exc:
-        if exc.code not in (None, 0):
+        if exc.code in (None, 0):
+            record_finished(rank)
+        else:
             record_exception(exc, rank, error_path(env[ERROR_DIR_ENV], rank, attempt))
             code = exc.code if isinstance(exc.code, int) else 1
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher

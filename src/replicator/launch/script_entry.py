@@ -13,7 +13,12 @@ import threading
 import time
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
-from replicator.cluster.worker_errors import ScriptNotFoundError, error_path, record_exception
+from replicator.cluster.worker_errors import (
+    ScriptNotFoundError,
+    error_path,
+    record_exception,
+    record_finished,
+)
 from replicator.launch.malloc_tuning import tune_malloc
 
 #: Threads whose work a failing worker waits for before it leaves (at most
@@ -63,10 +68,12 @@ def main() -> None:
                                       "HINT: give the path of a Python file.")
         tune_malloc()  # a step's large buffers stay in the heap (malloc_tuning)
         runpy.run_path(script, run_name="__main__")
+        record_finished(rank)  # before leaving the group: a peer still waiting can say so
         _clean_exit(0)
     except SystemExit as exc:
         code = exc.code
         if code in (None, 0):
+            record_finished(rank)
             raise
         if error_dir:
             record_exception(exc if not isinstance(code, str) else RuntimeError(code), rank,
