@@ -21,7 +21,8 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                    help="restart the whole group up to this many times after a failure (with "
                    "--replica-groups: each replica group alone, this many times per group)")
     p.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port on 127.0.0.1 (default: a free one)")
+                   help="rendezvous port on 127.0.0.1 (default: MASTER_PORT if set, else a "
+                   "free one)")
     p.add_argument("--timeout", type=float, default=None, dest="timeout_seconds",
                    help="seconds a collective may wait for the other replicas (default 300)")
     p.add_argument("--num-ps", type=int, default=0,
@@ -199,6 +200,22 @@ def _print_env() -> None:
           f"({choice.reason}{hosts})")
 
 
+def _master_port(args: argparse.Namespace) -> int | None:
+    """``--master-port``, else ``MASTER_PORT`` from the environment (as torchrun reads it),
+    else ``None``: the launcher picks a free port."""
+    if args.master_port is not None:
+        return int(args.master_port)
+    raw = os.environ.get("MASTER_PORT", "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ClusterConfigError(f"MASTER_PORT={raw!r} (from the environment) is not a port "
+                                 "number. HINT: set it to a free port such as 29500, or unset "
+                                 "it to let replicator choose a free one.") from None
+
+
 def _refusal(args: argparse.Namespace) -> str | None:
     """What is refused before any worker starts: a strategy the demo cannot run, and more
     workers than this machine's memory holds (unless ``--force``)."""
@@ -263,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
 
             run_multi_node(script, script_args, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, nproc_per_node=args.nproc,
-                           master_port=args.master_port, max_restarts=args.max_restarts,
+                           master_port=_master_port(args), max_restarts=args.max_restarts,
                            timeout_seconds=args.timeout_seconds,
                            rdzv_timeout=args.rdzv_timeout)
             return 0
-        run_script(script, script_args, args.nproc, master_port=args.master_port,
+        run_script(script, script_args, args.nproc, master_port=_master_port(args),
                    timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts,
                    quiet_workers=args.quiet_workers, num_ps=args.num_ps)
     except ClusterConfigError as exc:

@@ -25,7 +25,7 @@ REPLICATOR = [sys.executable, "-m", "replicator.cli"]
 
 def _run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     tmpdir = kw.pop("tmpdir", os.environ.get("TMPDIR", "/tmp"))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=tmpdir)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=tmpdir, **kw.pop("env", {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
 
@@ -172,6 +172,18 @@ def test_busy_port_nproc_zero_and_missing_script_are_clear_errors(tmp_path):
     try:
         out = _run(REPLICATOR + ["run", "--nproc", "2", "--master-port", str(port),
                                  str(SCRIPTS / "train_mirrored.py"), str(tmp_path / "x")])
+    finally:
+        sock.close()
+    assert out.returncode == 2 and f"port {port} on 127.0.0.1 is already in use" in out.stderr
+    # MASTER_PORT in the environment is the port when --master-port is not given (as the
+    # hint says): the same busy port, the same error
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    port = sock.getsockname()[1]
+    try:
+        out = _run(REPLICATOR + ["run", "--nproc", "2", str(SCRIPTS / "train_mirrored.py"),
+                                 str(tmp_path / "y")], env={"MASTER_PORT": str(port)})
     finally:
         sock.close()
     assert out.returncode == 2 and f"port {port} on 127.0.0.1 is already in use" in out.stderr

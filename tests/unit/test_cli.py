@@ -221,6 +221,21 @@ def test_port_errors_exit_with_2_and_a_hint(capsys):
     assert "--master-port 80000 is not a TCP port" in err and "HINT" in err
 
 
+def test_master_port_from_the_environment_unless_the_flag_is_given(capsys, monkeypatch):
+    parser, _ = cli._parser()
+    monkeypatch.setenv("MASTER_PORT", "29871")
+    assert cli._master_port(parser.parse_args(["run", "--nproc", "2", "x.py"])) == 29871
+    flag = parser.parse_args(["run", "--nproc", "2", "--master-port", "29872", "x.py"])
+    assert cli._master_port(flag) == 29872
+    monkeypatch.setenv("MASTER_PORT", "")
+    assert cli._master_port(parser.parse_args(["run", "--nproc", "2", "x.py"])) is None
+    monkeypatch.setenv("MASTER_PORT", "twenty")
+    assert cli.main(["run", "--nproc", "2", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "MASTER_PORT='twenty' (from the environment) is not a port number" in err
+    assert "HINT" in err
+
+
 @pytest.mark.timeout(60)
 def test_a_script_that_vanished_is_recorded_as_not_worth_a_restart(tmp_path):
     env = dict(os.environ, REPLICATOR_ERROR_DIR=str(tmp_path), RANK="0")
