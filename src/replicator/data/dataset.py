@@ -1,8 +1,9 @@
 """DistributedDataset and DistributedIterator: what ``strategy.distribute_dataset`` returns.
 
 ``distribute_dataset`` takes *global* batches (a ``DataLoader`` with the global batch size, a
-dataset plus ``batch_size=``, or files plus ``reader=``) and gives each replica its part,
-reading only what that replica needs where the input allows it (see ``AutoShardPolicy``).
+dataset plus ``batch_size=``, files plus ``reader=``, or an ``rp.data.Dataset`` pipeline) and
+gives each replica its part, reading only what that replica needs where the input allows it
+(see ``AutoShardPolicy``).
 ``distribute_datasets_from_function`` calls the user's ``input_fn`` once per process with an
 :class:`InputContext`; that pipeline already yields per-replica batches. Both take ``group``,
 the process group of the data-parallel replicas (``None``: the default group): the context
@@ -33,6 +34,8 @@ from replicator.data import uneven
 from replicator.data.agreement import EndAgreement, check_data_group, process_rank
 from replicator.data.batching import LocalBatch, repeat_first_row
 from replicator.data.context import InputContext, InputOptions
+from replicator.data.dataflow import Dataset as Dataflow
+from replicator.data.dataflow.distribute import build_dataflow
 from replicator.data.errors import EmptyShardError, InputPipelineError
 from replicator.data.pipeline import (
     Pipeline,
@@ -66,7 +69,9 @@ class DistributedIterator:
         self._wait_on_close = False
         self._who = f"rank {process_rank(pipe.rank)}"  # the global rank, for messages
         specs = pipe.plan.specs(epoch, position)
-        if not pipe.num_workers or not pipe.plan.element_level:
+        if pipe.engine is not None:
+            source = pipe.engine(specs)
+        elif not pipe.num_workers or not pipe.plan.element_level:
             source = run_inline(specs, pipe.materialise)
         elif pipe.options.worker_type == "thread":
             source = run_threads(specs, pipe.materialise, pipe.num_workers,
@@ -383,6 +388,11 @@ def distribute_dataset(data: Any, ctx: InputContext, device: torch.device, *,
         raise ValueError(f"drop_last={drop_last} and drop_remainder={drop_remainder} disagree; "
                          "give one of them (they are the same setting)")
     drop = drop_remainder if drop_remainder is not None else drop_last
+    if isinstance(data, Dataflow):
+        return DistributedDataset(build_dataflow(
+            data, ctx, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop,
+            transform=transform, reader=reader, options=options, group=group,
+            partial_batch=partial_batch), device)
     pipeline = build_global(data, ctx, batch_size=batch_size, shuffle=shuffle, seed=seed,
                             drop_remainder=drop, transform=transform, reader=reader,
                             options=options, group=group, partial_batch=partial_batch)

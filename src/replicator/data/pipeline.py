@@ -82,6 +82,8 @@ class Pipeline:
     group: Any = None    # process group of the data-parallel replicas (None: the default)
     partial_batch: str = "mask"  # a replica without a sample: "mask" (a copy) or "empty"
     dataset: Any = None  # what the user's input reads (for DistributedDataset.dataset)
+    #: runs the specs instead of the engines below (a dataflow pipeline's own workers)
+    engine: Callable[[Iterator[Spec]], Iterator[LocalBatch]] | None = None
 
 
 def _is_standard_loader(loader: DataLoader) -> bool:

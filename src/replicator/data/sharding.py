@@ -246,9 +246,17 @@ class StreamPlan(GlobalSplitPlan):
             stream = buffer_shuffle(stream, self.shuffle_buffer, derived_seed(self.seed, epoch))
         return stream
 
-    def specs(self, epoch: int, position: int) -> Iterator[Spec]:
+    def stream_from(self, epoch: int, position: int) -> Iterator[Any] | None:
+        """The stream of ``epoch`` after its first ``position`` elements (``None``: it has
+        fewer). Read and dropped here; a stream that can skip ahead overrides this."""
         stream = self.stream(epoch)
         if sum(1 for _ in islice(stream, position)) < position:
+            return None
+        return stream
+
+    def specs(self, epoch: int, position: int) -> Iterator[Spec]:
+        stream = self.stream_from(epoch, position)
+        if stream is None:
             return
         p = position
         while True:

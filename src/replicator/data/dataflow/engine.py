@@ -18,7 +18,6 @@ I/O, and need no pickling.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -73,18 +72,21 @@ def _run(fn: Callable[[Any], Any], payload: Any) -> tuple[bool, Any, float, int]
 
 
 def _process_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: int,
-                    active: Any, current: Any, parent: int) -> None:
+                    active: Any, current: Any) -> None:
+    import multiprocessing as mp
+
     torch.set_num_threads(1)
+    parent = mp.parent_process()  # the process that started this one, whatever the method
     while True:
         if index >= active.value:
             time.sleep(0.02)
-            if os.getppid() != parent:
+            if parent is not None and not parent.is_alive():
                 return
             continue
         try:
             task = tasks.get(timeout=POLL_S)
         except queue.Empty:
-            if os.getppid() != parent:
+            if parent is not None and not parent.is_alive():
                 return
             continue
         if task is None:
@@ -125,7 +127,10 @@ class Pool:
         if mode == "process":
             import torch.multiprocessing as tmp
 
-            self._ctx = tmp.get_context(start_method) if start_method else tmp.get_context()
+            # fork where the platform has it: workers inherit the functions (lambdas too) and
+            # start in milliseconds; a process started by spawn/forkserver still forks its own
+            method = start_method or ("fork" if "fork" in tmp.get_all_start_methods() else None)
+            self._ctx = tmp.get_context(method)
             self._tasks: Any = self._ctx.Queue()
             self._results: Any = self._ctx.Queue()
             self._active: Any = self._ctx.Value("i", 0)
@@ -146,8 +151,7 @@ class Pool:
             if self.mode == "process":
                 worker = self._ctx.Process(
                     target=_process_worker, name=f"{self.name}-{i}", daemon=True,
-                    args=(self.fn, self._tasks, self._results, i, self._active, self._current,
-                          os.getpid()))
+                    args=(self.fn, self._tasks, self._results, i, self._active, self._current))
             else:
                 worker = threading.Thread(
                     target=_thread_worker, daemon=True, name=f"{self.name}-{i}",

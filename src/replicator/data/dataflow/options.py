@@ -65,7 +65,8 @@ class Options:
     ``deterministic``: ``None`` keeps each ``map``'s own setting; ``True``/``False`` overrides
     them all (``False`` hands results on as they finish). ``worker_type``: ``"process"``
     (workers hand results back through shared memory) or ``"thread"`` (for functions that
-    release the GIL). ``start_method``: of process workers (``None``: the platform's).
+    release the GIL). ``start_method``: of process workers (``None``: ``"fork"`` where the
+    platform has it, so functions need not be picklable).
     ``seed``: the default seed of ``shuffle``. ``timeout_seconds``: the longest wait for one
     result of a worker.
     """
