@@ -29,7 +29,6 @@ from replicator.launch.multi_node import check_multi_node_args, run_multi_node
 def test_plain_process_is_one_replica():
     spec = resolve_cluster({})
     assert (spec.rank, spec.world_size, spec.source) == (0, 1, "single-process")
-    assert spec.is_chief
 
 
 def test_torchrun_variables():
@@ -40,7 +39,7 @@ def test_torchrun_variables():
     spec = resolve_cluster(env)
     assert (spec.rank, spec.world_size, spec.local_rank, spec.node_rank) == (3, 4, 1, 1)
     assert spec.restart_count == 2 and spec.store_is_hosted and spec.source == "torchrun"
-    assert spec.num_nodes == 2 and not spec.is_chief
+    assert spec.num_nodes == 2
 
 
 def test_tf_config():
@@ -96,7 +95,7 @@ def test_tf_config_several_processes_per_host():
         [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
     assert {(s.master_addr, s.master_port, s.world_size) for s in specs} == \
         {("10.0.0.1", 2222, 4)}
-    assert specs[0].is_chief and specs[0].num_nodes == 2
+    assert specs[0].rank == 0 and specs[0].num_nodes == 2
     assert specs[3].addresses == tuple(workers)
 
 
@@ -104,7 +103,7 @@ def test_tf_config_chief_is_rank_zero():
     cluster = {"chief": ["a:1"], "worker": ["b:1", "b:2"]}
     chief = resolve_cluster(_tf(0, "chief", **cluster))
     worker1 = resolve_cluster(_tf(1, **cluster))
-    assert (chief.rank, chief.role, chief.is_chief) == (0, "chief", True)
+    assert (chief.rank, chief.role) == (0, "chief")
     assert (worker1.rank, worker1.world_size, worker1.node_rank, worker1.local_rank) == \
         (2, 3, 1, 1)
     assert worker1.master_addr == "a"

@@ -38,10 +38,7 @@ class Channel:
         self.collectives = collectives
         self.rank = collectives.rank
         self.world_size = collectives.world_size
-
-    @property
-    def is_chief(self) -> bool:
-        return self.rank == 0
+        self.is_chief = collectives.rank == 0
 
     def all_gather(self, message: Any, what: str) -> list[Any]:
         """Every rank's ``message`` (JSON-serialisable), in rank order, on every rank."""

@@ -60,10 +60,6 @@ class ClusterSpec:
                 "give the chief's rendezvous port, the same on every process.")
 
     @property
-    def is_chief(self) -> bool:
-        return self.rank == 0
-
-    @property
     def num_nodes(self) -> int:
         return max(1, self.world_size // max(1, self.local_world_size))
 

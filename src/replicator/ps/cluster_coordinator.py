@@ -110,6 +110,8 @@ class ClusterCoordinator:
             raise SystemExit(0)
         self._strategy = strategy
         self._rank = strategy.replica_id
+        #: True on the process that schedules (the strategy's chief, worker 0).
+        self.is_chief = strategy.is_chief
         self._timeout = resolve_timeout(timeout_seconds, group=strategy._replica_group.group)
         self._workers = list(range(1, strategy.num_replicas_in_sync))
         self._inline = not self._workers
@@ -149,11 +151,6 @@ class ClusterCoordinator:
     @property
     def strategy(self) -> ParameterServerStrategy:
         return self._strategy
-
-    @property
-    def is_chief(self) -> bool:
-        """True on the process that schedules (rank 0)."""
-        return self._rank == 0
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self, fn: Callable[..., Any], args: tuple = (),

@@ -207,7 +207,8 @@ class ParameterServerStrategy(Strategy):
         self._topology = None
         self._num_workers = spec.world_size - self._num_ps
         self._rank = spec.rank
-        self._replica_group = ReplicaGroup.single(self._device, self._timeout)  # alone
+        self._replica_group = ReplicaGroup.single(self._device, self._timeout,  # alone
+                                                  chief=self._rank == 0)
         return store, spec.restart_count
 
     # -- the server side ---------------------------------------------------------------------

@@ -172,8 +172,9 @@ class Strategy(ABC):
 
     @property
     def is_chief(self) -> bool:
-        """True on the replica that prints, logs and writes shared files."""
-        return self.replica_id == 0
+        """True on the one process that prints, logs and writes shared files (global rank 0
+        where several ranks share replica 0)."""
+        return self._replica_group.is_chief
 
     @property
     def device(self) -> torch.device:

@@ -116,8 +116,10 @@ class MeshStrategy(Strategy):
         #: Sequence-parallel norms in the default tensor plan (TensorParallelStrategy's option).
         self._sequence_parallel = False
         topo = self._topology
-        # the replicas (the data axes together): identity, reduce, gather, gradient averaging
-        self._replica_group = ReplicaGroup(device, topo, timeout_seconds=timeout_seconds)
+        # the replicas (the data axes together): identity, reduce, gather, gradient averaging;
+        # several ranks share replica 0 when the model is split, so global rank 0 is the chief
+        self._replica_group = ReplicaGroup(device, topo, timeout_seconds=timeout_seconds,
+                                           chief=topo.is_chief)
         # the data axes' own collectives (gradient averaging of data replicas, reduce, gather,
         # the engine's fingerprints) through shared memory when the replicas share one CPU
         # host, as MirroredStrategy's: gloo took 0.65 ms for a reduce of a scalar with 2
@@ -148,20 +150,6 @@ class MeshStrategy(Strategy):
         super().__init__(check_finite=check_finite)
 
     # -- identity ------------------------------------------------------------------------------
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """Data-parallel replicas (the product of the data and fsdp degrees)."""
-        return self._topology.num_replicas
-
-    @property
-    def replica_id(self) -> int:
-        return self._topology.replica_id
-
-    @property
-    def is_chief(self) -> bool:
-        """Global rank 0 only (several ranks share replica 0 when the model is split)."""
-        return self._topology.is_chief
-
     @property
     def topology(self) -> Topology:
         """The mesh this strategy works on (axes, groups, this rank's coordinates)."""

@@ -45,11 +45,13 @@ class ReplicaGroup:
     ``device``: this process's device. ``topology`` and ``axis`` choose the group: without a
     topology, every process of the job; ``axis=None``, the topology's data axes together (its
     data group); an axis name, that axis's group. ``timeout_seconds``: how long a collective
-    may wait (default: the job's). Opening a group is not a collective.
+    may wait (see ``resolve_timeout``). ``chief``: whether this process is the chief (default:
+    the group's first replica). Opening a group is not a collective.
     """
 
     def __init__(self, device: torch.device, topology: Topology | None = None,
-                 axis: str | None = None, *, timeout_seconds: float | None = None) -> None:
+                 axis: str | None = None, *, timeout_seconds: float | None = None,
+                 chief: bool | None = None) -> None:
         if topology is None and axis is not None:
             raise ValueError(f"ReplicaGroup(axis={axis!r}) needs the topology the axis belongs "
                              "to. HINT: pass topology=rp.Topology(...), or no axis for the "
@@ -69,20 +71,22 @@ class ReplicaGroup:
         tracker = CollectiveTracker.for_group(group, open_store_client(info), roles=roles)
         on_shutdown(tracker.close)
         self._open(device, topology, axis,
-                   Collectives.for_group(group, device, seconds, tracker))
+                   Collectives.for_group(group, device, seconds, tracker), chief)
 
     @classmethod
-    def single(cls, device: torch.device,
-               timeout_seconds: float | None = None) -> ReplicaGroup:
+    def single(cls, device: torch.device, timeout_seconds: float | None = None, *,
+               chief: bool = True) -> ReplicaGroup:
         """One replica on its own, with no process group (one device; a worker restarted
         alone): reductions return the local value."""
         me = cls.__new__(cls)
-        me._open(device, None, None, Collectives(0, 1, device, resolve_timeout(timeout_seconds)))
+        me._open(device, None, None, Collectives(0, 1, device, resolve_timeout(timeout_seconds)),
+                 chief)
         return me
 
     def _open(self, device: torch.device, topology: Topology | None, axis: str | None,
-              collectives: Collectives) -> None:
+              collectives: Collectives, chief: bool | None) -> None:
         self.device = device
+        self._chief = collectives.rank == 0 if chief is None else chief
         self.topology = topology
         self.axis = axis
         self.collectives = collectives
@@ -126,8 +130,8 @@ class ReplicaGroup:
 
     @property
     def is_chief(self) -> bool:
-        """True on the group's first replica (it prints and writes the group's files)."""
-        return self.rank == 0
+        """True on the one process that prints, logs and writes the replicas' shared files."""
+        return self._chief
 
     @property
     def timeout_seconds(self) -> float:

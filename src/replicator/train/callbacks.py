@@ -47,16 +47,15 @@ Logs = dict[str, float]
 
 
 class Callback:
-    """Base class: override the hooks you need. ``self.trainer`` is set before training."""
+    """Base class: override the hooks you need. ``self.trainer`` is set before training, and
+    ``self.is_chief`` (the trainer's ``strategy.is_chief``) with it."""
 
     trainer: Trainer
+    is_chief: bool
 
     def set_trainer(self, trainer: Trainer) -> None:
         self.trainer = trainer
-
-    @property
-    def is_chief(self) -> bool:
-        return self.trainer.strategy.is_chief
+        self.is_chief = trainer.strategy.is_chief
 
     def on_train_begin(self, logs: Logs | None = None) -> None: ...
     def on_train_end(self, logs: Logs | None = None) -> None: ...
