@@ -1,17 +1,18 @@
 """The measuring side of ``replicator bench`` and ``plan``: timers inside the user's process.
 
-The user's script is not changed. The probe wraps what every training loop of the library goes
-through: ``Strategy.run`` (one call = one step; ``Trainer.fit`` and the custom loops alike),
-``Strategy.reduce``/``gather`` (counted), the global ``torch.optim`` step hooks (optimizer
-time), ``CheckpointManager.save`` (checkpoint time), and reads the comm room's own timers
-(:mod:`replicator.comm.timing`) at each boundary. Per step (from one ``run`` call to the next):
+The user's script is not changed, nor any function of torch or of the library: the probe is a
+step observer (:mod:`replicator.strategies.observers`) told when each ``strategy.run`` starts
+and ends (one call = one step; ``Trainer.fit`` and custom loops alike) and when the loop calls
+``reduce``/``gather`` (counted); torch's global optimizer step hooks time ``optimizer.step()``,
+and the comm room's timers (:mod:`replicator.comm.timing`) give the communication and the
+``"checkpoint"`` region. Per step (from one ``run`` call to the next):
 
-* ``compute``: inside ``run``, minus the optimizer and communication inside it;
+* ``compute``: inside ``run``, minus the optimizer, communication and checkpoint inside it;
 * ``communication``: time the main thread waited in collectives (inside ``run`` and between
   steps, e.g. the loss reduced in the loop) plus parameter-server push/pull (the optimizer
   pre-step hooks registered by the strategy); ``overlapped``: communication-thread time
   beyond what was waited for (reported, not part of the sum);
-* ``optimizer``: ``optimizer.step()``; ``checkpoint``: inside ``CheckpointManager.save``;
+* ``optimizer``: ``optimizer.step()``; ``checkpoint``: the ``"checkpoint"`` timing region;
 * ``input``: the rest of the gap between steps (fetching the next batch, the loop's own code).
 
 The parts sum to the step by construction. On a CUDA device, whose kernels run after the call
@@ -22,18 +23,19 @@ reports the device's peak allocated memory beside the process's.
 After ``warmup + steps`` calls the next ``run`` raises :class:`BenchComplete` on every rank at
 the same point (before the step's collectives), and the entry writes the records. In ``profile``
 mode (one process, for ``plan``) the probe also runs some steps on one thread and on half and
-quarter batches (to fit compute against batch size), and one step (the first after the warmup)
-under torch's FLOP counter and a saved-tensor counter.
+quarter batches (to fit compute against batch size), one step (the first after the warmup)
+under torch's FLOP counter and a saved-tensor counter, and times each later step's forward pass
+up to the end of the model's call (a forward hook on the model).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import resource
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 
 from replicator.comm import timing
+from replicator.strategies.observers import StepObserver, add_step_observer
 
 __all__ = ["BenchComplete", "Probe", "STRATEGY_ENV"]
 
@@ -166,8 +169,8 @@ def stage_shares(model: torch.nn.Module, flops_by_module: dict[str, dict[Any, in
     return out
 
 
-class Probe:
-    """Installs the timers in this process and collects per-step records."""
+class Probe(StepObserver):
+    """Observes this process's steps and collects per-step records."""
 
     def __init__(self, steps: int, warmup: int, mode: str = "bench") -> None:
         if mode not in ("bench", "profile"):
@@ -182,22 +185,22 @@ class Probe:
         self.collective_calls = 0
         self.batch_sizes: list[int] = []
         self.extra: dict[str, Any] = {}
-        self._opt = self._ps = self._ckpt = 0.0
-        self._comm_in_opt = 0.0
+        self._opt = self._ps = self._comm_in_opt = 0.0
         self._t_pre: float | None = None
         self._t_pre2: float | None = None
         self._comm_pre: float = 0.0
         self._open: dict[str, float] | None = None
+        self._run: dict[str, Any] | None = None  # the step now inside ``run``
         self._progress_path: str | None = None
         self._progress_at = -math.inf
-        self._in_run = False
-        self._t_backward: float | None = None  # when the step's first backward began
+        self._t_forward: float | None = None  # when the step's model call returned
         self._undo: list[Callable[[], None]] = []
         self._threads = torch.get_num_threads()
-        self._late_hook = False
+        self._first = True
         self._scale = 1  # profile phases' steps are PROFILE_PHASES' counts times this
         self._warm_steps: list[float] = []
         self._cuda: torch.device | None = None  # the strategy's device, when it is a GPU
+        self._counting: tuple[contextlib.ExitStack, Any, Any, list, list] | None = None
 
     @property
     def total_calls(self) -> int:
@@ -207,91 +210,27 @@ class Probe:
 
     # -- installation --------------------------------------------------------------------
     def install(self, progress_path: str | None = None) -> None:
-        """Wrap the library's step boundary and hooks; turn the comm timers on."""
+        """Observe the steps, hook the optimizers' steps and turn the comm timers on."""
         from torch.optim.optimizer import (
             register_optimizer_step_post_hook,
             register_optimizer_step_pre_hook,
         )
 
-        from replicator.strategies.base import Strategy
-
         was_on = timing.enabled()
         timing.enable(True)
         self._undo.append(lambda: timing.enable(was_on))
         self._progress_path = progress_path
-        probe = self
-        original_run = Strategy.run
-
-        def run(strategy: Any, fn: Callable[..., Any], args: tuple | list = (),
-                kwargs: dict[str, Any] | None = None) -> Any:
-            return probe._step(strategy, original_run, fn, args, kwargs)
-
-        self._patch(Strategy, "run", run)
-        for name in ("reduce", "gather"):
-            self._count(Strategy, name)
-        original_fb = Strategy.forward_backward
-
-        def forward_backward(*args: Any, **kwargs: Any) -> Any:
-            probe.extra["forward_backward"] = True
-            return original_fb(*args, **kwargs)
-
-        self._patch(Strategy, "forward_backward", forward_backward)
-        try:
-            from replicator.checkpoint.manager import CheckpointManager
-
-            self._time_calls(CheckpointManager, "save")
-        except ImportError:  # pragma: no cover - a library without the checkpoint room
-            pass
-        if self.mode == "profile":  # the forward pass's share of compute (the pipeline's
-            # second, value-only forward costs that share of the busiest stage's work)
-            original_backward = torch.autograd.backward
-
-            def backward(*args: Any, **kwargs: Any) -> Any:
-                if probe._in_run and probe._t_backward is None:
-                    probe._t_backward = probe._now()
-                return original_backward(*args, **kwargs)
-
-            self._patch(torch.autograd, "backward", backward)
+        self._undo.append(add_step_observer(self))
         pre = register_optimizer_step_pre_hook(self._before_opt)
         post = register_optimizer_step_post_hook(self._after_opt)
         self._undo += [pre.remove, post.remove]
 
     def uninstall(self) -> None:
-        """Undo :meth:`install` (the wrapped methods, hooks, timers and thread count)."""
+        """Undo :meth:`install` (the observer, hooks, timers and thread count)."""
         for undo in reversed(self._undo):
             undo()
         self._undo = []
         torch.set_num_threads(self._threads)
-
-    def _patch(self, owner: Any, name: str, replacement: Callable[..., Any]) -> None:
-        original = owner.__dict__[name]
-        setattr(owner, name, replacement)
-        self._undo.append(lambda: setattr(owner, name, original))
-
-    def _count(self, owner: type, name: str) -> None:
-        original = getattr(owner, name)
-        probe = self
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            probe.collective_calls += 1
-            return original(*args, **kwargs)
-
-        self._patch(owner, name, counted)
-
-    def _time_calls(self, owner: type, name: str) -> None:
-        original = getattr(owner, name)
-        probe = self
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is not threading.main_thread():
-                return original(*args, **kwargs)  # a background save does not stop the loop
-            t0 = probe._now()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                probe._ckpt += probe._now() - t0
-
-        self._patch(owner, name, timed)
 
     def _now(self) -> float:
         """The time once the work queued on the GPU (if any) is done."""
@@ -320,30 +259,43 @@ class Probe:
         self._comm_in_opt += timing.snapshot().exposed - self._comm_pre
         self._t_pre = self._t_pre2 = None
 
-    # -- the step boundary -----------------------------------------------------------------
-    def _step(self, strategy: Any, original_run: Callable[..., Any], fn: Callable[..., Any],
-              args: tuple | list, kwargs: dict[str, Any] | None) -> Any:
-        if not self._late_hook and strategy.device.type == "cuda":
+    def _forward_end(self, module: Any, args: Any, output: Any) -> None:
+        if self._run is not None and self._t_forward is None:
+            self._t_forward = self._now()
+
+    # -- the step boundary (the observer's calls) -----------------------------------------------
+    def called(self, strategy: Any, name: str) -> None:
+        if name == "forward_backward":
+            self.extra["forward_backward"] = True
+        else:
+            self.collective_calls += 1
+
+    def _first_step(self, strategy: Any) -> None:
+        """What the first step shows: the device, the strategy, its own optimizer hooks."""
+        from torch.optim import optimizer as optim_module
+
+        self._first = False
+        if strategy.device.type == "cuda":
             self._cuda = strategy.device
+        # only when the strategy registered step hooks of its own (a parameter server)
+        if len(getattr(optim_module, "_global_optimizer_pre_hooks", ())) > 1:
+            handle = optim_module.register_optimizer_step_pre_hook(self._after_pre_hooks)
+            self._undo.append(handle.remove)
+        samples = getattr(type(strategy), "_activation_samples", None)
+        if self.mode == "profile" and isinstance(samples, int):
+            # the strategy meters activations in its first runs under saved-tensor hooks
+            # of its own, which would hide the counted step's: warm up past them
+            self.warmup = max(self.warmup, samples)
+        self.strategy_name = type(strategy).__name__
+        self.replicas = int(strategy.num_replicas_in_sync)
+
+    def run_started(self, strategy: Any, args: tuple) -> tuple:
+        if self._first:
+            self._first_step(strategy)
         now = self._now()
         comm_now = timing.snapshot()
         if self._open is not None:
             self._close(now, comm_now)
-        if not self._late_hook:
-            from torch.optim import optimizer as optim_module
-
-            # only when the strategy registered step hooks of its own (a parameter server)
-            if len(getattr(optim_module, "_global_optimizer_pre_hooks", ())) > 1:
-                handle = optim_module.register_optimizer_step_pre_hook(self._after_pre_hooks)
-                self._undo.append(handle.remove)
-            self._late_hook = True
-            samples = getattr(type(strategy), "_activation_samples", None)
-            if self.mode == "profile" and isinstance(samples, int):
-                # the strategy meters activations in its first runs under saved-tensor hooks
-                # of its own, which would hide the counted step's: warm up past them
-                self.warmup = max(self.warmup, samples)
-            self.strategy_name = type(strategy).__name__
-            self.replicas = int(strategy.num_replicas_in_sync)
         if self.mode == "profile" and self.calls == self.warmup and self._warm_steps:
             shortest = min(p[1] for p in PROFILE_PHASES) * min(self._warm_steps)
             self._scale = max(1, min(PROFILE_MAX_SCALE,
@@ -352,40 +304,49 @@ class Probe:
             raise BenchComplete()
         self.calls += 1
         phase = self._phase()
-        if isinstance(args, (tuple, list)):
-            size = _leading_size(args)
-            if size is not None:
-                if phase is not None and phase[3] < 1.0 and size >= 4:
-                    keep = max(1, int(size * phase[3]))
-                    args = slice_batch(tuple(args), keep, size)
-                    size = keep
-                self.batch_sizes.append(size)
+        size = _leading_size(args)
+        if size is not None:
+            if phase is not None and phase[3] < 1.0 and size >= 4:
+                keep = max(1, int(size * phase[3]))
+                args = slice_batch(args, keep, size)
+                size = keep
+            self.batch_sizes.append(size)
         if phase is not None and torch.get_num_threads() != (phase[2] or self._threads):
             torch.set_num_threads(phase[2] or self._threads)  # at a phase's first step only
         if self.mode == "profile" and self.calls == self.warmup + 1:
             # first after the warmup: a script that stops before the phases end still has it
-            return self._counted_step(strategy, original_run, fn, args, kwargs)
-        self._opt = self._ps = self._ckpt = self._comm_in_opt = 0.0
+            self._start_counting()
+            return args
+        self._opt = self._ps = self._comm_in_opt = 0.0
         self.collective_calls = 0
-        t_run = time.perf_counter()
-        comm_run = timing.snapshot()
-        self._t_backward, self._in_run = None, True
-        try:
-            out = original_run(strategy, fn, args, kwargs)
-        finally:
-            self._in_run = False
+        self._t_forward = None
+        self._run = {"start": now, "comm_start": comm_now, "phase": phase,
+                     "ckpt_start": timing.region_seconds("checkpoint"),
+                     "t_run": time.perf_counter(), "comm_run": timing.snapshot()}
+        return args
+
+    def run_finished(self, strategy: Any) -> None:
+        if self._counting is not None:
+            self._finish_counting()
+            return
+        r, self._run = self._run, None
+        if r is None:
+            return
         t_end = self._now()
         comm_end = timing.snapshot()
+        now, phase, t_run = r["start"], r["phase"], r["t_run"]
+        ckpt_now = timing.region_seconds("checkpoint")
         self._open = {"start": now, "run": t_end - t_run,
-                      "comm_run": (comm_end - comm_run).exposed,
-                      "comm_start": comm_now.exposed, "bg_start": comm_now.background,
+                      "comm_run": (comm_end - r["comm_run"]).exposed,
+                      "comm_start": r["comm_start"].exposed,
+                      "bg_start": r["comm_start"].background,
                       "opt": self._opt, "ps": self._ps, "comm_in_opt": self._comm_in_opt,
-                      "end": t_end, "ckpt_start": self._ckpt, "pre": t_run - now,
-                      "forward": (self._t_backward - t_run) if self._t_backward else 0.0,
+                      "end": t_end, "ckpt_run": ckpt_now - r["ckpt_start"], "ckpt_end": ckpt_now,
+                      "pre": t_run - now,
+                      "forward": (self._t_forward - t_run) if self._t_forward else 0.0,
                       "phase": PROFILE_PHASES.index(phase) if phase else -1,
                       "batch": float(self.batch_sizes[-1]) if self.batch_sizes else 0.0}
         self._write_progress()
-        return out
 
     def _phase(self) -> tuple[str, int, int, float] | None:
         if self.mode != "profile" or self.calls <= self.warmup + 1:
@@ -408,20 +369,19 @@ class Probe:
             return
         comm_total = comm_now.exposed - r["comm_start"]
         comm_gap = comm_total - r["comm_run"]
-        ckpt = self._ckpt - r["ckpt_start"]  # saved between steps
-        ckpt_in_run = r["ckpt_start"]  # saved inside the step function
+        ckpt = timing.region_seconds("checkpoint") - r["ckpt_end"]  # saved between steps
         opt = max(0.0, r["opt"] - r["comm_in_opt"])
         comm = comm_total + r["ps"]
-        compute = max(0.0, r["run"] - opt - r["ps"] - r["comm_run"] - ckpt_in_run)
+        compute = max(0.0, r["run"] - opt - r["ps"] - r["comm_run"] - r["ckpt_run"])
         background = comm_now.background - r["bg_start"]
         self.records.append({
             "step": step, "compute": compute, "communication": comm, "optimizer": opt,
             # the gap between steps, and the probe's own bookkeeping before this step
             "input": max(0.0, now - r["end"] - comm_gap - ckpt) + r["pre"],
-            "checkpoint": ckpt + ckpt_in_run,
+            "checkpoint": ckpt + r["ckpt_run"],
             "overlapped": max(0.0, background - comm), "phase": r["phase"],
             "batch": r["batch"], "collectives": float(self.collective_calls),
-            # from the run's start to its first backward (0: no backward seen; profile only)
+            # from the run's start to the end of the model's call (0: not seen; profile only)
             "forward": r["forward"]})
 
     def _write_progress(self) -> None:
@@ -441,9 +401,9 @@ class Probe:
             pass
 
     # -- profile mode: FLOPs and activations of one step ---------------------------------------
-    def _counted_step(self, strategy: Any, original_run: Callable[..., Any],
-                      fn: Callable[..., Any], args: tuple | list,
-                      kwargs: dict[str, Any] | None) -> Any:
+    def _start_counting(self) -> None:
+        """Run the next step under the FLOP counter, a saved-tensor counter and a forward
+        pre-hook that finds the model (the step's first module call) and counts layer calls."""
         from torch.utils.flop_counter import FlopCounterMode
 
         torch.set_num_threads(self._threads)
@@ -460,12 +420,18 @@ class Probe:
             if next(module.children(), None) is None:
                 leaf_calls[0] += 1  # a layer's call (a pipeline stage repeats its share)
 
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(first_module)
-        try:
-            with counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                out = original_run(strategy, fn, args, kwargs)
-        finally:
-            hook.remove()
+        stack = contextlib.ExitStack()
+        stack.callback(torch.nn.modules.module.register_module_forward_pre_hook(
+            first_module).remove)
+        stack.enter_context(counter)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
+        self._counting = (stack, saved, counter, roots, leaf_calls)
+
+    def _finish_counting(self) -> None:
+        assert self._counting is not None
+        stack, saved, counter, roots, leaf_calls = self._counting
+        self._counting = None
+        stack.close()
         batch = self.batch_sizes[-1] if self.batch_sizes else 1
         self.extra["layer_calls"] = leaf_calls[0]
         self.extra["flops_per_sample"] = counter.get_total_flops() / max(1, batch)
@@ -474,7 +440,8 @@ class Probe:
         if roots:
             self.extra["pipeline_stage_shares"] = stage_shares(roots[0],
                                                                counter.get_flop_counts())
-        return out
+            # every later step's forward pass ends when the model's call returns
+            self._undo.append(roots[0].register_forward_hook(self._forward_end).remove)
 
     # -- results --------------------------------------------------------------------------
     def results(self) -> dict[str, Any]:
