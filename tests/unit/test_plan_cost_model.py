@@ -481,3 +481,30 @@ def test_a_replicas_input_keeps_the_occasional_gaps_and_shares_the_samples_part(
     assert with_gaps == pytest.approx((4e-4 + 5e-5 + (6e-4 - 5e-5) / 2) * slow)
     # one process pays its whole input either way
     assert predict("one_device", 1, model(4e-4), c).breakdown["input"] == pytest.approx(1e-3)
+
+
+def test_replicas_of_a_model_whose_threads_scale_are_slowed_no_more_than_its_threads_imply():
+    """A compute-bound CNN ran 1.5x faster on the process's two threads than on one: two
+    one-thread replicas share the cores at least as well, so each is at most 2 / 1.5 = 1.33x
+    slower than one alone, even where the machine's matmuls measured 1.6x (a held-out CNN's
+    settings were all predicted 20-60% high). A model its threads do not speed up keeps the
+    machine's figure."""
+    from replicator.plan.cost_model import slowdown
+
+    machine = MachineProfile.nominal()
+    machine.slowdown = {1: 1.0, 2: 1.6, 3: 2.4, 4: 3.2}
+    cnn = ModelProfile(name="cnn", params=10**5, global_batch=64, param_bytes=4e5,
+                       grad_bytes=4e5, compute_seconds=0.46, compute_fit=(0.01, 0.0106),
+                       optimizer_seconds=1e-3, optimizer_seconds_1thread=1e-3, threads=2)
+    assert cnn.thread_speedup() == pytest.approx(0.6884 / 0.46)
+    assert slowdown(cnn, machine, 2) == pytest.approx(2 * 0.46 / 0.6884)
+    assert slowdown(cnn, machine, 3) == pytest.approx(3 * 0.46 / 0.6884)
+    assert slowdown(cnn, machine, 1) == 1.0
+    cluster = Cluster(get_device("cpu"), parse_link("25gbit"), machine, ranks_per_host=4)
+    p = predict("mirrored", 2, cnn, cluster)
+    assert p.breakdown["compute"] == pytest.approx(cnn.compute_1thread(32) * 2 * 0.46 / 0.6884)
+    # threads that do not help (a small model: 2 threads slower than one) change nothing
+    small = dataclasses.replace(cnn, compute_seconds=0.9)
+    assert small.thread_speedup() < 1 and slowdown(small, machine, 2) == 1.6
+    one_thread = dataclasses.replace(cnn, threads=1)
+    assert one_thread.thread_speedup() == 1.0 and slowdown(one_thread, machine, 2) == 1.6

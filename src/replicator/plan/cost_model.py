@@ -39,7 +39,7 @@ __all__ = [
     "STRATEGIES", "Prediction", "allreduce_traffic_bytes", "fsdp_traffic_bytes",
     "hierarchical_allreduce_seconds", "pipeline_bubble", "predict", "ps_queue_wait",
     "ps_step_seconds",
-    "ring_allreduce_seconds", "straggler_wait_seconds",
+    "ring_allreduce_seconds", "slowdown", "straggler_wait_seconds",
 ]
 
 #: The strategies the planner predicts (the names ``rp.get_strategy`` knows).
@@ -186,7 +186,24 @@ def _compute(model: ModelProfile, c: Cluster, batch: float, busy_on_host: int) -
         whole = model.compute_1thread(model.global_batch)  # all threads, scaled by the fit
         scale = model.compute_seconds / whole if whole > 0 else 1.0
         return model.compute_1thread(batch) * scale
-    return model.compute_1thread(batch) * c.machine.slowdown_for(busy_on_host)
+    return model.compute_1thread(batch) * slowdown(model, c.machine, busy_on_host)
+
+
+def slowdown(model: ModelProfile, machine: MachineProfile, busy: int) -> float:
+    """How much slower each of ``busy`` one-thread ranks of ``model`` runs on one host than
+    one alone: the machine's measured contention (of matmuls), but never more than the
+    model's own threads imply. One process of ``t`` threads ran the model's step ``S``
+    times faster than one thread, so the cores together do at least ``S`` one-thread steps'
+    work of this model at a time; ``busy`` replicas without the threads' synchronisation
+    each get at least ``S / busy`` of it: a slowdown of at most ``busy / S``. A convolution
+    net's work shares two cores (or two hyperthreads of one) better than the calibration's
+    matmuls do: at 1.5x on two threads it runs two replicas 1.33x slower each, where the
+    matmuls measured 1.6x and put every distributed setting of such a model 20-60% high."""
+    slow = machine.slowdown_for(busy)
+    speedup = model.thread_speedup()
+    if busy > 1 and speedup > 1.0:
+        slow = min(slow, max(1.0, busy / speedup))
+    return slow
 
 
 def _optimizer(model: ModelProfile, c: Cluster, share: float, busy_on_host: int) -> float:
@@ -196,7 +213,7 @@ def _optimizer(model: ModelProfile, c: Cluster, share: float, busy_on_host: int)
         return 2 * model.state_bytes * share / c.machine.memory_bandwidth
     if busy_on_host <= 1:
         return model.optimizer_seconds * share
-    return model.optimizer_seconds_1thread * share * c.machine.slowdown_for(busy_on_host)
+    return model.optimizer_seconds_1thread * share * slowdown(model, c.machine, busy_on_host)
 
 
 def _input(whole: float, fixed: float, share: float, occasional: float = 0.0) -> float:
@@ -556,7 +573,7 @@ def _common_parts(s: _Step, k: _Costs) -> dict[str, float]:
     if s.cpu and m.measured and (busy > 1 or k.threads == 1):  # one thread per rank
         input_s = _input(m.input_seconds_1thread or m.input_seconds, c.machine.input_fixed,
                          batch / m.global_batch, m.input_occasional_seconds
-                         ) * c.machine.slowdown_for(busy)
+                         ) * slowdown(m, c.machine, busy)
     if k.threads == 1:
         optimizer = m.optimizer_seconds_1thread
     parts = {"compute": k.compute, "communication": comm, "optimizer": optimizer,

@@ -138,6 +138,14 @@ class ModelProfile:
         c0, c1 = self.compute_fit
         return c0 + c1 * batch
 
+    def thread_speedup(self) -> float:
+        """How much faster the process's ``threads`` ran forward + backward of the whole
+        batch than one thread (1 where not measured)."""
+        one = self.compute_1thread(self.global_batch)
+        if not self.measured or self.threads <= 1 or self.compute_seconds <= 0 or one <= 0:
+            return 1.0
+        return min(float(self.threads), one / self.compute_seconds)
+
     @classmethod
     def from_parameter_count(cls, params: float, *, global_batch: int = 1024,
                              seq_len: int = 1, optimizer: str = "adam",
