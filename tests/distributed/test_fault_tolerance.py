@@ -300,3 +300,20 @@ def test_sharded_backup_killed_between_shards_and_marker_resumes_previous(sharde
     for rank in range(2):
         assert _committed(out, rank)[1] == [0, 10]
     _assert_same_sharded_run(reference, out, 2)
+
+
+@pytest.mark.timeout(200)
+def test_the_rerun_line_names_the_step_the_rerun_resumes_from(tmp_path):
+    # rank 1 dies at step 23 while the chief is still finishing the commit of step 20 (its
+    # COMMIT.json is written): the launcher's line must name step 20, which the rerun loads
+    out, backup = tmp_path / "out", tmp_path / "backup"
+    proc = _cli(out, backup, "--save-freq", "5", "--kill", "1:23", "--background",
+                "--slow-commit", "20:5", max_restarts=0, tmp=tmp_path)
+    assert proc.returncode != 0
+    assert (backup / "step-00000020" / "COMMIT.json").exists()
+    line = next(s for s in proc.stderr.splitlines() if "resume from the backup" in s)
+    said = int(line.split("(step ")[1].split()[0])
+    rerun = _cli(out, backup, "--save-freq", "5", "--attempt-offset", "1", tmp=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    resumed = next(s for s in rerun.stderr.splitlines() if "resuming from" in s)
+    assert f"(step {said}," in resumed and said == 20, (line, resumed)

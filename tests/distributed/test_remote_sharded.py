@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from replicator.checkpoint.commit_objects import list_commits
+from replicator.checkpoint.storage import open_storage
 from replicator.checkpoint.store import RemoteStore
 from replicator.testing import run_distributed
 from tests.distributed.test_fault_tolerance import (
@@ -33,7 +33,7 @@ def test_fsdp_saves_shards_to_s3_and_one_device_loads_them(s3_server):  # noqa: 
     url = "s3://shards/ckpt"
     saved = run_distributed(_session, 2, args=("fsdp", url, True), timeout_seconds=150)
     store = RemoteStore(url)
-    commits = list_commits(store)
+    commits = open_storage(store).saves()
     assert [s for s, _ in commits] == [3]
     manifest = json.loads(store.get(f"commits/{commits[0][1]}"))
     shards = [f for f in manifest["files"] if f.endswith(".safetensors")]
@@ -71,6 +71,6 @@ def test_fsdp_rank_killed_resumes_from_s3_and_equals_the_uninterrupted_run(
         assert _committed(out, rank)[1] == [0, 10]
     _assert_same_sharded_run(reference, out, 2)
     shards = RemoteStore("s3://fsdp-kill/run/sharded")
-    assert [s for s, _ in list_commits(shards)][-1] == SHARDED_STEPS
+    assert [s for s, _ in open_storage(shards).saves()][-1] == SHARDED_STEPS
     # no scratch folder is left behind in the temporary directory
     assert not [p for p in Path(tmp_path).iterdir() if p.name.startswith("replicator-shards-")]

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from torch.utils.data import TensorDataset
 
 import replicator as rp
+from replicator.checkpoint import fault_points
 from replicator.resume import BackupAndRestore
 
 
@@ -75,6 +76,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step")
     p.add_argument("--check-seconds", type=float, default=0.0, help="preemption checks")
     p.add_argument("--attempt-offset", type=int, default=0, help="log numbering of a rerun")
+    p.add_argument("--slow-commit", help="STEP:SECONDS: the chief waits after the commit")
     p.add_argument("--background", action="store_true",
                    help="save in the background (then which backup a crash resumes from "
                    "depends on timing; the tests here assert exact resume steps)")
@@ -115,6 +117,10 @@ def main() -> None:
         faults.append(rp.testing.delay_rank(r, s, seconds))
     if args.kill_during_save:
         rp.testing.kill_during_save(0, args.kill_during_save)
+    if args.slow_commit:
+        slow_step, seconds = parse_fault(args.slow_commit)
+        fault_points.add_hook("after_commit", lambda step, path, rank: time.sleep(
+            seconds if step == slow_step and rank == 0 else 0))
 
     attempt = int(os.environ.get("REPLICATOR_RESTART_COUNT",
                                  os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))

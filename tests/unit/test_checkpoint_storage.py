@@ -263,3 +263,22 @@ def test_malformed_headers_are_corrupt_not_crashes():
         data = bytearray(len(raw).to_bytes(8, "little") + raw + good[-16:])
         with pytest.raises(CheckpointCorruptError):
             safetensors_io.read(data, "bad")
+
+
+def test_leftovers_of_an_interrupted_deletion_are_removed_unread_and_said_once(tmp_path, capfd):
+    # what a chief SIGKILLed while deleting an old backup leaves: its trash and a save's
+    # staging directory; the next start removes them without reading them, and says so once
+    manager = CheckpointManager(tmp_path, keep=1)
+    manager.save(10, {"model": {"w": torch.ones(3)}})
+    for name in (".trash-step-00000005-1a2b3c4d", ".tmp-step-00000015-a0"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"not a safetensors file")
+    capfd.readouterr()
+    restored = CheckpointManager(tmp_path).restore()
+    assert restored is not None and restored.step == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000010"]
+    err = capfd.readouterr().err
+    assert err.count("[replicator] removed") == 1
+    assert ".trash-step-00000005-1a2b3c4d" in err and ".tmp-step-00000015-a0" in err
+    CheckpointManager(tmp_path).restore()
+    assert "[replicator] removed" not in capfd.readouterr().err

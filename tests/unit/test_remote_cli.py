@@ -89,3 +89,13 @@ def test_checkpoints_command_on_s3(s3_server, tmp_path, capsys):  # noqa: F811
         (10, "committed"), (20, "committed"), (30, "committed"), (40, "partial (no commit)")]
     assert main(["checkpoints", "list", "foo://x"]) == 1
     assert "unknown URL scheme" in capsys.readouterr().err
+
+
+def test_a_read_of_an_unknown_scheme_or_a_missing_location_says_so(tmp_path, capsys):
+    assert main(["checkpoints", "list", "foo://x"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown URL scheme 'foo'" in err and "cannot be opened" in err
+    assert "written" not in err  # a read writes nothing: the message must not speak of it
+    assert main(["checkpoints", "verify", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and str(tmp_path / "nowhere") in err

@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from replicator.checkpoint import CheckpointManager
-from replicator.checkpoint.lease import LEASE_NAME
-from replicator.checkpoint.remote_manager import RemoteCheckpointManager, open_manager
-from replicator.checkpoint.store import RemoteStore
+from replicator.checkpoint.manager import RemoteCheckpointManager, open_manager
+from replicator.checkpoint.store import LEASE_NAME, RemoteStore
 from replicator.errors import CheckpointCorruptError, StorageURLError, StoreLeaseError
 from replicator.resume import BackupAndRestore
 from tests.s3_server import s3_server  # noqa: F401 - a fixture
@@ -159,7 +158,7 @@ def test_a_stale_lease_is_taken_over_and_said(capfd):
 
 _NEVER_CLOSED = """
 import sys, torch
-from replicator.checkpoint.remote_manager import RemoteCheckpointManager
+from replicator.checkpoint.manager import RemoteCheckpointManager
 manager = RemoteCheckpointManager(sys.argv[1], job_id="forgetful")
 manager.save(1, {"model": {"w": torch.ones(2)}})
 manager.finish()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from replicator.checkpoint import saver_process
-from replicator.checkpoint.staging import StagingBuffer
+from replicator.checkpoint.saver import StagingBuffer
 
 SIZES = [0, 1, 4095, 4096, 4097, 3 * 4096 + 17, saver_process.CHUNK + 5000]
 

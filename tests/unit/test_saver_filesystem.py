@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicator.checkpoint.remote_manager import RemoteCheckpointManager
+from replicator.checkpoint.manager import RemoteCheckpointManager
 from replicator.checkpoint.saver import ProcessSaver, SaverFilesystem
 from tests.s3_server import s3_server  # noqa: F401 - a fixture
 

@@ -1,21 +1,26 @@
 """The checkpoint room: storage only. Atomic, verified, multi-rank checkpoints.
 
-``CheckpointManager`` commits step directories atomically (SHA-256 manifests, safetensors,
-keep-last-k) and agrees across the ranks of a ``Collectives`` passed in; given an fsspec URL
-(``s3://bucket/run``) it is a ``RemoteCheckpointManager``, which commits with commit objects
-written last and a lease (``remote_manager.py``). ``BackgroundSaver`` writes its saves on a
-thread, ``saver.ProcessSaver`` through a saver process. ``distributed_checkpoint`` saves
-sharded model state through ``torch.distributed.checkpoint`` (under a strategy, call
-:func:`replicator.resume.save_sharded`, which prepares the optimizers first). This room never
-asks which strategy is active: what drives the training loop (``BackupAndRestore``,
-preemption, the NaN guard) lives in :mod:`replicator.resume`, which passes the strategy's
-collectives down.
+One :class:`CheckpointManager` saves and restores over one storage protocol
+(``storage.py``): a local directory (renamed into place, SHA-256 manifest last) or an fsspec
+URL (``s3://bucket/run``: a commit object written last, under a lease). Replicated saves and
+sharded ones (``distributed_checkpoint``, through ``torch.distributed.checkpoint``; under a
+strategy call :func:`replicator.resume.save_sharded`) share that protocol, and
+:class:`BackgroundSaver` writes saves on a thread or through a saver process
+(``async_mode``). This room never asks which strategy is active: what drives the training
+loop (``BackupAndRestore``, preemption, the NaN guard) lives in :mod:`replicator.resume`,
+which passes the strategy's collectives down.
 """
 
-from replicator.checkpoint.background import BackgroundSaver
 from replicator.checkpoint.exchange import Channel, group_collectives
-from replicator.checkpoint.manager import CheckpointManager, Restored
-from replicator.checkpoint.remote_manager import RemoteCheckpointManager, open_manager
+from replicator.checkpoint.manager import (
+    CheckpointManager,
+    RemoteCheckpointManager,
+    Restored,
+    open_manager,
+)
+from replicator.checkpoint.saver import BackgroundSaver, ProcessSaver
+from replicator.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
 
-__all__ = ["BackgroundSaver", "Channel", "CheckpointManager", "RemoteCheckpointManager",
+__all__ = ["BackgroundSaver", "Channel", "CheckpointManager", "CheckpointStorage",
+           "FsspecStorage", "LocalStorage", "ProcessSaver", "RemoteCheckpointManager",
            "Restored", "group_collectives", "open_manager"]

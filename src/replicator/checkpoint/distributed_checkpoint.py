@@ -1,159 +1,227 @@
 """Sharded checkpoints of model-parallel runs through ``torch.distributed.checkpoint`` (DCP).
 
 Each rank writes only the shards it holds (FSDP shards, tensor-parallel slices, its pipeline
-stages), in safetensors files through DCP's ``HuggingFaceStorageWriter`` (no pickle: DCP's
-default ``.metadata`` file is a pickle, which replicator refuses to load). Tensors are named
-by the model's own parameter names (``get_state_dict``), so a checkpoint saved in one layout
-loads into any other: data x pipeline into FSDP, tensor parallel into one device.
+stages), flattened to ``model.<fqn>`` and ``optim.<fqn>.<key>`` tensors by the model's own
+parameter names (``get_state_dict``), in safetensors files through DCP's
+``HuggingFaceStorageWriter`` (no pickle: DCP's default ``.metadata`` is a pickle, which
+replicator refuses to load), with the optimizers' param groups beside them as JSON. So a
+checkpoint saved in one layout loads into any other: data x pipeline into FSDP, tensor
+parallel into one device.
 
-The commit is the checkpoint room's: every rank writes into ``.tmp-step-N-aK``, the ranks
-agree that all writes succeeded, then the chief hashes every file, renames the directory to
-``step-N`` and writes ``COMMIT.json`` (SHA-256 of each file) last. Loading verifies the
-marker and every hash first and skips partial or damaged checkpoints. A URL (``s3://...``)
-goes to ``remote_shards.py``: the same files, committed with commit objects in the store.
+The commit is the checkpoint room's, over the same storage protocol as every save
+(``storage.py``): every rank writes into the save's staging area (in a store, a scratch
+folder of its own that is uploaded, hashed as it goes, then deleted: DCP writes local files
+only), the ranks agree that all writes succeeded, then the chief commits the manifest (the
+SHA-256 of each file) atomically. Loading verifies every hash first (in a store, each rank
+downloads the chosen save, since any layout may need any shard) and skips partial or damaged
+saves with a warning.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import uuid
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from replicator.checkpoint import remote_shards
-from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree
-from replicator.checkpoint.dcp_state import (
-    GROUPS_FILE,
-    Optimizers,
-    StagedShards,
-    as_list,
-    flat_state,
-    read_dcp,
-    stage_sharded,
-    write_dcp,
-)
+from replicator.checkpoint.atomic import write_durable
 from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
-from replicator.checkpoint.manifest import (
-    MARKER_NAME,
-    FileEntry,
-    build,
-    read_marker,
-    verify,
-    write_marker,
-)
-from replicator.checkpoint.store import RemoteStore, is_remote, local_path
-from replicator.cluster.environment import resolve_cluster
+from replicator.checkpoint.manifest import FileEntry, build
+from replicator.checkpoint.storage import LocalStorage, open_storage
+from replicator.checkpoint.store import RemoteStore
 from replicator.comm.collectives import Collectives
 from replicator.errors import CheckpointCorruptError, CheckpointWriteError
 
-_STEP_PREFIX = "step-"
+GROUPS_FILE = "optimizer_groups.json"
 
-#: A local folder, a URL, or an opened store (a URL with its fsspec options).
-Location = str | os.PathLike[str] | RemoteStore
-
-
-def _remote(directory: Location) -> bool:
-    return isinstance(directory, RemoteStore) or is_remote(directory)
+#: One optimizer, several (of one model, e.g. one per parameter group), or none.
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+#: A local folder, a URL, or an opened storage (a URL with its fsspec options).
+Location = str | os.PathLike[str] | RemoteStore | LocalStorage
 
 
-def _step_dir(step: int) -> str:
-    return f"{_STEP_PREFIX}{step:08d}"
+def as_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return list(optimizer)
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def flat_state(msd: dict[str, Any], osd: dict[str, Any], optimizer: bool
+               ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """``model.<fqn>`` and ``optim.<fqn>.<key>`` tensors this rank holds (pipeline ranks
+    leave other stages' tensors empty; the same tensor objects as in the state dicts); the
+    optimizers' param groups as JSON."""
+    def held(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and _local(t).numel() > 0
+
+    flat = {f"model.{k}": v for k, v in msd.items() if held(v)}
+    groups: list[dict[str, Any]] = []
+    if optimizer:
+        for fqn, state in osd.get("state", {}).items():
+            for key, value in state.items():
+                if held(value):
+                    flat[f"optim.{fqn}.{key}"] = value
+        groups = [{k: v for k, v in g.items() if isinstance(v, (int, float, str, bool, list))
+                   or v is None} for g in osd.get("param_groups", [])]
+    return flat, groups
+
+
+class StagedShards:
+    """This rank's sharded model and optimizer state at a step boundary (see
+    :func:`stage_sharded`): what a sharded save writes, in place or in the background."""
+
+    def __init__(self, flat: dict[str, Any], groups: list[dict[str, Any]],
+                 optimizers: bool) -> None:
+        self.flat, self.groups, self.optimizers = flat, groups, optimizers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_local(t).numel() * _local(t).element_size() for t in self.flat.values())
+
+
+def _copy(t: Any) -> Any:
+    """A CPU copy of ``t``; a DTensor keeps its mesh and placements around a copied shard."""
+    if hasattr(t, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        local = t.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.detach().to("cpu", copy=True)
+
+
+def _shards(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+            copy: bool) -> StagedShards:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizers)
+    flat, groups = flat_state(msd, osd, bool(optimizers))
+    if copy:
+        flat = {k: _copy(v) for k, v in flat.items()}
+    return StagedShards(flat, groups, bool(optimizers))
+
+
+def stage_sharded(model: torch.nn.Module, optimizer: Optimizers = None) -> StagedShards:
+    """Copy this rank's part of ``model`` (and ``optimizer``) now, for :func:`write_staged`."""
+    return _shards(model, as_list(optimizer), copy=True)
 
 
 def save_sharded(directory: Location, step: int, model: torch.nn.Module,
                  optimizer: Optimizers = None, *, collectives: Collectives | None = None,
                  keep: int = 2) -> Path | str:
-    """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``;
-    every rank of ``collectives`` (default: the whole job) calls it.
-
-    The optimizers must already hold the model's (sharded) parameters: under a strategy use
-    :func:`replicator.resume.save_sharded`, which lets the strategy prepare them first.
-    ``directory`` may be a URL (see ``remote_shards.py``). Returns the committed ``step-N``
-    directory (for a URL, its commit object's URL). Raises :class:`CheckpointWriteError` on every
-    rank when any rank fails, leaving the previous checkpoints as they were.
-    """
-    optimizers = as_list(optimizer)
+    """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``
+    (a local folder or a URL); every rank of ``collectives`` (default: the whole job) calls
+    it. The optimizers must already hold the model's (sharded) parameters: under a strategy
+    use :func:`replicator.resume.save_sharded`. Returns the committed save (a ``step-N``
+    folder, or its commit object's URL); :class:`CheckpointWriteError` on every rank when any
+    rank fails, leaving the previous checkpoints as they were."""
     ch = Channel(collectives if collectives is not None else group_collectives())
     try:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(model, optimizers)
-        flat, groups = flat_state(msd, osd, bool(optimizers))
-        staged: StagedShards | Exception = StagedShards(flat, groups, bool(optimizers))
+        staged: StagedShards | Exception = _shards(model, as_list(optimizer), copy=False)
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks in write_staged
         staged = exc
     return write_staged(directory, step, staged, ch, keep=keep)
+
+
+def _write_dcp(folder: Path, staged: StagedShards, ch: Channel) -> None:
+    import torch.distributed.checkpoint as dcp  # imported when used: about a second
+
+    dcp.save(staged.flat, storage_writer=dcp.HuggingFaceStorageWriter(str(folder),
+                                                                      save_distributed=True),
+             process_group=ch.collectives.group, no_dist=ch.world_size == 1)
+    if ch.is_chief and staged.optimizers:
+        write_durable(folder / GROUPS_FILE, json.dumps(staged.groups).encode())
 
 
 def write_staged(directory: Location, step: int, staged: StagedShards | Exception,
                  ch: Channel, *, keep: int = 2) -> Path | str:
     """Write and commit ``staged`` (from :func:`stage_sharded`) as ``step``; every rank of
     ``ch`` calls it (on a background thread, ``ch`` runs over a private group)."""
-    if _remote(directory):
-        return remote_shards.write_staged(directory, step, staged, ch, keep=keep)
-    root = local_path(directory)  # type: ignore[arg-type]
-    attempt = resolve_cluster().restart_count
-    tmp = root / f".tmp-{_step_dir(step)}-a{attempt}"
-    final = root / _step_dir(step)
+    storage = open_storage(directory, what="the sharded checkpoint location")
+    token = ch.from_chief(uuid.uuid4().hex[:12] if ch.is_chief else None,
+                          f"sharded save of step {step} (its name)")
+    staging = storage.staging(step, token)
+    files: dict[str, Any] = {}
     error = ""
     try:
         if isinstance(staged, Exception):
             raise staged
-        if ch.is_chief:
-            tmp.mkdir(parents=True, exist_ok=True)
-        ch.all_gather("", f"checkpoint save of step {step} (directory)")
-        write_dcp(tmp, staged, ch)
+        storage.begin(staging)
+        folder = storage.folder(staging)
+        _write_dcp(folder, staged, ch)
+        files = {n: e.as_json() for n, e in storage.publish(staging, folder, ch.rank).items()}
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
         error = f"{type(exc).__name__}: {exc}"
-    failures = ch.failures(error, f"checkpoint save of step {step} (writes)")
+    gathered = ch.all_gather({"error": error, "files": files},
+                             f"sharded save of step {step} (writes)")
+    failures = {r: g["error"] for r, g in enumerate(gathered) if g["error"]}
     if failures:
         if ch.is_chief:
-            remove_tree(tmp)
+            storage.discard(staging)
         raise CheckpointWriteError(
-            f"saving the sharded checkpoint of step {step} to {root} failed "
+            f"saving the sharded checkpoint of step {step} to {storage.location} failed "
             f"({describe_failures(failures)}). Nothing was committed. HINT: check that every "
-            f"rank can write to {root} and has space there.")
-    commit_error = ""
+            f"rank can write to {storage.location} and has space there.")
+    commit_error, ref = "", None
     if ch.is_chief:
         try:
-            files = {p.name: FileEntry(bytes=p.stat().st_size, sha256=hash_file(p))
-                     for p in sorted(tmp.iterdir()) if p.is_file()}
-            manifest = build(step, ch.world_size, files, {"layout": "dcp-safetensors"})
-            fsync_dir(tmp)
-            if final.exists():
-                remove_tree(final)
-            os.rename(tmp, final)
-            fsync_dir(root)
-            write_marker(final, manifest)
-            _prune(root, keep)
+            ref = storage.commit(step, staging, _manifest(step, gathered, ch.world_size), 0)
+            storage.prune(step, ref, keep, wait=False)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             commit_error = f"{type(exc).__name__}: {exc}"
-            remove_tree(tmp)
-    outcome = ch.from_chief(commit_error, f"checkpoint save of step {step} (commit)")
-    if outcome:
+    outcome = ch.from_chief({"error": commit_error, "ref": ref},
+                            f"sharded save of step {step} (commit)")
+    if outcome["error"]:
         raise CheckpointWriteError(f"committing the sharded checkpoint of step {step} in "
-                                   f"{root} failed on the chief: {outcome}")
-    return final
+                                   f"{storage.location} failed on the chief: {outcome['error']}")
+    return storage.where(outcome["ref"])  # type: ignore[no-any-return]
 
 
-def _committed(root: Path) -> list[tuple[int, Path]]:
-    try:
-        entries = list(root.iterdir())
-    except FileNotFoundError:
-        return []
-    found = []
-    for p in entries:
-        if p.name.startswith(_STEP_PREFIX) and p.name[len(_STEP_PREFIX):].isdigit() and \
-                (p / MARKER_NAME).exists():
-            found.append((int(p.name[len(_STEP_PREFIX):]), p))
-    return sorted(found)
+def _manifest(step: int, gathered: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+    entries: dict[str, FileEntry] = {}
+    for rank, report in enumerate(gathered):
+        for fname, entry in report["files"].items():
+            if fname in entries:
+                raise CheckpointWriteError(f"two ranks wrote the file {fname!r} (rank {rank} "
+                                           "and an earlier one)")
+            entries[fname] = FileEntry(bytes=int(entry["bytes"]), sha256=str(entry["sha256"]))
+    return build(step, world_size, entries, {"layout": "dcp-safetensors"})
 
 
-def _prune(root: Path, keep: int) -> None:
-    for _, p in _committed(root)[:-keep]:
-        remove_tree(p, wait=False)
+def _read_dcp(folder: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+              ch: Channel) -> None:
+    """Every rank loads its part of ``model`` and ``optimizers`` from the verified save in
+    ``folder``, whatever layout wrote it (in place, into the state dicts' own tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizers)
+    flat, _ = flat_state(msd, osd, bool(optimizers))
+    dcp.load(flat, storage_reader=dcp.HuggingFaceStorageReader(str(folder)),
+             process_group=ch.collectives.group, no_dist=ch.world_size == 1)
+    if optimizers and (folder / GROUPS_FILE).exists():
+        groups = json.loads((folder / GROUPS_FILE).read_text())
+        targets: list[dict[str, Any]] = list(osd.get("param_groups", []))  # type: ignore[arg-type]
+        for saved, group in zip(groups, targets):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    set_state_dict(model, optimizers, model_state_dict=msd, optim_state_dict=osd)
+
+
+def _committed(storage: Any, step: int | None) -> list[list[Any]]:
+    steps = set(storage.committed())
+    return [[s, ref] for s, ref in storage.saves() if s in steps and step in (None, s)]
 
 
 def load_sharded(directory: Location, model: torch.nn.Module,
@@ -161,63 +229,52 @@ def load_sharded(directory: Location, model: torch.nn.Module,
                  collectives: Collectives | None = None) -> int | None:
     """Load the newest verified checkpoint (or ``step``) into ``model`` (and ``optimizer``),
     whatever the layout it was saved in and the one it loads into; every rank of
-    ``collectives`` (default: the whole job) calls it.
-
-    The optimizers must already hold the model's (sharded) parameters (see
-    :func:`save_sharded`). Returns the step loaded, or ``None`` when ``directory`` holds no
-    checkpoint. Damaged or partial checkpoints are skipped with a warning;
-    :class:`CheckpointCorruptError` when checkpoints exist but none verifies.
-    """
+    ``collectives`` (default: the whole job) calls it. The optimizers must already hold the
+    model's (sharded) parameters. Returns the step loaded, or ``None`` when ``directory``
+    holds no checkpoint. Damaged or partial saves are skipped with a warning;
+    :class:`CheckpointCorruptError` when saves exist but none verifies."""
     optimizers = as_list(optimizer)
     ch = Channel(collectives if collectives is not None else group_collectives())
-    if _remote(directory):
-        return remote_shards.load(directory, model, optimizers, step, ch)
-    root = local_path(directory)  # type: ignore[arg-type]
-    choice: dict[str, Any] = {"step": -1, "skipped": [], "error": ""}
-    if ch.is_chief:
-        candidates = [(s, p) for s, p in _committed(root) if step is None or s == step]
-        for s, p in reversed(candidates):
-            try:
-                verify(p, read_marker(p))
-                choice["step"] = s
-                break
-            except CheckpointCorruptError as exc:
-                choice["skipped"].append(str(exc))
-        if choice["step"] < 0 and (candidates or step is not None):
-            choice["error"] = ("; ".join(choice["skipped"]) or
-                               f"no committed checkpoint of step {step} in {root}")
-    choice = ch.from_chief(choice, "sharded checkpoint restore (choice)")
-    for text in choice["skipped"]:
-        warnings.warn(f"skipping a damaged checkpoint: {text}", RuntimeWarning, stacklevel=2)
-    if choice["error"]:
-        raise CheckpointCorruptError(f"no valid sharded checkpoint to load in {root}: "
-                                     f"{choice['error']}. HINT: delete the damaged step "
-                                     "directories, or load an older step=.")
-    if choice["step"] < 0:
+    storage = open_storage(directory, what="the sharded checkpoint location")
+    listed = ch.from_chief(_committed(storage, step) if ch.is_chief else None,
+                           "sharded checkpoint restore (listing)")
+    if not listed and step is None:
         return None
-    read_dcp(root / _step_dir(choice["step"]), model, optimizers, ch)
-    return int(choice["step"])
+    skipped: list[str] = []
+    local = isinstance(storage, LocalStorage)
+    for saved_step, ref in reversed(listed):
+        error, folder = "", None
+        try:
+            if ch.is_chief or not local:  # a local folder is verified once, by the chief
+                folder = storage.fetch_all(ref)
+        except CheckpointCorruptError as exc:
+            error = str(exc)
+        try:
+            errors = [e for e in ch.all_gather(error, "sharded checkpoint restore (verify)")
+                      if e]
+            if errors:
+                skipped.append(errors[0])
+                continue
+            for text in skipped:
+                warnings.warn(f"skipping a damaged checkpoint: {text}", RuntimeWarning,
+                              stacklevel=2)
+            _read_dcp(folder or storage.where(ref), model, optimizers, ch)
+            return int(saved_step)
+        finally:
+            if folder is not None and not local:
+                shutil.rmtree(folder, ignore_errors=True)
+    raise CheckpointCorruptError(
+        f"no valid sharded checkpoint to load in {storage.location}: "
+        f"{'; '.join(skipped) or f'no committed checkpoint of step {step}'}. HINT: delete the "
+        "damaged saves, or load an older step=.")
 
 
 def discard_uncommitted(directory: Location, after: int | None = None) -> None:
-    """Remove interrupted saves (``.tmp-*``, ``.trash-*``) and, with ``after``, every step
-    newer than ``after`` (a run resumed from ``after`` writes them again). The chief calls it
-    while no save is running."""
-    if _remote(directory):
-        remote_shards.discard_uncommitted(directory, after)
-        return
-    root = Path(directory)  # type: ignore[arg-type]
-    try:
-        entries = list(root.iterdir())
-    except FileNotFoundError:
-        return
-    for p in entries:
-        name = p.name
-        newer = (after is not None and name.startswith(_STEP_PREFIX)
-                 and name[len(_STEP_PREFIX):].isdigit() and int(name[len(_STEP_PREFIX):]) > after)
-        if name.startswith((".tmp-", ".trash-")) or newer:
-            remove_tree(p)
+    """Remove interrupted saves and, with ``after``, every save newer than ``after`` (a run
+    resumed from ``after`` writes them again). The chief calls it while no save runs."""
+    open_storage(directory, what="the sharded checkpoint location").cleanup(after)
 
 
-__all__ = ["GROUPS_FILE", "Location", "Optimizers", "StagedShards", "discard_uncommitted",
-           "load_sharded", "save_sharded", "stage_sharded", "write_staged"]
+__all__ = ["GROUPS_FILE", "Location", "Optimizers", "StagedShards", "as_list",
+           "discard_uncommitted", "flat_state", "load_sharded", "save_sharded",
+           "stage_sharded", "write_staged"]

@@ -22,11 +22,8 @@ from typing import Any
 import torch
 
 from replicator.checkpoint import safetensors_io, serialization
-from replicator.checkpoint.commit_objects import COMMITS, DATA, parse_commit_name
-from replicator.checkpoint.manager import CheckpointManager
-from replicator.checkpoint.manifest import MARKER_NAME, read_marker, verify_file
-from replicator.checkpoint.remote_manager import RemoteCheckpointManager
-from replicator.checkpoint.store import RemoteStore, open_store
+from replicator.checkpoint.storage import LocalStorage, open_storage
+from replicator.checkpoint.store import DATA, RemoteStore, parse_commit_name
 from replicator.errors import CheckpointCorruptError, CheckpointError
 
 __all__ = ["Backup", "add_subcommand", "export_backup", "list_backups", "run",
@@ -50,55 +47,45 @@ class _Reader:
 
     def __init__(self, location: str | os.PathLike[str],
                  storage_options: Mapping[str, Any] | None = None) -> None:
-        self.where = open_store(location, storage_options, "the backup location")
-        self.label = str(self.where)
+        self.storage = open_storage(location, storage_options, "the backup location")
+        self.label = str(self.storage.location)
+        if isinstance(self.storage, LocalStorage) and not self.storage.directory.is_dir():
+            raise CheckpointError(f"the backup location {self.label} does not exist (or is "
+                                  "not a directory). HINT: check the path; a store's location "
+                                  "is a URL such as s3://bucket/run.")
 
     def backups(self) -> list[Backup]:
-        if isinstance(self.where, RemoteStore):
-            return self._remote_backups(self.where)
-        return self._local_backups(self.where)
-
-    def _local_backups(self, root: Path) -> list[Backup]:
-        out = []
-        for step, path in CheckpointManager(root).step_dirs():
-            size = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-            try:
-                manifest = read_marker(path)
-                out.append(Backup(step, path.name, manifest.get("created"), size, "committed",
-                                  manifest))
-            except CheckpointCorruptError as exc:
-                status = "partial (no commit)" if not (path / MARKER_NAME).exists() \
-                    else f"damaged: {exc}"
-                out.append(Backup(step, path.name, None, size, status))
-        return out
-
-    def _remote_backups(self, store: RemoteStore) -> list[Backup]:
-        manager = RemoteCheckpointManager(store)
+        """Every save, committed (its manifest read, not verified), damaged or partial."""
         out, committed = [], set()
-        for step, name in manager.commits():
+        for step, ref in self.storage.saves():
             try:
-                manifest = manager._read_commit(name)
+                manifest = self.storage.manifest(ref)
             except CheckpointCorruptError as exc:
-                out.append(Backup(step, name, None, 0, f"damaged: {exc}"))
+                status = "partial (no commit)" if "no commit marker" in str(exc) \
+                    else f"damaged: {exc}"
+                out.append(Backup(step, ref, None, self._size(ref), status))
                 continue
-            committed.add(manifest["prefix"].split("/", 1)[1])
+            committed.add(str(manifest.get("prefix", ref)).split("/")[-1])
             size = sum(int(e["bytes"]) for e in manifest["files"].values())
-            out.append(Backup(step, name, manifest.get("created"), size, "committed", manifest))
-        for folder in store.folders(DATA):
-            parsed = parse_commit_name(folder + ".json")
-            if folder not in committed and parsed is not None:
-                size = sum(n for _, n in store.objects(f"{DATA}/{folder}"))
-                out.append(Backup(parsed[0], folder, None, size, "partial (no commit)"))
+            out.append(Backup(step, ref, manifest.get("created"), size, "committed", manifest))
+        if isinstance(self.storage, RemoteStore):
+            for folder in self.storage.folders(DATA):
+                parsed = parse_commit_name(folder + ".json")
+                if folder not in committed and parsed is not None:
+                    size = sum(n for _, n in self.storage.objects(f"{DATA}/{folder}"))
+                    out.append(Backup(parsed[0], folder, None, size, "partial (no commit)"))
         return sorted(out, key=lambda b: (b.step, b.created or 0.0))
+
+    def _size(self, ref: str) -> int:
+        if isinstance(self.storage, LocalStorage):
+            return sum(p.stat().st_size for p in (self.storage.directory / ref).iterdir()
+                       if p.is_file())
+        return 0
 
     def read(self, backup: Backup, fname: str) -> Any:
         """The verified bytes of ``fname`` of ``backup`` (:class:`CheckpointCorruptError`)."""
         assert backup.manifest is not None
-        if isinstance(self.where, RemoteStore):
-            manager = RemoteCheckpointManager(self.where)
-            return manager._fetch(backup.manifest["prefix"], backup.manifest, fname,
-                                  f"commit {COMMITS}/{backup.name}")
-        return verify_file(self.where / backup.name, backup.manifest, fname)
+        return self.storage.read(backup.name, backup.manifest, fname)
 
 
 def list_backups(location: str | os.PathLike[str],

@@ -1,20 +1,14 @@
-"""CheckpointManager: atomic, verified, multi-rank checkpoints in one directory.
+"""CheckpointManager: atomic, verified, multi-rank checkpoints over one storage protocol.
 
-Layout of ``directory``::
-
-    step-00000030/              a committed checkpoint (after 30 optimizer steps)
-        model.safetensors       replicated state, written by the chief only
-        optimizer.safetensors
-        rank-00000.safetensors  per-rank state (RNG, input position), written by that rank
-        rank-00001.safetensors
-        COMMIT.json             the commit marker: manifest with SHA-256 of every file, last
-    .tmp-step-00000040-a0/      a save in progress (attempt 0); never read, removed on restart
-
-A save writes every file into the temporary directory (each rank its own files, the chief the
-shared ones), fsyncs them, agrees across ranks that all writes succeeded, and then the chief
-renames the directory into place and writes the marker. A crash at any point leaves either a
-temporary directory or a directory without a marker: both are ignored by :meth:`restore`, which
-takes the newest checkpoint whose marker and hashes verify and warns about each one it skips.
+Every rank calls :meth:`CheckpointManager.save` and :meth:`CheckpointManager.restore`
+together. A save writes each rank's files into a staging area of its own (each rank its
+per-rank state, the chief the replicated states), the ranks agree that every write succeeded,
+the chief commits atomically (a local directory renamed into place with its ``COMMIT.json``
+written last; in a store, a commit object written last, under the job's lease) and tells the
+others; then it prunes to the newest ``keep``. A crash at any point leaves the previous save
+the newest valid one. A restore takes the newest save whose manifest and SHA-256 hashes
+verify and warns about each one it skips. Where the bytes go is ``storage.py``'s: a local
+directory or an fsspec URL (``s3://bucket/run``), decided once when the location is opened.
 """
 
 from __future__ import annotations
@@ -23,7 +17,8 @@ import errno
 import json
 import os
 import re
-import shutil
+import sys
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,42 +28,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from replicator.checkpoint import fault_points, safetensors_io, serialization
-from replicator.checkpoint.atomic import fsync_dir, remove_tree
+from replicator.checkpoint import fault_points, serialization
 from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
-from replicator.checkpoint.manifest import (
-    MARKER_NAME,
-    FileEntry,
-    build,
-    read_marker,
-    verify,
-    verify_file,
-    write_marker,
-)
-from replicator.checkpoint.store import is_remote, local_path
+from replicator.checkpoint.manifest import FileEntry, build
+from replicator.checkpoint.storage import LocalStorage, open_storage, step_dir_name
+from replicator.checkpoint.store import DEFAULT_LEASE_TIMEOUT, is_remote
 from replicator.cluster.environment import resolve_cluster
+from replicator.cluster.worker_errors import record_backup
 from replicator.comm.collectives import Collectives
 from replicator.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointWriteError,
+    StoreLeaseError,
     UnsafeCheckpointError,
 )
 
-#: Writes ``(file name, state, label)`` items under a base (a local directory, or a path on
-#: the remote store given) and returns their entries: the saver process's hand-off.
-FileWriter = Callable[[str, Any, list[tuple[str, Any, str]]], dict[str, FileEntry]]
+#: Writes ``(file name, state, label)`` items into a staging area of a storage and returns
+#: their entries: the saver process's hand-off.
+FileWriter = Callable[[Any, str, list[tuple[str, Any, str]]], dict[str, FileEntry]]
 
-#: The class serving URLs, registered by ``remote_manager`` (which builds on this module);
-#: the package imports it, so it is always there.
-REMOTE_MANAGER: dict[str, type[CheckpointManager]] = {}
-
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _STATE_NAME = re.compile(r"^[A-Za-z0-9_]{1,100}$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def rank_file(rank: int) -> str:
@@ -97,14 +77,10 @@ class FrozenState:
 
 
 def freeze_state(state: Any, label: str, reuse: FrozenState | None = None) -> FrozenState:
-    """Copy ``state`` (a tree of plain values and tensors) into memory, as it is now.
-
-    ``reuse``: an earlier copy that is no longer needed; its buffers are overwritten where
-    names, shapes and dtypes match (no fresh allocation, no page faults). Raises the same
-    ``TypeError`` as a save would for data that cannot be stored, so a bad state is reported
-    at the step that produced it, not later on a thread.
-    """
-    tensors, metadata = serialization._flatten(state, label)
+    """Copy ``state`` (a tree of plain values and tensors) into memory, as it is now;
+    ``reuse``: an earlier copy whose matching buffers are overwritten (no fresh allocation).
+    A state that cannot be stored raises the same ``TypeError`` as a save, at this step."""
+    tensors, metadata = serialization.flatten(state, label)
     old = reuse.tensors if reuse is not None else {}
     copies = {}
     for k, t in tensors.items():
@@ -132,40 +108,54 @@ class Restored:
 
 
 class CheckpointManager:
-    """Save and restore checkpoints of a job in ``directory``, keeping the newest ``keep``.
+    """Save and restore checkpoints of a job at ``directory``, keeping the newest ``keep``.
 
-    Every rank calls :meth:`save` and :meth:`restore` together (they agree through small
-    collectives). ``collectives``: the ranks that checkpoint together and how they talk (for
-    example a strategy's, so that timeouts name ranks); default: the whole job
-    (:func:`~replicator.checkpoint.exchange.group_collectives`).
-    ``directory`` must be one file system that every rank sees (a local disk for one machine,
-    a shared one across machines).
+    ``directory``: a local directory every rank sees, or an fsspec URL (``s3://bucket/run``,
+    with ``storage_options``; a lease held for ``job_id`` keeps a second job from writing
+    there, see :class:`~replicator.checkpoint.store.Lease`). ``collectives``: the ranks that
+    checkpoint together (a strategy's, so that timeouts name ranks; default: the whole job).
+    ``mirror``: for a URL, a local directory that also receives every save. A save a store
+    refuses is logged and counted and training goes on (:meth:`finish` raises at the end if
+    the newest state never got there); a local save that fails raises on every rank.
     """
 
-    def __new__(cls, directory: Any = None, *args: Any, **kwargs: Any) -> CheckpointManager:
-        """A URL (``s3://bucket/run``) makes a
-        :class:`~replicator.checkpoint.remote_manager.RemoteCheckpointManager`."""
-        remote = REMOTE_MANAGER.get("class")
-        if cls is CheckpointManager and remote is not None and isinstance(
-                directory, (str, os.PathLike)) and is_remote(directory):
-            return super().__new__(remote)
-        return super().__new__(cls)
-
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 2, *,
-                 collectives: Collectives | None = None,
-                 attempt: int | None = None) -> None:
+    def __init__(self, directory: Any, keep: int = 2, *,
+                 collectives: Collectives | None = None, attempt: int | None = None,
+                 mirror: str | os.PathLike[str] | CheckpointManager | None = None,
+                 storage_options: Mapping[str, Any] | None = None, job_id: str | None = None,
+                 lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive number of checkpoints, got {keep!r}")
-        self.directory = local_path(directory)
-        self.keep = keep
         if collectives is not None and not isinstance(collectives, Collectives):
             raise TypeError(f"collectives must be a Collectives, got {type(collectives).__name__}"
                             ". HINT: pass strategy.collectives, or nothing for the whole job")
+        self.store = open_storage(directory, storage_options, job_id=job_id,
+                                  lease_timeout=lease_timeout)
+        self.keep = keep
         self._channel: Channel | None = Channel(collectives) if collectives is not None else None
         self.attempt = resolve_cluster().restart_count if attempt is None else attempt
         self.latest_step: int | None = None
-        #: Which checkpoint of the chosen step restore loads, where a step alone is ambiguous.
-        self._choice_ref: Any = None
+        #: The committed save :meth:`restore` chose or the last save wrote.
+        self._choice_ref: str | None = None
+        self._token: str | None = None
+        self._saves = 0
+        self.mirror = self._open_mirror(mirror, collectives, directory)
+        #: Saves a store refused since its last success, the last error and what each said.
+        self.failed_saves = 0
+        self.last_error: BaseException | None = None
+        self._failed_steps: list[int] = []
+        self.failure_log: list[str] = []
+
+    def _open_mirror(self, mirror: Any, collectives: Collectives | None,
+                     directory: Any) -> CheckpointManager | None:
+        if mirror is None or isinstance(mirror, CheckpointManager):
+            return mirror
+        if not self.store.retries_later:
+            raise ValueError(f"mirror= is for a backup location in an object store; "
+                             f"{os.fspath(directory)!r} is already a local directory")
+        if isinstance(mirror, (str, os.PathLike)) and is_remote(mirror):
+            raise ValueError(f"mirror= must be a local directory, got {os.fspath(mirror)!r}")
+        return CheckpointManager(mirror, self.keep, collectives=collectives)
 
     @property
     def channel(self) -> Channel:
@@ -173,63 +163,132 @@ class CheckpointManager:
             self._channel = Channel(group_collectives())
         return self._channel
 
-    def where(self, step: int) -> str:
+    @property
+    def directory(self) -> Any:
+        """The location: a local :class:`Path`, or the URL of a store."""
+        return self.store.location
+
+    @property
+    def url(self) -> str:
+        return str(self.store.location)
+
+    def where(self, step: int) -> Any:
         """Where the checkpoint of ``step`` lives, for messages."""
-        return str(self.directory / step_dir_name(step))
+        if isinstance(self.store, LocalStorage):
+            return self.store.where(step_dir_name(step))
+        ref = self._choice_ref if self.latest_step == step else None
+        return self.store.where(ref) if ref else f"{self.url} (step {step})"
+
+    # -- the job's claim on the location ------------------------------------------------------
+    def open(self, channel: Channel | None = None) -> None:
+        """Take the store's lease (the chief) and agree on this run's save token; every rank
+        calls it once, before the first save (restore does)."""
+        if self._token is not None:
+            return
+        ch = channel or self.channel
+        message = {"token": uuid.uuid4().hex[:8], "error": "", "io": False}
+        lease_exc: BaseException | None = None
+        if ch.is_chief:
+            try:
+                self.store.open()
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                message.update(error=_text(exc), io=isinstance(exc, OSError))
+                lease_exc = exc
+        message = ch.from_chief(message, "checkpoint store lease")
+        if message["io"]:  # the store is unreachable: a save fails (logged), a later retries
+            raise CheckpointWriteError(f"cannot take the lease of {self.url}: "
+                                       f"{message['error']}") from lease_exc
+        if message["error"]:
+            if lease_exc is not None:
+                raise lease_exc
+            raise StoreLeaseError(f"rank 0 could not take the lease of {self.url}: "
+                                  f"{message['error']}")
+        self._token = message["token"]
+
+    def close(self) -> None:
+        """Let go of the location (a store's lease, on the chief)."""
+        if self.channel.is_chief:
+            self.store.release()
 
     # -- listing -------------------------------------------------------------------------------
-    def step_dirs(self) -> list[tuple[int, Path]]:
-        """``(step, path)`` of every step directory, committed or not, oldest first."""
-        try:
-            entries = list(self.directory.iterdir())
-        except FileNotFoundError:
-            return []
-        found = [(int(m.group(1)), p) for p in entries
-                 if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-        return sorted(found)
+    def step_dirs(self) -> list[tuple[int, Any]]:
+        """``(step, where)`` of every save, committed or not, oldest first."""
+        return [(s, self.store.where(ref)) for s, ref in self.store.saves()]
+
+    def commits(self) -> list[tuple[int, str]]:
+        """``(step, name)`` of every save the location lists, oldest first."""
+        return self.store.saves()
 
     def committed_steps(self) -> list[int]:
-        """Steps whose directory has a commit marker (not verified; see :meth:`restore`)."""
-        return [s for s, p in self.step_dirs() if (p / MARKER_NAME).exists()]
+        """Steps with a commit (not verified; see :meth:`restore`)."""
+        return self.store.committed()
 
-    def cleanup_temporaries(self) -> None:
-        """Remove what interrupted saves and deletions left (``.tmp-*``, ``.trash-*``)."""
-        try:
-            entries = list(self.directory.iterdir())
-        except FileNotFoundError:
-            return
-        for p in entries:
-            if p.name.startswith((".tmp-", ".trash-")):
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
+    def cleanup_temporaries(self) -> list[str]:
+        """Remove what interrupted saves and deletions left (never read), said once."""
+        removed = self.store.cleanup()
+        if removed:
+            print(f"[replicator] removed {len(removed)} leftover(s) of an interrupted save or "
+                  f"deletion in {self.directory}: {', '.join(removed)}", file=sys.stderr,
+                  flush=True)
+        return removed
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, replicated: Mapping[str, Any] | None = None,
              per_rank: Any = None, info: Mapping[str, Any] | None = None, *,
-             channel: Channel | None = None, writer: FileWriter | None = None) -> Path:
+             channel: Channel | None = None, writer: FileWriter | None = None) -> Any:
         """Write and commit the checkpoint of ``step``; every rank calls this together.
 
         ``replicated`` maps names to state trees that are the same on every rank (the chief
-        writes them; other ranks may pass ``None``); ``per_rank`` is this rank's own state tree;
-        either may be a :class:`FrozenState`. ``info`` is JSON stored in the manifest.
-        ``channel``: how the ranks agree (default: the manager's own; a background save
-        passes one over a private group). ``writer``: writes this rank's files (the saver
-        process; default: in this thread). Raises :class:`CheckpointWriteError` on every
-        rank when any rank fails, after removing the partial checkpoint.
+        writes them; other ranks may pass ``None``); ``per_rank`` is this rank's own state
+        tree; either may be a :class:`FrozenState`. ``info`` is JSON stored in the manifest.
+        ``channel``: how the ranks agree (a background save passes a private one);
+        ``writer``: writes this rank's files (the saver process). Returns where the save is.
+        A failure raises :class:`CheckpointWriteError` on every rank (nothing committed),
+        except in a store, where it is logged and the next save tries again (``None``).
         """
+        mirrored = None
+        if self.mirror is not None:
+            mirrored = self.mirror.save(step, replicated, per_rank, info, channel=channel,
+                                        writer=writer)
+        if not self.store.retries_later:
+            return self._save(step, replicated, per_rank, info, channel, writer)
+        try:
+            where = self._save(step, replicated, per_rank, info, channel, writer)
+        except CheckpointWriteError as exc:
+            self._refused(step, exc, channel or self.channel)
+            return mirrored
+        self.failed_saves, self.last_error, self._failed_steps = 0, None, []
+        return where
+
+    def _refused(self, step: int, exc: CheckpointWriteError, ch: Channel) -> None:
+        self.failed_saves += 1
+        self.last_error = exc
+        self._failed_steps.append(step)
+        self.failure_log = [*self.failure_log[-19:], f"step {step}: {exc}"]
+        if ch.is_chief:
+            kept = (f"; the local mirror {self.mirror.directory} holds it" if
+                    self.mirror is not None else "")
+            print(f"[replicator] the backup of step {step} did not reach {self.url} "
+                  f"({self.failed_saves} failed in a row{kept}); training goes on and the "
+                  f"next save tries again. {exc}", file=sys.stderr, flush=True)
+
+    def _save(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
+              info: Mapping[str, Any] | None, channel: Channel | None,
+              writer: FileWriter | None) -> Any:
+        """The save protocol: write, agree, commit on the chief, hear the outcome, prune."""
         ch = channel or self.channel
-        name = step_dir_name(step)
-        tmp = self.directory / f".tmp-{name}-a{self.attempt}"
-        final = self.directory / name
+        self.open(ch)
+        self._saves += 1
+        staging = self.store.staging(step, f"{self._token}-{self.attempt}x{self._saves}")
         entries: dict[str, FileEntry] = {}
         local_exc: BaseException | None = None
         try:
-            fault_points.fire("before_write", step=step, path=tmp, rank=ch.rank)
-            tmp.mkdir(parents=True, exist_ok=True)
-            entries = self._write_all(str(tmp), None,
-                                      self._items(replicated, per_rank, ch), writer)
+            if ch.is_chief:
+                self.store.check()
+            fault_points.fire("before_write", step=step, path=self.store.dest(staging, "")[:-1],
+                              rank=ch.rank)
+            self.store.begin(staging)
+            entries = self._write_all(staging, self._items(replicated, per_rank, ch), writer)
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
             local_exc = exc
         results = ch.all_gather(
@@ -238,21 +297,29 @@ class CheckpointManager:
         failures = {r: m["error"] for r, m in enumerate(results) if m["error"]}
         if failures:
             if ch.is_chief:
-                remove_tree(tmp)
+                self.store.discard(staging)
             if local_exc is not None and not isinstance(local_exc, OSError):
                 raise local_exc
             raise self._write_error(step, failures, local_exc)
-        commit_exc: BaseException | None = None
+        ref, commit_exc = None, None
         if ch.is_chief:
             files = {n: FileEntry(**e) for m in results for n, e in m["files"].items()}
-            commit_exc = self._commit(step, tmp, final, files, dict(info or {}), ch)
-        outcome = ch.from_chief(_text(commit_exc), f"checkpoint save of step {step} (commit)")
-        if outcome:
-            raise self._write_error(step, {0: outcome}, commit_exc)
-        self.latest_step = step
+            try:
+                manifest = build(step, ch.world_size, files, dict(info or {}))
+                ref = self.store.commit(step, staging, manifest, ch.rank)
+                record_backup(self.directory, step)  # what a rerun resumes from, at once
+                fault_points.fire("after_commit", step=step, path=self.store.where(ref),
+                                  rank=ch.rank)
+            except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                commit_exc = exc
+        outcome = ch.from_chief({"error": _text(commit_exc), "ref": ref},
+                                f"checkpoint save of step {step} (commit)")
+        if outcome["error"]:
+            raise self._write_error(step, {0: outcome["error"]}, commit_exc)
+        self.latest_step, self._choice_ref = step, outcome["ref"]
         if ch.is_chief:
-            self._prune(step)
-        return final
+            self.store.prune(step, outcome["ref"], self.keep)
+        return self.store.where(outcome["ref"])
 
     @staticmethod
     def _items(replicated: Mapping[str, Any] | None, per_rank: Any,
@@ -266,38 +333,12 @@ class CheckpointManager:
                 items.append((f"{check_state_name(key)}.safetensors", state, key))
         return items
 
-    def _write_all(self, base: str, store: Any, items: list[tuple[str, Any, str]],
+    def _write_all(self, staging: str, items: list[tuple[str, Any, str]],
                    writer: FileWriter | None) -> dict[str, FileEntry]:
         if writer is not None:
-            return writer(base, store, items)
-        return {fname: self._write(Path(base), fname, state, label)
+            return writer(self.store, staging, items)
+        return {fname: self.store.write(staging, fname, *serialization.flatten(state, label))
                 for fname, state, label in items}
-
-    def _write(self, tmp: Path, fname: str, state: Any, label: str) -> FileEntry:
-        if isinstance(state, FrozenState):
-            size, digest = safetensors_io.write_file(tmp / fname, state.tensors, state.metadata)
-        else:
-            size, digest = serialization.write(tmp / fname, state, label)
-        return FileEntry(bytes=size, sha256=digest)
-
-    def _commit(self, step: int, tmp: Path, final: Path, files: dict[str, FileEntry],
-                info: dict[str, Any], ch: Channel) -> BaseException | None:
-        moved = False
-        try:
-            manifest = build(step, ch.world_size, files, info)
-            fsync_dir(tmp)
-            if final.exists():  # an uncommitted or damaged leftover of this same step
-                remove_tree(final)
-            os.rename(tmp, final)
-            moved = True
-            fsync_dir(self.directory)
-            fault_points.fire("before_commit", step=step, path=final, rank=ch.rank)
-            write_marker(final, manifest)
-            fault_points.fire("after_commit", step=step, path=final, rank=ch.rank)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
-            remove_tree(final if moved else tmp)
-            return exc
-        return None
 
     def _write_error(self, step: int, failures: dict[int, str],
                      cause: BaseException | None) -> CheckpointWriteError:
@@ -306,7 +347,9 @@ class CheckpointManager:
         previous = (f"the previous checkpoint (step {self.latest_step}) is intact"
                     if self.latest_step is not None else "no earlier checkpoint exists")
         hint = (f"free space on the file system of {self.directory} (or lower keep=)" if full
-                else f"check that every rank can write to {self.directory}")
+                else f"check that every rank can write to {self.directory}" if not
+                self.store.retries_later else "check that the store is reachable and that "
+                f"every rank's credentials can write to {self.url}")
         err = CheckpointWriteError(
             f"saving the checkpoint of step {step} to {self.directory} failed "
             f"({describe_failures(failures)}). Nothing was committed and {previous}. "
@@ -315,19 +358,24 @@ class CheckpointManager:
             err.__cause__ = cause
         return err
 
-    def _prune(self, step: int) -> None:
-        """Keep the newest ``keep`` committed checkpoints up to ``step``; drop the rest."""
-        try:
-            dirs = self.step_dirs()
-            committed = [p for s, p in dirs if s <= step and (p / MARKER_NAME).exists()]
-            for s, p in dirs:
-                stale = s > step  # newer than what we resumed from: only invalid ones exist
-                partial = s < step and not (p / MARKER_NAME).exists()
-                if stale or partial or (p in committed[:-self.keep]):
-                    remove_tree(p, wait=False)
-        except OSError as exc:
-            warnings.warn(f"could not remove old checkpoints in {self.directory}: {exc}",
-                          RuntimeWarning, stacklevel=3)
+    def finish(self) -> None:
+        """Raise :class:`CheckpointWriteError` when the last saves never reached the store
+        (called at the end of training; nothing to say for a local directory)."""
+        if not self._failed_steps:
+            return
+        steps = self._failed_steps
+        kept = (f"The training's newest state (step {steps[-1]}) is in the local mirror "
+                f"{self.mirror.directory}; copy it to the store once it is back, or resume "
+                "from it." if self.mirror is not None else
+                "Nothing holds that state. HINT: pass mirror='ckpt/' to keep a local copy of "
+                "every backup.")
+        err = CheckpointWriteError(
+            f"the object store {self.url} was unreachable for the last {len(steps)} saves "
+            f"(steps {', '.join(map(str, steps[-5:]))}); its newest backup is "
+            f"{'step ' + str(self.latest_step) if self.latest_step is not None else 'none'}. "
+            f"{kept} Last error: {self.last_error}")
+        err.__cause__ = self.last_error
+        raise err
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self) -> Restored | None:
@@ -336,22 +384,27 @@ class CheckpointManager:
         The chief verifies candidates newest first (marker, sizes, SHA-256) and skips damaged
         or partial ones with a warning; all ranks then load the chosen one. Raises
         :class:`CheckpointCorruptError` when checkpoints exist but none is valid, and
-        :class:`UnsafeCheckpointError` when one carries a pickle payload.
+        :class:`UnsafeCheckpointError` when one carries a pickle payload. With a mirror, it
+        loads from the mirror when that is newer or the store cannot be read (said).
         """
+        if self.mirror is not None and self._mirror_is_newer():
+            restored = self.mirror.restore()
+            if restored is not None:
+                self.latest_step = restored.step
+            return restored
+        self.open()
         ch = self.channel
-        decision: dict[str, Any] = {"step": -1, "skipped": [], "fatal": ""}
+        decision: dict[str, Any] = {"step": -1, "skipped": [], "fatal": "", "ref": None}
         kept: dict[str, np.ndarray] = {}
         fatal: BaseException | None = None
         if ch.is_chief:
             try:
                 self.cleanup_temporaries()
-                decision["step"], kept = self._choose(decision["skipped"])
+                decision["step"], decision["ref"], kept = self._choose(decision["skipped"])
             except (UnsafeCheckpointError, OSError) as exc:
                 fatal = exc
                 decision["fatal"] = _text(exc)
-        decision["ref"] = self._choice_ref
         decision = ch.from_chief(decision, "checkpoint restore (choosing a checkpoint)")
-        self._choice_ref = decision["ref"]
         if decision["fatal"]:
             if fatal is not None:
                 raise fatal
@@ -360,52 +413,77 @@ class CheckpointManager:
         if decision["step"] < 0:
             if decision["skipped"]:
                 raise CheckpointCorruptError(
-                    f"no valid checkpoint in {self.directory}: "
-                    + "; ".join(decision["skipped"])
+                    f"no valid checkpoint in {self.directory}: " + "; ".join(decision["skipped"])
                     + ". HINT: restore a copy of the directory, or delete it to start the "
                     "training from the beginning.")
             return None
-        step = int(decision["step"])
+        step, ref = int(decision["step"]), str(decision["ref"])
         result, local_exc = None, None
         try:
-            result = self._load(step, kept)
+            result = self._load(step, ref, kept)
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
             local_exc = exc
         failures = ch.failures(_text(local_exc), "checkpoint restore (loading)")
         if failures:
             if local_exc is not None:
                 raise local_exc
-            raise CheckpointError(f"loading {self.where(step)} failed on "
+            raise CheckpointError(f"loading {self.store.where(ref)} failed on "
                                   f"{describe_failures(failures)}")
-        self.latest_step = step
+        self.latest_step, self._choice_ref = step, ref
         return result
 
-    def _choose(self, skipped: list[str]) -> tuple[int, dict[str, np.ndarray]]:
-        for step, path in reversed(self.step_dirs()):
+    def _mirror_is_newer(self) -> bool:
+        """The chief decides whether the mirror holds a newer save (or the store is down)."""
+        assert self.mirror is not None
+        ch = self.channel
+        choice = {"mirror": False, "why": ""}
+        if ch.is_chief:
+            local = self.mirror.committed_steps()
             try:
-                manifest = read_marker(path)
+                remote = self.committed_steps()
+            except OSError as exc:
+                choice = {"mirror": bool(local), "why": f"{self.url} cannot be read ({exc})"}
+            else:
+                if local and (not remote or local[-1] > remote[-1]):
+                    choice = {"mirror": True, "why": f"it holds step {local[-1]}, newer than "
+                              f"the store's {remote[-1] if remote else 'none'}"}
+        choice = ch.from_chief(choice, "checkpoint restore (store or mirror)")
+        if choice["mirror"] and ch.is_chief:
+            print(f"[replicator] restoring from the local mirror {self.mirror.directory}: "
+                  f"{choice['why']}", file=sys.stderr, flush=True)
+        return bool(choice["mirror"])
+
+    def _choose(self, skipped: list[str]) -> tuple[int, str | None, dict[str, np.ndarray]]:
+        """The newest save whose every file verifies, and the bytes of the files every rank
+        reads (the replicated ones, rank 0's)."""
+        for step, ref in reversed(self.store.saves()):
+            try:
+                manifest = self.store.manifest(ref)
                 shared = tuple(n for n in manifest["files"] if not n.startswith("rank-"))
-                return step, verify(path, manifest, keep=(*shared, rank_file(0)))
+                kept = {}
+                for fname in sorted(manifest["files"]):
+                    data = self.store.read(ref, manifest, fname)
+                    if fname in (*shared, rank_file(0)):
+                        kept[fname] = data
+                return step, ref, kept
             except CheckpointCorruptError as exc:
-                warnings.warn(f"skipping checkpoint {path.name}: {exc}", RuntimeWarning,
-                              stacklevel=4)
-                skipped.append(f"{path.name}: {exc}")
-        return -1, {}
+                warnings.warn(f"skipping checkpoint {ref}: {exc}", RuntimeWarning, stacklevel=4)
+                skipped.append(f"{ref}: {exc}")
+        return -1, None, {}
 
-    def _load(self, step: int, kept: Mapping[str, np.ndarray]) -> Restored:
-        path = self.directory / step_dir_name(step)
-        manifest = read_marker(path)
+    def _load(self, step: int, ref: str, kept: Mapping[str, np.ndarray]) -> Restored:
+        manifest = self.store.manifest(ref)
 
-        def read(name: str) -> Any:
-            data = kept.get(name)
+        def read(fname: str) -> Any:
+            data = kept.get(fname)
             if data is None:
-                data = verify_file(path, manifest, name)
-            if name.endswith(".json"):
+                data = self.store.read(ref, manifest, fname)
+            if fname.endswith(".json"):
                 try:
                     return json.loads(data.tobytes())
                 except ValueError as exc:
-                    raise CheckpointCorruptError(f"{path.name}/{name} is not JSON") from exc
-            return serialization.decode(data, f"{path.name}/{name}")
+                    raise CheckpointCorruptError(f"{ref}/{fname} is not JSON") from exc
+            return serialization.decode(data, f"{ref}/{fname}")
 
         replicated = {n.removesuffix(".safetensors"): read(n)
                       for n in sorted(manifest["files"]) if not n.startswith("rank-")}
@@ -413,29 +491,20 @@ class CheckpointManager:
         if rank_file(self.channel.rank) not in manifest["files"]:  # more ranks than saved
             source = 0 if rank_file(0) in manifest["files"] else None
         per_rank = read(rank_file(source)) if source is not None else None
-        return Restored(step=step, path=path, info=dict(manifest.get("info", {})),
+        return Restored(step=step, path=self.store.where(ref), info=dict(manifest.get("info", {})),
                         world_size=int(manifest.get("world_size", 1)), replicated=replicated,
                         per_rank=per_rank, per_rank_source=source)
-
-    def close(self) -> None:
-        """Let go of the location (a store's lease); nothing to do for a local directory."""
-
-    def finish(self) -> None:
-        """Called at the end of training: raises what the saves left unsaid (a remote store
-        that refused the last saves); nothing to do for a local directory."""
 
     # -- deletion ------------------------------------------------------------------------------
     def delete_all(self) -> None:
         """Remove every checkpoint (the chief only; call after the others are done with it)."""
-        if not self.channel.is_chief:
-            return
-        for _, path in self.step_dirs():
-            remove_tree(path)
-        self.cleanup_temporaries()
-        try:
-            self.directory.rmdir()
-        except OSError:
-            pass  # not empty: the user keeps other files there
+        if self.channel.is_chief:
+            self.store.delete_all()
+
+
+#: The names this class had when a URL made a subclass; one class serves both now.
+RemoteCheckpointManager = CheckpointManager
+open_manager = CheckpointManager
 
 
 def _text(exc: BaseException | None) -> str:

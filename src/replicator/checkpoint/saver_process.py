@@ -236,12 +236,26 @@ def answer(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
 NICENESS = 10
 
 
+def warm(filesystems: _Filesystems) -> None:
+    """Import the store's client and connect to it as the process starts (at the parent's
+    priority), so that the first save does not wait for it."""
+    try:
+        store = json.loads(os.environ.get("REPLICATOR_SAVER_WARM", "") or "{}")
+        if store.get("scheme"):
+            fs, limit = filesystems.get(store["scheme"], store.get("options") or {})
+            if store.get("root"):
+                fs.exists(store["root"], **limit)  # opens the session and a connection
+    except Exception:  # noqa: BLE001 - the first job makes the same call and reports it
+        pass
+
+
 def main() -> None:
+    filesystems = _Filesystems()
+    warm(filesystems)
     try:
         os.nice(NICENESS)
     except OSError:
         pass
-    filesystems = _Filesystems()
     for line in sys.stdin:
         if not line.strip():
             continue

@@ -164,6 +164,14 @@ def _flatten(state: Any, label: str) -> tuple[dict[str, torch.Tensor], dict[str,
     return encoder.tensors, {FORMAT_KEY: FORMAT_VERSION, STRUCTURE_KEY: text}
 
 
+def flatten(state: Any, label: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A state tree (or a copy already flattened: a ``FrozenState``) as the tensors and
+    metadata of one safetensors file (no copy)."""
+    if hasattr(state, "tensors") and hasattr(state, "metadata"):
+        return dict(state.tensors), dict(state.metadata)
+    return _flatten(state, label)
+
+
 def encode(state: Any, label: str = "state") -> bytes:
     """``state`` (a tree of plain values and tensors) as safetensors bytes (see module doc)."""
     return safetensors_io.to_bytes(*_flatten(state, label))

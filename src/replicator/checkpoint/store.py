@@ -1,5 +1,5 @@
-"""Where training state goes: a local directory, or an fsspec URL (an object store or a
-distributed file system).
+"""An fsspec store as the checkpoint room uses it: URLs, the store's calls, commit objects
+and the lease (the storage protocol over it is ``storage.py``).
 
 ``s3://bucket/run``, ``gs://bucket/run``, ``memory://run`` (tests) and the other schemes that
 fsspec knows are opened through fsspec (the optional extra ``replicator[remote]``; ``s3://``
@@ -15,14 +15,25 @@ S3-compatible server; or pass ``storage_options`` (for example
 
 from __future__ import annotations
 
+import atexit
 import functools
+import hashlib
+import json
 import os
 import re
+import socket
+import sys
+import threading
+import time
+import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from replicator.errors import StorageURLError
+from replicator.checkpoint.manifest import parse_marker
+from replicator.cluster.processes import process_alive
+from replicator.errors import CheckpointCorruptError, StorageURLError, StoreLeaseError
 
 T = TypeVar("T")
 #: Default seconds one call on a store may take (``storage_options["operation_timeout"]``).
@@ -78,16 +89,16 @@ def _filesystem_class(url: str, what: str) -> Any:
             "pip install 'replicator[remote]' (fsspec and s3fs), or give a local path.") from None
     if scheme not in known_implementations and scheme not in fsspec.available_protocols():
         raise StorageURLError(
-            f"{what} {url!r} has the unknown URL scheme {scheme!r}; nothing was written (it "
-            f"is not read as a local directory named '{scheme}:'). HINT: use a local path, or "
-            "a scheme fsspec knows: s3://, gs://, az://, hdfs://, memory://, file://.")
+            f"{what} {url!r} has the unknown URL scheme {scheme!r}, so it cannot be opened "
+            f"(it is not taken for a local directory named '{scheme}:'). HINT: use a local "
+            "path, or a scheme fsspec knows: s3://, gs://, az://, hdfs://, memory://, file://.")
     try:
         return fsspec.get_filesystem_class(scheme)
     except ImportError as exc:
         hint = known_implementations.get(scheme, {}).get("err", "")
         raise StorageURLError(
             f"{what} {url!r} needs a package that implements {scheme}://, which is not "
-            f"installed ({hint or exc}); nothing was written. HINT: install it (for s3:// "
+            f"installed ({hint or exc}), so it cannot be opened. HINT: install it (for s3:// "
             "and gs://: pip install 'replicator[remote]' s3fs / gcsfs).") from None
 
 
@@ -232,42 +243,6 @@ def merged_options(scheme: str, options: Mapping[str, Any] | None) -> dict[str, 
     return base
 
 
-def open_store(target: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
-               what: str = "the checkpoint location") -> Path | RemoteStore:
-    """A local :class:`Path` for a path or ``file://`` URL, a :class:`RemoteStore` for any
-    other URL fsspec can open; :class:`StorageURLError` for the rest."""
-    if isinstance(target, RemoteStore):
-        return target
-    if is_remote(target):
-        return RemoteStore(os.fspath(target), storage_options, what)
-    return local_path(target)
-
-
-def backup_location(target: str | os.PathLike[str]) -> Any:
-    """``target`` checked and normalised: a local :class:`Path`, or the URL as a string
-    (:class:`StorageURLError` now, at construction, for a URL that cannot be opened)."""
-    if not isinstance(target, (str, os.PathLike)):
-        raise TypeError(f"a backup location is a path or a URL string, got "
-                        f"{type(target).__name__}")
-    check_location(target, "the backup location")
-    return os.fspath(target).rstrip("/") if is_remote(target) else local_path(target)
-
-
-def join_location(base: Any, name: str) -> Any:
-    """``base / name`` for a local path, ``base + "/" + name`` for a URL."""
-    return f"{base}/{name}" if isinstance(base, str) and is_remote(base) else Path(base) / name
-
-
-def remove_location(target: Any) -> None:
-    """Delete a directory, local (never half-deleted under its name) or in a store."""
-    if isinstance(target, str) and is_remote(target):
-        RemoteStore(target).remove("", recursive=True)
-        return
-    from replicator.checkpoint.atomic import remove_tree
-
-    remove_tree(target)
-
-
 def read_url(url: str, storage_options: Mapping[str, Any] | None = None) -> bytes | None:
     """The bytes of the object at ``url`` (``None`` when there is none)."""
     store = RemoteStore(url, storage_options, "the file")
@@ -291,3 +266,187 @@ def upload_tree(local: str | os.PathLike[str], url: str,
     for path in sorted(base.rglob("*")):
         if path.is_file():
             store.put(path.relative_to(base).as_posix(), path.read_bytes())
+
+
+# -- commit objects: how a save in a store without atomic rename becomes visible -------------------
+#: A save uploads its files under ``data/<save id>/`` and is committed by the object
+#: ``commits/<save id>.json`` written last (the manifest with the prefix); ``<save id>`` is
+#: ``step-00000030.<token>``.
+COMMITS = "commits"
+DATA = "data"
+_COMMIT = re.compile(r"^step-(\d{8,})\.([A-Za-z0-9-]{1,80})\.json$")
+
+
+def parse_commit_name(name: str) -> tuple[int, str] | None:
+    """``(step, save id)`` of a commit object's name, ``None`` for anything else."""
+    m = _COMMIT.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def hash_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_commit(store: RemoteStore, name: str) -> dict[str, Any]:
+    """The checked manifest of the commit object ``name``; :class:`CheckpointCorruptError`
+    when it is gone, damaged or names no data prefix."""
+    where = f"commit {store.url}/{COMMITS}/{name}"
+    try:
+        raw = store.get(f"{COMMITS}/{name}")
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{where} disappeared while reading it") from None
+    manifest = parse_marker(raw, where)
+    if not isinstance(manifest.get("prefix"), str) or not manifest["prefix"].startswith(
+            f"{DATA}/"):
+        raise CheckpointCorruptError(f"{where} names no data prefix")
+    return manifest
+
+
+# -- the lease: one job writes to a location at a time -------------------------------------------
+# The lease of a checkpoint location in an object store: one job writes there at a time.
+#
+# ``LEASE.json`` holds the job id, host, process id and a heartbeat time that the holder renews
+# every ``timeout / 4`` seconds on a daemon thread. A second job refuses to write while the lease
+# is fresh (:class:`StoreLeaseError` naming the holder); a lease whose heartbeat is older than
+# ``timeout`` can be taken over, which is logged. A restarted job takes its own lease back at once:
+# the same job id (``REPLICATOR_JOB_ID``, torchrun's ``TORCHELASTIC_RUN_ID`` or
+# ``REPLICATOR_RUN_ID``), or the same host with the holder's process gone.
+LEASE_NAME = "LEASE.json"
+#: Seconds without a heartbeat after which another job may take the lease over.
+DEFAULT_LEASE_TIMEOUT = 120.0
+JOB_ID_ENV = "REPLICATOR_JOB_ID"
+
+
+_PROCESS_ID: dict[int, str] = {}
+
+
+def default_job_id() -> str:
+    """The job's id as its launcher knows it, else one for this process (host, pid)."""
+    for var in (JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "REPLICATOR_RUN_ID"):
+        value = os.environ.get(var, "")
+        if value and value != "none":
+            return value
+    pid = os.getpid()
+    if pid not in _PROCESS_ID:
+        _PROCESS_ID[pid] = f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:6]}"
+    return _PROCESS_ID[pid]
+
+
+#: Leases whose heartbeat runs in this process, released when the interpreter exits.
+_HELD: weakref.WeakSet[Lease] = weakref.WeakSet()
+
+
+def _release_at_exit() -> None:
+    """A script that never closed its backups still ends at once and leaves no lease: stop
+    every heartbeat (the library waits for its helper threads at exit) and delete the lease."""
+    for lease in list(_HELD):
+        lease.release()
+
+
+atexit.register(_release_at_exit)
+
+
+class Lease:
+    """Hold ``LEASE.json`` in ``store`` for ``job_id`` (call :meth:`acquire` on one process)."""
+
+    def __init__(self, store: RemoteStore, job_id: str | None = None,
+                 timeout: float = DEFAULT_LEASE_TIMEOUT) -> None:
+        if timeout <= 0:
+            raise ValueError(f"lease_timeout must be a positive number of seconds, got "
+                             f"{timeout!r}")
+        self.store, self.timeout = store, float(timeout)
+        self.job_id = job_id or default_job_id()
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "host": self.host, "pid": self.pid,
+                "heartbeat": time.time(), "timeout": self.timeout}
+
+    def read(self) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads(self.store.get(LEASE_NAME)))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {"job_id": "?", "heartbeat": 0.0}  # damaged: treat as stale
+
+    def _ours(self, held: dict[str, Any]) -> bool:
+        return held.get("job_id") == self.job_id and held.get("pid") == self.pid \
+            and held.get("host") == self.host
+
+    def acquire(self) -> None:
+        """Take the lease or raise :class:`StoreLeaseError`; start the heartbeat."""
+        held = self.read()
+        if held is not None and not self._ours(held):
+            age = time.time() - float(held.get("heartbeat", 0.0))
+            same_job = held.get("job_id") == self.job_id
+            gone = held.get("host") == self.host and isinstance(held.get("pid"), int) \
+                and not process_alive(held["pid"])
+            who = (f"job {held.get('job_id')!r} (host {held.get('host')}, pid "
+                   f"{held.get('pid')}, last heartbeat {age:.0f} s ago)")
+            if not (same_job or gone) and age < self.timeout:
+                raise StoreLeaseError(
+                    f"{self.store.url} is being written by another {who}; this job "
+                    f"({self.job_id!r}) refuses to write there, so neither overwrites the "
+                    f"other's backups. HINT: give this job its own location, stop the other "
+                    f"one, or wait: a lease with no heartbeat for {self.timeout:.0f} s "
+                    "(lease_timeout) is taken over.")
+            reason = ("the same job, restarted" if same_job else
+                      "its process is gone" if gone else f"stale: older than "
+                      f"{self.timeout:.0f} s")
+            print(f"[replicator] taking over the lease of {self.store.url} from {who}: "
+                  f"{reason}", file=sys.stderr, flush=True)
+        self.store.put(LEASE_NAME, json.dumps(self._record()).encode())
+        check = self.read()
+        if check is None or not self._ours(check):
+            raise StoreLeaseError(
+                f"{self.store.url}: another job ({(check or {}).get('job_id')!r}) took the "
+                "lease at the same moment; this one refuses to write there. HINT: give each "
+                "job its own location.")
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._beat, name="replicator-lease",
+                                            daemon=True)
+            self._thread.start()
+            _HELD.add(self)
+
+    def renew(self) -> None:
+        """Write a fresh heartbeat, unless another job took the lease (then :attr:`lost`)."""
+        held = self.read()
+        if held is not None and not self._ours(held):
+            self.lost = (f"job {held.get('job_id')!r} on {held.get('host')} took over the "
+                         f"lease of {self.store.url}")
+            return
+        self.store.put(LEASE_NAME, json.dumps(self._record()).encode())
+
+    def check(self) -> None:
+        """Raise :class:`StoreLeaseError` when the lease was taken over by another job."""
+        if self.lost:
+            raise StoreLeaseError(f"{self.lost}; this job stops writing backups there. "
+                                  "HINT: two jobs must not share one backup location.")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.timeout / 4):
+            try:
+                self.renew()
+            except OSError:
+                pass  # the store is unreachable for now: the next beat tries again
+            if self.lost:
+                return
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still ours."""
+        self._stop.set()
+        _HELD.discard(self)
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        try:
+            held = self.read()
+            if held is not None and self._ours(held):
+                self.store.remove(LEASE_NAME)
+        except OSError:
+            pass

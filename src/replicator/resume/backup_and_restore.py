@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 
-from replicator.checkpoint.background import BackgroundSaver
 from replicator.checkpoint.distributed_checkpoint import (
     discard_uncommitted,
     load_sharded,
@@ -59,12 +58,11 @@ from replicator.checkpoint.distributed_checkpoint import (
 )
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
-from replicator.checkpoint.remote_manager import open_manager
-from replicator.checkpoint.saver import ProcessSaver, check_saver, make_saver
-from replicator.checkpoint.store import (
+from replicator.checkpoint.saver import BackgroundSaver, check_saver, make_saver
+from replicator.checkpoint.storage import (
     backup_location,
     join_location,
-    open_store,
+    open_storage,
     remove_location,
 )
 from replicator.cluster.worker_errors import record_backup
@@ -204,7 +202,7 @@ class BackupAndRestore:
     def manager(self) -> CheckpointManager:
         """The storage beneath: step directories over the ranks that checkpoint together."""
         if self._manager is None:
-            self._manager = open_manager(
+            self._manager = CheckpointManager(
                 self.backup_dir, keep=self._keep,
                 collectives=checkpoint_collectives(self._strategy_now()),
                 mirror=self._mirror, storage_options=self._storage_options)
@@ -221,7 +219,8 @@ class BackupAndRestore:
 
     def _sharded_location(self) -> Any:
         """:attr:`sharded_dir`, a URL opened with the backup's ``storage_options``."""
-        return open_store(self.sharded_dir, self._storage_options, "the sharded backup location")
+        return open_storage(self.sharded_dir, self._storage_options,
+                            "the sharded backup location")
 
     def _strategy_now(self) -> Strategy | None:
         return resolve_strategy(self._strategy)
@@ -421,9 +420,7 @@ class BackupAndRestore:
         """The background saver, made once: at the start of training, so that a saver
         process has started (imports, store connection) before the first save is due."""
         if self._saver is None:
-            directory = self.manager.directory
-            self._saver = make_saver(self.manager, self._saver_kind,
-                                     on_saved=lambda step, _: record_backup(directory, step))
+            self._saver = make_saver(self.manager, self._saver_kind)
         return self._saver
 
     def wait_for_save(self) -> None:
@@ -457,8 +454,8 @@ class BackupAndRestore:
         saver's thread over the saver's private group, which never interleaves with the
         training's collectives. With the saver process a save due while the previous one is
         still being written is skipped (the saver agrees on it), so nothing waits here."""
-        if not (self.background and reason in ("step", "epoch")
-                and isinstance(self._saver, ProcessSaver)):
+        if not (self.background and reason in ("step", "epoch") and self._saver is not None
+                and self._saver.async_mode == "process"):
             self._settle_background()
         ch = self.channel
         sharded = self._sharded_objects()
@@ -468,8 +465,8 @@ class BackupAndRestore:
         if sharded is not None:
             module_name, module, optimizers = sharded
             self._prepare_optimizers(optimizers.values())
-            if in_background and (self._saver_kind is not None or isinstance(
-                    self.backup_dir, str)):  # saver= chosen, or a URL: copied now, written
+            if in_background and (self._saver_kind is not None or self.manager.store.scheme
+                                  ):  # saver= chosen, or a URL: copied now, written
                 # and uploaded on the saver's thread before the backup
                 staged = stage_sharded(module, list(optimizers.values()))
                 step, where, keep = self.step, self._sharded_location(), self._keep + 1
@@ -496,8 +493,7 @@ class BackupAndRestore:
             return self._start_saver().submit(self.step, replicated, per_rank, info,
                                               write_shards)
         path = self.manager.save(self.step, replicated, per_rank, info)
-        self._last_saved_step = self.step
-        record_backup(self.manager.directory, self.step)  # the launcher's "rerun to resume"
+        self._last_saved_step = self.step  # the chief noted it for the launcher at its commit
         return path
 
     def restore(self) -> bool:

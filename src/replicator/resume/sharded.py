@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from replicator.checkpoint import distributed_checkpoint as storage
-from replicator.checkpoint.dcp_state import Optimizers, as_list
+from replicator.checkpoint.distributed_checkpoint import Optimizers, as_list
 from replicator.checkpoint.exchange import group_collectives
 from replicator.comm.collectives import Collectives
 from replicator.strategies.base import Strategy

@@ -1,0 +1,482 @@
+"""Where checkpoints live: one small storage protocol, a local directory and an fsspec store.
+
+:func:`open_storage` is the one place that decides whether a location is a URL: a plain path
+or a ``file://`` URL is a :class:`LocalStorage` (atomic renames, fsync); ``s3://bucket/run``,
+``gs://...``, ``memory://run`` (tests) and the other schemes fsspec knows are an
+:class:`FsspecStorage` (the optional extra ``replicator[remote]``; ``s3://`` needs ``s3fs``).
+Anything that looks like a URL but cannot be opened is an error, never a local directory
+named ``s3:``. Both implement :class:`CheckpointStorage`: stage a save, write its objects,
+commit it atomically (a renamed directory and its marker; a commit object written last),
+list, read verified, prune, delete, and hold a lease (a store only). The save protocol above
+them (``manager.py``) is written once.
+
+S3 credentials and endpoint come from ``AWS_*`` and ``FSSPEC_S3_ENDPOINT_URL``, or from
+``storage_options`` (for example ``{"client_kwargs": {"endpoint_url": ...}}``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from replicator.checkpoint import fault_points, safetensors_io
+from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree, write_atomic
+from replicator.checkpoint.manifest import (
+    MARKER_NAME,
+    FileEntry,
+    check_bytes,
+    check_file_name,
+    read_marker,
+    verify_file,
+)
+from replicator.checkpoint.store import (
+    COMMITS,
+    DATA,
+    DEFAULT_LEASE_TIMEOUT,
+    Lease,
+    RemoteStore,
+    check_location,
+    hash_bytes,
+    is_remote,
+    local_path,
+    parse_commit_name,
+    read_commit,
+)
+from replicator.errors import CheckpointCorruptError
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+#: What an interrupted save or deletion leaves in a local directory.
+LEFTOVERS = (".tmp-", ".trash-")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+class CheckpointStorage(Protocol):
+    """What the checkpoint manager needs from a location. A save is staged under a name of its
+    own (``staging``), its objects written, then committed in one atomic step; ``ref`` names a
+    committed save (a step directory, a commit object)."""
+
+    location: Any
+    #: True for a store whose refused saves are logged and retried at the next save.
+    retries_later: bool
+
+    def open(self) -> None: ...
+    def check(self) -> None: ...
+    def release(self) -> None: ...
+    def staging(self, step: int, save_id: str) -> str: ...
+    def begin(self, staging: str) -> None: ...
+    def write(self, staging: str, fname: str, tensors: Mapping[str, torch.Tensor],
+              metadata: Mapping[str, str]) -> FileEntry: ...
+    def dest(self, staging: str, fname: str) -> str: ...
+    def folder(self, staging: str) -> Path: ...
+    def publish(self, staging: str, folder: Path, rank: int) -> dict[str, FileEntry]: ...
+    def commit(self, step: int, staging: str, manifest: dict[str, Any], rank: int) -> str: ...
+    def discard(self, staging: str) -> None: ...
+    def saves(self) -> list[tuple[int, str]]: ...
+    def manifest(self, ref: str) -> dict[str, Any]: ...
+    def read(self, ref: str, manifest: Mapping[str, Any], fname: str) -> np.ndarray: ...
+    def fetch_all(self, ref: str) -> Path: ...
+    def where(self, ref: str) -> Any: ...
+    def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None: ...
+    def cleanup(self, after: int | None = None) -> list[str]: ...
+    def delete_all(self) -> None: ...
+
+
+class LocalStorage:
+    """Step directories in one local (or shared) file system, committed by rename + marker.
+
+    ``step-00000030/`` holds a committed save (its ``COMMIT.json`` written last);
+    ``.tmp-step-00000040-<id>/`` a save in progress, never read, removed on the next start.
+    """
+
+    retries_later = False
+    scheme: str | None = None
+    storage_options: dict[str, Any] = {}
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.location = self.directory = local_path(directory)
+
+    def __str__(self) -> str:
+        return str(self.directory)
+
+    def open(self) -> None:
+        """Nothing to hold: one job per directory is the user's choice."""
+
+    def check(self) -> None:
+        """Nothing to check (no lease)."""
+
+    def release(self) -> None:
+        """Nothing to release."""
+
+    def staging(self, step: int, save_id: str) -> str:
+        return str(self.directory / f".tmp-{step_dir_name(step)}-{save_id}")
+
+    def begin(self, staging: str) -> None:
+        Path(staging).mkdir(parents=True, exist_ok=True)
+
+    def write(self, staging: str, fname: str, tensors: Mapping[str, torch.Tensor],
+              metadata: Mapping[str, str]) -> FileEntry:
+        size, digest = safetensors_io.write_file(Path(staging) / fname, tensors, metadata)
+        return FileEntry(bytes=size, sha256=digest)
+
+    def dest(self, staging: str, fname: str) -> str:
+        return f"{staging}/{fname}"
+
+    def folder(self, staging: str) -> Path:
+        """A local folder a writer of files (DCP) fills: the staging directory itself."""
+        return Path(staging)
+
+    def publish(self, staging: str, folder: Path, rank: int) -> dict[str, FileEntry]:
+        """The entries of every file in the shared folder, listed once (by the chief)."""
+        return {p.name: FileEntry(bytes=p.stat().st_size, sha256=hash_file(p))
+                for p in sorted(folder.iterdir()) if p.is_file()} if rank == 0 else {}
+
+    def commit(self, step: int, staging: str, manifest: dict[str, Any], rank: int) -> str:
+        """Rename the staging directory into place, then write the marker (the commit)."""
+        tmp, final = Path(staging), self.directory / step_dir_name(step)
+        moved = False
+        try:
+            fsync_dir(tmp)
+            if final.exists():  # an uncommitted or damaged leftover of this same step
+                remove_tree(final)
+            os.rename(tmp, final)
+            moved = True
+            fsync_dir(self.directory)
+            fault_points.fire("before_commit", step=step, path=final, rank=rank)
+            write_atomic(final / MARKER_NAME, _manifest_bytes(manifest))
+        except BaseException:
+            remove_tree(final if moved else tmp)
+            raise
+        return final.name
+
+    def discard(self, staging: str) -> None:
+        remove_tree(staging)
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every step directory, committed or not, oldest first."""
+        try:
+            entries = list(self.directory.iterdir())
+        except FileNotFoundError:
+            return []
+        return sorted((int(m.group(1)), p) for p in entries
+                      if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+    def saves(self) -> list[tuple[int, str]]:
+        """Every step directory (a restore skips those whose marker is missing, with why)."""
+        return [(s, p.name) for s, p in self.step_dirs()]
+
+    def committed(self) -> list[int]:
+        return [s for s, p in self.step_dirs() if (p / MARKER_NAME).exists()]
+
+    def manifest(self, ref: str) -> dict[str, Any]:
+        return read_marker(self.directory / ref)
+
+    def read(self, ref: str, manifest: Mapping[str, Any], fname: str) -> np.ndarray:
+        return verify_file(self.directory / ref, manifest, fname)
+
+    def fetch_all(self, ref: str) -> Path:
+        """The save's folder, every file verified (read in place)."""
+        manifest = self.manifest(ref)
+        for fname in sorted(manifest["files"]):
+            self.read(ref, manifest, fname)
+        return self.directory / ref
+
+    def where(self, ref: str) -> Path:
+        return self.directory / ref
+
+    def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None:
+        """Keep the newest ``keep`` committed saves up to ``step``; drop older ones, partial
+        ones, and any newer than ``step`` (a run resumed from ``step`` writes them again)."""
+        try:
+            dirs = self.step_dirs()
+            committed = [p for s, p in dirs if s <= step and (p / MARKER_NAME).exists()]
+            for s, p in dirs:
+                partial = s < step and not (p / MARKER_NAME).exists()
+                if s > step or partial or p in committed[:-keep]:
+                    remove_tree(p, wait=wait)
+        except OSError as exc:
+            warnings.warn(f"could not remove old checkpoints in {self.directory}: {exc}",
+                          RuntimeWarning, stacklevel=3)
+
+    def cleanup(self, after: int | None = None) -> list[str]:
+        """Remove what interrupted saves and deletions left (``.tmp-*``, ``.trash-*``), never
+        reading it; with ``after``, every step newer than it. Returns the names removed."""
+        try:
+            entries = list(self.directory.iterdir())
+        except FileNotFoundError:
+            return []
+        removed = []
+        for p in entries:
+            m = _STEP_DIR.match(p.name)
+            if p.name.startswith(LEFTOVERS) or (m and after is not None
+                                                 and int(m.group(1)) > after):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed.append(p.name)
+        return sorted(removed)
+
+    def delete_all(self) -> None:
+        for _, path in self.step_dirs():
+            remove_tree(path)
+        self.cleanup()
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass  # not empty: the user keeps other files there
+
+
+class FsspecStorage(RemoteStore):
+    """Saves in an fsspec store, committed by a commit object written last, under a lease.
+
+    ``data/step-00000030.<id>/`` holds one save's objects, ``commits/step-00000030.<id>.json``
+    commits it (the manifest with the prefix); ``LEASE.json`` names the job writing here.
+    A store has no atomic rename: an upload without a commit is never read, and it is deleted
+    once a save of the same or a later step commits.
+    """
+
+    retries_later = True
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
+                 what: str = "the checkpoint location", *, job_id: str | None = None,
+                 lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> None:
+        super().__init__(url, storage_options, what)
+        self.location = self.url
+        self.job_id, self.lease_timeout = job_id, lease_timeout
+        self._lease: Lease | None = None
+
+    @property
+    def lease(self) -> Lease:
+        if self._lease is None:
+            self._lease = Lease(self, self.job_id, self.lease_timeout)
+        return self._lease
+
+    def open(self) -> None:
+        self.lease.acquire()
+
+    def check(self) -> None:
+        self.lease.check()
+
+    def release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+
+    def staging(self, step: int, save_id: str) -> str:
+        return f"{DATA}/{step_dir_name(step)}.{save_id}"
+
+    def begin(self, staging: str) -> None:
+        """Nothing to create: objects make their own folders."""
+
+    def write(self, staging: str, fname: str, tensors: Mapping[str, torch.Tensor],
+              metadata: Mapping[str, str]) -> FileEntry:
+        data = safetensors_io.to_bytes(tensors, metadata)
+        self.put(f"{staging}/{fname}", data)
+        return FileEntry(bytes=len(data), sha256=hash_bytes(data))
+
+    def dest(self, staging: str, fname: str) -> str:
+        return self.path(f"{staging}/{fname}")
+
+    def folder(self, staging: str) -> Path:
+        """A scratch folder of this process that :meth:`publish` uploads and deletes."""
+        return Path(tempfile.mkdtemp(prefix="replicator-shards-"))
+
+    def publish(self, staging: str, folder: Path, rank: int) -> dict[str, FileEntry]:
+        """Upload this rank's scratch folder, hashing as it goes, then delete it."""
+        try:
+            entries = {}
+            for path in sorted(folder.iterdir()):
+                if path.is_file():
+                    data = path.read_bytes()
+                    self.put(f"{staging}/{path.name}", data)
+                    entries[path.name] = FileEntry(bytes=len(data), sha256=hash_bytes(data))
+            return entries
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def commit(self, step: int, staging: str, manifest: dict[str, Any], rank: int) -> str:
+        """Check that every object is in the store with its size, then write the commit."""
+        name = f"{staging.split('/', 1)[1]}.json"
+        try:
+            listed = dict(self.objects(staging))
+            for fname, entry in manifest["files"].items():
+                if listed.get(fname) != entry["bytes"]:
+                    raise OSError(f"{self.name_url(staging)}/{fname} is "
+                                  f"{'missing' if fname not in listed else 'the wrong size'} "
+                                  "in the store after its upload")
+            manifest["prefix"] = staging
+            manifest["checksum"] = build_checksum(manifest)
+            fault_points.fire("before_commit", step=step, path=self.name_url(staging), rank=rank)
+            self.check()
+            self.put(f"{COMMITS}/{name}", _manifest_bytes(manifest))
+        except BaseException:
+            self.discard(staging)
+            raise
+        return name
+
+    def discard(self, staging: str) -> None:
+        """Delete an upload that will not be committed; a later save's pruning retries."""
+        try:
+            self.remove(staging, recursive=True)
+        except OSError:
+            pass
+
+    def saves(self) -> list[tuple[int, str]]:
+        """``(step, commit object name)`` of every commit object, oldest first."""
+        found = []
+        for name, _ in self.objects(COMMITS):
+            parsed = parse_commit_name(name)
+            if parsed is not None:
+                found.append((parsed[0], name))
+        return sorted(found)
+
+    def committed(self) -> list[int]:
+        return sorted({s for s, _ in self.saves()})
+
+    def manifest(self, ref: str) -> dict[str, Any]:
+        return read_commit(self, ref)
+
+    def read(self, ref: str, manifest: Mapping[str, Any], fname: str) -> np.ndarray:
+        where = f"commit {COMMITS}/{ref}"
+        if fname not in manifest["files"]:
+            raise CheckpointCorruptError(f"{where} does not list {fname!r}")
+        check_file_name(fname, where)
+        url = f"{self.name_url(manifest['prefix'])}/{fname}"
+        try:
+            data = self.get(f"{manifest['prefix']}/{fname}")
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where}: object {url} is missing") from None
+        check_bytes(where, f"object {url}", manifest["files"][fname], len(data),
+                    hash_bytes(data))
+        return np.frombuffer(bytearray(data), dtype=np.uint8)
+
+    def fetch_all(self, ref: str) -> Path:
+        """Every object of the save, verified, in a scratch folder (the caller deletes it)."""
+        manifest = self.manifest(ref)
+        into = Path(tempfile.mkdtemp(prefix="replicator-shards-"))
+        try:
+            for fname in manifest["files"]:
+                (into / fname).write_bytes(self.read(ref, manifest, fname).tobytes())
+        except BaseException:
+            shutil.rmtree(into, ignore_errors=True)
+            raise
+        return into
+
+    def where(self, ref: str) -> str:
+        return f"{self.url}/{COMMITS}/{ref}"
+
+    def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None:
+        """Keep the newest ``keep`` commits up to ``step``; delete older commits, then their
+        data; delete uploads without a commit up to ``step`` (never a later step's: other
+        ranks may be uploading the next save while the chief prunes)."""
+        try:
+            commits = self.saves()
+            upto = [n for s, n in commits if s <= step]
+            kept = set(upto[-keep:]) | {newest}
+            for _, n in commits:
+                if n not in kept:
+                    self.remove(f"{COMMITS}/{n}")
+            self._remove_data(kept, step)
+        except OSError as exc:
+            warnings.warn(f"could not remove old checkpoints in {self.url}: {exc}",
+                          RuntimeWarning, stacklevel=3)
+
+    def _remove_data(self, kept: set[str], upto: int | None) -> list[str]:
+        kept_ids = {n.removesuffix(".json") for n in kept}
+        removed = []
+        for folder in self.folders(DATA):
+            parsed = parse_commit_name(f"{folder}.json")
+            if folder not in kept_ids and parsed is not None and (upto is None
+                                                                  or parsed[0] <= upto):
+                self.remove(f"{DATA}/{folder}", recursive=True)
+                removed.append(folder)
+        return removed
+
+    def cleanup(self, after: int | None = None) -> list[str]:
+        """With ``after``: delete every save newer than it and every upload without a commit
+        (the chief, while no save runs). Without: nothing (an upload without a commit is never
+        read, and the next commit's pruning deletes it)."""
+        if after is None:
+            return []
+        try:
+            commits = self.saves()
+            for s, name in commits:
+                if s > after:
+                    self.remove(f"{COMMITS}/{name}")
+            return self._remove_data({n for s, n in commits if s <= after}, None)
+        except OSError as exc:
+            warnings.warn(f"could not remove interrupted saves in {self.url}: {exc}",
+                          RuntimeWarning, stacklevel=2)
+            return []
+
+    def delete_all(self) -> None:
+        for _, name in self.saves():
+            self.remove(f"{COMMITS}/{name}")
+        self.remove(DATA, recursive=True)
+        self.remove(COMMITS, recursive=True)
+        self.release()
+
+
+def build_checksum(manifest: Mapping[str, Any]) -> str:
+    from replicator.checkpoint.manifest import _checksum
+
+    return _checksum({k: v for k, v in manifest.items() if k != "checksum"})
+
+
+def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(manifest, indent=1, sort_keys=True, allow_nan=True).encode()
+
+
+def open_storage(target: Any, storage_options: Mapping[str, Any] | None = None,
+                 what: str = "the checkpoint location", **lease: Any) -> Any:
+    """The storage at ``target``: the one place a location is read as a path or a URL. A
+    storage passed in is returned as it is; a URL fsspec cannot open raises
+    :class:`~replicator.errors.StorageURLError` here."""
+    if isinstance(target, (LocalStorage, FsspecStorage)):
+        return target
+    if isinstance(target, RemoteStore):  # a store opened with its options: a storage over it
+        return FsspecStorage(target.url, target.storage_options, what, **lease)
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"{what} is a path or a URL string, got {type(target).__name__}")
+    if is_remote(target):
+        return FsspecStorage(os.fspath(target), storage_options, what, **lease)
+    return LocalStorage(target)
+
+
+def join_location(base: Any, name: str) -> Any:
+    """``base / name`` for a local path, ``base + "/" + name`` for a URL."""
+    if isinstance(base, (LocalStorage, RemoteStore)):
+        base = base.location
+    return f"{base}/{name}" if isinstance(base, str) and is_remote(base) else Path(base) / name
+
+
+def backup_location(target: str | os.PathLike[str]) -> Any:
+    """``target`` checked and normalised: a local :class:`Path`, or the URL as a string
+    (:class:`StorageURLError` now, at construction, for a URL that cannot be opened)."""
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"a backup location is a path or a URL string, got "
+                        f"{type(target).__name__}")
+    check_location(target, "the backup location")
+    return os.fspath(target).rstrip("/") if is_remote(target) else local_path(target)
+
+
+def remove_location(target: Any) -> None:
+    """Delete a directory, local (never half-deleted under its name) or in a store."""
+    storage = open_storage(target)
+    if isinstance(storage, RemoteStore):
+        storage.remove("", recursive=True)
+    else:
+        remove_tree(storage.directory)
