@@ -87,9 +87,10 @@ def read_results(everywhere: bool) -> dict:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("everywhere", [False, True], ids=["chief_only", "every_process"])
-def test_fetch_and_done_on_the_chief_only_or_on_every_process(everywhere):
+def test_fetch_and_done_on_the_chief_only_or_on_every_process(everywhere, capfd):
     out = launch(read_results, num_replicas=5, num_ps=2, args=(everywhere,),
                  timeout_seconds=30)
+    assert "never started a parameter server" not in capfd.readouterr().err
     chief = out[0]
     assert chief["chief"] and len(chief["losses"]) == 20 and chief["done"] is True
     assert chief["last"] == chief["last"]  # a number (not NaN)

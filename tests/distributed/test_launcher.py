@@ -196,6 +196,21 @@ def test_busy_port_nproc_zero_and_missing_script_are_clear_errors(tmp_path):
         rp.launch(_square, num_replicas=0)
 
 
+@pytest.mark.timeout(180)
+def test_num_ps_with_a_script_that_builds_no_parameter_server_strategy_warns(tmp_path):
+    script = tmp_path / "mirrored.py"
+    script.write_text("import torch\nimport replicator as rp\n"
+                      "strategy = rp.MirroredStrategy()\n"
+                      "total = strategy.reduce('sum', torch.ones(1))\n"
+                      "print(f'replicas {strategy.num_replicas_in_sync} total {total.item()}')\n")
+    out = _run(REPLICATOR + ["run", "--nproc", "3", "--num-ps", "1", str(script)])
+    assert out.returncode == 0, out.stderr[-3000:]  # 3 replicas ran, as the script says
+    assert "replicas 3 total 3.0" in out.stdout
+    assert "[replicator] warning: --num-ps 1 was given, but rank(s) 2 never started a " \
+           "parameter server" in out.stderr, out.stderr[-3000:]
+    assert "HINT: drop --num-ps" in out.stderr
+
+
 def test_unknown_strategy_and_missing_devices_are_clear_errors():
     with pytest.raises(ValueError, match="unknown strategy 'mirroed'; available: .*mirrored"):
         rp.get_strategy("mirroed")

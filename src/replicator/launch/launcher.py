@@ -271,6 +271,7 @@ class LocalGroup:
             self.attempt = attempt
             outcome = self._run_once(attempt)
             if outcome.ok:
+                self._check_servers_ran(attempt)
                 return
             if outcome.failure is None:
                 raise RuntimeError("internal error: a failed attempt without its failure")
@@ -294,6 +295,26 @@ class LocalGroup:
                          f"{what} (restart {attempt + 1} of {self.max_restarts})")
                 continue
             raise outcome.failure
+
+    def _check_servers_ran(self, attempt: int) -> None:
+        """With ``--num-ps``: say so when a server rank never started a parameter server (the
+        script built another strategy, so that rank ran it as one more replica)."""
+        if not self.num_ps:
+            return
+        from replicator.ps.protocol import SERVER_ADDRESS_KEY
+
+        prefix = f"replicator/attempt_{attempt}/"
+        first = self.world - self.num_ps
+        idle = [first + k for k in range(self.num_ps)
+                if not self.store.check([prefix + SERVER_ADDRESS_KEY.format(index=k)])]
+        if not idle:
+            return
+        ranks = ", ".join(map(str, idle))
+        self.say(f"[replicator] warning: --num-ps {self.num_ps} was given, but rank(s) {ranks} "
+                 "never started a parameter server: the script did not build "
+                 f"rp.ParameterServerStrategy, so all {self.world} processes ran it as workers "
+                 "of its own strategy (the servers' ranks included). HINT: drop --num-ps for "
+                 "this script, or build rp.ParameterServerStrategy() in it.")
 
     def _resume_hint(self, codes: dict[int, int | None]) -> str:
         """What a rerun does: resume from a committed backup, or start over without one."""

@@ -59,6 +59,10 @@ SHM_ATTACH, SHM_ATTACHED = range(19, 21)
 TASK_PUSH, ROW_IDS, PULL_ROWS, TASK_STATS = range(21, 25)
 TASK_PREPARE, PREPARED, TASK_COMMIT = range(25, 28)
 
+#: The rendezvous-store key where server ``index`` publishes its ``host:port`` (within the
+#: attempt's prefix); the launcher reads it to tell whether the servers of ``--num-ps`` ran.
+SERVER_ADDRESS_KEY = "replicator/ps/address/{index}"
+
 #: Set to ``0`` to keep payloads on the socket between processes of one host.
 SHARED_MEMORY_ENV = PS_SHARED_MEMORY_ENV
 
