@@ -20,7 +20,9 @@ model whose backward costs twice its forward) and a broadcast of the output with
 pipeline group. The random-number state is replayed, so dropout masks are the same in both
 passes. When the loss is known up front (a function of the output and a target),
 :meth:`PipelineRunner.forward_backward` (``strategy.forward_backward``) runs both in one
-schedule run instead, the loss on the last stage.
+schedule run instead, the loss on the last stage. A Hugging Face language model called with
+its labels (``model(input_ids=x, labels=x).loss``) computes its own loss on the last stage in
+pass 1, which broadcasts that loss rather than the logits; pass 2 is the same.
 
 Every exchange between stages (the value pass's sends, receives and broadcasts, and each run
 of the schedule's ``step``, whose sends and receives torch issues) runs inside the ``guard``
@@ -56,6 +58,7 @@ from replicator.parallel.pipeline_split import (
     check_stage_count,
     flatten_chain,
     known_chain,
+    known_loss,
     named_starts,
     parameter_costs,
 )
@@ -114,6 +117,16 @@ def check_pipeline_options(num_stages: int, num_microbatches: int, schedule: str
     return schedule
 
 
+def check_rows(target: Any, x: torch.Tensor, what: str) -> None:
+    """``target`` must be a tensor with one row per row of the batch ``x``."""
+    if not isinstance(target, torch.Tensor) or target.dim() == 0 or \
+            target.shape[0] != x.shape[0]:
+        got = tuple(target.shape) if isinstance(target, torch.Tensor) else \
+            type(target).__name__
+        raise ValueError(f"{what} must be a tensor with one row per input row ({x.shape[0]}), "
+                         f"got {got}. HINT: pass the labels of the same batch")
+
+
 def pipeline_degree(num_stages: int, schedule: str) -> int:
     """How many ranks ``num_stages`` stages take under ``schedule`` (interleaved: 2 each)."""
     return num_stages // SCHEDULES[schedule][1]
@@ -165,9 +178,12 @@ class PipelineRunner:
         self.after_backward: Callable[[], None] | None = None
         self.tied = TiedWeights([], [], self.global_ranks, self.me, {})
         self._wrap_output: Any = None
+        #: the model's own loss of (logits, labels), for ``model(input_ids=x, labels=y)``
+        self._own_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         known = None if isinstance(model, torch.nn.Sequential) else known_chain(model)
         if known is not None:
             chain_module, self._wrap_output = known
+            self._own_loss = known_loss(model)
             # names for split points and messages: the chain's; parameters stay model's
             self.chain = flatten_chain(chain_module)
         else:
@@ -301,13 +317,15 @@ class PipelineRunner:
                 "batch), or change num_microbatches.")
         return x
 
-    def _value_pass(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward without autograd, microbatch by microbatch; every rank gets the output."""
+    def _value_pass(self, x: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
+        """Forward without autograd, microbatch by microbatch; every rank gets the output
+        (``everywhere=False``: the last stage's rank only, ``None`` on the others)."""
         what = self._what(f"forward pass of {self.num_microbatches} microbatches")
         with self._guard(what):
-            return self._value_pass_unguarded(x)
+            return self._value_pass_unguarded(x, everywhere)
 
-    def _value_pass_unguarded(self, x: torch.Tensor) -> torch.Tensor:
+    def _value_pass_unguarded(self, x: torch.Tensor, everywhere: bool = True
+                              ) -> torch.Tensor | None:
         last = self.owners[-1]
         outs = []
         with torch.no_grad():
@@ -328,17 +346,29 @@ class PipelineRunner:
                 if self.me == last:
                     assert act is not None
                     outs.append(act)
-        return self._broadcast(torch.cat(outs) if self.me == last else None, last)
+        out = torch.cat(outs) if self.me == last else None
+        return self._broadcast(out, last) if everywhere else out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward under the pipeline (see the module doc): one tensor, given
-        positionally or as ``input_ids``."""
+        positionally or as ``input_ids``; a known layout with a loss of its own (a Hugging
+        Face language model) also takes ``labels=`` and returns that loss (see
+        :meth:`_forward_labelled`)."""
+        kwargs = dict(kwargs)
+        labels = kwargs.pop("labels", None) if self._own_loss is not None else None
         if len(args) + len(kwargs) != 1 or (kwargs and "input_ids" not in kwargs):
             given = ", ".join([*(type(a).__name__ for a in args), *kwargs])
-            raise TypeError(f"a pipelined model takes one tensor (the batch), got ({given}). "
-                            "HINT: pack other inputs into the first stage's module, or leave "
-                            "out options the chain does not need (attention masks, caches).")
-        out = self._forward(args[0] if args else kwargs["input_ids"])
+            also = "" if self._own_loss is None else " and labels="
+            raise TypeError(f"a pipelined model takes one tensor (the batch){also}, got "
+                            f"({given}). HINT: pack other inputs into the first stage's "
+                            "module, or leave out options the chain does not need (attention "
+                            "masks, caches).")
+        x = args[0] if args else kwargs["input_ids"]
+        if labels is not None:
+            loss, logits = self._forward_labelled(x, labels)
+            assert self._wrap_output is not None  # a model with its own loss is a known one
+            return self._wrap_output(logits, loss=loss)
+        out = self._forward(x)
         return self._wrap_output(out) if self._wrap_output is not None else out
 
     def _forward(self, x: Any) -> torch.Tensor:
@@ -347,6 +377,7 @@ class PipelineRunner:
             self._measure_and_cut(x)
         rng = torch.get_rng_state()
         out = self._value_pass(x)
+        assert out is not None
         if not torch.is_grad_enabled():
             return out
         after = torch.get_rng_state()
@@ -364,6 +395,49 @@ class PipelineRunner:
         out.register_hook(backward)
         return out
 
+    def _forward_labelled(self, x: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``model(input_ids=x, labels=labels)``: the labels stay with the last stage, which
+        computes the model's own loss of the whole batch's logits and its gradient
+        ``dL/d(logits)``; only the loss is broadcast. The loss returned on every rank of the
+        pipeline requires grad; its backward (``loss.backward()``, or scaled) runs the
+        schedule with ``dL/d(logits)`` times the incoming gradient as the last stage's target
+        (see the module doc), so gradients are one device's for any use of the loss. The
+        logits are on the last stage's rank only (``None`` on the others)."""
+        x = self._check_input(x)
+        check_rows(labels, x, "labels")
+        if not self.stages:
+            self._measure_and_cut(x)
+        rng = torch.get_rng_state()
+        logits = self._value_pass(x, everywhere=False)
+        grad_enabled = torch.is_grad_enabled()
+        loss = d_logits = None
+        if logits is not None:
+            assert self._own_loss is not None
+            with torch.enable_grad():
+                leaf = logits.detach().requires_grad_(grad_enabled)
+                loss = self._own_loss(leaf, labels.to(self.device))
+                if grad_enabled:
+                    (d_logits,) = torch.autograd.grad(loss, leaf)
+            loss = loss.detach()
+        with self._guard(self._what("broadcast of the loss from the last stage")):
+            loss = self._broadcast(loss, self.owners[-1])
+        if not grad_enabled:
+            return loss, logits
+        after = torch.get_rng_state()
+        loss = loss.requires_grad_(True)
+
+        def backward(grad: torch.Tensor) -> None:
+            torch.set_rng_state(rng)
+            try:
+                self._run_schedule(x, None if d_logits is None else d_logits * grad)
+            finally:
+                torch.set_rng_state(after)
+            if self.after_backward is not None:
+                self.after_backward()
+
+        loss.register_hook(backward)
+        return loss, logits
+
     def forward_backward(self, x: Any, target: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          ) -> torch.Tensor:
@@ -372,13 +446,7 @@ class PipelineRunner:
         are those of the mean of the microbatch losses (the batch's loss for a mean-reduced
         ``loss_fn``); that mean is returned on every rank of the pipeline (detached)."""
         x = self._check_input(x)
-        if not isinstance(target, torch.Tensor) or target.dim() == 0 or \
-                target.shape[0] != x.shape[0]:
-            got = tuple(target.shape) if isinstance(target, torch.Tensor) else \
-                type(target).__name__
-            raise ValueError(
-                f"forward_backward: the target must be a tensor with one row per input row "
-                f"({x.shape[0]}), got {got}. HINT: pass the labels of the same batch")
+        check_rows(target, x, "forward_backward: the target")
         if not self.stages:
             self._measure_and_cut(x)
         key = (tuple(x.shape), x.dtype)
@@ -442,11 +510,13 @@ class PipelineRunner:
             self._schedules = {key: sched}  # one shape at a time: a new one replaces it
         return self._schedules[key]
 
-    def _run_schedule(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+    def _run_schedule(self, x: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """The backward pass: ``grad`` is ``dL/d(output)``, needed by the last stage only."""
         sched = self._schedule_for(x)
         args = (x,) if 0 in self.local_ids else ()
         kwargs: dict[str, Any] = {}
         if self.num_stages - 1 in self.local_ids:
+            assert grad is not None
             kwargs["target"] = grad.detach()
         self._step(sched, args, kwargs, "backward")
 

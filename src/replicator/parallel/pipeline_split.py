@@ -11,7 +11,7 @@ weights) is allowed: :func:`shared_parameters` lists it, and the pipeline keeps 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -60,9 +60,10 @@ class _NormAndHead(torch.nn.Module):
 
 def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | None:
     """A chain sharing ``model``'s modules for a known layout, and how to wrap its output
-    like ``model``'s; ``None`` for an unknown one. Known: a Hugging Face GPT-2 language model
-    (``transformer.wte/wpe/drop/h/ln_f`` and ``lm_head``), whose blocks see no attention mask
-    (causal attention that needs none, such as ``attn_implementation="sdpa"``)."""
+    like ``model``'s (``wrap(logits, loss=None)``); ``None`` for an unknown one. Known: a
+    Hugging Face GPT-2 language model (``transformer.wte/wpe/drop/h/ln_f`` and ``lm_head``),
+    whose blocks see no attention mask (causal attention that needs none, such as
+    ``attn_implementation="sdpa"``)."""
     body = getattr(model, "transformer", None)
     head = getattr(model, "lm_head", None)
     parts = ("wte", "wpe", "drop", "h", "ln_f")
@@ -76,12 +77,32 @@ def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | Non
             CausalLMOutputWithCrossAttentions,
         )
 
-        def wrap(logits: torch.Tensor) -> Any:
-            return CausalLMOutputWithCrossAttentions(logits=logits)
+        def wrap(logits: torch.Tensor | None, loss: torch.Tensor | None = None) -> Any:
+            return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
     except ImportError:  # pragma: no cover - a look-alike without transformers
-        def wrap(logits: torch.Tensor) -> Any:
-            return logits
+        def wrap(logits: torch.Tensor | None, loss: torch.Tensor | None = None) -> Any:
+            return logits if loss is None else loss
     return chain, wrap
+
+
+def known_loss(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss a model of a layout :func:`known_chain` knows computes from its logits when
+    called with ``labels=``: a Hugging Face language model's own ``loss_function`` (labels
+    shifted by one token, ``-100`` ignored, the mean over the counted tokens), or that rule
+    written out for a version of transformers without ``loss_function``."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    own = getattr(model, "loss_function", None)
+    if callable(own) and vocab is not None:
+        def hf_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return own(logits, labels, vocab_size=vocab)
+        return hf_loss
+
+    def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shifted = logits[..., :-1, :].float()
+        return torch.nn.functional.cross_entropy(
+            shifted.reshape(-1, shifted.shape[-1]),
+            labels[..., 1:].reshape(-1).to(logits.device), ignore_index=-100)
+    return shifted_cross_entropy
 
 
 def flatten_chain(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
