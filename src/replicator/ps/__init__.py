@@ -15,12 +15,17 @@ from replicator.ps.partitioners import (
 )
 from replicator.ps.protocol import ParameterServerError, ParameterServerLostError
 from replicator.ps.remote_value import PerWorkerValues, RemoteValue
-from replicator.ps.task_queue import NoWorkerError, RemoteFunctionError, TaskCancelledError
+from replicator.ps.task_queue import (
+    CallMismatchError,
+    NoWorkerError,
+    RemoteFunctionError,
+    TaskCancelledError,
+)
 from replicator.strategies.registry import register_strategy
 
 register_strategy(ParameterServerStrategy, "ps")
 
 __all__ = ["partitioners", "Partitioner", "MinSizePartitioner", "FixedShardsPartitioner",
            "MaxSizePartitioner", "ParameterServerError", "ParameterServerLostError",
-           "RemoteFunctionError", "TaskCancelledError", "NoWorkerError",
+           "RemoteFunctionError", "TaskCancelledError", "NoWorkerError", "CallMismatchError",
            "ParameterServerStrategy", "ClusterCoordinator", "RemoteValue", "PerWorkerValues"]
