@@ -181,3 +181,26 @@ def test_a_cached_machine_profile_from_an_older_calibration_is_measured_again(tm
     assert json.loads((tmp_path / "machine.json").read_text())["version"] == MACHINE_VERSION
     assert planner.load_machine(str(tmp_path), log=lines.append).cores == 7
     assert measured == [1]  # the current version is kept
+
+
+def test_the_demos_plan_line_recommends_nothing_before_this_machine_is_measured(tmp_path):
+    """Figures not measured here recommended "mirrored x8 at 1.8x" on a machine where plan,
+    once it had measured, said "stay on one process": without bench/machine.json the line
+    names no setting and says how to measure; with it, it recommends from those figures."""
+    from torch.utils.data import TensorDataset
+
+    from replicator.plan.profiles import save_json
+    from replicator.plan.quick import plan_line
+
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
+
+    def model_fn():
+        return torch.nn.Linear(8, 2)
+
+    line = plan_line(model_fn, data, 16, out_dir=str(tmp_path))
+    assert line.startswith("plan: no recommendation yet") and "->" not in line
+    assert "replicator plan" in line and str(tmp_path / "machine.json") in line
+    assert not any(word in line for word in ("mirrored", "stay on one process"))
+    save_json(tmp_path / "machine.json", MachineProfile.nominal().to_json())
+    line = plan_line(model_fn, data, 16, out_dir=str(tmp_path))
+    assert "this machine's measured figures) -> " in line

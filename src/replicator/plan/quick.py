@@ -1,13 +1,15 @@
 """One line of the plan for a classifier, from inside a training script (the demo ends on it).
 
 :func:`print_plan_line` profiles a fresh copy of the model in this process (a few dozen small
-steps under a ``OneDeviceStrategy``, cross-entropy on ``(x, y)`` batches), takes this machine's
-figures from ``bench/machine.json`` when a plan measured them before (nominal ones otherwise)
-and prints the recommendation. Only the chief does this; the other replicas return at once.
+steps under a ``OneDeviceStrategy``, cross-entropy on ``(x, y)`` batches) with this machine's
+figures from ``bench/machine.json`` and prints the recommendation. Before a plan has measured
+this machine the line recommends nothing (figures not measured here would decide it) and says
+how to measure. Only the chief does this; the other replicas return at once.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,11 +50,18 @@ def plan_line(model_fn: Callable[[], torch.nn.Module], dataset: Any, global_batc
             for batch in data:
                 strategy.run(step, args=(batch,))
 
-    model = profile_here(train, getattr(model_fn, "__name__", "the model"))
     machine = machine_profile_cached(out_dir)
+    if machine is None and device == "cpu":
+        script = sys.argv[0] if sys.argv[0].endswith(".py") else "your_script.py"
+        return (f"plan: no recommendation yet: this machine's contention and collectives are "
+                f"not measured (figures from elsewhere could say the opposite of what runs "
+                f"fastest here). HINT: replicator plan {script} --workers "
+                f"{','.join(map(str, workers))} measures them once (about a minute, cached in "
+                f"{out_dir}/machine.json)")
+    model = profile_here(train, getattr(model_fn, "__name__", "the model"))
     plan = plan_model(model, list(workers), device=device, link=link,
                       machine=machine or MachineProfile.nominal())
-    figures = "this machine's measured figures" if machine else "nominal 2-core figures"
+    figures = "this machine's measured figures" if machine else "datasheet figures"
     return (f"plan ({model.name}, {model.params:,} parameters, {','.join(map(str, workers))} "
             f"workers on {device}, {figures}) -> {plan.reason}")
 
