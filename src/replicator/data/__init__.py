@@ -23,6 +23,7 @@ Where things are:
 
 from replicator.data.context import AutoShardPolicy, InputContext, InputOptions
 from replicator.data.dataflow import AUTOTUNE, INFINITE, UNKNOWN, Dataset, Options
+from replicator.data.dataflow.shards import ShardError, write_shards
 from replicator.data.dataset import (
     DistributedDataset,
     DistributedIterator,
@@ -35,5 +36,5 @@ from replicator.data.sharding import FileDataset, shard
 __all__ = ["AUTOTUNE", "INFINITE", "UNKNOWN", "AutoShardPolicy", "Dataset", "Options",
            "DistributedDataset", "DistributedIterator", "EmptyShardError",
            "FileDataset", "InputContext", "InputOptions", "InputPipelineError",
-           "InputTimeoutError", "distribute_dataset", "distribute_datasets_from_function",
-           "shard"]
+           "InputTimeoutError", "ShardError", "distribute_dataset",
+           "distribute_datasets_from_function", "shard", "write_shards"]
