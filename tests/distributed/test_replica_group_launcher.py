@@ -139,10 +139,29 @@ def test_a_killed_group_restarts_alone_and_a_sigtermed_group_leaves(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_group_out_of_restarts_fails_the_job_naming_it(tmp_path):
-    res = _run(["--replica-groups", "3", "--nproc", "1", "--max-restarts", "1", SCRIPT,
+def test_a_lost_group_ends_the_job_with_0_when_the_others_completed_it(tmp_path):
+    # the command of docs/fault_tolerance.md without --max-restarts: group 1 is not restarted;
+    # groups 0 and 2 finish, --min-replicas 1 held: the training finished, exit 0, and one
+    # line says which group was lost and how to restart it
+    res = _run(["--replica-groups", "3", "--nproc", "1", "--min-replicas", "1", SCRIPT,
                 str(tmp_path), "die-in-group", "1"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(ln for ln in res.stderr.splitlines() if "the training finished" in ln)
+    assert line.startswith("[replicator] the training finished on replica group(s) 0, 2 "
+                           "(--min-replicas 1 held); replica group(s) 1 were lost: replica "
+                           "group 1 failed after 0 restart(s) (--max-restarts 0 per group): "
+                           "rank 0 failed (exit code 1): ValueError: bad value on purpose"), line
+    assert "HINT: --max-restarts N restarts a lost group alone" in line
+    assert [s["REPLICATOR_REPLICA_GROUP"] for s in _starts(tmp_path)].count("1") == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_group_out_of_restarts_fails_the_job_naming_it(tmp_path):
+    # fewer groups than --min-replicas completed: the training did not finish
+    res = _run(["--replica-groups", "3", "--nproc", "1", "--max-restarts", "1",
+                "--min-replicas", "3", SCRIPT, str(tmp_path), "die-in-group", "1"])
     assert res.returncode == 1, res.stderr[-3000:]
+    assert "the training finished" not in res.stderr
     err = res.stderr
     assert "replicator run: replica group 1 failed after 1 restart(s) (--max-restarts 1 per " \
            "group): rank 0 failed (exit code 1): ValueError: bad value on purpose in group 1" \

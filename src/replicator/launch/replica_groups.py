@@ -6,7 +6,9 @@ Each group is a :class:`~replicator.launch.launcher.LocalGroup` of its own, watc
 thread: its own rendezvous store and port, its own restarts (``--max-restarts`` per group), its
 own failure report. A group that dies is restarted alone while the others keep training (the
 live-recovery engine heals it from a peer). A group whose restarts are spent is reported at
-once and the others go on without it; the launcher then exits non-zero naming it
+once and the others go on without it. The exit status says whether the training finished: 0
+when at least ``--min-replicas`` groups completed their script (one line names the groups
+lost on the way), else non-zero naming the first group lost
 (:class:`~replicator.errors.ReplicaGroupFailedError`). A group whose processes were sent
 SIGTERM alone leaves the job (it is not restarted). SIGTERM to the launcher is forwarded to
 every process, so every group leaves at a step boundary.
@@ -313,11 +315,28 @@ class ReplicaGroups:
         first = min(failed, key=lambda g: (self.ends[g].group.attempt, g))
         error = failed[first]
         assert isinstance(error, WorkerFailedError)  # filtered above
+        lost = ReplicaGroupFailedError(first, error, self.groups[first].attempt,
+                                       self.cfg.max_restarts)
+        finished = sorted(g for g, e in self.ends.items() if e.error is None)
+        if len(finished) >= self.cfg.min_replicas:
+            self._say_finished(finished, failed, lost)
+            return
         if len(failed) > 1:
             self.say("[replicator] replica groups " + ", ".join(map(str, sorted(failed))) +
                      " failed after their restarts")
-        raise ReplicaGroupFailedError(first, error, self.groups[first].attempt,
-                                      self.cfg.max_restarts)
+        raise lost
+
+    def _say_finished(self, finished: list[int], failed: dict[int, BaseException],
+                      lost: ReplicaGroupFailedError) -> None:
+        """The training finished on the groups left (at least ``--min-replicas``): exit 0,
+        with one line that names the groups lost on the way."""
+        names = ", ".join(map(str, sorted(failed)))
+        hint = ("" if self.cfg.max_restarts else " HINT: --max-restarts N restarts a lost "
+                "group alone, and it heals from a live peer.")
+        self.say(f"[replicator] the training finished on replica group(s) "
+                 f"{', '.join(map(str, finished))} (--min-replicas {self.cfg.min_replicas} "
+                 f"held); replica group(s) {names} were lost: {str(lost).splitlines()[0]}."
+                 f"{hint}")
 
     def _preempted(self, errors: dict[int, BaseException]) -> PreemptedError:
         """The launcher's error after SIGTERM: which groups left, which failed meanwhile."""
@@ -376,8 +395,9 @@ def run_replica_groups(script: str, script_args: Sequence[str] = (), *,
                        cfg: ReplicaGroupsConfig, output: OutputRelay | None = None) -> None:
     """Run ``script`` in ``cfg.groups`` replica groups of ``cfg.nproc`` processes (see the
     module doc). Raises :class:`ReplicaGroupFailedError` naming a group that failed after its
-    restarts, :class:`PreemptedError` after SIGTERM, :class:`ClusterConfigError` for a wrong
-    command line, :class:`LighthouseError` when the lighthouse cannot be started or reached."""
+    restarts when fewer than ``--min-replicas`` groups completed, :class:`PreemptedError` after
+    SIGTERM, :class:`ClusterConfigError` for a wrong command line, :class:`LighthouseError`
+    when the lighthouse cannot be started or reached."""
     if not Path(script).is_file():
         raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
                                  "HINT: give the path of a Python file.")
