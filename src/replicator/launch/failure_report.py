@@ -41,6 +41,22 @@ CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",
                        "ParameterServerLostError: parameter server")
 #: Exception types raised because a peer vanished (a worker losing its parameter server).
 CONSEQUENCE_TYPES = ("ParameterServerLostError",)
+#: How much of another rank's error the summary repeats (the rank's own output and its error
+#: file keep the whole).
+OTHER_ERROR_CHARS = 200
+
+
+def clip(text: str, limit: int = OTHER_ERROR_CHARS) -> str:
+    """The first line of ``text``, cut at the last word boundary within ``limit`` characters
+    with ``...`` where it is longer (never in the middle of a word)."""
+    line = text.splitlines()[0] if text else ""
+    if len(line) <= limit:
+        return line
+    cut = line[:limit - 3]
+    space = cut.rfind(" ")
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:(") + "..."
 
 
 def describe_exit(code: int | None) -> str:
@@ -188,7 +204,7 @@ def failure_for(ends: list[RankEnd], first: int, role: Callable[[int], str],
             text = e.error.summary if e.error else describe_exit(e.code)
             if e.error is None and role(e.rank):
                 text = f"{role(e.rank)}, {text}"
-            details[e.rank] = f"{text.splitlines()[0][:200]} ({after})"
+            details[e.rank] = f"{clip(text)} ({after})"
     types = err.types if err else ()
     if note is not None and restart_refusal(types) is None:
         message += "\n" + resume_hint(note, {})

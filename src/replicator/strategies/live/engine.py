@@ -17,6 +17,7 @@ group whose model differs raise errors naming the group and rank (``errors.py``)
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
@@ -91,6 +92,7 @@ class LiveEngine:
 
         from replicator.strategies.live.transport import BoundHTTPTransport
 
+        _quiet_flight_recorder_note()
         self.settings = settings
         self.replicas = replicas
         self._modules = modules
@@ -397,6 +399,24 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+class _NoFlightRecorderNote(logging.Filter):
+    """Drops torchft's warning, at every quorum, that it cannot reset NCCL's flight recorder:
+    a torch without NCCL (the CPU build) has none, and the groups talk over gloo anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+
+
+def _quiet_flight_recorder_note() -> None:
+    """On a torch without NCCL, filter :class:`_NoFlightRecorderNote` out of torchft's
+    manager logger (once per process; a logging configuration, torchft itself unchanged)."""
+    log = logging.getLogger("torchft.manager")
+    if dist.is_nccl_available() or any(isinstance(f, _NoFlightRecorderNote)
+                                       for f in log.filters):
+        return
+    log.addFilter(_NoFlightRecorderNote())
 
 
 @contextmanager

@@ -60,12 +60,19 @@ def _optimizer_key(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> s
     return f"{type(optimizer).__name__}[{hashlib.sha256(text.encode()).hexdigest()[:12]}]"
 
 
+def _is_a(obj: Any, cls: type | tuple[type, ...]) -> bool:
+    """``isinstance`` by the object's type alone: ``isinstance`` also reads ``obj.__class__``
+    of an object that is not of the type, and a scan of every live object must not touch
+    their attributes (``torch.distributed.reduce_op`` warns that it is deprecated on any)."""
+    return issubclass(type(obj), cls)
+
+
 def find_optimizers(modules: Sequence[torch.nn.Module]) -> dict[str, torch.optim.Optimizer]:
     """The optimizers alive in this process that step only parameters of ``modules``."""
     names = {id(p): n for n, p in named_parameters(modules)}
     found: dict[str, torch.optim.Optimizer] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.Optimizer):
+        if _is_a(obj, torch.optim.Optimizer):
             key = _optimizer_key(obj, names)
             if key is not None:
                 n = sum(k.startswith(key) for k in found)
@@ -79,7 +86,7 @@ def find_schedulers(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, A
     found: dict[str, Any] = {}
     base = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     for obj in gc.get_objects():
-        if isinstance(obj, base) and id(getattr(obj, "optimizer", None)) in owner:
+        if _is_a(obj, base) and id(getattr(obj, "optimizer", None)) in owner:
             key = f"{owner[id(obj.optimizer)]}/{type(obj).__name__}"
             n = sum(k.startswith(key) for k in found)
             found[key if n == 0 else f"{key}#{n}"] = obj

@@ -9,12 +9,13 @@ the state replicator sends is tensors and plain values only (see ``state.py``).
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 import urllib.request
 from datetime import timedelta
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
 import torchft.checkpointing.http_transport as http_transport  # type: ignore[import-untyped]
@@ -24,6 +25,13 @@ from torchft.checkpointing._serialization import (  # type: ignore[import-untype
 )
 
 _SERVER_CLASS_LOCK = threading.Lock()
+logger = logging.getLogger(__name__)
+
+
+def _log_to_debug(handler: BaseHTTPRequestHandler, format: str, *args: Any) -> None:
+    """A request's access-log line, at debug level of this module's logger (``http.server``
+    writes it to stderr for every state a healing group fetches)."""
+    logger.debug("%s %s", handler.address_string(), format % args)
 
 
 def _server_class(host: str) -> type[ThreadingHTTPServer]:
@@ -34,7 +42,9 @@ def _server_class(host: str) -> type[ThreadingHTTPServer]:
         request_queue_size = 1024
 
         def __init__(self, server_address: Any, handler: Any) -> None:
-            super().__init__((host, 0), handler)
+            # torchft's request handler, its access log sent to logging instead of stderr
+            quiet = type(handler.__name__, (handler,), {"log_message": _log_to_debug})
+            super().__init__((host, 0), quiet)
 
     return BoundServer
 
