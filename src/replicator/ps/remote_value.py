@@ -34,12 +34,14 @@ class RemoteValue:
     def fetch(self) -> Any:
         """Wait for the function and return its value (tensors come back as CPU tensors);
         raises what it raised, as ``RemoteFunctionError`` naming the worker and its traceback.
-        Every process calls it (SPMD): on a worker it runs functions meanwhile and returns the
-        same value the chief got."""
+        The chief may call it alone (it needs nothing from the workers); on a worker it runs
+        functions meanwhile and returns the same value, or raises the same class, as on the
+        chief."""
         return self._coordinator._fetch(self)
 
     def done(self) -> bool:
-        """Whether the function has finished (on the chief; a worker's answer mirrors it)."""
+        """Whether the function has finished (a worker asks the chief; the chief may call it
+        alone)."""
         return self._coordinator._value_done(self)
 
     def __repr__(self) -> str:
