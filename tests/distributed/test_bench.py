@@ -20,6 +20,7 @@ def _png_size(path):
     return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
 
 
+@pytest.mark.timeout(360)  # three settings in two rounds: six launches
 def test_bench_writes_the_report_and_both_plots(tmp_path):
     report = bench_script(str(SCRIPTS / "bench_tiny.py"), nproc="1,2",
                           strategies="one_device,mirrored", steps=10, warmup=2,

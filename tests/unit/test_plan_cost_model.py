@@ -9,8 +9,6 @@ from replicator.plan.cost_model import (
     Cluster,
     allreduce_traffic_bytes,
     fsdp_traffic_bytes,
-    hierarchical_allreduce_seconds,
-    pipeline_bubble,
     predict,
     ps_step_seconds,
     ring_allreduce_seconds,
@@ -25,19 +23,6 @@ def test_ring_allreduce_hand_computed():
     assert ring_allreduce_seconds(1e6, 4, 1e9, 1e-5) == pytest.approx(1.56e-3)
     assert ring_allreduce_seconds(8e6, 2, 1e9, 0.0) == pytest.approx(8e-3)
     assert ring_allreduce_seconds(1e9, 1, 1e9, 1.0) == 0.0
-
-
-def test_hierarchical_is_a_host_ring_plus_a_network_ring():
-    # inside a host: 2*7/8*1e8/3e11 + 14*5e-6; between 4 hosts: 2*3/4*1e8/3.125e9 + 6*25e-6
-    got = hierarchical_allreduce_seconds(1e8, 4, 8, 3e11, 5e-6, 3.125e9, 25e-6)
-    assert got == pytest.approx(5.8333e-4 + 7e-5 + 0.048 + 1.5e-4, rel=1e-4)
-    assert hierarchical_allreduce_seconds(1e8, 1, 1, 3e11, 5e-6, 3.125e9, 25e-6) == 0.0
-
-
-def test_pipeline_bubble():
-    assert pipeline_bubble(4, 8) == pytest.approx(3 / 11)
-    assert pipeline_bubble(2, 4) == pytest.approx(1 / 5)
-    assert pipeline_bubble(1, 16) == 0.0
 
 
 @pytest.mark.parametrize("n", [2, 8, 64])
@@ -85,7 +70,6 @@ def test_parameter_server_push_pull_and_server_bound():
 @pytest.mark.parametrize("call", [
     lambda: ring_allreduce_seconds(1e6, 0, 1e9, 0.0),
     lambda: ring_allreduce_seconds(1e6, 2, -1e9, 0.0),
-    lambda: pipeline_bubble(0, 4),
     lambda: ps_step_seconds(0.1, 1, 1, 0, 1, 1e9, 0.0),
     lambda: ps_step_seconds(0.1, 1, 1, 2, 1, 0.0, 0.0),
 ])

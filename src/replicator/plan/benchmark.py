@@ -32,7 +32,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -285,8 +284,3 @@ def bench_function(train_fn: Callable[[Any], Any], *, nproc: Sequence[int] | str
     return _run_all(name, settings, skipped, out_dir, steps, warmup,
                     lambda s: _function_launcher(train_fn, s), report=report, quiet=quiet,
                     rounds=rounds)
-
-
-def temporary_out_dir() -> str:
-    """A private folder for runs whose files are not kept (profiles, validation)."""
-    return tempfile.mkdtemp(prefix="replicator-bench-")

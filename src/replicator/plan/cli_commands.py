@@ -50,6 +50,11 @@ def add_subcommands(sub: Any) -> None:
                        "over them; each setting's figure is its median round (default 3)")
     bench.add_argument("--out", default="bench", help="output folder (default ./bench)")
     _PARSERS["bench"] = bench
+    _add_plan(sub, STRATEGIES, DEVICES)
+
+
+def _add_plan(sub: Any, strategies: tuple[str, ...], devices: Any) -> None:
+    """The ``plan`` subcommand's options."""
 
     plan = sub.add_parser(
         "plan", help="predict each strategy's step time and memory; recommend one",
@@ -64,7 +69,7 @@ def add_subcommands(sub: Any) -> None:
     plan.add_argument("--workers", default="2,8,64,1024",
                       help="worker counts, comma-separated (default 2,8,64,1024)")
     plan.add_argument("--device", default="cpu",
-                      help=f"device of every worker: {', '.join(DEVICES)} (cpu: hosts like "
+                      help=f"device of every worker: {', '.join(devices)} (cpu: hosts like "
                       "this one, measured; the others: nominal datasheet figures)")
     plan.add_argument("--link", default="25gbit",
                       help="network between hosts, e.g. 25gbit, 100gbit, 200mbit, 10GB/s")
@@ -80,8 +85,8 @@ def add_subcommands(sub: Any) -> None:
                       help="with --model-params: tokens per sample (default 1)")
     plan.add_argument("--optimizer", default="adam",
                       help="with --model-params: adam, adamw, momentum or sgd (default adam)")
-    plan.add_argument("--strategies", default=",".join(STRATEGIES),
-                      help=f"strategies to predict (default all: {','.join(STRATEGIES)})")
+    plan.add_argument("--strategies", default=",".join(strategies),
+                      help=f"strategies to predict (default all: {','.join(strategies)})")
     plan.add_argument("--num-ps", type=int, default=1, dest="num_ps",
                       help="parameter servers of the parameter_server settings (default 1)")
     plan.add_argument("--validate", action="store_true",

@@ -20,11 +20,12 @@ Formulas (``S`` bytes, ``n`` ranks, ``B`` bandwidth in bytes/s one way, ``alpha`
   stages under a pipeline, moved to the servers under a parameter server) + activations of the
   rank's samples + the process's own baseline.
 
-Compute on ``cpu`` (hosts like this one) comes from the measured profile: one thread per rank,
-slowed by the measured contention of ``k`` busy processes on a host, and a synchronous step
-waits at its collectives for the slowest of them (the measured straggler factor); on
-accelerators it is the counted FLOPs over ``peak * mfu`` of the device's datasheet (see
-:mod:`replicator.plan.devices`).
+Each strategy is one small cost function in :data:`COSTS` (its compute, communication and
+what its ranks share); :func:`predict` adds what every setting pays. Compute on ``cpu`` (hosts
+like this one) comes from the measured profile: one thread per rank, slowed by the contention
+of ``k`` busy processes on a host (:func:`slowdown`), and a synchronous step waits at its
+collectives for the slowest of them (the measured straggler factor); on accelerators it is
+the counted FLOPs over ``peak * mfu`` of the device's datasheet (:mod:`replicator.plan.devices`).
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ from replicator.plan.devices import Device, Link
 from replicator.plan.profiles import MachineProfile, ModelProfile
 
 __all__ = [
-    "STRATEGIES", "Prediction", "allreduce_traffic_bytes", "fsdp_traffic_bytes",
-    "hierarchical_allreduce_seconds", "pipeline_bubble", "predict", "ps_queue_wait",
-    "ps_step_seconds",
-    "ring_allreduce_seconds", "slowdown", "straggler_wait_seconds",
+    "STRATEGIES", "Prediction", "allreduce_traffic_bytes", "fsdp_traffic_bytes", "predict",
+    "ps_queue_wait", "ps_step_seconds", "ring_allreduce_seconds", "slowdown",
+    "straggler_wait_seconds",
 ]
 
 #: The strategies the planner predicts (the names ``rp.get_strategy`` knows).
@@ -69,16 +69,6 @@ def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, alpha: float
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
 
 
-def hierarchical_allreduce_seconds(nbytes: float, hosts: int, per_host: int,
-                                   intra_bandwidth: float, intra_alpha: float,
-                                   link_bandwidth: float, link_alpha: float) -> float:
-    """An all-reduce inside each host (a ring of ``per_host``), then a ring over the hosts."""
-    _check(hosts, "hosts")
-    _check(per_host, "ranks per host")
-    return (ring_allreduce_seconds(nbytes, per_host, intra_bandwidth, intra_alpha)
-            + ring_allreduce_seconds(nbytes, hosts, link_bandwidth, link_alpha))
-
-
 def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
     """Bytes each rank sends in a ring all-reduce: ``2(n-1)/n * S``."""
     _check(n, "ranks")
@@ -87,18 +77,10 @@ def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
 
 def fsdp_traffic_bytes(nbytes: float, n: int, *, gloo: bool = False) -> float:
     """Bytes each rank sends per FSDP step: two all-gathers and a reduce-scatter,
-    ``3(n-1)/n * S`` (1.5x all-reduce). On gloo (``gloo=True``) the reduce-scatter sends
-    an all-reduce's bytes, ``2(n-1)/n * S`` (measured on hosts' links: 1.05 S at 2 ranks,
-    1.40 S at 3, the all-gather 0.53 and 0.70 S), so the step sends ``4(n-1)/n * S``."""
+    ``3(n-1)/n * S``; on gloo, whose reduce-scatter sends an all-reduce's bytes (measured on
+    hosts' links), ``4(n-1)/n * S``."""
     _check(n, "ranks")
     return (4 if gloo else 3) * (n - 1) / n * nbytes
-
-
-def pipeline_bubble(stages: int, microbatches: int) -> float:
-    """The idle fraction of a GPipe/1F1B step: ``(p-1)/(m+p-1)``."""
-    _check(stages, "stages")
-    _check(microbatches, "microbatches")
-    return (stages - 1) / (microbatches + stages - 1)
 
 
 def ps_step_seconds(compute: float, grad_bytes: float, param_bytes: float, workers: int,
@@ -191,14 +173,10 @@ def _compute(model: ModelProfile, c: Cluster, batch: float, busy_on_host: int) -
 
 def slowdown(model: ModelProfile, machine: MachineProfile, busy: int) -> float:
     """How much slower each of ``busy`` one-thread ranks of ``model`` runs on one host than
-    one alone: the machine's measured contention (of matmuls), but never more than the
-    model's own threads imply. One process of ``t`` threads ran the model's step ``S``
-    times faster than one thread, so the cores together do at least ``S`` one-thread steps'
-    work of this model at a time; ``busy`` replicas without the threads' synchronisation
-    each get at least ``S / busy`` of it: a slowdown of at most ``busy / S``. A convolution
-    net's work shares two cores (or two hyperthreads of one) better than the calibration's
-    matmuls do: at 1.5x on two threads it runs two replicas 1.33x slower each, where the
-    matmuls measured 1.6x and put every distributed setting of such a model 20-60% high."""
+    one alone: the machine's measured contention (of matmuls), but at most ``busy / S``
+    where the process's threads ran the model ``S`` times faster than one thread (the cores
+    then do at least ``S`` one-thread steps of this model at a time, and replicas have no
+    threads to synchronise). A convolution net shares the cores better than matmuls do."""
     slow = machine.slowdown_for(busy)
     speedup = model.thread_speedup()
     if busy > 1 and speedup > 1.0:
@@ -270,15 +248,10 @@ def _sync_overhead(c: Cluster, n: int) -> float:
 def straggler_wait_seconds(machine: MachineProfile, strategy: str, compute: float,
                            busy: int, weight_tensors: int = 1) -> float:
     """What a synchronous step of ``busy`` one-thread processes on one CPU host waits at its
-    collectives for the slowest rank (measured here), counted as communication.
-
-    In proportion to its ``compute`` (the measured straggler share), and at least what the
-    measured reference loop, a small model's real training loop, waited beyond its work,
-    sync and reduce (a short step's wait; with more busy processes than cores, for a rank
-    the scheduler has not run yet; FSDP's per-block cost was measured under as many
-    processes, its waits included). FSDP stops at every block's collectives (3 per block)
-    instead of once a step: the ranks drift apart anew between each, and with independent
-    drifts the waits of k stops add up to ``sqrt(k)`` times one stop's over the whole step."""
+    collectives for the slowest rank, counted as communication: the measured straggler share
+    of its ``compute``, at least the measured reference loop's wait (FSDP's per-block cost
+    includes its own). FSDP stops at 3 collectives per block, each a new drift: independent
+    drifts of ``k`` stops add up to ``sqrt(k)`` times one stop's."""
     if strategy not in ("mirrored", "central_storage", "fsdp") or busy <= 1:
         return 0.0
     stops = math.sqrt(3 * max(1, weight_tensors)) if strategy == "fsdp" else 1.0
@@ -325,12 +298,11 @@ def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float
 
 def ps_queue_wait(base_step: float, workers: int, service: float) -> float:
     """The mean wait of one request to a parameter server that ``workers`` workers keep busy
-    ``service`` seconds per push, each pushing once per step (``base_step`` seconds without
-    waiting, plus its two waits: the push and the batch claim). A request finds the server
-    busy with probability ``rho = workers * S / step`` and waits on average the rest of that
-    push, ``S / 2``; solving ``W = rho S / 2`` with the step lengthened by ``2 W`` gives
-    ``W = (sqrt(T^2 + 4 n S^2) - T) / 4``. (Queues of more than one push are rare at the
-    utilisations this machine reaches; the saturation bound covers the rest.)"""
+    ``service`` seconds per push, once per step (``base_step`` seconds without waiting, plus
+    two waits: the push and the batch claim). A request finds the server busy with
+    probability ``workers * S / step`` and waits half a push: ``W = rho S / 2`` with the step
+    lengthened by ``2 W`` gives ``W = (sqrt(T^2 + 4 n S^2) - T) / 4`` (longer queues are
+    rare here; the saturation bound covers them)."""
     if service <= 0 or workers < 2:
         return 0.0  # a lone worker never finds its server busy with another's push
     t = max(0.0, base_step)

@@ -47,7 +47,7 @@ from replicator.plan.engine_costs import (
 )
 from replicator.plan.profiles import MACHINE_VERSION, AlphaBeta, MachineProfile
 
-__all__ = ["measure_machine", "quick_contention", "ram_bytes"]
+__all__ = ["measure_machine", "ram_bytes"]
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 ALGORITHMS = ("shared_memory", "native", "ring")
@@ -137,47 +137,6 @@ def _input_fixed_seconds() -> float:
     finally:
         torch.set_num_threads(threads)
     return statistics.median(times)
-
-
-def _contention_worker(index: int, active: list[int], iterations: int, barrier: Any,
-                       results: Any) -> None:
-    torch.set_num_threads(1)
-    _busy_work(iterations=10)
-    for n in active:
-        barrier.wait()
-        if index < n:
-            results.put((n, index, _busy_work(iterations=iterations)[0]))
-        barrier.wait()
-
-
-def quick_contention(max_processes: int, rounds: int = 2) -> dict[int, float]:
-    """Slowdown of ``n`` busy one-thread processes (``n`` = 1..``max_processes``) against
-    one alone, with plain processes (no process group): the ceiling of ``bench``'s plot."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        iterations = _busy_work(0.2)[1]
-    finally:
-        torch.set_num_threads(threads)
-    active = [n for n in range(1, max_processes + 1) for _ in range(rounds)]
-    barrier = ctx.Barrier(max_processes)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_contention_worker,
-                         args=(i, active, iterations, barrier, results), daemon=True)
-             for i in range(max_processes)]
-    for p in procs:
-        p.start()
-    times: dict[int, list[float]] = {}
-    for _ in range(sum(active)):
-        n, _, seconds = results.get(timeout=300)
-        times.setdefault(n, []).append(seconds)
-    for p in procs:
-        p.join(timeout=30)
-    alone = statistics.median(times[1])
-    return {n: statistics.median(v) / alone for n, v in sorted(times.items())}
 
 
 def _contention(rank: int, world: int, rounds: int = 3, steps: int = 8
@@ -312,19 +271,13 @@ def _reference_step_seconds() -> float:
 def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: float = 1.0
                       ) -> tuple[float, float, float]:
     """(gradient-sync cost per backward pass, one strategy.reduce of a scalar, the wait for
-    the last rank per step), seconds; ``t_local``: the same pass without a strategy.
-
-    The first two are called back to back. The wait is what a small synchronous training
-    loop (the reference model under MirroredStrategy, ``strategy.reduce`` of the loss every
-    step) takes beyond what the cost model counts for it: its step alone
-    (``reference_alone``, measured with nothing else running) slowed by ``slowdown`` (the
-    contention of this many busy ranks), the sync and the reduce: ``strategy.run``'s own
-    work and the wait for the other ranks' drift, and with more busy processes than cores
-    the wait of a step's first collective for a rank the scheduler has not run yet.
-    An earlier version timed a sync after a millisecond of spinning compute instead; at 3
-    processes on 2 cores that measured 1.0-1.3 ms where the tiny model's runs waited
-    0.5-0.9 ms (its mirrored x3 came out +22..+42% in five rounds), and at 4 processes it
-    was either 0.02 or 0.9 ms from one measurement to the next."""
+    the last rank per step), seconds; ``t_local``: the same pass without a strategy. The
+    first two are called back to back. The wait is what a small synchronous training loop
+    (the reference model under MirroredStrategy, the loss reduced every step) takes beyond
+    its step alone (``reference_alone``) slowed by ``slowdown``, the sync and the reduce:
+    ``strategy.run``'s own work, the ranks' drift and, with more busy processes than cores,
+    the wait for a rank the scheduler has not run yet (a sync timed after spinning compute
+    instead put the tiny model's mirrored x3 +22..+42% high)."""
     import replicator as rp
 
     strategy = rp.MirroredStrategy()
@@ -461,14 +414,10 @@ PS_SIZES = (256, 1 << 18, 1 << 20, 1 << 21)
 
 def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
     """Round trip of ``optimizer.step()`` on a parameter server, 1 kB to 8 MB of weights:
-    two workers, each step after ``work_seconds`` of compute (a loop's forward and backward),
-    so that the server, woken by a push, competes for the cores with busy workers as it does
-    in training (measured here: 1.4-2x the round trip of one worker's back-to-back steps).
-    The weights are a bare vector: measured on ``Linear`` layers, their forward and backward,
-    timed apart and taken off, moved by 0.2-0.6 ms at 1 MB and 1-2.6 ms at 4 MB from one run to
-    the next, and a fit on 1 kB and 1 MB found no cost per byte in one calibration of three;
-    the round trip here is 0.45-0.7 ms at 1 kB, 0.5-0.8 at 1 MB, 2.4-2.7 at 4 MB, 3.7-8.3 at
-    8 MB (the MLP's 4 MB of gradients measured 5 ms a step with its queue)."""
+    two workers, each step after ``work_seconds`` of compute, so that the server, woken by a
+    push, competes for the cores with busy workers as in training (1.4-2x the round trip of
+    back-to-back steps). The weights are a bare vector: ``Linear`` layers' own forward and
+    backward, timed apart and taken off, moved the result more than the bytes did."""
     import replicator as rp
 
     local = {n: _weights_backward_seconds(n) for n in PS_SIZES}

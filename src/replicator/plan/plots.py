@@ -38,7 +38,8 @@ def _pyplot() -> Any:
 def throughput_plot(points: Series, path: str | Path, *, baseline: float | None = None,
                     ceiling: dict[int, float] | None = None, title: str = "") -> Series:
     """Samples/s against replicas, one line per strategy, with linear scaling from
-    ``baseline`` (one process) and the machine's no-communication ``ceiling``."""
+    ``baseline`` (one process) and the ``ceiling`` each count would reach without its exposed
+    communication."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     drawn: Series = {}
@@ -56,7 +57,7 @@ def throughput_plot(points: Series, path: str | Path, *, baseline: float | None 
     if ceiling:
         pts = sorted((float(n), v) for n, v in ceiling.items())
         ax.plot([x for x, _ in pts], [y for _, y in pts], ":", color="gray", lw=1.5,
-                label="no-communication ceiling (measured contention)")
+                label="without exposed communication (measured)")
         drawn["ceiling"] = pts
     ax.set_xlabel("replicas (worker processes)")
     ax.set_ylabel("samples / s")

@@ -366,34 +366,24 @@ class MachineProfile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MachineProfile:
-        def ints(d: dict[Any, Any]) -> dict[int, float]:
-            return {int(k): float(v) for k, v in d.items()}
-
-        return cls(
-            cores=int(data["cores"]), ram_bytes=float(data["ram_bytes"]),
-            slowdown=ints(data.get("slowdown", {1: 1.0})),
-            straggle=ints(data.get("straggle", {1: 1.0})),
-            allreduce={name: {int(k): AlphaBeta(*v) for k, v in table.items()}
-                       for name, table in data.get("allreduce", {}).items()},
-            sync_overhead=ints(data.get("sync_overhead", {})),
-            sync_wait=ints(data.get("sync_wait", {})),
-            small_collective=ints(data.get("small_collective", {})),
-            fsdp_unit=ints(data.get("fsdp_unit", {})),
-            fsdp_unit_adam=ints(data.get("fsdp_unit_adam", {})),
-            fsdp_wide_sgd=ints(data.get("fsdp_wide_sgd", {})),
-            fsdp_wide_adam=ints(data.get("fsdp_wide_adam", {})),
-            fsdp_wide_bytes=float(data.get("fsdp_wide_bytes", FSDP_WIDE_BYTES)),
-            pipeline_slot=float(data.get("pipeline_slot", 3e-4)),
-            layer_call=float(data.get("layer_call", 1.5e-5)),
-            flops_per_second=float(data.get("flops_per_second", 3e10)),
-            memory_bandwidth=float(data.get("memory_bandwidth", 5e9)),
-            input_fixed=float(data.get("input_fixed", 1e-4)),
-            p2p=AlphaBeta(*data.get("p2p", (1e-4, 1 / 1.2e9))),
-            ps_round_trip=AlphaBeta(*data.get("ps_round_trip", (1e-3, 2 / 1e9))),
-            process_rss_bytes=float(data.get("process_rss_bytes", 350e6)),
-            measured_at=data.get("measured_at", ""),
-            load_average=float(data.get("load_average", 0.0)),
-            source=data.get("source", "measured"), version=int(data.get("version", 1)))
+        """The profile saved by :meth:`to_json` (fields it lacks keep their defaults; a
+        file without a version is from the first calibration)."""
+        values: dict[str, Any] = {"source": "measured", "version": 1}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            v = data[f.name]
+            if f.name == "allreduce":
+                v = {name: {int(k): AlphaBeta(*ab) for k, ab in table.items()}
+                     for name, table in v.items()}
+            elif isinstance(getattr(_DEFAULT_MACHINE, f.name), AlphaBeta):
+                v = AlphaBeta(*v)
+            elif isinstance(getattr(_DEFAULT_MACHINE, f.name), dict):
+                v = {int(k): float(x) for k, x in v.items()}
+            elif f.name not in ("measured_at", "source"):
+                v = int(v) if f.name in ("cores", "version") else float(v)
+            values[f.name] = v
+        return cls(**values)
 
     @classmethod
     def median_of(cls, profiles: list[MachineProfile]) -> MachineProfile:
@@ -407,24 +397,16 @@ class MachineProfile:
                                           for p in profiles]))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "cores": self.cores, "ram_bytes": self.ram_bytes, "slowdown": self.slowdown,
-            "straggle": self.straggle,
-            "allreduce": {name: {k: [ab.a, ab.b] for k, ab in table.items()}
-                          for name, table in self.allreduce.items()},
-            "sync_overhead": self.sync_overhead, "sync_wait": self.sync_wait,
-            "small_collective": self.small_collective,
-            "fsdp_unit": self.fsdp_unit, "fsdp_unit_adam": self.fsdp_unit_adam,
-            "fsdp_wide_sgd": self.fsdp_wide_sgd,
-            "fsdp_wide_adam": self.fsdp_wide_adam, "fsdp_wide_bytes": self.fsdp_wide_bytes,
-            "pipeline_slot": self.pipeline_slot, "layer_call": self.layer_call,
-            "flops_per_second": self.flops_per_second,
-            "memory_bandwidth": self.memory_bandwidth, "input_fixed": self.input_fixed,
-            "p2p": [self.p2p.a, self.p2p.b],
-            "ps_round_trip": [self.ps_round_trip.a, self.ps_round_trip.b],
-            "process_rss_bytes": self.process_rss_bytes, "measured_at": self.measured_at,
-            "load_average": self.load_average, "source": self.source, "version": self.version,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["allreduce"] = {name: {k: [ab.a, ab.b] for k, ab in table.items()}
+                            for name, table in self.allreduce.items()}
+        for f in fields(self):
+            if isinstance(out[f.name], AlphaBeta):
+                out[f.name] = [out[f.name].a, out[f.name].b]
+        return out
+
+
+_DEFAULT_MACHINE = MachineProfile(cores=1, ram_bytes=0.0)
 
 
 def median_json(values: list[Any]) -> Any:

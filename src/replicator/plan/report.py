@@ -67,18 +67,17 @@ def load_note(load: tuple[float, float], cores: int) -> str:
 
 
 def _ceiling(bench: BenchReport, base: float | None) -> dict[int, float]:
-    workers = [r.setting.workers for r in bench.results if r.ok]
-    top = max(workers, default=1)
-    if base is None or top < 2:
+    """Per replica count, the throughput its fastest setting would reach without its exposed
+    communication (its compute, input and optimizer as measured, contention included)."""
+    if base is None:
         return {}
-    machine = machine_profile_cached(bench.out_dir)
-    if machine is not None and all(n in machine.slowdown for n in range(1, top + 1)):
-        slow = machine.slowdown
-    else:
-        from replicator.plan.measure import quick_contention
-
-        slow = quick_contention(top)
-    return {n: base * n / slow[n] for n in range(1, top + 1) if n in slow}
+    out = {1: base}
+    for r in bench.results:
+        comm = r.breakdown.get("communication", 0.0) if r.ok else 0.0
+        if r.ok and r.setting.workers > 1 and r.step_seconds > comm:
+            rate = r.samples_per_second * r.step_seconds / (r.step_seconds - comm)
+            out[r.setting.workers] = max(out.get(r.setting.workers, 0.0), rate)
+    return out if len(out) > 1 else {}
 
 
 def _rows(bench: BenchReport, base: float | None) -> list[list[object]]:
