@@ -102,7 +102,3 @@ def device_identity(device: torch.device | None) -> str | None:
     except (AttributeError, RuntimeError, AssertionError):
         return None
     return f"GPU-{uuid}" if uuid else None
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"

@@ -49,11 +49,6 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def is_world(group: dist.ProcessGroup | None) -> bool:
-    """True for the default group (``None``) or a group holding every rank in order."""
-    return group is None or group_ranks(group) == list(range(dist.get_world_size()))
-
-
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where small tensors for collectives over ``group`` must live (a GPU for NCCL)."""
     if dist.get_backend(group) == "nccl":

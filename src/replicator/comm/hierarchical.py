@@ -62,10 +62,6 @@ class HostTopology:
     leader_group: dist.ProcessGroup | None
     shared_memory: bool
 
-    @property
-    def is_leader(self) -> bool:
-        return global_rank() == self.host[0]
-
 
 def shared_memory_usable() -> bool:
     """True when this process can map shared memory for a same-host all-reduce."""

@@ -20,7 +20,17 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
+from replicator.comm.hierarchical import HierarchicalAllReduce
 from replicator.comm.options import CommunicationOptions
+from replicator.comm.reduce_to_one import ReductionToOneDevice
+from replicator.comm.ring import RingAllReduce
+from replicator.comm.shared_memory import SharedMemoryAllReduce
+from replicator.comm.shm_segment import (
+    SharedSegment,
+    check_same_host,
+    flag_barrier_is_safe,
+    shm_dir,
+)
 from replicator.errors import ClusterConfigError
 
 log = logging.getLogger("replicator")
@@ -31,6 +41,11 @@ log = logging.getLogger("replicator")
 MIN_SHM_BYTES_PER_REPLICA = 16 << 20
 
 _LOGGED: set[str] = set()
+#: The algorithm each ``implementation`` names ("auto" on CPU may pick another, see above).
+_ALGORITHMS: dict[str, type[CrossDeviceOps]] = {
+    "auto": NativeAllReduce, "nccl": NativeAllReduce, "gloo": NativeAllReduce,
+    "ring": RingAllReduce, "hierarchical": HierarchicalAllReduce,
+    "reduce_to_one": ReductionToOneDevice, "shared_memory": SharedMemoryAllReduce}
 
 
 @dataclass(frozen=True)
@@ -42,17 +57,9 @@ class AutoChoice:
     reason: str
 
 
-def _shm_dir() -> str:
-    from replicator.comm.shm_segment import shm_dir
-
-    return shm_dir()
-
-
 def shared_memory_problem(local_replicas: int = 1) -> str:
     """Why this process cannot use a same-host shared-memory all-reduce ('' when it can)."""
-    from replicator.comm.shm_segment import flag_barrier_is_safe
-
-    shm = _shm_dir()
+    shm = shm_dir()
     if os.name != "posix" or not hasattr(os, "posix_fallocate"):
         return f"shared-memory segments need a POSIX system ({os.name})"
     if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
@@ -90,7 +97,7 @@ def describe_auto(device: torch.device | None = None, hosts: int = 1,
     if hosts > 1:
         return AutoChoice("hierarchical", f"the replicas run on {hosts} hosts: shared memory "
                           "inside each host, gloo between one leader per host")
-    return AutoChoice("shared_memory", f"every replica runs on this host and {_shm_dir()} is "
+    return AutoChoice("shared_memory", f"every replica runs on this host and {shm_dir()} is "
                       "usable: a shared-memory all-reduce, no sockets")
 
 
@@ -119,9 +126,6 @@ def choose_auto(device: torch.device, group: dist.ProcessGroup | None) -> AutoCh
                           "gloo's all-reduce")
     if hosts > 1:
         return describe_auto(device, hosts, local)
-    from replicator.comm.shared_memory import SharedMemoryAllReduce
-    from replicator.comm.shm_segment import SharedSegment, check_same_host
-
     try:  # collectives that raise on every rank alike when any rank fails
         check_same_host(group, "shared-memory all-reduce")
         SharedSegment.create(SharedMemoryAllReduce().piece_bytes, group,
@@ -155,7 +159,6 @@ def algorithm_for(options: CommunicationOptions, device: torch.device,
     ``"shared_memory"`` (CPU, one host) pick those algorithms.
     """
     impl = options.implementation
-    timeout = options.timeout_seconds
     if impl == "nccl" and device.type != "cuda":
         raise ClusterConfigError(
             f"CommunicationOptions(implementation='nccl') needs CUDA devices, but the replicas "
@@ -169,26 +172,8 @@ def algorithm_for(options: CommunicationOptions, device: torch.device,
         _log_once(choice, dist.get_rank())
         if choice.name in ("shared_memory", "hierarchical"):
             impl = choice.name
-    if impl in ("auto", "nccl", "gloo"):
-        return NativeAllReduce(timeout_seconds=timeout)
-    if impl == "ring":
-        from replicator.comm.ring import RingAllReduce
-
-        return RingAllReduce(timeout_seconds=timeout)
-    if impl == "hierarchical":
-        from replicator.comm.hierarchical import HierarchicalAllReduce
-
-        return HierarchicalAllReduce(timeout_seconds=timeout)
-    if impl == "reduce_to_one":
-        from replicator.comm.reduce_to_one import ReductionToOneDevice
-
-        return ReductionToOneDevice(timeout_seconds=timeout)
-    if impl == "shared_memory":
-        if device.type != "cpu":
-            raise ClusterConfigError(
-                f"CommunicationOptions(implementation='shared_memory') works on CPU replicas, "
-                f"these compute on {device}. HINT: use implementation='auto' (NCCL) on GPUs.")
-        from replicator.comm.shared_memory import SharedMemoryAllReduce
-
-        return SharedMemoryAllReduce(timeout_seconds=timeout)
-    raise ValueError(f"unknown implementation {impl!r}")  # options validated it already
+    if impl == "shared_memory" and device.type != "cpu":
+        raise ClusterConfigError(
+            f"CommunicationOptions(implementation='shared_memory') works on CPU replicas, "
+            f"these compute on {device}. HINT: use implementation='auto' (NCCL) on GPUs.")
+    return _ALGORITHMS[impl](timeout_seconds=options.timeout_seconds)

@@ -76,12 +76,6 @@ def flatten(value: Any) -> tuple[list[Any], Rebuild]:
     return leaves, rebuild
 
 
-def is_nest(value: Any) -> bool:
-    """True when ``value`` is a container (not a single leaf)."""
-    leaves, _ = flatten(value)
-    return not (len(leaves) == 1 and leaves[0] is value)
-
-
 def structure(value: Any) -> str:
     """A short description of ``value``'s shape (containers, keys, field names), the same on
     every replica that passes the same kind of nest."""
