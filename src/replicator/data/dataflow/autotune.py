@@ -10,10 +10,15 @@ again for a while. A stage whose consumer never waits and whose workers are most
 step got slower, or the data cheaper) gives a worker back to training. The depth grows when the
 consumer waits with every allowed worker busy (bursty work), up to the RAM budget
 (``ram_budget / average result size``).
+
+The CPU budget, when not given, follows training (:class:`TrainingMeter`): a step that computes
+on the host's cores leaves fewer to the input, a step that waits for an accelerator (or a
+cheap one) leaves nearly all of them.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +30,36 @@ GAIN = 1.05              # a probe must raise the output rate by this factor
 COOLDOWN = 8             # windows before a failed level is probed again
 
 
+class TrainingMeter:
+    """How many cores training takes, measured: this process's CPU time less what the
+    pipeline's own in-process workers spent, per second of wall time (the training step's
+    threads, torch's intra-op threads included). The CPU budget left to the input is the
+    host's cores less that, for each training process of the host; before a measurement it is
+    the conservative ``cores - torch threads``."""
+
+    def __init__(self, cores: int, local_processes: int, start_budget: int) -> None:
+        self.cores, self.local = cores, local_processes
+        self.budget = start_budget
+        self.training: float | None = None
+        self._own = 0.0
+        self._last = (time.perf_counter(), time.process_time(), 0.0)
+
+    def own(self, cpu_s: float) -> None:
+        """CPU seconds a worker thread of the pipeline spent (not training's)."""
+        self._own += cpu_s
+
+    def sample(self) -> int:
+        wall, cpu, own = time.perf_counter(), time.process_time(), self._own
+        w0, c0, o0 = self._last
+        if wall - w0 >= 2 * WINDOW_S:
+            used = max(0.0, (cpu - c0) - (own - o0)) / (wall - w0)
+            self.training = used if self.training is None else 0.7 * self.training + 0.3 * used
+            self._last = (wall, cpu, own)
+            left = (self.cores - self.local * self.training) / self.local
+            self.budget = max(1, min(self.cores, math.floor(left + 0.25)))
+        return self.budget
+
+
 @dataclass
 class Tuner:
     """Parallelism and depth of one stage; fixed when the user gave a number."""
@@ -33,6 +68,7 @@ class Tuner:
     max_parallelism: int
     ram_bytes: int
     fixed: int | None = None
+    meter: TrainingMeter | None = None   # None: the budget was given
     parallelism: int = 1
     depth: int = 2
     # running totals (stats)
@@ -55,6 +91,9 @@ class Tuner:
         if self.fixed is not None:
             self.parallelism = self.fixed
             self.max_parallelism = max(self.max_parallelism, self.fixed)
+        elif self.meter is not None:  # the budget follows training: start at 2 if there are
+            self.max_parallelism = max(self.max_parallelism, min(2, self.meter.cores))
+            self.parallelism = min(2, self.max_parallelism)
         else:
             self.parallelism = min(2, self.max_parallelism)
         self.depth = max(2, self.parallelism)
@@ -71,8 +110,11 @@ class Tuner:
             limit = min(limit, max(1, self.ram_bytes // per))
         return max(1, limit)
 
-    def record(self, task_s: float, nbytes: int) -> None:
-        """A worker finished a task in ``task_s`` seconds; its result holds ``nbytes``."""
+    def record(self, task_s: float, nbytes: int, cpu_s: float = 0.0) -> None:
+        """A worker finished a task in ``task_s`` seconds (``cpu_s`` of this process's CPU
+        time, for thread workers); its result holds ``nbytes``."""
+        if self.meter is not None and cpu_s:
+            self.meter.own(cpu_s)
         self.tasks += 1
         self.busy_s += task_s
         self.bytes_total += nbytes
@@ -94,6 +136,10 @@ class Tuner:
         rate = self._w_tasks / elapsed
         wait_share = self._w_wait / elapsed
         utilisation = self._w_busy / (elapsed * self.parallelism)
+        if self.autotune and self.meter is not None:
+            self.max_parallelism = self.meter.sample()
+            if self.parallelism > self.max_parallelism:
+                self._set(self.max_parallelism, "training takes more cores now")
         if self.autotune:
             self._decide(rate, wait_share, utilisation)
         self._start, self._w_tasks, self._w_busy, self._w_wait = now, 0, 0.0, 0.0
@@ -137,5 +183,7 @@ class Tuner:
             "task_ms": 1000 * self.busy_s / self.tasks if self.tasks else None,
             "result_bytes": self.bytes_total // self.tasks if self.tasks else None,
             "wait_share": self.wait_s / wall if wall > 0 else 0.0,
+            "training_cores": None if self.meter is None or self.meter.training is None
+            else round(self.meter.training, 2),
             "decisions": list(self.decisions[-5:]),
         }

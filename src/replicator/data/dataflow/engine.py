@@ -62,13 +62,17 @@ class _Failure:
             self.exc = None
 
 
-def _run(fn: Callable[[Any], Any], payload: Any) -> tuple[bool, Any, float, int]:
-    start = time.perf_counter()
+def _run(fn: Callable[[Any], Any], payload: Any,
+         in_process: bool = False) -> tuple[bool, Any, float, int, float]:
+    """``(ok, result, seconds, result bytes, CPU seconds of this process if a thread)``."""
+    start, cpu = time.perf_counter(), time.thread_time() if in_process else 0.0
     try:
         out = fn(payload)
-        return True, out, time.perf_counter() - start, result_bytes(out)
+        ok, nbytes = True, result_bytes(out)
     except Exception as exc:  # noqa: BLE001 - reported in the consumer
-        return False, _Failure(exc), time.perf_counter() - start, 0
+        out, ok, nbytes = _Failure(exc), False, 0
+    used = time.thread_time() - cpu if in_process else 0.0
+    return ok, out, time.perf_counter() - start, nbytes, used
 
 
 def _process_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: int,
@@ -111,7 +115,7 @@ def _thread_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: in
             return
         pass_id, seq, payload = task
         if pass_id == current.value:
-            results.put((pass_id, seq, *_run(fn, payload)))
+            results.put((pass_id, seq, *_run(fn, payload, in_process=True)))
 
 
 class Pool:
@@ -216,7 +220,8 @@ class Pool:
         deadline = time.monotonic() + self.timeout_s
         while (key is None and not done) or (key is not None and key not in done):
             try:
-                got_pass, seq, ok, out, task_s, nbytes = self._results.get(timeout=POLL_S)
+                got_pass, seq, ok, out, task_s, nbytes, cpu_s = self._results.get(
+                    timeout=POLL_S)
             except queue.Empty:
                 self._check_alive()
                 if time.monotonic() > deadline:
@@ -227,7 +232,7 @@ class Pool:
                 continue
             if got_pass != pass_id:
                 continue
-            self.tuner.record(task_s, nbytes)
+            self.tuner.record(task_s, nbytes, cpu_s)
             done[seq] = (ok, out)
 
     def close(self) -> None:

@@ -19,8 +19,13 @@ from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import Any
 
-from replicator.data.dataflow.autotune import Tuner
-from replicator.data.dataflow.options import AUTOTUNE, Options
+from replicator.data.dataflow.autotune import TrainingMeter, Tuner
+from replicator.data.dataflow.options import (
+    AUTOTUNE,
+    Options,
+    available_cores,
+    local_training_processes,
+)
 
 log = logging.getLogger("replicator.data")
 
@@ -39,6 +44,7 @@ class Runtime:
         self.counters: dict[str, int] = {}
         self.logged: set[str] = set()
         self.lock = threading.Lock()
+        self._meter: TrainingMeter | None = None
 
     def count(self, name: str, n: int = 1) -> None:
         with self.lock:
@@ -57,8 +63,19 @@ class Runtime:
             cpus = self.options.cpus
             fixed = None if parallel == AUTOTUNE else parallel
             self.tuners[name] = Tuner(name, max_parallelism=cpus, fixed=fixed,
-                                      ram_bytes=max(1, self.options.ram // max(1, stages)))
+                                      ram_bytes=max(1, self.options.ram // max(1, stages)),
+                                      meter=self.meter)
         return self.tuners[name]
+
+    @property
+    def meter(self) -> TrainingMeter | None:
+        """The measure of training's cores (``None`` when ``cpu_budget`` was given)."""
+        if self.options.cpu_budget is not None:
+            return None
+        if self._meter is None:
+            self._meter = TrainingMeter(available_cores(), local_training_processes(),
+                                        self.options.cpus)
+        return self._meter
 
     def pool(self, key: int, name: str, fn: Any, parallel: int) -> Any:
         from replicator.data.dataflow.engine import Pool

@@ -59,9 +59,10 @@ def default_ram_budget() -> int:
 class Options:
     """Options of a dataflow pipeline (tf.data's ``Options`` / ``AutotuneOptions``).
 
-    ``cpu_budget``: cores the parallel stages may use together (``None``: cores less the
-    training processes' threads). ``ram_budget``: bytes kept in flight and prefetched
-    together (``None``: a tenth of the host's memory per training process).
+    ``cpu_budget``: cores the parallel stages may use together (``None``: the cores training
+    leaves, measured while it runs; ``cores - torch threads`` until measured).
+    ``ram_budget``: bytes kept in flight and prefetched together (``None``: a tenth of the
+    host's memory per training process).
     ``deterministic``: ``None`` keeps each ``map``'s own setting; ``True``/``False`` overrides
     them all (``False`` hands results on as they finish). ``worker_type``: ``"process"``
     (workers hand results back through shared memory) or ``"thread"`` (for functions that

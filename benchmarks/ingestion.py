@@ -1,0 +1,276 @@
+"""Ingestion: JPEG decode + ImageNet-style augment, ours (AUTOTUNE, no knob) against torch's
+DataLoader, and against the physical limit of this machine.
+
+The images are made once from real photographs that ship with scikit-learn
+(``load_sample_images``: random crops re-encoded as JPEG at sizes around 256x256, in 10 class
+folders). Each sample is decoded and augmented as ImageNet training does: a random resized crop
+to 224 (scale 0.08-1, ratio 3/4-4/3), a random flip, a float tensor normalised with ImageNet's
+mean and std (PIL and torch ops). Batches of 64 feed a training step of a fixed cost (a
+calibrated run of matrix products on one torch thread, so training holds one core).
+
+- ``decode_limit``: images/s of decode + augment on one core (measured in this process) times
+  the cores left to the input (``rp.data.Options().cpus``: cores less training's threads).
+- ``autotune_vs_limit``: the loop's images/s with ours, no knob set / ``decode_limit`` (goal
+  >= 0.9).
+- ``vs_dataloader_best``: ours / a DataLoader with the best ``num_workers`` of a sweep
+  (goal >= 1.0); ``vs_dataloader_default``: ours / DataLoader with ``num_workers=0`` (>= 2).
+- ``first_batch_s``: seconds from a fresh pipeline's ``iter()`` to its first batch (<= 1).
+- ``peak_rss_vs_ram_budget``: the largest resident set of this process and its workers over
+  the default RAM budget (<= 1).
+- ``s3_vs_local`` / ``s3_cached_vs_local``: images/s of the first epoch from the loopback S3
+  server (moto) over an epoch of local shards (the better of two, workers started), and of
+  the second S3 epoch, served from the local shard cache (>= 0.95). Skipped with ``--no-s3``.
+
+Run: ``python benchmarks/ingestion.py [--images 768] [--batches 10] [--no-s3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import random
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as MapDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._report import emit, print_table  # noqa: E402
+from replicator.data import Dataset, Options, write_shards  # noqa: E402
+
+BENCH = "ingestion"
+BATCH = 64
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1) * 255
+STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1) * 255
+_STEP = {"reps": 1}
+_STEP_A = torch.randn(256, 256) / 256
+
+
+# -- the data ------------------------------------------------------------------------------------
+def make_images(folder: str, count: int, seed: int = 0) -> list[str]:
+    """``count`` JPEGs cropped from scikit-learn's sample photographs (made once)."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    done = os.path.join(folder, f".done-{count}")
+    paths = [os.path.join(folder, str(i % 10), f"{i:05d}.jpg") for i in range(count)]
+    if os.path.exists(done):
+        return paths
+    photos = [Image.fromarray(a) for a in load_sample_images().images]
+    rng = random.Random(seed)
+    for i, path in enumerate(paths):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        photo = photos[i % len(photos)]
+        side = rng.randint(200, 320)
+        w, h = min(side, photo.width), min(int(side * rng.uniform(0.75, 1.33)), photo.height)
+        x, y = rng.randint(0, photo.width - w), rng.randint(0, photo.height - h)
+        photo.crop((x, y, x + w, y + h)).save(path, "JPEG", quality=rng.randint(80, 95))
+    open(done, "w").close()
+    return paths
+
+
+def augment(data: bytes, label: int) -> tuple[torch.Tensor, int]:
+    """Decode, random resized crop to 224, random flip, normalise (ImageNet training)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im = im.convert("RGB")
+    w, h = im.size
+    box = (0, 0, w, h)
+    for _ in range(10):
+        area = w * h * random.uniform(0.08, 1.0)
+        ratio = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
+        cw, ch = round(math.sqrt(area * ratio)), round(math.sqrt(area / ratio))
+        if 0 < cw <= w and 0 < ch <= h:
+            x, y = random.randint(0, w - cw), random.randint(0, h - ch)
+            box = (x, y, x + cw, y + ch)
+            break
+    im = im.resize((224, 224), Image.BILINEAR, box=box)
+    if random.random() < 0.5:
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    t = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).view(224, 224, 3)
+    return (t.permute(2, 0, 1).float() - MEAN) / STD, label
+
+
+def load_path(path: str) -> tuple[torch.Tensor, int]:
+    with open(path, "rb") as f:
+        return augment(f.read(), int(os.path.basename(os.path.dirname(path))))
+
+
+def load_sample(sample: dict) -> tuple[torch.Tensor, int]:
+    return augment(sample["jpg"], int(sample["cls"]))
+
+
+class Images(MapDataset):
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return load_path(self.paths[i])
+
+
+# -- the loop ------------------------------------------------------------------------------------
+def step() -> None:
+    x = _STEP_A
+    for _ in range(_STEP["reps"]):
+        x = x @ _STEP_A
+
+
+def calibrate_step(ms: float) -> None:
+    start = time.perf_counter()
+    for _ in range(50):
+        x = _STEP_A @ _STEP_A
+    per = (time.perf_counter() - start) / 50
+    del x
+    _STEP["reps"] = max(1, round(ms / 1000 / per))
+
+
+def rate(batches: Iterable[Any], warm: int, timed: int) -> float:
+    """Images/s of the loop (input + step) over ``timed`` batches after ``warm`` ones."""
+    it = iter(batches)
+    for _ in range(warm):
+        next(it)
+        step()
+    start, images = time.perf_counter(), 0
+    for _ in range(timed):
+        x, _y = next(it)
+        images += int(x.shape[0])
+        step()
+    return images / (time.perf_counter() - start)
+
+
+def endless(loader: Iterable[Any]) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def ours(paths: list[str]) -> Dataset:
+    return (Dataset.list_files(paths).repeat().shuffle(len(paths), seed=0).map(load_path)
+            .batch(BATCH, drop_remainder=True).prefetch())
+
+
+def decode_limit(paths: list[str], cores: int) -> tuple[float, float]:
+    sample = paths[:96]
+    start = time.perf_counter()
+    for p in sample:
+        load_path(p)
+    one = len(sample) / (time.perf_counter() - start)
+    return one, one * cores
+
+
+def peak_rss() -> int:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return (own + children) * 1024
+
+
+# -- S3 ------------------------------------------------------------------------------------------
+def s3_figures(paths: list[str], folder: str) -> tuple[float, float, float]:
+    """Images/s of an epoch from local shards, the first from S3, a later one from the cache."""
+    from tests.s3_server import S3Server
+
+    server = S3Server(os.path.join(folder, "moto.log"))
+    server.start()
+    os.environ.update(server.env)
+    try:
+        server.make_bucket("ingestion")
+
+        def samples() -> Iterator[dict]:
+            for i, p in enumerate(paths):
+                with open(p, "rb") as f:
+                    yield {"__key__": f"{i:06d}", "jpg": f.read(),
+                           "cls": int(os.path.basename(os.path.dirname(p)))}
+        local = write_shards(samples(), os.path.join(folder, "shards", "train"), 64)
+        remote = write_shards(samples(), "s3://ingestion/train", 64)
+
+        def epoch(ds: Dataset) -> float:
+            start, images = time.perf_counter(), 0
+            for x, _y in ds:
+                images += int(x.shape[0])
+                step()
+            return images / (time.perf_counter() - start)
+
+        def pipeline(urls: list[str]) -> Dataset:
+            return (Dataset.from_shards(urls, cache_dir=os.path.join(folder, "cache"))
+                    .map(load_sample).batch(BATCH, drop_remainder=True).prefetch())
+        local_ds, remote_ds = pipeline(local), pipeline(remote)
+        local_rate, first = epoch(local_ds), epoch(remote_ds)
+        local_rate = max(local_rate, epoch(local_ds))  # both with started workers
+        cached = epoch(remote_ds)
+        local_ds.close()
+        remote_ds.close()
+        return local_rate, first, cached
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=768)
+    parser.add_argument("--batches", type=int, default=10, help="timed batches per variant")
+    parser.add_argument("--step-ms", type=float, default=5.0)
+    parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(),
+                                                       "replicator-ingestion"))
+    parser.add_argument("--no-s3", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    calibrate_step(args.step_ms)
+    paths = make_images(os.path.join(args.data, "jpeg"), args.images)
+    cores = Options().cpus
+    one_core, limit = decode_limit(paths, cores)
+    warm, timed = 2, args.batches
+
+    start = time.perf_counter()
+    fresh = ours(paths)
+    first = iter(fresh)
+    next(first)
+    first_batch_s = time.perf_counter() - start
+    ours_rate = rate(first, warm, timed)
+    stats = fresh.stats()
+    fresh.close()
+
+    loaders = {}
+    for workers in range(0, cores + 2):
+        loader = DataLoader(Images(paths), batch_size=BATCH, shuffle=True, drop_last=True,
+                            num_workers=workers, persistent_workers=workers > 0)
+        loaders[workers] = rate(endless(loader), warm, timed)
+    best_workers = max(loaders, key=loaders.get)  # type: ignore[arg-type]
+    rss = peak_rss()
+    ram = Options().ram
+    rows = [["decode + augment, 1 core", one_core], [f"decode_limit ({cores} cores)", limit],
+            ["ours, AUTOTUNE", ours_rate]]
+    rows += [[f"DataLoader num_workers={w}", r] for w, r in loaders.items()]
+    s3 = None if args.no_s3 else s3_figures(paths, args.data)
+    if s3 is not None:
+        rows += [["shards, local", s3[0]], ["shards, S3 first epoch", s3[1]],
+                 ["shards, S3 from cache", s3[2]]]
+    print_table(["variant", "images/s"], rows)
+    stage = next(iter(stats["stages"].values()))
+    print(f"ours: {stats['pipeline']}; parallelism {stage['parallelism']} of "
+          f"{stage['max_parallelism']}, task {stage['task_ms']:.0f} ms; first batch "
+          f"{first_batch_s:.2f} s; peak RSS {rss / 2**20:.0f} MiB of {ram / 2**20:.0f} MiB")
+    emit(BENCH, "autotune_vs_limit", ours_rate / limit, ">= 0.9", cores=cores)
+    emit(BENCH, "vs_dataloader_best", ours_rate / loaders[best_workers], ">= 1.0",
+         best_num_workers=best_workers)
+    emit(BENCH, "vs_dataloader_default", ours_rate / loaders[0], ">= 2.0")
+    emit(BENCH, "first_batch_s", first_batch_s, "<= 1.0")
+    emit(BENCH, "peak_rss_vs_ram_budget", rss / ram, "<= 1.0")
+    if s3 is not None:
+        emit(BENCH, "s3_vs_local", s3[1] / s3[0], ">= 0.8")
+        emit(BENCH, "s3_cached_vs_local", s3[2] / s3[0], ">= 0.95")
+
+
+if __name__ == "__main__":
+    main()
