@@ -18,6 +18,17 @@
   standalone server, started here), through the saver process (goal <= 1.03).
 - ``stall_ms``: how long the loop is held at a save step (the copy into shared memory) for the
   12 MB state, with the saver process (goal <= 5 ms); the thread saver's beside it.
+- ``train_cpu`` (local and S3): what the training processes pay per save, as CPU time:
+  ``train_cpu_per_save_ms`` is the CPU of the training processes' own threads for one save of
+  the 12 MB state with the saver process, summed over both ranks: the main thread's CPU in
+  the save call plus the CPU of every other thread of the process (the save's thread, the
+  store's client) over a block of 100 steps with a save, less the same over a plain block
+  (``time.process_time``/``thread_time``, which read ``/proc``); the saver processes' CPU and
+  the loopback S3 server's are shown apart (``/proc/<pid>/stat``).
+  ``train_cpu_per_save_share``: that CPU over a 100-step block's wall time (goal <= 0.01);
+  ``stall_ms``: the save call's wall time in the loop (goal <= 5).
+- ``first_commit_s`` (local and S3): a 1 MB state, a backup every 10 steps of about 70 ms:
+  seconds from the first backup's step to its commit on the chief (goal <= 2 quiet).
 - ``sharded_stall``: FSDP(2), the same MLP and Adam sharded: the loop's stall at a save step
   with the sharded save written in place (before) and copied, then written in the background
   (after); ratio = after / before.
@@ -30,7 +41,7 @@
   the ratio to a cold start (launch to first step) of the same job (goal <= 1.5).
 
 Run: ``python benchmarks/checkpoint.py [--rounds 4] [--every 250] [--repeats 3]
-[--figures overhead overhead_100 io_100mb recovery]``
+[--figures overhead overhead_100 train_cpu first_commit io_100mb recovery]``
 """
 
 from __future__ import annotations
@@ -199,6 +210,126 @@ class LoopbackS3:
         self.proc.wait(30)
 
 
+# -- what the training processes pay per save, in CPU (runs in 2 workers) --------------------------
+def _other_threads_cpu() -> float:
+    """CPU seconds of this process's threads other than the calling one (finished ones too)."""
+    return time.process_time() - time.thread_time()
+
+
+def _proc_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, from ``/proc/<pid>/stat``."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_worker(backup_dir: str, rounds: int) -> dict[str, float | list[float]]:
+    strategy = rp.MirroredStrategy()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x, y = torch.randn(128, 512), torch.randn(128, 512)
+    backup = BackupAndRestore(backup_dir, save_freq=100, delete_checkpoint=True,
+                              strategy=strategy, saver="process")
+    backup.track(model=model, optimizer=opt)
+    backup.on_train_begin()
+
+    def step() -> None:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(5):
+        strategy.run(step)
+    out: dict[str, list[float]] = {"save_cpu": [], "stall": [], "block": []}
+    backup.step = 99
+    saver_cpu = 0.0
+    for r in range(rounds):
+        blocks = {}
+        for backed in ((False, True) if r % 2 == 0 else (True, False)):
+            strategy.barrier()
+            start, other, call_cpu = time.perf_counter(), _other_threads_cpu(), 0.0
+            saver_pid = getattr(getattr(backup._saver, "process", None), "pid", None)
+            saver_before = _proc_cpu(saver_pid)
+            for _ in range(100):
+                strategy.run(step)
+                if backed:
+                    before, before_cpu = time.perf_counter(), time.thread_time()
+                    backup.on_train_batch_end(0)
+                    if backup.step % 100 == 0:
+                        out["stall"].append(time.perf_counter() - before)
+                        call_cpu = time.thread_time() - before_cpu
+            if backed:
+                backup.wait_for_save()
+                saver_cpu += _proc_cpu(saver_pid) - saver_before
+            strategy.barrier()
+            blocks[backed] = (time.perf_counter() - start, _other_threads_cpu() - other,
+                              call_cpu)
+        out["save_cpu"].append(blocks[True][2] + blocks[True][1] - blocks[False][1])
+        out["block"].append(blocks[False][0])
+    backup.on_train_end()
+    return {**out, "saver_cpu": saver_cpu / rounds}
+
+
+def bench_train_cpu(rounds: int, where: str) -> dict[str, float]:
+    results = rp.launch(cpu_worker, num_replicas=2, args=(where, rounds), timeout_seconds=240)
+    per_save = [a + b for a, b in zip(results[0]["save_cpu"], results[1]["save_cpu"])]
+    stalls = [max(a, b) for a, b in zip(results[0]["stall"], results[1]["stall"])]
+    block = median(results[0]["block"])
+    cpu = median(per_save[1:] or per_save)  # the first save also builds the saver's buffers
+    return {"cpu": cpu, "cpu_min": min(per_save), "cpu_max": max(per_save), "block": block,
+            "share": cpu / block, "stall": median(stalls[1:] or stalls),
+            "saver_cpu": results[0]["saver_cpu"] + results[1]["saver_cpu"]}
+
+
+def first_commit_worker(backup_dir: str) -> float | None:
+    """Seconds from the first backup's step to its commit on the chief (1 MB, 70 ms steps)."""
+    from replicator.checkpoint import fault_points
+
+    strategy = rp.MirroredStrategy()
+    with strategy.scope():
+        model = nn.Linear(512, 512)  # 1.05 MB of float32
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    committed: list[float] = []
+    fault_points.add_hook("after_commit", lambda step, path, rank: committed.append(
+        time.perf_counter()) if step == 10 else None)
+    backup = BackupAndRestore(backup_dir, save_freq=10, delete_checkpoint=True,
+                              strategy=strategy)
+    backup.track(model=model, optimizer=opt)
+    x, due = torch.randn(8, 512), 0.0
+    for step, _ in backup.steps(range(60), num_steps=60):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.07)
+        if step == 10:
+            due = time.perf_counter()  # the save is submitted right after this step's body
+    return committed[0] - due if committed else None
+
+
+def bench_first_commit(where: str) -> float:
+    results = rp.launch(first_commit_worker, num_replicas=2, args=(where,), timeout_seconds=120)
+    return float(results[0]) if results[0] is not None else float("nan")
+
+
+def cpu_to_loopback_s3(rounds: int, tmp: Path) -> dict[str, float]:
+    """``train_cpu`` and ``first_commit_s`` to a fresh loopback S3 server (its CPU apart)."""
+    s3 = LoopbackS3(tmp)
+    try:
+        server_before = _proc_cpu(s3.proc.pid)
+        out = bench_train_cpu(rounds, "s3://bench/cpu")
+        out["server_cpu"] = (_proc_cpu(s3.proc.pid) - server_before) / rounds
+        out["first_commit"] = bench_first_commit("s3://bench/first")
+        return out
+    finally:
+        s3.close()
+
+
 # -- sharded (FSDP) save stall --------------------------------------------------------------------
 def sharded_worker(backup_dir: str, saves: int, every: int,
                    background: bool) -> dict[str, list[float]]:
@@ -349,7 +480,8 @@ def overhead_to_loopback_s3(rounds: int, tmp: Path, niceness: int) -> dict[str, 
         s3.close()
 
 
-FIGURES = ("overhead", "overhead_100", "overhead_100_s3", "sharded", "io_100mb", "recovery")
+FIGURES = ("overhead", "overhead_100", "overhead_100_s3", "train_cpu", "sharded", "io_100mb",
+           "recovery")
 
 
 def main() -> None:
@@ -404,6 +536,17 @@ def main() -> None:
                      ["same, the S3 server at niceness 10 (ms)",
                       over_s3_nice["backup_step"] * 1e3, over_s3_nice["plain_step"] * 1e3,
                       over_s3_nice["ratio"], "(reference)"]]
+        if "train_cpu" in want:
+            cpu_local = bench_train_cpu(args.rounds, str(tmp / "cpu"))
+            cpu_local["first_commit"] = bench_first_commit(str(tmp / "first"))
+            cpu_s3 = cpu_to_loopback_s3(args.rounds, tmp)
+            for label, c in (("local", cpu_local), ("S3", cpu_s3)):
+                rows += [[f"training CPU per 12 MB save, {label} (ms)", c["cpu"] * 1e3,
+                          c["block"] * 1e3, c["share"], "share <= 0.01"],
+                         [f"loop stall per save, {label} (ms)", c["stall"] * 1e3, "-", "-",
+                          "<= 5 ms"],
+                         [f"first 1 MB backup, step to commit, {label} (s)",
+                          c["first_commit"], "-", "-", "<= 2 s"]]
         if "sharded" in want:
             shard = bench_sharded(max(4, args.repeats + 1), tmp)
             rows.append(["FSDP(2) loop stall per save: background vs in place (ms)",
@@ -450,6 +593,19 @@ def main() -> None:
              saver="process", save_ms=round(over_s3["save"] * 1e3, 2))
         emit(BENCH, "overhead_100_s3_server_niced", over_s3_nice["ratio"], "(reference)",
              every=100, saver="process", server_niceness=10)
+    if "train_cpu" in want:
+        for label, c in (("local", cpu_local), ("s3", cpu_s3)):
+            extra = {"s3_server_cpu_per_save_ms": round(c["server_cpu"] * 1e3, 2)} \
+                if label == "s3" else {}
+            emit(BENCH, f"train_cpu_per_save_share_{label}", c["share"], "<= 0.01",
+                 train_cpu_per_save_ms=round(c["cpu"] * 1e3, 2),
+                 min_ms=round(c["cpu_min"] * 1e3, 2), max_ms=round(c["cpu_max"] * 1e3, 2),
+                 block_ms=round(c["block"] * 1e3, 1),
+                 saver_process_cpu_per_save_ms=round(c["saver_cpu"] * 1e3, 2), **extra)
+            emit(BENCH, f"stall_ms_{label}", c["stall"] * 1e3, "<= 5", state_mb=12.6,
+                 saver="process")
+            emit(BENCH, f"first_commit_s_{label}", c["first_commit"], "<= 2", state_mb=1.05,
+                 save_freq=10, step_ms=70)
     if "sharded" in want:
         emit(BENCH, "sharded_stall", shard["after"] / shard["before"], "(lower is better)",
              layout="FSDP(2)", before_ms=round(shard["before"] * 1e3, 2),

@@ -32,7 +32,8 @@ import torch
 
 from replicator.checkpoint.atomic import write_durable
 from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
-from replicator.checkpoint.manifest import FileEntry, build
+from replicator.checkpoint.manager import commit_agreed
+from replicator.checkpoint.manifest import FileEntry
 from replicator.checkpoint.storage import LocalStorage, open_storage
 from replicator.checkpoint.store import RemoteStore
 from replicator.comm.collectives import Collectives
@@ -153,51 +154,27 @@ def write_staged(directory: Location, step: int, staged: StagedShards | Exceptio
     token = ch.from_chief(uuid.uuid4().hex[:12] if ch.is_chief else None,
                           f"sharded save of step {step} (its name)")
     staging = storage.staging(step, token)
-    files: dict[str, Any] = {}
-    error = ""
+    entries: dict[str, FileEntry] = {}
+    local_exc: Exception | None = None
     try:
         if isinstance(staged, Exception):
             raise staged
         storage.begin(staging)
         folder = storage.folder(staging)
         _write_dcp(folder, staged, ch)
-        files = {n: e.as_json() for n, e in storage.publish(staging, folder, ch.rank).items()}
+        entries = storage.publish(staging, folder, ch.rank)
     except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
-        error = f"{type(exc).__name__}: {exc}"
-    gathered = ch.all_gather({"error": error, "files": files},
-                             f"sharded save of step {step} (writes)")
-    failures = {r: g["error"] for r, g in enumerate(gathered) if g["error"]}
-    if failures:
-        if ch.is_chief:
-            storage.discard(staging)
-        raise CheckpointWriteError(
+        local_exc = OSError(f"{type(exc).__name__}: {exc}")
+
+    def error(failures: dict[int, str], cause: BaseException | None) -> Exception:
+        return CheckpointWriteError(
             f"saving the sharded checkpoint of step {step} to {storage.location} failed "
             f"({describe_failures(failures)}). Nothing was committed. HINT: check that every "
             f"rank can write to {storage.location} and has space there.")
-    commit_error, ref = "", None
-    if ch.is_chief:
-        try:
-            ref = storage.commit(step, staging, _manifest(step, gathered, ch.world_size), 0)
-            storage.prune(step, ref, keep, wait=False)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            commit_error = f"{type(exc).__name__}: {exc}"
-    outcome = ch.from_chief({"error": commit_error, "ref": ref},
-                            f"sharded save of step {step} (commit)")
-    if outcome["error"]:
-        raise CheckpointWriteError(f"committing the sharded checkpoint of step {step} in "
-                                   f"{storage.location} failed on the chief: {outcome['error']}")
-    return storage.where(outcome["ref"])  # type: ignore[no-any-return]
 
-
-def _manifest(step: int, gathered: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
-    entries: dict[str, FileEntry] = {}
-    for rank, report in enumerate(gathered):
-        for fname, entry in report["files"].items():
-            if fname in entries:
-                raise CheckpointWriteError(f"two ranks wrote the file {fname!r} (rank {rank} "
-                                           "and an earlier one)")
-            entries[fname] = FileEntry(bytes=int(entry["bytes"]), sha256=str(entry["sha256"]))
-    return build(step, world_size, entries, {"layout": "dcp-safetensors"})
+    ref = commit_agreed(storage, ch, step, staging, entries, local_exc,
+                        {"layout": "dcp-safetensors"}, keep, error)
+    return storage.where(ref)  # type: ignore[no-any-return]
 
 
 def _read_dcp(folder: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],

@@ -285,42 +285,23 @@ class CheckpointManager:
         try:
             if ch.is_chief:
                 self.store.check()
-            fault_points.fire("before_write", step=step, path=self.store.dest(staging, "")[:-1],
-                              rank=ch.rank)
+            fault_points.fire("before_write", step=step, rank=ch.rank,
+                              path=self.store.dest(staging, "")[:-1])
             self.store.begin(staging)
             entries = self._write_all(staging, self._items(replicated, per_rank, ch), writer)
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
             local_exc = exc
-        results = ch.all_gather(
-            {"error": _text(local_exc), "files": {n: e.as_json() for n, e in entries.items()}},
-            f"checkpoint save of step {step} (writes)")
-        failures = {r: m["error"] for r, m in enumerate(results) if m["error"]}
-        if failures:
-            if ch.is_chief:
-                self.store.discard(staging)
-            if local_exc is not None and not isinstance(local_exc, OSError):
-                raise local_exc
-            raise self._write_error(step, failures, local_exc)
-        ref, commit_exc = None, None
-        if ch.is_chief:
-            files = {n: FileEntry(**e) for m in results for n, e in m["files"].items()}
-            try:
-                manifest = build(step, ch.world_size, files, dict(info or {}))
-                ref = self.store.commit(step, staging, manifest, ch.rank)
-                record_backup(self.directory, step)  # what a rerun resumes from, at once
-                fault_points.fire("after_commit", step=step, path=self.store.where(ref),
-                                  rank=ch.rank)
-            except Exception as exc:  # noqa: BLE001 - reported to every rank below
-                commit_exc = exc
-        outcome = ch.from_chief({"error": _text(commit_exc), "ref": ref},
-                                f"checkpoint save of step {step} (commit)")
-        if outcome["error"]:
-            raise self._write_error(step, {0: outcome["error"]}, commit_exc)
-        self.latest_step, self._choice_ref = step, outcome["ref"]
-        if ch.is_chief:
-            self.store.prune(step, outcome["ref"], self.keep)
-        return self.store.where(outcome["ref"])
 
+        def noted(ref: str) -> None:
+            record_backup(self.directory, step)  # what a rerun resumes from, said at once
+            fault_points.fire("after_commit", step=step, path=self.store.where(ref),
+                              rank=ch.rank)
+
+        ref = commit_agreed(self.store, ch, step, staging, entries, local_exc, dict(info or {}),
+                            self.keep, lambda failed, cause: self._write_error(step, failed, cause),
+                            noted)
+        self.latest_step, self._choice_ref = step, ref
+        return self.store.where(ref)
     @staticmethod
     def _items(replicated: Mapping[str, Any] | None, per_rank: Any,
                ch: Channel) -> list[tuple[str, Any, str]]:
@@ -500,6 +481,50 @@ class CheckpointManager:
         """Remove every checkpoint (the chief only; call after the others are done with it)."""
         if self.channel.is_chief:
             self.store.delete_all()
+
+
+def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
+                  entries: Mapping[str, FileEntry], local_exc: BaseException | None,
+                  info: dict[str, Any], keep: int,
+                  error: Callable[[dict[int, str], BaseException | None], Exception],
+                  on_commit: Callable[[str], None] | None = None) -> str:
+    """The save protocol after the writes, for every kind of save: the ranks agree that every
+    write succeeded (else the staging is discarded and ``error(failures, cause)`` raised on
+    every rank; this rank's own non-I/O exception as itself), the chief commits the manifest of
+    every rank's files, every rank hears the outcome, the chief prunes to ``keep``. Returns
+    the committed save's name."""
+    results = ch.all_gather(
+        {"error": _text(local_exc), "files": {n: e.as_json() for n, e in entries.items()}},
+        f"checkpoint save of step {step} (writes)")
+    failures = {r: m["error"] for r, m in enumerate(results) if m["error"]}
+    if failures:
+        if ch.is_chief:
+            storage.discard(staging)
+        if local_exc is not None and not isinstance(local_exc, OSError):
+            raise local_exc
+        raise error(failures, local_exc)
+    ref, commit_exc = None, None
+    if ch.is_chief:
+        try:
+            files: dict[str, FileEntry] = {}
+            for rank, message in enumerate(results):
+                for fname, entry in message["files"].items():
+                    if fname in files:
+                        raise CheckpointWriteError(f"two ranks wrote the file {fname!r} (rank "
+                                                   f"{rank} and an earlier one)")
+                    files[fname] = FileEntry(**entry)
+            ref = storage.commit(step, staging, build(step, ch.world_size, files, info), 0)
+            if on_commit is not None:
+                on_commit(ref)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            commit_exc = exc
+    outcome = ch.from_chief({"error": _text(commit_exc), "ref": ref},
+                            f"checkpoint save of step {step} (commit)")
+    if outcome["error"]:
+        raise error({0: outcome["error"]}, commit_exc)
+    if ch.is_chief:
+        storage.prune(step, outcome["ref"], keep)
+    return str(outcome["ref"])
 
 
 #: The names this class had when a URL made a subclass; one class serves both now.

@@ -46,6 +46,7 @@ from replicator.checkpoint import safetensors_io, serialization
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, FileWriter, FrozenState, freeze_state
 from replicator.checkpoint.manifest import FileEntry
+from replicator.checkpoint.storage import open_storage
 from replicator.checkpoint.store import RemoteStore
 from replicator.cluster.processes import process_alive
 from replicator.comm.shm_segment import NAME_PREFIX, SharedSegment, shm_dir, unlink_segment
@@ -332,7 +333,7 @@ class BackgroundSaver:
 
     def __init__(self, manager: CheckpointManager,
                  on_saved: Callable[[int, Any], None] | None = None,
-                 async_mode: str = "thread") -> None:
+                 async_mode: str = "thread", process: SaverProcess | None = None) -> None:
         self.manager = manager
         self.on_saved = on_saved
         self.async_mode = check_saver(async_mode) or "thread"
@@ -357,7 +358,7 @@ class BackgroundSaver:
         self._store_fs: tuple[RemoteStore, Any] | None = None
         if self.async_mode == "process":
             store = manager.store
-            self.process = SaverProcess(store=store if store.scheme else None)
+            self.process = process or SaverProcess(store=store)
             self._buffer = StagingBuffer()
             if isinstance(store, RemoteStore):  # the store's calls run in the saver process
                 self._store_fs = (store, store.fs)
@@ -531,12 +532,11 @@ def check_saver(kind: str | None) -> str | None:
     return kind
 
 
-def make_saver(manager: CheckpointManager, kind: str | None,
-               on_saved: Callable[[int, Any], None] | None = None) -> BackgroundSaver:
-    """The background saver for ``manager``, started: ``"process"`` or ``"thread"``;
-    ``None``: the saver process for a store (a URL), the thread for a local directory or
-    ``memory://`` (that store lives in this process only)."""
-    scheme = manager.store.scheme
+def saver_kind(storage: Any, kind: str | None) -> str:
+    """Who writes background saves to ``storage``: ``kind``, or by default the saver process
+    for a store (a URL) and the thread for a local directory or ``memory://`` (that store
+    lives in this process only)."""
+    scheme = storage.scheme
     if kind is None:
         kind = "process" if scheme not in (None, "memory") else "thread"
     check_saver(kind)
@@ -545,4 +545,25 @@ def make_saver(manager: CheckpointManager, kind: str | None,
                          "process only); use saver='thread'")
     if kind == "process" and os.name != "posix":
         kind = "thread"  # the saver process maps its staging file with select() on pipes
-    return BackgroundSaver(manager, on_saved, async_mode=kind).start()
+    return kind
+
+
+def early_process(location: Any, kind: str | None,
+                  storage_options: Mapping[str, Any] | None = None) -> SaverProcess | None:
+    """A saver process started now for backups to ``location`` that will use one (see
+    :func:`saver_kind`): its imports and its connection to the store overlap building the
+    model and the first steps. Hand it to :func:`make_saver`."""
+    storage = open_storage(location, storage_options)
+    return SaverProcess(store=storage) if saver_kind(storage, kind) == "process" else None
+
+
+def make_saver(manager: CheckpointManager, kind: str | None,
+               on_saved: Callable[[int, Any], None] | None = None,
+               process: SaverProcess | None = None) -> BackgroundSaver:
+    """The background saver for ``manager`` (see :func:`saver_kind`), its private group made;
+    ``process``: a saver process started earlier, with the backup."""
+    kind = saver_kind(manager.store, kind)
+    if kind != "process" and process is not None:
+        process.close()
+        process = None
+    return BackgroundSaver(manager, on_saved, async_mode=kind, process=process).start()

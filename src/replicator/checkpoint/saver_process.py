@@ -26,9 +26,9 @@ fsynced; remote ones are uploaded through fsspec. Direct I/O moves the bytes fro
 memory to the disk without copying them into the page cache: 1.2-1.7 ms of CPU per 12 MB file
 instead of 4-18 ms buffered (the kernel's copy, its page allocations and writeback), CPU that
 on a busy host is taken from training. The staged images start on 4 KiB boundaries
-(``staging.py``) so the writes are aligned; a file system that refuses direct I/O (tmpfs
-before Linux 6.6, some network and FUSE file systems) gets buffered writes, as does a file's
-last partial block. The
+(``saver.py``'s staging buffer) so the writes are aligned; a file system that refuses direct
+I/O (tmpfs before Linux 6.6, some network and FUSE file systems) gets buffered writes, as does
+a file's last partial block. The
 process runs at a lower priority (niceness +10): on a busy machine training gets the CPU
 first, and a slow save is skipped-and-logged rather than slowing the steps. The
 parent (``saver.py``) owns the buffer and commits; this process never decides what counts.

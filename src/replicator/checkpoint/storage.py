@@ -163,13 +163,15 @@ class LocalStorage:
     def discard(self, staging: str) -> None:
         remove_tree(staging)
 
-    def step_dirs(self) -> list[tuple[int, Path]]:
-        """``(step, path)`` of every step directory, committed or not, oldest first."""
+    def _entries(self) -> list[Path]:
         try:
-            entries = list(self.directory.iterdir())
+            return list(self.directory.iterdir())
         except FileNotFoundError:
             return []
-        return sorted((int(m.group(1)), p) for p in entries
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every step directory, committed or not, oldest first."""
+        return sorted((int(m.group(1)), p) for p in self._entries()
                       if (m := _STEP_DIR.match(p.name)) and p.is_dir())
 
     def saves(self) -> list[tuple[int, str]]:
@@ -212,12 +214,8 @@ class LocalStorage:
     def cleanup(self, after: int | None = None) -> list[str]:
         """Remove what interrupted saves and deletions left (``.tmp-*``, ``.trash-*``), never
         reading it; with ``after``, every step newer than it. Returns the names removed."""
-        try:
-            entries = list(self.directory.iterdir())
-        except FileNotFoundError:
-            return []
         removed = []
-        for p in entries:
+        for p in self._entries():
             m = _STEP_DIR.match(p.name)
             if p.name.startswith(LEFTOVERS) or (m and after is not None
                                                  and int(m.group(1)) > after):
@@ -353,10 +351,7 @@ class FsspecStorage(RemoteStore):
             raise CheckpointCorruptError(f"{where} does not list {fname!r}")
         check_file_name(fname, where)
         url = f"{self.name_url(manifest['prefix'])}/{fname}"
-        try:
-            data = self.get(f"{manifest['prefix']}/{fname}")
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where}: object {url} is missing") from None
+        data = self.get_or(f"{manifest['prefix']}/{fname}", f"{where}: object {url} is missing")
         check_bytes(where, f"object {url}", manifest["files"][fname], len(data),
                     hash_bytes(data))
         return np.frombuffer(bytearray(data), dtype=np.uint8)

@@ -174,6 +174,13 @@ class RemoteStore:
     def get(self, name: str) -> bytes:
         return bytes(self.fs.cat_file(self.path(name), **self._limit))
 
+    def get_or(self, name: str, missing: str) -> bytes:
+        """The object ``name``; :class:`CheckpointCorruptError` saying ``missing`` if gone."""
+        try:
+            return self.get(name)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(missing) from None
+
     @_io("checking")
     def exists(self, name: str) -> bool:
         self.fs.invalidate_cache(self.path(name))
@@ -291,10 +298,7 @@ def read_commit(store: RemoteStore, name: str) -> dict[str, Any]:
     """The checked manifest of the commit object ``name``; :class:`CheckpointCorruptError`
     when it is gone, damaged or names no data prefix."""
     where = f"commit {store.url}/{COMMITS}/{name}"
-    try:
-        raw = store.get(f"{COMMITS}/{name}")
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{where} disappeared while reading it") from None
+    raw = store.get_or(f"{COMMITS}/{name}", f"{where} disappeared while reading it")
     manifest = parse_marker(raw, where)
     if not isinstance(manifest.get("prefix"), str) or not manifest["prefix"].startswith(
             f"{DATA}/"):

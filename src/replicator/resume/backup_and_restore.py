@@ -18,8 +18,8 @@ batches of each epoch from :meth:`epoch_batches` (which resumes mid-epoch the fi
 
 Saves due by ``save_freq`` run in the background by default (``background=True``): the state
 is copied to memory at the step boundary and written and committed on a thread while the next
-steps run (see ``background.py``); the commit stays atomic and verified, at most one save is in
-flight, and a failed save raises at the next save or at the end of training. Saves on
+steps run (see ``checkpoint/saver.py``); the commit stays atomic and verified, at most one save
+is in flight, and a failed save raises at the next save or at the end of training. Saves on
 preemption, the final save and :meth:`save` are written before they return.
 
 Under a strategy that splits the model (pipeline stages, tensor or FSDP shards: the strategy's
@@ -58,7 +58,7 @@ from replicator.checkpoint.distributed_checkpoint import (
 )
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
-from replicator.checkpoint.saver import BackgroundSaver, check_saver, make_saver
+from replicator.checkpoint.saver import BackgroundSaver, check_saver, early_process, make_saver
 from replicator.checkpoint.storage import (
     backup_location,
     join_location,
@@ -127,6 +127,9 @@ class BackupAndRestore:
                              f"{save_freq!r}")
         self.backup_dir = backup_location(backup_dir)
         self._saver_kind = check_saver(saver)
+        #: The saver process, started now: the first backup does not wait for its start.
+        self._process = early_process(self.backup_dir, saver, storage_options) \
+            if background else None
         self._mirror, self._storage_options = mirror, storage_options
         self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
@@ -420,7 +423,8 @@ class BackupAndRestore:
         """The background saver, made once: at the start of training, so that a saver
         process has started (imports, store connection) before the first save is due."""
         if self._saver is None:
-            self._saver = make_saver(self.manager, self._saver_kind)
+            self._saver = make_saver(self.manager, self._saver_kind, process=self._process)
+            self._process = None
         return self._saver
 
     def wait_for_save(self) -> None:
