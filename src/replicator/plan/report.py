@@ -111,58 +111,71 @@ HEADERS = ("setting", "procs", "steps", "step ms", "samples/s", "vs 1 proc", "co
            "peak MB per rank")
 
 
-def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
-    """Write ``report.md``, ``results.json`` and the two PNGs; print the table and JSON."""
+def _notes(bench: BenchReport, single: Any, cores: int) -> list[str]:
+    """The load first, then what the reader must know to trust (or not) the figures."""
+    results = bench.results
+    notes = [load_note(bench.load_average, cores)]
+    if single is not None and sum(r.setting.key == "one_device x1" for r in results) > 1:
+        notes.append(f"vs 1 proc: against {single.setting.label}, the faster one-process run")
+    notes += reliability_notes(results, bench.load_average, cores)
+    if any(r.ok and not r.comm_timing for r in results):
+        notes.append("the comm room's timers were off: communication counts as compute")
+    if any(r.ok and r.setting.strategy in ("fsdp", "pipeline") for r in results):
+        notes.append("fsdp: FSDP2's own collectives bypass the comm room and count as compute; "
+                     "pipeline: the whole schedule runs inside one guarded call and counts "
+                     "as communication")
+    short = [f"{r.setting.label} {r.steps} of {r.steps_asked}" for r in results
+             if r.ok and 0 < r.steps < r.steps_asked]
+    if short:
+        notes.append("the script ended before the steps asked for (" + ", ".join(short)
+                     + " measured): the figures rest on fewer steps; train longer (more "
+                     "epochs or data) for steadier ones")
+    return notes
+
+
+def _plots(bench: BenchReport, base: float | None, notes: list[str]) -> list[str]:
+    """Draw the two PNGs (with matplotlib; else a note says how to get them)."""
     from replicator.plan import plots
 
+    root, name = Path(bench.out_dir), Path(bench.target).name
+    if not plots.available():
+        notes.append('no plots: matplotlib is not installed (pip install "replicator[examples]" '
+                     "for bench/throughput.png and bench/breakdown.png)")
+        return []
+    if not any(r.ok for r in bench.results):
+        return []
+    points: dict[str, list[tuple[float, float]]] = {}
+    for r in bench.results:
+        if r.ok and r.setting.threads == 0:
+            points.setdefault(r.setting.strategy, []).append(
+                (float(r.setting.workers), r.samples_per_second))
+    plots.throughput_plot(points, root / "throughput.png", baseline=base, ceiling=bench.ceiling,
+                          title=f"{name}: throughput against replicas")
+    plots.breakdown_plot([(r.setting.label, r.breakdown) for r in bench.results if r.ok],
+                         root / "breakdown.png", title=f"{name}: a step's breakdown")
+    return [str(root / "throughput.png"), str(root / "breakdown.png")]
+
+
+def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
+    """Write ``report.md``, ``results.json`` and the two PNGs; print the table and JSON."""
     root = Path(bench.out_dir)
     single = baseline(bench.results)
     base = single.samples_per_second if single else None
     bench.ceiling = _ceiling(bench, base)
     rows = _rows(bench, base)
     cores = os.cpu_count() or 1
-    notes = [load_note(bench.load_average, cores)]
-    if single is not None and sum(r.setting.key == "one_device x1" for r in bench.results) > 1:
-        notes.append(f"vs 1 proc: against {single.setting.label}, the faster one-process run")
-    notes += reliability_notes(bench.results, bench.load_average, cores)
-    if any(r.ok and not r.comm_timing for r in bench.results):
-        notes.append("the comm room's timers were off: communication counts as compute")
-    if any(r.ok and r.setting.strategy in ("fsdp", "pipeline") for r in bench.results):
-        notes.append("fsdp: FSDP2's own collectives bypass the comm room and count as compute; "
-                     "pipeline: the whole schedule runs inside one guarded call and counts "
-                     "as communication")
-    short = [f"{r.setting.label} {r.steps} of {r.steps_asked}" for r in bench.results
-             if r.ok and 0 < r.steps < r.steps_asked]
-    if short:
-        notes.append("the script ended before the steps asked for (" + ", ".join(short)
-                     + " measured): the figures rest on fewer steps; train longer (more "
-                     "epochs or data) for steadier ones")
+    notes = _notes(bench, single, cores)
     failures = [f"{r.setting.label}: {r.error}" for r in bench.results if not r.ok]
-    files = []
-    if plots.available() and any(r.ok for r in bench.results):
-        points: dict[str, list[tuple[float, float]]] = {}
-        for r in bench.results:
-            if r.ok and r.setting.threads == 0:
-                points.setdefault(r.setting.strategy, []).append(
-                    (float(r.setting.workers), r.samples_per_second))
-        plots.throughput_plot(points, root / "throughput.png", baseline=base,
-                              ceiling=bench.ceiling, title=f"{Path(bench.target).name}: "
-                              "throughput against replicas")
-        plots.breakdown_plot([(r.setting.label, r.breakdown) for r in bench.results if r.ok],
-                             root / "breakdown.png",
-                             title=f"{Path(bench.target).name}: a step's breakdown")
-        files += [str(root / "throughput.png"), str(root / "breakdown.png")]
-    elif not plots.available():
-        notes.append('no plots: matplotlib is not installed (pip install "replicator[examples]" '
-                     "for bench/throughput.png and bench/breakdown.png)")
+    files = _plots(bench, base, notes)
     md = [f"# replicator bench: {bench.target}", "",
           f"{platform.node() or 'this machine'}, {cores} cores; {notes[0]}.", "",
           format_table(HEADERS, rows, markdown=True), "",
-          "Times are milliseconds per step, means over the steps kept (the fastest and "
-          "slowest tenth dropped); the parts sum to the step. *comm exposed*: time the "
-          "training loop waited in collectives (incl. a parameter server's push and pull); "
-          "*comm overlapped*: communication that ran on another thread meanwhile (not in the "
-          "sum); *input+loop*: fetching the next batch and the loop's own code.", ""]
+          "Times are milliseconds per step, the median of the rounds (each a mean over the "
+          "steps kept: the fastest and slowest tenth dropped); the parts sum to the step. "
+          "*comm exposed*: time the training loop waited in collectives (incl. a parameter "
+          "server's push and pull); *comm overlapped*: communication that ran on another "
+          "thread meanwhile (not in the sum); *input+loop*: fetching the next batch and the "
+          "loop's own code.", ""]
     md += [f"- {n}" for n in notes[1:]]
     if bench.skipped:
         md.append("- skipped: " + "; ".join(bench.skipped))
@@ -171,20 +184,16 @@ def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
     if files:
         md += ["", "![throughput](throughput.png)", "", "![breakdown](breakdown.png)"]
     (root / "report.md").write_text("\n".join(md) + "\n")
-    files.append(str(root / "report.md"))
     save_json(root / "results.json", {
         "target": bench.target, "load_average": list(bench.load_average),
         "ceiling": bench.ceiling, "skipped": bench.skipped,
         "results": [r.to_json() for r in bench.results]})
-    files.append(str(root / "results.json"))
-    bench.files = files
+    bench.files = files = [*files, str(root / "report.md"), str(root / "results.json")]
     if echo:
         print(format_table(HEADERS, rows))
-        for n in notes:
-            print(f"note: {n}")
-        for f in failures:
-            print(f"failed: {f}")
-        print(f"wrote {', '.join(files)}")
+        for line in [*(f"note: {n}" for n in notes), *(f"failed: {f}" for f in failures),
+                     f"wrote {', '.join(files)}"]:
+            print(line)
         for r in bench.results:
             print(json.dumps(_json_line(r)), flush=True)
 
