@@ -101,3 +101,21 @@ def test_resume_on_another_number_of_replicas(before: int, after: int) -> None:
     remaining = [sum((r[k] for r in rest), []) for k in range(len(rest[0]))]
     assert remaining == ref[3:]  # the same global batches an uninterrupted run gives
     assert sorted(seen + sum(remaining, [])) == list(range(N))
+
+
+def per_replica_input(ctx: rp.InputContext) -> Dataset:
+    return (Dataset.from_tensor_slices(torch.arange(40)).shuffle(40, seed=1)
+            .shard(ctx.num_input_pipelines, ctx.input_pipeline_id).map(plus_thousand).batch(4))
+
+
+def from_function_worker() -> list[list[int]]:
+    strategy = rp.MirroredStrategy()
+    dist = strategy.distribute_datasets_from_function(per_replica_input)
+    return [[int(v) - 1000 for v in b] for b in dist]
+
+
+@pytest.mark.timeout(120)
+def test_an_input_fn_returning_a_dataset() -> None:
+    results = run_distributed(from_function_worker, world_size=2)
+    assert len(results[0]) == len(results[1]) == 5
+    assert sorted(sum(results[0] + results[1], [])) == list(range(40))

@@ -76,6 +76,7 @@ def test_operators() -> None:
     assert [int(v) for v in ds.filter(lambda v: v % 3 == 0)] == [0, 3, 6, 9]
     assert [int(v) for v in ds.skip(7)] == [7, 8, 9] and [int(v) for v in ds.take(2)] == [0, 1]
     assert [int(v) for v in ds.take(3).repeat(2)] == [0, 1, 2, 0, 1, 2]
+    assert [int(v) for v in ds.shard(3, 1)] == [1, 4, 7] and ds.shard(3, 0).cardinality() == 4
     batches = list(ds.batch(4))
     assert [b.tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert len(list(ds.batch(4, drop_remainder=True))) == 2

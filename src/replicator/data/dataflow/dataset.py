@@ -153,6 +153,14 @@ class Dataset(IterableDataset):
         """All but the first ``count`` elements."""
         return self._then(ops.Skip(self._node, _count(count, "skip's count")))
 
+    def shard(self, num_shards: int, index: int) -> Dataset:
+        """Every ``num_shards``-th element from ``index`` on: one replica's share in an
+        ``input_fn`` of ``distribute_datasets_from_function``."""
+        n = _count(num_shards, "num_shards", 1)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
+            raise ValueError(f"shard index {index!r} is outside 0..{n - 1}")
+        return self._then(ops.Shard(self._node, n, index))
+
     def interleave(self, fn: Callable[[Any], Any], cycle_length: int = 4,
                    block_length: int = 1, num_parallel_calls: int | None = None) -> Dataset:
         """``fn(element)`` gives a dataset (or iterable) per input element; ``cycle_length`` of

@@ -174,6 +174,23 @@ class Skip(Node):
         return max(0, size - self.count) if size >= 0 else size
 
 
+class Shard(Node):
+    """Every ``num_shards``-th element from ``index`` on (tf.data's ``shard``)."""
+
+    name = "shard"
+
+    def __init__(self, up: Node, num_shards: int, index: int) -> None:
+        self.inputs, self.num_shards, self.index = (up,), num_shards, index
+
+    def iterate(self, ctx: Ctx, skip: int = 0) -> Iterator[Any]:
+        up = self.up.iterate(ctx, skip * self.num_shards)
+        return islice(up, self.index, None, self.num_shards)
+
+    def cardinality(self) -> int:
+        size = self.up.cardinality()
+        return max(0, -(-(size - self.index) // self.num_shards)) if size >= 0 else size
+
+
 class Batch(Node):
     """Groups of ``size`` elements, collated; ``maps`` (fused by :func:`lower`) run in the same
     worker task, so a batch crosses from a worker in one hand-over."""
@@ -373,7 +390,7 @@ class _ReadAhead(Iterator[Any]):
 
 
 # -- lowering ------------------------------------------------------------------------------------
-_MOVABLE = (Shuffle, Take, Skip, Repeat)
+_MOVABLE = (Shuffle, Take, Skip, Repeat, Shard)
 
 
 def lower(node: Node) -> Node:
