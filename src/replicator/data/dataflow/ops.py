@@ -360,21 +360,18 @@ class Interleave(Node):
 
 
 class _ReadAhead(Iterator[Any]):
-    """Read an iterator ahead in a thread (up to 64 elements)."""
+    """Read an iterator ahead in a thread (up to 64 elements); the thread ends when this
+    reader is dropped (a pass left early)."""
 
     def __init__(self, source: Iterator[Any], ctx: Ctx) -> None:
         self.timeout = ctx.runtime.options.timeout_seconds
         self.items: queue.Queue[Any] = queue.Queue(64)
-        threading.Thread(target=self._fill, args=(source,), daemon=True,
+        self.stop = threading.Event()
+        threading.Thread(target=_read_ahead, args=(source, self.items, self.stop), daemon=True,
                          name="replicator-data-interleave").start()
 
-    def _fill(self, source: Iterator[Any]) -> None:
-        try:
-            for item in source:
-                self.items.put((True, item))
-            self.items.put((True, _END))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            self.items.put((False, exc))
+    def __del__(self) -> None:
+        self.stop.set()
 
     def __next__(self) -> Any:
         try:
@@ -387,6 +384,24 @@ class _ReadAhead(Iterator[Any]):
         if item is _END:
             raise StopIteration
         return item
+
+
+def _read_ahead(source: Iterator[Any], items: queue.Queue[Any], stop: threading.Event) -> None:
+    def put(entry: tuple[bool, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+    try:
+        for item in source:
+            if not put((True, item)):
+                return
+        put((True, _END))
+    except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        put((False, exc))
 
 
 # -- lowering ------------------------------------------------------------------------------------
