@@ -163,7 +163,7 @@ def test_models_that_differ_across_replicas_fail_at_scope_exit():
     assert "parameter weight: shape (4, 4)" in detail and "shape (5, 4)" in detail
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_busy_port_nproc_zero_and_missing_script_are_clear_errors(tmp_path):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
