@@ -33,7 +33,7 @@ from replicator.plan.recommend import Plan, make_plan
 from replicator.plan.report import format_table, machine_profile_cached, ms
 
 __all__ = ["load_machine", "model_from_probe", "plan_model", "plan_table", "print_plan",
-           "profile_function", "profile_here", "profile_script", "save_profile"]
+           "profile_here", "profile_script", "save_profile"]
 
 #: Steps before the profile's measured phases (imports, first-call allocations).
 PROFILE_WARMUP = 2
@@ -160,23 +160,6 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
     model = model_from_probe(result.ranks[0], Path(script).name)
     save_json(cache, model.to_json())
     return model
-
-
-def profile_function(train_fn: Callable[[Any], Any], *, out_dir: str = "bench",
-                     log: Callable[[str], None] = print) -> ModelProfile:
-    """Profile ``train_fn(strategy)`` in one worker process (not cached)."""
-    from replicator.plan.benchmark import _function_launcher, run_setting
-    from replicator.plan.settings import Setting
-
-    name = getattr(train_fn, "__qualname__", repr(train_fn))
-    log(f"profiling {name} in one process ...")
-    setting = Setting("one_device", 1)
-    result = run_setting(setting, Path(out_dir) / "logs" / "profile",
-                         _function_launcher(train_fn, setting), steps=0, warmup=PROFILE_WARMUP,
-                         mode="profile")
-    if not result.ranks or not result.ranks[0].get("records"):
-        raise ValueError(f"profiling {name} failed: {result.error or 'no step measured'}")
-    return model_from_probe(result.ranks[0], name)
 
 
 def profile_here(train_fn: Callable[[Any], Any], name: str | None = None) -> ModelProfile:
