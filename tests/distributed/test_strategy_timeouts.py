@@ -27,10 +27,10 @@ def _make(kind: str, seconds: float) -> rp.Strategy:
     return rp.MirroredStrategy(communication_options=options)
 
 
-def _withheld_reduces(folder: str, made: list[tuple[str, float]]) -> list[tuple[str, float]]:
+def _withheld_reduces(folder: str, made: list[tuple[str, float]]) -> list[tuple[str, str, float]]:
     """Make every strategy of ``made`` in order; then, newest first, rank 0 reduces with each
-    while rank 1 withholds the collective: rank 0's error and how long it waited, in the order
-    of ``made``."""
+    while rank 1 withholds the collective: rank 0's error (class and text) and how long it
+    waited, in the order of ``made``."""
     strategies = [_make(kind, seconds) for kind, seconds in made]
     out = []
     for i, strategy in reversed(list(enumerate(strategies))):
@@ -39,9 +39,9 @@ def _withheld_reduces(folder: str, made: list[tuple[str, float]]) -> list[tuple[
             start = time.monotonic()
             try:
                 strategy.reduce("sum", torch.ones(3))
-                out.append(("no error", time.monotonic() - start))
+                out.append(("no error", "", time.monotonic() - start))
             except Exception as exc:  # noqa: BLE001 - the test inspects it
-                out.append((type(exc).__name__, time.monotonic() - start))
+                out.append((type(exc).__name__, str(exc), time.monotonic() - start))
             gave_up.touch()
         else:
             hang(LONG * 4, gave_up)
@@ -57,8 +57,9 @@ def test_each_strategy_waits_its_own_timeout(tmp_path, made):
     results = run_distributed(_withheld_reduces, 2, args=(str(tmp_path), made),
                               timeout_seconds=90)
     waits = results[0]
-    for (kind, seconds), (error, waited) in zip(made, waits):
-        assert error == "ReplicaTimeoutError", (kind, seconds, error)
+    for (kind, seconds), (error, text, waited) in zip(made, waits):
+        assert error == "ReplicaTimeoutError", (kind, seconds, error, text)
+        assert f"waited {seconds:g} s" in text, (kind, text)
         if seconds == SHORT:
             assert waited < BETWEEN, f"{kind} with a {seconds:g} s timeout waited {waited:.1f} s"
         else:

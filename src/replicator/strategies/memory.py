@@ -114,10 +114,7 @@ class ActivationMeter:
         self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> _Saved:
-        if getattr(t, "to_local", None) is not None:
-            local = t.to_local()  # type: ignore[attr-defined]
-        else:
-            local = t
+        local = local_tensor(t)
         # a view counts its own bytes (microbatches are views of one batch); the same view
         # saved by several operations counts once
         size = local.numel() * local.element_size()
