@@ -35,6 +35,7 @@ from replicator import (
     testing,
 )
 from replicator import plan as plan  # rp.plan.bench / rp.plan.plan; a room, not in __all__
+from replicator import rl as rl  # rp.rl: actors and replay; a room, not in __all__
 from replicator.cluster import Topology
 from replicator.comm import CommunicationOptions, ReduceOp
 from replicator.data import InputContext
@@ -104,7 +105,7 @@ _MOVED: dict[str, str] = {
 }
 
 #: Rooms that hold moved names; listed by ``dir(rp)`` beside ``__all__``.
-_ROOMS = ("strategies", "train", "ps", "resume", "parallel", "plan")
+_ROOMS = ("strategies", "train", "ps", "resume", "parallel", "plan", "rl")
 
 
 def __getattr__(name: str) -> Any:

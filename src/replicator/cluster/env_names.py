@@ -48,6 +48,15 @@ LIVE_BIND_ENV = "REPLICATOR_LIVE_BIND"
 #: reads the ids a lighthouse has seen to give a joining group (``--join``) an unused one.
 REPLICA_ID_FORMAT = "replicator_group_{group}"
 
+#: How many actor processes the job runs beside its learners (``--num-actors``).
+NUM_ACTORS_ENV = "REPLICATOR_NUM_ACTORS"
+#: This process's actor index, 0..A-1 (set only in actor processes).
+ACTOR_INDEX_ENV = "REPLICATOR_ACTOR_INDEX"
+#: How many learner replicas an actor's job has (actors are not ranks of the learners' group).
+NUM_LEARNERS_ENV = "REPLICATOR_NUM_LEARNERS"
+#: ``host:port`` of the launcher's store, for actors (which hold no rank, so no MASTER_ADDR).
+RL_STORE_ENV = "REPLICATOR_RL_STORE"
+
 #: Store key (under the attempt's prefix) that says worker rank R is being restarted alone.
 REJOIN_KEY = "ps/rejoining/{rank}"
 
@@ -55,7 +64,8 @@ __all__ = ["LAUNCHER_ENV", "STORE_HOSTED_ENV", "RESTART_COUNT_ENV", "TIMEOUT_ENV
            "ERROR_DIR_ENV", "PREEMPTION_GRACE_ENV", "NUM_PS_ENV", "REJOIN_ENV",
            "PS_SHARED_MEMORY_ENV", "HOST_ENV", "RUN_ID_ENV", "SHM_DIR_ENV", "REJOIN_KEY",
            "REPLICA_GROUP_ENV", "REPLICA_GROUPS_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV",
-           "LIVE_BIND_ENV", "REPLICA_ID_FORMAT"]
+           "LIVE_BIND_ENV", "REPLICA_ID_FORMAT", "NUM_ACTORS_ENV",
+           "ACTOR_INDEX_ENV", "NUM_LEARNERS_ENV", "RL_STORE_ENV"]
 #: How a parameter-server job's processes are scheduled on their cores: "auto" (batch when they
 #: outnumber the cores), "batch" or "default" (:mod:`replicator.cluster.cpu_scheduling`).
 CPU_SCHEDULING_ENV = "REPLICATOR_CPU_SCHEDULING"

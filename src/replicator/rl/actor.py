@@ -1,0 +1,335 @@
+"""The actor process: vectorised environments stepped with the newest weights it holds.
+
+An actor connects to every learner replica (addresses from the launcher's store), waits for
+the first weights, then steps its environments without stopping: a sender thread ships its
+experience (round robin over the learners' replay shards) and asks replica 0 for newer weights
+every ``poll_seconds``; the stepping loop swaps them in between two steps. Experience still in
+its queue when the actor dies is all it loses. Each batch carries the weights version that made
+it (the oldest in the batch), so the learner measures the policy lag.
+
+Lockstep mode (tests): round ``r`` resets the environments with a seed derived from the actor
+and ``r``, waits for exactly the weights the learner published for round ``r``, runs a fixed
+number of steps and sends them to its learner. Every round is then a function of the seed and
+the weights alone, which makes a learner's run repeatable and its resume exact.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from replicator.errors import ClusterConfigError, ReplicatorError
+from replicator.ps.messages import Connection, PeerLostError, tensor_text, text_tensor
+from replicator.rl import transport as T
+from replicator.rl.environments import env_name, make_vector_env
+from replicator.rl.experience import ExperienceBuilder
+
+__all__ = ["ActorConfig", "EnvironmentStepError", "run_actor"]
+
+
+class EnvironmentStepError(ReplicatorError):
+    """An environment raised inside an actor; the message names the actor and the step."""
+
+
+@dataclass
+class ActorConfig:
+    """What an actor needs to know besides its functions."""
+
+    index: int
+    num_learners: int
+    num_envs: int
+    seed: int
+    kind: str  # "transitions" | "trajectories"
+    n_step: int = 1
+    discount: float = 0.99
+    unroll_length: int = 0
+    lockstep: bool = False
+    round_steps: int = 8
+    send_every: int = 64
+    poll_seconds: float = 0.05
+    timeout_seconds: float = 60.0
+    restart: int = 0
+
+
+class _Links:
+    """This actor's connections, one per learner replica."""
+
+    def __init__(self, cfg: ActorConfig, spec: dict[str, Any]) -> None:
+        store = T.rl_store(cfg.timeout_seconds)
+        self.conns: list[Connection] = []
+        self.done = False
+        for rank in range(cfg.num_learners):
+            raw = store.get(T.LEARNER_KEY.format(rank=rank)).decode()
+            host, _, port = raw.rpartition(":")
+            conn = Connection.connect((host, int(port)), f"learner {rank}", cfg.timeout_seconds)
+            T.send_hello(conn, cfg.index, cfg.restart, spec)
+            reply = conn.receive(f"waiting for learner {rank}'s hello")
+            if reply.kind == T.ERROR:
+                raise ClusterConfigError(tensor_text(reply.payload))
+            if rank == 0:
+                self.start_round = reply.b
+            self.conns.append(conn)
+
+    def ask(self, held: int, round_: int) -> tuple[int, list[torch.Tensor]] | None:
+        """Weights newer than ``held`` from learner 0 (lockstep: for ``round_``), else None."""
+        conn = self.conns[0]
+        conn.send(T.ASK, a=held, b=round_)
+        msg = conn.receive("waiting for weights")
+        if msg.kind == T.BYE:
+            self.done = True
+            return None
+        if msg.kind == T.ERROR:
+            raise ClusterConfigError(tensor_text(msg.payload))
+        if msg.version < 0:
+            T.receive_parts(conn, msg.c, "receiving weights")
+            return None
+        return msg.version, T.receive_parts(conn, msg.c, "receiving weights")
+
+    def send(self, learner: int, items: dict[str, torch.Tensor], version: int, steps: int,
+             round_: int, returns: list[float], total_steps: int) -> None:
+        conn = self.conns[learner % len(self.conns)]
+        names = text_tensor(json.dumps(list(items)))
+        parts = [(T.PART, i, 0, v.contiguous(), 0, 0, 0)
+                 for i, v in enumerate([names, *items.values()])]
+        batch = [(T.ITEMS, -1, version, None, steps, round_, len(parts)), *parts]
+        if returns:
+            batch.append((T.EPISODES, -1, 0, torch.tensor(returns, dtype=torch.float64),
+                          total_steps, 0, 0))
+        conn.send_many(batch)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(T.BYE)
+            except PeerLostError:
+                pass
+            conn.close()
+
+
+def _load(policy: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
+    state = policy.state_dict()
+    if len(state) != len(tensors) or any(tuple(a.shape) != tuple(b.shape)
+                                         for a, b in zip(state.values(), tensors)):
+        raise ClusterConfigError(
+            f"the learner publishes {len(tensors)} tensors of shapes "
+            f"{[tuple(t.shape) for t in tensors]}; policy_fn() builds a state dict of "
+            f"{[tuple(t.shape) for t in state.values()]}. HINT: publish the module policy_fn "
+            "builds.")
+    policy.load_state_dict(dict(zip(state, tensors)))
+
+
+def _act(act_fn: Callable[..., Any] | None, policy: torch.nn.Module, obs: torch.Tensor
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    with torch.no_grad():
+        out = policy(obs) if act_fn is None else act_fn(policy, obs)
+    if isinstance(out, tuple):
+        action, extras = out
+        if isinstance(extras, torch.Tensor):
+            extras = {"behaviour_logp": extras}
+        return action, dict(extras)
+    return out, {}
+
+
+class _Stepper:
+    """The environments, the policy and the experience builder of one actor."""
+
+    def __init__(self, cfg: ActorConfig, env_fn: Any, policy_fn: Callable[[], torch.nn.Module],
+                 act_fn: Callable[..., Any] | None) -> None:
+        self.cfg = cfg
+        self.name = env_name(env_fn)
+        self.envs = make_vector_env(env_fn, cfg.num_envs)
+        self.policy = policy_fn()
+        self.policy.eval()
+        self.act_fn = act_fn
+        self.vector_steps = 0
+        self.returns = np.zeros(cfg.num_envs)
+        self.finished: list[float] = []
+        self.obs: Any = None
+
+    def spec(self) -> dict[str, Any]:
+        space = self.envs.single_observation_space
+        return {"kind": self.cfg.kind, "env": self.name, "obs_shape": list(space.shape or ()),
+                "actor": self.cfg.index}
+
+    def reset(self, seed: int | None) -> None:
+        self.obs, _ = self.envs.reset(seed=seed)
+        self.returns[:] = 0
+
+    def step(self, builder: ExperienceBuilder, version: int, truncate: bool = False) -> None:
+        obs = torch.as_tensor(np.asarray(self.obs), dtype=torch.float32)
+        action, extras = _act(self.act_fn, self.policy, obs)
+        try:
+            next_obs, reward, term, trunc, info = self.envs.step(action.numpy())
+        except Exception as exc:
+            raise EnvironmentStepError(
+                f"actor {self.cfg.index}: environment {self.name} raised at env step "
+                f"{self.vector_steps} (vector step of {self.cfg.num_envs} envs): "
+                f"{type(exc).__name__}: {exc}. HINT: fix the environment; with --max-restarts "
+                "the launcher restarts this actor alone.") from exc
+        self.vector_steps += 1
+        trunc = np.asarray(trunc) | truncate
+        final = np.asarray(next_obs, dtype=np.float32).copy()
+        if "_final_obs" in info:
+            for i in np.nonzero(info["_final_obs"])[0]:
+                final[i] = info["final_obs"][i]
+        self.returns += reward
+        for i in np.nonzero(np.asarray(term) | trunc)[0]:
+            self.finished.append(float(self.returns[i]))
+            self.returns[i] = 0
+        builder.step(obs, action, torch.as_tensor(reward, dtype=torch.float32),
+                     torch.as_tensor(final), torch.as_tensor(np.asarray(term)),
+                     torch.as_tensor(trunc), extras, version,
+                     torch.as_tensor(np.asarray(next_obs), dtype=torch.float32))
+        self.obs = next_obs
+
+    def take_returns(self) -> list[float]:
+        out, self.finished = self.finished, []
+        return out
+
+
+def run_actor(cfg: ActorConfig, env_fn: Any, policy_fn: Callable[[], torch.nn.Module],
+              act_fn: Callable[..., Any] | None = None) -> dict[str, int]:
+    """Run one actor until its learners end; returns its counts."""
+    stepper = _Stepper(cfg, env_fn, policy_fn, act_fn)
+    links = _Links(cfg, stepper.spec())
+    try:
+        if cfg.lockstep:
+            _lockstep(cfg, stepper, links)
+        else:
+            _free_running(cfg, stepper, links)
+    except PeerLostError:
+        pass  # the learners ended or went away: this actor has nothing left to do
+    finally:
+        stepper.envs.close()
+        links.close()
+    return {"vector_steps": stepper.vector_steps}
+
+
+def _wait_weights(cfg: ActorConfig, links: _Links, held: int, round_: int
+                  ) -> tuple[int, list[torch.Tensor]] | None:
+    deadline = time.monotonic() + cfg.timeout_seconds
+    while True:
+        got = links.ask(held, round_)
+        if got is not None or links.done:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"actor {cfg.index} waited {cfg.timeout_seconds:.0f} s for "
+                               f"weights (round {round_}). HINT: the learner must call "
+                               "publish_weights(model) (ActorLearner.batches(policy=...)).")
+        time.sleep(0.01)
+
+
+def _lockstep(cfg: ActorConfig, stepper: _Stepper, links: _Links) -> None:
+    round_ = links.start_round
+    while True:
+        got = _wait_weights(cfg, links, -1, round_)
+        if got is None:
+            return
+        version, tensors = got
+        _load(stepper.policy, tensors)
+        seed = cfg.seed * 1_000_003 + cfg.index * 10_007 + round_
+        torch.manual_seed(seed)
+        stepper.reset(seed)
+        builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)
+        for s in range(cfg.round_steps):
+            stepper.step(builder, version, truncate=s == cfg.round_steps - 1)
+        items, oldest = builder.take()
+        if items is not None:
+            links.send(cfg.index, items, oldest, cfg.round_steps * cfg.num_envs, round_,
+                       stepper.take_returns(), stepper.vector_steps * cfg.num_envs)
+        round_ += 1
+
+
+def _free_running(cfg: ActorConfig, stepper: _Stepper, links: _Links) -> None:
+    got = _wait_weights(cfg, links, -1, 0)
+    if got is None:
+        return
+    version, tensors = got
+    _load(stepper.policy, tensors)
+    torch.manual_seed(cfg.seed * 1_000_003 + cfg.index * 10_007 + cfg.restart)
+    stepper.reset(cfg.seed * 1_000_003 + cfg.index * 10_007 + cfg.restart * 101)
+    outbox: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=16)
+    sender = _Sender(cfg, links, outbox, version)
+    sender.start()
+    builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)
+    sent_steps = 0
+    target = 0
+    while not sender.stopped.is_set():
+        newer = sender.take_weights()
+        if newer is not None:
+            version, tensors = newer
+            _load(stepper.policy, tensors)
+        stepper.step(builder, version)
+        if builder.count >= cfg.send_every:
+            items, oldest = builder.take()
+            steps = stepper.vector_steps * cfg.num_envs - sent_steps
+            sent_steps += steps
+            _put(outbox, sender, (target, items, oldest, steps, stepper.take_returns(),
+                                  stepper.vector_steps * cfg.num_envs))
+            target += 1
+    if sender.error is not None:
+        raise sender.error
+
+
+def _put(outbox: queue.Queue, sender: _Sender, item: tuple[Any, ...]) -> None:
+    """Queue a batch for the sender; waits while it is full (the learners' rate limiter holds
+    inserts back), never past the sender's end."""
+    while not sender.stopped.is_set():
+        try:
+            outbox.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
+class _Sender(threading.Thread):
+    """Ships queued experience and fetches newer weights, off the stepping loop."""
+
+    def __init__(self, cfg: ActorConfig, links: _Links, outbox: queue.Queue, version: int
+                 ) -> None:
+        super().__init__(name="replicator-rl-sender", daemon=True)
+        self.cfg, self.links, self.outbox = cfg, links, outbox
+        self.held = version
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self._slot: tuple[int, list[torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+
+    def take_weights(self) -> tuple[int, list[torch.Tensor]] | None:
+        with self._lock:
+            slot, self._slot = self._slot, None
+        return slot
+
+    def run(self) -> None:
+        last_poll = time.monotonic()
+        try:
+            while not self.stopped.is_set():
+                try:
+                    target, items, oldest, steps, returns, total = self.outbox.get(
+                        timeout=self.cfg.poll_seconds)
+                    self.links.send(target, items, oldest, steps, 0, returns, total)
+                except queue.Empty:
+                    pass
+                if time.monotonic() - last_poll >= self.cfg.poll_seconds:
+                    last_poll = time.monotonic()
+                    got = self.links.ask(self.held, 0)
+                    if self.links.done:
+                        break
+                    if got is not None:
+                        self.held = got[0]
+                        with self._lock:
+                            self._slot = got
+        except PeerLostError:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - raised again by the stepping loop
+            self.error = exc
+        finally:
+            self.stopped.set()

@@ -1,0 +1,225 @@
+"""``rp.rl.ActorLearner``: actors feeding a replicated learner, in one script for every role.
+
+Every process runs the same script. On an actor (``rp.rl.is_actor()``) ``run_actor()`` steps
+environments until the learners end. On a learner replica the strategy is built (pass the
+class, e.g. ``rp.MirroredStrategy``, so actors never build one), the replay becomes this
+replica's shard, and ``batches()`` is the replay read as the per-replica ``input_fn`` of a
+synchronous strategy; weights go to the actors every ``publish_every`` steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from replicator.cluster.env_names import (
+    ACTOR_INDEX_ENV,
+    NUM_ACTORS_ENV,
+    NUM_LEARNERS_ENV,
+    REJOIN_ENV,
+)
+from replicator.cluster.timeouts import resolve_timeout
+from replicator.data import InputContext
+from replicator.errors import ClusterConfigError
+from replicator.rl.actor import ActorConfig, run_actor
+from replicator.rl.environments import check_env
+from replicator.rl.learner_server import ExperienceServer
+from replicator.rl.replay import ReplayBuffer
+from replicator.rl.trajectory_queue import TrajectoryQueue
+from replicator.rl.transport import rl_store
+from replicator.strategies.base import Strategy
+
+__all__ = ["ActorLearner", "LOCKSTEP", "is_actor", "actor_index", "num_actors"]
+
+#: ``ActorLearner(..., lockstep=rp.rl.LOCKSTEP)``: actors step deterministically, for tests.
+LOCKSTEP = "lockstep"
+
+
+def _int_env(name: str) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise ClusterConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def is_actor() -> bool:
+    """True in a process the launcher started as an actor (``--num-actors``)."""
+    return bool(os.environ.get(ACTOR_INDEX_ENV, "").strip())
+
+
+def actor_index() -> int:
+    """This actor's index, 0..A-1 (-1 on a learner)."""
+    return _int_env(ACTOR_INDEX_ENV) if is_actor() else -1
+
+
+def num_actors() -> int:
+    """How many actors the job was launched with (0 without ``--num-actors``)."""
+    return _int_env(NUM_ACTORS_ENV)
+
+
+class ActorLearner:
+    """Actors running ``env_fn`` with ``policy_fn()``'s module; a learner reading ``replay``.
+
+    ``replay``: an :class:`~replicator.rl.ReplayBuffer` (actors send ``n_step`` transitions)
+    or a :class:`~replicator.rl.TrajectoryQueue` (actors send unrolls of its length).
+    ``act_fn(policy, obs) -> action`` or ``(action, extras)`` (default ``policy(obs)``);
+    extras travel with the experience (a tensor becomes ``behaviour_logp``). ``num_envs``
+    environments per actor; ``publish_every`` learner steps between weight publications;
+    ``lockstep=True`` (or :data:`LOCKSTEP`): deterministic rounds of ``round_steps`` steps.
+    """
+
+    def __init__(self, strategy: Strategy | Callable[[], Strategy], env_fn: Any,
+                 policy_fn: Callable[[], torch.nn.Module], *,
+                 replay: ReplayBuffer | TrajectoryQueue,
+                 act_fn: Callable[..., Any] | None = None, num_envs: int = 4,
+                 publish_every: int = 10, seed: int = 0, lockstep: bool | str = False,
+                 round_steps: int = 8, send_every: int = 64,
+                 timeout_seconds: float | None = None) -> None:
+        check_env(env_fn)
+        if not isinstance(replay, (ReplayBuffer, TrajectoryQueue)):
+            raise TypeError("replay must be rp.rl.ReplayBuffer(...) or rp.rl.TrajectoryQueue"
+                            f"(...), got {type(replay).__name__}")
+        for name, value in (("num_envs", num_envs), ("publish_every", publish_every),
+                            ("round_steps", round_steps), ("send_every", send_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.env_fn, self.policy_fn, self.act_fn = env_fn, policy_fn, act_fn
+        self.replay = replay
+        self.num_envs, self.publish_every, self.seed = num_envs, publish_every, int(seed)
+        self.lockstep = lockstep in (True, LOCKSTEP)
+        self.round_steps = replay.length if isinstance(replay, TrajectoryQueue) else round_steps
+        self.send_every = send_every
+        self.timeout_seconds = resolve_timeout(timeout_seconds)
+        self.num_actors = num_actors()
+        self.step = 0
+        self._server: ExperienceServer | None = None
+        self.strategy: Strategy | None = None
+        if is_actor():
+            return
+        if self.num_actors < 1:
+            raise ClusterConfigError(
+                "rp.rl.ActorLearner needs actor processes, and this job has none "
+                "(--num-actors 0 or not given). HINT: replicator run --nproc L --num-actors A "
+                "script.py, or rp.launch(main, num_replicas=L, num_actors=A), with A >= 1.")
+        self.strategy = strategy if isinstance(strategy, Strategy) else strategy()
+        if not isinstance(self.strategy, Strategy):
+            raise TypeError("strategy must be an rp strategy or a function returning one, got "
+                            f"{type(self.strategy).__name__}")
+        self.rank = self.strategy.replica_id
+        self.num_learners = self.strategy.num_replicas_in_sync
+        if self.lockstep and self.num_actors < self.num_learners:
+            raise ClusterConfigError(
+                f"lockstep mode gives each learner replica its own actors: {self.num_actors} "
+                f"actor(s) for {self.num_learners} learners. HINT: --num-actors "
+                f"{self.num_learners} or more.")
+        replay.shard(self.rank, self.num_learners)
+        replay.lockstep = self.lockstep
+
+    @property
+    def is_actor(self) -> bool:
+        return self.strategy is None
+
+    # the actor's side
+    def run_actor(self) -> dict[str, int]:
+        """Step environments until the learners end (actors only)."""
+        if not self.is_actor:
+            raise RuntimeError("run_actor() is for actor processes. HINT: branch on "
+                               "rp.rl.is_actor() (or ActorLearner.is_actor).")
+        queue_kind = isinstance(self.replay, TrajectoryQueue)
+        cfg = ActorConfig(
+            index=actor_index(), num_learners=max(1, _int_env(NUM_LEARNERS_ENV)),
+            num_envs=self.num_envs, seed=self.seed,
+            kind="trajectories" if queue_kind else "transitions",
+            n_step=getattr(self.replay, "n_step", 1),
+            discount=getattr(self.replay, "discount", 0.99),
+            unroll_length=self.replay.length if isinstance(self.replay, TrajectoryQueue) else 0,
+            lockstep=self.lockstep, round_steps=self.round_steps, send_every=self.send_every,
+            timeout_seconds=self.timeout_seconds, restart=_int_env(REJOIN_ENV))
+        return run_actor(cfg, self.env_fn, self.policy_fn, self.act_fn)
+
+    # the learner's side
+    def _started(self) -> ExperienceServer:
+        if self._server is None:
+            if self.strategy is None:
+                raise RuntimeError("the learner's API is for learner processes")
+            self._server = ExperienceServer(
+                self.replay, self.rank, self.num_actors, lockstep=self.lockstep,
+                publish_every=self.publish_every, timeout_seconds=self.timeout_seconds)
+            self._server.step = self.step
+            self._server.start(rl_store(self.timeout_seconds))
+        return self._server
+
+    def publish_weights(self, model: torch.nn.Module) -> None:
+        """Give actors ``model``'s weights (its state dict, copied now) as version ``step``;
+        replica 0 serves them (all replicas hold the same weights)."""
+        server = self._started()
+        if self.rank == 0:
+            server.publish(self.step, list(model.state_dict().values()))
+
+    def batches(self, batch_size: int, num_steps: int, policy: torch.nn.Module | None = None
+                ) -> Iterator[dict[str, torch.Tensor]]:
+        """``num_steps`` per-replica batches of ``batch_size`` from this replica's shard,
+        publishing ``policy`` every ``publish_every`` steps (first at step 0)."""
+        server = self._started()
+        mine = [a for a in range(self.num_actors) if a % self.num_learners == self.rank]
+        device = self.strategy.device if self.strategy is not None else torch.device("cpu")
+        for _ in range(num_steps):
+            if policy is not None and self.step % self.publish_every == 0:
+                self.publish_weights(policy)
+            if self.lockstep:
+                for items in server.take_round(self.step, mine):
+                    self.replay.add(items)
+            batch = self.replay.sample(batch_size)
+            yield {k: v.to(device) for k, v in batch.items()}
+            self.step += 1
+            server.step = self.step
+
+    def input_fn(self, global_batch_size: int) -> Callable[[InputContext], Iterator[Any]]:
+        """The replay as TF-Replicator's ``input_fn``, for
+        ``strategy.distribute_datasets_from_function``."""
+        self._started()
+
+        def fn(ctx: InputContext) -> Iterator[Any]:
+            return self.replay.as_dataset(ctx.get_per_replica_batch_size(global_batch_size))
+        return fn
+
+    def stats(self) -> dict[str, Any]:
+        """Environment steps, items, policy lag (max, median), inserts and samples."""
+        out = self._started().stats() if self.strategy is not None else {}
+        if isinstance(self.replay, ReplayBuffer):
+            out.update(inserted=self.replay.limiter.inserted,
+                       sampled=self.replay.limiter.sampled)
+        else:
+            out.update(inserted=self.replay.inserted, dropped=self.replay.dropped)
+        out["learner_steps"] = self.step
+        return out
+
+    def episodes(self) -> list[tuple[float, int, float]]:
+        """Episodes the actors finished: (return, actor's env steps, learner's seconds)."""
+        return [] if self._server is None else list(self._server.episodes)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The learner step and the replay (model and optimizer are the script's to save)."""
+        return {"step": self.step, "replay": self.replay.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.replay.load_state_dict(state["replay"])
+        if self._server is not None:
+            self._server.step = self.step
+
+    def close(self) -> None:
+        """Tell the actors the learner is done (they exit) and release the replay."""
+        if self._server is not None:
+            self._server.close()
+        self.replay.close()
+
+    def __enter__(self) -> ActorLearner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
