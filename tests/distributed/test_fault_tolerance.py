@@ -305,10 +305,11 @@ def test_sharded_backup_killed_between_shards_and_marker_resumes_previous(sharde
 @pytest.mark.timeout(200)
 def test_the_rerun_line_names_the_step_the_rerun_resumes_from(tmp_path):
     # rank 1 dies at step 23 while the chief is still finishing the commit of step 20 (its
-    # COMMIT.json is written): the launcher's line must name step 20, which the rerun loads
+    # COMMIT.json is written; slow steps give rank 1's save thread time to agree on its
+    # writes first): the launcher's line must name step 20, which the rerun loads
     out, backup = tmp_path / "out", tmp_path / "backup"
     proc = _cli(out, backup, "--save-freq", "5", "--kill", "1:23", "--background",
-                "--slow-commit", "20:5", max_restarts=0, tmp=tmp_path)
+                "--slow-commit", "20:5", "--step-sleep", "0.3", max_restarts=0, tmp=tmp_path)
     assert proc.returncode != 0
     assert (backup / "step-00000020" / "COMMIT.json").exists()
     line = next(s for s in proc.stderr.splitlines() if "resume from the backup" in s)

@@ -286,7 +286,7 @@ class SaverProcess:
 class SaverFilesystem:
     """The few fsspec calls :class:`RemoteStore` makes, made by the saver process.
 
-    Installed on the chief's store while a :class:`ProcessSaver` runs, so that the commit's
+    Installed on the chief's store while a saver process runs, so that the commit's
     listing and write, pruning and the lease's heartbeat spend their CPU (an S3 client spends
     milliseconds per request, holding the GIL) in the lower-priority saver process, not in
     the training process. While that process is busy with an upload (a heartbeat must not
