@@ -28,6 +28,9 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
     p.add_argument("--num-ps", type=int, default=0,
                    help="how many of the --nproc processes (the last ranks) are parameter "
                    "servers, for ParameterServerStrategy")
+    p.add_argument("--num-actors", type=int, default=0,
+                   help="actor processes started beside the --nproc learners, for rp.rl "
+                   "(reinforcement learning); restarted alone with --max-restarts")
     p.add_argument("--force", action="store_true",
                    help="start the workers even when this machine's available memory cannot "
                    "hold them (about 300 MB each)")
@@ -105,6 +108,7 @@ def _run_replica_groups(args: argparse.Namespace) -> None:
 
     for flag, given in (("--nnodes", args.nnodes != 1 or args.node_rank is not None),
                         ("--num-ps", args.num_ps != 0),
+                        ("--num-actors", args.num_actors != 0),
                         ("--master-port", args.master_port is not None)):
         if given:
             raise ClusterConfigError(
@@ -278,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.nnodes != 1 or args.node_rank is not None or args.master_addr is not None:
             from replicator.launch.multi_node import run_multi_node
 
+            if args.num_actors:
+                raise ClusterConfigError("--num-actors runs on one machine for now. HINT: "
+                                         "drop --nnodes/--node-rank/--master-addr.")
+
             run_multi_node(script, script_args, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, nproc_per_node=args.nproc,
                            master_port=_master_port(args), max_restarts=args.max_restarts,
@@ -286,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         run_script(script, script_args, args.nproc, master_port=_master_port(args),
                    timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts,
-                   quiet_workers=args.quiet_workers, num_ps=args.num_ps)
+                   quiet_workers=args.quiet_workers, num_ps=args.num_ps,
+                   num_actors=args.num_actors)
     except ClusterConfigError as exc:
         print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE

@@ -108,7 +108,7 @@ def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
 def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = (),
            kwargs: dict[str, Any] | None = None, *, timeout_seconds: float | None = None,
            max_restarts: int = 0, start_method: str = "spawn",
-           master_port: int | None = None, num_ps: int = 0) -> list[Any]:
+           master_port: int | None = None, num_ps: int = 0, num_actors: int = 0) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_replicas`` local workers; return every result.
 
     ``fn`` must be importable by the workers (a module-level function) under the default
@@ -119,7 +119,8 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
     worker's rank and traceback, after the other workers were stopped. A failure that a
     restart would repeat (a NaN loss, replicas that disagree, an import error) is not restarted.
     ``num_ps``: the last ``num_ps`` processes are parameter servers; their result, and that of
-    a worker lost during the job, is ``None``.
+    a worker lost during the job, is ``None``. ``num_actors``: actor processes beside the
+    ``num_replicas`` learners (``rp.rl``); their results are not returned.
     """
     check_num_replicas(num_replicas)
     check_port(master_port, "master_port")
@@ -143,7 +144,7 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
 
     group = LocalGroup(num_replicas, start, master_port=master_port,
                        timeout_seconds=timeout_seconds, max_restarts=max_restarts,
-                       num_ps=num_ps)
+                       num_ps=num_ps, num_actors=num_actors)
     try:
         group.run()
         import torch

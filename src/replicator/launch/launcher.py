@@ -35,6 +35,7 @@ from typing import Any
 from replicator.cluster.env_names import (
     ERROR_DIR_ENV,
     LAUNCHER_ENV,
+    NUM_ACTORS_ENV,
     NUM_PS_ENV,
     PREEMPTION_GRACE_ENV,
     REJOIN_ENV,
@@ -52,6 +53,7 @@ from replicator.cluster.worker_errors import (
     read_error,
 )
 from replicator.errors import ClusterConfigError, PreemptedError, WorkerFailedError
+from replicator.launch.actors import actor_env, check_num_actors
 from replicator.launch.failure_report import (
     RankEnd,
     describe_codes,
@@ -204,7 +206,7 @@ class LocalGroup:
                  max_restarts: int = 0, env: dict[str, str] | None = None,
                  output: OutputRelay | None = None, num_ps: int = 0,
                  name: str | None = None, restart_preempted: bool = True,
-                 store_addr: str = LOOPBACK) -> None:
+                 store_addr: str = LOOPBACK, num_actors: int = 0) -> None:
         import torch.distributed as dist
 
         self.world = check_num_replicas(world, "the number of workers")
@@ -220,6 +222,8 @@ class LocalGroup:
         #: With parameter servers, a worker other than the chief that is killed by a signal is
         #: lost, not a failure: the servers and the other workers go on without it.
         self.num_ps = check_num_ps(num_ps, self.world)
+        #: Actor processes after the workers (``--num-actors``), launcher ids world..world+A-1.
+        self.num_actors = check_num_actors(num_actors, self.num_ps)
         self.lost: set[int] = set()
         self.worker_restarts = 0
         self.rank_restarts: dict[int, int] = {}
@@ -330,7 +334,11 @@ class LocalGroup:
                                  self.error_dir, self.base_env, self.store_addr)
                 if self.num_ps:
                     env[NUM_PS_ENV] = str(self.num_ps)
+                if self.num_actors:
+                    env[NUM_ACTORS_ENV] = str(self.num_actors)
                 self.workers.append(_Worker(rank, self.start_fn(rank, env)))
+            for k in range(self.num_actors):
+                self.workers.append(self._start_actor(k, attempt, 0))
             if self.signalled:  # SIGTERM came while these workers were starting
                 for w in self.workers:
                     w.signal(signal.SIGTERM)
@@ -353,7 +361,8 @@ class LocalGroup:
                     w.detected_at = now
             if self._note_lost_workers(codes):
                 continue  # a worker was restarted alone: look again
-            if all(c == 0 for r, c in codes.items() if r not in self.lost):
+            if all(c == 0 for r, c in codes.items() if r not in self.lost and r < self.world):
+                self._stop_actors()  # the learners are done: their actors follow
                 return _Outcome(ok=True, exitcodes=codes)
             failed = [w for w in self.workers
                       if codes[w.rank] not in (None, 0) and w.rank not in self.lost]
@@ -377,7 +386,7 @@ class LocalGroup:
     def _note_lost_workers(self, codes: dict[int, int | None]) -> bool:
         """With parameter servers: a non-chief worker killed by a signal is restarted alone
         while restarts remain, else lost (once). True when a worker was restarted."""
-        restarted = False
+        restarted = self._note_lost_actors(codes)
         if not self.num_ps:
             return restarted
         for rank in range(1, self.world - self.num_ps):
@@ -392,6 +401,48 @@ class LocalGroup:
                 self.say(f"[replicator] worker rank {rank} was lost ({describe_exit(code)}); "
                          "the parameter servers and the other workers go on without it")
         return restarted
+
+    def _start_actor(self, index: int, attempt: int, restarts: int) -> _Worker:
+        env = worker_env(0, self.world, self.port, self.timeout_seconds, attempt,
+                         self.error_dir, self.base_env, self.store_addr)
+        env = actor_env(env, index, self.world, self.num_actors,
+                        f"{self.store_addr}:{self.port}", restarts)
+        return _Worker(self.world + index, self.start_fn(self.world + index, env))
+
+    def _note_lost_actors(self, codes: dict[int, int | None]) -> bool:
+        """An actor that ended before its learners is restarted alone while restarts remain;
+        one killed with none left is lost (a failing one fails the job). True on a restart."""
+        restarted = False
+        for index in range(self.num_actors):
+            rank = self.world + index
+            code = codes.get(rank)
+            if code is None or code == 0 or rank in self.lost:
+                continue
+            if self.max_restarts - self.attempt - self.worker_restarts > 0:
+                self.worker_restarts += 1
+                self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
+                self.say(f"[replicator] actor {index} ended ({describe_exit(code)}); restarting "
+                         f"it alone to rejoin the learners (restart "
+                         f"{self.worker_restarts + self.attempt} of {self.max_restarts})")
+                self.workers[rank] = self._start_actor(index, self.attempt,
+                                                       self.rank_restarts[rank])
+                restarted = True
+            elif code < 0:
+                self.lost.add(rank)
+                self.say(f"[replicator] actor {index} was lost ({describe_exit(code)}); the "
+                         "learners go on without it")
+        return restarted
+
+    def _stop_actors(self) -> None:
+        """Give the actors a grace to leave after their learners ended, then stop them."""
+        actors = [w for w in self.workers if w.rank >= self.world]
+        deadline = time.time() + FAILURE_GRACE_SECONDS
+        while time.time() < deadline and any(w.poll() is None for w in actors):
+            time.sleep(0.02)
+        for w in actors:
+            w.signal(signal.SIGTERM)
+            w.join(KILL_GRACE_SECONDS)
+            w.signal(signal.SIGKILL)
 
     def _restart_worker(self, rank: int, code: int) -> None:
         """Start worker ``rank`` again alone; it rejoins the running parameter servers."""
@@ -427,7 +478,10 @@ class LocalGroup:
                            read_backup(self.error_dir, range(self.world)))
 
     def _role(self, rank: int) -> str:
-        """``"parameter server K"`` for the last ``num_ps`` ranks, else ``""``."""
+        """``"parameter server K"`` for the last ``num_ps`` ranks, ``"actor K"`` for actors,
+        else ``""``."""
+        if rank >= self.world:
+            return f"actor {rank - self.world}"
         first_server = self.world - self.num_ps
         return f"parameter server {rank - first_server}" if rank >= first_server else ""
 
@@ -450,12 +504,14 @@ class LocalGroup:
 
 def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
                master_port: int | None = None, timeout_seconds: float | None = None,
-               max_restarts: int = 0, quiet_workers: bool = False, num_ps: int = 0) -> None:
+               max_restarts: int = 0, quiet_workers: bool = False, num_ps: int = 0,
+               num_actors: int = 0) -> None:
     """Run ``python script.py args`` in ``nproc`` local workers (``replicator run``).
 
     With several workers, their output is relayed line by line with a ``[rank R]`` prefix;
     ``quiet_workers`` shows only the chief's (rank 0) output (failures are still reported).
-    ``num_ps``: the last ``num_ps`` processes are parameter servers.
+    ``num_ps``: the last ``num_ps`` processes are parameter servers. ``num_actors``: actor
+    processes started beside the ``nproc`` learners (see :mod:`replicator.launch.actors`).
     """
     nproc = check_num_replicas(nproc, "--nproc")
     check_num_ps(num_ps, nproc)
@@ -465,7 +521,8 @@ def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
         raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
                                  "HINT: give the path of a Python file.")
     cmd = [sys.executable, "-u", "-m", "replicator.launch.script_entry", str(path), *script_args]
-    relay = OutputRelay() if nproc > 1 else None
+    check_num_actors(num_actors, num_ps)
+    relay = OutputRelay() if nproc + num_actors > 1 else None
 
     def start(rank: int, env: dict[str, str]) -> subprocess.Popen:
         if relay is None:
@@ -473,14 +530,15 @@ def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
         if quiet_workers and rank != 0:
             return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
-        env.update(terminal_env(rank, nproc))
+        env.update(terminal_env(rank, nproc + num_actors))
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         relay.attach(rank, proc.stdout, "stdout")
         relay.attach(rank, proc.stderr, "stderr")
         return proc
 
     group = LocalGroup(nproc, start, master_port=master_port, timeout_seconds=timeout_seconds,
-                       max_restarts=max_restarts, output=relay, num_ps=num_ps)
+                       max_restarts=max_restarts, output=relay, num_ps=num_ps,
+                       num_actors=num_actors)
     warning = oversubscription_warning(nproc, available_cores())
     if warning:
         group.say(warning)
