@@ -9,11 +9,16 @@ mean and std (PIL and torch ops). Batches of 64 feed a training step of a fixed 
 calibrated run of matrix products on one torch thread, so training holds one core).
 
 - ``decode_limit``: images/s of decode + augment on one core (measured in this process) times
-  the cores left to the input (``rp.data.Options().cpus``: cores less training's threads).
+  the cores left to the input: the host's cores less the cores the step takes (its cost times
+  the steps per second).
 - ``autotune_vs_limit``: the loop's images/s with ours, no knob set / ``decode_limit`` (goal
   >= 0.9).
 - ``vs_dataloader_best``: ours / a DataLoader with the best ``num_workers`` of a sweep
   (goal >= 1.0); ``vs_dataloader_default``: ours / DataLoader with ``num_workers=0`` (>= 2).
+- ``vs_torchdata_nodes``, ``vs_webdataset``: ours / each peer reading the same images (the
+  peer's ``num_workers`` set to the host's cores), where the peer imports
+  (``pip install --no-deps torchdata==0.11 webdataset braceexpand``; MosaicML Streaming needs
+  packages beyond ``--no-deps`` (brotli first) and is left out).
 - ``first_batch_s``: seconds from a fresh pipeline's ``iter()`` to its first batch (<= 1).
 - ``peak_rss_vs_ram_budget``: the largest resident set of this process and its workers over
   the default RAM budget (<= 1).
@@ -21,7 +26,10 @@ calibrated run of matrix products on one torch thread, so training holds one cor
   server (moto) over an epoch of local shards (the better of two, workers started), and of
   the second S3 epoch, served from the local shard cache (>= 0.95). Skipped with ``--no-s3``.
 
-Run: ``python benchmarks/ingestion.py [--images 768] [--batches 10] [--no-s3]``
+Each round builds every variant afresh and times ``--batches`` batches after two (so no variant
+starts with batches buffered while another ran); the rounds rotate the variants' order, so the
+noise of a shared machine hits all alike; medians and ranges over the rounds are reported.
+Run: ``python benchmarks/ingestion.py [--images 768] [--batches 6] [--rounds 3] [--no-s3]``
 """
 
 from __future__ import annotations
@@ -44,8 +52,9 @@ from torch.utils.data import Dataset as MapDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._report import emit, print_table  # noqa: E402
+from benchmarks._report import emit, median, print_table  # noqa: E402
 from replicator.data import Dataset, Options, write_shards  # noqa: E402
+from replicator.data.dataflow.options import available_cores  # noqa: E402
 
 BENCH = "ingestion"
 BATCH = 64
@@ -216,10 +225,89 @@ def s3_figures(paths: list[str], folder: str) -> tuple[float, float, float]:
         server.stop()
 
 
+# -- peers (each only where it imports: pip install --no-deps never replaces torch) ------------
+def torchdata_nodes(paths: list[str], workers: int) -> Iterable[Any] | None:
+    try:
+        import torchdata.nodes as tn
+    except ImportError:
+        return None
+    from torch.utils.data import RandomSampler, default_collate
+
+    node = tn.SamplerWrapper(RandomSampler(range(len(paths))))
+    node = tn.ParallelMapper(node, map_fn=_PathAt(paths), num_workers=workers,
+                             method="process", in_order=True)
+    node = tn.Mapper(tn.Batcher(node, BATCH, drop_last=True), default_collate)
+    return tn.Loader(tn.Prefetcher(node, 2), restart_on_stop_iteration=True)
+
+
+class _PathAt:
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __call__(self, i: int) -> tuple[torch.Tensor, int]:
+        return load_path(self.paths[i])
+
+
+def webdataset_loader(shards: list[str], workers: int) -> Iterable[Any] | None:
+    try:
+        import webdataset as wds
+    except ImportError:
+        return None
+    ds = (wds.WebDataset(shards, shardshuffle=False, empty_check=False)
+          .shuffle(1000).map(load_sample).batched(BATCH, partial=False))
+    return wds.WebLoader(ds, batch_size=None, num_workers=workers,
+                         persistent_workers=workers > 0)
+
+
+def wds_shards(paths: list[str], folder: str) -> list[str]:
+    """The images as tar shards (made once), for the readers of shards."""
+    wds_dir = os.path.join(folder, f"wds-{len(paths)}")
+    if os.path.isdir(wds_dir):
+        return sorted(os.path.join(wds_dir, f) for f in os.listdir(wds_dir))
+
+    def samples() -> Iterator[dict]:
+        for i, p in enumerate(paths):
+            with open(p, "rb") as f:
+                yield {"__key__": f"{i:06d}", "jpg": f.read(),
+                       "cls": int(os.path.basename(os.path.dirname(p)))}
+    return write_shards(samples(), os.path.join(wds_dir, "train"), 64)
+
+
+def variants(paths: list[str], folder: str, cores: int) -> dict[str, Any]:
+    """Each variant's builder: a fresh loader per round (no batches buffered from before)."""
+    def loader(workers: int) -> Any:
+        return lambda: endless(DataLoader(Images(paths), batch_size=BATCH, shuffle=True,
+                                          drop_last=True, num_workers=workers))
+    out: dict[str, Any] = {"ours": lambda: ours(paths)}
+    out.update({f"DataLoader num_workers={w}": loader(w) for w in range(cores + 2)})
+    if torchdata_nodes(paths, 1) is not None:
+        out["torchdata_nodes"] = lambda: torchdata_nodes(paths, cores)
+    shards = wds_shards(paths, folder)
+    if webdataset_loader(shards, 0) is not None:
+        out["webdataset"] = lambda: endless(webdataset_loader(shards, cores))  # type: ignore
+    return out
+
+
+def measure(build: Any, warm: int, timed: int) -> tuple[float, float, dict]:
+    """(images/s, seconds to the first batch, the pipeline's stats if ours)."""
+    start = time.perf_counter()
+    source = build()
+    it = iter(source)
+    next(it)
+    first = time.perf_counter() - start
+    r = rate(it, warm, timed)
+    stats = source.stats() if isinstance(source, Dataset) else {}
+    if isinstance(source, Dataset):
+        source.close()
+    del it, source
+    return r, first, stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=768)
-    parser.add_argument("--batches", type=int, default=10, help="timed batches per variant")
+    parser.add_argument("--batches", type=int, default=6, help="timed batches per turn")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(),
                                                        "replicator-ingestion"))
@@ -228,48 +316,53 @@ def main() -> None:
     torch.set_num_threads(1)
     calibrate_step(args.step_ms)
     paths = make_images(os.path.join(args.data, "jpeg"), args.images)
-    cores = Options().cpus
-    one_core, limit = decode_limit(paths, cores)
-    warm, timed = 2, args.batches
-
-    start = time.perf_counter()
-    fresh = ours(paths)
-    first = iter(fresh)
-    next(first)
-    first_batch_s = time.perf_counter() - start
-    ours_rate = rate(first, warm, timed)
-    stats = fresh.stats()
-    fresh.close()
-
-    loaders = {}
-    for workers in range(0, cores + 2):
-        loader = DataLoader(Images(paths), batch_size=BATCH, shuffle=True, drop_last=True,
-                            num_workers=workers, persistent_workers=workers > 0)
-        loaders[workers] = rate(endless(loader), warm, timed)
-    best_workers = max(loaders, key=loaders.get)  # type: ignore[arg-type]
-    rss = peak_rss()
-    ram = Options().ram
-    rows = [["decode + augment, 1 core", one_core], [f"decode_limit ({cores} cores)", limit],
-            ["ours, AUTOTUNE", ours_rate]]
-    rows += [[f"DataLoader num_workers={w}", r] for w, r in loaders.items()]
+    cores = available_cores()
+    builders = variants(paths, args.data, cores)
+    rates: dict[str, list[float]] = {name: [] for name in builders}
+    firsts, one_core, stats = [], [], {}
+    for r in range(args.rounds):  # rounds alternate the variants, so noise hits all alike
+        one_core.append(decode_limit(paths, 1)[0])
+        names = list(builders)[r % len(builders):] + list(builders)[:r % len(builders)]
+        for name in names:
+            got, first, st = measure(builders[name], 2, args.batches)
+            rates[name].append(got)
+            if name == "ours":
+                firsts.append(first)
+                stats = st
+    med = {name: median(v) for name, v in rates.items()}
+    training = args.step_ms / 1000 * med["ours"] / BATCH  # cores the step takes
+    limit = median(one_core) * (cores - training)
+    loaders = {n: v for n, v in med.items() if n.startswith("DataLoader")}
+    best = max(loaders, key=loaders.get)  # type: ignore[arg-type]
+    rss, ram = peak_rss(), Options().ram
+    rows = [["decode + augment, 1 core", median(one_core), _range(one_core)],
+            [f"decode_limit ({cores} - {training:.2f} cores)", limit, ""]]
+    rows += [[n, med[n], _range(v)] for n, v in rates.items()]
     s3 = None if args.no_s3 else s3_figures(paths, args.data)
     if s3 is not None:
-        rows += [["shards, local", s3[0]], ["shards, S3 first epoch", s3[1]],
-                 ["shards, S3 from cache", s3[2]]]
-    print_table(["variant", "images/s"], rows)
+        rows += [["shards, local", s3[0], ""], ["shards, S3 first epoch", s3[1], ""],
+                 ["shards, S3 from cache", s3[2], ""]]
+    print_table(["variant", "images/s (median)", "range"], rows)
     stage = next(iter(stats["stages"].values()))
     print(f"ours: {stats['pipeline']}; parallelism {stage['parallelism']} of "
           f"{stage['max_parallelism']}, task {stage['task_ms']:.0f} ms; first batch "
-          f"{first_batch_s:.2f} s; peak RSS {rss / 2**20:.0f} MiB of {ram / 2**20:.0f} MiB")
-    emit(BENCH, "autotune_vs_limit", ours_rate / limit, ">= 0.9", cores=cores)
-    emit(BENCH, "vs_dataloader_best", ours_rate / loaders[best_workers], ">= 1.0",
-         best_num_workers=best_workers)
-    emit(BENCH, "vs_dataloader_default", ours_rate / loaders[0], ">= 2.0")
-    emit(BENCH, "first_batch_s", first_batch_s, "<= 1.0")
+          f"{median(firsts):.2f} s; peak RSS {rss / 2**20:.0f} MiB of {ram / 2**20:.0f} MiB")
+    emit(BENCH, "autotune_vs_limit", med["ours"] / limit, ">= 0.9", cores=cores)
+    emit(BENCH, "vs_dataloader_best", med["ours"] / med[best], ">= 1.0", best=best)
+    emit(BENCH, "vs_dataloader_default", med["ours"] / med["DataLoader num_workers=0"],
+         ">= 2.0")
+    for name in ("torchdata_nodes", "webdataset"):
+        if name in med:
+            emit(BENCH, f"vs_{name}", med["ours"] / med[name], ">= 1.0", num_workers=cores)
+    emit(BENCH, "first_batch_s", median(firsts), "<= 1.0")
     emit(BENCH, "peak_rss_vs_ram_budget", rss / ram, "<= 1.0")
     if s3 is not None:
         emit(BENCH, "s3_vs_local", s3[1] / s3[0], ">= 0.8")
         emit(BENCH, "s3_cached_vs_local", s3[2] / s3[0], ">= 0.95")
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.4g}-{max(values):.4g}"
 
 
 if __name__ == "__main__":
