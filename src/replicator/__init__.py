@@ -46,7 +46,9 @@ from replicator.ps import ClusterCoordinator, ParameterServerStrategy
 from replicator.resume import BackupAndRestore
 from replicator.strategies import (
     CentralStorageStrategy,
+    DiLoCoStrategy,
     FSDPStrategy,
+    LocalSGDStrategy,
     MeshStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
@@ -67,6 +69,7 @@ __all__ = [
     "Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
     "CentralStorageStrategy", "ParameterServerStrategy", "MeshStrategy", "FSDPStrategy",
     "TensorParallelStrategy", "PipelineStrategy", "get_strategy", "ClusterCoordinator",
+    "DiLoCoStrategy", "LocalSGDStrategy",
     # inside a step and an input function
     "get_replica_context", "compute_average_loss", "ReduceOp", "CommunicationOptions",
     "InputContext", "MixedPrecision",

@@ -14,6 +14,7 @@ from replicator.strategies.replica_context import (
     ValueContext,
     get_replica_context,
 )
+from replicator.strategies.two_level import DiLoCoStrategy, LocalSGDStrategy
 
 register_strategy(OneDeviceStrategy, "onedevice", "single", "default")
 register_strategy(MirroredStrategy)
@@ -23,9 +24,11 @@ register_strategy(MeshStrategy)
 register_strategy(FSDPStrategy, "fully_sharded")
 register_strategy(TensorParallelStrategy, "tensor", "tp")
 register_strategy(PipelineStrategy, "pp")
+register_strategy(DiLoCoStrategy, "streaming_diloco")
+register_strategy(LocalSGDStrategy, "localsgd")
 
 __all__ = ["Strategy", "OneDeviceStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy",
            "CentralStorageStrategy", "ReplicaContext", "get_replica_context",
            "compute_average_loss", "get_strategy", "register_strategy", "available_strategies",
            "MeshStrategy", "FSDPStrategy", "MemoryReport", "TensorParallelStrategy",
-           "PipelineStrategy", "ValueContext"]
+           "PipelineStrategy", "ValueContext", "DiLoCoStrategy", "LocalSGDStrategy"]

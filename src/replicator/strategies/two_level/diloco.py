@@ -1,0 +1,321 @@
+"""DiLoCo and LocalSGD: train inside each host every step, across hosts every H steps.
+
+Across a slow link (another building, another region) per-step gradient averaging waits for
+the link at every step. Here each host trains as one synchronous group (any synchronous
+strategy over the host's processes, ``MirroredStrategy`` by default, its shared-memory path
+included), and every ``inner_steps`` optimizer steps the hosts average their pseudo-gradient
+(outer weights minus inner weights) and an outer Nesterov SGD moves the outer weights, which
+become every host's new inner weights (DiLoCo, Douillard et al. 2023). ``LocalSGDStrategy``
+is the plain-averaging case (outer SGD of lr 1 without momentum). Streaming (Douillard et al.
+2025): ``fragments=F`` syncs the model in ``F`` parts in turns, each exchange overlapped with
+``sync_delay`` inner steps; ``compression="int8"``/``"int4"`` quantises the exchange per block
+(CPU and GPU alike; ``comm/block_quantize.py``).
+
+Written here rather than taken from torchft's ``DiLoCo`` because that one keeps a fixed
+sampler per replica group (samples skipped when a group rejoins), compresses only on CUDA,
+and has no per-host inner group beside it; the pieces composed are replicator's own
+(``ReplicaGroup`` over the job, ``MirroredStrategy`` over the ``local`` axis of a
+``Topology``, a comm lane over the ``hosts`` axis).
+
+Exactness: the input is split over every process of the job (each global batch once, as
+under ``MirroredStrategy``), and ``DiLoCoStrategy(inner_steps=1, outer_lr=1,
+outer_momentum=0)`` equals per-step synchronous training. A round counts optimizer steps of
+an optimizer over the model's parameters (torch's global step hooks), not ``run`` calls.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from replicator.cluster.devices import default_device_for
+from replicator.cluster.environment import resolve_cluster
+from replicator.comm.block_quantize import DEFAULT_BLOCK_SIZE, BlockQuantizer
+from replicator.comm.handles import DONE
+from replicator.comm.options import CommunicationOptions
+from replicator.strategies.base import Strategy
+from replicator.strategies.registry import find_strategy_class
+from replicator.strategies.replicas import ReplicaGroup
+from replicator.strategies.scope_capture import named_state
+from replicator.strategies.two_level.exchange import OuterExchange, PendingExchange
+from replicator.strategies.two_level.fragments import Schedule, split_fragments
+from replicator.strategies.two_level.hosts import (
+    HOSTS_AXIS,
+    LOCAL_AXIS,
+    host_layout,
+    two_level_topology,
+)
+from replicator.strategies.two_level.outer_optimizer import OuterFragment, clone_tree
+from replicator.strategies.two_level.round_state import TwoLevelDataset
+
+COMPRESSIONS = {None: None, "int8": 8, "int4": 4}
+
+
+def _positive_int(name: str, value: Any, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}. HINT: {hint}")
+    return value
+
+
+def _check_settings(inner_steps: int, outer_lr: float, outer_momentum: float, fragments: int,
+                    sync_delay: int, compression: str | None) -> None:
+    _positive_int("inner_steps", inner_steps, "inner_steps is the number of optimizer steps "
+                  "each host takes between two outer synchronisations; 1 synchronises every "
+                  "step, DiLoCo uses 50 to 500")
+    _positive_int("fragments", fragments, "fragments=1 synchronises the whole model at once")
+    if fragments > inner_steps:
+        raise ValueError(f"fragments={fragments} > inner_steps={inner_steps}: each fragment is "
+                         "synchronised once per round, at its own step. HINT: use fragments <= "
+                         "inner_steps")
+    if isinstance(sync_delay, bool) or not isinstance(sync_delay, int) or sync_delay < 0 \
+            or sync_delay >= max(1, inner_steps // fragments):
+        raise ValueError(f"sync_delay must be an integer in [0, {inner_steps // fragments}) (the "
+                         f"inner steps between two fragments' updates), got {sync_delay!r}. "
+                         "HINT: sync_delay=0 applies each exchange at once; a delay of d "
+                         "overlaps it with the next d inner steps")
+    if not isinstance(outer_lr, (int, float)) or isinstance(outer_lr, bool) or outer_lr <= 0:
+        raise ValueError(f"outer_lr must be a positive number, got {outer_lr!r}. HINT: DiLoCo "
+                         "uses 0.7; 1.0 without momentum is plain averaging (LocalSGD)")
+    if not isinstance(outer_momentum, (int, float)) or isinstance(outer_momentum, bool) \
+            or not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}. HINT: "
+                         "DiLoCo uses Nesterov momentum 0.9")
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None, 'int8' or 'int4', got {compression!r}")
+
+
+class DiLoCoStrategy(Strategy):
+    """Two-level data parallelism for hosts joined by a slow link (see the module doc).
+
+    ``inner_steps`` (H): optimizer steps between outer synchronisations. ``outer_lr``,
+    ``outer_momentum``: the outer Nesterov SGD (the paper's 0.7 and 0.9). ``fragments``,
+    ``sync_delay``: streaming (see ``fragments.py``). ``compression``: ``None``, ``"int8"`` or
+    ``"int4"`` per ``block_size`` values, with ``error_feedback``. ``inner``: the registered
+    name of the synchronous strategy inside a host (built with ``mesh=`` and ``axis=``), with
+    ``inner_options``. ``hosts``: the number of hosts (``None``: from the processes' host
+    keys; see ``two_level/hosts.py``). ``communication_options``: timeouts, for both levels.
+    """
+
+    name = "diloco"
+
+    def __init__(self, inner_steps: int = 50, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, fragments: int = 1, sync_delay: int = 0,
+                 compression: str | None = None, inner: str = "mirrored", *,
+                 error_feedback: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
+                 hosts: int | None = None, inner_options: dict[str, Any] | None = None,
+                 communication_options: CommunicationOptions | None = None,
+                 check_finite: bool = False) -> None:
+        _check_settings(inner_steps, outer_lr, outer_momentum, fragments, sync_delay,
+                        compression)
+        bits = COMPRESSIONS[compression]
+        self.inner_steps, self.fragments, self.sync_delay = inner_steps, fragments, sync_delay
+        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
+        self.compression = compression
+        quantizer = None if bits is None else BlockQuantizer(bits, block_size,
+                                                             error_feedback=error_feedback)
+        options = communication_options or CommunicationOptions()
+        spec = resolve_cluster()
+        device = default_device_for(spec.local_rank, spec.local_world_size)
+        self._replica_group = ReplicaGroup(device, timeout_seconds=options.timeout_seconds)
+        self.num_hosts, self.processes_per_host = host_layout(hosts)
+        self.topology = two_level_topology(self.num_hosts, self.processes_per_host)
+        self.inner = self._build_inner(inner, inner_options, communication_options)
+        self._exchange = OuterExchange(self.topology.group(HOSTS_AXIS), self.num_hosts,
+                                       self.inner.collectives, quantizer)
+        self._schedule = Schedule(inner_steps, fragments, sync_delay)
+        self._params: list[torch.nn.Parameter] = []
+        self._outer: list[OuterFragment] = []
+        self._pending: list[PendingExchange] = []
+        self._step = 0
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = \
+            weakref.WeakKeyDictionary()
+        self._optimizer_states: dict[str, Any] = {}
+        self._hooks: list[Any] = []
+        super().__init__(check_finite=check_finite)
+
+    def _build_inner(self, inner: str, options: dict[str, Any] | None,
+                     communication: CommunicationOptions | None) -> Strategy:
+        cls = find_strategy_class(inner) if isinstance(inner, str) else None
+        if cls is None or cls is type(self) or issubclass(cls, DiLoCoStrategy):
+            raise ValueError(f"inner={inner!r} is not a synchronous strategy's name. HINT: use "
+                             "inner='mirrored' (the default) or another registered synchronous "
+                             "strategy that takes mesh= and axis=")
+        kwargs = dict(options or {})
+        if communication is not None:
+            kwargs.setdefault("communication_options", communication)
+        try:
+            return cls(mesh=self.topology, axis=LOCAL_AXIS, **kwargs)
+        except TypeError as exc:
+            raise ValueError(f"inner={inner!r} cannot run over a host's processes ({exc}). "
+                             "HINT: use inner='mirrored'") from exc
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def local_replica_id(self) -> int:
+        """This process's position inside its host."""
+        return self.inner.replica_id
+
+    @property
+    def host_index(self) -> int:
+        """Which host this process is on (0-based)."""
+        return self.topology.index(HOSTS_AXIS)
+
+    @property
+    def step_in_round(self) -> int:
+        """Inner steps taken since the last full round boundary (0 .. inner_steps - 1)."""
+        return self._step % self.inner_steps
+
+    @property
+    def wire_stats(self) -> dict[str, int]:
+        """Bytes this rank handed to the cross-host exchanges, and how many it started."""
+        return self._exchange.stats.as_dict()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(hosts={self.num_hosts} x {self.processes_per_host}, "
+                f"inner_steps={self.inner_steps}, fragments={self.fragments}, "
+                f"compression={self.compression}, rank={self.replica_id})")
+
+    # -- set-up --------------------------------------------------------------------------------
+    def _setup_module(self, module: torch.nn.Module) -> None:
+        params, buffers = named_state(module)
+        new = [p for _, p in params if p not in self._distributed]
+        self._replica_group.broadcast_(
+            [*new, *(b for _, b in buffers if b not in self._distributed)], src=0,
+            what="broadcast of initial parameters from rank 0 to every host")
+        self.inner.distribute_model(module)
+        self._params.extend(p for p in new if p.requires_grad)
+        groups = split_fragments(self._params, self.fragments)
+        self._outer = [OuterFragment([self._params[i] for i in g], self.outer_lr,
+                                     self.outer_momentum) for g in groups]
+        for fragment in self._outer:  # stepped by the outer optimizer, the same on every rank
+            for outer in fragment.outer:
+                self._distributed[outer] = True
+        if not self._hooks:
+            me = weakref.ref(self)
+            self._hooks = [
+                register_optimizer_step_pre_hook(lambda opt, *_: _call(me, "_before", opt)),
+                register_optimizer_step_post_hook(lambda opt, *_: _call(me, "_after", opt))]
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        known = self._optimizers.get(optimizer)
+        if known is None:
+            mine = {id(p) for p in self._params}
+            known = any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+            self._optimizers[optimizer] = known
+        return known
+
+    def _optimizer_key(self, optimizer: torch.optim.Optimizer) -> str:
+        index = {id(p): i for i, p in enumerate(self._params)}
+        first = min(index[id(p)] for g in optimizer.param_groups for p in g["params"]
+                    if id(p) in index)
+        return f"params_from_{first}"
+
+    # -- the round -----------------------------------------------------------------------------
+    def _before(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._optimizer_states and self._owns(optimizer):
+            state = self._optimizer_states.pop(self._optimizer_key(optimizer), None)
+            if state is not None:
+                optimizer.load_state_dict(state)
+
+    def _after(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._closed or not self._owns(optimizer):
+            return
+        self._step += 1
+        for fragment in self._schedule.starting(self._step):
+            flat = self._outer[fragment].pseudo_gradient()
+            self._pending.append(self._exchange.start(fragment, flat))
+        for fragment in self._schedule.applied(self._step):
+            pending = next(p for p in self._pending if p.fragment == fragment)
+            self._pending.remove(pending)
+            self._outer[fragment].step(self._exchange.finish(pending))
+
+    # -- input ---------------------------------------------------------------------------------
+    def distribute_dataset(self, dataset: Any, **kwargs: Any) -> TwoLevelDataset:
+        """:meth:`Strategy.distribute_dataset` over every process of the job (each global
+        batch split across all hosts' processes); its ``state_dict`` also holds this rank's
+        round (see ``two_level/round_state.py``)."""
+        return TwoLevelDataset(super().distribute_dataset(dataset, **kwargs), self)
+
+    experimental_distribute_dataset = distribute_dataset
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's round: the step, outer weights and optimizer, its host's inner weights
+        and inner optimizer state, quantisation errors and exchanges in flight (finished
+        first, so the saved and the continuing run apply the same update)."""
+        for pending in self._pending:
+            pending.chunk()
+        optimizers = {self._optimizer_key(o): clone_tree(o.state_dict())
+                      for o, mine in list(self._optimizers.items()) if mine}
+        optimizers.update(clone_tree(self._optimizer_states))
+        return {"step": self._step,
+                "settings": [self.inner_steps, self.fragments, self.sync_delay,
+                             self.num_hosts, self.processes_per_host],
+                "outer": [f.state_dict() for f in self._outer],
+                "inner": [clone_tree(m.state_dict()) for m in self._set_up_modules.keys()],
+                "inner_optimizers": optimizers,
+                "exchange": self._exchange.state_dict(),
+                "pending": [{"fragment": p.fragment, "numel": p.numel,
+                             "chunk": p.chunk().clone()} for p in self._pending]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same rank (a fresh process resumes there)."""
+        mine = [self.inner_steps, self.fragments, self.sync_delay, self.num_hosts,
+                self.processes_per_host]
+        if list(state["settings"]) != mine:
+            raise ValueError(
+                f"the saved round was made with (inner_steps, fragments, sync_delay, hosts, "
+                f"processes per host) = {list(state['settings'])}, this strategy has {mine}. "
+                "HINT: resume with the settings and layout of the run that wrote it")
+        modules = list(self._set_up_modules.keys())
+        if len(modules) != len(state["inner"]) or len(self._outer) != len(state["outer"]):
+            raise ValueError("the saved round holds another model. HINT: build the model in "
+                             "scope() before restoring")
+        for fragment, saved in zip(self._outer, state["outer"]):
+            fragment.load_state_dict(saved)
+        for module, saved in zip(modules, state["inner"]):
+            module.load_state_dict(saved)
+        self._optimizer_states = dict(state["inner_optimizers"])
+        for optimizer, owned in list(self._optimizers.items()):
+            if owned:
+                self._before(optimizer)
+        self._exchange.load_state_dict(state["exchange"])
+        self._pending = []
+        for saved in state["pending"]:
+            pending = PendingExchange(int(saved["fragment"]), int(saved["numel"]),
+                                      handle=DONE)
+            pending.box["chunk"] = saved["chunk"].clone()
+            self._pending.append(pending)
+        self._step = int(state["step"])
+
+    def _close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.inner.close()
+
+
+def _call(ref: weakref.ref[DiLoCoStrategy], method: str, optimizer: Any) -> None:
+    strategy = ref()
+    if strategy is not None and not strategy._closed:
+        getattr(strategy, method)(optimizer)
+
+
+class LocalSGDStrategy(DiLoCoStrategy):
+    """Local SGD: each host trains alone for ``inner_steps`` steps, then the hosts' weights are
+    averaged (DiLoCo with an outer SGD of lr 1 and no momentum)."""
+
+    name = "local_sgd"
+
+    def __init__(self, inner_steps: int = 50, fragments: int = 1, sync_delay: int = 0,
+                 compression: str | None = None, inner: str = "mirrored",
+                 **kwargs: Any) -> None:
+        super().__init__(inner_steps, outer_lr=1.0, outer_momentum=0.0, fragments=fragments,
+                         sync_delay=sync_delay, compression=compression, inner=inner, **kwargs)
+

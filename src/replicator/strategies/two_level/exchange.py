@@ -1,0 +1,136 @@
+"""The outer exchange: the hosts' pseudo-gradients averaged across the slow link, once.
+
+Every process of a host holds the same pseudo-gradient, so sending it from each would put
+the same bytes on the link once per process. Instead local rank ``k`` of every host takes the
+``k``-th of ``L`` equal chunks and averages it with local rank ``k`` of the other hosts (the
+outer group: one member per host), and the host's processes then gather their chunks over
+the fast inner group. One copy per host crosses the link (a reduce-scatter / all-reduce /
+all-gather, the hierarchical shape of ``comm/hierarchical.py``, here with a chunk per local
+rank and the middle step on the slow link).
+
+The cross-host step runs on the outer group's communication lane (``comm/comm_thread.py``):
+started after one inner step and waited for ``sync_delay`` steps later, it overlaps with
+those inner steps. Uncompressed, the chunk is all-reduced (sum, then divided by the number of
+hosts); with ``int8``/``int4`` each member's quantised payload is all-gathered and decoded and
+summed in host order on every member (``comm/block_quantize.py``), so all get the same bits.
+The gather inside the host runs on the calling thread when the result is applied.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from replicator.comm.block_quantize import BlockQuantizer
+from replicator.comm.collectives import Collectives
+from replicator.comm.comm_thread import lane
+from replicator.comm.handles import DONE, Handle
+
+
+@dataclass
+class WireStats:
+    """What this rank put on the cross-host link: payload bytes handed to the outer
+    collectives and the number of exchanges."""
+
+    payload_bytes: int = 0
+    exchanges: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"payload_bytes": self.payload_bytes, "exchanges": self.exchanges}
+
+
+@dataclass
+class PendingExchange:
+    """An outer exchange in flight: its fragment, handle and (once done) this rank's chunk
+    of the hosts' average."""
+
+    fragment: int
+    numel: int
+    handle: Handle
+    box: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def chunk(self) -> torch.Tensor:
+        """This rank's averaged chunk (waits for the exchange, bounded by its timeout)."""
+        self.handle.wait()
+        self.handle = DONE
+        return self.box["chunk"]
+
+
+class OuterExchange:
+    """Average flat pseudo-gradients across hosts (see the module doc).
+
+    ``outer_group``: this rank and the ranks of the same local rank on the other hosts
+    (``None`` with one host). ``inner``: the collectives of this host's processes.
+    ``quantizer``: int8/int4 block quantisation, or ``None`` to send float32.
+    """
+
+    def __init__(self, outer_group: dist.ProcessGroup | None, num_hosts: int,
+                 inner: Collectives, quantizer: BlockQuantizer | None) -> None:
+        self.num_hosts = num_hosts
+        self.inner = inner
+        self.quantizer = quantizer
+        self.stats = WireStats()
+        self._lane = lane(outer_group) if num_hosts > 1 and outer_group is not None else None
+
+    def _chunk_of(self, flat: torch.Tensor) -> torch.Tensor:
+        size = math.ceil(flat.numel() / self.inner.world_size)
+        padded = torch.zeros(size * self.inner.world_size, dtype=flat.dtype, device=flat.device)
+        padded[:flat.numel()] = flat
+        return padded[self.inner.rank * size:(self.inner.rank + 1) * size].clone()
+
+    def start(self, fragment: int, flat: torch.Tensor) -> PendingExchange:
+        """Start averaging ``flat`` (this host's pseudo-gradient of ``fragment``)."""
+        mine = self._chunk_of(flat)
+        pending = PendingExchange(fragment, flat.numel(), DONE)
+        if self._lane is None:
+            pending.box["chunk"] = mine
+            return pending
+        hosts, quantizer, box = self.num_hosts, self.quantizer, pending.box
+        group = self._lane.group
+        if quantizer is None:
+            payload = mine
+            self.stats.payload_bytes += mine.numel() * mine.element_size()
+
+            def run() -> None:
+                dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
+                box["chunk"] = payload.div_(hosts)
+        else:
+            payload = quantizer.encode(mine, key=str(fragment))
+            self.stats.payload_bytes += payload.numel()
+            numel = mine.numel()
+
+            def run() -> None:
+                parts = [torch.empty_like(payload) for _ in range(hosts)]
+                dist.all_gather(parts, payload, group=group)
+                total = torch.zeros(numel, dtype=torch.float32, device=payload.device)
+                for part in parts:
+                    total.add_(quantizer.decode(part, numel))
+                box["chunk"] = total.div_(hosts)
+
+        self.stats.exchanges += 1
+        pending.handle = self._lane.submit(run, f"outer exchange of fragment {fragment}",
+                                           payload)
+        return pending
+
+    def finish(self, pending: PendingExchange) -> torch.Tensor:
+        """The hosts' averaged pseudo-gradient of ``pending``'s fragment, flat (a collective
+        over this host's processes)."""
+        chunk = pending.chunk()
+        if self.inner.world_size == 1:
+            return chunk[:pending.numel]
+        full = self.inner.all_gather_uneven(chunk, 0, "outer update gather within the host")
+        return full[:pending.numel]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"feedback": {} if self.quantizer is None else self.quantizer.state_dict(),
+                "stats": self.stats.as_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.quantizer is not None:
+            self.quantizer.load_state_dict(dict(state.get("feedback", {})))
+        stats = state.get("stats", {})
+        self.stats = WireStats(int(stats.get("payload_bytes", 0)), int(stats.get("exchanges", 0)))

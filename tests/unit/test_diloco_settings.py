@@ -1,0 +1,59 @@
+"""DiLoCo's settings, fragments and schedule: bad values are refused with a hint, fragments
+cover the model in turns, each fragment is exchanged and applied once per round."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import replicator as rp
+from replicator.strategies.two_level.fragments import Schedule, split_fragments
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"inner_steps": 0}, "inner_steps must be a positive integer"),
+    ({"inner_steps": 2.5}, "inner_steps must be a positive integer"),
+    ({"fragments": 0}, "fragments must be a positive integer"),
+    ({"inner_steps": 4, "fragments": 5}, "fragments=5 > inner_steps=4"),
+    ({"inner_steps": 10, "fragments": 2, "sync_delay": 5}, r"sync_delay must be .* \[0, 5\)"),
+    ({"outer_lr": 0}, "outer_lr must be a positive number"),
+    ({"outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\)"),
+    ({"compression": "fp8"}, "compression must be None, 'int8' or 'int4'"),
+])
+def test_bad_settings_are_refused_with_a_hint(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        rp.DiLoCoStrategy(**kwargs)
+    assert "HINT" in str(info.value) or "compression" in kwargs
+
+
+def test_more_fragments_than_parameter_tensors_is_refused():
+    params = [torch.zeros(3), torch.zeros(4)]
+    with pytest.raises(ValueError, match="only 2 parameter tensor.*HINT"):
+        split_fragments(params, 3)
+
+
+def test_fragments_are_contiguous_balanced_and_non_empty():
+    params = [torch.zeros(n) for n in (100, 1, 100, 1, 1000, 5)]
+    assert split_fragments(params, 1) == [[0, 1, 2, 3, 4, 5]]
+    assert split_fragments(params, 2) == [[0, 1, 2, 3], [4, 5]]
+    for f in range(1, 7):
+        groups = split_fragments(params, f)
+        assert [i for g in groups for i in g] == list(range(6)) and all(groups)
+
+
+@pytest.mark.parametrize("h,f,d", [(1, 1, 0), (10, 1, 3), (10, 2, 2), (12, 3, 0), (7, 3, 1)])
+def test_each_fragment_is_exchanged_and_applied_once_per_round(h, f, d):
+    schedule = Schedule(h, f, d)
+    started = {k: [] for k in range(f)}
+    applied = {k: [] for k in range(f)}
+    for t in range(1, 5 * h + 1):
+        for k in schedule.starting(t):
+            started[k].append(t)
+        for k in schedule.applied(t):
+            applied[k].append(t)
+    for k in range(f):
+        gaps = {b - a for a, b in zip(applied[k], applied[k][1:])}
+        assert gaps == {h}
+        assert applied[k] == [t + d for t in started[k]][:len(applied[k])]
+    last = [applied[k][0] for k in range(f)]
+    assert last == sorted(last)  # in turns
