@@ -165,6 +165,9 @@ def test_it_is_a_plain_iterable_dataset() -> None:
     ds = Dataset.from_tensor_slices(torch.arange(12)).map(double).batch(4)
     assert isinstance(ds, IterableDataset)
     assert flat(DataLoader(ds, batch_size=None)) == [2 * i for i in range(12)]
+    with pytest.raises(Exception, match="once per worker"):
+        list(DataLoader(Dataset.from_tensor_slices(torch.arange(4)), batch_size=None,
+                        num_workers=2))
     assert os.cpu_count()
     stats = ds.stats()
     assert stats["cpu_budget"] >= 1 and stats["ram_budget"] > 0

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, get_worker_info
 
 from replicator.data.dataflow import ops, sources
 from replicator.data.dataflow.cache import Cache
@@ -197,6 +197,12 @@ class Dataset(IterableDataset):
         return self._active
 
     def _pass(self, epoch: int, position: int) -> Iterator[Any]:
+        info = get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise TypeError(
+                f"an rp.data.Dataset read by a DataLoader with num_workers={info.num_workers} "
+                "would give every sample once per worker; it runs its own workers. HINT: "
+                "iterate it directly, or use DataLoader(ds, batch_size=None, num_workers=0)")
         source = self.lowered().iterate(Ctx(epoch, self.runtime), position)
         try:
             for element in source:
