@@ -23,6 +23,7 @@
   the 12 MB state with the saver process, summed over both ranks: the main thread's CPU in
   the save call plus the CPU of every other thread of the process (the save's thread, the
   store's client) over a block of 100 steps with a save, less the same over a plain block
+  (the step on one intra-op thread, so its own compute stays on the main thread)
   (``time.process_time``/``thread_time``, which read ``/proc``); the saver processes' CPU and
   the loopback S3 server's are shown apart (``/proc/<pid>/stat``).
   ``train_cpu_per_save_share``: that CPU over a 100-step block's wall time (goal <= 0.01);
@@ -228,7 +229,8 @@ def _proc_cpu(pid: int | None) -> float:
 
 
 def cpu_worker(backup_dir: str, rounds: int) -> dict[str, float | list[float]]:
-    strategy = rp.MirroredStrategy()
+    torch.set_num_threads(1)  # the step's compute on the main thread: other threads are the
+    strategy = rp.MirroredStrategy()  # save's and the process group's, so they can be told apart
     torch.manual_seed(0)
     with strategy.scope():
         model = mlp()
