@@ -150,18 +150,6 @@ def _bench(args: argparse.Namespace, script_args: list[str]) -> int:
     return 0 if all(r.ok for r in report.results) else 1
 
 
-def _workers(text: str) -> list[int]:
-    try:
-        values = [int(float(v)) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--workers must be comma-separated integers such as 2,8,64, got "
-                         f"{text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"--workers must be positive integers, got {text!r}. HINT: 1 means "
-                         "one process; e.g. --workers 2,8,64")
-    return values
-
-
 def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
     from replicator.plan.devices import get_device, parse_link
     from replicator.plan.planner import (
@@ -173,8 +161,9 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
     )
     from replicator.plan.profiles import MachineProfile, ModelProfile, save_json
     from replicator.plan.recommend import Plan
+    from replicator.plan.settings import positive_ints
 
-    workers = _workers(args.workers)
+    workers = positive_ints(args.workers, "--workers")
     device = get_device(args.device)  # errors early, before anything is measured
     parse_link(args.link)
     strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())

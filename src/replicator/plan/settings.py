@@ -18,7 +18,8 @@ from typing import Any
 from replicator.plan.profiles import kept_steps
 
 __all__ = ["BENCH_STRATEGIES", "BenchReport", "Setting", "SettingResult", "baseline",
-           "combine_rounds", "parse_settings", "reliability_notes", "summarize"]
+           "combine_rounds", "parse_settings", "positive_ints", "reliability_notes",
+           "summarize"]
 
 #: The strategies ``bench`` knows how to launch (registry names).
 BENCH_STRATEGIES = ("one_device", "mirrored", "central_storage", "parameter_server",
@@ -56,7 +57,8 @@ class Setting:
         return f"{self.strategy}-x{self.workers}" + (f"-t{self.threads}" if self.threads else "")
 
 
-def _positive_ints(values: Sequence[int] | str, what: str) -> list[int]:
+def positive_ints(values: Sequence[int] | str, what: str) -> list[int]:
+    """Comma-separated positive integers (or a sequence of them), sorted, each once."""
     if isinstance(values, str):
         try:
             values = [int(v) for v in values.split(",") if v.strip()]
@@ -67,7 +69,7 @@ def _positive_ints(values: Sequence[int] | str, what: str) -> list[int]:
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{what} must be positive integers, got {v!r}. HINT: 1 is one "
-                             "process; e.g. --nproc 1,2")
+                             f"process; e.g. {what} 1,2")
         out.append(v)
     if not out:
         raise ValueError(f"{what} is empty. HINT: give at least one number, e.g. 1,2")
@@ -82,7 +84,7 @@ def parse_settings(strategies: Sequence[str] | str, nproc: Sequence[int] | str,
     pipeline has 2 stages, so it needs an even count; a parameter server adds one server."""
     names = [s.strip() for s in strategies.split(",")] if isinstance(strategies, str) \
         else list(strategies)
-    counts = _positive_ints(nproc, "--nproc")
+    counts = positive_ints(nproc, "--nproc")
     settings: list[Setting] = []
     skipped: list[str] = []
     for name in names:
