@@ -71,3 +71,81 @@ def train(steps: int, lockstep: bool = False, ckpt: str | None = None, kill_at: 
         stats = al.stats()
     return {"weights": {k: v.clone() for k, v in policy.state_dict().items()},
             "trace": trace, "stats": stats}
+
+
+class _Raising:
+    """CartPole that raises at its 5th step (an environment bug inside an actor)."""
+
+    def __new__(cls):  # noqa: D102 - a gymnasium wrapper made on demand
+        import gymnasium as gym
+
+        class Raising(gym.Wrapper):
+            count = 0
+
+            def step(self, action):
+                Raising.count += 1
+                if Raising.count == 5:
+                    raise ValueError("the physics diverged")
+                return self.env.step(action)
+
+        return Raising(gym.make("CartPole-v1"))
+
+
+def raising_env():
+    return _Raising()
+
+
+def mixed_env():
+    """Actor 0 runs CartPole (4 observations), the others Acrobot (6): refused."""
+    import gymnasium as gym
+
+    return gym.make("CartPole-v1" if rp.rl.actor_index() == 0 else "Acrobot-v1")
+
+
+def train_env_fn(env_fn, steps: int = 20):
+    replay = rp.rl.ReplayBuffer(1000, min_size_to_sample=8, timeout_seconds=30)
+    al = _al(replay, env=env_fn)
+    if al.is_actor:
+        al.run_actor()
+        return None
+    policy = Policy()
+    with al:
+        for _ in al.batches(8, steps, policy=policy):
+            time.sleep(0.2)
+    return al.stats()
+
+
+def _suicidal_act(policy, obs):
+    """The actor's act_fn: the first incarnation of actor 0 SIGKILLs itself after 30 steps."""
+    _suicidal_act.calls = getattr(_suicidal_act, "calls", 0) + 1
+    if _suicidal_act.calls == 30 and os.environ.get("REPLICATOR_REJOIN") == "0" \
+            and rp.rl.actor_index() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return policy(obs)
+
+
+def train_with_actor_killed(steps: int):
+    replay = rp.rl.ReplayBuffer(2000, samples_per_insert=1.0, min_size_to_sample=16,
+                                error_buffer=64, seed=1, timeout_seconds=60)
+    torch.manual_seed(0)
+    al = rp.rl.ActorLearner(rp.OneDeviceStrategy, "CartPole-v1", Policy, replay=replay,
+                            act_fn=_suicidal_act, num_envs=2, publish_every=2, send_every=8,
+                            timeout_seconds=60)
+    if al.is_actor:
+        al.run_actor()
+        return None
+    policy = Policy()
+    opt = torch.optim.SGD(policy.parameters(), lr=0.01)
+    trace, joins_seen = [], 0
+    with al:
+        for batch in al.batches(16, steps, policy=policy):
+            loss = F.cross_entropy(policy.linear(batch["obs"]), batch["action"].long())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            trace.append(al.step)
+            joins_seen = len(al.stats()["joins"])
+            if joins_seen >= 3 and al.step > 60:
+                break
+        stats = al.stats()
+    return {"trace": trace, "stats": stats}

@@ -97,6 +97,7 @@ class ActorLearner:
         self.num_actors = num_actors()
         self.step = 0
         self._server: ExperienceServer | None = None
+        self._published: tuple[int, list[torch.Tensor]] | None = None
         self.strategy: Strategy | None = None
         if is_actor():
             return
@@ -150,6 +151,8 @@ class ActorLearner:
                 self.replay, self.rank, self.num_actors, lockstep=self.lockstep,
                 publish_every=self.publish_every, timeout_seconds=self.timeout_seconds)
             self._server.step = self.step
+            if self._published is not None:
+                self._server.publish(*self._published)
             self._server.start(rl_store(self.timeout_seconds))
         return self._server
 
@@ -203,14 +206,19 @@ class ActorLearner:
         return [] if self._server is None else list(self._server.episodes)
 
     def state_dict(self) -> dict[str, Any]:
-        """The learner step and the replay (model and optimizer are the script's to save)."""
-        return {"step": self.step, "replay": self.replay.state_dict()}
+        """The learner step, the replay and the weights last published (the actors' policy
+        after a resume); model and optimizer are the script's to save."""
+        snapshot = None if self._server is None else self._server.snapshot()
+        return {"step": self.step, "replay": self.replay.state_dict(), "published": snapshot}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.replay.load_state_dict(state["replay"])
+        self._published = state.get("published")
         if self._server is not None:
             self._server.step = self.step
+            if self._published is not None:
+                self._server.publish(*self._published)
 
     def close(self) -> None:
         """Tell the actors the learner is done (they exit) and release the replay."""

@@ -73,6 +73,11 @@ class ExperienceServer:
             self._snapshot = (version, snapshot)
             self._lock.notify_all()
 
+    def snapshot(self) -> tuple[int, list[torch.Tensor]] | None:
+        """The weights last published and their version (``None`` before any)."""
+        with self._lock:
+            return self._snapshot
+
     @property
     def version(self) -> int:
         return -1 if self._snapshot is None else self._snapshot[0]
