@@ -105,9 +105,7 @@ def pipeline_slot_seconds(t_chain: float, t_chain_fb: float, layer_call: float,
     forward of ``model(x)`` (a third of a forward and backward, per stage) and the stage's
     optimizer step."""
     slots = microbatches + stages - 1
-    # 2 processes' point-to-point waits: one step of this chain took 3.9-12 ms within a
-    # minute here, and a median of 5 x 4 steps moved 1.0 -> 2.0 ms a slot between two
-    # measurements; 11 x 10 steps (about half a second)
+    # point-to-point waits vary from step to step: 11 x 10 steps (about half a second)
     t_pipe = strategy_step_overhead("pipeline", t_chain, rounds=11, per_round=10) + t_chain
     counted = (slots * layer_call * 4 / stages + t_chain_fb / stages / 3
                + max(0.0, t_chain - t_chain_fb) / stages)

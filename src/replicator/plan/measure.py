@@ -7,12 +7,10 @@
 * all-reduce cost per algorithm through the comm room (``SharedMemoryAllReduce`` on buffers it
   made, as the gradient buckets are; gloo's own; the hand ring) at 2, 3 and 4 processes, fitted
   as ``a + b * bytes``;
-* the gradient engine's fixed cost per backward pass and one ``strategy.reduce`` of a scalar
-  (``MirroredStrategy`` on a tiny model), and how much longer the sync takes after a
-  millisecond of compute on every rank (with more processes than cores a step's first
-  collective waits for a rank not yet scheduled),
-  point-to-point send/recv (pipeline stages), and a parameter server's push + pull round
-  trip with two workers computing between steps;
+* the gradient engine's fixed cost per backward pass, one ``strategy.reduce`` of a scalar,
+  and a small real training loop's wait for its last rank; point-to-point send/recv
+  (pipeline stages), and a parameter server's push + pull round trip with two workers
+  computing between steps;
 * what ``FSDPStrategy`` costs per sharded block and ``PipelineStrategy`` per microbatch slot
   beyond the compute, on a tiny model of 4 blocks (torch's FSDP2 and pipelining engines on
   gloo: gathers, copies, hooks, the schedule's bookkeeping); FSDP again on blocks of
@@ -359,16 +357,12 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
         out["p2p"] = _p2p(rank)
     strategy.barrier()
     strategy.close()  # a strategy refuses gradients of models it does not own: one at a time
-    # FSDP's cost per block, in a training loop's steps: the loss reduced after each run
-    # waits there for the last rank (after a step of many collectives it added 0.8-1.75 ms
-    # a step at 2 and 3 processes here, of which the reduce itself is 0.06-0.2 ms; a bare
-    # run's ranks instead drift into the next step's first all-gather)
+    # FSDP's cost per block, in a training loop's steps (the loss reduced after each run
+    # waits for the last rank, where a bare run's ranks drift into the next all-gather)
     reduce = float(out["reduce"])
     out["fsdp_unit"] = strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
     # with Adam: a sharded optimizer step runs on DTensors, a fixed cost per block that
-    # SGD's single update hides (the wide blocks alone would spread it over their bytes).
-    # 11 x 10 steps: one block's cost moved 3.0-5.1 ms at 2 processes between medians of
-    # 5 x 4 steps taken minutes apart, and every model trained with Adam is predicted by it
+    # SGD's single update hides; 11 x 10 steps (5 x 4 moved 3.0-5.1 ms between runs)
     out["fsdp_unit_adam"] = strategy_step_overhead("fsdp", t_chain_adam, optimizer="adam",
                                                     rounds=11, per_round=10,
                                                     reduce_seconds=reduce) / 4

@@ -58,10 +58,8 @@ MODE_ENV = "REPLICATOR_BENCH_MODE"
 PROFILE_PHASES = (("all_threads", 4, 0, 1.0), ("one_thread", 3, 1, 1.0),
                   ("one_thread_half", 3, 1, 0.5), ("one_thread_quarter", 3, 1, 0.25))
 #: A short step's phases run more steps (up to this many times the counts above), so that the
-#: shortest phase lasts about PROFILE_PHASE_SECONDS: three 1 ms steps are noise, not a median.
-#: At 20 times, a 0.7 ms step's 60-step phases kept 0.13-0.17 ms of input a step against 0.10
-#: over a 1,220-step run: a loader's new epoch every 8 steps, and the gaps of the first steps
-#: after a change of threads, weigh on a phase that short. At 250, 0.106-0.113 (2 s a profile).
+#: shortest phase lasts about PROFILE_PHASE_SECONDS: three 1 ms steps are noise, not a median
+#: (at 20 times a 0.7 ms step's input still read 30-70% high; at 250, within 13%).
 PROFILE_MAX_SCALE = 250
 PROFILE_PHASE_SECONDS = 0.5
 #: Seconds between two writes of the progress file (the bench's bar polls it every 0.2 s).
