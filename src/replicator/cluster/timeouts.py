@@ -38,15 +38,21 @@ def resolve_timeout(timeout_seconds: float | None = None, options: Any = None, *
         found = _OF_GROUP.get(dist.group.WORLD if group is None else group)
         if found is not None:
             return found
-    raw = (os.environ if env is None else env).get(TIMEOUT_ENV)
+    return env_number(os.environ if env is None else env, TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS)
+
+
+def env_number(env: Mapping[str, str], name: str, default: float, what: str = "seconds"
+               ) -> float:
+    """The positive number the variable ``name`` of ``env`` holds, ``default`` when unset."""
+    raw = env.get(name)
     if not raw:
-        return DEFAULT_TIMEOUT_SECONDS
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ClusterConfigError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        raise ClusterConfigError(f"{name}={raw!r} is not a number of {what}") from None
     if value <= 0:
-        raise ClusterConfigError(f"{TIMEOUT_ENV} must be positive, got {value}")
+        raise ClusterConfigError(f"{name}={raw!r} must be positive ({what})")
     return value
 
 

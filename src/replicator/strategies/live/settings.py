@@ -20,6 +20,7 @@ from replicator.cluster.env_names import (
     REPLICA_GROUP_ENV,
     REPLICA_GROUPS_ENV,
 )
+from replicator.cluster.timeouts import env_number
 from replicator.errors import ClusterConfigError
 
 #: Seconds a step's cross-group all-reduce may wait for a peer group before the step is
@@ -30,19 +31,6 @@ COLLECTIVE_TIMEOUT_ENV = "REPLICATOR_LIVE_TIMEOUT_SECONDS"
 QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
 #: The address this process's state server and group store listen on (default loopback).
 BIND_ENV = LIVE_BIND_ENV
-
-
-def _number(env: Mapping[str, str], name: str, default: float, what: str) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ClusterConfigError(f"{name}={raw!r} is not a number of {what}") from None
-    if value <= 0:
-        raise ClusterConfigError(f"{name}={raw!r} must be positive ({what})")
-    return value
 
 
 @dataclass(frozen=True)
@@ -91,9 +79,9 @@ class LiveSettings:
                 f"{LIGHTHOUSE_ENV}=http://127.0.0.1:29510")
         if "://" not in lighthouse:
             lighthouse = f"http://{lighthouse}"
-        min_replicas = int(_number(env, MIN_REPLICAS_ENV, 1, "replica groups"))
+        min_replicas = int(env_number(env, MIN_REPLICAS_ENV, 1, "replica groups"))
         return cls(group=group, groups=groups, lighthouse=lighthouse, min_replicas=min_replicas,
                    rank=int(env.get("RANK", "0")), group_size=int(env.get("WORLD_SIZE", "1")),
-                   collective_timeout=_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0, "seconds"),
-                   quorum_timeout=_number(env, QUORUM_TIMEOUT_ENV, 60.0, "seconds"),
+                   collective_timeout=env_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0),
+                   quorum_timeout=env_number(env, QUORUM_TIMEOUT_ENV, 60.0),
                    bind=env.get(BIND_ENV, "127.0.0.1") or "127.0.0.1")
