@@ -197,9 +197,11 @@ def test_the_demos_plan_line_recommends_nothing_before_this_machine_is_measured(
     def model_fn():
         return torch.nn.Linear(8, 2)
 
-    line = plan_line(model_fn, data, 16, out_dir=str(tmp_path))
+    line = plan_line(model_fn, data, 16, out_dir=str(tmp_path), script="demo.py",
+                     script_args="--strategy {strategy}")
     assert line.startswith("plan: no recommendation yet") and "->" not in line
-    assert "replicator plan" in line and str(tmp_path / "machine.json") in line
+    assert "replicator plan demo.py --workers 2,8,64 -- --strategy {strategy}" in line
+    assert str(tmp_path / "machine.json") in line
     assert not any(word in line for word in ("mirrored", "stay on one process"))
     save_json(tmp_path / "machine.json", MachineProfile.nominal().to_json())
     line = plan_line(model_fn, data, 16, out_dir=str(tmp_path))

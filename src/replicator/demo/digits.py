@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> float:
     if strategy.is_chief:
         print(f"test accuracy {accuracy:.4f} on {len(test_set)} held-out digits | "
               f"wall time {wall:.1f} s | replicas {strategy.num_replicas_in_sync}", flush=True)
-    rp.plan.print_plan_line(strategy, DigitsCNN, train_set, args.batch_size)
+    rp.plan.print_plan_line(strategy, DigitsCNN, train_set, args.batch_size, script=__file__,
+                            script_args="--strategy {strategy}")
     return accuracy
 
 

@@ -9,7 +9,6 @@ how to measure. Only the chief does this; the other replicas return at once.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,9 +19,11 @@ __all__ = ["plan_line", "print_plan_line"]
 
 def plan_line(model_fn: Callable[[], torch.nn.Module], dataset: Any, global_batch: int, *,
               workers: Sequence[int] = (2, 8, 64), device: str = "cpu", link: str = "25gbit",
-              out_dir: str = "bench") -> str:
+              out_dir: str = "bench", script: str = "your_script.py",
+              script_args: str = "") -> str:
     """The recommendation for ``model_fn()`` trained with Adam and cross-entropy on
-    ``dataset`` at ``global_batch``, as one line of text."""
+    ``dataset`` at ``global_batch``, as one line of text (``script`` and ``script_args``: the
+    command that plans it, named when this machine is not measured yet)."""
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
@@ -52,12 +53,12 @@ def plan_line(model_fn: Callable[[], torch.nn.Module], dataset: Any, global_batc
 
     machine = machine_profile_cached(out_dir)
     if machine is None and device == "cpu":
-        script = sys.argv[0] if sys.argv[0].endswith(".py") else "your_script.py"
+        command = f"replicator plan {script} --workers {','.join(map(str, workers))}" + (
+            f" -- {script_args}" if script_args else "")
         return (f"plan: no recommendation yet: this machine's contention and collectives are "
                 f"not measured (figures from elsewhere could say the opposite of what runs "
-                f"fastest here). HINT: replicator plan {script} --workers "
-                f"{','.join(map(str, workers))} measures them once (about a minute, cached in "
-                f"{out_dir}/machine.json)")
+                f"fastest here). HINT: {command} measures them once (about a minute, cached "
+                f"in {out_dir}/machine.json)")
     model = profile_here(train, getattr(model_fn, "__name__", "the model"))
     plan = plan_model(model, list(workers), device=device, link=link,
                       machine=machine or MachineProfile.nominal())
