@@ -57,3 +57,11 @@ def test_each_fragment_is_exchanged_and_applied_once_per_round(h, f, d):
         assert applied[k] == [t + d for t in started[k]][:len(applied[k])]
     last = [applied[k][0] for k in range(f)]
     assert last == sorted(last)  # in turns
+
+
+def test_replica_groups_are_refused_before_any_group_starts(monkeypatch):
+    monkeypatch.setenv("REPLICATOR_REPLICA_GROUPS", "2")
+    monkeypatch.setenv("REPLICATOR_REPLICA_GROUP", "1")
+    monkeypatch.setenv("REPLICATOR_LIGHTHOUSE", "http://localhost:29510")
+    with pytest.raises(rp.errors.ClusterConfigError, match="replica groups yet.*HINT"):
+        rp.DiLoCoStrategy(inner_steps=4)

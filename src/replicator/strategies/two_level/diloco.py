@@ -39,7 +39,9 @@ from replicator.cluster.environment import resolve_cluster
 from replicator.comm.block_quantize import DEFAULT_BLOCK_SIZE, BlockQuantizer
 from replicator.comm.handles import DONE
 from replicator.comm.options import CommunicationOptions
+from replicator.errors import ClusterConfigError
 from replicator.strategies.base import Strategy
+from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.registry import find_strategy_class
 from replicator.strategies.replicas import ReplicaGroup
 from replicator.strategies.scope_capture import named_state
@@ -113,6 +115,12 @@ class DiLoCoStrategy(Strategy):
                  check_finite: bool = False) -> None:
         _check_settings(inner_steps, outer_lr, outer_momentum, fragments, sync_delay,
                         compression)
+        live = LiveSettings.from_env()
+        if live is not None:
+            raise ClusterConfigError(
+                f"{type(self).__name__} cannot run in replica groups yet ({live.who} of "
+                f"{live.groups}). HINT: launch without --replica-groups, and use "
+                "rp.BackupAndRestore to resume after a failure")
         bits = COMPRESSIONS[compression]
         self.inner_steps, self.fragments, self.sync_delay = inner_steps, fragments, sync_delay
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
