@@ -302,7 +302,7 @@ def test_sharded_backup_killed_between_shards_and_marker_resumes_previous(sharde
     _assert_same_sharded_run(reference, out, 2)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(300)
 def test_the_rerun_line_names_the_step_the_rerun_resumes_from(tmp_path):
     # rank 1 dies at step 23 while the chief is still finishing the commit of step 20 (its
     # COMMIT.json is written; slow steps give rank 1's save thread time to agree on its
@@ -314,7 +314,8 @@ def test_the_rerun_line_names_the_step_the_rerun_resumes_from(tmp_path):
     assert (backup / "step-00000020" / "COMMIT.json").exists()
     line = next(s for s in proc.stderr.splitlines() if "resume from the backup" in s)
     said = int(line.split("(step ")[1].split()[0])
-    rerun = _cli(out, backup, "--save-freq", "5", "--attempt-offset", "1", tmp=tmp_path)
+    rerun = _cli(out, backup, "--save-freq", "5", "--steps", "25", "--attempt-offset", "1",
+                 tmp=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     resumed = next(s for s in rerun.stderr.splitlines() if "resuming from" in s)
     assert f"(step {said}," in resumed and said == 20, (line, resumed)
