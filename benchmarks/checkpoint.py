@@ -212,6 +212,23 @@ class LoopbackS3:
 
 
 # -- what the training processes pay per save, in CPU (runs in 2 workers) --------------------------
+def _backed_step(strategy: rp.Strategy, model: nn.Module, opt: torch.optim.Optimizer,
+                 backup_dir: str, **options: object) -> tuple[BackupAndRestore, object]:
+    """A started backup of ``model`` and ``opt``, and one training step of them."""
+    x, y = torch.randn(128, 512), torch.randn(128, 512)
+    backup = BackupAndRestore(backup_dir, delete_checkpoint=True, strategy=strategy,
+                              **options)  # type: ignore[arg-type]
+    backup.track(model=model, optimizer=opt)
+    backup.on_train_begin()
+
+    def step() -> None:
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return backup, step
+
+
 def _other_threads_cpu() -> float:
     """CPU seconds of this process's threads other than the calling one (finished ones too)."""
     return time.process_time() - time.thread_time()
@@ -235,17 +252,8 @@ def cpu_worker(backup_dir: str, rounds: int) -> dict[str, float | list[float]]:
     with strategy.scope():
         model = mlp()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x, y = torch.randn(128, 512), torch.randn(128, 512)
-    backup = BackupAndRestore(backup_dir, save_freq=100, delete_checkpoint=True,
-                              strategy=strategy, saver="process")
-    backup.track(model=model, optimizer=opt)
-    backup.on_train_begin()
-
-    def step() -> None:
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
+    backup, step = _backed_step(strategy, model, opt, backup_dir, save_freq=100,
+                                saver="process")
     for _ in range(5):
         strategy.run(step)
     out: dict[str, list[float]] = {"save_cpu": [], "stall": [], "block": []}
@@ -340,18 +348,9 @@ def sharded_worker(backup_dir: str, saves: int, every: int,
     with strategy.scope():
         model = mlp()
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x, y = torch.randn(128, 512), torch.randn(128, 512)
-    backup = BackupAndRestore(backup_dir, save_freq=every, delete_checkpoint=True,
-                              strategy=strategy, background=background,
-                              saver="process" if background else None)
-    backup.track(model=model, optimizer=opt)
-    backup.on_train_begin()
-
-    def step() -> None:
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
+    backup, step = _backed_step(strategy, model, opt, backup_dir, save_freq=every,
+                                background=background,
+                                saver="process" if background else None)
     stalls, steps = [], []
     for _ in range(saves * every):
         start = time.perf_counter()
