@@ -57,7 +57,7 @@ def build(name: str) -> tuple[nn.Module, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="upcnn")
+    parser.add_argument("--model", default="attn")
     parser.add_argument("--batch", type=int, default=None,
                         help="global batch (default 64 for upcnn, 128 for attn, 256 for embed)")
     parser.add_argument("--epochs", type=int, default=1000)
