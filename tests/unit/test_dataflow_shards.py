@@ -117,3 +117,37 @@ def test_shards_on_s3_fetched_once_per_host_into_a_limited_cache(s3_server,  # n
     with pytest.raises(ShardError, match=r"s3://shards/nothing\.tar does not exist"):
         list(Dataset.from_shards(["s3://shards/nothing.tar"], cache_dir=cache))
     assert torch.cuda.device_count() >= 0
+
+
+def test_a_store_that_stops_mid_epoch_is_named(tmp_path, caplog) -> None:
+    from tests.s3_server import S3Server
+
+    server = S3Server(str(tmp_path / "moto.log"))
+    server.start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        server.make_bucket("stops")
+        urls = write_shards(samples(20), "s3://stops/train", samples_per_shard=10)
+
+        def build(on_error: str) -> Dataset:
+            return Dataset.from_shards(urls, cache_dir=str(tmp_path / on_error),
+                                       prefetch_shards=0, on_error=on_error)
+        skip_ds = build("skip")
+        failing, skipping = iter(build("raise")), iter(skip_ds)
+        assert [next(failing)["__key__"] for _ in range(10)][-1] == "s0009"
+        assert [next(skipping)["__key__"] for _ in range(10)][-1] == "s0009"
+        server.stop()
+        with pytest.raises(ShardError, match=r"could not fetch shard s3://stops/train-000001"):
+            next(failing)
+        with caplog.at_level("WARNING", logger="replicator.data"):
+            assert list(skipping) == []
+        assert skip_ds.stats()["counters"]["skipped_shards"] == 1
+        assert sum("skipped" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

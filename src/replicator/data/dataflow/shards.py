@@ -33,6 +33,11 @@ from replicator.data.dataflow.graph import UNKNOWN, Ctx, Node
 from replicator.data.errors import InputPipelineError
 
 RETRIES = 3
+#: Short timeouts and few retries of the store's client (a shard is tried RETRIES times here).
+S3_DEFAULTS: dict[str, Any] = {
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
+                      "retries": {"max_attempts": 2, "mode": "standard"}},
+}
 
 
 class ShardError(InputPipelineError):
@@ -57,7 +62,8 @@ def store_options(url: str) -> dict[str, Any]:
     fresh: dict[str, dict[str, Any]] = {}
     fsspec.config.set_conf_env(fresh)
     scheme = url.split("://", 1)[0]
-    return {**fsspec.config.conf.get(scheme, {}), **fresh.get(scheme, {})}
+    base = dict(S3_DEFAULTS) if scheme in ("s3", "s3a") else {}
+    return {**base, **fsspec.config.conf.get(scheme, {}), **fresh.get(scheme, {})}
 
 
 def expand_urls(pattern_or_urls: str | Sequence[str]) -> list[str]:
