@@ -62,7 +62,8 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
     full = phases.get(0) or records
 
     def forward_fraction(phase: list[dict[str, float]]) -> float:
-        """The median step's share of compute before its backward (0: no backward seen)."""
+        """The median step's share of compute up to the end of the model's call (0: the
+        model's call was not seen)."""
         shares = [r["forward"] / r["compute"] for r in phase
                   if r.get("forward", 0.0) > 0 and r["compute"] > 0]
         return min(1.0, statistics.median(shares)) if shares else 0.0
