@@ -13,8 +13,9 @@ calibrated run of matrix products on one torch thread, so training holds one cor
   the steps per second).
 - ``autotune_vs_limit``: the loop's images/s with ours, no knob set / ``decode_limit`` (goal
   >= 0.9).
-- ``vs_dataloader_best``: ours / a DataLoader with the best ``num_workers`` of a sweep
-  (goal >= 1.0); ``vs_dataloader_default``: ours / DataLoader with ``num_workers=0`` (>= 2).
+- ``vs_dataloader_best``: ours / a DataLoader with the best ``num_workers`` of a sweep over
+  0 .. cores (goal >= 1.0); ``vs_dataloader_default``: ours / DataLoader with
+  ``num_workers=0`` (>= 2).
 - ``vs_torchdata_nodes``, ``vs_webdataset``: ours / each peer reading the same images (the
   peer's ``num_workers`` set to the host's cores), where the peer imports
   (``pip install --no-deps torchdata==0.11 webdataset braceexpand``; MosaicML Streaming needs
@@ -29,12 +30,13 @@ calibrated run of matrix products on one torch thread, so training holds one cor
 Each round builds every variant afresh and times ``--batches`` batches after two (so no variant
 starts with batches buffered while another ran); the rounds rotate the variants' order, so the
 noise of a shared machine hits all alike; medians and ranges over the rounds are reported.
-Run: ``python benchmarks/ingestion.py [--images 768] [--batches 6] [--rounds 3] [--no-s3]``
+Run: ``python benchmarks/ingestion.py [--images 512] [--batches 4] [--rounds 3] [--no-s3]``
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import math
 import os
@@ -279,7 +281,7 @@ def variants(paths: list[str], folder: str, cores: int) -> dict[str, Any]:
         return lambda: endless(DataLoader(Images(paths), batch_size=BATCH, shuffle=True,
                                           drop_last=True, num_workers=workers))
     out: dict[str, Any] = {"ours": lambda: ours(paths)}
-    out.update({f"DataLoader num_workers={w}": loader(w) for w in range(cores + 2)})
+    out.update({f"DataLoader num_workers={w}": loader(w) for w in range(cores + 1)})
     if torchdata_nodes(paths, 1) is not None:
         out["torchdata_nodes"] = lambda: torchdata_nodes(paths, cores)
     shards = wds_shards(paths, folder)
@@ -300,13 +302,14 @@ def measure(build: Any, warm: int, timed: int) -> tuple[float, float, dict]:
     if isinstance(source, Dataset):
         source.close()
     del it, source
+    gc.collect()  # a peer's workers are gone before the next variant forks its own
     return r, first, stats
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=768)
-    parser.add_argument("--batches", type=int, default=6, help="timed batches per turn")
+    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--batches", type=int, default=4, help="timed batches per turn")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(),
@@ -325,6 +328,7 @@ def main() -> None:
         names = list(builders)[r % len(builders):] + list(builders)[:r % len(builders)]
         for name in names:
             got, first, st = measure(builders[name], 2, args.batches)
+            print(f"round {r}: {name}: {got:.1f} images/s", flush=True)
             rates[name].append(got)
             if name == "ours":
                 firsts.append(first)

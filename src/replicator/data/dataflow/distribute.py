@@ -101,8 +101,8 @@ class _Engine:
     """Runs a plan's specs through the dataset's pool (one task per replica's batch)."""
 
     def __init__(self, runtime: Runtime, materialiser: DataflowMaterialiser, name: str,
-                 parallel: int, deterministic: bool) -> None:
-        self.runtime, self.materialiser = runtime, materialiser
+                 parallel: int, deterministic: bool, key: Any) -> None:
+        self.runtime, self.materialiser, self.key = runtime, materialiser, key
         self.name, self.parallel, self.deterministic = name, parallel, deterministic
 
     def __call__(self, specs: Iterator[Spec]) -> Iterator[LocalBatch]:
@@ -110,7 +110,7 @@ class _Engine:
         if self.parallel == 1:  # num_parallel_calls=None: in the prefetch thread
             results: Iterator[Any] = map(self.materialiser.run, specs)
         else:
-            pool = self.runtime.pool(id(self), self.name, self.materialiser.run, self.parallel)
+            pool = self.runtime.pool(self.key, self.name, self.materialiser.run, self.parallel)
             results = pool.imap(specs, self.deterministic,
                                 lambda s: f"a batch ending at element {s.position}")
         for item, failures in results:
@@ -182,7 +182,9 @@ def build_dataflow(data: Dataset, ctx: InputContext, *, batch_size: int | None,
             parallel = max(1, options.num_workers)
         forced = data.options.deterministic
         deterministic = all(m.deterministic for m in batch.maps) if forced is None else forced
-        engine = _Engine(runtime, materialiser, batch.describe(), parallel, deterministic)
+        # one pool per batch stage, however often the dataset is distributed
+        engine = _Engine(runtime, materialiser, batch.describe(), parallel, deterministic,
+                         key=("distributed", id(batch)))
     return Pipeline(plan, materialiser, options, rank, world, AutoShardPolicy.DATA,
                     data.options.seed, False, batch.size, drop, 0, None, None, group,
                     partial_batch, data, engine)

@@ -38,7 +38,7 @@ class Runtime:
 
     def __init__(self, options: Options) -> None:
         self.options = options
-        self.pools: dict[int, Any] = {}
+        self.pools: dict[Any, Any] = {}
         self.tuners: dict[str, Tuner] = {}
         self.caches: dict[int, Any] = {}
         self.counters: dict[str, int] = {}
@@ -77,7 +77,7 @@ class Runtime:
                                         self.options.cpus)
         return self._meter
 
-    def pool(self, key: int, name: str, fn: Any, parallel: int) -> Any:
+    def pool(self, key: Any, name: str, fn: Any, parallel: int) -> Any:
         from replicator.data.dataflow.engine import Pool
 
         if key not in self.pools:
