@@ -153,3 +153,19 @@ def test_trajectory_queue_is_fifo_drops_oldest_and_resumes():
         q.get(3, timeout_seconds=0.2)
     with pytest.raises(ValueError, match="length"):
         q.add({"obs": torch.zeros(1, 3, 2), "action": torch.zeros(1, 2)})
+
+
+def test_vtrace_on_policy_gives_discounted_returns():
+    from replicator.rl import vtrace
+
+    rewards = torch.tensor([[1.0, 2.0, 3.0]])
+    values = torch.tensor([[0.5, 0.1, -0.2, 4.0]])
+    discounts = torch.tensor([[0.9, 0.9, 0.0]])  # the episode ends after the third step
+    logp = torch.zeros(1, 3)
+    vs, adv = vtrace(logp, logp, rewards, values, discounts)
+    expected = [1 + 0.9 * (2 + 0.9 * 3), 2 + 0.9 * 3, 3.0]
+    assert vs[0].tolist() == pytest.approx(expected)
+    assert adv[0, 2].item() == pytest.approx(3.0 - (-0.2))
+    # off-policy: the importance ratio is clipped at 1
+    vs_off, _ = vtrace(logp - 5.0, logp, rewards, values, discounts)
+    assert vs_off[0].tolist() == pytest.approx(expected)

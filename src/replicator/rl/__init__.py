@@ -13,7 +13,8 @@ from replicator.rl.n_step import NStepAccumulator
 from replicator.rl.rate_limiter import RateLimiterTimeoutError, SampleToInsertRatio
 from replicator.rl.replay import ReplayBuffer
 from replicator.rl.trajectory_queue import TrajectoryQueue
+from replicator.rl.vtrace import vtrace
 
 __all__ = ["ActorLearner", "LOCKSTEP", "is_actor", "actor_index", "num_actors",
            "ReplayBuffer", "TrajectoryQueue", "SampleToInsertRatio", "NStepAccumulator",
-           "RateLimiterTimeoutError", "EnvironmentStepError"]
+           "RateLimiterTimeoutError", "EnvironmentStepError", "vtrace"]

@@ -35,6 +35,11 @@ from replicator.rl.experience import ExperienceBuilder
 __all__ = ["ActorConfig", "EnvironmentStepError", "run_actor"]
 
 
+#: Batches an actor keeps queued for sending: few, so that experience waiting behind the
+#: learners' rate limiter is not made with weights long replaced (the policy lag).
+_OUTBOX_BATCHES = 2
+
+
 class EnvironmentStepError(ReplicatorError):
     """An environment raised inside an actor; the message names the actor and the step."""
 
@@ -256,7 +261,7 @@ def _free_running(cfg: ActorConfig, stepper: _Stepper, links: _Links) -> None:
     _load(stepper.policy, tensors)
     torch.manual_seed(cfg.seed * 1_000_003 + cfg.index * 10_007 + cfg.restart)
     stepper.reset(cfg.seed * 1_000_003 + cfg.index * 10_007 + cfg.restart * 101)
-    outbox: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=16)
+    outbox: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=_OUTBOX_BATCHES)
     sender = _Sender(cfg, links, outbox, version)
     sender.start()
     builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)

@@ -70,6 +70,8 @@ class ActorLearner:
     extras travel with the experience (a tensor becomes ``behaviour_logp``). ``num_envs``
     environments per actor; ``publish_every`` learner steps between weight publications;
     ``lockstep=True`` (or :data:`LOCKSTEP`): deterministic rounds of ``round_steps`` steps.
+    ``max_policy_lag``: experience made with weights more than that many learner steps old is
+    dropped on arrival (counted in ``stats()["stale_dropped"]``); the lag is measured always.
     """
 
     def __init__(self, strategy: Strategy | Callable[[], Strategy], env_fn: Any,
@@ -78,6 +80,7 @@ class ActorLearner:
                  act_fn: Callable[..., Any] | None = None, num_envs: int = 4,
                  publish_every: int = 10, seed: int = 0, lockstep: bool | str = False,
                  round_steps: int = 8, send_every: int = 64,
+                 max_policy_lag: int | None = None,
                  timeout_seconds: float | None = None) -> None:
         check_env(env_fn)
         if not isinstance(replay, (ReplayBuffer, TrajectoryQueue)):
@@ -93,6 +96,7 @@ class ActorLearner:
         self.lockstep = lockstep in (True, LOCKSTEP)
         self.round_steps = replay.length if isinstance(replay, TrajectoryQueue) else round_steps
         self.send_every = send_every
+        self.max_policy_lag = max_policy_lag
         self.timeout_seconds = resolve_timeout(timeout_seconds)
         self.num_actors = num_actors()
         self.step = 0
@@ -149,7 +153,8 @@ class ActorLearner:
                 raise RuntimeError("the learner's API is for learner processes")
             self._server = ExperienceServer(
                 self.replay, self.rank, self.num_actors, lockstep=self.lockstep,
-                publish_every=self.publish_every, timeout_seconds=self.timeout_seconds)
+                publish_every=self.publish_every, timeout_seconds=self.timeout_seconds,
+                max_policy_lag=self.max_policy_lag)
             self._server.step = self.step
             if self._published is not None:
                 self._server.publish(*self._published)
@@ -202,7 +207,7 @@ class ActorLearner:
         return out
 
     def episodes(self) -> list[tuple[float, int, float]]:
-        """Episodes the actors finished: (return, actor's env steps, learner's seconds)."""
+        """Episodes the actors finished: (return, env steps received, learner seconds)."""
         return [] if self._server is None else list(self._server.episodes)
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ on while it is sent). An actor that dies closes only its own connection.
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import threading
 import time
@@ -34,13 +35,17 @@ class ExperienceServer:
     """Accept actors' connections for learner replica ``rank``; insert into ``replay``."""
 
     def __init__(self, replay: Any, rank: int, num_actors: int, *, lockstep: bool,
-                 publish_every: int, timeout_seconds: float) -> None:
+                 publish_every: int, timeout_seconds: float,
+                 max_policy_lag: int | None = None) -> None:
         self.replay = replay
         self.rank = rank
         self.num_actors = num_actors
         self.lockstep = lockstep
         self.publish_every = publish_every
         self.timeout_seconds = timeout_seconds
+        #: Experience made with weights more than this many steps old is dropped.
+        self.max_policy_lag = max_policy_lag
+        self.stale_dropped = 0
         self.step = 0
         self._lock = threading.Condition()
         self._snapshot: tuple[int, list[torch.Tensor]] | None = None
@@ -50,7 +55,7 @@ class ExperienceServer:
         self._closed = False
         self.env_steps = 0
         self.items = 0
-        self.max_policy_lag = 0
+        self.max_lag_seen = 0
         self._lags: deque[int] = deque(maxlen=_LAGS_KEPT)
         self.episodes: list[tuple[float, int, float]] = []  # (return, env steps, seconds)
         self.joins: list[dict[str, int]] = []
@@ -102,7 +107,7 @@ class ExperienceServer:
     def stats(self) -> dict[str, Any]:
         lags = list(self._lags)
         return {"env_steps": self.env_steps, "items": self.items,
-                "max_policy_lag": self.max_policy_lag,
+                "max_policy_lag": self.max_lag_seen, "stale_dropped": self.stale_dropped,
                 "median_policy_lag": statistics.median(lags) if lags else 0,
                 "episodes": len(self.episodes), "joins": list(self.joins)}
 
@@ -118,7 +123,12 @@ class ExperienceServer:
             except PeerLostError:
                 pass
             conn.close()
+        try:  # wakes the accepting thread (a close alone leaves it in accept())
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
+        self._thread.join(timeout=5.0)
 
     # threads
     def _accept(self) -> None:
@@ -184,7 +194,8 @@ class ExperienceServer:
             elif msg.kind == T.EPISODES and msg.payload is not None:
                 now = time.monotonic() - self._started
                 with self._lock:
-                    self.episodes.extend((float(r), msg.a, now) for r in msg.payload.tolist())
+                    self.episodes.extend((float(r), self.env_steps, now)
+                                         for r in msg.payload.tolist())
             elif msg.kind == T.ASK:
                 self._answer(conn, msg.b)
             elif msg.kind == T.BYE:
@@ -205,10 +216,13 @@ class ExperienceServer:
             self.env_steps += steps
             self.items += int(parts[1].shape[0]) if len(parts) > 1 else 0
             self._lags.append(lag)
-            self.max_policy_lag = max(self.max_policy_lag, lag)
+            self.max_lag_seen = max(self.max_lag_seen, lag)
             if self.lockstep:
                 self._rounds[(round_, actor)] = items
                 self._lock.notify_all()
+                return
+            if self.max_policy_lag is not None and lag > self.max_policy_lag:
+                self.stale_dropped += int(parts[1].shape[0]) if len(parts) > 1 else 0
                 return
         self.replay.add(items)
 

@@ -2,8 +2,11 @@
 
 Actors cut each environment's stream into trajectories of ``length`` steps (observations carry
 one more, the bootstrap state) and the learner dequeues batches of them; V-trace corrects for
-the policy lag. A full queue drops its oldest trajectory rather than block the actor side (the
-count is in ``dropped``); a learner waiting for a batch waits at most ``timeout_seconds``.
+the policy lag. An insert into a full queue waits for the learner (which holds the actors back:
+on-policy experience made far ahead of the learner would only be older), at most
+``timeout_seconds``, then drops the oldest trajectories (counted in ``dropped``); a learner
+waiting for a batch waits at most ``timeout_seconds`` too. The learner itself never waits on an
+insert.
 """
 
 from __future__ import annotations
@@ -57,7 +60,12 @@ class TrajectoryQueue:
         if steps is not None and steps != self.length:
             raise ValueError(f"trajectories of {steps} steps offered to a TrajectoryQueue of "
                              f"length {self.length}. HINT: the actors' unroll length must match.")
+        timeout = self.timeout_seconds if timeout_seconds is None else timeout_seconds
+        deadline = time.monotonic() + timeout
         with self._cond:
+            while len(self._items) >= self.capacity and not self._closed \
+                    and not self.lockstep and time.monotonic() < deadline:
+                self._cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
             for i in range(sizes.pop()):
                 self._items.append({k: v[i] for k, v in trajectories.items()})
                 self.inserted += 1
@@ -83,6 +91,7 @@ class TrajectoryQueue:
                         "raise timeout_seconds or use a smaller batch.")
                 self._cond.wait(min(left, 0.5))
             taken = [self._items.popleft() for _ in range(batch_size)]
+            self._cond.notify_all()
         return {k: torch.stack([t[k] for t in taken]) for k in taken[0]}
 
     sample = get
