@@ -9,11 +9,17 @@ task, so one batch is one hand-over. Workers start lazily, up to the tuner's par
 worker beyond the current parallelism parks (no task), so the tuner can lower and raise it
 without starting processes again. Thread workers follow the same protocol in-process.
 
-Measured on this project's 2-core CI machine (a JPEG decode + crop + resize with PIL, which
-releases the GIL in decode and resize): 291 images/s on one thread, 313 on two threads (1.08x),
-against about 1.7x with two process workers in ``benchmarks/ingestion.py``; processes are the
-default, threads (``Options(worker_type="thread")``) suit functions that are mostly torch ops or
-I/O, and need no pickling.
+Why our own engine and not ``torchdata.nodes`` (0.11): its ``ParallelMapper`` takes a fixed
+``num_workers`` (nothing tunes it while running), maps one element per task and collates in the
+consumer, and it would be a new dependency. It was measured beside ours in
+``benchmarks/ingestion.py`` on this project's 2-core machine while other jobs loaded it (load
+average 15-36): medians of 3 rounds 65 images/s (45-66) for it, 45 (38-47) for ours, the
+ranges overlapping only between 45 and 47; so ours is not shown at least as fast, and the
+comparison is to be repeated on an idle machine before the choice is final.
+Threads against processes, measured on the same machine (JPEG decode + crop + resize with PIL,
+which releases the GIL in decode and resize): 291 images/s on one thread, 313 on two (1.08x);
+processes are the default, threads (``Options(worker_type="thread")``) suit functions that are
+mostly torch ops or I/O, and need no pickling.
 """
 
 from __future__ import annotations
