@@ -336,6 +336,9 @@ class LocalGroup:
                     env[NUM_PS_ENV] = str(self.num_ps)
                 if self.num_actors:
                     env[NUM_ACTORS_ENV] = str(self.num_actors)
+                    if "OMP_NUM_THREADS" not in (self.base_env or os.environ):  # cores shared
+                        env["OMP_NUM_THREADS"] = str(max(1, available_cores() // (  # with actors
+                            self.world + self.num_actors)))
                 self.workers.append(_Worker(rank, self.start_fn(rank, env)))
             for k in range(self.num_actors):
                 self.workers.append(self._start_actor(k, attempt, 0))
