@@ -1,22 +1,16 @@
 """The layout of a job: named mesh axes over the worker processes, roles, and hosts.
 
-A :class:`Topology` says, for each process of the job, its role (``chief``, ``worker`` or
-``ps``), its host, and, for worker processes, its coordinates on named axes of a
-``torch.distributed.device_mesh.DeviceMesh``. Any name is an axis, as in ``DeviceMesh``; four
-have a meaning to replicator (``data``, ``fsdp``, ``pipeline``, ``tensor``: :data:`KNOWN_AXES`)
-and strategies use only theirs. Another name (``model``, ``expert``, ``dp``...) is an axis of
-your own: its groups are there for your code, and replicas along it see the same data. A name
-one or two edits from a known one (``tensr``, ``Data``) is refused as a likely typo. Rooms
-below the strategies never reach for the default group by themselves: a strategy asks the
-topology for the group of the axis it works on and hands that group down.
+A :class:`Topology` gives each process its role (``chief``, ``worker`` or ``ps``), its host,
+and, for workers, its coordinates on named axes of a ``DeviceMesh``. Four names mean something
+to replicator (:data:`KNOWN_AXES`: ``data``, ``fsdp``, ``pipeline``, ``tensor``); any other is
+an axis of your own (replicas along it see the same data), and one or two edits from a known
+one (``tensr``) is refused as a likely typo. Rooms below the strategies never reach for the
+default group: a strategy asks the topology for its axis's group and hands it down.
 
-Layout conventions (torchtitan's): workers are global ranks ``0 .. W-1`` and parameter servers
-the last ``num_ps`` ranks, so global rank 0 is always the chief; the mesh is row-major over the
-axes in the order given, so the last axis holds neighbouring ranks (tensor parallelism, which
-talks most, stays inside a host).
-
-Building a topology is a collective: every process of the job constructs it, with the same
-arguments, in the same order relative to its other collectives.
+Layout (torchtitan's): workers are ranks ``0 .. W-1`` and parameter servers the last ``num_ps``
+(rank 0 is the chief); the mesh is row-major in the order given, so the last axis holds
+neighbouring ranks (tensor parallelism stays inside a host). Building a topology is a
+collective: every process constructs it with the same arguments, in the same order.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Cross-device all-reduce algorithms: the one argument that picks how replicas communicate.
 
 An algorithm sums a flat tensor across the replicas of a process group, in place, and returns a
-handle to wait on so that communication overlaps the rest of ``backward()``.
-``NativeAllReduce`` is the backend's own (NCCL on GPU, gloo on CPU) and the default; the others
-live in ``ring.py``, ``hierarchical.py``, ``reduce_to_one.py`` and ``shared_memory.py``.
+handle to wait on, so communication overlaps ``backward()``. ``NativeAllReduce`` (NCCL on GPU,
+gloo on CPU) is the default; the others live in ``ring.py``, ``hierarchical.py``,
+``reduce_to_one.py`` and ``shared_memory.py``. Every algorithm takes ``compression=``
+(:class:`~replicator.comm.compression.Compression`) and works on any group (``None``: the whole
+world); ranks that name a replica (``dst``, ``destination=``) are group ranks, as torch's
+``group_dst``.
 
-Every algorithm takes ``compression=`` (see :class:`~replicator.comm.compression.Compression`):
-the gradients are compressed before they travel and restored after, whatever the transport.
-
-Every algorithm works on any process group: ``group=None`` is the whole world, and a sub-group
-(a data-parallel axis of a mesh, the workers of a parameter-server job) is summed over its
-members only; processes outside it are free to do something else meanwhile. Ranks that name a
-replica (``reduce_sum_async``'s ``dst``, ``ReductionToOneDevice(destination=)``) are positions
-within the group (group ranks), as in ``torch.distributed``'s ``group_dst``.
-
-Writing an algorithm: subclass :class:`CrossDeviceOps` and implement ``_sum_now`` (sum in place
-over the given group, on the calling thread). By default it then runs on the group's
-communication lane, a background thread with a private copy of the group (``comm_thread.py``).
+Writing one: subclass :class:`CrossDeviceOps` and implement ``_sum_now`` (sum in place over the
+group, on the calling thread); by default it runs on the group's communication lane
+(``comm_thread.py``).
 """
 
 from __future__ import annotations

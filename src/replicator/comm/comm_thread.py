@@ -1,24 +1,18 @@
 """Communication lanes: per process group, a background thread with a private copy of the group.
 
-Algorithms made of several dependent steps (ring, hierarchical, reduce-to-one, compressed
-all-reduce) run on a lane so that ``backward()`` goes on while they communicate.
-:func:`lane` gives the lane of a group, created on its first use, one per group object.
+Algorithms of several dependent steps (ring, hierarchical, reduce-to-one, compressed
+all-reduce) run on a lane so that ``backward()`` goes on while they communicate. :func:`lane`
+gives a group's lane, created on first use, one per group object.
 
-Why a private copy of the group: two threads issuing collectives on one group can pair
-different operations across ranks (rank 0's lane sends bucket 3 while rank 1's main thread
-broadcasts a flag, and each receives the other's bytes). The lane's copy carries only the
-lane's traffic, and tasks run one at a time in submission order, which is the same on every
-rank, so the lane's collectives always match. One lane per group also keeps two groups apart:
-a data-parallel and a model-parallel group (two mesh axes, two strategies) each get their own
-thread and copy, and never interleave.
+Why a private copy: two threads issuing collectives on one group can pair different operations
+across ranks. The copy carries only the lane's traffic, run one task at a time in submission
+order (the same on every rank), so the lane's collectives always match, and two groups (two
+mesh axes, two strategies) never interleave. The copy is made by the group's members only
+(:func:`~replicator.comm.groups.new_private_group`).
 
-The copy is created by the group's members only (:func:`~replicator.comm.groups.
-new_private_group`), so two disjoint groups may start their lanes at different times; the
-members of one group must use it in the same order, as every collective requires.
-
-Lifetime: lanes are keyed weakly by the group object (never by ``id()``, which a new group
-may reuse); when the group is collected its lane's thread ends. :func:`close_lanes` ends them
-all; it runs before replicator destroys the process group, and when the world changes.
+Lanes are keyed weakly by the group object (never by ``id()``); when the group is collected its
+thread ends. :func:`close_lanes` ends them all, before the process group is destroyed and when
+the world changes.
 """
 
 from __future__ import annotations

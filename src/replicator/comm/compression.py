@@ -6,17 +6,12 @@ Compression is given to an algorithm, whichever transport it uses::
     rp.MirroredStrategy(cross_device_ops=rp.comm.NativeAllReduce(compression=fp16))
     rp.comm.RingAllReduce(compression=rp.comm.Compression.powersgd(rank=2))
 
-A :class:`Compression` receives the flat gradient bucket and a ``sum_fn`` that sums a tensor
-uncompressed across replicas with the chosen algorithm; it sends a smaller tensor through
-``sum_fn`` and writes the (approximate) sum back into the bucket. Compressions with error
-feedback remember, per bucket, what the compression lost and add it to the next step's
-gradient, so the error does not accumulate.
-
-Per-bucket state is keyed by the bucket's :attr:`BucketLayout.key`, ``(owner, index)``: one
-algorithm (and its Compression) may serve several models, whose synchronizers each number
-their buckets from 0. The state is bounded: at most ``max_buckets`` buckets are remembered
-(the least recently used is forgotten first, which only restarts its error feedback or
-warm start), and :meth:`Compression.release` drops an owner's buckets at once.
+A :class:`Compression` gets the flat bucket and a ``sum_fn`` that sums uncompressed with the
+chosen algorithm; it sends a smaller tensor through ``sum_fn`` and writes the approximate sum
+back. Error feedback remembers, per bucket, what compression lost and adds it to the next step.
+Per-bucket state is keyed by :attr:`BucketLayout.key` ``(owner, index)`` (one algorithm may
+serve several models) and bounded: at most ``max_buckets``, least recently used forgotten first
+(which only restarts its error feedback); :meth:`Compression.release` drops an owner's buckets.
 """
 
 from __future__ import annotations

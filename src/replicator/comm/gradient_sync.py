@@ -1,49 +1,33 @@
 """Average gradients across replicas during ``backward()``, bucket by bucket (DDP's reducer).
 
-Parameters are grouped into buckets in reverse creation order (roughly the order their
-gradients become ready). A hook fires when a parameter's gradient is accumulated; once every
-gradient of a bucket is in, that bucket's all-reduce starts while ``backward()`` goes on.
-Buckets always start in the same order on every rank, so collectives match across ranks. At the
-end of ``backward()`` the remaining buckets start, all are awaited, and the averaged gradients
-are written back into ``.grad``: after ``loss.backward()`` returns, ``.grad`` holds the mean
-over replicas, as with DDP.
+Parameters are bucketed in reverse creation order (roughly when their gradients are ready); a
+hook starts a bucket's all-reduce once all its gradients are in, while ``backward()`` goes on.
+Buckets start in the same order on every rank, so collectives match. After ``loss.backward()``
+returns, ``.grad`` holds the mean over replicas, as with DDP. A parameter with no gradient in
+this pass contributes its ``.grad`` (zeros when ``None``) and keeps ``grad=None`` unless some
+rank produced a non-zero gradient for it.
 
-A parameter that got no gradient in this pass contributes its current ``.grad`` (zeros when
-``None``); it receives the average if any rank produced a non-zero gradient for it and keeps
-``grad=None`` otherwise.
+As in DDP's ``gradient_as_bucket_view``, ``param.grad`` becomes a view of its bucket, so the
+average lands without a copy back (a ``.grad`` kept across steps is overwritten by the next
+``backward()``). Buckets are made by the algorithm (``make_buffers``), so it can keep them where
+it communicates fastest (shared memory). ``destination=r`` reduces onto rank ``r`` only
+(central storage); the other ranks keep their local gradients.
 
-As in DDP's ``gradient_as_bucket_view``, once a gradient has been copied into its bucket,
-``param.grad`` becomes a view of the bucket buffer, so the average lands in ``.grad`` without a
-copy back; a ``.grad`` tensor kept across steps is therefore overwritten by the next
-``backward()`` (``optimizer.zero_grad()`` works as usual).
-
-Bucket buffers are made by the algorithm (``make_buffers``), so an algorithm can keep them
-where it communicates fastest (shared memory). With ``destination=r`` the buckets are only
-reduced onto rank ``r`` (central storage): rank ``r`` gets the averages, the other ranks keep
-their local gradients.
-
-Integrity: with ``check=True`` each synced pass first exchanges a fingerprint of itself
-("gradient averaging of synchronizer k", buckets, elements, dtypes) over the strategy's
-collectives, started at the first ready gradient and awaited when the first bucket is ready
-(so its latency overlaps backward up to there; launching buckets at a point that does not
-depend on timing keeps the order of operations the same on every rank), so a rank in
-``backward()`` and a rank in ``strategy.reduce`` raise
+Integrity: with ``check=True`` each synced pass exchanges a fingerprint of itself, started at
+the first ready gradient and awaited at the first ready bucket (its latency overlaps backward),
+so a rank in ``backward()`` and a rank in ``strategy.reduce`` raise
 :class:`~replicator.errors.CollectiveMismatchError` instead of pairing their payloads.
 
-Buffers (BatchNorm running statistics): at the end of each synced pass, after the gradient
-buckets, ``buffer_sync="mean"`` averages the floating-point buffers across replicas and
-broadcasts the integer ones (``num_batches_tracked``) from replica 0; ``"broadcast"`` sends all
-of replica 0's buffers (DDP's behaviour); ``"none"`` leaves them alone. One collective per dtype.
+Buffers: after the buckets, ``buffer_sync="mean"`` averages floating-point buffers (BatchNorm
+statistics) and broadcasts integer ones from replica 0; ``"broadcast"`` sends all of replica
+0's (DDP's behaviour); ``"none"`` leaves them alone. One collective per dtype.
 
-Distributed tensors (tensor-parallel shards, DTensor parameters): the buckets hold each
-parameter's local shard (``to_local()``), so replicas along a data axis average the shards
-they hold; their ``.grad`` stays a DTensor and receives the average by a copy, never becomes a
-bucket view.
+Distributed tensors (tensor-parallel shards, DTensor parameters): buckets hold each local shard
+(``to_local()``); their ``.grad`` stays a DTensor and receives the average by a copy.
 
-Manual trigger (``automatic=False``): no hooks are installed and :meth:`synchronize` averages
-every gradient at once, for a caller that knows when backward is over better than autograd does
-(a pipeline schedule, whose backward passes are nested inside the outer one). ``enabled`` gates
-both modes (``no_sync``).
+Manual trigger (``automatic=False``): no hooks; :meth:`synchronize` averages every gradient at
+once, for a caller that knows better than autograd when backward is over (a pipeline schedule).
+``enabled`` gates both modes (``no_sync``).
 """
 
 from __future__ import annotations

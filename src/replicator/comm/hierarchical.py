@@ -1,19 +1,12 @@
 """Hierarchical all-reduce: sum inside each host, all-reduce among host leaders, share back.
 
 Only one replica per host talks across hosts, so the slow network carries the tensor once per
-host instead of once per replica. The hosts are the real ones: every member of the group
-sends its host key (:func:`replicator.cluster.hosts.exchange_host_keys`, which honours
-``REPLICATOR_HOST``), and ranks with one key form one host; hosts may hold different numbers
-of processes. The first rank of each host (in group order) is its leader.
-
-Per host, the intra-host steps use shared memory when every member can (CPU tensors, a
-usable ``/dev/shm``): an all-reduce through shared memory, the leaders' all-reduce, then the
-leader's result shared back (the others contribute zeros). Otherwise the backend's reduce to
-the leader and broadcast from it. With a single host the leader step is skipped.
-
-The host groups and the leaders' group are created on first use of a group, by their members
-only (see ``groups.py``), and kept per group: :meth:`HierarchicalAllReduce.topology_for` shows
-them.
+host. Hosts are the real ones (:func:`replicator.cluster.hosts.exchange_host_keys`, which
+honours ``REPLICATOR_HOST``) and may hold different numbers of processes; the first rank of
+each host is its leader. Inside a host, shared memory is used when every member can (CPU
+tensors, a usable ``/dev/shm``), else the backend's reduce and broadcast; with one host the
+leader step is skipped. The host and leader groups are made on first use by their members only
+and kept per group (:meth:`HierarchicalAllReduce.topology_for`).
 """
 
 from __future__ import annotations

@@ -1,40 +1,28 @@
 """Pipeline parallelism: a model cut into stages on the ranks of a 1-D ``DeviceMesh``.
 
-Built on ``torch.distributed.pipelining`` (``PipelineStage`` and its schedules: GPipe, 1F1B,
-interleaved 1F1B, interleaved zero bubble). The user's step function keeps its one-device
-shape (``loss = loss_fn(model(x), y); loss.backward()``), which the schedules cannot run as
-such, since 1F1B must know the loss of each microbatch before the forward pass ends. So a
-call of the model runs in two passes:
+Built on ``torch.distributed.pipelining`` (``PipelineStage``; GPipe, 1F1B, interleaved 1F1B,
+interleaved zero bubble). The user's step keeps its one-device shape (``loss = loss_fn(model(x),
+y); loss.backward()``), which 1F1B cannot run as such (it needs each microbatch's loss before
+the forward ends), so a call of the model runs in two passes:
 
-1. ``model(x)`` runs the stages forward without autograd, microbatch by microbatch, and
-   gives every rank of the pipeline the full output (a leaf tensor that requires grad), so
-   the user's loss is computed, and reported, the same on every rank.
-2. ``loss.backward()`` reaches that output with ``dL/d(output)``; a hook then runs the
-   schedule, whose loss for microbatch ``i`` is ``sum(output_i * dL/d(output_i))``: its
-   gradient is exactly the user loss's gradient, for any loss, so no scaling is applied
-   (``scale_grads=False``; torch's default divides by the number of microbatches, which is
-   right only for a loss averaged per microbatch).
+1. ``model(x)`` runs the stages forward without autograd and gives every rank of the pipeline
+   the full output (a leaf that requires grad), so the loss is the same on every rank.
+2. ``loss.backward()`` reaches that output with ``dL/d(output)``; a hook runs the schedule with
+   the loss ``sum(output_i * dL/d(output_i))`` per microbatch, whose gradient is exactly the
+   user loss's for any loss (``scale_grads=False``).
 
-The price is a second forward pass without autograd (about a third more compute for a
-model whose backward costs twice its forward) and a broadcast of the output within the
-pipeline group. The random-number state is replayed, so dropout masks are the same in both
-passes. When the loss is known up front (a function of the output and a target),
-:meth:`PipelineRunner.forward_backward` (``strategy.forward_backward``) runs both in one
-schedule run instead, the loss on the last stage. A Hugging Face language model called with
-its labels (``model(input_ids=x, labels=x).loss``) computes its own loss on the last stage in
-pass 1, which broadcasts that loss rather than the logits; pass 2 is the same.
+The price is a second forward without autograd (about a third more compute) and a broadcast of
+the output; the random-number state is replayed, so dropout masks match. When the loss is known
+up front, :meth:`PipelineRunner.forward_backward` runs one schedule with the loss on the last
+stage. A Hugging Face model called with its labels computes its loss on the last stage in pass
+1, which broadcasts that loss rather than the logits.
 
-Every exchange between stages (the value pass's sends, receives and broadcasts, and each run
-of the schedule's ``step``, whose sends and receives torch issues) runs inside the ``guard``
-the caller passes in (a strategy's ``Collectives.guard``), so a stage whose neighbour hangs
-fails after the process group's timeout with a :class:`~replicator.errors.ReplicaTimeoutError`
-naming its rank and the pass it was in, instead of waiting for ever. Each pass is one guarded
-operation on every rank of the pipeline, so all of them count the same number.
-
-Tied weights (a parameter that stages on different ranks share, such as GPT-2's embedding and
-output head) are kept as a copy on each of those ranks and their gradients summed after each
-run of the schedule, before ``after_backward`` (:mod:`replicator.parallel.pipeline_tied`);
-:meth:`PipelineRunner.full_state_dict` gathers the stages into one state dict.
+Every exchange between stages runs inside the caller's ``guard`` (``Collectives.guard``), one
+guarded operation per pass on every rank, so a stage whose neighbour hangs raises
+:class:`~replicator.errors.ReplicaTimeoutError` naming its rank and pass. Tied weights (GPT-2's
+embedding and head) are a copy on each rank whose gradients are summed after each schedule run
+(:mod:`replicator.parallel.pipeline_tied`); :meth:`PipelineRunner.full_state_dict` gathers the
+stages into one state dict.
 """
 
 from __future__ import annotations

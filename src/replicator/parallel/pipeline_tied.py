@@ -1,20 +1,14 @@
 """Tied weights across pipeline stages: one parameter, a copy on each rank that uses it.
 
-A language model's output head often shares its weight with the token embedding (GPT-2's
-``lm_head.weight`` is ``transformer.wte.weight``), so the first and the last stage both use
-it. As Megatron does, each rank running one of those stages keeps its own copy; the copies
-start equal (a broadcast from the lowest of those ranks when the pipeline is cut) and stay
-equal because, after every run of the schedule, each copy's gradient is replaced by the sum of
-all copies' gradients, which is the one-device gradient of the shared weight. The sum runs
-over a small process group of the holding ranks only, made by its members
-(:func:`~replicator.comm.groups.new_private_group`), with the job's timeout.
+GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``, so the first and last stages both use
+it. As in Megatron, each holding rank keeps a copy; copies start equal (a broadcast from the
+lowest holder) and stay equal because after every schedule run each copy's gradient becomes the
+sum of all copies' (the one-device gradient), over a small group of the holders
+(:func:`~replicator.comm.groups.new_private_group`) with the job's timeout.
 
-Only the gradient produced by that run is summed (what the parameter held before is set aside
-and added back), so gradients accumulated over several backward passes (``no_sync``) are
-summed once, not again at each pass. A data axis averages the result across replicas
-afterwards (``PipelineRunner.after_backward``); sum and mean are linear, so the order does
-not matter. Stages on one rank that share a parameter need nothing: autograd adds up their
-gradients in the one tensor.
+Only the gradient of that run is summed (what the parameter held before is set aside), so
+gradients accumulated under ``no_sync`` are summed once. A data axis averages afterwards (sum
+and mean are linear). Stages on one rank that share a parameter need nothing.
 """
 
 from __future__ import annotations

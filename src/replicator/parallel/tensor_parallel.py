@@ -1,19 +1,15 @@
 """Tensor parallelism: each layer's weights split over a ``DeviceMesh`` (``parallelize_module``).
 
-Megatron's layout, as torchtitan applies it: in an MLP block the first ``Linear`` is split by
-output features (column-wise) and the second by input features (row-wise), so the activation
-between them stays sharded and one all-reduce per block gives the full output; attention splits
-the query/key/value projections by heads (column-wise) and the output projection row-wise;
-embeddings split their vocabulary rows. Every rank of one tensor-parallel group sees the same
-batch. A plan maps module names (``fnmatch`` patterns) to ``"colwise"``, ``"rowwise"``,
-``"embedding"`` or a torch ``ParallelStyle``.
+Megatron's layout, as torchtitan applies it: an MLP's first ``Linear`` is split column-wise and
+the second row-wise (one all-reduce per block); attention splits q/k/v by heads and the output
+projection row-wise; embeddings split their vocabulary rows. Every rank of a tensor-parallel
+group sees the same batch. A plan maps module names (``fnmatch``) to ``"colwise"``,
+``"rowwise"``, ``"embedding"`` or a torch ``ParallelStyle``.
 
-``sequence_parallel=True`` adds Megatron's sequence parallelism to the default plan: inside
-each block made of norms and split sub-blocks (a pre- or post-norm transformer block), the
-residual stream and the norms work on ``1/N`` of the sequence (dimension 1), the split
-sub-blocks all-gather their input and reduce-scatter their output instead of all-reducing it,
-and the block hands its output on whole. Norm activations and the residual stream inside a
-block then take ``1/N`` of the memory. The sequence length must divide by the degree.
+``sequence_parallel=True`` adds Megatron's sequence parallelism: inside each block of norms and
+split sub-blocks, the residual stream and norms work on ``1/N`` of the sequence (dimension 1),
+sub-blocks all-gather their input and reduce-scatter their output, so those activations take
+``1/N`` of the memory. The sequence length must divide by the degree.
 """
 
 from __future__ import annotations

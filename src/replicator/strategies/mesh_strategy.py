@@ -1,26 +1,18 @@
 """MeshStrategy: data, fully sharded, pipeline and tensor parallelism composed on one mesh.
 
 torchtitan's way: a :class:`~replicator.cluster.Topology` names the axes, and at scope exit
-each axis applies its plain function to the model, innermost first: the model is cut into
-pipeline stages (``pipeline``), each stage's layers are sharded across ranks
-(``tensor``, DTensor ``parallelize_module``), its blocks are fully sharded (``fsdp``, FSDP2
-``fully_shard``), and its gradients are averaged across replicas (``data``). The input is split
-across the data axes only (``data`` and ``fsdp``): the ranks of one replica (its pipeline
-stages and tensor shards) all see the same batch.
+each axis applies its plain function to the model, innermost first: pipeline stages
+(``pipeline``), DTensor ``parallelize_module`` (``tensor``), FSDP2 ``fully_shard`` (``fsdp``),
+and gradient averaging across replicas (``data``). The input is split across the data axes only
+(``data`` and ``fsdp``): the ranks of one replica all see the same batch.
 
-The data axis runs the one data-parallel engine
-(:class:`~replicator.comm.gradient_sync.GradientSynchronizer`: buckets overlapped with
-backward, buffer sync, ``no_sync``) through the strategy's
-:class:`~replicator.strategies.replicas.ReplicaGroup` on the data axes; a tensor-parallel
-shard averages its local part, and a pipeline triggers the engine itself after its schedule
-(``PipelineRunner.after_backward``), whose backward passes are nested in the outer one.
-Work over every worker (the initial broadcast, ``barrier``, memory reports) goes through a
-second replica group over the whole job, and the pipeline's exchanges are guarded by one on
-the pipeline axis, so a stalled rank is named whichever group it stalls.
-
-:class:`~replicator.FSDPStrategy`, :class:`~replicator.TensorParallelStrategy` and
-:class:`~replicator.PipelineStrategy` are this class with one axis (plus ``data`` for
-whatever ranks are left).
+The data axis runs the one data-parallel engine (``GradientSynchronizer``) through a
+:class:`~replicator.strategies.replicas.ReplicaGroup` on the data axes; a pipeline triggers it
+after its schedule (``PipelineRunner.after_backward``). Work over every worker (broadcast,
+``barrier``, memory reports) goes through a second group over the whole job, and the pipeline's
+exchanges are guarded by one on the pipeline axis, so a stalled rank is named in any group.
+``FSDPStrategy``, ``TensorParallelStrategy`` and ``PipelineStrategy`` are this class with one
+axis (plus ``data`` for the ranks left).
 """
 
 from __future__ import annotations

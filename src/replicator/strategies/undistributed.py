@@ -1,28 +1,18 @@
 """Refuse trainable parameters that a multi-replica strategy never distributed.
 
-A model built outside ``strategy.scope()`` (and never passed to ``distribute_model``) gets no
-initial broadcast and no gradient averaging: under N replicas it silently trains N separate
-models, with ``strategy.run`` or without it (plain ``model(x)``, ``loss.backward()``,
-``optimizer.step()``). While a multi-replica strategy with this check lives in the process
-(open, more than one replica in sync; OneDevice never checks), process-wide hooks watch for it:
+A model built outside ``strategy.scope()`` (and never given to ``distribute_model``) gets no
+initial broadcast and no gradient averaging: N replicas silently train N separate models. While
+a multi-replica strategy with this check is open, process-wide hooks watch for it: an optimizer
+step pre-hook raises :class:`~replicator.errors.NotDistributedError` for a parameter with a
+gradient that no live strategy distributed; a forward pre-hook raises at once inside
+``strategy.run`` and, outside it, arms the parameter so its first backward raises (a forward
+without backward is left alone; ``distribute_model`` after a forward is accepted).
 
-- an optimizer step pre-hook: a parameter with a gradient that no live strategy of this
-  process distributed raises :class:`~replicator.errors.NotDistributedError` before the step;
-- a module forward pre-hook: a trainable parameter that no live strategy distributed, used
-  with gradients enabled, raises at once inside ``strategy.run``; outside it, the parameter is
-  armed, and its first backward raises (so a forward without backward, such as a reference
-  computation, is left alone, and a model passed to ``distribute_model`` after a forward is
-  accepted, since the check runs when the gradient arrives).
-
-"Distributed" asks each strategy's own ``is_distributed`` (parameter-server and mesh
-strategies replace or shard parameters, and answer for the new ones and the old ones alike);
-the parameters of a module wrapped in torch's own ``DistributedDataParallel`` count as
-distributed too (its reducer averages them; ``rp.comm.register_ddp_comm_hook`` serves it),
-and so does a DTensor parameter (placed on a device mesh on purpose).
-Modules and optimizers found clean are remembered (weakly), so the check costs a dictionary
-look-up per call after the first step. The hooks are registered once per process and stay
-(idle once every checking strategy is closed or freed): registering them anew every step
-would change torch's global hook table, which torch.compile guards on.
+"Distributed" asks each strategy's ``is_distributed``; parameters under torch's own
+``DistributedDataParallel`` and DTensor parameters count too. Modules and optimizers found clean
+are remembered weakly (a dictionary look-up per call after the first step). The hooks are
+registered once per process and stay: registering them every step would change torch's global
+hook table, which torch.compile guards on.
 """
 
 from __future__ import annotations
