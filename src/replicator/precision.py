@@ -1,17 +1,13 @@
 """Mixed precision as a policy of the strategy: compute in bf16/fp16, keep fp32 parameters.
 
-``rp.MixedPrecision("bf16")`` (CPU or GPU) or ``rp.MixedPrecision("fp16")`` (GPU, with a
-dynamic loss scaler) given to ``strategy.scope(precision=...)`` makes the forward pass of every
-module set up by the strategy run under ``torch.autocast``; parameters, gradients and optimizer
-state stay float32, and floating outputs come back as float32 (``cast_outputs``) so the loss is
-computed at full precision. With a loss scaler, ``policy.backward(loss)`` scales the loss and
-``policy.step(optimizer)`` unscales the gradients, checks them for inf/NaN, *agrees on the
-answer across replicas* (a max-reduce over the strategy), then steps or skips, and adapts the
-scale: every replica skips the same steps, so the replicas never drift apart.
-
-This module sits below the strategies and imports none: the strategy is passed in
-(``scope(precision=...)`` calls :meth:`MixedPrecision.bind`), and the policy uses only its
-device, its number of replicas and its ``reduce`` (:class:`ReplicaReducer`).
+``rp.MixedPrecision("bf16")`` or ``"fp16"`` (GPU, dynamic loss scaler) given to
+``strategy.scope(precision=...)`` runs every set-up module's forward under ``torch.autocast``;
+parameters, gradients and optimizer state stay float32, and float outputs come back float32
+(``cast_outputs``). With a scaler, ``policy.backward(loss)`` scales the loss and
+``policy.step(optimizer)`` unscales, checks for inf/NaN, *agrees across replicas* (a max-reduce),
+then steps or skips, so every replica skips the same steps. This module imports no strategy: the
+strategy binds itself (:meth:`MixedPrecision.bind`; only device, replicas and ``reduce`` are
+used, :class:`ReplicaReducer`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Same-host all-reduce through shared memory, with no sockets involved.
 
-Every rank owns a slot of a shared segment. A tensor is summed in pieces: each rank copies
-its piece into its slot; after a barrier, rank ``p`` adds up chunk ``p`` of every slot and
-writes the sum into chunk ``p`` of every slot; after a second barrier each rank copies its slot
-back. Each rank thus moves about three times the tensor through memory, against a socket's
-copies into and out of the kernel on both ends: about 2x gloo on loopback.
+Every rank owns a slot of a shared segment. Each rank copies its piece into its slot; after a
+barrier, rank ``p`` sums chunk ``p`` of every slot and writes it into every slot; after a second
+barrier each rank copies its slot back: about three passes over the tensor against a socket's
+kernel copies on both ends, about 2x gloo on loopback. Buffers made by
+:meth:`SharedMemoryAllReduce.make_buffers` (the gradient buckets) live in the segment, which
+skips both copies: two barriers and one pass, close to memcpy speed.
 
-Buffers made by :meth:`SharedMemoryAllReduce.make_buffers` (the gradient synchronizer's
-buckets) live in the segment from the start, which skips both copies: the all-reduce is then
-two barriers and one pass over the data, close to memcpy speed.
-
-No background thread is used: on CPU the reduction needs the same cores as ``backward()``,
-and a waiting thread would only compete with it; the set-up collectives run on the caller's
-thread over the caller's group. Resident buffers are nevertheless
-asynchronous: a launch sums this rank's chunk only once every rank's input is there, and
-otherwise leaves the work to the next launch or to ``wait()``. Other tensors are summed before
-``all_reduce_sum_async`` returns.
-
-Any group whose members share one host works; each group gets its own segment (named after the
-group's ranks, plus a random part), so two groups on one host never share a segment or its
-barrier counters.
+No background thread: on CPU the reduction needs the cores ``backward()`` uses. Resident buffers
+are still asynchronous: a launch sums this rank's chunk once every input is there and otherwise
+leaves it to the next launch or ``wait()``; other tensors are summed before
+``all_reduce_sum_async`` returns. Each group (members on one host) gets its own segment, named
+after its ranks plus a random part, so groups never share barrier counters.
 """
 
 from __future__ import annotations

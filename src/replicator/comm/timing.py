@@ -1,18 +1,12 @@
 """Process-wide timers of communication: how long the training thread waits in collectives.
 
-Off by default; ``REPLICATOR_COMM_TIMING=1`` in the environment (``replicator bench`` sets it
-for the processes it runs) or :func:`enable` turns them on. When off, each collective pays one
-module-level boolean test. When on, every collective guarded by
-:meth:`~replicator.comm.collectives.Collectives.guard` (payloads, fingerprints, the gradient
-engine's bucket launches and waits) adds its wall time on the main thread to ``exposed``: time
-the training loop stood still for communication. Work that runs on a communication thread while
-backward goes on is added to ``background`` by the thread that ran it, so ``background -
-waited`` is what overlapped with compute. Nested guarded calls count once.
-
-On a CUDA device the collectives are queued on the device and return before they run, so a
-timed call given its ``device`` synchronizes it before (the compute queued earlier is not
-communication) and after (the collective itself is): the timers then cost the overlap of NCCL
-work with compute, which is why they are off outside ``bench``.
+Off by default (one boolean test per collective); ``REPLICATOR_COMM_TIMING=1`` (``replicator
+bench`` sets it) or :func:`enable` turns them on. Then every collective guarded by
+``Collectives.guard`` adds its wall time on the main thread to ``exposed`` (the loop stood still),
+and work run on a communication thread during backward adds to ``background``, so
+``background - waited`` overlapped with compute. Nested guarded calls count once. On CUDA a
+timed call synchronizes the device before and after (collectives are queued), which costs the
+overlap of NCCL with compute: why the timers are off outside ``bench``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """CentralStorageStrategy: one copy of the optimizer state, on replica 0.
 
-Every replica computes gradients on its part of the batch. During ``backward()`` the gradients
-are *reduced* (not all-reduced) onto the central replica, bucket by bucket; ``optimizer.step()``
-updates the parameters there, once, and the updated parameters are broadcast to the others.
-The other replicas keep only a working copy of the parameters for their forward and backward
-passes: their optimizers hold no state at all (their ``step()`` becomes "receive the
-parameters"), which is the memory this strategy saves over :class:`MirroredStrategy`.
-
-User code is the same as for Mirrored. After ``backward()``, ``.grad`` on the central replica
-holds the average over replicas (so clipping there works); elsewhere it holds the local
-gradient, which no optimizer uses. On CPU jobs the central copy is in replica 0's host memory.
-Optimizers stepped with a closure (LBFGS) are refused: the closure would run ``backward()``
-a different number of times on each replica.
+During ``backward()`` gradients are *reduced* (not all-reduced) onto the central replica,
+bucket by bucket; ``optimizer.step()`` updates the parameters there once and broadcasts them.
+The other replicas' optimizers hold no state (their ``step()`` becomes "receive the
+parameters"): the memory saved over :class:`MirroredStrategy`. User code is Mirrored's; the
+central replica's ``.grad`` holds the average (clipping works there), elsewhere the local
+gradient. Optimizers stepped with a closure (LBFGS) are refused: the closure would run
+``backward()`` a different number of times on each replica.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """What a rank holds: parameter, gradient, optimizer-state and peak activation bytes.
 
 ``strategy.memory_report()`` answers "why split the model?": under Mirrored every rank holds
-everything; under FSDP about ``1/N`` of the first three; under pipeline and tensor
-parallelism a rank holds its stages or shards. Activations are measured while
-``strategy.run`` executes, as the bytes saved for backward that are alive at once, which is
-what pipeline schedules change (1F1B keeps fewer microbatches' activations alive than GPipe).
-A view counts its own bytes, not its whole storage.
-
-Every strategy keeps a :class:`MemoryTracker`: the optimizers over its parameters (noticed at
-their first step, or at ``prepare_optimizers``) and the peak of the measured runs. Measuring
-activations hooks every tensor autograd saves, so replicating strategies measure their first
-few runs only (a step's activations repeat for a fixed batch shape); strategies that split
-the model measure every run, where schedules make steps differ.
+everything, under FSDP about ``1/N`` of the first three, under pipeline and tensor parallelism
+its stages or shards. Activations are the bytes saved for backward alive at once during
+``strategy.run`` (what 1F1B reduces against GPipe); a view counts its own bytes. Hooking every
+saved tensor costs, so replicating strategies measure their first few runs only; strategies
+that split the model measure every run, where schedules make steps differ.
 """
 
 from __future__ import annotations

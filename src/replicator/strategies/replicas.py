@@ -1,21 +1,16 @@
 """The replica group a strategy keeps in step, written once and composed by every strategy.
 
 A :class:`ReplicaGroup` is opened on the processes a strategy replicates over (the whole job,
-one axis of a :class:`~replicator.cluster.Topology`, or the topology's data axes together)
-and owns what every synchronous strategy needs: the device, the process group, the progress
-tracker, the :class:`~replicator.comm.collectives.Collectives`, this process's identity (rank,
-size, first replica), ``reduce``/``gather``/``barrier``, and the data-parallel gradient engine
-(:class:`~replicator.comm.gradient_sync.GradientSynchronizer` per module, ``no_sync``).
-Strategies keep only what is their own: broadcast and hook (mirrored), reduce to one replica
-(central storage), shard, split or cut (mesh), place on servers (parameter server).
-Lightning Fabric's ``ParallelStrategy`` has this shape.
+one axis of a :class:`~replicator.cluster.Topology`, or its data axes together) and owns what
+every synchronous strategy needs: device, process group, progress tracker, ``Collectives``,
+identity (rank, size, chief), ``reduce``/``gather``/``barrier``, and the data-parallel gradient
+engine (a ``GradientSynchronizer`` per module, ``no_sync``). Strategies keep only their own
+part (Lightning Fabric's ``ParallelStrategy`` has this shape).
 
-Opening a group bounds its waits with the strategy's own timeout (``resolve_timeout``): the
-groups ``DeviceMesh`` makes for mesh axes, which otherwise wait torch's 30 minutes, and, when
-an earlier strategy made the default group with another timeout, a group of every rank made
-for this one. The tracker is always built for the
-group's global ranks (its store entries are keyed by them), so the error names the rank that
-did not arrive, also when several groups of one axis run side by side.
+Opening a group bounds its waits with the strategy's own timeout (``resolve_timeout``): the mesh
+axes' groups (torch's 30 minutes otherwise) and, when an earlier strategy made the default group
+with another timeout, a group of every rank for this one. The tracker is keyed by the group's
+global ranks, so a timeout names the rank that did not arrive.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """``strategy.full_state_dict(model)``: the whole model's state, to save it as one file.
 
-As Accelerate's ``get_state_dict`` and Fabric's ``save`` do, one call works under every
-strategy, and every rank makes it (it is a collective where the model is split):
-
-- a model no rank splits (OneDevice, Mirrored, CentralStorage, parameter servers, a mesh
-  with data axes only): every rank gets the plain state dict, ``model.state_dict()`` with
-  detached tensors (the parameter-server strategy pulls the servers' current values first);
-- a split model (pipeline stages, tensor-parallel or FSDP shards): the chief gets the full
-  tensors, on the CPU, each gathered in turn (a pipeline's stages sent to it, a DTensor's
-  ``full_tensor()``), with the one-device model's keys, so ``torch.save(state, path)`` on the
-  chief writes a file that loads into the one-device model; the other ranks get ``{}``.
-
-A pipeline rank's own ``model.state_dict()`` holds a
-:class:`~replicator.checkpoint.placeholders.Placeholder` for each tensor of the stages other
-ranks run (:func:`mark_stage_placeholders`), which the library's save paths refuse.
+As Accelerate's ``get_state_dict``, one call works under every strategy and every rank makes it.
+A model no rank splits: every rank gets ``model.state_dict()`` with detached tensors (the
+parameter-server strategy pulls the servers' values first). A split model (pipeline stages,
+tensor or FSDP shards): the chief gets full CPU tensors, gathered in turn, with the one-device
+model's keys (so ``torch.save`` there writes a file the one-device model loads); others ``{}``.
+A pipeline rank's ``model.state_dict()`` holds a
+:class:`~replicator.checkpoint.placeholders.Placeholder` for each tensor of other ranks' stages
+(:func:`mark_stage_placeholders`), which the library's save paths refuse.
 """
 
 from __future__ import annotations

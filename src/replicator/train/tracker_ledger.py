@@ -1,18 +1,12 @@
 """What a logger has already sent to its tracker, so that a resumed run sends no step twice.
 
-A ``BackupAndRestore`` backup is taken every ``save_freq`` steps, but a logger sends metrics
-every step or epoch: when a worker dies at step 37 after the backup of step 32, steps 33 to 37
-are in the tracker already, and the resumed run replays them (with the same values: the resume
-is exact). Trackers cannot delete a logged point (MLflow, W&B), so the logger must not send
-them again. The backup itself holds only what was logged up to step 32 (the logger's
-``state_dict``), so the chief also keeps a small ledger file beside the backups,
-``<backup_dir>/trackers/<name>.json``, rewritten (atomically) after each send; on resume the
-logger skips every step and epoch up to the later of the two. The ledger goes when training
-completes. Without a ``BackupAndRestore`` there is no resume and no ledger.
-
-The ledger is right for trackers that have written a send when the call returns (MLflow's
-client, TensorBoard's writer after ``flush()``). W&B writes later, from its own process, so
-its logger asks W&B instead (see :class:`~replicator.train.trackers.WandbLogger`).
+A backup comes every ``save_freq`` steps but a logger sends every step: a worker dying at step
+37 after the backup of step 32 has sent 33 to 37, which the exact resume replays, and trackers
+cannot delete a point. So the chief keeps a ledger beside the backups,
+``<backup_dir>/trackers/<name>.json``, rewritten atomically after each send; a resume skips up
+to the later of ledger and backup. It goes when training completes (none without a
+``BackupAndRestore``). Right for trackers that have written a send when the call returns
+(MLflow, TensorBoard after ``flush()``); W&B writes later, so its logger asks W&B instead.
 """
 
 from __future__ import annotations

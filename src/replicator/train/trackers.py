@@ -1,20 +1,13 @@
 """Experiment trackers for the Trainer: :class:`MLflowLogger` and :class:`WandbLogger`.
 
-Every replica runs the callback (so all of them agree on when to log), but only the chief
-talks to the tracker: one run per training job, whatever the number of replicas. A run records
-
-* the hyper-parameters: what you pass as ``params`` plus the strategy's class, the number of
-  replicas, the epochs, the optimizer's class and its first learning rate;
-* metrics per epoch (``epoch/<name>``, step = the epoch, from 0) and, with an integer
-  ``update_freq``, every that many optimizer steps (``batch/<name>``, step = the global step).
-  The values are the Trainer's logs, already reduced across replicas.
-
-A run resumed by :class:`~replicator.BackupAndRestore` continues the same run: its id is part
-of the logger's ``state_dict`` (which the backup holds), and steps already sent before the
-failure are not sent again (see :mod:`replicator.train.tracker_ledger`).
-
-Both packages are optional: ``pip install "replicator[mlflow]"`` (``mlflow-skinny``) or
-``pip install "replicator[wandb]"``.
+Every replica runs the callback (so all agree on when to log); only the chief talks to the
+tracker, one run per job. A run records the hyper-parameters (``params`` plus the strategy,
+replicas, epochs, optimizer and first learning rate), metrics per epoch (``epoch/<name>``) and,
+with an integer ``update_freq``, every that many steps (``batch/<name>``, step = global step),
+already reduced across replicas. A run resumed by :class:`~replicator.BackupAndRestore`
+continues the same run (its id is in the logger's ``state_dict``) and sends no step twice
+(:mod:`replicator.train.tracker_ledger`). ``pip install "replicator[mlflow]"`` or
+``"replicator[wandb]"``.
 """
 
 from __future__ import annotations

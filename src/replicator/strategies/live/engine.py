@@ -1,18 +1,14 @@
 """The per-step protocol of live recovery: torchft's Manager composed into a replica group.
 
-Every step of a replica group runs: a quorum (torchft's lighthouse says which groups take part;
-a group behind the others heals from a live peer here), the step's share of the global batch
-(``data/live_split.py``), forward and backward (averaged inside the group by the strategy as
-always), then, at the first ``optimizer.step()``, the gradients are averaged across the groups
-of the quorum through the Manager (each group's mean weighted by its share of the batch) and
-``should_commit`` decides. A step that is not committed (a group died during the all-reduce)
-raises :class:`~replicator.strategies.live.errors.StepNotCommitted` out of ``optimizer.step()``
-before anything is updated; ``strategy.run`` catches it, puts back the buffers and random state
-of the step's start, and runs the step again with the next quorum and the same global batch.
-
-SIGTERM makes the group leave at the next step boundary (exit code 75) without a failed step;
-a quorum that does not form within the quorum timeout, a lighthouse that does not answer, and a
-group whose model differs raise errors naming the group and rank (``errors.py``).
+Each step: a quorum (torchft's lighthouse says which groups take part; a group behind heals from
+a live peer), the step's share of the global batch (``data/live_split.py``), forward and
+backward (averaged inside the group as always), then at the first ``optimizer.step()`` the
+gradients are averaged across the quorum's groups through the Manager (weighted by each share)
+and ``should_commit`` decides. A step not committed raises
+:class:`~replicator.strategies.live.errors.StepNotCommitted` before anything is updated;
+``strategy.run`` puts back the step's buffers and random state and reruns it with the next
+quorum and the same batch. SIGTERM leaves at the next step boundary (exit code 75); a quorum
+that does not form, a silent lighthouse and a differing model raise errors naming group and rank.
 """
 
 from __future__ import annotations
