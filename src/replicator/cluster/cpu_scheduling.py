@@ -1,19 +1,13 @@
 """Batch CPU scheduling for processes that outnumber their cores and wake each other often.
 
-A parameter-server job on one host is a chain of short requests: a worker sends a pull to two
-servers, each answers, the worker computes and pushes. Under Linux's default policy a process
-that wakes another on a busy core is often preempted by it at once, so the worker's request to
-the second server waits until the first has answered: the servers, meant to work at the same
-time, take turns. ``SCHED_BATCH`` (same priority, no preemption at wake-up) lets a process go
-on until it blocks. Measured on 2 cores with the embedding benchmark's 5 processes (chief, 2
-workers, 2 servers): 1-22% more steps per second, median 10%, in seven alternating pairs
-(docs/parameter_server.md); the ``torch.distributed.rpc`` baseline of that benchmark, run
-under ``chrt --batch``, did not change.
-
-The policy is applied like ``torchrun``'s ``OMP_NUM_THREADS=1``: by the library, when its
-processes on this host outnumber the cores, and said once on stderr; ``REPLICATOR_CPU_SCHEDULING``
-= ``batch`` forces it, ``default`` keeps the system's policy. Unprivileged on Linux; elsewhere
-nothing changes.
+In a parameter-server job on one host, a process that wakes another on a busy core is often
+preempted by it at once (Linux's default), so servers meant to answer a pull at the same time
+take turns. ``SCHED_BATCH`` (no preemption at wake-up) lets a process go on until it blocks.
+Measured on 2 cores with the embedding benchmark's 5 processes: 1-22% more steps per second,
+median 10%, in seven alternating pairs (docs/parameter_server.md); the ``torch.distributed.rpc``
+baseline under ``chrt --batch`` did not change. Applied, like torchrun's ``OMP_NUM_THREADS=1``,
+when the library's processes outnumber the cores (said once on stderr);
+``REPLICATOR_CPU_SCHEDULING=batch`` forces it, ``default`` keeps the system's. Linux only.
 """
 
 from __future__ import annotations

@@ -161,21 +161,16 @@ class _BucketState:
 class PowerSGD(Compression):
     """Send a rank-``rank`` approximation of each gradient matrix (Vogels et al., 2019).
 
-    For a matrix ``M`` (``n x m``; convolution kernels flattened to ``out_channels x rest``)
-    and a persistent ``Q`` (``m x r``) each step does one power iteration::
+    For a matrix ``M`` (``n x m``; kernels flattened to ``out_channels x rest``) and a persistent
+    ``Q`` (``m x r``), one power iteration per step::
 
         P = M Q;  P <- sum over replicas;  P <- orthonormal columns of P
         Q = M^T P;  Q <- sum over replicas;  sum of the M's ~ P Q^T
 
-    so a replica sends ``(n + m) r`` numbers instead of ``n m``. Tensors where that saves
-    nothing (biases, small or thin matrices) travel uncompressed, with ``P`` in one all-reduce.
-    ``Q`` is kept between steps (a warm start); with error feedback each replica adds what its
-    last approximation missed, ``M - P P^T M``, to its next gradient.
-
-    ``warm_up_steps``: steps per bucket that travel uncompressed first (PowerSGD converges
-    better when the early, large gradients are exact). ``seed``: seeds the initial ``Q``
-    identically on every replica (per bucket index, so a model's factors start alike whether
-    or not other models share this object). ``max_buckets``: see the module doc.
+    so a replica sends ``(n + m) r`` numbers instead of ``n m``; tensors where that saves nothing
+    travel uncompressed. ``Q`` is a warm start; error feedback adds ``M - P P^T M`` to the next
+    gradient. ``warm_up_steps``: steps per bucket sent exact first. ``seed``: the initial ``Q``, the
+    same on every replica per bucket index. ``max_buckets``: see the module doc.
     """
 
     name = "powersgd"

@@ -5,13 +5,9 @@ DDP keeps its own bucketing and overlap; the hook only decides how each bucket i
     model = DistributedDataParallel(net)
     register_ddp_comm_hook(model, rp.comm.RingAllReduce(compression=rp.comm.Compression.fp16()))
 
-The hook passes DDP's bucket to the algorithm together with its layout (so PowerSGD sees the
-gradient shapes) and returns a future that DDP waits on at the end of ``backward()``, holding
-the bucket averaged over the replicas, as DDP expects from a hook.
-
-Each hook is its own bucket owner (a negative number, so it never equals the owner of a
-gradient synchronizer's buckets): two DDP models hooked with one algorithm object keep apart
-their compression state (error feedback, PowerSGD factors).
+The hook passes the bucket with its layout (so PowerSGD sees the shapes) and returns a future
+holding the averaged bucket. Each hook is its own bucket owner (a negative number), so two DDP
+models hooked with one algorithm keep their compression state apart.
 """
 
 from __future__ import annotations

@@ -529,19 +529,14 @@ class Strategy(ABC):
                            partial_batch: str = "mask", epochs: int | None = None) -> Any:
         """Split each *global* batch of ``dataset`` across replicas.
 
-        Give a ``DataLoader`` built with the global batch size (its ``shuffle`` and
-        ``drop_last`` are kept; shuffling is re-seeded from ``seed`` and the epoch so every
-        world size sees the same global batches), a ``Dataset`` with ``batch_size=``, or a list
-        of files with ``reader=``. ``drop_remainder`` (alias ``drop_last``) drops a short last
-        batch; otherwise it is kept, and a replica that would get nothing gets a masked copy
-        (``partial_batch="mask"``) or 0 rows (``"empty"``, tf's). ``transform`` runs per
-        sample in the workers; ``options`` is ``rp.data.InputOptions`` (prefetch, workers,
-        sharding policy, device copy). ``epochs=E``: one loop over the result runs ``E``
-        epochs (the library counts them, which a replica group healed from a peer needs).
-
-        In a live-recovery job (replica groups) each step's global batch is split over the
-        groups of that step's quorum (see :mod:`replicator.strategies.live.dataset`); the
-        input must then be a map-style dataset read by index.
+        Give a ``DataLoader`` with the global batch size (its ``shuffle`` and ``drop_last``
+        kept, shuffling re-seeded from ``seed`` and the epoch), a ``Dataset`` with
+        ``batch_size=``, or files with ``reader=``. ``drop_remainder`` (alias ``drop_last``)
+        drops a short last batch; otherwise a replica that gets nothing gets a masked copy
+        (``partial_batch="mask"``) or 0 rows (``"empty"``). ``transform`` runs per sample in the
+        workers; ``options``: ``InputOptions``. ``epochs=E``: one loop runs ``E`` epochs. With
+        replica groups (live recovery) each step's batch is split over that step's quorum
+        (:mod:`replicator.strategies.live.dataset`); the input must be a map-style dataset.
         """
         live = self.live
         if live is not None:

@@ -54,18 +54,14 @@ BUFFER_SYNC_MODES = ("mean", "broadcast", "none")
 class MirroredStrategy(Strategy):
     """Synchronous data parallel training on the replicas of this job.
 
-    ``devices``: the devices of this machine's replicas, one per local process (``None``: one
-    GPU per process when there are enough, else the CPU). ``cross_device_ops``: the all-reduce
-    algorithm for gradients (default :class:`~replicator.comm.NativeAllReduce`). ``mesh`` and
-    ``axis``: replicate along one axis of a :class:`~replicator.cluster.Topology` (default: every
-    process of the job is a replica). ``buffer_sync``: what happens to buffers such as
-    BatchNorm's running statistics after each synchronised backward pass: ``"mean"`` (averaged
-    across replicas, integer buffers taken from replica 0), ``"broadcast"`` (replica 0's, as
-    DDP does) or ``"none"`` (each replica keeps its own). ``sync_batchnorm=True``: BatchNorm
-    layers normalise with statistics over the global batch (every replica's part), so training
-    equals one device with the same global batch (see ``cross_replica_batchnorm.py``).
-    ``check_finite=True``: ``run`` raises ``NonFiniteLossError`` on every replica when a step
-    returns a NaN or infinite value (see :class:`~replicator.strategies.base.Strategy`).
+    ``devices``: this machine's replica devices, one per local process (``None``: a GPU each
+    when there are enough, else the CPU). ``cross_device_ops``: the gradient all-reduce
+    (default :class:`~replicator.comm.NativeAllReduce`). ``mesh``/``axis``: replicate along
+    one axis of a :class:`~replicator.cluster.Topology`. ``buffer_sync``: ``"mean"``,
+    ``"broadcast"`` or ``"none"`` for buffers after each synced backward (``gradient_sync``).
+    ``sync_batchnorm=True``: BatchNorm uses global-batch statistics
+    (``cross_replica_batchnorm``). ``check_finite=True``: see
+    :class:`~replicator.strategies.base.Strategy`.
     """
 
     name = "mirrored"

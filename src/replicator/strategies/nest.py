@@ -1,18 +1,12 @@
 """Nested values: what ``reduce``, ``gather`` and ``all_reduce`` take, as tf.distribute does.
 
-A value may be a tensor or number, or any nest of them: tuples, lists, dicts, namedtuples,
-dataclasses (and anything registered with ``torch.utils._pytree``). :func:`flatten` gives its
-leaves in a fixed order and a function that builds the same structure around new leaves, so a
-strategy reduces every leaf of a nest in one fused collective and returns the nest's shape.
-``None`` leaves stay ``None``.
-
-Dataclasses are flattened field by field here rather than registered with ``_pytree`` (a
-global registration would clash with the user's own, or with a later one); the rebuilt
-instance is a shallow copy of the original with the new field values (frozen ones included).
-
-:func:`structure` describes a nest's shape for the collectives' fingerprint, so replicas that
-pass different nests (another key, another order) raise ``CollectiveMismatchError`` instead of
-pairing the wrong leaves.
+A value is a tensor or number, or a nest of them (tuples, lists, dicts, namedtuples,
+dataclasses, anything registered with ``torch.utils._pytree``). :func:`flatten` gives its leaves
+in a fixed order and a function that rebuilds the structure, so a strategy reduces a nest in one
+fused collective; ``None`` leaves stay ``None``. Dataclasses are flattened here, not registered
+with ``_pytree`` (a global registration could clash with the user's); the rebuilt instance is a
+shallow copy with the new fields. :func:`structure` describes the shape for the fingerprint, so
+replicas passing different nests raise ``CollectiveMismatchError``.
 """
 
 from __future__ import annotations

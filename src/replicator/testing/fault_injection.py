@@ -8,9 +8,8 @@ A step fault is a callable; call it with the step number at the top of each step
         kill(step)
         ...
 
-"Once" means on the first attempt only (restart count 0, from ``REPLICATOR_RESTART_COUNT`` or
-torchrun's ``TORCHELASTIC_RESTART_COUNT``), so a restarted group runs through; ``once=False``
-fires on every attempt.
+"Once": on the first attempt only (restart count 0), so a restarted group runs through;
+``once=False`` fires on every attempt.
 """
 
 from __future__ import annotations

@@ -119,17 +119,11 @@ def _shape(t: torch.Tensor) -> str:
 class Accuracy(SparseCategoricalAccuracy):
     """Accuracy that picks binary or categorical from the shapes, as Keras's ``"accuracy"``.
 
-    * one output per sample (``[N]`` or ``[N, 1]``) with 0/1 targets: binary; a sample is
-      predicted positive when its probability is ``> threshold`` (0.5), or with
-      ``from_logits=True`` when its logit is ``> log(threshold / (1 - threshold))`` (0);
-    * ``[N, C]`` outputs with integer targets ``[N]``: arg-max against the label;
-    * ``[N, C]`` outputs with ``[N, C]`` targets (one-hot): arg-max of both;
-    * ``[N, C, ...]`` outputs with ``[N, ...]`` integer targets: arg-max over dim 1 per position,
-      averaged per sample.
-
-    ``from_logits=None`` (the default) lets a Trainer set it from its loss (logits for
-    ``BCEWithLogitsLoss``/``CrossEntropyLoss``); used on its own it assumes probabilities and
-    raises if a binary output leaves [0, 1]. Other shapes raise a ``ValueError``.
+    Outputs ``[N]``/``[N, 1]`` with 0/1 targets: binary, positive when the probability is
+    ``> threshold`` (with ``from_logits=True``, the logit above its log-odds); ``[N, C]`` with
+    integer ``[N]`` or one-hot ``[N, C]`` targets: arg-max; ``[N, C, ...]`` with integer
+    ``[N, ...]`` targets: arg-max over dim 1, averaged per sample; other shapes raise.
+    ``from_logits=None`` lets a Trainer set it from its loss; alone it assumes probabilities.
     """
 
     def __init__(self, name: str = "accuracy", threshold: float = 0.5,

@@ -230,30 +230,17 @@ class MLflowLogger(RunLogger):
 class WandbLogger(RunLogger):
     """Log the run to Weights & Biases (``pip install 'replicator[wandb]'``).
 
-    Args:
-        project: the W&B project (``wandb.init``'s).
-        entity: the W&B team or user.
-        name: the run's display name.
-        tags: the run's tags.
-        mode: ``"online"``, ``"offline"`` (or ``WANDB_MODE=offline``: written locally for a
-            later ``wandb sync``) or ``"disabled"``.
-        dir: where W&B writes its local files.
-        params: hyper-parameters to record in the run's config beside the ones found on the
-            trainer.
-        update_freq: ``"epoch"``, or log batch metrics every that many steps too.
-        init_kwargs: anything else for ``wandb.init`` (not ``id`` or ``resume``: the logger
-            sets them so that a resumed run continues).
+    Args: ``project``, ``entity``, ``name``, ``tags``, ``dir`` as ``wandb.init``'s; ``mode``:
+    ``"online"``, ``"offline"`` (or ``WANDB_MODE=offline``, for a later ``wandb sync``) or
+    ``"disabled"``; ``params``: hyper-parameters beside the trainer's; ``update_freq``:
+    ``"epoch"`` or every that many steps too; ``init_kwargs``: the rest of ``wandb.init`` (not
+    ``id`` or ``resume``, which the logger sets). W&B's step is the global step (epoch metrics are
+    charted against ``epoch``).
 
-    W&B's own step is the global step (epoch metrics are charted against ``epoch``).
-
-    Resuming: W&B writes what ``log`` is given later, from its own service process (it
-    streams to the server, and offline it flushes its ``.wandb`` file every 15 s), so a
-    process killed outright loses what W&B had not yet written, and only W&B knows what
-    that was. Online, the resumed run starts after the last step the server holds (W&B's
-    ``run.step``), so each step is there once. Offline W&B knows nothing of the killed
-    process's folder: the resumed run logs again from the backup's step into a new folder
-    with the same id, and steps that the killed process had flushed after that backup are
-    in both folders.
+    Resuming: W&B writes later, from its own service process, so only W&B knows what a killed
+    process lost. Online, the resumed run starts after the last step the server holds
+    (``run.step``), so each step is there once. Offline, it logs again from the backup's step into a
+    new folder with the same id, so steps flushed after that backup are in both folders.
     """
 
     tracker = "wandb"
