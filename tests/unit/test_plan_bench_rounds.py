@@ -60,3 +60,25 @@ def test_rounds_far_apart_or_a_load_above_the_cores_are_called_unreliable():
     assert "unreliable" in note and "one_device x1 159%" in note
     (note,) = reliability_notes([steady], (4.5, 3.0), cores=2)
     assert "load average (4.5) was above the 2 cores" in note
+
+
+def test_the_rounds_interleave_the_settings_and_split_the_steps(tmp_path):
+    """Every setting once, then every setting again: a busy minute lands on all of them."""
+    from replicator.plan.benchmark import _run_all
+
+    order = []
+
+    def make_launch(setting):
+        def launch():  # writes no rank files: every round fails, which is fine here
+            import os
+
+            order.append((setting.label, int(os.environ["REPLICATOR_BENCH_STEPS"])))
+
+        return launch
+
+    settings, _ = parse_settings("one_device,mirrored", "1,2", default_threads=2)
+    report = _run_all("t", settings, [], str(tmp_path), 30, 1, make_launch, report=False,
+                      quiet=True, rounds=3)
+    labels = [s.label for s in settings]
+    assert order == [(label, 10) for _ in range(3) for label in labels]
+    assert [r.setting.label for r in report.results] == labels
