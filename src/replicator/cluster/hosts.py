@@ -1,14 +1,10 @@
 """Which host each process runs on: the key that decides what may share memory.
 
-A process's host key comes, in this order, from ``REPLICATOR_HOST`` (set it to name hosts
-explicitly, e.g. for network-namespace test hosts), from ``TF_CONFIG`` (the host part of this
-task's address), or from the machine's hostname joined with the launcher's node rank
-(``GROUP_RANK`` under torchrun). ``/proc/sys/kernel/random/boot_id`` is never used: network
-namespaces on one machine share it.
-
-Two processes with the same key are treated as one host (shared memory between them is
-allowed); the key is conservative, so two launcher nodes on one machine count as two hosts,
-which only costs speed, never correctness.
+The key comes from ``REPLICATOR_HOST`` (to name hosts, e.g. network-namespace test hosts),
+else ``TF_CONFIG`` (this task's address), else the hostname joined with the node rank
+(``GROUP_RANK``); never the boot id, which namespaces on one machine share. Equal keys may share
+memory; the key is conservative (two launcher nodes on one machine are two hosts), which only
+costs speed.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Cross-replica collectives with errors that say which rank, which operation, and why.
 
-Every call goes through :meth:`Collectives.guard`, which counts the operation for the progress
-tracker and turns the backend's timeout and lost-peer errors into
-:class:`~replicator.errors.ReplicaTimeoutError` / :class:`~replicator.errors.ReplicatorError`.
-
-With ``check=True`` (the default) every public call first exchanges a fixed-size fingerprint of
-itself (see :mod:`replicator.comm.fingerprint`), so replicas that entered different collectives
-raise :class:`~replicator.errors.CollectiveMismatchError` naming each rank's call and line
-instead of pairing their payloads. ``rank`` and ``world_size`` are the position in and size of
-``group`` (``None``: the whole job); every rank argument (``broadcast_(src=...)``) is a group rank.
+Every call goes through :meth:`Collectives.guard`, which counts it for the progress tracker and
+turns the backend's timeout and lost-peer errors into ``ReplicaTimeoutError`` /
+``ReplicatorError``. With ``check=True`` every public call first exchanges a fingerprint of
+itself (:mod:`replicator.comm.fingerprint`), so replicas in different collectives raise
+``CollectiveMismatchError`` naming each rank's call. ``rank``, ``world_size`` and every rank
+argument (``broadcast_(src=...)``) are of ``group`` (``None``: the whole job).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Shared-memory segments mapped by every rank of a group, and a barrier that lives in one.
 
-A segment is created by the group's first rank under ``/dev/shm`` with a random name, mapped
-by every rank, and unlinked as soon as all have mapped it (or any failed): from then on it
-exists only as long as some process maps it, so nothing is left behind when processes end,
-however they end.
-
-:class:`FlagBarrier` synchronises without system calls: each rank writes its own counters (one
-cache line each) and spins until every rank's counter has caught up. It relies on stores becoming
-visible in program order (x86); on other CPUs :func:`flag_barrier_is_safe` is false and the
-group's own barrier is used instead.
+A segment is created by the group's first rank under ``/dev/shm`` with a random name and
+unlinked once all have mapped it (or any failed), so nothing is left behind however processes
+end. :class:`FlagBarrier` synchronises without system calls (each rank writes its own cache-line
+counter and spins on the others'); it needs stores visible in program order (x86), else
+:func:`flag_barrier_is_safe` is false and the group's own barrier is used.
 """
 
 from __future__ import annotations

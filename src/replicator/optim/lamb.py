@@ -21,18 +21,15 @@ from replicator.optim.layerwise import (
 
 class LAMB(LayerwiseOptimizer):
     """Layer-wise Adaptive Moments for Batch training: Adam's direction, each parameter's step
-    scaled to its own size, which lets BERT-scale batches train with one learning rate.
-
-    For each parameter ``w`` with gradient ``g``, at step ``t``::
+    scaled to its own size, which lets BERT-scale batches train with one learning rate::
 
         m = b1 * m + (1 - b1) * g;     v = b2 * v + (1 - b2) * g * g
         u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w
         w = w - lr * (|w| / |u|) * u                        # ratio 1 if |w| or |u| is 0
 
-    ``max_trust`` clips the ratio from above (``None``: no clip). Parameters for which
-    ``exclude(param)`` is true (default: 1-D ones, i.e. biases and normalisation weights) take
-    the Adam step with no trust ratio and no weight decay; a parameter group may set
-    ``"exclude": True/False``. Norms are of the whole parameter, also for a sharded ``DTensor``.
+    ``max_trust`` clips the ratio (``None``: no clip). Parameters ``exclude`` picks (default: 1-D
+    ones) take the Adam step without trust ratio or weight decay; a group may set ``"exclude"``.
+    Norms are of the whole parameter, also for a sharded ``DTensor``.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,

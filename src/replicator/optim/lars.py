@@ -20,18 +20,15 @@ from replicator.optim.layerwise import (
 
 
 class LARS(LayerwiseOptimizer):
-    """Layer-wise Adaptive Rate Scaling, for SGD at very large batches.
-
-    For each parameter ``w`` with gradient ``g`` (weight decay ``wd``, coefficient ``eta``)::
+    """Layer-wise Adaptive Rate Scaling, for SGD at very large batches::
 
         local_lr = eta * |w| / (|g| + wd * |w| + eps)      # 1 if |w| or |g| is 0
         v = momentum * v + lr * local_lr * (g + wd * w)
         w = w - v                                           # (nesterov: w - momentum*v - ...)
 
-    Parameters for which ``exclude(param)`` is true (default: 1-D ones, i.e. biases and
-    normalisation weights) take plain momentum SGD with no weight decay; a parameter group
-    may set ``"exclude": True/False`` to override the rule for its parameters. Norms are of the
-    whole parameter, also for a sharded ``DTensor`` (see :mod:`replicator.optim.layerwise`).
+    Parameters ``exclude`` picks (default: 1-D ones) take plain momentum SGD without weight
+    decay; a group may set ``"exclude"``. Norms are of the whole parameter, also for a sharded
+    ``DTensor`` (see :mod:`replicator.optim.layerwise`).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,

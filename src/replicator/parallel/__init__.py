@@ -1,15 +1,10 @@
 """The parallel room: plain functions that apply one parallelism to a module over a mesh.
 
-Each function takes the module, the ``DeviceMesh`` (or 1-D sub-mesh) of its axis and its
-options, and returns the module changed in place; none knows which strategy called it, and
-what it needs from one (the guard that names a hung peer, the device) comes as an argument.
+Each takes the module, the (sub-)mesh of its axis and its options, and changes the module in
+place; none knows which strategy called it (the guard and device come as arguments).
 :class:`~replicator.strategies.MeshStrategy` composes them, innermost first: pipeline
-(:class:`PipelineRunner`, which cuts with :mod:`replicator.parallel.pipeline_split` and keeps
-tied weights in step with :mod:`replicator.parallel.pipeline_tied`), tensor
+(:class:`PipelineRunner`, with ``pipeline_split`` and ``pipeline_tied``), tensor
 (:func:`apply_tensor_parallel`, with sequence parallelism), fully sharded (:func:`apply_fsdp`).
-
-This room sits below ``replicator.strategies`` and imports only the rooms under it (cluster,
-comm, data, optim, errors) and torch.
 """
 
 from replicator.parallel.fsdp import apply_fsdp, is_unsharded_view, shard_units

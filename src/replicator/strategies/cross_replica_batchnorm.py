@@ -1,15 +1,12 @@
 """BatchNorm over the global batch: statistics computed across every replica's part.
 
-Plain BatchNorm under data parallelism normalises each replica's part of the batch with that
-part's own statistics, so N replicas do not compute what one device with the global batch
-computes, and their running statistics drift apart. :func:`convert_batchnorm` turns every
-BatchNorm layer of a module, in place (same objects, same parameters, so optimizers already
-built keep working), into its cross-replica form: in training each replica contributes its
-per-channel sum, sum of squares and count to one differentiable all-reduce
-(``torch.distributed.nn.functional.all_reduce``, whose backward all-reduces the gradients), and
-normalises with the global mean and variance (sums in float64). Unlike torch's
-``SyncBatchNorm``, which refuses CPU tensors, this runs on any device and backend. Evaluation
-uses the running statistics, which are identical on every replica.
+Plain BatchNorm under data parallelism normalises each replica's part with its own statistics,
+which one device with the global batch would not do, and running statistics drift apart.
+:func:`convert_batchnorm` turns every BatchNorm layer in place (same objects and parameters)
+into its cross-replica form: each replica's per-channel sum, sum of squares and count go into
+one differentiable all-reduce (``torch.distributed.nn.functional.all_reduce``) and it normalises
+with the global mean and variance (float64 sums). Unlike ``SyncBatchNorm`` it runs on CPU too;
+evaluation uses the running statistics, identical on every replica.
 """
 
 from __future__ import annotations

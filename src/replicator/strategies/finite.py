@@ -1,14 +1,10 @@
 """``check_finite=True``: ``strategy.run`` stops every replica on a NaN or infinite result.
 
-For custom training loops (``Trainer.fit`` has its own check, on by default). Where: at the
-end of ``strategy.run``, on the value ``step_fn`` returned: every floating-point tensor or
-float in it (the loss, and any other value the step returns). The replicas then agree in one
-small collective (a flag per replica), so a NaN on one replica raises
-:class:`~replicator.errors.NonFiniteLossError` on all of them at the same step, naming the
-step and the ranks, and none is left waiting in the next collective. The step has run by
-then: an optimizer update made inside ``step_fn`` is already applied (stop, lower the learning
-rate or restore a backup; ``rp.BackupAndRestore``'s guard checks the gradients before the
-update).
+For custom loops (``Trainer.fit`` has its own check). At the end of ``strategy.run`` every float
+in the returned value is checked and the replicas agree in one small collective, so a NaN on one
+raises :class:`~replicator.errors.NonFiniteLossError` on all at the same step, naming the step
+and ranks. An update made inside ``step_fn`` is already applied by then
+(``rp.BackupAndRestore``'s guard checks the gradients before the update).
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """``strategy.reduce`` and ``strategy.gather`` of a value or a nest of values, with ``axis``.
 
-What the base class validates and normalises once (tf.distribute's ``Strategy.reduce``
-semantics) before calling a strategy's small hooks:
-
-- a nest (see :mod:`replicator.strategies.nest`) is reduced, or gathered, leaf by leaf in ONE
-  fused collective (``reduce_many`` / ``gather_many``) and returned with the same structure;
-- ``axis`` (an int, a negative int, or a tuple of them) first reduces each replica's tensor
-  along those dimensions, then across replicas. ``"mean"`` divides the total by the number
-  of elements along ``axis`` on every replica together, so uneven local batches give the
-  mean over all rows (tf's meaning, and the one-device answer when ``axis`` holds the batch
-  dimension); ``"min"``/``"max"`` of a replica with no rows along ``axis`` leave the others'.
+A nest (:mod:`replicator.strategies.nest`) is reduced or gathered leaf by leaf in ONE fused
+collective (``reduce_many`` / ``gather_many``) and returned with its structure. ``axis`` (ints,
+negative ones, or a tuple) first reduces each replica's tensor along those dimensions, then
+across replicas; ``"mean"`` divides by the element count along ``axis`` over every replica, so
+uneven local batches give the mean over all rows (tf's meaning); ``"min"``/``"max"`` of a
+replica with no rows leave the others'.
 """
 
 from __future__ import annotations

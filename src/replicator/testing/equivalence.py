@@ -62,15 +62,11 @@ def assert_equivalent(train_fn: Callable[..., Any],
                       timeout_seconds: float = 120.0) -> dict[str, dict[str, torch.Tensor]]:
     """Run ``train_fn(strategy)`` under each strategy and compare the returned parameters.
 
-    ``one_device`` runs in one process; every other strategy runs on ``world_size`` worker
-    processes, and rank 0's result is compared. ``train_fn`` must be a module-level function
-    that builds its model under ``strategy.scope()`` and returns the model or its state_dict.
-    Returns the parameters per strategy name.
-
-    Every strategy computes on the same kind of device: where this host has fewer GPUs than
-    ``world_size`` (the distributed strategies then compute on the CPU), ``one_device`` does
-    too unless its spec names a device (a model built on a GPU draws its initial values from
-    the GPU's generator, so a CUDA run and a CPU run start from different parameters).
+    ``one_device`` runs in one process, the others on ``world_size`` workers (rank 0's result is
+    compared). ``train_fn``: a module-level function that builds its model under
+    ``strategy.scope()`` and returns it or its state_dict. Returns the parameters per name. Where
+    the host has fewer GPUs than ``world_size``, ``one_device`` computes on the CPU too unless its
+    spec names a device (a GPU's generator draws other initial values).
     """
     results: dict[str, dict[str, torch.Tensor]] = {}
     gpus_for_all = torch.cuda.is_available() and torch.cuda.device_count() >= world_size

@@ -178,17 +178,14 @@ class Accuracy(SparseCategoricalAccuracy):
 
 
 class AUC(Metric):
-    """Area under the ROC curve from histograms of scores at ``num_thresholds`` evenly spaced
-    thresholds in [0, 1] (Keras's approximation), exact across replicas (histograms are summed).
+    """Area under the ROC curve from score histograms at ``num_thresholds`` thresholds in [0, 1]
+    (Keras's approximation), exact across replicas (histograms are summed).
 
-    Binary: outputs ``[N]``, ``[N, 1]`` (probability or logit of the positive class) or
-    ``[N, 2]`` (two class scores; the second is the positive class), with 0/1 targets.
-    Multi-class: outputs ``[N, C]`` with integer targets ``[N]`` or one-hot targets ``[N, C]``;
-    one ROC per class against the rest (``multi_class="ovr"``), averaged with equal weights
-    (``average="macro"``) or by how many samples each class has (``"weighted"``), as
-    scikit-learn's ``roc_auc_score``. The number of classes is taken from the first batch
-    (or give ``num_classes``). ``from_logits=None`` lets a Trainer set it from its loss; on
-    its own it assumes probabilities (softmax/sigmoid are applied for logits).
+    Binary: outputs ``[N]``, ``[N, 1]`` or ``[N, 2]`` (the second is the positive class) with
+    0/1 targets. Multi-class: ``[N, C]`` with integer or one-hot targets; one ROC per class
+    against the rest (``"ovr"``), averaged equally (``"macro"``) or by class counts
+    (``"weighted"``), as scikit-learn's ``roc_auc_score``. Classes: from the first batch or
+    ``num_classes``. ``from_logits=None`` lets a Trainer set it; alone it assumes probabilities.
     """
 
     def __init__(self, name: str = "auc", num_thresholds: int = 200,

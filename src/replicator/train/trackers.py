@@ -158,15 +158,11 @@ class RunLogger(Callback, ABC):
 class MLflowLogger(RunLogger):
     """Log the run to MLflow (``pip install 'replicator[mlflow]'``, ``mlflow-skinny``).
 
-    Args:
-        experiment_name: created if it does not exist.
-        tracking_uri: e.g. ``"http://mlflow.example:5000"``, ``"databricks"`` or a local
-            ``"file:///path/mlruns"`` (MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` for
-            a file store); ``None`` takes MLflow's default (``MLFLOW_TRACKING_URI``).
-        run_name: the run's name.
-        tags: the run's tags (beside ``replicator.strategy`` and ``.num_replicas``).
-        params: hyper-parameters to record beside the ones found on the trainer.
-        update_freq: ``"epoch"``, or log batch metrics every that many steps too.
+    ``experiment_name`` is created if missing; ``tracking_uri``: e.g. ``"http://host:5000"``,
+    ``"databricks"`` or ``"file:///path/mlruns"`` (MLflow 3 wants
+    ``MLFLOW_ALLOW_FILE_STORE=true`` for that), ``None``: MLflow's default; ``run_name``,
+    ``tags`` (beside ``replicator.strategy`` and ``.num_replicas``), ``params`` (beside the
+    trainer's) and ``update_freq`` (``"epoch"`` or every that many steps too).
     """
 
     tracker = "mlflow"

@@ -1,13 +1,11 @@
 """The input of a live-recovery job: each step's share of the global batch, cut per quorum.
 
-``strategy.distribute_dataset(...)`` returns a :class:`LiveDataset` when the job runs replica
-groups. Iterating it joins each step's quorum first (healing from a peer when behind), then
-cuts that step's global batch for the groups in the quorum (``data/live_split.py``), so the
-samples, their order and the global batch size are those of one device. The position is the
-committed step, which a healed group receives from its peer: a healed process can therefore
-continue the run's data, but not the script's own loop counters. ``epochs=E`` makes one loop
-run all epochs (the library counts them); without it each loop is one epoch, as a
-``DataLoader``'s, and a group that heals into another epoch than its own loop is in raises
+``strategy.distribute_dataset(...)`` returns a :class:`LiveDataset` with replica groups.
+Iterating joins each step's quorum (healing when behind), then cuts that step's global batch
+for the quorum's groups (``data/live_split.py``), so samples, order and batch size are one
+device's. The position is the committed step, which a healed group gets from its peer (its
+script's own loop counters are not). ``epochs=E`` runs all epochs in one loop; without it a loop
+is one epoch, and healing into another epoch raises
 :class:`~replicator.strategies.live.errors.EpochLoopError` naming the fix.
 """
 
@@ -80,27 +78,23 @@ class LiveDataset:
         return self
 
     def __next__(self) -> Any:
-        end = self._end()
-        engine = self.engine
-        if engine.committed_steps >= end and not engine.in_step:
-            return self._finish()
-        quorum = engine.begin_step()
-        if quorum.step >= end:
-            return self._finish()
-        return self._cut(quorum)
+        quorum = self._next_quorum(self._end())
+        return self._finish() if quorum is None else self._cut(quorum)
 
     def until(self, end: int) -> Iterator[Any]:
         """The batches of the steps before committed step ``end``, across epochs (a loop
         driver that counts steps itself, such as ``BackupAndRestore.steps``)."""
         self._pass_epoch = None
-        while True:
-            engine = self.engine
-            if engine.committed_steps >= end and not engine.in_step:
-                return
-            quorum = engine.begin_step()
-            if quorum.step >= end:
-                return
+        while (quorum := self._next_quorum(end)) is not None:
             yield self._cut(quorum)
+
+    def _next_quorum(self, end: int) -> Quorum | None:
+        """The quorum of the next step before committed step ``end`` (``None``: no step left)."""
+        engine = self.engine
+        if engine.committed_steps >= end and not engine.in_step:
+            return None
+        quorum = engine.begin_step()
+        return None if quorum.step >= end else quorum
 
     def _finish(self) -> Any:
         if self._pass_epoch is not None:
