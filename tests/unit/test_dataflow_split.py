@@ -34,6 +34,11 @@ def test_a_skipped_sample_is_a_masked_row_and_the_rest_is_kept() -> None:
                 .map(fail_on_five, on_error="skip").batch(4)
                 .with_options(Options(worker_type="thread", cpu_budget=2)))
     got = parts(build, 2)
+    ds = build()
+    dist = distribute_dataset(ds, InputContext(2, 0, 2), torch.device("cpu"))
+    assert len(list(dist)) == 3 and ds.runtime.pools
+    dist.close()  # stops the pipeline's workers too
+    assert not ds.runtime.pools
     real = sorted(v for rank in got for batch, mask in rank for v, m in zip(batch, mask) if m)
     assert real == [0, 1, 2, 3, 4, 6, 7, 8, 9]
     rank0_step1 = got[0][1]  # samples 4, 5 of the second global batch: 5 is skipped

@@ -275,6 +275,9 @@ class DistributedDataset:
         the next epoch); iterating again starts them anew."""
         self._close_active()
         self._engine = None
+        close_engine = getattr(self.pipeline.engine, "close", None)
+        if close_engine is not None:  # a dataflow pipeline's workers
+            close_engine()
 
     def _advance(self, it: DistributedIterator, position: int) -> None:
         if it is self._active:

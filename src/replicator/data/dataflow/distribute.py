@@ -105,6 +105,12 @@ class _Engine:
         self.runtime, self.materialiser, self.key = runtime, materialiser, key
         self.name, self.parallel, self.deterministic = name, parallel, deterministic
 
+    def close(self) -> None:
+        """Stop this stage's workers (the next pass starts new ones)."""
+        pool = self.runtime.pools.pop(self.key, None)
+        if pool is not None:
+            pool.close()
+
     def __call__(self, specs: Iterator[Spec]) -> Iterator[LocalBatch]:
         ctx = Ctx(0, self.runtime)
         if self.parallel == 1:  # num_parallel_calls=None: in the prefetch thread
