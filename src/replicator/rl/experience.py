@@ -18,7 +18,9 @@ KINDS = ("transitions", "trajectories")
 
 class ExperienceBuilder:
     """``kind="transitions"``: ``n_step`` transitions; ``"trajectories"``: ``[N, length]``
-    unrolls whose ``obs`` has ``length + 1`` entries (the last one bootstraps)."""
+    unrolls whose ``obs`` has ``length + 1`` entries (the last one bootstraps); ``done`` marks
+    a termination (no bootstrap), ``truncated`` a time limit (the next observation is already
+    the new episode's first: a learner may bootstrap from it or cut the trace there)."""
 
     def __init__(self, kind: str, n_step: int = 1, discount: float = 0.99,
                  unroll_length: int = 0) -> None:
@@ -50,8 +52,8 @@ class ExperienceBuilder:
             return
         if not self._obs:
             self._obs.append(obs)
-        step = {"action": action, "reward": reward,
-                "done": (terminated | truncated).to(torch.float32), **extras}
+        step = {"action": action, "reward": reward, "done": terminated.to(torch.float32),
+                "truncated": truncated.to(torch.float32), **extras}
         self._steps.append(step)
         self._obs.append(next_obs)
         if len(self._steps) == self.length:
