@@ -126,7 +126,7 @@ def _suicidal_act(policy, obs):
 
 def train_with_actor_killed(steps: int):
     replay = rp.rl.ReplayBuffer(2000, samples_per_insert=1.0, min_size_to_sample=16,
-                                error_buffer=64, seed=1, timeout_seconds=60)
+                                error_buffer=16, seed=1, timeout_seconds=60)
     torch.manual_seed(0)
     al = rp.rl.ActorLearner(rp.OneDeviceStrategy, "CartPole-v1", Policy, replay=replay,
                             act_fn=_suicidal_act, num_envs=2, publish_every=2, send_every=8,

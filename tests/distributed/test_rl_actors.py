@@ -24,6 +24,9 @@ def test_actor_killed_is_restarted_with_current_weights_and_learner_goes_on():
     # the restarted actor's first experience carries the weights current when it joined
     assert rejoined[0]["published"] > 0
     assert rejoined[0]["first_version"] >= rejoined[0]["published"]
+    # the rate limiter held samples per insert at 1.0 through the kill
+    stats = out["stats"]
+    assert abs(stats["sampled"] / stats["inserted"] - 1.0) < 0.05, stats
 
 
 def test_lockstep_resume_after_learner_killed_equals_uninterrupted(tmp_path):
