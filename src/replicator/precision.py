@@ -42,13 +42,10 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "mixed_bfloat16":
 
 class MixedPrecision:
     """A mixed-precision policy (see the module doc). ``dtype``: ``"bf16"``, ``"fp16"`` or
-    ``"fp32"`` (off; Keras' ``"mixed_bfloat16"``/``"mixed_float16"`` are accepted).
-
-    ``loss_scale``: ``"auto"`` (dynamic for fp16, none otherwise), ``"dynamic"``, a fixed
-    number, or ``None``. The dynamic scale starts at ``init_scale``, halves (``backoff_factor``)
-    on a step with inf/NaN gradients and doubles (``growth_factor``) after ``growth_interval``
-    clean steps, as ``torch.amp.GradScaler`` does. ``device_type``: autocast's device type
-    (default: the strategy's device).
+    ``"fp32"`` (Keras' ``"mixed_bfloat16"``/``"mixed_float16"`` accepted). ``loss_scale``:
+    ``"auto"`` (dynamic for fp16), ``"dynamic"``, a number, or ``None``; the dynamic scale starts at
+    ``init_scale``, halves on inf/NaN and doubles after ``growth_interval`` clean steps, as
+    ``torch.amp.GradScaler``. ``device_type``: autocast's (default: the strategy's device).
     """
 
     def __init__(self, dtype: str | torch.dtype = "bf16", *, loss_scale: str | float | None =

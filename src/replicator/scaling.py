@@ -53,13 +53,9 @@ def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "l
 
 class Warmup(LRScheduler):
     """Multiplies each group's learning rate by a factor rising from ``start_factor`` to 1 over
-    ``steps`` calls of ``step()``, linearly (``mode="linear"``) or held at ``start_factor``
-    until the end (``mode="constant"``); afterwards it leaves the rate alone.
-
-    The update is multiplicative on the group's current rate (the "chainable" form of
-    ``torch.optim.lr_scheduler``), so it composes with the user's own schedule through
-    ``ChainedScheduler`` or by calling both ``step()``s, and ``SequentialLR`` runs a decay after
-    it. ``start_factor`` may be one number or one per parameter group.
+    ``steps`` calls of ``step()`` (``mode="linear"``), or held at ``start_factor`` until then
+    (``"constant"``). Chainable (multiplies the current rate), so it composes with the user's
+    schedule (``ChainedScheduler``, ``SequentialLR``). ``start_factor``: one or one per group.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int,

@@ -66,11 +66,10 @@ def parse_devices(specs: Sequence[str | torch.device] | None) -> list[torch.devi
 def default_device_for(local_rank: int, local_world_size: int) -> torch.device:
     """One GPU per local process when every local process can have one, else the CPU for all.
 
-    A job never mixes devices: with 2 processes and 1 GPU, rank 0 on NCCL and rank 1 on gloo
-    could not form one process group, so both use the CPU (local rank 0 says why on stderr).
-    A process whose ``CUDA_VISIBLE_DEVICES`` names one GPU (a scheduler's GPU per task: SLURM's
-    ``--gpus-per-task``, a Kubernetes pod per GPU) uses that GPU; two processes that turn out to
-    share one are stopped at the roll call (:func:`device_identity`).
+    A job never mixes devices (NCCL and gloo ranks cannot form one group; local rank 0 says why on
+    stderr). A process whose ``CUDA_VISIBLE_DEVICES`` names one GPU (SLURM's ``--gpus-per-task``,
+    a pod per GPU) uses it; two that share one are stopped at the roll call
+    (:func:`device_identity`).
     """
     n = available_accelerators()
     if local_world_size <= n:

@@ -218,14 +218,10 @@ _CREATED = [False]
 def _wait_for_helpers_at_exit() -> None:
     """The library's last exit handler: wait until its helper threads have ended.
 
-    Registered when this module is imported, before any other module of the library registers
-    one, so it runs after them all (atexit runs the last registered first): they ask the
-    helpers to stop (the process group's shutdown, the input's prefetch, the comm lanes) and
-    this waits until they have. A daemon thread still inside torch's C++ code when the
-    interpreter finalizes (a collective, a store call, a tensor operation) is ended by
-    ``pthread_exit`` as soon as it returns, and that forced unwinding through torch's
-    ``noexcept`` frames aborts the process ("terminate called without an active exception"):
-    a finished job run directly (torchrun, TF_CONFIG, SLURM) exiting with SIGABRT.
+    Registered first, so it runs last (after the handlers that ask the helpers to stop). A
+    daemon thread still inside torch's C++ code at finalization is ended by ``pthread_exit``,
+    whose unwinding through ``noexcept`` frames aborts the process ("terminate called without an
+    active exception"): a finished job exiting with SIGABRT.
     """
     if not _CREATED[0]:
         return

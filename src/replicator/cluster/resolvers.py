@@ -273,16 +273,11 @@ def _who(spec: ClusterSpec, rank: int) -> str:
 def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
                      poll_seconds: float = 0.05, backend: str | None = None,
                      device_key: str | None = None) -> None:
-    """Before the process group forms, make every process of the job answer a roll call on the
-    rendezvous store, so a spec that disagrees with the running processes is a clear
-    :class:`ClusterConfigError` within ``timeout_seconds`` instead of a hang.
-
-    Caught: a different world size on some process, two processes with one rank (a duplicate
-    task index), ranks that never arrive (a missing host), and, given ``backend``, processes
-    that would start different backends (NCCL on a GPU host, gloo on a CPU-only one), and,
-    given ``device_key`` (a GPU's UUID), two processes on one GPU, which NCCL refuses. Every
-    process that sees a mistake posts it on the store, so the others raise the same message at
-    once.
+    """A roll call on the rendezvous store before the process group forms, so a spec that
+    disagrees with the running processes is a :class:`ClusterConfigError` within
+    ``timeout_seconds``, not a hang: another world size, a duplicate rank, ranks that never
+    arrive, and (given ``backend``/``device_key``) mixed backends or two processes on one GPU.
+    The first process to see a mistake posts it, so all raise the same message.
     """
     import time
 

@@ -140,11 +140,9 @@ def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
 class Topology:
     """Named mesh axes over the workers, the role and host of every process.
 
-    ``axes``: axis name -> degree, in mesh order (default ``{"data": <all workers>}``), or
-    the same as keywords: ``Topology(data=2, tensor=2)``, ``Topology(model=2, data=2)``. Any
-    name is an axis; ``data``, ``fsdp``, ``pipeline`` and ``tensor`` have a meaning (see the
-    module doc). ``num_ps``: how many processes (the last ranks) are parameter servers, on no
-    axis. The process group is started from the environment if it is not running yet.
+    ``axes``: name -> degree in mesh order (default ``{"data": <all workers>}``), or keywords:
+    ``Topology(data=2, tensor=2)``. ``num_ps``: how many processes (the last ranks) are parameter
+    servers, on no axis. The process group is started from the environment if not running.
     """
 
     def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, *,

@@ -35,12 +35,10 @@ def group_tag(ranks: Sequence[int]) -> str:
 class CollectiveTracker:
     """Counts this rank's collectives and publishes its position for the others to read.
 
-    ``rank``/``world_size``: position in and size of the group; ``ranks``: the group's global
-    ranks in group order, always given (a sub-group keyed as if it were ranks ``0..n-1`` would
-    share its store entries with another group of the same size and name the wrong ranks);
-    ``roles``: global rank -> role, used in messages; ``tag``: the group's name in the store
-    (default: from ``ranks``, with a serial added for a second tracker on the same group in
-    this process). :meth:`for_group` fills all of it in from a process group.
+    ``rank``/``world_size``: in the group; ``ranks``: the group's global ranks (always given, so
+    two groups of one size never share store entries); ``roles``: global rank -> role, for
+    messages; ``tag``: the group's name in the store (default: from ``ranks``, plus a serial for
+    a second tracker). :meth:`for_group` fills it all in from a process group.
     """
 
     def __init__(self, rank: int, world_size: int, store: dist.Store | None, *,

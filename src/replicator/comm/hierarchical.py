@@ -38,14 +38,10 @@ _INTRA_HOST = ("auto", "shared_memory", "native")
 
 @dataclass
 class HostTopology:
-    """How one group is split into hosts, as seen by this process.
-
-    ``hosts``: global ranks per host, hosts in order of their first rank. ``leaders``: the
-    global rank leading each host (its first). ``host``: this process's host. ``intra``: the
-    group of this host (``None`` for a one-process host). ``leader_group``: the leaders'
-    group (``None`` unless this process leads a host and there are several hosts).
-    ``shared_memory``: whether this host's intra-host steps go through shared memory (for CPU
-    data; never for a one-process host, which has no intra-host step).
+    """How one group is split into hosts, as seen by this process: ``hosts`` (global ranks per
+    host, in order of their first rank), ``leaders`` (each host's first rank), ``host`` (this
+    process's), ``intra`` (this host's group; ``None`` alone), ``leader_group`` (``None`` unless
+    a leader among several hosts), ``shared_memory`` (whether this host's steps use it).
     """
 
     hosts: list[list[int]]
@@ -65,11 +61,9 @@ def shared_memory_usable() -> bool:
 class HierarchicalAllReduce(CrossDeviceOps):
     """Sum inside each host, all-reduce among one leader per host, share the result back.
 
-    ``ranks_per_node``: declare hosts as runs of this many consecutive group ranks instead of
-    asking every process for its real host (for tests and simulations; shared memory is then
-    used only where the real hosts agree). ``inter_node``: the algorithm the leaders use among
-    themselves (default :class:`NativeAllReduce`). ``intra_host``: ``"auto"`` (shared memory
-    where usable, else the backend), ``"shared_memory"`` or ``"native"``.
+    ``ranks_per_node``: hosts as runs of that many group ranks instead of the real ones (tests;
+    shared memory only where real hosts agree). ``inter_node``: the leaders' algorithm (default
+    :class:`NativeAllReduce`). ``intra_host``: ``"auto"``, ``"shared_memory"`` or ``"native"``.
     """
 
     name = "hierarchical"

@@ -12,14 +12,11 @@ _IMPLEMENTATIONS = ("auto", "ring", "nccl", "gloo", "hierarchical", "reduce_to_o
 class CommunicationOptions:
     """How gradients travel between replicas.
 
-    ``bytes_per_pack``: bucket size in bytes for gradient all-reduce (0 = the default, 25 MB).
-    ``timeout_seconds``: how long a collective may wait for the other replicas.
-    ``implementation``: the all-reduce algorithm when no ``cross_device_ops`` is given:
-    ``"auto"`` (the backend's own: NCCL on GPUs, gloo on CPUs), ``"nccl"``, ``"gloo"``,
-    ``"ring"``, ``"hierarchical"``, ``"reduce_to_one"`` or ``"shared_memory"`` (CPU, one host).
-    ``check_collectives``: fingerprint each backward pass's gradient averaging against the
-    other replicas' calls (on by default; a mismatch raises ``CollectiveMismatchError``). The
-    check of ``reduce``/``gather``/metrics/checkpoint agreement is always on.
+    ``bytes_per_pack``: gradient bucket bytes (0: 25 MB). ``timeout_seconds``: how long a
+    collective may wait. ``implementation`` (without ``cross_device_ops``): ``"auto"``, ``"nccl"``,
+    ``"gloo"``, ``"ring"``, ``"hierarchical"``, ``"reduce_to_one"`` or ``"shared_memory"``.
+    ``check_collectives``: fingerprint each backward's gradient averaging (on by default; the
+    check of ``reduce``/``gather``/metrics/checkpoints is always on).
     """
 
     bytes_per_pack: int = 0

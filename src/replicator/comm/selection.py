@@ -152,11 +152,8 @@ def algorithm_for(options: CommunicationOptions, device: torch.device,
                   group: dist.ProcessGroup | None = None) -> CrossDeviceOps:
     """The algorithm ``options.implementation`` names, for replicas computing on ``device``.
 
-    ``"auto"`` picks the fastest correct algorithm for ``group`` (``None``: the whole job; see
-    the module doc); it is a collective over ``group`` when a process group is running (every
-    member must call it), and the backend's own all-reduce when none is. ``"nccl"`` needs GPUs;
-    ``"gloo"`` needs CPUs; ``"ring"``, ``"hierarchical"``, ``"reduce_to_one"`` and
-    ``"shared_memory"`` (CPU, one host) pick those algorithms.
+    ``"auto"``: see the module doc; a collective over ``group`` when a process group is running.
+    ``"nccl"`` needs GPUs, ``"gloo"`` CPUs, ``"shared_memory"`` CPUs on one host.
     """
     impl = options.implementation
     if impl == "nccl" and device.type != "cuda":

@@ -98,12 +98,10 @@ class _Pending:
 class _Channel:
     """The segment with the barrier flags and the per-rank piece slots for one group.
 
-    Every all-reduce gets the next number. A rank announces its input for number ``k`` (the
-    INPUTS counter), sums its chunk of ``k`` once every rank announced that input, then bumps
-    its SUMS counter; the result is complete when every SUMS counter reached ``k``.
-    All-reduces of resident buffers are asynchronous without a thread: a launch announces the
-    input and sums whatever chunks are ready, in order, and leaves the rest to later launches
-    or to ``wait()``, so ``backward()`` never stalls on a slower replica in the middle.
+    All-reduce ``k`` is announced by each rank (its INPUTS counter); a rank sums its chunk once
+    all announced, then bumps its SUMS counter; the result is complete when every SUMS counter
+    reached ``k``. Launches of resident buffers sum whatever is ready and leave the rest to later
+    launches or ``wait()``, so ``backward()`` never stalls on a slower replica.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, piece_bytes: int,
@@ -236,11 +234,9 @@ class _ResidentHandle:
 class SharedMemoryAllReduce(CrossDeviceOps):
     """All-reduce through a shared-memory segment; every replica must be on this host, on CPU.
 
-    ``piece_bytes``: the slot size per rank for tensors that do not live in shared memory
-    (4 MB; larger tensors go through in pieces, two barriers each).
-    ``max_resident_bytes``: the most shared memory ``make_buffers`` may take for buckets that
-    live there (all ranks' copies together); beyond it buckets are ordinary memory and go
-    through the slots.
+    ``piece_bytes``: the slot per rank for tensors outside shared memory (4 MB; larger ones go in
+    pieces). ``max_resident_bytes``: the most ``make_buffers`` may place in shared memory (all
+    ranks' copies); beyond it buckets are ordinary memory and go through the slots.
     """
 
     name = "shared_memory"

@@ -75,12 +75,9 @@ def current_strategy() -> Strategy | None:
 
 class Strategy(ABC):
     """How a step function runs across replicas. A subclass opens its replica group (as
-    ``self._replica_group``, before ``Strategy.__init__``) and implements the ``_hooks`` that
-    are its own.
-
-    ``check_finite=True`` (every strategy's constructor takes it): :meth:`run` checks the value
-    ``step_fn`` returns and raises :class:`~replicator.errors.NonFiniteLossError` on every
-    replica when it holds a NaN or infinity on any (see :mod:`replicator.strategies.finite`).
+    ``self._replica_group``, before ``Strategy.__init__``) and implements its own ``_hooks``.
+    ``check_finite=True``: :meth:`run` raises ``NonFiniteLossError`` on every replica when the
+    result holds a NaN or infinity on any (:mod:`replicator.strategies.finite`).
     """
 
     name: ClassVar[str] = "strategy"
@@ -455,13 +452,10 @@ class Strategy(ABC):
 
     # -- cross-replica values ----------------------------------------------------------------
     def reduce(self, op: ReduceOp | str, value: Any, axis: Axis = None) -> Any:
-        """Combine a per-replica value across replicas (and along ``axis`` if given).
-
-        ``value``: a tensor, a number, or a nest of them (tuples, lists, dicts, namedtuples,
-        dataclasses), reduced in one collective and returned with the same structure.
-        ``axis``: an int or a tuple of ints; ``reduce("mean", x, axis=0)`` is the mean over
-        every replica's rows of ``x``, counted per row, so uneven batches give the true global
-        mean (see :mod:`replicator.strategies.reduction`).
+        """Combine a per-replica value (a tensor, number, or nest of them, in one collective)
+        across replicas, and along ``axis`` (int or tuple) if given: ``reduce("mean", x, axis=0)``
+        is the mean over every replica's rows, so uneven batches give the true global mean
+        (:mod:`replicator.strategies.reduction`).
         """
         op = ReduceOp.parse(op)
         observers.called(self, "reduce")

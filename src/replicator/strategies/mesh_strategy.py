@@ -72,12 +72,10 @@ def _axes_from_degrees(degrees: Mapping[str, int]) -> dict[str, int]:
 class MeshStrategy(Strategy):
     """Compose parallelisms on a 2-D (or larger) mesh: ``MeshStrategy(data=2, tensor=2)``.
 
-    Degrees: ``data`` (replicas, gradients averaged), ``fsdp`` (replicas with parameters,
-    gradients and optimizer state sharded), ``pipeline`` (stages), ``tensor`` (layer shards).
-    Their product must equal the number of processes; ``-1`` infers one. ``tensor_plan``: see
-    :class:`~replicator.TensorParallelStrategy`; ``pipeline``: the options of
-    :class:`~replicator.PipelineStrategy` as a dict; ``reshard_after_forward``: FSDP's option.
-    ``check_finite``: see :class:`~replicator.strategies.base.Strategy`.
+    Degrees ``data``, ``fsdp``, ``pipeline`` and ``tensor`` multiply to the number of processes
+    (``-1`` infers one). ``tensor_plan``: as :class:`~replicator.TensorParallelStrategy`'s;
+    ``pipeline``: :class:`~replicator.PipelineStrategy`'s options as a dict;
+    ``reshard_after_forward``: FSDP's; ``check_finite``: see ``Strategy``.
     """
 
     name = "mesh"
@@ -192,13 +190,10 @@ class MeshStrategy(Strategy):
 
     def forward_backward(self, model: torch.nn.Module, inputs: Any, target: Any,
                          loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
-        """Forward and backward of a pipelined ``model`` in one run of the schedule, the
-        loss ``loss_fn(output, target)`` computed on the last stage per microbatch; returns
-        the batch's loss (the mean over microbatches) on every rank of the pipeline.
-
-        Use it inside ``strategy.run`` instead of ``loss = loss_fn(model(x), y);
-        loss.backward()`` to skip the extra forward pass that the one-device shape costs
-        (see :mod:`replicator.parallel.pipeline`); then step the optimizer as usual."""
+        """Forward and backward of a pipelined ``model`` in one schedule run, the loss computed on
+        the last stage per microbatch; returns the batch's loss on every pipeline rank. Use it in
+        ``strategy.run`` instead of ``loss_fn(model(x), y).backward()`` to skip the extra forward
+        pass (:mod:`replicator.parallel.pipeline`)."""
         for runner in self._pipelines:
             if runner.model is model:
                 return runner.forward_backward(inputs, target, loss_fn)

@@ -179,15 +179,10 @@ class MirroredStrategy(Strategy):
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):
     """MirroredStrategy across several machines (``replicator run --nnodes``, ``torchrun``,
-    ``TF_CONFIG``, SLURM, or an explicit ``rp.cluster.ClusterSpec``).
-
-    ``cluster_resolver``: where this process stands in the job, as an
-    :class:`~replicator.cluster.ClusterSpec` or a resolver such as
-    :class:`~replicator.cluster.TFConfigResolver` (``None``: read from the environment).
-    In replicator's one-process-per-replica model this is the same engine as
-    :class:`MirroredStrategy`; the names follow tf.distribute. ``CommunicationOptions`` or an
-    all-reduce algorithm given as the first argument is taken as such
-    (``MultiWorkerMirroredStrategy(rp.comm.RingAllReduce())``).
+    ``TF_CONFIG``, SLURM, or an explicit ``rp.cluster.ClusterSpec``), the same engine under
+    tf.distribute's name. ``cluster_resolver``: a ``ClusterSpec`` or a resolver such as
+    :class:`~replicator.cluster.TFConfigResolver` (``None``: the environment). A first argument
+    that is ``CommunicationOptions`` or an all-reduce algorithm is taken as such.
     """
 
     name = "multi_worker_mirrored"

@@ -19,15 +19,12 @@ from replicator.strategies.mesh_strategy import MeshStrategy
 
 
 class FSDPStrategy(MeshStrategy):
-    """Fully sharded data parallelism on every process (FSDP2 ``fully_shard`` per block; see
-    :mod:`replicator.parallel.fsdp`).
+    """Fully sharded data parallelism on every process (FSDP2 ``fully_shard`` per block).
 
-    ``reshard_after_forward=True`` frees gathered parameters after each block's forward and
-    gathers them again in backward (ZeRO-3, least memory); ``False`` keeps them from forward to
-    backward (ZeRO-2: sharded gradients and optimizer state, one gather fewer per step).
-    ``zero_stage=3|2`` is the same choice by name. ``tensor``: add a tensor-parallel axis of
-    that degree (``fsdp x tensor``), with ``tensor_plan`` as in
-    :class:`~replicator.TensorParallelStrategy`.
+    ``reshard_after_forward=True`` frees gathered parameters after each block's forward
+    (ZeRO-3, least memory); ``False`` keeps them until backward (ZeRO-2, one gather fewer);
+    ``zero_stage=3|2`` says the same by name. ``tensor``: add a tensor-parallel axis of that
+    degree, with ``tensor_plan`` as in :class:`~replicator.TensorParallelStrategy`.
     """
 
     name = "fsdp"
@@ -65,13 +62,10 @@ class FSDPStrategy(MeshStrategy):
 class TensorParallelStrategy(MeshStrategy):
     """Tensor parallelism on every process (or ``tensor`` of them, the rest data parallel).
 
-    ``plan``: module name (or ``fnmatch`` pattern) -> ``"colwise"``, ``"rowwise"``,
-    ``"embedding"`` or a torch ``ParallelStyle``; ``None`` takes
-    :func:`~replicator.parallel.tensor_parallel.default_plan` (Megatron's layout).
-    ``sequence_parallel``: norms and the residual stream of transformer blocks work on a
-    shard of the sequence (see :mod:`replicator.parallel.tensor_parallel`; default plan only).
-    Every rank of a tensor-parallel group gets the same batch; ``num_replicas_in_sync`` counts
-    the data-parallel replicas only.
+    ``plan``: module name or ``fnmatch`` pattern -> ``"colwise"``, ``"rowwise"``, ``"embedding"``
+    or a ``ParallelStyle`` (``None``: Megatron's ``default_plan``). ``sequence_parallel``: norms
+    and the residual stream work on a shard of the sequence (default plan only). A tensor-parallel
+    group shares one batch; ``num_replicas_in_sync`` counts the data-parallel replicas only.
     """
 
     name = "tensor_parallel"
@@ -87,16 +81,12 @@ class TensorParallelStrategy(MeshStrategy):
 
 
 class PipelineStrategy(MeshStrategy):
-    """Pipeline parallelism: ``num_stages`` stages fed ``num_microbatches`` microbatches (see
-    :mod:`replicator.parallel.pipeline`).
-
-    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"``
-    (interleaved zero bubble) or ``"zbv"``; the interleaved ones place two stages on each
-    rank (``num_stages`` = 2 x pipeline ranks). The model must be an ``nn.Sequential`` (nested
-    ones are flattened into one chain of blocks); stages balance parameter counts
-    (``balance="params"``) or forward time measured on the first batch (``"time"``), or start
-    at the named blocks (``split_points=["4"]``, names as in ``model.named_modules()``).
-    Processes beyond the pipeline's ranks are data-parallel replicas of it.
+    """Pipeline parallelism: ``num_stages`` stages fed ``num_microbatches`` microbatches
+    (:mod:`replicator.parallel.pipeline`). ``schedule``: ``"gpipe"``, ``"1f1b"``,
+    ``"interleaved_1f1b"``, ``"zero_bubble"`` or ``"zbv"`` (the interleaved ones place two stages
+    per rank). The model is an ``nn.Sequential`` (nested ones flattened); stages balance parameter
+    counts (``balance="params"``) or first-batch forward time (``"time"``), or start at named
+    blocks (``split_points=["4"]``). Processes beyond the pipeline's are data-parallel replicas.
     """
 
     name = "pipeline"

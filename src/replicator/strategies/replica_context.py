@@ -53,13 +53,9 @@ class ReplicaContext:
 
     def merge_call(self, merge_fn: Callable[..., Any], args: tuple | list = (),
                    kwargs: dict[str, Any] | None = None) -> Any:
-        """Run ``merge_fn(strategy, *args, **kwargs)`` and return its result.
-
-        In tf.distribute several replicas share a process, and ``merge_call`` runs
-        ``merge_fn`` once for all of them with their values merged. Here each replica is a
-        process, so ``merge_fn`` runs once in every process with this replica's own ``args``:
-        to combine values across replicas, call ``strategy.reduce`` or ``strategy.gather``
-        inside it (every replica reaches the call, so those collectives match)."""
+        """Run ``merge_fn(strategy, *args, **kwargs)`` and return its result. Each replica is a
+        process here, so it runs once in every process with this replica's ``args``; combine
+        values with ``strategy.reduce``/``gather`` inside it (every replica reaches the call)."""
         if not callable(merge_fn):
             raise TypeError(f"merge_call() needs a callable, got {type(merge_fn).__name__}")
         if not isinstance(args, (tuple, list)):

@@ -37,11 +37,9 @@ from replicator.comm.reduce_op import ReduceOp
 class ReplicaGroup:
     """The replicas of one process group as a strategy sees them (see the module doc).
 
-    ``device``: this process's device. ``topology`` and ``axis`` choose the group: without a
-    topology, every process of the job; ``axis=None``, the topology's data axes together (its
-    data group); an axis name, that axis's group. ``timeout_seconds``: how long a collective
-    may wait (see ``resolve_timeout``). ``chief``: whether this process is the chief (default:
-    the group's first replica). Opening a group is not a collective.
+    ``topology``/``axis`` choose the group: no topology, the whole job; ``axis=None``, the data
+    axes together; an axis name, that axis's group. ``timeout_seconds``: see
+    ``resolve_timeout``. ``chief``: default, the group's first replica. Not a collective.
     """
 
     def __init__(self, device: torch.device, topology: Topology | None = None,

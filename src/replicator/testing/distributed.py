@@ -16,12 +16,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: Sequence[
                     max_restarts: int = 0) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``world_size`` processes with a real gloo/NCCL group.
 
-    Returns each rank's return value in rank order. A rank that raises makes this raise
-    :class:`replicator.WorkerFailedError` carrying that rank and its traceback. Collectives
-    time out after ``timeout_seconds`` (short by default, so a broken test fails fast).
-    ``fn`` must be defined at module level so the workers can import it. The workers fork from
-    a server process that imported torch and replicator once (``start_method="forkserver"``),
-    so a test starts its processes in a fraction of a second rather than seconds each.
+    Returns each rank's result in rank order; a rank that raises makes this raise
+    :class:`replicator.WorkerFailedError` with its traceback. Collectives time out after
+    ``timeout_seconds`` (short, so a broken test fails fast). ``fn`` must be module-level; the
+    workers fork from a forkserver that imported torch and replicator once (fast start).
     """
     return launch(fn, num_replicas=world_size, args=args, kwargs=kwargs,
                   timeout_seconds=timeout_seconds, max_restarts=max_restarts,

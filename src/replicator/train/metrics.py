@@ -70,42 +70,46 @@ class Metric(ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-class Mean(Metric):
+class _WeightedMean(Metric):
+    """A weighted mean of one number per sample: the state is (weighted sum, total weight)."""
+
+    def state_size(self) -> int:
+        return 2
+
+    @abstractmethod
+    def _per_sample(self, y_pred: torch.Tensor, y_true: torch.Tensor, n: int) -> torch.Tensor:
+        """One number per sample (``n`` of them)."""
+
+    def _batch_state(self, y_pred, y_true, weight):
+        values = self._per_sample(y_pred, y_true, weight.shape[0]).to(torch.float64)
+        return torch.stack([(values * weight).sum(), weight.sum()])
+
+    def value_from(self, state):
+        return float(state[0] / state[1]) if state[1] > 0 else 0.0
+
+
+class Mean(_WeightedMean):
     """The weighted mean of the values passed as ``y_pred`` (``y_true`` is ignored)."""
 
     def __init__(self, name: str = "mean") -> None:
         super().__init__(name)
 
-    def state_size(self) -> int:
-        return 2
-
-    def _batch_state(self, y_pred, y_true, weight):
-        values = y_pred.reshape(weight.shape[0], -1).to(torch.float64).mean(1)
-        return torch.stack([(values * weight).sum(), weight.sum()])
+    def _per_sample(self, y_pred, y_true, n):
+        return y_pred.reshape(n, -1).to(torch.float64).mean(1)
 
     def update_value(self, value: torch.Tensor | float, count: float = 1.0) -> None:
         """Add an already averaged ``value`` that stands for ``count`` samples."""
         self._state += torch.tensor([float(value) * count, count], dtype=torch.float64)
 
-    def value_from(self, state):
-        return float(state[0] / state[1]) if state[1] > 0 else 0.0
 
-
-class SparseCategoricalAccuracy(Metric):
+class SparseCategoricalAccuracy(_WeightedMean):
     """Fraction of samples whose arg-max logit equals the integer label."""
 
     def __init__(self, name: str = "accuracy") -> None:
         super().__init__(name)
 
-    def state_size(self) -> int:
-        return 2
-
-    def _batch_state(self, y_pred, y_true, weight):
-        hit = (y_pred.argmax(-1) == y_true.reshape(-1)).to(torch.float64)
-        return torch.stack([(hit * weight).sum(), weight.sum()])
-
-    def value_from(self, state):
-        return float(state[0] / state[1]) if state[1] > 0 else 0.0
+    def _per_sample(self, y_pred, y_true, n):
+        return y_pred.argmax(-1) == y_true.reshape(-1)
 
 
 def _is_binary_labels(y: torch.Tensor) -> bool:
@@ -153,8 +157,7 @@ class Accuracy(SparseCategoricalAccuracy):
             cut = self.threshold
         return ((scores > cut).to(torch.float64) == labels.to(torch.float64)).to(torch.float64)
 
-    def _batch_state(self, y_pred, y_true, weight):
-        n = weight.shape[0]
+    def _per_sample(self, y_pred, y_true, n):
         if y_pred.dim() == 2 and y_pred.shape[1] > 1 and y_true.dim() == 2 \
                 and y_true.shape[1] == 1 and not y_true.is_floating_point():
             y_true = y_true.reshape(-1)  # integer labels as a column
@@ -162,19 +165,17 @@ class Accuracy(SparseCategoricalAccuracy):
             if y_true.numel() != n:
                 raise ValueError(f"{self.name}: outputs {_shape(y_pred)} need one target per "
                                  f"sample, got targets {_shape(y_true)}")
-            hit = self._binary_hits(y_pred, y_true)
-        elif y_pred.shape == y_true.shape and y_pred.dim() == 2:
-            hit = (y_pred.argmax(1) == y_true.argmax(1)).to(torch.float64)
-        elif y_pred.dim() == y_true.dim() + 1 and y_pred.shape[0] == y_true.shape[0] \
+            return self._binary_hits(y_pred, y_true)
+        if y_pred.shape == y_true.shape and y_pred.dim() == 2:
+            return y_pred.argmax(1) == y_true.argmax(1)
+        if y_pred.dim() == y_true.dim() + 1 and y_pred.shape[0] == y_true.shape[0] \
                 and y_pred.shape[2:] == y_true.shape[1:] and not y_true.is_floating_point():
-            hit = (y_pred.argmax(1) == y_true).to(torch.float64).reshape(n, -1).mean(1)
-        else:
-            raise ValueError(
-                f"{self.name}: cannot tell binary from categorical for outputs "
-                f"{_shape(y_pred)} and targets {_shape(y_true)}. HINT: binary needs outputs "
-                "[N] or [N, 1] with 0/1 targets; categorical needs [N, C] outputs with integer "
-                "targets [N] or one-hot targets [N, C].")
-        return torch.stack([(hit * weight).sum(), weight.sum()])
+            return (y_pred.argmax(1) == y_true).to(torch.float64).reshape(n, -1).mean(1)
+        raise ValueError(
+            f"{self.name}: cannot tell binary from categorical for outputs "
+            f"{_shape(y_pred)} and targets {_shape(y_true)}. HINT: binary needs outputs "
+            "[N] or [N, 1] with 0/1 targets; categorical needs [N, C] outputs with integer "
+            "targets [N] or one-hot targets [N, C].")
 
 
 class AUC(Metric):

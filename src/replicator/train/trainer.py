@@ -295,15 +295,11 @@ class Trainer:
     def fit(self, train_data: Any, epochs: int = 1, validation_data: Any = None,
             steps_per_epoch: int | None = None, callbacks: Iterable[Callback] = (),
             verbose: int = 1, terminate_on_nan: bool = True) -> History:
-        """Train for ``epochs`` epochs; returns the :class:`History` of per-epoch logs.
-
-        Each epoch is one pass over ``train_data`` (at most ``steps_per_epoch`` steps).
-        ``terminate_on_nan`` (Keras's ``TerminateOnNaN``, on by default): a NaN or infinite
-        loss on any replica raises :class:`~replicator.errors.NonFiniteLossError` on every
-        replica, naming the step and epoch, before that step's backward and optimizer step.
-        A ``TerminateOnNaN`` callback in ``callbacks`` takes over (it stops quietly after the
-        batch, as in Keras), and so does a ``BackupAndRestore`` (its own ``terminate_on_nan``
-        guard checks the gradients before each step and names the last backup).
+        """Train for ``epochs`` epochs (at most ``steps_per_epoch`` steps each); returns the
+        :class:`History`. ``terminate_on_nan`` (on by default): a NaN or infinite loss on any
+        replica raises :class:`~replicator.errors.NonFiniteLossError` on every replica before that
+        step's backward. A ``TerminateOnNaN`` callback (stops quietly, as in Keras) or a
+        ``BackupAndRestore`` (its own guard) takes over.
         """
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")

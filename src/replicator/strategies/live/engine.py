@@ -417,12 +417,10 @@ def _quiet_flight_recorder_note() -> None:
 
 @contextmanager
 def _manager_server_bound_to(host: str) -> Iterator[None]:
-    """While a torchft ``Manager`` is made, its manager server listens on ``host`` only.
-
-    torchft 0.2 binds that server to ``[::]`` (every interface) with no option to change it;
-    the server carries quorum and commit calls from the group's ranks and peers, which all
-    reach it at the advertised ``host`` anyway. The constructor is swapped in torchft's module
-    for the duration of the call (made on one thread, before any other use of torchft here).
+    """While a torchft ``Manager`` is made, its manager server listens on ``host`` only: torchft
+    0.2 binds it to ``[::]`` with no option, though every caller reaches it at the advertised
+    ``host``. The constructor is swapped in torchft's module for the call (one thread, before
+    any other use of torchft here).
     """
     import torchft.manager as torchft_manager  # type: ignore[import-untyped]
 
