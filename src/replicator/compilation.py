@@ -1,13 +1,10 @@
 """How replicator meets ``torch.compile``: what is compiled and what stays eager.
 
-A model (``torch.compile(model)``) or a loss function is compiled as usual: its forward and,
-through AOTAutograd, its backward become graphs, and the strategy's gradient hooks run
-between them, when autograd hands each gradient over (they are not part of any graph, so they
-cannot cause a recompile). A whole ``step_fn`` may be compiled too; dynamo then breaks the
-graph at ``loss.backward()`` and at the strategy's collectives, and every frame the library
-runs from autograd's hooks would be traced as well. :func:`keep_library_eager` tells dynamo to
-leave replicator's communication code alone, so those frames run eagerly and are never
-compiled or recompiled; ``Strategy.run`` calls it once ``torch.compile`` is in use.
+A compiled model or loss works as usual: the strategy's gradient hooks run between the forward
+and backward graphs (never inside one, so no recompile). A compiled ``step_fn`` breaks at
+``loss.backward()`` and the collectives, and dynamo would trace the library's frames run from
+autograd's hooks: :func:`keep_library_eager` (called by ``Strategy.run`` once compile is in
+use) keeps replicator's communication code eager.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Cluster resolvers: turn a launcher's description of the job into a :class:`ClusterSpec`.
 
-One resolver per source, each with ``resolve(env=None) -> ClusterSpec``:
-:class:`TorchrunResolver` (``torchrun``/``torch.distributed.elastic`` and replicator's own
-launchers), :class:`TFConfigResolver` (``TF_CONFIG``, several processes per host allowed),
-:class:`SlurmResolver` (``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODELIST`` with
-its bracket ranges, ``SLURM_LOCALID``). An explicit :class:`ClusterSpec` resolves to itself.
+One per source, each with ``resolve(env=None)``: :class:`TorchrunResolver` (torchrun and
+replicator's launchers), :class:`TFConfigResolver` (several processes per host allowed),
+:class:`SlurmResolver` (``srun``, bracketed node lists). A ``ClusterSpec`` resolves to itself.
 Worker 0 (or TF_CONFIG's ``chief``) is rank 0, the chief, which hosts the rendezvous store.
 """
 

@@ -1,11 +1,8 @@
 """Whether this process writes to a live terminal, its own or one the launcher relays to.
 
-``replicator run`` relays the workers' output through pipes, so a worker's ``isatty()`` is
-False even when the launcher prints to a terminal. The launcher then tells the chief with
-``TTY_COMPATIBLE=1`` (rich's variable, which rich's own console honours too) that its stdout
-ends on a terminal, so a progress bar redraws its line there as on a terminal of its own.
-Every live display of the library (the Trainer's ``ProgressBar``, the demo) asks
-:func:`is_live_terminal`, so they all agree.
+``replicator run`` relays workers' output through pipes (``isatty()`` is False), so it tells the
+chief with ``TTY_COMPATIBLE=1`` (rich's variable) that its stdout ends on a terminal. Every live
+display of the library asks :func:`is_live_terminal`, so they all agree.
 """
 
 from __future__ import annotations

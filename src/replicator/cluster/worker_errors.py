@@ -1,11 +1,8 @@
 """Error files: how a worker tells the launcher why it died (rank, exception, traceback, time).
 
-A worker that finishes its script normally leaves a note too, before it leaves the process
-group: a peer still waiting for it in a collective then says that it finished, not that it
-failed (:func:`finished_peers`).
-
-Next to them, a backup note says whether the worker's ``BackupAndRestore`` has a committed
-backup, so that the launcher suggests a rerun "to resume from the backup" only when there is one.
+A worker that finishes normally leaves a note before leaving the group, so a peer still waiting
+for it says that it finished, not failed (:func:`finished_peers`). A backup note says whether
+its ``BackupAndRestore`` committed a backup, so the launcher suggests a resume only then.
 """
 
 from __future__ import annotations

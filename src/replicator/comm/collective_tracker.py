@@ -1,11 +1,10 @@
 """Which rank is missing? Each rank publishes the collective it last entered, so a timeout can
-name the ranks that never arrived instead of only saying that something timed out.
+name the ranks that never arrived.
 
-A daemon thread writes ``(sequence number, operation, time)`` to the rendezvous store twice a
-second (so the age of the entry also tells whether the rank is alive); the hot path only bumps
-a counter. Entries are keyed by a tag of the process group plus the global rank, so trackers of
-two strategies on two groups never read each other's entries, and a timeout names the missing
-ranks by global rank and role ("rank 3 (ps)").
+A daemon thread writes ``(sequence number, operation, time)`` to the store twice a second (the
+entry's age tells whether the rank lives); the hot path only bumps a counter. Entries are keyed
+by the group's tag and global rank, so two groups never mix, and a timeout names ranks by
+global rank and role ("rank 3 (ps)").
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Fingerprints that let replicas check they are in the same collective before sending data.
 
-A collective paired with a different one on another rank either gives a silently wrong result
-(equal payload sizes) or aborts the process inside the backend (different sizes). Before its
-payload, every checked collective therefore exchanges a fixed-size fingerprint: a 62-bit hash
-``h`` of (operation, sequence number, shape, dtype), sent as ``[h, -h]`` in an all-reduce MAX.
-The result is ``[max h, -min h]``, so every rank learns at once whether all ranks sent the same
-``h``. The message has the same size for every kind of call, so a mismatch never reaches the
-backend with mismatched sizes; on a mismatch every rank exchanges a readable description of its
-call (and the user's line that made it) and raises :class:`CollectiveMismatchError`.
+Collectives paired wrongly across ranks give a silently wrong result (equal sizes) or abort in
+the backend (different sizes). So every checked collective first all-reduces (MAX) a fixed-size
+``[h, -h]``, ``h`` a 62-bit hash of (operation, sequence number, shape, dtype): the result tells
+every rank at once whether all sent the same ``h``. On a mismatch every rank exchanges a readable
+description of its call (and the user's line) and raises :class:`CollectiveMismatchError`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Facts about process groups that the algorithms need, and the private groups they create.
 
-:func:`new_private_group` makes a process group that only its members create, under a name
-that every member computes alike. ``torch.distributed.new_group`` cannot do both: without
-``use_local_synchronization`` every process of the world must call it (two disjoint groups
-that start at different times would wait for each other), and with it the group's name hashes
-the number of groups this process already knows, which differs between processes as soon as
-one of them is in a group another is not in (a host leader, say); members that compute
-different names wait for each other until the timeout.
+:func:`new_private_group` makes a group only its members create, under a name every member
+computes alike. ``new_group`` cannot do both: without ``use_local_synchronization`` every
+process must call it, and with it the name hashes how many groups this process knows, which
+differs between processes (a host leader, say), so members wait for each other until timeout.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Ring all-reduce over point-to-point sends: reduce-scatter, then all-gather, pipelined.
 
-The tensor is cut into one chunk per replica. In ``W - 1`` reduce-scatter steps every rank
-receives a chunk from its left neighbour, adds it to its own copy and passes it right; after
-them rank ``p`` holds the full sum of chunk ``p + 1``. ``W - 1`` all-gather steps then pass the
-summed chunks around the ring. Each chunk travels in segments of ``segment_bytes`` so that
-adding one segment overlaps receiving the next, and a segment is forwarded as soon as it is
-summed, so the all-gather starts before the reduce-scatter ends. Every rank sends and receives
-``2 (W - 1) / W`` times the tensor, the minimum for an all-reduce.
+One chunk per replica: ``W - 1`` reduce-scatter steps (receive from the left, add, pass right)
+leave rank ``p`` with the sum of chunk ``p + 1``; ``W - 1`` all-gather steps pass the sums
+around. Chunks travel in ``segment_bytes`` segments, so adding one overlaps receiving the next
+and the all-gather starts early. Each rank moves ``2 (W - 1) / W`` times the tensor, the
+minimum for an all-reduce.
 """
 
 from __future__ import annotations

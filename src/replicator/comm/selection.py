@@ -1,12 +1,9 @@
 """Pick the all-reduce algorithm from ``CommunicationOptions.implementation``.
 
-``"auto"`` picks the fastest correct algorithm for the replicas' group: the backend's own
-(NCCL) on CUDA; on CPU, :class:`SharedMemoryAllReduce` when every replica runs on one host,
-:class:`HierarchicalAllReduce` (shared memory inside each host, the backend between hosts'
-leaders) when they span several; and the backend's own (gloo) wherever shared memory cannot be
-used (no or a too small ``/dev/shm``, a CPU without the safe barrier, a failure creating the
-segment), with the reason logged once. Every rank makes the same choice: the local facts are
-combined with one small collective before anything is decided.
+``"auto"``: NCCL on CUDA; on CPU :class:`SharedMemoryAllReduce` on one host,
+:class:`HierarchicalAllReduce` across hosts, and gloo wherever shared memory cannot be used
+(``/dev/shm`` missing or small, no safe barrier, a failed segment), the reason logged once.
+The local facts are combined in one small collective, so every rank chooses alike.
 """
 
 from __future__ import annotations

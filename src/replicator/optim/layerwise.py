@@ -1,12 +1,9 @@
 """What LARS and LAMB share: which parameters adapt, and a parameter's norm across shards.
 
-Both optimizers scale each parameter's update by a *trust ratio* built from the norm of the
-whole parameter. When a strategy shards a parameter (a ``DTensor``, as FSDP2 and tensor
-parallelism make them) each rank holds only a piece, so the norm must be the norm of the full
-tensor: :func:`full_norm` asks the ``DTensor`` for it (a sum of squares all-reduced over the
-mesh), and gives a plain tensor every rank agrees on. Replicated strategies (Mirrored,
-CentralStorage) hold whole parameters with gradients already averaged when ``step()`` runs, so
-the local norm is already the global one.
+Both scale each update by a *trust ratio* built from the whole parameter's norm. A sharded
+parameter (a ``DTensor`` of FSDP2 or tensor parallelism) holds a piece per rank, so
+:func:`full_norm` asks the ``DTensor`` (a sum of squares all-reduced over the mesh);
+replicated strategies hold whole parameters, whose local norm is the global one.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Cutting a model into pipeline stages: the chain of blocks, balanced or named cut points.
 
-A model the pipeline can cut is a chain: an ``nn.Sequential`` (nested ones are flattened, so
-``nn.Sequential(embed, nn.Sequential(*blocks), head)`` is the chain ``embed, blocks.0, ...,
-head``). Stages are contiguous runs of the chain, chosen to balance a cost per block
-(parameter count, or measured forward time) or cut before user-named blocks
-(``split_points=["layers.4"]``). A parameter that blocks of several stages share (tied
-weights) is allowed: :func:`shared_parameters` lists it, and the pipeline keeps it in step.
+A chain is an ``nn.Sequential``, nested ones flattened (``embed, blocks.0, ..., head``).
+Stages are contiguous runs balancing a cost per block (parameters or measured forward time)
+or cut before named blocks (``split_points=["layers.4"]``). Tied weights across stages are
+allowed: :func:`shared_parameters` lists them and the pipeline keeps them in step.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Notice the modules built while a strategy's scope is open, and which of them are top-level.
 
-This is what makes ``with strategy.scope(): model = Net()`` enough: the global registration
-hooks of ``torch.nn`` report every parameter, buffer and child module registered inside the
-block, in creation order, which is the same on every replica that runs the same code. The
-strategy then sets up each *top-level* module (one that no other module built in the block
-holds), so it sees ``Net`` as a whole, its children and parameters included, and can shard,
-wrap or place it rather than only broadcast a flat list of tensors.
+What makes ``with strategy.scope(): model = Net()`` enough: ``torch.nn``'s global registration
+hooks report every parameter, buffer and child registered in the block, in creation order (the
+same on every replica). The strategy sets up each *top-level* module (no other built in the
+block holds it), so it can shard, wrap or place ``Net`` as a whole.
 """
 
 from __future__ import annotations

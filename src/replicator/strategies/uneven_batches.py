@@ -1,12 +1,10 @@
 """Warn once when a step ran on an uneven batch with a loss not built by
 ``compute_average_loss``.
 
-On an uneven last batch (replicas holding different numbers of real samples, or masked
-padding), a loss averaged per replica and then across replicas (DDP's semantics) differs from
-one device's mean over the global batch; ``rp.compute_average_loss`` is exact (see
-:mod:`replicator.strategies.losses`). The distributed dataset notes such a batch when it hands
-it out (:mod:`replicator.data.uneven`), ``compute_average_loss`` marks the step that calls it,
-and ``strategy.run`` compares the two at the end of the step: no collective is involved.
+On an uneven last batch a loss averaged per replica, then across replicas (DDP's), differs from
+one device's mean; ``rp.compute_average_loss`` is exact. The distributed dataset notes such a
+batch (:mod:`replicator.data.uneven`), ``compute_average_loss`` marks its step, and
+``strategy.run`` compares the two at the step's end, with no collective.
 """
 
 from __future__ import annotations

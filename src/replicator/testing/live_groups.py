@@ -1,11 +1,8 @@
 """Replica groups on loopback for tests and benchmarks: torchft's lighthouse and N groups.
 
-What ``replicator run --replica-groups N`` does, written small so that tests can kill, restart
-and stop single groups: :func:`start_lighthouse` runs ``torchft_lighthouse`` bound to
-127.0.0.1 on a free port, :func:`start_group` starts one group of ``nproc`` processes of a
-script with the environment a group's processes get (``REPLICATOR_REPLICA_GROUP``,
-``REPLICATOR_REPLICA_GROUPS``, ``REPLICATOR_LIGHTHOUSE``, ``REPLICATOR_MIN_REPLICAS``, and
-``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` within the group).
+``replicator run --replica-groups N`` written small, so tests can kill, restart and stop single
+groups: :func:`start_lighthouse` runs ``torchft_lighthouse`` on a free 127.0.0.1 port;
+:func:`start_group` starts one group of ``nproc`` processes with a group's environment.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Trainer: Keras-style ``fit`` / ``evaluate`` / ``predict`` on top of the public Strategy API.
 
-The same Trainer code runs under every strategy. Training batches are global batches split
-across replicas by ``strategy.distribute_dataset``; the loss is scaled with the
-``compute_average_loss`` rule, so uneven or padded batches give exactly the one-device
-gradient. Metrics keep sums that are reduced across replicas in one collective per step.
-Evaluation and prediction give each replica a contiguous block of the dataset, so each sample
-counts exactly once and ``predict`` returns outputs in dataset order.
+The same code runs under every strategy: global batches split by
+``strategy.distribute_dataset``, the ``compute_average_loss`` rule (uneven or padded batches
+give the one-device gradient), metric sums reduced in one collective per step. Evaluation and
+prediction give each replica a contiguous block, so each sample counts once, in order.
 """
 
 from __future__ import annotations

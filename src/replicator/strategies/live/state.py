@@ -1,13 +1,10 @@
 """The state a healing replica group receives from a live peer, gathered without user code.
 
-A group that (re)starts mid-run gets, through torchft's checkpoint transport: every module the
-strategy set up, every optimizer over their parameters, every LR scheduler of those optimizers,
-the random generators (torch, Python, numpy), and the progress (committed step, epoch, position
-in the epoch). Optimizers and schedulers are found by walking the live objects (no call in the
-script registers them) and keyed by the names of the parameters they step, so both sides match
-them without relying on creation order. Everything is tensors and plain values, so the receiver
-loads it with ``weights_only=True``. Sharded parameters (DTensors of FSDP inside a group) travel
-as their local shards: each rank of a group heals from the same rank of the peer group.
+Through torchft's checkpoint transport: every module the strategy set up, the optimizers over
+their parameters and their LR schedulers (found by walking live objects, keyed by the names of
+the parameters they step, so creation order does not matter), the random generators and the
+progress. Tensors and plain values only (``weights_only=True``); DTensor parameters travel as
+local shards, each rank healing from the same rank of the peer group.
 """
 
 from __future__ import annotations
