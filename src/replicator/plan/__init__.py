@@ -9,8 +9,9 @@ line of advice. The modules, one job each:
 * :mod:`~replicator.plan.devices`: nominal device and link figures (``--device``, ``--link``);
 * :mod:`~replicator.plan.profiles`: the model's and this machine's figures (JSON);
 * :mod:`~replicator.plan.measure`: what is measured on this machine (cached);
-* :mod:`~replicator.plan.probe`: timers inside the user's training process;
-* :mod:`~replicator.plan.benchmark`: runs a script or function under each setting;
+* :mod:`~replicator.plan.probe`: timers inside the user's training process (a step observer);
+* :mod:`~replicator.plan.settings`: bench's settings, results, rounds and baseline (data);
+* :mod:`~replicator.plan.benchmark`: runs a script or function under each setting, in rounds;
 * :mod:`~replicator.plan.report` and :mod:`~replicator.plan.plots`: tables, report, PNGs;
 * :mod:`~replicator.plan.recommend`: picks one setting, with a one-sentence reason;
 * :mod:`~replicator.plan.planner`: profile, measure, predict, print;
