@@ -190,16 +190,24 @@ def _summary(values: list[float]) -> str:
     return f"{statistics.median(values):.4g} [{min(values):.4g}, {max(values):.4g}]"
 
 
-def throughput(rates: list[str], repeats: int) -> None:
+def throughput(rates: list[str], repeats: int, record: Path | None) -> None:
+    """``record``: a JSON-lines file of finished runs, kept and reused (a rerun goes on)."""
     variants = ("sync", "diloco", "diloco_int8_streaming")
+    done = [json.loads(line) for line in record.read_text().splitlines()] \
+        if record is not None and record.exists() else []
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     port = 29700
-    for _ in range(repeats):  # interleaved, so a busy spell of the machine hits every variant
+    for repeat in range(repeats):  # interleaved: a busy spell of the machine hits every variant
         for rate in rates:
             for variant in variants:
                 port += 1
-                runs.setdefault((variant, rate), []).append(
-                    _throughput_run(variant, rate, 110, port))
+                key = {"variant": variant, "rate": rate, "repeat": repeat}
+                found = [d for d in done if all(d[k] == v for k, v in key.items())]
+                result = found[0] if found else _throughput_run(variant, rate, 110, port)
+                if not found and record is not None:
+                    with record.open("a") as f:
+                        f.write(json.dumps({**key, **result}) + "\n")
+                runs.setdefault((variant, rate), []).append(result)
     rows = []
     for (variant, rate), results in runs.items():
         rows.append([variant, rate, _summary([r["samples_per_s"] for r in results]),
@@ -250,6 +258,8 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["10mbit", "100mbit"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--record", type=Path, default=None,
+                        help="a JSON-lines file of finished throughput runs, reused by a rerun")
     parser.add_argument("--loss-variants", nargs="+", choices=VARIANTS[1:],
                         default=["diloco", "diloco_int4"])
     args = parser.parse_args()
@@ -262,7 +272,7 @@ def main() -> None:
         why = namespaces_unavailable()
         if why:
             raise SystemExit(f"the throughput part needs network namespaces: {why}")
-        throughput(args.rates, args.repeats)
+        throughput(args.rates, args.repeats, args.record)
     if "loss" in args.part:
         loss(max(8, math.ceil(args.rounds)), args.loss_variants)
 
