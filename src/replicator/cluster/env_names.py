@@ -1,9 +1,7 @@
 """The names the launcher and its workers agree on: environment variables and store keys.
 
-The launcher (parent side) sets these variables and the worker side (resolvers, the process
-group, parameter servers, shared memory) reads them. Both import the names from here, so that
-worker-side code never imports the launcher. torchrun's own names (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ...) are not repeated here.
+The launcher sets them and the worker side reads them; both import the names from here, so
+worker-side code never imports the launcher. torchrun's own names are not repeated.
 """
 
 from __future__ import annotations
@@ -60,12 +58,6 @@ RL_STORE_ENV = "REPLICATOR_RL_STORE"
 #: Store key (under the attempt's prefix) that says worker rank R is being restarted alone.
 REJOIN_KEY = "ps/rejoining/{rank}"
 
-__all__ = ["LAUNCHER_ENV", "STORE_HOSTED_ENV", "RESTART_COUNT_ENV", "TIMEOUT_ENV",
-           "ERROR_DIR_ENV", "PREEMPTION_GRACE_ENV", "NUM_PS_ENV", "REJOIN_ENV",
-           "PS_SHARED_MEMORY_ENV", "HOST_ENV", "RUN_ID_ENV", "SHM_DIR_ENV", "REJOIN_KEY",
-           "REPLICA_GROUP_ENV", "REPLICA_GROUPS_ENV", "LIGHTHOUSE_ENV", "MIN_REPLICAS_ENV",
-           "LIVE_BIND_ENV", "REPLICA_ID_FORMAT", "NUM_ACTORS_ENV",
-           "ACTOR_INDEX_ENV", "NUM_LEARNERS_ENV", "RL_STORE_ENV"]
 #: How a parameter-server job's processes are scheduled on their cores: "auto" (batch when they
 #: outnumber the cores), "batch" or "default" (:mod:`replicator.cluster.cpu_scheduling`).
 CPU_SCHEDULING_ENV = "REPLICATOR_CPU_SCHEDULING"

@@ -1,10 +1,8 @@
 """Who am I: resolve rank, world and rendezvous address from the launcher's environment.
 
-Sources, in this order: a :class:`ClusterSpec` installed explicitly (``use_cluster``, e.g. by
-``MultiWorkerMirroredStrategy(cluster_resolver=...)``), replicator's launchers and ``torchrun``
-(``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``), a ``TF_CONFIG`` JSON cluster
-description, SLURM (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_NODELIST``), and nothing at all
-(a plain ``python script.py``: one replica). The parsers live in :mod:`.resolvers`.
+Sources, in order: a :class:`ClusterSpec` installed with ``use_cluster``, replicator's
+launchers and ``torchrun``, ``TF_CONFIG``, SLURM, and nothing (a plain ``python script.py``:
+one replica). The parsers live in :mod:`.resolvers`.
 """
 
 from __future__ import annotations
@@ -22,11 +20,8 @@ _EXPLICIT: ClusterSpec | None = None
 
 
 def use_cluster(spec: ClusterSpec | None) -> None:
-    """Make ``spec`` what :func:`resolve_cluster` answers in this process (``None``: undo).
-
-    Called by ``MultiWorkerMirroredStrategy(cluster_resolver=...)`` before the process group
-    exists, so every part of replicator agrees on this process's rank.
-    """
+    """Make ``spec`` what :func:`resolve_cluster` answers in this process (``None``: undo);
+    called by ``MultiWorkerMirroredStrategy(cluster_resolver=...)`` before the group exists."""
     global _EXPLICIT
     if spec is not None and not isinstance(spec, ClusterSpec):
         raise TypeError(f"use_cluster takes a ClusterSpec, got {type(spec).__name__}")

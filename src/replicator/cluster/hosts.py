@@ -70,11 +70,8 @@ def _decode(buf: torch.Tensor) -> str:
 
 def exchange_host_keys(group: dist.ProcessGroup | None = None,
                        key: str | None = None) -> list[str]:
-    """The host key of every process of ``group``, in group-rank order (a collective).
-
-    Every process of ``group`` must call it. Fixed-size byte tensors travel: nothing is
-    pickled. Without a process group, the one local key.
-    """
+    """The host key of every process of ``group``, in group-rank order (a collective of fixed-size
+    byte tensors, nothing pickled); without a process group, the one local key."""
     key = local_host_key() if key is None else key
     if not dist.is_available() or not dist.is_initialized():
         return [key]

@@ -1,8 +1,5 @@
-"""Which network interface gloo uses: the one whose address routes to the master.
-
-Worker-side (a strategy calls :func:`choose_gloo_interface` before starting its process
-group) as well as launcher-side (:mod:`replicator.launch.multi_node` calls it for its
-agents), so it lives apart from the launcher.
+"""Which network interface gloo uses: the one whose address routes to the master. Used by
+strategies and by :mod:`replicator.launch.multi_node`, so it lives apart from the launcher.
 """
 
 from __future__ import annotations
@@ -28,11 +25,8 @@ def _interface_address(name: str) -> str | None:
 
 
 def interface_towards(addr: str) -> str | None:
-    """The name of the local interface that traffic to ``addr`` leaves from, if it is found.
-
-    Asks the routing table (a UDP socket ``connect`` sends nothing) for the local address, then
-    finds the interface holding it.
-    """
+    """The local interface that traffic to ``addr`` leaves from, if found (a UDP ``connect``
+    asks the routing table and sends nothing)."""
     try:
         target = socket.gethostbyname(addr)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -48,11 +42,9 @@ def interface_towards(addr: str) -> str | None:
 
 def choose_gloo_interface(master_addr: str,
                           env: MutableMapping[str, str] | None = None) -> str | None:
-    """Point gloo at the interface towards ``master_addr`` unless ``GLOO_SOCKET_IFNAME`` is set.
-
-    Without it gloo resolves the hostname, which on a multi-homed or badly named machine picks
-    the wrong network (or none). Loopback masters (a one-machine job) are left alone. Returns
-    the interface now in force, if any.
+    """Point gloo at the interface towards ``master_addr`` unless ``GLOO_SOCKET_IFNAME`` is set
+    (gloo would resolve the hostname, which picks the wrong network on a multi-homed machine).
+    Loopback masters are left alone. Returns the interface now in force, if any.
     """
     target: MutableMapping[str, str] = os.environ if env is None else env
     if target.get("GLOO_SOCKET_IFNAME"):

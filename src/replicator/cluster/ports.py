@@ -13,10 +13,8 @@ MAX_PORT = 65535
 
 
 def check_port(port: object, flag: str = "--master-port") -> int | None:
-    """Validate a rendezvous port chosen by the user; ``None`` (let the OS pick) passes.
-
-    Raises :class:`ClusterConfigError` with a hint for anything that is not 1..65535, before
-    any socket call would turn it into an ``OverflowError``.
+    """Validate a rendezvous port chosen by the user (``None``: the OS picks): a
+    :class:`ClusterConfigError` with a hint outside 1..65535, before a socket's ``OverflowError``.
     """
     if port is None:
         return None

@@ -1,8 +1,7 @@
 """Start and stop the ``torch.distributed`` process group, always with a finite timeout.
 
-The rendezvous store is namespaced per restart attempt (``attempt_<n>``): after an elastic
-restart the old attempt's keys stay in the agent's store, and a fresh group built on them fails
-or hangs (pytorch issue 135712). A fresh prefix gives every attempt a clean rendezvous.
+The rendezvous store is namespaced per restart attempt (``attempt_<n>``): an old attempt's
+keys left in the agent's store make a fresh group fail or hang (pytorch issue 135712).
 """
 
 from __future__ import annotations

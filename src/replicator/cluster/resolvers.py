@@ -86,10 +86,8 @@ def _split_address(address: str, what: str) -> tuple[str, int]:
 
 class TFConfigResolver:
     """``TF_CONFIG``: ``{"cluster": {"chief": [...], "worker": ["host:port", ...]},
-    "task": {"type": "worker", "index": i}}``; ranks follow the list (chief first).
-
-    Several entries may name the same host (several processes per host); the processes of a
-    host get local ranks in list order. ``tf_config`` given: used instead of the variable.
+    "task": {"type": "worker", "index": i}}``; ranks follow the list (chief first), processes on
+    one host get local ranks in list order. ``tf_config``: used instead of the variable.
     """
 
     def __init__(self, tf_config: str | Mapping | None = None) -> None:

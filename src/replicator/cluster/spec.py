@@ -12,11 +12,10 @@ __all__ = ["ClusterSpec"]
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """The position of this process in the job; give one explicitly to pin it yourself.
-
+    """The position of this process in the job; give one explicitly to pin it yourself:
     ``ClusterSpec(rank=2, world_size=4, local_world_size=2, master_addr="10.0.0.1",
-    master_port=29500)``: rank 0 (the chief) hosts the rendezvous store on ``master_addr``.
-    ``node_rank`` defaults (-1) to ``rank // local_world_size``, ``local_rank`` to the rest.
+    master_port=29500)``. Rank 0 hosts the store; ``node_rank`` defaults to
+    ``rank // local_world_size``, ``local_rank`` to the rest.
     """
 
     rank: int

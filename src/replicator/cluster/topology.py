@@ -62,12 +62,9 @@ def _edits(a: str, b: str) -> int:
 
 
 def likely_typo(name: str, known: Collection[str] = tuple(KNOWN_AXES)) -> str | None:
-    """The known axis that ``name`` is probably a misspelling of, or ``None``.
-
-    A name that differs from a known one only in case, or by two edits from ``tensor`` or
-    ``pipeline``, or by one edit that keeps the first letter from the short ``data`` and
-    ``fsdp``, is a typo: ``tensr``, ``Data``, ``pipelin``, ``dta``, ``fdsp``. Common names of
-    other axes stay free: ``dp``, ``tp``, ``sp``, ``hsdp``, ``model``, ``expert``.
+    """The known axis ``name`` probably misspells, or ``None``: a case difference, two edits from
+    ``tensor``/``pipeline``, or one edit keeping the first letter of ``data``/``fsdp`` (``tensr``,
+    ``Data``, ``dta``, ``fdsp``). Other axes' common names stay free (``dp``, ``tp``, ``model``).
     """
     if name in known:
         return None
@@ -85,11 +82,8 @@ def likely_typo(name: str, known: Collection[str] = tuple(KNOWN_AXES)) -> str | 
 
 def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
                  num_workers: int) -> dict[str, int]:
-    """Validate axis names and sizes; ``-1`` infers one axis; the product must be the workers.
-
-    Any non-empty string names an axis. Raises :class:`ClusterConfigError` with a hint on a
-    name that is likely a typo of a known axis (:func:`likely_typo`), a bad size, or a product
-    that is not ``num_workers``.
+    """Validate axis names and sizes (``-1`` infers one; the product must be the workers);
+    raises :class:`ClusterConfigError` with a hint on a likely typo, a bad size or product.
     """
     items = list((axes or {"data": num_workers}).items()) if isinstance(axes, Mapping) or \
         axes is None else list(axes)

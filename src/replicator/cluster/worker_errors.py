@@ -99,11 +99,8 @@ def _backup_path(error_dir: str | Path, rank: int) -> Path:
 
 
 def record_backup(directory: str | Path, step: int) -> None:
-    """Note, for the launcher, that ``directory`` holds a committed backup of ``step``.
-
-    Called by ``BackupAndRestore`` after a save or a restore; does nothing outside the local
-    launcher, and never raises.
-    """
+    """Note, for the launcher, that ``directory`` holds a committed backup of ``step`` (after a
+    save or restore; only under the local launcher; never raises)."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if not error_dir:
         return
