@@ -1,16 +1,12 @@
 """Cross-device all-reduce algorithms: the one argument that picks how replicas communicate.
 
-An algorithm sums a flat tensor across the replicas of a process group, in place, and returns a
-handle to wait on, so communication overlaps ``backward()``. ``NativeAllReduce`` (NCCL on GPU,
-gloo on CPU) is the default; the others live in ``ring.py``, ``hierarchical.py``,
-``reduce_to_one.py`` and ``shared_memory.py``. Every algorithm takes ``compression=``
-(:class:`~replicator.comm.compression.Compression`) and works on any group (``None``: the whole
-world); ranks that name a replica (``dst``, ``destination=``) are group ranks, as torch's
-``group_dst``.
-
-Writing one: subclass :class:`CrossDeviceOps` and implement ``_sum_now`` (sum in place over the
-group, on the calling thread); by default it runs on the group's communication lane
-(``comm_thread.py``).
+An algorithm sums a flat tensor across a process group's replicas in place and returns a handle
+to wait on, so communication overlaps ``backward()``. ``NativeAllReduce`` (NCCL, gloo) is the
+default; the others live in ``ring.py``, ``hierarchical.py``, ``reduce_to_one.py`` and
+``shared_memory.py``. Each takes ``compression=`` and works on any group; ranks naming a
+replica (``dst``, ``destination=``) are group ranks. To write one, subclass
+:class:`CrossDeviceOps` and implement ``_sum_now`` (it runs on the group's lane,
+``comm_thread.py``).
 """
 
 from __future__ import annotations
@@ -50,12 +46,9 @@ _LIVE: weakref.WeakSet[CrossDeviceOps] = weakref.WeakSet()
 
 
 def forget_all_groups() -> None:
-    """Make every live algorithm drop what it keeps per process group (run at shutdown).
-
-    Groups still referenced when the interpreter tears down are destroyed after gloo's own
-    static state, which aborts the process ("terminate called without an active exception");
-    dropping them while the process group is being shut down frees them in time.
-    """
+    """Make every live algorithm drop what it keeps per process group (run at shutdown): groups
+    still referenced at interpreter teardown are destroyed after gloo's static state, which aborts
+    the process."""
     for algorithm in list(_LIVE):
         algorithm.forget_groups()
 
@@ -64,10 +57,8 @@ on_groups_released(forget_all_groups)
 
 class CrossDeviceOps(ABC):
     """Base class of the all-reduce algorithms (tf.distribute's ``CrossDeviceOps``).
-
-    ``compression``: compress what travels (``Compression.fp16()``, ``.bf16()``,
-    ``.powersgd(rank)``); ``None`` sends the tensor as it is. ``timeout_seconds``: how long a
-    wait may last (``None``: the process group's timeout).
+    ``compression``: ``Compression.fp16()``, ``.bf16()``, ``.powersgd(rank)`` or ``None``;
+    ``timeout_seconds``: how long a wait may last (``None``: the process group's).
     """
 
     name: str = "base"
@@ -94,10 +85,7 @@ class CrossDeviceOps(ABC):
     def all_reduce_sum_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                              *, layout: BucketLayout | None = None) -> Handle:
         """Start summing ``tensor`` in place across ``group``; return a handle to wait on.
-
-        ``layout`` describes the gradients packed in ``tensor`` (PowerSGD needs their shapes,
-        error feedback needs the bucket's identity).
-        """
+        ``layout``: the gradients packed in ``tensor`` (for PowerSGD and error feedback)."""
         self._check(tensor, "all_reduce_sum_async")
         check_member(group, "all_reduce_sum_async")
         world = group_size(group)
@@ -121,12 +109,8 @@ class CrossDeviceOps(ABC):
     def reduce_sum_async(self, tensor: torch.Tensor, dst: int = 0,
                          group: dist.ProcessGroup | None = None, *,
                          layout: BucketLayout | None = None) -> Handle:
-        """Start summing ``tensor`` onto replica ``dst`` only (central storage's reduce).
-
-        ``dst`` is a group rank: the position in ``group`` (equal to the global rank for the
-        default group). Only ``dst``'s tensor is defined afterwards. With compression this is a
-        compressed all-reduce (compression is built on all-reduce).
-        """
+        """Start summing ``tensor`` onto group rank ``dst`` only (central storage's reduce); only
+        ``dst``'s tensor is defined afterwards. With compression this is a compressed all-reduce."""
         self._check(tensor, "reduce_sum_async")
         check_member(group, "reduce_sum_async")
         world = group_size(group)
@@ -143,21 +127,15 @@ class CrossDeviceOps(ABC):
         return self._start_reduce(tensor, dst, group, what)
 
     def release_buckets(self, owner: int | None = None) -> None:
-        """Forget the compression state of ``owner``'s buckets (``None``: of every bucket).
-
-        Call it when a model whose gradients this algorithm summed is gone (its synchronizer
-        is the ``owner`` of its bucket layouts).
-        """
+        """Forget the compression state of ``owner``'s buckets (``None``: all), when a model whose
+        gradients this algorithm summed is gone."""
         if self.compression is not None:
             self.compression.release(owner)
 
     def make_buffers(self, specs: Sequence[BufferSpec],
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-        """Allocate flat buffers ``(numel, dtype, device)`` that will be passed to this algorithm.
-
-        Called once, in the same order on every rank; an algorithm may place them where it
-        communicates fastest (shared memory for :class:`SharedMemoryAllReduce`).
-        """
+        """Allocate flat buffers ``(numel, dtype, device)`` for this algorithm, once and in the same
+        order on every rank, where it communicates fastest (shared memory, say)."""
         return [torch.empty(n, dtype=d, device=dev) for n, d, dev in specs]
 
     def __repr__(self) -> str:

@@ -11,10 +11,8 @@ import torch
 @dataclass(frozen=True)
 class BucketLayout:
     """Bucket ``index`` holds tensors of ``shapes`` at element ``offsets`` of a flat buffer.
-
-    ``(owner, index)`` identifies the bucket across steps: ``owner`` is unique to the gradient
-    synchronizer that made the bucket (never reused), so compression state kept per bucket
-    (error feedback, PowerSGD's factors) never mixes two models under one algorithm object.
+    ``(owner, index)`` identifies it across steps (``owner``: its synchronizer, never reused), so
+    per-bucket compression state never mixes two models under one algorithm.
     """
 
     index: int

@@ -253,11 +253,9 @@ class Collectives:
 
     def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: ReduceOp,
                         what: str = "all_reduce", structure: str = "") -> list[torch.Tensor]:
-        """Reduce several tensors in one collective: flattened together as float64 where that
-        is exact (floats, and integers of up to 32 bits; every integer for ``MEAN``); 64-bit
-        integers (exact sums of counts) and complex tensors each travel in one more, by dtype.
-        ``structure``: the nest the tensors come from (its description joins the
-        fingerprint, so replicas that pass different nests do not pair the wrong leaves)."""
+        """Reduce several tensors in one collective, flattened as float64 where exact (floats,
+        integers of up to 32 bits, every integer for ``MEAN``); 64-bit integers and complex tensors
+        travel in one more per dtype. ``structure``: the nest's description, for the fingerprint."""
         if self.world_size == 1:
             return [self._all_reduce(t, op, what) for t in tensors]
         self._verify(what, f"all_reduce {op.value} of {len(tensors)} tensors"
@@ -356,11 +354,8 @@ class Collectives:
 
     def _gather_rows(self, moved: torch.Tensor, what: str
                      ) -> tuple[list[torch.Tensor], list[int]]:
-        """Every rank's ``moved`` (sizes along axis 0 may differ), padded, and the sizes.
-
-        The sizes exchange also carries the number of dimensions, so even with ``check=False``
-        tensors of different ranks give an error here rather than inside the backend.
-        """
+        """Every rank's ``moved`` (sizes along axis 0 may differ), padded, and the sizes; the sizes
+        exchange carries the number of dimensions, so a mismatch errors here, not in the backend."""
         meta = torch.tensor([moved.dim(), moved.shape[0]], dtype=torch.int64, device=self.device)
         with self.guard(f"{what} (sizes)"):
             if self._same_host is not None:

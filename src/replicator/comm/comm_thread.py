@@ -115,11 +115,8 @@ _LOCK = threading.Lock()
 
 
 def lane(group: dist.ProcessGroup | None = None) -> Lane:
-    """This process's lane for ``group`` (``None``: the default group), created on first use.
-
-    Creating it makes a process group over the group's members: every member must reach its
-    first use at the same point of its collective sequence, which holds because algorithms
-    are called in the same order on every member.
+    """This process's lane for ``group`` (``None``: the default group), created on first use,
+    which makes a group over the members: they reach it at the same point of their collectives.
     """
     check_member(group, "lane")
     key = dist.group.WORLD if group is None else group

@@ -106,12 +106,9 @@ class Compression(ABC):
 
 
 class CastCompression(Compression):
-    """Send the gradients in a narrower float type (float16 or bfloat16).
-
-    ``error_feedback``: keep, per bucket, the rounding error of this replica's contribution and
-    add it to the next step's gradients (needs the bucket ``layout``; without one the error is
-    dropped). The sum itself is accumulated in the narrow type by the transport.
-    ``max_buckets``: buckets whose error is remembered at most (see the module doc).
+    """Send the gradients in a narrower float type (float16 or bfloat16), summed in that type.
+    ``error_feedback``: keep each bucket's rounding error and add it to the next step (needs the
+    ``layout``). ``max_buckets``: see the module doc.
     """
 
     def __init__(self, dtype: torch.dtype, error_feedback: bool = False, *,

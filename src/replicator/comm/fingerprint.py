@@ -70,10 +70,8 @@ def call_site() -> str:
 
 class PendingCheck:
     """A fingerprint exchange in flight; :meth:`wait` gives the verdict (raises on mismatch).
-
-    ``agreed()`` waits for the exchange and says whether every rank sent the same
-    fingerprint; ``exchange`` is called only on a mismatch, to gather every rank's line of the
-    error.
+    ``agreed()`` waits and says whether all ranks agree; ``exchange`` gathers every rank's line
+    of the error, on a mismatch only.
     """
 
     def __init__(self, agreed: Callable[[], bool], seq: int, description: str,

@@ -75,11 +75,8 @@ _CREATED_LOCK = threading.Lock()
 
 def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
                       backend: str | None = None) -> dist.ProcessGroup:
-    """A new process group over global ``ranks``, created by its members only.
-
-    Every member must call it, and members must create the groups of one ``purpose`` and rank
-    set in the same order (the n-th such group is named alike everywhere); processes outside
-    ``ranks`` must not call it. Waiting for the members is bounded by ``timeout_seconds``.
+    """A new process group over global ``ranks``, created by its members only (and only them),
+    in the same order per ``purpose`` and rank set; the wait is bounded by ``timeout_seconds``.
     """
     ranks = sorted(ranks)
     me = global_rank()

@@ -1,9 +1,8 @@
 """Handles for communication in flight: wait on them, or turn them into torch futures.
 
-An algorithm's ``all_reduce_sum_async`` returns one of three things: the backend's own work
-object (``torch.distributed.Work``), :data:`DONE` for work that already finished on the calling
-thread, or a :class:`ThreadHandle` for work running on a background communication thread.
-:func:`as_torch_future` turns any of them into the future a DDP communication hook returns.
+``all_reduce_sum_async`` returns the backend's ``Work``, :data:`DONE` (finished on the calling
+thread) or a :class:`ThreadHandle` (on a communication thread); :func:`as_torch_future` turns
+any of them into the future a DDP communication hook returns.
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ DONE = Done()
 
 
 class ThreadHandle:
-    """Work submitted to a background communication thread.
-
-    ``wait()`` waits at most ``timeout_seconds`` (the collective timeout plus a margin, since the
-    collectives inside time out on their own first) and re-raises the thread's error here.
-    On CUDA the caller's stream is made to wait for the stream the thread worked on.
+    """Work submitted to a background communication thread. ``wait()`` waits at most
+    ``timeout_seconds`` (the collective timeout plus a margin) and re-raises the thread's error;
+    on CUDA the caller's stream waits for the thread's.
     """
 
     def __init__(self, future: concurrent.futures.Future, what: str, rank: int,

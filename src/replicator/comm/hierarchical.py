@@ -1,12 +1,10 @@
 """Hierarchical all-reduce: sum inside each host, all-reduce among host leaders, share back.
 
-Only one replica per host talks across hosts, so the slow network carries the tensor once per
-host. Hosts are the real ones (:func:`replicator.cluster.hosts.exchange_host_keys`, which
-honours ``REPLICATOR_HOST``) and may hold different numbers of processes; the first rank of
-each host is its leader. Inside a host, shared memory is used when every member can (CPU
-tensors, a usable ``/dev/shm``), else the backend's reduce and broadcast; with one host the
-leader step is skipped. The host and leader groups are made on first use by their members only
-and kept per group (:meth:`HierarchicalAllReduce.topology_for`).
+Only one replica per host crosses hosts, so the slow network carries the tensor once per host.
+Hosts are the real ones (:func:`replicator.cluster.hosts.exchange_host_keys`), of any size; a
+host's first rank leads. Inside a host shared memory is used when every member can, else the
+backend's reduce and broadcast. Groups are made on first use by their members and kept per
+group (:meth:`HierarchicalAllReduce.topology_for`).
 """
 
 from __future__ import annotations
@@ -100,11 +98,8 @@ class HierarchicalAllReduce(CrossDeviceOps):
 
     # -- topology -------------------------------------------------------------------------------
     def topology_for(self, group: dist.ProcessGroup | None = None) -> HostTopology:
-        """The hosts, leaders and groups this algorithm uses on ``group`` (``None``: world).
-
-        Built on the first all-reduce over ``group``; calling it before is a collective over
-        ``group`` (every member must call it).
-        """
+        """The hosts, leaders and groups used on ``group`` (``None``: world); before the first
+        all-reduce over ``group`` it is a collective there."""
         check_member(group, "topology_for")
         private = lane(group).group
         self._prepare(group, private)

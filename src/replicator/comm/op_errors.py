@@ -35,11 +35,9 @@ def finished_peer_error(what: str, rank: int, peers: Iterable[int] | None = None
 
 def algorithm_error(exc: BaseException, rank: int, what: str,
                     peers: Iterable[int] | None = None) -> BaseException:
-    """``exc`` (raised during ``what`` on ``rank``) as a :class:`ReplicatorError` with a hint.
-
-    Errors that are already replicator's own, and programming errors (``TypeError``,
-    ``ValueError``), pass through unchanged. A lost peer that finished its script normally is
-    said as such (:func:`finished_peer_error`; ``peers``: the ranks it may be).
+    """``exc`` (raised during ``what`` on ``rank``) as a :class:`ReplicatorError` with a hint;
+    replicator's own errors and ``TypeError``/``ValueError`` pass through; a lost peer that
+    finished normally is said as such (``peers``: the ranks it may be).
     """
     if isinstance(exc, (ReplicatorError, TypeError, ValueError)):
         return exc

@@ -1,10 +1,8 @@
 """Reduction to one device: sum everything on one replica, then broadcast the sum.
 
-tf.distribute's ``ReductionToOneDevice``. Simple and robust; the destination carries all the
-traffic, so it scales worse than a ring. Its reduce step alone is what central storage needs.
-
-``destination`` (and ``reduce_sum_async``'s ``dst``) is a group rank: the position within the
-group the algorithm runs on, so one object serves any group ("the group's first replica").
+tf.distribute's ``ReductionToOneDevice``: simple and robust, but the destination carries all
+the traffic; its reduce step alone is what central storage needs. ``destination`` (and
+``dst``) is a group rank, so one object serves any group.
 """
 
 from __future__ import annotations

@@ -46,10 +46,8 @@ def _wait(work: dist.Work | None, group: dist.ProcessGroup | None, src: int,
 
 class RingAllReduce(CrossDeviceOps):
     """Reduce-scatter then all-gather over point-to-point sends, chunked and pipelined.
-
-    ``segment_bytes``: the unit that travels (2 MB). ``depth``: receives kept in flight per
-    step (16); the receive buffers, at most ``depth x segment_bytes`` and no more than one
-    chunk, are kept for the next call.
+    ``segment_bytes``: the unit that travels (2 MB); ``depth``: receives in flight per step (16);
+    receive buffers (at most ``depth x segment_bytes``, one chunk) are kept for the next call.
     """
 
     name = "ring"

@@ -99,11 +99,8 @@ def describe_auto(device: torch.device | None = None, hosts: int = 1,
 
 
 def choose_auto(device: torch.device, group: dist.ProcessGroup | None) -> AutoChoice:
-    """``"auto"``'s choice for the replicas of ``group``, the same on every rank (collective).
-
-    Every member of ``group`` must call it. On CPU: one all-gather of host keys and one
-    all-reduce of the local shared-memory facts, and for one host a trial segment.
-    """
+    """``"auto"``'s choice for ``group``, the same on every rank (a collective: on CPU an
+    all-gather of host keys, an all-reduce of shared-memory facts, and on one host a trial)."""
     if device.type == "cuda":
         return describe_auto(device)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:

@@ -71,11 +71,8 @@ def _sum_chunk(slots: list[torch.Tensor], me: int, lo: int, hi: int) -> None:
 
 @dataclass
 class _Resident:
-    """A buffer made by ``make_buffers``: the other ranks' copies, as views into one segment.
-
-    This rank's own copy is the tensor handed out; it is not referenced here, so that the
-    entry (and with the last one, the segment) goes away when the caller drops its buffer.
-    """
+    """A buffer made by ``make_buffers``: the other ranks' copies, as views into one segment
+    (this rank's copy is not held, so the segment goes when the caller drops its buffers)."""
 
     segment: SharedSegment
     rank: int
@@ -172,12 +169,10 @@ class _Channel:
     def exchange_bytes(self, mine: Sequence[torch.Tensor],
                        read: Callable[[int, list[tuple[torch.Tensor, int, int, int]]], None],
                        writer: int | None) -> None:
-        """Move byte views through the slots, a slot-full at a time.
-
-        ``mine``: this rank's ``uint8`` views, written into its own slot (only by ``writer``
-        when one is given, else by every rank). After each fill, ``read(slot_rank, pieces)``
-        runs for every slot to read (``writer``'s only, or every slot) with ``pieces`` as
-        ``(view, start, length, offset in the slot)``.
+        """Move byte views through the slots, a slot-full at a time: ``mine`` (``uint8`` views) is
+        written to this rank's slot (by ``writer`` only, if given); after each fill
+        ``read(slot_rank, pieces)`` runs per slot read, ``pieces`` as ``(view, start, length,
+        offset)``.
         """
         self.drain()
         cap = self.piece_bytes

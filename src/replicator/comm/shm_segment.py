@@ -196,11 +196,9 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
 
 
 class FlagBarrier:
-    """Counters in shared memory that every rank of a group advances in turn (see module doc).
-
-    Each rank owns one cache line holding its counters; ``arrive(c)`` bumps this rank's
-    counter ``c`` and ``wait_for(n, c)`` waits until every rank's counter ``c`` reached ``n``.
-    Separate counters let one rank announce a new input before it has summed an older one.
+    """Counters in shared memory that every rank of a group advances in turn: each rank owns a
+    cache line; ``arrive(c)`` bumps its counter ``c``, ``wait_for(n, c)`` waits until every
+    rank's ``c`` reached ``n`` (separate counters let inputs run ahead of sums).
     """
 
     #: The counters: inputs announced, and sums finished.
@@ -242,11 +240,8 @@ class FlagBarrier:
         return self._counts[counter]
 
     def post(self, value: int) -> int:
-        """Publish ``value`` (an int64) as this rank's fingerprint; return its number.
-
-        The previous fingerprint must have been read by every rank first; that wait is almost
-        always over at once, since every rank reads right after posting or soon after.
-        """
+        """Publish ``value`` (int64) as this rank's fingerprint; return its number (after every rank
+        read the previous one, which is almost always at once)."""
         if not self._use_flags:
             raise ReplicatorError(f"{self.who}: fingerprints in shared memory need a CPU with "
                                   "ordered stores (x86)")
