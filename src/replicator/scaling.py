@@ -28,11 +28,9 @@ RULES = ("linear", "sqrt", "none")
 
 
 def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
-    """The learning rate for ``global_batch`` from one tuned at ``base_batch``.
-
-    ``rule="linear"``: ``base_lr * global_batch / base_batch`` (Goyal et al. 2017, for SGD);
-    ``"sqrt"``: ``base_lr * sqrt(global_batch / base_batch)`` (keeps the gradient noise scale,
-    the usual choice for Adam/LAMB); ``"none"``: ``base_lr`` unchanged.
+    """The learning rate for ``global_batch`` from one tuned at ``base_batch``: ``"linear"``
+    (Goyal et al. 2017, SGD), ``"sqrt"`` (keeps the gradient noise scale; Adam/LAMB) or
+    ``"none"``.
     """
     if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or \
             not math.isfinite(base_lr) or base_lr < 0:
@@ -110,12 +108,9 @@ class Warmup(LRScheduler):
 def warmup(optimizer: torch.optim.Optimizer, steps: int, *, start_lr: float | None = None,
            start_factor: float | None = None, mode: str = "linear",
            last_epoch: int = -1) -> Warmup:
-    """A scheduler that brings ``optimizer``'s learning rates up to their set values over
-    ``steps`` steps (call ``step()`` once per optimizer step).
-
-    Start at ``start_lr`` (an absolute rate, e.g. the small-batch ``base_lr`` of
-    :func:`scaled_lr`, as Goyal et al. do) or at ``start_factor`` times each group's rate;
-    neither: ``1 / steps`` of it. Returns a :class:`Warmup`, a ``torch.optim.lr_scheduler``.
+    """A scheduler bringing ``optimizer``'s learning rates up to their set values over ``steps``
+    steps (``step()`` per optimizer step), from ``start_lr`` (e.g. :func:`scaled_lr`'s
+    ``base_lr``, as Goyal et al.), ``start_factor`` times each rate, or ``1 / steps`` of it.
     """
     if start_lr is not None and start_factor is not None:
         raise ValueError("warmup: give start_lr or start_factor, not both")

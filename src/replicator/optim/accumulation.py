@@ -1,10 +1,8 @@
 """Gradient accumulation: ``k`` micro-batches make the gradient of one ``k``-times batch.
 
-Built only on the public strategy API: the first ``k - 1`` backward passes of a cycle run
-inside ``strategy.no_sync()`` (gradients add up locally, no communication), the ``k``-th
-synchronises the accumulated sum the way that strategy always does (averaged over replicas
-for Mirrored, reduced to the central replica for CentralStorage). Each micro-batch's loss is
-divided by ``k``, so the result is the mean-loss gradient of the ``k * global_batch`` samples.
+On the public strategy API only: the first ``k - 1`` backward passes of a cycle run inside
+``strategy.no_sync()``, the ``k``-th synchronises the sum as the strategy always does, and each
+loss is divided by ``k`` (the mean-loss gradient of ``k * global_batch`` samples).
 """
 
 from __future__ import annotations

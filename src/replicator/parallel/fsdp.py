@@ -1,9 +1,6 @@
-"""Fully sharded data parallelism (ZeRO-3) with FSDP2 ``fully_shard``, over a ``DeviceMesh``.
-
-Each replica keeps ``1/N`` of every parameter, gradient and optimizer state; a block's full
-parameters are all-gathered just before it runs and freed after (``reshard_after_forward``),
-and gradients are reduce-scattered (averaged) in backward. The same step with global batch
-``B`` on ``N`` replicas equals one device with ``B``.
+"""Fully sharded data parallelism (ZeRO-3) with FSDP2 ``fully_shard``, over a ``DeviceMesh``:
+each replica keeps ``1/N`` of parameters, gradients and optimizer state; a block's parameters
+are gathered before it runs and freed after, gradients reduce-scattered in backward.
 """
 
 from __future__ import annotations

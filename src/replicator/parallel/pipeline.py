@@ -78,6 +78,21 @@ def _meta(t: torch.Tensor, grad: bool) -> torch.Tensor:
     return torch.empty_like(t).requires_grad_(grad and t.is_floating_point())
 
 
+def _header(t: torch.Tensor | None) -> torch.Tensor:
+    """The shape and dtype of ``t`` as ``_HEADER`` ints (zeros to receive into: ``None``)."""
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    if t is not None:
+        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
+        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return header
+
+
+def _empty_for(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An empty tensor of the shape and dtype ``header`` describes."""
+    ndim, code = int(header[0]), int(header[1])
+    return torch.empty(header[2:2 + ndim].tolist(), dtype=_DTYPES[code], device=device)
+
+
 def check_pipeline_options(num_stages: int, num_microbatches: int, schedule: str,
                            balance: str = "params") -> str:
     """Validate the options of a pipeline before any model exists; returns the schedule's
@@ -128,14 +143,10 @@ def stage_owners(num_stages: int, ranks: int, placement: str) -> list[int]:
 
 
 class PipelineRunner:
-    """Cuts one model into stages over the 1-D ``mesh``, keeps this rank's, and runs it (see
-    the module doc); ``model``'s forward becomes :meth:`forward`.
-
-    ``guard``: wraps every exchange between stages (see :data:`Guard`). ``after_backward``:
-    called once the schedule has produced this rank's gradients (after the backward of
-    ``model(x)``, or at the end of :meth:`forward_backward`, tied weights' gradients already
-    summed); a data axis sets it to average them across replicas. ``timeout_seconds``: how
-    long the tied weights' group waits (default: the job's collective timeout).
+    """Cuts one model into stages over the 1-D ``mesh``, keeps this rank's, and runs it (see the
+    module doc); ``model``'s forward becomes :meth:`forward`. ``guard``: wraps every exchange
+    (:data:`Guard`). ``after_backward``: called once this rank's gradients are in (tied ones
+    summed); a data axis averages them there. ``timeout_seconds``: the tied weights' group's.
     """
 
     def __init__(self, model: torch.nn.Module, mesh: DeviceMesh, device: torch.device, *,
@@ -261,31 +272,21 @@ class PipelineRunner:
 
     # -- point to point (always inside a guarded pass) --------------------------------------------
     def _send(self, t: torch.Tensor, to: int) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
-        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        dist.send(header, group=self.group, group_dst=to)
+        dist.send(_header(t), group=self.group, group_dst=to)
         dist.send(t.contiguous(), group=self.group, group_dst=to)
 
     def _recv(self, frm: int) -> torch.Tensor:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header = _header(None)
         dist.recv(header, group=self.group, group_src=frm)
-        ndim, code = int(header[0]), int(header[1])
-        t = torch.empty(header[2:2 + ndim].tolist(), dtype=_DTYPES[code], device=self.device)
+        t = _empty_for(header, self.device)
         dist.recv(t, group=self.group, group_src=frm)
         return t
 
     def _broadcast(self, t: torch.Tensor | None, src: int) -> torch.Tensor:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        if self.me == src:
-            assert t is not None
-            header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
-            header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        header = _header(t if self.me == src else None)
         dist.broadcast(header, group=self.group, group_src=src)
         if self.me != src:
-            ndim, code = int(header[0]), int(header[1])
-            t = torch.empty(header[2:2 + ndim].tolist(), dtype=_DTYPES[code],
-                            device=self.device)
+            t = _empty_for(header, self.device)
         assert t is not None
         dist.broadcast(t, group=self.group, group_src=src)
         return t
@@ -360,28 +361,39 @@ class PipelineRunner:
         return self._wrap_output(out) if self._wrap_output is not None else out
 
     def _forward(self, x: Any) -> torch.Tensor:
-        x = self._check_input(x)
-        if not self.stages:
-            self._measure_and_cut(x)
+        x = self._prepare(x)
         rng = torch.get_rng_state()
         out = self._value_pass(x)
         assert out is not None
         if not torch.is_grad_enabled():
             return out
-        after = torch.get_rng_state()
         out = out.detach().requires_grad_(True)
+        self._schedule_on_backward(out, x, rng, lambda grad: grad)
+        return out
+
+    def _prepare(self, x: Any) -> torch.Tensor:
+        """``x`` checked, and the model cut (at the first batch when balancing by time)."""
+        x = self._check_input(x)
+        if not self.stages:
+            self._measure_and_cut(x)
+        return x
+
+    def _schedule_on_backward(self, leaf: torch.Tensor, x: torch.Tensor, rng: torch.Tensor,
+                              target: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """Run the schedule when ``leaf``'s gradient arrives, the last stage's target being
+        ``target(grad)``, with the random state ``rng`` of the value pass (same dropout)."""
+        after = torch.get_rng_state()
 
         def backward(grad: torch.Tensor) -> None:
             torch.set_rng_state(rng)
             try:
-                self._run_schedule(x, grad)
+                self._run_schedule(x, target(grad))
             finally:
                 torch.set_rng_state(after)
             if self.after_backward is not None:
                 self.after_backward()
 
-        out.register_hook(backward)
-        return out
+        leaf.register_hook(backward)
 
     def _forward_labelled(self, x: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``model(input_ids=x, labels=labels)``: the labels stay with the last stage, which
@@ -391,10 +403,8 @@ class PipelineRunner:
         schedule with ``dL/d(logits)`` times the incoming gradient as the last stage's target
         (see the module doc), so gradients are one device's for any use of the loss. The
         logits are on the last stage's rank only (``None`` on the others)."""
-        x = self._check_input(x)
+        x = self._prepare(x)
         check_rows(labels, x, "labels")
-        if not self.stages:
-            self._measure_and_cut(x)
         rng = torch.get_rng_state()
         logits = self._value_pass(x, everywhere=False)
         grad_enabled = torch.is_grad_enabled()
@@ -409,21 +419,10 @@ class PipelineRunner:
             loss = loss.detach()
         with self._guard(self._what("broadcast of the loss from the last stage")):
             loss = self._broadcast(loss, self.owners[-1])
-        if not grad_enabled:
-            return loss, logits
-        after = torch.get_rng_state()
-        loss = loss.requires_grad_(True)
-
-        def backward(grad: torch.Tensor) -> None:
-            torch.set_rng_state(rng)
-            try:
-                self._run_schedule(x, None if d_logits is None else d_logits * grad)
-            finally:
-                torch.set_rng_state(after)
-            if self.after_backward is not None:
-                self.after_backward()
-
-        loss.register_hook(backward)
+        if grad_enabled:
+            loss = loss.requires_grad_(True)
+            self._schedule_on_backward(loss, x, rng, lambda grad: None if d_logits is None
+                                       else d_logits * grad)
         return loss, logits
 
     def forward_backward(self, x: Any, target: torch.Tensor,
@@ -433,10 +432,8 @@ class PipelineRunner:
         computed on the last stage as ``loss_fn(output, target)`` per microbatch. Gradients
         are those of the mean of the microbatch losses (the batch's loss for a mean-reduced
         ``loss_fn``); that mean is returned on every rank of the pipeline (detached)."""
-        x = self._check_input(x)
+        x = self._prepare(x)
         check_rows(target, x, "forward_backward: the target")
-        if not self.stages:
-            self._measure_and_cut(x)
         key = (tuple(x.shape), x.dtype)
         if self._metas_key != key:
             # the schedule's stages need each stage's shapes: one pass without autograd

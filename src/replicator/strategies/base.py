@@ -265,11 +265,9 @@ class Strategy(ABC):
                     self._distributed[t] = True
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        """The whole ``model``'s state dict, to save as one file (Accelerate's
-        ``get_state_dict``): a collective, every rank calls it. Where the model is split
-        (pipeline stages, tensor or FSDP shards) the chief gets full tensors on the CPU, with
-        the one-device model's keys, and the other ranks ``{}``; otherwise every rank gets
-        the plain state dict (see :mod:`replicator.strategies.state_dict`)."""
+        """The whole ``model``'s state dict, to save as one file (a collective): where the model is
+        split the chief gets full CPU tensors with the one-device keys and others ``{}``; otherwise
+        every rank the plain state dict (:mod:`replicator.strategies.state_dict`)."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"full_state_dict takes a torch.nn.Module, got "
                             f"{type(model).__name__}")
@@ -285,11 +283,9 @@ class Strategy(ABC):
         return tensor in self._distributed
 
     def _setup_module(self, module: torch.nn.Module) -> None:
-        """Hook: make one top-level ``module`` distributed (called once per module, at scope
-        exit and by :meth:`distribute_model`). The default passes the module's parameters and
-        buffers not yet distributed to :meth:`_on_new_state`; a strategy that shards, wraps or
-        places modules overrides this hook (and registers torch's state-dict hooks on the
-        module when its checkpoint layout differs from the module's own)."""
+        """Hook: make one top-level ``module`` distributed (once, at scope exit or
+        :meth:`distribute_model`). The default hands its new parameters and buffers to
+        :meth:`_on_new_state`; strategies that shard, wrap or place modules override it."""
         params, buffers = named_state(module)
         params = [(n, p) for n, p in params if p not in self._distributed]
         buffers = [(n, b) for n, b in buffers if b not in self._distributed]
@@ -391,11 +387,8 @@ class Strategy(ABC):
     # -- running a step ----------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple | list = (),
             kwargs: dict[str, Any] | None = None) -> Any:
-        """Run ``fn(*args, **kwargs)`` on this process's replica and return its result.
-
-        With ``check_finite=True`` on the strategy, the result is then checked on every
-        replica together (one small collective): a NaN or infinite float in it raises
-        ``NonFiniteLossError`` naming this step (the count of ``run`` calls) and the ranks."""
+        """Run ``fn(*args, **kwargs)`` on this process's replica and return its result (checked
+        on every replica together with ``check_finite=True``)."""
         if not callable(fn):
             raise TypeError(f"run() needs a callable step function, got {type(fn).__name__}")
         if not isinstance(args, (tuple, list)):
@@ -563,10 +556,8 @@ class Strategy(ABC):
             options: InputOptions | None = None,
             partial_batch: str = "mask") -> DistributedDataset:
         """Call ``input_fn(ctx)`` to build this replica's own pipeline of per-replica batches.
-
-        Replicas whose pipelines end at different steps stop together
-        (``drop_remainder=True``, the default) or go on, a replica out of data yielding a
-        masked copy (``partial_batch="mask"``) or 0 rows (``"empty"``) (``False``).
+        Replicas ending at different steps stop together (``drop_remainder=True``) or go on, one out
+        of data yielding a masked copy (``partial_batch="mask"``) or 0 rows (``"empty"``).
         """
         return distribute_datasets_from_function(input_fn, self.input_context, self.device,
                                                  drop_remainder=drop_remainder, options=options,

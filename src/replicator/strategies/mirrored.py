@@ -1,9 +1,8 @@
 """MirroredStrategy: synchronous data parallelism, one process per replica (SPMD).
 
-Every replica holds a full copy of the model. Modules created in ``scope()`` get identical
-initial values (broadcast from replica 0) and their gradients are averaged across replicas
-during ``backward()``, bucket by bucket, overlapping communication with the rest of backward.
-The same step with global batch ``B`` on ``N`` replicas therefore equals one device with ``B``.
+Modules created in ``scope()`` get replica 0's initial values and their gradients are averaged
+during ``backward()``, bucket by bucket, so a step with global batch ``B`` on ``N`` replicas
+equals one device with ``B``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Step observers: code that watches every strategy's steps without changing the strategy.
 
-``replicator bench`` and ``plan`` time each training step from inside the user's process; an
-observer added with :func:`add_step_observer` is told when ``strategy.run`` starts and ends
-and when the loop calls ``reduce``, ``gather`` or ``forward_backward``. Nothing is observed
-(one empty-list test per call) until an observer is added.
+An observer added with :func:`add_step_observer` (``replicator bench`` and ``plan`` time steps
+this way) is told when ``strategy.run`` starts and ends and when the loop calls ``reduce``,
+``gather`` or ``forward_backward``; without one each call costs one empty-list test.
 """
 
 from __future__ import annotations

@@ -13,11 +13,8 @@ from replicator.strategies.replicas import ReplicaGroup
 
 
 class OneDeviceStrategy(Strategy):
-    """Run on a single device (``None``: the first GPU if any, else the CPU).
-
-    No process group is needed: its replica group is a single replica, so ``reduce`` and
-    ``gather`` return the local value and ``collectives`` is a single-rank one.
-    ``check_finite``: see :class:`~replicator.strategies.base.Strategy`.
+    """Run on a single device (``None``: the first GPU if any, else the CPU), with no process
+    group: ``reduce``/``gather`` return the local value. ``check_finite``: see ``Strategy``.
     """
 
     name = "one_device"

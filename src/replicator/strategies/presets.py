@@ -1,9 +1,6 @@
 """FSDPStrategy, TensorParallelStrategy, PipelineStrategy: :class:`MeshStrategy` with one axis.
-
-Each preset only checks its constructor arguments (so a bad one fails where the strategy is
-built) and picks the mesh axes: its own axis, plus ``data`` for whatever processes are left
-where that applies. The parallelisms themselves are the functions of :mod:`replicator.parallel`,
-which the mesh applies at scope exit.
+Each checks its arguments where it is built and picks its axis (plus ``data`` for processes
+left); the parallelisms are :mod:`replicator.parallel`'s functions, applied at scope exit.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The replica context: inside ``strategy.run`` (or anywhere), who this replica is.
-
-tf.distribute's ``ReplicaContext`` and ``ValueContext`` in the one-process-per-replica model:
-the replica is the process, so the context's collectives are the strategy's (``all_reduce``
-is ``strategy.reduce``, ``all_gather`` is ``strategy.gather``), and ``merge_call`` runs its
-function once in each process (see :meth:`ReplicaContext.merge_call`).
+tf.distribute's ``ReplicaContext``/``ValueContext`` with one process per replica: its
+collectives are the strategy's and ``merge_call`` runs once in each process.
 """
 
 from __future__ import annotations

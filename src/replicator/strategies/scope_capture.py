@@ -17,11 +17,8 @@ from torch.nn.modules.module import (
 
 
 class RegistrationCapture:
-    """Collects the modules that register state between :meth:`start` and :meth:`stop`.
-
-    Modules are held strongly only while the scope is open (so their ids cannot be reused
-    meanwhile); :meth:`stop` returns the top-level ones and forgets the rest.
-    """
+    """Collects the modules that register state between :meth:`start` and :meth:`stop` (held
+    strongly only meanwhile, so ids are not reused); :meth:`stop` returns the top-level ones."""
 
     def __init__(self) -> None:
         self._modules: dict[int, torch.nn.Module] = {}

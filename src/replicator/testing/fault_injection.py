@@ -106,11 +106,9 @@ def delay_rank(rank: int, at_step: int, seconds: float, *, once: bool = True) ->
 
 def kill_during_save(rank: int = 0, at_step: int | None = None, *,
                      once: bool = True) -> Callable[[], None]:
-    """SIGKILL rank ``rank`` in a save after the data files, before the commit marker.
-
-    Applies to the save of ``at_step`` (any save when None). Only the chief commits, so use
-    ``rank=0`` to leave a renamed checkpoint without its marker. Returns a function that
-    removes the hook.
+    """SIGKILL rank ``rank`` in the save of ``at_step`` (any when None) after the data files,
+    before the commit marker (``rank=0``, the chief, leaves a checkpoint without its marker).
+    Returns a function that removes the hook.
     """
     target_rank = rank
 

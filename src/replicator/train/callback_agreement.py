@@ -1,9 +1,6 @@
-"""Make every replica fail together when a callback fails on some of them.
-
-A callback that raises on the chief only must not leave the other replicas waiting in the
-next collective. Errors are held until the next agreement point (the per-step reduction, or an
-explicit :meth:`ErrorAgreement.agree`), where a flag travels with the step's numbers; if any
-replica holds an error, all of them raise :class:`CallbackFailedError` with its text.
+"""Make every replica fail together when a callback fails on some of them: errors are held
+until the next agreement point (the per-step reduction or :meth:`ErrorAgreement.agree`), where
+a flag travels with the step's numbers, and then all raise :class:`CallbackFailedError`.
 """
 
 from __future__ import annotations

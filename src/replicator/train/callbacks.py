@@ -1,8 +1,6 @@
-"""Callbacks with Keras's hook names. Every replica runs every callback (so any collective a
-callback makes is matched on all ranks); only the chief prints or writes files.
-
-``logs`` values are already reduced across replicas, so decisions taken from them (early
-stopping, NaN checks) are the same on every replica.
+"""Callbacks with Keras's hook names. Every replica runs every callback (so collectives
+match); only the chief prints or writes files. ``logs`` are already reduced across replicas,
+so decisions taken from them are the same everywhere.
 """
 
 from __future__ import annotations
@@ -256,11 +254,9 @@ class LearningRateScheduler(Callback):
 
 
 class CSVLogger(Callback):
-    """The chief writes one row of logs per epoch to ``filename`` (a header first).
-
-    ``append=False`` starts a new file at the first epoch. A run resumed by
-    ``BackupAndRestore`` keeps the rows up to the restored epoch (any later row, written
-    before the failure, is cut off) and appends, so the file equals an uninterrupted run's.
+    """The chief writes one row of logs per epoch to ``filename`` (a header first);
+    ``append=False`` starts a new file. A resumed run cuts rows past the restored epoch and
+    appends, so the file equals an uninterrupted run's.
     """
 
     def __init__(self, filename: str, append: bool = False) -> None:
@@ -325,11 +321,8 @@ class CSVLogger(Callback):
 
 
 class TensorBoard(Callback):
-    """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard; the chief writes.
-
-    Needs the optional ``tensorboard`` package (``pip install tensorboard``). A run resumed
-    by ``BackupAndRestore`` appends to the same ``log_dir`` and writes no step or epoch twice
-    (see :mod:`replicator.train.tracker_ledger`).
+    """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard; the chief writes
+    (``pip install tensorboard``). A resumed run appends to ``log_dir`` with no step twice.
     """
 
     def __init__(self, log_dir: str = "logs", update_freq: str | int = "epoch") -> None:

@@ -15,11 +15,8 @@ def _fmt_logs(logs: Logs) -> str:
 
 
 class ProgressBar(Callback):
-    """Epoch, step/total, loss and metrics, samples/s and ETA, on the chief only.
-
-    ``live=None`` picks a live bar when standard output is a live terminal: a terminal, or
-    ``replicator run``'s relay to one (``TTY_COMPATIBLE=1``, see
-    :func:`~replicator.cluster.terminal.is_live_terminal`).
+    """Epoch, step/total, loss and metrics, samples/s and ETA, on the chief only. ``live=None``:
+    a live bar on a live terminal (:func:`~replicator.cluster.terminal.is_live_terminal`).
     """
 
     def __init__(self, live: bool | None = None) -> None:

@@ -100,11 +100,9 @@ class _MemoryReportPrinter(Callback):
 
 
 class Trainer:
-    """``rp.Trainer(strategy, model_fn | model, optimizer_fn | optimizer, loss_fn, metrics)``.
-
-    ``model_fn`` / ``optimizer_fn(params)`` are called under ``strategy.scope()``; a model
-    built elsewhere is passed to ``strategy.distribute_model``. For exact results with
-    ``sample_weight`` give a ``torch.nn`` loss (or a function returning per-example losses).
+    """``rp.Trainer(strategy, model_fn | model, optimizer_fn | optimizer, loss_fn, metrics)``:
+    the functions run under ``strategy.scope()``, a built model goes to ``distribute_model``.
+    For exact results with ``sample_weight`` give a ``torch.nn`` (or per-example) loss.
     """
 
     def __init__(self, strategy: Strategy, model: nn.Module | Callable[[], nn.Module],

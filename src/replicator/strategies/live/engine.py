@@ -74,11 +74,8 @@ class _Snapshot:
 
 
 class LiveEngine:
-    """torchft's Manager for one process of one replica group (see the module doc).
-
-    ``modules``: returns the modules the strategy set up (what heals and whose gradients are
-    averaged across groups). Built by the strategy when ``REPLICATOR_REPLICA_GROUPS`` is set.
-    """
+    """torchft's Manager for one process of one replica group (see the module doc); ``modules``
+    returns what heals and whose gradients are averaged across groups."""
 
     def __init__(self, settings: LiveSettings, replicas: ReplicaGroup,
                  modules: Callable[[], list[torch.nn.Module]],

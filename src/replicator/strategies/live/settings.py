@@ -1,10 +1,8 @@
 """Where a process stands among the replica groups: read once from the environment.
 
-The launcher (``replicator run --replica-groups N``) sets, for every process of group ``g``,
-``REPLICATOR_REPLICA_GROUP=g``, ``REPLICATOR_REPLICA_GROUPS=N``,
-``REPLICATOR_LIGHTHOUSE=http://HOST:PORT`` and ``REPLICATOR_MIN_REPLICAS=M``, plus
-``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` of its own group (ranks count within
-the group). With ``torchrun`` the user sets the four ``REPLICATOR_*`` names per group.
+``replicator run --replica-groups N`` sets ``REPLICATOR_REPLICA_GROUP``, ``_REPLICA_GROUPS``,
+``_LIGHTHOUSE`` and ``_MIN_REPLICAS`` for every process, plus its group's
+``RANK``/``WORLD_SIZE``/``MASTER_*``; with ``torchrun`` the user sets the four per group.
 """
 
 from __future__ import annotations

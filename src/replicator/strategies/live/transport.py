@@ -1,10 +1,8 @@
 """torchft's HTTP checkpoint transport, listening on one address and loading without pickle.
 
-torchft's :class:`~torchft.checkpointing.HTTPTransport` serves a healthy group's state to a
-healing one. As shipped it listens on every interface and loads what it receives with
-``weights_only=False`` (arbitrary pickle). Here the same transport listens on the address
-given (loopback by default, ``REPLICATOR_LIVE_BIND``) and loads with ``weights_only=True``:
-the state replicator sends is tensors and plain values only (see ``state.py``).
+As shipped, ``HTTPTransport`` listens on every interface and loads with
+``weights_only=False``; here it listens on the given address (``REPLICATOR_LIVE_BIND``) and
+loads with ``weights_only=True`` (the state is tensors and plain values, ``state.py``).
 """
 
 from __future__ import annotations
