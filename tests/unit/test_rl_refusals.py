@@ -53,3 +53,15 @@ def test_is_actor_reads_the_launchers_variables(monkeypatch):
     al = rp.rl.ActorLearner(lambda: pytest.fail("an actor builds no strategy"), "CartPole-v1",
                             _policy, replay=rp.rl.ReplayBuffer(10))
     assert al.is_actor and al.strategy is None
+
+
+def test_an_actor_gets_no_learner_rendezvous_variables():
+    from replicator.launch.actors import actor_env
+
+    learner = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234",
+               "LOCAL_RANK": "0", "GROUP_RANK": "0", "PATH": "/bin"}
+    env = actor_env(learner, index=1, world=2, num_actors=3, store="127.0.0.1:1234", restarts=2)
+    assert not {"WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"} & set(env)
+    assert env["RANK"] == "3" and env["REPLICATOR_ACTOR_INDEX"] == "1"
+    assert env["REPLICATOR_NUM_LEARNERS"] == "2" and env["REPLICATOR_REJOIN"] == "2"
+    assert env["REPLICATOR_RL_STORE"] == "127.0.0.1:1234" and env["PATH"] == "/bin"
