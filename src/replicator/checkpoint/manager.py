@@ -31,8 +31,8 @@ import torch
 from replicator.checkpoint import fault_points, serialization
 from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
 from replicator.checkpoint.manifest import FileEntry, build
-from replicator.checkpoint.storage import LocalStorage, open_storage, step_dir_name
-from replicator.checkpoint.store import DEFAULT_LEASE_TIMEOUT, is_remote
+from replicator.checkpoint.storage import open_storage, step_dir_name
+from replicator.checkpoint.store import DEFAULT_LEASE_TIMEOUT
 from replicator.cluster.environment import resolve_cluster
 from replicator.cluster.worker_errors import record_backup
 from replicator.comm.collectives import Collectives
@@ -153,9 +153,10 @@ class CheckpointManager:
         if not self.store.retries_later:
             raise ValueError(f"mirror= is for a backup location in an object store; "
                              f"{os.fspath(directory)!r} is already a local directory")
-        if isinstance(mirror, (str, os.PathLike)) and is_remote(mirror):
+        local = open_storage(mirror, what="the mirror")
+        if local.retries_later:
             raise ValueError(f"mirror= must be a local directory, got {os.fspath(mirror)!r}")
-        return CheckpointManager(mirror, self.keep, collectives=collectives)
+        return CheckpointManager(local, self.keep, collectives=collectives)
 
     @property
     def channel(self) -> Channel:
@@ -174,7 +175,7 @@ class CheckpointManager:
 
     def where(self, step: int) -> Any:
         """Where the checkpoint of ``step`` lives, for messages."""
-        if isinstance(self.store, LocalStorage):
+        if not self.store.retries_later:  # a local save's name is its step's
             return self.store.where(step_dir_name(step))
         ref = self._choice_ref if self.latest_step == step else None
         return self.store.where(ref) if ref else f"{self.url} (step {step})"

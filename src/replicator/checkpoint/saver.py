@@ -360,7 +360,7 @@ class BackgroundSaver:
             store = manager.store
             self.process = process or SaverProcess(store=store)
             self._buffer = StagingBuffer()
-            if isinstance(store, RemoteStore):  # the store's calls run in the saver process
+            if store.retries_later:  # a store's own calls run in the saver process too
                 self._store_fs = (store, store.fs)
                 store.fs = SaverFilesystem(self.process, store, store.fs)
 
