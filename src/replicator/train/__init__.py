@@ -8,12 +8,11 @@ from replicator.train.callbacks import (
     History,
     LearningRateScheduler,
     ModelCheckpoint,
-    TensorBoard,
     TerminateOnNaN,
 )
 from replicator.train.progress_bar import ProgressBar
 from replicator.train.replicator_facade import Replicator
-from replicator.train.trackers import MLflowLogger, WandbLogger
+from replicator.train.trackers import MLflowLogger, TensorBoard, WandbLogger
 from replicator.train.trainer import Trainer
 
 __all__ = ["Trainer", "Replicator", "Callback", "History", "EarlyStopping", "ModelCheckpoint",

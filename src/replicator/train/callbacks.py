@@ -6,12 +6,9 @@ so decisions taken from them are the same everywhere.
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import math
 import os
-import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -19,9 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from replicator.checkpoint.placeholders import refuse_placeholders
-from replicator.checkpoint.store import check_location, is_remote, read_url, upload_tree, write_url
+from replicator.checkpoint.store import check_location, is_remote, read_url, write_url
 from replicator.resume.backup_and_restore import BackupAndRestore
-from replicator.train.tracker_ledger import TrackerLedger
 
 if TYPE_CHECKING:
     from replicator.strategies.base import Strategy
@@ -318,78 +314,6 @@ class CSVLogger(Callback):
                 f"CSVLogger: {self.filename} holds {held} bytes but "
                 f"the backup says the epochs so far wrote {self._size}. HINT: the log was "
                 "changed or removed since the backup; restore it or use a new backup_dir.")
-
-
-class TensorBoard(Callback):
-    """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard; the chief writes
-    (``pip install tensorboard``). A resumed run appends to ``log_dir`` with no step twice.
-    """
-
-    def __init__(self, log_dir: str = "logs", update_freq: str | int = "epoch") -> None:
-        check_location(log_dir, "TensorBoard's log_dir")
-        try:
-            import tensorboard  # type: ignore[import-not-found,import-untyped]  # noqa: F401
-        except ImportError:
-            raise ImportError("the TensorBoard callback needs the tensorboard package: "
-                              "pip install tensorboard") from None
-        self.log_dir, self.update_freq = log_dir, update_freq
-        self._writer: Any = None
-        self._local: str | None = None
-        self._ledger = TrackerLedger()
-        self._restored: dict[str, Any] | None = None
-
-    def on_train_begin(self, logs: Logs | None = None) -> None:
-        self._restored = None  # the writer opens at the first epoch, after any restore
-
-    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
-        if self.is_chief and self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # a URL: events are written to a local folder and copied there at each flush
-            self._local = tempfile.mkdtemp(prefix="replicator-tb-") if is_remote(
-                self.log_dir) else None
-            self._writer = SummaryWriter(self._local or self.log_dir)
-            where = self.log_dir if self._local else os.path.abspath(self.log_dir)
-            name = hashlib.sha1(where.encode()).hexdigest()[:12]
-            self._ledger.attach(self.trainer, f"tensorboard-{name}", self._restored)
-
-    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        step = self.trainer.global_step
-        if self._writer is not None and isinstance(self.update_freq, int) \
-                and step % self.update_freq == 0 and self._ledger.wants_step(step):
-            for k, v in (logs or {}).items():
-                self._writer.add_scalar(f"batch/{k}", v, step)
-            self._flush()
-            self._ledger.sent(step=step)
-
-    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        if self._writer is not None and self._ledger.wants_epoch(epoch):
-            for k, v in (logs or {}).items():
-                self._writer.add_scalar(f"epoch/{k}", v, epoch)
-            self._flush()
-            self._ledger.sent(epoch=epoch)
-
-    def _flush(self) -> None:
-        self._writer.flush()
-        if self._local is not None:
-            upload_tree(self._local, self.log_dir)
-
-    def on_train_end(self, logs: Logs | None = None) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            if self._local is not None:
-                upload_tree(self._local, self.log_dir)
-                shutil.rmtree(self._local, ignore_errors=True)
-                self._local = None
-            self._writer = None
-            self._ledger.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The last step and epoch written (a resumed run writes neither again)."""
-        return self._ledger.state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._restored = dict(state)
 
 
 class TerminateOnNaN(Callback):

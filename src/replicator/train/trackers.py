@@ -1,4 +1,5 @@
-"""Experiment trackers for the Trainer: :class:`MLflowLogger` and :class:`WandbLogger`.
+"""Experiment trackers for the Trainer: :class:`MLflowLogger`, :class:`WandbLogger`, and
+:class:`TensorBoard`.
 
 Every replica runs the callback (so all agree on when to log); only the chief talks to the
 tracker, one run per job. A run records the hyper-parameters (``params`` plus the strategy,
@@ -12,22 +13,26 @@ continues the same run (its id is in the logger's ``state_dict``) and sends no s
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
+import shutil
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from typing import Any
 
+from replicator.checkpoint.store import check_location, is_remote, upload_tree
 from replicator.train.callbacks import Callback, Logs
 from replicator.train.tracker_ledger import TrackerLedger
 
 
-def _require(module: str, logger: str, extra: str) -> Any:
+def _require(module: str, logger: str, install: str) -> Any:
     try:
         return __import__(module)
     except ImportError:
-        raise ImportError(f"{logger} needs the {extra} package, which is not installed. "
-                          f"HINT: pip install 'replicator[{extra}]'") from None
+        raise ImportError(f"{logger} needs the {module} package, which is not installed. "
+                          f"HINT: pip install {install}") from None
 
 
 def _check_update_freq(update_freq: str | int) -> str | int:
@@ -170,7 +175,7 @@ class MLflowLogger(RunLogger):
     def __init__(self, experiment_name: str = "replicator", tracking_uri: str | None = None,
                  run_name: str | None = None, params: dict[str, Any] | None = None,
                  tags: dict[str, str] | None = None, update_freq: str | int = "epoch") -> None:
-        _require("mlflow", "MLflowLogger", "mlflow")
+        _require("mlflow", "MLflowLogger", "'replicator[mlflow]'")
         super().__init__(params, update_freq)
         self.experiment_name, self.tracking_uri = experiment_name, tracking_uri
         self.run_name, self.tags = run_name, dict(tags or {})
@@ -247,7 +252,7 @@ class WandbLogger(RunLogger):
                  tags: list[str] | None = None, mode: str | None = None,
                  dir: str | None = None, update_freq: str | int = "epoch",
                  **init_kwargs: Any) -> None:
-        _require("wandb", "WandbLogger", "wandb")
+        _require("wandb", "WandbLogger", "'replicator[wandb]'")
         clash = sorted({"id", "resume", "config"} & set(init_kwargs))
         if clash:
             raise ValueError(f"WandbLogger sets {', '.join(clash)} itself. HINT: pass the "
@@ -295,3 +300,47 @@ class WandbLogger(RunLogger):
     def _finish_run(self) -> None:
         self.run.finish()
         self.run = None
+
+
+class TensorBoard(RunLogger):
+    """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard; the chief writes
+    (``pip install tensorboard``). A resumed run appends to ``log_dir`` with no step twice.
+    """
+
+    tracker = "tensorboard"
+
+    def __init__(self, log_dir: str = "logs", update_freq: str | int = "epoch") -> None:
+        check_location(log_dir, "TensorBoard's log_dir")
+        _require("tensorboard", "the TensorBoard callback", "tensorboard")
+        super().__init__(None, update_freq)
+        self.log_dir = log_dir
+        self._writer: Any = None
+        self._local: str | None = None
+
+    def _start_run(self) -> str:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # a URL: events are written to a local folder and copied there at each flush
+        self._local = tempfile.mkdtemp(prefix="replicator-tb-") if is_remote(
+            self.log_dir) else None
+        self._writer = SummaryWriter(self._local or self.log_dir)
+        where = self.log_dir if self._local else os.path.abspath(self.log_dir)
+        return hashlib.sha1(where.encode()).hexdigest()[:12]
+
+    def _resume_run(self, run_id: str) -> None:
+        self._start_run()
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self._writer.add_scalar(k, v, step)
+        self._writer.flush()
+        if self._local is not None:
+            upload_tree(self._local, self.log_dir)
+
+    def _finish_run(self) -> None:
+        self._writer.close()
+        if self._local is not None:
+            upload_tree(self._local, self.log_dir)
+            shutil.rmtree(self._local, ignore_errors=True)
+            self._local = None
+        self._writer = None
