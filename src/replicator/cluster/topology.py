@@ -1,16 +1,12 @@
 """The layout of a job: named mesh axes over the worker processes, roles, and hosts.
 
-A :class:`Topology` gives each process its role (``chief``, ``worker`` or ``ps``), its host,
-and, for workers, its coordinates on named axes of a ``DeviceMesh``. Four names mean something
-to replicator (:data:`KNOWN_AXES`: ``data``, ``fsdp``, ``pipeline``, ``tensor``); any other is
-an axis of your own (replicas along it see the same data), and one or two edits from a known
-one (``tensr``) is refused as a likely typo. Rooms below the strategies never reach for the
-default group: a strategy asks the topology for its axis's group and hands it down.
-
-Layout (torchtitan's): workers are ranks ``0 .. W-1`` and parameter servers the last ``num_ps``
-(rank 0 is the chief); the mesh is row-major in the order given, so the last axis holds
-neighbouring ranks (tensor parallelism stays inside a host). Building a topology is a
-collective: every process constructs it with the same arguments, in the same order.
+A :class:`Topology` gives each process its role (``chief``, ``worker``, ``ps``), its host and,
+for workers, its coordinates on named ``DeviceMesh`` axes. :data:`KNOWN_AXES` (``data``,
+``fsdp``, ``pipeline``, ``tensor``) mean something to replicator; other names are your own, and
+near-misses (``tensr``) are refused as typos. A strategy asks the topology for its axis's group
+and hands it down. Layout (torchtitan's): workers are ranks ``0 .. W-1``, servers the last
+``num_ps``; the mesh is row-major, so the last axis holds neighbouring ranks (one host).
+Building it is a collective: every process, same arguments, same order.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Communication lanes: per process group, a background thread with a private copy of the group.
 
-Algorithms of several dependent steps (ring, hierarchical, reduce-to-one, compressed
-all-reduce) run on a lane so that ``backward()`` goes on while they communicate. :func:`lane`
-gives a group's lane, created on first use, one per group object.
-
-Why a private copy: two threads issuing collectives on one group can pair different operations
-across ranks. The copy carries only the lane's traffic, run one task at a time in submission
-order (the same on every rank), so the lane's collectives always match, and two groups (two
-mesh axes, two strategies) never interleave. The copy is made by the group's members only
-(:func:`~replicator.comm.groups.new_private_group`).
-
-Lanes are keyed weakly by the group object (never by ``id()``); when the group is collected its
-thread ends. :func:`close_lanes` ends them all, before the process group is destroyed and when
-the world changes.
+Algorithms of several dependent steps (ring, hierarchical, reduce-to-one, compressed) run on a
+group's lane (:func:`lane`) so ``backward()`` goes on meanwhile. Two threads issuing collectives
+on one group can pair different operations across ranks, so the lane has its own copy of the
+group (made by its members, :func:`~replicator.comm.groups.new_private_group`) and runs one task
+at a time in submission order, the same on every rank. Lanes are keyed weakly by the group
+object; :func:`close_lanes` ends them all before the process group goes.
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
 """Average gradients across replicas during ``backward()``, bucket by bucket (DDP's reducer).
 
-Parameters are bucketed in reverse creation order (roughly when their gradients are ready); a
-hook starts a bucket's all-reduce once all its gradients are in, while ``backward()`` goes on.
-Buckets start in the same order on every rank, so collectives match. After ``loss.backward()``
-returns, ``.grad`` holds the mean over replicas, as with DDP. A parameter with no gradient in
-this pass contributes its ``.grad`` (zeros when ``None``) and keeps ``grad=None`` unless some
-rank produced a non-zero gradient for it.
+Parameters are bucketed in reverse creation order; a hook starts a bucket's all-reduce once all
+its gradients are in, while ``backward()`` goes on, in the same order on every rank. After
+``loss.backward()``, ``.grad`` holds the mean over replicas; a parameter with no gradient in the
+pass contributes zeros and keeps ``grad=None`` unless some rank had one. As in DDP's
+``gradient_as_bucket_view``, ``.grad`` becomes a view of its bucket (no copy back). Buckets come
+from the algorithm (``make_buffers``: shared memory, say); ``destination=r`` reduces onto rank
+``r`` only (central storage).
 
-As in DDP's ``gradient_as_bucket_view``, ``param.grad`` becomes a view of its bucket, so the
-average lands without a copy back (a ``.grad`` kept across steps is overwritten by the next
-``backward()``). Buckets are made by the algorithm (``make_buffers``), so it can keep them where
-it communicates fastest (shared memory). ``destination=r`` reduces onto rank ``r`` only
-(central storage); the other ranks keep their local gradients.
-
-Integrity: with ``check=True`` each synced pass exchanges a fingerprint of itself, started at
-the first ready gradient and awaited at the first ready bucket (its latency overlaps backward),
-so a rank in ``backward()`` and a rank in ``strategy.reduce`` raise
-:class:`~replicator.errors.CollectiveMismatchError` instead of pairing their payloads.
-
-Buffers: after the buckets, ``buffer_sync="mean"`` averages floating-point buffers (BatchNorm
-statistics) and broadcasts integer ones from replica 0; ``"broadcast"`` sends all of replica
-0's (DDP's behaviour); ``"none"`` leaves them alone. One collective per dtype.
-
-Distributed tensors (tensor-parallel shards, DTensor parameters): buckets hold each local shard
-(``to_local()``); their ``.grad`` stays a DTensor and receives the average by a copy.
-
-Manual trigger (``automatic=False``): no hooks; :meth:`synchronize` averages every gradient at
-once, for a caller that knows better than autograd when backward is over (a pipeline schedule).
-``enabled`` gates both modes (``no_sync``).
+With ``check=True`` each pass exchanges a fingerprint, started at the first ready gradient and
+awaited at the first bucket, so a rank in ``backward()`` and one in ``strategy.reduce`` raise
+``CollectiveMismatchError`` instead of pairing payloads. ``buffer_sync``: ``"mean"`` averages
+float buffers and broadcasts integer ones from replica 0, ``"broadcast"`` sends replica 0's
+(DDP's), ``"none"``; one collective per dtype. DTensor parameters sync their local shard and
+get the average by a copy. ``automatic=False``: no hooks; :meth:`synchronize` averages all at
+once (a pipeline schedule). ``enabled`` gates both (``no_sync``).
 """
 
 from __future__ import annotations

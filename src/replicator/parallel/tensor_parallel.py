@@ -1,15 +1,11 @@
 """Tensor parallelism: each layer's weights split over a ``DeviceMesh`` (``parallelize_module``).
 
-Megatron's layout, as torchtitan applies it: an MLP's first ``Linear`` is split column-wise and
-the second row-wise (one all-reduce per block); attention splits q/k/v by heads and the output
-projection row-wise; embeddings split their vocabulary rows. Every rank of a tensor-parallel
-group sees the same batch. A plan maps module names (``fnmatch``) to ``"colwise"``,
-``"rowwise"``, ``"embedding"`` or a torch ``ParallelStyle``.
-
-``sequence_parallel=True`` adds Megatron's sequence parallelism: inside each block of norms and
-split sub-blocks, the residual stream and norms work on ``1/N`` of the sequence (dimension 1),
-sub-blocks all-gather their input and reduce-scatter their output, so those activations take
-``1/N`` of the memory. The sequence length must divide by the degree.
+Megatron's layout, as torchtitan applies it: an MLP's first ``Linear`` column-wise and the second
+row-wise (one all-reduce per block), attention's q/k/v by heads and its output row-wise,
+embeddings by vocabulary rows; a tensor-parallel group shares one batch. A plan maps module
+names (``fnmatch``) to ``"colwise"``, ``"rowwise"``, ``"embedding"`` or a ``ParallelStyle``.
+``sequence_parallel=True``: norms and the residual stream work on ``1/N`` of the sequence
+(all-gather in, reduce-scatter out), which must divide by the degree.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """MeshStrategy: data, fully sharded, pipeline and tensor parallelism composed on one mesh.
 
-torchtitan's way: a :class:`~replicator.cluster.Topology` names the axes, and at scope exit
-each axis applies its plain function to the model, innermost first: pipeline stages
-(``pipeline``), DTensor ``parallelize_module`` (``tensor``), FSDP2 ``fully_shard`` (``fsdp``),
-and gradient averaging across replicas (``data``). The input is split across the data axes only
-(``data`` and ``fsdp``): the ranks of one replica all see the same batch.
-
-The data axis runs the one data-parallel engine (``GradientSynchronizer``) through a
-:class:`~replicator.strategies.replicas.ReplicaGroup` on the data axes; a pipeline triggers it
-after its schedule (``PipelineRunner.after_backward``). Work over every worker (broadcast,
-``barrier``, memory reports) goes through a second group over the whole job, and the pipeline's
-exchanges are guarded by one on the pipeline axis, so a stalled rank is named in any group.
-``FSDPStrategy``, ``TensorParallelStrategy`` and ``PipelineStrategy`` are this class with one
-axis (plus ``data`` for the ranks left).
+torchtitan's way: a :class:`~replicator.cluster.Topology` names the axes, and at scope exit each
+axis applies its function to the model, innermost first: pipeline stages, DTensor
+``parallelize_module`` (``tensor``), FSDP2 ``fully_shard`` (``fsdp``), gradient averaging
+(``data``). The input is split across ``data`` and ``fsdp`` only. The data axes run the one
+gradient engine through a ``ReplicaGroup`` (a pipeline triggers it after its schedule); work over
+every worker goes through a second group over the job, and the pipeline's exchanges through one
+on its axis, so a stalled rank is named in any group. ``FSDPStrategy``,
+``TensorParallelStrategy`` and ``PipelineStrategy`` are this class with one axis.
 """
 
 from __future__ import annotations

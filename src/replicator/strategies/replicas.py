@@ -1,16 +1,11 @@
 """The replica group a strategy keeps in step, written once and composed by every strategy.
 
-A :class:`ReplicaGroup` is opened on the processes a strategy replicates over (the whole job,
-one axis of a :class:`~replicator.cluster.Topology`, or its data axes together) and owns what
-every synchronous strategy needs: device, process group, progress tracker, ``Collectives``,
-identity (rank, size, chief), ``reduce``/``gather``/``barrier``, and the data-parallel gradient
-engine (a ``GradientSynchronizer`` per module, ``no_sync``). Strategies keep only their own
-part (Lightning Fabric's ``ParallelStrategy`` has this shape).
-
-Opening a group bounds its waits with the strategy's own timeout (``resolve_timeout``): the mesh
-axes' groups (torch's 30 minutes otherwise) and, when an earlier strategy made the default group
-with another timeout, a group of every rank for this one. The tracker is keyed by the group's
-global ranks, so a timeout names the rank that did not arrive.
+A :class:`ReplicaGroup` on the processes a strategy replicates over (the job, a topology axis,
+or its data axes) owns device, group, tracker, ``Collectives``, identity, ``reduce``/``gather``/
+``barrier`` and the gradient engine (a ``GradientSynchronizer`` per module, ``no_sync``), as
+Lightning Fabric's ``ParallelStrategy``. Its waits take the strategy's own timeout
+(``resolve_timeout``): mesh axis groups too (torch's 30 minutes otherwise), and a private group
+of every rank when an earlier strategy made the default group with another timeout.
 """
 
 from __future__ import annotations

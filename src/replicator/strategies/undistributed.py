@@ -1,18 +1,12 @@
 """Refuse trainable parameters that a multi-replica strategy never distributed.
 
-A model built outside ``strategy.scope()`` (and never given to ``distribute_model``) gets no
-initial broadcast and no gradient averaging: N replicas silently train N separate models. While
-a multi-replica strategy with this check is open, process-wide hooks watch for it: an optimizer
-step pre-hook raises :class:`~replicator.errors.NotDistributedError` for a parameter with a
-gradient that no live strategy distributed; a forward pre-hook raises at once inside
-``strategy.run`` and, outside it, arms the parameter so its first backward raises (a forward
-without backward is left alone; ``distribute_model`` after a forward is accepted).
-
-"Distributed" asks each strategy's ``is_distributed``; parameters under torch's own
-``DistributedDataParallel`` and DTensor parameters count too. Modules and optimizers found clean
-are remembered weakly (a dictionary look-up per call after the first step). The hooks are
-registered once per process and stay: registering them every step would change torch's global
-hook table, which torch.compile guards on.
+A model built outside ``strategy.scope()`` gets no broadcast and no averaging: N replicas would
+silently train N models. While such a strategy is open, process-wide hooks raise
+:class:`~replicator.errors.NotDistributedError`: an optimizer step pre-hook for a parameter with a
+gradient no live strategy distributed, and a forward pre-hook (at once inside ``strategy.run``;
+outside it at the parameter's first backward). ``is_distributed`` of each strategy decides; DDP
+and DTensor parameters count. Clean modules are remembered weakly; the hooks stay registered
+(re-registering would change the global hook table torch.compile guards on).
 """
 
 from __future__ import annotations
