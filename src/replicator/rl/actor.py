@@ -15,7 +15,6 @@ the weights alone, which makes a learner's run repeatable and its resume exact.
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from replicator.errors import ClusterConfigError, ReplicatorError
-from replicator.ps.messages import Connection, PeerLostError, tensor_text, text_tensor
+from replicator.ps.messages import Connection, PeerLostError, tensor_text
 from replicator.rl import transport as T
 from replicator.rl.environments import env_name, make_vector_env
 from replicator.rl.experience import ExperienceBuilder
@@ -100,15 +99,8 @@ class _Links:
 
     def send(self, learner: int, items: dict[str, torch.Tensor], version: int, steps: int,
              round_: int, returns: list[float], total_steps: int) -> None:
-        conn = self.conns[learner % len(self.conns)]
-        names = text_tensor(json.dumps(list(items)))
-        parts = [(T.PART, i, 0, v.contiguous(), 0, 0, 0)
-                 for i, v in enumerate([names, *items.values()])]
-        batch = [(T.ITEMS, -1, version, None, steps, round_, len(parts)), *parts]
-        if returns:
-            batch.append((T.EPISODES, -1, 0, torch.tensor(returns, dtype=torch.float64),
-                          total_steps, 0, 0))
-        conn.send_many(batch)
+        T.send_items(self.conns[learner % len(self.conns)], items, version, steps, round_,
+                     returns, total_steps)
 
     def close(self) -> None:
         for conn in self.conns:

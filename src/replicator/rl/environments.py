@@ -11,10 +11,7 @@ from typing import Any
 
 from replicator.errors import ClusterConfigError
 
-__all__ = ["EnvFn", "check_env", "make_vector_env", "env_name"]
-
-#: An environment id (``"CartPole-v1"``) or a function returning a ``gymnasium.Env``.
-EnvFn = "str | Callable[[], Any]"
+__all__ = ["check_env", "make_vector_env", "env_name"]
 
 
 def _gym() -> Any:

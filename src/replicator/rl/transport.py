@@ -9,10 +9,10 @@ pickled, every receive bounded by a timeout, a dead peer seen as
 protocol is a handful of message kinds over that same connection:
 
 - ``HELLO(a=actor, b=restart, text=json spec)`` -> ``HELLO(a=learner, version=weights version,
-  b=start round)`` | ``ERROR(text)``: the spec names each field's shape and dtype, the kind of
-  items (``transitions`` or ``trajectories``) and the environment;
-- ``ITEMS(version=weights version, a=env steps, b=round, c=fields)`` then one ``PART`` per field
-  (``var_id`` = its index in the spec): experience, never answered;
+  b=start round)`` | ``ERROR(text)``: the spec names the kind of items (``transitions`` or
+  ``trajectories``), the environment and its observation shape (all actors must agree);
+- ``ITEMS(version=weights version, a=env steps, b=round, c=parts)`` then a ``PART`` with the
+  field names (JSON) and one ``PART`` per field: experience, never answered;
 - ``ASK(a=version held, b=round)`` -> ``WEIGHTS(version, c=tensors)`` then one ``PART`` per
   state-dict entry, or ``WEIGHTS(version=-1)`` when there is nothing newer (lockstep: nothing
   for that round yet);
@@ -37,19 +37,13 @@ from replicator.ps.messages import Connection, Message, tensor_text, text_tensor
 
 __all__ = ["HELLO", "ITEMS", "PART", "ASK", "WEIGHTS", "BYE", "ERROR", "EPISODES",
            "LEARNER_KEY",
-           "encode_spec", "send_items", "receive_parts", "rl_store"]
+           "send_hello", "receive_text", "send_items", "receive_parts", "send_weights",
+           "rl_store"]
 
 HELLO, ITEMS, PART, ASK, WEIGHTS, BYE, ERROR, EPISODES = range(101, 109)
 
 #: Store key (under the attempt's prefix) where learner replica R publishes ``host:port``.
 LEARNER_KEY = "rl/learner/{rank}"
-
-
-def encode_spec(items: dict[str, torch.Tensor], kind: str, env: str) -> dict[str, Any]:
-    """The spec of a batch of items: per field its per-item shape and dtype, in send order."""
-    return {"kind": kind, "env": env,
-            "fields": [[name, list(value.shape[1:]), str(value.dtype).removeprefix("torch.")]
-                       for name, value in items.items()]}
 
 
 def send_hello(conn: Connection, actor: int, restart: int, spec: dict[str, Any]) -> None:
@@ -63,10 +57,18 @@ def receive_text(conn: Connection, what: str) -> str:
 
 
 def send_items(conn: Connection, items: dict[str, torch.Tensor], version: int, steps: int,
-               round_: int = 0) -> None:
-    """One batch of experience: a header, then one part per field."""
-    parts = [(PART, i, 0, value.contiguous(), 0, 0, 0) for i, value in enumerate(items.values())]
-    conn.send_many([(ITEMS, -1, version, None, steps, round_, len(parts)), *parts])
+               round_: int = 0, returns: list[float] | None = None, total_steps: int = 0
+               ) -> None:
+    """One batch of experience (the field names, then one part per field), and the returns
+    of the episodes that ended since the last batch."""
+    names = text_tensor(json.dumps(list(items)))
+    parts = [(PART, i, 0, v.contiguous(), 0, 0, 0)
+             for i, v in enumerate([names, *items.values()])]
+    batch = [(ITEMS, -1, version, None, steps, round_, len(parts)), *parts]
+    if returns:
+        batch.append((EPISODES, -1, 0, torch.tensor(returns, dtype=torch.float64), total_steps,
+                      0, 0))
+    conn.send_many(batch)
 
 
 def receive_parts(conn: Connection, count: int, what: str) -> list[torch.Tensor]:
