@@ -128,11 +128,8 @@ class MixedPrecision:
         return torch.autocast(device_type or self._device_type(), dtype=self.compute_dtype)
 
     def apply(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Make ``module``'s forward run under this policy's autocast (once; returns it).
-
-        The module keeps only plain settings (device type, dtype, cast) and a method bound to
-        itself, so ``copy.deepcopy(module)`` (EMA or target networks) gives a copy that runs
-        its own forward under the same policy."""
+        """Make ``module``'s forward run under this policy's autocast (once; returns it). Only
+        plain settings and a bound method are kept, so ``copy.deepcopy(module)`` works alike."""
         if not self.enabled or getattr(module, "_replicator_autocast", None) is not None:
             return module
         module._replicator_autocast = (  # type: ignore[assignment]

@@ -30,10 +30,8 @@ def check_port(port: object, flag: str = "--master-port") -> int | None:
 
 
 def listen(addr: str, port: int) -> socket.socket:
-    """Bind and listen on ``addr:port`` (port 0 picks a free one); the caller owns the socket.
-
-    Binding to the named address, not to all interfaces, keeps a local job off the network.
-    """
+    """Bind and listen on ``addr:port`` (port 0: a free one; the caller owns the socket), on the
+    named address only, so a local job stays off the network."""
     if port != 0:
         check_port(port, "port")
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET

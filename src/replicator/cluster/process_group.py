@@ -50,10 +50,8 @@ _GROUP: GroupInfo | None = None
 
 
 def configure_threads(local_world_size: int) -> int:
-    """Give each local worker its share of the cores unless the user chose (OMP_NUM_THREADS).
-
-    Two threads per rank on two cores halve gloo's bandwidth, so oversubscription is avoided.
-    """
+    """Give each local worker its share of the cores unless the user chose (OMP_NUM_THREADS):
+    two threads per rank on two cores halve gloo's bandwidth."""
     if "OMP_NUM_THREADS" in os.environ:
         threads = max(1, int(os.environ["OMP_NUM_THREADS"] or 1))
     else:
@@ -128,10 +126,8 @@ _HINTED = False
 
 
 def _hint_one_replica() -> None:
-    """Say once per process, on stderr, that a plain ``python script.py`` is one replica.
-
-    Only a process started without any launcher gets here (a launcher sets RANK/WORLD_SIZE).
-    """
+    """Say once per process, on stderr, that a plain ``python script.py`` (no launcher set
+    RANK/WORLD_SIZE) is one replica."""
     global _HINTED
     if _HINTED:
         return
@@ -164,10 +160,8 @@ _AT_EXIT_REGISTERED = False
 
 
 def _shutdown_at_exit() -> None:
-    """Destroy the group we created when the interpreter exits, before module teardown: a
-    script run directly (torchrun, SLURM, TF_CONFIG) that never calls :func:`shutdown` would
-    otherwise free gloo's groups after gloo's own static state and abort a finished job
-    ("terminate called without an active exception")."""
+    """Destroy the group we created at interpreter exit, before module teardown (a script run
+    directly that never calls :func:`shutdown` would free gloo's groups too late and abort)."""
     global _AT_EXIT_REGISTERED
     if not _AT_EXIT_REGISTERED:
         atexit.register(shutdown)

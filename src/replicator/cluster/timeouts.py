@@ -25,10 +25,9 @@ _OF_GROUP: weakref.WeakKeyDictionary[dist.ProcessGroup, float] = weakref.WeakKey
 def resolve_timeout(timeout_seconds: float | None = None, options: Any = None, *,
                     group: dist.ProcessGroup | None = _NO_GROUP,
                     env: Mapping[str, str] | None = None) -> float:
-    """Seconds a group, store or wait may last: the first that is set of ``timeout_seconds``,
-    ``options.timeout_seconds`` (a :class:`~replicator.CommunicationOptions`), the timeout
-    ``group`` was made with (only when ``group`` is passed; ``None``: the job's default group),
-    the launcher's ``REPLICATOR_TIMEOUT_SECONDS`` and 300 s."""
+    """Seconds a group, store or wait may last: the first set of ``timeout_seconds``,
+    ``options.timeout_seconds``, ``group``'s own (when passed; ``None``: the default group),
+    ``REPLICATOR_TIMEOUT_SECONDS`` and 300 s."""
     for given in (timeout_seconds, getattr(options, "timeout_seconds", None)):
         if given is not None:
             if not given > 0:

@@ -103,10 +103,9 @@ class Collectives:
 
     # -- the same-host path -------------------------------------------------------------------
     def use_same_host_path(self, algorithm: CrossDeviceOps) -> bool:
-        """Send fingerprints, and payloads where it pays, through ``algorithm``'s shared memory
-        when it is a :class:`~replicator.comm.shared_memory.SharedMemoryAllReduce` over this
-        group's CPU replicas (without compression); return whether it does. A collective:
-        every rank of the group calls it with the same kind of algorithm."""
+        """Send fingerprints, and payloads where it pays, through the shared memory of
+        ``algorithm`` when it is an uncompressed ``SharedMemoryAllReduce`` over CPU replicas;
+        return whether it does. A collective over the group."""
         from replicator.comm.shared_memory import SharedMemoryAllReduce
 
         if (self.world_size == 1 or not isinstance(algorithm, SharedMemoryAllReduce)
@@ -136,10 +135,9 @@ class Collectives:
     # -- fingerprints -------------------------------------------------------------------------
     def start_check(self, what: str, detail: str, *, async_op: bool = False
                     ) -> PendingCheck | None:
-        """Start the fingerprint exchange of the call ``what`` (``detail``: shapes, dtypes,
-        anything every rank must agree on); ``wait()`` on the result raises
-        :class:`~replicator.errors.CollectiveMismatchError` when the ranks disagree.
-        ``None`` when checking is off or there is a single replica."""
+        """Start the fingerprint exchange of ``what`` (``detail``: what every rank must agree on);
+        ``wait()`` on the result raises ``CollectiveMismatchError`` on disagreement. ``None`` when
+        checking is off or there is a single replica."""
         if not self.check or self.world_size == 1:
             return None
         self.settle()  # one fingerprint in flight at a time: a mismatch is known before the next

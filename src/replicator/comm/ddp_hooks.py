@@ -30,10 +30,8 @@ _OWNERS = itertools.count(-1, -1)
 
 
 def ddp_comm_hook(ops: CrossDeviceOps) -> CommHook:
-    """A function for ``DistributedDataParallel.register_comm_hook(state, hook)``.
-
-    ``state`` may be the process group DDP uses (``None``: the default group).
-    """
+    """A function for ``DistributedDataParallel.register_comm_hook(state, hook)``; ``state``
+    may be DDP's process group (``None``: the default group)."""
     if not isinstance(ops, CrossDeviceOps):
         raise TypeError(f"ddp_comm_hook takes a CrossDeviceOps such as rp.comm.RingAllReduce(), "
                         f"got {type(ops).__name__}")

@@ -51,10 +51,8 @@ def _is_distributed_tensor(t: torch.Tensor) -> bool:
 
 
 def local_grad(param: torch.Tensor, sharded: bool = True) -> torch.Tensor | None:
-    """The local tensor of ``param.grad``, laid out like ``param``'s: a DTensor gradient with
-    other placements (the replicated gradient of a row-sharded embedding) is redistributed
-    to the parameter's first (a replicated one is sliced, no communication). ``sharded``:
-    whether ``param`` is a DTensor (``False`` skips the checks on the hot path)."""
+    """The local tensor of ``param.grad``, laid out like ``param``'s (a DTensor gradient with
+    other placements is redistributed first). ``sharded=False`` skips the checks (hot path)."""
     grad = param.grad
     if grad is None or not sharded:
         return grad
@@ -95,11 +93,8 @@ class _Bucket:
 
 def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[_Bucket]:
-    """Group ``params`` (reverse order, same dtype and device) into buckets of ~``bucket_bytes``.
-
-    ``bucket_bytes=0`` gives one bucket per parameter. Sizes are those of the local tensors
-    (a DTensor's shard).
-    """
+    """Group ``params`` (reverse order, same dtype and device) into buckets of ~``bucket_bytes``
+    of local tensors (``0``: one per parameter)."""
     buckets: list[_Bucket] = []
     current: list[torch.nn.Parameter] = []
     size = 0

@@ -78,10 +78,8 @@ def shared_memory_problem(local_replicas: int = 1) -> str:
 
 def describe_auto(device: torch.device | None = None, hosts: int = 1,
                   local_replicas: int = 1) -> AutoChoice:
-    """What ``"auto"`` would choose on this process's facts alone (for ``replicator env``).
-
-    A running job also requires every rank to agree; :func:`algorithm_for` does that.
-    """
+    """What ``"auto"`` would choose on this process's facts alone (for ``replicator env``); a
+    running job also makes every rank agree (:func:`algorithm_for`)."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":

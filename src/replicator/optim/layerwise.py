@@ -82,10 +82,8 @@ def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = 
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
-    """What LARS and LAMB share: the per-group exclusion rule and the closure of ``step``.
-
-    A group's ``"exclude"`` (``True``/``False``) overrides the optimizer-wide rule.
-    """
+    """What LARS and LAMB share: the exclusion rule (a group's ``"exclude"`` overrides the
+    optimizer's) and the closure of ``step``."""
 
     _exclude: ExcludeRule
 

@@ -339,10 +339,8 @@ class PipelineRunner:
         return self._broadcast(out, last) if everywhere else out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward under the pipeline (see the module doc): one tensor, given
-        positionally or as ``input_ids``; a known layout with a loss of its own (a Hugging
-        Face language model) also takes ``labels=`` and returns that loss (see
-        :meth:`_forward_labelled`)."""
+        """The model's forward under the pipeline: one tensor, positionally or as ``input_ids``; a
+        known layout with its own loss also takes ``labels=`` (:meth:`_forward_labelled`)."""
         kwargs = dict(kwargs)
         labels = kwargs.pop("labels", None) if self._own_loss is not None else None
         if len(args) + len(kwargs) != 1 or (kwargs and "input_ids" not in kwargs):
@@ -428,10 +426,8 @@ class PipelineRunner:
     def forward_backward(self, x: Any, target: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          ) -> torch.Tensor:
-        """One run of the schedule: forward and backward of every microbatch, the loss
-        computed on the last stage as ``loss_fn(output, target)`` per microbatch. Gradients
-        are those of the mean of the microbatch losses (the batch's loss for a mean-reduced
-        ``loss_fn``); that mean is returned on every rank of the pipeline (detached)."""
+        """One schedule run, each microbatch's loss ``loss_fn(output, target)`` on the last stage;
+        gradients of their mean, which is returned (detached) on every pipeline rank."""
         x = self._prepare(x)
         check_rows(target, x, "forward_backward: the target")
         key = (tuple(x.shape), x.dtype)
@@ -523,11 +519,9 @@ class PipelineRunner:
 
     # -- saving ------------------------------------------------------------------------------------
     def full_state_dict(self, dst: int = 0) -> dict[str, Any]:
-        """The model's state dict with full tensors on pipeline rank ``dst`` (an empty dict on
-        the others; every rank of the pipeline calls it): each tensor from the lowest rank
-        holding it, a tied weight once (its copies are equal) under each of its names, as in
-        the one-device model's state dict, so ``torch.save`` writes it once and it loads
-        into the one-device model."""
+        """The model's state dict with full tensors on pipeline rank ``dst`` (``{}`` elsewhere; all
+        pipeline ranks call it), a tied weight once under each name, so it loads into the one-device
+        model."""
         if not self.stages:
             raise ReplicatorError("full_state_dict: the pipeline is cut at its first batch "
                                   "(balance='time'); call it after a step")

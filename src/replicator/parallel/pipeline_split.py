@@ -219,10 +219,8 @@ def build_stages(chain: Sequence[tuple[str, torch.nn.Module]], starts: Sequence[
 
 
 def shared_parameters(stages: Sequence[Stage]) -> list[tuple[torch.nn.Parameter, list[int]]]:
-    """Each parameter used by more than one stage (tied weights, such as GPT-2's token
-    embedding, which is also its output head), with the stages that use it, in order of first
-    use. A pipeline keeps a copy on each rank that runs one of those stages and sums the
-    copies' gradients (Megatron's way with a tied embedding)."""
+    """Each parameter used by more than one stage (tied weights, as GPT-2's embedding and
+    head), with the stages using it, in order of first use."""
     users: dict[int, list[int]] = {}
     params: dict[int, torch.nn.Parameter] = {}
     for i, stage in enumerate(stages):

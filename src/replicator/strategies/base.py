@@ -191,10 +191,8 @@ class Strategy(ABC):
         return False
 
     def prepare_optimizers(self, *optimizers: torch.optim.Optimizer) -> None:
-        """Make ``optimizers`` step the parameters as the strategy set them up (a strategy
-        that replaced parameters by sharded ones points optimizers built in ``scope()`` at
-        the new ones). Runs before every optimizer step; call it before loading or saving an
-        optimizer's state outside a step. A no-op for strategies that keep parameters."""
+        """Point ``optimizers`` at the parameters as the strategy set them up (sharded ones, say);
+        runs before every step, and is called before loading or saving optimizer state."""
         for optimizer in optimizers:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"prepare_optimizers takes torch optimizers, got "
@@ -470,10 +468,8 @@ class Strategy(ABC):
         return self.local_results(value)
 
     def distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
-        """This replica's value: ``value_fn(ValueContext(replica_id_in_sync_group,
-        num_replicas_in_sync))``, called once in each process (tf.distribute calls it once
-        per replica; here the replica is the process). The result is a per-replica value, as
-        ``strategy.run`` takes and returns."""
+        """This replica's value ``value_fn(ValueContext(replica_id, num_replicas))``, called once
+        per process (the replica); a per-replica value as ``strategy.run`` takes and returns."""
         if not callable(value_fn):
             raise TypeError(f"distribute_values_from_function() needs a callable, got "
                             f"{type(value_fn).__name__}")

@@ -12,10 +12,8 @@ _REGISTRY: dict[str, type[Strategy]] = {}
 
 def register_strategy(cls: type[Strategy], *aliases: str,
                       override: bool = False) -> type[Strategy]:
-    """Make ``cls`` available to :func:`get_strategy` under ``cls.name`` and ``aliases``.
-
-    A name already taken by another class is an error unless ``override=True``.
-    """
+    """Make ``cls`` available to :func:`get_strategy` under ``cls.name`` and ``aliases`` (a name
+    another class holds is an error unless ``override=True``)."""
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
         raise TypeError(f"register_strategy takes a Strategy subclass, got {cls!r}")
     keys = (cls.name, *aliases)

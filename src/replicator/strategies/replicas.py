@@ -178,10 +178,9 @@ class ReplicaGroup:
                               bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                               buffer_sync: str = "mean", check: bool = True,
                               automatic: bool = True) -> GradientSynchronizer | None:
-        """Average ``params``' gradients over the group (with ``destination``: reduce onto that
-        replica only), bucket by bucket during backward, or when the caller runs
-        ``synchronize()`` (``automatic=False``); the synchronizer is removed when ``owner`` is
-        freed or the group closed. ``None`` when there is no parameter to synchronize."""
+        """Average ``params``' gradients over the group (reduce onto ``destination`` if given),
+        during backward or at ``synchronize()`` (``automatic=False``), until ``owner`` is freed or
+        the group closed. ``None`` when there is no parameter to synchronize."""
         if not params:
             return None
         sync = GradientSynchronizer(list(params), self.collectives, self.algorithm,

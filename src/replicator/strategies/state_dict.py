@@ -54,10 +54,8 @@ def pipeline_state_dict(runner: PipelineRunner, keep: bool) -> dict[str, Any]:
 
 
 def mark_stage_placeholders(model: torch.nn.Module, runner: PipelineRunner) -> None:
-    """Make ``model.state_dict()`` on this rank hold a placeholder for every tensor the
-    pipeline freed here (the stages other ranks run), also inside a parent's state dict.
-    ``state_dict(keep_vars=True)`` keeps the tensors themselves (the pipeline's own gather
-    reads them)."""
+    """Make this rank's ``model.state_dict()`` (also inside a parent's) hold a placeholder for
+    every tensor of other ranks' stages; ``keep_vars=True`` keeps the tensors (for the gather)."""
     ref = weakref.ref(runner)
 
     def hook(module: torch.nn.Module, state: dict[str, Any], prefix: str,

@@ -107,9 +107,7 @@ def delay_rank(rank: int, at_step: int, seconds: float, *, once: bool = True) ->
 def kill_during_save(rank: int = 0, at_step: int | None = None, *,
                      once: bool = True) -> Callable[[], None]:
     """SIGKILL rank ``rank`` in the save of ``at_step`` (any when None) after the data files,
-    before the commit marker (``rank=0``, the chief, leaves a checkpoint without its marker).
-    Returns a function that removes the hook.
-    """
+    before the commit marker (the chief's, ``rank=0``). Returns a function removing the hook."""
     target_rank = rank
 
     def hook(step: int, path: Path, rank: int) -> None:
@@ -134,11 +132,8 @@ def latest_checkpoint(backup_dir: str | os.PathLike[str]) -> Path:
 
 def corrupt_latest_checkpoint(backup_dir: str | os.PathLike[str], mode: str = "flip",
                               file: str | None = None) -> Path:
-    """Damage the newest committed checkpoint; returns the damaged file.
-
-    ``mode``: ``"flip"`` inverts one byte in the middle of the file, ``"truncate"`` cuts it to
-    half its size, ``"delete"`` removes it. ``file`` defaults to the largest data file.
-    """
+    """Damage the newest committed checkpoint's ``file`` (default: the largest data file) and
+    return it: ``mode="flip"`` inverts a middle byte, ``"truncate"`` halves it, ``"delete"``."""
     step_dir = latest_checkpoint(backup_dir)
     if file is None:
         candidates = [p for p in step_dir.iterdir() if p.name != MARKER_NAME and p.is_file()]

@@ -171,11 +171,9 @@ def _atomic_save_weights(state: dict[str, torch.Tensor], path: str) -> None:
 
 
 class ModelCheckpoint(Callback):
-    """The chief saves the model's weights (safetensors) after each epoch, or only when
-    ``monitor`` improves with ``save_best_only=True``. ``filepath`` may use ``{epoch}`` and
-    log names, e.g. ``"ckpt/weights-{epoch:02d}-{val_loss:.3f}.safetensors"``. The weights
-    are ``strategy.full_state_dict(model)``, so a split model (pipeline, tensor, FSDP) is saved
-    whole and loads into the one-device model."""
+    """The chief saves ``strategy.full_state_dict(model)`` (safetensors, a split model whole)
+    after each epoch, or when ``monitor`` improves with ``save_best_only=True``. ``filepath``
+    may use ``{epoch}`` and log names (``"ckpt/w-{epoch:02d}-{val_loss:.3f}.safetensors"``)."""
 
     def __init__(self, filepath: str, monitor: str = "val_loss", save_best_only: bool = False,
                  mode: str = "auto") -> None:
@@ -250,10 +248,8 @@ class LearningRateScheduler(Callback):
 
 
 class CSVLogger(Callback):
-    """The chief writes one row of logs per epoch to ``filename`` (a header first);
-    ``append=False`` starts a new file. A resumed run cuts rows past the restored epoch and
-    appends, so the file equals an uninterrupted run's.
-    """
+    """The chief writes one row of logs per epoch to ``filename`` (``append=False``: a new file);
+    a resumed run cuts rows past the restored epoch, so the file equals an uninterrupted run's."""
 
     def __init__(self, filename: str, append: bool = False) -> None:
         check_location(filename, "CSVLogger's file")

@@ -10,11 +10,8 @@ from replicator.strategies.base import Strategy
 
 
 class Replicator:
-    """``rp.Replicator(strategy).run(input_fn, step_fn, num_steps)``.
-
-    ``input_fn(ctx)`` builds this replica's pipeline (per-replica batches); ``step_fn(batch)``
-    runs one step on it. Passes over the input repeat until ``num_steps`` steps have run.
-    """
+    """``rp.Replicator(strategy).run(input_fn, step_fn, num_steps)``: ``input_fn(ctx)`` builds
+    this replica's pipeline, ``step_fn(batch)`` runs a step; passes repeat for ``num_steps``."""
 
     def __init__(self, strategy: Strategy) -> None:
         if not isinstance(strategy, Strategy):

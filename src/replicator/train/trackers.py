@@ -45,11 +45,9 @@ def _check_update_freq(update_freq: str | int) -> str | int:
 
 
 class RunLogger(Callback, ABC):
-    """The part every tracker shares: when to log, what the run records, how a run resumes.
-
-    A tracker implements ``_start_run() -> run id``, ``_resume_run(run_id)``,
-    ``_log(metrics, step)`` and ``_finish_run()``; only the chief calls them.
-    """
+    """The part every tracker shares: when to log, what the run records, how a run resumes. A
+    tracker implements ``_start_run() -> run id``, ``_resume_run(run_id)``, ``_log(metrics,
+    step)`` and ``_finish_run()``; only the chief calls them."""
 
     #: Names the ledger file (``<name>-<run id>.json``).
     tracker = "tracker"

@@ -44,11 +44,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _per_example_loss(loss_fn: LossFn) -> LossFn:
-    """A loss function that returns one value per example.
-
-    A ``torch.nn`` loss module is copied with ``reduction="none"``; any other function is
-    called as it is, and a scalar result is taken as the mean over the local batch.
-    """
+    """A loss returning one value per example: a ``torch.nn`` loss copied with
+    ``reduction="none"``; another function as it is (a scalar: the local batch's mean)."""
     if isinstance(loss_fn, nn.modules.loss._Loss) and hasattr(loss_fn, "reduction"):
         per_example = copy.copy(loss_fn)
         per_example.reduction = "none"

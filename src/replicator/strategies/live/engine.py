@@ -208,10 +208,8 @@ class LiveEngine:
         return self._quorum
 
     def _agree_on_healing(self) -> None:
-        """torchft heals each rank of a group from the same rank of a peer group, and at the
-        first step (every group at step 0) some ranks of a group may heal while others keep
-        their own state. A replicating strategy's ranks must hold one model: where any rank
-        healed, the group takes group rank 0's parameters and buffers."""
+        """At the first step some ranks of a group may heal while others keep their state; a
+        replicating strategy's ranks must hold one model, so where any healed, rank 0's is taken."""
         if self.replicas.world_size == 1 or not self._replicated():
             return
         flag = torch.tensor([1 if self._healed_now else 0], dtype=torch.int64)
