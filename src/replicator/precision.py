@@ -1,13 +1,11 @@
 """Mixed precision as a policy of the strategy: compute in bf16/fp16, keep fp32 parameters.
 
-``rp.MixedPrecision("bf16")`` or ``"fp16"`` (GPU, dynamic loss scaler) given to
-``strategy.scope(precision=...)`` runs every set-up module's forward under ``torch.autocast``;
-parameters, gradients and optimizer state stay float32, and float outputs come back float32
-(``cast_outputs``). With a scaler, ``policy.backward(loss)`` scales the loss and
-``policy.step(optimizer)`` unscales, checks for inf/NaN, *agrees across replicas* (a max-reduce),
-then steps or skips, so every replica skips the same steps. This module imports no strategy: the
-strategy binds itself (:meth:`MixedPrecision.bind`; only device, replicas and ``reduce`` are
-used, :class:`ReplicaReducer`).
+``rp.MixedPrecision("bf16")`` or ``"fp16"`` (dynamic loss scaler) given to
+``strategy.scope(precision=...)`` runs each set-up module's forward under ``torch.autocast``;
+parameters, gradients and optimizer state stay float32, float outputs come back float32. With a
+scaler, ``policy.step(optimizer)`` unscales, checks for inf/NaN and *agrees across replicas*
+before stepping or skipping. The strategy binds itself (:meth:`MixedPrecision.bind`), so this
+module imports none.
 """
 
 from __future__ import annotations

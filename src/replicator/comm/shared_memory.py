@@ -1,17 +1,13 @@
 """Same-host all-reduce through shared memory, with no sockets involved.
 
-Every rank owns a slot of a shared segment. Each rank copies its piece into its slot; after a
-barrier, rank ``p`` sums chunk ``p`` of every slot and writes it into every slot; after a second
-barrier each rank copies its slot back: about three passes over the tensor against a socket's
-kernel copies on both ends, about 2x gloo on loopback. Buffers made by
-:meth:`SharedMemoryAllReduce.make_buffers` (the gradient buckets) live in the segment, which
-skips both copies: two barriers and one pass, close to memcpy speed.
-
-No background thread: on CPU the reduction needs the cores ``backward()`` uses. Resident buffers
-are still asynchronous: a launch sums this rank's chunk once every input is there and otherwise
-leaves it to the next launch or ``wait()``; other tensors are summed before
-``all_reduce_sum_async`` returns. Each group (members on one host) gets its own segment, named
-after its ranks plus a random part, so groups never share barrier counters.
+Each rank copies its piece into its slot of a shared segment; after a barrier rank ``p`` sums
+chunk ``p`` of every slot into every slot; after a second each copies its slot back: about
+three passes over the tensor, about 2x gloo on loopback. Buffers from
+:meth:`SharedMemoryAllReduce.make_buffers` (the gradient buckets) live in the segment: two
+barriers and one pass, close to memcpy speed. No background thread (on CPU it would compete
+with ``backward()``); resident buffers are still asynchronous (a launch sums what is ready and
+leaves the rest to later launches or ``wait()``). Each group gets its own segment, named after
+its ranks plus a random part.
 """
 
 from __future__ import annotations

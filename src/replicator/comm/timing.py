@@ -1,12 +1,9 @@
 """Process-wide timers of communication: how long the training thread waits in collectives.
 
-Off by default (one boolean test per collective); ``REPLICATOR_COMM_TIMING=1`` (``replicator
-bench`` sets it) or :func:`enable` turns them on. Then every collective guarded by
-``Collectives.guard`` adds its wall time on the main thread to ``exposed`` (the loop stood still),
-and work run on a communication thread during backward adds to ``background``, so
-``background - waited`` overlapped with compute. Nested guarded calls count once. On CUDA a
-timed call synchronizes the device before and after (collectives are queued), which costs the
-overlap of NCCL with compute: why the timers are off outside ``bench``.
+Off by default (one boolean test per collective); ``REPLICATOR_COMM_TIMING=1`` or
+:func:`enable` turns them on: guarded collectives add their wall time on the main thread to
+``exposed``, communication threads add to ``background``. On CUDA a timed call synchronizes the
+device around itself, which costs NCCL's overlap: why they are off outside ``replicator bench``.
 """
 
 from __future__ import annotations

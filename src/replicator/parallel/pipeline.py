@@ -1,28 +1,22 @@
 """Pipeline parallelism: a model cut into stages on the ranks of a 1-D ``DeviceMesh``.
 
-Built on ``torch.distributed.pipelining`` (``PipelineStage``; GPipe, 1F1B, interleaved 1F1B,
-interleaved zero bubble). The user's step keeps its one-device shape (``loss = loss_fn(model(x),
-y); loss.backward()``), which 1F1B cannot run as such (it needs each microbatch's loss before
-the forward ends), so a call of the model runs in two passes:
+Built on ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B, zero bubble). The
+step keeps its one-device shape (``loss_fn(model(x), y).backward()``), which 1F1B cannot run as
+such (it needs each microbatch's loss during the forward), so a call runs in two passes:
 
-1. ``model(x)`` runs the stages forward without autograd and gives every rank of the pipeline
-   the full output (a leaf that requires grad), so the loss is the same on every rank.
-2. ``loss.backward()`` reaches that output with ``dL/d(output)``; a hook runs the schedule with
-   the loss ``sum(output_i * dL/d(output_i))`` per microbatch, whose gradient is exactly the
-   user loss's for any loss (``scale_grads=False``).
+1. ``model(x)`` runs the stages forward without autograd and gives every pipeline rank the full
+   output (a leaf that requires grad), so the loss is the same everywhere.
+2. ``loss.backward()`` reaches it with ``dL/d(output)``; a hook runs the schedule with the loss
+   ``sum(output_i * dL/d(output_i))`` per microbatch, whose gradient is exactly the user
+   loss's for any loss (``scale_grads=False``).
 
-The price is a second forward without autograd (about a third more compute) and a broadcast of
-the output; the random-number state is replayed, so dropout masks match. When the loss is known
-up front, :meth:`PipelineRunner.forward_backward` runs one schedule with the loss on the last
-stage. A Hugging Face model called with its labels computes its loss on the last stage in pass
-1, which broadcasts that loss rather than the logits.
-
-Every exchange between stages runs inside the caller's ``guard`` (``Collectives.guard``), one
-guarded operation per pass on every rank, so a stage whose neighbour hangs raises
-:class:`~replicator.errors.ReplicaTimeoutError` naming its rank and pass. Tied weights (GPT-2's
-embedding and head) are a copy on each rank whose gradients are summed after each schedule run
-(:mod:`replicator.parallel.pipeline_tied`); :meth:`PipelineRunner.full_state_dict` gathers the
-stages into one state dict.
+The price is a second forward (about a third more compute) and a broadcast of the output; the
+random state is replayed, so dropout masks match. :meth:`PipelineRunner.forward_backward` runs
+one schedule with the loss on the last stage when it is known up front; a Hugging Face model
+called with labels computes its loss on the last stage and broadcasts only that. Each pass is
+one guarded operation (``Collectives.guard``) on every pipeline rank, so a hung neighbour
+raises ``ReplicaTimeoutError`` naming rank and pass. Tied weights are kept in step by
+:mod:`replicator.parallel.pipeline_tied`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Tied weights across pipeline stages: one parameter, a copy on each rank that uses it.
 
-GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``, so the first and last stages both use
-it. As in Megatron, each holding rank keeps a copy; copies start equal (a broadcast from the
-lowest holder) and stay equal because after every schedule run each copy's gradient becomes the
-sum of all copies' (the one-device gradient), over a small group of the holders
-(:func:`~replicator.comm.groups.new_private_group`) with the job's timeout.
-
-Only the gradient of that run is summed (what the parameter held before is set aside), so
-gradients accumulated under ``no_sync`` are summed once. A data axis averages afterwards (sum
-and mean are linear). Stages on one rank that share a parameter need nothing.
+GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``. As in Megatron, each holding rank
+keeps a copy; copies start equal (a broadcast from the lowest holder) and stay equal because
+after every schedule run each copy's gradient becomes the sum of all copies' (the one-device
+gradient), over a private group of the holders. Only that run's gradient is summed, so
+gradients accumulated under ``no_sync`` are summed once.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """CentralStorageStrategy: one copy of the optimizer state, on replica 0.
 
-During ``backward()`` gradients are *reduced* (not all-reduced) onto the central replica,
-bucket by bucket; ``optimizer.step()`` updates the parameters there once and broadcasts them.
-The other replicas' optimizers hold no state (their ``step()`` becomes "receive the
-parameters"): the memory saved over :class:`MirroredStrategy`. User code is Mirrored's; the
-central replica's ``.grad`` holds the average (clipping works there), elsewhere the local
-gradient. Optimizers stepped with a closure (LBFGS) are refused: the closure would run
-``backward()`` a different number of times on each replica.
+Gradients are *reduced* onto the central replica during ``backward()``; ``optimizer.step()``
+updates there once and broadcasts the parameters. Other replicas' optimizers hold no state:
+the memory saved over :class:`MirroredStrategy`. The central ``.grad`` is the average (clipping
+works there). Closure optimizers (LBFGS) are refused: ranks would run ``backward()`` unequally.
 """
 
 from __future__ import annotations

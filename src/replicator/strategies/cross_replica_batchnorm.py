@@ -1,12 +1,9 @@
 """BatchNorm over the global batch: statistics computed across every replica's part.
 
-Plain BatchNorm under data parallelism normalises each replica's part with its own statistics,
-which one device with the global batch would not do, and running statistics drift apart.
-:func:`convert_batchnorm` turns every BatchNorm layer in place (same objects and parameters)
-into its cross-replica form: each replica's per-channel sum, sum of squares and count go into
-one differentiable all-reduce (``torch.distributed.nn.functional.all_reduce``) and it normalises
-with the global mean and variance (float64 sums). Unlike ``SyncBatchNorm`` it runs on CPU too;
-evaluation uses the running statistics, identical on every replica.
+Plain BatchNorm normalises each replica's part alone, unlike one device with the global batch.
+:func:`convert_batchnorm` turns every BatchNorm layer in place into its cross-replica form: the
+per-channel sums and counts go into one differentiable all-reduce and it normalises with the
+global statistics (float64 sums). Unlike ``SyncBatchNorm`` it runs on CPU too.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Nested values: what ``reduce``, ``gather`` and ``all_reduce`` take, as tf.distribute does.
 
-A value is a tensor or number, or a nest of them (tuples, lists, dicts, namedtuples,
-dataclasses, anything registered with ``torch.utils._pytree``). :func:`flatten` gives its leaves
-in a fixed order and a function that rebuilds the structure, so a strategy reduces a nest in one
-fused collective; ``None`` leaves stay ``None``. Dataclasses are flattened here, not registered
-with ``_pytree`` (a global registration could clash with the user's); the rebuilt instance is a
-shallow copy with the new fields. :func:`structure` describes the shape for the fingerprint, so
-replicas passing different nests raise ``CollectiveMismatchError``.
+Tuples, lists, dicts, namedtuples, dataclasses and ``_pytree`` nodes of tensors or numbers.
+:func:`flatten` gives the leaves in a fixed order and a rebuild function, so a nest travels in
+one collective (``None`` leaves stay). Dataclasses are flattened here, not registered globally
+with ``_pytree``. :func:`structure` describes the shape for the fingerprint.
 """
 
 from __future__ import annotations

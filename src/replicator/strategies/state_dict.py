@@ -1,12 +1,9 @@
 """``strategy.full_state_dict(model)``: the whole model's state, to save it as one file.
 
-As Accelerate's ``get_state_dict``, one call works under every strategy and every rank makes it.
-A model no rank splits: every rank gets ``model.state_dict()`` with detached tensors (the
-parameter-server strategy pulls the servers' values first). A split model (pipeline stages,
-tensor or FSDP shards): the chief gets full CPU tensors, gathered in turn, with the one-device
-model's keys (so ``torch.save`` there writes a file the one-device model loads); others ``{}``.
-A pipeline rank's ``model.state_dict()`` holds a
-:class:`~replicator.checkpoint.placeholders.Placeholder` for each tensor of other ranks' stages
+As Accelerate's ``get_state_dict``, one collective call under every strategy. An unsplit model:
+every rank gets ``model.state_dict()`` detached (parameter servers' values pulled first). A
+split model: the chief gets full CPU tensors with the one-device keys, others ``{}``. A pipeline
+rank's own ``model.state_dict()`` holds a ``Placeholder`` for other ranks' tensors
 (:func:`mark_stage_placeholders`), which the library's save paths refuse.
 """
 

@@ -1,12 +1,9 @@
 """What a logger has already sent to its tracker, so that a resumed run sends no step twice.
 
-A backup comes every ``save_freq`` steps but a logger sends every step: a worker dying at step
-37 after the backup of step 32 has sent 33 to 37, which the exact resume replays, and trackers
-cannot delete a point. So the chief keeps a ledger beside the backups,
-``<backup_dir>/trackers/<name>.json``, rewritten atomically after each send; a resume skips up
-to the later of ledger and backup. It goes when training completes (none without a
-``BackupAndRestore``). Right for trackers that have written a send when the call returns
-(MLflow, TensorBoard after ``flush()``); W&B writes later, so its logger asks W&B instead.
+A worker dying at step 37 after the backup of step 32 has sent 33 to 37, which the exact resume
+replays, and trackers cannot delete a point. So the chief keeps a ledger beside the backups
+(``<backup_dir>/trackers/<name>.json``, rewritten atomically per send) and a resume skips up to
+the later of ledger and backup. W&B writes later, from its own process, so it is asked instead.
 """
 
 from __future__ import annotations

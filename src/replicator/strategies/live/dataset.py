@@ -1,12 +1,10 @@
 """The input of a live-recovery job: each step's share of the global batch, cut per quorum.
 
-``strategy.distribute_dataset(...)`` returns a :class:`LiveDataset` with replica groups.
-Iterating joins each step's quorum (healing when behind), then cuts that step's global batch
-for the quorum's groups (``data/live_split.py``), so samples, order and batch size are one
-device's. The position is the committed step, which a healed group gets from its peer (its
-script's own loop counters are not). ``epochs=E`` runs all epochs in one loop; without it a loop
-is one epoch, and healing into another epoch raises
-:class:`~replicator.strategies.live.errors.EpochLoopError` naming the fix.
+With replica groups ``distribute_dataset`` returns a :class:`LiveDataset`: iterating joins the
+step's quorum, then cuts its global batch for the quorum's groups (``data/live_split.py``), as
+one device would. The position is the committed step, which a healed group gets from its peer.
+``epochs=E`` runs all epochs in one loop; otherwise healing into another epoch raises
+:class:`~replicator.strategies.live.errors.EpochLoopError`.
 """
 
 from __future__ import annotations
