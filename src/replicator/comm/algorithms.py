@@ -1,12 +1,10 @@
 """Cross-device all-reduce algorithms: the one argument that picks how replicas communicate.
 
-An algorithm sums a flat tensor across a process group's replicas in place and returns a handle
-to wait on, so communication overlaps ``backward()``. ``NativeAllReduce`` (NCCL, gloo) is the
-default; the others live in ``ring.py``, ``hierarchical.py``, ``reduce_to_one.py`` and
-``shared_memory.py``. Each takes ``compression=`` and works on any group; ranks naming a
-replica (``dst``, ``destination=``) are group ranks. To write one, subclass
-:class:`CrossDeviceOps` and implement ``_sum_now`` (it runs on the group's lane,
-``comm_thread.py``).
+An algorithm sums a flat tensor over a group in place and returns a handle, so communication
+overlaps ``backward()``. ``NativeAllReduce`` (NCCL, gloo) is the default; ring, hierarchical,
+reduce-to-one and shared-memory live beside it. Each takes ``compression=``; replica ranks
+(``dst``, ``destination=``) are group ranks. A new one subclasses :class:`CrossDeviceOps` and
+implements ``_sum_now`` (run on the group's lane, ``comm_thread.py``).
 """
 
 from __future__ import annotations

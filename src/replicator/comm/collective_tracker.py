@@ -1,10 +1,6 @@
 """Which rank is missing? Each rank publishes the collective it last entered, so a timeout can
-name the ranks that never arrived.
-
-A daemon thread writes ``(sequence number, operation, time)`` to the store twice a second (the
-entry's age tells whether the rank lives); the hot path only bumps a counter. Entries are keyed
-by the group's tag and global rank, so two groups never mix, and a timeout names ranks by
-global rank and role ("rank 3 (ps)").
+name the ranks that never arrived: a daemon thread writes ``(sequence number, operation, time)``
+to the store twice a second, keyed by group tag and global rank; the hot path bumps a counter.
 """
 
 from __future__ import annotations

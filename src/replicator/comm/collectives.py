@@ -1,11 +1,9 @@
 """Cross-replica collectives with errors that say which rank, which operation, and why.
 
-Every call goes through :meth:`Collectives.guard`, which counts it for the progress tracker and
-turns the backend's timeout and lost-peer errors into ``ReplicaTimeoutError`` /
-``ReplicatorError``. With ``check=True`` every public call first exchanges a fingerprint of
-itself (:mod:`replicator.comm.fingerprint`), so replicas in different collectives raise
-``CollectiveMismatchError`` naming each rank's call. ``rank``, ``world_size`` and every rank
-argument (``broadcast_(src=...)``) are of ``group`` (``None``: the whole job).
+:meth:`Collectives.guard` counts each call for the tracker and turns timeouts and lost peers
+into ``ReplicaTimeoutError``/``ReplicatorError``; with ``check=True`` a fingerprint exchange
+first (:mod:`replicator.comm.fingerprint`) makes mismatched calls raise
+``CollectiveMismatchError``. Ranks are of ``group`` (``None``: the whole job).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """What a rank holds: parameter, gradient, optimizer-state and peak activation bytes.
 
-``strategy.memory_report()`` answers "why split the model?": under Mirrored every rank holds
-everything, under FSDP about ``1/N`` of the first three, under pipeline and tensor parallelism
-its stages or shards. Activations are the bytes saved for backward alive at once during
-``strategy.run`` (what 1F1B reduces against GPipe); a view counts its own bytes. Hooking every
-saved tensor costs, so replicating strategies measure their first few runs only; strategies
-that split the model measure every run, where schedules make steps differ.
+``strategy.memory_report()`` answers "why split the model?". Activations are the bytes saved
+for backward alive at once in ``strategy.run`` (what 1F1B reduces against GPipe); measuring
+costs, so replicating strategies measure their first runs only, splitting ones every run.
 """
 
 from __future__ import annotations

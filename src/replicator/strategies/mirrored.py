@@ -53,14 +53,10 @@ BUFFER_SYNC_MODES = ("mean", "broadcast", "none")
 class MirroredStrategy(Strategy):
     """Synchronous data parallel training on the replicas of this job.
 
-    ``devices``: this machine's replica devices, one per local process (``None``: a GPU each
-    when there are enough, else the CPU). ``cross_device_ops``: the gradient all-reduce
-    (default :class:`~replicator.comm.NativeAllReduce`). ``mesh``/``axis``: replicate along
-    one axis of a :class:`~replicator.cluster.Topology`. ``buffer_sync``: ``"mean"``,
-    ``"broadcast"`` or ``"none"`` for buffers after each synced backward (``gradient_sync``).
-    ``sync_batchnorm=True``: BatchNorm uses global-batch statistics
-    (``cross_replica_batchnorm``). ``check_finite=True``: see
-    :class:`~replicator.strategies.base.Strategy`.
+    ``devices``: one per local process (``None``: a GPU each if enough, else the CPU);
+    ``cross_device_ops``: the gradient all-reduce; ``mesh``/``axis``: replicate along a
+    topology axis; ``buffer_sync``: ``"mean"``, ``"broadcast"`` or ``"none"``;
+    ``sync_batchnorm=True``: global-batch BatchNorm; ``check_finite``: see ``Strategy``.
     """
 
     name = "mirrored"

@@ -1,11 +1,8 @@
 """``strategy.reduce`` and ``strategy.gather`` of a value or a nest of values, with ``axis``.
 
-A nest (:mod:`replicator.strategies.nest`) is reduced or gathered leaf by leaf in ONE fused
-collective (``reduce_many`` / ``gather_many``) and returned with its structure. ``axis`` (ints,
-negative ones, or a tuple) first reduces each replica's tensor along those dimensions, then
-across replicas; ``"mean"`` divides by the element count along ``axis`` over every replica, so
-uneven local batches give the mean over all rows (tf's meaning); ``"min"``/``"max"`` of a
-replica with no rows leave the others'.
+A nest goes leaf by leaf in ONE collective and comes back with its structure. ``axis`` reduces
+each replica's tensor along those dimensions first; ``"mean"`` divides by the element count over
+every replica (uneven batches give the mean over all rows), ``"min"``/``"max"`` skip empties.
 """
 
 from __future__ import annotations

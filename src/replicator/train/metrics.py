@@ -179,14 +179,10 @@ class Accuracy(SparseCategoricalAccuracy):
 
 
 class AUC(Metric):
-    """Area under the ROC curve from score histograms at ``num_thresholds`` thresholds in [0, 1]
-    (Keras's approximation), exact across replicas (histograms are summed).
-
-    Binary: outputs ``[N]``, ``[N, 1]`` or ``[N, 2]`` (the second is the positive class) with
-    0/1 targets. Multi-class: ``[N, C]`` with integer or one-hot targets; one ROC per class
-    against the rest (``"ovr"``), averaged equally (``"macro"``) or by class counts
-    (``"weighted"``), as scikit-learn's ``roc_auc_score``. Classes: from the first batch or
-    ``num_classes``. ``from_logits=None`` lets a Trainer set it; alone it assumes probabilities.
+    """Area under the ROC curve from score histograms at ``num_thresholds`` thresholds (Keras's
+    approximation), exact across replicas. Binary (``[N]``, ``[N, 1]``, ``[N, 2]``) or
+    multi-class one-vs-rest, averaged ``"macro"`` or ``"weighted"`` as scikit-learn's;
+    ``num_classes`` or the first batch; ``from_logits=None``: set by a Trainer.
     """
 
     def __init__(self, name: str = "auc", num_thresholds: int = 200,

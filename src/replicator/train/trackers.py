@@ -229,17 +229,11 @@ class MLflowLogger(RunLogger):
 class WandbLogger(RunLogger):
     """Log the run to Weights & Biases (``pip install 'replicator[wandb]'``).
 
-    Args: ``project``, ``entity``, ``name``, ``tags``, ``dir`` as ``wandb.init``'s; ``mode``:
-    ``"online"``, ``"offline"`` (or ``WANDB_MODE=offline``, for a later ``wandb sync``) or
-    ``"disabled"``; ``params``: hyper-parameters beside the trainer's; ``update_freq``:
-    ``"epoch"`` or every that many steps too; ``init_kwargs``: the rest of ``wandb.init`` (not
-    ``id`` or ``resume``, which the logger sets). W&B's step is the global step (epoch metrics are
-    charted against ``epoch``).
-
-    Resuming: W&B writes later, from its own service process, so only W&B knows what a killed
-    process lost. Online, the resumed run starts after the last step the server holds
-    (``run.step``), so each step is there once. Offline, it logs again from the backup's step into a
-    new folder with the same id, so steps flushed after that backup are in both folders.
+    ``project``, ``entity``, ``name``, ``tags``, ``dir``, ``mode`` (or ``WANDB_MODE``) and
+    ``init_kwargs`` (not ``id``/``resume``) go to ``wandb.init``; ``params``, ``update_freq`` as
+    every logger's. W&B's step is the global step. W&B writes later, from its own process, so on a
+    resume online the run continues after the server's last step (``run.step``); offline it logs
+    again from the backup's step into a new folder with the same id.
     """
 
     tracker = "wandb"

@@ -1,14 +1,10 @@
 """The per-step protocol of live recovery: torchft's Manager composed into a replica group.
 
-Each step: a quorum (torchft's lighthouse says which groups take part; a group behind heals from
-a live peer), the step's share of the global batch (``data/live_split.py``), forward and
-backward (averaged inside the group as always), then at the first ``optimizer.step()`` the
-gradients are averaged across the quorum's groups through the Manager (weighted by each share)
-and ``should_commit`` decides. A step not committed raises
-:class:`~replicator.strategies.live.errors.StepNotCommitted` before anything is updated;
-``strategy.run`` puts back the step's buffers and random state and reruns it with the next
-quorum and the same batch. SIGTERM leaves at the next step boundary (exit code 75); a quorum
-that does not form, a silent lighthouse and a differing model raise errors naming group and rank.
+Each step joins a quorum (a group behind heals from a live peer), takes its share of the global
+batch, runs forward and backward, and at the first ``optimizer.step()`` averages gradients
+across the quorum's groups (weighted by share); ``should_commit`` decides. A step not committed
+raises ``StepNotCommitted`` before any update, and ``strategy.run`` reruns it from its buffers
+and random state. SIGTERM leaves at the next step boundary (exit code 75).
 """
 
 from __future__ import annotations
