@@ -64,12 +64,9 @@ def parse_devices(specs: Sequence[str | torch.device] | None) -> list[torch.devi
 
 
 def default_device_for(local_rank: int, local_world_size: int) -> torch.device:
-    """One GPU per local process when every local process can have one, else the CPU for all.
-
-    A job never mixes devices (NCCL and gloo ranks cannot form one group; local rank 0 says why on
-    stderr). A process whose ``CUDA_VISIBLE_DEVICES`` names one GPU (SLURM's ``--gpus-per-task``,
-    a pod per GPU) uses it; two that share one are stopped at the roll call
-    (:func:`device_identity`).
+    """One GPU per local process when every local process can have one, else the CPU for all (a
+    job never mixes NCCL and gloo ranks). A ``CUDA_VISIBLE_DEVICES`` naming one GPU is used; two
+    processes on one GPU are stopped at the roll call (:func:`device_identity`).
     """
     n = available_accelerators()
     if local_world_size <= n:

@@ -209,12 +209,9 @@ _CREATED = [False]
 
 
 def _wait_for_helpers_at_exit() -> None:
-    """The library's last exit handler: wait until its helper threads have ended.
-
-    Registered first, so it runs last (after the handlers that ask the helpers to stop). A
-    daemon thread still inside torch's C++ code at finalization is ended by ``pthread_exit``,
-    whose unwinding through ``noexcept`` frames aborts the process ("terminate called without an
-    active exception"): a finished job exiting with SIGABRT.
+    """The library's last exit handler (registered first): wait until its helper threads end. A
+    daemon thread inside torch's C++ code at finalization is ended by ``pthread_exit``, whose
+    unwinding through ``noexcept`` frames aborts a finished job with SIGABRT.
     """
     if not _CREATED[0]:
         return

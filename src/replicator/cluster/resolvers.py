@@ -269,11 +269,9 @@ def _who(spec: ClusterSpec, rank: int) -> str:
 def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
                      poll_seconds: float = 0.05, backend: str | None = None,
                      device_key: str | None = None) -> None:
-    """A roll call on the rendezvous store before the process group forms, so a spec that
-    disagrees with the running processes is a :class:`ClusterConfigError` within
-    ``timeout_seconds``, not a hang: another world size, a duplicate rank, ranks that never
-    arrive, and (given ``backend``/``device_key``) mixed backends or two processes on one GPU.
-    The first process to see a mistake posts it, so all raise the same message.
+    """A roll call on the rendezvous store before the group forms, so a spec that disagrees with
+    the running processes (another world size, a duplicate rank, ranks that never arrive, mixed
+    backends, two processes on one GPU) is a :class:`ClusterConfigError`, the same on all ranks.
     """
     import time
 

@@ -128,11 +128,9 @@ def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
 
 
 class Topology:
-    """Named mesh axes over the workers, the role and host of every process.
-
-    ``axes``: name -> degree in mesh order (default ``{"data": <all workers>}``), or keywords:
-    ``Topology(data=2, tensor=2)``. ``num_ps``: how many processes (the last ranks) are parameter
-    servers, on no axis. The process group is started from the environment if not running.
+    """Named mesh axes over the workers, the role and host of every process: ``axes`` (name ->
+    degree, default ``{"data": <all workers>}``, or keywords ``Topology(data=2, tensor=2)``) and
+    ``num_ps`` servers (the last ranks). Starts the process group from the environment if needed.
     """
 
     def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, *,

@@ -29,11 +29,8 @@ def group_tag(ranks: Sequence[int]) -> str:
 
 class CollectiveTracker:
     """Counts this rank's collectives and publishes its position for the others to read.
-
-    ``rank``/``world_size``: in the group; ``ranks``: the group's global ranks (always given, so
-    two groups of one size never share store entries); ``roles``: global rank -> role, for
-    messages; ``tag``: the group's name in the store (default: from ``ranks``, plus a serial for
-    a second tracker). :meth:`for_group` fills it all in from a process group.
+    ``ranks``: the group's global ranks (always given, so groups never share entries); ``roles``:
+    global rank -> role; ``tag``: the store name. :meth:`for_group` fills them from a group.
     """
 
     def __init__(self, rank: int, world_size: int, store: dist.Store | None, *,

@@ -137,12 +137,8 @@ def _graph_task_id() -> int | None:
 
 
 class GradientSynchronizer:
-    """Installs the hooks that average ``params``' gradients across replicas in ``backward()``.
-
-    ``buffers``/``buffer_sync``: the module buffers to keep equal across replicas after each
-    synced pass (``"mean"``, ``"broadcast"`` or ``"none"``); ``check``: exchange a fingerprint
-    per synced pass so mismatched collectives raise instead of pairing (see the module doc);
-    ``automatic=False``: install no hooks, the caller runs :meth:`synchronize` after backward.
+    """Installs the hooks that average ``params``' gradients across replicas in ``backward()``
+    (see the module doc for ``buffer_sync``, ``check`` and ``automatic=False``).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], collectives: Collectives,

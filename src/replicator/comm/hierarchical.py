@@ -58,10 +58,8 @@ def shared_memory_usable() -> bool:
 
 class HierarchicalAllReduce(CrossDeviceOps):
     """Sum inside each host, all-reduce among one leader per host, share the result back.
-
-    ``ranks_per_node``: hosts as runs of that many group ranks instead of the real ones (tests;
-    shared memory only where real hosts agree). ``inter_node``: the leaders' algorithm (default
-    :class:`NativeAllReduce`). ``intra_host``: ``"auto"``, ``"shared_memory"`` or ``"native"``.
+    ``ranks_per_node``: hosts as runs of group ranks (tests); ``inter_node``: the leaders'
+    algorithm; ``intra_host``: ``"auto"``, ``"shared_memory"`` or ``"native"``.
     """
 
     name = "hierarchical"

@@ -10,13 +10,10 @@ _IMPLEMENTATIONS = ("auto", "ring", "nccl", "gloo", "hierarchical", "reduce_to_o
 
 @dataclass(frozen=True)
 class CommunicationOptions:
-    """How gradients travel between replicas.
-
-    ``bytes_per_pack``: gradient bucket bytes (0: 25 MB). ``timeout_seconds``: how long a
-    collective may wait. ``implementation`` (without ``cross_device_ops``): ``"auto"``, ``"nccl"``,
-    ``"gloo"``, ``"ring"``, ``"hierarchical"``, ``"reduce_to_one"`` or ``"shared_memory"``.
-    ``check_collectives``: fingerprint each backward's gradient averaging (on by default; the
-    check of ``reduce``/``gather``/metrics/checkpoints is always on).
+    """How gradients travel between replicas: ``bytes_per_pack`` (bucket bytes, 0: 25 MB),
+    ``timeout_seconds``, ``implementation`` (``"auto"``, ``"nccl"``, ``"gloo"``, ``"ring"``,
+    ``"hierarchical"``, ``"reduce_to_one"`` or ``"shared_memory"``) and ``check_collectives``
+    (fingerprint each backward's averaging; on by default).
     """
 
     bytes_per_pack: int = 0
