@@ -89,12 +89,9 @@ class _Pending:
 
 
 class _Channel:
-    """The segment with the barrier flags and the per-rank piece slots for one group.
-
-    All-reduce ``k`` is announced by each rank (its INPUTS counter); a rank sums its chunk once
-    all announced, then bumps its SUMS counter; the result is complete when every SUMS counter
-    reached ``k``. Launches of resident buffers sum whatever is ready and leave the rest to later
-    launches or ``wait()``, so ``backward()`` never stalls on a slower replica.
+    """The segment with the barrier flags and the per-rank piece slots for one group. Each rank
+    announces all-reduce ``k`` (INPUTS), sums its chunk once all did, then bumps SUMS; ``k`` is done
+    when every SUMS reached it. Resident launches sum what is ready, so backward never stalls.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, piece_bytes: int,
@@ -224,10 +221,8 @@ class _ResidentHandle:
 
 class SharedMemoryAllReduce(CrossDeviceOps):
     """All-reduce through a shared-memory segment; every replica must be on this host, on CPU.
-
-    ``piece_bytes``: the slot per rank for tensors outside shared memory (4 MB; larger ones go in
-    pieces). ``max_resident_bytes``: the most ``make_buffers`` may place in shared memory (all
-    ranks' copies); beyond it buckets are ordinary memory and go through the slots.
+    ``piece_bytes``: the per-rank slot for other tensors (4 MB); ``max_resident_bytes``: the most
+    ``make_buffers`` may place in shared memory (beyond it, buckets go through the slots).
     """
 
     name = "shared_memory"

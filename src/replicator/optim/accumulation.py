@@ -22,11 +22,7 @@ class GradientAccumulator:
         def step_fn(batch):
             with accum:                                   # no_sync() except every 4th time
                 accum.backward(F.cross_entropy(model(x), y))      # backward of loss / 4
-            if accum.ready:                               # the 4th micro-batch is in
-                optimizer.step(); optimizer.zero_grad()
-
-    ``accum.step(optimizer)`` does the last two lines. ``no_sync`` is the strategy's context
-    manager (any callable returning a context manager).
+            accum.step(optimizer)                         # steps and zeroes on the 4th only
     """
 
     def __init__(self, k: int, no_sync: Callable[[], contextlib.AbstractContextManager[Any]]

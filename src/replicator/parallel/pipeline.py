@@ -388,13 +388,10 @@ class PipelineRunner:
         leaf.register_hook(backward)
 
     def _forward_labelled(self, x: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``model(input_ids=x, labels=labels)``: the labels stay with the last stage, which
-        computes the model's own loss of the whole batch's logits and its gradient
-        ``dL/d(logits)``; only the loss is broadcast. The loss returned on every rank of the
-        pipeline requires grad; its backward (``loss.backward()``, or scaled) runs the
-        schedule with ``dL/d(logits)`` times the incoming gradient as the last stage's target
-        (see the module doc), so gradients are one device's for any use of the loss. The
-        logits are on the last stage's rank only (``None`` on the others)."""
+        """``model(input_ids=x, labels=labels)``: the last stage computes the model's own loss and
+        ``dL/d(logits)``; only the loss is broadcast, requiring grad, and its backward runs the
+        schedule with ``dL/d(logits)`` times the incoming gradient as the target (logits: on the
+        last stage only)."""
         x = self._prepare(x)
         check_rows(labels, x, "labels")
         rng = torch.get_rng_state()

@@ -31,11 +31,9 @@ class Tie:
 
 
 class TiedWeights:
-    """The parameters that stages on different ranks share, and how to keep them in step.
-
-    ``stages``: every stage of the pipeline (all ranks cut alike); ``owners``: the pipeline
-    rank of each stage; ``global_ranks``: the global rank of each pipeline rank; ``me``: this
-    process's pipeline rank; ``names``: a name for each parameter (by identity), for messages.
+    """The parameters that stages on different ranks share, and how to keep them in step
+    (``owners``: each stage's pipeline rank; ``global_ranks``: each pipeline rank's global rank;
+    ``me``: this process's; ``names``: parameter names by identity, for messages).
     """
 
     def __init__(self, stages: Sequence[Stage], owners: Sequence[int],

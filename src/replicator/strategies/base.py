@@ -211,11 +211,9 @@ class Strategy(ABC):
     # -- scope -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def scope(self, precision: MixedPrecision | str | None = None) -> Iterator[Strategy]:
-        """Modules created inside become distributed when the block ends (see the strategy).
-
-        ``precision``: a :class:`~replicator.MixedPrecision` policy (or its dtype name, e.g.
-        ``"bf16"``) whose autocast the forward pass of every module set up from now on runs
-        under; the strategy keeps it (``strategy.precision``).
+        """Modules created inside become distributed when the block ends (see the strategy);
+        ``precision`` (a ``MixedPrecision`` or dtype name, e.g. ``"bf16"``) becomes the strategy's
+        policy for every module set up from now on.
         """
         self._check_open("scope")
         if precision is not None:

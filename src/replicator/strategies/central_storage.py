@@ -35,11 +35,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 class CentralStorageStrategy(MirroredStrategy):
-    """Synchronous data parallelism with the optimizer state on one replica (see module doc).
-
-    ``devices`` and ``cross_device_ops`` as for :class:`MirroredStrategy`; the algorithm's
-    ``reduce_sum_async`` carries gradients to the central replica (``NativeAllReduce``: the
-    backend's reduce).
+    """Synchronous data parallelism with the optimizer state on one replica (see module doc);
+    ``devices``/``cross_device_ops`` as Mirrored's (its ``reduce_sum_async`` carries gradients).
     """
 
     name = "central_storage"

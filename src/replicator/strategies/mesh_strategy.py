@@ -66,11 +66,9 @@ def _axes_from_degrees(degrees: Mapping[str, int]) -> dict[str, int]:
 
 class MeshStrategy(Strategy):
     """Compose parallelisms on a 2-D (or larger) mesh: ``MeshStrategy(data=2, tensor=2)``.
-
-    Degrees ``data``, ``fsdp``, ``pipeline`` and ``tensor`` multiply to the number of processes
-    (``-1`` infers one). ``tensor_plan``: as :class:`~replicator.TensorParallelStrategy`'s;
-    ``pipeline``: :class:`~replicator.PipelineStrategy`'s options as a dict;
-    ``reshard_after_forward``: FSDP's; ``check_finite``: see ``Strategy``.
+    Degrees ``data``, ``fsdp``, ``pipeline``, ``tensor`` multiply to the processes (``-1``
+    infers one); ``tensor_plan``, ``pipeline`` (options dict), ``reshard_after_forward`` and
+    ``check_finite`` as the presets' and ``Strategy``'s.
     """
 
     name = "mesh"
