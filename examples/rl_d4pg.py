@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
 
 import torch
@@ -118,7 +117,7 @@ if __name__ == "__main__":
     parser.add_argument("--plot", default="rl_d4pg.png")
     args = parser.parse_args()
     if rp.rl.num_actors() == 0 and not rp.rl.is_actor():  # plain python: launch ourselves
-        sys.exit(0 if rp.launch(main, num_replicas=1, num_actors=2,
-                                kwargs={"seconds": args.seconds, "plot": args.plot})[0]
-                 .get("reached") is not None else 1)
-    main(args.seconds, plot=args.plot)
+        rp.launch(main, num_replicas=1, num_actors=2,
+                  kwargs={"seconds": args.seconds, "plot": args.plot})
+    else:
+        main(args.seconds, plot=args.plot)
