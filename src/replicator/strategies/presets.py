@@ -17,11 +17,8 @@ from replicator.strategies.mesh_strategy import MeshStrategy
 
 class FSDPStrategy(MeshStrategy):
     """Fully sharded data parallelism on every process (FSDP2 ``fully_shard`` per block).
-
-    ``reshard_after_forward=True`` frees gathered parameters after each block's forward
-    (ZeRO-3, least memory); ``False`` keeps them until backward (ZeRO-2, one gather fewer);
-    ``zero_stage=3|2`` says the same by name. ``tensor``: add a tensor-parallel axis of that
-    degree, with ``tensor_plan`` as in :class:`~replicator.TensorParallelStrategy`.
+    ``reshard_after_forward=True`` (ZeRO-3, least memory) or ``False`` (ZeRO-2, one gather fewer),
+    also as ``zero_stage=3|2``; ``tensor``: add a tensor-parallel axis (``tensor_plan``).
     """
 
     name = "fsdp"
@@ -58,11 +55,9 @@ class FSDPStrategy(MeshStrategy):
 
 class TensorParallelStrategy(MeshStrategy):
     """Tensor parallelism on every process (or ``tensor`` of them, the rest data parallel).
-
-    ``plan``: module name or ``fnmatch`` pattern -> ``"colwise"``, ``"rowwise"``, ``"embedding"``
-    or a ``ParallelStyle`` (``None``: Megatron's ``default_plan``). ``sequence_parallel``: norms
-    and the residual stream work on a shard of the sequence (default plan only). A tensor-parallel
-    group shares one batch; ``num_replicas_in_sync`` counts the data-parallel replicas only.
+    ``plan``: module name or pattern -> ``"colwise"``, ``"rowwise"``, ``"embedding"`` or a
+    ``ParallelStyle`` (``None``: ``default_plan``); ``sequence_parallel``: see
+    :mod:`replicator.parallel.tensor_parallel`. ``num_replicas_in_sync`` counts data replicas.
     """
 
     name = "tensor_parallel"
@@ -78,12 +73,10 @@ class TensorParallelStrategy(MeshStrategy):
 
 
 class PipelineStrategy(MeshStrategy):
-    """Pipeline parallelism: ``num_stages`` stages fed ``num_microbatches`` microbatches
-    (:mod:`replicator.parallel.pipeline`). ``schedule``: ``"gpipe"``, ``"1f1b"``,
-    ``"interleaved_1f1b"``, ``"zero_bubble"`` or ``"zbv"`` (the interleaved ones place two stages
-    per rank). The model is an ``nn.Sequential`` (nested ones flattened); stages balance parameter
-    counts (``balance="params"``) or first-batch forward time (``"time"``), or start at named
-    blocks (``split_points=["4"]``). Processes beyond the pipeline's are data-parallel replicas.
+    """Pipeline parallelism: ``num_stages`` stages fed ``num_microbatches`` microbatches;
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"`` or ``"zbv"``
+    (two stages per rank for the interleaved). An ``nn.Sequential`` is cut by parameters, by
+    measured time (``balance="time"``) or at ``split_points``; processes left are data replicas.
     """
 
     name = "pipeline"

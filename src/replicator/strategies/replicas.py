@@ -30,11 +30,9 @@ from replicator.comm.reduce_op import ReduceOp
 
 
 class ReplicaGroup:
-    """The replicas of one process group as a strategy sees them (see the module doc).
-
-    ``topology``/``axis`` choose the group: no topology, the whole job; ``axis=None``, the data
-    axes together; an axis name, that axis's group. ``timeout_seconds``: see
-    ``resolve_timeout``. ``chief``: default, the group's first replica. Not a collective.
+    """The replicas of one process group as a strategy sees them (see the module doc): the whole
+    job, the data axes (``axis=None``) or one axis of ``topology``; ``chief`` defaults to the
+    group's first replica. Not a collective.
     """
 
     def __init__(self, device: torch.device, topology: Topology | None = None,

@@ -14,12 +14,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: Sequence[
                     kwargs: dict[str, Any] | None = None, *,
                     timeout_seconds: float = DEFAULT_TEST_TIMEOUT_SECONDS,
                     max_restarts: int = 0) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` in ``world_size`` processes with a real gloo/NCCL group.
-
-    Returns each rank's result in rank order; a rank that raises makes this raise
-    :class:`replicator.WorkerFailedError` with its traceback. Collectives time out after
-    ``timeout_seconds`` (short, so a broken test fails fast). ``fn`` must be module-level; the
-    workers fork from a forkserver that imported torch and replicator once (fast start).
+    """Run ``fn(*args, **kwargs)`` (module-level) in ``world_size`` processes with a real gloo/NCCL
+    group and return each rank's result; a rank that raises makes this raise ``WorkerFailedError``.
+    Short collective timeouts; workers fork from a forkserver that imported torch once.
     """
     return launch(fn, num_replicas=world_size, args=args, kwargs=kwargs,
                   timeout_seconds=timeout_seconds, max_restarts=max_restarts,

@@ -60,13 +60,10 @@ def assert_equivalent(train_fn: Callable[..., Any],
                       strategies: Sequence[StrategySpec] = ("one_device", "mirrored"),
                       world_size: int = 2, atol: float = 1e-5, rtol: float = 0.0,
                       timeout_seconds: float = 120.0) -> dict[str, dict[str, torch.Tensor]]:
-    """Run ``train_fn(strategy)`` under each strategy and compare the returned parameters.
-
-    ``one_device`` runs in one process, the others on ``world_size`` workers (rank 0's result is
-    compared). ``train_fn``: a module-level function that builds its model under
-    ``strategy.scope()`` and returns it or its state_dict. Returns the parameters per name. Where
-    the host has fewer GPUs than ``world_size``, ``one_device`` computes on the CPU too unless its
-    spec names a device (a GPU's generator draws other initial values).
+    """Run ``train_fn(strategy)`` (module-level; returns the model or its state_dict) under each
+    strategy and compare the parameters, ``one_device`` in one process, the others on
+    ``world_size`` workers (rank 0's). ``one_device`` follows the workers onto the CPU where GPUs
+    are too few, unless its spec names a device. Returns the parameters per name.
     """
     results: dict[str, dict[str, torch.Tensor]] = {}
     gpus_for_all = torch.cuda.is_available() and torch.cuda.device_count() >= world_size

@@ -159,13 +159,10 @@ class RunLogger(Callback, ABC):
 
 
 class MLflowLogger(RunLogger):
-    """Log the run to MLflow (``pip install 'replicator[mlflow]'``, ``mlflow-skinny``).
-
-    ``experiment_name`` is created if missing; ``tracking_uri``: e.g. ``"http://host:5000"``,
-    ``"databricks"`` or ``"file:///path/mlruns"`` (MLflow 3 wants
-    ``MLFLOW_ALLOW_FILE_STORE=true`` for that), ``None``: MLflow's default; ``run_name``,
-    ``tags`` (beside ``replicator.strategy`` and ``.num_replicas``), ``params`` (beside the
-    trainer's) and ``update_freq`` (``"epoch"`` or every that many steps too).
+    """Log the run to MLflow (``pip install 'replicator[mlflow]'``, ``mlflow-skinny``):
+    ``experiment_name`` (created if missing), ``tracking_uri`` (``None``: MLflow's default; a
+    ``file://`` store wants ``MLFLOW_ALLOW_FILE_STORE=true`` in MLflow 3), ``run_name``, ``tags``,
+    ``params`` and ``update_freq``.
     """
 
     tracker = "mlflow"

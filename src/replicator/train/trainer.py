@@ -289,10 +289,9 @@ class Trainer:
             steps_per_epoch: int | None = None, callbacks: Iterable[Callback] = (),
             verbose: int = 1, terminate_on_nan: bool = True) -> History:
         """Train for ``epochs`` epochs (at most ``steps_per_epoch`` steps each); returns the
-        :class:`History`. ``terminate_on_nan`` (on by default): a NaN or infinite loss on any
-        replica raises :class:`~replicator.errors.NonFiniteLossError` on every replica before that
-        step's backward. A ``TerminateOnNaN`` callback (stops quietly, as in Keras) or a
-        ``BackupAndRestore`` (its own guard) takes over.
+        :class:`History`. ``terminate_on_nan``: a NaN or infinite loss on any replica raises
+        ``NonFiniteLossError`` everywhere before that step's backward (unless a ``TerminateOnNaN``
+        callback or a ``BackupAndRestore`` takes over).
         """
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
