@@ -39,11 +39,10 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "mixed_bfloat16":
 
 
 class MixedPrecision:
-    """A mixed-precision policy (see the module doc). ``dtype``: ``"bf16"``, ``"fp16"`` or
-    ``"fp32"`` (Keras' ``"mixed_bfloat16"``/``"mixed_float16"`` accepted). ``loss_scale``:
-    ``"auto"`` (dynamic for fp16), ``"dynamic"``, a number, or ``None``; the dynamic scale starts at
-    ``init_scale``, halves on inf/NaN and doubles after ``growth_interval`` clean steps, as
-    ``torch.amp.GradScaler``. ``device_type``: autocast's (default: the strategy's device).
+    """A mixed-precision policy: ``dtype`` ``"bf16"``, ``"fp16"`` or ``"fp32"`` (Keras' names
+    accepted); ``loss_scale`` ``"auto"`` (dynamic for fp16), ``"dynamic"`` (as ``GradScaler``:
+    ``init_scale``, ``backoff_factor``, ``growth_interval``), a number or ``None``;
+    ``device_type``: autocast's (default: the strategy's device).
     """
 
     def __init__(self, dtype: str | torch.dtype = "bf16", *, loss_scale: str | float | None =

@@ -50,10 +50,9 @@ def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "l
 
 
 class Warmup(LRScheduler):
-    """Multiplies each group's learning rate by a factor rising from ``start_factor`` to 1 over
-    ``steps`` calls of ``step()`` (``mode="linear"``), or held at ``start_factor`` until then
-    (``"constant"``). Chainable (multiplies the current rate), so it composes with the user's
-    schedule (``ChainedScheduler``, ``SequentialLR``). ``start_factor``: one or one per group.
+    """Multiplies each group's learning rate by a factor rising from ``start_factor`` (one, or one
+    per group) to 1 over ``steps`` calls (``"linear"``) or held until then (``"constant"``);
+    chainable, so it composes with ``ChainedScheduler`` and ``SequentialLR``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int,

@@ -121,13 +121,10 @@ def _shape(t: torch.Tensor) -> str:
 
 
 class Accuracy(SparseCategoricalAccuracy):
-    """Accuracy that picks binary or categorical from the shapes, as Keras's ``"accuracy"``.
-
-    Outputs ``[N]``/``[N, 1]`` with 0/1 targets: binary, positive when the probability is
-    ``> threshold`` (with ``from_logits=True``, the logit above its log-odds); ``[N, C]`` with
-    integer ``[N]`` or one-hot ``[N, C]`` targets: arg-max; ``[N, C, ...]`` with integer
-    ``[N, ...]`` targets: arg-max over dim 1, averaged per sample; other shapes raise.
-    ``from_logits=None`` lets a Trainer set it from its loss; alone it assumes probabilities.
+    """Accuracy that picks binary or categorical from the shapes, as Keras's ``"accuracy"``:
+    ``[N]``/``[N, 1]`` outputs with 0/1 targets are binary (``> threshold``, or its log-odds
+    ``from_logits``); ``[N, C]`` with integer or one-hot targets, and ``[N, C, ...]`` with
+    ``[N, ...]`` integer targets, take the arg-max. ``from_logits=None``: set by a Trainer.
     """
 
     def __init__(self, name: str = "accuracy", threshold: float = 0.5,

@@ -408,10 +408,8 @@ def _quiet_flight_recorder_note() -> None:
 
 @contextmanager
 def _manager_server_bound_to(host: str) -> Iterator[None]:
-    """While a torchft ``Manager`` is made, its manager server listens on ``host`` only: torchft
-    0.2 binds it to ``[::]`` with no option, though every caller reaches it at the advertised
-    ``host``. The constructor is swapped in torchft's module for the call (one thread, before
-    any other use of torchft here).
+    """While a torchft ``Manager`` is made, its server listens on ``host`` only (torchft 0.2 binds
+    ``[::]`` with no option): the constructor is swapped in torchft's module for the call.
     """
     import torchft.manager as torchft_manager  # type: ignore[import-untyped]
 
