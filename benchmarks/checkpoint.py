@@ -18,7 +18,7 @@
   standalone server, started here), through the saver process (goal <= 1.03).
 - ``stall_ms``: how long the loop is held at a save step (the copy into shared memory) for the
   12 MB state, with the saver process (goal <= 5 ms); the thread saver's beside it.
-- ``train_cpu`` (local and S3): what the training processes pay per save, as CPU time:
+- ``train_cpu`` (local) and ``train_cpu_s3``: what the training processes pay per save, in CPU:
   ``train_cpu_per_save_ms`` is the CPU of the training processes' own threads for one save of
   the 12 MB state with the saver process, summed over both ranks: the main thread's CPU in
   the save call plus the CPU of every other thread of the process (the save's thread, the
@@ -42,7 +42,7 @@
   the ratio to a cold start (launch to first step) of the same job (goal <= 1.5).
 
 Run: ``python benchmarks/checkpoint.py [--rounds 4] [--every 250] [--repeats 3]
-[--figures overhead overhead_100 train_cpu first_commit io_100mb recovery]``
+[--figures overhead overhead_100 train_cpu train_cpu_s3 io_100mb recovery]``
 """
 
 from __future__ import annotations
@@ -481,8 +481,8 @@ def overhead_to_loopback_s3(rounds: int, tmp: Path, niceness: int) -> dict[str, 
         s3.close()
 
 
-FIGURES = ("overhead", "overhead_100", "overhead_100_s3", "train_cpu", "sharded", "io_100mb",
-           "recovery")
+FIGURES = ("overhead", "overhead_100", "overhead_100_s3", "train_cpu", "train_cpu_s3", "sharded",
+           "io_100mb", "recovery")
 
 
 def main() -> None:
@@ -537,17 +537,19 @@ def main() -> None:
                      ["same, the S3 server at niceness 10 (ms)",
                       over_s3_nice["backup_step"] * 1e3, over_s3_nice["plain_step"] * 1e3,
                       over_s3_nice["ratio"], "(reference)"]]
+        measured = {}
         if "train_cpu" in want:
-            cpu_local = bench_train_cpu(args.rounds, str(tmp / "cpu"))
-            cpu_local["first_commit"] = bench_first_commit(str(tmp / "first"))
-            cpu_s3 = cpu_to_loopback_s3(args.rounds, tmp)
-            for label, c in (("local", cpu_local), ("S3", cpu_s3)):
-                rows += [[f"training CPU per 12 MB save, {label} (ms)", c["cpu"] * 1e3,
-                          c["block"] * 1e3, c["share"], "share <= 0.01"],
-                         [f"loop stall per save, {label} (ms)", c["stall"] * 1e3, "-", "-",
-                          "<= 5 ms"],
-                         [f"first 1 MB backup, step to commit, {label} (s)",
-                          c["first_commit"], "-", "-", "<= 2 s"]]
+            measured["local"] = bench_train_cpu(args.rounds, str(tmp / "cpu"))
+            measured["local"]["first_commit"] = bench_first_commit(str(tmp / "first"))
+        if "train_cpu_s3" in want:
+            measured["s3"] = cpu_to_loopback_s3(args.rounds, tmp)
+        for label, c in measured.items():
+            rows += [[f"training CPU per 12 MB save, {label} (ms)", c["cpu"] * 1e3,
+                      c["block"] * 1e3, c["share"], "share <= 0.01"],
+                     [f"loop stall per save, {label} (ms)", c["stall"] * 1e3, "-", "-",
+                      "<= 5 ms"],
+                     [f"first 1 MB backup, step to commit, {label} (s)",
+                      c["first_commit"], "-", "-", "<= 2 s"]]
         if "sharded" in want:
             shard = bench_sharded(max(4, args.repeats + 1), tmp)
             rows.append(["FSDP(2) loop stall per save: background vs in place (ms)",
@@ -594,19 +596,18 @@ def main() -> None:
              saver="process", save_ms=round(over_s3["save"] * 1e3, 2))
         emit(BENCH, "overhead_100_s3_server_niced", over_s3_nice["ratio"], "(reference)",
              every=100, saver="process", server_niceness=10)
-    if "train_cpu" in want:
-        for label, c in (("local", cpu_local), ("s3", cpu_s3)):
-            extra = {"s3_server_cpu_per_save_ms": round(c["server_cpu"] * 1e3, 2)} \
-                if label == "s3" else {}
-            emit(BENCH, f"train_cpu_per_save_share_{label}", c["share"], "<= 0.01",
-                 train_cpu_per_save_ms=round(c["cpu"] * 1e3, 2),
-                 min_ms=round(c["cpu_min"] * 1e3, 2), max_ms=round(c["cpu_max"] * 1e3, 2),
-                 block_ms=round(c["block"] * 1e3, 1),
-                 saver_process_cpu_per_save_ms=round(c["saver_cpu"] * 1e3, 2), **extra)
-            emit(BENCH, f"stall_ms_{label}", c["stall"] * 1e3, "<= 5", state_mb=12.6,
-                 saver="process")
-            emit(BENCH, f"first_commit_s_{label}", c["first_commit"], "<= 2", state_mb=1.05,
-                 save_freq=10, step_ms=70)
+    for label, c in measured.items():
+        extra = {"s3_server_cpu_per_save_ms": round(c["server_cpu"] * 1e3, 2)} \
+            if label == "s3" else {}
+        emit(BENCH, f"train_cpu_per_save_share_{label}", c["share"], "<= 0.01",
+             train_cpu_per_save_ms=round(c["cpu"] * 1e3, 2),
+             min_ms=round(c["cpu_min"] * 1e3, 2), max_ms=round(c["cpu_max"] * 1e3, 2),
+             block_ms=round(c["block"] * 1e3, 1),
+             saver_process_cpu_per_save_ms=round(c["saver_cpu"] * 1e3, 2), **extra)
+        emit(BENCH, f"stall_ms_{label}", c["stall"] * 1e3, "<= 5", state_mb=12.6,
+             saver="process")
+        emit(BENCH, f"first_commit_s_{label}", c["first_commit"], "<= 2", state_mb=1.05,
+             save_freq=10, step_ms=70)
     if "sharded" in want:
         emit(BENCH, "sharded_stall", shard["after"] / shard["before"], "(lower is better)",
              layout="FSDP(2)", before_ms=round(shard["before"] * 1e3, 2),
