@@ -12,7 +12,9 @@ which gives every rank the same bits. That is why this is not a gradient
 :class:`~replicator.comm.compression.Compression`, whose contract is a sum through
 ``sum_fn``. With ``error_feedback`` each caller key keeps what quantisation lost and adds it
 to the next payload (Seide et al. 2014; Karimireddy et al. 2019), so the error does not
-accumulate over rounds.
+accumulate over rounds. Measured (``benchmarks/slow_links.py``, 2 hosts x 2 processes, a
+137k-parameter transformer, H=50): int8 streaming put 16.3 kB per step on the hosts' links
+against 61.3 kB uncompressed and 2,329 kB for per-step synchronous training.
 
 Wire format of one payload (a flat ``uint8`` tensor): the packed values, then the float32
 scales viewed as bytes. Its length depends only on ``numel``, ``bits`` and ``block_size``, so
