@@ -169,3 +169,15 @@ def test_vtrace_on_policy_gives_discounted_returns():
     # off-policy: the importance ratio is clipped at 1
     vs_off, _ = vtrace(logp - 5.0, logp, rewards, values, discounts)
     assert vs_off[0].tolist() == pytest.approx(expected)
+
+
+def test_one_step_transitions_match_the_windowed_rule():
+    fast, slow = NStepAccumulator(1, 0.9), NStepAccumulator(2, 0.9)
+    obs, nxt = torch.randn(3, 2), torch.randn(3, 2)
+    term, trunc = torch.tensor([True, False, False]), torch.tensor([False, True, False])
+    got = fast.step(obs, torch.zeros(3, 1), torch.ones(3), nxt, term, trunc)
+    assert got["discount"].tolist() == pytest.approx([0.0, 0.9, 0.9])
+    assert torch.equal(got["next_obs"], nxt) and torch.equal(got["obs"], obs)
+    # a window of 2 that ends at once (both done) gives the same discounts for done envs
+    ended = slow.step(obs, torch.zeros(3, 1), torch.ones(3), nxt, term, trunc)
+    assert ended["discount"].tolist() == pytest.approx([0.0, 0.9])

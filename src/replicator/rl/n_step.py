@@ -38,6 +38,13 @@ class NStepAccumulator:
         """Add one step of ``N`` environments (leading dimension ``N`` everywhere); return the
         transitions it finished as a batch (``None`` when none)."""
         num_envs = obs.shape[0]
+        if self.n_step == 1:  # every step is a finished transition: no windows, no loop
+            out1 = {"obs": obs, "action": action, "reward": reward.to(torch.float32),
+                    **(extras or {})}
+            out1["discount"] = torch.where(terminated.bool(), 0.0, self.discount).to(
+                torch.float32)
+            out1["next_obs"] = next_obs
+            return out1
         while len(self._windows) < num_envs:
             self._windows.append(deque())
         out: list[dict[str, torch.Tensor]] = []
