@@ -300,7 +300,8 @@ class CheckpointManager:
 
         ref = commit_agreed(self.store, ch, step, staging, entries, local_exc, dict(info or {}),
                             self.keep, lambda failed, cause: self._write_error(step, failed, cause),
-                            noted)
+                            noted, lambda path: fault_points.fire("before_commit", step=step,
+                                                                  path=path, rank=ch.rank))
         self.latest_step, self._choice_ref = step, ref
         return self.store.where(ref)
     @staticmethod
@@ -488,7 +489,8 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
                   entries: Mapping[str, FileEntry], local_exc: BaseException | None,
                   info: dict[str, Any], keep: int,
                   error: Callable[[dict[int, str], BaseException | None], Exception],
-                  on_commit: Callable[[str], None] | None = None) -> str:
+                  on_commit: Callable[[str], None] | None = None,
+                  before_commit: Callable[[Any], None] | None = None) -> str:
     """The save protocol after the writes, for every kind of save: the ranks agree that every
     write succeeded (else the staging is discarded and ``error(failures, cause)`` raised on
     every rank; this rank's own non-I/O exception as itself), the chief commits the manifest of
@@ -514,7 +516,8 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
                         raise CheckpointWriteError(f"two ranks wrote the file {fname!r} (rank "
                                                    f"{rank} and an earlier one)")
                     files[fname] = FileEntry(**entry)
-            ref = storage.commit(step, staging, build(step, ch.world_size, files, info), 0)
+            ref = storage.commit(step, staging, build(step, ch.world_size, files, info),
+                                 before_commit)
             if on_commit is not None:
                 on_commit(ref)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below

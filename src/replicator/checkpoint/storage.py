@@ -21,14 +21,14 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from replicator.checkpoint import fault_points, safetensors_io
+from replicator.checkpoint import safetensors_io
 from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree, write_atomic
 from replicator.checkpoint.manifest import (
     MARKER_NAME,
@@ -81,7 +81,8 @@ class CheckpointStorage(Protocol):
     def dest(self, staging: str, fname: str) -> str: ...
     def folder(self, staging: str) -> Path: ...
     def publish(self, staging: str, folder: Path, rank: int) -> dict[str, FileEntry]: ...
-    def commit(self, step: int, staging: str, manifest: dict[str, Any], rank: int) -> str: ...
+    def commit(self, step: int, staging: str, manifest: dict[str, Any],
+               before: Callable[[Any], None] | None = None) -> str: ...
     def discard(self, staging: str) -> None: ...
     def saves(self) -> list[tuple[int, str]]: ...
     def manifest(self, ref: str) -> dict[str, Any]: ...
@@ -142,8 +143,10 @@ class LocalStorage:
         return {p.name: FileEntry(bytes=p.stat().st_size, sha256=hash_file(p))
                 for p in sorted(folder.iterdir()) if p.is_file()} if rank == 0 else {}
 
-    def commit(self, step: int, staging: str, manifest: dict[str, Any], rank: int) -> str:
-        """Rename the staging directory into place, then write the marker (the commit)."""
+    def commit(self, step: int, staging: str, manifest: dict[str, Any],
+               before: Callable[[Any], None] | None = None) -> str:
+        """Rename the staging directory into place, then write the marker (the commit);
+        ``before(path)`` runs between the two."""
         tmp, final = Path(staging), self.directory / step_dir_name(step)
         moved = False
         try:
@@ -153,7 +156,8 @@ class LocalStorage:
             os.rename(tmp, final)
             moved = True
             fsync_dir(self.directory)
-            fault_points.fire("before_commit", step=step, path=final, rank=rank)
+            if before is not None:
+                before(final)
             write_atomic(final / MARKER_NAME, _manifest_bytes(manifest))
         except BaseException:
             remove_tree(final if moved else tmp)
@@ -303,8 +307,10 @@ class FsspecStorage(RemoteStore):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def commit(self, step: int, staging: str, manifest: dict[str, Any], rank: int) -> str:
-        """Check that every object is in the store with its size, then write the commit."""
+    def commit(self, step: int, staging: str, manifest: dict[str, Any],
+               before: Callable[[Any], None] | None = None) -> str:
+        """Check that every object is in the store with its size, then write the commit
+        (``before(url)`` runs just before it)."""
         name = f"{staging.split('/', 1)[1]}.json"
         try:
             listed = dict(self.objects(staging))
@@ -315,7 +321,8 @@ class FsspecStorage(RemoteStore):
                                   "in the store after its upload")
             manifest["prefix"] = staging
             manifest["checksum"] = build_checksum(manifest)
-            fault_points.fire("before_commit", step=step, path=self.name_url(staging), rank=rank)
+            if before is not None:
+                before(self.name_url(staging))
             self.check()
             self.put(f"{COMMITS}/{name}", _manifest_bytes(manifest))
         except BaseException:
