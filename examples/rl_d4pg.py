@@ -54,7 +54,8 @@ def explore(policy: nn.Module, obs: torch.Tensor) -> torch.Tensor:
     return (action + 0.3 * torch.randn_like(action)).clamp(-MAX_ACTION, MAX_ACTION)
 
 
-def main(seconds: float = 280.0, batch_size: int = 128, plot: str = "rl_d4pg.png") -> dict:
+def main(seconds: float = 280.0, batch_size: int = 128, plot: str = "rl_d4pg.png",
+         steps: int = 10**9) -> dict:
     replay = rp.rl.ReplayBuffer(100_000, n_step=3, discount=0.99, samples_per_insert=32.0,
                                 min_size_to_sample=1000, error_buffer=32 * 1000, seed=0)
     al = rp.rl.ActorLearner(rp.MirroredStrategy, "Pendulum-v1", Actor, replay=replay,
@@ -89,7 +90,7 @@ def main(seconds: float = 280.0, batch_size: int = 128, plot: str = "rl_d4pg.png
 
     start = time.monotonic()
     with al:
-        for batch in al.batches(batch_size, 10**9, policy=actor):
+        for batch in al.batches(batch_size, steps, policy=actor):
             al.strategy.run(step_fn, args=(batch,))
             returns = [e[0] for e in al.episodes()]
             if len(returns) >= 100 and mean_last(returns) >= REFERENCE:
@@ -115,9 +116,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=280.0)
     parser.add_argument("--plot", default="rl_d4pg.png")
+    parser.add_argument("--steps", type=int, default=10**9, help="learner steps at most")
     args = parser.parse_args()
     if rp.rl.num_actors() == 0 and not rp.rl.is_actor():  # plain python: launch ourselves
         rp.launch(main, num_replicas=1, num_actors=2,
-                  kwargs={"seconds": args.seconds, "plot": args.plot})
+                  kwargs={"seconds": args.seconds, "plot": args.plot, "steps": args.steps})
     else:
-        main(args.seconds, plot=args.plot)
+        main(args.seconds, plot=args.plot, steps=args.steps)

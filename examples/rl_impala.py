@@ -44,7 +44,8 @@ class Agent(nn.Module):
         return action, torch.log_softmax(logits, -1).gather(-1, action[..., None])[..., 0]
 
 
-def main(seconds: float = 280.0, batch_size: int = 8, plot: str = "rl_impala.png") -> dict:
+def main(seconds: float = 280.0, batch_size: int = 8, plot: str = "rl_impala.png",
+         steps: int = 10**9) -> dict:
     queue = rp.rl.TrajectoryQueue(UNROLL, capacity=2 * batch_size)
     al = rp.rl.ActorLearner(rp.MirroredStrategy, "CartPole-v1", Agent, replay=queue,
                             num_envs=8, publish_every=1)
@@ -75,7 +76,7 @@ def main(seconds: float = 280.0, batch_size: int = 8, plot: str = "rl_impala.png
 
     start = time.monotonic()
     with al:
-        for batch in al.batches(batch_size, 10**9, policy=agent):
+        for batch in al.batches(batch_size, steps, policy=agent):
             al.strategy.run(step_fn, args=(batch,))
             returns = [e[0] for e in al.episodes()]
             if len(returns) >= 100 and mean_last(returns) >= REFERENCE:
@@ -101,9 +102,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=280.0)
     parser.add_argument("--plot", default="rl_impala.png")
+    parser.add_argument("--steps", type=int, default=10**9, help="learner steps at most")
     args = parser.parse_args()
     if rp.rl.num_actors() == 0 and not rp.rl.is_actor():  # plain python: launch ourselves
         rp.launch(main, num_replicas=1, num_actors=2,
-                  kwargs={"seconds": args.seconds, "plot": args.plot})
+                  kwargs={"seconds": args.seconds, "plot": args.plot, "steps": args.steps})
     else:
-        main(args.seconds, plot=args.plot)
+        main(args.seconds, plot=args.plot, steps=args.steps)

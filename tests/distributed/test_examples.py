@@ -25,13 +25,28 @@ def test_demo_trains_digits_to_at_least_95_percent():
 
 #: Examples that launch their own replicas and have their own smoke test (``--quick``).
 SELF_LAUNCHING = {"large_batch.py"}  # tests/distributed/test_large_batch.py
+#: actor-learner examples: one learner beside actors, not two data-parallel workers
+ACTOR_EXAMPLES = {"rl_d4pg.py", "rl_impala.py"}
+NOT_SCRIPTS = {"rl_plot.py"}  # a module the RL examples import
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")
-                                           if p.name not in SELF_LAUNCHING))
+                                           if p.name not in SELF_LAUNCHING | ACTOR_EXAMPLES
+                                           | NOT_SCRIPTS))
 def test_example_runs_two_steps_on_two_workers(example):
     out = subprocess.run([sys.executable, "-m", "replicator.cli", "run", "--nproc", "2",
                           str(ROOT / "examples" / example), "--steps", "2"],
                          capture_output=True, text=True, timeout=80)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("example", sorted(ACTOR_EXAMPLES))
+def test_actor_example_runs_two_learner_steps_beside_an_actor(example, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "replicator.cli", "run", "--nproc", "1",
+                          "--num-actors", "1", str(ROOT / "examples" / example), "--steps", "2",
+                          "--plot", str(tmp_path / "returns.png")],
+                         capture_output=True, text=True, timeout=140, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "learner_steps" in out.stdout, out.stdout
