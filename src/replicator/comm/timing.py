@@ -33,6 +33,7 @@ _calls = 0
 _background = 0.0
 _background_calls = 0
 _regions: dict[str, float] = {}
+_open_regions: set[str] = set()  # main thread only: a nested region of a name counts once
 
 
 @dataclass(frozen=True)
@@ -118,15 +119,18 @@ def add_background(seconds: float) -> None:
 def region(name: str) -> Iterator[None]:
     """Count the main thread's time inside the block under ``name`` (a library's own work
     between collectives that a profiler shows apart, such as ``"checkpoint"`` for a save);
-    free when the timers are off, and on other threads (background work stops nothing)."""
-    if not (_enabled if _enabled is not None else enabled()) or \
+    free when the timers are off, and on other threads (background work stops nothing). A
+    region inside one of the same name counts once."""
+    if not (_enabled if _enabled is not None else enabled()) or name in _open_regions or \
             threading.current_thread() is not threading.main_thread():
         yield
         return
     t0 = time.perf_counter()
+    _open_regions.add(name)
     try:
         yield
     finally:
+        _open_regions.discard(name)
         with _lock:
             _regions[name] = _regions.get(name, 0.0) + time.perf_counter() - t0
 
