@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from rl_plot import mean_last, plot_returns
+from rl_plot import train_to_reference
 
 import replicator as rp
 
@@ -88,28 +87,9 @@ def main(seconds: float = 280.0, batch_size: int = 128, plot: str = "rl_d4pg.png
                     q.lerp_(p, 0.005)
         return critic_loss.detach()
 
-    start = time.monotonic()
-    with al:
-        for batch in al.batches(batch_size, steps, policy=actor):
-            al.strategy.run(step_fn, args=(batch,))
-            returns = [e[0] for e in al.episodes()]
-            if len(returns) >= 100 and mean_last(returns) >= REFERENCE:
-                break
-            if time.monotonic() - start > seconds:
-                break
-        elapsed = time.monotonic() - start
-        stats = al.stats()
-        episodes = al.episodes()
-    returns = [e[0] for e in episodes]
-    result = {"mean_return_last_100": round(mean_last(returns), 1), "episodes": len(returns),
-              "env_steps": stats["env_steps"], "learner_steps": stats["learner_steps"],
-              "seconds": round(elapsed, 1), "max_policy_lag": stats["max_policy_lag"],
-              "median_policy_lag": stats["median_policy_lag"],
-              "reached": len(returns) >= 100 and mean_last(returns) >= REFERENCE}
-    if al.strategy.is_chief:
-        result["plot"] = plot_returns(episodes, plot, "D4PG shape on Pendulum-v1", REFERENCE)
-        print(result, flush=True)
-    return result
+    return train_to_reference(al, step_fn, al.batches(batch_size, steps, policy=actor),
+                              reference=REFERENCE, seconds=seconds, plot=plot,
+                              title="D4PG shape on Pendulum-v1")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""Plot of episode return against environment steps and wall time, for the rl examples."""
+"""What the rl examples share: training to a reference return, and a plot of episode return
+against environment steps and wall time."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
 
 
 def mean_last(returns: list[float], n: int = 100) -> float:
@@ -39,3 +43,31 @@ def plot_returns(episodes: list[tuple[float, int, float]], path: str, title: str
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def train_to_reference(al: Any, step_fn: Any, batches: Iterable[Any], *, reference: float,
+                       seconds: float, plot: str, title: str) -> dict:
+    """Run ``step_fn`` on the learner's ``batches`` until the mean return of the last 100
+    episodes reaches ``reference`` or ``seconds`` pass; the figures and, on the chief, the plot."""
+    start = time.monotonic()
+    with al:
+        for batch in batches:
+            al.strategy.run(step_fn, args=(batch,))
+            returns = [e[0] for e in al.episodes()]
+            if len(returns) >= 100 and mean_last(returns) >= reference:
+                break
+            if time.monotonic() - start > seconds:
+                break
+        elapsed = time.monotonic() - start
+        stats = al.stats()
+        episodes = al.episodes()
+    returns = [e[0] for e in episodes]
+    result = {"mean_return_last_100": round(mean_last(returns), 1), "episodes": len(returns),
+              "env_steps": stats["env_steps"], "learner_steps": stats["learner_steps"],
+              "seconds": round(elapsed, 1), "max_policy_lag": stats["max_policy_lag"],
+              "median_policy_lag": stats["median_policy_lag"],
+              "reached": len(returns) >= 100 and mean_last(returns) >= reference}
+    if al.strategy.is_chief:
+        result["plot"] = plot_returns(episodes, plot, title, reference)
+        print(result, flush=True)
+    return result
