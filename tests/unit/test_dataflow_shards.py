@@ -151,3 +151,38 @@ def test_a_store_that_stops_mid_epoch_is_named(tmp_path, caplog) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def test_a_shard_being_read_is_never_evicted_by_this_or_another_process(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from replicator.data.dataflow.shards import ShardCache
+
+    urls = ["file://" + u for u in write_shards(samples(30), str(tmp_path / "src"),
+                                                  samples_per_shard=10)]
+    counts: list[str] = []
+    cache = ShardCache(str(tmp_path / "cache"), limit_bytes=1, timeout_s=30)  # room for none
+    first = cache.get(urls[0], counts.append)
+    second = cache.get(urls[1], counts.append)  # evicting beyond the limit spares both
+    assert os.path.exists(first) and os.path.exists(second)
+    cache.release(first)
+    assert not os.path.exists(first) and os.path.exists(second)
+    # another process of the host reads the third shard: this one's eviction spares it
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from replicator.data.dataflow.shards import "
+         "ShardCache; c = ShardCache(sys.argv[1], 1, 30); c.get(sys.argv[2], print); "
+         "print('held', flush=True); sys.stdin.read()", str(tmp_path / "cache"), urls[2]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None
+        while reader.stdout.readline().strip() != "held":
+            pass
+        third = cache.path_of(urls[2])
+        cache.release(second)
+        assert os.path.exists(third) and not os.path.exists(second)
+    finally:
+        reader.communicate("", timeout=30)
+    cache.release(cache.get(urls[0], counts.append))
+    assert not os.path.exists(third)  # the other process is done with it: it could leave
+    assert counts == ["shard_fetches"] * 3  # the first shard twice, the second once

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import IO, Any
 
 from replicator.data.dataflow.graph import UNKNOWN, Ctx, Node
 from replicator.data.errors import InputPipelineError
@@ -186,8 +186,13 @@ def read_shard(path: str, url: str) -> Iterator[dict[str, Any]]:
 
 
 class ShardCache:
-    """Local copies of remote shards in ``folder``, shared by a host's processes (a lock per
-    shard), least recently used ones removed beyond ``limit_bytes``."""
+    """Local copies of remote shards in ``folder``, shared by a host's processes, least recently
+    used ones removed beyond ``limit_bytes``.
+
+    Each shard has a lock file: a fetch holds it exclusively (the host's replicas fetch a shard
+    once), a reader holds it shared until the shard is read (so no process of the host evicts a
+    shard that one of them still reads), and eviction removes only shards whose lock it gets.
+    """
 
     def __init__(self, folder: str | None, limit_bytes: int | None, timeout_s: float) -> None:
         self.folder = folder or os.path.join(tempfile.gettempdir(), "replicator-shards")
@@ -195,7 +200,7 @@ class ShardCache:
         if limit_bytes is None:
             limit_bytes = max(1 << 30, shutil.disk_usage(self.folder).free // 2)
         self.limit, self.timeout_s = limit_bytes, timeout_s
-        self.pinned: dict[str, int] = {}  # shards this process fetched and has not read yet
+        self.held: dict[str, tuple[IO[str], int]] = {}  # shard path -> (its shared lock, uses)
         self._lock = threading.Lock()
 
     def path_of(self, url: str) -> str:
@@ -203,42 +208,67 @@ class ShardCache:
         return os.path.join(self.folder, f"{digest}-{os.path.basename(url)}")
 
     def get(self, url: str, counters: Any) -> str:
-        """The local path of ``url``'s shard, fetched unless a process of this host has."""
+        """The local path of ``url``'s shard, fetched unless a process of this host has; it stays
+        in the cache until :meth:`release`."""
         path = self.path_of(url)
-        with open(path + ".lock", "a+") as lock:
+        with self._lock:
+            if path in self.held:  # this process already reads it (and holds its lock)
+                lock, uses = self.held[path]
+                self.held[path] = (lock, uses + 1)
+                counters("shard_cache_hits")
+                return path
+        lock = open(path + ".lock", "a+")  # noqa: SIM115 - held until release()
+        try:
             deadline = time.monotonic() + self.timeout_s
             while True:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise ShardError(f"waited {self.timeout_s:.0f} s for another process "
-                                         f"fetching shard {url}") from None
-                    time.sleep(0.05)
-            try:
+                self._flock(lock, fcntl.LOCK_EX, deadline, url)
                 if os.path.exists(path):
                     os.utime(path)
                     counters("shard_cache_hits")
                 else:
                     self._fetch(url, path)
                     counters("shard_fetches")
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                # Linux converts a lock by dropping it first: another process may evict the
+                # shard in that gap, so it is checked again under the shared lock.
+                self._flock(lock, fcntl.LOCK_SH, deadline, url)
+                if os.path.exists(path):
+                    break
+        except BaseException:
+            lock.close()
+            raise
         with self._lock:
-            self.pinned[path] = self.pinned.get(path, 0) + 1
+            if path in self.held:  # another thread of this process got it meanwhile
+                held, uses = self.held[path]
+                self.held[path] = (held, uses + 1)
+                lock.close()
+            else:
+                self.held[path] = (lock, 1)
         self._evict()
         return path
 
     def release(self, path: str) -> None:
         """The shard at ``path`` was read: it may leave the cache when room is needed."""
         with self._lock:
-            left = self.pinned.get(path, 1) - 1
-            if left > 0:
-                self.pinned[path] = left
+            lock, uses = self.held.get(path, (None, 1))
+            if uses > 1 and lock is not None:
+                self.held[path] = (lock, uses - 1)
+                lock = None
             else:
-                self.pinned.pop(path, None)
+                self.held.pop(path, None)
+        if lock is not None:
+            lock.close()  # closing the file drops its lock
         self._evict()
+
+    def _flock(self, lock: IO[str], kind: int, deadline: float, url: str) -> None:
+        while True:
+            try:
+                fcntl.flock(lock, kind | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ShardError(f"waited {self.timeout_s:.0f} s for another process "
+                                     f"fetching shard {url}") from None
+                time.sleep(0.05)
 
     def _fetch(self, url: str, path: str) -> None:
         import fsspec
@@ -265,10 +295,12 @@ class ShardCache:
                     os.remove(tmp)
 
     def _evict(self) -> None:
-        files = [os.path.join(self.folder, f) for f in os.listdir(self.folder)
-                 if not f.endswith(".lock") and ".part-" not in f]
+        """Remove least recently used shards beyond the limit, skipping any a process reads."""
         entries = []
-        for f in files:
+        for name in os.listdir(self.folder):
+            if name.endswith(".lock") or ".part-" in name:
+                continue
+            f = os.path.join(self.folder, name)
             try:
                 st = os.stat(f)
                 entries.append((st.st_mtime, st.st_size, f))
@@ -278,12 +310,21 @@ class ShardCache:
         for _, size, f in sorted(entries):
             if total <= self.limit:
                 return
-            if f not in self.pinned:
-                try:
-                    os.remove(f)
-                    total -= size
-                except FileNotFoundError:
-                    pass
+            if self._remove_unless_read(f):
+                total -= size
+
+    @staticmethod
+    def _remove_unless_read(path: str) -> bool:
+        with open(path + ".lock", "a+") as lock:  # a new open file: its lock conflicts with ours
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # fetched or read by some process of this host
+            try:
+                os.remove(path)
+                return True
+            except FileNotFoundError:
+                return False
 
 
 class ShardSource(Node):
