@@ -14,8 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -103,19 +102,20 @@ class LiveEngine:
         self.source: Any = None       # the live dataset that made the step's batch
         self.redone_steps = 0
         try:
-            with _manager_server_bound_to(settings.bind):
-                self.manager = Manager(
-                    pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state,
-                    state_dict=self._state, min_replica_size=settings.min_replicas,
-                    use_async_quorum=False, timeout=timeout,
-                    quorum_timeout=timedelta(seconds=settings.quorum_timeout),
-                    connect_timeout=timedelta(seconds=min(settings.quorum_timeout, 30.0)),
-                    rank=settings.rank, world_size=settings.group_size, store_addr=store_addr,
-                    store_port=store_port, lighthouse_addr=settings.lighthouse,
-                    replica_id=REPLICA_ID_FORMAT.format(group=settings.group),
-                    hostname=settings.bind,
-                    checkpoint_transport=self._transport,
-                    init_sync=True)
+            # torchft 0.2 binds its manager server to every interface and offers no option
+            # (docs/fault_tolerance.md, Trust model); it advertises ``settings.bind``.
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state,
+                state_dict=self._state, min_replica_size=settings.min_replicas,
+                use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timedelta(seconds=settings.quorum_timeout),
+                connect_timeout=timedelta(seconds=min(settings.quorum_timeout, 30.0)),
+                rank=settings.rank, world_size=settings.group_size, store_addr=store_addr,
+                store_port=store_port, lighthouse_addr=settings.lighthouse,
+                replica_id=REPLICA_ID_FORMAT.format(group=settings.group),
+                hostname=settings.bind,
+                checkpoint_transport=self._transport,
+                init_sync=True)
         except Exception as exc:  # noqa: BLE001 - torchft raises plain RuntimeErrors
             raise LighthouseUnreachableError(
                 f"{self.who} could not join the lighthouse at {settings.lighthouse}: "
@@ -404,26 +404,6 @@ def _quiet_flight_recorder_note() -> None:
                                        for f in log.filters):
         return
     log.addFilter(_NoFlightRecorderNote())
-
-
-@contextmanager
-def _manager_server_bound_to(host: str) -> Iterator[None]:
-    """While a torchft ``Manager`` is made, its server listens on ``host`` only (torchft 0.2 binds
-    ``[::]`` with no option): the constructor is swapped in torchft's module for the call.
-    """
-    import torchft.manager as torchft_manager  # type: ignore[import-untyped]
-
-    original = torchft_manager.ManagerServer
-    address = f"[{host}]" if ":" in host else host
-
-    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
-        return original(*args, bind=f"{address}:{bind.rsplit(':', 1)[1]}", **kwargs)
-
-    torchft_manager.ManagerServer = bound
-    try:
-        yield
-    finally:
-        torchft_manager.ManagerServer = original
 
 
 __all__ = ["LiveEngine", "Quorum", "COLLECTIVE_TIMEOUT_ENV"]
