@@ -105,9 +105,6 @@ def train(kind: str) -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN DEFECT, open in issue 47: since the coordinator's "
-                   "per-worker requests (5563e69) about 1 run in 4 ends 0.01-0.025 away from "
-                   "one device with staleness=0 (passed 5 of 5 before it)")
 @pytest.mark.timeout(240)
 def test_sparse_tables_on_servers_equal_one_device_with_sparse_embeddings(capfd):
     ref = train("one_device")

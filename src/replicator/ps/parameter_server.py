@@ -32,6 +32,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
+from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.cluster.cpu_scheduling import use_batch_scheduling
 from replicator.cluster.env_names import NUM_PS_ENV, REJOIN_ENV
@@ -126,11 +127,12 @@ class ParameterServerStrategy(Strategy):
             store, attempt = self._join_job(timeout_seconds, address)
         self._shards: list[Shard] = []
         self._params: dict[int, torch.Tensor] = {}        # shard id -> parameter
-        self._shards_of: dict[int, list[Shard]] = {}       # id(parameter) -> its shards
+        # keyed by the objects, never by id(), which a later object may reuse
+        self._shards_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> shards
         self._pulled: dict[int, int] = {}                  # shard id -> version pulled
         self._loads = [0] * num_ps
-        self._sent_specs: dict[int, str] = {}             # id(optimizer) -> description
-        self._sent_keys: dict[int, tuple[Any, ...]] = {}   # id(optimizer) -> its key then
+        self._sent_specs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # optimizer -> its text
+        self._sent_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()   # optimizer -> its key
         self._landings: dict[int, tuple[Any, torch.Tensor]] = {}  # shard id -> its rows
         self._task: list[int] | None = None                # [task id, pushes] in a function
         self._repeats = 0
@@ -296,7 +298,7 @@ class ParameterServerStrategy(Strategy):
             p = params[s.var_index][1]
             self._shards.append(s)
             self._params[s.shard_id] = p
-            self._shards_of.setdefault(id(p), []).append(s)
+            self._shards_of.setdefault(p, []).append(s)
         self._lookups.find(module, self._shards_of)
         if self._rank == 0:
             initial: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -369,13 +371,13 @@ class ParameterServerStrategy(Strategy):
         mine: list[torch.Tensor] = []
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                shards = self._shards_of.get(id(p))
+                shards = self._shards_of.get(p)
                 if not shards:
                     continue
                 mine.append(p)
                 for s in shards:
                     group_of[s.shard_id] = gi
-                table = self._lookups.tables.get(id(p))
+                table = self._lookups.tables.get(p)
                 if table is not None and p.grad is not None:
                     for k, items in table.gradient_rows(p.grad.detach().cpu(),
                                                         self._pulled).items():
@@ -390,13 +392,13 @@ class ParameterServerStrategy(Strategy):
         if not mine:
             return
         key = P.optimizer_key(optimizer, group_of)
-        if key is None or key != self._sent_keys.get(id(optimizer)):
+        if key is None or key != self._sent_keys.get(optimizer):
             spec = P.describe_optimizer(optimizer, group_of)
-            if spec != self._sent_specs.get(id(optimizer)):
+            if spec != self._sent_specs.get(optimizer):
                 self._client.send_optimizer(spec)
-                self._sent_specs[id(optimizer)] = spec
+                self._sent_specs[optimizer] = spec
             if key is not None:
-                self._sent_keys[id(optimizer)] = key
+                self._sent_keys[optimizer] = key
         task = None
         if self._task is not None:
             task = (self._task[0], self._task[1])

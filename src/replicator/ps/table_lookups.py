@@ -4,13 +4,14 @@ from them (:mod:`replicator.ps.sparse_tables` has the lookup itself)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.ps.client import Sink
-from replicator.ps.partitioners import Shard
 from replicator.ps.sparse_tables import (
     RowsByServer,
     SparseTable,
@@ -30,25 +31,27 @@ class TableLookups:
         self._pull_rows = pull_rows
         self._pulled = pulled
         self._closed = closed
-        self.tables: dict[int, SparseTable] = {}  # id(parameter) -> its table
+        # keyed by the objects, never by id(): a new module or parameter may get the id of
+        # one garbage-collected (a later model's table then went unhooked)
+        self.tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its table
         self.sparse_ids: set[int] = set()         # shard ids of every table
-        self._hooked: set[int] = set()            # id(module) of the modules hooked
+        self._hooked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
-    def find(self, module: torch.nn.Module, shards_of: dict[int, list[Shard]]) -> None:
+    def find(self, module: torch.nn.Module, shards_of: WeakIdKeyDictionary) -> None:
         """Hook every sparse embedding module (``sparse=True``) of ``module`` whose weight was
-        placed (``shards_of``: id(parameter) -> its shards), also a second module sharing a
+        placed (``shards_of``: parameter -> its shards), also a second module sharing a
         table's weight; ``max_norm`` is refused (see :func:`check_no_max_norm`)."""
         for name, sub in module.named_modules():
             weight = getattr(sub, "weight", None)
-            if not is_sparse_table(sub) or weight is None or id(weight) not in shards_of \
-                    or id(sub) in self._hooked:
+            if not is_sparse_table(sub) or weight is None or weight not in shards_of \
+                    or sub in self._hooked:
                 continue
             check_no_max_norm(sub, name or "embedding")
-            self._hooked.add(id(sub))
-            table = self.tables.get(id(weight))
+            self._hooked.add(sub)
+            table = self.tables.get(weight)
             if table is None:
-                table = SparseTable(weight, shards_of[id(weight)], name or "embedding", sub)
-                self.tables[id(weight)] = table
+                table = SparseTable(weight, shards_of[weight], name or "embedding", sub)
+                self.tables[weight] = table
                 self.sparse_ids.update(s.shard_id for s in table.shards)
             sub.register_forward_pre_hook(
                 lambda m, args, kwargs, t=table: self._pull(t, args, kwargs, m),
