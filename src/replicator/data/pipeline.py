@@ -230,7 +230,8 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
             raise ValueError("transform= needs sample-by-sample reading, which this DataLoader "
                              "does not allow; apply the transform in the dataset instead")
         plan = LoaderPlan(loader, batch_size, rank, world, drop_remainder=drop_remainder,
-                          pad_last_batch=options.pad_last_batch, empty_part=empty_part)
+                          pad_last_batch=options.pad_last_batch, empty_part=empty_part,
+                          seed=seed)
         materialise = Materialiser(collated=True)
         num_workers = 0  # the loader runs its own workers
     elif policy is AutoShardPolicy.FILE:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, islice
 from typing import Any, ClassVar
 
+import torch
 from torch.utils.data import Dataset, IterableDataset, Subset
 
 from replicator.data.batching import (
@@ -282,6 +283,18 @@ def set_epoch_on(loader: Any, epoch: int) -> None:
             return
 
 
+def seed_loader(loader: Any, seed: int, epoch: int) -> None:
+    """Re-seed a loader's own randomness from ``seed`` and ``epoch``: the ``generator`` of the
+    loader (which seeds its workers), its sampler and its batch sampler. An epoch's order is
+    then the same in a restarted process, so skipping the batches handed out resumes it."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    holders = (loader, getattr(loader, "sampler", None), batch_sampler,
+               getattr(batch_sampler, "sampler", None))
+    for k, obj in enumerate(holders):
+        if obj is not None and hasattr(obj, "generator"):
+            obj.generator = torch.Generator().manual_seed(derived_seed(seed, epoch, k))
+
+
 def _skip(iterator: Iterator[Any], count: int) -> bool:
     """Consume ``count`` items; False when the iterator ended first."""
     return sum(1 for _ in islice(iterator, count)) == count
@@ -298,8 +311,8 @@ class LoaderPlan(Plan):
 
     def __init__(self, loader: Iterable[Any], global_batch_size: int | None, rank: int,
                  world: int, *, drop_remainder: bool, pad_last_batch: bool,
-                 empty_part: bool = False) -> None:
-        self.loader = loader
+                 empty_part: bool = False, seed: int = 0) -> None:
+        self.loader, self.seed = loader, seed
         self.global_batch_size = global_batch_size
         self.rank, self.world = rank, world
         self.drop_remainder, self.pad_last_batch = drop_remainder, pad_last_batch
@@ -307,6 +320,7 @@ class LoaderPlan(Plan):
 
     def specs(self, epoch: int, position: int) -> Iterator[Spec]:
         set_epoch_on(self.loader, epoch)
+        seed_loader(self.loader, self.seed, epoch)
         batches = iter(self.loader)
         if not _skip(batches, position):
             return

@@ -166,17 +166,17 @@ class BackupAndRestore:
 
     # -- what to save --------------------------------------------------------------------------
     def track(self, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-              dataset: Any = None, **others: Any) -> BackupAndRestore:
+              data: Any = None, *, dataset: Any = None, **others: Any) -> BackupAndRestore:
         """Register what a backup holds; returns ``self``.
 
         ``model``, ``optimizer``, ``scheduler`` and ``others`` need ``state_dict()`` and
         ``load_state_dict()`` and must be the same on every rank (the chief writes them),
         except under a strategy that splits the model: there the one tracked module and the
         tracked optimizers are saved sharded, by every rank.
-        ``dataset`` is this rank's input (``strategy.distribute_dataset(...)``): its
-        ``state_dict()`` is saved per rank; without one, a resume replays the epoch up to the
-        saved position.
-        """
+        ``data`` (alias ``dataset``): this rank's input, read by :meth:`steps` (a distributed
+        dataset, an ``rp.data.Dataset``); its ``state_dict()`` is saved per rank and loaded on
+        resume; without one, a resume replays the epoch up to the saved position."""
+        dataset = data if data is not None else dataset
         named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, **others}
         for name, obj in named.items():
             if obj is None:
