@@ -23,6 +23,7 @@ are read again after a restart).
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -99,6 +100,7 @@ class DistributedIterator:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        start = time.perf_counter()
         try:
             item = self._next_agreed() if self._agreement is not None else self._next_known()
         except StopIteration:
@@ -115,10 +117,12 @@ class DistributedIterator:
                 f"{type(exc).__name__}: {exc}") from exc
         self._step += 1
         self._last = item
+        owner = self._owner()
+        if owner is not None:
+            owner._waited(time.perf_counter() - start)
         self.mask = cast(torch.Tensor, item.mask)  # a tensor once staged
         uneven.record(uneven.check(item, self._pipe.rank, self._pipe.world, self.epoch,
                                    self._step))
-        owner = self._owner()
         if owner is not None:
             owner._advance(self, item.position)
         return (item.batch, item.mask) if self._pipe.options.with_mask else item.batch
@@ -217,6 +221,7 @@ class DistributedDataset:
         self._active: DistributedIterator | None = None
         self._mask: torch.Tensor | None = None
         self._engine: ProcessEngine | None = None
+        self._input_wait = 0.0
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> DistributedIterator:
@@ -253,6 +258,12 @@ class DistributedDataset:
         return self._epoch
 
     @property
+    def input_wait_seconds(self) -> float:
+        """Seconds the training loop spent blocked in ``next()`` waiting for a batch, over this
+        dataset's life (a progress bar shows its share of the step time)."""
+        return self._input_wait
+
+    @property
     def mask(self) -> torch.Tensor | None:
         """Per-sample weights of the last batch handed out (``None`` before the first)."""
         return self._mask
@@ -278,6 +289,12 @@ class DistributedDataset:
         close_engine = getattr(self.pipeline.engine, "close", None)
         if close_engine is not None:  # a dataflow pipeline's workers
             close_engine()
+
+    def _waited(self, seconds: float) -> None:
+        self._input_wait += seconds
+        dataflow = self.pipeline.dataset
+        if isinstance(dataflow, Dataflow):  # its stats() show the step's wait too
+            dataflow.runtime.waited(seconds)
 
     def _advance(self, it: DistributedIterator, position: int) -> None:
         if it is self._active:

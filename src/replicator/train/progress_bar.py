@@ -14,9 +14,17 @@ def _fmt_logs(logs: Logs) -> str:
     return "  ".join(f"{k} {v:.4f}" for k, v in logs.items())
 
 
+def _input_wait(trainer: Any) -> float | None:
+    """Seconds the loop waited for input so far, where the training input measures it (a
+    distributed dataset, an ``rp.data.Dataset``)."""
+    wait = getattr(getattr(trainer, "train_dataset", None), "input_wait_seconds", None)
+    return wait if isinstance(wait, float) else None
+
+
 class ProgressBar(Callback):
-    """Epoch, step/total, loss and metrics, samples/s and ETA, on the chief only. ``live=None``:
-    a live bar on a live terminal (:func:`~replicator.cluster.terminal.is_live_terminal`).
+    """Epoch, step/total, loss and metrics, samples/s, the share of the time spent waiting for
+    input, and ETA, on the chief only. ``live=None``: a live bar on a live terminal
+    (:func:`~replicator.cluster.terminal.is_live_terminal`).
     """
 
     def __init__(self, live: bool | None = None) -> None:
@@ -26,6 +34,21 @@ class ProgressBar(Callback):
         self._start = 0.0
         self._samples = 0.0
         self._done = 0
+        self._wait0: float | None = None
+
+    def input_share(self) -> float | None:
+        """The share of this epoch's time so far that the loop spent waiting for input
+        (``None``: the input does not measure it)."""
+        wait = _input_wait(self.trainer)
+        if wait is None or self._wait0 is None:
+            return None
+        return min(1.0, max(0.0, wait - self._wait0) / max(time.perf_counter() - self._start,
+                                                           1e-9))
+
+    def _speed(self) -> str:
+        rate = self._samples / max(time.perf_counter() - self._start, 1e-9)
+        share = self.input_share()
+        return f"{rate:,.0f} samples/s" + ("" if share is None else f"  input {share:.0%}")
 
     def _enabled(self) -> bool:
         return self.is_chief
@@ -34,6 +57,7 @@ class ProgressBar(Callback):
         if not self._enabled():
             return
         self._start, self._samples = time.perf_counter(), 0.0
+        self._wait0 = _input_wait(self.trainer)
         self._done = self.trainer.step_in_epoch
         live = is_live_terminal() if self.live is None else self.live
         total = self.trainer.steps_in_epoch
@@ -60,9 +84,8 @@ class ProgressBar(Callback):
         self._samples += self.trainer.last_global_batch
         self._done = batch + 1
         if self._bar is not None:
-            rate = self._samples / max(time.perf_counter() - self._start, 1e-9)
-            self._bar.update(self._task, advance=1,
-                             info=f"{_fmt_logs(logs or {})}  {rate:,.0f} samples/s")
+            self._bar.update(self._task, advance=1, info=f"{_fmt_logs(logs or {})}  "
+                                                         f"{self._speed()}")
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if not self._enabled():
@@ -71,9 +94,8 @@ class ProgressBar(Callback):
             self._bar.stop()
             self._bar = None
         elapsed = time.perf_counter() - self._start
-        rate = self._samples / max(elapsed, 1e-9)
         print(f"epoch {epoch + 1}/{self.trainer.epochs}  step {self._done}/"
-              f"{self.trainer.steps_in_epoch}  {_fmt_logs(logs or {})}  {rate:,.0f} samples/s  "
+              f"{self.trainer.steps_in_epoch}  {_fmt_logs(logs or {})}  {self._speed()}  "
               f"{elapsed:.1f} s", flush=True)
 
     def on_train_end(self, logs: Logs | None = None) -> None:

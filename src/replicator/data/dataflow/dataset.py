@@ -13,6 +13,7 @@ of an epoch is a function of the seed and the epoch only, whatever the workers.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from replicator.data.dataflow.options import (
 )
 
 STATE_FORMAT = "replicator.dataflow"
+_END = object()
 
 
 def _count(value: object, what: str, low: int = 0) -> int:
@@ -203,9 +205,15 @@ class Dataset(IterableDataset):
                 f"an rp.data.Dataset read by a DataLoader with num_workers={info.num_workers} "
                 "would give every sample once per worker; it runs its own workers. HINT: "
                 "iterate it directly, or use DataLoader(ds, batch_size=None, num_workers=0)")
-        source = self.lowered().iterate(Ctx(epoch, self.runtime), position)
+        runtime = self.runtime
+        source = iter(self.lowered().iterate(Ctx(epoch, runtime), position))
         try:
-            for element in source:
+            while True:
+                start = time.perf_counter()
+                element = next(source, _END)
+                runtime.waited(time.perf_counter() - start)
+                if element is _END:
+                    break
                 self._position += 1
                 yield element
         finally:
@@ -228,6 +236,11 @@ class Dataset(IterableDataset):
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def input_wait_seconds(self) -> float:
+        """Seconds its consumer (the training loop) spent waiting for the next element."""
+        return self.runtime.input_wait_s
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning at the next iteration."""
@@ -255,11 +268,12 @@ class Dataset(IterableDataset):
 
     def stats(self) -> dict[str, Any]:
         """What the pipeline chose and measured: per parallel stage its parallelism, depth,
-        mean task time and the share of time its consumer waited; the budgets; counters
-        (skipped samples and shards, shard fetches, cache hits)."""
+        mean task time and the share of time its consumer waited; the budgets; the seconds
+        the training loop waited for input (``input_wait_s``); counters (skipped samples and
+        shards, shard fetches, cache hits)."""
         rt = self.runtime
         return {"pipeline": self.describe(), "cpu_budget": self.options.cpus,
-                "ram_budget": self.options.ram,
+                "ram_budget": self.options.ram, "input_wait_s": rt.input_wait_s,
                 "stages": {name: t.stats() for name, t in rt.tuners.items()},
                 "counters": dict(rt.counters)}
 

@@ -42,6 +42,7 @@ class Runtime:
         self.tuners: dict[str, Tuner] = {}
         self.caches: dict[int, Any] = {}
         self.counters: dict[str, int] = {}
+        self.input_wait_s = 0.0  # the training loop blocked in next(), waiting for an element
         self.logged: set[str] = set()
         self.lock = threading.Lock()
         self._meter: TrainingMeter | None = None
@@ -49,6 +50,11 @@ class Runtime:
     def count(self, name: str, n: int = 1) -> None:
         with self.lock:
             self.counters[name] = self.counters.get(name, 0) + n
+
+    def waited(self, seconds: float) -> None:
+        """The training loop waited ``seconds`` for the next element (or batch)."""
+        with self.lock:
+            self.input_wait_s += seconds
 
     def warn_once(self, kind: str, message: str) -> None:
         """Log ``message`` the first time a problem of ``kind`` occurs."""

@@ -1,0 +1,60 @@
+"""The progress bar shows the share of the epoch the training loop spent waiting for input, as
+measured by the input itself (the time the loop was blocked in ``next()``): a pipeline made slow
+on purpose shows a larger share than the same pipeline without the delay, for an
+``rp.data.Dataset`` (whose ``stats()`` hold the waits) and for a plain ``DataLoader``."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import replicator as rp
+
+N, BATCH = 96, 8
+
+
+def slow(example: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    time.sleep(0.004)  # a decode that takes a while: the step waits for it
+    return example
+
+
+def fast(example: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return example
+
+
+def fit(pipeline: object, capsys: pytest.CaptureFixture[str]) -> tuple[float, str]:
+    trainer = rp.Trainer(rp.OneDeviceStrategy("cpu"), lambda: torch.nn.Linear(4, 1),
+                         lambda p: torch.optim.SGD(p, lr=0.01), torch.nn.MSELoss())
+    capsys.readouterr()
+    trainer.fit(pipeline, epochs=1)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("epoch 1/1"))
+    found = re.search(r"input (\d+)%", line)
+    assert found, line
+    return int(found.group(1)) / 100, line
+
+
+def dataflow(fn) -> rp.data.Dataset:
+    x, y = torch.randn(N, 4), torch.randn(N, 1)
+    return rp.data.Dataset.from_tensor_slices((x, y)).map(fn, num_parallel_calls=None).batch(BATCH)
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_pipeline_shows_a_larger_share_of_waiting_than_a_fast_one(capsys) -> None:
+    slow_ds, fast_ds = dataflow(slow), dataflow(fast)
+    slow_share, _ = fit(slow_ds, capsys)
+    fast_share, _ = fit(fast_ds, capsys)
+    assert slow_share > fast_share, (slow_share, fast_share)
+    # the input measured the waits, and the pipeline's stats hold them
+    assert slow_ds.stats()["input_wait_s"] > fast_ds.stats()["input_wait_s"] > 0.0
+
+
+@pytest.mark.timeout(60)
+def test_the_share_is_shown_for_a_plain_dataloader_too(capsys) -> None:
+    data = TensorDataset(torch.randn(N, 4), torch.randn(N, 1))
+    share, _ = fit(DataLoader(data, batch_size=BATCH), capsys)
+    assert 0.0 <= share <= 1.0
