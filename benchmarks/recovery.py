@@ -117,7 +117,8 @@ def live_worker(out: Path, width: int, depth: int, samples: int, lr: float) -> N
         _write(out / f"progress_g{group}.json",
                {"step": live.committed_steps, "redone": redone, "stalls": stalls,
                 "rejoins": rejoins, "median_step_s": median(periods[-200:]) if periods else 0,
-                "heal_s": live.last_heal_seconds, "pid": os.getpid(), "time": time.time()})
+                "heal_s": live.last_heal_seconds, "pid": os.getpid(), "time": time.time(),
+                "seconds": live.seconds, "steps_timed": live.committed_steps + redone})
 
 
 def heal_worker(out: Path) -> None:
@@ -197,7 +198,7 @@ def _env() -> dict[str, str]:
 
 def run_live(args: argparse.Namespace, out: Path, kills: bool) -> dict:
     out.mkdir(parents=True)
-    lighthouse = start_lighthouse(1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    lighthouse = start_lighthouse(1, join_timeout_ms=5000, heartbeat_timeout_ms=1000)
     script = os.path.abspath(__file__)
     groups = {g: start_group(script, g, GROUPS, lighthouse.address, env=_env(), log_dir=out,
                              args=_worker_args(args, "live", out)) for g in range(GROUPS)}

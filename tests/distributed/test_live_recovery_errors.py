@@ -84,6 +84,13 @@ def test_settings_errors_name_the_fix():
     assert s is not None and s.lighthouse == "http://127.0.0.1:29510"
     assert (s.group, s.groups, s.rank, s.group_size, s.min_replicas) == (2, 3, 1, 2, 2)
     assert s.who == "replica group 2, rank 1"
+    assert s.quorum_every == 10
+    base = {"REPLICATOR_REPLICA_GROUPS": "2", "REPLICATOR_REPLICA_GROUP": "0",
+            "REPLICATOR_LIGHTHOUSE": "127.0.0.1:29510"}
+    every = LiveSettings.from_env({**base, "REPLICATOR_QUORUM_EVERY_STEPS": "1"})
+    assert every is not None and every.quorum_every == 1
+    with pytest.raises(ClusterConfigError, match="whole number of steps"):
+        LiveSettings.from_env({**base, "REPLICATOR_QUORUM_EVERY_STEPS": "2.5"})
 
 
 _FIT = """

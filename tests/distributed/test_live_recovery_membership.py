@@ -6,6 +6,7 @@ fix."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import pytest
@@ -82,7 +83,7 @@ def test_a_group_started_later_heals_and_joins(tmp_path):
     out, codes = _late_group(tmp_path, [])
     logs = [(out / f"group{g}_rank0.log").read_text() for g in range(2)]
     assert codes == [[0], [0]], logs[1][-3000:] + logs[0][-3000:]
-    assert "replica group 1, rank 0 healed from a live peer at step 1" in logs[1]
+    assert re.search(r"replica group 1, rank 0 healed from a live peer at step [1-9]", logs[1])
     import torch
 
     for g in range(2):

@@ -1,10 +1,13 @@
 """The per-step protocol of live recovery: torchft's Manager composed into a replica group.
 
-Each step joins a quorum (a group behind heals from a live peer), takes its share of the global
+A step takes its quorum (a group behind heals from a live peer), its share of the global
 batch, runs forward and backward, and at the first ``optimizer.step()`` averages gradients
 across the quorum's groups (weighted by share); ``should_commit`` decides. A step not committed
 raises ``StepNotCommitted`` before any update, and ``strategy.run`` reruns it from its buffers
-and random state. SIGTERM leaves at the next step boundary (exit code 75).
+and random state. The lighthouse is asked for a quorum only every ``quorum_every`` committed
+steps while membership holds (off the step's path): a lost group fails the others' all-reduce,
+so the redo asks at once; a group that leaves on SIGTERM (exit code 75) says so in its last
+step's all-reduce, so the others ask at the next step without a failed step.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from replicator.strategies.live.settings import (
     LiveSettings,
 )
 from replicator.strategies.replicas import ReplicaGroup
+
+#: The parts of a live step that :attr:`LiveEngine.seconds` times.
+PHASES = ("quorum", "allreduce", "commit", "bookkeeping")
 
 
 @dataclass(frozen=True)
@@ -98,9 +104,16 @@ class LiveEngine:
         self._healed_now = False
         self._progress_check: Callable[[dict[str, Any]], None] | None = None
         self._leave_requested = False
+        self._announce_leave = False  # this group tells the others in this step's all-reduce
+        self._leave_announced = False
+        self._quorum_due = True       # the next step joins a quorum, whatever its number
         self._closed = False
         self.source: Any = None       # the live dataset that made the step's batch
         self.redone_steps = 0
+        #: Seconds spent in each part of the live protocol since the start (a benchmark's
+        #: breakdown of a step): the quorum, the cross-group all-reduce, the commit vote,
+        #: and bookkeeping (gradients flattened and copied back, the redo snapshot).
+        self.seconds = dict.fromkeys(PHASES, 0.0)
         try:
             # torchft 0.2 binds its manager server to every interface and offers no option
             # (docs/fault_tolerance.md, Trust model); it advertises ``settings.bind``.
@@ -167,6 +180,7 @@ class LiveEngine:
         """Continue from committed step ``step`` (restored from a backup on disk, when every
         group was lost at once); a peer further on still heals this group."""
         self.manager.load_state_dict({"step": int(step), "batches_committed": int(step)})
+        self._quorum_due = True
 
     @property
     def participants(self) -> int:
@@ -178,13 +192,37 @@ class LiveEngine:
         return self._phase == "begun"
 
     def begin_step(self) -> Quorum:
-        """Join this step's quorum (healing from a peer when behind); returns it. Called by
-        the live dataset before it cuts the step's batch, else by ``strategy.run``."""
+        """This step's quorum (see the module doc): a new one from the lighthouse every
+        ``quorum_every`` committed steps and whenever one is due, healing this group when it
+        is behind; otherwise the last one again. Called by the live dataset before it cuts
+        the step's batch, else by ``strategy.run``."""
         self._check_open()
         if self._phase == "begun" and self._quorum is not None:
             return self._quorum
+        start = time.perf_counter()
         self._maybe_leave()
         self._healed_now = False
+        last = self._quorum
+        if last is None or self._quorum_is_due():
+            participant, participants = self._join_quorum()
+        else:
+            participant, participants = last.participant, last.participants
+        start = self._add("quorum", start)
+        self._quorum = Quorum(self.committed_steps, participant, participants,
+                              self._healed_now)
+        self._snapshot = _Snapshot(self._modules())
+        self._phase = "begun"
+        self._add("bookkeeping", start)
+        return self._quorum
+
+    def _quorum_is_due(self) -> bool:
+        """Whether this step asks the lighthouse: every group of the last quorum answers the
+        same, from the committed step and what the last all-reduce carried."""
+        return self._quorum_due or self.committed_steps % self.settings.quorum_every == 0
+
+    def _join_quorum(self) -> tuple[int, int]:
+        """Join a quorum at the lighthouse (healing when behind); this group's index and the
+        number of participants."""
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.settings.quorum_timeout))
         except LiveRecoveryError:
@@ -197,11 +235,14 @@ class LiveEngine:
         if participant is None or participants < 1:
             raise LiveRecoveryError(f"{self.who} is not part of the quorum it joined (step "
                                     f"{self.committed_steps}); please report this as a bug")
-        self._quorum = Quorum(self.committed_steps, int(participant), int(participants),
-                              self._healed_now)
-        self._snapshot = _Snapshot(self._modules())
-        self._phase = "begun"
-        return self._quorum
+        self._quorum_due = False
+        return int(participant), int(participants)
+
+    def _add(self, phase: str, start: float) -> float:
+        """Count the seconds since ``start`` to ``phase``; returns now."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - start
+        return now
 
     def _agree_on_healing(self) -> None:
         """At the first step some ranks of a group may heal while others keep their state; a
@@ -254,38 +295,27 @@ class LiveEngine:
         committed; raises ``StepNotCommitted`` when not (nothing has been updated yet)."""
         quorum = self._quorum
         assert quorum is not None
+        start = time.perf_counter()
         weight = 1.0 / quorum.participants if self._share is None or \
             self._share.step != quorum.step else self._share.group_weight
-        params = [p for _, p in live_state.named_parameters(self._modules()) if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(local_tensor(p).dtype, []).append(p)
-        works = []
-        for dtype, group in by_dtype.items():
-            pieces = []
-            for p in group:
-                g = p.grad
-                pieces.append(torch.zeros(local_tensor(p).numel(), dtype=dtype,
-                                          device=local_tensor(p).device)
-                              if g is None else local_tensor(g).reshape(-1).to(dtype))
-            flat = torch.cat(pieces).mul_(weight)
-            works.append((group, flat,
-                          self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)))
-        for group, flat, work in works:
+        buckets = _flatten_grads(
+            [p for _, p in live_state.named_parameters(self._modules()) if p.requires_grad],
+            weight, 1.0 if self._announce_leave else 0.0)
+        start = self._add("bookkeeping", start)
+        works = [self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
+                 for _, flat in buckets]
+        for work in works:
             work.wait()
-            offset = 0
-            with torch.no_grad():
-                for p in group:
-                    n = local_tensor(p).numel()
-                    piece = flat[offset:offset + n].view_as(local_tensor(p))
-                    offset += n
-                    if p.grad is None:
-                        if bool(piece.any()):
-                            p.grad = _like(p, piece.clone())
-                    else:
-                        local_tensor(p.grad).copy_(piece)
-        if not self.manager.should_commit():
+        start = self._add("allreduce", start)
+        _unflatten_grads(buckets)
+        start = self._add("bookkeeping", start)
+        committed = self.manager.should_commit()
+        self._add("commit", start)
+        if not committed:
             raise StepNotCommitted(f"{self.who}: step {quorum.step} was not committed")
+        if float(buckets[0][1][-1]) > 0.5:  # a group leaves: every group joins a quorum next
+            self._quorum_due = True
+            self._leave_announced = self._announce_leave
         self._phase = "committed"
 
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
@@ -312,6 +342,7 @@ class LiveEngine:
             return result
 
     def _roll_back(self) -> None:
+        self._quorum_due = True  # the quorum changed: a group failed or left
         for _, p in live_state.named_parameters(self._modules()):
             p.grad = None
         if self._snapshot is not None:
@@ -343,14 +374,21 @@ class LiveEngine:
 
     # -- leaving ----------------------------------------------------------------------------------
     def _maybe_leave(self) -> None:
+        """Leave at this step boundary after SIGTERM once the other groups know: the last
+        all-reduce told them, or this step joins a quorum anyway; else this step tells them
+        (a group gone between quorums would fail the others' next step)."""
         flag = torch.tensor([1 if self._leave_requested else 0], dtype=torch.int64)
         if self.replicas.world_size > 1:
             flag = self.replicas.reduce(ReduceOp.MAX, flag)
-        if int(flag.item()):
-            print(f"[replicator] {self.who} leaves at step {self.committed_steps} (SIGTERM); "
-                  "the other groups go on without a failed step", file=sys.stderr, flush=True)
-            self.close()
-            raise SystemExit(PREEMPTION_EXIT_CODE)
+        if not int(flag.item()):
+            return
+        if not (self._leave_announced or self._quorum is None or self._quorum_is_due()):
+            self._announce_leave = True
+            return
+        print(f"[replicator] {self.who} leaves at step {self.committed_steps} (SIGTERM); "
+              "the other groups go on without a failed step", file=sys.stderr, flush=True)
+        self.close()
+        raise SystemExit(PREEMPTION_EXIT_CODE)
 
     def close(self) -> None:
         """Leave the lighthouse's quorums and stop the state server; idempotent."""
@@ -372,6 +410,50 @@ class LiveEngine:
         s = self.settings
         return (f"LiveEngine({self.who} of {s.groups}, lighthouse {s.lighthouse}, "
                 f"min_replicas {s.min_replicas}, step {self.committed_steps})")
+
+
+def _flatten_grads(params: list[torch.nn.Parameter], weight: float, control: float
+                   ) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+    """The gradients of ``params`` times ``weight``, one flat tensor per dtype (zeros for a
+    parameter without a gradient), with the parameters each holds; the first tensor ends
+    with one more element, ``control`` (summed across groups: a group announces leaving)."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(local_tensor(p).dtype, []).append(p)
+    buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]] = []
+    for dtype, group in by_dtype.items():
+        pieces = []
+        for p in group:
+            g = p.grad
+            pieces.append(torch.zeros(local_tensor(p).numel(), dtype=dtype,
+                                      device=local_tensor(p).device)
+                          if g is None else local_tensor(g).reshape(-1).to(dtype))
+        n = sum(piece.numel() for piece in pieces)
+        extra = 0 if buckets else 1
+        flat = torch.empty(n + extra, dtype=dtype, device=pieces[0].device)
+        torch.cat(pieces, out=flat[:n]).mul_(weight)
+        if extra:
+            flat[n] = control
+        buckets.append((group, flat))
+    if not buckets:
+        buckets.append(([], torch.full((1,), control)))
+    return buckets
+
+
+def _unflatten_grads(buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
+    """Write the averaged flat tensors back as the parameters' gradients."""
+    with torch.no_grad():
+        for group, flat in buckets:
+            offset = 0
+            for p in group:
+                n = local_tensor(p).numel()
+                piece = flat[offset:offset + n].view_as(local_tensor(p))
+                offset += n
+                if p.grad is None:
+                    if bool(piece.any()):
+                        p.grad = _like(p, piece.clone())
+                else:
+                    local_tensor(p.grad).copy_(piece)
 
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -406,5 +488,5 @@ def _quiet_flight_recorder_note() -> None:
     log.addFilter(_NoFlightRecorderNote())
 
 
-__all__ = ["LiveEngine", "Quorum", "COLLECTIVE_TIMEOUT_ENV"]
+__all__ = ["LiveEngine", "Quorum", "PHASES", "COLLECTIVE_TIMEOUT_ENV"]
 

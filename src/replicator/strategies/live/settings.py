@@ -27,6 +27,10 @@ COLLECTIVE_TIMEOUT_ENV = "REPLICATOR_LIVE_TIMEOUT_SECONDS"
 #: Seconds a group waits for a quorum of ``--min-replicas`` groups before
 #: :class:`~replicator.strategies.live.errors.QuorumTimeoutError`.
 QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
+#: Committed steps between quorums while membership is unchanged (1: a quorum every step).
+#: A failed step, a group leaving and a restore join a quorum at once; a group that starts
+#: later joins at the next one.
+QUORUM_EVERY_ENV = "REPLICATOR_QUORUM_EVERY_STEPS"
 #: The address this process's state server and group store listen on (default loopback).
 BIND_ENV = LIVE_BIND_ENV
 
@@ -44,6 +48,7 @@ class LiveSettings:
     collective_timeout: float = 10.0
     quorum_timeout: float = 60.0
     bind: str = "127.0.0.1"
+    quorum_every: int = 10
 
     @property
     def who(self) -> str:
@@ -82,4 +87,13 @@ class LiveSettings:
                    rank=int(env.get("RANK", "0")), group_size=int(env.get("WORLD_SIZE", "1")),
                    collective_timeout=env_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0),
                    quorum_timeout=env_number(env, QUORUM_TIMEOUT_ENV, 60.0),
-                   bind=env.get(BIND_ENV, "127.0.0.1") or "127.0.0.1")
+                   bind=env.get(BIND_ENV, "127.0.0.1") or "127.0.0.1",
+                   quorum_every=_whole(env, QUORUM_EVERY_ENV, 10, "steps"))
+
+
+def _whole(env: Mapping[str, str], name: str, default: int, what: str) -> int:
+    """The positive whole number the variable ``name`` of ``env`` holds (``default`` unset)."""
+    value = env_number(env, name, default, what)
+    if value != int(value):
+        raise ClusterConfigError(f"{name}={env[name]!r} must be a whole number of {what}")
+    return int(value)
