@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from typing import Any
 
 
 def _redirect_output(directory: str, rank: int) -> None:
@@ -23,6 +24,14 @@ def _redirect_output(directory: str, rank: int) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def record_input(probe: Any) -> None:
+    """Put the ``stats()`` of this process's ``rp.data.Dataset`` pipelines in the probe's
+    results (per stage: workers, task time, the share of time it was waited for)."""
+    from replicator.data.dataflow.dataset import running_stats
+
+    probe.extra["input_pipelines"] = running_stats()
 
 
 def main() -> None:
@@ -52,6 +61,7 @@ def main() -> None:
             raise
     finally:
         probe.uninstall()
+        record_input(probe)
         probe.write(out)
 
 

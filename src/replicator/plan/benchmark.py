@@ -49,9 +49,69 @@ from replicator.plan.settings import (
     summarize,
 )
 
-__all__ = ["bench_function", "bench_script", "run_setting"]
+__all__ = ["bench_function", "bench_script", "input_notes", "limiting_stage", "run_setting"]
 
 ENTRY = str(Path(__file__).with_name("bench_entry.py"))
+#: A step waiting this share of its time for input is input-bound (tf.data's fleet study
+#: counts the jobs that wait more than a third of their time).
+INPUT_BOUND_SHARE = 1 / 3
+#: A stage whose consumer waited less than this share of its time for it limits nothing.
+STAGE_WAIT = 0.05
+
+
+# -- input: is the step waiting for it, and which stage limits it ---------------------------
+def limiting_stage(pipelines: Sequence[dict[str, Any]]) -> str | None:
+    """Which stage of the pipelines (their ``stats()``, put in each rank's results by
+    ``bench_entry.record_input``) keeps the step waiting: the parallel stage its consumer
+    waited for the largest share of the time (a prefetch only hands on what comes from
+    upstream); when no stage was waited for, the pipeline's ordered part (sources, shuffle,
+    filter, read by the consumer itself). ``None`` without a pipeline."""
+    stages = [(name, st, p) for p in pipelines for name, st in p.get("stages", {}).items()
+              if name != "prefetch" and st.get("tasks")]
+    if not pipelines:
+        return None
+    name, st, p = max(stages, key=lambda s: s[1]["wait_share"],
+                      default=("", {"wait_share": 0.0}, {}))
+    if st["wait_share"] < STAGE_WAIT:
+        return (f"the ordered part of `{pipelines[0]['pipeline']}` (sources, shuffle, filter, "
+                "cache: read by the consumer, not by workers)")
+    if not st["autotune"]:
+        room = (f"fixed by num_parallel_calls; the CPU budget is {p['cpu_budget']}: "
+                "rp.data.AUTOTUNE chooses within it")
+    elif st["parallelism"] >= st["max_parallelism"]:
+        room = "at its CPU budget: more cores or a cheaper map would help"
+    else:
+        room = f"below its CPU budget of {st['max_parallelism']}"
+    return (f"`{name}` (waited for {st['wait_share']:.0%} of the time; {st['parallelism']} "
+            f"workers, {st['task_ms']:.1f} ms per task, {room})")
+
+
+def input_notes(bench: BenchReport) -> list[str]:
+    """A line per setting whose steps spend a third or more of their time waiting for input
+    (the probe's ``input`` part), naming the limiting stage of an ``rp.data.Dataset``."""
+    notes = []
+    for r in bench.results:
+        share = r.breakdown.get("input", 0.0) / r.step_seconds if r.ok and r.step_seconds else 0
+        if share < INPUT_BOUND_SHARE:
+            continue
+        chief = min(r.ranks, key=lambda rank: rank.get("rank", 0), default={})
+        stage = limiting_stage(chief.get("input_pipelines", []))
+        notes.append(f"{r.setting.label} is input-bound: {share:.0%} of each step waits for "
+                     "input; " + (f"the limiting stage is {stage}" if stage else
+                                  "an rp.data.Dataset pipeline would name the stage limiting it"))
+    return notes
+
+
+def _report_input(bench: BenchReport, echo: bool) -> None:
+    """Add :func:`input_notes` to ``report.md`` and the terminal."""
+    notes = input_notes(bench) or ["no setting is input-bound (each waits less than a third "
+                                   "of its step for input)"]
+    report = Path(bench.out_dir) / "report.md"
+    if report.exists():
+        with report.open("a") as f:
+            f.write("\n## Input\n\n" + "".join(f"- {n}\n" for n in notes))
+    if echo:
+        print("\n".join(f"input: {n}" for n in notes), flush=True)
 
 
 # -- running one setting -------------------------------------------------------------------
@@ -132,7 +192,7 @@ def _script_launcher(script: str, args: Sequence[str], setting: Setting
 def _function_worker(train_fn: Callable[[Any], Any], name: str) -> None:
     """One worker of :func:`bench_function`: the probe, the strategy, then ``train_fn``."""
     import replicator as rp
-    from replicator.plan.bench_entry import _redirect_output
+    from replicator.plan.bench_entry import _redirect_output, record_input
 
     out = os.environ[probe_mod.OUT_ENV]
     rank = int(os.environ.get("RANK", "0"))
@@ -148,6 +208,7 @@ def _function_worker(train_fn: Callable[[Any], Any], name: str) -> None:
         pass
     finally:
         probe.uninstall()
+        record_input(probe)
         probe.write(out)
 
 
@@ -241,6 +302,7 @@ def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: 
                         str(root), (load_start, os.getloadavg()[0]))
     if report:
         write_bench_report(bench, echo=not quiet)  # quiet: --json prints only the plan
+        _report_input(bench, echo=not quiet)
     return bench
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -32,6 +33,30 @@ from replicator.data.dataflow.options import (
 
 STATE_FORMAT = "replicator.dataflow"
 _END = object()
+#: The pipelines of this process that have run (a runtime), and the last stats of those that
+#: are gone: what ``running_stats`` reports.
+_RUNNING: weakref.WeakSet[Dataset] = weakref.WeakSet()
+_FINISHED: deque[dict[str, Any]] = deque(maxlen=8)
+
+
+def running_stats() -> list[dict[str, Any]]:
+    """``stats()`` of every pipeline of this process that has run: those that still exist,
+    then the last ones collected (the bench reads them from a script it ran, whose pipelines
+    may be gone by then)."""
+    return [ds.stats() for ds in list(_RUNNING)] + list(_FINISHED)
+
+
+def _stats(description: str, options: Options, rt: Runtime) -> dict[str, Any]:
+    return {"pipeline": description, "cpu_budget": options.cpus, "ram_budget": options.ram,
+            "input_wait_s": rt.input_wait_s,
+            "stages": {name: t.stats() for name, t in rt.tuners.items()},
+            "counters": dict(rt.counters)}
+
+
+def _finish(description: str, options: Options, rt: Runtime) -> None:
+    """A pipeline was collected: keep its last stats, stop its workers."""
+    _FINISHED.append(_stats(description, options, rt))
+    rt.close()
 
 
 def _count(value: object, what: str, low: int = 0) -> int:
@@ -187,7 +212,8 @@ class Dataset(IterableDataset):
     def runtime(self) -> Runtime:
         if self._runtime is None:
             self._runtime = Runtime(self.options)
-            weakref.finalize(self, self._runtime.close)
+            weakref.finalize(self, _finish, self.describe(), self.options, self._runtime)
+            _RUNNING.add(self)
         return self._runtime
 
     def __iter__(self) -> Iterator[Any]:
@@ -271,11 +297,7 @@ class Dataset(IterableDataset):
         mean task time and the share of time its consumer waited; the budgets; the seconds
         the training loop waited for input (``input_wait_s``); counters (skipped samples and
         shards, shard fetches, cache hits)."""
-        rt = self.runtime
-        return {"pipeline": self.describe(), "cpu_budget": self.options.cpus,
-                "ram_budget": self.options.ram, "input_wait_s": rt.input_wait_s,
-                "stages": {name: t.stats() for name, t in rt.tuners.items()},
-                "counters": dict(rt.counters)}
+        return _stats(self.describe(), self.options, self.runtime)
 
     def close(self) -> None:
         """Stop the workers (iterating again starts new ones)."""
@@ -287,4 +309,4 @@ class Dataset(IterableDataset):
         return f"rp.data.Dataset({self.describe()})"
 
 
-__all__ = ["Dataset", "INFINITE", "UNKNOWN"]
+__all__ = ["Dataset", "INFINITE", "UNKNOWN", "running_stats"]
