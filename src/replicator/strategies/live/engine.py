@@ -422,16 +422,18 @@ def _flatten_grads(params: list[torch.nn.Parameter], weight: float, control: flo
         by_dtype.setdefault(local_tensor(p).dtype, []).append(p)
     buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]] = []
     for dtype, group in by_dtype.items():
-        pieces = []
-        for p in group:
-            g = p.grad
-            pieces.append(torch.zeros(local_tensor(p).numel(), dtype=dtype,
-                                      device=local_tensor(p).device)
-                          if g is None else local_tensor(g).reshape(-1).to(dtype))
-        n = sum(piece.numel() for piece in pieces)
+        n = sum(local_tensor(p).numel() for p in group)
         extra = 0 if buckets else 1
-        flat = torch.empty(n + extra, dtype=dtype, device=pieces[0].device)
-        torch.cat(pieces, out=flat[:n]).mul_(weight)
+        flat = torch.empty(n + extra, dtype=dtype, device=local_tensor(group[0]).device)
+        offset = 0
+        for p in group:  # one pass: each gradient is scaled straight into its place
+            size = local_tensor(p).numel()
+            if p.grad is None:
+                flat[offset:offset + size].zero_()
+            else:
+                torch.mul(local_tensor(p.grad).reshape(-1), weight,
+                          out=flat[offset:offset + size])
+            offset += size
         if extra:
             flat[n] = control
         buckets.append((group, flat))
