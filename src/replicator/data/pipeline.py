@@ -160,19 +160,9 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
                  partial_batch: str = "mask") -> Pipeline:
     """The pipeline of ``distribute_dataset``: global batches split across replicas (the
     replicas of ``ctx``, whose data-parallel process group is ``group``)."""
-    options = options or InputOptions()
-    if not isinstance(options, InputOptions):
-        raise TypeError(f"options must be rp.data.InputOptions, got {type(options).__name__}")
+    options, seed = _checked_arguments(options, transform, seed)
     partial_batch = check_partial_batch(partial_batch, options.pad_last_batch)
     empty_part = partial_batch == "empty"
-    if transform is not None and not callable(transform):
-        raise TypeError(f"transform must be a function sample -> sample, got "
-                        f"{type(transform).__name__}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        try:
-            seed = int(seed)  # numpy integers
-        except (TypeError, ValueError):
-            raise TypeError(f"seed must be an integer, got {type(seed).__name__}") from None
     rank, world = ctx.input_pipeline_id, ctx.num_replicas_in_sync
     if reader is not None:
         if isinstance(data, (Dataset, DataLoader)):
@@ -223,7 +213,46 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
     settings: dict[str, Any] = dict(shuffle=shuffle, seed=seed, drop_remainder=drop_remainder,
                     pad_last_batch=options.pad_last_batch)
     split = dict(settings, empty_part=empty_part)  # the plans that split global batches
-    materialise = Materialiser(transform=transform, collate=collate)
+    plan, materialise, num_workers = _choose_plan(
+        loader, dataset, policy, custom, batch_size, rank, world, settings, split, options,
+        Materialiser(transform=transform, collate=collate), num_workers)
+    if num_workers and options.worker_type == "process" and plan.element_level:
+        method = start_method if isinstance(start_method, str) or start_method is None \
+            else start_method.get_start_method()
+        check_picklable(transform, "transform", method)
+        check_picklable(collate, "collate_fn", method)
+    return Pipeline(plan, materialise, options, rank, world, policy, seed, shuffle, batch_size,
+                    drop_remainder, num_workers, worker_init_fn, start_method, group,
+                    partial_batch, dataset)
+
+
+def _checked_arguments(options: InputOptions | None, transform: Callable[[Any], Any] | None,
+                       seed: Any) -> tuple[InputOptions, int]:
+    """``distribute_dataset``'s options (the default when ``None``) and seed, checked."""
+    options = options or InputOptions()
+    if not isinstance(options, InputOptions):
+        raise TypeError(f"options must be rp.data.InputOptions, got {type(options).__name__}")
+    if transform is not None and not callable(transform):
+        raise TypeError(f"transform must be a function sample -> sample, got "
+                        f"{type(transform).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        try:
+            seed = int(seed)  # numpy integers
+        except (TypeError, ValueError):
+            raise TypeError(f"seed must be an integer, got {type(seed).__name__}") from None
+    return options, seed
+
+
+def _choose_plan(loader: DataLoader | None, dataset: Any, policy: AutoShardPolicy, custom: bool,
+                 batch_size: int | None, rank: int, world: int, settings: dict[str, Any],
+                 split: dict[str, Any], options: InputOptions, materialise: Materialiser,
+                 num_workers: int) -> tuple[Plan, Materialiser, int]:
+    """How the global batches are read and split (by the loader itself, by file, from a
+    stream or by index), the materialiser of its elements and the workers it keeps."""
+    transform = materialise.transform
+    drop_remainder, empty_part = settings["drop_remainder"], split["empty_part"]
+    shuffle, seed = settings["shuffle"], settings["seed"]
+    iterable = isinstance(dataset, IterableDataset)
     plan: Plan
     if loader is not None and (custom or (iterable and policy is AutoShardPolicy.OFF)):
         if transform is not None:
@@ -252,14 +281,7 @@ def build_global(data: Any, ctx: InputContext, *, batch_size: int | None, shuffl
         materialise.dataset = dataset
         plan = IndexPlan(num_samples, batch_size, rank, world,  # type: ignore[arg-type]
                          load_all=policy is AutoShardPolicy.OFF, **split)
-    if num_workers and options.worker_type == "process" and plan.element_level:
-        method = start_method if isinstance(start_method, str) or start_method is None \
-            else start_method.get_start_method()
-        check_picklable(transform, "transform", method)
-        check_picklable(collate, "collate_fn", method)
-    return Pipeline(plan, materialise, options, rank, world, policy, seed, shuffle, batch_size,
-                    drop_remainder, num_workers, worker_init_fn, start_method, group,
-                    partial_batch, dataset)
+    return plan, materialise, num_workers
 
 
 def build_per_replica(input_fn: Callable[[InputContext], Iterable[Any]], ctx: InputContext, *,
