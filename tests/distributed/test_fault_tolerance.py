@@ -202,7 +202,9 @@ def test_rank_failing_on_every_attempt_is_reported_after_k_restarts(tmp_path, ca
 
 @pytest.mark.timeout(150)
 def test_hung_rank_becomes_a_named_timeout_then_a_restart(reference, tmp_path, capfd):
-    _run(tmp_path / "out", tmp_path / "backup", "--delay", "1:15:60", timeout=4.0)
+    # rank 1 hangs at step 15 until rank 0 has its timeout (the hang ends then, so the
+    # launcher need not wait out its grace and SIGKILL for a rank still asleep)
+    _run(tmp_path / "out", tmp_path / "backup", "--hang", "1:15:60", timeout=4.0)
     err = capfd.readouterr().err
     first = next(line for line in err.splitlines() if "restarting all workers" in line)
     assert "rank 0 failed" in first and "ReplicaTimeoutError" in first and "rank 1" in first

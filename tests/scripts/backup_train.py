@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +23,11 @@ from torch.utils.data import TensorDataset
 
 import replicator as rp
 from replicator.checkpoint import fault_points
+from replicator.errors import ReplicaTimeoutError
 from replicator.resume import BackupAndRestore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tests package
+from tests.helpers import hang  # noqa: E402
 
 
 class ShardedIds:
@@ -70,6 +75,8 @@ def main() -> None:
     p.add_argument("--terminate", help="RANK:STEP: SIGTERM once")
     p.add_argument("--fail", help="RANK:STEP: raise on every attempt")
     p.add_argument("--delay", help="RANK:STEP:SECONDS (once)")
+    p.add_argument("--hang", help="RANK:STEP:SECONDS (once): a hung rank, away SECONDS or until "
+                   "a rank waiting for it has given up (OUT_DIR/gave-up)")
     p.add_argument("--nan-at", type=int)
     p.add_argument("--stateful-data", action="store_true")
     p.add_argument("--delete", action="store_true")
@@ -125,10 +132,30 @@ def main() -> None:
     attempt = int(os.environ.get("REPLICATOR_RESTART_COUNT",
                                  os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     attempt += args.attempt_offset
+    hung = parse_fault(args.hang) if args.hang and attempt == 0 else None
+    gave_up = Path(args.out) / "gave-up"
     log = open(Path(args.out) / f"log-a{attempt}-r{rank}.jsonl", "a")
+    try:
+        _train(args, backup, dist_data, model, optimizer, scheduler, faults, hung, rank, log)
+    except ReplicaTimeoutError:
+        gave_up.touch()  # the hung rank may come back now: this rank has its error
+        raise
+    log.close()
+    final = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for pid, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            final[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()
+    save_file(final, str(Path(args.out) / f"final-r{rank}.safetensors"),
+              metadata={"lr": str(optimizer.param_groups[0]["lr"])})
+
+
+def _train(args, backup, dist_data, model, optimizer, scheduler, faults, hung, rank, log):
     for step, (ids, xb, yb) in backup.steps(dist_data, num_steps=args.steps):
         for fault in faults:
             fault(step)
+        if hung and rank == hung[0] and step == hung[1]:
+            print(f"rank {rank}: hanging at step {step}", file=sys.stderr, flush=True)
+            hang(hung[2], Path(args.out) / "gave-up")
         if args.step_sleep:
             time.sleep(args.step_sleep)
         noisy = xb + 0.05 * torch.randn_like(xb)
@@ -142,13 +169,6 @@ def main() -> None:
         log.write(json.dumps({"step": step, "ids": ids.tolist(), "draw": float(np.random.rand()),
                               "loss": loss.item()}) + "\n")
         log.flush()
-    log.close()
-    final = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    for pid, state in optimizer.state_dict()["state"].items():
-        for key, value in state.items():
-            final[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()
-    save_file(final, str(Path(args.out) / f"final-r{rank}.safetensors"),
-              metadata={"lr": str(optimizer.param_groups[0]["lr"])})
 
 
 if __name__ == "__main__":
@@ -157,8 +177,6 @@ if __name__ == "__main__":
     # destructors. Run directly (torchrun, TF_CONFIG, SLURM), a finished gloo job can still
     # abort at interpreter teardown ("terminate called without an active exception"), which
     # these equivalence tests are not about.
-    import sys as _sys
-
-    _sys.stdout.flush()
-    _sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)
