@@ -306,18 +306,19 @@ def test_sharded_backup_killed_between_shards_and_marker_resumes_previous(sharde
 
 @pytest.mark.timeout(300)
 def test_the_rerun_line_names_the_step_the_rerun_resumes_from(tmp_path):
-    # rank 1 dies at step 23 while the chief is still finishing the commit of step 20 (its
+    # rank 1 dies at step 13 while the chief is still finishing the commit of step 10 (its
     # COMMIT.json is written; slow steps give rank 1's save thread time to agree on its
-    # writes first): the launcher's line must name step 20, which the rerun loads
+    # writes first): the launcher's line must name step 10 (not 5 before it), which the
+    # rerun loads
     out, backup = tmp_path / "out", tmp_path / "backup"
-    proc = _cli(out, backup, "--save-freq", "5", "--kill", "1:23", "--background",
-                "--slow-commit", "20:5", "--step-sleep", "0.3", max_restarts=0, tmp=tmp_path)
+    proc = _cli(out, backup, "--save-freq", "5", "--kill", "1:13", "--background",
+                "--slow-commit", "10:5", "--step-sleep", "0.3", max_restarts=0, tmp=tmp_path)
     assert proc.returncode != 0
-    assert (backup / "step-00000020" / "COMMIT.json").exists()
+    assert (backup / "step-00000010" / "COMMIT.json").exists()
     line = next(s for s in proc.stderr.splitlines() if "resume from the backup" in s)
     said = int(line.split("(step ")[1].split()[0])
-    rerun = _cli(out, backup, "--save-freq", "5", "--steps", "25", "--attempt-offset", "1",
+    rerun = _cli(out, backup, "--save-freq", "5", "--steps", "15", "--attempt-offset", "1",
                  tmp=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     resumed = next(s for s in rerun.stderr.splitlines() if "resuming from" in s)
-    assert f"(step {said}," in resumed and said == 20, (line, resumed)
+    assert f"(step {said}," in resumed and said == 10, (line, resumed)
