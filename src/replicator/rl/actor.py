@@ -31,7 +31,7 @@ from replicator.rl import transport as T
 from replicator.rl.environments import env_name, make_vector_env
 from replicator.rl.experience import ExperienceBuilder
 
-__all__ = ["ActorConfig", "EnvironmentStepError", "run_actor"]
+__all__ = ["ActorConfig", "EnvironmentStepError", "run_actor", "named_weights"]
 
 
 #: Batches an actor keeps queued for sending: few, so that experience waiting behind the
@@ -112,7 +112,13 @@ class _Links:
 
 
 def _load(policy: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
-    state = policy.state_dict()
+    policy.load_state_dict(named_weights(policy.state_dict(), tensors))
+
+
+def named_weights(state: dict[str, torch.Tensor], tensors: list[torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+    """The published ``tensors`` under the names of ``state`` (policy_fn()'s state dict),
+    refused when their number or shapes differ."""
     if len(state) != len(tensors) or any(tuple(a.shape) != tuple(b.shape)
                                          for a, b in zip(state.values(), tensors)):
         raise ClusterConfigError(
@@ -120,7 +126,7 @@ def _load(policy: torch.nn.Module, tensors: list[torch.Tensor]) -> None:
             f"{[tuple(t.shape) for t in tensors]}; policy_fn() builds a state dict of "
             f"{[tuple(t.shape) for t in state.values()]}. HINT: publish the module policy_fn "
             "builds.")
-    policy.load_state_dict(dict(zip(state, tensors)))
+    return dict(zip(state, tensors))
 
 
 def _act(act_fn: Callable[..., Any] | None, policy: torch.nn.Module, obs: torch.Tensor

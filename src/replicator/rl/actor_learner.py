@@ -25,6 +25,7 @@ from replicator.cluster.timeouts import resolve_timeout
 from replicator.data import InputContext
 from replicator.errors import ClusterConfigError
 from replicator.rl.actor import ActorConfig, run_actor
+from replicator.rl.actor_loop import ActorSession
 from replicator.rl.environments import check_env
 from replicator.rl.learner_server import ExperienceServer
 from replicator.rl.replay import ReplayBuffer
@@ -102,7 +103,9 @@ class ActorLearner:
         self.step = 0
         self._server: ExperienceServer | None = None
         self._published: tuple[int, list[torch.Tensor]] | None = None
+        self._actor_session: ActorSession | None = None
         self.strategy: Strategy | None = None
+        self.rank = -1
         if is_actor():
             return
         if self.num_actors < 1:
@@ -129,13 +132,15 @@ class ActorLearner:
         return self.strategy is None
 
     # the actor's side
-    def run_actor(self) -> dict[str, int]:
-        """Step environments until the learners end (actors only)."""
+    def _actor_config(self, what: str) -> ActorConfig:
         if not self.is_actor:
-            raise RuntimeError("run_actor() is for actor processes. HINT: branch on "
-                               "rp.rl.is_actor() (or ActorLearner.is_actor).")
+            raise RuntimeError(
+                f"{what} is for actor processes, and this is learner replica {self.rank}. "
+                "HINT: branch on rp.rl.is_actor() (or ActorLearner.is_actor); a learner gives "
+                "weights with publish_weights(model) (or batches(policy=...)) and reads "
+                "experience with batches().")
         queue_kind = isinstance(self.replay, TrajectoryQueue)
-        cfg = ActorConfig(
+        return ActorConfig(
             index=actor_index(), num_learners=max(1, _int_env(NUM_LEARNERS_ENV)),
             num_envs=self.num_envs, seed=self.seed,
             kind="trajectories" if queue_kind else "transitions",
@@ -144,7 +149,46 @@ class ActorLearner:
             unroll_length=self.replay.length if isinstance(self.replay, TrajectoryQueue) else 0,
             lockstep=self.lockstep, round_steps=self.round_steps, send_every=self.send_every,
             timeout_seconds=self.timeout_seconds, restart=_int_env(REJOIN_ENV))
-        return run_actor(cfg, self.env_fn, self.policy_fn, self.act_fn)
+
+    def run_actor(self) -> dict[str, int]:
+        """Step environments until the learners end (actors only)."""
+        return run_actor(self._actor_config("run_actor()"), self.env_fn, self.policy_fn,
+                         self.act_fn)
+
+    def _session(self, what: str) -> ActorSession:
+        if self._actor_session is None:
+            cfg = self._actor_config(what)
+            if cfg.lockstep:
+                raise ClusterConfigError(
+                    f"actor {cfg.index}: lockstep mode runs the library's actor loop. HINT: "
+                    "call run_actor(), or drop lockstep= for a loop of your own.")
+            self._actor_session = ActorSession(cfg, self.env_fn, self.policy_fn)
+        return self._actor_session
+
+    def latest_weights(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """For a loop of your own on an actor: ``(version, state_dict)`` newer than the
+        weights it last returned, else ``None`` (also once the learners ended, see
+        :attr:`learners_done`). The first call waits for the first publication; later ones
+        never wait on the learner's training loop (a learner thread answers)."""
+        return self._session("latest_weights()").latest_weights()
+
+    def send(self, obs: Any, action: Any, reward: Any, next_obs: Any, terminated: Any,
+             truncated: Any, *, version: int | None = None, final_obs: Any = None,
+             extras: dict[str, torch.Tensor] | None = None) -> bool:
+        """For a loop of your own on an actor: one environment step of experience (unbatched
+        for one env, leading dim ``N`` for ``N``). ``next_obs`` is the observation the next
+        step starts from (after a reset), ``final_obs`` the one this step ended in when it
+        differs. ``version`` defaults to the weights version last returned by
+        :meth:`latest_weights`. Shipped every ``send_every`` items; False once the learners
+        ended."""
+        return self._session("send()").send(obs, action, reward, next_obs, terminated,
+                                            truncated, version=version, final_obs=final_obs,
+                                            extras=extras)
+
+    @property
+    def learners_done(self) -> bool:
+        """On an actor: True once the learners ended (a loop of your own stops then)."""
+        return self._actor_session is not None and self._actor_session.done
 
     # the learner's side
     def _started(self) -> ExperienceServer:
@@ -226,7 +270,10 @@ class ActorLearner:
                 self._server.publish(*self._published)
 
     def close(self) -> None:
-        """Tell the actors the learner is done (they exit) and release the replay."""
+        """Tell the actors the learner is done (they exit) and release the replay; on an
+        actor, send what a loop of its own has left and leave."""
+        if self._actor_session is not None:
+            self._actor_session.close()
         if self._server is not None:
             self._server.close()
         self.replay.close()
