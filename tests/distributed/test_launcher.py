@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 import replicator as rp
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.testing import assert_params_close
+from tests.helpers import hang, launch
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 REPLICATOR = [sys.executable, "-m", "replicator.cli"]
@@ -130,17 +131,24 @@ def test_replicator_run_prints_the_failing_ranks_traceback_first_and_once():
     assert "Other ranks" in err and "rank 0" in err
 
 
-def _sleep_on_rank1(_: int) -> None:
+def _sleep_on_rank1(gave_up: str) -> None:
     s = rp.MirroredStrategy()
     if s.replica_id == 1:
-        time.sleep(600)  # beyond the test's own timeout: only the 3 s collective timeout ends it
-    s.reduce("sum", torch.ones(1))
+        # away past the 3 s collective timeout however slow the machine: until rank 0 has its
+        # error (then the launcher need not wait out its grace for a rank still asleep)
+        hang(600, gave_up)
+        return
+    try:
+        s.reduce("sum", torch.ones(1))
+    finally:
+        Path(gave_up).touch()
 
 
 @pytest.mark.timeout(180)
-def test_collective_a_rank_never_joins_times_out_naming_it():
+def test_collective_a_rank_never_joins_times_out_naming_it(tmp_path):
     with pytest.raises(rp.WorkerFailedError) as info:
-        rp.launch(_sleep_on_rank1, num_replicas=2, args=(0,), timeout_seconds=3)
+        launch(_sleep_on_rank1, num_replicas=2, args=(str(tmp_path / "gave_up"),),
+               timeout_seconds=3)
     err = info.value
     assert err.rank == 0
     assert "ReplicaTimeoutError" in str(err)
