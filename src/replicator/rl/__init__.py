@@ -4,7 +4,8 @@ Actors are processes of their own (``replicator run --nproc L --num-actors A``) 
 Gymnasium environments with the newest weights they hold; experience goes to a replay buffer
 sharded over the learner replicas (:class:`ReplayBuffer`, D4PG) or a queue of fixed-length
 trajectories (:class:`TrajectoryQueue`, IMPALA); the learner is any synchronous strategy whose
-input is that replay. :class:`ActorLearner` ties them together.
+input is that replay. :class:`ActorLearner` ties them together (its ``run_actor()``, or a loop
+of the script's own with ``latest_weights()`` and ``send()``).
 """
 
 from replicator.rl.actor import EnvironmentStepError

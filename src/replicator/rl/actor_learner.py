@@ -1,10 +1,11 @@
 """``rp.rl.ActorLearner``: actors feeding a replicated learner, in one script for every role.
 
 Every process runs the same script. On an actor (``rp.rl.is_actor()``) ``run_actor()`` steps
-environments until the learners end. On a learner replica the strategy is built (pass the
-class, e.g. ``rp.MirroredStrategy``, so actors never build one), the replay becomes this
-replica's shard, and ``batches()`` is the replay read as the per-replica ``input_fn`` of a
-synchronous strategy; weights go to the actors every ``publish_every`` steps.
+environments until the learners end, or a loop of the script's own takes weights with
+``latest_weights()`` and sends experience with ``send()``. On a learner replica the strategy
+is built (pass the class, e.g. ``rp.MirroredStrategy``, so actors never build one), the
+replay becomes this replica's shard, and ``batches()`` is the replay read as the per-replica
+``input_fn`` of a synchronous strategy; weights go to the actors every ``publish_every`` steps.
 """
 
 from __future__ import annotations
