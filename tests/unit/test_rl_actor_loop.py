@@ -60,6 +60,7 @@ def test_latest_weights_by_version_and_experience_carries_it(actor_env):
     version, state = al.latest_weights()  # the first call waits for the first weights
     assert version == 0 and list(state) == ["weight", "bias"]
     assert torch.equal(state["weight"], learner_policy.weight.detach())
+    time.sleep(0.1)  # past the poll interval: the learner is asked, and sends nothing again
     assert al.latest_weights() is None  # nothing newer than version 0
 
     with torch.no_grad():

@@ -197,7 +197,7 @@ class ExperienceServer:
                     self.episodes.extend((float(r), self.env_steps, now)
                                          for r in msg.payload.tolist())
             elif msg.kind == T.ASK:
-                self._answer(conn, msg.b)
+                self._answer(conn, msg.a, msg.b)
             elif msg.kind == T.BYE:
                 return
             else:
@@ -226,12 +226,14 @@ class ExperienceServer:
                 return
         self.replay.add(items)
 
-    def _answer(self, conn: Connection, round_: int) -> None:
+    def _answer(self, conn: Connection, held: int, round_: int) -> None:
         with self._lock:
             snapshot = self._snapshot
         if snapshot is not None and self.lockstep and \
                 snapshot[0] != (round_ // self.publish_every) * self.publish_every:
             snapshot = None  # not this round's weights yet
+        elif snapshot is not None and not self.lockstep and snapshot[0] == held:
+            snapshot = None  # the actor holds these already: nothing to send again
         if snapshot is None:
             T.send_weights(conn, -1, None)
         else:
