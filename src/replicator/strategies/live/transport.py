@@ -1,8 +1,13 @@
-"""torchft's HTTP checkpoint transport, listening on one address and loading without pickle.
+"""The checkpoint transport a healing group fetches a peer's state through: torchft's
+:class:`~torchft.checkpointing.CheckpointTransport` interface over HTTP, listening on one address
+and loading without pickle.
 
-As shipped, ``HTTPTransport`` listens on every interface and loads with
-``weights_only=False``; here it listens on the given address (``REPLICATOR_LIVE_BIND``) and
-loads with ``weights_only=True`` (the state is tensors and plain values, ``state.py``).
+torchft's own ``HTTPTransport`` listens on every interface and loads with
+``weights_only=False``; this one listens on the given address (``REPLICATOR_LIVE_BIND``,
+loopback by default) and loads with ``weights_only=True`` (the state is tensors and plain
+values, ``state.py``). A state is served only between ``send_checkpoint`` and
+``disallow_checkpoint``, which waits until every fetch in flight has finished, so the state is
+never read while the next step changes it.
 """
 
 from __future__ import annotations
@@ -16,70 +21,139 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, cast
 
-import torchft.checkpointing.http_transport as http_transport  # type: ignore[import-untyped]
-from torchft.checkpointing import HTTPTransport  # type: ignore[import-untyped]
+import torch
+from torch.utils._pytree import tree_map
+from torchft.checkpointing import CheckpointTransport  # type: ignore[import-untyped]
 from torchft.checkpointing._serialization import (  # type: ignore[import-untyped]
     _streaming_load,
+    _streaming_save,
 )
 
-_SERVER_CLASS_LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
 
 
-def _log_to_debug(handler: BaseHTTPRequestHandler, format: str, *args: Any) -> None:
-    """A request's access-log line, at debug level of this module's logger (``http.server``
-    writes it to stderr for every state a healing group fetches)."""
-    logger.debug("%s %s", handler.address_string(), format % args)
+class _StateHandler(BaseHTTPRequestHandler):
+    """``GET /checkpoint/<step>/full``: the state of ``step`` while it is served."""
+
+    server: _StateServer
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        transport = self.server.transport
+        self.connection.settimeout(transport.timeout_s)
+        parts = self.path.split("/")
+        if len(parts) != 4 or parts[1] != "checkpoint" or not parts[2].lstrip("-").isdigit():
+            self.send_error(400, f"expected /checkpoint/<step>/full, got {self.path}")
+            return
+        state = transport.begin_read(int(parts[2]))
+        if isinstance(state, str):
+            self.send_error(400 if "serving" in state else 503, state)
+            return
+        try:
+            self.send_response(200)
+            self.send_header("Content-type", "application/octet-stream")
+            self.end_headers()
+            _streaming_save(state, self.wfile)
+        except OSError as exc:  # the healing group went away mid-transfer
+            logger.debug("a state transfer to %s ended early: %s", self.address_string(), exc)
+        finally:
+            transport.end_read()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+        """A request's access-log line, at debug level (http.server writes it to stderr for
+        every state a healing group fetches)."""
+        logger.debug("%s %s", self.address_string(), format % args)
 
 
-def _server_class(host: str) -> type[ThreadingHTTPServer]:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+class _StateServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024
 
-    class BoundServer(ThreadingHTTPServer):
-        address_family = family
-        request_queue_size = 1024
-
-        def __init__(self, server_address: Any, handler: Any) -> None:
-            # torchft's request handler, its access log sent to logging instead of stderr
-            quiet = type(handler.__name__, (handler,), {"log_message": _log_to_debug})
-            super().__init__((host, 0), quiet)
-
-    return BoundServer
+    def __init__(self, host: str, transport: BoundHTTPTransport) -> None:
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.transport = transport
+        super().__init__((host, 0), _StateHandler)
 
 
-class BoundHTTPTransport(HTTPTransport[Any]):
-    """:class:`~torchft.checkpointing.HTTPTransport` on ``host`` only, loading tensors and
+class BoundHTTPTransport(CheckpointTransport[Any]):
+    """torchft's checkpoint transport interface served on ``host`` only, loading tensors and
     plain values only (``weights_only=True``)."""
 
     def __init__(self, host: str, timeout: timedelta) -> None:
         self._host = host
-        with _SERVER_CLASS_LOCK:  # torchft builds its server from this module-level name
-            original = http_transport._IPv6HTTPServer
-            http_transport._IPv6HTTPServer = _server_class(host)  # type: ignore[misc]
-            try:
-                super().__init__(timeout=timeout, num_chunks=0)
-            finally:
-                http_transport._IPv6HTTPServer = original  # type: ignore[misc]
+        self.timeout_s = timeout.total_seconds()
+        self._cond = threading.Condition()
+        self._state: Any = None
+        self._step: int | None = None  # the step served; None: nothing served now
+        self._readers = 0
+        #: Seconds the last received state took to arrive (what a healing group waited for).
+        self.last_recv_seconds: float | None = None
+        self._server = _StateServer(host, self)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="replicator-live-state-server")
+        self._thread.start()
 
-    #: Seconds the last received state took to arrive (what a healing group waited for).
-    last_recv_seconds: float | None = None
+    # -- the serving side ------------------------------------------------------------------------
+    def begin_read(self, step: int) -> Any:
+        """The state of ``step`` for one fetch (ended by :meth:`end_read`), or why not (text)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while self._step is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return f"no state was offered within {self.timeout_s:.0f} s"
+                self._cond.wait(left)
+            if step != self._step:
+                return f"serving the state of step {self._step}, not of step {step}"
+            self._readers += 1
+            return self._state
+
+    def end_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    def metadata(self) -> str:
+        return self.address()
 
     def address(self) -> str:
-        """Where a healing group fetches the state: the bound host (torchft's own answer is
-        this machine's hostname, which need not resolve to the bound address)."""
+        """Where a healing group fetches the state (the step and ``/full`` follow)."""
         port = self._server.socket.getsockname()[1]
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"http://{host}:{port}/checkpoint/"
 
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any,
+                        timeout: timedelta) -> None:
+        """Serve ``state_dict`` as step ``step`` (a device's tensors copied to the CPU first)."""
+        on_cpu = tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, state_dict)
+        with self._cond:
+            self._state, self._step = on_cpu, step
+            self._cond.notify_all()
+
+    def disallow_checkpoint(self) -> None:
+        """Stop serving; returns once no fetch reads the state any more (bounded by the
+        timeout: a fetch stuck longer is cut off by its socket's timeout too)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            self._step = None
+            while self._readers and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            self._state = None
+
+    def shutdown(self, wait: bool = True) -> None:
+        if wait:
+            self.disallow_checkpoint()
+        self._server.shutdown()
+        self._server.server_close()
+        if wait:
+            self._thread.join(self.timeout_s)
+
+    # -- the receiving side ----------------------------------------------------------------------
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta) -> Any:
         start = time.perf_counter()
         try:
-            return super().recv_checkpoint(src_rank, metadata, step, timeout)
+            with urllib.request.urlopen(f"{metadata}{step}/full",
+                                        timeout=timeout.total_seconds()) as f:
+                return cast(object, _streaming_load(f, weights_only=True))
         finally:
             self.last_recv_seconds = time.perf_counter() - start
-
-    @classmethod
-    def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-            return cast(object, _streaming_load(f, weights_only=True))
