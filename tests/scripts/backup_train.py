@@ -141,12 +141,16 @@ def main() -> None:
         gave_up.touch()  # the hung rank may come back now: this rank has its error
         raise
     log.close()
+    _save_final(model, optimizer, Path(args.out) / f"final-r{rank}.safetensors")
+
+
+def _save_final(model, optimizer, path: Path) -> None:
+    """The final model and optimizer state, compared with the uninterrupted run's."""
     final = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     for pid, state in optimizer.state_dict()["state"].items():
         for key, value in state.items():
             final[f"optimizer.{pid}.{key}"] = torch.as_tensor(value).clone().contiguous()
-    save_file(final, str(Path(args.out) / f"final-r{rank}.safetensors"),
-              metadata={"lr": str(optimizer.param_groups[0]["lr"])})
+    save_file(final, str(path), metadata={"lr": str(optimizer.param_groups[0]["lr"])})
 
 
 def _train(args, backup, dist_data, model, optimizer, scheduler, faults, hung, rank, log):
