@@ -29,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from replicator.cluster.env_names import REPLICA_ID_FORMAT
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.cluster.ports import listen
+from replicator.cluster.process_group import on_shutdown
 from replicator.comm.gradient_sync import local_tensor
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.live_split import Share
@@ -130,6 +131,7 @@ class LiveEngine:
                 checkpoint_transport=self._transport,
                 init_sync=True)
         except Exception as exc:  # noqa: BLE001 - torchft raises plain RuntimeErrors
+            self._transport.shutdown(wait=False)  # its server thread would outlive the error
             raise LighthouseUnreachableError(
                 f"{self.who} could not join the lighthouse at {settings.lighthouse}: "
                 f"{_first_line(exc)}. HINT: is the lighthouse running and reachable? "
@@ -137,6 +139,7 @@ class LiveEngine:
                 "`torchft_lighthouse --min_replicas M --bind HOST:PORT`") from exc
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._install_sigterm()
+        on_shutdown(self.close)  # a script that ends on an error stops the state server too
 
     # -- setup -----------------------------------------------------------------------------------
     def _store_address(self) -> tuple[str, int]:
@@ -400,6 +403,7 @@ class LiveEngine:
             self.manager.shutdown(wait=False)
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
+        self._transport.shutdown(wait=False)
 
     def _check_open(self) -> None:
         if self._closed:

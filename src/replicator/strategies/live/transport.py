@@ -85,6 +85,7 @@ class BoundHTTPTransport(CheckpointTransport[Any]):
         self._state: Any = None
         self._step: int | None = None  # the step served; None: nothing served now
         self._readers = 0
+        self._shut = False
         #: Seconds the last received state took to arrive (what a healing group waited for).
         self.last_recv_seconds: float | None = None
         self._server = _StateServer(host, self)
@@ -140,6 +141,10 @@ class BoundHTTPTransport(CheckpointTransport[Any]):
             self._state = None
 
     def shutdown(self, wait: bool = True) -> None:
+        """Stop serving and close the server (idempotent); ``wait``: for fetches in flight."""
+        if self._shut:
+            return
+        self._shut = True
         if wait:
             self.disallow_checkpoint()
         self._server.shutdown()
