@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -160,16 +161,15 @@ def heal_worker(out: Path) -> None:
                                              "heal_s": live.last_heal_seconds})
 
 
-def restart_worker(out: Path, width: int, depth: int, samples: int, lr: float) -> None:
+def _mirrored_training(width: int, depth: int, lr: float) -> tuple[Any, Any, Any, Any]:
+    """MirroredStrategy, the model, its optimizer and the step: what the restart run and the
+    live engine's reference step both train."""
     import replicator as rp
 
     strategy = rp.MirroredStrategy()
     with strategy.scope():
         model = build(width, depth)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    backup = rp.BackupAndRestore(str(out / "backup"), save_freq=SAVE_FREQ)
-    backup.track(model=model, optimizer=opt)
-    rank = int(os.environ.get("RANK", "0"))
 
     def step_fn(batch):
         x, y = batch
@@ -178,6 +178,17 @@ def restart_worker(out: Path, width: int, depth: int, samples: int, lr: float) -
         opt.step()
         opt.zero_grad()
         return loss.detach()
+
+    return strategy, model, opt, step_fn
+
+
+def restart_worker(out: Path, width: int, depth: int, samples: int, lr: float) -> None:
+    import replicator as rp
+
+    strategy, model, opt, step_fn = _mirrored_training(width, depth, lr)
+    backup = rp.BackupAndRestore(str(out / "backup"), save_freq=SAVE_FREQ)
+    backup.track(model=model, optimizer=opt)
+    rank = int(os.environ.get("RANK", "0"))
 
     dist = strategy.distribute_dataset(data(samples), batch_size=BATCH, shuffle=True)
     for _, batch in backup.steps(dist, epochs=10_000):
@@ -189,22 +200,10 @@ def restart_worker(out: Path, width: int, depth: int, samples: int, lr: float) -
 def mirrored_worker(out: Path, width: int, depth: int, samples: int, lr: float) -> None:
     """The same model, data and global batch on ``MirroredStrategy`` alone: the step that the
     live engine's failure-free step is measured against."""
-    import replicator as rp
     from replicator.comm import timing
 
-    strategy = rp.MirroredStrategy()
-    with strategy.scope():
-        model = build(width, depth)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    strategy, _, _, step_fn = _mirrored_training(width, depth, lr)
     rank = int(os.environ.get("RANK", "0"))
-
-    def step_fn(batch):
-        x, y = batch
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
 
     periods: list[float] = []
     base: tuple[int, float] | None = None
