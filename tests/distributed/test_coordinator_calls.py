@@ -32,10 +32,12 @@ class Toy(nn.Module):
         return self.head(self.table(ids).flatten(1)).squeeze(1)
 
 
-def _setup(timeout: float = 30.0):  # type: ignore[no-untyped-def]
+def _setup(timeout: float = 30.0, worker_delay: float = 0.0):  # type: ignore[no-untyped-def]
     strategy = rp.ParameterServerStrategy(
         num_ps=2, staleness=0, timeout_seconds=timeout,
         variable_partitioner=rp.ps.MaxSizePartitioner(max_shard_bytes=ROWS * DIM * 2))
+    if not strategy.is_chief:
+        time.sleep(worker_delay)  # a worker slow to start (a busy host)
     coordinator = rp.ClusterCoordinator(strategy)
     with strategy.scope():
         model = Toy()
@@ -125,18 +127,22 @@ def test_a_function_scheduled_on_the_chief_only_is_a_mismatch_not_a_timeout():
     assert "worker rank 1 waits in coordinator.join() (call 1) having scheduled 1" in text, text
 
 
-def chief_creates_a_dataset() -> None:
+def chief_creates_a_dataset(worker_delay: float = 0.0) -> None:
     """The chief alone creates a per-worker dataset, then every process joins."""
-    _, coordinator, _ = _setup()
+    _, coordinator, _ = _setup(worker_delay=worker_delay)
     if coordinator.is_chief:
         coordinator.create_per_worker_dataset(_input_fn(0))
     coordinator.join()
 
 
 @pytest.mark.timeout(120)
-def test_a_dataset_created_on_the_chief_only_is_a_mismatch_at_join():
+@pytest.mark.parametrize("worker_delay", [0.0, 3.0], ids=["together", "workers_late"])
+def test_a_dataset_created_on_the_chief_only_is_a_mismatch_at_join(worker_delay):
+    # workers_late: the chief's script ends before any worker connects; it waits for them
+    # (they get its markers and find the mismatch), not closing the socket in their faces
     with pytest.raises(rp.WorkerFailedError) as info:
-        launch(chief_creates_a_dataset, num_replicas=5, num_ps=2, timeout_seconds=30)
+        launch(chief_creates_a_dataset, args=(worker_delay,), num_replicas=5, num_ps=2,
+               timeout_seconds=30)
     text = str(info.value)
     assert "CallMismatchError: worker rank" in text, text
     assert "reached coordinator.join() (call 1) with 0 function(s) scheduled, 0 per-worker " \

@@ -355,6 +355,11 @@ class ClusterCoordinator:
             except (NoWorkerError, CallMismatchError):
                 pass
             self._queue.post("stop", 0, encode(self._counts(), "stop"))
+            absent = self._queue.wait_all_gone(self._timeout)
+            if absent:
+                print(f"[replicator] coordinator: worker rank(s) {absent} never connected "
+                      f"within {self._timeout:.0f} s; the chief ends without them",
+                      file=sys.stderr, flush=True)
             self._dispatcher.close(self._timeout)
 
     # -- a worker's side ---------------------------------------------------------------------------

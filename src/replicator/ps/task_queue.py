@@ -405,6 +405,19 @@ class TaskQueue:
         self.cond.notify_all()
         return task
 
+    def wait_all_gone(self, timeout: float) -> list[int]:
+        """Until every expected worker has connected and left (or was lost), at most
+        ``timeout`` s: a worker still starting gets the chief's markers instead of a closed
+        socket. Returns the workers that never came within the time."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while len(self.gone) < len(self.expected):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(min(left, 1.0))
+            return [w for w in self.expected if w not in self.gone and w not in self.live]
+
     def stats(self) -> dict[str, Any]:
         with self.cond:
             return {"scheduled": len(self.tasks), "reruns": self.reruns,
