@@ -59,9 +59,13 @@ def test_each_fragment_is_exchanged_and_applied_once_per_round(h, f, d):
     assert last == sorted(last)  # in turns
 
 
-def test_replica_groups_are_refused_before_any_group_starts(monkeypatch):
+@pytest.mark.parametrize("kwargs", [{"fragments": 2}, {"sync_delay": 1},
+                                    {"compression": "int8"}, {"hosts": 2}])
+def test_settings_replica_groups_lack_are_refused_before_any_group_starts(monkeypatch, kwargs):
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUPS", "2")
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUP", "1")
     monkeypatch.setenv("REPLICATOR_LIGHTHOUSE", "http://localhost:29510")
-    with pytest.raises(rp.errors.ClusterConfigError, match="replica groups yet.*HINT"):
-        rp.DiLoCoStrategy(inner_steps=4)
+    name = next(iter(kwargs))
+    with pytest.raises(rp.errors.ClusterConfigError,
+                       match=f"{name}=.*not supported in replica groups.*HINT"):
+        rp.DiLoCoStrategy(inner_steps=4, **kwargs)

@@ -8,6 +8,13 @@ and random state. The lighthouse is asked for a quorum only every ``quorum_every
 steps while membership holds (off the step's path): a lost group fails the others' all-reduce,
 so the redo asks at once; a group that leaves on SIGTERM (exit code 75) says so in its last
 step's all-reduce, so the others ask at the next step without a failed step.
+
+In rounds (:meth:`LiveEngine.use_rounds`, DiLoCo's replica groups): the groups train alone
+for ``round_steps`` steps each on its share of every global batch, then average one tensor
+across the quorum (:meth:`LiveEngine.sync_round`). A quorum is joined at every round start,
+where a group behind heals (weights, optimizers, schedulers, random state and the owner's
+round state); a round not committed is rolled back to its start and trained again with the
+new quorum's shares, so every sample is still trained once.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -59,6 +66,17 @@ class Quorum:
     participant: int    # this group's index among the participants
     participants: int   # groups taking part in the step
     healed: bool        # this group received its state from a peer in this quorum
+
+
+class RoundOwner(Protocol):
+    """A strategy whose groups synchronise once every ``round_steps`` steps; its state beyond
+    modules and optimizers (outer weights, its step) heals and rolls back with them."""
+
+    round_steps: int
+
+    def round_state(self) -> dict[str, Any]: ...
+
+    def load_round_state(self, state: dict[str, Any]) -> None: ...
 
 
 class _Snapshot:
@@ -102,6 +120,9 @@ class LiveEngine:
         self._quorum: Quorum | None = None
         self._share: Share | None = None
         self._snapshot: _Snapshot | None = None
+        self._rounds: RoundOwner | None = None
+        self._in_round = 0            # rounds: steps taken since the round's start
+        self._round_start: dict[str, Any] | None = None
         self._healed_now = False
         self._progress_check: Callable[[dict[str, Any]], None] | None = None
         self._leave_requested = False
@@ -168,10 +189,20 @@ class LiveEngine:
             signal.signal(signal.SIGTERM, request_leave)
 
     # -- the step ----------------------------------------------------------------------------------
+    def use_rounds(self, owner: RoundOwner) -> None:
+        """Synchronise in rounds of ``owner.round_steps`` steps (see the module doc), before
+        the first step."""
+        if self._quorum is not None:
+            raise LiveRecoveryError(f"{self.who}: rounds must be set before the first step")
+        self._rounds = owner
+
     @property
     def committed_steps(self) -> int:
-        """Steps committed so far (the next step's global batch)."""
-        return int(self.manager.current_step())
+        """Steps committed so far (the next step's global batch); in rounds, the steps of
+        committed rounds plus those of the round in progress."""
+        if self._rounds is None:
+            return int(self.manager.current_step())
+        return int(self.manager.current_step()) * self._rounds.round_steps + self._in_round
 
     @property
     def writes_backups(self) -> bool:
@@ -182,6 +213,12 @@ class LiveEngine:
     def resume_at(self, step: int) -> None:
         """Continue from committed step ``step`` (restored from a backup on disk, when every
         group was lost at once); a peer further on still heals this group."""
+        if self._rounds is not None:
+            raise LiveRecoveryError(
+                f"{self.who} cannot resume a run that synchronises in rounds from a backup: "
+                "the backup lacks the round's outer state. HINT: keep at least one replica "
+                "group alive (a restarted group heals from a peer), or run without "
+                "--replica-groups to resume from backups")
         self.manager.load_state_dict({"step": int(step), "batches_committed": int(step)})
         self._quorum_due = True
 
@@ -213,14 +250,20 @@ class LiveEngine:
         start = self._add("quorum", start)
         self._quorum = Quorum(self.committed_steps, participant, participants,
                               self._healed_now)
-        self._snapshot = _Snapshot(self._modules())
+        if self._rounds is None:
+            self._snapshot = _Snapshot(self._modules())
+        elif self._in_round == 0:  # what a round not committed starts again from
+            self._round_start = self._state()
         self._phase = "begun"
         self._add("bookkeeping", start)
         return self._quorum
 
     def _quorum_is_due(self) -> bool:
         """Whether this step asks the lighthouse: every group of the last quorum answers the
-        same, from the committed step and what the last all-reduce carried."""
+        same, from the committed step and what the last all-reduce carried; in rounds, every
+        round start."""
+        if self._rounds is not None:
+            return self._in_round == 0
         return self._quorum_due or self.committed_steps % self.settings.quorum_every == 0
 
     def _join_quorum(self) -> tuple[int, int]:
@@ -287,7 +330,11 @@ class LiveEngine:
             return  # a second optimizer of the same step: its gradients are averaged already
         if self._phase == "idle":
             self.begin_step()
-        self.commit()
+        if self._rounds is None:
+            self.commit()
+        else:  # an inner step: the group's own; the round's end syncs across groups
+            self._in_round += 1
+            self._phase = "committed"
 
     def _steps_our_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
         ours = {id(p) for m in self._modules() for p in m.parameters()}
@@ -321,6 +368,25 @@ class LiveEngine:
             self._leave_announced = self._announce_leave
         self._phase = "committed"
 
+    def sync_round(self, flat: torch.Tensor) -> torch.Tensor:
+        """In rounds, at the round's last step: the average of ``flat`` over the quorum's
+        groups, or ``StepNotCommitted`` (the round is then trained again; see run_step)."""
+        quorum = self._quorum
+        if self._rounds is None or quorum is None:
+            raise LiveRecoveryError(f"{self.who}: sync_round outside a round; please report "
+                                    "this as a bug")
+        start = time.perf_counter()
+        flat = flat / quorum.participants
+        self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+        start = self._add("allreduce", start)
+        committed = self.manager.should_commit()
+        self._add("commit", start)
+        if not committed:
+            raise StepNotCommitted(f"{self.who}: the round ending at step {quorum.step} was "
+                                   "not committed")
+        self._in_round = 0
+        return flat
+
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
         """Run one step through ``call(args)``, redoing it with the next quorum until it is
         committed (see the module doc)."""
@@ -330,12 +396,7 @@ class LiveEngine:
             try:
                 result = call(args)
             except StepNotCommitted:
-                self._roll_back()
-                quorum = self.begin_step()
-                self.redone_steps += 1
-                if self.source is None:
-                    continue
-                new_args = self.source.reshare(args, quorum)
+                new_args = self._redo(call, args)
                 if new_args is None:  # healed past the end of the data
                     return None
                 args = new_args
@@ -344,11 +405,38 @@ class LiveEngine:
                 self._phase = "idle"  # a step without an optimizer step (evaluation)
             return result
 
+    def _redo(self, call: Callable[[tuple], Any], args: tuple) -> tuple | None:
+        """After a step not committed: roll back, join the next quorum and return the step's
+        arguments cut for it; in rounds, first train the round's earlier steps again."""
+        self._roll_back()
+        quorum = self.begin_step()
+        self.redone_steps += 1
+        if self.source is None:
+            if self._rounds is not None:
+                raise LiveRecoveryError(
+                    f"{self.who} must train a round again with a new quorum, but the batches "
+                    "did not come from strategy.distribute_dataset. HINT: iterate the "
+                    "distributed dataset and pass its batches to strategy.run")
+            return args
+        new_args = self.source.reshare(args, quorum)
+        rounds = self._rounds
+        while new_args is not None and rounds is not None \
+                and (quorum.step + 1) % rounds.round_steps:
+            call(new_args)  # an inner step: nothing crosses the groups before the round's end
+            if self._phase == "begun":
+                raise LiveRecoveryError(f"{self.who}: a step of a round took no optimizer "
+                                        "step. HINT: step the optimizer in every step")
+            quorum = self.begin_step()
+            new_args = self.source.reshare(new_args, quorum)
+        return new_args
+
     def _roll_back(self) -> None:
         self._quorum_due = True  # the quorum changed: a group failed or left
         for _, p in live_state.named_parameters(self._modules()):
             p.grad = None
-        if self._snapshot is not None:
+        if self._rounds is not None and self._round_start is not None:
+            self._apply(self._round_start, lambda progress: None)
+        elif self._snapshot is not None:
             self._snapshot.restore()
         self._phase = "idle"
 
@@ -363,12 +451,21 @@ class LiveEngine:
         source = self.source
         if source is not None:
             progress.update(source.progress(self.committed_steps))
-        return live_state.capture(self._modules(), progress)
+        state = live_state.capture(self._modules(), progress)
+        if self._rounds is not None:
+            state["round"] = self._rounds.round_state()
+        return state
+
+    def _apply(self, state: dict[str, Any], check: Callable[[dict[str, Any]], None]) -> None:
+        live_state.apply(state, self._modules(), self.who, check)
+        if self._rounds is not None:
+            self._rounds.load_round_state(state["round"])
+            self._in_round = 0  # a peer's state is taken at its round's start
 
     def _load_state(self, state: dict[str, Any]) -> None:
         check = self._progress_check or (lambda progress: None)
         start = time.perf_counter()
-        live_state.apply(state, self._modules(), self.who, check)
+        self._apply(state, check)
         self.last_heal_seconds = time.perf_counter() - start + (
             self._transport.last_recv_seconds or 0.0)
         self._healed_now = True
@@ -379,7 +476,10 @@ class LiveEngine:
     def _maybe_leave(self) -> None:
         """Leave at this step boundary after SIGTERM once the other groups know: the last
         all-reduce told them, or this step joins a quorum anyway; else this step tells them
-        (a group gone between quorums would fail the others' next step)."""
+        (a group gone between quorums would fail the others' next step). In rounds, only
+        at a round's start."""
+        if self._rounds is not None and self._in_round:
+            return
         flag = torch.tensor([1 if self._leave_requested else 0], dtype=torch.int64)
         if self.replicas.world_size > 1:
             flag = self.replicas.reduce(ReduceOp.MAX, flag)
@@ -494,5 +594,5 @@ def _quiet_flight_recorder_note() -> None:
     log.addFilter(_NoFlightRecorderNote())
 
 
-__all__ = ["LiveEngine", "Quorum", "PHASES", "COLLECTIVE_TIMEOUT_ENV"]
+__all__ = ["LiveEngine", "Quorum", "RoundOwner", "PHASES", "COLLECTIVE_TIMEOUT_ENV"]
 

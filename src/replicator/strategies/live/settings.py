@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from replicator.cluster.env_names import (
@@ -34,6 +36,22 @@ QUORUM_EVERY_ENV = "REPLICATOR_QUORUM_EVERY_STEPS"
 #: The address this process's state server and group store listen on (default loopback).
 BIND_ENV = LIVE_BIND_ENV
 
+#: True while a strategy builds another as its part (a two-level strategy's inner group):
+#: the part is no replica group of its own; the strategy that holds it runs the live engine.
+_BUILDING_PART: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "replicator_live_building_part", default=False)
+
+
+@contextlib.contextmanager
+def building_part() -> Iterator[None]:
+    """Inside the block, :meth:`LiveSettings.from_env` answers ``None``: a strategy built
+    here is part of another, whose own live engine spans the replica groups."""
+    token = _BUILDING_PART.set(True)
+    try:
+        yield
+    finally:
+        _BUILDING_PART.reset(token)
+
 
 @dataclass(frozen=True)
 class LiveSettings:
@@ -57,9 +75,10 @@ class LiveSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LiveSettings | None:
-        """The settings when ``REPLICATOR_REPLICA_GROUPS`` is set, else ``None``."""
+        """The settings when ``REPLICATOR_REPLICA_GROUPS`` is set, else ``None`` (also while
+        :func:`building_part`)."""
         env = os.environ if env is None else env
-        if not env.get(REPLICA_GROUPS_ENV):
+        if not env.get(REPLICA_GROUPS_ENV) or _BUILDING_PART.get():
             return None
         try:
             groups = int(env[REPLICA_GROUPS_ENV])

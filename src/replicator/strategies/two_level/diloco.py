@@ -21,6 +21,14 @@ Exactness: the input is split over every process of the job (each global batch o
 under ``MirroredStrategy``), and ``DiLoCoStrategy(inner_steps=1, outer_lr=1,
 outer_momentum=0)`` equals per-step synchronous training. A round counts optimizer steps of
 an optimizer over the model's parameters (torch's global step hooks), not ``run`` calls.
+
+Under ``replicator run --replica-groups G`` each replica group is one host: the inner group
+is the group's processes, and the outer exchange goes through the live engine's rounds
+(``strategies/live/engine.py``, torchft's Manager): a quorum at every round start, where a
+restarted group heals from a peer (outer weights and Nesterov state, inner weights and
+optimizers, the step), and the pseudo-gradient averaged over the quorum's groups at the
+round's end; a round a group was lost in is trained again by the others with the new
+quorum's shares of each global batch, so every sample is still trained once per epoch.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from replicator.comm.handles import DONE
 from replicator.comm.options import CommunicationOptions
 from replicator.errors import ClusterConfigError
 from replicator.strategies.base import Strategy
-from replicator.strategies.live.settings import LiveSettings
+from replicator.strategies.live.settings import LiveSettings, building_part
 from replicator.strategies.registry import find_strategy_class
 from replicator.strategies.replicas import ReplicaGroup
 from replicator.strategies.scope_capture import named_state
@@ -105,6 +113,7 @@ class DiLoCoStrategy(Strategy):
     """
 
     name = "diloco"
+    _supports_live = True
 
     def __init__(self, inner_steps: int = 50, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, fragments: int = 1, sync_delay: int = 0,
@@ -117,10 +126,7 @@ class DiLoCoStrategy(Strategy):
                         compression)
         live = LiveSettings.from_env()
         if live is not None:
-            raise ClusterConfigError(
-                f"{type(self).__name__} cannot run in replica groups yet ({live.who} of "
-                f"{live.groups}). HINT: launch without --replica-groups, and use "
-                "rp.BackupAndRestore to resume after a failure")
+            _check_live(live, fragments, sync_delay, compression, hosts)
         bits = COMPRESSIONS[compression]
         self.inner_steps, self.fragments, self.sync_delay = inner_steps, fragments, sync_delay
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -131,9 +137,11 @@ class DiLoCoStrategy(Strategy):
         spec = resolve_cluster()
         device = default_device_for(spec.local_rank, spec.local_world_size)
         self._replica_group = ReplicaGroup(device, timeout_seconds=options.timeout_seconds)
-        self.num_hosts, self.processes_per_host = host_layout(hosts)
+        self.num_hosts, self.processes_per_host = host_layout(hosts) if live is None else \
+            (1, self._replica_group.world_size)  # a replica group is one host
         self.topology = two_level_topology(self.num_hosts, self.processes_per_host)
-        self.inner = self._build_inner(inner, inner_options, communication_options)
+        with building_part():  # the inner group is no replica group of its own
+            self.inner = self._build_inner(inner, inner_options, communication_options)
         self._exchange = OuterExchange(self.topology.group(HOSTS_AXIS), self.num_hosts,
                                        self.inner.collectives, quantizer)
         self._schedule = Schedule(inner_steps, fragments, sync_delay)
@@ -145,7 +153,10 @@ class DiLoCoStrategy(Strategy):
             weakref.WeakKeyDictionary()
         self._optimizer_states: dict[str, Any] = {}
         self._hooks: list[Any] = []
+        self.round_steps = inner_steps
         super().__init__(check_finite=check_finite)
+        if self.live is not None:
+            self.live.use_rounds(self)
 
     def _build_inner(self, inner: str, options: dict[str, Any] | None,
                      communication: CommunicationOptions | None) -> Strategy:
@@ -235,6 +246,11 @@ class DiLoCoStrategy(Strategy):
         if self._closed or not self._owns(optimizer):
             return
         self._step += 1
+        live = self.live
+        if live is not None:  # one fragment, applied at once (see _check_live)
+            if self._step % self.inner_steps == 0:
+                self._outer[0].step(live.sync_round(self._outer[0].pseudo_gradient()))
+            return
         for fragment in self._schedule.starting(self._step):
             flat = self._outer[fragment].pseudo_gradient()
             self._pending.append(self._exchange.start(fragment, flat))
@@ -248,7 +264,10 @@ class DiLoCoStrategy(Strategy):
         """:meth:`Strategy.distribute_dataset` over every process of the job (each global
         batch split across all hosts' processes); its ``state_dict`` also holds this rank's
         round (see ``two_level/round_state.py``)."""
-        return TwoLevelDataset(super().distribute_dataset(dataset, **kwargs), self)
+        data = super().distribute_dataset(dataset, **kwargs)
+        if self.live is not None:  # the round heals with the live engine's state instead
+            return data
+        return TwoLevelDataset(data, self)
 
     experimental_distribute_dataset = distribute_dataset
 
@@ -302,11 +321,35 @@ class DiLoCoStrategy(Strategy):
             self._pending.append(pending)
         self._step = int(state["step"])
 
+    # -- live recovery (strategies/live/engine.py's RoundOwner) --------------------------------
+    def round_state(self) -> dict[str, Any]:
+        """What a healing group takes beside modules and optimizers: the outer weights, the
+        outer optimizer and the step (at a round's start)."""
+        return {"step": self._step, "outer": [f.state_dict() for f in self._outer]}
+
+    def load_round_state(self, state: dict[str, Any]) -> None:
+        for fragment, saved in zip(self._outer, state["outer"], strict=True):
+            fragment.load_state_dict(saved)
+        self._step = int(state["step"])
+
     def _close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         self.inner.close()
+
+
+def _check_live(live: LiveSettings, fragments: int, sync_delay: int,
+                compression: str | None, hosts: int | None) -> None:
+    """Refuse the settings that replica groups do not support yet."""
+    for name, value, plain in (("fragments", fragments, 1), ("sync_delay", sync_delay, 0),
+                               ("compression", compression, None), ("hosts", hosts, None)):
+        if value != plain:
+            raise ClusterConfigError(
+                f"{name}={value!r} is not supported in replica groups ({live.who} of "
+                f"{live.groups}): each group is one host and syncs the whole model, "
+                f"uncompressed, at each round's end. HINT: leave {name} at {plain!r} under "
+                "--replica-groups, or launch without it")
 
 
 def _call(ref: weakref.ref[DiLoCoStrategy], method: str, optimizer: Any) -> None:
