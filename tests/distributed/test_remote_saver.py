@@ -1,11 +1,14 @@
 """The saver process, with real worker processes and gloo: its backups hold exactly what a
-foreground save of the same step holds, and a save that falls due while the previous one is
-still being written is skipped on every rank, counted and logged, never queued."""
+foreground save of the same step holds (also when the copy of the optimizers' state is left
+to the saver's thread), and a save that falls due while the previous one is still being
+written is skipped on every rank, counted and logged, never queued."""
 
 from __future__ import annotations
 
+import copy
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import replicator as rp
-from replicator.checkpoint import CheckpointManager, fault_points
+from replicator.checkpoint import CheckpointManager, fault_points, serialization
 from replicator.resume import BackupAndRestore
 from replicator.testing import run_distributed
 from tests.helpers import make_mlp, regression_data
@@ -89,6 +92,72 @@ def test_a_save_due_while_one_is_written_is_skipped_and_counted(tmp_path):
     assert 4 not in committed and committed[0] == 2 and committed[-1] == 8  # 8: the final save
     # step 4 was skipped; 6 and 8 too if the save of step 2 was still being written then
     assert 1 <= skipped <= 3 and len({4, 6} - set(committed)) <= skipped
+
+
+def _differences(got, want, where: str = "") -> list[str]:
+    """Where two state trees differ (tensors bit for bit)."""
+    if isinstance(want, torch.Tensor):
+        same = isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+        return [] if same else [where]
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or set(got) != set(want):
+            return [f"{where} (keys)"]
+        return [d for k in want for d in _differences(got[k], want[k], f"{where}/{k}")]
+    if isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            return [f"{where} (length)"]
+        return [d for i, (g, w) in enumerate(zip(got, want))
+                for d in _differences(g, w, f"{where}/{i}")]
+    return [] if got == want else [where]
+
+
+def _save_while_its_copy_is_held(backup_dir: str) -> dict:
+    """A backup at step 3 whose deferred copy waits 0.5 s on the saver's thread while the loop
+    runs on (forward passes change batch norm's statistics, optimizer steps the weights and
+    Adam's moments): what it holds against the state snapshotted at step 3."""
+    strategy = rp.MirroredStrategy()
+    with strategy.scope():
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.BatchNorm1d(32),
+                                    torch.nn.ReLU(), torch.nn.Linear(32, 3))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    held: list[int] = []
+
+    def hold(step: int, path: object, rank: int) -> None:
+        if step == 3:
+            held.append(step)
+            time.sleep(0.5)
+
+    fault_points.add_hook("before_copy", hold)
+    backup = BackupAndRestore(backup_dir, save_freq=3, delete_checkpoint=False, keep=9,
+                              saver="process", strategy=strategy)
+    backup.track(model=model, optimizer=optimizer)
+    backup.on_train_begin()
+    x, y = regression_data(64).tensors
+    snapshot = None
+    for batch in range(6):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        backup.on_train_batch_end(batch)
+        if backup.step == 3:
+            snapshot = copy.deepcopy({"model": model.state_dict(),
+                                      "optimizer": optimizer.state_dict()})
+    backup.on_train_end()
+    if not strategy.is_chief:
+        return {"held": held}
+    step_dir = Path(backup_dir) / "step-00000003"
+    saved = {name: serialization.decode((step_dir / f"{name}.safetensors").read_bytes())
+             for name in ("model", "optimizer")}
+    return {"held": held, "differences": _differences(saved, snapshot)}
+
+
+@pytest.mark.timeout(200)
+def test_a_deferred_copy_holds_the_values_of_its_step_bit_for_bit(tmp_path):
+    results = run_distributed(_save_while_its_copy_is_held, world_size=2,
+                              args=(str(tmp_path / "b"),), timeout_seconds=60)
+    assert results[0]["held"] == [3]  # the chief's optimizer state was copied after the step
+    assert results[0]["differences"] == []
 
 
 def _fit_fsdp(backup_dir: str | None, epochs: int) -> dict:

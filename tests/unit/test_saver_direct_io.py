@@ -64,7 +64,7 @@ def test_staged_images_start_on_direct_io_boundaries():
 
     buffer = StagingBuffer()
     try:
-        staged = buffer.stage({
+        staged, _ = buffer.stage({
             "a": ({"w": torch.randn(3, 5)}, {}),
             "b": ({"v": torch.arange(7, dtype=torch.int64)}, {"k": "v"}),
             "c": ({"x": torch.zeros(1000)}, {}),

@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-#: Where hooks may attach: before any file is written, between the data files and the commit
-#: marker, and after the commit; between two servers' commits of a coordinator's update
-#: (``staleness=0``) or between two servers' pushes of one (asynchronous).
-POINTS = ("before_write", "before_commit", "after_commit", "between_server_commits",
-          "between_server_pushes")
+#: Where hooks may attach: before a background save copies the state it deferred (on its
+#: thread), before any file is written, between the data files and the commit marker, and
+#: after the commit; between two servers' commits of a coordinator's update (``staleness=0``)
+#: or between two servers' pushes of one (asynchronous).
+POINTS = ("before_copy", "before_write", "before_commit", "after_commit",
+          "between_server_commits", "between_server_pushes")
 
 _HOOKS: dict[str, list[Callable[..., None]]] = {}
 

@@ -28,6 +28,8 @@ FORMAT_KEY = "replicator.format"
 STRUCTURE_KEY = "replicator.structure"
 FORMAT_VERSION = "1"
 _TAG = "__rp__"
+#: Leaves JSON holds as they are (exact types: a bool or an int subclass is encoded apart).
+_PLAIN = (int, float, str)
 
 
 class _Encoder:
@@ -84,11 +86,11 @@ class _Encoder:
                     "items": [[self.encode(k, f"{path}/<key>"),
                                self.encode(v, f"{path}/{k}" if path else str(k))]
                               for k, v in obj.items()]}
-        if isinstance(obj, tuple):
-            return {_TAG: "tuple", "items": [self.encode(v, f"{path}/{i}" if path else str(i))
-                                             for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [self.encode(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
+        if isinstance(obj, (tuple, list)):
+            # a sequence of plain numbers and strings (Python's RNG state: 625 ints) as it is
+            items = list(obj) if all(type(v) in _PLAIN for v in obj) else [
+                self.encode(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(obj)]
+            return {_TAG: "tuple", "items": items} if isinstance(obj, tuple) else items
         raise TypeError(
             f"{self.label}{_where(path)} is a {type(obj).__module__}.{type(obj).__qualname__}; a "
             "backup stores only tensors, numbers, strings, None, lists, tuples and dicts (it never"

@@ -17,17 +17,15 @@ As a callback, a trainer calls ``track(...)`` and then the Keras hooks ``on_trai
 batches of each epoch from :meth:`epoch_batches` (which resumes mid-epoch the first time).
 
 Saves due by ``save_freq`` run in the background by default (``background=True``): the state
-is copied to memory at the step boundary and written and committed on a thread while the next
-steps run (see ``checkpoint/saver.py``); the commit stays atomic and verified, at most one save
-is in flight, and a failed save raises at the next save or at the end of training. Saves on
-preemption, the final save and :meth:`save` are written before they return.
+is copied to memory (with the saver process, the optimizers' part before their next step) and
+written and committed on a thread while the next steps run (see ``checkpoint/saver.py``); the
+commit stays atomic and verified, and a failed save raises at the next save or at the end of
+training. Saves on preemption, the final save and :meth:`save` are written before they return.
 
-Under a strategy that splits the model (pipeline stages, tensor or FSDP shards: the strategy's
-``shards_model`` is true) no rank holds the whole model, so the tracked module and optimizers
-are saved by every rank through ``torch.distributed.checkpoint``
-(``checkpoint/distributed_checkpoint.py``, in ``backup_dir/sharded``) before the backup's own
-commit, which then names them. By default these are written before the next step starts;
-with ``saver=`` given, each rank's shards are copied to memory at the step boundary and
+Under a strategy that splits the model (its ``shards_model`` is true) no rank holds the whole
+model, so the tracked module and optimizers are saved by every rank through
+``torch.distributed.checkpoint`` (in ``backup_dir/sharded``) before the backup's own commit,
+which names them: before the next step, or with ``saver=`` given, copied at the step and
 written by DCP on the saver's thread over a private group (see :meth:`BackupAndRestore._save`).
 
 This room sits above the strategies and asks one (given, or the active one) only through its
@@ -67,6 +65,7 @@ from replicator.checkpoint.storage import (
 )
 from replicator.cluster.worker_errors import record_backup
 from replicator.resume import rng
+from replicator.resume.deferred_copy import CopyGuard
 from replicator.resume.input_epochs import epoch_length, set_epoch_of, warn_replay
 from replicator.resume.live_state import is_live, live_steps
 from replicator.resume.nonfinite import NonFiniteGuard
@@ -143,6 +142,7 @@ class BackupAndRestore:
         self._keep = keep
         self.background = bool(background)
         self._saver: BackgroundSaver | None = None
+        self._copy_guard = CopyGuard()  # tracked optimizers wait for a save's deferred copy
         self._manager: CheckpointManager | None = None
         self._objects: dict[str, Any] = {}
         self._dataset: Any = None
@@ -407,6 +407,7 @@ class BackupAndRestore:
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+        self._copy_guard.remove()
         if self._saver is not None:
             self._saver.close()
             self._saver = None
@@ -451,13 +452,12 @@ class BackupAndRestore:
         """Write a backup of the current step; in the background when due by ``save_freq``.
 
         Under a strategy that splits the model, the module and optimizers are first saved by
-        every rank through ``torch.distributed.checkpoint`` (committed in ``sharded/``), then
-        the backup itself (scheduler, other objects, RNG and input position) is committed and
-        names them, so a crash in between leaves the previous backup the newest. In the
-        background each rank copies its own shards (no gather) and DCP writes them on the
-        saver's thread over the saver's private group, which never interleaves with the
-        training's collectives. With the saver process a save due while the previous one is
-        still being written is skipped (the saver agrees on it), so nothing waits here."""
+        every rank through ``torch.distributed.checkpoint`` (in ``sharded/``; in the
+        background each rank's own shards are copied and DCP writes them on the saver's
+        thread over its private group), then the backup itself is committed and names them.
+        With the saver process nothing waits here: a save due while the one before is being
+        written is skipped (the saver's thread agrees on it), and the optimizers' parameters
+        and state are copied on that thread before their next step (``deferred_copy.py``)."""
         if not (self.background and reason in ("step", "epoch") and self._saver is not None
                 and self._saver.async_mode == "process"):
             self._settle_background()
@@ -494,8 +494,11 @@ class BackupAndRestore:
         if sharded_names:
             info["sharded"] = {"directory": SHARDED_DIR, "states": sharded_names}
         if in_background and (write_shards is not None or not sharded_names):
-            return self._start_saver().submit(self.step, replicated, per_rank, info,
-                                              write_shards)
+            saver = self._start_saver()
+            if saver.process is not None:  # the optimizers' state is copied on its thread
+                self._copy_guard.attach(self._objects.values(), saver.wait_copied)
+            return saver.submit(self.step, replicated, per_rank, info, write_shards,
+                                self._copy_guard.deferrable())
         path = self.manager.save(self.step, replicated, per_rank, info)
         self._last_saved_step = self.step  # the chief noted it for the launcher at its commit
         return path
@@ -572,13 +575,7 @@ class BackupAndRestore:
                      collectives=self.channel.collectives)
 
     def _restore_rng(self, resume: dict[str, Any]) -> None:
-        state = resume.pop("rng", None)
-        if state is None:
-            return
-        missing = rng.restore(state)
-        if missing:
-            warnings.warn(f"random generators not restored: {', '.join(missing)}",
-                          RuntimeWarning, stacklevel=3)
+        rng.restore_saved(resume.pop("rng", None))
 
     def _describe_position(self) -> str:
         # a save still in flight holds the state from before this step: let it commit, so the

@@ -9,6 +9,7 @@ States are plain data (tensors, lists, numbers) so they are stored without pickl
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any
 
 import torch
@@ -52,6 +53,17 @@ def restore(state: dict[str, Any]) -> list[str]:
         np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), int(n["pos"]),
                              int(n["has_gauss"]), float(n["cached"])))
     return missing
+
+
+def restore_saved(state: dict[str, Any] | None) -> None:
+    """:func:`restore` a backup's states (``None``: none saved), warning about what could not
+    be restored."""
+    if state is None:
+        return
+    missing = restore(state)
+    if missing:
+        warnings.warn(f"random generators not restored: {', '.join(missing)}",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _byte_tensor(value: Any) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""The training process's side of the saver process: its jobs, and the store's calls it makes.
+
+:class:`SaverProcess` starts ``saver_process.py``, sends it one JSON job per line (write these
+staged files, or make this file-system call) and reads its answers, restarting it when it
+died. :class:`SaverFilesystem` sends a store's own calls there (see ``saver.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from replicator.checkpoint.manifest import FileEntry
+from replicator.checkpoint.staging import StagedFile
+from replicator.checkpoint.store import RemoteStore
+
+_PROGRAM = str(Path(__file__).with_name("saver_process.py"))
+#: The least time a save's wait waits for its thread or the saver process (slow disks).
+MIN_WAIT_SECONDS = 600.0
+
+
+class SaverProcess:
+    """The client of one saver process: sends it jobs, reads its answers, restarts it."""
+
+    def __init__(self, timeout: float = MIN_WAIT_SECONDS, store: Any = None) -> None:
+        self.timeout = timeout
+        #: The store whose client the process imports and connects as it starts.
+        self._warm = {"scheme": getattr(store, "scheme", None),
+                      "root": getattr(store, "root", None),
+                      "options": dict(getattr(store, "storage_options", None) or {})}
+        self._proc: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+        self._jobs = 0
+        self.restarts = 0
+        #: Fault injection for tests: in the next job, the process SIGKILLs itself in the
+        #: middle of this file (0-based; the files before it are complete), then it is cleared.
+        self.die_during_file: int | None = None
+        self.start()
+        atexit.register(self.close)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        code = f"import runpy; runpy.run_path({_PROGRAM!r}, run_name='__main__')"
+        env = {**os.environ, "REPLICATOR_SAVER_WARM": json.dumps(self._warm)}
+        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, bufsize=1,
+                                      close_fds=True, env=env)
+
+    def write(self, store: Any, staging: str, items: list[tuple[str, Any, str]]
+              ) -> dict[str, FileEntry]:
+        """Write staged ``items`` into ``staging`` of ``store`` (a storage); blocks until the
+        saver process answers. Raises ``OSError`` when it fails or dies."""
+        files = []
+        for fname, staged, label in items:
+            if not isinstance(staged, StagedFile):
+                raise TypeError(f"{label}: the saver process writes staged files only")
+            files.append({"name": fname, "offset": staged.offset, "length": staged.length,
+                          "dest": store.dest(staging, fname), "buffer": staged.buffer})
+        if not files:
+            return {}
+        job: dict[str, Any] = {"buffer": files[0]["buffer"], "files": files,
+                               "scheme": store.scheme, "options": store.storage_options}
+        if self.die_during_file is not None:
+            job["die_during_file"], self.die_during_file = self.die_during_file, None
+        reply = self._exchange(job, f"writing {staging}")
+        if reply["error"]:
+            raise OSError(f"the saver process could not write {staging}: {reply['error']}")
+        return {name: FileEntry(**entry) for name, entry in reply["files"].items()}
+
+    def call(self, scheme: str, options: Mapping[str, Any], name: str, *args: Any,
+             **kwargs: Any) -> Any:
+        """Make the file-system call ``name(*args, **kwargs)`` in the saver process (bytes
+        arguments and results travel base64-encoded); its errors come back as ``OSError``,
+        and ``FileNotFoundError`` as itself."""
+        job = {"scheme": scheme, "options": dict(options), "call": name,
+               "args": [{"b64": base64.b64encode(bytes(a)).decode()}
+                        if isinstance(a, (bytes, bytearray, memoryview)) else a for a in args],
+               "kwargs": kwargs}
+        where = str(args[0]) if args else ""
+        reply = self._exchange(job, f"{name} {where}")
+        if reply["error"]:
+            if reply.get("error_type") == "FileNotFoundError":
+                raise FileNotFoundError(where)
+            raise OSError(f"the saver process's {name} {where}: {reply['error']}")
+        result = reply["result"]
+        return base64.b64decode(result["b64"]) if isinstance(result, dict) else result
+
+    @property
+    def closed(self) -> bool:
+        return self._proc is None
+
+    @property
+    def busy(self) -> bool:
+        """A job is running (an upload can take minutes)."""
+        return self._lock.locked()
+
+    def _exchange(self, job: dict[str, Any], what: str) -> dict[str, Any]:
+        """Send one job (restarting a process that died) and wait for its answer."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                code = proc.returncode if proc is not None else None
+                print(f"[replicator] starting a new saver process (the previous one exited "
+                      f"with code {code})", file=sys.stderr, flush=True)
+                self.start()
+                self.restarts += 1
+                proc = self._proc
+            assert proc is not None and proc.stdin is not None and proc.stdout is not None
+            self._jobs += 1
+            job = {**job, "id": self._jobs}
+            try:
+                proc.stdin.write(json.dumps(job) + "\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError) as exc:
+                raise OSError(f"the saver process (pid {proc.pid}) is gone: {exc}") from exc
+            return self._read_reply(proc, job["id"], what)
+
+    def _read_reply(self, proc: subprocess.Popen[str], job_id: int,
+                    what: str) -> dict[str, Any]:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                reply = json.loads(line)
+                if reply.get("id") == job_id:
+                    return dict(reply)
+            elif proc.poll() is not None:
+                break
+        try:
+            code = proc.wait(10)  # its output ended: it is exiting
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            proc.kill()
+            raise OSError(f"the saver process (pid {proc.pid}) did not finish {what} in "
+                          f"{self.timeout:.0f} s; it was stopped")
+        lost = "; nothing of this save is committed" if what.startswith("writing") else ""
+        raise OSError(f"the saver process (pid {proc.pid}) died (exit code {code}) while "
+                      f"{what}{lost}")
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait(5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+class SaverFilesystem:
+    """The few fsspec calls :class:`RemoteStore` makes, made by the saver process.
+
+    Installed on the chief's store while a saver process runs, so that the commit's
+    listing and write, pruning and the lease's heartbeat spend their CPU (an S3 client spends
+    milliseconds per request, holding the GIL) in the lower-priority saver process, not in
+    the training process. While that process is busy with an upload (a heartbeat must not
+    wait minutes) or once it is closed, the calls go to ``fallback``, in this process.
+    """
+
+    def __init__(self, process: SaverProcess, store: RemoteStore, fallback: Any) -> None:
+        self._process, self._store, self._fallback = process, store, fallback
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._process.closed or self._process.busy:
+            return getattr(self._fallback, name)(*args, **kwargs)
+        kwargs.pop("timeout", None)  # the saver process applies the store's own time limit
+        return self._process.call(self._store.scheme, self._store.storage_options, name,
+                                  *args, **kwargs)
+
+    def pipe_file(self, path: str, data: bytes, **kwargs: Any) -> None:
+        self._call("pipe_file", path, data, **kwargs)
+
+    def cat_file(self, path: str, **kwargs: Any) -> bytes:
+        return bytes(self._call("cat_file", path, **kwargs))
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        return bool(self._call("exists", path, **kwargs))
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        return list(self._call("ls", path, detail=detail, **kwargs))
+
+    def rm(self, path: str, recursive: bool = False, **kwargs: Any) -> None:
+        self._call("rm", path, recursive=recursive, **kwargs)
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        """The saver process drops its own cache before each listing; this drops ours."""
+        self._fallback.invalidate_cache(path)
