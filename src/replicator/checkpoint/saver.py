@@ -102,6 +102,8 @@ class BackgroundSaver:
         self.commit_seconds: list[float] = []
         #: Saves skipped because the one before was still being written.
         self.skipped = 0
+        #: Seconds each :meth:`wait_copied` that had to wait waited (a deferred copy).
+        self.copy_wait_seconds: list[float] = []
         self._submitted_at = 0.0
         self.process: SaverProcess | None = None
         self._buffer: StagingBuffer | None = None
@@ -217,7 +219,12 @@ class BackgroundSaver:
         """Return once the last save's state is all in the buffer (its deferred tensors
         copied); whatever changes them (the next optimizer step) must call this first."""
         job = self._last_job
-        if job is not None and not job.copied.wait(timeout):
+        if job is None or job.copied.is_set():
+            return
+        start = time.perf_counter()
+        done = job.copied.wait(timeout)
+        self.copy_wait_seconds.append(time.perf_counter() - start)
+        if not done:
             raise CheckpointWriteError(
                 f"the state of step {job.step} was not copied for its save in {timeout:.0f} s. "
                 "HINT: the machine may be overloaded; the previous checkpoint is still the "

@@ -495,7 +495,8 @@ class BackupAndRestore:
             info["sharded"] = {"directory": SHARDED_DIR, "states": sharded_names}
         if in_background and (write_shards is not None or not sharded_names):
             saver = self._start_saver()
-            if saver.process is not None:  # the optimizers' state is copied on its thread
+            if saver.process is not None and not is_live(self._dataset):  # live groups
+                # roll back and heal in place: their state is all copied at the step
                 self._copy_guard.attach(self._objects.values(), saver.wait_copied)
             return saver.submit(self.step, replicated, per_rank, info, write_shards,
                                 self._copy_guard.deferrable())

@@ -7,8 +7,9 @@ optimizer that waits for the copy of the last save, and names the tensors that m
 deferred: the CPU parameters of those optimizers and their state tensors. Everything else
 (buffers a forward pass updates, such as batch norm's running statistics, the RNG and input
 states, other tracked objects) is copied at the step, so the backup holds the values of its
-step, bit for bit. Parameters changed in place outside an optimizer step, between a save and
-the next step, would need ``background=False``.
+step, bit for bit. Replica groups under live recovery roll back and heal their state in
+place at a step's start, so they copy everything at the step. Other code that changes the
+parameters in place between a save and the next optimizer step needs ``background=False``.
 """
 
 from __future__ import annotations
