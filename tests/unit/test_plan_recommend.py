@@ -105,7 +105,7 @@ def test_json_lines_have_exactly_one_recommendation(capsys, tmp_path):
                "--link", "100gbit", "--json", "--out", str(tmp_path)])
     assert rc == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(lines) == 1 + 5 * 3
+    assert len(lines) == 1 + 6 * 3  # one process, then six strategies at three counts
     assert sum(line["recommended"] for line in lines) == 1
     for line in lines:
         assert set(line) >= {"setting", "strategy", "workers", "predicted_step_s",

@@ -34,6 +34,15 @@ import math
 from dataclasses import dataclass, field
 
 from replicator.plan.devices import Device, Link
+from replicator.plan.formulas import (
+    allreduce_traffic_bytes,
+    check_count,
+    fsdp_traffic_bytes,
+    ps_queue_wait,
+    ps_step_seconds,
+    ring_allreduce_seconds,
+)
+from replicator.plan.outer_sync import OuterSync, choose_outer_sync
 from replicator.plan.profiles import MachineProfile, ModelProfile
 
 __all__ = [
@@ -44,57 +53,12 @@ __all__ = [
 
 #: The strategies the planner predicts (the names ``rp.get_strategy`` knows).
 STRATEGIES = ("one_device", "mirrored", "central_storage", "parameter_server", "fsdp",
-              "pipeline")
+              "pipeline", "diloco")
 
 #: Memory a GPU process needs besides the model (CUDA context, allocator slack), nominal.
 GPU_PROCESS_BYTES = 1.0e9
 #: Microbatches of the pipeline the planner assumes (PipelineStrategy's default).
 PIPELINE_MICROBATCHES = 4
-
-
-# -- formulas -------------------------------------------------------------------------------
-def _check(n: int, what: str = "workers") -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{what} must be a positive integer, got {n!r}. HINT: give at least "
-                         "1 (one process)")
-
-
-def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, alpha: float) -> float:
-    """``2(n-1)/n * S/B + 2(n-1) * alpha``; 0 for one rank."""
-    _check(n, "ranks")
-    if bandwidth <= 0:
-        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
-    if n == 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
-
-
-def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
-    """Bytes each rank sends in a ring all-reduce: ``2(n-1)/n * S``."""
-    _check(n, "ranks")
-    return 2 * (n - 1) / n * nbytes
-
-
-def fsdp_traffic_bytes(nbytes: float, n: int, *, gloo: bool = False) -> float:
-    """Bytes each rank sends per FSDP step: two all-gathers and a reduce-scatter,
-    ``3(n-1)/n * S``; on gloo, whose reduce-scatter sends an all-reduce's bytes (measured on
-    hosts' links), ``4(n-1)/n * S``."""
-    _check(n, "ranks")
-    return (4 if gloo else 3) * (n - 1) / n * nbytes
-
-
-def ps_step_seconds(compute: float, grad_bytes: float, param_bytes: float, workers: int,
-                    num_ps: int, bandwidth: float, alpha: float) -> float:
-    """A parameter-server worker's step: its compute plus a push/pull round trip
-    (``2 alpha + (G+P)/B``), and never shorter than the servers' share of every worker's
-    traffic (``workers (G+P) / (num_ps B)``)."""
-    _check(workers)
-    _check(num_ps, "num_ps")
-    if bandwidth <= 0:
-        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
-    worker = compute + 2 * alpha + (grad_bytes + param_bytes) / bandwidth
-    servers = workers * (grad_bytes + param_bytes) / (num_ps * bandwidth)
-    return max(worker, servers)
 
 
 # -- one setting ---------------------------------------------------------------------------
@@ -116,6 +80,10 @@ class Prediction:
     why_not: str = ""
     notes: list[str] = field(default_factory=list)
     threads: int = 0  # threads per process the prediction assumes (0: the launcher's default)
+    #: bytes a host sends on the link between hosts per step, where the model counts them
+    link_bytes: float | None = None
+    #: the constructor call of the setting where it takes settings (DiLoCo's H)
+    spelling: str = ""
 
     @property
     def setting(self) -> str:
@@ -137,7 +105,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.ranks_per_host is not None:
-            _check(self.ranks_per_host, "ranks per host")
+            check_count(self.ranks_per_host, "ranks per host")
 
     def per_host(self) -> int:
         """Processes on one host: as given, else the device's count (cpu: one per core)."""
@@ -148,6 +116,10 @@ class Cluster:
 
     def on_host(self, processes: int) -> int:
         return min(processes, self.per_host())
+
+
+def _bytes(x: float) -> str:
+    return _gb(x) if x >= 1e6 else f"{x / 1e3:.3g} kB"
 
 
 def _gb(x: float) -> str:
@@ -252,7 +224,7 @@ def straggler_wait_seconds(machine: MachineProfile, strategy: str, compute: floa
     of its ``compute``, at least the measured reference loop's wait (FSDP's per-block cost
     includes its own). FSDP stops at 3 collectives per block, each a new drift: independent
     drifts of ``k`` stops add up to ``sqrt(k)`` times one stop's."""
-    if strategy not in ("mirrored", "central_storage", "fsdp") or busy <= 1:
+    if strategy not in ("mirrored", "central_storage", "fsdp", "diloco") or busy <= 1:
         return 0.0
     stops = math.sqrt(3 * max(1, weight_tensors)) if strategy == "fsdp" else 1.0
     return max(compute * (machine.straggle_for(busy) - 1.0) * stops,
@@ -284,6 +256,10 @@ def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float
         state = (w + g + o) / stages
         act = act / stages  # a stage keeps its layers' activations of the replica's batch
         how = f"({_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state) / {stages}"
+    elif strategy == "diloco":
+        state = w + g + o + 2 * w
+        how = (f"{_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state + "
+               f"{_gb(2 * w)} outer weights and momentum")
     elif strategy == "parameter_server":
         state = w + g
         how = f"{_gb(w)} weights + {_gb(g)} gradients (optimizer state on the servers)"
@@ -294,19 +270,6 @@ def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float
     text = (f"{how} + {_gb(act)} activations + {_gb(base)} process = {_gb(total)} per rank, "
             f"of {_gb(capacity)}")
     return total, capacity, text
-
-
-def ps_queue_wait(base_step: float, workers: int, service: float) -> float:
-    """The mean wait of one request to a parameter server that ``workers`` workers keep busy
-    ``service`` seconds per push, once per step (``base_step`` seconds without waiting, plus
-    two waits: the push and the batch claim). A request finds the server busy with
-    probability ``workers * S / step`` and waits half a push: ``W = rho S / 2`` with the step
-    lengthened by ``2 W`` gives ``W = (sqrt(T^2 + 4 n S^2) - T) / 4`` (longer queues are
-    rare here; the saturation bound covers them)."""
-    if service <= 0 or workers < 2:
-        return 0.0  # a lone worker never finds its server busy with another's push
-    t = max(0.0, base_step)
-    return (math.sqrt(t * t + 4 * workers * service * service) - t) / 4
 
 
 @dataclass
@@ -347,6 +310,8 @@ class _Costs:
     ps_service: float = 0.0  # a parameter server's time per push (its queue)
     ps_claim: float = 0.0  # a parameter server's batch claim per step
     notes: list[str] = field(default_factory=list)
+    link_bytes: float | None = None  # bytes a host sends on the link per step
+    outer: OuterSync | None = None  # DiLoCo's outer synchronisation
 
 
 def _one_device_costs(s: _Step) -> _Costs:
@@ -369,7 +334,30 @@ def _data_parallel_costs(s: _Step) -> _Costs:
     compute = s.compute(s.m.global_batch / s.n)
     comm = _allreduce(s.c, s.m.grad_bytes, s.n)
     comm = max(0.0, comm - s.c.device.overlap * compute * 2 / 3)
-    return _Costs(compute, comm, _sync_overhead(s.c, s.n))
+    hosts = s.c.hosts(s.n)
+    return _Costs(compute, comm, _sync_overhead(s.c, s.n), link_bytes=allreduce_traffic_bytes(
+        s.m.grad_bytes, hosts) if hosts > 1 else None)
+
+
+def _diloco_costs(s: _Step) -> _Costs:
+    """DiLoCo: Mirrored inside each host every step; across the hosts one exchange of the
+    pseudo-gradient every H steps (:mod:`replicator.plan.outer_sync` proposes H and the
+    compression from the inner step and the link)."""
+    c, n, m = s.c, s.n, s.m
+    on_host = c.on_host(n)
+    compute = s.compute(m.global_batch / n)
+    inner = _allreduce(c, m.grad_bytes, on_host)
+    inner = max(0.0, inner - c.device.overlap * compute * 2 / 3)
+    overhead = _sync_overhead(c, on_host)
+    bandwidth = c.machine.memory_bandwidth if s.cpu else c.device.memory_bandwidth
+    step = compute + inner + overhead + _optimizer(m, c, 1.0, s.busy)
+    outer = choose_outer_sync(step, m.param_bytes, c.hosts(n), c.link, bandwidth)
+    return _Costs(compute, inner + outer.seconds_per_step, overhead,
+                  link_bytes=outer.link_bytes_per_step, outer=outer, notes=[
+                      f"{outer.spelling()}: the hosts exchange every {outer.inner_steps} steps "
+                      f"({_bytes(outer.link_bytes_per_step)} a host per step on the link); not "
+                      "per-step synchronous training: compare its held-out loss with "
+                      "Mirrored's (docs/strategies/diloco.md)"])
 
 
 def _central_storage_costs(s: _Step) -> _Costs:
@@ -507,7 +495,8 @@ def _parameter_server_costs(s: _Step) -> _Costs:
 #: One cost function per strategy the planner predicts.
 COSTS = {"one_device": _one_device_costs, "mirrored": _data_parallel_costs,
          "central_storage": _central_storage_costs, "fsdp": _fsdp_costs,
-         "pipeline": _pipeline_costs, "parameter_server": _parameter_server_costs}
+         "pipeline": _pipeline_costs, "parameter_server": _parameter_server_costs,
+         "diloco": _diloco_costs}
 
 
 def _why_not(s: _Step) -> str:
@@ -517,6 +506,12 @@ def _why_not(s: _Step) -> str:
     replicas = n if s.strategy != "pipeline" else n // stages
     if s.strategy == "one_device" and n != 1:
         return "one_device runs on one process"
+    if s.strategy == "diloco" and s.c.hosts(n) == 1:
+        return ("DiLoCo synchronises across hosts, and these processes fit on one host (plan "
+                "several with --per-host)")
+    if s.strategy == "diloco" and n % s.c.per_host():
+        return (f"DiLoCo needs the same processes on every host: {n} do not fill hosts of "
+                f"{s.c.per_host()}")
     if m.global_batch < replicas:
         return (f"the global batch of {m.global_batch} cannot be split across {replicas} "
                 "replicas (each needs at least one sample)")
@@ -565,7 +560,7 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
     """Predict ``strategy`` on ``workers`` replicas (a parameter server adds ``num_ps``
     processes; a pipeline of ``workers`` stages, or fewer when the model has fewer layers,
     with the rest as data-parallel replicas)."""
-    _check(workers)
+    check_count(workers)
     if strategy not in COSTS:
         raise ValueError(f"unknown strategy {strategy!r} for the planner; known: "
                          f"{', '.join(STRATEGIES)}")
@@ -583,4 +578,5 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
     return Prediction(strategy, workers, processes, hosts, step,
                       model.global_batch / step if step > 0 else math.inf, parts, mem, cap,
                       text, feasible=not why_not, why_not=why_not, notes=costs.notes,
-                      threads=costs.threads)
+                      threads=costs.threads, link_bytes=costs.link_bytes,
+                      spelling=costs.outer.spelling() if costs.outer else "")

@@ -271,6 +271,10 @@ def json_lines(plan: Plan) -> list[dict[str, Any]]:
             "reason": plan.reason_for(p),
             "breakdown_s": {k: round(v, 6) for k, v in p.breakdown.items()},
         })
+        if p.link_bytes is not None and p.feasible:
+            out[-1]["link_bytes_per_step"] = round(p.link_bytes)
+        if p.spelling:
+            out[-1]["spelling"] = p.spelling
     return out
 
 
@@ -304,7 +308,7 @@ def print_plan(plan: Plan, *, as_json: bool = False, plot_path: str | Path | Non
     headers, rows = plan_table(plan)
     print(format_table(headers, rows))
     for p in plan.predictions:
-        for note in p.notes:
+        for note in p.notes if p.feasible else ():
             print(f"note ({p.setting}): {note}")
     if plan.recommended is not None:
         print(f"recommended: {plan.reason}")

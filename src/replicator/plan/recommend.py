@@ -3,10 +3,11 @@
 The rule: among the settings that fit in memory and can run (a global batch of at least one
 sample per worker), take the highest predicted throughput; a setting with more processes must
 beat every smaller one by more than :data:`WORTH_IT` to be chosen (10% more throughput is not
-worth twice the machines), and so must an asynchronous parameter server against a synchronous
-setting (it changes what training computes). "Stay on one process" is a setting like the
-others, so it wins whenever distributing is predicted slower. When no setting fits, nothing
-is recommended and the reason gives the arithmetic and how many ranks sharding would need.
+worth twice the machines), and so must a setting that changes what training computes (an
+asynchronous parameter server, DiLoCo's local steps) against one that does not. "Stay on one
+process" is a setting like the others, so it wins whenever distributing is predicted slower.
+When no setting fits, nothing is recommended and the reason gives the arithmetic and how
+many ranks sharding would need.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ __all__ = ["Plan", "WORTH_IT", "make_plan", "recommend"]
 WORTH_IT = 1.10
 #: Preference among strategies with equal throughput (simplest first).
 _SIMPLICITY = {name: i for i, name in enumerate(STRATEGIES)}
+#: Strategies whose training differs from per-step synchronous training of the same batch.
+_CHANGES_TRAINING = ("parameter_server", "diloco")
 
 
 @dataclass
@@ -67,7 +70,7 @@ def recommend(predictions: list[Prediction], model: ModelProfile | None = None
     for p in candidates[1:]:
         # more processes, or giving up synchronous training, must be clearly worth it
         costly = p.processes > chosen.processes or (
-            p.strategy == "parameter_server" and chosen.strategy != "parameter_server")
+            p.strategy in _CHANGES_TRAINING and chosen.strategy not in _CHANGES_TRAINING)
         if p.samples_per_second > chosen.samples_per_second * (WORTH_IT if costly else 1.0):
             chosen = p
     return chosen, _why(chosen, predictions)
@@ -99,6 +102,8 @@ def _why(chosen: Prediction, predictions: list[Prediction]) -> str:
     speedup = (chosen.samples_per_second / single.samples_per_second
                if single is not None and single.fits else None)
     gain = f"{speedup:.1f}x one process's throughput" if speedup else "the fastest that fits"
+    if chosen.strategy == "diloco":
+        return _why_diloco(chosen, predictions, gain)
     replicated = [p for p in predictions if p.feasible and p.strategy in
                   ("one_device", "mirrored", "central_storage", "parameter_server")]
     if chosen.strategy in ("fsdp", "pipeline") and replicated and \
@@ -112,6 +117,20 @@ def _why(chosen: Prediction, predictions: list[Prediction]) -> str:
     comm = _share(chosen, "communication") + _share(chosen, "overhead")
     return (f"{chosen.setting}: predicted at {gain}; communication and synchronisation are "
             f"{comm:.0%} of its step")
+
+
+def _why_diloco(chosen: Prediction, predictions: list[Prediction], gain: str) -> str:
+    """DiLoCo chosen: how link-bound per-step synchronisation of the same processes is."""
+    synced = [p for p in predictions if p.fits and p.workers == chosen.workers
+              and p.strategy in ("mirrored", "central_storage", "fsdp")]
+    text = f"{chosen.setting} as {chosen.spelling}: predicted at {gain}"
+    if synced:
+        best = max(synced, key=lambda p: p.samples_per_second)
+        text += (f", {chosen.samples_per_second / best.samples_per_second:.1f}x {best.setting}, "
+                 f"whose per-step synchronisation across the hosts is "
+                 f"{_share(best, 'communication'):.0%} of its step")
+    return text + ("; it trains H local steps between exchanges, so compare its held-out loss "
+                   "with per-step synchronous training before relying on it")
 
 
 def _nothing_fits(predictions: list[Prediction], model: ModelProfile | None = None) -> str:

@@ -1,0 +1,67 @@
+"""The alpha-beta formulas the cost model is made of: collectives' time and bytes, a parameter
+server's step and queue (each a pure function of sizes, counts and a link's figures)."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["allreduce_traffic_bytes", "check_count", "fsdp_traffic_bytes", "ps_queue_wait",
+           "ps_step_seconds", "ring_allreduce_seconds"]
+
+
+def check_count(n: int, what: str = "workers") -> None:
+    """Refuse a count that is not a positive integer (``what`` names it)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{what} must be a positive integer, got {n!r}. HINT: give at least "
+                         "1 (one process)")
+
+
+def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, alpha: float) -> float:
+    """``2(n-1)/n * S/B + 2(n-1) * alpha``; 0 for one rank."""
+    check_count(n, "ranks")
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
+
+
+def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce: ``2(n-1)/n * S``."""
+    check_count(n, "ranks")
+    return 2 * (n - 1) / n * nbytes
+
+
+def fsdp_traffic_bytes(nbytes: float, n: int, *, gloo: bool = False) -> float:
+    """Bytes each rank sends per FSDP step: two all-gathers and a reduce-scatter,
+    ``3(n-1)/n * S``; on gloo, whose reduce-scatter sends an all-reduce's bytes (measured on
+    hosts' links), ``4(n-1)/n * S``."""
+    check_count(n, "ranks")
+    return (4 if gloo else 3) * (n - 1) / n * nbytes
+
+
+def ps_step_seconds(compute: float, grad_bytes: float, param_bytes: float, workers: int,
+                    num_ps: int, bandwidth: float, alpha: float) -> float:
+    """A parameter-server worker's step: its compute plus a push/pull round trip
+    (``2 alpha + (G+P)/B``), and never shorter than the servers' share of every worker's
+    traffic (``workers (G+P) / (num_ps B)``)."""
+    check_count(workers)
+    check_count(num_ps, "num_ps")
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    worker = compute + 2 * alpha + (grad_bytes + param_bytes) / bandwidth
+    servers = workers * (grad_bytes + param_bytes) / (num_ps * bandwidth)
+    return max(worker, servers)
+
+
+def ps_queue_wait(base_step: float, workers: int, service: float) -> float:
+    """The mean wait of one request to a parameter server that ``workers`` workers keep busy
+    ``service`` seconds per push, once per step (``base_step`` seconds without waiting, plus
+    two waits: the push and the batch claim). A request finds the server busy with
+    probability ``workers * S / step`` and waits half a push: ``W = rho S / 2`` with the step
+    lengthened by ``2 W`` gives ``W = (sqrt(T^2 + 4 n S^2) - T) / 4`` (longer queues are
+    rare here; the saturation bound covers them)."""
+    if service <= 0 or workers < 2:
+        return 0.0  # a lone worker never finds its server busy with another's push
+    t = max(0.0, base_step)
+    return (math.sqrt(t * t + 4 * workers * service * service) - t) / 4
