@@ -40,7 +40,7 @@ def _actor_loop(al: rp.rl.ActorLearner) -> None:
     obs, _ = env.reset(seed=rp.rl.actor_index())
     version, checksum = -1, 0.0
     while not al.learners_done:
-        got = al.latest_weights()
+        got = rp.rl.latest_weights()  # the module-level call: this process's ActorLearner
         if got is not None:
             if got[0] <= version:
                 raise RuntimeError(f"weights version went from {version} to {got[0]}")

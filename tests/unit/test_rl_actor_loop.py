@@ -112,3 +112,19 @@ def test_latest_weights_on_a_learner_is_refused(monkeypatch):
         al.latest_weights()
     with pytest.raises(RuntimeError, match="actor processes"):
         al.send([0.0] * 4, 0, 1.0, [0.0] * 4, False, False)
+
+
+def test_the_module_level_calls_use_the_open_actor_learner_and_say_when_there_is_none(
+        monkeypatch):
+    monkeypatch.setenv("REPLICATOR_NUM_ACTORS", "1")
+    monkeypatch.delenv("REPLICATOR_ACTOR_INDEX", raising=False)
+    al = rp.rl.ActorLearner(rp.OneDeviceStrategy, "CartPole-v1", _policy,
+                            replay=rp.rl.ReplayBuffer(100))
+    assert rp.rl.current() is al
+    with pytest.raises(RuntimeError, match="actor processes"):  # al's own refusal
+        rp.rl.latest_weights()
+    al.close()
+    with pytest.raises(RuntimeError, match="no rp.rl.ActorLearner is open.*HINT"):
+        rp.rl.publish_weights(_policy())
+    with pytest.raises(RuntimeError, match="no rp.rl.ActorLearner is open"):
+        rp.rl.latest_weights()

@@ -63,6 +63,32 @@ def num_actors() -> int:
     return _int_env(NUM_ACTORS_ENV)
 
 
+#: The ActorLearner this process created last (what the module-level calls use).
+_current: ActorLearner | None = None
+
+
+def current() -> ActorLearner:
+    """The :class:`ActorLearner` this process created last (until its ``close()``)."""
+    if _current is None:
+        raise RuntimeError(
+            "no rp.rl.ActorLearner is open in this process. HINT: create one first, al = "
+            "rp.rl.ActorLearner(strategy, env_fn, policy_fn, replay=...); "
+            "rp.rl.publish_weights(model) and rp.rl.latest_weights() call its methods.")
+    return _current
+
+
+def publish_weights(model: torch.nn.Module) -> None:
+    """``current().publish_weights(model)``: on a learner, give the actors ``model``'s
+    weights."""
+    current().publish_weights(model)
+
+
+def latest_weights() -> tuple[int, dict[str, torch.Tensor]] | None:
+    """``current().latest_weights()``: on an actor, ``(version, state_dict)`` newer than the
+    last returned, else ``None``."""
+    return current().latest_weights()
+
+
 class ActorLearner:
     """Actors running ``env_fn`` with ``policy_fn()``'s module; a learner reading ``replay``.
 
@@ -107,6 +133,8 @@ class ActorLearner:
         self._actor_session: ActorSession | None = None
         self.strategy: Strategy | None = None
         self.rank = -1
+        global _current
+        _current = self
         if is_actor():
             return
         if self.num_actors < 1:
@@ -273,6 +301,9 @@ class ActorLearner:
     def close(self) -> None:
         """Tell the actors the learner is done (they exit) and release the replay; on an
         actor, send what a loop of its own has left and leave."""
+        global _current
+        if _current is self:
+            _current = None
         if self._actor_session is not None:
             self._actor_session.close()
         if self._server is not None:
