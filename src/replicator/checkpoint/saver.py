@@ -1,4 +1,4 @@
-"""Background saves: the training loop waits only for a copy of the state, on one saver.
+"""Background saves: the training loop waits only for a copy of the state (or a part of it).
 
 At the step boundary :class:`BackgroundSaver` copies the state, then writes and commits it
 while the next steps run, exactly as a foreground save does (staging, the ranks' agreement
@@ -9,18 +9,23 @@ the files is a setting, ``async_mode``:
 - ``"thread"``: the state is copied into memory (:func:`~replicator.checkpoint.manager.
   freeze_state`) and a thread serialises, hashes and writes it;
 - ``"process"``: the state is copied into shared memory as the safetensors images of this
-  rank's files (:class:`StagingBuffer`, a segment of ``comm/shm_segment.py``) and a
+  rank's files (:class:`StagingBuffer` in ``staging.py``, made once and reused) and a
   long-lived saver process (``saver_process.py``, started with the saver so that its imports
   and its store connection overlap the first steps) hashes and writes or uploads them at a
   lower priority; the store's own calls (the commit's listing, pruning, the lease) go there
-  too. Python's GIL is then held by the saver process, not by training.
+  too. Python's GIL is then held by the saver process, not by training. One writer thread
+  takes the saves in order: it first copies the tensors :meth:`BackgroundSaver.submit` was
+  allowed to defer (the caller keeps them unchanged until :meth:`BackgroundSaver.wait_copied`
+  returns), then agrees with the other ranks' writer threads that every rank staged the save,
+  then saves it; the caller's thread runs no collective and waits for no thread.
 
 At most one save is in flight. With the thread, starting another waits for the one before;
-with the process, a save due while the previous one is still being written is skipped on every
-rank (one small all-reduce), counted in :attr:`BackgroundSaver.skipped` and said once, with
-how long the save took and the ``save_freq`` that would fit. A save's error is raised at the
-next save or by :meth:`BackgroundSaver.wait`, never dropped. If the saver process dies, that
-save fails (nothing is committed) and the next save starts a new process.
+with the process, a save due while the previous one is still being written is not staged on
+that rank and then skipped on every rank, counted in :attr:`BackgroundSaver.skipped` and said
+once, with how long the save took and the ``save_freq`` that would fit. A save's error is
+raised at the next save or by :meth:`BackgroundSaver.wait`, never dropped (with the process:
+on each rank at its first save after the failed one finished there). If the saver process
+dies, that save fails (nothing is committed) and the next save starts a new process.
 """
 
 from __future__ import annotations
