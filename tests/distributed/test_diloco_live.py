@@ -6,6 +6,7 @@ the step) and finishes with it: both end on the same outer weights."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from replicator.testing import assert_params_close
 from tests.live_helpers import needs_torchft
+from tests.scripts.diloco_live_train import build_model, dataset
 
 pytestmark = needs_torchft
 
@@ -42,6 +45,47 @@ def _records(out: Path) -> dict[tuple[int, int, int], dict[int, list[int]]]:
     return found
 
 
+def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]]) -> dict[str, torch.Tensor]:
+    """DiLoCo written out in one process over the batches each group committed: each round the
+    groups present start from the outer weights, take H Adam steps (a group that comes back
+    takes group 0's Adam state, as healing does), and the outer Nesterov SGD (0.7, 0.9) steps
+    with the mean of their pseudo-gradients."""
+    x, y, _ = dataset(SAMPLES).tensors
+    outer_model = build_model()
+    outer = list(outer_model.parameters())
+    outer_opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
+    inner: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    previous: list[int] = []
+    for start in range(0, EPOCHS * SAMPLES // BATCH, H):
+        groups = sorted({g for (g, _), steps in committed.items() if start in steps})
+        for g in groups:
+            model = build_model()
+            opt = torch.optim.Adam(model.parameters(), lr=0.01)
+            if g in inner and g in previous:
+                model, opt = inner[g]
+            elif previous:  # healed from a peer at this round's start
+                opt.load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
+            inner[g] = (model, opt)
+        deltas = []
+        for g in groups:
+            model, opt = inner[g]
+            with torch.no_grad():
+                for p, o in zip(model.parameters(), outer):
+                    p.copy_(o)
+            for step in range(start, start + H):
+                idx = torch.tensor([i for (gg, _), steps in sorted(committed.items())
+                                    if gg == g for i in steps[step]])
+                F.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+            deltas.append([o.detach() - p.detach() for o, p in zip(outer, model.parameters())])
+        for i, o in enumerate(outer):
+            o.grad = sum(d[i] for d in deltas) / len(deltas)
+        outer_opt.step()
+        previous = groups
+    return {k: v.detach().clone() for k, v in outer_model.state_dict().items()}
+
+
 @pytest.mark.timeout(240)
 def test_a_group_killed_mid_round_heals_at_a_later_round_and_every_sample_is_trained_once(
         tmp_path):
@@ -53,6 +97,7 @@ def test_a_group_killed_mid_round_heals_at_a_later_round_and_every_sample_is_tra
          "--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS),
          "--kill-at-step", str(KILL_AT), "--hold-at-step", str(HOLD_AT)],
         capture_output=True, text=True, timeout=220, env=env)
+    (tmp_path / "launcher.log").write_text(res.stdout + res.stderr)
     logs = f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
     assert res.returncode == 0, logs
     records = _records(tmp_path)
@@ -76,6 +121,12 @@ def test_a_group_killed_mid_round_heals_at_a_later_round_and_every_sample_is_tra
         seen = Counter(i for steps in records.values() for s, idx in steps.items()
                        if s // steps_per_epoch == epoch for i in idx)
         assert seen == Counter(range(SAMPLES)), f"epoch {epoch}: {seen}"
-    # the same outer weights in both groups at the end (the last step closes a round)
+    # the same outer weights in both groups at the end (the last step closes a round), and
+    # those of DiLoCo by hand over the committed batches: the redone round started from the
+    # round's start (weights, Adam and outer state) and the healed group from its peer's
     final = [torch.load(tmp_path / f"final_g{g}.pt") for g in (0, 1)]
     assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
+    committed: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for (g, rank, _), steps in records.items():
+        committed.setdefault((g, rank), {}).update(steps)
+    assert_params_close(_by_hand(committed), final[0], atol=1e-5, label="by hand vs group 0: ")

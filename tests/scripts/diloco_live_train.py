@@ -27,6 +27,11 @@ from torch.utils.data import TensorDataset
 import replicator as rp
 
 
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
 def dataset(samples: int) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(samples, 8, generator=g),
@@ -59,9 +64,7 @@ def main() -> None:
     life = int(os.environ.get("REPLICATOR_RESTART_COUNT", "0"))
     strategy = rp.DiLoCoStrategy(inner_steps=a.inner_steps)
     with strategy.scope():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                    torch.nn.Linear(16, 4))
+        model = build_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     live = strategy.live
     assert live is not None, "launch with replicator run --replica-groups"
