@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import replicator as rp
 from replicator.data import AUTOTUNE, Dataset, Options
+from replicator.data.dataflow.work import default_batch_collate
 from replicator.data.errors import InputPipelineError
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,6 +70,29 @@ def test_parallel_map_equals_the_serial_one(options: Options) -> None:
     assert sorted(int(v) for v in unordered) == serial
     stage = ds.stats()["stages"]["map(double)+batch(8)"]
     assert stage["tasks"] == 7 and 1 <= stage["parallelism"] <= 2
+
+
+def pair(x):
+    return {"x": torch.full((3, 2), float(x)), "y": int(x)}
+
+
+def collate_and_say_where(samples):
+    batch = default_batch_collate(samples)
+    return batch, batch["x"].is_shared()
+
+
+@pytest.mark.parametrize("options", [THREADS, PROCESSES], ids=["thread", "process"])
+def test_process_workers_collate_batches_into_shared_memory(options: Options) -> None:
+    ds = (Dataset.from_tensor_slices(torch.arange(20)).map(pair, num_parallel_calls=AUTOTUNE)
+          .batch(8, collate_fn=collate_and_say_where).with_options(options))
+    batches = list(ds)
+    assert [shared for _b, shared in batches] == [options.worker_type == "process"] * 3
+    assert torch.equal(torch.cat([b["x"] for b, _s in batches]),
+                       torch.arange(20.0).view(20, 1, 1).expand(20, 3, 2))
+    assert torch.cat([b["y"] for b, _s in batches]).tolist() == list(range(20))
+    # the default collate gives the same batches (no flag)
+    plain = Dataset.from_tensor_slices(torch.arange(20)).map(pair).batch(8).with_options(options)
+    assert [b["y"].tolist() for b in plain] == [b["y"].tolist() for b, _s in batches]
 
 
 def test_operators() -> None:

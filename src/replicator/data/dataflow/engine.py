@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from replicator.data.dataflow.autotune import Tuner
+from replicator.data.dataflow.work import mark_process_worker
 from replicator.data.errors import InputPipelineError, InputTimeoutError
 
 POLL_S = 0.5
@@ -86,6 +87,7 @@ def _process_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: i
     import multiprocessing as mp
 
     torch.set_num_threads(1)
+    mark_process_worker()
     parent = mp.parent_process()  # the process that started this one, whatever the method
     while True:
         if index >= active.value:

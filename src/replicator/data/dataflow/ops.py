@@ -19,12 +19,15 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
-from torch.utils.data import default_collate
-
 from replicator.data.batching import buffer_shuffle, derived_seed
 from replicator.data.dataflow.graph import INFINITE, UNKNOWN, Ctx, Node, drop
 from replicator.data.dataflow.options import AUTOTUNE
-from replicator.data.dataflow.work import BatchWork, MapChunk, describe_element
+from replicator.data.dataflow.work import (
+    BatchWork,
+    MapChunk,
+    default_batch_collate,
+    describe_element,
+)
 from replicator.data.errors import InputTimeoutError
 
 CHUNK = 4  # elements per worker task of an unfused map
@@ -206,7 +209,7 @@ class Batch(Node):
     def work(self) -> BatchWork:
         on_error = "skip" if any(m.on_error == "skip" for m in self.maps) else "raise"
         return BatchWork(tuple(m.fn for m in self.maps), on_error,
-                         self.collate or default_collate)
+                         self.collate or default_batch_collate)
 
     def iterate(self, ctx: Ctx, skip: int = 0) -> Iterator[Any]:
         up = self.up.iterate(ctx, skip * self.size)
