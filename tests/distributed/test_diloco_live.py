@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from replicator.testing import assert_params_close
+from replicator.testing.live_groups import start_lighthouse
 from tests.live_helpers import needs_torchft
 from tests.scripts.diloco_live_train import build_model, dataset
 
@@ -88,15 +89,21 @@ def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]]) -> dict[str
 
 @pytest.mark.timeout(240)
 def test_a_group_killed_mid_round_heals_at_a_later_round_and_every_sample_is_trained_once(
-        tmp_path):
+        tmp_path, monkeypatch):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                REPLICATOR_LIVE_TIMEOUT_SECONDS="20", REPLICATOR_QUORUM_TIMEOUT_SECONDS="120")
-    res = subprocess.run(
-        [sys.executable, "-m", "replicator.cli", "run", "--replica-groups", "2", "--nproc", "2",
-         "--max-restarts", "1", SCRIPT, "--out", str(tmp_path), "--inner-steps", str(H),
-         "--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS),
-         "--kill-at-step", str(KILL_AT), "--hold-at-step", str(HOLD_AT)],
-        capture_output=True, text=True, timeout=220, env=env)
+    monkeypatch.setenv("RUST_LOG", "info")  # the lighthouse logs each quorum
+    lighthouse = start_lighthouse(1, log=tmp_path / "lighthouse.log")
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "replicator.cli", "run", "--replica-groups", "2", "--nproc",
+             "2", "--lighthouse", f"127.0.0.1:{lighthouse.port}", "--max-restarts", "1", SCRIPT,
+             "--out", str(tmp_path), "--inner-steps", str(H), "--samples", str(SAMPLES),
+             "--batch", str(BATCH), "--epochs", str(EPOCHS), "--kill-at-step", str(KILL_AT),
+             "--hold-at-step", str(HOLD_AT)],
+            capture_output=True, text=True, timeout=220, env=env)
+    finally:
+        lighthouse.stop()
     (tmp_path / "launcher.log").write_text(res.stdout + res.stderr)
     logs = f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
     assert res.returncode == 0, logs
