@@ -18,6 +18,9 @@ calibrated run of matrix products on one torch thread, so training holds one cor
   machine gives the input now. ``decode_limit`` assumes ``cores`` idle cores; on a host that
   other jobs load, two processes get less than two cores, and this figure shows how much of
   the gap to ``decode_limit`` is the host's (the load average is printed beside it).
+- ``autotune_cpu_vs_decode``: images per CPU second of ours (this process and its workers over
+  the timed batches) / of the one-core decode: what the pipeline's own work (collate, hand-over,
+  the consumer) costs beside the decode, a figure the load of other jobs changes little.
 - ``vs_dataloader_best``: ours / a DataLoader with the best ``num_workers`` of a sweep over
   0 .. cores (goal >= 1.0); ``vs_dataloader_default``: ours / DataLoader with
   ``num_workers=0`` (>= 2).
@@ -153,18 +156,37 @@ def calibrate_step(ms: float) -> None:
     _STEP["reps"] = max(1, round(ms / 1000 / per))
 
 
-def rate(batches: Iterable[Any], warm: int, timed: int) -> float:
-    """Images/s of the loop (input + step) over ``timed`` batches after ``warm`` ones."""
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its children: those that ended (and were waited for)
+    and the live ones (workers; Linux's /proc)."""
+    ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total, me = time.process_time() + ended.ru_utime + ended.ru_stime, str(os.getpid())
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def rate(batches: Iterable[Any], warm: int, timed: int) -> tuple[float, float]:
+    """Images/s of the loop (input + step) over ``timed`` batches after ``warm`` ones, and
+    images per CPU second of this process and its workers over them (what the load of other
+    jobs changes least)."""
     it = iter(batches)
     for _ in range(warm):
         next(it)
         step()
-    start, images = time.perf_counter(), 0
+    start, cpu, images = time.perf_counter(), cpu_seconds(), 0
     for _ in range(timed):
         x, _y = next(it)
         images += int(x.shape[0])
         step()
-    return images / (time.perf_counter() - start)
+    return images / (time.perf_counter() - start), images / max(1e-3, cpu_seconds() - cpu)
 
 
 def endless(loader: Iterable[Any]) -> Iterator[Any]:
@@ -177,34 +199,42 @@ def ours(paths: list[str]) -> Dataset:
             .batch(BATCH, drop_remainder=True).prefetch())
 
 
-def decode_limit(paths: list[str], cores: int) -> tuple[float, float]:
+def decode_limit(paths: list[str], cores: int) -> tuple[float, float, float]:
+    """Images/s of decode + augment on one core, times ``cores``, and images per CPU second."""
     sample = paths[:96]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for p in sample:
         load_path(p)
     one = len(sample) / (time.perf_counter() - start)
-    return one, one * cores
+    return one, one * cores, len(sample) / max(1e-3, time.process_time() - cpu)
 
 
-def _decode_part(paths: list[str]) -> None:
+def _decode_part(paths: list[str], ready: Any, spans: Any) -> None:
     torch.set_num_threads(1)
+    ready.wait(60)
+    start = time.perf_counter()  # CLOCK_MONOTONIC: comparable across the processes
     for p in paths:
         load_path(p)
+    spans.put((start, time.perf_counter()))
 
 
-def parallel_decode(paths: list[str], cores: int, per: int = 48) -> float:
-    """Images/s of decode + augment by ``cores`` processes at once (each ``per`` images)."""
+def parallel_decode(paths: list[str], cores: int, per: int = 96) -> float:
+    """Images/s of decode + augment by ``cores`` processes at once (each ``per`` images), timed
+    from a common start to the last one's end (their start and exit are not counted)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    procs = [ctx.Process(target=_decode_part, args=(paths[i * per:(i + 1) * per],))
-             for i in range(cores)]
-    start = time.perf_counter()
+    ready, spans = ctx.Barrier(cores + 1), ctx.Queue()
+    procs = [ctx.Process(target=_decode_part, args=(
+        [paths[(i * per + j) % len(paths)] for j in range(per)], ready, spans))
+        for i in range(cores)]
     for proc in procs:
         proc.start()
+    ready.wait(60)
+    got = [spans.get(timeout=120) for _ in procs]
     for proc in procs:
-        proc.join(120)
-    return cores * per / (time.perf_counter() - start)
+        proc.join(60)
+    return cores * per / (max(e for _s, e in got) - min(s for s, _e in got))
 
 
 def load_average() -> str:
@@ -324,8 +354,9 @@ def variants(paths: list[str], folder: str, cores: int) -> dict[str, Any]:
     return out
 
 
-def measure(build: Any, warm: int, timed: int) -> tuple[float, float, dict]:
-    """(images/s, seconds to the first batch, the pipeline's stats if ours)."""
+def measure(build: Any, warm: int, timed: int) -> tuple[tuple[float, float], float, dict]:
+    """((images/s, images per CPU second), seconds to the first batch, the pipeline's stats
+    if ours)."""
     start = time.perf_counter()
     source = build()
     it = iter(source)
@@ -356,16 +387,20 @@ def main() -> None:
     cores = available_cores()
     builders = variants(paths, args.data, cores)
     rates: dict[str, list[float]] = {name: [] for name in builders}
-    firsts, one_core, together, stats = [], [], [], {}
+    per_cpu: dict[str, list[float]] = {name: [] for name in builders}
+    firsts, one_core, one_per_cpu, together, stats = [], [], [], [], {}
     loads = [load_average()]
     for r in range(args.rounds):  # rounds alternate the variants, so noise hits all alike
-        one_core.append(decode_limit(paths, 1)[0])
+        one, _, cpu = decode_limit(paths, 1)
+        one_core.append(one)
+        one_per_cpu.append(cpu)
         together.append(parallel_decode(paths, cores))
         names = list(builders)[r % len(builders):] + list(builders)[:r % len(builders)]
         for name in names:
-            got, first, st = measure(builders[name], 2, args.batches)
-            print(f"round {r}: {name}: {got:.1f} images/s", flush=True)
+            (got, cpu), first, st = measure(builders[name], 2, args.batches)
+            print(f"round {r}: {name}: {got:.1f} images/s, {cpu:.1f} per CPU s", flush=True)
             rates[name].append(got)
+            per_cpu[name].append(cpu)
             if name == "ours":
                 firsts.append(first)
                 stats = st
@@ -376,16 +411,17 @@ def main() -> None:
     best = max(loaders, key=loaders.get)  # type: ignore[arg-type]
     rss, ram = peak_rss(), Options().ram
     loads.append(load_average())
-    rows = [["decode + augment, 1 core", median(one_core), _range(one_core)],
-            [f"decode_limit ({cores} - {training:.2f} cores)", limit, ""],
+    rows = [["decode + augment, 1 core", median(one_core), _range(one_core),
+             median(one_per_cpu)],
+            [f"decode_limit ({cores} - {training:.2f} cores)", limit, "", ""],
             [f"decode + augment, {cores} processes at once", median(together),
-             _range(together)]]
-    rows += [[n, med[n], _range(v)] for n, v in rates.items()]
+             _range(together), ""]]
+    rows += [[n, med[n], _range(v), median(per_cpu[n])] for n, v in rates.items()]
     s3 = None if args.no_s3 else s3_figures(paths, args.data)
     if s3 is not None:
-        rows += [["shards, local", s3[0], ""], ["shards, S3 first epoch", s3[1], ""],
-                 ["shards, S3 from cache", s3[2], ""]]
-    print_table(["variant", "images/s (median)", "range"], rows)
+        rows += [["shards, local", s3[0], "", ""], ["shards, S3 first epoch", s3[1], "", ""],
+                 ["shards, S3 from cache", s3[2], "", ""]]
+    print_table(["variant", "images/s (median)", "range", "images per CPU s"], rows)
     stage = next(iter(stats["stages"].values()))
     print(f"ours: {stats['pipeline']}; parallelism {stage['parallelism']} of "
           f"{stage['max_parallelism']}, task {stage['task_ms']:.0f} ms; first batch "
@@ -395,6 +431,8 @@ def main() -> None:
     emit(BENCH, "autotune_vs_limit", med["ours"] / limit, ">= 0.9", cores=cores)
     emit(BENCH, "autotune_vs_parallel_decode", med["ours"] / median(together), ">= 0.9",
          load=loads[1])
+    emit(BENCH, "autotune_cpu_vs_decode", median(per_cpu["ours"]) / median(one_per_cpu),
+         ">= 0.9")
     emit(BENCH, "vs_dataloader_best", med["ours"] / med[best], ">= 1.0", best=best)
     emit(BENCH, "vs_dataloader_default", med["ours"] / med["DataLoader num_workers=0"],
          ">= 2.0")
