@@ -14,7 +14,12 @@ Two parts:
   against ``DiLoCoStrategy(inner_steps=50)`` and its int8 streaming form (2 fragments, a delay
   of 5 steps): samples/s over steps 11..110 (two outer rounds) and the bytes through each
   host's interface in that window (read from its counters by the host's first process).
-  Medians of ``--repeats`` runs, with their ranges.
+  Medians of ``--repeats`` runs, with their ranges. The peer, ``torchft_diloco`` (with
+  ``--peer``): torchft's own ``DiLoCo`` on the same hosts, model, samples, H and outer
+  optimizer, each host one replica group (``torchrun --standalone`` of 2 processes joined by
+  DDP every step) under a ``Manager`` and a lighthouse on host 0; torchft sends the
+  pseudo-gradient from every process (rank k of each group with rank k of the others), where
+  ours sends one copy per host. ``vs_torchft_diloco``: ours (DiLoCo H=50) / torchft's.
 - ``loss``: the held-out loss at equal samples after 8 and after ``--rounds`` outer rounds of
   50 steps, on one machine (the link does not change the loss): 4 processes, per-step
   ``MirroredStrategy`` against DiLoCo on 2 declared hosts, uncompressed and int4. The runs are
@@ -52,6 +57,10 @@ from benchmarks._report import emit, print_table  # noqa: E402
 
 CONTEXT, WIDTH, GLOBAL_BATCH, H = 64, 64, 64, 50
 VARIANTS = ("sync", "diloco", "diloco_int8_streaming", "diloco_int4")
+PEER = "torchft_diloco"
+#: A run of 110 steps takes 1-3 minutes here; one that runs past this is stuck.
+RUN_TIMEOUT_S = 600
+LIGHTHOUSE_PORT = 29510
 
 
 # -- the task -----------------------------------------------------------------------------------
@@ -162,7 +171,80 @@ def train(variant: str, steps: int, out: str, hosts: int | None = None, warm: in
     strategy.close()
 
 
+def train_torchft(steps: int, out: str, warm: int = 10) -> None:
+    """The peer (a worker of one host's ``torchrun``): torchft's DiLoCo over the groups."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    group, groups = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
+    local, per_host = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = CharTransformer()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    ddp = DistributedDataParallel(model)
+    wait = timedelta(seconds=300)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=wait), min_replica_size=groups, use_async_quorum=False,
+        load_state_dict=lambda state: model.load_state_dict(state["model"]),
+        state_dict=lambda: {"model": model.state_dict()}, replica_id=f"host{group}",
+        hostname=os.environ["HOST_ADDRESS"], store_addr=os.environ["HOST_ADDRESS"],
+        store_port=int(os.environ["MASTER_PORT"]), timeout=wait, quorum_timeout=wait,
+        init_sync=False)  # every group starts from the same seed (no heal at step 0)
+    data = Windows(_corpus(False), steps * GLOBAL_BATCH, seed=1)
+    share = GLOBAL_BATCH // (groups * per_host)
+    first = (group * per_host + local) * share  # the same rows as ours: rank-major shares
+    started = link = 0.0
+    with DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False):
+        for step in range(1, steps + 1):
+            rows = [data[(step - 1) * GLOBAL_BATCH + first + i] for i in range(share)]
+            x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+            F.cross_entropy(ddp(x).reshape(-1, 256), y.reshape(-1)).backward()
+            inner.step()
+            inner.zero_grad()
+            if step == warm:
+                started, link = time.perf_counter(), _host_bytes()
+    record = {"variant": PEER, "losses": {},
+              "samples_per_s": (steps - warm) * GLOBAL_BATCH / (time.perf_counter() - started)}
+    if local == 0:
+        record["link_bytes_per_step"] = (_host_bytes() - link) / (steps - warm)
+        Path(out, f"rank{group * per_host}.json").write_text(json.dumps(record))
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
 # -- the parent ---------------------------------------------------------------------------------
+def _commands(variant: str, net: Any, port: int, steps: int, tmp: str) -> list[list[str]]:
+    """Each host's command line: ``replicator run`` of ours over both hosts, or the peer's
+    ``torchrun`` of this host's group."""
+    tail = [__file__, "--worker", variant, "--steps", str(steps), "--out", tmp]
+    if variant == PEER:
+        # the host's own world on its loopback (its hostname resolves nowhere)
+        return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                 "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port",
+                 str(port), "--nproc-per-node", "2", *tail] for _ in net.hosts]
+    return [[sys.executable, "-m", "replicator.cli", "run", "--nnodes", "2", "--node-rank",
+             str(h.index), "--master-addr", net.hosts[0].address, "--master-port", str(port),
+             "--nproc-per-node", "2", "--timeout", "600", "--quiet-workers", *tail]
+            for h in net.hosts]
+
+
+def _start_lighthouse(net: Any) -> None:
+    from replicator.launch.lighthouse import lighthouse_command
+
+    net.hosts[0].popen(lighthouse_command() + [
+        "--min_replicas", "2", "--bind", f"{net.hosts[0].address}:{LIGHTHOUSE_PORT}",
+        "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # the lighthouse answers within a few ms; the managers retry anyway
+
+
 def _throughput_run(variant: str, rate: str, steps: int, port: int) -> dict[str, float]:
     from tests.hosts import virtual_hosts
 
@@ -171,14 +253,22 @@ def _throughput_run(variant: str, rate: str, steps: int, port: int) -> dict[str,
         net.limit_rate(rate, burst=f"{max(256, int(bits / 8 / 1024 / 100))}kb")
         env = {"TMPDIR": tmp, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-        procs = [h.popen([sys.executable, "-m", "replicator.cli", "run", "--nnodes", "2",
-                          "--node-rank", str(h.index), "--master-addr", net.hosts[0].address,
-                          "--master-port", str(port), "--nproc-per-node", "2", "--timeout",
-                          "600", "--quiet-workers", __file__, "--worker", variant,
-                          "--steps", str(steps), "--out", tmp],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for h in net.hosts]
-        logs = [p.communicate(timeout=1800)[0] for p in procs]
+        if variant == PEER:
+            _start_lighthouse(net)
+        peer = {"TORCHFT_LIGHTHOUSE": f"http://{net.hosts[0].address}:{LIGHTHOUSE_PORT}",
+                "NUM_REPLICA_GROUPS": str(len(net.hosts))}
+        procs = [h.popen(argv, env={**env, **(peer if variant == PEER else {}),
+                                    "REPLICA_GROUP_ID": str(h.index), "HOST_ADDRESS": h.address},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for h, argv in zip(net.hosts, _commands(variant, net, port, steps, tmp))]
+        try:
+            logs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
+        except subprocess.TimeoutExpired:
+            for h in net.hosts:
+                h.kill_all()
+            logs = [p.communicate(timeout=30)[0] for p in procs]
+            raise SystemExit(f"{variant} at {rate} ran past {RUN_TIMEOUT_S} s:\n"
+                             + "\n".join(logs)[-3000:]) from None
         if any(p.returncode for p in procs):
             raise SystemExit(f"{variant} at {rate} failed:\n" + "\n".join(logs)[-3000:])
         records = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
@@ -190,9 +280,9 @@ def _summary(values: list[float]) -> str:
     return f"{statistics.median(values):.4g} [{min(values):.4g}, {max(values):.4g}]"
 
 
-def throughput(rates: list[str], repeats: int, record: Path | None) -> None:
+def throughput(rates: list[str], repeats: int, record: Path | None,
+               variants: tuple[str, ...] = ("sync", "diloco", "diloco_int8_streaming")) -> None:
     """``record``: a JSON-lines file of finished runs, kept and reused (a rerun goes on)."""
-    variants = ("sync", "diloco", "diloco_int8_streaming")
     done = [json.loads(line) for line in record.read_text().splitlines()] \
         if record is not None and record.exists() else []
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
@@ -215,13 +305,22 @@ def throughput(rates: list[str], repeats: int, record: Path | None) -> None:
     print_table(["variant", "link", "samples/s median [range]", "link kB/step (both hosts)"],
                 rows)
     for rate in rates:
+        if PEER in variants and "diloco" in variants:
+            ratios = [d["samples_per_s"] / t["samples_per_s"]
+                      for d, t in zip(runs[("diloco", rate)], runs[(PEER, rate)])]
+            emit("slow_links", f"vs_torchft_diloco_{rate}", statistics.median(ratios), ">= 1.0",
+                 range=[min(ratios), max(ratios)])
+        if "sync" not in variants:
+            continue
         sync = runs[("sync", rate)]
-        for variant in variants[1:]:
+        for variant in [v for v in variants[1:] if v != PEER]:
             ratios = [d["samples_per_s"] / s["samples_per_s"]
                       for d, s in zip(runs[(variant, rate)], sync)]
             goal = ">= 10" if rate.startswith("10mbit") else ">= 3"
             emit("slow_links", f"samples_per_s_vs_sync_{variant}_{rate}",
                  statistics.median(ratios), goal, range=[min(ratios), max(ratios)])
+        if "diloco_int8_streaming" not in variants:
+            continue
         ratios = [d["link_bytes_per_step"] / s["link_bytes_per_step"]
                   for d, s in zip(runs[("diloco_int8_streaming", rate)], sync)]
         emit("slow_links", f"bytes_vs_sync_int8_streaming_{rate}", statistics.median(ratios),
@@ -250,12 +349,15 @@ def loss(rounds: int, variants: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*VARIANTS, PEER), help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=110, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--part", nargs="+", choices=("throughput", "loss"),
                         default=["throughput", "loss"])
     parser.add_argument("--rates", nargs="+", default=["10mbit", "100mbit"])
+    parser.add_argument("--variants", nargs="+", choices=(*VARIANTS[:3], PEER),
+                        default=["sync", "diloco", "diloco_int8_streaming", PEER],
+                        help="throughput variants (sync first where it is one)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--record", type=Path, default=None,
@@ -263,6 +365,9 @@ def main() -> None:
     parser.add_argument("--loss-variants", nargs="+", choices=VARIANTS[1:],
                         default=["diloco", "diloco_int4"])
     args = parser.parse_args()
+    if args.worker == PEER:
+        train_torchft(args.steps, args.out)
+        return
     if args.worker:
         train(args.worker, args.steps, args.out)
         return
@@ -272,7 +377,7 @@ def main() -> None:
         why = namespaces_unavailable()
         if why:
             raise SystemExit(f"the throughput part needs network namespaces: {why}")
-        throughput(args.rates, args.repeats, args.record)
+        throughput(args.rates, args.repeats, args.record, tuple(args.variants))
     if "loss" in args.part:
         loss(max(8, math.ceil(args.rounds)), args.loss_variants)
 
