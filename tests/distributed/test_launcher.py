@@ -107,6 +107,43 @@ def _raise_on_rank1(_: int) -> None:
     s.reduce("sum", torch.ones(1))  # rank 0 waits here; must not hang
 
 
+def _stuck_in_a_named_wait(folder: str) -> None:
+    Path(folder, f"started-{os.environ['RANK']}").touch()
+    hang(120, Path(folder, "never"))
+
+
+class _StoppedFromOutside(Exception):
+    pass
+
+
+@pytest.mark.timeout(120)
+def test_a_launch_stopped_from_outside_prints_what_each_running_worker_was_doing(tmp_path,
+                                                                                capfd):
+    # a test's timeout (or Ctrl-C) interrupts the launcher: the workers' stacks are what shows
+    # where a hang was, so each running worker prints its threads' stacks before it is stopped
+    def stop_once_both_started() -> None:
+        while len(list(tmp_path.glob("started-*"))) < 2:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    def raise_stopped(*_: object) -> None:
+        raise _StoppedFromOutside()
+    previous = signal.signal(signal.SIGUSR1, raise_stopped)
+    try:
+        import threading
+
+        threading.Thread(target=stop_once_both_started, daemon=True).start()
+        with pytest.raises(_StoppedFromOutside):
+            launch(_stuck_in_a_named_wait, 2, args=(str(tmp_path),))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    printed = capfd.readouterr()
+    assert "the launch stopped while rank 0, rank 1 still ran" in printed.err
+    for rank in (0, 1):
+        stacks = printed.err.split(f"rank {rank}'s threads:\n")[1].split("[replicator]")[0]
+        assert "in hang" in stacks and "in _stuck_in_a_named_wait" in stacks, printed.err
+
+
 @pytest.mark.timeout(180)
 def test_worker_that_raises_ends_the_group_with_its_traceback():
     # the collective timeout (600 s) is far beyond the test's: rank 0 must be released by the

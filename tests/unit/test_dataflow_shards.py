@@ -5,8 +5,12 @@ epoch."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -153,10 +157,27 @@ def test_a_store_that_stops_mid_epoch_is_named(tmp_path, caplog) -> None:
                 os.environ[k] = v
 
 
-def test_a_shard_being_read_is_never_evicted_by_this_or_another_process(tmp_path) -> None:
-    import subprocess
-    import sys
+@contextlib.contextmanager
+def _another_process_reading(cache: str, url: str) -> Iterator[list[str]]:
+    """A process of this host that holds ``url``'s shard in ``cache`` (as a reader does) until
+    the block ends; yields the counters its fetch reported."""
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from replicator.data.dataflow.shards import "
+         "ShardCache; c = ShardCache(sys.argv[1], 1, 30); c.get(sys.argv[2], print); "
+         "print('held', flush=True); sys.stdin.read()", cache, url],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None
+        counts = []
+        while (line := reader.stdout.readline().strip()) != "held":
+            assert line, "the reading process ended before it held the shard"
+            counts.append(line)
+        yield counts
+    finally:
+        reader.communicate("", timeout=30)
 
+
+def test_a_shard_being_read_is_never_evicted_by_this_or_another_process(tmp_path) -> None:
     from replicator.data.dataflow.shards import ShardCache
 
     urls = ["file://" + u for u in write_shards(samples(30), str(tmp_path / "src"),
@@ -169,20 +190,46 @@ def test_a_shard_being_read_is_never_evicted_by_this_or_another_process(tmp_path
     cache.release(first)
     assert not os.path.exists(first) and os.path.exists(second)
     # another process of the host reads the third shard: this one's eviction spares it
-    reader = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from replicator.data.dataflow.shards import "
-         "ShardCache; c = ShardCache(sys.argv[1], 1, 30); c.get(sys.argv[2], print); "
-         "print('held', flush=True); sys.stdin.read()", str(tmp_path / "cache"), urls[2]],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert reader.stdout is not None
-        while reader.stdout.readline().strip() != "held":
-            pass
+    with _another_process_reading(str(tmp_path / "cache"), urls[2]):
         third = cache.path_of(urls[2])
         cache.release(second)
         assert os.path.exists(third) and not os.path.exists(second)
-    finally:
-        reader.communicate("", timeout=30)
     cache.release(cache.get(urls[0], counts.append))
     assert not os.path.exists(third)  # the other process is done with it: it could leave
     assert counts == ["shard_fetches"] * 3  # the first shard twice, the second once
+
+
+def test_a_shard_another_process_reads_is_read_here_too_without_waiting(tmp_path) -> None:
+    from replicator.data.dataflow.shards import ShardCache
+
+    urls = ["file://" + u for u in write_shards(samples(10), str(tmp_path / "src"),
+                                                  samples_per_shard=10)]
+    # another process of the host fetches the shard and reads it
+    with _another_process_reading(str(tmp_path / "cache"), urls[0]) as its_counts:
+        assert its_counts == ["shard_fetches"]
+        counts: list[str] = []
+        cache = ShardCache(str(tmp_path / "cache"), None, timeout_s=3)  # a wait would raise
+        path = cache.get(urls[0], counts.append)
+        assert counts == ["shard_cache_hits"] and os.path.exists(path)
+        cache.release(path)
+
+
+def test_shards_fetched_ahead_of_an_epoch_left_early_are_released(s3_server,  # noqa: F811
+                                                                 tmp_path) -> None:
+    import time
+
+    from replicator.data.dataflow.shards import ShardCache
+
+    s3_server.make_bucket("ahead")
+    urls = write_shards(samples(40), "s3://ahead/train", samples_per_shard=10)
+    cache = str(tmp_path / "cache")
+    ds = Dataset.from_shards(urls, cache_dir=cache, prefetch_shards=2)
+    it = iter(ds)
+    assert next(it)["__key__"] == "s0000"
+    deadline = time.monotonic() + 30
+    while len([f for f in os.listdir(cache) if f.endswith(".tar")]) < 3:  # the two ahead
+        assert time.monotonic() < deadline, os.listdir(cache)
+        time.sleep(0.05)
+    it.close()  # the epoch is left after one sample (as a next epoch's iter() leaves it)
+    ShardCache(cache, limit_bytes=1, timeout_s=5)._evict()  # removes whatever no process holds
+    assert [f for f in os.listdir(cache) if f.endswith(".tar")] == []

@@ -25,6 +25,7 @@ from typing import Any
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
 from replicator.cluster.ports import check_port
+from replicator.cluster.stack_dump import install_stack_dump
 from replicator.cluster.worker_errors import error_path, record_exception, record_finished
 from replicator.launch.launcher import LocalGroup, check_num_replicas
 
@@ -73,6 +74,7 @@ def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
     rank = int(env["RANK"])
     attempt = int(env.get(RESTART_COUNT_ENV, "0"))
     code = 0
+    install_stack_dump(env[ERROR_DIR_ENV], rank)  # asked for when the launch is stopped
     try:
         import torch
 

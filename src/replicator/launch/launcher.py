@@ -46,6 +46,7 @@ from replicator.cluster.env_names import (
 )
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.cluster.ports import LOOPBACK, check_port, listen
+from replicator.cluster.stack_dump import STACK_DUMP_SIGNAL, read_stacks
 from replicator.cluster.timeouts import resolve_timeout
 from replicator.cluster.worker_errors import (
     error_path,
@@ -69,6 +70,8 @@ from replicator.launch.restart_policy import restart_refusal
 FAILURE_GRACE_SECONDS = 5.0
 #: Seconds between SIGTERM and SIGKILL.
 KILL_GRACE_SECONDS = 3.0
+#: Seconds a running worker gets to write its stacks when a launch is stopped from outside.
+STACK_DUMP_SECONDS = 2.0
 #: Seconds preempted workers get to save their backup and exit (override with the variable).
 PREEMPTION_GRACE_SECONDS = 120.0
 
@@ -346,7 +349,8 @@ class LocalGroup:
                 for w in self.workers:
                     w.signal(signal.SIGTERM)
             outcome = self._watch(attempt)
-        except BaseException:
+        except BaseException:  # stopped from outside (a timeout, an interrupt)
+            self._dump_running_stacks()
             self.stop_all()
             raise
         finally:
@@ -488,6 +492,24 @@ class LocalGroup:
         first_server = self.world - self.num_ps
         return f"parameter server {rank - first_server}" if rank >= first_server else ""
 
+    def _dump_running_stacks(self) -> None:
+        """Workers still running when the launch closes (it was stopped from outside: a
+        timeout, an interrupt) print their threads' stacks before they are stopped."""
+        running = [w for w in self.workers if w.poll() is None]
+        if not running:
+            return
+        names = ", ".join(f"rank {w.rank}" + (f" ({self._role(w.rank)})"
+                                               if self._role(w.rank) else "")
+                          for w in running)
+        for w in running:
+            w.signal(STACK_DUMP_SIGNAL)
+        self.say(f"[replicator] the launch stopped while {names} still ran; what each was "
+                 "doing:")
+        for w in running:
+            stacks = read_stacks(self.error_dir, w.rank, STACK_DUMP_SECONDS)
+            self.say(f"[replicator] rank {w.rank}'s threads:\n"
+                     f"{stacks or '(none written: the worker did not answer)'}")
+
     def stop_all(self) -> None:
         for w in self.workers:
             w.signal(signal.SIGTERM)
@@ -499,6 +521,7 @@ class LocalGroup:
             w.join(1.0)
 
     def close(self) -> None:
+        self._dump_running_stacks()
         self.stop_all()
         import shutil
 

@@ -13,6 +13,7 @@ import threading
 import time
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
+from replicator.cluster.stack_dump import install_stack_dump
 from replicator.cluster.worker_errors import (
     ScriptNotFoundError,
     error_path,
@@ -62,6 +63,8 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get(RESTART_COUNT_ENV, "0"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
+    if error_dir:
+        install_stack_dump(error_dir, rank)  # asked for when the launch is stopped
     try:
         if not os.path.isfile(script):
             raise ScriptNotFoundError(f"script {script!r} not found (looked in {os.getcwd()}). "

@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any
 
@@ -217,22 +217,25 @@ class ShardCache:
                 self.held[path] = (lock, uses + 1)
                 counters("shard_cache_hits")
                 return path
+        fetched = False
         lock = open(path + ".lock", "a+")  # noqa: SIM115 - held until release()
         try:
             deadline = time.monotonic() + self.timeout_s
-            while True:
+            # Readers share the lock: a shard that is there is read beside any other reader;
+            # only a fetch (and an eviction) holds it alone.
+            self._flock(lock, fcntl.LOCK_SH, deadline, url)
+            while not os.path.exists(path):
                 self._flock(lock, fcntl.LOCK_EX, deadline, url)
-                if os.path.exists(path):
-                    os.utime(path)
-                    counters("shard_cache_hits")
-                else:
+                if not os.path.exists(path):  # no process of this host fetched it meanwhile
                     self._fetch(url, path)
                     counters("shard_fetches")
+                    fetched = True
                 # Linux converts a lock by dropping it first: another process may evict the
                 # shard in that gap, so it is checked again under the shared lock.
                 self._flock(lock, fcntl.LOCK_SH, deadline, url)
-                if os.path.exists(path):
-                    break
+            if not fetched:
+                os.utime(path)
+                counters("shard_cache_hits")
         except BaseException:
             lock.close()
             raise
@@ -388,6 +391,15 @@ class ShardSource(Node):
                     yield sample
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+            for j, left in ahead.items():  # fetched ahead, never read: let other processes in
+                if not _is_local(urls[j]):
+                    left.add_done_callback(self._release_unread(ctx))
+
+    def _release_unread(self, ctx: Ctx) -> Callable[[Future[str]], None]:
+        def release(fetched: Future[str]) -> None:
+            if not fetched.cancelled() and fetched.exception() is None:
+                self._cache(ctx).release(fetched.result())
+        return release
 
     def _read(self, ctx: Ctx, url: str, fetched: Future[str]) -> Iterator[dict[str, Any]]:
         count = 0
