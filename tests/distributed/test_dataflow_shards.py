@@ -24,7 +24,7 @@ def decode(sample: dict) -> torch.Tensor:
 def pipeline(cache: str) -> Dataset:
     files = Dataset.list_files("s3://dshards/train-*.tar", shuffle=True, seed=4)
     return (Dataset.from_shards(files, cache_dir=cache).shuffle(8, seed=1).map(decode)
-            .batch(4).with_options(Options(cpu_budget=2)))
+            .batch(4).with_options(Options(cpu_budget=2, timeout_seconds=60)))
 
 
 def worker(cache: str) -> dict:

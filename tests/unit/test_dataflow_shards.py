@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -216,8 +217,6 @@ def test_a_shard_another_process_reads_is_read_here_too_without_waiting(tmp_path
 
 def test_shards_fetched_ahead_of_an_epoch_left_early_are_released(s3_server,  # noqa: F811
                                                                  tmp_path) -> None:
-    import time
-
     from replicator.data.dataflow.shards import ShardCache
 
     s3_server.make_bucket("ahead")
@@ -233,3 +232,32 @@ def test_shards_fetched_ahead_of_an_epoch_left_early_are_released(s3_server,  # 
     it.close()  # the epoch is left after one sample (as a next epoch's iter() leaves it)
     ShardCache(cache, limit_bytes=1, timeout_s=5)._evict()  # removes whatever no process holds
     assert [f for f in os.listdir(cache) if f.endswith(".tar")] == []
+
+
+def _start_then_sleep(started) -> None:  # type: ignore[no-untyped-def]
+    started.set()
+    time.sleep(60)
+
+
+def test_a_shard_released_here_is_not_held_by_a_process_forked_while_it_was_read(
+        tmp_path) -> None:
+    import multiprocessing as mp
+
+    from replicator.data.dataflow.shards import ShardCache
+
+    urls = ["file://" + u for u in write_shards(samples(10), str(tmp_path / "src"),
+                                                  samples_per_shard=10)]
+    cache = ShardCache(str(tmp_path / "cache"), None, timeout_s=5)
+    path = cache.get(urls[0], lambda _: None)
+    ctx = mp.get_context("fork")
+    started = ctx.Event()
+    child = ctx.Process(target=_start_then_sleep, args=(started,), daemon=True)
+    child.start()  # as a decode worker started mid-epoch: it shares this process's open files
+    try:
+        assert started.wait(30)
+        cache.release(path)
+        ShardCache(str(tmp_path / "cache"), limit_bytes=1, timeout_s=5)._evict()
+        assert not os.path.exists(path)  # nobody reads it: it could leave
+    finally:
+        child.terminate()
+        child.join(10)

@@ -185,6 +185,41 @@ def read_shard(path: str, url: str) -> Iterator[dict[str, Any]]:
                          "on_error='skip') to skip what cannot be read") from exc
 
 
+# A flock belongs to the open file, which a forked child (a decode worker) shares: the child
+# would keep a shard locked after this process released it, blocking its eviction (and a
+# fetch) for the child's lifetime. Lock files are therefore tracked, and a child points them
+# at /dev/null as soon as it is forked.
+_lock_fds: set[int] = set()
+_lock_fds_guard = threading.Lock()
+
+
+def _open_lock(path: str) -> IO[str]:
+    lock = open(path + ".lock", "a+")  # noqa: SIM115 - closed by _close_lock
+    with _lock_fds_guard:
+        _lock_fds.add(lock.fileno())
+    return lock
+
+
+def _close_lock(lock: IO[str]) -> None:
+    """Close a lock file (which drops its lock unless a forked child still had it)."""
+    with _lock_fds_guard:
+        _lock_fds.discard(lock.fileno())
+    lock.close()
+
+
+def _drop_inherited_locks() -> None:
+    global _lock_fds_guard
+    _lock_fds_guard = threading.Lock()  # a parent's thread may have held it at the fork
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in _lock_fds:
+        os.dup2(null, fd)  # the lock's file is no longer open here; the number stays valid
+    os.close(null)
+    _lock_fds.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class ShardCache:
     """Local copies of remote shards in ``folder``, shared by a host's processes, least recently
     used ones removed beyond ``limit_bytes``.
@@ -218,7 +253,7 @@ class ShardCache:
                 counters("shard_cache_hits")
                 return path
         fetched = False
-        lock = open(path + ".lock", "a+")  # noqa: SIM115 - held until release()
+        lock = _open_lock(path)  # held until release()
         try:
             deadline = time.monotonic() + self.timeout_s
             # Readers share the lock: a shard that is there is read beside any other reader;
@@ -237,13 +272,13 @@ class ShardCache:
                 os.utime(path)
                 counters("shard_cache_hits")
         except BaseException:
-            lock.close()
+            _close_lock(lock)
             raise
         with self._lock:
             if path in self.held:  # another thread of this process got it meanwhile
                 held, uses = self.held[path]
                 self.held[path] = (held, uses + 1)
-                lock.close()
+                _close_lock(lock)
             else:
                 self.held[path] = (lock, 1)
         self._evict()
@@ -259,7 +294,7 @@ class ShardCache:
             else:
                 self.held.pop(path, None)
         if lock is not None:
-            lock.close()  # closing the file drops its lock
+            _close_lock(lock)  # closing the file drops its lock
         self._evict()
 
     def _flock(self, lock: IO[str], kind: int, deadline: float, url: str) -> None:
@@ -318,7 +353,8 @@ class ShardCache:
 
     @staticmethod
     def _remove_unless_read(path: str) -> bool:
-        with open(path + ".lock", "a+") as lock:  # a new open file: its lock conflicts with ours
+        lock = _open_lock(path)  # a new open file: its lock conflicts with ours
+        try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -328,6 +364,8 @@ class ShardCache:
                 return True
             except FileNotFoundError:
                 return False
+        finally:
+            _close_lock(lock)
 
 
 class ShardSource(Node):
