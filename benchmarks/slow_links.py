@@ -242,7 +242,10 @@ def _start_lighthouse(net: Any) -> None:
         "--min_replicas", "2", "--bind", f"{net.hosts[0].address}:{LIGHTHOUSE_PORT}",
         "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)  # the lighthouse answers within a few ms; the managers retry anyway
+    url = f"http://{net.hosts[0].address}:{LIGHTHOUSE_PORT}"  # answers only inside the hosts
+    net.hosts[0].run([sys.executable, "-c", "import sys; from replicator.launch.lighthouse "
+                      "import wait_reachable; wait_reachable(sys.argv[1], 30)", url],
+                     timeout=60)
 
 
 def _throughput_run(variant: str, rate: str, steps: int, port: int) -> dict[str, float]:
