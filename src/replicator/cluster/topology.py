@@ -5,7 +5,8 @@ for workers, its coordinates on named ``DeviceMesh`` axes. :data:`KNOWN_AXES` (`
 ``fsdp``, ``pipeline``, ``tensor``) mean something to replicator; other names are your own, and
 near-misses (``tensr``) are refused as typos. A strategy asks the topology for its axis's group
 and hands it down. Layout (torchtitan's): workers are ranks ``0 .. W-1``, servers the last
-``num_ps``; the mesh is row-major, so the last axis holds neighbouring ranks (one host).
+``num_ps``; the mesh is row-major, so the last axis holds neighbouring ranks (one host). Hosts
+come from the environment, or ``hosts=`` declares them (:mod:`~.declared_hosts`).
 Building it is a collective: every process, same arguments, same order.
 """
 
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from replicator.cluster.hosts import exchange_host_keys, group_by_host, local_host_key
+from replicator.cluster.declared_hosts import HostsSpec, check_hosts_spec, job_host_keys
+from replicator.cluster.hosts import group_by_host
 from replicator.errors import ClusterConfigError
 
 #: The axis names a topology understands, and what each splits.
@@ -130,13 +132,17 @@ def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
 class Topology:
     """Named mesh axes over the workers, the role and host of every process: ``axes`` (name ->
     degree, default ``{"data": <all workers>}``, or keywords ``Topology(data=2, tensor=2)``) and
-    ``num_ps`` servers (the last ranks). Starts the process group from the environment if needed.
+    ``num_ps`` servers (the last ranks). ``hosts``: how the workers group into hosts where the
+    environment does not say (a count of consecutive-rank hosts, or each host's rank list; see
+    :mod:`~replicator.cluster.declared_hosts`). Starts the process group if needed.
     """
 
     def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, *,
-                 num_ps: int = 0, device_type: str | None = None, **axis_sizes: int) -> None:
+                 num_ps: int = 0, hosts: HostsSpec = None, device_type: str | None = None,
+                 **axis_sizes: int) -> None:
         from replicator.cluster.process_group import initialize
 
+        check_hosts_spec(hosts)
         if axis_sizes:
             if axes is not None:
                 raise ClusterConfigError(
@@ -167,8 +173,9 @@ class Topology:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.device_type = device_type
         ranks = torch.arange(self.num_workers).reshape(tuple(self.axes.values()))
+        #: Every process's host key, in rank order (declared hosts are ``host<i>@<key>``).
+        self.hosts = job_host_keys(hosts, num_ps)
         self.mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(self.axes))
-        self.hosts = exchange_host_keys(None, local_host_key())
         self._node_groups = self._make_node_groups()
         self._data_group = self._make_data_group()
 
@@ -280,7 +287,7 @@ class Topology:
 
     # -- hosts -----------------------------------------------------------------------------------
     def _make_node_groups(self) -> dict[str, dist.ProcessGroup | None]:
-        by_host = group_by_host(list(range(self.world_size)), self.hosts)
+        by_host = self.host_groups
         if len(by_host) == 1:  # the whole job on one host: the default group is the node
             return {self.hosts[0]: None}
         # every process takes part in creating every group (new_group is collective)
@@ -289,6 +296,11 @@ class Topology:
     @property
     def num_hosts(self) -> int:
         return len(self._node_groups)
+
+    @property
+    def host_groups(self) -> list[list[int]]:
+        """The global ranks of every host, hosts in order of their first rank."""
+        return group_by_host(list(range(self.world_size)), self.hosts)
 
     def host_ranks(self, host: str | None = None) -> list[int]:
         """Global ranks on ``host`` (default: this process's host), in rank order."""

@@ -42,8 +42,10 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from replicator.cluster.declared_hosts import HostsSpec
 from replicator.cluster.devices import default_device_for
 from replicator.cluster.environment import resolve_cluster
+from replicator.cluster.topology import Topology
 from replicator.comm.block_quantize import DEFAULT_BLOCK_SIZE, BlockQuantizer
 from replicator.comm.handles import DONE
 from replicator.comm.options import CommunicationOptions
@@ -58,6 +60,8 @@ from replicator.strategies.two_level.fragments import Schedule, split_fragments
 from replicator.strategies.two_level.hosts import (
     HOSTS_AXIS,
     LOCAL_AXIS,
+    check_mesh,
+    host_groups,
     host_layout,
     two_level_topology,
 )
@@ -108,8 +112,10 @@ class DiLoCoStrategy(Strategy):
     ``sync_delay``: streaming (see ``fragments.py``). ``compression``: ``None``, ``"int8"`` or
     ``"int4"`` per ``block_size`` values, with ``error_feedback``. ``inner``: the registered
     name of the synchronous strategy inside a host (built with ``mesh=`` and ``axis=``), with
-    ``inner_options``. ``hosts``: the number of hosts (``None``: from the processes' host
-    keys; see ``two_level/hosts.py``). ``communication_options``: timeouts, for both levels.
+    ``inner_options``. ``mesh``: an :class:`~replicator.cluster.Topology` whose hosts are the
+    outer groups (``None``: the environment's hosts; ``rp.Topology(hosts=2)`` declares them);
+    ``hosts=`` is short for ``mesh=rp.Topology(hosts=...)``. ``communication_options``:
+    timeouts, for both levels.
     """
 
     name = "diloco"
@@ -119,14 +125,16 @@ class DiLoCoStrategy(Strategy):
                  outer_momentum: float = 0.9, fragments: int = 1, sync_delay: int = 0,
                  compression: str | None = None, inner: str = "mirrored", *,
                  error_feedback: bool = True, block_size: int = DEFAULT_BLOCK_SIZE,
-                 hosts: int | None = None, inner_options: dict[str, Any] | None = None,
+                 mesh: Topology | None = None, hosts: HostsSpec = None,
+                 inner_options: dict[str, Any] | None = None,
                  communication_options: CommunicationOptions | None = None,
                  check_finite: bool = False) -> None:
         _check_settings(inner_steps, outer_lr, outer_momentum, fragments, sync_delay,
                         compression)
+        check_mesh(mesh, hosts)
         live = LiveSettings.from_env()
         if live is not None:
-            _check_live(live, fragments, sync_delay, compression, hosts)
+            _check_live(live, fragments, sync_delay, compression, hosts, mesh)
         bits = COMPRESSIONS[compression]
         self.inner_steps, self.fragments, self.sync_delay = inner_steps, fragments, sync_delay
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -137,9 +145,13 @@ class DiLoCoStrategy(Strategy):
         spec = resolve_cluster()
         device = default_device_for(spec.local_rank, spec.local_world_size)
         self._replica_group = ReplicaGroup(device, timeout_seconds=options.timeout_seconds)
-        self.num_hosts, self.processes_per_host = host_layout(hosts) if live is None else \
-            (1, self._replica_group.world_size)  # a replica group is one host
-        self.topology = two_level_topology(self.num_hosts, self.processes_per_host)
+        if live is None:
+            groups: list[list[int]] | None = host_groups(mesh, hosts)
+            self.num_hosts, self.processes_per_host = host_layout(groups)
+        else:  # a replica group is one host
+            groups, self.num_hosts, self.processes_per_host = \
+                None, 1, self._replica_group.world_size
+        self.topology = two_level_topology(self.num_hosts, self.processes_per_host, groups)
         with building_part():  # the inner group is no replica group of its own
             self.inner = self._build_inner(inner, inner_options, communication_options)
         self._exchange = OuterExchange(self.topology.group(HOSTS_AXIS), self.num_hosts,
@@ -340,10 +352,11 @@ class DiLoCoStrategy(Strategy):
 
 
 def _check_live(live: LiveSettings, fragments: int, sync_delay: int,
-                compression: str | None, hosts: int | None) -> None:
+                compression: str | None, hosts: HostsSpec, mesh: Topology | None) -> None:
     """Refuse the settings that replica groups do not support yet."""
     for name, value, plain in (("fragments", fragments, 1), ("sync_delay", sync_delay, 0),
-                               ("compression", compression, None), ("hosts", hosts, None)):
+                               ("compression", compression, None), ("hosts", hosts, None),
+                               ("mesh", mesh, None)):
         if value != plain:
             raise ClusterConfigError(
                 f"{name}={value!r} is not supported in replica groups ({live.who} of "

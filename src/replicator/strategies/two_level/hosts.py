@@ -4,56 +4,79 @@ The inner group is a host's processes; the outer groups join the processes of th
 rank across hosts. Both are axes of one :class:`~replicator.cluster.Topology`:
 ``{"hosts": H, "local": L}`` over the job's ranks, row-major, so a host's processes must be
 ``L`` consecutive ranks (what ``replicator run --nnodes``, torchrun and SLURM give).
-Hosts are read from each process's host key (``REPLICATOR_HOST``, ``TF_CONFIG``, or the
-hostname and node rank; see :mod:`replicator.cluster.hosts`), or declared with ``hosts=N``:
-then ranks ``0..L-1`` are host 0, the next ``L`` host 1, and so on.
+The hosts are a topology's (``DiLoCoStrategy(mesh=rp.Topology(hosts=...))``), which reads
+them from each process's host key or from its ``hosts=`` declaration
+(:mod:`replicator.cluster.declared_hosts`); ``DiLoCoStrategy(hosts=N)`` is short for
+``mesh=rp.Topology(hosts=N)``.
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from typing import Any
 
-from replicator.cluster.hosts import exchange_host_keys, group_by_host
-from replicator.cluster.topology import Topology
+from replicator.cluster.declared_hosts import HostsSpec, check_hosts_spec, job_host_keys
+from replicator.cluster.hosts import group_by_host
+from replicator.cluster.topology import DATA_AXES, Topology
 from replicator.errors import ClusterConfigError
 
 HOSTS_AXIS = "hosts"
 LOCAL_AXIS = "local"
 
 
-def host_layout(hosts: int | None) -> tuple[int, int]:
-    """``(number of hosts, processes per host)`` of this job (a collective when ``hosts`` is
-    ``None``: the host keys are exchanged). Refuses layouts the topology cannot express."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+def check_mesh(mesh: Any, hosts: HostsSpec) -> None:
+    """Refuse a ``mesh=`` that is no topology, or one given beside ``hosts=`` (no group needed)."""
+    check_hosts_spec(hosts)
+    if mesh is None:
+        return
+    if not isinstance(mesh, Topology):
+        raise TypeError(f"mesh must be an rp.Topology (whose hosts are the outer groups), got "
+                        f"{type(mesh).__name__}. HINT: mesh=rp.Topology(hosts=2)")
     if hosts is not None:
-        if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
-            raise ValueError(f"hosts must be a positive integer or None, got {hosts!r}")
-        if world % hosts:
-            raise ClusterConfigError(
-                f"hosts={hosts} does not divide the job's {world} processes; every host runs "
-                f"the same number of processes. HINT: choose hosts among "
-                f"{[d for d in range(1, world + 1) if world % d == 0]}, or launch a multiple of "
-                f"{hosts} processes")
-        return hosts, world // hosts
-    keys = exchange_host_keys(None)
-    by_host = group_by_host(list(range(world)), keys)
-    counts = [len(members) for members in by_host]
-    if len(set(counts)) > 1:
-        layout = ", ".join(f"{keys[m[0]]}: {len(m)}" for m in by_host)
         raise ClusterConfigError(
-            f"the hosts run different numbers of processes ({layout}); a two-level strategy "
+            f"hosts={hosts!r} was given beside mesh={mesh!r}, which has hosts of its own. HINT: "
+            f"declare the hosts once, on the topology: mesh=rp.Topology(hosts={hosts!r})")
+    if mesh.num_ps:
+        raise ClusterConfigError(
+            f"mesh={mesh!r} has {mesh.num_ps} parameter server(s); a two-level strategy trains "
+            "on every process of the job. HINT: build the topology without num_ps")
+    other = [a for a, n in mesh.axes.items() if a not in DATA_AXES and n > 1]
+    if other:
+        raise ClusterConfigError(
+            f"mesh={mesh!r} splits the model along {other}; a two-level strategy keeps a whole "
+            "replica on every process and takes only the topology's hosts. HINT: "
+            "mesh=rp.Topology(hosts=...) with the default data axis")
+
+
+def host_groups(mesh: Topology | None, hosts: HostsSpec) -> list[list[int]]:
+    """Each host's ranks, in order of their first rank: ``mesh``'s, else the environment's
+    with ``hosts`` declared over them (a collective: the host keys are exchanged)."""
+    keys = mesh.hosts if mesh is not None else job_host_keys(hosts)
+    return group_by_host(list(range(len(keys))), keys)
+
+
+def host_layout(groups: list[list[int]]) -> tuple[int, int]:
+    """``(number of hosts, processes per host)`` of ``groups`` (each host's ranks); refuses
+    layouts the two-level topology cannot express."""
+    counts = [len(members) for members in groups]
+    if len(set(counts)) > 1:
+        raise ClusterConfigError(
+            f"the hosts run different numbers of processes (ranks by host: {groups}); a "
+            "two-level strategy "
             "needs the same number on every host. HINT: launch the same --nproc on every node, "
-            "or declare the layout with hosts=N")
+            "or declare equal hosts with mesh=rp.Topology(hosts=N)")
     per_host = counts[0]
     if any(members != list(range(i * per_host, (i + 1) * per_host))
-           for i, members in enumerate(by_host)):
+           for i, members in enumerate(groups)):
         raise ClusterConfigError(
-            f"the processes of a host are not consecutive ranks (hosts by rank: {keys}). "
+            f"the processes of a host are not consecutive ranks (ranks by host: {groups}). "
             "HINT: launch with replicator run --nnodes, torchrun or SLURM, which number a "
-            "node's processes together, or declare the layout with hosts=N")
-    return len(by_host), per_host
+            "node's processes together, or declare consecutive hosts with "
+            "mesh=rp.Topology(hosts=N)")
+    return len(groups), per_host
 
 
-def two_level_topology(num_hosts: int, per_host: int) -> Topology:
-    """The topology whose ``hosts`` axis is the outer groups and ``local`` axis the inner."""
-    return Topology({HOSTS_AXIS: num_hosts, LOCAL_AXIS: per_host})
+def two_level_topology(num_hosts: int, per_host: int,
+                       groups: list[list[int]] | None = None) -> Topology:
+    """The topology whose ``hosts`` axis is the outer groups and ``local`` axis the inner;
+    its hosts are ``groups`` (``None``: the environment's)."""
+    return Topology({HOSTS_AXIS: num_hosts, LOCAL_AXIS: per_host}, hosts=groups)
