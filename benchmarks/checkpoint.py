@@ -262,7 +262,7 @@ def bench_train_cpu(rounds: int, where: str) -> dict[str, float]:
 
 def first_commit_worker(backup_dir: str) -> float | None:
     """Seconds from the first backup's step to its commit on the chief (1 MB, 70 ms steps)."""
-    from replicator.checkpoint import fault_points
+    from replicator import fault_points
 
     strategy = rp.MirroredStrategy()
     with strategy.scope():

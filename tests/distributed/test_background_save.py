@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import replicator as rp
-from replicator.checkpoint import fault_points
+from replicator import fault_points
 from replicator.errors import CheckpointWriteError
 from replicator.resume import BackupAndRestore
 from replicator.testing import run_distributed

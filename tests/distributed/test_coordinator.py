@@ -139,7 +139,7 @@ def train_serial(kind: str, flag_dir: str = "", between: bool = False) -> dict:
     after server 0 applied its update and before server 1 did)."""
     current = [-1]
     if kind != "one_device" and between:
-        from replicator.checkpoint import fault_points
+        from replicator import fault_points
 
         def die(**_: object) -> None:
             if current[0] == KILL_BETWEEN and _first_time(flag_dir, "between"):
@@ -264,7 +264,7 @@ def test_a_server_lost_under_the_coordinator_stops_the_job_naming_it():
 def train_async_killed_between_pushes(flag_dir: str) -> dict:
     """16 steps scheduled asynchronously on 2 workers + 2 servers; the worker running step 8
     is SIGKILLed after its push reached server 0 and before it reached server 1."""
-    from replicator.checkpoint import fault_points
+    from replicator import fault_points
 
     current = [-1]
 

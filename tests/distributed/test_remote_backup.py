@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import replicator as rp
-from replicator.checkpoint import CheckpointManager, fault_points
+from replicator import fault_points
+from replicator.checkpoint import CheckpointManager
 from replicator.errors import WorkerFailedError
 from replicator.resume import BackupAndRestore
 from replicator.testing import run_distributed

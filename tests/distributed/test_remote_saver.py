@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import replicator as rp
-from replicator.checkpoint import CheckpointManager, fault_points, serialization
+from replicator import fault_points
+from replicator.checkpoint import CheckpointManager, serialization
 from replicator.resume import BackupAndRestore
 from replicator.testing import run_distributed
 from tests.helpers import make_mlp, regression_data

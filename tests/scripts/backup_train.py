@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from torch.utils.data import TensorDataset
 
 import replicator as rp
-from replicator.checkpoint import fault_points
+from replicator import fault_points
 from replicator.errors import ReplicaTimeoutError
 from replicator.resume import BackupAndRestore
 

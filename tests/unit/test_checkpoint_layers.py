@@ -14,7 +14,7 @@ import replicator
 PACKAGE = Path(replicator.__file__).parent
 CHECKPOINT = PACKAGE / "checkpoint"
 #: The rooms the checkpoint room may import: itself and the ones below it.
-LOWER = {"checkpoint", "cluster", "comm", "data", "optim", "errors"}
+LOWER = {"checkpoint", "cluster", "comm", "data", "optim", "errors", "fault_points"}
 
 
 def _files(room: Path) -> list[Path]:
@@ -36,9 +36,10 @@ def _imported(path: Path, tree: ast.AST) -> list[tuple[int, str]]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            found.append((node.lineno, module))
-            if module == "replicator":  # from replicator import <room>
+            if module == "replicator":  # from replicator import <room or module>
                 found += [(node.lineno, f"replicator.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, module))
     return found
 
 

@@ -159,7 +159,7 @@ def test_callback_states_survive_a_restart(tmp_path):
 def test_a_crashed_fit_lets_its_save_in_flight_commit_before_raising(tmp_path):
     """The step-8 save is still being written when step 10 crashes: fit's error leaves only
     after that save committed, so a rerun in the same process neither races it nor misses it."""
-    from replicator.checkpoint import fault_points
+    from replicator import fault_points
 
     def slow_step_8(step, **_):
         if step == 8:

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from replicator.checkpoint import fault_points, serialization
+from replicator import fault_points
+from replicator.checkpoint import serialization
 from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
 from replicator.checkpoint.manifest import FileEntry, build
 from replicator.checkpoint.storage import open_storage, step_dir_name

@@ -9,7 +9,7 @@ the files is a setting, ``async_mode``:
 - ``"thread"``: the state is copied into memory (:func:`~replicator.checkpoint.manager.
   freeze_state`) and a thread serialises, hashes and writes it;
 - ``"process"``: the state is copied into shared memory as the safetensors images of this
-  rank's files (:class:`StagingBuffer` in ``staging.py``, made once and reused) and a
+  rank's files (:class:`StagingBuffer` in ``saver_client.py``, made once and reused) and a
   long-lived saver process (``saver_process.py``, started with the saver so that its imports
   and its store connection overlap the first steps) hashes and writes or uploads them at a
   lower priority; the store's own calls (the commit's listing, pruning, the lease) go there
@@ -42,11 +42,18 @@ from typing import Any
 
 import torch
 
-from replicator.checkpoint import fault_points, serialization
+from replicator import fault_points
+from replicator.checkpoint import serialization
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, FrozenState, freeze_state
-from replicator.checkpoint.saver_client import MIN_WAIT_SECONDS, SaverFilesystem, SaverProcess
-from replicator.checkpoint.staging import StagedFile, StagingBuffer, remove_stale_buffers
+from replicator.checkpoint.saver_client import (
+    MIN_WAIT_SECONDS,
+    SaverFilesystem,
+    SaverProcess,
+    StagedFile,
+    StagingBuffer,
+    remove_stale_buffers,
+)
 from replicator.checkpoint.storage import open_storage
 from replicator.checkpoint.store import RemoteStore
 from replicator.errors import CheckpointWriteError

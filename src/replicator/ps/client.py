@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from replicator.checkpoint import fault_points
+from replicator import fault_points
 from replicator.comm.shm_segment import SharedSegment, host_id, unlink_segment
 from replicator.ps import protocol as P
 from replicator.ps.messages import (

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from replicator.checkpoint import fault_points
+from replicator import fault_points
 from replicator.checkpoint.manifest import MARKER_NAME
 from replicator.cluster.environment import resolve_cluster
 
