@@ -25,6 +25,7 @@ mostly torch ops or I/O, and need no pickling.
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
 import traceback
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from replicator.data.batching import derived_seed
 from replicator.data.dataflow.autotune import Tuner
 from replicator.data.dataflow.work import mark_process_worker
 from replicator.data.errors import InputPipelineError, InputTimeoutError
@@ -82,8 +84,23 @@ def _run(fn: Callable[[Any], Any], payload: Any,
     return ok, out, time.perf_counter() - start, nbytes, used
 
 
+def seed_task(base_seed: int, pass_id: int, seq: int) -> None:
+    """Seed this worker process's random generators (torch, ``random``, NumPy's global) for one
+    task: forked workers would otherwise share their parent's state and draw the same random
+    augmentations; a seed per task, not per worker, keeps the draws independent of how many
+    workers run and which one takes the task."""
+    seed = derived_seed(base_seed, pass_id, seq)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional
+        return
+    np.random.seed(seed & 0xFFFF_FFFF)
+
+
 def _process_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: int,
-                    active: Any, current: Any) -> None:
+                    active: Any, current: Any, base_seed: int) -> None:
     import multiprocessing as mp
 
     torch.set_num_threads(1)
@@ -106,6 +123,7 @@ def _process_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: i
         pass_id, seq, payload = task
         if pass_id != current.value:
             continue  # a task of a pass the consumer left
+        seed_task(base_seed, pass_id, seq)
         results.put((pass_id, seq, *_run(fn, payload)))
 
 
@@ -147,6 +165,9 @@ class Pool:
             self._results: Any = self._ctx.Queue()
             self._active: Any = self._ctx.Value("i", 0)
             self._current: Any = self._ctx.Value("i", 0)
+            # drawn from the consumer's torch generator, as DataLoader's base seed is: a
+            # torch.manual_seed before the pipeline makes the workers' draws reproducible
+            self._base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         else:
             self._tasks = queue.Queue()
             self._results = queue.Queue()
@@ -163,7 +184,8 @@ class Pool:
             if self.mode == "process":
                 worker = self._ctx.Process(
                     target=_process_worker, name=f"{self.name}-{i}", daemon=True,
-                    args=(self.fn, self._tasks, self._results, i, self._active, self._current))
+                    args=(self.fn, self._tasks, self._results, i, self._active, self._current,
+                          self._base_seed))
             else:
                 worker = threading.Thread(
                     target=_thread_worker, daemon=True, name=f"{self.name}-{i}",
