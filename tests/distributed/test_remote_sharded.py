@@ -6,9 +6,6 @@ equals the uninterrupted run."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ import torch
 
 from replicator.checkpoint.storage import open_storage
 from replicator.checkpoint.store import RemoteStore
+from replicator.launch.launcher import run_script
 from replicator.testing import run_distributed
 from tests.distributed.test_fault_tolerance import (
     SHARDED_SCRIPT,
@@ -54,19 +52,21 @@ def test_fsdp_saves_shards_to_s3_and_one_device_loads_them(s3_server):  # noqa: 
 
 @pytest.mark.timeout(400)
 def test_fsdp_rank_killed_resumes_from_s3_and_equals_the_uninterrupted_run(
-        s3_server, sharded_reference, tmp_path):  # noqa: F811
+        s3_server, sharded_reference, tmp_path, capfd, monkeypatch):  # noqa: F811
     s3_server.make_bucket("fsdp-kill")
     reference = sharded_reference("fsdp")  # the same run on local disk, uninterrupted
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "replicator.cli", "run", "--nproc", "2", "--max-restarts", "1",
-           "--timeout", "30", SHARDED_SCRIPT, str(out), "s3://fsdp-kill/run", "--layout",
-           "fsdp", "--steps", str(SHARDED_STEPS), "--save-freq", "10", "--kill", "1:17"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=330, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "killing itself with SIGKILL at step 17" in proc.stderr
-    assert "resuming from s3://fsdp-kill/run/commits/step-00000010." in proc.stderr
+    # the launcher of `replicator run --max-restarts 1` in this process (one interpreter
+    # fewer); the workers' temporary directory is this test's
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    capfd.readouterr()
+    run_script(SHARDED_SCRIPT, [str(out), "s3://fsdp-kill/run", "--layout", "fsdp", "--steps",
+                                str(SHARDED_STEPS), "--save-freq", "10", "--kill", "1:17"],
+               2, max_restarts=1, timeout_seconds=30.0)
+    err = capfd.readouterr().err
+    assert "killing itself with SIGKILL at step 17" in err
+    assert "resuming from s3://fsdp-kill/run/commits/step-00000010." in err
     for rank in range(2):
         assert _committed(out, rank)[1] == [0, 10]
     _assert_same_sharded_run(reference, out, 2)
