@@ -105,7 +105,9 @@ class StagingBuffer:
             total += len(head) + sum(t.numel() * t.element_size() for _, t in order)
             total += -total % ALIGN
         mm = self._ensure(max(total, 1))
-        staged, now, later = {}, [], []
+        staged: dict[str, StagedFile] = {}
+        now: list[Any] = []
+        later: list[Any] = []
         for name, head, order, start in plans:
             mm[start:start + len(head)] = head
             pos = start + len(head)

@@ -460,8 +460,10 @@ def open_storage(target: Any, storage_options: Mapping[str, Any] | None = None,
 
 def join_location(base: Any, name: str) -> Any:
     """``base / name`` for a local path, ``base + "/" + name`` for a URL."""
-    if isinstance(base, (LocalStorage, RemoteStore)):
+    if isinstance(base, LocalStorage):
         base = base.location
+    elif isinstance(base, RemoteStore):  # an FsspecStorage's location is its URL too
+        base = base.url
     return f"{base}/{name}" if isinstance(base, str) and is_remote(base) else Path(base) / name
 
 

@@ -34,7 +34,8 @@ def resolve_timeout(timeout_seconds: float | None = None, options: Any = None, *
                 raise ValueError(f"timeout_seconds must be positive, got {given}")
             return float(given)
     if group is not _NO_GROUP and dist.is_available() and dist.is_initialized():
-        found = _OF_GROUP.get(dist.group.WORLD if group is None else group)
+        key = dist.group.WORLD if group is None else group
+        found = _OF_GROUP.get(key) if key is not None else None
         if found is not None:
             return found
     return env_number(os.environ if env is None else env, TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS)

@@ -252,11 +252,10 @@ class TaskChannel:
         if self.stopped:
             raise StopServing("the coordinator has stopped")
         ask, drop = True, False
-        fields = {"var_id": request.task, "version": request.call, "a": request.seq,
-                  "c": request.horizon}
+        ids = (request.task, request.call, request.seq, request.horizon)
         while True:
             if ask:
-                self.conn.send(ASK, **fields)
+                self.conn.send(ASK, var_id=ids[0], version=ids[1], a=ids[2], c=ids[3])
             ask = True
             msg = self.conn.receive(f"waiting for work or the chief, in {request.describe()}")
             dropped, drop = drop and msg.kind == TASK, False
@@ -268,7 +267,8 @@ class TaskChannel:
                 if dropped:  # taken ahead of a task that failed: the chief cancelled it
                     continue
                 if self.ahead:  # its answer is the next thing to read after this task
-                    self.conn.send(ASK, b=AHEAD, **fields)
+                    self.conn.send(ASK, var_id=ids[0], version=ids[1], a=ids[2], b=AHEAD,
+                                   c=ids[3])
                 ran = self._run(msg.var_id, msg.a, spec, tensors)
                 ask, drop = not ran and not self.ahead, not ran and self.ahead
                 continue

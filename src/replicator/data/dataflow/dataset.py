@@ -117,8 +117,8 @@ class Dataset(IterableDataset):
         members' extensions to their bytes, with ``"__key__"`` and ``"__url__"``."""
         from replicator.data.dataflow.shards import ShardSource
 
-        node = urls.lowered() if isinstance(urls, Dataset) else None
-        return Dataset(ShardSource(urls if node is None else node, on_error=check_on_error(
+        source = urls.lowered() if isinstance(urls, Dataset) else urls
+        return Dataset(ShardSource(source, on_error=check_on_error(
             on_error), cache_dir=cache_dir, cache_limit_bytes=cache_limit_bytes,
             prefetch_shards=_count(prefetch_shards, "prefetch_shards")))
 

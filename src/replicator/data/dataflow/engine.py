@@ -160,7 +160,7 @@ class Pool:
             # fork where the platform has it: workers inherit the functions (lambdas too) and
             # start in milliseconds; a process started by spawn/forkserver still forks its own
             method = start_method or ("fork" if "fork" in tmp.get_all_start_methods() else None)
-            self._ctx = tmp.get_context(method)
+            self._ctx: Any = tmp.get_context(method)
             self._tasks: Any = self._ctx.Queue()
             self._results: Any = self._ctx.Queue()
             self._active: Any = self._ctx.Value("i", 0)

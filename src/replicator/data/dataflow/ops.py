@@ -419,7 +419,7 @@ def lower(node: Node) -> Node:
         return inner.with_inputs((lower(node.with_inputs((inner.up,))),))
     if isinstance(node, Batch) and isinstance(node.up, Map) and not node.maps:
         maps: list[Map] = []
-        up = node.up
+        up: Node = node.up
         while isinstance(up, Map):
             maps.insert(0, up)
             up = up.up

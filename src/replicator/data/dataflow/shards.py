@@ -57,7 +57,7 @@ def store_options(url: str) -> dict[str, Any]:
     (``FSSPEC_S3_ENDPOINT_URL`` and the like may be set after fsspec was imported)."""
     if _is_local(url):
         return {}
-    import fsspec.config
+    import fsspec.config  # type: ignore[import-untyped]
 
     fresh: dict[str, dict[str, Any]] = {}
     fsspec.config.set_conf_env(fresh)
@@ -72,7 +72,7 @@ def expand_urls(pattern_or_urls: str | Sequence[str]) -> list[str]:
         pattern = os.fspath(pattern_or_urls)
         if not any(c in pattern for c in "*?["):
             return [pattern]
-        import fsspec
+        import fsspec  # type: ignore[import-untyped]
 
         fs, path = fsspec.core.url_to_fs(pattern, **store_options(pattern))
         found = sorted(fs.glob(path))
@@ -116,7 +116,7 @@ def write_shards(samples: Iterable[dict[str, Any]], url_prefix: str,
     """Write ``samples`` (dicts of extension -> bytes/str/number, with an optional
     ``"__key__"``) into tar shards ``{url_prefix}-000000.tar``, ... at a local path or an fsspec
     URL; returns the shards' URLs."""
-    import fsspec
+    import fsspec  # type: ignore[import-untyped]
 
     if isinstance(samples_per_shard, bool) or not isinstance(samples_per_shard, int) \
             or samples_per_shard < 1:
@@ -309,7 +309,7 @@ class ShardCache:
                 time.sleep(0.05)
 
     def _fetch(self, url: str, path: str) -> None:
-        import fsspec
+        import fsspec  # type: ignore[import-untyped]
 
         tmp = f"{path}.part-{os.getpid()}"
         for attempt in range(RETRIES):

@@ -38,7 +38,12 @@ def _stack(batch: list[torch.Tensor], *,
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     shape = (len(batch), *elem.shape)
     storage = torch.UntypedStorage._new_shared(math.prod(shape) * elem.element_size())
-    out = torch.empty(0, dtype=elem.dtype).set_(storage, 0, shape)
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):  # contiguous
+        strides.insert(0, step)
+        step *= size
+    out = torch.empty(0, dtype=elem.dtype).set_(storage, 0, shape, strides)
     return torch.stack(batch, 0, out=out)
 
 
