@@ -5,8 +5,11 @@ receives from its peer, never from a counter of the loop; each step's batch come
 live dataset (split over that step's quorum). Backups are written by one group only (the first
 participant of the last quorum; every group holds the same state), so losing every group at
 once resumes from disk as without replica groups; a group restarted alone may read the backup
-and then heals from a live peer further on. SIGTERM makes a group leave the job at a step
-boundary (the others go on), so the backup's own preemption handling is off here.
+and then heals from a live peer further on. In rounds (DiLoCo, LocalSGD) the groups differ
+mid-round, so the live dataset's state holds the round's start and the run resumes there
+(``LiveEngine.resume_at``, after the random state is restored). SIGTERM makes a group leave
+the job at a step boundary (the others go on), so the backup's own preemption handling is
+off here.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ def live_steps(backup: Any, dataset: LiveDataset, *, epochs: int | None,
     backup.on_train_begin()
     resume = backup._resume
     if backup.step > engine.committed_steps:
+        if resume is not None:  # first: a run in rounds resumes at its round's start, with
+            backup._restore_rng(resume)  # that start's random state
+            dataset.load_state_dict(resume.get("data") or {})
         engine.resume_at(backup.step)
-        if resume is not None:
-            backup._restore_rng(resume)
     backup._resume = None
     try:
         for batch in dataset.until(end):

@@ -145,6 +145,16 @@ class LiveDataset:
                 "strategy.run as they are")
         return out
 
+    # -- backups ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a backup keeps per rank: the position is the committed step (saved by the
+        backup itself); in rounds, the round's start state (``LiveEngine.backup_state``)."""
+        return self.engine.backup_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Hand a :meth:`state_dict` read from disk to the engine, for its ``resume_at``."""
+        self.engine.load_backup_state(state)
+
     # -- healing ---------------------------------------------------------------------------------
     def progress(self, step: int) -> dict[str, Any]:
         """The data position of committed step ``step`` (sent to a healing peer)."""

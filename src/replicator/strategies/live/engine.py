@@ -14,7 +14,12 @@ for ``round_steps`` steps each on its share of every global batch, then average 
 across the quorum (:meth:`LiveEngine.sync_round`). A quorum is joined at every round start,
 where a group behind heals (weights, optimizers, schedulers, random state and the owner's
 round state); a round not committed is rolled back to its start and trained again with the
-new quorum's shares, so every sample is still trained once.
+new quorum's shares, so every sample is still trained once. A backup (``BackupAndRestore``,
+written by one group) holds the state its round started from (:meth:`LiveEngine.backup_state`):
+mid-round the groups' inner states differ and none is committed, so a run whose every group
+was lost resumes at that round's start (:meth:`LiveEngine.resume_at`) and trains the round
+again, every group from the writing group's state as healing would give it; a backup at a
+round's end resumes exactly there.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from replicator.cluster.env_names import REPLICA_ID_FORMAT
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.cluster.ports import listen
 from replicator.cluster.process_group import on_shutdown
-from replicator.comm.gradient_sync import local_tensor
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.live_split import Share
 from replicator.strategies.live import state as live_state
@@ -47,6 +51,7 @@ from replicator.strategies.live.errors import (
     QuorumTimeoutError,
     StepNotCommitted,
 )
+from replicator.strategies.live.grad_buckets import flatten_grads, unflatten_grads
 from replicator.strategies.live.settings import (
     COLLECTIVE_TIMEOUT_ENV,
     QUORUM_TIMEOUT_ENV,
@@ -123,6 +128,7 @@ class LiveEngine:
         self._rounds: RoundOwner | None = None
         self._in_round = 0            # rounds: steps taken since the round's start
         self._round_start: dict[str, Any] | None = None
+        self._from_backup: dict[str, Any] | None = None  # read from disk for resume_at
         self._healed_now = False
         self._progress_check: Callable[[dict[str, Any]], None] | None = None
         self._leave_requested = False
@@ -207,20 +213,56 @@ class LiveEngine:
     @property
     def writes_backups(self) -> bool:
         """True in the group that is the first participant of the last quorum: the one group
-        whose ``BackupAndRestore`` saves (all groups hold the same state)."""
+        whose ``BackupAndRestore`` saves (all groups hold the same committed state; in rounds
+        the backup holds the round's start, see :meth:`backup_state`)."""
         return self._quorum is not None and self._quorum.participant == 0
+
+    def backup_state(self) -> dict[str, Any]:
+        """What a backup holds beside the tracked objects so that :meth:`resume_at` can go on
+        when every group is lost at once: in rounds, the state the round in progress started
+        from (a backup at a round's end: the next round's start); else nothing."""
+        if self._rounds is None:
+            return {}
+        start = self._round_start if self._in_round and self._round_start is not None \
+            else self._state()
+        return {"round_steps": self._rounds.round_steps, "round_start": start}
+
+    def load_backup_state(self, state: dict[str, Any] | None) -> None:
+        """Keep a :meth:`backup_state` read from disk for the :meth:`resume_at` that follows."""
+        self._from_backup = state or None
 
     def resume_at(self, step: int) -> None:
         """Continue from committed step ``step`` (restored from a backup on disk, when every
-        group was lost at once); a peer further on still heals this group."""
-        if self._rounds is not None:
-            raise LiveRecoveryError(
-                f"{self.who} cannot resume a run that synchronises in rounds from a backup: "
-                "the backup lacks the round's outer state. HINT: keep at least one replica "
-                "group alive (a restarted group heals from a peer), or run without "
-                "--replica-groups to resume from backups")
-        self.manager.load_state_dict({"step": int(step), "batches_committed": int(step)})
+        group was lost at once); a peer further on still heals this group. In rounds, from
+        the start of the round ``step`` is in (see the module doc), with the state the backup
+        holds for it (:meth:`load_backup_state` first)."""
         self._quorum_due = True
+        if self._rounds is None:
+            self.manager.load_state_dict({"step": int(step), "batches_committed": int(step)})
+            return
+        saved, self._from_backup = self._from_backup, None
+        h = self._rounds.round_steps
+        if not saved or "round_start" not in saved:
+            raise LiveRecoveryError(
+                f"{self.who} cannot resume a run that synchronises in rounds from the backup "
+                f"of step {step}: it holds no round state (written by a run without rounds, "
+                "or a loop that saved no input state). HINT: resume with the strategy that "
+                "wrote it, loop with `backup.steps(strategy.distribute_dataset(...))`, or keep "
+                "at least one replica group alive (a restarted group heals from a peer)")
+        if int(saved["round_steps"]) != h:
+            raise LiveRecoveryError(
+                f"{self.who} synchronises every {h} steps but the backup of step {step} was "
+                f"written by a run that synchronised every {saved['round_steps']}, so its "
+                "round cannot go on here. HINT: resume with the inner_steps of the run that "
+                "wrote it, or start in another backup directory")
+        start = int(saved["round_start"]["progress"]["step"])
+        self._apply(saved["round_start"], self._progress_check or (lambda progress: None))
+        self.manager.load_state_dict({"step": start // h, "batches_committed": start // h})
+        self._round_start = None
+        if start != step:
+            print(f"[replicator] {self.who} resumes at step {start}, the start of the round "
+                  f"the backup of step {step} was taken in: the round's {step - start} "
+                  "step(s) before it are trained again", file=sys.stderr, flush=True)
 
     @property
     def participants(self) -> int:
@@ -348,7 +390,7 @@ class LiveEngine:
         start = time.perf_counter()
         weight = 1.0 / quorum.participants if self._share is None or \
             self._share.step != quorum.step else self._share.group_weight
-        buckets = _flatten_grads(
+        buckets = flatten_grads(
             [p for _, p in live_state.named_parameters(self._modules()) if p.requires_grad],
             weight, 1.0 if self._announce_leave else 0.0)
         start = self._add("bookkeeping", start)
@@ -357,7 +399,7 @@ class LiveEngine:
         for work in works:
             work.wait()
         start = self._add("allreduce", start)
-        _unflatten_grads(buckets)
+        unflatten_grads(buckets)
         start = self._add("bookkeeping", start)
         committed = self.manager.should_commit()
         self._add("commit", start)
@@ -514,61 +556,6 @@ class LiveEngine:
         s = self.settings
         return (f"LiveEngine({self.who} of {s.groups}, lighthouse {s.lighthouse}, "
                 f"min_replicas {s.min_replicas}, step {self.committed_steps})")
-
-
-def _flatten_grads(params: list[torch.nn.Parameter], weight: float, control: float
-                   ) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
-    """The gradients of ``params`` times ``weight``, one flat tensor per dtype (zeros for a
-    parameter without a gradient), with the parameters each holds; the first tensor ends
-    with one more element, ``control`` (summed across groups: a group announces leaving)."""
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(local_tensor(p).dtype, []).append(p)
-    buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]] = []
-    for dtype, group in by_dtype.items():
-        n = sum(local_tensor(p).numel() for p in group)
-        extra = 0 if buckets else 1
-        flat = torch.empty(n + extra, dtype=dtype, device=local_tensor(group[0]).device)
-        offset = 0
-        for p in group:  # one pass: each gradient is scaled straight into its place
-            size = local_tensor(p).numel()
-            if p.grad is None:
-                flat[offset:offset + size].zero_()
-            else:
-                torch.mul(local_tensor(p.grad).reshape(-1), weight,
-                          out=flat[offset:offset + size])
-            offset += size
-        if extra:
-            flat[n] = control
-        buckets.append((group, flat))
-    if not buckets:
-        buckets.append(([], torch.full((1,), control)))
-    return buckets
-
-
-def _unflatten_grads(buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
-    """Write the averaged flat tensors back as the parameters' gradients."""
-    with torch.no_grad():
-        for group, flat in buckets:
-            offset = 0
-            for p in group:
-                n = local_tensor(p).numel()
-                piece = flat[offset:offset + n].view_as(local_tensor(p))
-                offset += n
-                if p.grad is None:
-                    if bool(piece.any()):
-                        p.grad = _like(p, piece.clone())
-                else:
-                    local_tensor(p.grad).copy_(piece)
-
-
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    if not callable(getattr(param, "to_local", None)):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, param.device_mesh, param.placements,  # type: ignore[attr-defined]
-                              run_check=False)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -28,7 +28,10 @@ is the group's processes, and the outer exchange goes through the live engine's 
 restarted group heals from a peer (outer weights and Nesterov state, inner weights and
 optimizers, the step), and the pseudo-gradient averaged over the quorum's groups at the
 round's end; a round a group was lost in is trained again by the others with the new
-quorum's shares of each global batch, so every sample is still trained once per epoch.
+quorum's shares of each global batch, so every sample is still trained once per epoch. When
+every group is lost at once, ``rp.BackupAndRestore`` resumes at the start of the round its
+backup was taken in, from the state the engine kept for that start (the same state a healing
+group receives; ``LiveEngine.backup_state``), since mid-round the groups' inner states differ.
 """
 
 from __future__ import annotations

@@ -1,0 +1,69 @@
+"""The gradients of a live step as one flat tensor per dtype, for the cross-group all-reduce.
+
+One all-reduce per dtype instead of one per parameter; the first tensor carries one control
+element more (a group announces that it leaves in the step's own all-reduce).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from replicator.comm.gradient_sync import local_tensor
+
+
+def flatten_grads(params: list[torch.nn.Parameter], weight: float, control: float
+                   ) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+    """The gradients of ``params`` times ``weight``, one flat tensor per dtype (zeros for a
+    parameter without a gradient), with the parameters each holds; the first tensor ends
+    with one more element, ``control`` (summed across groups: a group announces leaving)."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(local_tensor(p).dtype, []).append(p)
+    buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]] = []
+    for dtype, group in by_dtype.items():
+        n = sum(local_tensor(p).numel() for p in group)
+        extra = 0 if buckets else 1
+        flat = torch.empty(n + extra, dtype=dtype, device=local_tensor(group[0]).device)
+        offset = 0
+        for p in group:  # one pass: each gradient is scaled straight into its place
+            size = local_tensor(p).numel()
+            if p.grad is None:
+                flat[offset:offset + size].zero_()
+            else:
+                torch.mul(local_tensor(p.grad).reshape(-1), weight,
+                          out=flat[offset:offset + size])
+            offset += size
+        if extra:
+            flat[n] = control
+        buckets.append((group, flat))
+    if not buckets:
+        buckets.append(([], torch.full((1,), control)))
+    return buckets
+
+
+def unflatten_grads(buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
+    """Write the averaged flat tensors back as the parameters' gradients."""
+    with torch.no_grad():
+        for group, flat in buckets:
+            offset = 0
+            for p in group:
+                n = local_tensor(p).numel()
+                piece = flat[offset:offset + n].view_as(local_tensor(p))
+                offset += n
+                if p.grad is None:
+                    if bool(piece.any()):
+                        p.grad = _like(p, piece.clone())
+                else:
+                    local_tensor(p.grad).copy_(piece)
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if not callable(getattr(param, "to_local", None)):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements,  # type: ignore[attr-defined]
+                              run_check=False)
+
+
+__all__ = ["flatten_grads", "unflatten_grads"]
