@@ -2,11 +2,20 @@
 
     python benchmarks/actors.py [--rounds 3] [--seconds 5] [--env CartPole-v1]
 
-Beside each figure: the same stepping code in one process (no actors), and the no-communication
+Beside each figure: the same stepping code in one process (no actors), the no-communication
 ceiling (A processes stepping the same code at the same time, sending nothing), so that
-``vs_ceiling`` is what the actor transport costs. The learner here trains nothing: it publishes
-weights once and counts the env steps it receives over ``--seconds``. Rounds are interleaved;
-medians and ranges are printed, then one JSON line per figure.
+``vs_ceiling`` is what the actor transport costs, and TorchRL's multi-process collector
+(``MultiAsyncCollector``, A worker processes, ``benchmarks/_torchrl_peer.py``) on the same
+environments (``NUM_ENVS`` CartPole copies per process) with the same policy network, handing
+over ``SEND_EVERY`` frames per batch as an actor ships ``SEND_EVERY`` env steps per batch:
+``vs_torchrl`` = ours / TorchRL's (goal >= 1.0). The learner here trains nothing: it publishes
+weights once and counts the env steps it receives; TorchRL's main process counts the frames it
+receives. Both count over ``--seconds``, from one second after the first experience arrived
+(start-up excluded alike). Rounds are interleaved (ceiling, ours, TorchRL for each A); medians
+and ranges are printed, then one JSON line per figure. Without TorchRL (``pip install -e
+'.[rl,bench]'``) ``vs_torchrl`` is skipped and the install is named. On a loaded 2-core machine
+``--rounds 1 --seconds 3`` keeps a run near 3.5 minutes; docs/reinforcement_learning.md has the
+figures.
 """
 
 from __future__ import annotations
@@ -23,9 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import replicator as rp  # noqa: E402
+from benchmarks import _torchrl_peer  # noqa: E402
 from benchmarks._report import emit, median, print_table  # noqa: E402
 
 NUM_ENVS = 8
+SEND_EVERY = 256  # env steps per batch an actor ships (TorchRL: frames_per_batch per worker)
 
 
 def _policy() -> torch.nn.Module:
@@ -75,7 +86,7 @@ def learner(env_id: str, seconds: float) -> float:
     """The learner of the actor runs: env steps received per second over ``seconds``."""
     replay = rp.rl.ReplayBuffer(100_000, timeout_seconds=120)
     al = rp.rl.ActorLearner(rp.OneDeviceStrategy, env_id, _policy, replay=replay,
-                            act_fn=_act, num_envs=NUM_ENVS, send_every=256)
+                            act_fn=_act, num_envs=NUM_ENVS, send_every=SEND_EVERY)
     if al.is_actor:
         al.run_actor()
         return 0.0
@@ -91,6 +102,16 @@ def learner(env_id: str, seconds: float) -> float:
     return (last - first) / (t1 - t0)
 
 
+def torchrl_peer(env_id: str, actors: int, seconds: float) -> float:
+    """TorchRL's multi-process collector with ``actors`` workers on the same env and policy."""
+    return _torchrl_peer.env_steps_per_s(env_id, actors, NUM_ENVS, SEND_EVERY, _policy,
+                                         seconds)
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.0f}-{max(values):.0f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -98,34 +119,46 @@ def main() -> None:
     parser.add_argument("--env", default="CartPole-v1")
     parser.add_argument("--actors", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
+    with_peer = _torchrl_peer.available()
     alone: list[float] = []
     ours: dict[int, list[float]] = {a: [] for a in args.actors}
     ceil: dict[int, list[float]] = {a: [] for a in args.actors}
+    peer: dict[int, list[float]] = {a: [] for a in args.actors}
     for _ in range(args.rounds):
         alone.append(step_alone(args.env, args.seconds))
         for a in args.actors:
             ceil[a].append(ceiling(args.env, a, args.seconds))
             ours[a].append(rp.launch(learner, num_replicas=1, num_actors=a,
                                      args=(args.env, args.seconds))[0])
-    print(f"env {args.env}, {NUM_ENVS} envs per actor, {args.rounds} rounds of "
-          f"{args.seconds:g} s, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    rows = [["one process", median(alone), f"{min(alone):.0f}-{max(alone):.0f}", "", ""]]
+            if with_peer:
+                peer[a].append(torchrl_peer(args.env, a, args.seconds))
+    print(f"env {args.env}, {NUM_ENVS} envs per actor, {SEND_EVERY} steps per batch, "
+          f"{args.rounds} rounds of {args.seconds:g} s, load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    rows = [["one process", median(alone), _range(alone), "", "", "", ""]]
     for a in args.actors:
-        ratio = median(ours[a]) / median(ceil[a])
-        rows.append([f"{a} actor(s)", median(ours[a]), f"{min(ours[a]):.0f}-{max(ours[a]):.0f}",
-                     median(ceil[a]), ratio])
-    print_table(["run", "env_steps_per_s", "range", "ceiling", "vs_ceiling"], rows)
-    try:
-        import torchrl  # noqa: F401
-        print("torchrl is installed but not compared here yet")
-    except ImportError:
-        print("vs_torchrl: not measured (torchrl is not installed)")
+        rows.append([f"{a} actor(s)", median(ours[a]), _range(ours[a]), median(ceil[a]),
+                     median(ours[a]) / median(ceil[a]),
+                     median(peer[a]) if with_peer else "-",
+                     median(ours[a]) / median(peer[a]) if with_peer else "-"])
+    print_table(["run", "env_steps_per_s", "range", "ceiling", "vs_ceiling", "torchrl",
+                 "vs_torchrl"], rows)
     emit("actors", "one_process", 1.0, "reference", env_steps_per_s=round(median(alone)))
     for a in args.actors:
         emit("actors", f"actors_{a}", median(ours[a]) / median(ceil[a]), ">= 0.9 vs ceiling",
              env_steps_per_s=round(median(ours[a])), ceiling=round(median(ceil[a])),
              vs_one_process=round(median(ours[a]) / median(alone), 3))
-
+    if not with_peer:
+        print(f"vs_torchrl: not measured (torchrl is not installed). HINT: "
+              f"{_torchrl_peer.INSTALL_HINT}")
+        return
+    top = max(args.actors)
+    print(f"torchrl {_torchrl_peer.version()}: MultiAsyncCollector, {top} workers, range "
+          f"{_range(peer[top])}")
+    emit("actors", "vs_torchrl", median(ours[top]) / median(peer[top]), ">= 1.0",
+         actors=top, env_steps_per_s=round(median(ours[top])),
+         torchrl_env_steps_per_s=round(median(peer[top])),
+         by_actors={a: round(median(ours[a]) / median(peer[a]), 3) for a in args.actors})
 
 if __name__ == "__main__":
     main()
