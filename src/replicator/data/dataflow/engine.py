@@ -273,11 +273,10 @@ class Pool:
         if share >= 1.0:
             self.tuner.record(task_s, nbytes, cpu_s)
             return
-        done, *sums = self._shares
-        self._shares = [done + share, sums[0] + task_s, sums[1] + nbytes, sums[2] + cpu_s]
+        done, busy, held, cpu = self._shares
+        self._shares = [done + share, busy + task_s, held + nbytes, cpu + cpu_s]
         if self._shares[0] >= 1.0 - 1e-9:
-            _, task_s, nbytes, cpu_s = self._shares
-            self.tuner.record(task_s, int(nbytes), cpu_s)
+            self.tuner.record(self._shares[1], int(self._shares[2]), self._shares[3])
             self._shares = [0.0, 0.0, 0.0, 0.0]
 
     def close(self) -> None:

@@ -94,19 +94,19 @@ class MapChunk:
 
 
 class BatchPart(list):  # type: ignore[type-arg]
-    """Elements ``index`` of ``parts`` of one batch, mapped in a task of their own (the first
+    """Part ``number`` of ``parts`` of one batch, mapped in a task of their own (the first
     batch of a pass is split over the workers, so it does not wait for one worker alone); the
     consumer collates the parts."""
 
-    def __init__(self, elements: list[Any], index: int, parts: int) -> None:
+    def __init__(self, elements: list[Any], number: int, parts: int) -> None:
         super().__init__(elements)
-        self.index, self.parts = index, parts
+        self.number, self.parts = number, parts
 
 
 class MappedPart(NamedTuple):
     """A :class:`BatchPart` after its task: its samples mapped (not collated)."""
 
-    index: int
+    number: int
     parts: int
     samples: list[Any]
     failures: list[str]
@@ -136,13 +136,13 @@ class BatchWork:
     def __call__(self, elements: list[Any]) -> tuple[Any, ...]:
         if isinstance(elements, BatchPart):
             samples, failures = self.chunk(elements) if self.chunk.fns else (list(elements), [])
-            return MappedPart(elements.index, elements.parts, samples, failures)
+            return MappedPart(elements.number, elements.parts, samples, failures)
         samples, failures = self.load(elements)
         return self.collate(samples), len(samples), failures
 
     def collate_parts(self, parts: list[MappedPart]) -> tuple[Any, int, list[str]]:
         """The batch of a split batch's mapped parts (in the consumer), as ``__call__``'s."""
-        parts = sorted(parts, key=lambda p: p.index)
+        parts = sorted(parts, key=lambda p: p.number)
         samples = [s for part in parts for s in part.samples]
         failures = [f for part in parts for f in part.failures]
         if not samples:

@@ -148,9 +148,10 @@ class DiLoCoStrategy(Strategy):
         spec = resolve_cluster()
         device = default_device_for(spec.local_rank, spec.local_world_size)
         self._replica_group = ReplicaGroup(device, timeout_seconds=options.timeout_seconds)
+        groups: list[list[int]] | None = None
         if live is None:
-            groups: list[list[int]] | None = host_groups(mesh, hosts)
-            self.num_hosts, self.processes_per_host = host_layout(groups)
+            groups = declared = host_groups(mesh, hosts)
+            self.num_hosts, self.processes_per_host = host_layout(declared)
         else:  # a replica group is one host
             groups, self.num_hosts, self.processes_per_host = \
                 None, 1, self._replica_group.world_size
@@ -184,7 +185,7 @@ class DiLoCoStrategy(Strategy):
         if communication is not None:
             kwargs.setdefault("communication_options", communication)
         try:
-            return cls(mesh=self.topology, axis=LOCAL_AXIS, **kwargs)
+            return cls(mesh=self.topology, axis=LOCAL_AXIS, **kwargs)  # type: ignore[call-arg]
         except TypeError as exc:
             raise ValueError(f"inner={inner!r} cannot run over a host's processes ({exc}). "
                              "HINT: use inner='mirrored'") from exc
