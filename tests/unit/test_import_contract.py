@@ -1,4 +1,5 @@
-"""The rooms' import layers (pyproject.toml's [tool.importlinter]) hold: `lint-imports` passes."""
+"""The rooms' import layers (pyproject.toml's [tool.importlinter]) hold: `lint-imports` passes;
+and `mypy src` finds nothing."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def test_import_contracts_are_kept():
     out = subprocess.run([tool, "--no-cache"], cwd=ROOT, capture_output=True, text=True,
                          timeout=110)
     assert out.returncode == 0, f"lint-imports found broken contracts:\n{out.stdout}{out.stderr}"
+
+
+@pytest.mark.timeout(600)
+def test_mypy_finds_nothing_in_src():
+    beside = Path(sys.executable).with_name("mypy")
+    tool = str(beside) if beside.exists() else shutil.which("mypy")
+    if tool is None:
+        pytest.skip("mypy is not installed (pip install -e '.[test]')")
+    out = subprocess.run([tool, "src"], cwd=ROOT, capture_output=True, text=True, timeout=590)
+    assert out.returncode == 0, f"mypy src:\n{out.stdout}{out.stderr}"
