@@ -5,27 +5,38 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from replicator.cli import main
 from replicator.cluster.worker_errors import BackupNote, WorkerError
 from replicator.launch.failure_report import RankEnd, call_site, failure_for, root_of
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-REPLICATOR = [sys.executable, "-m", "replicator.cli"]
 
 
-def _run(args: list[str], tmp_path: Path, timeout: float = 150) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
-    return subprocess.run(REPLICATOR + args, capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=tmp_path)
+@pytest.fixture
+def replicator(tmp_path, capfd, monkeypatch) -> Callable[[list[str]], subprocess.CompletedProcess]:
+    """``replicator(args)``: the command line ``replicator ARGS`` run by its own ``main`` in
+    this process (one fresh interpreter fewer; the workers are new processes as always), from
+    ``tmp_path`` with the workers' TMPDIR there: its exit code, stdout and stderr."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        code = main(args)
+        out = capfd.readouterr()
+        return subprocess.CompletedProcess(["replicator", *args], code, out.out, out.err)
+
+    return run
 
 
 @pytest.mark.timeout(180)
-def test_a_rank_that_finished_while_the_chief_waited_is_named_as_such(tmp_path) -> None:
-    out = _run(["run", "--nproc", "2", str(SCRIPTS / "chief_only_reduce.py")], tmp_path)
+def test_a_rank_that_finished_while_the_chief_waited_is_named_as_such(replicator) -> None:
+    out = replicator(["run", "--nproc", "2", str(SCRIPTS / "chief_only_reduce.py")])
     assert out.returncode == 1, out.stderr
     # the summary's first line (a host with fewer GPUs than processes prints a note before it)
     first = next(line for line in out.stderr.splitlines() if line.startswith("replicator run:"))
@@ -46,9 +57,8 @@ def test_a_rank_that_finished_while_the_chief_waited_is_named_as_such(tmp_path) 
 
 
 @pytest.mark.timeout(180)
-def test_a_killed_parameter_server_is_the_cause_of_its_workers_errors(tmp_path) -> None:
-    out = _run(["run", "--nproc", "3", "--num-ps", "1", str(SCRIPTS / "kill_server.py")],
-               tmp_path)
+def test_a_killed_parameter_server_is_the_cause_of_its_workers_errors(replicator) -> None:
+    out = replicator(["run", "--nproc", "3", "--num-ps", "1", str(SCRIPTS / "kill_server.py")])
     assert out.returncode == 1, out.stderr
     text = out.stderr
     assert "rank 2 failed (exit code -9): parameter server 0 was killed by SIGKILL" in text, text
@@ -105,11 +115,11 @@ def test_a_committed_backup_adds_the_resume_line_unless_a_rerun_repeats_the_fail
 
 
 @pytest.mark.timeout(240)
-def test_a_failed_run_leaves_no_trash_and_says_how_to_resume(tmp_path) -> None:
+def test_a_failed_run_leaves_no_trash_and_says_how_to_resume(tmp_path, replicator) -> None:
     for how in ("raise", "kill"):
         backup = tmp_path / f"backup-{how}"
-        out = _run(["run", "--nproc", "2", str(SCRIPTS / "fail_after_backups.py"), str(backup),
-                    how], tmp_path)
+        out = replicator(["run", "--nproc", "2", str(SCRIPTS / "fail_after_backups.py"),
+                          str(backup), how])
         assert out.returncode == 1, out.stderr
         lines = out.stderr.splitlines()  # the workers' own warnings come first
         at = next(i for i, ln in enumerate(lines) if ln.startswith("replicator run: "))
