@@ -46,9 +46,15 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
-def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(REPLICATOR + args, capture_output=True, text=True, timeout=timeout,
-                          env=_env())
+def _run(capfd, args: list[str]) -> subprocess.CompletedProcess:
+    """``replicator run ARGS`` by the command line's own main in this process (one fresh
+    interpreter fewer; the lighthouse and the groups are new processes as always)."""
+    capfd.readouterr()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONUNBUFFERED", "1")  # as _env() gives the launched command
+        code = cli_main(["run", *args])
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(REPLICATOR + args, code, out.out, out.err)
 
 
 def _starts(out: Path) -> list[dict]:
@@ -79,9 +85,9 @@ def _unreachable(url: str) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_each_group_sees_its_id_and_the_lighthouse(tmp_path):
-    res = _run(["--replica-groups", "3", "--nproc", "1", "--min-replicas", "2", SCRIPT,
-                str(tmp_path), "exit"])
+def test_each_group_sees_its_id_and_the_lighthouse(tmp_path, capfd):
+    res = _run(capfd, ["--replica-groups", "3", "--nproc", "1", "--min-replicas", "2", SCRIPT,
+                       str(tmp_path), "exit"])
     assert res.returncode == 0, res.stderr[-3000:]
     starts = _starts(tmp_path)
     assert sorted(int(s["REPLICATOR_REPLICA_GROUP"]) for s in starts) == [0, 1, 2]
@@ -139,12 +145,12 @@ def test_a_killed_group_restarts_alone_and_a_sigtermed_group_leaves(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_lost_group_ends_the_job_with_0_when_the_others_completed_it(tmp_path):
+def test_a_lost_group_ends_the_job_with_0_when_the_others_completed_it(tmp_path, capfd):
     # the command of docs/fault_tolerance.md without --max-restarts: group 1 is not restarted;
     # groups 0 and 2 finish, --min-replicas 1 held: the training finished, exit 0, and one
     # line says which group was lost and how to restart it
-    res = _run(["--replica-groups", "3", "--nproc", "1", "--min-replicas", "1", SCRIPT,
-                str(tmp_path), "die-in-group", "1"])
+    res = _run(capfd, ["--replica-groups", "3", "--nproc", "1", "--min-replicas", "1", SCRIPT,
+                       str(tmp_path), "die-in-group", "1"])
     assert res.returncode == 0, res.stderr[-3000:]
     line = next(ln for ln in res.stderr.splitlines() if "the training finished" in ln)
     assert line.startswith("[replicator] the training finished on replica group(s) 0, 2 "
@@ -156,10 +162,10 @@ def test_a_lost_group_ends_the_job_with_0_when_the_others_completed_it(tmp_path)
 
 
 @pytest.mark.timeout(300)
-def test_a_group_out_of_restarts_fails_the_job_naming_it(tmp_path):
+def test_a_group_out_of_restarts_fails_the_job_naming_it(tmp_path, capfd):
     # fewer groups than --min-replicas completed: the training did not finish
-    res = _run(["--replica-groups", "3", "--nproc", "1", "--max-restarts", "1",
-                "--min-replicas", "3", SCRIPT, str(tmp_path), "die-in-group", "1"])
+    res = _run(capfd, ["--replica-groups", "3", "--nproc", "1", "--max-restarts", "1",
+                       "--min-replicas", "3", SCRIPT, str(tmp_path), "die-in-group", "1"])
     assert res.returncode == 1, res.stderr[-3000:]
     assert "the training finished" not in res.stderr
     err = res.stderr
