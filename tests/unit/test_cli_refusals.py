@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
+from replicator.cli import main
 from replicator.demo.digits import DEMO_STRATEGIES, strategy_refusal
 from replicator.launch import memory_budget
 from replicator.launch.memory_budget import WORKER_BYTES, available_memory, memory_refusal
@@ -15,12 +17,21 @@ from replicator.launch.memory_budget import WORKER_BYTES, available_memory, memo
 CLI = [sys.executable, "-m", "replicator.cli"]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def _cli(capfd) -> Callable[..., subprocess.CompletedProcess]:
+    """``_cli(*args)``: ``replicator ARGS`` by the command line's own main in this process (the
+    refusals come before anything starts: no fresh interpreter needed), its code and output."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        code = main(list(args))
+        out = capfd.readouterr()
+        return subprocess.CompletedProcess([*CLI, *args], code, out.out, out.err)
+
+    return run
 
 
 @pytest.mark.parametrize("name", ["pipeline", "pp", "mesh", "one_device"])
-def test_demo_refuses_strategies_it_cannot_run_and_says_what_works(name: str) -> None:
+def test_demo_refuses_strategies_it_cannot_run_and_says_what_works(name: str, _cli) -> None:
     out = _cli("demo", "--strategy", name)
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith(f"replicator demo: error: --strategy {name} cannot run the demo")
@@ -59,7 +70,7 @@ def test_available_memory_reads_meminfo_and_a_container_limit(tmp_path) -> None:
     assert found is None or (found[0] > 0 and found[1])
 
 
-def test_replicator_run_refuses_too_many_workers_unless_forced(tmp_path) -> None:
+def test_replicator_run_refuses_too_many_workers_unless_forced(tmp_path, _cli) -> None:
     out = _cli("run", "--nproc", "100000", str(tmp_path / "train.py"))
     assert out.returncode == 2 and "--nproc 100000 needs about" in out.stderr, out.stderr
     assert "add --force" in out.stderr
