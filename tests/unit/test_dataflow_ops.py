@@ -86,8 +86,7 @@ def test_process_workers_collate_batches_into_shared_memory(options: Options) ->
     ds = (Dataset.from_tensor_slices(torch.arange(20)).map(pair, num_parallel_calls=AUTOTUNE)
           .batch(8, collate_fn=collate_and_say_where).with_options(options))
     batches = list(ds)
-    # the first batch of a pass is mapped in parts by several workers and collated here
-    assert [shared for _b, shared in batches] == [False] + [options.worker_type == "process"] * 2
+    assert [shared for _b, shared in batches] == [options.worker_type == "process"] * 3
     assert torch.equal(torch.cat([b["x"] for b, _s in batches]),
                        torch.arange(20.0).view(20, 1, 1).expand(20, 3, 2))
     assert torch.cat([b["y"] for b, _s in batches]).tolist() == list(range(20))
@@ -197,33 +196,3 @@ def test_it_is_a_plain_iterable_dataset() -> None:
     stats = ds.stats()
     assert stats["cpu_budget"] >= 1 and stats["ram_budget"] > 0
     assert "map(double)+batch(4)" in stats["pipeline"]
-
-
-def _wait_for_another_part(folder: str, x: torch.Tensor) -> bool:
-    """Element 0 waits (30 s at most) until an element of another part of its batch started:
-    True only if a second worker mapped part of the same batch meanwhile."""
-    import os
-    import time
-
-    open(os.path.join(folder, f"started-{int(x)}"), "w").close()
-    if int(x) != 0:
-        return True
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if any(os.path.exists(os.path.join(folder, f"started-{y}")) for y in range(2, 8)):
-            return True
-        time.sleep(0.02)
-    return False
-
-
-@pytest.mark.parametrize("options", [THREADS, PROCESSES], ids=["thread", "process"])
-def test_the_first_batch_is_mapped_by_several_workers_at_once(options: Options,
-                                                              tmp_path) -> None:
-    import functools
-
-    fn = functools.partial(_wait_for_another_part, str(tmp_path))
-    ds = Dataset.from_tensor_slices(torch.arange(16)).map(fn, num_parallel_calls=2).batch(8) \
-        .with_options(options)
-    first = next(iter(ds))
-    assert bool(first[0])  # element 0 saw another part of its batch start beside it
-    ds.close()

@@ -152,7 +152,6 @@ class Pool:
         self.fn, self.tuner, self.mode, self.name = fn, tuner, mode, name
         self.timeout_s = timeout_s
         self._pass = 0
-        self._shares = [0.0, 0.0, 0.0, 0.0]  # parts of a task so far: share, s, bytes, CPU s
         self._workers: list[Any] = []
         self._closed = False
         if mode == "process":
@@ -214,7 +213,6 @@ class Pool:
             raise RuntimeError(f"{self.name} is closed")
         self._pass += 1
         pass_id = self._pass
-        self._shares = [0.0, 0.0, 0.0, 0.0]
         self._current.value = pass_id
         sent: dict[int, Any] = {}
         done: dict[int, tuple[bool, Any]] = {}
@@ -264,20 +262,8 @@ class Pool:
                 continue
             if got_pass != pass_id:
                 continue
-            self._record(getattr(out, "task_share", 1.0), task_s, nbytes, cpu_s)
-            done[seq] = (ok, out)
-
-    def _record(self, share: float, task_s: float, nbytes: int, cpu_s: float) -> None:
-        """Tell the tuner a task's figures; a result that did a share of a task (a part of a
-        split batch) is added up with the other parts into one task."""
-        if share >= 1.0:
             self.tuner.record(task_s, nbytes, cpu_s)
-            return
-        done, busy, held, cpu = self._shares
-        self._shares = [done + share, busy + task_s, held + nbytes, cpu + cpu_s]
-        if self._shares[0] >= 1.0 - 1e-9:
-            self.tuner.record(self._shares[1], int(self._shares[2]), self._shares[3])
-            self._shares = [0.0, 0.0, 0.0, 0.0]
+            done[seq] = (ok, out)
 
     def close(self) -> None:
         if not self._closed:

@@ -23,20 +23,14 @@ from replicator.data.batching import buffer_shuffle, derived_seed
 from replicator.data.dataflow.graph import INFINITE, UNKNOWN, Ctx, Node, drop
 from replicator.data.dataflow.options import AUTOTUNE
 from replicator.data.dataflow.work import (
-    BatchPart,
     BatchWork,
     MapChunk,
-    MappedPart,
     default_batch_collate,
     describe_element,
 )
 from replicator.data.errors import InputTimeoutError
 
 CHUNK = 4  # elements per worker task of an unfused map
-#: Tasks the first batch of a pass is split into (a fixed number, so that what each task
-#: draws at random does not depend on how many workers run): a fresh pipeline's first batch
-#: is mapped by up to this many workers at once instead of one.
-FIRST_BATCH_PARTS = 4
 
 
 def _name(fn: Any) -> str:
@@ -229,8 +223,7 @@ class Batch(Node):
             if any(m.parallel != AUTOTUNE for m in self.maps) else AUTOTUNE
         deterministic = _deterministic(ctx, all(m.deterministic for m in self.maps))
         pool = ctx.runtime.pool(id(self), self.describe(), work, parallel)
-        results = pool.imap(_first_split(groups), deterministic, _describe_chunk)
-        return (_report_batch(ctx, r) for r in _join_parts(results, work))
+        return (_report_batch(ctx, r) for r in pool.imap(groups, deterministic, _describe_chunk))
 
     def cardinality(self) -> int:
         size = self.up.cardinality()
@@ -241,32 +234,6 @@ class Batch(Node):
     def describe(self) -> str:
         inner = "".join(f"map({_name(m.fn)})+" for m in self.maps)
         return f"{inner}batch({self.size})"
-
-
-def _first_split(groups: Iterator[list[Any]]) -> Iterator[list[Any]]:
-    """The first group as :data:`FIRST_BATCH_PARTS` part tasks, then the others whole."""
-    first = next(groups, None)
-    if first is None:
-        return
-    parts = min(FIRST_BATCH_PARTS, len(first))
-    cuts = [len(first) * i // parts for i in range(parts + 1)]
-    for i in range(parts):
-        yield BatchPart(first[cuts[i]:cuts[i + 1]], i, parts)
-    yield from groups
-
-
-def _join_parts(results: Iterator[Any], work: BatchWork) -> Iterator[Any]:
-    """Results with a split batch's parts collated into its batch once all have come (in
-    order, or as they finish with ``deterministic=False``)."""
-    parts: list[MappedPart] = []
-    for result in results:
-        if isinstance(result, MappedPart):
-            parts.append(result)
-            if len(parts) == result.parts:
-                yield work.collate_parts(parts)
-                parts = []
-            continue
-        yield result
 
 
 def _report_batch(ctx: Ctx, result: tuple[Any, int, list[str]]) -> Any:

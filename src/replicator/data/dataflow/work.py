@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
@@ -93,33 +93,8 @@ class MapChunk:
         return outputs, failures
 
 
-class BatchPart(list):  # type: ignore[type-arg]
-    """Part ``number`` of ``parts`` of one batch, mapped in a task of their own (the first
-    batch of a pass is split over the workers, so it does not wait for one worker alone); the
-    consumer collates the parts."""
-
-    def __init__(self, elements: list[Any], number: int, parts: int) -> None:
-        super().__init__(elements)
-        self.number, self.parts = number, parts
-
-
-class MappedPart(NamedTuple):
-    """A :class:`BatchPart` after its task: its samples mapped (not collated)."""
-
-    number: int
-    parts: int
-    samples: list[Any]
-    failures: list[str]
-
-    @property
-    def task_share(self) -> float:
-        """The share of a batch task this part's task did (the pool's tuner counts whole ones)."""
-        return 1.0 / self.parts
-
-
 class BatchWork:
-    """Map and collate one batch: ``(batch, samples kept, failures)``; a :class:`BatchPart`
-    is mapped only, a :class:`MappedPart`."""
+    """Map and collate one batch: ``(batch, samples kept, failures)``."""
 
     def __init__(self, fns: tuple[Callable[[Any], Any], ...], on_error: str,
                  collate: Callable[[list[Any]], Any]) -> None:
@@ -133,19 +108,6 @@ class BatchWork:
                 f"every sample of a batch of {len(elements)} failed; the first: {failures[0]}")
         return samples, failures
 
-    def __call__(self, elements: list[Any]) -> tuple[Any, ...]:
-        if isinstance(elements, BatchPart):
-            samples, failures = self.chunk(elements) if self.chunk.fns else (list(elements), [])
-            return MappedPart(elements.number, elements.parts, samples, failures)
+    def __call__(self, elements: list[Any]) -> tuple[Any, int, list[str]]:
         samples, failures = self.load(elements)
-        return self.collate(samples), len(samples), failures
-
-    def collate_parts(self, parts: list[MappedPart]) -> tuple[Any, int, list[str]]:
-        """The batch of a split batch's mapped parts (in the consumer), as ``__call__``'s."""
-        parts = sorted(parts, key=lambda p: p.number)
-        samples = [s for part in parts for s in part.samples]
-        failures = [f for part in parts for f in part.failures]
-        if not samples:
-            raise InputPipelineError(
-                f"every sample of a batch failed; the first: {failures[0]}")
         return self.collate(samples), len(samples), failures
