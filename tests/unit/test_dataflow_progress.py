@@ -17,8 +17,11 @@ import replicator as rp
 N, BATCH = 96, 8
 
 
+DELAY_S = 0.02  # per example: the slow epoch waits N * DELAY_S in all, whatever the load
+
+
 def slow(example: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    time.sleep(0.004)  # a decode that takes a while: the step waits for it
+    time.sleep(DELAY_S)  # a decode that takes a while: the step waits for it
     return example
 
 
@@ -49,7 +52,8 @@ def test_a_slow_pipeline_shows_a_larger_share_of_waiting_than_a_fast_one(capsys)
     slow_share, _ = fit(slow_ds, capsys)
     fast_share, _ = fit(fast_ds, capsys)
     assert slow_share > fast_share, (slow_share, fast_share)
-    # the input measured the waits, and the pipeline's stats hold them
+    # the input measured the waits (at least the sleeps), and the pipeline's stats hold them
+    assert slow_ds.stats()["input_wait_s"] >= N * DELAY_S * 0.95
     assert slow_ds.stats()["input_wait_s"] > fast_ds.stats()["input_wait_s"] > 0.0
 
 
