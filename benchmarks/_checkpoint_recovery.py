@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import replicator as rp  # noqa: E402
 from benchmarks._report import median  # noqa: E402
-from replicator.launch.launcher import run_script  # noqa: E402
+from replicator.launch.script_launch import run_script  # noqa: E402
 from replicator.resume import BackupAndRestore  # noqa: E402
 
 

@@ -65,3 +65,25 @@ def launch(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
 
     kwargs.setdefault("start_method", "forkserver")
     return cluster_launch(fn, *args, **kwargs)
+
+
+def run_cli(capfd, args: list[str], env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    """``replicator ARGS`` by the command line's own ``main`` in this process, its output read
+    from the file descriptors (``capfd``): one fresh interpreter fewer per call, and the
+    workers fork from this process's warm forkserver. Returns a ``CompletedProcess``."""
+    import subprocess
+
+    import pytest
+
+    from replicator.cli import main
+
+    capfd.readouterr()
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        try:
+            code = main(args)
+        except SystemExit as exc:  # argparse's --help and --version
+            code = exc.code if isinstance(exc.code, int) else 1
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(["replicator", *args], code, out.out, out.err)

@@ -112,3 +112,27 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
     return results
 
 
+
+
+def diloco_round_by_hand(outer_model: torch.nn.Module, outer_opt: torch.optim.Optimizer,
+                         inner: list, batches: list, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One DiLoCo round written out in one process, the reference of the live DiLoCo tests:
+    each group's ``(model, inner optimizer)`` of ``inner`` starts from the outer weights and
+    takes one step (MSE loss) per index tensor of its ``batches``; the outer optimizer steps
+    with the mean of the groups' pseudo-gradients (outer minus inner weights)."""
+    import torch.nn.functional as F
+
+    outer = list(outer_model.parameters())
+    deltas = []
+    for (model, opt), steps in zip(inner, batches):
+        with torch.no_grad():
+            for p, o in zip(model.parameters(), outer):
+                p.copy_(o)
+        for idx in steps:
+            F.mse_loss(model(x[idx]), y[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+        deltas.append([o.detach() - p.detach() for o, p in zip(outer, model.parameters())])
+    for i, o in enumerate(outer):
+        o.grad = sum(d[i] for d in deltas) / len(deltas)
+    outer_opt.step()

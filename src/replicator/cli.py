@@ -35,6 +35,10 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
     p.add_argument("--force", action="store_true",
                    help="start the workers even when this machine's available memory cannot "
                    "hold them (about 300 MB each)")
+    p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
+                   help="forkserver (default): fork each worker from a process that imported "
+                   "torch once, starting workers and restarts in a fraction of a second; "
+                   "spawn: a fresh python per worker (with --nnodes torchrun starts them)")
     p.add_argument("--quiet-workers", action="store_true",
                    help="show only the chief's (rank 0) output; failures of any rank are "
                    "still reported")
@@ -127,7 +131,7 @@ def _run_replica_groups(args: argparse.Namespace) -> None:
                        lighthouse_bind=args.lighthouse_bind, join=args.join,
                        group_id=args.replica_group_id, max_restarts=args.max_restarts,
                        timeout_seconds=args.timeout_seconds, quiet_workers=args.quiet_workers,
-                       settings=settings)
+                       settings=settings, start_method=args.start_method)
     run_replica_groups(args.script, args.script_args, cfg=cfg)
 
 
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         from replicator.checkpoint import inspection
 
         return inspection.run(args)
-    from replicator.launch.launcher import run_script
+    from replicator.launch.script_launch import run_script
 
     if args.command == "demo":
         from replicator.demo import digits
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         run_script(script, script_args, args.nproc, master_port=_master_port(args),
                    timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts,
                    quiet_workers=args.quiet_workers, num_ps=args.num_ps,
-                   num_actors=args.num_actors)
+                   num_actors=args.num_actors, start_method=args.start_method)
     except ClusterConfigError as exc:
         print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_EXIT_CODE

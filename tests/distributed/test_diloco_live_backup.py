@@ -34,7 +34,7 @@ from torch.utils.data import TensorDataset
 import replicator as rp
 from replicator.testing import assert_params_close
 from replicator.testing.live_groups import start_group, start_lighthouse
-from tests.live_helpers import needs_torchft
+from tests.live_helpers import diloco_round_by_hand, needs_torchft
 
 pytestmark = needs_torchft
 
@@ -125,8 +125,7 @@ def _by_hand(committed: dict[int, dict[int, list[int]]], resumed_at: int
     groups take group 0's Adam state (the backup's, written by group 0)."""
     x, y, _ = dataset().tensors
     outer_model = build_model()
-    outer = list(outer_model.parameters())
-    outer_opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
+    outer_opt = torch.optim.SGD(outer_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     inner = {}
     for g in (0, 1):
         model = build_model()
@@ -135,21 +134,9 @@ def _by_hand(committed: dict[int, dict[int, list[int]]], resumed_at: int
         if start == resumed_at:
             saved = copy.deepcopy(inner[0][1].state_dict())
             inner[1][1].load_state_dict(saved)
-        deltas = []
-        for g in (0, 1):
-            model, opt = inner[g]
-            with torch.no_grad():
-                for p, o in zip(model.parameters(), outer):
-                    p.copy_(o)
-            for step in range(start, start + H):
-                idx = torch.tensor(committed[g][step])
-                F.mse_loss(model(x[idx]), y[idx]).backward()
-                opt.step()
-                opt.zero_grad()
-            deltas.append([o.detach() - p.detach() for o, p in zip(outer, model.parameters())])
-        for i, o in enumerate(outer):
-            o.grad = sum(d[i] for d in deltas) / len(deltas)
-        outer_opt.step()
+        batches = [[torch.tensor(committed[g][step]) for step in range(start, start + H)]
+                   for g in (0, 1)]
+        diloco_round_by_hand(outer_model, outer_opt, [inner[0], inner[1]], batches, x, y)
     return {k: v.detach().clone() for k, v in outer_model.state_dict().items()}
 
 

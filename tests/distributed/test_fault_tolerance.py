@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from replicator.checkpoint.manifest import read_marker, verify
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.errors import PreemptedError, WorkerFailedError
-from replicator.launch.launcher import run_script
+from replicator.launch.script_launch import run_script
 
 SCRIPT = str(Path(__file__).resolve().parent.parent / "scripts" / "backup_train.py")
 STEPS, SAVE_FREQ = 100, 10

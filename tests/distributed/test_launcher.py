@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 import replicator as rp
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.testing import assert_params_close
-from tests.helpers import hang, launch
+from tests.helpers import hang, launch, run_cli
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 REPLICATOR = [sys.executable, "-m", "replicator.cli"]
@@ -51,7 +52,7 @@ def test_same_script_under_python_replicator_run_and_torchrun(tmp_path):
         assert_params_close(ref, load_file(out), atol=1e-5, label=f"{out.name}: ")
 
 
-def test_plain_python_prints_how_to_use_more_replicas_once(tmp_path):
+def test_plain_python_prints_how_to_use_more_replicas_once(tmp_path, capfd):
     code = ("import replicator as rp; s = rp.MirroredStrategy(); rp.MirroredStrategy();"
             "print(s.num_replicas_in_sync)")
     out = _run([sys.executable, "-c", code])  # no logging configured: the hint still shows
@@ -60,7 +61,7 @@ def test_plain_python_prints_how_to_use_more_replicas_once(tmp_path):
     assert out.stderr.count("replicator run --nproc N") == 1
     script = tmp_path / "one.py"
     script.write_text(code)
-    launched = _run(REPLICATOR + ["run", "--nproc", "1", str(script)])
+    launched = run_cli(capfd, ["run", "--nproc", "1", str(script)])
     assert launched.returncode == 0, launched.stderr
     assert launched.stdout.strip() == "1"  # one process: no rank prefix
     assert "replicator run --nproc N" not in launched.stderr  # not under the launcher
@@ -98,6 +99,64 @@ def test_forkserver_workers_get_the_callers_environment_and_output(monkeypatch, 
         assert out == [expected, expected]
     printed = capfd.readouterr().out
     assert printed.count("worker 0 says hello") == 2 and printed.count("worker 1 says hello") == 2
+
+
+_REPORTING_SCRIPT = """
+import atexit, json, multiprocessing, os, sys
+import numpy, torch
+import replicator as rp
+
+rank = os.environ["RANK"]
+out = sys.argv[1]
+before = multiprocessing.get_start_method(allow_none=True)
+multiprocessing.set_start_method("spawn")  # a script may choose, as in a fresh interpreter
+report = {"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0],
+          "mark": os.environ.get("REPLICATOR_TEST_MARK"),
+          "sklearn": os.environ.get("SCIKIT_LEARN_DATA"), "start_method": before,
+          "threads": torch.get_num_threads(), "draw": numpy.random.rand()}
+atexit.register(lambda: open(os.path.join(out, "atexit-" + rank), "w").close())
+with open(os.path.join(out, "report-" + rank), "w") as f:
+    json.dump(report, f)
+print("rank", rank, "reports")
+sys.exit(3 if rank == "1" else 0)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_replicator_run_workers_are_started_as_fresh_interpreters_would_be(
+        tmp_path, monkeypatch, capfd, start_method):
+    # a forked worker comes from a server started earlier, in another directory, with another
+    # environment: the script must not see any of it, nor run differently from a fresh python
+    import multiprocessing.forkserver
+
+    from replicator.cli import main
+    from replicator.launch.forked_start import forkserver_context
+
+    forkserver_context()
+    multiprocessing.forkserver.ensure_running()  # here, before the directory changes
+    script, out = tmp_path / "scripts" / "report.py", tmp_path / "out"
+    script.parent.mkdir()
+    out.mkdir()
+    script.write_text(_REPORTING_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("REPLICATOR_TEST_MARK", "set now")
+    monkeypatch.delenv("SCIKIT_LEARN_DATA")  # set (conftest) before any server started
+    capfd.readouterr()
+    code = main(["run", "--nproc", "2", "--start-method", start_method, str(script),
+                 str(out), "x"])
+    printed = capfd.readouterr()
+    assert code == 3, printed.err  # rank 1's own exit code
+    assert "[rank 0] rank 0 reports" in printed.out and "[rank 1] rank 1 reports" in printed.out
+    reports = [json.loads((out / f"report-{r}").read_text()) for r in (0, 1)]
+    for report in reports:
+        assert report["argv"] == [str(out), "x"] and report["cwd"] == str(tmp_path)
+        assert report["path0"] == str(script.parent)
+        assert report["mark"] == "set now" and report["sklearn"] is None
+        assert report["start_method"] is None
+        assert report["threads"] == max(1, (os.cpu_count() or 1) // 2)
+    assert reports[0]["draw"] != reports[1]["draw"]  # NumPy seeded afresh in each worker
+    assert (out / "atexit-0").exists() and (out / "atexit-1").exists()
 
 
 def _raise_on_rank1(_: int) -> None:
@@ -157,8 +216,8 @@ def test_worker_that_raises_ends_the_group_with_its_traceback():
 
 
 @pytest.mark.timeout(60)
-def test_replicator_run_prints_the_failing_ranks_traceback_first_and_once():
-    out = _run(REPLICATOR + ["run", "--nproc", "2", "--timeout", "30",
+def test_replicator_run_prints_the_failing_ranks_traceback_first_and_once(capfd):
+    out = run_cli(capfd, ["run", "--nproc", "2", "--timeout", "30",
                              str(SCRIPTS / "fail_on_rank1.py")])
     assert out.returncode == 1
     err = out.stderr
@@ -209,13 +268,13 @@ def test_models_that_differ_across_replicas_fail_at_scope_exit():
 
 
 @pytest.mark.timeout(150)
-def test_busy_port_nproc_zero_and_missing_script_are_clear_errors(tmp_path):
+def test_busy_port_nproc_zero_and_missing_script_are_clear_errors(tmp_path, capfd):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(1)
     port = sock.getsockname()[1]
     try:
-        out = _run(REPLICATOR + ["run", "--nproc", "2", "--master-port", str(port),
+        out = run_cli(capfd, ["run", "--nproc", "2", "--master-port", str(port),
                                  str(SCRIPTS / "train_mirrored.py"), str(tmp_path / "x")])
     finally:
         sock.close()
@@ -227,14 +286,14 @@ def test_busy_port_nproc_zero_and_missing_script_are_clear_errors(tmp_path):
     sock.listen(1)
     port = sock.getsockname()[1]
     try:
-        out = _run(REPLICATOR + ["run", "--nproc", "2", str(SCRIPTS / "train_mirrored.py"),
+        out = run_cli(capfd, ["run", "--nproc", "2", str(SCRIPTS / "train_mirrored.py"),
                                  str(tmp_path / "y")], env={"MASTER_PORT": str(port)})
     finally:
         sock.close()
     assert out.returncode == 2 and f"port {port} on 127.0.0.1 is already in use" in out.stderr
-    out = _run(REPLICATOR + ["run", "--nproc", "0", str(SCRIPTS / "train_mirrored.py")])
+    out = run_cli(capfd, ["run", "--nproc", "0", str(SCRIPTS / "train_mirrored.py")])
     assert out.returncode == 2 and "--nproc must be a positive integer" in out.stderr
-    out = _run(REPLICATOR + ["run", "--nproc", "2", "no_such_script.py"])
+    out = run_cli(capfd, ["run", "--nproc", "2", "no_such_script.py"])
     assert out.returncode == 2 and "script 'no_such_script.py' not found" in out.stderr
     with pytest.raises(rp.errors.ClusterConfigError,
                        match="num_replicas must be a positive integer"):
@@ -242,13 +301,13 @@ def test_busy_port_nproc_zero_and_missing_script_are_clear_errors(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_num_ps_with_a_script_that_builds_no_parameter_server_strategy_warns(tmp_path):
+def test_num_ps_with_a_script_that_builds_no_parameter_server_strategy_warns(tmp_path, capfd):
     script = tmp_path / "mirrored.py"
     script.write_text("import torch\nimport replicator as rp\n"
                       "strategy = rp.MirroredStrategy()\n"
                       "total = strategy.reduce('sum', torch.ones(1))\n"
                       "print(f'replicas {strategy.num_replicas_in_sync} total {total.item()}')\n")
-    out = _run(REPLICATOR + ["run", "--nproc", "3", "--num-ps", "1", str(script)])
+    out = run_cli(capfd, ["run", "--nproc", "3", "--num-ps", "1", str(script)])
     assert out.returncode == 0, out.stderr[-3000:]  # 3 replicas ran, as the script says
     assert "replicas 3 total 3.0" in out.stdout
     assert "[replicator] warning: --num-ps 1 was given, but rank(s) 2 never started a " \
@@ -273,9 +332,9 @@ _LINE = re.compile(r"\[rank (\d)\] r(\d)-(\d+):([a-j])+:end")
 
 
 @pytest.mark.timeout(90)
-def test_two_ranks_printing_long_lines_at_once_reach_the_terminal_whole_and_prefixed():
+def test_two_ranks_printing_long_lines_at_once_reach_the_terminal_whole_and_prefixed(capfd):
     lines, width = 200, 3000
-    out = _run(REPLICATOR + ["run", "--nproc", "2", str(SCRIPTS / "print_lines.py"), str(lines),
+    out = run_cli(capfd, ["run", "--nproc", "2", str(SCRIPTS / "print_lines.py"), str(lines),
                              str(width)])
     assert out.returncode == 0, out.stderr[-2000:]
     seen: dict[tuple[str, int], list[int]] = {}
@@ -298,8 +357,8 @@ def test_two_ranks_printing_long_lines_at_once_reach_the_terminal_whole_and_pref
 
 
 @pytest.mark.timeout(60)
-def test_quiet_workers_shows_only_the_chief():
-    out = _run(REPLICATOR + ["run", "--nproc", "2", "--quiet-workers",
+def test_quiet_workers_shows_only_the_chief(capfd):
+    out = run_cli(capfd, ["run", "--nproc", "2", "--quiet-workers",
                              str(SCRIPTS / "print_lines.py"), "6", "10"])
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("[rank 0] r0-") == 3 and out.stderr.count("[rank 0] r0-") == 3
@@ -307,8 +366,8 @@ def test_quiet_workers_shows_only_the_chief():
 
 
 @pytest.mark.timeout(60)
-def test_one_process_output_has_no_prefix():
-    out = _run(REPLICATOR + ["run", "--nproc", "1", str(SCRIPTS / "print_lines.py"), "2", "5"])
+def test_one_process_output_has_no_prefix(capfd):
+    out = run_cli(capfd, ["run", "--nproc", "1", str(SCRIPTS / "print_lines.py"), "2", "5"])
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[0] == "r0-0:aaaaa:end"
     assert out.stderr.splitlines()[0] == "r0-1:aaaaa:end"
@@ -333,8 +392,8 @@ def test_chief_progress_updates_are_relayed_in_place():
 # -- failures and restarts ----------------------------------------------------------------------
 
 @pytest.mark.timeout(90)
-def test_a_failure_with_restarts_is_announced_once_per_restart():
-    out = _run(REPLICATOR + ["run", "--nproc", "2", "--max-restarts", "1", "--timeout", "30",
+def test_a_failure_with_restarts_is_announced_once_per_restart(capfd):
+    out = run_cli(capfd, ["run", "--nproc", "2", "--max-restarts", "1", "--timeout", "30",
                              str(SCRIPTS / "fail_on_rank1.py")])
     assert out.returncode == 1
     assert out.stderr.count("restart 1 of 1") == 1, out.stderr
@@ -342,9 +401,9 @@ def test_a_failure_with_restarts_is_announced_once_per_restart():
 
 
 @pytest.mark.timeout(90)
-def test_nan_loss_is_not_restarted(tmp_path):
+def test_nan_loss_is_not_restarted(tmp_path, capfd):
     (tmp_path / "out").mkdir()
-    out = _run(REPLICATOR + ["run", "--nproc", "2", "--max-restarts", "2", "--timeout", "30",
+    out = run_cli(capfd, ["run", "--nproc", "2", "--max-restarts", "2", "--timeout", "30",
                              str(SCRIPTS / "backup_train.py"), str(tmp_path / "out"),
                              str(tmp_path / "backup"), "--steps", "10", "--save-freq", "2",
                              "--nan-at", "5"])
@@ -362,10 +421,10 @@ def test_nan_loss_is_not_restarted(tmp_path):
     ("def broken(:\n    pass\n", "SyntaxError"),
     ("import replicator_no_such_module\n", "ModuleNotFoundError"),
 ])
-def test_script_that_cannot_start_is_not_restarted(tmp_path, source, kind):
+def test_script_that_cannot_start_is_not_restarted(tmp_path, source, kind, capfd):
     script = tmp_path / "bad.py"
     script.write_text(source)
-    out = _run(REPLICATOR + ["run", "--nproc", "2", "--max-restarts", "3", str(script)])
+    out = run_cli(capfd, ["run", "--nproc", "2", "--max-restarts", "3", str(script)])
     assert out.returncode == 1
     assert out.stderr.count(f"not restarting: {kind} repeats on restart") == 1, out.stderr
     assert "restarting all workers" not in out.stderr
@@ -409,8 +468,8 @@ def test_sigterm_without_a_backup_does_not_promise_a_resume(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("port", ["80000", "0", "-1"])
-def test_master_port_out_of_range_is_a_clear_error(port):
-    out = _run(REPLICATOR + ["run", "--nproc", "2", "--master-port", port,
+def test_master_port_out_of_range_is_a_clear_error(port, capfd):
+    out = run_cli(capfd, ["run", "--nproc", "2", "--master-port", port,
                              str(SCRIPTS / "print_lines.py")])
     assert out.returncode == 2, out.stderr
     assert f"--master-port {port} is not a TCP port" in out.stderr and "HINT" in out.stderr
@@ -432,11 +491,11 @@ def test_version_and_demo_help():
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif((os.cpu_count() or 1) > 3, reason="starts one worker more than the cores")
-def test_more_workers_than_cores_warns_once():
+def test_more_workers_than_cores_warns_once(capfd):
     from replicator.launch.launcher import available_cores
 
     n = available_cores() + 1
-    out = _run(REPLICATOR + ["run", "--nproc", str(n), str(SCRIPTS / "print_lines.py"), "1",
+    out = run_cli(capfd, ["run", "--nproc", str(n), str(SCRIPTS / "print_lines.py"), "1",
                              "5"])
     assert out.returncode == 0, out.stderr
     assert out.stderr.count(f"--nproc {n} is more than the {n - 1} CPU core(s)") == 1

@@ -13,7 +13,7 @@ import torch
 
 from replicator.checkpoint.storage import open_storage
 from replicator.checkpoint.store import RemoteStore
-from replicator.launch.launcher import run_script
+from replicator.launch.script_launch import run_script
 from replicator.testing import run_distributed
 from tests.distributed.test_fault_tolerance import (
     SHARDED_SCRIPT,

@@ -82,6 +82,7 @@ def main() -> None:
     live = strategy.live
     kill_steps = {int(x) for x in a.kill_at_steps.split(",") if x}
     (out / f"started_{tag}.txt").write_text("1")
+    (out / f"pid_{tag}.txt").write_text(str(os.getpid()))  # which process a test may kill
     t0 = time.monotonic()
 
     def after_step() -> None:

@@ -7,6 +7,6 @@ room (the import contract puts it above every room a worker runs).
 """
 
 from replicator.launch.function_launch import launch
-from replicator.launch.launcher import run_script
+from replicator.launch.script_launch import run_script
 
 __all__ = ["launch", "run_script"]

@@ -14,7 +14,6 @@ what keeps a test suite of a few hundred launches fast.
 from __future__ import annotations
 
 import multiprocessing as mp
-import multiprocessing.reduction
 import os
 import shutil
 import sys
@@ -27,50 +26,20 @@ from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
 from replicator.cluster.ports import check_port
 from replicator.cluster.stack_dump import install_stack_dump
 from replicator.cluster.worker_errors import error_path, record_exception, record_finished
+from replicator.launch.forked_start import (
+    START_METHODS,
+    StandardStreams,
+    become_worker,
+    check_start_method,
+    forkserver_context,
+)
 from replicator.launch.launcher import LocalGroup, check_num_replicas
-
-#: Modules a forkserver imports once, before it forks any worker (see the module docstring).
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "replicator", "replicator.testing",
-                      # imported by the library only when used (each about a second): a
-                      # forked worker finds them loaded
-                      "torch.distributed.checkpoint", "torch.distributed.pipelining",
-                      "torch.distributed.fsdp", "torch.distributed.tensor.parallel")
-
-
-class _ParentOutput:
-    """The launching process's stdout and stderr as they are at launch, handed to a worker.
-
-    A forkserver's children inherit the server's file descriptors, not the launcher's: a worker
-    would write to wherever output went when the server started (another cell, another test's
-    capture). Pickled while the worker starts, the two descriptors travel with it.
-    """
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_ReceivedOutput, (mp.reduction.DupFd(1), mp.reduction.DupFd(2)))
-
-
-class _ReceivedOutput:
-    """The worker's side of :class:`_ParentOutput`: puts the launcher's outputs on fd 1 and 2."""
-
-    def __init__(self, stdout: Any, stderr: Any) -> None:
-        self._fds = (stdout.detach(), stderr.detach())
-
-    def install(self) -> None:
-        for target, fd in zip((1, 2), self._fds):
-            if fd != target:
-                os.dup2(fd, target)
-                os.close(fd)
 
 
 def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                    env: dict[str, str], result_file: str, output: Any = None) -> None:
-    if isinstance(output, _ReceivedOutput):
-        output.install()
-    # exactly the launcher's environment: a forkserver's child starts with the server's own,
-    # which may hold variables the parent has unset since
-    for name in set(os.environ) - set(env):
-        del os.environ[name]
-    os.environ.update(env)
+                    env: dict[str, str], cwd: str, result_file: str,
+                    streams: Any = None) -> None:
+    become_worker(env, cwd, streams)
     rank = int(env["RANK"])
     attempt = int(env.get(RESTART_COUNT_ENV, "0"))
     code = 0
@@ -128,19 +97,19 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
     check_port(master_port, "master_port")
     if not callable(fn):
         raise TypeError(f"launch() needs a callable, got {type(fn).__name__}")
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    check_start_method(start_method, START_METHODS + ("fork",))
+    ctx: Any = (forkserver_context() if start_method == "forkserver"
+                else mp.get_context(start_method))
     results_dir = Path(tempfile.mkdtemp(prefix="replicator-results-"))
     kwargs = dict(kwargs or {})
 
     def start(rank: int, env: dict[str, str]) -> Any:
         result_file = results_dir / f"rank{rank}.pt"
         result_file.unlink(missing_ok=True)
-        proc = ctx.Process(  # type: ignore[attr-defined]
+        proc = ctx.Process(
             target=_function_entry, name=f"replicator-rank{rank}",
-            args=(fn, tuple(args), kwargs, env, str(result_file),
-                  _ParentOutput() if start_method == "forkserver" else None))
+            args=(fn, tuple(args), kwargs, env, os.getcwd(), str(result_file),
+                  StandardStreams() if start_method == "forkserver" else None))
         proc.start()
         return proc
 

@@ -26,10 +26,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from replicator.cluster.env_names import (
@@ -63,7 +62,7 @@ from replicator.launch.failure_report import (
     resume_hint,
     root_of,
 )
-from replicator.launch.output import OutputRelay, terminal_env
+from replicator.launch.output import OutputRelay
 from replicator.launch.restart_policy import restart_refusal
 
 #: Seconds the other workers get to stop by themselves after one fails, before SIGTERM.
@@ -526,49 +525,3 @@ class LocalGroup:
         import shutil
 
         shutil.rmtree(self.error_dir, ignore_errors=True)
-
-
-def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
-               master_port: int | None = None, timeout_seconds: float | None = None,
-               max_restarts: int = 0, quiet_workers: bool = False, num_ps: int = 0,
-               num_actors: int = 0) -> None:
-    """Run ``python script.py args`` in ``nproc`` local workers (``replicator run``).
-
-    With several workers, their output is relayed line by line with a ``[rank R]`` prefix;
-    ``quiet_workers`` shows only the chief's (rank 0) output (failures are still reported).
-    ``num_ps``: the last ``num_ps`` processes are parameter servers. ``num_actors``: actor
-    processes started beside the ``nproc`` learners (see :mod:`replicator.launch.actors`).
-    """
-    nproc = check_num_replicas(nproc, "--nproc")
-    check_num_ps(num_ps, nproc)
-    master_port = check_port(master_port)
-    path = Path(script)
-    if not path.is_file():
-        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
-                                 "HINT: give the path of a Python file.")
-    cmd = [sys.executable, "-u", "-m", "replicator.launch.script_entry", str(path), *script_args]
-    check_num_actors(num_actors, num_ps)
-    relay = OutputRelay() if nproc + num_actors > 1 else None
-
-    def start(rank: int, env: dict[str, str]) -> subprocess.Popen:
-        if relay is None:
-            return subprocess.Popen(cmd, env=env)
-        if quiet_workers and rank != 0:
-            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
-        env.update(terminal_env(rank, nproc + num_actors))
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        relay.attach(rank, proc.stdout, "stdout")
-        relay.attach(rank, proc.stderr, "stderr")
-        return proc
-
-    group = LocalGroup(nproc, start, master_port=master_port, timeout_seconds=timeout_seconds,
-                       max_restarts=max_restarts, output=relay, num_ps=num_ps,
-                       num_actors=num_actors)
-    warning = oversubscription_warning(nproc, available_cores())
-    if warning:
-        group.say(warning)
-    try:
-        group.run()
-    finally:
-        group.close()

@@ -26,8 +26,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -51,6 +49,7 @@ from replicator.errors import (
     ReplicaGroupFailedError,
     WorkerFailedError,
 )
+from replicator.launch.forked_start import check_start_method
 from replicator.launch.launcher import LocalGroup, available_cores, check_num_replicas
 from replicator.launch.lighthouse import (
     Lighthouse,
@@ -63,6 +62,7 @@ from replicator.launch.lighthouse import (
     wait_reachable,
 )
 from replicator.launch.output import OutputRelay
+from replicator.launch.script_workers import script_starter
 
 #: Seconds to wait for a lighthouse given with ``--lighthouse``/``--join`` to answer.
 REACH_TIMEOUT_SECONDS = 30.0
@@ -104,13 +104,16 @@ class ReplicaGroupsConfig:
     timeout_seconds: float | None = None
     quiet_workers: bool = False
     settings: LighthouseSettings = field(default_factory=LighthouseSettings)
+    #: How each worker starts: ``"forkserver"`` or ``"spawn"`` (see ``launch.script_workers``).
+    start_method: str = "forkserver"
 
 
 def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
                  lighthouse: str | None = None, lighthouse_bind: str | None = None,
                  join: str | None = None, group_id: Any = None, max_restarts: Any = 0,
                  timeout_seconds: float | None = None, quiet_workers: bool = False,
-                 settings: LighthouseSettings | None = None) -> ReplicaGroupsConfig:
+                 settings: LighthouseSettings | None = None,
+                 start_method: str = "forkserver") -> ReplicaGroupsConfig:
     """Validate the replica-group flags together; clear errors with the fix."""
     require_torchft()
     if groups is None and join is not None:
@@ -143,7 +146,8 @@ def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
     cfg = ReplicaGroupsConfig(
         groups=groups, nproc=nproc, min_replicas=min_replicas, join=join is not None,
         first_id=group_id, max_restarts=max_restarts, timeout_seconds=timeout_seconds,
-        quiet_workers=quiet_workers, settings=settings or LighthouseSettings())
+        quiet_workers=quiet_workers, settings=settings or LighthouseSettings(),
+        start_method=check_start_method(start_method))
     cfg.settings.min_replicas = min_replicas
     if existing is not None:
         cfg.lighthouse = parse_address(existing, "--join" if join is not None else
@@ -174,8 +178,7 @@ class ReplicaGroups:
         self.ids = ids
         self.output = output
         self.lighthouse = lighthouse
-        self.cmd = [sys.executable, "-u", "-m", "replicator.launch.script_entry", script,
-                    *script_args]
+        self.starter = script_starter(script, script_args, cfg.start_method)
         self.signalled = False
         self.groups: dict[int, LocalGroup] = {}
         self.ends: dict[int, _GroupEnd] = {}
@@ -199,16 +202,11 @@ class ReplicaGroups:
     def _starter(self, group: int) -> Any:
         name = f"replica group {group}"
 
-        def start(rank: int, env: dict[str, str]) -> subprocess.Popen:
+        def start(rank: int, env: dict[str, str]) -> Any:
             if self.cfg.quiet_workers and rank != 0:
-                return subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL)
-            proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE)
-            label = f"group {group} rank {rank}"
-            self.output.attach(rank, proc.stdout, "stdout", label=label, group=name)
-            self.output.attach(rank, proc.stderr, "stderr", label=label, group=name)
-            return proc
+                return self.starter.start(rank, env, quiet=True)
+            return self.starter.start(rank, env, relay=self.output,
+                                      label=f"group {group} rank {rank}", group=name)
 
         return start
 

@@ -11,8 +11,11 @@ import runpy
 import sys
 import threading
 import time
+import traceback
+from typing import Any
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
+from replicator.cluster.process_group import configure_threads
 from replicator.cluster.stack_dump import install_stack_dump
 from replicator.cluster.worker_errors import (
     ScriptNotFoundError,
@@ -20,6 +23,7 @@ from replicator.cluster.worker_errors import (
     record_exception,
     record_finished,
 )
+from replicator.launch.forked_start import become_worker
 from replicator.launch.malloc_tuning import tune_malloc
 
 #: Threads whose work a failing worker waits for before it leaves (at most
@@ -54,11 +58,10 @@ def _clean_exit(code: int) -> None:
     os._exit(code)
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m replicator.launch.script_entry SCRIPT [ARGS...]")
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
+def run_as_main(script: str, args: list[str]) -> None:
+    """Run ``script`` with ``args`` as ``__main__`` as ``python script args`` would, reporting
+    a failure to the launcher's error directory (when set) and leaving with the script's code."""
+    sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get(RESTART_COUNT_ENV, "0"))
@@ -97,6 +100,35 @@ def main() -> None:
             shutdown()
         except Exception:  # noqa: BLE001
             pass
+
+
+def forked_entry(script: str, args: list[str], env: dict[str, str], cwd: str,
+                 streams: Any) -> None:
+    """A worker forked from the launcher's forkserver: the script runs as in a fresh
+    ``python -u`` (:mod:`replicator.launch.forked_start`) and the process leaves as an
+    interpreter does: atexit handlers run, a traceback printed, the script's exit code."""
+    become_worker(env, cwd, streams)
+    sys.path.insert(0, cwd)  # ``python -m`` puts the working directory first, then the script's
+    configure_threads(int(env.get("LOCAL_WORLD_SIZE", "1")))  # OMP_NUM_THREADS, read at import
+    code: int = 0
+    try:
+        run_as_main(script, args)
+    except SystemExit as exc:
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - the interpreter's own report
+        traceback.print_exc()
+        code = 1
+    _clean_exit(code)
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m replicator.launch.script_entry SCRIPT [ARGS...]")
+    run_as_main(sys.argv[1], sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def run_setting(setting: Setting, out: Path, launch: Callable[[], None], steps: 
 
 def _script_launcher(script: str, args: Sequence[str], setting: Setting
                      ) -> Callable[[], None]:
-    from replicator.launch.launcher import run_script
+    from replicator.launch.script_launch import run_script
 
     argv = [a.replace("{strategy}", setting.strategy) for a in args]
 

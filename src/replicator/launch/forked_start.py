@@ -1,0 +1,97 @@
+"""Workers forked from a warm server: how ``rp.launch`` and ``replicator run`` start a worker
+without a fresh interpreter importing torch again.
+
+A fresh interpreter takes 3-4 s to import torch on a quiet 2-core machine and 10-25 s on a busy
+one, for every worker and every restart; a worker forked from multiprocessing's forkserver,
+which imported torch and replicator once, starts in a fraction of a second. What a fresh
+interpreter would have and a forked one would not is put back in the child
+(:func:`become_worker`): the launcher's exact environment and working directory, its standard
+streams (line-buffered, as ``python -u`` gives), an unset multiprocessing start method (a
+script may still call ``set_start_method``), and fresh NumPy entropy.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import multiprocessing.reduction
+import os
+import sys
+from typing import Any
+
+#: Modules the forkserver imports once, before it forks any worker. Only what every worker
+#: imports: the server's import is on the way of a one-off launch, where fresh workers would
+#: import in parallel (DCP or pipelining, about 0.6 s each, are imported by the workers that
+#: use them).
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "replicator", "replicator.testing")
+
+#: The start methods a launcher offers: a warm forkserver, or a fresh interpreter per worker.
+START_METHODS = ("forkserver", "spawn")
+
+
+def check_start_method(method: Any, allowed: tuple[str, ...] = START_METHODS) -> str:
+    """``method`` if it is one of ``allowed``, else a ValueError that lists them."""
+    if method not in allowed:
+        raise ValueError(f"start_method must be one of {', '.join(map(repr, allowed))}; got "
+                         f"{method!r}")
+    return str(method)
+
+
+def forkserver_context() -> Any:
+    """multiprocessing's forkserver context, its server preloading :data:`FORKSERVER_PRELOAD`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
+
+
+class StandardStreams:
+    """File descriptors a forked worker takes as its fd 0, 1 and 2 (the launcher's own by
+    default, or a pipe to the output relay).
+
+    A forkserver's children inherit the server's descriptors, not the launcher's: a worker
+    would read and write wherever the streams went when the server started. Pickled while the
+    worker starts, the descriptors travel with it (``DupFd``); the caller may close its copies
+    once ``Process.start()`` returned.
+    """
+
+    def __init__(self, stdin: int = 0, stdout: int = 1, stderr: int = 2) -> None:
+        self.fds = (stdin, stdout, stderr)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ReceivedStreams, tuple(mp.reduction.DupFd(fd) for fd in self.fds))
+
+
+class _ReceivedStreams:
+    """The worker's side of :class:`StandardStreams`."""
+
+    def __init__(self, *received: Any) -> None:
+        self._fds = tuple(fd.detach() for fd in received)
+
+    def install(self) -> None:
+        for target, fd in enumerate(self._fds):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        # as ``python -u`` gives a fresh worker: a line reaches the relay when it is written
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
+                                      line_buffering=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      line_buffering=True, errors="backslashreplace")
+
+
+def become_worker(env: dict[str, str], cwd: str, streams: Any = None) -> None:
+    """In a forked worker: take the launcher's streams, environment and directory as a fresh
+    interpreter started by the launcher would have them."""
+    if isinstance(streams, _ReceivedStreams):
+        streams.install()
+    # exactly the launcher's environment: the server's may hold variables unset since
+    for name in set(os.environ) - set(env):
+        del os.environ[name]
+    os.environ.update(env)
+    os.chdir(cwd)
+    mp.set_start_method(None, force=True)  # unset, as in a fresh interpreter
+    if "numpy" in sys.modules:  # every fork would otherwise draw the server's numbers
+        import numpy
+
+        numpy.random.seed()
