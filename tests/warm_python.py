@@ -95,11 +95,13 @@ def _run_child(request: dict) -> None:
 
 
 def _serve() -> None:
+    import importlib
     import threading
 
-    import torch  # noqa: F401 - the point: imported once, before forking
+    from replicator.launch.forked_start import FORKSERVER_PRELOAD
 
-    import replicator  # noqa: F401
+    for module in FORKSERVER_PRELOAD:  # the point: imported once, before forking, as the
+        importlib.import_module(module)  # launcher's forkserver does
 
     if threading.active_count() > 1:
         print("threads", flush=True)  # forking now could deadlock a child: refuse

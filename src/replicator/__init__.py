@@ -20,47 +20,72 @@ from __future__ import annotations
 import importlib
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from replicator import (
-    callbacks,
-    checkpoint,
-    cluster,
-    comm,
-    data,
-    errors,
-    metrics,
-    optim,
-    scaling,
-    testing,
-)
-from replicator import plan as plan  # rp.plan.bench / rp.plan.plan; a room, not in __all__
-from replicator import rl as rl  # rp.rl: actors and replay; a room, not in __all__
-from replicator.cluster import Topology
-from replicator.comm import CommunicationOptions, ReduceOp
-from replicator.data import InputContext
+from replicator import errors
 from replicator.errors import ReplicatorError, WorkerFailedError
-from replicator.launch import launch
-from replicator.precision import MixedPrecision
-from replicator.ps import ClusterCoordinator, ParameterServerStrategy
-from replicator.resume import BackupAndRestore
-from replicator.strategies import (
-    CentralStorageStrategy,
-    DiLoCoStrategy,
-    FSDPStrategy,
-    LocalSGDStrategy,
-    MeshStrategy,
-    MirroredStrategy,
-    MultiWorkerMirroredStrategy,
-    OneDeviceStrategy,
-    PipelineStrategy,
-    Strategy,
-    TensorParallelStrategy,
-    compute_average_loss,
-    get_replica_context,
-    get_strategy,
-)
-from replicator.train import Callback, EarlyStopping, ModelCheckpoint, Replicator, Trainer
+from replicator.launch import launch  # here: the name would otherwise be the launch room's
+from replicator.lazy_names import lazy_getattr
+
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and editors
+    from replicator import (
+        callbacks,
+        checkpoint,
+        cluster,
+        comm,
+        data,
+        metrics,
+        optim,
+        scaling,
+        testing,
+    )
+    from replicator import plan as plan  # rp.plan.bench / rp.plan.plan; a room, not in __all__
+    from replicator import rl as rl  # rp.rl: actors and replay; a room, not in __all__
+    from replicator.cluster import Topology
+    from replicator.comm import CommunicationOptions, ReduceOp
+    from replicator.data import InputContext
+    from replicator.precision import MixedPrecision
+    from replicator.ps import ClusterCoordinator, ParameterServerStrategy
+    from replicator.resume import BackupAndRestore
+    from replicator.strategies import (
+        CentralStorageStrategy,
+        DiLoCoStrategy,
+        FSDPStrategy,
+        LocalSGDStrategy,
+        MeshStrategy,
+        MirroredStrategy,
+        MultiWorkerMirroredStrategy,
+        OneDeviceStrategy,
+        PipelineStrategy,
+        Strategy,
+        TensorParallelStrategy,
+        compute_average_loss,
+        get_replica_context,
+        get_strategy,
+    )
+    from replicator.train import Callback, EarlyStopping, ModelCheckpoint, Replicator, Trainer
+
+#: Where each top-level name lives. ``import replicator`` imports none of them (so the command
+#: line, the launcher and ``replicator --help`` start without importing torch); the first use of
+#: a name imports its module.
+_LAZY: dict[str, str] = {
+    **{room: f"replicator.{room}" for room in (
+        "callbacks", "checkpoint", "cluster", "comm", "data", "metrics", "optim", "plan", "rl",
+        "scaling", "testing", "strategies", "train", "ps", "resume", "parallel", "precision")},
+    "Topology": "replicator.cluster",
+    "CommunicationOptions": "replicator.comm", "ReduceOp": "replicator.comm",
+    "InputContext": "replicator.data",
+    "MixedPrecision": "replicator.precision",
+    "ClusterCoordinator": "replicator.ps", "ParameterServerStrategy": "replicator.ps",
+    "BackupAndRestore": "replicator.resume",
+    **dict.fromkeys(
+        ["CentralStorageStrategy", "DiLoCoStrategy", "FSDPStrategy", "LocalSGDStrategy",
+         "MeshStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "OneDeviceStrategy",
+         "PipelineStrategy", "Strategy", "TensorParallelStrategy", "compute_average_loss",
+         "get_replica_context", "get_strategy"], "replicator.strategies"),
+    **dict.fromkeys(["Callback", "EarlyStopping", "ModelCheckpoint", "Replicator", "Trainer"],
+                    "replicator.train"),
+}
 
 __version__ = "0.1.0"
 
@@ -111,8 +136,14 @@ _MOVED: dict[str, str] = {
 _ROOMS = ("strategies", "train", "ps", "resume", "parallel", "plan", "rl")
 
 
+_lazy = lazy_getattr(__name__, _LAZY)
+
+
 def __getattr__(name: str) -> Any:
-    """Resolve a name that left the top level, with a DeprecationWarning naming its place."""
+    """Import a top-level name on first use (:data:`_LAZY`); resolve a name that left the top
+    level, with a DeprecationWarning naming its place."""
+    if name in _LAZY:
+        return _lazy(name)
     where = _MOVED.get(name)
     if where is None:  # name and obj let the traceback suggest a close name from dir()
         raise AttributeError(f"module 'replicator' has no attribute {name!r}", name=name,
@@ -125,5 +156,4 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     """The public names (``__all__``), ``__version__`` and the rooms that hold the rest."""
-    rooms = [room for room in _ROOMS if room in globals()]
-    return sorted({*__all__, "__version__", *rooms})
+    return sorted({*__all__, "__version__", *_ROOMS})

@@ -147,7 +147,7 @@ def _version() -> str:
 
 def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     """The command's parser, and the demo's own options (forwarded to the demo)."""
-    from replicator.demo import digits
+    from replicator.demo import options as demo_options
 
     parser = argparse.ArgumentParser(prog="replicator", description="Distributed training for "
                                      "PyTorch: run scripts on several local workers.")
@@ -168,15 +168,15 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
                           description="Train a small CNN on scikit-learn's 8x8 digits with "
                           "MirroredStrategy on --nproc local workers (nothing is downloaded).")
     _add_launch_flags(demo, 2)
-    demo_actions = digits.add_arguments(demo.add_argument_group("demo options"))
+    demo_actions = demo_options.add_arguments(demo.add_argument_group("demo options"))
     sub.add_parser("env", help="print what replicator sees: devices, cores, torch, and the "
                    "all-reduce that 'auto' picks")
     from replicator.plan import cli_commands
 
     cli_commands.add_subcommands(sub)  # bench, plan
-    from replicator.checkpoint import inspection
+    from replicator.checkpoint import command_line
 
-    inspection.add_subcommand(sub)  # checkpoints list|verify|export
+    command_line.add_subcommand(sub)  # checkpoints list|verify|export
     return parser, demo_actions
 
 
@@ -229,9 +229,9 @@ def _refusal(args: argparse.Namespace) -> str | None:
     """What is refused before any worker starts: a strategy the demo cannot run, and more
     workers than this machine's memory holds (unless ``--force``)."""
     if args.command == "demo":
-        from replicator.demo import digits
+        from replicator.demo.options import strategy_refusal
 
-        refusal = digits.strategy_refusal(args.strategy, args.nproc, args.num_ps)
+        refusal = strategy_refusal(args.strategy, args.nproc, args.num_ps)
         if refusal is not None:
             return refusal
     if args.force or not isinstance(args.nproc, int):
@@ -261,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     from replicator.launch.script_launch import run_script
 
     if args.command == "demo":
-        from replicator.demo import digits
+        from importlib.util import find_spec
 
-        script, script_args = digits.__file__, _demo_argv(args, demo_actions)
+        spec = find_spec("replicator.demo.digits")  # its path: the workers import it
+        assert spec is not None and spec.origin is not None
+        script, script_args = spec.origin, _demo_argv(args, demo_actions)
     else:
         if args.nproc is None:
             print("replicator run: error: --nproc is required. HINT: add --nproc 2 (the number "

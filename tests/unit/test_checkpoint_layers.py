@@ -14,7 +14,8 @@ import replicator
 PACKAGE = Path(replicator.__file__).parent
 CHECKPOINT = PACKAGE / "checkpoint"
 #: The rooms the checkpoint room may import: itself and the ones below it.
-LOWER = {"checkpoint", "cluster", "comm", "data", "optim", "errors", "fault_points"}
+LOWER = {"checkpoint", "cluster", "comm", "data", "optim", "errors", "fault_points",
+         "lazy_names"}
 
 
 def _files(room: Path) -> list[Path]:

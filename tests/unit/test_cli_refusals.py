@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from replicator.cli import main
-from replicator.demo.digits import DEMO_STRATEGIES, strategy_refusal
+from replicator.demo.options import DEMO_STRATEGIES, strategy_refusal
 from replicator.launch import memory_budget
 from replicator.launch.memory_budget import WORKER_BYTES, available_memory, memory_refusal
 

@@ -11,16 +11,31 @@ loop (``BackupAndRestore``, preemption, the NaN guard) lives in :mod:`replicator
 which passes the strategy's collectives down.
 """
 
-from replicator.checkpoint.exchange import Channel, group_collectives
-from replicator.checkpoint.manager import (
-    CheckpointManager,
-    RemoteCheckpointManager,
-    Restored,
-    open_manager,
-)
-from replicator.checkpoint.saver import BackgroundSaver, ProcessSaver
-from replicator.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
+from typing import TYPE_CHECKING
+
+from replicator.lazy_names import lazy_getattr
+
+if TYPE_CHECKING:
+    from replicator.checkpoint.exchange import Channel, group_collectives
+    from replicator.checkpoint.manager import (
+        CheckpointManager,
+        RemoteCheckpointManager,
+        Restored,
+        open_manager,
+    )
+    from replicator.checkpoint.saver import BackgroundSaver, ProcessSaver
+    from replicator.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
 
 __all__ = ["BackgroundSaver", "Channel", "CheckpointManager", "CheckpointStorage",
            "FsspecStorage", "LocalStorage", "ProcessSaver", "RemoteCheckpointManager",
            "Restored", "group_collectives", "open_manager"]
+
+#: Imported on first use: ``replicator checkpoints``' parser is built without torch.
+__getattr__ = lazy_getattr(__name__, {
+    **dict.fromkeys(["Channel", "group_collectives"], "replicator.checkpoint.exchange"),
+    **dict.fromkeys(["CheckpointManager", "RemoteCheckpointManager", "Restored", "open_manager"],
+                    "replicator.checkpoint.manager"),
+    **dict.fromkeys(["BackgroundSaver", "ProcessSaver"], "replicator.checkpoint.saver"),
+    **dict.fromkeys(["CheckpointStorage", "FsspecStorage", "LocalStorage"],
+                    "replicator.checkpoint.storage"),
+})

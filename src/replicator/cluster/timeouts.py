@@ -9,17 +9,18 @@ import os
 import weakref
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from replicator.cluster.env_names import TIMEOUT_ENV
 from replicator.errors import ClusterConfigError
 
+if TYPE_CHECKING:  # imported where a group is given: the launcher reads timeouts without torch
+    import torch.distributed as dist
+
 #: How long anything waits when neither the caller nor the launcher (``--timeout``) said.
 DEFAULT_TIMEOUT_SECONDS = 300.0
 _NO_GROUP: Any = object()  # "the wait is not over a process group"
-_OF_GROUP: weakref.WeakKeyDictionary[dist.ProcessGroup, float] = weakref.WeakKeyDictionary()
+_OF_GROUP: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
 
 def resolve_timeout(timeout_seconds: float | None = None, options: Any = None, *,
@@ -33,12 +34,20 @@ def resolve_timeout(timeout_seconds: float | None = None, options: Any = None, *
             if not given > 0:
                 raise ValueError(f"timeout_seconds must be positive, got {given}")
             return float(given)
-    if group is not _NO_GROUP and dist.is_available() and dist.is_initialized():
-        key = dist.group.WORLD if group is None else group
-        found = _OF_GROUP.get(key) if key is not None else None
-        if found is not None:
-            return found
+    found = None if group is _NO_GROUP else _group_timeout(group)
+    if found is not None:
+        return found
     return env_number(os.environ if env is None else env, TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS)
+
+
+def _group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """The timeout ``group`` (``None``: the default group) was made with, if remembered."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    key = dist.group.WORLD if group is None else group
+    return _OF_GROUP.get(key) if key is not None else None
 
 
 def env_number(env: Mapping[str, str], name: str, default: float, what: str = "seconds"
@@ -60,6 +69,8 @@ def set_group_timeout(group: dist.ProcessGroup | None, seconds: float) -> None:
     """Make collectives over ``group`` wait at most ``seconds`` (a ``DeviceMesh`` axis group
     otherwise waits torch's 30 minutes) and remember it for ``resolve_timeout(group=group)``;
     ``None`` (the default group) and a non-member marker are left alone."""
+    import torch.distributed as dist
+
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
         return
     _OF_GROUP[group] = float(seconds)

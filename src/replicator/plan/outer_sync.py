@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from replicator.comm.block_quantize import payload_bytes
 from replicator.plan.devices import Link
 from replicator.plan.formulas import check_count, ring_allreduce_seconds
 
@@ -60,6 +59,8 @@ def exchange_cost(param_bytes: float, hosts: int, link: Link, compression: str |
         sent = 2 * (hosts - 1) / hosts * param_bytes
         return outer_step + ring_allreduce_seconds(param_bytes, hosts, link.bandwidth,
                                                    link.alpha), sent
+    from replicator.comm.block_quantize import payload_bytes  # torch: not at the CLI's start
+
     payload = payload_bytes(max(1, int(param_bytes // 4)), _BITS[compression])
     sent = (hosts - 1) * payload
     coding = 2 * param_bytes / memory_bandwidth * hosts  # quantise once, decode every payload
