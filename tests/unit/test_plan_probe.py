@@ -186,12 +186,14 @@ def test_a_short_steps_profile_phases_run_long_enough_to_measure(tmp_path, monke
     from replicator.plan import probe as probe_module
     from replicator.plan.probe import PROFILE_MAX_SCALE, PROFILE_PHASES
 
-    monkeypatch.setattr(probe_module, "PROFILE_PHASE_SECONDS", 0.15)  # the test's own pace
+    # the test's own pace: a step of a millisecond is short at 0.3 s even when a busy machine
+    # stretches both warm steps to 90 ms (at 0.15 s, 50 ms counted as long)
+    monkeypatch.setattr(probe_module, "PROFILE_PHASE_SECONDS", 0.3)
     short, counts = _profile_records(tmp_path, 0.0)
     scale = short["profile_phase_scale"]
     assert 1 < scale <= PROFILE_MAX_SCALE
     assert counts == [p[1] * scale for p in PROFILE_PHASES]
-    long, counts = _profile_records(tmp_path, 0.06)  # 3 x 60 ms: past 0.15 s already
+    long, counts = _profile_records(tmp_path, 0.12)  # 3 x 120 ms: past 0.3 s already
     assert long["profile_phase_scale"] == 1 and counts == [p[1] for p in PROFILE_PHASES]
 
 
