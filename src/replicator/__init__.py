@@ -23,6 +23,9 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from replicator import errors
+
+# first: its exit handler must be registered before any room's (see the module)
+from replicator.cluster import helper_threads  # noqa: F401
 from replicator.errors import ReplicatorError, WorkerFailedError
 from replicator.launch import launch  # here: the name would otherwise be the launch room's
 from replicator.lazy_names import lazy_getattr

@@ -10,8 +10,6 @@ import atexit
 import logging
 import os
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -19,8 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from replicator.cluster import helper_threads
 from replicator.cluster.devices import device_identity
 from replicator.cluster.environment import ClusterSpec, resolve_cluster
+from replicator.cluster.helper_threads import EXIT_WAIT_SECONDS, HELPER_THREAD_PREFIX
 from replicator.cluster.ports import listen
 from replicator.cluster.resolvers import check_membership
 from replicator.cluster.timeouts import resolve_timeout, set_group_timeout
@@ -28,11 +28,6 @@ from replicator.errors import ClusterConfigError
 
 log = logging.getLogger("replicator")
 
-#: The library's helper threads are named ``replicator-<what>``: comm lanes, the progress
-#: publisher, input prefetch, background checkpoint saves and deletions.
-HELPER_THREAD_PREFIX = "replicator-"
-#: Longest wait, at exit, for the helper threads to finish what they are doing.
-EXIT_WAIT_SECONDS = 60.0
 
 
 @dataclass
@@ -115,7 +110,7 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
     _GROUP = GroupInfo(spec=spec, backend=backend, timeout_seconds=timeout, store=store,
                        owned=True)
     set_group_timeout(dist.group.WORLD, timeout)
-    _CREATED[0] = True
+    helper_threads.wait_at_exit()
     _shutdown_at_exit()
     if spec.source == "single-process":
         _hint_one_replica()
@@ -184,42 +179,8 @@ def shutdown() -> None:
         except Exception:  # noqa: BLE001 - shutting down must go on
             pass
     if _GROUP is not None and _GROUP.owned and dist.is_initialized():
-        join_helper_threads(EXIT_WAIT_SECONDS, HELPER_THREAD_PREFIX + "checkpoint")
+        helper_threads.join_helper_threads(EXIT_WAIT_SECONDS, HELPER_THREAD_PREFIX + "checkpoint")
         dist.destroy_process_group()
     _GROUP = None
 
 
-def _helper_threads(prefix: str) -> list[threading.Thread]:
-    me = threading.current_thread()
-    return [t for t in threading.enumerate()
-            if t is not me and t.is_alive() and t.name.startswith(prefix)]
-
-
-def join_helper_threads(timeout: float, prefix: str = HELPER_THREAD_PREFIX) -> list[str]:
-    """Wait (at most ``timeout`` s in all) for the live threads named ``prefix...``; the
-    names of those still running."""
-    deadline = time.monotonic() + timeout
-    for thread in _helper_threads(prefix):
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return [t.name for t in _helper_threads(prefix)]
-
-
-#: Whether this process created a process group (only then are there helpers to wait for).
-_CREATED = [False]
-
-
-def _wait_for_helpers_at_exit() -> None:
-    """The library's last exit handler (registered first): wait until its helper threads end. A
-    daemon thread inside torch's C++ code at finalization is ended by ``pthread_exit``, whose
-    unwinding through ``noexcept`` frames aborts a finished job with SIGABRT.
-    """
-    if not _CREATED[0]:
-        return
-    left = join_helper_threads(EXIT_WAIT_SECONDS)
-    if left:
-        print(f"[replicator] warning: helper thread(s) {', '.join(left)} still running "
-              f"{EXIT_WAIT_SECONDS:g} s after the script ended; the interpreter may abort when "
-              "they return.", file=sys.stderr, flush=True)
-
-
-atexit.register(_wait_for_helpers_at_exit)
