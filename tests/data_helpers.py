@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,3 +92,17 @@ def id_batches(n_batches: int, batch_size: int, start: int = 0) -> list[tuple[to
     """Per-replica batches of consecutive ids (what an ``input_fn`` pipeline could yield)."""
     return [(torch.arange(start + b * batch_size, start + (b + 1) * batch_size),)
             for b in range(n_batches)]
+
+
+class SleepingLinear(torch.nn.Module):
+    """A ``Linear(4, 1)`` whose forward also sleeps ``step_s``: a training step of a fixed
+    length whatever the machine's load, beside which an input pipeline's waits are measured."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__()
+        self.step_s = step_s
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.step_s)
+        return self.linear(x)

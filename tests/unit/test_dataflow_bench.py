@@ -13,19 +13,10 @@ import torch
 
 import replicator as rp
 from replicator.plan.benchmark import bench_function, input_notes, limiting_stage
+from tests.data_helpers import SleepingLinear
 
 DELAY_S = 0.02   # the slow map, per element (8 per batch, 2 workers: ~80 ms per batch)
 STEP_S = 0.01    # the training step's fixed cost
-
-
-class FixedCost(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(STEP_S)
-        return self.linear(x)
 
 
 def slow_decode(x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +34,7 @@ def train(strategy: rp.Strategy, fn: Any) -> None:
           .with_options(rp.data.Options(worker_type="thread", cpu_budget=2)))
     dist = strategy.distribute_dataset(ds)
     with strategy.scope():
-        model = FixedCost()
+        model = SleepingLinear(STEP_S)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step(x: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import replicator as rp
+from tests.data_helpers import SleepingLinear
 
 N, BATCH = 96, 8
 
@@ -21,18 +22,6 @@ DELAY_S = 0.02  # per example: the slow epoch waits N * DELAY_S in all, whatever
 STEP_S = 0.04  # per step: a step as long as a real one, so the fast pipeline's share stays
 #              # small however slow a busy machine makes its Python (a bare Linear's step left
 #              # both shares near 100% beside four CPU hogs)
-
-
-class SteadyStep(torch.nn.Module):
-    """A linear model whose forward takes ``STEP_S`` whatever the load (a sleep)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(STEP_S)
-        return self.linear(x)
 
 
 def slow(example: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +34,7 @@ def fast(example: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torc
 
 
 def fit(pipeline: object, capsys: pytest.CaptureFixture[str]) -> tuple[float, str]:
-    trainer = rp.Trainer(rp.OneDeviceStrategy("cpu"), SteadyStep,
+    trainer = rp.Trainer(rp.OneDeviceStrategy("cpu"), lambda: SleepingLinear(STEP_S),
                          lambda p: torch.optim.SGD(p, lr=0.01), torch.nn.MSELoss())
     capsys.readouterr()
     trainer.fit(pipeline, epochs=1)
