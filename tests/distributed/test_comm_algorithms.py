@@ -7,6 +7,7 @@ seconds; the collectives themselves are fast).
 from __future__ import annotations
 
 import glob
+import os
 
 import pytest
 import torch
@@ -109,22 +110,24 @@ def _check_all_algorithms(_: int) -> dict:
                 bad = _compare(f"{name} reduce to {dst} n={n}", x, ref, True, world)
                 if bad:
                     failures.append(bad)
-    return {"rank": rank, "failures": failures}
+    return {"rank": rank, "failures": failures, "pid": os.getpid()}
 
 
-def _leftover_segments() -> set[str]:
-    return set(glob.glob(f"{shm_dir()}/{NAME_PREFIX}*"))
+def _segments_made_by(pids: list[int]) -> list[str]:
+    """Segments whose names say one of ``pids`` made them (``<prefix><tag>-<pid>-<id>``): a
+    test on the other pytest-xdist worker may hold segments of its own meanwhile."""
+    return [path for pid in pids for path in glob.glob(f"{shm_dir()}/{NAME_PREFIX}*-{pid}-*")]
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_algorithm_equals_torch_all_reduce(world):
-    before = _leftover_segments()
     results = run_distributed(_check_all_algorithms, world_size=world, args=(0,),
                               timeout_seconds=60)
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:30])
-    assert _leftover_segments() <= before, "shared-memory segments were left in /dev/shm"
+    left = _segments_made_by([r["pid"] for r in results])
+    assert not left, f"shared-memory segments were left in /dev/shm: {left}"
 
 
 def _compressed_sums(_: int) -> dict:

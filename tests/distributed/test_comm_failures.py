@@ -83,7 +83,7 @@ def _segment_set_up_fails(gave_up: str) -> dict:
         hang(6, gave_up)  # 6 s, or until rank 0 has its error and has looked for segments
         return {}
     kind, text, _ = _error(lambda: SharedMemoryAllReduce().all_reduce_sum(torch.ones(10)))
-    left = glob.glob(f"{shm_dir()}/{NAME_PREFIX}{os.getpid()}-*")
+    left = glob.glob(f"{shm_dir()}/{NAME_PREFIX}*-{os.getpid()}-*")  # <tag>-<creator pid>-<id>
     Path(gave_up).touch()
     return {"kind": kind, "text": text, "left": left}
 

@@ -22,8 +22,11 @@ from tests.helpers import launch, make_mlp
 STEPS = 15
 
 
-def _our_segments() -> set[str]:
-    return {n for n in os.listdir(shm_segment.shm_dir()) if n.startswith(shm_segment.NAME_PREFIX)}
+def _lane_segments() -> set[str]:
+    """The parameter-server lane's segments (``replicator-shm-ps<k>-w<worker>-...``) alone: a
+    test on the other pytest-xdist worker may hold a checkpoint's staging segment meanwhile."""
+    lane = shm_segment.NAME_PREFIX + "ps"
+    return {n for n in os.listdir(shm_segment.shm_dir()) if n.startswith(lane)}
 
 
 def train_sync(shared_memory: bool | None = None) -> dict:
@@ -60,7 +63,7 @@ def tcp_reference() -> list:
 
 @pytest.mark.timeout(240)
 def test_same_host_payloads_go_through_shared_memory_and_equal_tcp(monkeypatch, tcp_reference):
-    before = _our_segments()
+    before = _lane_segments()
     shm = launch(train_sync, num_replicas=4, num_ps=2, timeout_seconds=60)
     tcp = tcp_reference
     assert [r["shared"] for r in shm[:2]] == [[True, True]] * 2
@@ -69,7 +72,7 @@ def test_same_host_payloads_go_through_shared_memory_and_equal_tcp(monkeypatch, 
     for name, value in tcp[0]["params"].items():  # bit for bit: the same arithmetic
         assert torch.equal(shm[0]["params"][name], value), name
         assert torch.equal(shm[1]["params"][name], value), name
-    assert _our_segments() <= before  # every segment was unlinked once both ends mapped it
+    assert _lane_segments() <= before  # every segment was unlinked once both ends mapped it
     # off for the whole job through the environment (inherited by the launched processes)
     monkeypatch.setenv(P.SHARED_MEMORY_ENV, "0")
     off = launch(train_sync, num_replicas=4, num_ps=2, timeout_seconds=60)
@@ -175,7 +178,7 @@ def test_messages_through_a_lane_carry_only_headers_and_check_offsets():
     size, first, second = SharedLane.layout(4096, 4096)
     mine = SharedSegment.create_named(size, "test")
     theirs = SharedSegment.open_named(mine.name, size)
-    assert mine.name not in _our_segments()  # unlinked once the peer mapped it
+    assert mine.name not in os.listdir(shm_segment.shm_dir())  # unlinked once the peer mapped it
     a.lane = SharedLane(mine, out=first, inbox=second)
     b.lane = SharedLane(theirs, out=second, inbox=first)
     sent = [torch.randn(3, 4), torch.arange(5, dtype=torch.int64), torch.zeros(0, 2),
