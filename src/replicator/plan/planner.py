@@ -59,6 +59,11 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
             return statistics.median(r[key] for r in phase)
         return statistics.mean(r[key] for r in kept_steps(phase))
 
+    def fastest(phase: list[dict[str, float]]) -> float:
+        """The mean compute of a phase's fastest quarter of steps (at least one step)."""
+        times = sorted(r["compute"] for r in phase)
+        return statistics.mean(times[:max(1, len(times) // 4)])
+
     full = phases.get(0) or records
 
     def forward_fraction(phase: list[dict[str, float]]) -> float:
@@ -80,8 +85,14 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         points.setdefault(r["batch"], []).append(r)
     if len(points) >= 2:
         sizes = sorted(points)
-        fit = AlphaBeta.fit(sizes, [med(points[b], "compute") for b in sizes])
-        compute_fit = (fit.a, fit.b)
+        # The line's shape from each batch size's fastest steps: timing noise only adds, and
+        # beside other busy processes (a few slow steps at one size) the typical steps' line
+        # read a fixed cost per step that no quiet run shows. Its height from the typical
+        # steps of the largest batch, as every other figure here is.
+        shape = AlphaBeta.fit(sizes, [fastest(points[b]) for b in sizes])
+        largest = shape.a + shape.b * sizes[-1]
+        height = med(points[sizes[-1]], "compute") / largest if largest > 0 else 1.0
+        compute_fit = (shape.a * height, shape.b * height)
     else:  # a batch the probe could not cut: assume compute proportional to the batch
         per = med(one or full, "compute") / max(1.0, float(result.get("batch") or 1))
         compute_fit = (0.0, per)

@@ -54,9 +54,10 @@ STEPS_ENV = "REPLICATOR_BENCH_STEPS"
 WARMUP_ENV = "REPLICATOR_BENCH_WARMUP"
 MODE_ENV = "REPLICATOR_BENCH_MODE"
 
-#: Profile phases after warmup: (name, steps, threads (0: default), batch fraction).
-PROFILE_PHASES = (("all_threads", 4, 0, 1.0), ("one_thread", 3, 1, 1.0),
-                  ("one_thread_half", 3, 1, 0.5), ("one_thread_quarter", 3, 1, 0.25))
+#: Profile phases after warmup: (name, steps, threads (0: default), batch fraction). The first
+#: runs alone; the others share one step count and thread count and run interleaved.
+PROFILE_PHASES = (("all_threads", 4, 0, 1.0), ("one_thread", 5, 1, 1.0),
+                  ("one_thread_half", 5, 1, 0.5), ("one_thread_quarter", 5, 1, 0.25))
 #: A short step's phases run more steps (up to this many times the counts above), so that the
 #: shortest phase lasts about PROFILE_PHASE_SECONDS: three 1 ms steps are noise, not a median
 #: (at 20 times a 0.7 ms step's input still read 30-70% high; at 250, within 13%).
@@ -350,10 +351,15 @@ class Probe(StepObserver):
         if self.mode != "profile" or self.calls <= self.warmup + 1:
             return None  # the warmup, then the counted step
         k = self.calls - self.warmup - 1
-        for phase in PROFILE_PHASES:
-            if k <= phase[1] * self._scale:
-                return phase
-            k -= phase[1] * self._scale
+        first, rest = PROFILE_PHASES[0], PROFILE_PHASES[1:]
+        if k <= first[1] * self._scale:
+            return first
+        k -= first[1] * self._scale
+        # The one-thread phases (one step count, batch fractions) take turns step by step, so a
+        # change in the machine's load lands on every batch size alike: run one after another,
+        # a busy spell in one of them bent the compute fit (a large intercept, no scaling).
+        if k <= sum(p[1] for p in rest) * self._scale:
+            return rest[(k - 1) % len(rest)]
         return None
 
     def _close(self, now: float, comm_now: timing.CommTime) -> None:
