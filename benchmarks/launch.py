@@ -8,7 +8,7 @@ all-reduce and failed on purpose to the moment every worker of the restarted att
 it again (``--max-restarts 1``). JSON lines: ``restart_forkserver_vs_spawn`` and
 ``restart_forkserver_vs_torchrun`` (restart time over the other's, goal <= 0.5),
 ``launch_forkserver_vs_spawn`` and ``launch_forkserver_vs_torchrun`` (goal <= 1.0).
-Run: ``python benchmarks/launch.py [--nproc 2 4] [--rounds 3]``
+Run: ``python benchmarks/launch.py [--nproc 2 4] [--rounds 2]``
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def measure(launcher: str, nproc: int, fail_first: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)  # a run stays under 5 minutes
     args = parser.parse_args()
     figures: dict[tuple[str, int, str], list[float]] = {}
     for _ in range(args.rounds):

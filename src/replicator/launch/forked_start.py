@@ -17,6 +17,7 @@ import multiprocessing as mp
 import multiprocessing.reduction
 import os
 import sys
+from multiprocessing import forkserver
 from typing import Any
 
 #: Modules the forkserver imports once, before it forks any worker: torch and the rooms a
@@ -41,9 +42,12 @@ def check_start_method(method: Any, allowed: tuple[str, ...] = START_METHODS) ->
 
 
 def forkserver_context() -> Any:
-    """multiprocessing's forkserver context, its server preloading :data:`FORKSERVER_PRELOAD`."""
+    """multiprocessing's forkserver context, its server preloading :data:`FORKSERVER_PRELOAD`
+    and started now: its imports (3-4 s) then overlap the launcher's own set-up (its store
+    imports torch too) instead of following it, where the first worker's start began them."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    forkserver.ensure_running()
     return ctx
 
 
