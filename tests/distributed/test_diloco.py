@@ -62,9 +62,11 @@ def _train_two_level(kwargs: dict, declare_hosts_by_env: bool = False) -> dict:
     return out
 
 
-def _one_device(hosts_every: int | None = None) -> dict[str, torch.Tensor]:
-    """Per-step synchronous training; with ``hosts_every=H``: two hosts, each on its half of
-    every global batch, whose weights are averaged by hand every H steps."""
+def _one_device(hosts_every: int | None = None,
+                hosts: tuple[tuple[int, ...], ...] = ((0, 1), (2, 3))) -> dict[str, torch.Tensor]:
+    """Per-step synchronous training; with ``hosts_every=H``: two hosts, each on its ranks'
+    rows of every global batch (``hosts``: each host's ranks), whose weights are averaged by
+    hand every H steps."""
     x, y = _data()
     if hosts_every is None:
         model = _model()
@@ -76,11 +78,11 @@ def _one_device(hosts_every: int | None = None) -> dict[str, torch.Tensor]:
         return _state(model)
     models = [_model(), _model()]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    half = GLOBAL_BATCH // 2
+    per = GLOBAL_BATCH // sum(len(ranks) for ranks in hosts)
+    rows = [[r * per + i for r in ranks for i in range(per)] for ranks in hosts]
     for step in range(STEPS):
         for h, (m, opt) in enumerate(zip(models, opts)):
-            rows = slice(h * half, (h + 1) * half)
-            F.mse_loss(m(x[step, rows]), y[step, rows]).backward()
+            F.mse_loss(m(x[step, rows[h]]), y[step, rows[h]]).backward()
             opt.step()
             opt.zero_grad()
         if (step + 1) % hosts_every == 0:

@@ -24,19 +24,25 @@ def _train_on_declared_hosts(kwargs: dict, hosts: object) -> dict:
     return out
 
 
-@pytest.mark.parametrize("hosts", [2, [[0, 1], [2, 3]]])
-def test_local_sgd_on_declared_hosts_equals_hand_written_averaging(hosts):
+@pytest.mark.parametrize("hosts,groups", [(2, [[0, 1], [2, 3]]),
+                                          ([[0, 1], [2, 3]], [[0, 1], [2, 3]]),
+                                          ([[0, 2], [1, 3]], [[0, 2], [1, 3]])])
+def test_local_sgd_on_declared_hosts_equals_hand_written_averaging(hosts, groups):
+    """Hosts of consecutive ranks or not (a scheduler may number a node's processes apart):
+    each host trains on its ranks' rows, the hosts average every 4 steps."""
     kwargs = {"name": "local_sgd", "inner_steps": 4}
     results = run_distributed(_train_on_declared_hosts, world_size=4, args=(kwargs, hosts),
                               timeout_seconds=60)
-    assert [r["host"] for r in results] == [0, 0, 1, 1]
-    assert all(r["hosts"] == 2 and r["host_groups"] == [[0, 1], [2, 3]] for r in results)
-    reference = _one_device(hosts_every=4)
+    assert [r["host"] for r in results] == [next(h for h, g in enumerate(groups) if rank in g)
+                                            for rank in range(4)]
+    assert all(r["hosts"] == 2 and r["host_groups"] == groups for r in results)
+    reference = _one_device(hosts_every=4, hosts=tuple(map(tuple, groups)))
     for r in results:
         assert_params_close(reference, r["params"], atol=1e-5)
     # the groups trained apart between averagings: averaging every 5 steps gives other weights
     with pytest.raises(AssertionError):
-        assert_params_close(_one_device(hosts_every=5), results[0]["params"], atol=1e-5)
+        assert_params_close(_one_device(hosts_every=5, hosts=tuple(map(tuple, groups))),
+                            results[0]["params"], atol=1e-5)
 
 
 def test_diloco_on_declared_hosts_equals_the_launchers_hosts():
@@ -70,8 +76,7 @@ def _refusals(_: int) -> dict:
     out = {
         "count": message(lambda: rp.Topology(hosts=3)),
         "server": message(lambda: rp.Topology(hosts=[[0, 1], [2, 3]], num_ps=1)),
-        "not_consecutive": message(
-            lambda: rp.DiLoCoStrategy(inner_steps=4, mesh=rp.Topology(hosts=[[0, 2], [1, 3]]))),
+        "order": message(lambda: rp.Topology(worker_order=[0, 0, 1, 2])),
         "uneven": message(lambda: rp.DiLoCoStrategy(inner_steps=4, mesh=rp.Topology(
             hosts=[[0, 1, 2], [3]]))),
         "twice": message(lambda: rp.LocalSGDStrategy(inner_steps=4, hosts=2,
@@ -94,7 +99,7 @@ def test_bad_host_declarations_are_refused_on_every_rank():
     expected = {
         "count": "hosts=3 does not divide the job's 4 processes",
         "server": "rank 3 is a parameter server",
-        "not_consecutive": "not consecutive ranks",
+        "order": "must list each of the 4 worker ranks 0..3 once",
         "uneven": "different numbers of processes",
         "twice": "declare the hosts once, on the topology",
         "model_axes": "splits the model along ['tensor']",

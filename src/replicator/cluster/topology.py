@@ -129,17 +129,33 @@ def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
     return dict(zip(names, sizes))
 
 
+def _check_worker_order(order: Sequence[int] | None, num_workers: int) -> list[int]:
+    """``order`` (the workers' ranks in mesh order) if it lists each worker once, else a
+    ClusterConfigError; ``None`` is ascending rank order."""
+    if order is None:
+        return list(range(num_workers))
+    got = list(order)
+    if sorted(got) != list(range(num_workers)):
+        raise ClusterConfigError(
+            f"worker_order={got} must list each of the {num_workers} worker ranks "
+            f"0..{num_workers - 1} once. HINT: leave it out for ascending rank order")
+    return got
+
+
 class Topology:
     """Named mesh axes over the workers, the role and host of every process: ``axes`` (name ->
     degree, default ``{"data": <all workers>}``, or keywords ``Topology(data=2, tensor=2)``) and
     ``num_ps`` servers (the last ranks). ``hosts``: how the workers group into hosts where the
     environment does not say (a count of consecutive-rank hosts, or each host's rank list; see
-    :mod:`~replicator.cluster.declared_hosts`). Starts the process group if needed.
+    :mod:`~replicator.cluster.declared_hosts`). ``worker_order``: the workers' ranks in the
+    mesh's row-major order (default ascending), for a layout whose last axis must hold one
+    host's processes although their ranks are not neighbours. Starts the process group if
+    needed.
     """
 
     def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, *,
                  num_ps: int = 0, hosts: HostsSpec = None, device_type: str | None = None,
-                 **axis_sizes: int) -> None:
+                 worker_order: Sequence[int] | None = None, **axis_sizes: int) -> None:
         from replicator.cluster.process_group import initialize
 
         check_hosts_spec(hosts)
@@ -172,7 +188,8 @@ class Topology:
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.device_type = device_type
-        ranks = torch.arange(self.num_workers).reshape(tuple(self.axes.values()))
+        ranks = torch.tensor(_check_worker_order(worker_order, self.num_workers)).reshape(
+            tuple(self.axes.values()))
         #: Every process's host key, in rank order (declared hosts are ``host<i>@<key>``).
         self.hosts = job_host_keys(hosts, num_ps)
         self.mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(self.axes))

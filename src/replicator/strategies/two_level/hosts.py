@@ -2,8 +2,9 @@
 
 The inner group is a host's processes; the outer groups join the processes of the same local
 rank across hosts. Both are axes of one :class:`~replicator.cluster.Topology`:
-``{"hosts": H, "local": L}`` over the job's ranks, row-major, so a host's processes must be
-``L`` consecutive ranks (what ``replicator run --nnodes``, torchrun and SLURM give).
+``{"hosts": H, "local": L}`` whose mesh lists the ranks host by host, so a host's ``L``
+processes need not be consecutive ranks (``replicator run --nnodes``, torchrun and SLURM give
+consecutive ones; a scheduler or a declaration such as ``hosts=[[0, 2], [1, 3]]`` may not).
 The hosts are a topology's (``DiLoCoStrategy(mesh=rp.Topology(hosts=...))``), which reads
 them from each process's host key or from its ``hosts=`` declaration
 (:mod:`replicator.cluster.declared_hosts`); ``DiLoCoStrategy(hosts=N)`` is short for
@@ -56,7 +57,7 @@ def host_groups(mesh: Topology | None, hosts: HostsSpec) -> list[list[int]]:
 
 def host_layout(groups: list[list[int]]) -> tuple[int, int]:
     """``(number of hosts, processes per host)`` of ``groups`` (each host's ranks); refuses
-    layouts the two-level topology cannot express."""
+    hosts with different numbers of processes, which the two-level topology cannot express."""
     counts = [len(members) for members in groups]
     if len(set(counts)) > 1:
         raise ClusterConfigError(
@@ -64,19 +65,14 @@ def host_layout(groups: list[list[int]]) -> tuple[int, int]:
             "two-level strategy "
             "needs the same number on every host. HINT: launch the same --nproc on every node, "
             "or declare equal hosts with mesh=rp.Topology(hosts=N)")
-    per_host = counts[0]
-    if any(members != list(range(i * per_host, (i + 1) * per_host))
-           for i, members in enumerate(groups)):
-        raise ClusterConfigError(
-            f"the processes of a host are not consecutive ranks (ranks by host: {groups}). "
-            "HINT: launch with replicator run --nnodes, torchrun or SLURM, which number a "
-            "node's processes together, or declare consecutive hosts with "
-            "mesh=rp.Topology(hosts=N)")
-    return len(groups), per_host
+    return len(groups), counts[0]
 
 
 def two_level_topology(num_hosts: int, per_host: int,
                        groups: list[list[int]] | None = None) -> Topology:
     """The topology whose ``hosts`` axis is the outer groups and ``local`` axis the inner;
-    its hosts are ``groups`` (``None``: the environment's)."""
-    return Topology({HOSTS_AXIS: num_hosts, LOCAL_AXIS: per_host}, hosts=groups)
+    its hosts are ``groups`` (``None``: the environment's), listed host by host in its mesh:
+    the inner group is a host's ranks, the outer the ``i``-th rank of every host."""
+    order = None if groups is None else [rank for members in groups for rank in members]
+    return Topology({HOSTS_AXIS: num_hosts, LOCAL_AXIS: per_host}, hosts=groups,
+                    worker_order=order)
