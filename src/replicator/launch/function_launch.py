@@ -5,10 +5,10 @@ script; the return values come back in rank order. Return values travel through 
 private temporary directory written by the workers themselves (pickled by ``torch.save``), so
 they may hold tensors; nothing is read from the network.
 
-``start_method="forkserver"`` forks each worker from a server process that has already
-imported torch and replicator: a launch of two workers then takes about 0.4 s instead of the
-3-25 s two fresh interpreters take to import torch (quiet to busy 2-core machine), which is
-what keeps a test suite of a few hundred launches fast.
+By default (``start_method="forkserver"``, as ``replicator run``) each worker forks from a
+server process that has already imported torch and replicator: a launch of two workers then
+takes about 0.4 s instead of the 3-25 s two fresh interpreters take to import torch (quiet to
+busy 2-core machine); ``"spawn"`` starts fresh interpreters.
 """
 
 from __future__ import annotations
@@ -78,14 +78,15 @@ def _function_entry(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
 
 def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = (),
            kwargs: dict[str, Any] | None = None, *, timeout_seconds: float | None = None,
-           max_restarts: int = 0, start_method: str = "spawn",
+           max_restarts: int = 0, start_method: str = "forkserver",
            master_port: int | None = None, num_ps: int = 0, num_actors: int = 0) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_replicas`` local workers; return every result.
 
     ``fn`` must be importable by the workers (a module-level function) under the default
-    ``start_method="spawn"`` and under ``"forkserver"`` (workers start in a fraction of a
-    second: they fork from a server that has imported torch and replicator once);
-    ``"fork"`` also takes functions defined in a notebook.
+    ``start_method="forkserver"`` (workers start in a fraction of a second: they fork from a
+    server that has imported torch and replicator once, as ``replicator run``'s do) and
+    under ``"spawn"`` (a fresh interpreter each); ``"fork"`` also takes functions defined in
+    a notebook.
     A worker that raises makes this raise :class:`replicator.WorkerFailedError` with that
     worker's rank and traceback, after the other workers were stopped. A failure that a
     restart would repeat (a NaN loss, replicas that disagree, an import error) is not restarted.
