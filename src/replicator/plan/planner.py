@@ -39,6 +39,12 @@ __all__ = ["load_machine", "model_from_probe", "plan_model", "plan_table", "prin
 PROFILE_WARMUP = 2
 
 
+def _fastest_compute(steps: list[dict[str, float]]) -> float:
+    """The mean compute of the fastest quarter of ``steps`` (at least one step)."""
+    times = sorted(r["compute"] for r in steps)
+    return statistics.mean(times[:max(1, len(times) // 4)])
+
+
 def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
     """Build a :class:`ModelProfile` from the probe's ``profile``-mode results of one rank."""
     records = result.get("records") or []
@@ -58,11 +64,6 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         if len(phase) < 10:
             return statistics.median(r[key] for r in phase)
         return statistics.mean(r[key] for r in kept_steps(phase))
-
-    def fastest(phase: list[dict[str, float]]) -> float:
-        """The mean compute of a phase's fastest quarter of steps (at least one step)."""
-        times = sorted(r["compute"] for r in phase)
-        return statistics.mean(times[:max(1, len(times) // 4)])
 
     full = phases.get(0) or records
 
@@ -89,7 +90,7 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         # beside other busy processes (a few slow steps at one size) the typical steps' line
         # read a fixed cost per step that no quiet run shows. Its height from the typical
         # steps of the largest batch, as every other figure here is.
-        shape = AlphaBeta.fit(sizes, [fastest(points[b]) for b in sizes])
+        shape = AlphaBeta.fit(sizes, [_fastest_compute(points[b]) for b in sizes])
         largest = shape.a + shape.b * sizes[-1]
         height = med(points[sizes[-1]], "compute") / largest if largest > 0 else 1.0
         compute_fit = (shape.a * height, shape.b * height)
