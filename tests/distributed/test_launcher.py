@@ -128,13 +128,10 @@ def test_replicator_run_workers_are_started_as_fresh_interpreters_would_be(
         tmp_path, monkeypatch, capfd, start_method):
     # a forked worker comes from a server started earlier, in another directory, with another
     # environment: the script must not see any of it, nor run differently from a fresh python
-    import multiprocessing.forkserver
-
     from replicator.cli import main
     from replicator.launch.forked_start import forkserver_context
 
-    forkserver_context()
-    multiprocessing.forkserver.ensure_running()  # here, before the directory changes
+    forkserver_context()  # starts the server here, before the directory changes
     script, out = tmp_path / "scripts" / "report.py", tmp_path / "out"
     script.parent.mkdir()
     out.mkdir()
