@@ -17,20 +17,27 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 _CHILD = textwrap.dedent("""
     import os
+    import time
     from pathlib import Path
 
     from replicator.launch.forked_start import forkserver_context
 
-    forkserver_context()  # no worker started yet
-    servers = 0
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        servers += ppid == os.getpid() and b"multiprocessing.forkserver import main" in cmdline
-    print(servers)
+    def servers():
+        found = 0
+        for entry in Path("/proc").iterdir():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (entry / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
+                continue
+            found += ppid == os.getpid() and b"multiprocessing.forkserver import main" in cmdline
+        return found
+
+    forkserver_context()  # no worker is ever started here
+    deadline = time.monotonic() + 20  # the server's exec may lag on a busy machine
+    while not servers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(servers())
 """)
 
 
