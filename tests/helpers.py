@@ -87,3 +87,32 @@ def run_cli(capfd, args: list[str], env: dict[str, str] | None = None):  # type:
             code = exc.code if isinstance(exc.code, int) else 1
     out = capfd.readouterr()
     return subprocess.CompletedProcess(["replicator", *args], code, out.out, out.err)
+
+
+def shm_segments_made_by(pids: list[int]) -> list[str]:
+    """The replicator shared-memory segments whose names say one of ``pids`` made them
+    (``<prefix><tag>-<pid>-<id>``): a test on the other pytest-xdist worker may hold segments
+    of its own meanwhile, so leak checks look at their own processes' alone."""
+    import glob
+
+    from replicator.comm.shm_segment import NAME_PREFIX, shm_dir
+
+    return [path for pid in pids for path in glob.glob(f"{shm_dir()}/{NAME_PREFIX}*-{pid}-*")]
+
+
+def child_processes(pid: int) -> list[tuple[int, str]]:
+    """``(pid, command line)`` of the processes whose parent is ``pid`` (read from /proc)."""
+    from pathlib import Path
+
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            found.append((int(entry.name), cmdline))
+    return found

@@ -6,7 +6,6 @@ seconds; the collectives themselves are fast).
 
 from __future__ import annotations
 
-import glob
 import os
 
 import pytest
@@ -22,8 +21,8 @@ from replicator.comm import (
     RingAllReduce,
     SharedMemoryAllReduce,
 )
-from replicator.comm.shm_segment import NAME_PREFIX, shm_dir
 from replicator.testing import run_distributed
+from tests.helpers import shm_segments_made_by
 
 SIZES = (0, 1, 7, 1000, 1_000_003)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -113,12 +112,6 @@ def _check_all_algorithms(_: int) -> dict:
     return {"rank": rank, "failures": failures, "pid": os.getpid()}
 
 
-def _segments_made_by(pids: list[int]) -> list[str]:
-    """Segments whose names say one of ``pids`` made them (``<prefix><tag>-<pid>-<id>``): a
-    test on the other pytest-xdist worker may hold segments of its own meanwhile."""
-    return [path for pid in pids for path in glob.glob(f"{shm_dir()}/{NAME_PREFIX}*-{pid}-*")]
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_algorithm_equals_torch_all_reduce(world):
@@ -126,7 +119,7 @@ def test_every_algorithm_equals_torch_all_reduce(world):
                               timeout_seconds=60)
     failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
     assert not failures, "\n".join(failures[:30])
-    left = _segments_made_by([r["pid"] for r in results])
+    left = shm_segments_made_by([r["pid"] for r in results])
     assert not left, f"shared-memory segments were left in /dev/shm: {left}"
 
 

@@ -3,7 +3,6 @@ hang, and leave no shared memory behind."""
 
 from __future__ import annotations
 
-import glob
 import os
 import time
 from pathlib import Path
@@ -14,9 +13,9 @@ import torch.distributed as dist
 
 import replicator as rp
 from replicator.comm import RingAllReduce, SharedMemoryAllReduce
-from replicator.comm.shm_segment import NAME_PREFIX, check_same_host, shm_dir
+from replicator.comm.shm_segment import check_same_host
 from replicator.testing import run_distributed
-from tests.helpers import hang
+from tests.helpers import hang, shm_segments_made_by
 
 
 def _error(fn) -> tuple[str, str, float]:
@@ -83,7 +82,7 @@ def _segment_set_up_fails(gave_up: str) -> dict:
         hang(6, gave_up)  # 6 s, or until rank 0 has its error and has looked for segments
         return {}
     kind, text, _ = _error(lambda: SharedMemoryAllReduce().all_reduce_sum(torch.ones(10)))
-    left = glob.glob(f"{shm_dir()}/{NAME_PREFIX}*-{os.getpid()}-*")  # <tag>-<creator pid>-<id>
+    left = shm_segments_made_by([os.getpid()])
     Path(gave_up).touch()
     return {"kind": kind, "text": text, "left": left}
 

@@ -32,6 +32,7 @@ from replicator.launch.lighthouse import (
     wait_reachable,
 )
 from replicator.testing import assert_params_close
+from tests.helpers import child_processes
 from tests.live_helpers import SCRIPT as LIVE_TRAIN
 from tests.live_helpers import env as live_env
 from tests.live_helpers import one_device
@@ -336,22 +337,6 @@ def test_live_training_under_the_launcher_heals_a_killed_group_and_equals_one_de
         assert_params_close(reference, got, atol=1e-5, label=f"group {g}: ")
 
 
-def _children(pid: int) -> list[tuple[int, str]]:
-    """``(pid, command line)`` of the processes whose parent is ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid:
-            found.append((int(entry.name), cmdline))
-    return found
-
-
 @pytest.mark.timeout(300)
 def test_a_lighthouse_that_dies_stops_the_job_with_its_name(tmp_path):
     proc = subprocess.Popen(REPLICATOR + ["--replica-groups", "2", "--nproc", "1",
@@ -360,8 +345,9 @@ def test_a_lighthouse_that_dies_stops_the_job_with_its_name(tmp_path):
                             env=_env())
     try:
         _wait_for("2 groups to start", lambda: len(_starts(tmp_path)) == 2, proc=proc)
-        lighthouse = [pid for pid, cmd in _children(proc.pid) if "torchft_lighthouse" in cmd]
-        assert len(lighthouse) == 1, _children(proc.pid)
+        lighthouse = [pid for pid, cmd in child_processes(proc.pid)
+                      if "torchft_lighthouse" in cmd]
+        assert len(lighthouse) == 1, child_processes(proc.pid)
         os.kill(lighthouse[0], signal.SIGKILL)
         out, err = proc.communicate(timeout=120)
     finally:

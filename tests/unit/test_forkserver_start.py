@@ -8,44 +8,39 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import child_processes
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
-_CHILD = textwrap.dedent("""
-    import os
-    import time
-    from pathlib import Path
+#: Makes the context, starts no worker, and waits until its stdin closes.
+_CHILD = ("import sys\n"
+          "from replicator.launch.forked_start import forkserver_context\n"
+          "forkserver_context()\n"
+          "print('ready', flush=True)\n"
+          "sys.stdin.read()\n")
 
-    from replicator.launch.forked_start import forkserver_context
 
-    def servers():
-        found = 0
-        for entry in Path("/proc").iterdir():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                cmdline = (entry / "cmdline").read_bytes()
-            except (OSError, IndexError, ValueError):
-                continue
-            found += ppid == os.getpid() and b"multiprocessing.forkserver import main" in cmdline
-        return found
-
-    forkserver_context()  # no worker is ever started here
-    deadline = time.monotonic() + 20  # the server's exec may lag on a busy machine
-    while not servers() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    print(servers())
-""")
+def _servers(pid: int) -> list[int]:
+    return [child for child, cmd in child_processes(pid)
+            if "multiprocessing.forkserver import main" in cmd]
 
 
 @pytest.mark.timeout(120)
 def test_the_forkserver_runs_once_its_context_is_made():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                          timeout=100, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "1", done.stdout + done.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 20  # the server's exec may lag on a busy machine
+        while not _servers(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_servers(proc.pid)) == 1, child_processes(proc.pid)
+    finally:
+        proc.communicate(timeout=60)  # closes its stdin: it exits, and so does its server

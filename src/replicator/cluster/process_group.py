@@ -17,17 +17,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replicator.cluster import helper_threads
 from replicator.cluster.devices import device_identity
 from replicator.cluster.environment import ClusterSpec, resolve_cluster
-from replicator.cluster.helper_threads import EXIT_WAIT_SECONDS, HELPER_THREAD_PREFIX
+from replicator.cluster.helper_threads import (
+    EXIT_WAIT_SECONDS,
+    HELPER_THREAD_PREFIX,
+    join_helper_threads,
+    wait_at_exit,
+)
 from replicator.cluster.ports import listen
 from replicator.cluster.resolvers import check_membership
 from replicator.cluster.timeouts import resolve_timeout, set_group_timeout
 from replicator.errors import ClusterConfigError
 
 log = logging.getLogger("replicator")
-
 
 
 @dataclass
@@ -110,7 +113,7 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
     _GROUP = GroupInfo(spec=spec, backend=backend, timeout_seconds=timeout, store=store,
                        owned=True)
     set_group_timeout(dist.group.WORLD, timeout)
-    helper_threads.wait_at_exit()
+    wait_at_exit()
     _shutdown_at_exit()
     if spec.source == "single-process":
         _hint_one_replica()
@@ -179,7 +182,7 @@ def shutdown() -> None:
         except Exception:  # noqa: BLE001 - shutting down must go on
             pass
     if _GROUP is not None and _GROUP.owned and dist.is_initialized():
-        helper_threads.join_helper_threads(EXIT_WAIT_SECONDS, HELPER_THREAD_PREFIX + "checkpoint")
+        join_helper_threads(EXIT_WAIT_SECONDS, HELPER_THREAD_PREFIX + "checkpoint")
         dist.destroy_process_group()
     _GROUP = None
 
