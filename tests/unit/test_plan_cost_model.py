@@ -5,15 +5,14 @@ import math
 
 import pytest
 
-from replicator.plan.cost_model import (
-    Cluster,
+from replicator.plan.cost_model import Cluster, predict
+from replicator.plan.devices import get_device, parse_link
+from replicator.plan.formulas import (
     allreduce_traffic_bytes,
     fsdp_traffic_bytes,
-    predict,
     ps_step_seconds,
     ring_allreduce_seconds,
 )
-from replicator.plan.devices import get_device, parse_link
 from replicator.plan.profiles import AlphaBeta, MachineProfile, ModelProfile
 from replicator.plan.recommend import make_plan
 
@@ -342,7 +341,7 @@ def test_a_pipeline_slot_is_its_busiest_stage_as_the_default_cut_makes_it():
 
 
 def test_ps_queue_wait_solves_half_a_push_at_the_servers_utilisation():
-    from replicator.plan.cost_model import ps_queue_wait
+    from replicator.plan.formulas import ps_queue_wait
 
     t, n, s = 0.025, 3, 0.0075
     w = ps_queue_wait(t, n, s)

@@ -1,31 +1,10 @@
 """The alpha-beta cost model: one training step's time and memory per rank, per strategy.
 
-Formulas (``S`` bytes, ``n`` ranks, ``B`` bandwidth in bytes/s one way, ``alpha`` latency):
-
-* ring all-reduce: ``2(n-1)/n * S/B + 2(n-1) * alpha`` (reduce-scatter, then all-gather);
-* hierarchical all-reduce (``h`` hosts of ``k`` ranks): an all-reduce inside each host, then
-  a ring over the ``h`` host leaders on the network: ``T_intra(S, k) + 2(h-1)/h * S/B_link +
-  2(h-1) * alpha_link``;
-* FSDP moves ``3(n-1)/n * S`` per step (all-gather for forward, again for backward, and a
-  reduce-scatter of gradients): 1.5x the ``2(n-1)/n * S`` of all-reduce;
-* parameter server: a worker pushes its gradients and pulls the new values each step
-  (``2 alpha + (G+P)/B`` on its own link), and each of ``k`` servers carries ``1/k`` of every
-  worker's traffic, so a step cannot be shorter than ``workers * (G+P) / (k B)``; below that
-  bound a request (the push, the claim of the next batch) finds the server busy with another
-  worker's push with probability ``rho`` and waits half a push (:func:`ps_queue_wait`);
-* pipeline: ``p`` stages and ``m`` microbatches leave a bubble of ``(p-1)/(m+p-1)``; the step
-  is ``(m+p-1)`` microbatch slots of the busiest stage's work (the share of the FLOPs the
-  pipeline's default cut, which balances parameters, gives it) plus the activation sends;
-* memory per rank: weights + gradients + optimizer state (divided by ``n`` under FSDP, by the
-  stages under a pipeline, moved to the servers under a parameter server) + activations of the
-  rank's samples + the process's own baseline.
-
-Each strategy is one small cost function in :data:`COSTS` (its compute, communication and
-what its ranks share); :func:`predict` adds what every setting pays. Compute on ``cpu`` (hosts
-like this one) comes from the measured profile: one thread per rank, slowed by the contention
-of ``k`` busy processes on a host (:func:`slowdown`), and a synchronous step waits at its
-collectives for the slowest of them (the measured straggler factor); on accelerators it is
-the counted FLOPs over ``peak * mfu`` of the device's datasheet (:mod:`replicator.plan.devices`).
+Each strategy is one small cost function in :data:`COSTS` (its compute, communication and what
+its ranks share); :func:`predict` adds what every setting pays. Compute on ``cpu`` comes from
+the measured profile (one thread per rank, slowed by contention, waiting for the slowest rank);
+on accelerators it is the counted FLOPs over ``peak * mfu``. The formulas and what each term
+stands for: docs/planning.md, "The cost model".
 """
 
 from __future__ import annotations
@@ -45,11 +24,8 @@ from replicator.plan.formulas import (
 from replicator.plan.outer_sync import OuterSync, choose_outer_sync
 from replicator.plan.profiles import MachineProfile, ModelProfile
 
-__all__ = [
-    "STRATEGIES", "Prediction", "allreduce_traffic_bytes", "fsdp_traffic_bytes", "predict",
-    "ps_queue_wait", "ps_step_seconds", "ring_allreduce_seconds", "slowdown",
-    "straggler_wait_seconds",
-]
+__all__ = ["STRATEGIES", "Cluster", "Prediction", "predict", "slowdown",
+           "straggler_wait_seconds"]
 
 #: The strategies the planner predicts (the names ``rp.get_strategy`` knows).
 STRATEGIES = ("one_device", "mirrored", "central_storage", "parameter_server", "fsdp",
@@ -144,11 +120,9 @@ def _compute(model: ModelProfile, c: Cluster, batch: float, busy_on_host: int) -
 
 
 def slowdown(model: ModelProfile, machine: MachineProfile, busy: int) -> float:
-    """How much slower each of ``busy`` one-thread ranks of ``model`` runs on one host than
-    one alone: the machine's measured contention (of matmuls), but at most ``busy / S``
-    where the process's threads ran the model ``S`` times faster than one thread (the cores
-    then do at least ``S`` one-thread steps of this model at a time, and replicas have no
-    threads to synchronise). A convolution net shares the cores better than matmuls do."""
+    """How much slower each of ``busy`` one-thread ranks runs than one alone: the measured
+    contention, but at most ``busy / S`` where the process's threads ran ``S`` times faster
+    than one (the cores then do ``S`` one-thread steps at a time)."""
     slow = machine.slowdown_for(busy)
     speedup = model.thread_speedup()
     if busy > 1 and speedup > 1.0:
@@ -167,9 +141,8 @@ def _optimizer(model: ModelProfile, c: Cluster, share: float, busy_on_host: int)
 
 
 def _input(whole: float, fixed: float, share: float, occasional: float = 0.0) -> float:
-    """A replica's input time: the occasional gaps every replica has (a new epoch's start)
-    and the pipeline's fixed cost per batch, plus its ``share`` of the part of the whole
-    batch's input time that grows with the samples."""
+    """A replica's input time: the occasional gaps (a new epoch) and the fixed cost per
+    batch, plus its ``share`` of the part that grows with the samples."""
     occasional = min(max(occasional, 0.0), whole)
     steady = whole - occasional
     fixed = min(fixed, steady)
@@ -192,38 +165,25 @@ def _small_collectives(model: ModelProfile, c: Cluster, n: int) -> float:
     """The user loop's own reduce/gather calls (a loss reduced every step)."""
     if n <= 1 or model.collectives_per_step <= 0:
         return 0.0
-    return model.collectives_per_step * _one_more_collective(c, n)
+    return model.collectives_per_step * _fixed_collective(c, n, c.machine.small_collective, 8)
 
 
-def _one_more_collective(c: Cluster, n: int) -> float:
-    """What one more collective in a step costs beyond its bytes: on a CPU host the measured
-    cost of a small collective inside a training loop (wake-ups included) through shared
-    memory, then the network between hosts; elsewhere a tiny all-reduce."""
+def _fixed_collective(c: Cluster, n: int, measured: dict[int, float], nbytes: int) -> float:
+    """A tiny collective (a small reduce, the gradient engine's check): on CPU hosts its
+    ``measured`` cost in a training loop, then ``nbytes`` across hosts; else an all-reduce."""
     if n <= 1:
         return 0.0
     if c.device.is_cpu:
-        return (c.machine.per_world(c.machine.small_collective, c.on_host(n))
-                + ring_allreduce_seconds(8, c.hosts(n), c.link.bandwidth, c.link.alpha))
-    return _allreduce(c, 8, n)
-
-
-def _sync_overhead(c: Cluster, n: int) -> float:
-    """The gradient engine's fixed cost per backward pass (fingerprint, hooks, launch)."""
-    if n <= 1:
-        return 0.0
-    if c.device.is_cpu:  # measured on one host; across hosts the check crosses the network
-        return (c.machine.per_world(c.machine.sync_overhead, c.on_host(n))
-                + ring_allreduce_seconds(16, c.hosts(n), c.link.bandwidth, c.link.alpha))
-    return _allreduce(c, 16, n)  # the fingerprint exchange: one tiny all-reduce
+        return (c.machine.per_world(measured, c.on_host(n))
+                + ring_allreduce_seconds(nbytes, c.hosts(n), c.link.bandwidth, c.link.alpha))
+    return _allreduce(c, nbytes, n)
 
 
 def straggler_wait_seconds(machine: MachineProfile, strategy: str, compute: float,
                            busy: int, weight_tensors: int = 1) -> float:
-    """What a synchronous step of ``busy`` one-thread processes on one CPU host waits at its
-    collectives for the slowest rank, counted as communication: the measured straggler share
-    of its ``compute``, at least the measured reference loop's wait (FSDP's per-block cost
-    includes its own). FSDP stops at 3 collectives per block, each a new drift: independent
-    drifts of ``k`` stops add up to ``sqrt(k)`` times one stop's."""
+    """A synchronous step's wait for its slowest rank on one CPU host: the measured straggler
+    share of ``compute`` (FSDP: ``sqrt`` of its 3 stops per block, independent drifts), at
+    least the reference loop's measured wait (FSDP's block cost includes its own)."""
     if strategy not in ("mirrored", "central_storage", "fsdp", "diloco") or busy <= 1:
         return 0.0
     stops = math.sqrt(3 * max(1, weight_tensors)) if strategy == "fsdp" else 1.0
@@ -232,40 +192,32 @@ def straggler_wait_seconds(machine: MachineProfile, strategy: str, compute: floa
 
 
 def pipeline_stages(workers: int, layers: int) -> int:
-    """Stages of a pipeline over ``workers``: the largest divisor of ``workers`` that is at
-    most the model's ``layers`` (the rest of the factor becomes data-parallel replicas)."""
+    """The largest divisor of ``workers`` at most ``layers`` (the rest: data-parallel)."""
     return max(d for d in range(1, min(workers, max(1, layers)) + 1) if workers % d == 0)
 
 
 def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float,
-            processes_on_host: int) -> tuple[float, float, str]:
+            on_host: int) -> tuple[float, float, str]:
     """(bytes per rank, capacity per rank, the arithmetic as text)."""
-    base = c.machine.process_rss_bytes if c.device.is_cpu else GPU_PROCESS_BYTES
     if c.device.is_cpu:
-        capacity = c.machine.ram_bytes / max(1, processes_on_host)
+        base, capacity = c.machine.process_rss_bytes, c.machine.ram_bytes / max(1, on_host)
     else:
-        capacity = c.device.memory_bytes
+        base, capacity = GPU_PROCESS_BYTES, c.device.memory_bytes
     w, g, o = model.param_bytes, model.grad_bytes, model.optimizer_state_bytes
     act = model.activation_bytes_per_sample * batch
+    state, how = w + g + o, f"{_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state"
     if strategy == "fsdp":
-        state = (w + g + o) / n + 2 * model.largest_tensor_bytes
-        how = (f"({_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state) / {n} "
-               f"+ 2 x {_gb(model.largest_tensor_bytes)} gathered")
+        state = state / n + 2 * model.largest_tensor_bytes
+        how = f"({how}) / {n} + 2 x {_gb(model.largest_tensor_bytes)} gathered"
     elif strategy == "pipeline":
         stages = pipeline_stages(n, model.weight_tensors)
-        state = (w + g + o) / stages
-        act = act / stages  # a stage keeps its layers' activations of the replica's batch
-        how = f"({_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state) / {stages}"
+        state, act = state / stages, act / stages  # a stage keeps its layers' activations
+        how = f"({how}) / {stages}"
     elif strategy == "diloco":
-        state = w + g + o + 2 * w
-        how = (f"{_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state + "
-               f"{_gb(2 * w)} outer weights and momentum")
+        state, how = state + 2 * w, f"{how} + {_gb(2 * w)} outer weights and momentum"
     elif strategy == "parameter_server":
         state = w + g
         how = f"{_gb(w)} weights + {_gb(g)} gradients (optimizer state on the servers)"
-    else:
-        state = w + g + o
-        how = f"{_gb(w)} weights + {_gb(g)} gradients + {_gb(o)} optimizer state"
     total = state + act + base
     text = (f"{how} + {_gb(act)} activations + {_gb(base)} process = {_gb(total)} per rank, "
             f"of {_gb(capacity)}")
@@ -297,8 +249,7 @@ class _Step:
 
 @dataclass
 class _Costs:
-    """One strategy's share of a step: its compute and communication, and what the common
-    part (optimizer, input, waits) needs to know."""
+    """One strategy's share of a step, and what the common part needs to know."""
 
     compute: float
     comm: float = 0.0
@@ -328,64 +279,61 @@ def _one_device_costs(s: _Step) -> _Costs:
     return _Costs(compute, busy=1)
 
 
-def _data_parallel_costs(s: _Step) -> _Costs:
-    """Mirrored: a replica's share of the batch, then an all-reduce of the gradients, part
-    of which overlaps the backward pass where the device overlaps."""
+def _allreduced(s: _Step, ranks: int) -> _Costs:
+    """A replica's share of the batch, then an all-reduce of the gradients over ``ranks``,
+    part of which overlaps the backward pass where the device overlaps."""
     compute = s.compute(s.m.global_batch / s.n)
-    comm = _allreduce(s.c, s.m.grad_bytes, s.n)
+    comm = _allreduce(s.c, s.m.grad_bytes, ranks)
     comm = max(0.0, comm - s.c.device.overlap * compute * 2 / 3)
+    return _Costs(compute, comm, _fixed_collective(s.c, ranks, s.c.machine.sync_overhead, 16))
+
+
+def _data_parallel_costs(s: _Step) -> _Costs:
+    """Mirrored: every replica's gradients all-reduced every step."""
+    costs = _allreduced(s, s.n)
     hosts = s.c.hosts(s.n)
-    return _Costs(compute, comm, _sync_overhead(s.c, s.n), link_bytes=allreduce_traffic_bytes(
-        s.m.grad_bytes, hosts) if hosts > 1 else None)
+    costs.link_bytes = allreduce_traffic_bytes(s.m.grad_bytes, hosts) if hosts > 1 else None
+    return costs
 
 
 def _diloco_costs(s: _Step) -> _Costs:
     """DiLoCo: Mirrored inside each host every step; across the hosts one exchange of the
-    pseudo-gradient every H steps (:mod:`replicator.plan.outer_sync` proposes H and the
-    compression from the inner step and the link)."""
-    c, n, m = s.c, s.n, s.m
-    on_host = c.on_host(n)
-    compute = s.compute(m.global_batch / n)
-    inner = _allreduce(c, m.grad_bytes, on_host)
-    inner = max(0.0, inner - c.device.overlap * compute * 2 / 3)
-    overhead = _sync_overhead(c, on_host)
+    pseudo-gradient every H steps (H and the compression: :mod:`replicator.plan.outer_sync`)."""
+    c, m = s.c, s.m
+    costs = _allreduced(s, c.on_host(s.n))
     bandwidth = c.machine.memory_bandwidth if s.cpu else c.device.memory_bandwidth
-    step = compute + inner + overhead + _optimizer(m, c, 1.0, s.busy)
-    outer = choose_outer_sync(step, m.param_bytes, c.hosts(n), c.link, bandwidth)
-    return _Costs(compute, inner + outer.seconds_per_step, overhead,
-                  link_bytes=outer.link_bytes_per_step, outer=outer, notes=[
-                      f"{outer.spelling()}: the hosts exchange every {outer.inner_steps} steps "
-                      f"({_bytes(outer.link_bytes_per_step)} a host per step on the link); not "
-                      "per-step synchronous training: compare its held-out loss with "
-                      "Mirrored's (docs/strategies/diloco.md)"])
+    step = costs.compute + costs.comm + costs.overhead + _optimizer(m, c, 1.0, s.busy)
+    costs.outer = outer = choose_outer_sync(step, m.param_bytes, c.hosts(s.n), c.link, bandwidth)
+    costs.comm += outer.seconds_per_step
+    costs.link_bytes = outer.link_bytes_per_step
+    costs.notes = [f"{outer.spelling()}: the hosts exchange every {outer.inner_steps} steps "
+                   f"({_bytes(outer.link_bytes_per_step)} a host per step on the link); not "
+                   "per-step synchronous training: compare its held-out loss with Mirrored's "
+                   "(docs/strategies/diloco.md)"]
+    return costs
 
 
 def _central_storage_costs(s: _Step) -> _Costs:
-    """Mirrored's reduce onto one rank, then after the central rank's step a broadcast of
-    the parameters, which overlaps nothing: a point where every rank waits. On one CPU host
-    two copies of every parameter byte (the central rank writes them into the segment, the
-    others read them out), and with no more busy ranks than cores a second wait (the
-    broadcast's check, then the broadcast; with more, the wait for a rank not yet run,
-    counted with the stragglers, covers both)."""
+    """Mirrored's reduce onto one rank, then a broadcast of the parameters that overlaps
+    nothing; on one CPU host two copies of every byte through the segment, and a second wait
+    where no more ranks are busy than cores (with more, the stragglers' wait covers it)."""
     costs = _data_parallel_costs(s)
     c = s.c
-    costs.comm += _one_more_collective(c, s.n)
+    costs.comm += _fixed_collective(c, s.n, c.machine.small_collective, 8)
     if s.cpu and c.hosts(s.n) == 1:
         costs.comm += 2 * s.m.param_bytes / c.machine.memory_bandwidth \
             * c.machine.slowdown_for(s.busy)
         if s.busy <= c.machine.cores:
-            costs.comm += _one_more_collective(c, s.n)
+            costs.comm += _fixed_collective(c, s.n, c.machine.small_collective, 8)
     return costs
 
 
 def _fsdp_one_cpu_host(s: _Step, units: int, state_ratio: float) -> float:
-    """FSDP on one CPU host (torch's FSDP2 on gloo): per block the engine's measured cost
-    (two all-gathers, a reduce-scatter, the copies and hooks around them) plus the bytes,
-    measured on narrow and wide blocks, or else twice an all-reduce's (gloo's reduce-scatter
-    moves as many as an all-reduce, each all-gather half as many)."""
+    """FSDP2 on gloo on one CPU host: per block the measured engine cost plus the bytes (fitted
+    on narrow and wide blocks), or else twice an all-reduce's bytes (gloo's reduce-scatter)."""
     machine, n, m = s.c.machine, s.n, s.m
     fitted = machine.fsdp_block_seconds(n, state_ratio)
-    if fitted is not None:  # measured on narrow and wide blocks: a + b * bytes
+    if fitted is not None:
         return units * fitted[0] + fitted[1] * m.param_bytes
     alpha = machine.collective_alpha("native", n)
     bytes_part = machine.allreduce_seconds("native", m.param_bytes, n) - alpha
@@ -395,8 +343,8 @@ def _fsdp_one_cpu_host(s: _Step, units: int, state_ratio: float) -> float:
 
 
 def _fsdp_costs(s: _Step) -> _Costs:
-    """Sharded weights: every block gathered for forward and again for backward, its
-    gradients reduce-scattered; a rank steps its shard of the optimizer."""
+    """Blocks gathered for forward and backward, gradients reduce-scattered, the optimizer
+    sharded."""
     c, n, m = s.c, s.n, s.m
     h = c.hosts(n)
     units = max(1, m.weight_tensors)
@@ -409,9 +357,7 @@ def _fsdp_costs(s: _Step) -> _Costs:
         comm = fsdp_traffic_bytes(m.param_bytes, n, gloo=s.cpu) / bandwidth
         fitted = c.machine.fsdp_block_seconds(max(2, s.busy), state_ratio) if s.cpu else None
         if fitted is not None:
-            # CPU hosts: a block's own cost (its hooks, copies and gloo's steps, as measured
-            # on one host of this many) runs while the bytes of the blocks around it are on
-            # the wire, so the slower of the two sets the pace
+            # a block's own cost runs while its neighbours' bytes are on the wire
             comm = max(comm, units * fitted[0])
         comm += 3 * units * (n - 1) * alpha
     comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
@@ -419,12 +365,9 @@ def _fsdp_costs(s: _Step) -> _Costs:
 
 
 def _pipeline_slot(s: _Step, stages: int, per_mb: float) -> float:
-    """One microbatch slot of the busiest stage. The default cut balances parameters, not
-    FLOPs, so that stage does its FLOP share of the work that grows with the samples. Of the
-    fixed cost of a forward and backward a stage repeats in every slot what its layers cost
-    whatever the batch (an even share: their calls, reading each weight in forward and
-    backward and writing its gradient); the step's own fixed cost (the loss, the engine, the
-    run) the schedule replaces by its own, the measured slot cost."""
+    """One microbatch slot of the busiest stage: its FLOP share of the work that grows with
+    the samples, its layers' fixed cost (calls, weight reads), and the measured slot cost in
+    place of the step's own fixed cost."""
     c, m = s.c, s.m
     fixed = s.compute(0.0)
     slot_fixed = fixed / stages
@@ -437,8 +380,7 @@ def _pipeline_slot(s: _Step, stages: int, per_mb: float) -> float:
 
 
 def _pipeline_costs(s: _Step) -> _Costs:
-    """Stages of the model's layers (the rest of the workers data-parallel replicas), each
-    step ``microbatches + stages - 1`` slots of the busiest stage plus the sends between."""
+    """``microbatches + stages - 1`` slots of the busiest stage plus the sends between."""
     c, n, m = s.c, s.n, s.m
     stages = pipeline_stages(n, m.weight_tensors)
     data = max(1, n // stages)
@@ -454,8 +396,7 @@ def _pipeline_costs(s: _Step) -> _Costs:
         send = boundary / (c.device.intra_bandwidth or c.link.bandwidth) + c.link.alpha
     slots = microbatches + stages - 1
     compute = slots * _pipeline_slot(s, stages, per_mb)
-    if not m.pipeline_forward_backward:  # model(x) runs the stages once more, no autograd:
-        # microbatch by microbatch, the busiest stage's forward of the replica's batch
+    if not m.pipeline_forward_backward:  # model(x) runs the stages' forward once more
         compute += s.compute(m.global_batch / data) * (m.forward_fraction or 1.0 / 3) \
             * m.stage_share(stages)
         notes.append("model(x) then loss.backward() runs one extra forward pass; "
@@ -466,10 +407,8 @@ def _pipeline_costs(s: _Step) -> _Costs:
 
 
 def _parameter_server_costs(s: _Step) -> _Costs:
-    """Asynchronous workers: each pushes its gradients and pulls the new weights (a round
-    trip measured here on one host), while the servers, one thread each, run the optimizer
-    and share the cores with the busy workers. Servers wait most of the time: compute
-    contends with the workers only."""
+    """Asynchronous workers, each pushing its gradients and pulling the weights (a measured
+    round trip on one host); the servers, one thread each, run the optimizer."""
     c, n, m = s.c, s.n, s.m
     rt = c.machine.ps_round_trip
     server_update = (m.optimizer_seconds_1thread if s.cpu and m.measured
@@ -526,21 +465,19 @@ def _why_not(s: _Step) -> str:
 
 
 def _common_parts(s: _Step, k: _Costs) -> dict[str, float]:
-    """The step's parts: the strategy's compute and communication, plus what every setting
-    pays (the wait for the slowest rank, the loop's own collectives, the optimizer, the
-    input) and, for a parameter server, the waits in the servers' queue."""
+    """The strategy's parts plus what every setting pays (stragglers, the loop's own
+    collectives, optimizer, input) and a parameter server's queue."""
     c, m, n = s.c, s.m, s.n
     busy = k.busy if k.busy is not None else s.busy
     batch = k.batch if k.batch is not None else m.global_batch / n
     comm = k.comm + (straggler_wait_seconds(c.machine, s.strategy, k.compute, busy,
                                             m.weight_tensors) if s.cpu else 0.0)
     optimizer = _optimizer(m, c, k.opt_share, busy)
-    input_s = _input(m.input_seconds, c.machine.input_fixed, batch / m.global_batch,
-                     m.input_occasional_seconds)
+    whole, slow = m.input_seconds, 1.0
     if s.cpu and m.measured and (busy > 1 or k.threads == 1):  # one thread per rank
-        input_s = _input(m.input_seconds_1thread or m.input_seconds, c.machine.input_fixed,
-                         batch / m.global_batch, m.input_occasional_seconds
-                         ) * slowdown(m, c.machine, busy)
+        whole, slow = m.input_seconds_1thread or m.input_seconds, slowdown(m, c.machine, busy)
+    input_s = _input(whole, c.machine.input_fixed, batch / m.global_batch,
+                     m.input_occasional_seconds) * slow
     if k.threads == 1:
         optimizer = m.optimizer_seconds_1thread
     parts = {"compute": k.compute, "communication": comm, "optimizer": optimizer,
@@ -557,9 +494,7 @@ def _common_parts(s: _Step, k: _Costs) -> dict[str, float]:
 
 def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, *,
             num_ps: int = 1, microbatches: int = PIPELINE_MICROBATCHES) -> Prediction:
-    """Predict ``strategy`` on ``workers`` replicas (a parameter server adds ``num_ps``
-    processes; a pipeline of ``workers`` stages, or fewer when the model has fewer layers,
-    with the rest as data-parallel replicas)."""
+    """Predict ``strategy`` on ``workers`` replicas (a parameter server adds ``num_ps``)."""
     check_count(workers)
     if strategy not in COSTS:
         raise ValueError(f"unknown strategy {strategy!r} for the planner; known: "

@@ -1,16 +1,7 @@
-"""Nominal figures of devices and links the planner can reason about (``--device``, ``--link``).
-
-These are the vendors' published peak figures, not measurements: a plan for an ``a100`` cluster
-is an estimate from the datasheet and the model's counted FLOPs, while ``cpu`` means "hosts like
-this one" and uses what :mod:`replicator.plan.measure` measured here instead. ``mfu`` is the
-fraction of peak a training step is assumed to reach (0.4 is typical of well-tuned dense
-training); ``overlap`` is the fraction of backward that communication may hide behind (GPUs run
-NCCL on their own streams; on CPUs the collectives need the same cores as the compute, measured
-on this machine as no useful overlap).
-
-Links are written ``<number><unit>``: ``25gbit``, ``100gbit``, ``200mbit``, ``400gbps`` (bits per
-second) or ``10GB/s``, ``500MB/s`` (bytes per second).
-"""
+"""Nominal figures of devices and links (``--device``, ``--link``): the vendors' datasheets,
+not measurements (``cpu`` means "hosts like this one", measured). ``mfu``: the fraction of peak a
+step reaches; ``overlap``: the share of backward that communication may hide behind (none on
+CPUs, whose collectives need the compute's cores)."""
 
 from __future__ import annotations
 
@@ -43,9 +34,8 @@ class Device:
         return self.measured
 
     def flops_rate(self, precision: str, tf32_fraction: float = 0.0) -> float:
-        """The peak rate for a model computing in ``precision`` (``"half"``: bf16/fp16 tensor
-        cores; ``"fp32"``: float32, of whose FLOPs ``tf32_fraction`` run as TF32, as cuDNN's
-        convolutions do by default): fp32 work on an H100 runs at 67, not 989, TFLOP/s."""
+        """The peak rate in ``precision`` (``"half"`` or ``"fp32"``, of whose FLOPs
+        ``tf32_fraction`` run as TF32): fp32 on an H100 runs at 67, not 989, TFLOP/s."""
         if precision == "half" or not self.peak_flops_fp32:
             return self.peak_flops
         f = min(1.0, max(0.0, tf32_fraction))
@@ -98,10 +88,9 @@ class Link:
         return self.text or f"{self.bandwidth * 8 / 1e9:g}gbit"
 
 
-_BIT_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "kbps": 1e3, "mbps": 1e6,
-              "gbps": 1e9, "tbps": 1e12, "kbit/s": 1e3, "mbit/s": 1e6, "gbit/s": 1e9,
-              "tbit/s": 1e12}
-_BYTE_UNITS = {"kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12}
+_PREFIXES = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BIT_UNITS = {p + u: v for p, v in _PREFIXES.items() for u in ("bit", "bps", "bit/s")}
+_BYTE_UNITS = {p + "b/s": v for p, v in _PREFIXES.items()}
 _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z/]+)\s*$", re.IGNORECASE)
 
 #: Latency of one message between hosts when ``--latency`` is not given: TCP over a

@@ -33,18 +33,16 @@ def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
 
 
 def fsdp_traffic_bytes(nbytes: float, n: int, *, gloo: bool = False) -> float:
-    """Bytes each rank sends per FSDP step: two all-gathers and a reduce-scatter,
-    ``3(n-1)/n * S``; on gloo, whose reduce-scatter sends an all-reduce's bytes (measured on
-    hosts' links), ``4(n-1)/n * S``."""
+    """Bytes each rank sends per FSDP step (two all-gathers, a reduce-scatter):
+    ``3(n-1)/n * S``, or ``4(n-1)/n * S`` on gloo (its reduce-scatter sends an all-reduce's)."""
     check_count(n, "ranks")
     return (4 if gloo else 3) * (n - 1) / n * nbytes
 
 
 def ps_step_seconds(compute: float, grad_bytes: float, param_bytes: float, workers: int,
                     num_ps: int, bandwidth: float, alpha: float) -> float:
-    """A parameter-server worker's step: its compute plus a push/pull round trip
-    (``2 alpha + (G+P)/B``), and never shorter than the servers' share of every worker's
-    traffic (``workers (G+P) / (num_ps B)``)."""
+    """A worker's compute plus a push/pull round trip (``2 alpha + (G+P)/B``), at least the
+    servers' share of every worker's traffic (``workers (G+P) / (num_ps B)``)."""
     check_count(workers)
     check_count(num_ps, "num_ps")
     if bandwidth <= 0:
@@ -55,12 +53,9 @@ def ps_step_seconds(compute: float, grad_bytes: float, param_bytes: float, worke
 
 
 def ps_queue_wait(base_step: float, workers: int, service: float) -> float:
-    """The mean wait of one request to a parameter server that ``workers`` workers keep busy
-    ``service`` seconds per push, once per step (``base_step`` seconds without waiting, plus
-    two waits: the push and the batch claim). A request finds the server busy with
-    probability ``workers * S / step`` and waits half a push: ``W = rho S / 2`` with the step
-    lengthened by ``2 W`` gives ``W = (sqrt(T^2 + 4 n S^2) - T) / 4`` (longer queues are
-    rare here; the saturation bound covers them)."""
+    """The mean wait of a request (a push, a batch claim) to a server that ``workers`` keep
+    busy ``service`` seconds per push each step: ``W = rho S / 2`` with ``rho = n S / (T +
+    2 W)`` gives ``W = (sqrt(T^2 + 4 n S^2) - T) / 4``."""
     if service <= 0 or workers < 2:
         return 0.0  # a lone worker never finds its server busy with another's push
     t = max(0.0, base_step)

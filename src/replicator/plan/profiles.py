@@ -1,11 +1,5 @@
-"""What the planner knows: a model's profile and this machine's profile, both saved as JSON.
-
-A :class:`ModelProfile` is measured by running the user's training step in one process (see
-:mod:`replicator.plan.probe`), or estimated from a parameter count alone (``--model-params``).
-A :class:`MachineProfile` is measured here once (:mod:`replicator.plan.measure`) and cached in
-``bench/machine.json``; :meth:`MachineProfile.nominal` gives typical figures of a 2-core host
-(from the measurements in the project's notes) for tests and for planning without measuring.
-All times are seconds, all sizes bytes.
+"""What the planner knows: a model's profile (measured by the probe, or estimated from its
+size) and this machine's (measured once, or nominal), both saved as JSON. Seconds and bytes.
 """
 
 from __future__ import annotations
@@ -38,11 +32,8 @@ class AlphaBeta:
 
     @classmethod
     def fit(cls, sizes: list[float], seconds: list[float]) -> AlphaBeta:
-        """The line through ``(size, seconds)`` with the least *relative* squared error
-        (weights ``1/seconds^2``, so 4 KB and 16 MB points count alike) among those with
-        non-negative terms: where the free fit's term is negative, that term is 0 and the
-        other is fitted again (not merely clamped, which leaves the other fitted for a
-        term that is gone)."""
+        """The line through ``(size, seconds)`` with the least *relative* squared error and
+        non-negative terms (a negative term is set to 0 and the other fitted again)."""
         if len(sizes) != len(seconds) or len(sizes) < 2:
             raise ValueError("AlphaBeta.fit needs at least two (size, seconds) points")
         w = [1.0 / max(y, 1e-9) ** 2 for y in seconds]
@@ -63,13 +54,9 @@ class AlphaBeta:
 
 @dataclass
 class ModelProfile:
-    """One model's training step, as measured in one process (or estimated).
-
-    ``compute_fit`` is ``(c0, c1)``: forward + backward on one thread takes ``c0 + c1 * b``
-    seconds for ``b`` samples (fitted from the full, half and quarter batch), the shape used to
-    predict a replica's share of the batch; ``compute_seconds`` etc. are the whole batch with
-    the process's default threads (what "stay on one process" gives).
-    """
+    """One model's training step, measured in one process (or estimated): ``compute_fit``
+    ``(c0, c1)`` is forward + backward of ``b`` samples on one thread, ``c0 + c1 * b``;
+    ``compute_seconds`` etc. are the whole batch with the process's default threads."""
 
     name: str
     params: int
@@ -128,8 +115,7 @@ class ModelProfile:
         return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
 
     def stage_share(self, stages: int) -> float:
-        """The share of a step's compute that the busiest of ``stages`` pipeline stages does
-        (the pipeline's slot is that stage's time; 1/stages when the split is even)."""
+        """The share of the compute the busiest of ``stages`` pipeline stages does."""
         share = self.pipeline_stage_shares.get(str(stages))
         return max(1.0 / stages, float(share)) if share else 1.0 / stages
 
@@ -139,8 +125,7 @@ class ModelProfile:
         return c0 + c1 * batch
 
     def thread_speedup(self) -> float:
-        """How much faster the process's ``threads`` ran forward + backward of the whole
-        batch than one thread (1 where not measured)."""
+        """How much faster the process's threads ran the whole batch than one (1: unknown)."""
         one = self.compute_1thread(self.global_batch)
         if not self.measured or self.threads <= 1 or self.compute_seconds <= 0 or one <= 0:
             return 1.0
@@ -150,11 +135,8 @@ class ModelProfile:
     def from_parameter_count(cls, params: float, *, global_batch: int = 1024,
                              seq_len: int = 1, optimizer: str = "adam",
                              bytes_per_value: int = 4) -> ModelProfile:
-        """A dense model known only by its size: ``6 * params * seq_len`` FLOPs per sample
-        (forward 2, backward 4 per parameter and token), fp32 weights and gradients,
-        Adam's two moments (8 bytes per parameter; SGD with momentum 4, plain SGD 0), and the
-        activations and layer sizes of a transformer of that size (hidden ``h`` from
-        ``P = 12 L h^2`` with ``L = h / 128`` layers); ``seq_len`` tokens per sample."""
+        """A dense transformer known only by its size: ``6 P`` FLOPs per token, fp32 weights
+        and gradients, the optimizer's moments, and the shape of ``P = 12 L h^2``."""
         if isinstance(params, bool) or not isinstance(params, (int, float)) or \
                 not math.isfinite(params) or params < 1:
             raise ValueError(f"--model-params must be a number >= 1, got {params!r}. HINT: "
@@ -193,9 +175,8 @@ class ModelProfile:
 
     @classmethod
     def median_of(cls, profiles: list[ModelProfile]) -> ModelProfile:
-        """One profile from several of the same model measured at different times: each
-        measured time is the median of theirs (so one profile taken while the machine was
-        busy does not set the plan); counts, sizes and names are the first's."""
+        """Each measured time the median of ``profiles`` (one busy moment does not set the
+        plan); counts, sizes and names the first's."""
         if not profiles:
             raise ValueError("median_of needs at least one profile")
         first = profiles[0]
@@ -215,19 +196,14 @@ class ModelProfile:
         return cls(**values)
 
 
-#: Bumped when the machine's calibration measures a figure differently, so that a cached
-#: ``machine.json`` from before is measured again (2: the parameter server's round trip on
-#: 1 kB to 8 MB of bare weights).
+#: Bumped when the calibration measures a figure differently (a cached one is measured again).
 MACHINE_VERSION = 2
 
 
 @dataclass
 class MachineProfile:
-    """This machine as measured: cores, memory, how concurrent processes slow each other,
-    per-algorithm collective costs (``allreduce[algorithm][world] = [a, b]``), one
-    thread's matmul FLOP rate and copy bandwidth (for models known only by their size), and
-    the input pipeline's fixed cost per batch (``input_fixed``: the part of a step's input
-    that does not shrink with a replica's share of the batch)."""
+    """This machine as measured: contention, collectives per algorithm and world size
+    (``allreduce[algorithm][world]``), engine costs, one thread's rates, input's fixed cost."""
 
     cores: int
     ram_bytes: float
@@ -235,8 +211,7 @@ class MachineProfile:
     straggle: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     allreduce: dict[str, dict[int, AlphaBeta]] = field(default_factory=dict)
     sync_overhead: dict[int, float] = field(default_factory=dict)
-    #: per step, what a small real training loop took beyond its work, sync and reduce: the
-    #: wait for its last rank (processes > cores: a rank not yet run) and the run's own cost
+    #: per step, what a small training loop waited for its last rank beyond its work
     sync_wait: dict[int, float] = field(default_factory=dict)
     small_collective: dict[int, float] = field(default_factory=dict)
     fsdp_unit: dict[int, float] = field(default_factory=dict)
@@ -245,8 +220,7 @@ class MachineProfile:
     fsdp_wide_adam: dict[int, float] = field(default_factory=dict)
     fsdp_wide_bytes: float = FSDP_WIDE_BYTES
     pipeline_slot: float = 3e-4
-    #: one small layer's forward and backward call (what a pipeline stage pays per layer and
-    #: microbatch besides its samples' work)
+    #: one small layer's forward and backward call (a pipeline stage's per layer and slot)
     layer_call: float = 1.5e-5
     flops_per_second: float = 3e10
     memory_bandwidth: float = 5e9
@@ -262,8 +236,8 @@ class MachineProfile:
 
     # -- lookups with documented extrapolation --------------------------------------------
     def slowdown_for(self, processes: int) -> float:
-        """How much slower each of ``processes`` busy one-thread processes on this host runs
-        than one alone; beyond the measured counts it grows with processes per core."""
+        """Each of ``processes`` busy one-thread processes' slowdown (beyond the measured:
+        the next above, or growing with processes per core)."""
         if processes <= 1:
             return 1.0
         if processes in self.slowdown:
@@ -275,8 +249,7 @@ class MachineProfile:
         return base * processes / top  # each extra process takes its share of the cores
 
     def straggle_for(self, processes: int) -> float:
-        """How much longer the slowest of ``processes`` busy ranks takes than the mean one
-        (1 for one rank; beyond the measured counts, the largest measured)."""
+        """How much longer the slowest of ``processes`` busy ranks takes than the mean."""
         if processes <= 1 or not self.straggle:
             return 1.0
         if processes in self.straggle:
@@ -284,15 +257,14 @@ class MachineProfile:
         return self.straggle[max(self.straggle)]
 
     def sync_wait_for(self, processes: int) -> float:
-        """A synchronous step's wait for its last rank with ``processes`` busy ones (the
-        nearest measured count; 0 for one rank or without the measurement)."""
+        """A synchronous step's wait for its last rank (the nearest measured count)."""
         if processes <= 1 or not self.sync_wait:
             return 0.0
         return self.sync_wait[min(self.sync_wait, key=lambda k: (abs(k - processes), -k))]
 
     def allreduce_seconds(self, algorithm: str, nbytes: float, world: int) -> float:
-        """All-reduce time of ``nbytes`` over ``world`` ranks of this host: the measured line
-        at that world size, or the nearest one rescaled by the ring's ``2(n-1)/n`` terms."""
+        """All-reduce time of ``nbytes`` over ``world`` ranks here (else the nearest measured
+        world, rescaled by the ring's terms)."""
         if world <= 1 or nbytes <= 0:
             return 0.0
         table = self.allreduce.get(algorithm) or self.allreduce.get("native")
@@ -309,22 +281,13 @@ class MachineProfile:
 
     def collective_alpha(self, algorithm: str, world: int) -> float:
         """The fixed cost of one collective of ``algorithm`` over ``world`` ranks here."""
-        if world <= 1:
-            return 0.0
         table = self.allreduce.get(algorithm) or self.allreduce.get("native") or {}
-        if not table:
-            return 0.0
-        if world in table:
-            return table[world].a
-        near = min(table, key=lambda k: abs(k - world))
-        return table[near].a * (world - 1) / max(1, near - 1)
+        return self.per_world({k: ab.a for k, ab in table.items()}, world)
 
     def fsdp_block_seconds(self, world: int, state_ratio: float
                            ) -> tuple[float, float] | None:
-        """FSDP's cost ``(per block, per byte of weights)`` at ``world`` ranks here, fitted
-        through the narrow and the wide blocks' measured costs; the per-byte part moves
-        from SGD's towards Adam's with the optimizer's state per weight (``state_ratio``:
-        0 for SGD, 2 for Adam). ``None`` without the wide measurements."""
+        """FSDP's ``(per block, per byte)`` cost through the narrow and wide blocks, from
+        SGD's towards Adam's with ``state_ratio`` (0 to 2); ``None`` without the wide ones."""
         if not (self.fsdp_unit and self.fsdp_wide_sgd):
             return None
         towards_adam = min(max(state_ratio, 0.0), 2.0) / 2
@@ -349,10 +312,7 @@ class MachineProfile:
     # -- constructors ------------------------------------------------------------------------
     @classmethod
     def nominal(cls) -> MachineProfile:
-        """Typical figures of a quiet 2-core host running torch with gloo (the project's
-        measured notes, docs/collectives.md): two busy processes each ~4% slower than one
-        alone, shared-memory all-reduce of resident buffers ~3 GB/s, gloo ~0.9 GB/s with
-        0.3 ms latency, a scalar reduce 60 us, the gradient engine 0.4 ms per pass."""
+        """Typical figures of a quiet 2-core host with gloo (docs/collectives.md)."""
         return cls(
             cores=2, ram_bytes=16e9, slowdown={1: 1.0, 2: 1.04, 3: 1.56, 4: 2.08},
             straggle={1: 1.0, 2: 1.03, 3: 1.15, 4: 1.2},
@@ -366,8 +326,7 @@ class MachineProfile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> MachineProfile:
-        """The profile saved by :meth:`to_json` (fields it lacks keep their defaults; a
-        file without a version is from the first calibration)."""
+        """The profile saved by :meth:`to_json` (missing fields: defaults; version 1)."""
         values: dict[str, Any] = {"source": "measured", "version": 1}
         for f in fields(cls):
             if f.name not in data:
@@ -387,8 +346,7 @@ class MachineProfile:
 
     @classmethod
     def median_of(cls, profiles: list[MachineProfile]) -> MachineProfile:
-        """One profile from several measured at different times: each figure (a collective's
-        ``a`` and ``b`` apart) is the median of theirs; text fields are the first's."""
+        """Each figure the median of theirs; text fields the first's."""
         if not profiles:
             raise ValueError("median_of needs at least one profile")
         if len(profiles) == 1:
@@ -410,8 +368,7 @@ _DEFAULT_MACHINE = MachineProfile(cores=1, ram_bytes=0.0)
 
 
 def median_json(values: list[Any]) -> Any:
-    """The median of JSON values of one shape: numbers by their median, lists element by
-    element, dicts key by key (the keys of the first), anything else the first's."""
+    """The median of JSON values of one shape, number by number (else the first's)."""
     first = values[0]
     if isinstance(first, (int, float)) and not isinstance(first, bool):
         numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -434,8 +391,8 @@ def save_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
 
 
 def kept_steps(records: list[dict[str, float]]) -> list[dict[str, float]]:
-    """The steps kept for means, in ``bench`` and in the profile alike: all but the fastest
-    and slowest tenth (a tenth of fewer than ten steps is none)."""
+    """The steps kept for means (bench and profile alike): all but the fastest and slowest
+    tenth."""
     ordered = sorted(records, key=lambda r: r["step"])
     cut = len(ordered) // 10
     return ordered[cut:len(ordered) - cut] if cut else ordered
