@@ -11,7 +11,7 @@ from replicator.plan import measure
 
 def _engine_figures(reference_alone: float) -> tuple[float, float, float]:
     torch.set_num_threads(1)
-    t_local = measure._local_backward_seconds(8, 8)
+    t_local = measure._local_backward_seconds()
     return measure._engine_overheads(t_local, reference_alone, slowdown=1.0)
 
 
@@ -31,7 +31,7 @@ def test_the_wait_for_the_slowest_rank_is_taken_on_a_real_training_loop():
 
 
 def _without_reference() -> float:
-    return measure._engine_overheads(measure._local_backward_seconds(8, 8), 0.0)[2]
+    return measure._engine_overheads(measure._local_backward_seconds(), 0.0)[2]
 
 
 @pytest.mark.timeout(120)

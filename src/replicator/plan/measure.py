@@ -1,56 +1,41 @@
 """What the planner measures on this machine (once, cached in ``bench/machine.json``).
 
-* contention: how much slower each of ``n`` busy one-thread processes runs than one alone
-  (``n`` = 1..4), so that compute per rank can be predicted for ``n`` local replicas, and how
-  much later the slowest of them finishes a step-sized piece of work than the average one
-  (what a synchronous step waits for);
-* all-reduce cost per algorithm through the comm room (``SharedMemoryAllReduce`` on buffers it
-  made, as the gradient buckets are; gloo's own; the hand ring) at 2, 3 and 4 processes, fitted
-  as ``a + b * bytes``;
-* the gradient engine's fixed cost per backward pass, one ``strategy.reduce`` of a scalar,
-  and a small real training loop's wait for its last rank; point-to-point send/recv
-  (pipeline stages), and a parameter server's push + pull round trip with two workers
-  computing between steps;
-* what ``FSDPStrategy`` costs per sharded block and ``PipelineStrategy`` per microbatch slot
-  beyond the compute, on a tiny model of 4 blocks (torch's FSDP2 and pipelining engines on
-  gloo: gathers, copies, hooks, the schedule's bookkeeping); FSDP again on blocks of
-  ``WIDE x WIDE`` (1 MB each), both with SGD and with Adam, for its cost per block and per
-  byte as the optimizer's state weighs them;
-* the input pipeline's fixed cost per batch (``distribute_dataset`` of tiny samples);
-* the memory of a bare worker process, RAM and cores.
-
-Each measurement runs in worker processes of ``rp.launch``; the whole takes about a minute.
+In worker processes of ``rp.launch``, about a minute: how much busy one-thread processes slow
+each other and how late the slowest finishes a synchronous step; all-reduce per algorithm
+through the comm room at 2 to 4 processes (``a + b * bytes``); the gradient engine's fixed
+cost, a scalar reduce and a small training loop's wait for its last rank; send/recv and a
+parameter server's round trip; what ``FSDPStrategy`` costs per block (narrow and ``WIDE``
+blocks, SGD and Adam) and ``PipelineStrategy`` per slot, each a strategy's step of a 4-block
+chain less the same step without one; the input pipeline's fixed cost; memory and cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from replicator.plan.engine_costs import (
-    WIDE,
-    layer_call_seconds,
-    local_forward_backward_seconds,
-    local_step_seconds,
-    median_time,
-    pipeline_slot_seconds,
-    strategy_step_overhead,
-)
 from replicator.plan.profiles import MACHINE_VERSION, AlphaBeta, MachineProfile
 
 __all__ = ["measure_machine", "ram_bytes"]
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-ALGORITHMS = ("shared_memory", "native", "ring")
 #: Rows per rank of the reference training loop the wait for a descheduled rank is taken on.
 REFERENCE_ROWS = 32
+#: Width of the wide blocks FSDP's per-byte cost is measured on (1 MB of weights each).
+WIDE = 512
+#: Gradient sizes a parameter server's round trip is measured at (1 kB to 8 MB).
+PS_SIZES = (256, 1 << 18, 1 << 20, 1 << 21)
+#: The figures measured per world size, as :class:`MachineProfile` names them.
+PER_WORLD = ("sync_overhead", "sync_wait", "small_collective", "fsdp_unit", "fsdp_unit_adam",
+             "fsdp_wide_sgd", "fsdp_wide_adam")
 
 
 def ram_bytes() -> float:
@@ -72,6 +57,32 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def median_time(fn: Callable[[], Any], rounds: int, per_round: int = 1, warm: int = 0
+                ) -> float:
+    """Median over ``rounds`` of the time of ``per_round`` back-to-back calls, per call, after
+    ``warm`` calls."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        times.append((time.perf_counter() - t0) / per_round)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Torch on one thread inside the block (then the count as it was)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _busy_work(seconds_alone: float | None = None, iterations: int = 0) -> tuple[float, int]:
     """A fixed amount of one-thread compute (matmuls, as a model's layers do)."""
     x = torch.randn(192, 192)
@@ -87,31 +98,14 @@ def _busy_work(seconds_alone: float | None = None, iterations: int = 0) -> tuple
     return time.perf_counter() - t0, iterations
 
 
-def _compute_piece(seconds: float) -> Callable[[], None] | None:
-    """A callable doing about ``seconds`` of one thread's compute (a training loop's forward
-    and backward between two collectives); ``None`` for no compute."""
-    if seconds <= 0:
-        return None
-    iterations = _busy_work(seconds)[1]
-
-    def work() -> None:
-        _busy_work(iterations=iterations)
-
-    return work
-
-
 def _single_thread_rates() -> tuple[float, float]:
     """(matmul FLOP/s, copy bytes/s) of one thread: for models known only by their size."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         a, b = torch.randn(256, 256), torch.randn(256, 256)
         flops = 2 * 256 ** 3 / median_time(lambda: a @ b, 5, 20)
         src = torch.randn(16 << 20)
         dst = torch.empty_like(src)
         copy = src.numel() * 4 / median_time(lambda: dst.copy_(src), 5, 2)
-    finally:
-        torch.set_num_threads(threads)
     return flops, copy
 
 
@@ -122,9 +116,7 @@ def _input_fixed_seconds() -> float:
 
     from replicator.strategies import OneDeviceStrategy
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         data = TensorDataset(torch.randn(400, 4), torch.zeros(400, dtype=torch.int64))
         dist = OneDeviceStrategy("cpu").distribute_dataset(DataLoader(data, batch_size=2))
         times = []
@@ -132,17 +124,14 @@ def _input_fixed_seconds() -> float:
             t0 = time.perf_counter()
             n = sum(1 for _ in dist)
             times.append((time.perf_counter() - t0) / max(1, n))
-    finally:
-        torch.set_num_threads(threads)
     return statistics.median(times)
 
 
 def _contention(rank: int, world: int, rounds: int = 3, steps: int = 8
                 ) -> tuple[dict[int, float], dict[int, float]]:
-    """For 1..world ranks busy at once (one thread each): the slowdown of a rank's work
-    against one rank alone (0.25 s pieces), and the straggler factor of a synchronous step:
-    a loop of 25 ms pieces of work, each ended by a barrier-like all-reduce, takes this much
-    longer per piece than the mean rank's work (what waiting for the slowest costs)."""
+    """For 1..world ranks busy at once (one thread each): a rank's slowdown against one alone
+    (0.25 s pieces), and how much longer a loop of 25 ms pieces, each ended by an all-reduce,
+    takes per piece than the mean rank's work (the wait for the slowest)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -198,34 +187,123 @@ def _allreduce_curves(world: int) -> dict[str, list[list[float]]]:
             else:
                 t = torch.empty(numel)
             t.fill_(1.0)
-            algo.all_reduce_sum(t)  # warm up (segments, connections)
             per_round = max(1, min(20, (4 << 20) // size))
 
             def call(a: Any = algo, x: torch.Tensor = t) -> None:
                 a.all_reduce_sum(x)
 
-            seconds = median_time(call, 5, per_round)
-            points.append([float(size), seconds])
+            # the first call warms up segments and connections
+            points.append([float(size), median_time(call, 5, per_round, warm=1)])
         curves[name] = points
     return curves
 
 
-def _local_backward_seconds(width: int, rows: int, bias: bool = True) -> float:
-    """Forward + backward of a plain ``Linear(width, width)`` on ``rows`` rows. Measured before
-    any strategy exists: a distributed strategy refuses gradients of modules it never saw."""
-    plain = torch.nn.Linear(width, width, bias=bias)
-    x = torch.randn(rows, width)
-
-    def local() -> None:
-        plain(x).sum().backward()
-
-    local()
-    return median_time(local, 7, 10)
+# -- the engines' costs beyond the compute, on a chain of small blocks ----------------------
+def tiny_chain(blocks: int = 4, width: int = 8) -> torch.nn.Sequential:
+    """The calibration model: ``blocks`` Linear(width, width) layers in a chain."""
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(blocks)])
 
 
+def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """SGD, or Adam (its state is what a sharded optimizer step touches per parameter)."""
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.0)
+    return torch.optim.SGD(model.parameters(), lr=0.0)
+
+
+def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+             y: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """A training loop's step of ``model`` on ``x`` (cross-entropy against ``y``, else the
+    output's sum), as a callable that returns the loss detached."""
+
+    def step() -> torch.Tensor:
+        loss = model(x).sum() if y is None else torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def _forward_backward_seconds(model: torch.nn.Module, x: torch.Tensor, rounds: int = 5
+                              ) -> float:
+    """Forward and backward of ``model`` on ``x`` (no optimizer), measured before any strategy
+    exists: a distributed strategy refuses gradients of modules it never saw."""
+
+    def step() -> None:
+        model(x).sum().backward()
+
+    return median_time(step, rounds, 10, warm=1)
+
+
+def _local_backward_seconds() -> float:
+    """Forward and backward of a plain ``Linear(8, 8)`` on 8 rows."""
+    return _forward_backward_seconds(torch.nn.Linear(8, 8), torch.randn(8, 8), rounds=7)
+
+
+def local_forward_backward_seconds(blocks: int, batch: int, width: int = 8) -> float:
+    """Forward and backward of a ``blocks``-block chain on ``batch`` samples."""
+    return _forward_backward_seconds(tiny_chain(blocks, width), torch.randn(batch, width))
+
+
+def local_step_seconds(batch: int = 8, width: int = 8, optimizer: str = "sgd") -> float:
+    """The 4-block model's step without any strategy (measured before one exists)."""
+    model = tiny_chain(width=width)
+    opt = make_optimizer(optimizer, model)
+    return median_time(sgd_step(model, opt, torch.randn(batch, width)), 5, 10, warm=1)
+
+
+def strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: int = 8,
+                           optimizer: str = "sgd", rounds: int = 5, per_round: int = 4,
+                           reduce_seconds: float | None = None) -> float:
+    """Seconds per step that ``rp.get_strategy(name)`` adds to the 4-block model's step
+    (``t_local``: without a strategy). With ``reduce_seconds`` (a scalar reduce's own cost)
+    each step also reduces the loss, and the reduce's wait for the last rank counts."""
+    import replicator as rp
+
+    strategy = rp.get_strategy(name)
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = tiny_chain(width=width)
+        opt = make_optimizer(optimizer, model)
+    step = sgd_step(model, opt, torch.randn(batch, width))
+
+    def one() -> None:
+        if reduce_seconds is None:
+            strategy.run(step)
+        else:
+            strategy.reduce("mean", strategy.run(step))
+
+    seconds = median_time(one, rounds, per_round, warm=3)
+    strategy.close()
+    return max(0.0, seconds - t_local - (reduce_seconds or 0.0))
+
+
+def layer_call_seconds(batch: int = 2) -> float:
+    """One small layer's forward and backward call beyond the engine's fixed cost (a 4- less
+    a 2-block chain, per block): what a pipeline stage pays per layer and microbatch."""
+    return max(0.0, (local_forward_backward_seconds(4, batch)
+                     - local_forward_backward_seconds(2, batch)) / 2)
+
+
+def pipeline_slot_seconds(t_chain: float, t_chain_fb: float, layer_call: float,
+                          stages: int = 2, microbatches: int = 4) -> float:
+    """The schedule's own cost per slot: a pipelined step of the 4-block chain, less what the
+    cost model counts apart (each stage's layer calls per slot, ``model(x)``'s extra forward,
+    the stage's optimizer step)."""
+    slots = microbatches + stages - 1
+    # point-to-point waits vary from step to step: 11 x 10 steps (about half a second)
+    t_pipe = strategy_step_overhead("pipeline", t_chain, rounds=11, per_round=10) + t_chain
+    counted = (slots * layer_call * 4 / stages + t_chain_fb / stages / 3
+               + max(0.0, t_chain - t_chain_fb) / stages)
+    return max(0.0, t_pipe - counted) / slots
+
+
+# -- the reference training loop and the engine's overheads ---------------------------------
 def _reference_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The reference training loop's model: a 10k-parameter MLP with Adam, whose one-thread
-    step (about 0.3 ms at 32 rows here) is mostly the fixed costs a short step waits through."""
+    """A 10k-parameter MLP with Adam, whose one-thread step (about 0.3 ms at 32 rows here) is
+    mostly the fixed costs a short step waits through."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 100), torch.nn.ReLU(),
                                 torch.nn.Linear(100, 64), torch.nn.ReLU(),
@@ -239,43 +317,18 @@ def _reference_batch(rows: int = REFERENCE_ROWS) -> tuple[torch.Tensor, torch.Te
             torch.randint(0, 10, (rows,), generator=generator))
 
 
-def _reference_step(model: torch.nn.Module, opt: torch.optim.Optimizer,
-                    batch: tuple[torch.Tensor, torch.Tensor]) -> Callable[[], torch.Tensor]:
-    x, y = batch
-
-    def step() -> torch.Tensor:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return step
-
-
 def _reference_step_seconds() -> float:
     """The reference loop's step in one thread with nothing else running (no strategy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        step = _reference_step(*_reference_model(), _reference_batch())
-        for _ in range(20):
-            step()
-        return median_time(step, 7, 20)
-    finally:
-        torch.set_num_threads(threads)
+    with _one_thread():
+        return median_time(sgd_step(*_reference_model(), *_reference_batch()), 7, 20, warm=20)
 
 
 def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: float = 1.0
                       ) -> tuple[float, float, float]:
     """(gradient-sync cost per backward pass, one strategy.reduce of a scalar, the wait for
-    the last rank per step), seconds; ``t_local``: the same pass without a strategy. The
-    first two are called back to back. The wait is what a small synchronous training loop
-    (the reference model under MirroredStrategy, the loss reduced every step) takes beyond
-    its step alone (``reference_alone``) slowed by ``slowdown``, the sync and the reduce:
-    ``strategy.run``'s own work, the ranks' drift and, with more busy processes than cores,
-    the wait for a rank the scheduler has not run yet (a sync timed after spinning compute
-    instead put the tiny model's mirrored x3 +22..+42% high)."""
+    the last rank per step); ``t_local``: the pass without a strategy. The wait is what the
+    reference loop under MirroredStrategy, its loss reduced every step, takes beyond its step
+    alone (``reference_alone``) slowed by ``slowdown``, the sync and the reduce."""
     import replicator as rp
 
     strategy = rp.MirroredStrategy()
@@ -284,17 +337,14 @@ def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: fl
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 8)
         reference, reference_opt = _reference_model()
-    loop_step = _reference_step(reference, reference_opt, _reference_batch())
+    loop_step = sgd_step(reference, reference_opt, *_reference_batch())
 
     def synced() -> None:
         model(x).sum().backward()
 
-    for _ in range(5):
-        synced()
-    t_sync = median_time(synced, 7, 10)
+    t_sync = median_time(synced, 7, 10, warm=5)
     value = torch.tensor(1.0)
-    strategy.reduce("mean", value)
-    t_reduce = median_time(lambda: strategy.reduce("mean", value), 7, 10)
+    t_reduce = median_time(lambda: strategy.reduce("mean", value), 7, 10, warm=1)
     sync = max(0.0, t_sync - t_local)
     wait = 0.0
     if reference_alone > 0:
@@ -325,8 +375,7 @@ def _p2p(rank: int) -> list[list[float]]:
                 dist.recv(x, 0)
                 dist.send(x, 0)
 
-        exchange()
-        points.append([float(size), median_time(exchange, 5, 3) / 2])
+        points.append([float(size), median_time(exchange, 5, 3, warm=1) / 2])
     return points
 
 
@@ -336,7 +385,7 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch.set_num_threads(1)
-    t_local = _local_backward_seconds(8, 8)
+    t_local = _local_backward_seconds()
     t_chain = local_step_seconds()
     if world == 2:  # for the pipeline's slot, measured with 2 processes only
         t_chain_fb = local_forward_backward_seconds(4, 8)
@@ -351,7 +400,7 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     out["contention"], out["straggle"] = _contention(rank, world)
     torch.set_num_threads(1)
     out["allreduce"] = _allreduce_curves(world)
-    out["sync"], out["reduce"], out["sync_wait"] = _engine_overheads(
+    out["sync_overhead"], out["small_collective"], out["sync_wait"] = _engine_overheads(
         t_local, reference_alone, slowdown=float(out["contention"].get(world, 1.0)))
     if world == 2:
         out["p2p"] = _p2p(rank)
@@ -359,25 +408,23 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     strategy.close()  # a strategy refuses gradients of models it does not own: one at a time
     # FSDP's cost per block, in a training loop's steps (the loss reduced after each run
     # waits for the last rank, where a bare run's ranks drift into the next all-gather)
-    reduce = float(out["reduce"])
+    reduce = float(out["small_collective"])
     out["fsdp_unit"] = strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
     # with Adam: a sharded optimizer step runs on DTensors, a fixed cost per block that
     # SGD's single update hides; 11 x 10 steps (5 x 4 moved 3.0-5.1 ms between runs)
     out["fsdp_unit_adam"] = strategy_step_overhead("fsdp", t_chain_adam, optimizer="adam",
                                                     rounds=11, per_round=10,
                                                     reduce_seconds=reduce) / 4
-    # the same blocks 64x wider: FSDP's cost per byte of a block (gathers, reduce-scatters,
-    # copies), with SGD and with Adam (the sharded optimizer step on DTensors)
-    out["fsdp_wide"] = {kind: strategy_step_overhead("fsdp", t_wide[kind], width=WIDE,
-                                                      optimizer=kind,
-                                                      reduce_seconds=reduce) / 4
-                        for kind in ("sgd", "adam")}
+    for kind in ("sgd", "adam"):  # the same blocks 64x wider: the cost per byte of a block
+        out[f"fsdp_wide_{kind}"] = strategy_step_overhead(
+            "fsdp", t_wide[kind], width=WIDE, optimizer=kind, reduce_seconds=reduce) / 4
     if world == 2:  # PipelineStrategy(): 2 stages, 4 microbatches, 5 slots per step
         out["pipeline_slot"] = pipeline_slot_seconds(t_chain, t_chain_fb, layer_call)
         out["layer_call"] = layer_call
     return out
 
 
+# -- a parameter server's round trip -----------------------------------------------------
 class _Weights(torch.nn.Module):
     """A model that is only its weights: the loss ``sum(w * x)`` costs one pass over them, so
     a parameter server's round trip is not lost in the noise of a layer's own compute."""
@@ -398,24 +445,22 @@ def _weights_backward_seconds(size: int) -> float:
         plain(x).backward()
         plain.w.grad = None
 
-    local()
-    return median_time(local, 7, 10)
+    return median_time(local, 7, 10, warm=1)
 
 
-#: Gradient sizes a parameter server's round trip is measured at (1 kB to 8 MB).
-PS_SIZES = (256, 1 << 18, 1 << 20, 1 << 21)
-
-
-def _ps_worker(work_seconds: float = 1e-3) -> dict[str, Any] | None:
+def _ps_worker() -> dict[str, Any] | None:
     """Round trip of ``optimizer.step()`` on a parameter server, 1 kB to 8 MB of weights:
-    two workers, each step after ``work_seconds`` of compute, so that the server, woken by a
-    push, competes for the cores with busy workers as in training (1.4-2x the round trip of
-    back-to-back steps). The weights are a bare vector: ``Linear`` layers' own forward and
-    backward, timed apart and taken off, moved the result more than the bytes did."""
+    two workers, each step after 1 ms of compute, so that the server competes for the cores
+    with busy workers as in training (1.4-2x the round trip of back-to-back steps); bare
+    weights, since a layer's own compute moved the result more than the bytes did."""
     import replicator as rp
 
     local = {n: _weights_backward_seconds(n) for n in PS_SIZES}
-    work = _compute_piece(work_seconds) or (lambda: None)
+    iterations = _busy_work(1e-3)[1]
+
+    def work() -> None:
+        _busy_work(iterations=iterations)
+
     strategy = rp.ParameterServerStrategy(num_ps=1)  # a server serves here and never returns
     points = []
     x = torch.tensor(2.0)
@@ -454,29 +499,20 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
         profile.slowdown.update({int(k): float(v) for k, v in result["contention"].items()})
         profile.straggle.update({int(k): float(v) for k, v in result["straggle"].items()})
         for name, points in result["allreduce"].items():
-            fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
-            profile.allreduce.setdefault(name, {})[world] = fit
-        profile.sync_overhead[world] = result["sync"]
-        profile.sync_wait[world] = result["sync_wait"]
-        profile.fsdp_unit[world] = result["fsdp_unit"]
-        profile.fsdp_unit_adam[world] = result["fsdp_unit_adam"]
-        profile.fsdp_wide_sgd[world] = result["fsdp_wide"]["sgd"]
-        profile.fsdp_wide_adam[world] = result["fsdp_wide"]["adam"]
-        profile.fsdp_wide_bytes = float(WIDE * (WIDE + 1) * 4)
+            profile.allreduce.setdefault(name, {})[world] = AlphaBeta.fit(*zip(*points))
+        for key in PER_WORLD:
+            getattr(profile, key)[world] = result[key]
         if "pipeline_slot" in result:
             profile.pipeline_slot = result["pipeline_slot"]
             profile.layer_call = result["layer_call"]
-        profile.small_collective[world] = result["reduce"]
         if "p2p" in result:
-            pts = result["p2p"]
-            profile.p2p = AlphaBeta.fit([p[0] for p in pts], [p[1] for p in pts])
+            profile.p2p = AlphaBeta.fit(*zip(*result["p2p"]))
         if world == worlds[0]:
             profile.process_rss_bytes = result["rss"]
     log("measuring a parameter-server round trip ...")
     ps = launch(_ps_worker, num_replicas=3, num_ps=1)[0]  # two workers, one server
     if ps:
-        pts = ps["ps"]
-        profile.ps_round_trip = AlphaBeta.fit([p[0] for p in pts], [p[1] for p in pts])
+        profile.ps_round_trip = AlphaBeta.fit(*zip(*ps["ps"]))
     profile.measured_at = datetime.datetime.now().isoformat(timespec="seconds")
     profile.load_average = max(load, os.getloadavg()[0])
     return profile

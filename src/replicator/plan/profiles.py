@@ -8,6 +8,7 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ class AlphaBeta:
         return self.a + self.b * nbytes
 
     @classmethod
-    def fit(cls, sizes: list[float], seconds: list[float]) -> AlphaBeta:
+    def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
         """The line through ``(size, seconds)`` with the least *relative* squared error and
         non-negative terms (a negative term is set to 0 and the other fitted again)."""
         if len(sizes) != len(seconds) or len(sizes) < 2:
