@@ -1,37 +1,19 @@
 """The measuring side of ``replicator bench`` and ``plan``: timers inside the user's process.
 
-The user's script is not changed, nor any function of torch or of the library: the probe is a
-step observer (:mod:`replicator.strategies.observers`) told when each ``strategy.run`` starts
-and ends (one call = one step; ``Trainer.fit`` and custom loops alike) and when the loop calls
-``reduce``/``gather`` (counted); torch's global optimizer step hooks time ``optimizer.step()``,
-and the comm room's timers (:mod:`replicator.comm.timing`) give the communication and the
-``"checkpoint"`` region. Per step (from one ``run`` call to the next):
-
-* ``compute``: inside ``run``, minus the optimizer, communication and checkpoint inside it;
-* ``communication``: time the main thread waited in collectives (inside ``run`` and between
-  steps, e.g. the loss reduced in the loop) plus parameter-server push/pull (the optimizer
-  pre-step hooks registered by the strategy); ``overlapped``: communication-thread time
-  beyond what was waited for (reported, not part of the sum);
-* ``optimizer``: ``optimizer.step()``; ``checkpoint``: the ``"checkpoint"`` timing region;
-* ``input``: the rest of the gap between steps (fetching the next batch, the loop's own code).
-
-The parts sum to the step by construction. On a CUDA device, whose kernels run after the call
-that queued them returns, the probe synchronizes the device at every boundary it times (and the
-comm room's timers at every collective), so each part is device time, not launch time; it also
-reports the device's peak allocated memory beside the process's.
-
-After ``warmup + steps`` calls the next ``run`` raises :class:`BenchComplete` on every rank at
-the same point (before the step's collectives), and the entry writes the records. In ``profile``
-mode (one process, for ``plan``) the probe also runs some steps on one thread and on half and
-quarter batches (to fit compute against batch size), one step (the first after the warmup)
-under torch's FLOP counter and a saved-tensor counter, and times each later step's forward pass
-up to the end of the model's call (a forward hook on the model).
+Nothing of the script, torch or the library is replaced: the probe is a step observer
+(:mod:`replicator.strategies.observers`) told when each ``strategy.run`` starts and ends (one
+call, one step) and when the loop reduces or gathers; torch's optimizer step hooks time
+``optimizer.step()``; the comm room's timers (:mod:`replicator.comm.timing`) give the exposed
+and overlapped communication and the ``"checkpoint"`` region; ``input`` is the rest of the gap
+between steps, so the parts sum to the step. On CUDA every boundary synchronizes the device.
+After ``warmup + steps`` calls the next ``run`` raises :class:`BenchComplete` on every rank.
+``profile`` mode (one process, for ``plan``) adds phases on one thread and on half and
+quarter batches, one step under the FLOP and saved-tensor counters, and the forward's end.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import resource
@@ -43,6 +25,8 @@ from typing import Any
 import torch
 
 from replicator.comm import timing
+from replicator.plan.profiles import save_json
+from replicator.strategies.nest import flatten
 from replicator.strategies.observers import StepObserver, add_step_observer
 
 __all__ = ["BenchComplete", "Probe", "STRATEGY_ENV"]
@@ -73,29 +57,15 @@ class BenchComplete(BaseException):
 
 def _leading_size(obj: Any) -> int | None:
     """The batch size: the leading dimension of the first tensor in ``obj``."""
-    if isinstance(obj, torch.Tensor):
-        return int(obj.shape[0]) if obj.dim() else None
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            size = _leading_size(item)
-            if size is not None:
-                return size
-    if isinstance(obj, dict):
-        return _leading_size(list(obj.values()))
-    return None
+    return next((int(t.shape[0]) for t in flatten(obj)[0]
+                 if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
 def slice_batch(obj: Any, keep: int, size: int) -> Any:
     """``obj`` with every tensor whose leading dimension is ``size`` cut to ``keep`` rows."""
-    if isinstance(obj, torch.Tensor):
-        return obj[:keep] if obj.dim() and obj.shape[0] == size else obj
-    if isinstance(obj, tuple):
-        return tuple(slice_batch(x, keep, size) for x in obj)
-    if isinstance(obj, list):
-        return [slice_batch(x, keep, size) for x in obj]
-    if isinstance(obj, dict):
-        return {k: slice_batch(v, keep, size) for k, v in obj.items()}
-    return obj
+    leaves, rebuild = flatten(obj)
+    return rebuild([t[:keep] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size
+                    else t for t in leaves])
 
 
 class _SavedBytes:
@@ -122,9 +92,8 @@ class _SavedBytes:
 
 
 def _precision(saved: dict[torch.dtype, int], counter: Any) -> dict[str, Any]:
-    """What the step's FLOPs ran in, for a GPU's nominal rate: ``"half"`` when bf16/fp16
-    activations outweigh float32 ones (mixed precision), else ``"fp32"`` with the fraction of
-    FLOPs TF32 may take (convolutions under cuDNN's default, matmuls when allowed)."""
+    """What the FLOPs ran in: ``"half"`` when bf16/fp16 activations outweigh float32 ones,
+    else ``"fp32"`` with the share TF32 may take (cuDNN's convolutions, matmuls if allowed)."""
     half = saved.get(torch.bfloat16, 0) + saved.get(torch.float16, 0)
     if half > saved.get(torch.float32, 0):
         return {"compute_precision": "half", "tf32_fraction": 0.0}
@@ -139,10 +108,9 @@ def _precision(saved: dict[torch.dtype, int], counter: Any) -> dict[str, Any]:
 
 def stage_shares(model: torch.nn.Module, flops_by_module: dict[str, dict[Any, int]]
                  ) -> dict[str, float]:
-    """Per number of pipeline stages (2 to 8): the largest share of the step's FLOPs that one
-    stage holds when the pipeline cuts ``model`` as it does by default, balancing parameter
-    counts. A CNN's first convolutions hold few parameters and most of the FLOPs, so its
-    first stage of two does ~70% of the work, not half. Empty for a model that is no chain."""
+    """Per number of pipeline stages (2 to 8): the largest share of the FLOPs one stage holds
+    under the pipeline's parameter-balanced cut (a CNN's first of two: ~70%); empty for a
+    model that is no chain."""
     from replicator.parallel.pipeline_split import (
         PipelineSplitError,
         balanced_starts,
@@ -188,8 +156,8 @@ class Probe(StepObserver):
         self._t_pre: float | None = None
         self._t_pre2: float | None = None
         self._comm_pre: float = 0.0
-        self._open: dict[str, float] | None = None
         self._run: dict[str, Any] | None = None  # the step now inside ``run``
+        self._open: dict[str, Any] | None = None  # the step ended, until the next begins
         self._progress_path: str | None = None
         self._progress_at = -math.inf
         self._t_forward: float | None = None  # when the step's model call returned
@@ -333,18 +301,15 @@ class Probe(StepObserver):
             return
         t_end = self._now()
         comm_end = timing.snapshot()
-        now, phase, t_run = r["start"], r["phase"], r["t_run"]
         ckpt_now = timing.region_seconds("checkpoint")
-        self._open = {"start": now, "run": t_end - t_run,
-                      "comm_run": (comm_end - r["comm_run"]).exposed,
-                      "comm_start": r["comm_start"].exposed,
-                      "bg_start": r["comm_start"].background,
-                      "opt": self._opt, "ps": self._ps, "comm_in_opt": self._comm_in_opt,
-                      "end": t_end, "ckpt_run": ckpt_now - r["ckpt_start"], "ckpt_end": ckpt_now,
-                      "pre": t_run - now,
-                      "forward": (self._t_forward - t_run) if self._t_forward else 0.0,
-                      "phase": PROFILE_PHASES.index(phase) if phase else -1,
-                      "batch": float(self.batch_sizes[-1]) if self.batch_sizes else 0.0}
+        t_run = r["t_run"]
+        r.update(run=t_end - t_run, comm_run=(comm_end - r["comm_run"]).exposed, opt=self._opt,
+                 ps=self._ps, comm_in_opt=self._comm_in_opt, end=t_end, ckpt_end=ckpt_now,
+                 ckpt_run=ckpt_now - r["ckpt_start"], pre=t_run - r["start"],
+                 forward=(self._t_forward - t_run) if self._t_forward else 0.0,
+                 phase=PROFILE_PHASES.index(r["phase"]) if r["phase"] else -1,
+                 batch=float(self.batch_sizes[-1]) if self.batch_sizes else 0.0)
+        self._open = r
         self._write_progress()
 
     def _phase(self) -> tuple[str, int, int, float] | None:
@@ -371,13 +336,13 @@ class Probe(StepObserver):
         if self.calls <= self.warmup:
             self._warm_steps.append(step)
             return
-        comm_total = comm_now.exposed - r["comm_start"]
+        comm_total = comm_now.exposed - r["comm_start"].exposed
         comm_gap = comm_total - r["comm_run"]
         ckpt = timing.region_seconds("checkpoint") - r["ckpt_end"]  # saved between steps
         opt = max(0.0, r["opt"] - r["comm_in_opt"])
         comm = comm_total + r["ps"]
         compute = max(0.0, r["run"] - opt - r["ps"] - r["comm_run"] - r["ckpt_run"])
-        background = comm_now.background - r["bg_start"]
+        background = comm_now.background - r["comm_start"].background
         self.records.append({
             "step": step, "compute": compute, "communication": comm, "optimizer": opt,
             # the gap between steps, and the probe's own bookkeeping before this step
@@ -478,8 +443,4 @@ class Probe(StepObserver):
         }
 
     def write(self, directory: str) -> None:
-        path = os.path.join(directory, f"rank{self.rank}.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.results(), f)
-        os.replace(tmp, path)
+        save_json(os.path.join(directory, f"rank{self.rank}.json"), self.results())
