@@ -172,8 +172,9 @@ def test_server_applies_the_described_optimizer_and_counts_versions():
     got: dict[int, tuple[int, torch.Tensor]] = {}
     client.push({0: [(0, 0, torch.full((2, 2), 2.0))]}, lambda s, v, t: got.update({s: (v, t)}))
     assert got[0][0] == 1 and torch.equal(got[0][1], torch.zeros(2, 2))  # 1 - 0.5 * 2
-    assert client.versions() == {0: 1}
-    assert client.stats()[0][:3].tolist() == [1, 0, 0]  # one update, staleness 0
+    stats = client.stats()[0]
+    assert stats["versions"] == {"0": 1}
+    assert stats["staleness"][:3] == [1, 0, 0]  # one update, staleness 0
     client.close()
     thread.join(5)
     assert not thread.is_alive()  # every worker came and went: the server is done

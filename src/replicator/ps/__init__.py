@@ -5,7 +5,7 @@ The strategy registers itself with the registry of :mod:`replicator.strategies` 
 strategies room never imports this one."""
 
 from replicator.ps import partitioners
-from replicator.ps.cluster_coordinator import ClusterCoordinator
+from replicator.ps.cluster_coordinator import ClusterCoordinator, PerWorkerValues, RemoteValue
 from replicator.ps.parameter_server import ParameterServerStrategy
 from replicator.ps.partitioners import (
     FixedShardsPartitioner,
@@ -14,7 +14,6 @@ from replicator.ps.partitioners import (
     Partitioner,
 )
 from replicator.ps.protocol import ParameterServerError, ParameterServerLostError
-from replicator.ps.remote_value import PerWorkerValues, RemoteValue
 from replicator.ps.task_queue import (
     CallMismatchError,
     NoWorkerError,

@@ -1,18 +1,19 @@
-"""Exactly-once input for asynchronous workers: a ledger of batch claims on server 0.
-
-Each epoch of each input stream (every dataset a strategy distributes, numbered in creation
-order, the same on every worker) is cut into numbered per-replica batches, the same cut on
-every worker (a seeded permutation). A worker *claims* the next batch from the ledger, trains
-on it, and its update *consumes* the claim when server 0 applies it. A worker that is lost
-before its update lands gives its claims back, and the next worker to ask takes them: every
-batch of an epoch is consumed by exactly one applied update (counted at server 0). An epoch
-ends for a worker when no batch is left unclaimed and none is in flight with another worker.
-"""
+"""Exactly-once input for asynchronous workers: server 0's ledger of batch claims per input
+stream and epoch. A claim is consumed when its worker's update is applied; a lost worker's
+claims go back to the others, so every batch of an epoch is consumed by exactly one update.
+The worker's side is :class:`ClaimedBatches`: batches claimed one by one, so fast workers take
+more."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data.dataloader import default_collate
 
 
 @dataclass
@@ -115,3 +116,54 @@ class ClaimLedger:
 def _key(text: str) -> Key:
     stream, epoch = text.split(":")
     return int(stream), int(epoch)
+
+
+class ClaimedBatches:
+    """Per-replica batches of ``dataset`` claimed one by one; every worker cuts an epoch alike
+    (a permutation seeded by ``seed + epoch``), and iterating once runs one epoch."""
+
+    def __init__(self, claim: Callable[[int, int, int], int],
+                 claimed: Callable[[tuple[int, int, int] | None], None], stream: int,
+                 dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+        self._claim, self._claimed = claim, claimed  # server 0's claim; the batch in use
+        self.stream = stream
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn or default_collate
+        self.epoch = 0
+        self.size = len(dataset)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        """Batches in one epoch, over all workers together."""
+        if self.drop_last:
+            return self.size // self.batch_size
+        return math.ceil(self.size / self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next pass at ``epoch`` (a restarted job continues where it was)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self.epoch
+        self.epoch += 1
+        if self.shuffle:
+            order = torch.randperm(self.size,
+                                   generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            order = torch.arange(self.size)
+        total = len(self)
+        try:
+            while True:
+                index = self._claim(self.stream, epoch, total)
+                if index < 0:
+                    return
+                rows = order[index * self.batch_size:(index + 1) * self.batch_size].tolist()
+                batch = self.collate_fn([self.dataset[i] for i in rows])
+                self._claimed((self.stream, epoch, index))
+                yield batch
+        finally:
+            self._claimed(None)

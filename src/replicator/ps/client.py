@@ -1,25 +1,13 @@
-"""A worker's connections to every parameter server; requests go to all servers at once.
-
-Each request is sent to every server concerned in parallel (one thread per server), so a pull
-or push of a sharded model costs about the time of its largest server's part. Losing a server
-raises :class:`~replicator.ps.protocol.ParameterServerLostError` naming the server and the
-variables it held, within the connection's timeout.
-
-With a server on this host (same :func:`~replicator.comm.shm_segment.host_id`),
-:meth:`ServerClient.share_memory` attaches a shared-memory lane to its connection: a push's
-gradients (a coordinator's prepared update too) and the ids of a row pull are copied once into
-it, the values and rows coming back are copied once out of it, and only headers travel on the
-socket. Otherwise (or when the segment cannot be
-made) payloads stay on the socket, and the reason is printed once.
-"""
+"""A worker's connections to every parameter server: each request goes to all servers
+concerned at once; a lost server raises ``ParameterServerLostError`` naming what it held.
+With a server on this host payloads go through a shared-memory lane (else the socket, and the
+reason is printed once)."""
 
 from __future__ import annotations
 
 import json
 import sys
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -94,9 +82,6 @@ class ServerClient:
         self.pids: list[int] = []
         self.same_host: list[bool] = []
         self.shared_off: str = ""  # why payloads stay on the socket (printed once)
-        self._shared_off_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)),
-                                        thread_name_prefix="ps-client")
         for k, address in enumerate(addresses):
             try:
                 conn = Connection.connect(address, self.describe(k), timeout_seconds)
@@ -132,21 +117,6 @@ class ServerClient:
                                          f"{msg.kind}, expected {kind}")
         return msg
 
-    def each(self, fn: Callable[[int, Connection], T], servers: list[int] | None = None
-             ) -> list[T]:
-        """``fn(k, connection)`` for each server ``k`` (all by default), in parallel."""
-        ks = list(range(len(self.connections))) if servers is None else servers
-
-        def call(k: int) -> T:
-            try:
-                return fn(k, self.connections[k])
-            except PeerLostError as exc:
-                raise self.lost(k, exc) from exc
-
-        if len(ks) == 1:
-            return [call(ks[0])]
-        return list(self._pool.map(call, ks))
-
     def exchange(self, send: Callable[[int, Connection], None],
                  receive: Callable[[int, Connection], T], servers: list[int] | None = None
                  ) -> list[T]:
@@ -167,10 +137,8 @@ class ServerClient:
 
     def _read_values(self, k: int, conn: Connection, sink: Sink, into: Into | None = None
                      ) -> int:
-        """Values until the end marker; its clock (``-1 - clock`` when the push answered was
-        a coordinator task's repeat, which the server did not apply again). A large shard's
-        values may come in parts (rows ``c - 1`` on, of ``b``: see
-        :mod:`replicator.ps.value_parts`); ``sink`` gets the whole shard after its last."""
+        """Values until the end marker (a large shard's in parts, see
+        :mod:`replicator.ps.value_parts`); its clock, ``-1 - clock`` for a task's repeat."""
         land = self.into if into is None else into
         parts: PartAssembler | None = None
         while True:
@@ -191,41 +159,45 @@ class ServerClient:
     def share_memory(self, sizes: dict[int, tuple[int, int]], worker: int) -> None:
         """Attach a lane to each server's connection that ``sizes[k]`` (push bytes, pull bytes)
         fit in, where the server runs on this host; a lane too small is replaced."""
-        def one(k: int, conn: Connection) -> None:
-            push, pull = sizes[k]
-            lane = conn.lane
+        made: dict[int, tuple[SharedSegment, tuple[int, int], tuple[int, int]]] = {}
+        for k, (push, pull) in sizes.items():
+            lane = self.connections[k].lane
             if lane is not None and lane.out_bytes >= push and lane.in_bytes >= pull:
-                return
+                continue
             if not self.same_host[k]:
                 self._fallback(f"{self.describe(k)} runs on another host")
-                return
+                continue
             size, mine, theirs = SharedLane.layout(push, pull)
             try:
-                segment = SharedSegment.create_named(size, f"ps{k}-w{worker}")
+                made[k] = (SharedSegment.create_named(size, f"ps{k}-w{worker}"), mine, theirs)
             except (OSError, ValueError) as exc:
                 self._fallback(f"could not create a {size / 1e6:.1f} MB shared-memory segment "
                                f"({type(exc).__name__}: {exc})")
-                return
-            try:
-                conn.send(P.SHM_ATTACH, version=host_id(), a=push, b=pull,
-                          tensor=text_tensor(segment.name))
-                reply = self._expect(k, conn.receive("waiting for the shared-memory answer"),
-                                     P.SHM_ATTACHED)
-            finally:
-                unlink_segment(segment.name)  # mapped by both now, or by nobody else
+
+        def send(k: int, conn: Connection) -> None:
+            conn.send(P.SHM_ATTACH, version=host_id(), a=sizes[k][0], b=sizes[k][1],
+                      tensor=text_tensor(made[k][0].name))
+
+        def attach(k: int, conn: Connection) -> None:
+            reply = self._expect(k, conn.receive("waiting for the shared-memory answer"),
+                                 P.SHM_ATTACHED)
             if not reply.a:
                 self._fallback(tensor_text(reply.payload))
                 return
+            segment, mine, theirs = made[k]
             conn.lane = SharedLane(segment, out=mine, inbox=theirs)
 
-        self.each(one, [k for k in sizes if k < len(self.connections)])
+        try:
+            self.exchange(send, attach, sorted(made))
+        finally:
+            for segment, _, _ in made.values():
+                unlink_segment(segment.name)  # mapped by both now, or by nobody else
 
     def _fallback(self, reason: str) -> None:
-        with self._shared_off_lock:
-            first, self.shared_off = not self.shared_off, self.shared_off or reason
-        if first:
+        if not self.shared_off:
             print(f"[replicator] parameter server payloads go over TCP, not shared memory: "
                   f"{reason}", file=sys.stderr, flush=True)
+            self.shared_off = reason
 
     def traffic(self) -> dict[str, int]:
         """Bytes this worker sent to and received from the servers so far."""
@@ -244,18 +216,20 @@ class ServerClient:
         ``sparse``: shard ids of sparse tables (pulled by rows, left out of full pulls)."""
         sparse = sparse or set()
 
-        def one(k: int, conn: Connection) -> None:
-            items = shards.get(k, [])
+        def send(k: int, conn: Connection) -> None:
             conn.send_many([(P.REGISTER, sid, 0, t, int(sid in sparse), 0, 0)
-                            for sid, t in items])
-            for _ in items:
+                            for sid, t in shards.get(k, [])])
+
+        def registered(k: int, conn: Connection) -> None:
+            for _ in shards.get(k, []):
                 self._expect(k, conn.receive("waiting for REGISTERED"), P.REGISTERED)
 
-        self.each(one)
+        self.exchange(send, registered)
 
     def send_optimizer(self, text: str) -> None:
         payload = text_tensor(text)
-        self.each(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload))
+        self.exchange(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload),
+                      lambda k, conn: None)
 
     def pull(self, expected: dict[int, int], sink: Sink, begin: bool = False,
              everything: bool = False) -> list[int]:
@@ -285,15 +259,10 @@ class ServerClient:
     def push(self, grads: dict[int, list[Push]], sink: Sink, pull: bool = True,
              claim: tuple[int, int, int] | None = None,
              task: tuple[int, int] | None = None, atomic: bool = True) -> list[int]:
-        """Push ``grads[k]`` (``(shard id, version pulled, gradient, rows)``; ``rows`` the
-        shard-local rows of a sparse table's gradient, else ``None``) to each server, then
-        (``pull``) read back every dense shard's new values; ``claim`` (stream, epoch, batch):
-        the input batch this update consumes (told to server 0); ``task`` (task id, push
-        number): a coordinator's function, applied at most once by each server (with ``task``,
-        every server gets the push, also one with no gradient for it). ``atomic`` (with ``task``
-        and several servers): commit in two phases, so that the whole update applied comes from
-        one attempt (``staleness=0`` needs it); otherwise each server applies its part of the
-        first attempt that reaches it, in one round trip."""
+        """Push ``grads[k]`` (``(shard id, version pulled, gradient, rows or None)``) to each
+        server, then (``pull``) read back the dense shards' values. ``claim``: the input batch
+        it consumes; ``task`` (task id, push number): applied at most once by each server, in
+        two phases with ``atomic`` and several servers (the whole update from one attempt)."""
         if task is not None and atomic and len(self.connections) > 1:
             return self._push_task(grads, sink, pull, task)
 
@@ -314,10 +283,8 @@ class ServerClient:
 
     def _push_task(self, grads: dict[int, list[Push]], sink: Sink, pull: bool,
                    task: tuple[int, int]) -> list[int]:
-        """A coordinator's update to several servers, in two phases: every server holds it
-        (prepare), then every server applies it (commit). A worker lost in between leaves the
-        update held, and the re-run's commit applies that first attempt's update, never the
-        re-run's (which may have read a part already applied elsewhere)."""
+        """A coordinator's update to several servers in two phases (prepare everywhere, then
+        commit), so that a re-run's commit applies the first attempt's update, never its own."""
         def prepare(k: int, conn: Connection) -> None:
             items = grads.get(k, [])
             # through the lane: the server copies what it holds before it answers PREPARED
@@ -343,61 +310,27 @@ class ServerClient:
         # functions with staleness=0 run one at a time, so no read falls between two commits.
         return self.exchange(commit, applied)
 
-    def task_stats(self) -> list[dict[str, int]]:
-        """Per server: coordinator task pushes applied and repeats turned away."""
-        def one(k: int, conn: Connection) -> dict[str, int]:
-            conn.send(P.TASK_STATS)
-            return json.loads(tensor_text(self._expect(k, conn.receive(
-                "waiting for task statistics"), P.TASK_STATS).payload))
-
-        return self.each(one)
+    def request(self, kind: int, answer: int, what: str, servers: list[int] | None = None,
+                tensor: torch.Tensor | None = None, **fields: int) -> list[Message]:
+        """Send ``kind`` to each server (all by default) and return each one's ``answer``."""
+        return self.exchange(lambda k, conn: conn.send(kind, tensor=tensor, **fields),
+                             lambda k, conn: self._expect(
+                                 k, conn.receive(f"waiting for {what}"), answer), servers)
 
     def claim(self, stream: int, epoch: int, total: int) -> int:
         """The next batch of ``epoch`` of input ``stream`` for this worker (-1: done)."""
-        def one(k: int, conn: Connection) -> int:
-            conn.send(P.CLAIM, var_id=stream, a=epoch, b=total)
-            return self._expect(k, conn.receive("waiting for a batch claim"), P.CLAIMED).a
+        return self.request(P.CLAIM, P.CLAIMED, "a batch claim", [0], var_id=stream, a=epoch,
+                            b=total)[0].a
 
-        return self.each(one, [0])[0]
-
-    def data_stats(self, stream: int = 0) -> dict[int, dict[str, Any]]:
-        def one(k: int, conn: Connection) -> str:
-            conn.send(P.DATA_STATS, a=stream)
-            return tensor_text(self._expect(k, conn.receive("waiting for data statistics"),
-                                            P.DATA_STATS).payload)
-
-        raw = json.loads(self.each(one, [0])[0])
-        return {int(e): {**v, "by_worker": {int(w): n for w, n in v["by_worker"].items()}}
-                for e, v in raw.items()}
-
-    def stats(self) -> list[torch.Tensor]:
-        def one(k: int, conn: Connection) -> torch.Tensor:
-            conn.send(P.STATS)
-            msg = self._expect(k, conn.receive("waiting for statistics"), P.STATS)
-            assert msg.payload is not None
-            return msg.payload
-
-        return self.each(one)
-
-    def versions(self) -> dict[int, int]:
-        def one(k: int, conn: Connection) -> list[int]:
-            conn.send(P.VERSIONS)
-            msg = self._expect(k, conn.receive("waiting for versions"), P.VERSIONS)
-            assert msg.payload is not None
-            return msg.payload.tolist()
-
-        out: dict[int, int] = {}
-        for flat in self.each(one):
-            out.update({flat[i]: flat[i + 1] for i in range(0, len(flat), 2)})
-        return out
+    def stats(self, servers: list[int] | None = None, stream: int = 0) -> list[dict[str, Any]]:
+        """Per server: ``staleness`` (count, sum, max, histogram), shard ``versions``, coordinator
+        ``tasks`` applied and repeated, and its claims of input ``stream`` (``data``)."""
+        return [json.loads(tensor_text(m.payload))
+                for m in self.request(P.STATS, P.STATS, "statistics", servers, a=stream)]
 
     def save(self, step: int, description: str) -> list[str]:
-        def one(k: int, conn: Connection) -> str:
-            conn.send(P.SAVE, a=step, tensor=text_tensor(description))
-            return tensor_text(self._expect(k, conn.receive("waiting for the save"),
-                                            P.SAVED).payload)
-
-        return self.each(one)
+        return [tensor_text(m.payload) for m in self.request(
+            P.SAVE, P.SAVED, "the save", a=step, tensor=text_tensor(description))]
 
     def close(self) -> None:
         """Say goodbye to every server (a clean exit, not a lost worker) and disconnect."""
@@ -407,7 +340,6 @@ class ServerClient:
             except (PeerLostError, OSError):
                 pass
             conn.close()
-        self._pool.shutdown(wait=False)
 
     def __enter__(self) -> ServerClient:
         return self

@@ -1,28 +1,11 @@
 """ClusterCoordinator: the chief schedules functions onto free workers (tf.distribute's API).
 
-Every process runs the same script. The chief (worker 0 of a ``ParameterServerStrategy``)
-queues each ``schedule(fn, args)`` and returns a :class:`RemoteValue` at once; the other
-workers run the functions, whichever is free taking the next one, reading variables from the
-servers and pushing their updates there. On a worker the same calls mirror the chief's:
-``schedule`` records the function under its name (and refuses what the chief refuses),
-``join`` (and the end of the script) runs functions until the chief passes the same call, then
-returns what it returned there; ``fetch`` and ``done`` run functions until the chief can
-answer them (:mod:`replicator.ps.task_channel`). ``fetch`` and ``done`` need nothing from the
-workers, so the chief may call them alone (``if coordinator.is_chief: print(v.fetch())``);
-``schedule``, ``join`` and ``create_per_worker_dataset`` must be the same on every process,
-and a mismatch raises :class:`CallMismatchError` naming both sides. An error is the same class
-on every process. A job whose chief is its only worker runs each function on the chief when it
-is scheduled.
-
-Exactly once, where tf.distribute promises at least once: a worker lost while running a
-function gives it back, and another worker runs it again; every push of a function carries its
-task id and the servers apply each push once, so an update committed before the loss is not
-applied again (the function still runs again, for its return value); with several servers a
-push is prepared on every server before it is committed on any (``ps/client.py``), so a worker
-lost between servers leaves no half-update for the re-run to complete. With ``staleness=0``
-the functions run one at a time in schedule order, each reading every update committed before
-it: the same parameters as one device fed the same batches in that order.
-"""
+Every process runs the same script: on the chief ``schedule`` queues and returns a
+:class:`RemoteValue`; on a worker the same calls mirror the chief's and run functions until the
+chief passes them (``fetch`` and ``done`` need nothing from the workers, so the chief may call
+them alone); a mismatch raises :class:`CallMismatchError`. Exactly once: a lost worker's
+function runs again elsewhere, and the servers apply each (task, push) once (prepared on every
+server before it is committed with ``staleness=0``)."""
 
 from __future__ import annotations
 
@@ -40,7 +23,6 @@ from replicator.cluster.timeouts import resolve_timeout
 from replicator.data import InputContext
 from replicator.errors import ParameterServerError
 from replicator.ps.parameter_server import ParameterServerStrategy
-from replicator.ps.remote_value import PerWorkerDataset, PerWorkerValues, RemoteValue
 from replicator.ps.task_channel import Reply, StopServing, TaskChannel, TaskDispatcher
 from replicator.ps.task_queue import (
     CANCELLED,
@@ -49,6 +31,7 @@ from replicator.ps.task_queue import (
     FAILED,
     FETCH_CALL,
     MARKER_CALL,
+    SAME_CALLS_HINT,
     VALUE_DONE_CALL,
     CallMismatchError,
     NoWorkerError,
@@ -58,9 +41,10 @@ from replicator.ps.task_queue import (
     Task,
     TaskQueue,
     error_fields,
+    function_failed,
     rebuild_error,
 )
-from replicator.ps.values import decode, encode
+from replicator.ps.values import ResourceRef, decode, encode
 
 _ADDRESS_KEY = "replicator/coordinator/address"
 
@@ -72,6 +56,52 @@ def _key(fn: Callable[..., Any]) -> tuple[str, str]:
     code = getattr(target, "__code__", None)
     line = f":{code.co_firstlineno}" if code is not None else ""
     return f"{getattr(target, '__module__', '?')}.{name}{line}", name
+
+
+class RemoteValue:
+    """The result of one scheduled function, available once it ran on some worker."""
+
+    def __init__(self, coordinator: ClusterCoordinator, number: int, name: str) -> None:
+        self._coordinator = coordinator
+        self._number = number
+        self._name = name
+
+    def fetch(self) -> Any:
+        """Wait for the function and return its value (tensors come back as CPU tensors);
+        raises what it raised, as ``RemoteFunctionError`` naming the worker and its traceback.
+        The chief may call it alone; on a worker it runs functions meanwhile and returns the
+        same value, or raises the same class, as on the chief."""
+        return self._coordinator._fetch(self)
+
+    def done(self) -> bool:
+        """Whether the function has finished (the chief may call it alone)."""
+        return self._coordinator._value_done(self)
+
+    def __repr__(self) -> str:
+        return f"<RemoteValue of {self._name} (schedule #{self._number})>"
+
+
+class PerWorkerValues(ResourceRef):
+    """One value per worker, living on the workers; a function given it as an argument gets
+    the value of the worker it runs on."""
+
+    def __init__(self, number: int, local: Any = None) -> None:
+        super().__init__(number)
+        self._local = local
+
+    def __repr__(self) -> str:
+        return f"<PerWorkerValues #{self.number}>"
+
+
+class PerWorkerDataset:
+    """The dataset ``input_fn`` builds on each worker; ``iter()`` gives a per-worker iterator
+    (``next(it)`` inside a scheduled function takes the running worker's next element)."""
+
+    def __init__(self, make_iterator: Callable[[], PerWorkerIterator]) -> None:
+        self._make_iterator = make_iterator
+
+    def __iter__(self) -> PerWorkerIterator:
+        return self._make_iterator()
 
 
 class PerWorkerIterator(PerWorkerValues):
@@ -108,7 +138,7 @@ class ClusterCoordinator:
                   "ClusterCoordinator a lost worker is not replaced (its functions run on the "
                   "other workers), so it ends here", file=sys.stderr, flush=True)
             raise SystemExit(0)
-        self._strategy = strategy
+        self.strategy = strategy
         self._rank = strategy.replica_id
         #: True on the process that schedules (the strategy's chief, worker 0).
         self.is_chief = strategy.is_chief
@@ -127,7 +157,7 @@ class ClusterCoordinator:
         self._queue: TaskQueue | None = None
         self._dispatcher: TaskDispatcher | None = None
         self._channel: TaskChannel | None = None
-        store = strategy._coordination_store()
+        store = strategy._store
         if self.is_chief and not self._inline:
             self._queue = TaskQueue(self._workers, serial=strategy.staleness == 0)
             sock = listen(LOOPBACK, 0)
@@ -144,13 +174,8 @@ class ClusterCoordinator:
                     "ClusterCoordinator on every process, the chief (rank 0) included.") from exc
             host, port = store.get(_ADDRESS_KEY).decode().rsplit(":", 1)
             self._channel = TaskChannel((host, int(port)), self._rank, self._timeout,
-                                        self._run_task, ahead=strategy.staleness != 0)
+                                        self._call, ahead=strategy.staleness != 0)
         on_shutdown(self._finish)
-
-    # -- identity ------------------------------------------------------------------------------
-    @property
-    def strategy(self) -> ParameterServerStrategy:
-        return self._strategy
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self, fn: Callable[..., Any], args: tuple = (),
@@ -167,8 +192,9 @@ class ClusterCoordinator:
         value = RemoteValue(self, number, name)
         call = {"args": list(args), "kwargs": dict(kwargs or {})}
         try:
-            if self.is_chief:
-                self._raise_pending()
+            error = self._take_error() if self.is_chief else None
+            if error is not None:
+                raise error
             # encoded on every process, so that what the chief refuses a worker refuses too
             payload = encode(call, f"schedule({name}) argument")
         except BaseException as exc:
@@ -178,18 +204,18 @@ class ClusterCoordinator:
         if not self.is_chief:
             return value  # recorded: the chief hands it to a worker
         if self._inline:
-            task = Task(number, key, name, payload)
-            self._tasks[number] = task
-            self._run_inline(task)
-            return value
-        assert self._queue is not None
-        self._tasks[number] = self._queue.add(key, name, payload, task_id=number)
+            self._tasks[number] = Task(number, key, name, payload)
+            self._run_inline(self._tasks[number])
+        else:
+            assert self._queue is not None
+            self._tasks[number] = self._queue.add(key, name, payload, task_id=number)
         return value
 
     def join(self) -> None:
         """Wait until every scheduled function has finished; raises the first error of a
         function (the functions queued after it were cancelled)."""
-        seq = self._next_seq()
+        self._seq += 1
+        seq = self._seq
         if not self.is_chief:
             self._mirror_join(seq)
             return
@@ -222,7 +248,7 @@ class ClusterCoordinator:
         ``input_fn()``; a dataset or ``DataLoader`` is taken as is). ``iter()`` of the result
         is a per-worker iterator for ``schedule``'s arguments."""
         number = len(self._datasets)
-        if self._runs_functions:
+        if not self.is_chief or self._inline:  # this process runs the functions
             index = self._workers.index(self._rank) if self._workers else 0
             ctx = InputContext(num_input_pipelines=max(1, len(self._workers)),
                                input_pipeline_id=index,
@@ -244,10 +270,6 @@ class ClusterCoordinator:
         self._resources.append(local)
         return PerWorkerIterator(number, local if self._inline else None)
 
-    @property
-    def _runs_functions(self) -> bool:
-        return not self.is_chief or self._inline
-
     def stats(self) -> dict[str, Any]:
         """On the chief: functions scheduled, finished, run again after a lost worker, the
         live and lost workers, and the commit order (task numbers, in finishing order)."""
@@ -259,10 +281,6 @@ class ClusterCoordinator:
         return out
 
     # -- the chief's side ------------------------------------------------------------------------
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
     def _counts(self) -> dict[str, int]:
         """The calls every process must make alike, counted (compared at join and at the end)."""
         return {"scheduled": self._scheduled, "datasets": len(self._datasets),
@@ -285,11 +303,6 @@ class ClusterCoordinator:
             return error
         assert self._queue is not None
         return self._queue.take_error()
-
-    def _raise_pending(self) -> None:
-        error = self._take_error()
-        if error is not None:
-            raise error
 
     def _fetch(self, value: RemoteValue) -> Any:
         if value._coordinator is not self:
@@ -319,13 +332,9 @@ class ClusterCoordinator:
             task.result = self._call(task.task_id, task.key, task.name, *task.args)
             task.state = DONE
         except Exception as exc:  # noqa: BLE001 - raised by join() / fetch(), as remotely
-            import traceback
-
             task.state = FAILED
             task.error = RemoteFunctionError(
-                f"scheduled function {task.name} (task {task.task_id}) raised on worker rank "
-                f"{self._rank}: {type(exc).__name__}: {exc}\nworker traceback:\n"
-                f"{traceback.format_exc()}")
+                function_failed(task.name, f"task {task.task_id}", self._rank, exc))
             self._inline_error = task.error
 
     def _finish(self) -> None:
@@ -371,8 +380,7 @@ class ClusterCoordinator:
         except StopServing:
             raise CallMismatchError(
                 f"worker rank {self._rank} reached {request.describe()} after the chief had "
-                "finished its script. HINT: every process runs the same script; make schedule(), "
-                "join() and create_per_worker_dataset() the same on every process.") from None
+                f"finished its script. {SAME_CALLS_HINT}") from None
 
     def _mirror_join(self, seq: int) -> None:
         """A worker's join(): returns (or raises) what the chief's join() did."""
@@ -389,10 +397,7 @@ class ClusterCoordinator:
         if reply.marker != "join" or reply.seq != seq:
             raise CallMismatchError(
                 f"worker rank {self._rank} reached {where} but the chief reached "
-                f"coordinator.join() (call {reply.seq}). HINT: every process runs the same "
-                "script; make schedule(), join() and create_per_worker_dataset() the same on "
-                "every process (no condition on the rank around them); fetch() and done() may "
-                "be called on the chief only.")
+                f"coordinator.join() (call {reply.seq}). {SAME_CALLS_HINT}")
         return dict(decode(*reply.value))
 
     def _check_counts(self, chief: dict[str, Any], where: str) -> None:
@@ -405,9 +410,7 @@ class ClusterCoordinator:
 
             raise CallMismatchError(
                 f"worker rank {self._rank} reached {where} with {say(mine)}; the chief with "
-                f"{say(theirs)}. HINT: every process runs the same script; make schedule(), "
-                "join() and create_per_worker_dataset() the same on every process (no "
-                "condition on the rank around them).")
+                f"{say(theirs)}. {SAME_CALLS_HINT}")
 
     def _worker_fetch(self, number: int) -> Any:
         """A worker's fetch(): the chief's value of function ``number`` (or its error)."""
@@ -426,10 +429,6 @@ class ClusterCoordinator:
             raise rebuild_error(answer)
         return answer
 
-    def _run_task(self, task_id: int, attempt: int, key: str, name: str, args: str,
-                  tensors: list[torch.Tensor]) -> Payload:
-        return self._call(task_id, key, name, args, tensors)
-
     def _call(self, task_id: int, key: str, name: str, args: str,
               tensors: list[torch.Tensor]) -> Payload:
         fn = self._functions.get(key)
@@ -438,11 +437,11 @@ class ClusterCoordinator:
                 f"worker rank {self._rank} has no scheduled function {key}. HINT: every "
                 "process runs the same script and schedules the same functions.")
         call = decode(args, tensors, self._resolve)
-        self._strategy._begin_task(task_id)
+        self.strategy._begin_task(task_id)
         try:
             value = fn(*call["args"], **call["kwargs"])
         finally:
-            self._strategy._end_task()
+            self.strategy._end_task()
         return encode(value, f"the value returned by {name}")
 
     def _resolve(self, number: int) -> Any:

@@ -1,24 +1,12 @@
-"""Typed tensor messages between two processes: a fixed header tensor, then a raw payload.
-
-Each message is a header of :data:`HEADER_FIELDS` little-endian int64 values (magic, kind,
-variable id, version, payload bytes, dtype code, number of dimensions, up to
-:data:`MAX_DIMS` sizes, three free integers, the payload's offset in shared memory or -1, one
-reserved) followed by the payload tensor's bytes. Nothing is pickled: a receiver rebuilds the
-tensor from the header's dtype and shape, and refuses a header whose magic, dtype or length it
-does not know.
-
-When both ends run on one host they may attach a :class:`~replicator.ps.shm_lane.SharedLane`
-to the connection: a batch sent with ``shared=True`` then puts its payloads in shared memory and
-only the headers on the socket (see the lane's reuse rule).
-
-The messages travel over a TCP connection (one per pair of processes that talk), so that a
-peer that dies closes only its own connection: the parameter server keeps serving the other
-workers, and a worker sees its server's loss as :class:`PeerLostError` on that connection.
-Every receive waits at most the connection's timeout.
-"""
+"""Typed tensor messages between two processes, never pickled: a fixed header of
+:data:`HEADER_FIELDS` int64 (magic, kind, variable id, version, payload bytes, dtype, shape,
+three free integers, the payload's offset in shared memory or -1, one reserved), then the
+payload's bytes. One TCP connection per pair of processes, so a dead peer closes only its own
+(:class:`PeerLostError`), and every receive has a timeout."""
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import threading
@@ -107,6 +95,7 @@ def _header(kind: int, var_id: int, version: int, tensor: torch.Tensor | None,
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A byte view of ``tensor``'s memory (writable: receives land in place)."""
     flat = tensor.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
@@ -191,10 +180,8 @@ class Connection:
 
     def stage(self, messages: list[Outgoing], shared: bool = False, lane_start: int = 0
               ) -> Staged:
-        """Prepare a batch for :meth:`send_staged`. With ``shared`` (and a lane they fit in)
-        the payloads are copied into the outbox now, from ``lane_start`` (after an earlier
-        batch of the same answer), so the caller may change them once this returns; otherwise
-        the batch holds the tensors themselves until it is sent."""
+        """Prepare a batch for :meth:`send_staged`; with ``shared`` (and room in the lane from
+        ``lane_start``) the payloads are copied into the outbox now."""
         with self._send_lock:
             return self._stage(messages, shared, lane_start)
 
@@ -205,7 +192,7 @@ class Connection:
 
     def fits_shared(self, tensors: list[torch.Tensor | None]) -> bool:
         """Whether ``tensors`` would go through the lane in one shared batch."""
-        return self.lane is not None and self.lane.fits(tensors)
+        return self.lane is not None and self.lane.nbytes(tensors) <= self.lane.out_bytes
 
     def _stage(self, messages: list[Outgoing], shared: bool, lane_start: int = 0) -> Staged:
         heads = [_header(kind, var_id, version, tensor, a, b, c)
@@ -308,17 +295,16 @@ class Connection:
                 shape = tuple(h[7:7 + h[6]])
                 payload = into(h[1], h[2], dtype, shape) if into is not None else None
                 if h[_SHM_FIELD] >= 0:
-                    return Message(kind=h[1], var_id=h[2], version=h[3], a=h[13], b=h[14],
-                                   c=h[15], payload=self._shared_payload(h, dtype, shape,
-                                                                         payload))
-                if payload is None or payload.dtype != dtype or tuple(payload.shape) != shape \
-                        or not payload.is_contiguous():
-                    payload = torch.empty(shape, dtype=dtype)
-                if payload.numel() * payload.element_size() != h[4]:
-                    raise MessageFormatError(f"{self.peer} sent {h[4]} bytes for a {dtype} "
-                                             f"tensor of shape {shape}")
-                if h[4]:
-                    self._read_into(_as_bytes_writable(payload), what, self.timeout_seconds)
+                    payload = self._shared_payload(h, dtype, shape, payload)
+                else:
+                    if payload is None or payload.dtype != dtype or \
+                            tuple(payload.shape) != shape or not payload.is_contiguous():
+                        payload = torch.empty(shape, dtype=dtype)
+                    if payload.numel() * payload.element_size() != h[4]:
+                        raise MessageFormatError(f"{self.peer} sent {h[4]} bytes for a {dtype} "
+                                                 f"tensor of shape {shape}")
+                    if h[4]:
+                        self._read_into(_as_bytes(payload), what, self.timeout_seconds)
             return Message(kind=h[1], var_id=h[2], version=h[3], a=h[13], b=h[14], c=h[15],
                            payload=payload)
 
@@ -326,11 +312,7 @@ class Connection:
                         target: torch.Tensor | None) -> torch.Tensor:
         """The payload the peer put in shared memory: a view, or copied once into ``target``
         when that matches."""
-        size = _ITEMSIZE[dtype]
-        numel = 1
-        for n in shape:
-            numel *= n
-        view = None if self.lane is None or h[4] != numel * size else \
+        view = None if self.lane is None or h[4] != math.prod(shape) * _ITEMSIZE[dtype] else \
             self.lane.read(h[_SHM_FIELD], h[4], dtype, shape)
         if view is None:
             raise MessageFormatError(
@@ -355,9 +337,25 @@ class Connection:
         self.sock.close()
 
 
-def _as_bytes_writable(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous tensor's memory (receives land in place)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+def accept_connections(sock: socket.socket, timeout_seconds: float,
+                       handle: Callable[[Connection], None], name: str,
+                       going: Callable[[], bool], threads: list[threading.Thread] | None = None
+                       ) -> None:
+    """Accept connections on ``sock`` while ``going()``, each served by ``handle`` on a thread
+    of its own (added to ``threads``); returns when ``going()`` is False or ``sock`` closed."""
+    sock.settimeout(0.2)
+    while going():
+        try:
+            client, _ = sock.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        t = threading.Thread(target=handle, args=(Connection(client, "a worker", timeout_seconds),),
+                             daemon=True, name=name)
+        t.start()
+        if threads is not None:
+            threads.append(t)
 
 
 def text_tensor(text: str) -> torch.Tensor:

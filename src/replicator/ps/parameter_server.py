@@ -1,21 +1,9 @@
 """ParameterServerStrategy: variables and the optimizer live on parameter servers.
 
-Launch with ``replicator run --nproc N --num-ps K`` (or ``rp.launch(fn, num_replicas=N,
-num_ps=K)``): the last K processes serve variables, the first N-K are workers (worker 0 is the
-chief). On a server, the strategy's constructor serves until every worker has finished and
-then ends the process cleanly (``SystemExit(0)``): the rest of the script never runs there.
-
-On a worker, the parameters of modules built in ``scope()`` are placed on the servers (whole,
-biggest first to the least loaded server, or split by a partitioner). ``optimizer.step()`` of
-an optimizer over them sends their gradients to the servers, which run the optimizer (they own
-its state; the worker's optimizer keeps none) and send back the new values. ``staleness``:
-``None`` asynchronous; ``k`` a worker's step waits while another step in flight could end up
-more than ``k`` versions stale; ``0`` synchronous (each update averages one gradient from every
-live worker: the same as ``MirroredStrategy``). Messages are typed tensors over TCP, never
-pickles (:mod:`replicator.ps.messages`); between a worker and a server on one host their
-payloads go through shared memory (``shared_memory=False`` or ``REPLICATOR_PS_SHARED_MEMORY=0``
-keeps them on the socket).
-"""
+The last ``num_ps`` processes of the job serve (their constructor serves, then ends the process
+with ``SystemExit(0)``); the others are workers whose ``optimizer.step()`` sends gradients of
+placed parameters to the servers, which run the optimizer and send back new values.
+``staleness``: ``None`` asynchronous, ``k`` bounded, ``0`` synchronous."""
 
 from __future__ import annotations
 
@@ -39,29 +27,19 @@ from replicator.cluster.env_names import NUM_PS_ENV, REJOIN_ENV
 from replicator.cluster.environment import resolve_cluster
 from replicator.cluster.ports import LOOPBACK, listen
 from replicator.cluster.process_group import initialize, on_shutdown
-from replicator.cluster.timeouts import resolve_timeout
+from replicator.cluster.timeouts import env_number, resolve_timeout
 from replicator.cluster.topology import Topology
 from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.shm_segment import align
 from replicator.errors import ClusterConfigError
 from replicator.ps import protocol as P
-from replicator.ps.claimed_data import ClaimedBatches
+from replicator.ps.claims import ClaimedBatches
 from replicator.ps.client import Push, ServerClient
 from replicator.ps.partitioners import Partitioner, Shard, place
 from replicator.ps.server import ParameterServer
-from replicator.ps.table_lookups import TableLookups
+from replicator.ps.sparse_tables import TableLookups
 from replicator.strategies.base import Strategy
 from replicator.strategies.replicas import ReplicaGroup
-
-
-def _num_ps_from_env() -> int | None:
-    raw = os.environ.get(NUM_PS_ENV)
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ClusterConfigError(f"{NUM_PS_ENV}={raw!r} is not a number of servers") from None
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +71,7 @@ class ParameterServerStrategy(Strategy):
                  timeout_seconds: float | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None,
                  shared_memory: bool | None = None, check_finite: bool = False) -> None:
-        launched = _num_ps_from_env()
+        launched = int(env_number(os.environ, NUM_PS_ENV, 0, "servers")) or None
         if num_ps is None:
             num_ps = launched if launched is not None else 1
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
@@ -111,17 +89,17 @@ class ParameterServerStrategy(Strategy):
                                       or not isinstance(staleness, int) or staleness < 0):
             raise ValueError(f"staleness must be None (asynchronous), 0 (synchronous) or a "
                              f"positive bound, got {staleness!r}")
-        self._staleness = staleness
+        self.staleness = staleness
         self._partitioner = variable_partitioner
         self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
         if shared_memory is None:
             shared_memory = os.environ.get(P.SHARED_MEMORY_ENV, "1").strip().lower() not in (
                 "0", "false", "no", "off")
         self._shared_memory = bool(shared_memory)
-        self._num_ps = num_ps
+        self.num_ps = num_ps
         self._device = torch.device("cpu")
-        self._rejoined = os.environ.get(REJOIN_ENV) == "1"
-        if self._rejoined:
+        self.rejoined = os.environ.get(REJOIN_ENV) == "1"  # restarted alone, rejoining
+        if self.rejoined:
             store, attempt = self._join_alone(timeout_seconds)
         else:
             store, attempt = self._join_job(timeout_seconds, address)
@@ -143,7 +121,7 @@ class ParameterServerStrategy(Strategy):
         self._streams = 0
         addresses = []
         for k in range(num_ps):
-            key = f"replicator/ps/address/{k}"
+            key = P.SERVER_ADDRESS_KEY.format(index=k)
             try:
                 store.wait([key], timedelta(seconds=self._timeout))
             except RuntimeError as exc:
@@ -175,8 +153,8 @@ class ParameterServerStrategy(Strategy):
         # chief, workers and servers wake each other every step: on too few cores, batch
         # scheduling keeps the servers of one request working at once (see the module)
         use_batch_scheduling(info.spec.local_world_size, announce=info.spec.rank == 0)
-        topology = Topology(num_ps=self._num_ps)
-        self._topology: Topology | None = topology
+        topology = Topology(num_ps=self.num_ps)
+        self.topology: Topology | None = topology  # None on a worker that rejoined alone
         self._num_workers = topology.num_workers
         store = info.store if info.store is not None else \
             dist.distributed_c10d._get_default_store()
@@ -191,7 +169,7 @@ class ParameterServerStrategy(Strategy):
     def _join_alone(self, timeout_seconds: float | None) -> tuple[dist.Store, int]:
         """A worker restarted alone: no process group (the running job's cannot take a new
         member); it finds the servers through the rendezvous store and talks only to them."""
-        if self._staleness == 0:
+        if self.staleness == 0:
             raise ClusterConfigError(
                 "a worker restarted alone cannot rejoin a synchronous job (staleness=0): the "
                 "other workers' collectives have moved on without it. HINT: use staleness=None "
@@ -206,8 +184,8 @@ class ParameterServerStrategy(Strategy):
             raise ClusterConfigError(f"worker rank {spec.rank} could not reach the rendezvous "
                                      f"store to rejoin: {exc}") from exc
         store = dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", raw)
-        self._topology = None
-        self._num_workers = spec.world_size - self._num_ps
+        self.topology = None
+        self._num_workers = spec.world_size - self.num_ps
         self._rank = spec.rank
         self._replica_group = ReplicaGroup.single(self._device, self._timeout,  # alone
                                                   chief=self._rank == 0)
@@ -217,8 +195,8 @@ class ParameterServerStrategy(Strategy):
     def _serve(self, store: dist.Store, address: str, index: int) -> None:
         sock = listen(address, 0)
         host, port = sock.getsockname()[:2]
-        store.set(f"replicator/ps/address/{index}", f"{host}:{port}")
-        server = ParameterServer(index, self._num_workers, self._staleness, sock,
+        store.set(P.SERVER_ADDRESS_KEY.format(index=index), f"{host}:{port}")
+        server = ParameterServer(index, self._num_workers, self.staleness, sock,
                                  self._timeout, self._checkpoint_dir, store=store,
                                  shared_memory=self._shared_memory)
         server.serve()
@@ -234,25 +212,6 @@ class ParameterServerStrategy(Strategy):
     @property
     def replica_id(self) -> int:
         return self._rank
-
-    @property
-    def num_ps(self) -> int:
-        """How many parameter servers the job has."""
-        return self._num_ps
-
-    @property
-    def staleness(self) -> int | None:
-        return self._staleness
-
-    @property
-    def topology(self) -> Topology | None:
-        """The job's topology (``None`` on a worker that rejoined alone after a restart)."""
-        return self._topology
-
-    @property
-    def rejoined(self) -> bool:
-        """True on a worker restarted alone that rejoined the running servers."""
-        return self._rejoined
 
     @property
     def restored_step(self) -> int | None:
@@ -292,7 +251,7 @@ class ParameterServerStrategy(Strategy):
         if not params:
             return
         first = len(self._shards)
-        shards = place([(n, p.detach()) for n, p in params], self._num_ps, self._partitioner,
+        shards = place([(n, p.detach()) for n, p in params], self.num_ps, self._partitioner,
                        first_shard_id=first, loads=self._loads)
         for s in shards:
             p = params[s.var_index][1]
@@ -314,20 +273,13 @@ class ParameterServerStrategy(Strategy):
     _SPARSE_LANE_BYTES = 8 << 20
 
     def _lane_sizes(self) -> dict[int, tuple[int, int]]:
-        """Per server: bytes of a push (this worker's gradients) and of its answer (every
-        dense shard's values); a sparse table's rows count up to a budget each way (the rows
-        a step pulls and the row gradients it pushes)."""
-        push = {k: 0 for k in range(self._num_ps)}
-        pull = {k: 0 for k in range(self._num_ps)}
+        """Per server: bytes of a push and of its answer, each every shard's values (a sparse
+        table's rows up to a budget: the rows a step pulls and their gradients)."""
+        size = {k: 0 for k in range(self.num_ps)}
         for s in self._shards:
-            if s.shard_id in self._lookups.sparse_ids:
-                budget = align(min(s.nbytes, self._SPARSE_LANE_BYTES))
-                push[s.server] += budget
-                pull[s.server] += budget
-            else:
-                push[s.server] += align(s.nbytes)
-                pull[s.server] += align(s.nbytes)
-        return {k: (push[k], pull[k]) for k in push if push[k] or pull[k]}
+            sparse = s.shard_id in self._lookups.sparse_ids
+            size[s.server] += align(min(s.nbytes, self._SPARSE_LANE_BYTES) if sparse else s.nbytes)
+        return {k: (n, n) for k, n in size.items() if n}
 
     def _landing(self, kind: int, sid: int, dtype: torch.dtype, shape: tuple[int, ...]
                  ) -> torch.Tensor | None:
@@ -406,7 +358,7 @@ class ParameterServerStrategy(Strategy):
         # staleness=0 promises serializable functions: a function's whole update from one
         # attempt; asynchronous ones need only each server's part applied once
         clocks = self._client.push(grads, self._receive, pull=True, claim=self._claim,
-                                   task=task, atomic=self._staleness == 0)
+                                   task=task, atomic=self.staleness == 0)
         self._repeats += sum(c < 0 for c in clocks)
         self._claim = None
         self._steps += 1
@@ -420,14 +372,14 @@ class ParameterServerStrategy(Strategy):
         self._stash = []
 
     def _run(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        if self._staleness and self._shards:
+        if self.staleness and self._shards:
             # bounded staleness: the step starts from values pulled under the bound
             self._client.pull(self._expected(), self._receive, begin=True)
         return fn(*args, **kwargs)
 
     def _expected(self, everything: bool = False) -> dict[int, int]:
         return {k: sum(s.server == k and (everything or s.shard_id not in self._lookups.sparse_ids)
-                       for s in self._shards) for k in range(self._num_ps)}
+                       for s in self._shards) for k in range(self.num_ps)}
 
     @property
     def steps_pushed(self) -> int:
@@ -444,8 +396,8 @@ class ParameterServerStrategy(Strategy):
         """A coordinator's function starts here: its pushes carry ``task_id`` (the servers
         apply each once); with ``staleness=0`` it first reads every committed update."""
         self._task = [task_id, 0]
-        if self._staleness is not None and self._shards:
-            self._client.pull(self._expected(), self._receive, begin=bool(self._staleness))
+        if self.staleness is not None and self._shards:
+            self._client.pull(self._expected(), self._receive, begin=bool(self.staleness))
 
     def _end_task(self) -> None:
         self._task = None
@@ -455,14 +407,11 @@ class ParameterServerStrategy(Strategy):
         payloads, over the socket or shared memory)."""
         return self._client.traffic()
 
-    def _coordination_store(self) -> dist.Store:
-        return self._store
-
     def task_stats(self) -> dict[str, int]:
         """Over all servers: coordinator task pushes ``applied`` and ``repeats`` turned away
         (pushes of a function run again after its worker was lost), and the repeats this
         worker saw."""
-        per = self._client.task_stats()
+        per = [s["tasks"] for s in self._client.stats()]
         return {"applied": sum(p["applied"] for p in per),
                 "repeats": sum(p["repeats"] for p in per), "repeats_seen": self._repeats}
 
@@ -478,19 +427,15 @@ class ParameterServerStrategy(Strategy):
         ``mean``, ``max`` and ``histogram`` ({staleness: updates}; the last bin, 63, counts
         63 and more). Staleness = the shard's version when the update was applied minus the
         version the worker had pulled."""
-        total = torch.zeros(3 + P.HISTOGRAM_BINS, dtype=torch.int64)
-        top = 0
-        for t in self._client.stats():
-            top = max(top, int(t[2]))
-            total += t
-        count, summed = int(total[0]), int(total[1])
-        hist = {i: int(n) for i, n in enumerate(total[3:].tolist()) if n}
-        return {"count": count, "mean": summed / count if count else 0.0, "max": top,
-                "histogram": hist}
+        per = [s["staleness"] for s in self._client.stats()]
+        count, summed = sum(p[0] for p in per), sum(p[1] for p in per)
+        hist = {i: n for i, n in enumerate(map(sum, zip(*(p[3:] for p in per)))) if n}
+        return {"count": count, "mean": summed / count if count else 0.0,
+                "max": max(p[2] for p in per), "histogram": hist}
 
     def shard_versions(self) -> list[dict[str, Any]]:
         """Each shard's version (the number of updates its server applied to it)."""
-        versions = self._client.versions()
+        versions = {int(sid): v for s in self._client.stats() for sid, v in s["versions"].items()}
         return [{"name": s.name, "shard": s.part, "server": s.server,
                  "version": versions.get(s.shard_id, 0)} for s in self._shards]
 
@@ -506,7 +451,7 @@ class ParameterServerStrategy(Strategy):
         lost worker's unfinished batches go to the others (:mod:`replicator.ps.claims`)."""
         plain = isinstance(dataset, (DataLoader, Dataset)) and not isinstance(
             dataset, IterableDataset) and not kwargs
-        if self._staleness == 0 or not plain or \
+        if self.staleness == 0 or not plain or \
                 (isinstance(dataset, DataLoader) and isinstance(dataset.dataset, IterableDataset)):
             return super().distribute_dataset(dataset, batch_size=batch_size, shuffle=shuffle,
                                               seed=seed, drop_last=drop_last,
@@ -528,12 +473,9 @@ class ParameterServerStrategy(Strategy):
         drop = drop_remainder if drop_remainder is not None else bool(drop_last)
         stream = self._streams
         self._streams += 1
-        return ClaimedBatches(self, stream, dataset, batch_size // workers,
-                              shuffle=bool(shuffle), seed=seed, drop_last=drop,
-                              collate_fn=collate)
-
-    def _claim_batch(self, stream: int, epoch: int, total: int) -> int:
-        return self._client.claim(stream, epoch, total)
+        return ClaimedBatches(self._client.claim, self._set_claim, stream, dataset,
+                              batch_size // workers, shuffle=bool(shuffle), seed=seed,
+                              drop_last=drop, collate_fn=collate)
 
     def _set_claim(self, claim: tuple[int, int, int] | None) -> None:
         self._claim = claim
@@ -543,7 +485,9 @@ class ParameterServerStrategy(Strategy):
         order; 0 is the first), from server 0's ledger of claimed batches: ``batches``,
         ``consumed`` (distinct batches whose update was applied), ``repeated`` (should be 0),
         ``by_worker`` and ``in_flight``."""
-        return self._client.data_stats(stream)
+        raw = self._client.stats([0], stream)[0]["data"]
+        return {int(e): {**v, "by_worker": {int(w): n for w, n in v["by_worker"].items()}}
+                for e, v in raw.items()}
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None
@@ -563,29 +507,29 @@ class ParameterServerStrategy(Strategy):
     # the workers' replica group serves ``staleness=0``; asynchronous workers are not in step,
     # so each returns its own value and never waits for the others
     def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
-        if self._staleness != 0:
+        if self.staleness != 0:
             return tensor.clone()
         return super()._reduce(op, tensor)
 
     def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor],
                      structure: str = "") -> list[torch.Tensor]:
-        if self._staleness != 0:
+        if self.staleness != 0:
             return [t.clone() for t in tensors]
         return super()._reduce_many(op, tensors, structure)
 
     def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        if self._staleness != 0:
+        if self.staleness != 0:
             return tensor.clone()
         return super()._gather(tensor, axis)
 
     def _gather_many(self, tensors: list[torch.Tensor], axis: int,
                      structure: str = "") -> list[torch.Tensor]:
-        if self._staleness != 0:
+        if self.staleness != 0:
             return [t.clone() if t.dim() else t.reshape(1) for t in tensors]
         return super()._gather_many(tensors, axis, structure)
 
     def barrier(self) -> None:
-        if self._staleness == 0:
+        if self.staleness == 0:
             super().barrier()
 
     def _close(self) -> None:

@@ -1,11 +1,6 @@
-"""Variable partitioners and placement: which rows of which variable live on which server.
-
-A partitioner decides how many shards a variable is split into, along its first dimension
-(tf.distribute's ``variable_partitioner``). :func:`place` then assigns whole variables, or
-their shards, to servers: biggest first, each to the server holding the fewest bytes so far,
-so the servers' loads stay even. Placement depends only on the variables' shapes and dtypes,
-so every worker computes the same placement without talking.
-"""
+"""Variable partitioners (tf.distribute's ``variable_partitioner``: shards along dimension 0)
+and placement: biggest first, each to the least loaded server, from shapes alone, so every
+worker computes the same placement without talking."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``; through
   the shared-memory lane a large shard's values may come as several ``VALUE`` parts, rows
   ``c - 1`` on of ``b`` rows (see :mod:`replicator.ps.value_parts`);
-- ``STATS`` -> ``STATS`` (int64: count, sum, max, histogram); ``VERSIONS`` -> ``VERSIONS``;
+- ``STATS(a=input stream)`` -> ``STATS(json)``: staleness (count, sum, max, histogram), shard
+  versions, coordinator task pushes applied and repeated, and (server 0) the stream's claims;
 - ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
 - ``TASK_PUSH(var_id=task id, version=push number in the task, a=count, b=pull after)``
   ends an update of a coordinator's function instead of ``PUSH``: a server applies each
@@ -33,10 +34,9 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
   gradient the named rows' (``[n, ...]``), and ``GRAD`` with ``c=2`` the rows that this
   connection's last row pull named for that shard (the server keeps them; a lookup's gradient
   rows are the rows it pulled); ``ROW_IDS`` ... ``PULL_ROWS(last shard id, its rows,
-  a=count)`` -> ``VALUE(shard id, version, rows)`` ... ``VALUES_END``; ``TASK_STATS`` -> json;
+  a=count)`` -> ``VALUE(shard id, version, rows)`` ... ``VALUES_END``;
 - server 0 only: ``CLAIM(input stream, a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``;
-  a ``PUSH(stream, version=epoch, c=batch+1)`` consumes that claim; ``DATA_STATS(a=stream)``
-  -> json.
+  a ``PUSH(stream, version=epoch, c=batch+1)`` consumes that claim.
 """
 
 from __future__ import annotations
@@ -53,11 +53,9 @@ __all__ = ["ParameterServerError", "ParameterServerLostError", "describe_optimiz
            "build_optimizer", "update_hyperparameters"]
 
 HELLO, REGISTER, OPTIMIZER, GRAD, PUSH, PULL, VALUE, VALUES_END = range(1, 9)
-STATS, VERSIONS, SAVE, SAVED, BYE, ERROR, REGISTERED = range(9, 16)
-CLAIM, CLAIMED, DATA_STATS = range(16, 19)
-SHM_ATTACH, SHM_ATTACHED = range(19, 21)
-TASK_PUSH, ROW_IDS, PULL_ROWS, TASK_STATS = range(21, 25)
-TASK_PREPARE, PREPARED, TASK_COMMIT = range(25, 28)
+STATS, SAVE, SAVED, BYE, ERROR, REGISTERED, CLAIM, CLAIMED = range(9, 17)
+SHM_ATTACH, SHM_ATTACHED, TASK_PUSH, ROW_IDS, PULL_ROWS = range(17, 22)
+TASK_PREPARE, PREPARED, TASK_COMMIT = range(22, 25)
 
 #: The rendezvous-store key where server ``index`` publishes its ``host:port`` (within the
 #: attempt's prefix); the launcher reads it to tell whether the servers of ``--num-ps`` ran.

@@ -1,16 +1,6 @@
-"""The parameter server: holds variable shards and their optimizer state, applies updates.
-
-One thread per worker connection. Updates are applied under one lock as they arrive
-(``staleness=None``), after gating pulls so no update is more than ``k`` versions stale
-(``staleness=k``), or once per round as the average of one gradient from every live worker
-(``staleness=0``, synchronous). A worker that disconnects without ``BYE`` is lost: it leaves
-the live set and any round waiting for it completes without it. The server returns from
-:meth:`ParameterServer.serve` when every worker has connected and none remains.
-
-A worker on this host may attach a shared-memory lane to its connection (``SHM_ATTACH``): its
-pushed gradients are then read in place from the lane for the optimizer step, and the values
-sent back are copied under the lock straight into the lane (no clone, no socket in between).
-"""
+"""The parameter server: holds variable shards and their optimizer state and serves workers,
+one thread per connection, until every worker has come and gone (a worker that disconnects
+without ``BYE`` is lost, and rounds waiting for it complete without it)."""
 
 from __future__ import annotations
 
@@ -27,28 +17,22 @@ import torch
 from replicator.cluster.env_names import REJOIN_KEY
 from replicator.comm.shm_segment import SharedSegment, host_id
 from replicator.ps import protocol as P
-from replicator.ps.claims import WAIT, ClaimLedger
+from replicator.ps.claims import WAIT
 from replicator.ps.messages import (
     Connection,
     Into,
     Message,
     PeerLostError,
     Staged,
+    accept_connections,
     tensor_text,
     text_tensor,
 )
-from replicator.ps.row_updates import TaskLedger, build_shard_optimizer
+from replicator.ps.row_updates import build_shard_optimizer
 from replicator.ps.server_checkpoint import ServerCheckpoint
-from replicator.ps.server_updates import (
-    Grad,
-    ServerUpdates,
-    ShardState,
-    UpdateRound,
-    WorkerState,
-)
-from replicator.ps.shared_steps import SharedSteps
+from replicator.ps.server_updates import Grad, ShardState, WorkerState
 from replicator.ps.shm_lane import SharedLane
-from replicator.ps.value_parts import in_parts_fit, send_in_parts, splits, value_messages
+from replicator.ps.value_parts import send_in_parts, splits, value_messages
 
 
 def _gradient_buffers(conn: Connection) -> Into:
@@ -77,47 +61,28 @@ def _import_optimizer_dependencies() -> None:
         pass
 
 
-class ParameterServer(ServerCheckpoint, ServerUpdates):
+class ParameterServer(ServerCheckpoint):
     """Serve shards to ``num_workers`` workers on ``sock`` (already listening)."""
 
     def __init__(self, index: int, num_workers: int, staleness: int | None,
                  sock: socket.socket, timeout_seconds: float,
                  checkpoint_dir: str | None = None, store: Any = None,
                  shared_memory: bool = True) -> None:
-        self.index = index
+        super().__init__(index, num_workers, staleness, timeout_seconds)
         self.shared_memory = shared_memory
         if not torch.sparse.check_sparse_tensor_invariants.is_enabled():
             # said explicitly (the default): torch's Adagrad otherwise warns at the first sparse
             # step that the checks are "implicitly disabled"; the rows are checked on arrival
             torch.sparse.check_sparse_tensor_invariants.disable()
-        self.num_workers = num_workers
-        self.staleness = staleness
         self.sock = sock
-        self.timeout_seconds = timeout_seconds
-        self.lock = threading.Condition()
-        self.shards: dict[int, ShardState] = {}
-        self.workers: dict[int, WorkerState] = {}
-        self.spec: dict[str, Any] | None = None
         self.spec_text = ""
-        self.clock = 0
-        self.round = UpdateRound()
-        self.histogram = [0] * P.HISTOGRAM_BINS
-        self.stale_sum = 0
-        self.stale_max = 0
         self.restored_step: int | None = None
         self.extra: dict[str, Any] = {}
         self.checkpoint_dir = checkpoint_dir
         self.store = store
         self.last_loss = 0.0
-        self.shared_steps = SharedSteps()
-        self.claims = ClaimLedger()
-        self.tasks = TaskLedger()
-        #: Coordinator updates prepared and not yet committed, by (task, push): the first
-        #: attempt's, copied out of the connection's buffers.
-        self.prepared: dict[tuple[int, int], dict[int, Grad]] = {}
         #: the newest description of each optimizer, by the shards it covers
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {}
-        self.threads: list[threading.Thread] = []
         if checkpoint_dir:
             self._restore(checkpoint_dir)
 
@@ -128,36 +93,31 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
         # while the workers set up, not when the first update arrives and every worker waits
         threading.Thread(target=_import_optimizer_dependencies, daemon=True,
                          name="ps-warm-imports").start()
-        self.sock.settimeout(0.2)
-        started = idle_since = time.monotonic()
-        while True:
-            with self.lock:
-                seen = len(self.workers)
-                live = sum(w.connected for w in self.workers.values())
-            now = time.monotonic()
-            if live:
-                idle_since = now
-            if seen >= self.num_workers and live == 0 and not self._rejoin_pending():
-                break
-            if seen == 0 and now - started > self.timeout_seconds:
-                raise TimeoutError(f"parameter server {self.index}: no worker connected within "
-                                   f"{self.timeout_seconds:.0f} s")
-            if seen and not live and now - idle_since > self.timeout_seconds:
-                missing = sorted(set(range(self.num_workers)) - set(self.workers))
-                print(f"[replicator] parameter server {self.index}: no worker left for "
-                      f"{self.timeout_seconds:.0f} s and worker(s) {missing} never came; "
-                      "stopping", file=sys.stderr, flush=True)
-                break
-            try:
-                client, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            conn = Connection(client, "a worker", self.timeout_seconds)
-            t = threading.Thread(target=self._handle, args=(conn,), daemon=True,
-                                 name=f"ps{self.index}-conn")
-            t.start()
-            self.threads.append(t)
+        self._started = self._idle_since = time.monotonic()
+        accept_connections(self.sock, self.timeout_seconds, self._handle, f"ps{self.index}-conn",
+                           self._serving)
         self.sock.close()
+
+    def _serving(self) -> bool:
+        """False once every worker has come and gone (or none came back for the timeout)."""
+        with self.lock:
+            seen = len(self.workers)
+            live = sum(w.connected for w in self.workers.values())
+        now = time.monotonic()
+        if live:
+            self._idle_since = now
+        if seen >= self.num_workers and live == 0 and not self._rejoin_pending():
+            return False
+        if seen == 0 and now - self._started > self.timeout_seconds:
+            raise TimeoutError(f"parameter server {self.index}: no worker connected within "
+                               f"{self.timeout_seconds:.0f} s")
+        if seen and not live and now - self._idle_since > self.timeout_seconds:
+            missing = sorted(set(range(self.num_workers)) - set(self.workers))
+            print(f"[replicator] parameter server {self.index}: no worker left for "
+                  f"{self.timeout_seconds:.0f} s and worker(s) {missing} never came; "
+                  "stopping", file=sys.stderr, flush=True)
+            return False
+        return True
 
     def _rejoin_pending(self) -> bool:
         """Whether a lost worker is being restarted (the launcher says so in the store)."""
@@ -275,23 +235,10 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
             self._pull(conn, worker, expected=msg.a, begin=bool(msg.b), everything=bool(msg.c))
         elif msg.kind == P.PULL_ROWS:  # one shard's rows (its ids as payload), or none
             self._pull_rows(conn, self._rows_asked(msg, {}), served)
-        elif msg.kind == P.TASK_STATS:
-            with self.lock:
-                text = json.dumps(self.tasks.summary())
-            conn.send(P.TASK_STATS, tensor=text_tensor(text))
         elif msg.kind == P.STATS:
-            conn.send(P.STATS, tensor=self._stats_tensor())
-        elif msg.kind == P.VERSIONS:
-            with self.lock:
-                flat = [x for sid in sorted(self.shards)
-                        for x in (sid, self.shards[sid].version)]
-            conn.send(P.VERSIONS, tensor=torch.tensor(flat, dtype=torch.int64))
+            conn.send(P.STATS, tensor=text_tensor(json.dumps(self._stats(msg.a))))
         elif msg.kind == P.CLAIM:
             conn.send(P.CLAIMED, a=self._claim(worker, (msg.var_id, msg.a), msg.b))
-        elif msg.kind == P.DATA_STATS:
-            with self.lock:
-                text = json.dumps(self.claims.summary(msg.a))
-            conn.send(P.DATA_STATS, tensor=text_tensor(text))
         elif msg.kind == P.SHM_ATTACH:
             self._attach_lane(conn, worker, msg)
         elif msg.kind == P.SAVE:
@@ -330,7 +277,7 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
             if msg.var_id not in self.shards:
                 self.shards[msg.var_id] = ShardState(torch.nn.Parameter(msg.payload.clone()),
                                                       sparse=bool(msg.a))
-                if self.spec is not None:
+                if self.specs:
                     self._build_optimizers()
             elif msg.a:
                 self.shards[msg.var_id].sparse = True  # restored from a checkpoint
@@ -346,7 +293,7 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
             if self.specs.get(covers, ("",))[0] == text:
                 return
             self.specs[covers] = (text, spec)
-            self.spec, self.spec_text = spec, text
+            self.spec_text = text
             for sid, group in spec["shard_groups"].items():
                 shard = self.shards.get(int(sid))
                 if shard is None:
@@ -469,16 +416,13 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
 
     def _stage_values(self, conn: Connection, everything: bool = False, repeat: bool = False
                       ) -> Staged | None:
-        """Every dense shard's values (``everything``: sparse tables' too) and the end marker
-        (``b=1``: the push answered was a repeat), taken under the lock: copied once into the
-        worker's lane if there is one, else cloned (sent after the lock is released). A large
-        shard's values go through the lane in parts, each sent as it is written (``None``:
-        already sent; see :mod:`replicator.ps.value_parts`)."""
+        """Every dense shard's values (``everything``: sparse tables' too) and the end marker,
+        taken under the lock: into the lane (in parts when large: ``None``, sent), else cloned."""
         shards = [(sid, s.version, s.param.detach()) for sid, s in sorted(self.shards.items())
                   if everything or not s.sparse]
         if any(splits(v) for _, _, v in shards):  # else one batch, built once
             parts = value_messages(shards, self.clock, repeat, in_parts=True)
-            if in_parts_fit(conn, parts):
+            if conn.fits_shared([m[3] for m in parts]):
                 send_in_parts(conn, parts)
                 return None
         shared = conn.fits_shared([v for _, _, v in shards])
@@ -487,12 +431,9 @@ class ParameterServer(ServerCheckpoint, ServerUpdates):
         return conn.stage(value_messages(shards, self.clock, repeat, in_parts=False),
                           shared=shared)
 
-    # -- statistics (checkpoints: replicator.ps.server_checkpoint) ---------------------------
-    def _new_shard(self, value: torch.Tensor) -> ShardState:
-        return ShardState(torch.nn.Parameter(value.clone()))
-
-    def _stats_tensor(self) -> torch.Tensor:
+    def _stats(self, stream: int) -> dict[str, Any]:
         with self.lock:
-            count = sum(self.histogram)
-            return torch.tensor([count, self.stale_sum, self.stale_max, *self.histogram],
-                                dtype=torch.int64)
+            return {"staleness": [sum(self.histogram), self.stale_sum, self.stale_max,
+                                  *self.histogram],
+                    "versions": {sid: s.version for sid, s in self.shards.items()},
+                    "tasks": self.tasks.summary(), "data": self.claims.summary(stream)}

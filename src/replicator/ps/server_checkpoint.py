@@ -1,47 +1,27 @@
-"""A parameter server's state in a checkpoint: values, optimizer state, versions, statistics,
-the input ledger, the applied coordinator tasks and the optimizers' descriptions.
-
-Saved through the checkpoint manager (atomic, verified, safetensors + JSON) under
-``<directory>/ps-<index>/step-<n>``; a server restarted with the same directory restores the
-newest valid one before it serves.
-"""
+"""A parameter server's state in a checkpoint (values, optimizer state, versions, statistics,
+claims, applied tasks), saved by the checkpoint manager under ``<directory>/ps-<index>``."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from replicator.ps import protocol as P
-from replicator.ps.claims import ClaimLedger
-from replicator.ps.row_updates import TaskLedger
+from replicator.ps.server_updates import ServerUpdates, ShardState
 
 
-class ServerCheckpoint:
-    """The checkpoint side of :class:`~replicator.ps.server.ParameterServer` (a mixin)."""
+class ServerCheckpoint(ServerUpdates):
+    """The checkpoint side of :class:`~replicator.ps.server.ParameterServer` (its base)."""
 
-    index: int
-    timeout_seconds: float
-    lock: threading.Condition
-    shards: dict[int, Any]
     specs: dict[str, tuple[str, dict[str, Any]]]
     spec_text: str
-    clock: int
-    histogram: list[int]
-    stale_sum: int
-    stale_max: int
     restored_step: int | None
     extra: dict[str, Any]
     checkpoint_dir: str | None
-    claims: ClaimLedger
-    tasks: TaskLedger
 
     def _set_optimizer(self, text: str) -> None:  # defined by the server
-        raise NotImplementedError
-
-    def _new_shard(self, value: Any) -> Any:  # defined by the server
         raise NotImplementedError
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -87,7 +67,7 @@ class ServerCheckpoint:
         for key, value in tensors.items():
             if key.startswith("value_"):
                 sid = int(key[len("value_"):])
-                self.shards[sid] = self._new_shard(value)
+                self.shards[sid] = ShardState(torch.nn.Parameter(value.clone()))
             else:
                 self.extra[key] = value
         for sid, version in info.get("versions", {}).items():

@@ -1,11 +1,6 @@
-"""How a parameter server applies updates: one update at a time as it arrives, bounded
-staleness's gate on pulls, synchronous rounds that average one gradient from every live worker,
-and a coordinator's updates applied at most once (held on ``prepare``, applied on ``commit``).
-
-An update is checked whole (every shard held, the right kind of gradient) before any shard
-changes; then each optimizer steps once, the dense shards that agree in one shared step
-(:mod:`replicator.ps.shared_steps`).
-"""
+"""How a parameter server applies updates: as they arrive, under bounded staleness, in
+synchronous rounds averaging every live worker, or a coordinator's at most once. An update is
+checked whole before any shard changes."""
 
 from __future__ import annotations
 
@@ -46,7 +41,6 @@ class WorkerState:
     connected: bool = False
     in_flight: bool = False
     pulled_clock: int = 0
-    pushes: int = 0
     lost: bool = False
     connections: int = 0
 
@@ -58,24 +52,29 @@ class UpdateRound:
 
 
 class ServerUpdates:
-    """The update side of :class:`~replicator.ps.server.ParameterServer` (a mixin)."""
+    """The update side of :class:`~replicator.ps.server.ParameterServer` (its base): the
+    shards, the workers, the clock and staleness counts, the claims and applied tasks."""
 
-    index: int
-    staleness: int | None
-    num_workers: int
-    timeout_seconds: float
-    lock: threading.Condition
-    shards: dict[int, ShardState]
-    workers: dict[int, WorkerState]
-    round: UpdateRound
-    clock: int
-    histogram: list[int]
-    stale_sum: int
-    stale_max: int
-    claims: ClaimLedger
-    tasks: TaskLedger
-    prepared: dict[tuple[int, int], dict[int, Grad]]
-    shared_steps: SharedSteps
+    def __init__(self, index: int, num_workers: int, staleness: int | None,
+                 timeout_seconds: float) -> None:
+        self.index = index
+        self.num_workers = num_workers
+        self.staleness = staleness
+        self.timeout_seconds = timeout_seconds
+        self.lock = threading.Condition()
+        self.shards: dict[int, ShardState] = {}
+        self.workers: dict[int, WorkerState] = {}
+        self.round = UpdateRound()
+        self.clock = 0
+        self.histogram = [0] * P.HISTOGRAM_BINS
+        self.stale_sum = 0
+        self.stale_max = 0
+        self.claims = ClaimLedger()
+        self.tasks = TaskLedger()
+        #: Coordinator updates prepared and not yet committed, by (task, push): the first
+        #: attempt's, copied out of the connection's buffers.
+        self.prepared: dict[tuple[int, int], dict[int, Grad]] = {}
+        self.shared_steps = SharedSteps()
 
     def _apply(self, grads: dict[int, Grad]) -> None:
         """Apply one update: every shard's gradient is checked and set first, then each
@@ -110,6 +109,7 @@ class ServerUpdates:
                 self.stale_sum += stale
                 self.stale_max = max(self.stale_max, stale)
                 shard.version += 1
+            self.clock += 1
         finally:
             for shard in ready:
                 shard.param.grad = None
@@ -138,16 +138,11 @@ class ServerUpdates:
 
     def _push(self, worker: int, grads: dict[int, Grad], end: Message) -> bool:
         """Apply an update; True when it was a coordinator task's repeat (not applied)."""
-        repeat = False
         with self.lock:
-            state = self.workers[worker]
             if end.kind == P.TASK_PUSH:
                 # a coordinator's function: applied alone and at most once, in any mode
-                repeat = not self.tasks.first(end.var_id, end.version)
-                if not repeat:
-                    self._apply(grads)
-                    self.clock += 1
-            elif self.staleness == 0:
+                return self._apply_task(worker, (end.var_id, end.version), grads)
+            if self.staleness == 0:
                 if any(rows is not None for _, _, rows in grads.values()):
                     raise P.ParameterServerError(
                         "staleness=0 averages dense gradients of every worker; sparse table "
@@ -157,13 +152,10 @@ class ServerUpdates:
                 self._push_sync(worker, {sid: (v, g) for sid, (v, g, _) in grads.items()})
             else:
                 self._apply(grads)
-                self.clock += 1
                 if end.c:
                     self.claims.consume(worker, (end.var_id, end.version), end.c - 1)
-            state.pushes += 1
-            state.in_flight = False
-            self.lock.notify_all()
-        return repeat
+            self._pushed(worker)
+        return False
 
     def _prepare(self, key: tuple[int, int], grads: dict[int, Grad]) -> bool:
         """Hold a coordinator update until its commit; False (nothing kept) when an earlier
@@ -180,19 +172,23 @@ class ServerUpdates:
         """Apply the update prepared for ``key`` once; True when it was a repeat."""
         with self.lock:
             grads = self.prepared.pop(key, None)
-            repeat = not self.tasks.first(*key)
-            if not repeat:
-                if grads is None:
-                    raise P.ParameterServerError(
-                        f"parameter server {self.index}: task {key[0]} push {key[1]} was "
-                        "committed without being prepared")
-                self._apply(grads)
-                self.clock += 1
-            state = self.workers[worker]
-            state.pushes += 1
-            state.in_flight = False
-            self.lock.notify_all()
+            if grads is None and not self.tasks.seen(*key):
+                raise P.ParameterServerError(
+                    f"parameter server {self.index}: task {key[0]} push {key[1]} was "
+                    "committed without being prepared")
+            return self._apply_task(worker, key, grads or {})
+
+    def _apply_task(self, worker: int, key: tuple[int, int], grads: dict[int, Grad]) -> bool:
+        """Apply a coordinator task's update unless it was applied before (then True)."""
+        repeat = not self.tasks.first(*key)
+        if not repeat:
+            self._apply(grads)
+        self._pushed(worker)
         return repeat
+
+    def _pushed(self, worker: int) -> None:
+        self.workers[worker].in_flight = False
+        self.lock.notify_all()
 
     def _push_sync(self, worker: int, grads: dict[int, tuple[int, torch.Tensor | None]]) -> None:
         number = self.round.number
@@ -226,7 +222,6 @@ class ServerUpdates:
             version = self.shards[sid].version if sid in self.shards else 0
             means[sid] = (version, mean.to(parts[0].dtype), None)
         self._apply(means)
-        self.clock += 1
         self.round = UpdateRound(number=self.round.number + 1)
         self.lock.notify_all()
 

@@ -1,15 +1,6 @@
-"""One optimizer step for many shards: the dense shards of a push that share an optimizer's
-class and hyperparameters are stepped by one optimizer over all of them.
-
-A server keeps one optimizer per shard (its state is saved and restored per shard), and a push
-usually carries many dense shards (every layer of a model, each split by the partitioner).
-``torch.optim``'s fixed cost per ``step()`` call (about 0.1 ms on a small CPU) then outweighs
-the arithmetic: 7 shards per server made a step of the benchmark's model spend 0.9 ms per
-server in ``step()``. A *stepper* is a shallow copy of one shard's optimizer whose parameter
-group lists every shard's parameter and whose state entries are the shards' own per-parameter
-state dicts (the same objects), so the shards' optimizers see every update, checkpoints keep
-their per-shard form, and each parameter is updated exactly as its own optimizer would.
-"""
+"""One optimizer step for many shards: dense shards of a push whose optimizers agree (class and
+hyperparameters) step together, since ``torch.optim``'s fixed cost per ``step()`` outweighs
+the arithmetic on small shards; each shard keeps its own state (the same dicts)."""
 
 from __future__ import annotations
 

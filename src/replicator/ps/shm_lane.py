@@ -1,16 +1,9 @@
-"""A shared-memory lane for one message connection whose two ends run on one host.
+"""A shared-memory lane for a message connection whose two ends share a host: payloads go
+through the segment, headers still on the socket (so a lost peer is noticed as before).
 
-The lane is one segment with two regions: the outbox this end writes payloads into and the
-inbox the peer writes into. A message then carries only its header on the socket, with the
-payload's offset in the sender's outbox; the receiver reads the payload in place (a view) or
-copies it once to where it belongs. The socket still carries every header, so a peer that dies
-is noticed exactly as without the lane (the connection closes, or the receive times out).
-
-Reuse rule: a sender overwrites its outbox from the start with each shared batch, so it may send
-a shared batch only once the peer is done with the previous one. A request/response protocol
-gives that for free when only requests answered after their payloads were consumed, and the
-answers to them, use the lane.
-"""
+Reuse rule: a sender overwrites its outbox with each shared batch, so it may send one only once
+the peer is done with the previous one (only requests answered after their payloads were
+consumed, and their answers, use the lane)."""
 
 from __future__ import annotations
 
@@ -57,13 +50,10 @@ class SharedLane:
         """Outbox bytes that ``tensors`` take (each payload starts aligned)."""
         return sum(align(t.numel() * t.element_size()) for t in tensors if t is not None)
 
-    def fits(self, tensors: Sequence[torch.Tensor | None]) -> bool:
-        return self.nbytes(tensors) <= self.out_bytes
-
     def write(self, tensors: Sequence[torch.Tensor | None], start: int = 0) -> list[int]:
         """Copy each tensor into the outbox, one after the other from ``start`` (a multiple of
         the alignment: a batch that continues an earlier one of the same answer); their
-        offsets there (-1 for ``None``). The caller checked :meth:`fits`."""
+        offsets there (-1 for ``None``). The caller checked that they fit."""
         offsets = []
         at = start
         for t in tensors:

@@ -1,31 +1,20 @@
-"""A worker's view of a sparse embedding table split row-wise over the servers.
-
-An ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True`` in a parameter-server scope
-is a *sparse table*. Each lookup (each call of the module) pulls the distinct rows the batch
-looks up (:func:`distinct_ids`) from the servers holding them into a compact tensor, and the module
-computes its output from those rows with the ids renumbered into them: the worker never reads
-or writes its own copy of the table (which stays as built; ``strategy.pull()`` fetches the
-servers' values into it). Backward gives the table's weight torch's sparse gradient of those
-rows, as ``sparse=True`` does on one device, so gradient accumulation and several lookups of one
-table in a step add up as there; the push sends each shard its rows. Shards hold contiguous row
-ranges (the partitioner's split along dimension 0), so a row's shard is found by a binary
-search over the boundaries.
-
-Measured on the benchmark's 1M-row table: writing the pulled rows into the worker's table
-(``index_copy_``) cost about 0.17 ms per lookup in scattered cache misses, and a sparse gradient
-over 1M rows another coalesce per step; a compact lookup touches only the rows pulled.
-"""
+"""A worker's view of a sparse embedding table (``sparse=True``) split row-wise over the servers:
+each lookup pulls only the distinct rows it needs into a compact tensor and computes from
+them; backward gives torch's sparse gradient of those rows, which the push sends per shard.
+:class:`TableLookups` finds a worker's tables and hooks the modules that look them up."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
-from replicator.ps.client import AS_PULLED, RowsAsPulled
+from replicator.ps.client import AS_PULLED, RowsAsPulled, Sink
 from replicator.ps.partitioners import Shard
 
 #: Per server: (shard id, shard-local rows) pairs.
@@ -33,14 +22,8 @@ RowsByServer = dict[int, list[tuple[int, torch.Tensor]]]
 
 
 def distinct_ids(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.unique(flat, return_inverse=True)`` of a 1-D CPU int64 tensor: the sorted
-    distinct ids and, per id, its place among them.
-
-    Each id is packed with its position into one int64 and the packed values sorted by
-    numpy's vectorised sort, where torch's CPU sort moves (key, index) pairs: measured on 2
-    cores, 5,120 ids of a 1M-row table 31 us against ``torch.unique``'s 118 us (the two are
-    even below about 4,000 ids). Negative ids, or ids too large to pack, take ``torch.unique``.
-    """
+    """``torch.unique(flat, return_inverse=True)`` of a 1-D CPU int64 tensor, by a packed numpy
+    sort (ids packed with their positions; several times faster for thousands of ids)."""
     n = flat.numel()
     shift = max(1, (n - 1).bit_length())
     if n < 2 or n > 1 << 30:
@@ -61,10 +44,8 @@ def distinct_ids(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _PulledRows(torch.autograd.Function):
-    """The rows a lookup pulled, as a function of the table's weight: the gradient reaching
-    them (sparse, one entry per id looked up) is summed per row and flows to the weight as a
-    sparse gradient of those rows, sorted and distinct (``table`` remembers its indices so the
-    push need not sort them again: autograd's accumulation drops the coalesced flag)."""
+    """The rows a lookup pulled, as a function of the table's weight: their gradient reaches
+    the weight as a sparse gradient of those rows (indices remembered by ``table``)."""
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
@@ -275,3 +256,59 @@ def is_sparse_table(module: torch.nn.Module) -> bool:
     """An embedding whose gradient torch makes sparse (``sparse=True``)."""
     return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
         bool(getattr(module, "sparse", False))
+
+
+class TableLookups:
+    """The sparse tables of one worker. ``pull_rows(rows, sink)`` fetches rows from the
+    servers; ``pulled`` (shard id -> version) is the worker's record of what it read;
+    ``closed()`` says the strategy has stopped (a module then computes on its own)."""
+
+    def __init__(self, pull_rows: Callable[[RowsByServer, Sink], None],
+                 pulled: dict[int, int], closed: Callable[[], bool]) -> None:
+        self._pull_rows = pull_rows
+        self._pulled = pulled
+        self._closed = closed
+        # keyed by the objects, never by id(): a new module or parameter may get the id of
+        # one garbage-collected (a later model's table then went unhooked)
+        self.tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its table
+        self.sparse_ids: set[int] = set()         # shard ids of every table
+        self._hooked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    def find(self, module: torch.nn.Module, shards_of: WeakIdKeyDictionary) -> None:
+        """Hook every sparse embedding module (``sparse=True``) of ``module`` whose weight was
+        placed (``shards_of``: parameter -> its shards), also a second module sharing a
+        table's weight; ``max_norm`` is refused (see :func:`check_no_max_norm`)."""
+        for name, sub in module.named_modules():
+            weight = getattr(sub, "weight", None)
+            if not is_sparse_table(sub) or weight is None or weight not in shards_of \
+                    or sub in self._hooked:
+                continue
+            check_no_max_norm(sub, name or "embedding")
+            self._hooked.add(sub)
+            table = self.tables.get(weight)
+            if table is None:
+                table = SparseTable(weight, shards_of[weight], name or "embedding", sub)
+                self.tables[weight] = table
+                self.sparse_ids.update(s.shard_id for s in table.shards)
+            sub.register_forward_pre_hook(
+                lambda m, args, kwargs, t=table: self._pull(t, args, kwargs, m),
+                with_kwargs=True)
+            sub.register_forward_hook(
+                lambda _m, _args, _out, t=table: t.finish() if t.pending else None)
+
+    def _pull(self, table: SparseTable, args: tuple, kwargs: dict[str, Any],
+              module: torch.nn.Module) -> tuple[tuple, dict[str, Any]] | None:
+        """The forward pre-hook: pull the call's rows and hand the module an empty lookup."""
+        ids = lookup_ids(args, kwargs)
+        if self._closed() or ids is None:
+            table.cancel()
+            return None
+        wanted = table.rows_to_pull(ids)
+
+        def sink(sid: int, version: int, values: torch.Tensor) -> None:
+            table.store_rows(sid, values)
+            self._pulled[sid] = version
+
+        if wanted:
+            self._pull_rows(wanted, sink)
+        return table.begin(args, kwargs, module)

@@ -1,32 +1,13 @@
 """The connection between the coordinator (the chief) and each worker that runs its functions.
 
-Every process runs the same script (SPMD). On the chief, ``schedule`` queues a function; on a
-worker, ``schedule`` only records the function under its key, and the worker runs functions
-whenever its script reaches a call that waits on the chief (``join``, ``fetch``, ``done``,
-and the end of the script): it *asks* the chief for work and gets either a task or the marker
-of the chief's matching call, with the value that call returned there. Markers come before
-tasks, and the chief posts a marker before it queues anything scheduled after that call, so a
-worker never gets a function its own script has not scheduled yet.
-
-Only ``join`` (and the end of the script) waits for a marker: ``fetch`` and ``done`` are
-answered from the tasks' states (``ANSWER``), so the chief may call them alone, and each ask
-carries the worker's call and how many functions its script has scheduled (a
-:class:`~replicator.ps.task_queue.Request`), so a worker never runs a function its own script
-has not scheduled yet.
-
-Messages (typed tensors over TCP, :mod:`replicator.ps.messages`; nothing is pickled):
-``HELLO(a=rank)``; ``ASK(var_id=task, version=call, a=seq, c=scheduled)`` ->
-``TASK(task id, a=attempt, json)`` | ``MARKER(a=seq, json)`` | ``ANSWER(task, b=error, json)``
-| ``IDLE`` (a heartbeat: ask again); ``RESULT(task id, json)`` (which also asks) |
-``FAILED(task id, text)``; ``BYE(c=scheduled)``. A payload's tensors follow its message as
-``TENSOR`` messages (``c`` counts them).
-
-Asynchronous functions (``staleness`` not 0) are asked for one ahead: a worker that gets a task
-sends ``ASK(b=1)`` before running it, answered at once with the next task, a marker or
-``IDLE``, and its ``RESULT(b=1)`` then asks nothing. The next task is waiting when the first one
-ends, where one ask per task put a round trip to the chief between every two functions of a
-worker (on 2 shared cores, 10% of a worker's time in the embedding benchmark).
-"""
+A worker's coordinator call (``join``, ``fetch``, ``done``, the end of its script) asks the chief
+for work and runs tasks until the chief's matching marker or answer comes (see
+:mod:`replicator.ps.task_queue`). Messages (:mod:`replicator.ps.messages`): ``HELLO(a=rank)``;
+``ASK(var_id=task, version=call, a=seq, b=ahead, c=scheduled)`` -> ``TASK(task id,
+a=attempt, json)`` | ``MARKER(a=seq, b=kind, json)`` | ``ANSWER(task, b=error, json)`` |
+``IDLE`` (ask again); ``RESULT(task id, b=ahead, json)`` (which also asks) | ``FAILED(task id,
+text)``; ``BYE(c=scheduled)``. A payload's tensors follow it as ``TENSOR`` messages
+(``c`` counts them). With ``ahead`` a worker asks for its next task while one runs."""
 
 from __future__ import annotations
 
@@ -46,6 +27,7 @@ from replicator.ps.messages import (
     Message,
     Outgoing,
     PeerLostError,
+    accept_connections,
     tensor_text,
     text_tensor,
 )
@@ -59,6 +41,7 @@ from replicator.ps.task_queue import (
     Request,
     TaskQueue,
     error_fields,
+    function_failed,
 )
 from replicator.ps.values import encode
 
@@ -111,27 +94,12 @@ class TaskDispatcher:
     def __init__(self, queue: TaskQueue, sock: socket.socket, timeout_seconds: float) -> None:
         self.queue = queue
         self.sock = sock
-        self.timeout_seconds = timeout_seconds
         self.threads: list[threading.Thread] = []
         self.closing = False
-        self.accepter = threading.Thread(target=self._accept, daemon=True,
-                                         name="coordinator-accept")
-        self.accepter.start()
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.closing:
-            try:
-                client, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn = Connection(client, "a worker", self.timeout_seconds)
-            t = threading.Thread(target=self._handle, args=(conn,), daemon=True,
-                                 name="coordinator-conn")
-            t.start()
-            self.threads.append(t)
+        threading.Thread(
+            target=accept_connections, daemon=True, name="coordinator-accept",
+            args=(sock, timeout_seconds, self._handle, "coordinator-conn",
+                  lambda: not self.closing, self.threads)).start()
 
     def _handle(self, conn: Connection) -> None:
         worker = -1
@@ -208,9 +176,9 @@ class TaskDispatcher:
 _MARKER_CODES = {"join": 1, "stop": 4}
 _MARKER_NAMES = {v: k for k, v in _MARKER_CODES.items()}
 
-#: Runs one task on the worker: ``(task id, attempt, key, name, args json, tensors)`` -> the
-#: encoded return value; raises what the function raised.
-Runner = Callable[[int, int, str, str, str, list[torch.Tensor]], Payload]
+#: Runs one task on the worker: ``(task id, key, name, args json, tensors)`` -> the encoded
+#: return value; raises what the function raised.
+Runner = Callable[[int, str, str, str, list[torch.Tensor]], Payload]
 
 
 class StopServing(Exception):
@@ -244,7 +212,6 @@ class TaskChannel:
             raise ParameterServerError(f"the coordinator answered HELLO with kind {reply.kind}")
         self.stopped = False
         self.stop_value: Payload = ("null", [])
-        self.tasks_run = 0
 
     def serve_until(self, request: Request) -> Reply:
         """Run tasks until the chief's marker or the answer to ``request`` comes; it.
@@ -290,19 +257,14 @@ class TaskChannel:
              tensors: list[torch.Tensor]) -> bool:
         """Run a task and send its result (which asks for more: True) or its failure."""
         try:
-            result = self.runner(task_id, attempt, spec["key"], spec["name"], spec["args"],
-                                 tensors)
+            result = self.runner(task_id, spec["key"], spec["name"], spec["args"], tensors)
         except PeerLostError:
             raise
         except Exception as exc:  # noqa: BLE001 - sent to the chief with the traceback
-            import traceback
-
-            text = (f"scheduled function {spec['name']} (task {task_id}, attempt {attempt}) "
-                    f"raised on worker rank {self.rank}: {type(exc).__name__}: {exc}\n"
-                    f"worker traceback:\n{traceback.format_exc()}")
+            text = function_failed(spec["name"], f"task {task_id}, attempt {attempt}",
+                                   self.rank, exc)
             self.conn.send(FAILED, var_id=task_id, tensor=text_tensor(text))
             return False
-        self.tasks_run += 1
         _send_payload(self.conn, RESULT, task_id, result, b=AHEAD if self.ahead else 0)
         return True
 

@@ -1,31 +1,15 @@
 """The coordinator's task queue: scheduled functions, who runs them, and the chief's markers.
 
-The chief schedules functions (:class:`Task`); a worker that is free asks for work and gets,
-in this order, the next *marker* meant for it (the chief passed a ``join``/``fetch``/``done``
-call, or stops: see :mod:`replicator.ps.task_channel`) or the next queued task. A worker that is
-lost while running a task gives it back to the front of the queue with its attempt count raised:
-the task runs again elsewhere, and the servers apply its update once (its id travels with every
-push; see :mod:`replicator.ps.task_ledger`). ``serial=True`` (``staleness=0``) hands out a task
-only when none is running, so each function reads every update committed before it and its own
-update is applied alone. Otherwise a worker running a task may take the next one *ahead*
-(``next_for(..., ahead=True)``): it starts the moment the first one ends, without a round trip
-to the chief between them; a worker lost with a task ahead gives both back, in order.
-
-The first function to raise cancels every task still queued (as tf.distribute does); the error
-is raised by the chief's next ``join``/``fetch``/``schedule``.
-
-Each worker's ask says what its script waits for (a :class:`Request`: the chief's next ``join``
-marker, a function's value, or whether functions finished) and how many functions its script
-has scheduled: a worker is never handed a function its own script has not scheduled yet, and
-``fetch``/``done`` are answered from the tasks' states, so the chief may call them alone. When
-the chief waits for functions that no worker can take (each one waits in a call, or ended,
-having scheduled fewer), the scripts differ: :class:`CallMismatchError` at once, naming both.
-"""
+A free worker gets the answer to its ``fetch``/``done``, the next marker, or the next task its
+own script has scheduled (a :class:`Request` says which); a lost worker's tasks go back to the
+front. ``serial`` (``staleness=0``) hands out one task at a time; otherwise a worker may take
+one *ahead*. The first failure cancels the queued tasks, as in tf.distribute."""
 
 from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +42,11 @@ class CallMismatchError(ParameterServerError):
     ``create_per_worker_dataset`` must be the same on every process)."""
 
 
+#: How to fix a :class:`CallMismatchError`.
+SAME_CALLS_HINT = ("HINT: every process runs the same script; make schedule(), join() and "
+                   "create_per_worker_dataset() the same on every process (no condition on the "
+                   "rank around them); fetch() and done() may be called on the chief only.")
+
 #: The errors a coordinator call may raise, by name: a worker raises the class the chief did.
 ERRORS: dict[str, type[ParameterServerError]] = {
     cls.__name__: cls for cls in (ParameterServerError, RemoteFunctionError, TaskCancelledError,
@@ -74,6 +63,13 @@ def error_fields(error: BaseException) -> dict[str, str]:
 def rebuild_error(fields: dict[str, Any]) -> ParameterServerError:
     """The error the chief raised, of the same class, from :func:`error_fields`."""
     return ERRORS.get(str(fields.get("type")), ParameterServerError)(fields["error"])
+
+
+def function_failed(name: str, task: str, rank: int, exc: BaseException) -> str:
+    """The text of a :class:`RemoteFunctionError`: the function, ``task``, the worker's rank and
+    its traceback (call it where ``exc`` is being handled)."""
+    return (f"scheduled function {name} ({task}) raised on worker rank {rank}: "
+            f"{type(exc).__name__}: {exc}\nworker traceback:\n{traceback.format_exc()}")
 
 
 #: What a worker's call waits for (:class:`Request`): the chief's marker (``join`` or, with
@@ -93,11 +89,9 @@ class Task:
     args: Payload
     state: str = QUEUED
     attempts: int = 0
-    worker: int | None = None
     ran_on: list[int] = field(default_factory=list)
     result: Payload | None = None
     error: BaseException | None = None
-    finished_at: float = 0.0
 
 
 @dataclass
@@ -226,11 +220,8 @@ class TaskQueue:
                 if stuck:
                     raise CallMismatchError(
                         f"the chief waits for scheduled function {self.queue[0].name} (schedule "
-                        f"#{self.queue[0].task_id}) but no worker can run it: {stuck}. HINT: "
-                        "every process runs the same script; make schedule(), join() and "
-                        "create_per_worker_dataset() the same on every process (no condition "
-                        "on the rank around them); fetch() and done() may be called on the "
-                        "chief only.")
+                        f"#{self.queue[0].task_id}) but no worker can run it: {stuck}. "
+                        + SAME_CALLS_HINT)
                 if not self.live and len(self.gone) >= len(self.expected):
                     raise NoWorkerError(
                         f"{len(self.queue) + self._running()} scheduled function(s) wait and "
@@ -300,11 +291,9 @@ class TaskQueue:
 
     def next_for(self, worker: int, timeout: float, ahead: bool = False
                  ) -> Marker | Task | Answer | None:
-        """What ``worker``'s call (its :class:`Request`) gets next: the answer to a ``fetch``,
-        a marker, a task its script has scheduled (a ``done`` is answered when there is none),
-        else ``None`` after ``timeout`` s (the worker asks again: a heartbeat). ``ahead``: the
-        worker is running a task and asks for the next one now; answered at once, and never
-        with a task when functions run one at a time (``serial``)."""
+        """What ``worker``'s call (its :class:`Request`) gets next: an answer, a marker or a task,
+        else ``None`` after ``timeout`` s (a heartbeat); ``ahead``: answered at once, never with
+        a task when ``serial``."""
         deadline = time.monotonic() + (0.0 if ahead else timeout)
         with self.cond:
             request = self.requests.get(worker, Request())
@@ -334,7 +323,7 @@ class TaskQueue:
         if self.queue and self.queue[0].task_id < request.horizon and \
                 len(mine) < 1 + int(ahead) and not (self.serial and (ahead or self._running())):
             task = self.queue.popleft()
-            task.state, task.worker = RUNNING, worker
+            task.state = RUNNING
             task.attempts += 1
             task.ran_on.append(worker)
             mine.append(task)
@@ -371,7 +360,6 @@ class TaskQueue:
                 other.error = TaskCancelledError(
                     f"scheduled function {other.name} (task {other.task_id}) was cancelled "
                     f"because task {task_id} failed first: {error}")
-                other.finished_at = time.monotonic()
                 self.finished += 1
 
     def lost(self, worker: int) -> Task | None:
@@ -385,7 +373,7 @@ class TaskQueue:
             self.markers[worker].clear()
             tasks = [t for t in self.running.pop(worker, []) if t.state == RUNNING]
             for task in reversed(tasks):
-                task.state, task.worker = QUEUED, None
+                task.state = QUEUED
                 self.queue.appendleft(task)
             for task in tasks[1:]:
                 task.attempts -= 1
@@ -400,7 +388,6 @@ class TaskQueue:
         if task is None:
             return None
         mine.remove(task)
-        task.finished_at = time.monotonic()
         self.finished += 1
         self.cond.notify_all()
         return task

@@ -1,12 +1,5 @@
-"""Python values on the wire without pickle: a JSON skeleton and the tensors it refers to.
-
-A scheduled function's arguments and its return value travel between the coordinator and a
-worker as :func:`encode` makes them: nests of ``None``, booleans, numbers, strings, lists,
-tuples and dicts with string keys, with tensors taken out and replaced by their index in a
-list sent beside the JSON. References to per-worker resources (a per-worker dataset's iterator)
-travel by number and are resolved on the worker that runs the function. Anything else is
-refused with its type named: nothing is pickled.
-"""
+"""Python values on the wire without pickle: a JSON skeleton and the tensors it refers to
+(scheduled functions' arguments and results); anything else is refused with its type named."""
 
 from __future__ import annotations
 
@@ -42,11 +35,8 @@ def encode(value: Any, what: str) -> tuple[str, list[torch.Tensor]]:
         if isinstance(v, torch.Tensor):
             tensors.append(v.detach().cpu().contiguous())
             return {"t": len(tensors) - 1}
-        if isinstance(v, ResourceRef):
+        if isinstance(v, ResourceRef):  # per-worker values too
             return {"r": v.number}
-        resource = getattr(v, "_resource_ref", None)
-        if isinstance(resource, ResourceRef):
-            return {"r": resource.number}
         if isinstance(v, (list, tuple)):
             return {"l" if isinstance(v, list) else "u": [walk(x, f"{path}[{i}]")
                                                           for i, x in enumerate(v)]}
