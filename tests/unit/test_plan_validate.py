@@ -64,4 +64,4 @@ def test_validating_a_gpu_plan_says_only_cpu_plans_are_measured():
                       machine=MachineProfile.nominal(), strategies=("one_device", "mirrored"))
     with pytest.raises(ValueError, match="a plan for h100 is predicted from nominal figures, "
                                          "and --validate measures CPU plans only"):
-        validate(plan, train_fn=lambda strategy: None)
+        validate(plan, lambda strategy: None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -34,17 +35,11 @@ def record_input(probe: Any) -> None:
     probe.extra["input_pipelines"] = running_stats()
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: bench_entry.py SCRIPT [ARGS...] (run by replicator bench)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+def run_probed(body: Callable[[], Any]) -> None:
+    """Run ``body`` under the probe the bench's environment sets up, this rank's output in its
+    log file; write the records when it ends or the bench has its steps."""
     out = os.environ["REPLICATOR_BENCH_OUT"]
-    rank = int(os.environ.get("RANK", "0"))
-    _redirect_output(out, rank)
+    _redirect_output(out, int(os.environ.get("RANK", "0")))
 
     from replicator.plan.probe import BenchComplete, Probe
 
@@ -53,16 +48,33 @@ def main() -> None:
                   mode=os.environ.get("REPLICATOR_BENCH_MODE", "bench"))
     probe.install(progress_path=os.path.join(out, "progress"))
     try:
-        runpy.run_path(script, run_name="__main__")
+        body()
     except BenchComplete:
         pass
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            raise
     finally:
         probe.uninstall()
         record_input(probe)
         probe.write(out)
+
+
+def _run_script(script: str) -> None:
+    """The script as ``__main__``; a clean ``sys.exit`` ends it like a return."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: bench_entry.py SCRIPT [ARGS...] (run by replicator bench)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    script = sys.argv[1]
+    sys.argv = sys.argv[1:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    run_probed(lambda: _run_script(script))
 
 
 if __name__ == "__main__":

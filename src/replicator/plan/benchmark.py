@@ -1,27 +1,12 @@
 """``replicator bench``: run the user's training under each setting and measure every step.
 
-How the script is run, unchanged, under each strategy (the contract, also in docs/planning.md):
-
-* the script builds its strategy by name from the environment variable ``REPLICATOR_STRATEGY``,
-  ``strategy = rp.get_strategy(os.environ.get("REPLICATOR_STRATEGY", "mirrored"))``, or takes
-  the name as an argument: ``{strategy}`` in the script's arguments is replaced by the name
-  (``replicator bench demo.py -- --strategy {strategy}``);
-* it trains with ``strategy.run`` (a custom loop, ``rp.Trainer`` or ``rp.Replicator``): each
-  call is one step. The bench stops it after ``warmup + steps`` calls, on every rank at the
-  same call, so the script's own step count does not matter.
-
-The settings run in interleaved rounds (``--rounds``, default 3: every setting once, then
-again), so that a busy minute on a shared machine lands on all of them instead of one; each
-setting's figure is its median round. The one-process baseline ("vs 1 proc") is the faster of
-one process at the launcher's default threads and at one thread, both measured in the rounds.
-
-A function works the same way: ``rp.plan.bench(train_fn)`` calls ``train_fn(strategy)`` in
-each worker process with the strategy already built. The script runs in worker processes of
-the ordinary launcher (``--num-ps 1`` added for the parameter server); its output goes to
-``bench/logs/<setting>[-r<round>]/rank<R>.log``. Results: ``bench/report.md``,
-``bench/results.json``, a table on the terminal and one JSON line per setting, and with
-matplotlib (``pip install "replicator[examples]"``) ``bench/throughput.png`` and
-``bench/breakdown.png``.
+The script runs unchanged (the contract, in docs/planning.md): it builds its strategy with
+``rp.get_strategy(os.environ["REPLICATOR_STRATEGY"])`` (or takes ``{strategy}`` in its
+arguments) and trains through ``strategy.run``, which the bench stops after ``warmup + steps``
+calls on every rank. A function (``rp.plan.bench(train_fn)``) gets the strategy built. The
+settings run in interleaved rounds, each figure its median round, so that a busy minute lands
+on every setting; output goes to ``bench/logs/<setting>[-r<round>]/rank<R>.log``, the results
+to ``bench/report.md``, ``results.json``, a table, JSON lines and (with matplotlib) PNGs.
 """
 
 from __future__ import annotations
@@ -49,7 +34,8 @@ from replicator.plan.settings import (
     summarize,
 )
 
-__all__ = ["bench_function", "bench_script", "input_notes", "limiting_stage", "run_setting"]
+__all__ = ["bench_function", "bench_script", "input_notes", "launcher", "limiting_stage",
+           "run_setting"]
 
 ENTRY = str(Path(__file__).with_name("bench_entry.py"))
 #: A step waiting this share of its time for input is input-bound (tf.data's fleet study
@@ -61,11 +47,8 @@ STAGE_WAIT = 0.05
 
 # -- input: is the step waiting for it, and which stage limits it ---------------------------
 def limiting_stage(pipelines: Sequence[dict[str, Any]]) -> str | None:
-    """Which stage of the pipelines (their ``stats()``, put in each rank's results by
-    ``bench_entry.record_input``) keeps the step waiting: the parallel stage its consumer
-    waited for the largest share of the time (a prefetch only hands on what comes from
-    upstream); when no stage was waited for, the pipeline's ordered part (sources, shuffle,
-    filter, read by the consumer itself). ``None`` without a pipeline."""
+    """The stage of the pipelines (their ``stats()`` in each rank's results) that keeps the
+    step waiting: the one waited for longest (prefetch aside), else the ordered part."""
     stages = [(name, st, p) for p in pipelines for name, st in p.get("stages", {}).items()
               if name != "prefetch" and st.get("tasks")]
     if not pipelines:
@@ -154,7 +137,7 @@ def _failure_text(exc: BaseException, out: Path) -> str:
     return f"{head}{' ... ' + tail[0] if tail else ''} (logs: {out})"
 
 
-def run_setting(setting: Setting, out: Path, launch: Callable[[], None], steps: int,
+def run_setting(setting: Setting, out: Path, launch: Callable[[], object], steps: int,
                 warmup: int, mode: str = "bench") -> SettingResult:
     """Run ``launch()`` with the bench environment for ``setting``; read the ranks' files."""
     from replicator.errors import ReplicatorError
@@ -176,51 +159,33 @@ def run_setting(setting: Setting, out: Path, launch: Callable[[], None], steps: 
     return result
 
 
-def _script_launcher(script: str, args: Sequence[str], setting: Setting
-                     ) -> Callable[[], None]:
-    from replicator.launch.script_launch import run_script
-
-    argv = [a.replace("{strategy}", setting.strategy) for a in args]
-
-    def launch() -> None:
-        run_script(ENTRY, [script, *argv], setting.processes, num_ps=setting.num_ps,
-                   quiet_workers=True, timeout_seconds=120.0)
-
-    return launch
+#: What the bench runs: a script's path, or a function called with the strategy.
+Target = str | Callable[[Any], Any]
 
 
 def _function_worker(train_fn: Callable[[Any], Any], name: str) -> None:
-    """One worker of :func:`bench_function`: the probe, the strategy, then ``train_fn``."""
+    """One worker of :func:`bench_function`: ``train_fn`` with the strategy, under the probe."""
     import replicator as rp
-    from replicator.plan.bench_entry import _redirect_output, record_input
+    from replicator.plan.bench_entry import run_probed
 
-    out = os.environ[probe_mod.OUT_ENV]
-    rank = int(os.environ.get("RANK", "0"))
-    _redirect_output(out, rank)
-    probe = probe_mod.Probe(int(os.environ[probe_mod.STEPS_ENV]),
-                            int(os.environ[probe_mod.WARMUP_ENV]),
-                            os.environ.get(probe_mod.MODE_ENV, "bench"))
-    probe.install(progress_path=os.path.join(out, "progress"))
-    try:
-        strategy = rp.get_strategy(name)
-        train_fn(strategy)
-    except probe_mod.BenchComplete:
-        pass
-    finally:
-        probe.uninstall()
-        record_input(probe)
-        probe.write(out)
+    run_probed(lambda: train_fn(rp.get_strategy(name)))
 
 
-def _function_launcher(train_fn: Callable[[Any], Any], setting: Setting
-                       ) -> Callable[[], None]:
-    from replicator.launch import launch as rp_launch
+def launcher(target: Target, script_args: Sequence[str], setting: Setting
+             ) -> Callable[[], object]:
+    """How ``setting`` runs ``target``: a script through the bench's entry, in place of the
+    script, or a function in workers of ``rp.launch``."""
+    if callable(target):
+        from replicator.launch import launch
 
-    def launch() -> None:
-        rp_launch(_function_worker, num_replicas=setting.processes, num_ps=setting.num_ps,
-                  args=(train_fn, setting.strategy), timeout_seconds=120.0)
+        return lambda: launch(_function_worker, num_replicas=setting.processes,
+                              num_ps=setting.num_ps, args=(target, setting.strategy),
+                              timeout_seconds=120.0)
+    from replicator.launch.script_launch import run_script
 
-    return launch
+    argv = [a.replace("{strategy}", setting.strategy) for a in script_args]
+    return lambda: run_script(ENTRY, [target, *argv], setting.processes, num_ps=setting.num_ps,
+                              quiet_workers=True, timeout_seconds=120.0)
 
 
 # -- progress --------------------------------------------------------------------------------
@@ -269,7 +234,7 @@ class _Progress:
 
 # -- the whole bench -----------------------------------------------------------------------
 def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: str,
-             steps: int, warmup: int, make_launch: Callable[[Setting], Callable[[], None]],
+             steps: int, warmup: int, make_launch: Callable[[Setting], Callable[[], object]],
              *, report: bool = True, quiet: bool = False, rounds: int = 1,
              steps_for: Callable[[Setting], int] | None = None) -> BenchReport:
     """Run every setting once per round, in turn (interleaved: a setting's rounds meet the
@@ -323,7 +288,7 @@ def bench_script(script: str, script_args: Sequence[str] = (), *,
                          "the path of the training script")
     settings, skipped = parse_settings(strategies, nproc, _default_threads())
     return _run_all(script, settings, skipped, out_dir, steps, warmup,
-                    lambda s: _script_launcher(script, script_args, s), report=report,
+                    lambda s: launcher(script, script_args, s), report=report,
                     quiet=quiet, rounds=rounds)
 
 
@@ -331,18 +296,13 @@ def bench_function(train_fn: Callable[[Any], Any], *, nproc: Sequence[int] | str
                    strategies: Sequence[str] | str = ("one_device", "mirrored"),
                    steps: int = 30, warmup: int = 3, out_dir: str = "bench",
                    report: bool = True, quiet: bool = False, rounds: int = 3) -> BenchReport:
-    """``rp.plan.bench(train_fn)``: call ``train_fn(strategy)`` under every setting, in
-    ``rounds`` interleaved rounds.
-
-    ``train_fn`` must be importable by the worker processes (a module-level function); it
-    trains with ``strategy.run`` and may loop for as long as it likes: the bench stops it
-    after ``warmup + steps`` steps.
-    """
+    """``rp.plan.bench(train_fn)``: ``train_fn(strategy)`` under every setting, in ``rounds``
+    interleaved rounds; ``train_fn`` is a module-level function the workers can import."""
     if not callable(train_fn):
         raise TypeError(f"bench needs a callable train_fn(strategy), got "
                         f"{type(train_fn).__name__}")
     settings, skipped = parse_settings(strategies, nproc, _default_threads())
     name = getattr(train_fn, "__qualname__", repr(train_fn))
     return _run_all(name, settings, skipped, out_dir, steps, warmup,
-                    lambda s: _function_launcher(train_fn, s), report=report, quiet=quiet,
+                    lambda s: launcher(train_fn, (), s), report=report, quiet=quiet,
                     rounds=rounds)

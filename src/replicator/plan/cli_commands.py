@@ -208,9 +208,8 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
         remeasuring = args.remeasure and device.is_cpu  # each pass measures this machine
         plan, report = validate_interleaved(
             model, machine, make_plan, reprofile, remeasure if remeasuring else None,
-            args.repeat,
-            script=args.script, script_args=tuple(script_args), out_dir=args.out,
-            steps=args.steps, quiet=args.json, log=log)
+            args.repeat, args.script, tuple(script_args), out_dir=args.out, steps=args.steps,
+            quiet=args.json, log=log)
         if args.repeat > 1:  # later plans start from the medians, not the last pass
             save_profile(args.script, script_args, args.out, plan.model)
             if remeasuring:

@@ -153,7 +153,7 @@ def save_profile(script: str, script_args: Sequence[str], out_dir: str,
 def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str = "bench",
                    refresh: bool = False, log: Callable[[str], None] = print) -> ModelProfile:
     """Profile ``script`` in one process (cached by the script's content and arguments)."""
-    from replicator.plan.benchmark import _script_launcher, run_setting
+    from replicator.plan.benchmark import launcher, run_setting
     from replicator.plan.settings import Setting
 
     if not Path(script).is_file():
@@ -166,7 +166,7 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
         "when they are short) ...")
     setting = Setting("one_device", 1)
     out = Path(out_dir) / "logs" / "profile"
-    result = run_setting(setting, out, _script_launcher(script, script_args, setting),
+    result = run_setting(setting, out, launcher(script, script_args, setting),
                          steps=0, warmup=PROFILE_WARMUP, mode="profile")
     if not result.ranks or not result.ranks[0].get("records"):
         raise ValueError(f"profiling {script} failed: {result.error or 'no step measured'}")

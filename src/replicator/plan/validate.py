@@ -1,20 +1,12 @@
 """``replicator plan --validate``: run the settings this machine can run, compare with the plan.
 
-Runnable here: ``cpu`` plans whose setting fits on this host (one host, at most
-:data:`MAX_LOCAL_PROCESSES` processes; the pipeline as 2 stages, which is what
-``PipelineStrategy()`` builds). Each runs through ``bench`` (the same probe and launcher), and
-its mean step time is set beside the prediction; the error is ``(predicted - measured) /
-measured``. The goal is within :data:`GOAL` for every setting; the summary says how the
-machine was loaded while it ran, since a shared 2-core machine moves these figures a lot.
-
-Two things keep one noisy moment from deciding a figure. Each setting runs at least
-:data:`MIN_MEASURED_SECONDS` of measured steps (a 1 ms step measured 12 times is 12 ms of
-scheduler noise). With ``repeat`` > 1 (:func:`validate_interleaved`) the model is profiled,
-this machine measured (with ``--remeasure``) and every setting run ``repeat`` times in turn
-(profile, machine, all settings, profile, machine, all settings, ...); the plan is made from
-the median profile and the median machine figures and compared with each setting's median
-step: the machine's minute-to-minute swings then reach the profile and the runs alike instead
-of landing on one side.
+Runnable here: settings of a ``cpu`` plan on one host with at most
+:data:`MAX_LOCAL_PROCESSES` processes (the pipeline as 2 stages, as ``PipelineStrategy()``
+builds it), each run through ``bench``; the error is ``(predicted - measured) / measured``,
+the goal within :data:`GOAL`. Each setting runs at least :data:`MIN_MEASURED_SECONDS` of
+steps, and with ``repeat`` > 1 the profile, the machine's figures (with ``--remeasure``) and
+every setting are taken ``repeat`` times in turn, the plan of the median profiles compared with
+each setting's median, so that the machine's swings reach both sides alike.
 """
 
 from __future__ import annotations
@@ -23,9 +15,8 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from replicator.plan.benchmark import _function_launcher, _run_all, _script_launcher
+from replicator.plan.benchmark import Target, _run_all, launcher
 from replicator.plan.cost_model import Prediction
 from replicator.plan.profiles import MachineProfile, ModelProfile
 from replicator.plan.recommend import Plan
@@ -77,18 +68,13 @@ def steps_to_measure(p: Prediction, steps: int,
     return max(steps, min(wanted, MAX_MEASURED_STEPS))
 
 
-def validate(plan: Plan, *, script: str | None = None, script_args: tuple[str, ...] = (),
-             train_fn: Callable[[Any], Any] | None = None, out_dir: str = "bench",
-             steps: int = 20, warmup: int = 3, quiet: bool = False,
+def validate(plan: Plan, target: Target, script_args: tuple[str, ...] = (), *,
+             out_dir: str = "bench", steps: int = 20, warmup: int = 3, quiet: bool = False,
              min_seconds: float = MIN_MEASURED_SECONDS, folder: str = "validate"
              ) -> BenchReport:
-    """Run every runnable setting of ``plan`` (a script or a function) and fill
-    ``plan.measured`` with the measured step times; returns the bench report (written to
-    ``out_dir/folder``). Each setting measures ``steps`` steps, or more to last
-    ``min_seconds`` by its prediction."""
-    if (script is None) == (train_fn is None):
-        raise ValueError("validate needs the script or the function the plan was made for. "
-                         "HINT: --validate works with a script, not with --model-params alone")
+    """Run every runnable setting of ``plan`` (``target``: the script or function it was made
+    for), at least ``steps`` steps or ``min_seconds`` by its prediction, and fill
+    ``plan.measured``; returns the bench report (written to ``out_dir/folder``)."""
     settings = _settings(plan)
     if not settings:
         device = plan.cluster.device
@@ -99,25 +85,16 @@ def validate(plan: Plan, *, script: str | None = None, script_args: tuple[str, .
                          f"settings of a --device cpu plan with at most {MAX_LOCAL_PROCESSES} "
                          f"processes on one host ({why}). "
                          "HINT: --device cpu --workers 1,2,3,4 --per-host 4")
-    target = script if script is not None else str(getattr(train_fn, "__qualname__",
-                                                           "train_fn"))
-    if script is not None:
-        def make(s: Setting) -> Callable[[], None]:
-            return _script_launcher(script, script_args, s)
-    else:
-        assert train_fn is not None
-
-        def make(s: Setting) -> Callable[[], None]:
-            return _function_launcher(train_fn, s)
-
+    name = target if isinstance(target, str) else getattr(target, "__qualname__", "train_fn")
     predicted = {p.setting: p for p in plan.predictions}
 
     def steps_for(s: Setting) -> int:
         p = predicted.get(s.key)
         return steps_to_measure(p, steps, min_seconds) if p is not None else steps
 
-    report = _run_all(target, settings, [], str(Path(out_dir) / folder), steps, warmup,
-                      make, report=True, quiet=quiet, steps_for=steps_for)
+    report = _run_all(name, settings, [], str(Path(out_dir) / folder), steps, warmup,
+                      lambda s: launcher(target, script_args, s), report=True, quiet=quiet,
+                      steps_for=steps_for)
     for r in report.results:
         plan.measured[r.setting.key] = r.step_seconds if r.ok else None
     return report
@@ -145,11 +122,11 @@ def combine_passes(reports: list[BenchReport], out_dir: str, echo: bool = True
 def validate_interleaved(model: ModelProfile, machine: MachineProfile,
                          make_plan: Callable[[ModelProfile, MachineProfile], Plan],
                          reprofile: Callable[[], ModelProfile],
-                         remeasure: Callable[[], MachineProfile] | None, repeat: int, *,
-                         script: str | None = None, script_args: tuple[str, ...] = (),
-                         train_fn: Callable[[Any], Any] | None = None, out_dir: str = "bench",
-                         steps: int = 20, warmup: int = 3, quiet: bool = False,
-                         log: Callable[[str], None] = print) -> tuple[Plan, BenchReport]:
+                         remeasure: Callable[[], MachineProfile] | None, repeat: int,
+                         target: Target, script_args: tuple[str, ...] = (), *,
+                         out_dir: str = "bench", steps: int = 20, warmup: int = 3,
+                         quiet: bool = False, log: Callable[[str], None] = print
+                         ) -> tuple[Plan, BenchReport]:
     """``repeat`` passes of (profile, this machine's figures where ``remeasure`` is given,
     every runnable setting), the first pass with ``model`` and ``machine``; returns the plan
     of the median profiles with each setting's median step (see the module doc)."""
@@ -157,8 +134,8 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
         raise ValueError(f"--repeat must be an integer >= 1, got {repeat!r}")
     plan = make_plan(model, machine)
     if repeat == 1:
-        return plan, validate(plan, script=script, script_args=script_args, train_fn=train_fn,
-                              out_dir=out_dir, steps=steps, warmup=warmup, quiet=quiet)
+        return plan, validate(plan, target, script_args, out_dir=out_dir, steps=steps,
+                              warmup=warmup, quiet=quiet)
     models, machines = [model], [machine]
     reports = []
     for i in range(repeat):
@@ -173,8 +150,7 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
         one_thread = last.compute_1thread(last.global_batch)
         log(f"pass {i + 1}: the profile's step {last.step_seconds * 1e3:.3g} ms (forward and "
             f"backward on one thread {one_thread * 1e3:.3g} ms)")
-        reports.append(validate(plan, script=script, script_args=script_args,
-                                train_fn=train_fn, out_dir=out_dir, steps=steps,
+        reports.append(validate(plan, target, script_args, out_dir=out_dir, steps=steps,
                                 warmup=warmup, quiet=quiet, folder=f"validate/pass{i + 1}"))
     final = make_plan(ModelProfile.median_of(models), MachineProfile.median_of(machines))
     if not quiet:
