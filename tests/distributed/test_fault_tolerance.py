@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from replicator.checkpoint.manifest import read_marker, verify
+from replicator.checkpoint.manifest import read_marker
+from replicator.checkpoint.storage import LocalStorage
 from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.errors import PreemptedError, WorkerFailedError
 from replicator.launch.script_launch import run_script
@@ -212,8 +213,7 @@ def test_nan_loss_stops_before_the_optimizer_step_and_keeps_the_backup(tmp_path)
     for rank in (0, 1):
         assert _logs(tmp_path / "out")[0][rank][-1]["step"] == 49
     step_dir = tmp_path / "backup" / "step-00000040"
-    manifest = read_marker(step_dir)
-    verify(step_dir, manifest)
+    LocalStorage(step_dir.parent).fetch_all(step_dir.name)  # every file verifies
     model = load_file(str(step_dir / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in model.values())
     assert not (tmp_path / "backup" / "step-00000050").exists()
@@ -277,7 +277,7 @@ def test_sharded_backup_rank_killed_resumes_identically(sharded_reference, tmp_p
     assert set(manifest["files"]) == {"scheduler.safetensors",
                                       *(f"rank-{r:05d}.safetensors" for r in range(nproc))}
     shards = backup / "sharded" / "step-00000030"
-    verify(shards, read_marker(shards))
+    LocalStorage(shards.parent).fetch_all(shards.name)  # every file verifies
     assert len([p for p in shards.iterdir() if p.name.startswith("shard-")]) == nproc
 
 

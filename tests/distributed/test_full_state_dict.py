@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import replicator as rp
-from replicator.checkpoint import safetensors_io, serialization
-from replicator.checkpoint.placeholders import Placeholder
+from replicator.checkpoint import serialization
+from replicator.checkpoint.serialization import Placeholder
 from replicator.errors import CheckpointError
 from replicator.testing import run_distributed
 from replicator.train.callbacks import _atomic_save_weights
@@ -38,7 +38,7 @@ def _saving_attempts(model: torch.nn.Module, tmp: str) -> dict:
         torch.save({k: v.cpu() for k, v in state.items()}, io.BytesIO())
     out["torch_save"] = [str(w.message) for w in caught if "placeholder" in str(w.message)]
     for name, save in (("serialization", lambda: serialization.encode({"model": state})),
-                       ("safetensors", lambda: safetensors_io.to_bytes(state, {})),
+                       ("safetensors", lambda: serialization.to_bytes(state, {})),
                        ("ModelCheckpoint", lambda: _atomic_save_weights(state, tmp))):
         try:
             save()

@@ -234,25 +234,21 @@ def test_marker_names_must_stay_inside_the_directory(tmp_path):
 def test_files_interoperate_with_the_safetensors_library(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from replicator.checkpoint import safetensors_io
-
     tensors = {"f": torch.randn(3, 5), "h": torch.randn(7).bfloat16(), "b": torch.tensor(
         [True, False, True]), "u": torch.arange(5, dtype=torch.uint8), "e": torch.empty(0, 4),
         "s": torch.tensor(2.5, dtype=torch.float64)}
-    size, digest = safetensors_io.write_file(tmp_path / "ours.safetensors", tensors, {"k": "v"})
+    size, digest = serialization.write_file(tmp_path / "ours.safetensors", tensors, {"k": "v"})
     assert size == (tmp_path / "ours.safetensors").stat().st_size
     assert digest == hash_file(tmp_path / "ours.safetensors")
     theirs = load_file(tmp_path / "ours.safetensors")
     save_file(tensors, tmp_path / "theirs.safetensors")
-    ours, _ = safetensors_io.read(bytearray((tmp_path / "theirs.safetensors").read_bytes()), "x")
+    ours, _ = serialization.read(bytearray((tmp_path / "theirs.safetensors").read_bytes()), "x")
     for key, value in tensors.items():
         assert torch.equal(theirs[key], value) and torch.equal(ours[key], value), key
 
 
 def test_malformed_headers_are_corrupt_not_crashes():
-    from replicator.checkpoint import safetensors_io
-
-    good = bytearray(safetensors_io.to_bytes({"a": torch.ones(4)}, {}))
+    good = bytearray(serialization.to_bytes({"a": torch.ones(4)}, {}))
     header = json.loads(good[8:8 + int.from_bytes(good[:8], "little")])
     for entry in ({"dtype": "F32", "shape": [5], "data_offsets": [0, 16]},
                   {"dtype": "F32", "shape": [4], "data_offsets": [0, 10**9]},
@@ -262,7 +258,7 @@ def test_malformed_headers_are_corrupt_not_crashes():
         raw = json.dumps(header).encode()
         data = bytearray(len(raw).to_bytes(8, "little") + raw + good[-16:])
         with pytest.raises(CheckpointCorruptError):
-            safetensors_io.read(data, "bad")
+            serialization.read(data, "bad")
 
 
 def test_leftovers_of_an_interrupted_deletion_are_removed_unread_and_said_once(tmp_path, capfd):

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from replicator.checkpoint import CheckpointManager
-from replicator.checkpoint.manager import RemoteCheckpointManager, open_manager
 from replicator.checkpoint.store import LEASE_NAME, RemoteStore
 from replicator.errors import CheckpointCorruptError, StorageURLError, StoreLeaseError
 from replicator.resume import BackupAndRestore
@@ -43,8 +42,7 @@ def _flip_last_byte(store: RemoteStore, commit: str, fname: str) -> str:
 @pytest.mark.parametrize("url", ["foo://bucket/run", "s4://bucket/run"])
 def test_an_unknown_scheme_is_an_error_never_a_local_directory(url, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for make in (lambda: BackupAndRestore(url), lambda: CheckpointManager(url),
-                 lambda: open_manager(url)):
+    for make in (lambda: BackupAndRestore(url), lambda: CheckpointManager(url)):
         with pytest.raises(StorageURLError, match="unknown URL scheme") as info:
             make()
         assert url in str(info.value) and "HINT" in str(info.value)
@@ -74,14 +72,13 @@ def test_file_urls_and_paths_keep_the_local_layout(tmp_path):
 def test_commit_objects_last_keep_k_and_restore_the_newest(tmp_path):
     url = f"memory://remote-{time.monotonic_ns()}/run"
     manager = CheckpointManager(url, keep=2)
-    assert isinstance(manager, RemoteCheckpointManager)
     for step in (10, 20, 30):
         _save(manager, step)
     store = manager.store
     commits = [n for n, _ in store.objects("commits")]
     assert [n.split(".")[0] for n in commits] == ["step-00000020", "step-00000030"]
     assert len(store.folders("data")) == 2  # the data of step 10 went after a newer commit
-    restored = open_manager(url).restore()
+    restored = CheckpointManager(url).restore()
     assert restored is not None and restored.step == 30
     assert torch.equal(restored.replicated["model"]["w"], _state(30)["w"])
     assert restored.per_rank["rank_value"].item() == 30
@@ -110,7 +107,7 @@ def test_flipped_bytes_and_partial_saves_are_skipped_by_name(tmp_path, recwarn):
     newest = [n for n, _ in store.objects("commits")][-1]
     damaged = _flip_last_byte(store, newest, "model.safetensors")
     store.put("data/step-00000040.feed-0x9/model.safetensors", b"partial")  # no commit
-    restored = open_manager(url).restore()
+    restored = CheckpointManager(url).restore()
     assert restored is not None and restored.step == 20
     text = " ".join(str(w.message) for w in recwarn)
     assert f"skipping checkpoint {newest}" in text
@@ -119,14 +116,14 @@ def test_flipped_bytes_and_partial_saves_are_skipped_by_name(tmp_path, recwarn):
     for _, name in manager.commits():
         _flip_last_byte(store, name, "rank-00000.safetensors")
     with pytest.raises(CheckpointCorruptError, match="no valid checkpoint"):
-        open_manager(url).restore()
+        CheckpointManager(url).restore()
 
 
 def test_a_second_job_refuses_a_location_whose_lease_is_fresh(capfd):
     url = f"memory://remote-{time.monotonic_ns()}/run"
-    first = RemoteCheckpointManager(url, job_id="job-a")
+    first = CheckpointManager(url, job_id="job-a")
     _save(first, 1)
-    second = RemoteCheckpointManager(url, job_id="job-b")
+    second = CheckpointManager(url, job_id="job-b")
     with pytest.raises(StoreLeaseError, match="job 'job-a'.*refuses to write"):
         second.restore()
     with pytest.raises(StoreLeaseError):
@@ -135,7 +132,7 @@ def test_a_second_job_refuses_a_location_whose_lease_is_fresh(capfd):
     store = first.store
     lease = json.loads(store.get(LEASE_NAME))
     store.put(LEASE_NAME, json.dumps({**lease, "pid": 1 << 22}).encode())
-    again = RemoteCheckpointManager(url, job_id="job-a")
+    again = CheckpointManager(url, job_id="job-a")
     assert again.restore() is not None
     assert "taking over the lease" in capfd.readouterr().err
     first.close()
@@ -147,7 +144,7 @@ def test_a_stale_lease_is_taken_over_and_said(capfd):
     store = RemoteStore(url)
     store.put(LEASE_NAME, json.dumps({"job_id": "old-job", "host": "elsewhere", "pid": 7,
                                       "heartbeat": time.time() - 50}).encode())
-    fresh = RemoteCheckpointManager(url, job_id="new-job", lease_timeout=30)
+    fresh = CheckpointManager(url, job_id="new-job", lease_timeout=30)
     assert fresh.restore() is None
     err = capfd.readouterr().err
     assert "taking over the lease" in err and "old-job" in err and "stale" in err
@@ -158,8 +155,8 @@ def test_a_stale_lease_is_taken_over_and_said(capfd):
 
 _NEVER_CLOSED = """
 import sys, torch
-from replicator.checkpoint.manager import RemoteCheckpointManager
-manager = RemoteCheckpointManager(sys.argv[1], job_id="forgetful")
+from replicator.checkpoint import CheckpointManager
+manager = CheckpointManager(sys.argv[1], job_id="forgetful")
 manager.save(1, {"model": {"w": torch.ones(2)}})
 manager.finish()
 print("saved", flush=True)
@@ -174,7 +171,7 @@ def test_a_script_that_never_closes_its_backups_releases_the_lease_at_exit(tmp_p
     assert done.returncode == 0 and "saved" in done.stdout, done.stderr
     assert "still running" not in done.stderr  # the heartbeat thread was stopped
     assert not RemoteStore(url).exists(LEASE_NAME)  # the next job need not wait it out
-    again = RemoteCheckpointManager(url, job_id="another")  # takes the location at once
+    again = CheckpointManager(url, job_id="another")  # takes the location at once
     assert again.restore() is not None
     again.close()
 
@@ -192,7 +189,7 @@ def test_s3_commit_protocol_and_damage(s3_server):  # noqa: F811 - the fixture
     damaged = _flip_last_byte(manager.store, newest, "model.safetensors")
     manager.close()
     with pytest.warns(RuntimeWarning, match=f"skipping checkpoint {newest}.*{damaged}.*SHA-256"):
-        restored = open_manager(url).restore()
+        restored = CheckpointManager(url).restore()
     assert restored is not None and restored.step == 5
     assert torch.equal(restored.replicated["model"]["w"], _state(5)["w"])
     assert socket.gethostname()  # the lease names this host

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from replicator.checkpoint.manager import RemoteCheckpointManager
-from replicator.checkpoint.saver import ProcessSaver, SaverFilesystem
+from replicator.checkpoint import CheckpointManager
+from replicator.checkpoint.saver import BackgroundSaver, SaverFilesystem
 from tests.s3_server import s3_server  # noqa: F401 - a fixture
 
 
@@ -15,10 +15,10 @@ from tests.s3_server import s3_server  # noqa: F401 - a fixture
 def test_store_calls_go_through_the_saver_process_and_come_back_on_close(
         s3_server):  # noqa: F811 - the fixture
     s3_server.make_bucket("calls")
-    manager = RemoteCheckpointManager("s3://calls/run")
+    manager = CheckpointManager("s3://calls/run")
     store = manager.store
     original = store.fs
-    saver = ProcessSaver(manager)
+    saver = BackgroundSaver(manager, async_mode="process")
     try:
         assert isinstance(store.fs, SaverFilesystem)
         jobs = saver.process._jobs

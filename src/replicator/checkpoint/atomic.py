@@ -1,9 +1,5 @@
-"""Durable, atomic file-system steps: what a checkpoint needs so a crash never leaves half a file.
-
-A file is durable once its bytes are flushed and ``fsync``ed; a rename or a new entry in a
-directory is durable once the *directory* is fsynced. Atomicity comes from renames: the reader
-either sees the old name or the complete new one, never a half-written file.
-"""
+"""Durable, atomic file-system steps (fsync the file, rename, fsync the directory), so that a
+crash never leaves half a file under a checkpoint's name."""
 
 from __future__ import annotations
 
@@ -15,6 +11,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,11 +22,8 @@ CHUNK_BYTES = 8 << 20
 
 
 def fsync_dir(path: str | Path) -> None:
-    """Make the entries of directory ``path`` (new files, renames) durable.
-
-    Some file systems (and all of Windows) cannot open a directory; there the rename itself is
-    the best available guarantee, so the error is ignored.
-    """
+    """Make the entries of directory ``path`` (new files, renames) durable, where the file
+    system can open a directory (elsewhere the rename is the best guarantee)."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -43,31 +37,33 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_durable(path: str | Path, data: bytes | memoryview) -> str:
-    """Write ``data`` to ``path``, flush and fsync it; return its SHA-256 (hex).
-
-    The caller decides atomicity (write into a temporary directory, or use
-    :func:`write_atomic`). A partial file is removed when writing fails (a full disk).
-    """
-    digest = hashlib.sha256(data).hexdigest()
+def write_durable(path: str | Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
+    """Write ``chunks`` to ``path``, hashing each while the next is written, and fsync it;
+    return (bytes, SHA-256). A partial file is removed when writing fails (a full disk)."""
+    hasher = OverlappedHasher()
+    size = 0
     try:
         with open(path, "wb") as f:
-            view = memoryview(data)
-            for start in range(0, len(view), CHUNK_BYTES):
-                f.write(view[start:start + CHUNK_BYTES])
+            for chunk in chunks:
+                hasher.update(chunk)
+                f.write(chunk)
+                size += len(chunk)
+            digest = hasher.hexdigest()
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
         Path(path).unlink(missing_ok=True)
         raise
-    return digest
+    finally:
+        hasher.close()
+    return size, digest
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Replace ``path`` by ``data`` atomically and durably: temp file, fsync, rename, fsync dir."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    write_durable(tmp, data)
+    write_durable(tmp, [data])
     try:
         os.replace(tmp, path)
     except BaseException:
@@ -77,11 +73,8 @@ def write_atomic(path: str | Path, data: bytes) -> None:
 
 
 class OverlappedHasher:
-    """SHA-256 computed on a helper thread while the caller reads or writes the next chunk.
-
-    ``hashlib`` releases the GIL on large buffers, so hashing a chunk overlaps the I/O of the
-    next one; updates stay in order because each waits for the one before.
-    """
+    """SHA-256 on a helper thread (``hashlib`` releases the GIL), overlapping the next chunk's
+    I/O; updates stay in order because each waits for the one before."""
 
     def __init__(self) -> None:
         self._hasher = hashlib.sha256()
@@ -134,7 +127,7 @@ def read_and_hash(path: str | Path) -> tuple[np.ndarray, str]:
 
 
 def hash_file(path: str | Path) -> str:
-    """SHA-256 (hex) of the file at ``path``."""
+    """SHA-256 (hex) of the file at ``path``, read in chunks."""
     hasher = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK_BYTES):
@@ -162,13 +155,8 @@ atexit.register(finish_removals)
 
 
 def remove_tree(path: str | Path, wait: bool = True) -> None:
-    """Delete a directory without ever exposing a half-deleted one under its own name.
-
-    It is first renamed to a hidden ``.trash-`` name (atomic), then deleted; a crash in between
-    leaves only trash, which the next cleanup removes. ``wait=False`` deletes on a daemon
-    thread, so freeing a large old checkpoint does not hold up training; the process waits
-    for it when it exits (:func:`finish_removals`).
-    """
+    """Delete a directory, first renamed to a hidden ``.trash-`` name so that no half-deleted
+    one shows under its name; ``wait=False`` deletes on a thread the process waits for at exit."""
     path = Path(path)
     if not path.exists():
         return
@@ -182,12 +170,3 @@ def remove_tree(path: str | Path, wait: bool = True) -> None:
     else:
         threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True},
                          name=PRUNE_THREAD_NAME, daemon=True).start()
-
-
-def free_bytes(path: str | Path) -> int | None:
-    """Bytes free for this user on the file system of ``path`` (None when unknown)."""
-    try:
-        st = os.statvfs(path)
-    except (OSError, AttributeError):
-        return None
-    return st.f_bavail * st.f_frsize

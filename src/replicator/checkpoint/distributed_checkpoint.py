@@ -1,20 +1,9 @@
 """Sharded checkpoints of model-parallel runs through ``torch.distributed.checkpoint`` (DCP).
 
-Each rank writes only the shards it holds (FSDP shards, tensor-parallel slices, its pipeline
-stages), flattened to ``model.<fqn>`` and ``optim.<fqn>.<key>`` tensors by the model's own
-parameter names (``get_state_dict``), in safetensors files through DCP's
-``HuggingFaceStorageWriter`` (no pickle: DCP's default ``.metadata`` is a pickle, which
-replicator refuses to load), with the optimizers' param groups beside them as JSON. So a
-checkpoint saved in one layout loads into any other: data x pipeline into FSDP, tensor
-parallel into one device.
-
-The commit is the checkpoint room's, over the same storage protocol as every save
-(``storage.py``): every rank writes into the save's staging area (in a store, a scratch
-folder of its own that is uploaded, hashed as it goes, then deleted: DCP writes local files
-only), the ranks agree that all writes succeeded, then the chief commits the manifest (the
-SHA-256 of each file) atomically. Loading verifies every hash first (in a store, each rank
-downloads the chosen save, since any layout may need any shard) and skips partial or damaged
-saves with a warning.
+Each rank writes only the shards it holds, by the model's own parameter names, as safetensors
+(DCP's default ``.metadata`` is a pickle, which is refused), so a save in one layout loads into
+any other (data x pipeline into FSDP, tensor parallel into one device). The commit, the hashes
+and the choice of a verified save on load are the storage protocol's, as for every save.
 """
 
 from __future__ import annotations
@@ -87,10 +76,6 @@ class StagedShards:
                  optimizers: bool) -> None:
         self.flat, self.groups, self.optimizers = flat, groups, optimizers
 
-    @property
-    def nbytes(self) -> int:
-        return sum(_local(t).numel() * _local(t).element_size() for t in self.flat.values())
-
 
 def _copy(t: Any) -> Any:
     """A CPU copy of ``t``; a DTensor keeps its mesh and placements around a copied shard."""
@@ -143,7 +128,7 @@ def _write_dcp(folder: Path, staged: StagedShards, ch: Channel) -> None:
                                                                       save_distributed=True),
              process_group=ch.collectives.group, no_dist=ch.world_size == 1)
     if ch.is_chief and staged.optimizers:
-        write_durable(folder / GROUPS_FILE, json.dumps(staged.groups).encode())
+        write_durable(folder / GROUPS_FILE, [json.dumps(staged.groups).encode()])
 
 
 def write_staged(directory: Location, step: int, staged: StagedShards | Exception,

@@ -1,13 +1,6 @@
-"""How ranks agree while checkpointing: small JSON messages over the job's collectives.
-
-Every save and restore ends with an agreement step in which each rank says whether its part
-worked. All ranks then raise together or go on together, so a failure on one rank (a full
-disk, a corrupt file) becomes the same clear error everywhere instead of a hang.
-
-Messages go through a :class:`replicator.comm.collectives.Collectives` that the caller passes in
-(a strategy's own, from the room above; or :func:`group_collectives` over a group), so a rank
-that stops responding turns into a ``ReplicaTimeoutError`` naming it.
-"""
+"""How ranks agree while checkpointing: small JSON messages over the collectives passed in, so
+that a failure on one rank becomes the same clear error on every rank (a rank that stops
+responding a ``ReplicaTimeoutError`` naming it), never a hang."""
 
 from __future__ import annotations
 

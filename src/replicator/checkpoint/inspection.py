@@ -1,11 +1,5 @@
-"""``replicator checkpoints list|verify|export LOCATION``: look into backups without training.
-
-Works on a local backup directory and on an fsspec URL alike, read-only (it never takes the
-store's lease, never deletes). ``list`` shows each backup's step, time, size and status
-(committed, or partial: files without a commit); ``verify`` checks every file's size and
-SHA-256 and names the object and the hash mismatch of a damaged one; ``export`` writes one
-backup's model (or another tracked state) as a plain safetensors file, for inference.
-"""
+"""``replicator checkpoints list|verify|export LOCATION``: look into backups without training,
+local or in a store, read-only (never the lease, never a deletion)."""
 
 from __future__ import annotations
 
@@ -21,7 +15,7 @@ from typing import Any
 
 import torch
 
-from replicator.checkpoint import safetensors_io, serialization
+from replicator.checkpoint import serialization
 from replicator.checkpoint.storage import LocalStorage, open_storage
 from replicator.checkpoint.store import DATA, RemoteStore, parse_commit_name
 from replicator.errors import CheckpointCorruptError, CheckpointError
@@ -116,19 +110,6 @@ def verify_backups(location: str | os.PathLike[str], step: int | None = None,
     return results
 
 
-def _flat_tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree.contiguous()}
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(tree, Mapping):
-        for key, value in tree.items():
-            out.update(_flat_tensors(value, f"{prefix}.{key}" if prefix else str(key)))
-    elif isinstance(tree, (list, tuple)):
-        for i, value in enumerate(tree):
-            out.update(_flat_tensors(value, f"{prefix}.{i}" if prefix else str(i)))
-    return out
-
-
 def export_backup(location: str | os.PathLike[str], out: str | os.PathLike[str], *,
                   step: int | None = None, state: str = "model",
                   storage_options: Mapping[str, Any] | None = None) -> Backup:
@@ -155,11 +136,13 @@ def export_backup(location: str | os.PathLike[str], out: str | os.PathLike[str],
         except CheckpointCorruptError as exc:
             reasons.append(f"{backup.name}: {exc}")
             continue
-        tensors = _flat_tensors(serialization.decode(data, f"{backup.name}/{fname}"))
+        tree = serialization.decode(data, f"{backup.name}/{fname}")
+        tensors = {k: v.contiguous() for k, v in serialization.leaves(tree)
+                   if isinstance(v, torch.Tensor)}
         if not tensors:
             raise CheckpointError(f"backup {backup.name}: {state!r} holds no tensors")
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        safetensors_io.write_file(Path(out), tensors, {"step": str(backup.step),
+        serialization.write_file(Path(out), tensors, {"step": str(backup.step),
                                                  "source": f"{reader.label}/{backup.name}"})
         return backup
     which = f"step {step}" if step is not None else "backup"

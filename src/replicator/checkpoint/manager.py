@@ -1,14 +1,9 @@
 """CheckpointManager: atomic, verified, multi-rank checkpoints over one storage protocol.
 
-Every rank calls :meth:`CheckpointManager.save` and :meth:`CheckpointManager.restore`
-together. A save writes each rank's files into a staging area of its own (each rank its
-per-rank state, the chief the replicated states), the ranks agree that every write succeeded,
-the chief commits atomically (a local directory renamed into place with its ``COMMIT.json``
-written last; in a store, a commit object written last, under the job's lease) and tells the
-others; then it prunes to the newest ``keep``. A crash at any point leaves the previous save
-the newest valid one. A restore takes the newest save whose manifest and SHA-256 hashes
-verify and warns about each one it skips. Where the bytes go is ``storage.py``'s: a local
-directory or an fsspec URL (``s3://bucket/run``), decided once when the location is opened.
+A save: every rank writes its files into a staging area, the ranks agree that every write
+succeeded, the chief commits atomically and tells the others, then prunes to the newest
+``keep``; a crash at any point leaves the previous save the newest valid one. A restore loads
+the newest save whose manifest and SHA-256 hashes verify, warning about each one it skips.
 """
 
 from __future__ import annotations
@@ -73,10 +68,6 @@ class FrozenState:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
 
 def freeze_state(state: Any, label: str, reuse: FrozenState | None = None) -> FrozenState:
     """Copy ``state`` (a tree of plain values and tensors) into memory, as it is now;
@@ -112,13 +103,11 @@ class Restored:
 class CheckpointManager:
     """Save and restore checkpoints of a job at ``directory``, keeping the newest ``keep``.
 
-    ``directory``: a local directory every rank sees, or an fsspec URL (``s3://bucket/run``,
-    with ``storage_options``; a lease held for ``job_id`` keeps a second job from writing
-    there, see :class:`~replicator.checkpoint.store.Lease`). ``collectives``: the ranks that
-    checkpoint together (a strategy's, so that timeouts name ranks; default: the whole job).
-    ``mirror``: for a URL, a local directory that also receives every save. A save a store
-    refuses is logged and counted and training goes on (:meth:`finish` raises at the end if
-    the newest state never got there); a local save that fails raises on every rank.
+    ``directory``: a local directory every rank sees, or an fsspec URL (with
+    ``storage_options``; a lease held for ``job_id`` keeps a second job out). ``collectives``:
+    the ranks that checkpoint together (default: the whole job). ``mirror``: for a URL, a local
+    directory that also receives every save. A save a store refuses is logged and training
+    goes on (:meth:`finish` raises at the end); a local save that fails raises on every rank.
     """
 
     def __init__(self, directory: Any, keep: int = 2, *,
@@ -202,10 +191,8 @@ class CheckpointManager:
             raise CheckpointWriteError(f"cannot take the lease of {self.url}: "
                                        f"{message['error']}") from lease_exc
         if message["error"]:
-            if lease_exc is not None:
-                raise lease_exc
-            raise StoreLeaseError(f"rank 0 could not take the lease of {self.url}: "
-                                  f"{message['error']}")
+            raise _own_or(lease_exc, StoreLeaseError(f"rank 0 could not take the lease of "
+                                                     f"{self.url}: {message['error']}"))
         self._token = message["token"]
 
     def close(self) -> None:
@@ -214,10 +201,6 @@ class CheckpointManager:
             self.store.release()
 
     # -- listing -------------------------------------------------------------------------------
-    def step_dirs(self) -> list[tuple[int, Any]]:
-        """``(step, where)`` of every save, committed or not, oldest first."""
-        return [(s, self.store.where(ref)) for s, ref in self.store.saves()]
-
     def commits(self) -> list[tuple[int, str]]:
         """``(step, name)`` of every save the location lists, oldest first."""
         return self.store.saves()
@@ -241,13 +224,11 @@ class CheckpointManager:
              channel: Channel | None = None, writer: FileWriter | None = None) -> Any:
         """Write and commit the checkpoint of ``step``; every rank calls this together.
 
-        ``replicated`` maps names to state trees that are the same on every rank (the chief
-        writes them; other ranks may pass ``None``); ``per_rank`` is this rank's own state
-        tree; either may be a :class:`FrozenState`. ``info`` is JSON stored in the manifest.
-        ``channel``: how the ranks agree (a background save passes a private one);
-        ``writer``: writes this rank's files (the saver process). Returns where the save is.
-        A failure raises :class:`CheckpointWriteError` on every rank (nothing committed),
-        except in a store, where it is logged and the next save tries again (``None``).
+        ``replicated``: named states the same on every rank (the chief writes them);
+        ``per_rank``: this rank's own state; ``info``: JSON for the manifest; ``channel``: how
+        the ranks agree; ``writer``: writes this rank's files (the saver process). Returns where
+        the save is; a failure raises :class:`CheckpointWriteError` on every rank (in a store:
+        logged, ``None``, and the next save tries again).
         """
         with timing.region("checkpoint"):  # a profile shows the save apart from compute
             return self._save_or_log(step, replicated, per_rank, info, channel, writer)
@@ -372,11 +353,9 @@ class CheckpointManager:
     def restore(self) -> Restored | None:
         """Load the newest valid checkpoint on every rank; ``None`` when there is none at all.
 
-        The chief verifies candidates newest first (marker, sizes, SHA-256) and skips damaged
-        or partial ones with a warning; all ranks then load the chosen one. Raises
-        :class:`CheckpointCorruptError` when checkpoints exist but none is valid, and
-        :class:`UnsafeCheckpointError` when one carries a pickle payload. With a mirror, it
-        loads from the mirror when that is newer or the store cannot be read (said).
+        The chief verifies candidates newest first, skipping damaged or partial ones with a
+        warning (:class:`CheckpointCorruptError` when none is valid); every rank then loads the
+        chosen one. With a mirror, from the mirror when it is newer or the store is down.
         """
         if self.mirror is not None and self._mirror_is_newer():
             restored = self.mirror.restore()
@@ -397,10 +376,8 @@ class CheckpointManager:
                 decision["fatal"] = _text(exc)
         decision = ch.from_chief(decision, "checkpoint restore (choosing a checkpoint)")
         if decision["fatal"]:
-            if fatal is not None:
-                raise fatal
-            raise CheckpointError(f"restoring from {self.directory} failed on rank 0: "
-                                  f"{decision['fatal']}")
+            raise _own_or(fatal, CheckpointError(f"restoring from {self.directory} failed on "
+                                                 f"rank 0: {decision['fatal']}"))
         if decision["step"] < 0:
             if decision["skipped"]:
                 raise CheckpointCorruptError(
@@ -416,10 +393,8 @@ class CheckpointManager:
             local_exc = exc
         failures = ch.failures(_text(local_exc), "checkpoint restore (loading)")
         if failures:
-            if local_exc is not None:
-                raise local_exc
-            raise CheckpointError(f"loading {self.store.where(ref)} failed on "
-                                  f"{describe_failures(failures)}")
+            raise _own_or(local_exc, CheckpointError(f"loading {self.store.where(ref)} failed "
+                                                     f"on {describe_failures(failures)}"))
         self.latest_step, self._choice_ref = step, ref
         return result
 
@@ -500,10 +475,9 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
                   on_commit: Callable[[str], None] | None = None,
                   before_commit: Callable[[Any], None] | None = None) -> str:
     """The save protocol after the writes, for every kind of save: the ranks agree that every
-    write succeeded (else the staging is discarded and ``error(failures, cause)`` raised on
-    every rank; this rank's own non-I/O exception as itself), the chief commits the manifest of
-    every rank's files, every rank hears the outcome, the chief prunes to ``keep``. Returns
-    the committed save's name."""
+    write succeeded (else ``error(failures, cause)`` on every rank), the chief commits the
+    manifest of every rank's files, every rank hears the outcome, the chief prunes to ``keep``.
+    Returns the committed save's name."""
     results = ch.all_gather(
         {"error": _text(local_exc), "files": {n: e.as_json() for n, e in entries.items()}},
         f"checkpoint save of step {step} (writes)")
@@ -539,9 +513,9 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
     return str(outcome["ref"])
 
 
-#: The names this class had when a URL made a subclass; one class serves both now.
-RemoteCheckpointManager = CheckpointManager
-open_manager = CheckpointManager
+def _own_or(own: BaseException | None, shared: Exception) -> BaseException:
+    """This rank's own exception, else ``shared`` (what the ranks agreed failed elsewhere)."""
+    return own if own is not None else shared
 
 
 def _text(exc: BaseException | None) -> str:

@@ -1,11 +1,6 @@
-"""The commit marker: a JSON manifest of a checkpoint's files with their SHA-256, written last.
-
-A checkpoint directory counts only when its marker exists, parses, carries a matching checksum
-of itself, and every file it lists has the recorded size and SHA-256. Anything else is a partial
-or damaged checkpoint and is skipped for an older one. Only safetensors and JSON files may be
-listed: a manifest naming anything else (a pickle) makes the checkpoint unsafe, and it is
-refused.
-"""
+"""The commit marker: a JSON manifest of a save's files with their size and SHA-256, written
+last and checksummed itself; a save counts only when it and every file it lists check out.
+Only safetensors and JSON files may be listed (a pickle makes the save refused)."""
 
 from __future__ import annotations
 
@@ -54,29 +49,34 @@ def check_file_name(name: str, where: str) -> None:
             "safetensors; otherwise delete it.")
 
 
-def _checksum(body: Mapping[str, Any]) -> str:
+def _checksum(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def seal(manifest: dict[str, Any]) -> bytes:
+    """Set ``manifest``'s checksum (over every other field); return the marker's bytes."""
+    manifest["checksum"] = _checksum(manifest)
+    return json.dumps(manifest, indent=1, sort_keys=True, allow_nan=True).encode()
+
+
 def build(step: int, world_size: int, files: Mapping[str, FileEntry],
-          info: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    """The manifest of a checkpoint at ``step`` holding ``files``; ``info`` is free JSON;
-    ``extra``: more top-level fields (a commit object's ``prefix``), covered by the checksum."""
+          info: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest of a save at ``step`` holding ``files``; ``info`` is free JSON."""
     for name in files:
         check_file_name(name, f"checkpoint at step {step}")
     body = {"format": FORMAT, "version": VERSION, "step": int(step),
             "world_size": int(world_size), "created": time.time(),
             "files": {name: entry.as_json() for name, entry in sorted(files.items())},
-            "info": dict(info), **extra}
-    body["checksum"] = _checksum(body)
+            "info": dict(info)}
+    seal(body)
     return body
 
 
-def write_marker(step_dir: Path, manifest: Mapping[str, Any]) -> None:
+def write_marker(step_dir: Path, manifest: dict[str, Any]) -> None:
     """Commit ``step_dir``: write its manifest atomically; nothing may be written after it."""
-    data = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=True).encode()
-    write_atomic(step_dir / MARKER_NAME, data)
+    write_atomic(step_dir / MARKER_NAME, seal(manifest))
 
 
 def read_marker(step_dir: Path) -> dict[str, Any]:
@@ -99,8 +99,7 @@ def parse_marker(raw: bytes, where: str) -> dict[str, Any]:
     """A manifest from its bytes; :class:`CheckpointCorruptError` when it does not check out."""
     try:
         manifest = json.loads(raw)
-        body = {k: v for k, v in manifest.items() if k != "checksum"}
-        ok = manifest.get("checksum") == _checksum(body)
+        ok = manifest.get("checksum") == _checksum(manifest)
     except (ValueError, AttributeError) as exc:
         raise CheckpointCorruptError(f"{where}: {MARKER_NAME} is not valid JSON ({exc})") from exc
     if not ok:
@@ -144,13 +143,3 @@ def check_bytes(where: str, name: str, entry: Mapping[str, Any], size: int,
             f"{where}: {name} fails its SHA-256 check (its bytes changed after it was "
             f"written): sha256 {digest}, the manifest says {entry.get('sha256')}")
 
-
-def verify(step_dir: Path, manifest: Mapping[str, Any],
-           keep: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """Check every file of the manifest; return the bytes of the files named in ``keep``."""
-    kept = {}
-    for name in sorted(manifest["files"]):
-        data = verify_file(step_dir, manifest, name)
-        if name in keep:
-            kept[name] = data
-    return kept

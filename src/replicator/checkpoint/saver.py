@@ -1,31 +1,11 @@
-"""Background saves: the training loop waits only for a copy of the state (or a part of it).
+"""Background saves: the training loop waits only for a copy of the state, then one writer
+thread writes and commits each save exactly as a foreground one while the next steps run.
 
-At the step boundary :class:`BackgroundSaver` copies the state, then writes and commits it
-while the next steps run, exactly as a foreground save does (staging, the ranks' agreement
-over a private group that never interleaves with training's collectives, the chief's atomic
-commit): a crash in the middle leaves the previous backup the newest valid one. Who writes
-the files is a setting, ``async_mode``:
-
-- ``"thread"``: the state is copied into memory (:func:`~replicator.checkpoint.manager.
-  freeze_state`) and a thread serialises, hashes and writes it;
-- ``"process"``: the state is copied into shared memory as the safetensors images of this
-  rank's files (:class:`StagingBuffer` in ``saver_client.py``, made once and reused) and a
-  long-lived saver process (``saver_process.py``, started with the saver so that its imports
-  and its store connection overlap the first steps) hashes and writes or uploads them at a
-  lower priority; the store's own calls (the commit's listing, pruning, the lease) go there
-  too. Python's GIL is then held by the saver process, not by training. One writer thread
-  takes the saves in order: it first copies the tensors :meth:`BackgroundSaver.submit` was
-  allowed to defer (the caller keeps them unchanged until :meth:`BackgroundSaver.wait_copied`
-  returns), then agrees with the other ranks' writer threads that every rank staged the save,
-  then saves it; the caller's thread runs no collective and waits for no thread.
-
-At most one save is in flight. With the thread, starting another waits for the one before;
-with the process, a save due while the previous one is still being written is not staged on
-that rank and then skipped on every rank, counted in :attr:`BackgroundSaver.skipped` and said
-once, with how long the save took and the ``save_freq`` that would fit. A save's error is
-raised at the next save or by :meth:`BackgroundSaver.wait`, never dropped (with the process:
-on each rank at its first save after the failed one finished there). If the saver process
-dies, that save fails (nothing is committed) and the next save starts a new process.
+``async_mode`` says who writes the files: ``"thread"`` (the writer thread serialises a copy in
+memory; a save waits for the one before) or ``"process"`` (the state is copied into shared memory
+as the files' safetensors images and a long-lived, lower-priority saver process hashes and writes
+or uploads them; a save due while the one before is still being written is skipped on every
+rank, counted and said once). A save's error is raised at the next save or by :meth:`wait`.
 """
 
 from __future__ import annotations
@@ -50,32 +30,25 @@ from replicator.checkpoint.saver_client import (
     MIN_WAIT_SECONDS,
     SaverFilesystem,
     SaverProcess,
-    StagedFile,
     StagingBuffer,
-    remove_stale_buffers,
 )
 from replicator.checkpoint.storage import open_storage
 from replicator.checkpoint.store import RemoteStore
 from replicator.errors import CheckpointWriteError
-
-__all__ = ["SAVERS", "BackgroundSaver", "ProcessSaver", "SaverFilesystem", "SaverProcess",
-           "StagedFile", "StagingBuffer", "check_saver", "early_process", "make_saver",
-           "remove_stale_buffers", "saver_kind"]
 
 SAVERS = ("process", "thread")
 
 
 @dataclass
 class _Job:
-    """One due save for the saver process's writer thread: every rank queues one per due step,
-    staged or not, so the ranks' writer threads agree on each in the same order."""
+    """One due save for the writer thread: with the saver process every rank queues one per
+    due step, staged or not, so the ranks' writer threads agree on each in the same order."""
 
     step: int
     info: dict[str, Any]
     before: Callable[[Channel], Any] | None
     submitted_at: float
-    #: The staged (replicated, per-rank) files; ``None``: not staged on this rank (the save
-    #: before was still being written).
+    #: The staged or frozen (replicated, per-rank) states; ``None``: not staged on this rank.
     staged: tuple[Any, Any] | None = None
     #: ``(tensor, offset)`` pieces the writer thread copies into the buffer first.
     pieces: list[tuple[torch.Tensor, int]] = field(default_factory=list)
@@ -88,9 +61,8 @@ class _Job:
 class BackgroundSaver:
     """Runs :meth:`CheckpointManager.save` for one checkpoint at a time in the background.
 
-    ``async_mode``: ``"thread"`` or ``"process"`` (module doc). Every rank calls
-    :meth:`submit` at the same step. ``on_saved(step, path)`` runs on the saving thread once a
-    save is committed on every rank.
+    Every rank calls :meth:`submit` at the same step; ``on_saved(step, path)`` runs on the
+    writer thread once a save is committed on every rank.
     """
 
     def __init__(self, manager: CheckpointManager,
@@ -100,27 +72,19 @@ class BackgroundSaver:
         self.on_saved = on_saved
         self.async_mode = check_saver(async_mode) or "thread"
         self._channel: Channel | None = None
-        self._thread: threading.Thread | None = None
-        self._step: int | None = None
         self._error: BaseException | None = None
         self._saved: tuple[int, Any] | None = None
         #: The last save's copies, reused by the next one (it is done with them by then).
         self._frozen: dict[str, FrozenState] = {}
-        #: Seconds the caller spent in the last :meth:`submit` (copying the state).
-        self.last_submit_seconds = 0.0
-        #: Seconds the last save took on its thread (write, agreement, commit).
-        self.last_write_seconds = 0.0
         #: Seconds from each committed save's step (its submit) to its commit, in order.
         self.commit_seconds: list[float] = []
         #: Saves skipped because the one before was still being written.
         self.skipped = 0
         #: Seconds each :meth:`wait_copied` that had to wait waited (a deferred copy).
         self.copy_wait_seconds: list[float] = []
-        self._submitted_at = 0.0
         self.process: SaverProcess | None = None
         self._buffer: StagingBuffer | None = None
         self._store_fs: tuple[RemoteStore, Any] | None = None
-        # the saver process's jobs: one writer thread takes them in order
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._pending = 0  # jobs queued or being written
@@ -135,25 +99,16 @@ class BackgroundSaver:
                 self._store_fs = (store, store.fs)
                 store.fs = SaverFilesystem(self.process, store, store.fs)
 
-    @property
-    def in_flight(self) -> int | None:
-        """The step being saved right now (``None``: no save is running)."""
-        if self.process is not None:
-            job = self._writing
-            return job.step if job is not None and job.staged is not None else None
-        thread = self._thread
-        return self._step if thread is not None and thread.is_alive() else None
-
     def start(self) -> BackgroundSaver:
         """Make the private group now (a collective: every rank calls it), so that the first
-        save does not wait for it; the saver process is already starting."""
+        save does not wait for it, and start the writer thread."""
         self._private_channel()
-        if self.process is not None:
-            self._start_writer()
+        self._start_writer()
         return self
 
     def _private_channel(self) -> Channel:
-        """A channel over a private copy of the job's group (collective on first use)."""
+        """A channel over a private copy of the job's group (collective on first use), so that
+        a save's agreement never interleaves with training's collectives."""
         if self._channel is None:
             own = self.manager.channel
             coll = own.collectives
@@ -174,34 +129,13 @@ class BackgroundSaver:
                info: Mapping[str, Any] | None,
                before: Callable[[Channel], Any] | None = None,
                defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
-        """Copy the state now and save it as ``step`` in the background; return where it will
-        be. The thread waits for the save before (raising its error); the process skips this
-        one (returns ``None``) while the save before is still being written.
-        ``before(channel)`` runs on the saving thread first (a sharded save the backup names).
-        ``defer`` (the process only): tensors it accepts are copied on the writer thread
-        instead, while training goes on; the caller keeps them unchanged until
-        :meth:`wait_copied` returns (an optimizer step pre-hook calls it)."""
-        if self.process is not None:
-            return self._submit_job(step, replicated, per_rank, info, before, defer)
-        self.wait()
-        start = time.perf_counter()
-        channel = self._private_channel()
-        rep, rank = self._freeze(replicated, per_rank, channel.rank)
-        self._step, self._error, self._saved = step, None, None
-        self._submitted_at = start
-        self._thread = threading.Thread(
-            target=self._run, args=(step, rep, rank, dict(info or {}), channel, before),
-            name=f"replicator-checkpoint-{step}", daemon=True)
-        self._thread.start()
-        self.last_submit_seconds = time.perf_counter() - start
-        return self.manager.where(step)
-
-    def _submit_job(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
-                    info: Mapping[str, Any] | None, before: Callable[[Channel], Any] | None,
-                    defer: Callable[[torch.Tensor], bool] | None) -> Any:
-        """Stage the state (unless the save before is still being written here) and queue the
-        save; no collective and no wait on this thread: the writer thread agrees with the
-        other ranks' whether every rank staged it, and skips it everywhere if one did not."""
+        """Copy the state now and queue its save as ``step``; return where it will be (``None``:
+        skipped). No collective runs on this thread. ``before(channel)`` runs on the writer
+        thread first (a sharded save the backup names). ``defer`` (the process only): tensors
+        it accepts are copied on the writer thread; the caller keeps them unchanged until
+        :meth:`wait_copied` returns."""
+        if self.process is None:
+            self.wait()  # the thread: one save at a time, the one before's error raised here
         error, self._error = self._error, None
         if error is not None:  # a save that failed on the writer thread
             raise error
@@ -214,17 +148,17 @@ class BackgroundSaver:
         if busy:
             running = self._writing or self._last_job
             job.behind = (running.step, start - running.submitted_at) if running else None
-            job.copied.set()
+        elif self.process is None:
+            job.staged = self._freeze(replicated, per_rank, channel.rank)
         else:
             rep, rank, job.pieces = self._stage(replicated, per_rank, channel.rank, defer)
             job.staged = (rep, rank)
-            if not job.pieces:
-                job.copied.set()
+        if not job.pieces:
+            job.copied.set()
         with self._done:
             self._pending += 1
         self._last_job = job
         self._jobs.put(job)
-        self.last_submit_seconds = time.perf_counter() - start
         return self.manager.where(step) if job.staged is not None else None
 
     def wait_copied(self, timeout: float = MIN_WAIT_SECONDS) -> None:
@@ -279,24 +213,22 @@ class BackgroundSaver:
     def _write(self, job: _Job) -> None:
         """Agree that every rank staged ``job`` (else skip it everywhere), then save it."""
         channel = self._private_channel()
-        if channel.max_flag(job.staged is None, f"checkpoint save of step {job.step} "
-                            "(staged on every rank?)"):
+        if self.process is not None and channel.max_flag(
+                job.staged is None, f"checkpoint save of step {job.step} (staged on every rank?)"):
             self._skipped(job)
             return
-        assert job.staged is not None and self.process is not None
-        start = time.perf_counter()
-        try:
-            if job.before is not None:
-                job.before(channel)
-            path = self.manager.save(job.step, job.staged[0], job.staged[1], job.info,
-                                     channel=channel, writer=self.process.write)
-            if path is not None:  # None: a store refused it (logged; the next save retries)
-                self.commit_seconds.append(time.perf_counter() - job.submitted_at)
-                self._saved = (job.step, path)
-                if self.on_saved is not None:
-                    self.on_saved(job.step, path)
-        finally:
-            self.last_write_seconds = time.perf_counter() - start
+        assert job.staged is not None
+        if job.before is not None:
+            job.before(channel)
+        writer = self.process.write if self.process is not None else None
+        path = self.manager.save(job.step, job.staged[0], job.staged[1], job.info,
+                                 channel=channel, writer=writer)
+        if path is not None:  # None: a store refused it (logged; the next save retries)
+            self.commit_seconds.append(time.perf_counter() - job.submitted_at)
+            self._saved = (job.step, path)
+            if self.on_saved is not None:
+                self.on_saved(job.step, path)
+
 
     def _skipped(self, job: _Job) -> None:
         """Count a save skipped on every rank; say once how long a save takes and which
@@ -343,50 +275,22 @@ class BackgroundSaver:
                if replicated is not None else None)
         return rep, staged.get("rank"), later
 
-    def _run(self, step: int, replicated: Mapping[str, Any] | None,
-             per_rank: Any, info: dict[str, Any], channel: Channel,
-             before: Callable[[Channel], Any] | None = None) -> None:
-        """The thread saver's thread: one save."""
-        start = time.perf_counter()
-        try:
-            if before is not None:
-                before(channel)
-            path = self.manager.save(step, replicated, per_rank, info, channel=channel)
-            if path is not None:  # None: a store refused it (logged; the next save retries)
-                self.commit_seconds.append(time.perf_counter() - self._submitted_at)
-                self._saved = (step, path)
-                if self.on_saved is not None:
-                    self.on_saved(step, path)
-        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread later
-            self._error = exc
-        finally:
-            self.last_write_seconds = time.perf_counter() - start
-
     def wait(self) -> tuple[int, Any] | None:
         """Wait for the saves in flight; return ``(step, path)`` of the last one committed
-        since the last wait (``None``: none) or raise a save's error. Bounded: the saving
+        since the last wait (``None``: none) or raise a save's error. Bounded: the writer
         thread's agreement waits at most the collective timeout for the other ranks."""
         limit = max(MIN_WAIT_SECONDS, 4 * self.manager.channel.collectives.timeout_seconds)
-        if self.process is not None:
-            deadline = time.monotonic() + limit
-            with self._done:
-                while self._pending > 0 and time.monotonic() < deadline:
-                    self._done.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-                running = self._pending > 0
-        else:
-            thread = self._thread
-            if thread is None:
-                return None
-            thread.join(limit)
-            running = thread.is_alive()
-            if not running:
-                self._thread = None
+        deadline = time.monotonic() + limit
+        with self._done:
+            while self._pending > 0 and time.monotonic() < deadline:
+                self._done.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            running = self._pending > 0
         if running:
-            step = self.in_flight if self.in_flight is not None else self._step
+            job = self._writing or self._last_job
             raise CheckpointWriteError(
-                f"the background save of step {step} to {self.manager.directory} did "
-                f"not finish in {limit:.0f} s. HINT: the file system may be stalled; the "
-                "previous checkpoint is still the newest valid one.")
+                f"the background save of step {job.step if job else '?'} to "
+                f"{self.manager.directory} did not finish in {limit:.0f} s. HINT: the file "
+                "system may be stalled; the previous checkpoint is still the newest valid one.")
         error, self._error = self._error, None
         saved, self._saved = self._saved, None
         if error is not None:
@@ -394,14 +298,12 @@ class BackgroundSaver:
         return saved
 
     def close(self) -> None:
-        """Stop the saver process (after the saves in flight) and free the shared memory."""
+        """Stop the writer thread and the saver process (after the saves in flight) and free
+        the shared memory."""
         writer, self._writer = self._writer, None
         if writer is not None:
             self._jobs.put(None)
             writer.join(MIN_WAIT_SECONDS)
-        thread = self._thread
-        if thread is not None:
-            thread.join(MIN_WAIT_SECONDS)
         if self.process is not None:
             self.process.close()
         if self._buffer is not None:
@@ -410,12 +312,6 @@ class BackgroundSaver:
             store, fs = self._store_fs
             store.fs = fs
             self._store_fs = None
-
-
-def ProcessSaver(manager: CheckpointManager,  # noqa: N802 - the name users knew
-                 on_saved: Callable[[int, Any], None] | None = None) -> BackgroundSaver:
-    """A :class:`BackgroundSaver` with ``async_mode="process"``."""
-    return BackgroundSaver(manager, on_saved, async_mode="process")
 
 
 def check_saver(kind: str | None) -> str | None:

@@ -1,16 +1,7 @@
-"""The training process's side of the saver process: the shared memory it stages the state
-in, its jobs, and the store's calls it makes.
-
-A background save with the saver process copies each rank's state into one shared-memory
-segment (``comm/shm_segment.py``, a :class:`StagingBuffer`), laid out byte for byte as the
-safetensors files it will write; the saver process (``saver_process.py``) maps the segment by
-its path and hashes and writes or uploads the images. The segment is made once and reused by
-every later save (a larger one replaces it when the state grows), so a save allocates nothing;
-each image starts on a 4 KiB boundary so that it can be written with direct I/O.
-:class:`SaverProcess` starts ``saver_process.py``, sends it one JSON job per line (write these
-staged files, or make this file-system call) and reads its answers, restarting it when it
-died. :class:`SaverFilesystem` sends a store's own calls there (see ``saver.py``).
-"""
+"""The training process's side of the saver process (``saver_process.py``): the shared-memory
+:class:`StagingBuffer` a save is staged in (the files' safetensors images, 4 KiB aligned for
+direct I/O, made once and reused), :class:`SaverProcess` (its jobs and answers, restarted when
+it died) and :class:`SaverFilesystem` (a store's own calls, made there)."""
 
 from __future__ import annotations
 
@@ -30,7 +21,7 @@ from typing import Any
 
 import torch
 
-from replicator.checkpoint import safetensors_io
+from replicator.checkpoint import serialization
 from replicator.checkpoint.manifest import FileEntry
 from replicator.checkpoint.store import RemoteStore
 from replicator.cluster.processes import process_alive
@@ -100,7 +91,7 @@ class StagingBuffer:
         plans = []
         total = 0
         for name, (tensors, metadata) in files.items():
-            head, order = safetensors_io._header(tensors, metadata)
+            head, order = serialization.header(tensors, metadata)
             plans.append((name, head, order, total))
             total += len(head) + sum(t.numel() * t.element_size() for _, t in order)
             total += -total % ALIGN
@@ -294,14 +285,9 @@ class SaverProcess:
 
 
 class SaverFilesystem:
-    """The few fsspec calls :class:`RemoteStore` makes, made by the saver process.
-
-    Installed on the chief's store while a saver process runs, so that the commit's
-    listing and write, pruning and the lease's heartbeat spend their CPU (an S3 client spends
-    milliseconds per request, holding the GIL) in the lower-priority saver process, not in
-    the training process. While that process is busy with an upload (a heartbeat must not
-    wait minutes) or once it is closed, the calls go to ``fallback``, in this process.
-    """
+    """The few fsspec calls :class:`RemoteStore` makes, made by the saver process so that their
+    CPU (milliseconds per S3 request, holding the GIL) is not the training process's; while it
+    is busy with an upload (a heartbeat must not wait minutes) or closed, by ``fallback``."""
 
     def __init__(self, process: SaverProcess, store: RemoteStore, fallback: Any) -> None:
         self._process, self._store, self._fallback = process, store, fallback

@@ -1,39 +1,12 @@
 """The saver process: hashes and writes (or uploads) checkpoint files staged in shared memory.
 
-It runs as ``python saver_process.py`` (standard library and fsspec only: no torch, no
-replicator import, so it starts in a fraction of a second and holds little memory), reads one
-JSON job per line on stdin and answers one JSON line per job on stdout::
-
-    {"id": 3, "buffer": "/dev/shm/replicator-stage-...", "scheme": "s3" | null,
-     "options": {...}, "files": [{"name": "model.safetensors", "offset": 0, "length": 123,
-     "dest": "bucket/run/data/step-00000030.ab12-0/model.safetensors"}]}
-    -> {"id": 3, "files": {"model.safetensors": {"bytes": 123, "sha256": "..."}}, "error": ""}
-
-or one call on the store's file system (the commit's listings, its small writes, pruning):
-the parent's ``RemoteStore`` sends them here so that their CPU (an S3 client spends
-milliseconds on each request) runs at this process's priority, not in the training process::
-
-    {"id": 4, "scheme": "s3", "options": {...}, "call": "ls", "args": ["bucket/run/data"],
-     "kwargs": {"detail": true}}
-    -> {"id": 4, "result": [{"name": ..., "size": ..., "type": ...}], "error": "",
-        "error_type": ""}
-
-Bytes travel base64-encoded (``{"b64": "..."}``); only the calls in ``CALLS`` are taken, each
-with the store's own time limit (``operation_timeout``).
-
-Local files are written with direct I/O (``O_DIRECT``) where the file system takes it, then
-fsynced; remote ones are uploaded through fsspec. Direct I/O moves the bytes from the shared
-memory to the disk without copying them into the page cache: 1.2-1.7 ms of CPU per 12 MB file
-instead of 4-18 ms buffered (the kernel's copy, its page allocations and writeback), CPU that
-on a busy host is taken from training. The staged images start on 4 KiB boundaries
-(``saver.py``'s staging buffer) so the writes are aligned; a file system that refuses direct
-I/O (tmpfs before Linux 6.6, some network and FUSE file systems) gets buffered writes, as does
-a file's last partial block. The
-process runs at a lower priority (niceness +10): on a busy machine training gets the CPU
-first, and a slow save is skipped-and-logged rather than slowing the steps. The
-parent (``saver.py``) owns the buffer and commits; this process never decides what counts.
-A job may carry ``die_during_file`` (fault injection for tests): the process SIGKILLs itself
-after the first chunk of that file (0-based), the files before it complete, that one not.
+Run as a plain script (standard library and fsspec only: it starts fast and small) at a lower
+priority, so that on a busy host training gets the CPU first. It reads one JSON job per line
+and answers one per line: write these staged files (``{"buffer", "files": [{"name", "offset",
+"length", "dest"}]}`` -> ``{"files": {name: {"bytes", "sha256"}}}``), or make one call in
+``CALLS`` on the store's file system for the parent's ``RemoteStore`` (bytes as ``{"b64"}``).
+Local files use direct I/O where the file system takes it (no page-cache copy: 1.2-1.7 ms of
+CPU per 12 MB file instead of 4-18 ms); ``die_during_file`` is fault injection for tests.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Where checkpoints live: one small storage protocol, a local directory and an fsspec store.
 
-:func:`open_storage` is the one place that decides whether a location is a URL: a plain path
-or a ``file://`` URL is a :class:`LocalStorage` (atomic renames, fsync); ``s3://bucket/run``,
-``gs://...``, ``memory://run`` (tests) and the other schemes fsspec knows are an
-:class:`FsspecStorage` (the optional extra ``replicator[remote]``; ``s3://`` needs ``s3fs``).
-Anything that looks like a URL but cannot be opened is an error, never a local directory
-named ``s3:``. Both implement :class:`CheckpointStorage`: stage a save, write its objects,
-commit it atomically (a renamed directory and its marker; a commit object written last),
-list, read verified, prune, delete, and hold a lease (a store only). The save protocol above
-them (``manager.py``) is written once.
-
-S3 credentials and endpoint come from ``AWS_*`` and ``FSSPEC_S3_ENDPOINT_URL``, or from
-``storage_options`` (for example ``{"client_kwargs": {"endpoint_url": ...}}``).
+:func:`open_storage` is the one place that reads a location as a path (:class:`LocalStorage`:
+atomic renames, fsync) or a URL (:class:`FsspecStorage`: a commit object written last, under a
+lease); the save protocol over both (``manager.py``) is written once.
 """
 
 from __future__ import annotations
@@ -28,15 +19,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from replicator.checkpoint import safetensors_io
-from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree, write_atomic
+from replicator.checkpoint import serialization
+from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree
 from replicator.checkpoint.manifest import (
     MARKER_NAME,
     FileEntry,
     check_bytes,
     check_file_name,
     read_marker,
+    seal,
     verify_file,
+    write_marker,
 )
 from replicator.checkpoint.store import (
     COMMITS,
@@ -128,7 +121,7 @@ class LocalStorage:
 
     def write(self, staging: str, fname: str, tensors: Mapping[str, torch.Tensor],
               metadata: Mapping[str, str]) -> FileEntry:
-        size, digest = safetensors_io.write_file(Path(staging) / fname, tensors, metadata)
+        size, digest = serialization.write_file(Path(staging) / fname, tensors, metadata)
         return FileEntry(bytes=size, sha256=digest)
 
     def dest(self, staging: str, fname: str) -> str:
@@ -158,7 +151,7 @@ class LocalStorage:
             fsync_dir(self.directory)
             if before is not None:
                 before(final)
-            write_atomic(final / MARKER_NAME, _manifest_bytes(manifest))
+            write_marker(final, manifest)
         except BaseException:
             remove_tree(final if moved else tmp)
             raise
@@ -283,7 +276,7 @@ class FsspecStorage(RemoteStore):
 
     def write(self, staging: str, fname: str, tensors: Mapping[str, torch.Tensor],
               metadata: Mapping[str, str]) -> FileEntry:
-        data = safetensors_io.to_bytes(tensors, metadata)
+        data = serialization.to_bytes(tensors, metadata)
         self.put(f"{staging}/{fname}", data)
         return FileEntry(bytes=len(data), sha256=hash_bytes(data))
 
@@ -320,11 +313,11 @@ class FsspecStorage(RemoteStore):
                                   f"{'missing' if fname not in listed else 'the wrong size'} "
                                   "in the store after its upload")
             manifest["prefix"] = staging
-            manifest["checksum"] = build_checksum(manifest)
+            marker = seal(manifest)
             if before is not None:
                 before(self.name_url(staging))
             self.check()
-            self.put(f"{COMMITS}/{name}", _manifest_bytes(manifest))
+            self.put(f"{COMMITS}/{name}", marker)
         except BaseException:
             self.discard(staging)
             raise
@@ -430,18 +423,6 @@ class FsspecStorage(RemoteStore):
         self.release()
 
 
-def build_checksum(manifest: Mapping[str, Any]) -> str:
-    from replicator.checkpoint.manifest import _checksum
-
-    return _checksum({k: v for k, v in manifest.items() if k != "checksum"})
-
-
-def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
-    import json
-
-    return json.dumps(manifest, indent=1, sort_keys=True, allow_nan=True).encode()
-
-
 def open_storage(target: Any, storage_options: Mapping[str, Any] | None = None,
                  what: str = "the checkpoint location", **lease: Any) -> Any:
     """The storage at ``target``: the one place a location is read as a path or a URL. A
@@ -458,13 +439,9 @@ def open_storage(target: Any, storage_options: Mapping[str, Any] | None = None,
     return LocalStorage(target)
 
 
-def join_location(base: Any, name: str) -> Any:
-    """``base / name`` for a local path, ``base + "/" + name`` for a URL."""
-    if isinstance(base, LocalStorage):
-        base = base.location
-    elif isinstance(base, RemoteStore):  # an FsspecStorage's location is its URL too
-        base = base.url
-    return f"{base}/{name}" if isinstance(base, str) and is_remote(base) else Path(base) / name
+def join_location(base: Path | str, name: str) -> Path | str:
+    """``base / name`` for a local path (see :func:`backup_location`), ``base/name`` for a URL."""
+    return base / name if isinstance(base, Path) else f"{base}/{name}"
 
 
 def backup_location(target: str | os.PathLike[str]) -> Any:

@@ -1,16 +1,10 @@
-"""An fsspec store as the checkpoint room uses it: URLs, the store's calls, commit objects
-and the lease (the storage protocol over it is ``storage.py``).
+"""An fsspec store as the checkpoint room uses it: URLs, the store's calls, commit objects and
+the lease (``storage.py`` holds the storage protocol over it).
 
-``s3://bucket/run``, ``gs://bucket/run``, ``memory://run`` (tests) and the other schemes that
-fsspec knows are opened through fsspec (the optional extra ``replicator[remote]``; ``s3://``
-needs ``s3fs``, ``gs://`` needs ``gcsfs``); ``file://`` URLs and plain paths are local
-directories and keep the local code path (atomic renames, fsync). Anything that looks like a
-URL but cannot be opened is an error, never a local directory named ``s3:``.
-
-S3 credentials and endpoint come from the usual places: ``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY`` (or a profile), and ``FSSPEC_S3_ENDPOINT_URL`` for an
-S3-compatible server; or pass ``storage_options`` (for example
-``{"client_kwargs": {"endpoint_url": ...}}``).
+A URL fsspec knows (``s3://`` needs ``s3fs``, from ``replicator[remote]``) is opened through
+fsspec; ``file://`` and plain paths are local directories; anything else that looks like a URL is
+an error, never a local directory named ``s3:``. S3 credentials and endpoint come from ``AWS_*``
+and ``FSSPEC_S3_ENDPOINT_URL``, or ``storage_options``.
 """
 
 from __future__ import annotations
@@ -125,11 +119,8 @@ def _io(op: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
 
 
 class RemoteStore:
-    """A root URL on an fsspec file system, with the few calls the checkpoint room needs.
-
-    Names are ``/``-separated paths relative to the root. Listings always bypass fsspec's
-    directory cache, since other processes write here too.
-    """
+    """A root URL on an fsspec file system with the few calls the checkpoint room needs; names
+    are relative to the root, and listings bypass fsspec's cache (other processes write here)."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
                  what: str = "the checkpoint location") -> None:
@@ -307,14 +298,9 @@ def read_commit(store: RemoteStore, name: str) -> dict[str, Any]:
 
 
 # -- the lease: one job writes to a location at a time -------------------------------------------
-# The lease of a checkpoint location in an object store: one job writes there at a time.
-#
-# ``LEASE.json`` holds the job id, host, process id and a heartbeat time that the holder renews
-# every ``timeout / 4`` seconds on a daemon thread. A second job refuses to write while the lease
-# is fresh (:class:`StoreLeaseError` naming the holder); a lease whose heartbeat is older than
-# ``timeout`` can be taken over, which is logged. A restarted job takes its own lease back at once:
-# the same job id (``REPLICATOR_JOB_ID``, torchrun's ``TORCHELASTIC_RUN_ID`` or
-# ``REPLICATOR_RUN_ID``), or the same host with the holder's process gone.
+# ``LEASE.json`` (job id, host, pid, heartbeat renewed every ``timeout / 4`` s): another job
+# refuses to write while it is fresh; a stale one, or one of the same job or a dead process of
+# this host (a restart), is taken over.
 LEASE_NAME = "LEASE.json"
 #: Seconds without a heartbeat after which another job may take the lease over.
 DEFAULT_LEASE_TIMEOUT = 120.0
@@ -341,8 +327,8 @@ _HELD: weakref.WeakSet[Lease] = weakref.WeakSet()
 
 
 def _release_at_exit() -> None:
-    """A script that never closed its backups still ends at once and leaves no lease: stop
-    every heartbeat (the library waits for its helper threads at exit) and delete the lease."""
+    """Stop every heartbeat and delete the lease, so a script that never closed its backups
+    still ends at once and leaves no lease."""
     for lease in list(_HELD):
         lease.release()
 

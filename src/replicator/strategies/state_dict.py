@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from replicator.checkpoint.placeholders import placeholder
+from replicator.checkpoint.serialization import placeholder
 from replicator.parallel.pipeline import PipelineRunner
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from replicator.checkpoint.placeholders import refuse_placeholders
+from replicator.checkpoint.serialization import refuse_placeholders
 from replicator.checkpoint.store import check_location, is_remote, read_url, write_url
 from replicator.resume.backup_and_restore import BackupAndRestore
 
