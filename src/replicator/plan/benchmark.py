@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from replicator.plan import probe as probe_mod
-from replicator.plan.report import write_bench_report
 from replicator.plan.settings import (
     BenchReport,
     Setting,
@@ -32,6 +31,7 @@ from replicator.plan.settings import (
     combine_rounds,
     parse_settings,
     summarize,
+    write_bench_report,
 )
 
 __all__ = ["bench_function", "bench_script", "input_notes", "launcher", "limiting_stage",

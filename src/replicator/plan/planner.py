@@ -27,10 +27,11 @@ from replicator.plan.profiles import (
     MachineProfile,
     ModelProfile,
     kept_steps,
+    machine_profile_cached,
     save_json,
 )
 from replicator.plan.recommend import Plan, make_plan
-from replicator.plan.report import format_table, machine_profile_cached, ms
+from replicator.plan.settings import format_table, ms
 
 __all__ = ["load_machine", "model_from_probe", "plan_model", "plan_table", "print_plan",
            "profile_here", "profile_script", "save_profile"]

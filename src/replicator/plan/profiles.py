@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AlphaBeta", "MachineProfile", "ModelProfile", "kept_steps", "median_json"]
+__all__ = ["AlphaBeta", "MachineProfile", "ModelProfile", "kept_steps", "machine_profile_cached",
+           "median_json"]
 
 #: Bytes of one block FSDP's costs are measured on: ``Linear(8, 8)`` and ``Linear(512, 512)``
 #: (weight and bias, float32), see :mod:`replicator.plan.measure`.
@@ -397,3 +398,14 @@ def kept_steps(records: list[dict[str, float]]) -> list[dict[str, float]]:
     ordered = sorted(records, key=lambda r: r["step"])
     cut = len(ordered) // 10
     return ordered[cut:len(ordered) - cut] if cut else ordered
+
+
+def machine_profile_cached(directory: str | Path) -> MachineProfile | None:
+    """``machine.json`` in ``directory`` when a plan measured this machine before."""
+    path = Path(directory) / "machine.json"
+    if not path.exists():
+        return None
+    try:
+        return MachineProfile.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -28,8 +28,7 @@ def plan_line(model_fn: Callable[[], torch.nn.Module], dataset: Any, global_batc
     from torch.utils.data import DataLoader
 
     from replicator.plan.planner import plan_model, profile_here
-    from replicator.plan.profiles import MachineProfile
-    from replicator.plan.report import machine_profile_cached
+    from replicator.plan.profiles import MachineProfile, machine_profile_cached
 
     def train(strategy: Any) -> None:
         torch.manual_seed(0)

@@ -20,13 +20,14 @@ from replicator.plan.benchmark import Target, _run_all, launcher
 from replicator.plan.cost_model import Prediction
 from replicator.plan.profiles import MachineProfile, ModelProfile
 from replicator.plan.recommend import Plan
-from replicator.plan.report import load_note, write_bench_report
 from replicator.plan.settings import (
     BENCH_STRATEGIES,
     BenchReport,
     Setting,
     SettingResult,
     combine_rounds,
+    load_note,
+    write_bench_report,
 )
 
 __all__ = ["GOAL", "MAX_LOCAL_PROCESSES", "MIN_MEASURED_SECONDS", "combine_passes",
