@@ -77,8 +77,7 @@ class ClaimLedger:
         state.by_worker[worker] = state.by_worker.get(worker, 0) + 1
 
     def give_back(self, worker: int) -> int:
-        """Return every batch ``worker`` claimed without an applied update (it was lost);
-        the number returned."""
+        """Give back the batches lost ``worker`` claimed without an applied update; how many."""
         n = 0
         for state in self.epochs.values():
             mine = state.in_flight.pop(worker, set())
@@ -87,8 +86,7 @@ class ClaimLedger:
         return n
 
     def summary(self, stream: int = 0) -> dict[int, dict[str, Any]]:
-        """Per epoch of ``stream``: batches, batches consumed (distinct), repeats, consumed
-        per worker, and batches in flight."""
+        """Per epoch of ``stream``: batches, distinct consumed, repeats, by worker, in flight."""
         return {e: {"batches": s.total, "consumed": len(set(s.consumed)),
                     "repeated": len(s.consumed) - len(set(s.consumed)),
                     "by_worker": dict(s.by_worker),

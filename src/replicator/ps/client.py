@@ -34,11 +34,6 @@ Sink = Callable[[int, int, torch.Tensor], None]
 Push = tuple[Any, ...]
 
 
-def _fresh(kind: int, var_id: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """Rows pulled land in new tensors (the sink scatters them into the table)."""
-    return None
-
-
 class RowsAsPulled:
     """Stands for a sparse gradient's rows when they are exactly the rows its shard's last row
     pull named: the server kept those, so the rows are not sent again (``GRAD`` with ``c=2``)."""
@@ -121,8 +116,7 @@ class ServerClient:
                  receive: Callable[[int, Connection], T], servers: list[int] | None = None
                  ) -> list[T]:
         """A request to each server ``k``, then each answer, all from this thread: the servers
-        work on their parts at once, and no thread hand-off adds to the round trip (measured:
-        with two servers on a loaded 2-core host, helper threads added about a millisecond)."""
+        work at once, and no thread hand-off adds to the round trip."""
         ks = list(range(len(self.connections))) if servers is None else servers
         k = -1
         try:
@@ -253,8 +247,9 @@ class ServerClient:
                            + [(P.PULL_ROWS, last, 0, last_ids, len(named), 0, 0)],
                            shared=True)
 
-        self.exchange(send, lambda k, conn: self._read_values(k, conn, sink, into=_fresh),
-                      sorted(rows))
+        # rows land in new tensors (the sink copies them into the lookup)
+        self.exchange(send, lambda k, conn: self._read_values(k, conn, sink,
+                                                              into=lambda *_: None), sorted(rows))
 
     def push(self, grads: dict[int, list[Push]], sink: Sink, pull: bool = True,
              claim: tuple[int, int, int] | None = None,

@@ -212,8 +212,7 @@ class ClusterCoordinator:
         return value
 
     def join(self) -> None:
-        """Wait until every scheduled function has finished; raises the first error of a
-        function (the functions queued after it were cancelled)."""
+        """Wait until every scheduled function has finished; raises the first function's error."""
         self._seq += 1
         seq = self._seq
         if not self.is_chief:
@@ -248,19 +247,17 @@ class ClusterCoordinator:
         ``input_fn()``; a dataset or ``DataLoader`` is taken as is). ``iter()`` of the result
         is a per-worker iterator for ``schedule``'s arguments."""
         number = len(self._datasets)
+        dataset = None
         if not self.is_chief or self._inline:  # this process runs the functions
             index = self._workers.index(self._rank) if self._workers else 0
             ctx = InputContext(num_input_pipelines=max(1, len(self._workers)),
                                input_pipeline_id=index,
                                num_replicas_in_sync=max(1, len(self._workers)))
+            dataset = input_fn
             if callable(input_fn) and not hasattr(input_fn, "__iter__"):
                 takes = len(inspect.signature(input_fn).parameters) > 0
                 dataset = input_fn(ctx) if takes else input_fn()
-            else:
-                dataset = input_fn
-            self._datasets.append(dataset)
-        else:
-            self._datasets.append(None)
+        self._datasets.append(dataset)
         return PerWorkerDataset(lambda: self._iterator(number))
 
     def _iterator(self, dataset: int) -> PerWorkerIterator:
@@ -276,9 +273,7 @@ class ClusterCoordinator:
         if self._queue is None:
             return {"scheduled": self._scheduled, "reruns": 0, "live_workers": [],
                     "lost_workers": [], "commit_order": list(range(self._scheduled))}
-        out = self._queue.stats()
-        out["commit_order"] = list(self._queue.commit_order)
-        return out
+        return self._queue.stats()
 
     # -- the chief's side ------------------------------------------------------------------------
     def _counts(self) -> dict[str, int]:
@@ -338,9 +333,8 @@ class ClusterCoordinator:
             self._inline_error = task.error
 
     def _finish(self) -> None:
-        """At the end of the script: the chief waits for the functions still queued, then
-        stops the workers; a worker runs functions until then. (A mismatch found here is
-        printed: the end of a script has no caller to raise to.)"""
+        """At the end of the script: the chief waits for the queued functions, then stops the
+        workers; a worker runs functions until then (a mismatch is printed, not raised)."""
         if self._finished:
             return
         self._finished = True

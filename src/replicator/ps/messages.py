@@ -51,7 +51,6 @@ class Staged:
     """A batch ready to go on the socket: the headers, and the payloads not in shared memory."""
 
     chunks: list[bytes | torch.Tensor]
-    shared: bool
     lane_bytes: int = 0
 
 
@@ -108,9 +107,8 @@ _MAX_BUFFERS = 512
 
 
 def _send_buffers(sock: socket.socket, views: list[memoryview]) -> None:
-    """Send every buffer, in order, with as few system calls as the kernel allows: a batch
-    of headers and payloads leaves as one write (with ``TCP_NODELAY`` one write per message
-    part would be one packet and one wake-up of the receiver each)."""
+    """Send every buffer, in order, in as few system calls as the kernel allows (with
+    ``TCP_NODELAY`` each write is a packet and a wake-up of the receiver)."""
     if not hasattr(sock, "sendmsg"):  # not on every platform
         for view in views:
             sock.sendall(view)
@@ -202,7 +200,7 @@ class Connection:
         if shared and lane is not None and lane_start + lane.nbytes(tensors) <= lane.out_bytes:
             for head, offset in zip(heads, lane.write(tensors, lane_start)):
                 head[_SHM_FIELD] = offset
-            return Staged([b"".join(_HEADER.pack(*head) for head in heads)], shared=True,
+            return Staged([b"".join(_HEADER.pack(*head) for head in heads)],
                           lane_bytes=sum(t.numel() * t.element_size() for t in tensors
                                          if t is not None))
         chunks: list[bytes | torch.Tensor] = []
@@ -214,7 +212,7 @@ class Connection:
                 chunks.append(packed)
             if tensor is not None and tensor.numel():
                 chunks.append(tensor)
-        return Staged(chunks, shared=False)
+        return Staged(chunks)
 
     def _send(self, staged: Staged) -> None:
         views = [memoryview(c) if isinstance(c, bytes) else _as_bytes(c)
@@ -227,8 +225,7 @@ class Connection:
                                 f"{exc}") from exc
 
     def _fill(self, need: int, what: str, timeout: float | None) -> None:
-        """Read until ``need`` bytes (at most the inbox's size) wait in the inbox, taking
-        whatever else has arrived too."""
+        """Read until ``need`` bytes wait in the inbox, taking whatever else has arrived too."""
         if self._end - self._start >= need:
             return
         if self._start:  # move what is left to the front
@@ -240,8 +237,7 @@ class Connection:
             self._end += self._recv(self._inbox_view[self._end:], what, timeout)
 
     def _read_into(self, view: memoryview, what: str, timeout: float | None) -> None:
-        """Fill ``view``: first from the inbox, then (a large payload) straight from the
-        socket."""
+        """Fill ``view`` from the inbox, then (a large payload) straight from the socket."""
         got = min(len(view), self._end - self._start)
         if got:
             view[:got] = self._inbox_view[self._start:self._start + got]
@@ -310,8 +306,7 @@ class Connection:
 
     def _shared_payload(self, h: list[int], dtype: torch.dtype, shape: tuple[int, ...],
                         target: torch.Tensor | None) -> torch.Tensor:
-        """The payload the peer put in shared memory: a view, or copied once into ``target``
-        when that matches."""
+        """The peer's payload in shared memory: a view, or copied into a matching ``target``."""
         view = None if self.lane is None or h[4] != math.prod(shape) * _ITEMSIZE[dtype] else \
             self.lane.read(h[_SHM_FIELD], h[4], dtype, shape)
         if view is None:

@@ -262,8 +262,8 @@ class ParameterServerStrategy(Strategy):
         if self._rank == 0:
             initial: dict[int, list[tuple[int, torch.Tensor]]] = {}
             for s in shards:
-                rows = _rows(self._params[s.shard_id].detach())[s.start:s.end]
-                initial.setdefault(s.server, []).append((s.shard_id, rows.cpu().clone()))
+                rows = self._shard_rows(s.shard_id).cpu().clone()
+                initial.setdefault(s.server, []).append((s.shard_id, rows))
             self._client.register(initial, self._lookups.sparse_ids)
         self._client.pull(self._expected(), self._receive)
         if self._shared_memory:
@@ -333,8 +333,7 @@ class ParameterServerStrategy(Strategy):
                 if table is not None and p.grad is not None:
                     for k, items in table.gradient_rows(p.grad.detach().cpu(),
                                                         self._pulled).items():
-                        grads.setdefault(k, []).extend(
-                            (sid, v, g, r) for sid, v, g, r in items)
+                        grads.setdefault(k, []).extend(items)
                     continue
                 for s in shards if p.grad is not None else []:
                     assert p.grad is not None
@@ -387,8 +386,7 @@ class ParameterServerStrategy(Strategy):
         return self._steps
 
     def pull(self) -> None:
-        """Fetch the servers' current values into the local parameters now (sparse tables
-        whole too)."""
+        """Fetch the servers' current values (sparse tables whole too) into the parameters now."""
         self._client.pull(self._expected(everything=True), self._receive, everything=True)
 
     # -- coordinator functions -------------------------------------------------------------------
@@ -403,8 +401,7 @@ class ParameterServerStrategy(Strategy):
         self._task = None
 
     def traffic(self) -> dict[str, int]:
-        """Bytes this worker has sent to and received from the servers (messages' headers and
-        payloads, over the socket or shared memory)."""
+        """Bytes this worker has sent to and received from the servers (socket or lane)."""
         return self._client.traffic()
 
     def task_stats(self) -> dict[str, int]:

@@ -23,6 +23,10 @@ class Partitioner(ABC):
         """TensorFlow's form: the number of partitions along each axis (only axis 0 splits)."""
         return [self.num_shards(shape, dtype)] + [1] * max(0, len(shape) - 1)
 
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k.lstrip('_')}={v}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
 
 def _check_positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -34,14 +38,11 @@ class FixedShardsPartitioner(Partitioner):
     """Split every variable into ``num_shards`` shards (fewer if it has fewer rows)."""
 
     def __init__(self, num_shards: int) -> None:
-        self.num_shards_requested = _check_positive("num_shards", num_shards)
+        self._num_shards = _check_positive("num_shards", num_shards)
 
     def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         rows = shape[0] if len(shape) else 1
-        return max(1, min(self.num_shards_requested, rows))
-
-    def __repr__(self) -> str:
-        return f"FixedShardsPartitioner(num_shards={self.num_shards_requested})"
+        return max(1, min(self._num_shards, rows))
 
 
 class MinSizePartitioner(Partitioner):
@@ -58,10 +59,6 @@ class MinSizePartitioner(Partitioner):
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         by_size = max(1, nbytes // self.min_shard_bytes)
         return max(1, min(self.max_shards, by_size, rows))
-
-    def __repr__(self) -> str:
-        return (f"MinSizePartitioner(min_shard_bytes={self.min_shard_bytes}, "
-                f"max_shards={self.max_shards})")
 
 
 class MaxSizePartitioner(Partitioner):
@@ -82,10 +79,6 @@ class MaxSizePartitioner(Partitioner):
         if self.max_shards is not None:
             shards = min(shards, self.max_shards)
         return max(1, min(shards, rows))
-
-    def __repr__(self) -> str:
-        return (f"MaxSizePartitioner(max_shard_bytes={self.max_shard_bytes}, "
-                f"max_shards={self.max_shards})")
 
 
 @dataclass(frozen=True)

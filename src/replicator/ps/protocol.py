@@ -5,9 +5,7 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``HELLO(a=worker, b=attempt)`` -> ``HELLO`` (a = server index, b = 1 if restored, c = pid,
   variable id = the server's host id);
 - ``SHM_ATTACH(version=host id, a=push bytes, b=pull bytes, segment name)`` -> ``SHM_ATTACHED``
-  (a = 1, or a = 0 and the reason): the worker created a segment, the server mapped and
-  unlinked it; from then on pushes (answered with values) and the values answering them or a
-  pull put their payloads in it and only headers on the socket
+  (a = 1, or a = 0 and the reason): payloads then go through the segment
   (:mod:`replicator.ps.shm_lane`);
 - ``REGISTER(shard id, values)`` (the chief; ignored by a server restored from a checkpoint);
 - ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
@@ -18,17 +16,12 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``STATS(a=input stream)`` -> ``STATS(json)``: staleness (count, sum, max, histogram), shard
   versions, coordinator task pushes applied and repeated, and (server 0) the stream's claims;
 - ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
-- ``TASK_PUSH(var_id=task id, version=push number in the task, a=count, b=pull after)``
-  ends an update of a coordinator's function instead of ``PUSH``: a server applies each
-  (task, push) once and answers a repeat without applying it (``VALUES_END.b = 1``);
-- asynchronous (``staleness`` not 0): each server applies its part of the first attempt that
-  reaches it (one ``TASK_PUSH`` round trip); with ``staleness=0`` and several servers a
-  coordinator's update is committed in two phases, so that a worker lost between servers
-  cannot leave one applying its update and another the re-run's:
-  ``GRAD ... TASK_PREPARE(var_id=task, version=push, a=count)`` -> ``PREPARED(a=1 kept, 0 when
-  an earlier attempt's update is already held or applied: the first one wins)``, then, once
-  every server answered, ``TASK_COMMIT(var_id=task, version=push, b=pull after)`` (to every
-  server at once) applies the held update once and answers as ``TASK_PUSH`` does;
+- ``TASK_PUSH(var_id=task id, version=push number, a=count, b=pull after)`` ends a coordinator
+  function's update instead of ``PUSH``: each server applies a (task, push) once and answers a
+  repeat without applying it (``VALUES_END.b = 1``); with ``staleness=0`` and several servers,
+  in two phases: ``GRAD ... TASK_PREPARE(var_id=task, version=push, a=count)`` ->
+  ``PREPARED(a=1 kept, 0: an earlier attempt's is held or applied)``, then to every server
+  ``TASK_COMMIT(var_id=task, version=push, b=pull after)``, answered as ``TASK_PUSH``;
 - a sparse table's shard (``REGISTER`` with ``a=1``) is left out of pulls unless ``PULL`` has
   ``c=1``; ``ROW_IDS(shard id, int64 rows)`` before a ``GRAD`` with ``c=1`` makes that
   gradient the named rows' (``[n, ...]``), and ``GRAD`` with ``c=2`` the rows that this
@@ -67,10 +60,6 @@ SHARED_MEMORY_ENV = PS_SHARED_MEMORY_ENV
 #: Staleness values 0 .. HISTOGRAM_BINS-2 get their own bin; the last bin counts the rest.
 HISTOGRAM_BINS = 64
 
-#: The optimizer classes a server may build, by name (``torch.optim``'s own only).
-_SKIPPED_KEYS = ("params",)
-
-
 def _plain(value: Any, key: str) -> Any:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -99,7 +88,7 @@ def optimizer_key(optimizer: torch.optim.Optimizer, group_of: dict[int, int]
     for g in optimizer.param_groups:
         items: list[tuple[Any, ...]] = []
         for k, v in g.items():
-            if k in _SKIPPED_KEYS:
+            if k == "params":
                 continue
             if isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v):
                 items.append((k, v))
@@ -120,7 +109,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, group_of: dict[int, int
             f"{cls.__module__}.{cls.__qualname__} is not a torch.optim optimizer, and a "
             "parameter server builds optimizers only by torch.optim name (nothing is pickled). "
             "HINT: use a torch.optim optimizer such as torch.optim.SGD or torch.optim.Adam.")
-    groups = [{k: _plain(v, k) for k, v in g.items() if k not in _SKIPPED_KEYS}
+    groups = [{k: _plain(v, k) for k, v in g.items() if k != "params"}
               for g in optimizer.param_groups]
     return json.dumps({"class": cls.__name__, "groups": groups,
                        "shard_groups": {str(k): v for k, v in group_of.items()}},

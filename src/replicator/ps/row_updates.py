@@ -69,9 +69,8 @@ def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tenso
 
 
 def plain_sgd_alpha(optimizer: torch.optim.Optimizer) -> float | None:
-    """``-lr`` (``+lr`` with ``maximize``) where ``optimizer`` is torch's ``SGD`` without
-    momentum, weight decay, hooks or a fused kernel: its step on a sparse gradient is then
-    ``param.add_(grad, alpha=-lr)``, nothing else (no state). ``None`` for any other."""
+    """``-lr`` (``+lr`` with ``maximize``) for torch's plain ``SGD`` (no momentum, weight decay,
+    hooks or fused kernel), whose sparse step is ``param.add_(grad, alpha=-lr)``; else None."""
     if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1 or \
             optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return None

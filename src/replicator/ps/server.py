@@ -36,9 +36,8 @@ from replicator.ps.value_parts import send_in_parts, splits, value_messages
 
 
 def _gradient_buffers(conn: Connection) -> Into:
-    """Gradients land in buffers kept per connection and shard: a worker sends its next push
-    only after this one was applied, so a buffer is free again when it is reused. Over a
-    shared-memory lane they stay where the worker wrote them (views; the same reasoning)."""
+    """Gradients land in buffers kept per connection and shard (free again by the next push),
+    or stay in the worker's lane (views)."""
     def into(kind: int, var_id: int, dtype: torch.dtype, shape: tuple[int, ...]
              ) -> torch.Tensor | None:
         if kind != P.GRAD or conn.lane is not None:
@@ -156,10 +155,8 @@ class ParameterServer(ServerCheckpoint):
                 self.lock.notify_all()
             restored = "" if self.restored_step is None else json.dumps(
                 {"step": self.restored_step, "data": self.extra.get("worker_data", {})})
-            conn.send(P.HELLO, version=-1 if self.restored_step is None else self.restored_step,
-                      var_id=host_id(), a=self.index, b=int(self.restored_step is not None),
-                      c=os.getpid(),
-                      tensor=text_tensor(restored) if restored else None)
+            conn.send(P.HELLO, var_id=host_id(), a=self.index, b=int(bool(restored)),
+                      c=os.getpid(), tensor=text_tensor(restored) if restored else None)
             into = _gradient_buffers(conn)
             # the rows of each sparse shard this connection's last row pull named, which a
             # GRAD with c=2 takes as its rows (a lookup's gradient rows are the rows it pulled)
@@ -248,8 +245,7 @@ class ParameterServer(ServerCheckpoint):
             raise P.ParameterServerError(f"unknown request kind {msg.kind}")
 
     def _attach_lane(self, conn: Connection, worker: int, msg: Message) -> None:
-        """Map the segment the worker created (and unlink it), or say why not: the worker then
-        keeps payloads on the socket."""
+        """Map the segment the worker created (and unlink it), or tell it why not."""
         reason = ""
         if not self.shared_memory:
             reason = f"shared memory is switched off on parameter server {self.index}"
@@ -277,8 +273,7 @@ class ParameterServer(ServerCheckpoint):
             if msg.var_id not in self.shards:
                 self.shards[msg.var_id] = ShardState(torch.nn.Parameter(msg.payload.clone()),
                                                       sparse=bool(msg.a))
-                if self.specs:
-                    self._build_optimizers()
+                self._build_optimizers()
             elif msg.a:
                 self.shards[msg.var_id].sparse = True  # restored from a checkpoint
             self.lock.notify_all()
@@ -325,22 +320,21 @@ class ParameterServer(ServerCheckpoint):
 
     # -- updates ---------------------------------------------------------------------------
     def _claim(self, worker: int, key: tuple[int, int], total: int) -> int:
-        deadline = time.monotonic() + self.timeout_seconds
+        index = [WAIT]
+
+        def claimed() -> bool:
+            try:
+                index[0] = self.claims.claim(worker, key, total)
+            except ValueError as exc:
+                raise P.ParameterServerError(str(exc)) from None
+            return index[0] != WAIT
+
         with self.lock:
-            while True:
-                try:
-                    index = self.claims.claim(worker, key, total)
-                except ValueError as exc:
-                    raise P.ParameterServerError(str(exc)) from None
-                if index != WAIT:
-                    return index
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise P.ParameterServerError(
-                        f"parameter server {self.index}: epoch {key[1]} of input {key[0]} waited "
-                        f"{self.timeout_seconds:.0f} s for batches other workers claimed. HINT: "
-                        "a worker that takes a batch must push its update (optimizer.step()).")
-                self.lock.wait(min(left, 0.5))
+            self._wait_until(claimed, lambda: (
+                f"parameter server {self.index}: epoch {key[1]} of input {key[0]} waited "
+                f"{self.timeout_seconds:.0f} s for batches other workers claimed. HINT: a "
+                "worker that takes a batch must push its update (optimizer.step())."))
+        return index[0]
 
     @staticmethod
     def _rows_asked(end: Message, rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -393,18 +387,14 @@ class ParameterServer(ServerCheckpoint):
               everything: bool = False, repeat: bool = False) -> None:
         """Send every shard's values; ``begin``: the worker starts a step with them (it waits
         for the staleness bound and counts as a step in flight until its next push)."""
-        deadline = time.monotonic() + self.timeout_seconds
         with self.lock:
-            while len(self.shards) < expected or (begin and not self._may_pull(worker)):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise P.ParameterServerError(
-                        f"parameter server {self.index} could not serve worker {worker}'s pull "
-                        f"within {self.timeout_seconds:.0f} s ({len(self.shards)} of {expected} "
-                        f"shards registered; staleness bound {self.staleness}). HINT: the chief "
-                        "registers the variables, and with a staleness bound the slowest "
-                        "worker must keep pushing; check that they are running.")
-                self.lock.wait(min(left, 0.5))
+            self._wait_until(lambda: len(self.shards) >= expected and (
+                not begin or self._may_pull(worker)), lambda: (
+                f"parameter server {self.index} could not serve worker {worker}'s pull within "
+                f"{self.timeout_seconds:.0f} s ({len(self.shards)} of {expected} shards "
+                f"registered; staleness bound {self.staleness}). HINT: the chief registers the "
+                "variables, and with a staleness bound the slowest worker must keep pushing; "
+                "check that they are running."))
             if begin:
                 state = self.workers[worker]
                 state.in_flight = True

@@ -72,10 +72,9 @@ class ServerCheckpoint(ServerUpdates):
                 self.extra[key] = value
         for sid, version in info.get("versions", {}).items():
             self.shards[int(sid)].version = int(version)
-        self.clock = int(info.get("clock", 0))
+        for name in ("clock", "stale_sum", "stale_max"):
+            setattr(self, name, int(info.get(name, 0)))
         self.histogram = list(info.get("histogram", self.histogram))
-        self.stale_sum = int(info.get("stale_sum", 0))
-        self.stale_max = int(info.get("stale_max", 0))
         self.extra["worker_data"] = info.get("worker_data", {})
         self.claims.load(info.get("claims", {}))
         self.tasks.load(info.get("tasks", []))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,9 +78,8 @@ class ServerUpdates:
         self.shared_steps = SharedSteps()
 
     def _apply(self, grads: dict[int, Grad]) -> None:
-        """Apply one update: every shard's gradient is checked and set first, then each
-        optimizer steps (dense shards that agree in one shared step), so an update with a bad
-        part changes nothing."""
+        """Apply one update: every shard's gradient is checked and set before any optimizer steps,
+        so an update with a bad part changes nothing."""
         ready: list[ShardState] = []
         pulled: list[int] = []
         by_rows: list[tuple[ShardState, torch.Tensor, torch.Tensor, float]] = []
@@ -194,18 +194,25 @@ class ServerUpdates:
         number = self.round.number
         self.round.grads[worker] = {sid: g for sid, (_, g) in grads.items() if g is not None}
         self._maybe_finish_round()
-        deadline = time.monotonic() + self.timeout_seconds
-        while self.round.number == number:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                waiting = [w for w, s in self.workers.items()
-                           if s.connected and w not in self.round.grads]
-                raise P.ParameterServerError(
-                    f"parameter server {self.index} waited {self.timeout_seconds:.0f} s for "
+        def late() -> str:
+            waiting = [w for w, s in self.workers.items()
+                       if s.connected and w not in self.round.grads]
+            return (f"parameter server {self.index} waited {self.timeout_seconds:.0f} s for "
                     f"the gradients of worker(s) {waiting} (staleness=0 waits for every live "
                     "worker). HINT: every worker must call optimizer.step() the same number "
                     "of times; use staleness=None for independent workers.")
-            self.lock.wait(min(left, 1.0))
+
+        self._wait_until(lambda: self.round.number != number, late)
+
+    def _wait_until(self, ready: Callable[[], bool], timed_out: Callable[[], str]) -> None:
+        """Wait on the lock (held) until ``ready()``; after the server's timeout, raise
+        ``ParameterServerError(timed_out())``."""
+        deadline = time.monotonic() + self.timeout_seconds
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise P.ParameterServerError(timed_out())
+            self.lock.wait(min(left, 0.5))
 
     def _maybe_finish_round(self) -> None:
         if not self.round.grads:

@@ -177,7 +177,9 @@ class SparseTable:
             at = int(torch.searchsorted(call.rows, pad))
             padding = at if at < len(call.rows) and int(call.rows[at]) == pad else None
         if isinstance(m, torch.nn.EmbeddingBag):
-            offsets, psw = _bag_arguments(call.args, call.kwargs)
+            args, kwargs = call.args, call.kwargs  # offsets, per_sample_weights
+            offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
+            psw = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
             return F.embedding_bag(call.inverse, weight, offsets, m.max_norm, m.norm_type,
                                    m.scale_grad_by_freq, m.mode, m.mode != "max", psw,
                                    m.include_last_offset, padding)
@@ -226,20 +228,6 @@ class SparseTable:
         return out
 
 
-def _bag_arguments(args: tuple, kwargs: dict[str, Any]
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``offsets`` and ``per_sample_weights`` of an ``nn.EmbeddingBag`` call."""
-    offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
-    psw = args[2] if len(args) > 2 else kwargs.get("per_sample_weights")
-    return offsets, psw
-
-
-def lookup_ids(args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The ids of an embedding module's call (positional or ``input=``)."""
-    ids = args[0] if args else kwargs.get("input")
-    return ids if isinstance(ids, torch.Tensor) else None
-
-
 def check_no_max_norm(module: torch.nn.Module, name: str) -> None:
     """Refuse ``max_norm`` on a sparse table: one device renormalises the looked-up rows of the
     table itself in place, which the servers' rows would never see (a silent difference)."""
@@ -252,16 +240,9 @@ def check_no_max_norm(module: torch.nn.Module, name: str) -> None:
             "or with sparse=False (the table then travels whole).")
 
 
-def is_sparse_table(module: torch.nn.Module) -> bool:
-    """An embedding whose gradient torch makes sparse (``sparse=True``)."""
-    return isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and \
-        bool(getattr(module, "sparse", False))
-
-
 class TableLookups:
-    """The sparse tables of one worker. ``pull_rows(rows, sink)`` fetches rows from the
-    servers; ``pulled`` (shard id -> version) is the worker's record of what it read;
-    ``closed()`` says the strategy has stopped (a module then computes on its own)."""
+    """The sparse tables of one worker: ``pull_rows`` fetches rows into ``pulled`` (shard id ->
+    version read); while ``closed()`` a module computes on its own."""
 
     def __init__(self, pull_rows: Callable[[RowsByServer, Sink], None],
                  pulled: dict[int, int], closed: Callable[[], bool]) -> None:
@@ -275,13 +256,12 @@ class TableLookups:
         self._hooked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def find(self, module: torch.nn.Module, shards_of: WeakIdKeyDictionary) -> None:
-        """Hook every sparse embedding module (``sparse=True``) of ``module`` whose weight was
-        placed (``shards_of``: parameter -> its shards), also a second module sharing a
-        table's weight; ``max_norm`` is refused (see :func:`check_no_max_norm`)."""
+        """Hook every sparse embedding module of ``module`` whose weight was placed
+        (``shards_of``), a second module sharing a table's weight too."""
         for name, sub in module.named_modules():
             weight = getattr(sub, "weight", None)
-            if not is_sparse_table(sub) or weight is None or weight not in shards_of \
-                    or sub in self._hooked:
+            sparse = isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse
+            if not sparse or weight is None or weight not in shards_of or sub in self._hooked:
                 continue
             check_no_max_norm(sub, name or "embedding")
             self._hooked.add(sub)
@@ -299,8 +279,8 @@ class TableLookups:
     def _pull(self, table: SparseTable, args: tuple, kwargs: dict[str, Any],
               module: torch.nn.Module) -> tuple[tuple, dict[str, Any]] | None:
         """The forward pre-hook: pull the call's rows and hand the module an empty lookup."""
-        ids = lookup_ids(args, kwargs)
-        if self._closed() or ids is None:
+        ids = args[0] if args else kwargs.get("input")  # positional or input=
+        if self._closed() or not isinstance(ids, torch.Tensor):
             table.cancel()
             return None
         wanted = table.rows_to_pull(ids)

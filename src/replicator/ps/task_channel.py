@@ -187,9 +187,8 @@ class StopServing(Exception):
 
 @dataclass
 class Reply:
-    """What ended a worker's wait: the chief's marker (``marker``: its name, ``seq``), or the
-    answer to a ``fetch``/``done`` (``marker`` empty; ``failed``: the value is an error's
-    fields)."""
+    """What ended a worker's wait: the chief's marker (its name and ``seq``), or the answer
+    to a ``fetch``/``done`` (``marker`` empty; ``failed``: the value is an error's fields)."""
 
     marker: str
     seq: int
@@ -214,7 +213,7 @@ class TaskChannel:
         self.stop_value: Payload = ("null", [])
 
     def serve_until(self, request: Request) -> Reply:
-        """Run tasks until the chief's marker or the answer to ``request`` comes; it.
+        """Run tasks until the chief's marker or the answer to ``request`` comes (returned);
         :class:`StopServing` if the chief stopped instead (its value: ``stop_value``)."""
         if self.stopped:
             raise StopServing("the coordinator has stopped")

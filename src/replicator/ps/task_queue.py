@@ -174,8 +174,7 @@ class TaskQueue:
             return task
 
     def refuse(self, task_id: int, name: str, error: BaseException) -> None:
-        """Schedule number ``task_id`` raised on the chief: a worker's ``fetch`` of it raises
-        ``error`` too."""
+        """Schedule number ``task_id`` raised on the chief: a worker's ``fetch`` raises it too."""
         with self.cond:
             task = Task(task_id, "", name, ("null", []), state=FAILED, error=error)
             self.tasks[task_id] = task
@@ -363,9 +362,8 @@ class TaskQueue:
                 self.finished += 1
 
     def lost(self, worker: int) -> Task | None:
-        """``worker`` is gone: its tasks go back to the front of the queue, in their order;
-        the one it was running (returned) runs again, one it had taken ahead had not started
-        (a worker starts it after sending the first one's result) and counts no attempt."""
+        """``worker`` is gone: its tasks go back to the front of the queue in order; the one it ran
+        (returned) runs again, one taken ahead had not started and counts no attempt."""
         with self.cond:
             self.live.discard(worker)
             self.gone.add(worker)
@@ -393,9 +391,8 @@ class TaskQueue:
         return task
 
     def wait_all_gone(self, timeout: float) -> list[int]:
-        """Until every expected worker has connected and left (or was lost), at most
-        ``timeout`` s: a worker still starting gets the chief's markers instead of a closed
-        socket. Returns the workers that never came within the time."""
+        """Until every expected worker has connected and left, at most ``timeout`` s (a worker
+        still starting gets the chief's markers); the workers that never came."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while len(self.gone) < len(self.expected):
@@ -409,4 +406,5 @@ class TaskQueue:
         with self.cond:
             return {"scheduled": len(self.tasks), "reruns": self.reruns,
                     "done": sum(t.state == DONE for t in self.tasks.values()),
-                    "live_workers": sorted(self.live), "lost_workers": sorted(self.gone)}
+                    "live_workers": sorted(self.live), "lost_workers": sorted(self.gone),
+                    "commit_order": list(self.commit_order)}

@@ -67,8 +67,7 @@ class PartAssembler:
 
     def take(self, sid: int, start: int, rows: int, part: torch.Tensor,
              into: Into | None) -> torch.Tensor | None:
-        """Copy the part of rows ``[start, start + len(part))``; the whole shard's values once
-        its last part arrived, else ``None``."""
+        """Copy a part (rows from ``start``); the whole shard once its last part came, else None."""
         target = self._targets.get(sid)
         if target is None:
             shape = (rows, *part.shape[1:])
