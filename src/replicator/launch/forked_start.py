@@ -21,13 +21,14 @@ from multiprocessing import forkserver
 from typing import Any
 
 #: Modules the forkserver imports once, before it forks any worker: torch and the rooms a
-#: training script uses (``import replicator`` itself imports none of them). Only what nearly
-#: every worker imports: the server's import is on the way of a one-off launch, where fresh
-#: workers would import in parallel (DCP or pipelining, about 0.6 s each, are imported by the
-#: workers that use them).
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "replicator.strategies", "replicator.train",
-                      "replicator.resume", "replicator.ps", "replicator.callbacks",
-                      "replicator.testing")
+#: training script uses (``import replicator`` itself imports none of them), and
+#: ``torch._dynamo``, which every ``torch.optim`` optimizer imports when it is made (0.6-2 s a
+#: worker). Only what nearly every worker imports: the server's import is on the way of a
+#: one-off launch, where fresh workers would import in parallel (DCP or pipelining, about 0.6 s
+#: each, are imported by the workers that use them).
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "replicator.strategies",
+                      "replicator.train", "replicator.resume", "replicator.ps",
+                      "replicator.callbacks", "replicator.testing")
 
 #: The start methods a launcher offers: a warm forkserver, or a fresh interpreter per worker.
 START_METHODS = ("forkserver", "spawn")
