@@ -10,8 +10,12 @@ import pytest
 from replicator.cli import main
 from replicator.comm.block_quantize import payload_bytes
 from replicator.plan.devices import parse_link
-from replicator.plan.formulas import allreduce_traffic_bytes
-from replicator.plan.outer_sync import INNER_STEPS, choose_outer_sync, exchange_cost
+from replicator.plan.formulas import (
+    INNER_STEPS,
+    allreduce_traffic_bytes,
+    choose_outer_sync,
+    exchange_cost,
+)
 from replicator.plan.profiles import MACHINE_VERSION, MachineProfile, save_json
 
 

@@ -1,10 +1,7 @@
 """``bench_entry.py SCRIPT ARGS...``: run a user's script under the probe, in one worker.
 
-``replicator bench`` launches this file in place of the script (through the ordinary
-launcher, so the worker's environment is the one ``replicator run`` gives). It installs the
-:class:`~replicator.plan.probe.Probe`, sends the script's output to a log file per rank, runs the
-script as ``__main__`` and writes the probe's records when the script ends or the bench has
-its steps. Settings come from the environment (``REPLICATOR_BENCH_*``, set by the bench).
+``replicator bench`` launches this file in place of the script through the ordinary launcher;
+its settings come from the environment (``REPLICATOR_BENCH_*``, set by the bench).
 """
 
 from __future__ import annotations
@@ -27,33 +24,23 @@ def _redirect_output(directory: str, rank: int) -> None:
     os.close(fd)
 
 
-def record_input(probe: Any) -> None:
-    """Put the ``stats()`` of this process's ``rp.data.Dataset`` pipelines in the probe's
-    results (per stage: workers, task time, the share of time it was waited for)."""
-    from replicator.data.dataflow.dataset import running_stats
-
-    probe.extra["input_pipelines"] = running_stats()
-
-
 def run_probed(body: Callable[[], Any]) -> None:
     """Run ``body`` under the probe the bench's environment sets up, this rank's output in its
-    log file; write the records when it ends or the bench has its steps."""
+    log file; write the records (with the ``stats()`` of its ``rp.data.Dataset`` pipelines)
+    when it ends or the bench has its steps."""
     out = os.environ["REPLICATOR_BENCH_OUT"]
     _redirect_output(out, int(os.environ.get("RANK", "0")))
 
-    from replicator.plan.probe import BenchComplete, Probe
+    from replicator.data.dataflow.dataset import running_stats
+    from replicator.plan.probe import Probe
 
     probe = Probe(steps=int(os.environ.get("REPLICATOR_BENCH_STEPS", "30")),
                   warmup=int(os.environ.get("REPLICATOR_BENCH_WARMUP", "3")),
                   mode=os.environ.get("REPLICATOR_BENCH_MODE", "bench"))
-    probe.install(progress_path=os.path.join(out, "progress"))
     try:
-        body()
-    except BenchComplete:
-        pass
+        probe.run(body, progress_path=os.path.join(out, "progress"))
     finally:
-        probe.uninstall()
-        record_input(probe)
+        probe.extra["input_pipelines"] = running_stats()
         probe.write(out)
 
 

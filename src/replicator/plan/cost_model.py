@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 
 from replicator.plan.devices import Device, Link
 from replicator.plan.formulas import (
+    OuterSync,
     allreduce_traffic_bytes,
     check_count,
+    choose_outer_sync,
     fsdp_traffic_bytes,
     ps_queue_wait,
     ps_step_seconds,
     ring_allreduce_seconds,
 )
-from replicator.plan.outer_sync import OuterSync, choose_outer_sync
 from replicator.plan.profiles import MachineProfile, ModelProfile
 
 __all__ = ["STRATEGIES", "Cluster", "Prediction", "predict", "slowdown",
@@ -298,7 +299,7 @@ def _data_parallel_costs(s: _Step) -> _Costs:
 
 def _diloco_costs(s: _Step) -> _Costs:
     """DiLoCo: Mirrored inside each host every step; across the hosts one exchange of the
-    pseudo-gradient every H steps (H and the compression: :mod:`replicator.plan.outer_sync`)."""
+    pseudo-gradient every H steps (H and the compression: ``choose_outer_sync``)."""
     c, m = s.c, s.m
     costs = _allreduced(s, c.on_host(s.n))
     bandwidth = c.machine.memory_bandwidth if s.cpu else c.device.memory_bandwidth

@@ -1,12 +1,9 @@
 """``replicator plan``: profile the model, load this machine's figures, predict, recommend.
 
-The model's profile comes from one short run of the script (or function) in one process under
-the probe's ``profile`` mode (16 steps, up to 250 times more for a short step: all threads,
-one thread, half and quarter batch, one step under the FLOP and saved-tensor counters), cached in
-``bench/profile-<hash>.json`` until the script or its arguments change; or from
-``--model-params``. This machine's figures are measured once and cached in
-``bench/machine.json`` (``--remeasure`` redoes it). With both cached, a plan takes well under
-a second.
+The profile is one short run of the script in one process under the probe's ``profile`` mode,
+cached in ``bench/profile-<hash>.json`` until the script or its arguments change; this
+machine's figures are measured once, cached in ``bench/machine.json``. Both cached, a plan takes
+well under a second.
 """
 
 from __future__ import annotations
@@ -58,10 +55,8 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         phases.setdefault(int(r["phase"]), []).append(r)
 
     def med(phase: list[dict[str, float]], key: str) -> float:
-        """A phase's typical ``key``: the mean over its steps without the fastest and slowest
-        tenth (as ``bench`` measures, and additive: the parts' means sum to the step's; a
-        short step's occasional long one, such as a loader's new epoch, counts as it does in
-        a run), or the median of the few steps of a long step's phase."""
+        """A phase's typical ``key``: the mean of its kept steps, as ``bench`` measures
+        (additive), or the median of a long step's few."""
         if len(phase) < 10:
             return statistics.median(r[key] for r in phase)
         return statistics.mean(r[key] for r in kept_steps(phase))
@@ -69,8 +64,7 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
     full = phases.get(0) or records
 
     def forward_fraction(phase: list[dict[str, float]]) -> float:
-        """The median step's share of compute up to the end of the model's call (0: the
-        model's call was not seen)."""
+        """The median step's share of compute up to the end of the model's call (0: unseen)."""
         shares = [r["forward"] / r["compute"] for r in phase
                   if r.get("forward", 0.0) > 0 and r["compute"] > 0]
         return min(1.0, statistics.median(shares)) if shares else 0.0
@@ -124,25 +118,16 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         layer_calls=int(result.get("layer_calls", 0)))
 
 
-def _profile_steps() -> int:
-    from replicator.plan.probe import PROFILE_PHASES
-
-    return sum(p[1] for p in PROFILE_PHASES)
-
-
 #: Bumped when the profile measures something new, so a cached older profile is measured again.
 PROFILE_VERSION = 5
 
 
-def _cache_key(script: str, args: Sequence[str]) -> str:
+def _cache_path(script: str, script_args: Sequence[str], out_dir: str) -> Path:
+    """The profile's cache, keyed by the script's content and arguments."""
     h = hashlib.sha256(Path(script).read_bytes())
     h.update(f"profile v{PROFILE_VERSION}".encode())
-    h.update(json.dumps(list(args)).encode())
-    return h.hexdigest()[:16]
-
-
-def _cache_path(script: str, script_args: Sequence[str], out_dir: str) -> Path:
-    return Path(out_dir) / f"profile-{_cache_key(script, script_args)}.json"
+    h.update(json.dumps(list(script_args)).encode())
+    return Path(out_dir) / f"profile-{h.hexdigest()[:16]}.json"
 
 
 def save_profile(script: str, script_args: Sequence[str], out_dir: str,
@@ -155,6 +140,7 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
                    refresh: bool = False, log: Callable[[str], None] = print) -> ModelProfile:
     """Profile ``script`` in one process (cached by the script's content and arguments)."""
     from replicator.plan.benchmark import launcher, run_setting
+    from replicator.plan.probe import PROFILE_PHASES
     from replicator.plan.settings import Setting
 
     if not Path(script).is_file():
@@ -163,8 +149,8 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
     cache = _cache_path(script, script_args, out_dir)
     if cache.exists() and not refresh:
         return ModelProfile.from_json(json.loads(cache.read_text()))
-    log(f"profiling {script} in one process ({_profile_steps() + PROFILE_WARMUP} steps, more "
-        "when they are short) ...")
+    steps = sum(p[1] for p in PROFILE_PHASES) + PROFILE_WARMUP
+    log(f"profiling {script} in one process ({steps} steps, more when they are short) ...")
     setting = Setting("one_device", 1)
     out = Path(out_dir) / "logs" / "profile"
     result = run_setting(setting, out, launcher(script, script_args, setting),
@@ -178,22 +164,15 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
 
 def profile_here(train_fn: Callable[[Any], Any], name: str | None = None) -> ModelProfile:
     """Profile ``train_fn(strategy)`` in this process under a ``OneDeviceStrategy`` (no
-    launcher: a second or two for a small model). ``train_fn`` may loop forever; the probe
-    stops it. The process's thread count is restored afterwards."""
-    from replicator.plan.probe import BenchComplete, Probe
+    launcher: a second or two for a small model); the probe stops it."""
+    from replicator.plan.probe import Probe
     from replicator.strategies import OneDeviceStrategy
 
     probe = Probe(steps=0, warmup=PROFILE_WARMUP, mode="profile")
     with warnings.catch_warnings():  # one process of a job: profiling on its own is the point
         warnings.simplefilter("ignore", UserWarning)
         strategy = OneDeviceStrategy("cpu")
-    probe.install()
-    try:
-        train_fn(strategy)
-    except BenchComplete:
-        pass
-    finally:
-        probe.uninstall()
+    probe.run(lambda: train_fn(strategy))
     return model_from_probe(probe.results(),
                             name or str(getattr(train_fn, "__qualname__", "train_fn")))
 
@@ -313,24 +292,17 @@ def print_plan(plan: Plan, *, as_json: bool = False, plot_path: str | Path | Non
     the JSON lines); draw the plot."""
     if plot_path is not None:
         _plot(plan, plot_path)
-    if as_json:
-        for line in json_lines(plan):
-            print(json.dumps(line), flush=True)
-        return
-    print(_describe(plan))
-    headers, rows = plan_table(plan)
-    print(format_table(headers, rows))
-    for p in plan.predictions:
-        for note in p.notes if p.feasible else ():
-            print(f"note ({p.setting}): {note}")
-    if plan.recommended is not None:
-        print(f"recommended: {plan.reason}")
-    else:
-        print(f"no recommendation: {plan.reason}")
-    if summary:
-        print(summary)
-    if plot_path is not None and Path(plot_path).exists():
-        print(f"wrote {plot_path}")
+    if not as_json:
+        print(_describe(plan))
+        print(format_table(*plan_table(plan)))
+        for p in plan.predictions:
+            for note in p.notes if p.feasible else ():
+                print(f"note ({p.setting}): {note}")
+        print(f"{'recommended' if plan.recommended else 'no recommendation'}: {plan.reason}")
+        if summary:
+            print(summary)
+        if plot_path is not None and Path(plot_path).exists():
+            print(f"wrote {plot_path}")
     for line in json_lines(plan):
         print(json.dumps(line), flush=True)
 

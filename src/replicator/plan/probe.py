@@ -192,6 +192,16 @@ class Probe(StepObserver):
         post = register_optimizer_step_post_hook(self._after_opt)
         self._undo += [pre.remove, post.remove]
 
+    def run(self, body: Callable[[], Any], progress_path: str | None = None) -> None:
+        """``body()`` under this probe, until it ends or the bench has its steps."""
+        self.install(progress_path)
+        try:
+            body()
+        except BenchComplete:
+            pass
+        finally:
+            self.uninstall()
+
     def uninstall(self) -> None:
         """Undo :meth:`install` (the observer, hooks, timers and thread count)."""
         for undo in reversed(self._undo):

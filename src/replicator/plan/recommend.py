@@ -1,13 +1,9 @@
 """Pick one setting from the predictions, and say why in one sentence.
 
-The rule: among the settings that fit in memory and can run (a global batch of at least one
-sample per worker), take the highest predicted throughput; a setting with more processes must
-beat every smaller one by more than :data:`WORTH_IT` to be chosen (10% more throughput is not
-worth twice the machines), and so must a setting that changes what training computes (an
-asynchronous parameter server, DiLoCo's local steps) against one that does not. "Stay on one
-process" is a setting like the others, so it wins whenever distributing is predicted slower.
-When no setting fits, nothing is recommended and the reason gives the arithmetic and how
-many ranks sharding would need.
+Among the settings that fit and can run, the highest predicted throughput; one with more
+processes, or one that changes what training computes (an asynchronous parameter server,
+DiLoCo), must beat the others by more than :data:`WORTH_IT`. One process is a setting like the
+others. When none fits, the reason gives the arithmetic and the ranks sharding would need.
 """
 
 from __future__ import annotations
@@ -16,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from replicator.plan.cost_model import STRATEGIES, Cluster, Prediction, _gb, predict
+from replicator.plan.formulas import check_count
 from replicator.plan.profiles import ModelProfile
 
 __all__ = ["Plan", "WORTH_IT", "make_plan", "recommend"]
@@ -162,22 +159,14 @@ def make_plan(model: ModelProfile, cluster: Cluster, workers: list[int],
     if not workers:
         raise ValueError("give at least one worker count. HINT: --workers 2,8,64")
     for n in workers:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"worker counts must be positive integers, got {n!r}. HINT: "
-                             "--workers 2,8,64 (1 means one process)")
+        check_count(n, "worker counts")
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategy {unknown[0]!r} for the planner; known: "
                          f"{', '.join(STRATEGIES)}")
-    predictions = []
-    if "one_device" in strategies:
-        predictions.append(predict("one_device", 1, model, cluster))
-    for n in sorted(set(workers)):
-        if n == 1:
-            continue
-        for s in strategies:
-            if s == "one_device":
-                continue
-            predictions.append(predict(s, n, model, cluster, num_ps=num_ps))
+    predictions = [predict("one_device", 1, model, cluster)] if "one_device" in strategies \
+        else []
+    predictions += [predict(s, n, model, cluster, num_ps=num_ps) for n in sorted(set(workers))
+                    if n > 1 for s in strategies if s != "one_device"]
     chosen, reason = recommend(predictions, model)
     return Plan(model, cluster, predictions, chosen, reason)
