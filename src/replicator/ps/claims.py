@@ -70,9 +70,7 @@ class ClaimLedger:
         state = self.epochs.get(key)
         if state is None:
             return
-        mine = state.in_flight.get(worker, set())
-        if index in mine:
-            mine.discard(index)
+        state.in_flight.get(worker, set()).discard(index)
         state.consumed.append(index)
         state.by_worker[worker] = state.by_worker.get(worker, 0) + 1
 

@@ -69,7 +69,6 @@ class ServerClient:
                  held: Callable[[int], list[str]], into: Into | None = None) -> None:
         self.server_ranks = server_ranks
         self.addresses = addresses
-        self.timeout_seconds = timeout_seconds
         self.held = held
         self.into = into  # where pulled values land (the parameters' own memory)
         self.connections: list[Connection] = []

@@ -99,10 +99,8 @@ class ParameterServerStrategy(Strategy):
         self.num_ps = num_ps
         self._device = torch.device("cpu")
         self.rejoined = os.environ.get(REJOIN_ENV) == "1"  # restarted alone, rejoining
-        if self.rejoined:
-            store, attempt = self._join_alone(timeout_seconds)
-        else:
-            store, attempt = self._join_job(timeout_seconds, address)
+        self._timeout = resolve_timeout(timeout_seconds)
+        store, attempt = self._join_alone() if self.rejoined else self._join_job(address)
         self._shards: list[Shard] = []
         self._params: dict[int, torch.Tensor] = {}        # shard id -> parameter
         # keyed by the objects, never by id(), which a later object may reuse
@@ -145,10 +143,8 @@ class ParameterServerStrategy(Strategy):
         ]
         super().__init__(check_finite=check_finite)
 
-    def _join_job(self, timeout_seconds: float | None, address: str | None
-                  ) -> tuple[dist.Store, int]:
+    def _join_job(self, address: str | None) -> tuple[dist.Store, int]:
         """Start with the whole job: the process group, the topology, the workers' group."""
-        self._timeout = resolve_timeout(timeout_seconds)
         info = initialize(timeout_seconds=self._timeout)
         # chief, workers and servers wake each other every step: on too few cores, batch
         # scheduling keeps the servers of one request working at once (see the module)
@@ -166,7 +162,7 @@ class ParameterServerStrategy(Strategy):
                                            timeout_seconds=self._timeout)
         return store, info.spec.restart_count
 
-    def _join_alone(self, timeout_seconds: float | None) -> tuple[dist.Store, int]:
+    def _join_alone(self) -> tuple[dist.Store, int]:
         """A worker restarted alone: no process group (the running job's cannot take a new
         member); it finds the servers through the rendezvous store and talks only to them."""
         if self.staleness == 0:
@@ -175,7 +171,6 @@ class ParameterServerStrategy(Strategy):
                 "other workers' collectives have moved on without it. HINT: use staleness=None "
                 "or a bound k for jobs that survive lost workers.")
         spec = resolve_cluster()
-        self._timeout = resolve_timeout(timeout_seconds)
         use_batch_scheduling(spec.local_world_size)
         try:
             raw = dist.TCPStore(spec.master_addr, spec.master_port or 0, spec.world_size, False,

@@ -10,9 +10,8 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``REGISTER(shard id, values)`` (the chief; ignored by a server restored from a checkpoint);
 - ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
 - ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;
-- ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``; through
-  the shared-memory lane a large shard's values may come as several ``VALUE`` parts, rows
-  ``c - 1`` on of ``b`` rows (see :mod:`replicator.ps.value_parts`);
+- ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``; a large
+  shard's values may come in parts, rows ``c - 1`` on of ``b`` (:mod:`replicator.ps.value_parts`);
 - ``STATS(a=input stream)`` -> ``STATS(json)``: staleness (count, sum, max, histogram), shard
   versions, coordinator task pushes applied and repeated, and (server 0) the stream's claims;
 - ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
@@ -22,12 +21,10 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
   in two phases: ``GRAD ... TASK_PREPARE(var_id=task, version=push, a=count)`` ->
   ``PREPARED(a=1 kept, 0: an earlier attempt's is held or applied)``, then to every server
   ``TASK_COMMIT(var_id=task, version=push, b=pull after)``, answered as ``TASK_PUSH``;
-- a sparse table's shard (``REGISTER`` with ``a=1``) is left out of pulls unless ``PULL`` has
-  ``c=1``; ``ROW_IDS(shard id, int64 rows)`` before a ``GRAD`` with ``c=1`` makes that
-  gradient the named rows' (``[n, ...]``), and ``GRAD`` with ``c=2`` the rows that this
-  connection's last row pull named for that shard (the server keeps them; a lookup's gradient
-  rows are the rows it pulled); ``ROW_IDS`` ... ``PULL_ROWS(last shard id, its rows,
-  a=count)`` -> ``VALUE(shard id, version, rows)`` ... ``VALUES_END``;
+- sparse tables' shards (``REGISTER`` with ``a=1``) are pulled whole only by ``PULL(c=1)``; a
+  ``GRAD`` holds the rows of the ``ROW_IDS(shard id, int64 rows)`` before it (``c=1``) or of this
+  connection's last row pull of its shard (``c=2``); ``ROW_IDS`` ... ``PULL_ROWS(last shard id,
+  its rows, a=count)`` -> ``VALUE(shard id, version, rows)`` ... ``VALUES_END``;
 - server 0 only: ``CLAIM(input stream, a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``;
   a ``PUSH(stream, version=epoch, c=batch+1)`` consumes that claim.
 """
