@@ -189,8 +189,8 @@ def test_the_demos_plan_line_recommends_nothing_before_this_machine_is_measured(
     names no setting and says how to measure; with it, it recommends from those figures."""
     from torch.utils.data import TensorDataset
 
+    from replicator.plan.planner import plan_line
     from replicator.plan.profiles import save_json
-    from replicator.plan.quick import plan_line
 
     data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
 

@@ -16,7 +16,7 @@ from typing import Any
 __all__ = ["bench", "plan", "print_plan_line"]
 
 _HOMES = {"bench": "benchmark.bench_function", "plan": "planner.plan_model",
-          "print_plan_line": "quick.print_plan_line"}
+          "print_plan_line": "planner.print_plan_line"}
 
 
 def __getattr__(name: str) -> Any:

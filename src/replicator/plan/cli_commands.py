@@ -123,11 +123,6 @@ def _split_rest(args: argparse.Namespace) -> list[str]:
     return script_args
 
 
-def _error(command: str, exc: BaseException) -> int:
-    print(f"replicator {command}: error: {exc}", file=sys.stderr)
-    return 2
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``bench`` or ``plan`` with the parsed ``args``; return the exit code."""
     try:
@@ -136,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
             return _bench(args, script_args)
         return _plan(args, script_args)
     except (ValueError, TypeError) as exc:
-        return _error(args.command, exc)
+        print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -194,32 +190,24 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
                           latency=args.latency, machine=figures, strategies=strategies,
                           num_ps=args.num_ps, ranks_per_host=args.per_host)
 
-    report = None
+    text = None
     if args.validate:
-        from replicator.plan.validate import validate_interleaved
-
-        def reprofile() -> ModelProfile:
-            return profile_script(args.script, script_args, out_dir=args.out, refresh=True,
-                                  log=log)
-
-        def remeasure() -> MachineProfile:
-            return load_machine(args.out, remeasure=True, log=log)
+        from replicator.plan.validate import summary, validate_interleaved
 
         remeasuring = args.remeasure and device.is_cpu  # each pass measures this machine
         plan, report = validate_interleaved(
-            model, machine, make_plan, reprofile, remeasure if remeasuring else None,
+            model, machine, make_plan,
+            lambda: profile_script(args.script, script_args, out_dir=args.out, refresh=True,
+                                   log=log),
+            (lambda: load_machine(args.out, remeasure=True, log=log)) if remeasuring else None,
             args.repeat, args.script, tuple(script_args), out_dir=args.out, steps=args.steps,
             quiet=args.json, log=log)
+        text = summary(plan, report)
         if args.repeat > 1:  # later plans start from the medians, not the last pass
             save_profile(args.script, script_args, args.out, plan.model)
             if remeasuring:
                 save_json(Path(args.out) / "machine.json", plan.cluster.machine.to_json())
     else:
         plan = make_plan(model, machine)
-    text = None
-    if report is not None:
-        from replicator.plan.validate import summary
-
-        text = summary(plan, report)
     print_plan(plan, as_json=args.json, plot_path=Path(args.out) / "plan.png", summary=text)
     return 0

@@ -14,7 +14,7 @@ import statistics
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replicator.plan.cost_model import STRATEGIES, Cluster, Prediction
 from replicator.plan.devices import get_device, parse_duration, parse_link
@@ -30,8 +30,11 @@ from replicator.plan.profiles import (
 from replicator.plan.recommend import Plan, make_plan
 from replicator.plan.settings import format_table, ms
 
-__all__ = ["load_machine", "model_from_probe", "plan_model", "plan_table", "print_plan",
-           "profile_here", "profile_script", "save_profile"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["load_machine", "model_from_probe", "plan_line", "plan_model", "plan_table",
+           "print_plan", "print_plan_line", "profile_here", "profile_script", "save_profile"]
 
 #: Steps before the profile's measured phases (imports, first-call allocations).
 PROFILE_WARMUP = 2
@@ -327,3 +330,64 @@ def _plot(plan: Plan, path: str | Path) -> None:
                     recommended=(float(rec.workers), rec.samples_per_second) if rec else None,
                     title=f"{plan.model.name} on {plan.cluster.device.name}: predicted "
                     "throughput")
+
+
+# -- one line of the plan, from inside a training script (the demo ends on it) --------------
+def plan_line(model_fn: Callable[[], torch.nn.Module], dataset: Any, global_batch: int, *,
+              workers: Sequence[int] = (2, 8, 64), device: str = "cpu", link: str = "25gbit",
+              out_dir: str = "bench", script: str = "your_script.py",
+              script_args: str = "") -> str:
+    """The recommendation for ``model_fn()`` trained with Adam and cross-entropy on
+    ``dataset`` at ``global_batch``, as one line; before this machine is measured it recommends
+    nothing (figures from elsewhere could decide it) and names the command that measures it."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    def train(strategy: Any) -> None:
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = model_fn()
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+        def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.detach()
+
+        data = strategy.distribute_dataset(DataLoader(dataset, batch_size=global_batch,
+                                                      shuffle=True, drop_last=True))
+        while True:
+            for batch in data:
+                strategy.run(step, args=(batch,))
+
+    machine = machine_profile_cached(out_dir)
+    if machine is None and device == "cpu":
+        command = f"replicator plan {script} --workers {','.join(map(str, workers))}" + (
+            f" -- {script_args}" if script_args else "")
+        return (f"plan: no recommendation yet: this machine's contention and collectives are "
+                f"not measured (figures from elsewhere could say the opposite of what runs "
+                f"fastest here). HINT: {command} measures them once (about a minute, cached "
+                f"in {out_dir}/machine.json)")
+    model = profile_here(train, getattr(model_fn, "__name__", "the model"))
+    plan = plan_model(model, list(workers), device=device, link=link,
+                      machine=machine or MachineProfile.nominal())
+    figures = "this machine's measured figures" if machine else "datasheet figures"
+    return (f"plan ({model.name}, {model.params:,} parameters, {','.join(map(str, workers))} "
+            f"workers on {device}, {figures}) -> {plan.reason}")
+
+
+def print_plan_line(strategy: Any, model_fn: Callable[[], torch.nn.Module], dataset: Any,
+                    global_batch: int, **kwargs: Any) -> None:
+    """Print :func:`plan_line` on the chief replica of ``strategy`` (others do nothing); a
+    failure prints one line instead of ending the script."""
+    if not strategy.is_chief:
+        return
+    try:
+        line = plan_line(model_fn, dataset, global_batch, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the plan line must never break a training run
+        line = f"plan: not available ({type(exc).__name__}: {exc})"
+    print(line, flush=True)

@@ -181,21 +181,12 @@ class ModelProfile:
         plan); counts, sizes and names the first's."""
         if not profiles:
             raise ValueError("median_of needs at least one profile")
-        first = profiles[0]
         if len(profiles) == 1:
-            return first
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            mine = getattr(first, f.name)
-            if f.name.endswith("_seconds") or f.name.endswith("_1thread") \
-                    or f.name == "collectives_per_step":
-                values[f.name] = statistics.median(getattr(p, f.name) for p in profiles)
-            elif f.name == "compute_fit":
-                values[f.name] = tuple(statistics.median(p.compute_fit[i] for p in profiles)
-                                       for i in range(2))
-            else:
-                values[f.name] = mine
-        return cls(**values)
+            return profiles[0]
+        timed = [f.name for f in fields(cls) if f.name.endswith(("_seconds", "_1thread"))
+                 or f.name in ("collectives_per_step", "compute_fit")]
+        data = [json.loads(json.dumps(p.to_json())) for p in profiles]
+        return cls.from_json({**data[0], **{k: median_json([d[k] for d in data]) for k in timed}})
 
 
 #: Bumped when the calibration measures a figure differently (a cached one is measured again).

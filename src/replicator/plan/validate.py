@@ -131,8 +131,6 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
     """``repeat`` passes of (profile, this machine's figures where ``remeasure`` is given,
     every runnable setting), the first pass with ``model`` and ``machine``; returns the plan
     of the median profiles with each setting's median step (see the module doc)."""
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"--repeat must be an integer >= 1, got {repeat!r}")
     plan = make_plan(model, machine)
     if repeat == 1:
         return plan, validate(plan, target, script_args, out_dir=out_dir, steps=steps,
