@@ -25,9 +25,7 @@ def _redirect_output(directory: str, rank: int) -> None:
 
 
 def run_probed(body: Callable[[], Any]) -> None:
-    """Run ``body`` under the probe the bench's environment sets up, this rank's output in its
-    log file; write the records (with the ``stats()`` of its ``rp.data.Dataset`` pipelines)
-    when it ends or the bench has its steps."""
+    """Run ``body`` under the probe the bench's environment sets up; write this rank's records."""
     out = os.environ["REPLICATOR_BENCH_OUT"]
     _redirect_output(out, int(os.environ.get("RANK", "0")))
 

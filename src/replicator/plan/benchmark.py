@@ -47,8 +47,7 @@ STAGE_WAIT = 0.05
 
 # -- input: is the step waiting for it, and which stage limits it ---------------------------
 def limiting_stage(pipelines: Sequence[dict[str, Any]]) -> str | None:
-    """The stage of the pipelines (their ``stats()`` in each rank's results) that keeps the
-    step waiting: the one waited for longest (prefetch aside), else the ordered part."""
+    """The ``rp.data`` stage the step waited for longest (prefetch aside), else the ordered part."""
     stages = [(name, st, p) for p in pipelines for name, st in p.get("stages", {}).items()
               if name != "prefetch" and st.get("tasks")]
     if not pipelines:
@@ -70,8 +69,7 @@ def limiting_stage(pipelines: Sequence[dict[str, Any]]) -> str | None:
 
 
 def input_notes(bench: BenchReport) -> list[str]:
-    """A line per setting whose steps spend a third or more of their time waiting for input
-    (the probe's ``input`` part), naming the limiting stage of an ``rp.data.Dataset``."""
+    """A line per setting that waits a third or more of its step for input, naming the stage."""
     notes = []
     for r in bench.results:
         share = r.breakdown.get("input", 0.0) / r.step_seconds if r.ok and r.step_seconds else 0
@@ -173,8 +171,7 @@ def _function_worker(train_fn: Callable[[Any], Any], name: str) -> None:
 
 def launcher(target: Target, script_args: Sequence[str], setting: Setting
              ) -> Callable[[], object]:
-    """How ``setting`` runs ``target``: a script through the bench's entry, in place of the
-    script, or a function in workers of ``rp.launch``."""
+    """How ``setting`` runs ``target``: a script through the bench's entry, or a function."""
     if callable(target):
         from replicator.launch import launch
 
@@ -237,9 +234,7 @@ def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: 
              steps: int, warmup: int, make_launch: Callable[[Setting], Callable[[], object]],
              *, report: bool = True, quiet: bool = False, rounds: int = 1,
              steps_for: Callable[[Setting], int] | None = None) -> BenchReport:
-    """Run every setting once per round, in turn (interleaved: a setting's rounds meet the
-    machine at different moments), ``steps`` (or ``steps_for(setting)``) measured steps split
-    over the rounds; each setting's figure is its median round. Write the report."""
+    """Every setting once per round, in turn, the steps split over the rounds; write the report."""
     for name, value, least in (("--steps", steps, 2), ("warmup", warmup, 0),
                                ("--rounds", rounds, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -281,8 +276,7 @@ def bench_script(script: str, script_args: Sequence[str] = (), *,
                  strategies: Sequence[str] | str = ("one_device", "mirrored"),
                  steps: int = 30, warmup: int = 3, out_dir: str = "bench",
                  report: bool = True, quiet: bool = False, rounds: int = 3) -> BenchReport:
-    """Run ``script`` under every setting, ``rounds`` times in turn (see the module doc);
-    write the report."""
+    """Run ``script`` under every setting, ``rounds`` times in turn; write the report."""
     if not os.path.isfile(script):
         raise ValueError(f"script {script!r} not found (looked in {os.getcwd()}). HINT: give "
                          "the path of the training script")
@@ -296,8 +290,7 @@ def bench_function(train_fn: Callable[[Any], Any], *, nproc: Sequence[int] | str
                    strategies: Sequence[str] | str = ("one_device", "mirrored"),
                    steps: int = 30, warmup: int = 3, out_dir: str = "bench",
                    report: bool = True, quiet: bool = False, rounds: int = 3) -> BenchReport:
-    """``rp.plan.bench(train_fn)``: ``train_fn(strategy)`` under every setting, in ``rounds``
-    interleaved rounds; ``train_fn`` is a module-level function the workers can import."""
+    """``rp.plan.bench``: ``train_fn(strategy)`` (importable by workers) under every setting."""
     if not callable(train_fn):
         raise TypeError(f"bench needs a callable train_fn(strategy), got "
                         f"{type(train_fn).__name__}")

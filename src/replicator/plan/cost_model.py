@@ -121,9 +121,7 @@ def _compute(model: ModelProfile, c: Cluster, batch: float, busy_on_host: int) -
 
 
 def slowdown(model: ModelProfile, machine: MachineProfile, busy: int) -> float:
-    """How much slower each of ``busy`` one-thread ranks runs than one alone: the measured
-    contention, but at most ``busy / S`` where the process's threads ran ``S`` times faster
-    than one (the cores then do ``S`` one-thread steps at a time)."""
+    """One-thread ranks' contention, at most ``busy / S`` for a process ``S`` times faster."""
     slow = machine.slowdown_for(busy)
     speedup = model.thread_speedup()
     if busy > 1 and speedup > 1.0:
@@ -142,8 +140,7 @@ def _optimizer(model: ModelProfile, c: Cluster, share: float, busy_on_host: int)
 
 
 def _input(whole: float, fixed: float, share: float, occasional: float = 0.0) -> float:
-    """A replica's input time: the occasional gaps (a new epoch) and the fixed cost per
-    batch, plus its ``share`` of the part that grows with the samples."""
+    """A replica's input: occasional gaps and the fixed cost, plus its share of the rest."""
     occasional = min(max(occasional, 0.0), whole)
     steady = whole - occasional
     fixed = min(fixed, steady)
@@ -170,8 +167,7 @@ def _small_collectives(model: ModelProfile, c: Cluster, n: int) -> float:
 
 
 def _fixed_collective(c: Cluster, n: int, measured: dict[int, float], nbytes: int) -> float:
-    """A tiny collective (a small reduce, the gradient engine's check): on CPU hosts its
-    ``measured`` cost in a training loop, then ``nbytes`` across hosts; else an all-reduce."""
+    """A tiny collective: measured in a loop on CPU hosts (+ ``nbytes`` across), else all-reduce."""
     if n <= 1:
         return 0.0
     if c.device.is_cpu:
@@ -182,9 +178,7 @@ def _fixed_collective(c: Cluster, n: int, measured: dict[int, float], nbytes: in
 
 def straggler_wait_seconds(machine: MachineProfile, strategy: str, compute: float,
                            busy: int, weight_tensors: int = 1) -> float:
-    """A synchronous step's wait for its slowest rank on one CPU host: the measured straggler
-    share of ``compute`` (FSDP: ``sqrt`` of its 3 stops per block, independent drifts), at
-    least the reference loop's measured wait (FSDP's block cost includes its own)."""
+    """A synchronous step's wait for its slowest rank on one CPU host (FSDP: sqrt of its stops)."""
     if strategy not in ("mirrored", "central_storage", "fsdp", "diloco") or busy <= 1:
         return 0.0
     stops = math.sqrt(3 * max(1, weight_tensors)) if strategy == "fsdp" else 1.0
@@ -281,8 +275,7 @@ def _one_device_costs(s: _Step) -> _Costs:
 
 
 def _allreduced(s: _Step, ranks: int) -> _Costs:
-    """A replica's share of the batch, then an all-reduce of the gradients over ``ranks``,
-    part of which overlaps the backward pass where the device overlaps."""
+    """A replica's share of the batch, then its gradients all-reduced over ``ranks``."""
     compute = s.compute(s.m.global_batch / s.n)
     comm = _allreduce(s.c, s.m.grad_bytes, ranks)
     comm = max(0.0, comm - s.c.device.overlap * compute * 2 / 3)
@@ -298,8 +291,7 @@ def _data_parallel_costs(s: _Step) -> _Costs:
 
 
 def _diloco_costs(s: _Step) -> _Costs:
-    """DiLoCo: Mirrored inside each host every step; across the hosts one exchange of the
-    pseudo-gradient every H steps (H and the compression: ``choose_outer_sync``)."""
+    """DiLoCo: Mirrored inside each host, an outer exchange across the hosts every H steps."""
     c, m = s.c, s.m
     costs = _allreduced(s, c.on_host(s.n))
     bandwidth = c.machine.memory_bandwidth if s.cpu else c.device.memory_bandwidth
@@ -315,9 +307,7 @@ def _diloco_costs(s: _Step) -> _Costs:
 
 
 def _central_storage_costs(s: _Step) -> _Costs:
-    """Mirrored's reduce onto one rank, then a broadcast of the parameters that overlaps
-    nothing; on one CPU host two copies of every byte through the segment, and a second wait
-    where no more ranks are busy than cores (with more, the stragglers' wait covers it)."""
+    """Mirrored's reduce, then a broadcast of the parameters every rank waits for."""
     costs = _data_parallel_costs(s)
     c = s.c
     costs.comm += _fixed_collective(c, s.n, c.machine.small_collective, 8)
@@ -330,8 +320,7 @@ def _central_storage_costs(s: _Step) -> _Costs:
 
 
 def _fsdp_one_cpu_host(s: _Step, units: int, state_ratio: float) -> float:
-    """FSDP2 on gloo on one CPU host: per block the measured engine cost plus the bytes (fitted
-    on narrow and wide blocks), or else twice an all-reduce's bytes (gloo's reduce-scatter)."""
+    """FSDP2 on gloo on one host: the measured cost per block and per byte (or gloo's bytes)."""
     machine, n, m = s.c.machine, s.n, s.m
     fitted = machine.fsdp_block_seconds(n, state_ratio)
     if fitted is not None:
@@ -344,8 +333,7 @@ def _fsdp_one_cpu_host(s: _Step, units: int, state_ratio: float) -> float:
 
 
 def _fsdp_costs(s: _Step) -> _Costs:
-    """Blocks gathered for forward and backward, gradients reduce-scattered, the optimizer
-    sharded."""
+    """Blocks gathered for forward and backward, gradients reduce-scattered, state sharded."""
     c, n, m = s.c, s.n, s.m
     h = c.hosts(n)
     units = max(1, m.weight_tensors)
@@ -366,9 +354,7 @@ def _fsdp_costs(s: _Step) -> _Costs:
 
 
 def _pipeline_slot(s: _Step, stages: int, per_mb: float) -> float:
-    """One microbatch slot of the busiest stage: its FLOP share of the work that grows with
-    the samples, its layers' fixed cost (calls, weight reads), and the measured slot cost in
-    place of the step's own fixed cost."""
+    """One slot of the busiest stage: its FLOP share, its layers' fixed cost, the schedule's."""
     c, m = s.c, s.m
     fixed = s.compute(0.0)
     slot_fixed = fixed / stages
@@ -408,8 +394,7 @@ def _pipeline_costs(s: _Step) -> _Costs:
 
 
 def _parameter_server_costs(s: _Step) -> _Costs:
-    """Asynchronous workers, each pushing its gradients and pulling the weights (a measured
-    round trip on one host); the servers, one thread each, run the optimizer."""
+    """Asynchronous workers' push and pull; servers (one thread each) run the optimizer."""
     c, n, m = s.c, s.n, s.m
     rt = c.machine.ps_round_trip
     server_update = (m.optimizer_seconds_1thread if s.cpu and m.measured
@@ -466,8 +451,7 @@ def _why_not(s: _Step) -> str:
 
 
 def _common_parts(s: _Step, k: _Costs) -> dict[str, float]:
-    """The strategy's parts plus what every setting pays (stragglers, the loop's own
-    collectives, optimizer, input) and a parameter server's queue."""
+    """The strategy's parts plus what every setting pays, and a parameter server's queue."""
     c, m, n = s.c, s.m, s.n
     busy = k.busy if k.busy is not None else s.busy
     batch = k.batch if k.batch is not None else m.global_batch / n

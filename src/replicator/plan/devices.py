@@ -34,8 +34,7 @@ class Device:
         return self.measured
 
     def flops_rate(self, precision: str, tf32_fraction: float = 0.0) -> float:
-        """The peak rate in ``precision`` (``"half"`` or ``"fp32"``, of whose FLOPs
-        ``tf32_fraction`` run as TF32): fp32 on an H100 runs at 67, not 989, TFLOP/s."""
+        """The peak rate in ``precision`` (fp32 on an H100: 67, not 989, TFLOP/s)."""
         if precision == "half" or not self.peak_flops_fp32:
             return self.peak_flops
         f = min(1.0, max(0.0, tf32_fraction))

@@ -38,16 +38,14 @@ def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
 
 
 def fsdp_traffic_bytes(nbytes: float, n: int, *, gloo: bool = False) -> float:
-    """Bytes each rank sends per FSDP step (two all-gathers, a reduce-scatter):
-    ``3(n-1)/n * S``, or ``4(n-1)/n * S`` on gloo (its reduce-scatter sends an all-reduce's)."""
+    """Bytes a rank sends per FSDP step: ``3(n-1)/n * S`` (gloo's reduce-scatter: ``4(n-1)/n``)."""
     check_count(n, "ranks")
     return (4 if gloo else 3) * (n - 1) / n * nbytes
 
 
 def ps_step_seconds(compute: float, grad_bytes: float, param_bytes: float, workers: int,
                     num_ps: int, bandwidth: float, alpha: float) -> float:
-    """A worker's compute plus a push/pull round trip (``2 alpha + (G+P)/B``), at least the
-    servers' share of every worker's traffic (``workers (G+P) / (num_ps B)``)."""
+    """A worker's compute and push/pull, at least the servers' share of all workers' traffic."""
     check_count(workers)
     check_count(num_ps, "num_ps")
     if bandwidth <= 0:
@@ -94,8 +92,7 @@ class OuterSync:
 
 def exchange_cost(param_bytes: float, hosts: int, link: Link, compression: str | None,
                   memory_bandwidth: float) -> tuple[float, float]:
-    """``(seconds, bytes a host sends)`` of one outer exchange of ``param_bytes`` of fp32
-    weights over ``hosts`` hosts, with the outer step's passes over the weights."""
+    """``(seconds, bytes a host sends)`` of one outer exchange and the outer step."""
     check_count(hosts, "hosts")
     outer_step = 6 * param_bytes / memory_bandwidth
     if hosts == 1:

@@ -59,8 +59,7 @@ def _cores() -> int:
 
 def median_time(fn: Callable[[], Any], rounds: int, per_round: int = 1, warm: int = 0
                 ) -> float:
-    """Median over ``rounds`` of the time of ``per_round`` back-to-back calls, per call, after
-    ``warm`` calls."""
+    """Median over ``rounds`` of ``per_round`` calls' time per call, after ``warm`` calls."""
     for _ in range(warm):
         fn()
     times = []
@@ -110,8 +109,7 @@ def _single_thread_rates() -> tuple[float, float]:
 
 
 def _input_fixed_seconds() -> float:
-    """The input pipeline's cost per batch when samples cost nothing: ``distribute_dataset``
-    of a DataLoader of 2-sample batches of 4 floats, one process, one thread."""
+    """The input pipeline's cost per batch of samples that cost nothing (one thread)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from replicator.strategies import OneDeviceStrategy
@@ -129,9 +127,7 @@ def _input_fixed_seconds() -> float:
 
 def _contention(rank: int, world: int, rounds: int = 3, steps: int = 8
                 ) -> tuple[dict[int, float], dict[int, float]]:
-    """For 1..world ranks busy at once (one thread each): a rank's slowdown against one alone
-    (0.25 s pieces), and how much longer a loop of 25 ms pieces, each ended by an all-reduce,
-    takes per piece than the mean rank's work (the wait for the slowest)."""
+    """Per 1..world busy ranks: a rank's slowdown, and a synchronous loop's wait for the slowest."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -213,8 +209,7 @@ def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
              y: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
-    """A training loop's step of ``model`` on ``x`` (cross-entropy against ``y``, else the
-    output's sum), as a callable that returns the loss detached."""
+    """A loop's step on ``x`` (cross-entropy against ``y``, else the output's sum)."""
 
     def step() -> torch.Tensor:
         loss = model(x).sum() if y is None else torch.nn.functional.cross_entropy(model(x), y)
@@ -228,8 +223,7 @@ def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
 
 def _forward_backward_seconds(model: torch.nn.Module, x: torch.Tensor, rounds: int = 5
                               ) -> float:
-    """Forward and backward of ``model`` on ``x`` (no optimizer), measured before any strategy
-    exists: a distributed strategy refuses gradients of modules it never saw."""
+    """Forward and backward of ``model`` on ``x``, before any strategy owns a module."""
 
     def step() -> None:
         model(x).sum().backward()
@@ -257,9 +251,7 @@ def local_step_seconds(batch: int = 8, width: int = 8, optimizer: str = "sgd") -
 def strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: int = 8,
                            optimizer: str = "sgd", rounds: int = 5, per_round: int = 4,
                            reduce_seconds: float | None = None) -> float:
-    """Seconds per step that ``rp.get_strategy(name)`` adds to the 4-block model's step
-    (``t_local``: without a strategy). With ``reduce_seconds`` (a scalar reduce's own cost)
-    each step also reduces the loss, and the reduce's wait for the last rank counts."""
+    """What ``rp.get_strategy(name)`` adds to the chain's step (``t_local`` without it)."""
     import replicator as rp
 
     strategy = rp.get_strategy(name)
@@ -281,17 +273,14 @@ def strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: int
 
 
 def layer_call_seconds(batch: int = 2) -> float:
-    """One small layer's forward and backward call beyond the engine's fixed cost (a 4- less
-    a 2-block chain, per block): what a pipeline stage pays per layer and microbatch."""
+    """One small layer's call beyond the engine's fixed cost (a stage's per layer and slot)."""
     return max(0.0, (local_forward_backward_seconds(4, batch)
                      - local_forward_backward_seconds(2, batch)) / 2)
 
 
 def pipeline_slot_seconds(t_chain: float, t_chain_fb: float, layer_call: float,
                           stages: int = 2, microbatches: int = 4) -> float:
-    """The schedule's own cost per slot: a pipelined step of the 4-block chain, less what the
-    cost model counts apart (each stage's layer calls per slot, ``model(x)``'s extra forward,
-    the stage's optimizer step)."""
+    """The schedule's own cost per slot, beyond what the cost model counts apart."""
     slots = microbatches + stages - 1
     # point-to-point waits vary from step to step: 11 x 10 steps (about half a second)
     t_pipe = strategy_step_overhead("pipeline", t_chain, rounds=11, per_round=10) + t_chain
@@ -302,8 +291,7 @@ def pipeline_slot_seconds(t_chain: float, t_chain_fb: float, layer_call: float,
 
 # -- the reference training loop and the engine's overheads ---------------------------------
 def _reference_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A 10k-parameter MLP with Adam, whose one-thread step (about 0.3 ms at 32 rows here) is
-    mostly the fixed costs a short step waits through."""
+    """A 10k-parameter MLP with Adam: a short step that is mostly fixed costs."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 100), torch.nn.ReLU(),
                                 torch.nn.Linear(100, 64), torch.nn.ReLU(),
@@ -325,10 +313,7 @@ def _reference_step_seconds() -> float:
 
 def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: float = 1.0
                       ) -> tuple[float, float, float]:
-    """(gradient-sync cost per backward pass, one strategy.reduce of a scalar, the wait for
-    the last rank per step); ``t_local``: the pass without a strategy. The wait is what the
-    reference loop under MirroredStrategy, its loss reduced every step, takes beyond its step
-    alone (``reference_alone``) slowed by ``slowdown``, the sync and the reduce."""
+    """(sync per backward pass, a scalar reduce, a synchronous loop's wait for its last rank)."""
     import replicator as rp
 
     strategy = rp.MirroredStrategy()
@@ -426,8 +411,7 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
 
 # -- a parameter server's round trip -----------------------------------------------------
 class _Weights(torch.nn.Module):
-    """A model that is only its weights: the loss ``sum(w * x)`` costs one pass over them, so
-    a parameter server's round trip is not lost in the noise of a layer's own compute."""
+    """A model that is only its weights, so that the round trip is not lost in a layer's compute."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
@@ -449,10 +433,7 @@ def _weights_backward_seconds(size: int) -> float:
 
 
 def _ps_worker() -> dict[str, Any] | None:
-    """Round trip of ``optimizer.step()`` on a parameter server, 1 kB to 8 MB of weights:
-    two workers, each step after 1 ms of compute, so that the server competes for the cores
-    with busy workers as in training (1.4-2x the round trip of back-to-back steps); bare
-    weights, since a layer's own compute moved the result more than the bytes did."""
+    """A parameter server's round trip, 1 kB to 8 MB, between 1 ms pieces of workers' compute."""
     import replicator as rp
 
     local = {n: _weights_backward_seconds(n) for n in PS_SIZES}

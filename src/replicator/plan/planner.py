@@ -58,8 +58,7 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         phases.setdefault(int(r["phase"]), []).append(r)
 
     def med(phase: list[dict[str, float]], key: str) -> float:
-        """A phase's typical ``key``: the mean of its kept steps, as ``bench`` measures
-        (additive), or the median of a long step's few."""
+        """A phase's typical ``key``: the mean of its kept steps, or the median of a few."""
         if len(phase) < 10:
             return statistics.median(r[key] for r in phase)
         return statistics.mean(r[key] for r in kept_steps(phase))
@@ -166,8 +165,7 @@ def profile_script(script: str, script_args: Sequence[str] = (), *, out_dir: str
 
 
 def profile_here(train_fn: Callable[[Any], Any], name: str | None = None) -> ModelProfile:
-    """Profile ``train_fn(strategy)`` in this process under a ``OneDeviceStrategy`` (no
-    launcher: a second or two for a small model); the probe stops it."""
+    """Profile ``train_fn(strategy)`` in this process under a ``OneDeviceStrategy``."""
     from replicator.plan.probe import Probe
     from replicator.strategies import OneDeviceStrategy
 
@@ -250,8 +248,7 @@ def plan_table(plan: Plan) -> tuple[list[str], list[list[object]]]:
 
 
 def json_lines(plan: Plan) -> list[dict[str, Any]]:
-    """One JSON object per setting (``--json``); exactly one has ``recommended: true`` when
-    any setting fits, none when nothing does."""
+    """One JSON object per setting; exactly one ``recommended`` when any setting fits."""
     out = []
     for p in plan.predictions:
         got = plan.measured.get(p.setting)
@@ -291,8 +288,7 @@ def _describe(plan: Plan) -> str:
 
 def print_plan(plan: Plan, *, as_json: bool = False, plot_path: str | Path | None = None,
                summary: str | None = None) -> None:
-    """Print the table, the recommendation and ``summary``, then the JSON lines (or only
-    the JSON lines); draw the plot."""
+    """Print the table, the recommendation and ``summary`` then the JSON lines; draw the plot."""
     if plot_path is not None:
         _plot(plan, plot_path)
     if not as_json:
@@ -337,9 +333,7 @@ def plan_line(model_fn: Callable[[], torch.nn.Module], dataset: Any, global_batc
               workers: Sequence[int] = (2, 8, 64), device: str = "cpu", link: str = "25gbit",
               out_dir: str = "bench", script: str = "your_script.py",
               script_args: str = "") -> str:
-    """The recommendation for ``model_fn()`` trained with Adam and cross-entropy on
-    ``dataset`` at ``global_batch``, as one line; before this machine is measured it recommends
-    nothing (figures from elsewhere could decide it) and names the command that measures it."""
+    """One line recommending a setting for ``model_fn()``, once this machine is measured."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
@@ -382,8 +376,7 @@ def plan_line(model_fn: Callable[[], torch.nn.Module], dataset: Any, global_batc
 
 def print_plan_line(strategy: Any, model_fn: Callable[[], torch.nn.Module], dataset: Any,
                     global_batch: int, **kwargs: Any) -> None:
-    """Print :func:`plan_line` on the chief replica of ``strategy`` (others do nothing); a
-    failure prints one line instead of ending the script."""
+    """Print :func:`plan_line` on the chief; a failure prints a line instead of ending the run."""
     if not strategy.is_chief:
         return
     try:

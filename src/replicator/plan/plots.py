@@ -51,8 +51,7 @@ def _line(ax: Any, pts: list[tuple[float, float]], *style: str, **kwargs: Any) -
 
 def throughput_plot(points: Series, path: str | Path, *, baseline: float | None = None,
                     ceiling: dict[int, float] | None = None, title: str = "") -> Series:
-    """Samples/s against replicas, one line per strategy, with linear scaling from
-    ``baseline`` and the ``ceiling`` each count would reach without exposed communication."""
+    """Samples/s against replicas per strategy, with linear scaling and the measured ceiling."""
     drawn: Series = {label: sorted(pts) for label, pts in sorted(points.items())}
     xs_all = sorted({x for pts in points.values() for x, _ in pts} | {1})
     with _figure(path, title or "throughput against replicas") as ax:
@@ -97,8 +96,7 @@ def breakdown_plot(rows: Sequence[tuple[str, dict[str, float]]], path: str | Pat
 
 def plan_plot(points: Series, path: str | Path, *, recommended: tuple[float, float] | None,
               misfits: Series | None = None, title: str = "") -> Series:
-    """Predicted samples/s against workers (log-log), one line per strategy; settings that do
-    not fit are drawn hollow, the recommended one as a star."""
+    """Predicted samples/s against workers; misfits hollow, the recommended one a star."""
     drawn: Series = {label: sorted(pts) for label, pts in sorted(points.items())}
     with _figure(path, title or "predicted throughput (hollow: does not fit in memory)") as ax:
         for label, pts in drawn.items():

@@ -92,8 +92,7 @@ class _SavedBytes:
 
 
 def _precision(saved: dict[torch.dtype, int], counter: Any) -> dict[str, Any]:
-    """What the FLOPs ran in: ``"half"`` when bf16/fp16 activations outweigh float32 ones,
-    else ``"fp32"`` with the share TF32 may take (cuDNN's convolutions, matmuls if allowed)."""
+    """What the FLOPs ran in (``half`` or ``fp32``) and the share TF32 may take."""
     half = saved.get(torch.bfloat16, 0) + saved.get(torch.float16, 0)
     if half > saved.get(torch.float32, 0):
         return {"compute_precision": "half", "tf32_fraction": 0.0}
@@ -108,9 +107,7 @@ def _precision(saved: dict[torch.dtype, int], counter: Any) -> dict[str, Any]:
 
 def stage_shares(model: torch.nn.Module, flops_by_module: dict[str, dict[Any, int]]
                  ) -> dict[str, float]:
-    """Per number of pipeline stages (2 to 8): the largest share of the FLOPs one stage holds
-    under the pipeline's parameter-balanced cut (a CNN's first of two: ~70%); empty for a
-    model that is no chain."""
+    """Per 2..8 stages, the largest FLOP share of one stage under the pipeline's default cut."""
     from replicator.parallel.pipeline_split import (
         PipelineSplitError,
         balanced_starts,
@@ -222,8 +219,7 @@ class Probe(StepObserver):
         self._comm_pre = timing.snapshot().exposed
 
     def _after_pre_hooks(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Registered after the strategy's own pre-step hooks: what ran between the two is
-        the strategy's work before the step (a parameter server's push and pull)."""
+        """After the strategy's own pre-step hooks: their time is a parameter server's push/pull."""
         self._t_pre2 = self._now()
 
     def _after_opt(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -364,9 +360,7 @@ class Probe(StepObserver):
             "forward": r["forward"]})
 
     def _write_progress(self) -> None:
-        """The chief's step count for the bench's progress bar, at most every
-        ``PROGRESS_INTERVAL`` seconds: a file written every step cost 0.19 ms a step here,
-        a fifth of a small model's step, in every measured step's input."""
+        """The chief's step count for the progress bar, at most every ``PROGRESS_INTERVAL``."""
         if self._progress_path is None or self.rank != 0:
             return
         now = time.perf_counter()
@@ -381,8 +375,7 @@ class Probe(StepObserver):
 
     # -- profile mode: FLOPs and activations of one step ---------------------------------------
     def _start_counting(self) -> None:
-        """Run the next step under the FLOP counter, a saved-tensor counter and a forward
-        pre-hook that finds the model (the step's first module call) and counts layer calls."""
+        """Run the next step under the FLOP, saved-tensor and layer-call counters."""
         from torch.utils.flop_counter import FlopCounterMode
 
         torch.set_num_threads(self._threads)

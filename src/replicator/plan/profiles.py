@@ -34,8 +34,7 @@ class AlphaBeta:
 
     @classmethod
     def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
-        """The line through ``(size, seconds)`` with the least *relative* squared error and
-        non-negative terms (a negative term is set to 0 and the other fitted again)."""
+        """The line through the points with the least relative error and non-negative terms."""
         if len(sizes) != len(seconds) or len(sizes) < 2:
             raise ValueError("AlphaBeta.fit needs at least two (size, seconds) points")
         w = [1.0 / max(y, 1e-9) ** 2 for y in seconds]
@@ -56,9 +55,7 @@ class AlphaBeta:
 
 @dataclass
 class ModelProfile:
-    """One model's training step, measured in one process (or estimated): ``compute_fit``
-    ``(c0, c1)`` is forward + backward of ``b`` samples on one thread, ``c0 + c1 * b``;
-    ``compute_seconds`` etc. are the whole batch with the process's default threads."""
+    """One model's step, measured in one process (or estimated from its size)."""
 
     name: str
     params: int
@@ -137,8 +134,7 @@ class ModelProfile:
     def from_parameter_count(cls, params: float, *, global_batch: int = 1024,
                              seq_len: int = 1, optimizer: str = "adam",
                              bytes_per_value: int = 4) -> ModelProfile:
-        """A dense transformer known only by its size: ``6 P`` FLOPs per token, fp32 weights
-        and gradients, the optimizer's moments, and the shape of ``P = 12 L h^2``."""
+        """A dense transformer known only by its size (``6 P`` FLOPs per token)."""
         if isinstance(params, bool) or not isinstance(params, (int, float)) or \
                 not math.isfinite(params) or params < 1:
             raise ValueError(f"--model-params must be a number >= 1, got {params!r}. HINT: "
@@ -177,8 +173,7 @@ class ModelProfile:
 
     @classmethod
     def median_of(cls, profiles: list[ModelProfile]) -> ModelProfile:
-        """Each measured time the median of ``profiles`` (one busy moment does not set the
-        plan); counts, sizes and names the first's."""
+        """Each measured time the median of ``profiles``; the rest the first's."""
         if not profiles:
             raise ValueError("median_of needs at least one profile")
         if len(profiles) == 1:
@@ -195,8 +190,7 @@ MACHINE_VERSION = 2
 
 @dataclass
 class MachineProfile:
-    """This machine as measured: contention, collectives per algorithm and world size
-    (``allreduce[algorithm][world]``), engine costs, one thread's rates, input's fixed cost."""
+    """This machine as measured: contention, collectives, engine costs, rates."""
 
     cores: int
     ram_bytes: float
@@ -229,8 +223,7 @@ class MachineProfile:
 
     # -- lookups with documented extrapolation --------------------------------------------
     def slowdown_for(self, processes: int) -> float:
-        """Each of ``processes`` busy one-thread processes' slowdown (beyond the measured:
-        the next above, or growing with processes per core)."""
+        """Each of ``processes`` busy one-thread processes' slowdown here."""
         if processes <= 1:
             return 1.0
         if processes in self.slowdown:
@@ -256,8 +249,7 @@ class MachineProfile:
         return self.sync_wait[min(self.sync_wait, key=lambda k: (abs(k - processes), -k))]
 
     def allreduce_seconds(self, algorithm: str, nbytes: float, world: int) -> float:
-        """All-reduce time of ``nbytes`` over ``world`` ranks here (else the nearest measured
-        world, rescaled by the ring's terms)."""
+        """All-reduce of ``nbytes`` over ``world`` ranks here (else rescaled from the nearest)."""
         if world <= 1 or nbytes <= 0:
             return 0.0
         table = self.allreduce.get(algorithm) or self.allreduce.get("native")
@@ -279,8 +271,7 @@ class MachineProfile:
 
     def fsdp_block_seconds(self, world: int, state_ratio: float
                            ) -> tuple[float, float] | None:
-        """FSDP's ``(per block, per byte)`` cost through the narrow and wide blocks, from
-        SGD's towards Adam's with ``state_ratio`` (0 to 2); ``None`` without the wide ones."""
+        """FSDP's ``(per block, per byte)`` cost here, SGD's to Adam's by ``state_ratio``."""
         if not (self.fsdp_unit and self.fsdp_wide_sgd):
             return None
         towards_adam = min(max(state_ratio, 0.0), 2.0) / 2
@@ -384,8 +375,7 @@ def save_json(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
 
 
 def kept_steps(records: list[dict[str, float]]) -> list[dict[str, float]]:
-    """The steps kept for means (bench and profile alike): all but the fastest and slowest
-    tenth."""
+    """All steps but the fastest and slowest tenth (bench and profile alike)."""
     ordered = sorted(records, key=lambda r: r["step"])
     cut = len(ordered) // 10
     return ordered[cut:len(ordered) - cut] if cut else ordered

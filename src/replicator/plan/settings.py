@@ -79,10 +79,7 @@ def positive_ints(values: Sequence[int] | str, what: str) -> list[int]:
 
 def parse_settings(strategies: Sequence[str] | str, nproc: Sequence[int] | str,
                    default_threads: int = 1) -> tuple[list[Setting], list[str]]:
-    """Every (strategy, worker count) that can run, and a note for each skipped pair:
-    ``one_device`` runs only on one process (and, where one process gets more than one
-    thread, on one thread too: the baseline is the faster), the others on two or more; a
-    pipeline has 2 stages, so it needs an even count; a parameter server adds one server."""
+    """Every (strategy, worker count) that can run, and a note for each skipped pair."""
     names = [s.strip() for s in strategies.split(",")] if isinstance(strategies, str) \
         else list(strategies)
     counts = positive_ints(nproc, "--nproc")
@@ -191,9 +188,7 @@ def summarize(setting: Setting, ranks: list[dict[str, Any]]) -> SettingResult:
 
 
 def combine_rounds(rounds: Sequence[SettingResult]) -> SettingResult:
-    """One setting's result over its rounds: the median step, with the parts of the round
-    nearest it (scaled to sum to the median) and every round's step kept (``rounds``) for the
-    spread; a failed round fails the setting only when every round failed."""
+    """The median round, its parts scaled to it; failed only if every round failed."""
     ok = [r for r in rounds if r.ok]
     if not ok:
         return rounds[-1]
@@ -208,16 +203,14 @@ def combine_rounds(rounds: Sequence[SettingResult]) -> SettingResult:
 
 
 def baseline(results: Sequence[SettingResult]) -> SettingResult | None:
-    """The one-process figure the others are compared with: the fastest ``one_device x1``
-    (the launcher's default threads, or one thread where that is faster), as plan takes it."""
+    """The fastest ``one_device x1`` (default threads or one thread), as plan takes it."""
     single = [r for r in results if r.ok and r.setting.key == "one_device x1"]
     return max(single, key=lambda r: r.samples_per_second, default=None)
 
 
 def reliability_notes(results: Sequence[SettingResult], load: tuple[float, float],
                       cores: int) -> list[str]:
-    """What makes the figures unreliable: rounds of a setting far apart, or a machine busier
-    than its cores (other work then takes a share of every setting's time)."""
+    """Rounds far apart, or a machine busier than its cores."""
     notes = []
     wide = [f"{r.setting.label} {r.spread:.0%}" for r in results
             if r.ok and r.spread > SPREAD_LIMIT]
@@ -284,8 +277,7 @@ def load_note(load: tuple[float, float], cores: int) -> str:
 
 
 def _ceiling(bench: BenchReport, base: float | None) -> dict[int, float]:
-    """Per replica count, the throughput its fastest setting would reach without its exposed
-    communication (its compute, input and optimizer as measured, contention included)."""
+    """Per replica count, the best throughput without its exposed communication."""
     if base is None:
         return {}
     out = {1: base}

@@ -61,8 +61,7 @@ def _settings(plan: Plan) -> list[Setting]:
 
 def steps_to_measure(p: Prediction, steps: int,
                      min_seconds: float = MIN_MEASURED_SECONDS) -> int:
-    """``steps``, or more where the predicted step is so short that ``steps`` of them would
-    last under ``min_seconds`` (at most :data:`MAX_MEASURED_STEPS`)."""
+    """``steps``, or more to last ``min_seconds`` (at most :data:`MAX_MEASURED_STEPS`)."""
     if p.step_seconds <= 0:
         return steps
     wanted = math.ceil(min_seconds / p.step_seconds)
@@ -73,9 +72,7 @@ def validate(plan: Plan, target: Target, script_args: tuple[str, ...] = (), *,
              out_dir: str = "bench", steps: int = 20, warmup: int = 3, quiet: bool = False,
              min_seconds: float = MIN_MEASURED_SECONDS, folder: str = "validate"
              ) -> BenchReport:
-    """Run every runnable setting of ``plan`` (``target``: the script or function it was made
-    for), at least ``steps`` steps or ``min_seconds`` by its prediction, and fill
-    ``plan.measured``; returns the bench report (written to ``out_dir/folder``)."""
+    """Run ``plan``'s runnable settings of ``target`` and fill ``plan.measured``."""
     settings = _settings(plan)
     if not settings:
         device = plan.cluster.device
@@ -103,8 +100,7 @@ def validate(plan: Plan, target: Target, script_args: tuple[str, ...] = (), *,
 
 def combine_passes(reports: list[BenchReport], out_dir: str, echo: bool = True
                    ) -> tuple[dict[str, float | None], BenchReport]:
-    """Each setting's median step time over ``reports`` (``None`` where no pass ran it), and
-    one report of the pass nearest that median per setting (written to ``out_dir``)."""
+    """Each setting's median step over ``reports``, and one report of them."""
     measured: dict[str, float | None] = {}
     results: list[SettingResult] = []
     for first in reports[0].results:
@@ -128,9 +124,7 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
                          out_dir: str = "bench", steps: int = 20, warmup: int = 3,
                          quiet: bool = False, log: Callable[[str], None] = print
                          ) -> tuple[Plan, BenchReport]:
-    """``repeat`` passes of (profile, this machine's figures where ``remeasure`` is given,
-    every runnable setting), the first pass with ``model`` and ``machine``; returns the plan
-    of the median profiles with each setting's median step (see the module doc)."""
+    """``repeat`` passes; the plan of the median profiles, each setting's median step."""
     plan = make_plan(model, machine)
     if repeat == 1:
         return plan, validate(plan, target, script_args, out_dir=out_dir, steps=steps,
