@@ -118,18 +118,15 @@ def _write(view: memoryview, dest: str, fs: Any, die: bool, aligned: bool = Fals
            ) -> tuple[int, str]:
     if fs is None:
         return write_local(view, dest, aligned, die)
-    hasher = hashlib.sha256()
-    if len(view) <= WHOLE_OBJECT_BYTES:
-        # one call with a time limit: a hung server never answers a PUT
+    if len(view) <= WHOLE_OBJECT_BYTES:  # one call with a time limit: a hung server never answers
         fs_, limit = fs
-        for start in range(0, len(view), CHUNK):
-            hasher.update(view[start:start + CHUNK])
         data = bytes(view)
         if die:  # the first chunk only, then the process dies: a partial object at most
             fs_.pipe_file(dest, data[:CHUNK // 2], **limit)
             _maybe_die(die)
         fs_.pipe_file(dest, data, **limit)
-        return len(view), hasher.hexdigest()
+        return len(view), hashlib.sha256(data).hexdigest()
+    hasher = hashlib.sha256()
     with fs[0].open(dest, "wb") as f:
         for start in range(0, len(view), CHUNK):
             part = view[start:start + CHUNK]

@@ -452,12 +452,3 @@ def backup_location(target: str | os.PathLike[str]) -> Any:
                         f"{type(target).__name__}")
     check_location(target, "the backup location")
     return os.fspath(target).rstrip("/") if is_remote(target) else local_path(target)
-
-
-def remove_location(target: Any) -> None:
-    """Delete a directory, local (never half-deleted under its name) or in a store."""
-    storage = open_storage(target)
-    if isinstance(storage, RemoteStore):
-        storage.remove("", recursive=True)
-    else:
-        remove_tree(storage.directory)

@@ -57,12 +57,7 @@ from replicator.checkpoint.distributed_checkpoint import (
 from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
 from replicator.checkpoint.saver import BackgroundSaver, check_saver, early_process, make_saver
-from replicator.checkpoint.storage import (
-    backup_location,
-    join_location,
-    open_storage,
-    remove_location,
-)
+from replicator.checkpoint.storage import backup_location, join_location, open_storage
 from replicator.cluster.worker_errors import record_backup
 from replicator.resume import rng
 from replicator.resume.deferred_copy import CopyGuard
@@ -388,7 +383,7 @@ class BackupAndRestore:
         if self.delete_checkpoint:
             self.channel.max_flag(False, "end of training")  # nobody still needs a backup
             if self.channel.is_chief:
-                remove_location(self.sharded_dir)
+                self._sharded_location().delete_all()
             self.manager.delete_all()
         elif self._last_saved_step != self.step:
             self._save("final")
