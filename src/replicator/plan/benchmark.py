@@ -110,16 +110,6 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _bench_env(setting: Setting, out: Path, steps: int, warmup: int, mode: str
-               ) -> dict[str, str]:
-    env = {probe_mod.STRATEGY_ENV: setting.strategy, probe_mod.OUT_ENV: str(out),
-           probe_mod.STEPS_ENV: str(steps), probe_mod.WARMUP_ENV: str(warmup),
-           probe_mod.MODE_ENV: mode, "REPLICATOR_COMM_TIMING": "1"}
-    if setting.threads:
-        env["OMP_NUM_THREADS"] = str(setting.threads)
-    return env
-
-
 def _read_ranks(out: Path) -> list[dict[str, Any]]:
     ranks = []
     for path in sorted(out.glob("rank*.json")):
@@ -143,8 +133,13 @@ def run_setting(setting: Setting, out: Path, launch: Callable[[], object], steps
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    env = {probe_mod.STRATEGY_ENV: setting.strategy, probe_mod.OUT_ENV: str(out),
+           probe_mod.STEPS_ENV: str(steps), probe_mod.WARMUP_ENV: str(warmup),
+           probe_mod.MODE_ENV: mode, "REPLICATOR_COMM_TIMING": "1"}
+    if setting.threads:
+        env["OMP_NUM_THREADS"] = str(setting.threads)
     error = ""
-    with _environment(_bench_env(setting, out, steps, warmup, mode)):
+    with _environment(env):
         try:
             launch()
         except (ReplicatorError, OSError, ValueError) as exc:

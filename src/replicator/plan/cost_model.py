@@ -401,8 +401,7 @@ def _parameter_server_costs(s: _Step) -> _Costs:
                      else _optimizer(m, c, 1.0, 1)) / s.num_ps
     if s.cpu and c.hosts(n) == 1:
         worker = rt.seconds(m.grad_bytes)
-        # of the round trip's four copies per byte (out of the worker, into the server, out
-        # of it, into the worker) the server makes two
+        # of the round trip's four copies per byte the server makes two
         slow = c.machine.slowdown_for(n) if n + s.num_ps > c.machine.cores else 1.0
         service = (rt.b * m.grad_bytes / 2 / s.num_ps + server_update) * slow
         claim = rt.a  # the next batch claimed from server 0 (exactly-once input)
@@ -468,8 +467,7 @@ def _common_parts(s: _Step, k: _Costs) -> dict[str, float]:
     parts = {"compute": k.compute, "communication": comm, "optimizer": optimizer,
              "input": input_s, "overhead": k.overhead + _small_collectives(m, c, n)}
     if s.strategy == "parameter_server":
-        # the push and the batch claim each find the server busy with another worker's push
-        # part of the time; the servers' share of every worker's traffic bounds the step
+        # the push and the batch claim queue at the server; its share of all traffic bounds it
         base = sum(parts.values()) + k.ps_claim
         wait = ps_queue_wait(base, n, k.ps_service)
         parts["input"] += k.ps_claim + wait

@@ -391,12 +391,10 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
         out["p2p"] = _p2p(rank)
     strategy.barrier()
     strategy.close()  # a strategy refuses gradients of models it does not own: one at a time
-    # FSDP's cost per block, in a training loop's steps (the loss reduced after each run
-    # waits for the last rank, where a bare run's ranks drift into the next all-gather)
+    # FSDP's cost per block in a training loop's steps (the reduced loss waits for the last)
     reduce = float(out["small_collective"])
     out["fsdp_unit"] = strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
-    # with Adam: a sharded optimizer step runs on DTensors, a fixed cost per block that
-    # SGD's single update hides; 11 x 10 steps (5 x 4 moved 3.0-5.1 ms between runs)
+    # with Adam: the sharded step on DTensors, a cost per block; 11 x 10 steps (5 x 4 varied)
     out["fsdp_unit_adam"] = strategy_step_overhead("fsdp", t_chain_adam, optimizer="adam",
                                                     rounds=11, per_round=10,
                                                     reduce_seconds=reduce) / 4

@@ -83,10 +83,8 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         points.setdefault(r["batch"], []).append(r)
     if len(points) >= 2:
         sizes = sorted(points)
-        # The line's shape from each batch size's fastest steps: timing noise only adds, and
-        # beside other busy processes (a few slow steps at one size) the typical steps' line
-        # read a fixed cost per step that no quiet run shows. Its height from the typical
-        # steps of the largest batch, as every other figure here is.
+        # the line's shape from each size's fastest steps (noise only adds: typical steps beside
+        # busy processes read a fixed cost no quiet run shows), its height from typical ones
         shape = AlphaBeta.fit(sizes, [_fastest_compute(points[b]) for b in sizes])
         largest = shape.a + shape.b * sizes[-1]
         height = med(points[sizes[-1]], "compute") / largest if largest > 0 else 1.0

@@ -256,8 +256,7 @@ class Probe(StepObserver):
             self._undo.append(handle.remove)
         samples = getattr(type(strategy), "_activation_samples", None)
         if self.mode == "profile" and isinstance(samples, int):
-            # the strategy meters activations in its first runs under saved-tensor hooks
-            # of its own, which would hide the counted step's: warm up past them
+            # warm up past the strategy's own activation metering (saved-tensor hooks)
             self.warmup = max(self.warmup, samples)
         self.strategy_name = type(strategy).__name__
         self.replicas = int(strategy.num_replicas_in_sync)
@@ -326,9 +325,8 @@ class Probe(StepObserver):
         if k <= first[1] * self._scale:
             return first
         k -= first[1] * self._scale
-        # The one-thread phases (one step count, batch fractions) take turns step by step, so a
-        # change in the machine's load lands on every batch size alike: run one after another,
-        # a busy spell in one of them bent the compute fit (a large intercept, no scaling).
+        # the one-thread phases take turns step by step, so the machine's load lands on every
+        # batch size alike (one after another, a busy spell bent the compute fit)
         if k <= sum(p[1] for p in rest) * self._scale:
             return rest[(k - 1) % len(rest)]
         return None
@@ -379,9 +377,7 @@ class Probe(StepObserver):
         from torch.utils.flop_counter import FlopCounterMode
 
         torch.set_num_threads(self._threads)
-        exclude = {p.untyped_storage().data_ptr() for opt in self.optimizers.values()
-                   for g in opt.param_groups for p in g["params"]}
-        saved = _SavedBytes(exclude)
+        saved = _SavedBytes({p.untyped_storage().data_ptr() for p in self._params()})
         counter = FlopCounterMode(display=False)
         roots: list[torch.nn.Module] = []
         leaf_calls = [0]
@@ -416,17 +412,17 @@ class Probe(StepObserver):
             self._undo.append(roots[0].register_forward_hook(self._forward_end).remove)
 
     # -- results --------------------------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        """The parameters of the optimizers seen, each once."""
+        return list({id(p): p for opt in self.optimizers.values() for g in opt.param_groups
+                     for p in g["params"]}.values())
+
     def results(self) -> dict[str, Any]:
         """Everything measured in this process, as JSON-ready data."""
-        params = [p for opt in self.optimizers.values() for g in opt.param_groups
-                  for p in g["params"]]
-        unique = {id(p): p for p in params}.values()
-        state_bytes = 0
-        for opt in self.optimizers.values():
-            for per_param in opt.state.values():
-                for value in per_param.values():
-                    if isinstance(value, torch.Tensor):
-                        state_bytes += value.numel() * value.element_size()
+        unique = self._params()
+        state_bytes = sum(v.numel() * v.element_size() for opt in self.optimizers.values()
+                          for per_param in opt.state.values() for v in per_param.values()
+                          if isinstance(v, torch.Tensor))
         return {
             "rank": self.rank, "strategy": self.strategy_name, "replicas": self.replicas,
             "mode": self.mode, "records": self.records, "calls": self.calls,

@@ -53,14 +53,11 @@ class Plan:
                    if p.processes > best.processes and ratio > 1 else ""))
 
 
-def _order(p: Prediction) -> tuple[int, int]:
-    return (p.processes, _SIMPLICITY.get(p.strategy, 99))
-
-
 def recommend(predictions: list[Prediction], model: ModelProfile | None = None
               ) -> tuple[Prediction | None, str]:
     """The chosen setting and a one-sentence reason (see the module doc)."""
-    candidates = sorted((p for p in predictions if p.fits), key=_order)
+    candidates = sorted((p for p in predictions if p.fits),
+                        key=lambda p: (p.processes, _SIMPLICITY.get(p.strategy, 99)))
     if not candidates:
         return None, _nothing_fits(predictions, model)
     chosen = candidates[0]

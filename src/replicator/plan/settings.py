@@ -66,15 +66,13 @@ def positive_ints(values: Sequence[int] | str, what: str) -> list[int]:
         except ValueError:
             raise ValueError(f"{what} must be comma-separated integers such as 1,2,4, got "
                              f"{values!r}") from None
-    out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{what} must be positive integers, got {v!r}. HINT: 1 is one "
                              f"process; e.g. {what} 1,2")
-        out.append(v)
-    if not out:
+    if not values:
         raise ValueError(f"{what} is empty. HINT: give at least one number, e.g. 1,2")
-    return sorted(set(out))
+    return sorted(set(values))
 
 
 def parse_settings(strategies: Sequence[str] | str, nproc: Sequence[int] | str,
@@ -264,10 +262,6 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}"
 
 
-def mb(nbytes: float) -> str:
-    return f"{nbytes / 1e6:.0f}"
-
-
 def load_note(load: tuple[float, float], cores: int) -> str:
     worst = max(load)
     state = "quiet" if worst < 0.5 * cores else "loaded (shared with other work)" \
@@ -309,10 +303,10 @@ def _rows(bench: BenchReport, base: float | None) -> list[list[object]]:
 
 def _memory(r: Any) -> str:
     """Peak memory per rank: the process's, and the GPU's allocated memory where it ran on one."""
-    host = " / ".join(mb(x) for x in r.peak_rss)
-    if not any(r.peak_device):
-        return host
-    return f"{host} (GPU {' / '.join(mb(x) for x in r.peak_device)})"
+    def mb(values: list[float]) -> str:
+        return " / ".join(f"{x / 1e6:.0f}" for x in values)
+
+    return mb(r.peak_rss) + (f" (GPU {mb(r.peak_device)})" if any(r.peak_device) else "")
 
 
 HEADERS = ("setting", "procs", "steps", "step ms", "samples/s", "vs 1 proc", "compute",

@@ -51,12 +51,8 @@ def runnable_here(p: Prediction, plan: Plan) -> bool:
 
 
 def _settings(plan: Plan) -> list[Setting]:
-    out = []
-    for p in plan.predictions:
-        if runnable_here(p, plan):
-            out.append(Setting(p.strategy, p.workers,
-                               p.processes - p.workers, threads=p.threads))
-    return out
+    return [Setting(p.strategy, p.workers, p.processes - p.workers, threads=p.threads)
+            for p in plan.predictions if runnable_here(p, plan)]
 
 
 def steps_to_measure(p: Prediction, steps: int,
