@@ -1,12 +1,9 @@
 """``replicator bench``: run the user's training under each setting and measure every step.
 
-The script runs unchanged (the contract, in docs/planning.md): it builds its strategy with
-``rp.get_strategy(os.environ["REPLICATOR_STRATEGY"])`` (or takes ``{strategy}`` in its
-arguments) and trains through ``strategy.run``, which the bench stops after ``warmup + steps``
-calls on every rank. A function (``rp.plan.bench(train_fn)``) gets the strategy built. The
-settings run in interleaved rounds, each figure its median round, so that a busy minute lands
-on every setting; output goes to ``bench/logs/<setting>[-r<round>]/rank<R>.log``, the results
-to ``bench/report.md``, ``results.json``, a table, JSON lines and (with matplotlib) PNGs.
+The script runs unchanged (the contract: docs/planning.md), building its strategy from
+``REPLICATOR_STRATEGY`` and training through ``strategy.run``, which the bench stops after
+``warmup + steps`` calls; a function gets the strategy built. The settings run in interleaved
+rounds, each figure its median round, so that a busy minute lands on every setting.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""What the planner measures on this machine (once, cached in ``bench/machine.json``).
-
-In worker processes of ``rp.launch``, about a minute: how much busy one-thread processes slow
-each other and how late the slowest finishes a synchronous step; all-reduce per algorithm
-through the comm room at 2 to 4 processes (``a + b * bytes``); the gradient engine's fixed
-cost, a scalar reduce and a small training loop's wait for its last rank; send/recv and a
-parameter server's round trip; what ``FSDPStrategy`` costs per block (narrow and ``WIDE``
-blocks, SGD and Adam) and ``PipelineStrategy`` per slot, each a strategy's step of a 4-block
-chain less the same step without one; the input pipeline's fixed cost; memory and cores.
+"""What the planner measures on this machine, once (cached in ``bench/machine.json``), in
+worker processes of ``rp.launch``: contention, collectives, the engines' costs beyond the
+compute (each a strategy's step of a small chain less the same step without one), the input's
+fixed cost, memory and cores (docs/planning.md, "What is measured, what is assumed").
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The measuring side of ``replicator bench`` and ``plan``: timers inside the user's process.
 
-Nothing of the script, torch or the library is replaced: the probe is a step observer
-(:mod:`replicator.strategies.observers`) told when each ``strategy.run`` starts and ends (one
-call, one step) and when the loop reduces or gathers; torch's optimizer step hooks time
-``optimizer.step()``; the comm room's timers (:mod:`replicator.comm.timing`) give the exposed
-and overlapped communication and the ``"checkpoint"`` region; ``input`` is the rest of the gap
-between steps, so the parts sum to the step. On CUDA every boundary synchronizes the device.
-After ``warmup + steps`` calls the next ``run`` raises :class:`BenchComplete` on every rank.
-``profile`` mode (one process, for ``plan``) adds phases on one thread and on half and
-quarter batches, one step under the FLOP and saved-tensor counters, and the forward's end.
+A step observer (one ``strategy.run``, one step), torch's optimizer step hooks and the comm
+room's timers split each step into parts that sum to it (``input``: the rest of the gap);
+nothing is replaced. ``profile`` mode (for ``plan``) adds one-thread, half- and quarter-batch
+phases and one step under the FLOP and saved-tensor counters.
 """
 
 from __future__ import annotations

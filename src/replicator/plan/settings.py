@@ -1,7 +1,6 @@
-"""What ``bench`` runs, what it found and its report: settings, per-setting results over
-interleaved rounds (each setting's figure its median round, the spread between rounds how much
-the machine's load moved it), the one-process baseline (the faster of default threads and one
-thread, as ``plan`` predicts it), then the table, ``report.md``, ``results.json`` and JSON lines.
+"""What ``bench`` runs, what it found and its report: settings, results over interleaved rounds
+(each figure its median round), the one-process baseline, the table, ``report.md``,
+``results.json`` and JSON lines.
 """
 
 from __future__ import annotations

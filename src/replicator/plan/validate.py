@@ -1,12 +1,9 @@
 """``replicator plan --validate``: run the settings this machine can run, compare with the plan.
 
-Runnable here: settings of a ``cpu`` plan on one host with at most
-:data:`MAX_LOCAL_PROCESSES` processes (the pipeline as 2 stages, as ``PipelineStrategy()``
-builds it), each run through ``bench``; the error is ``(predicted - measured) / measured``,
-the goal within :data:`GOAL`. Each setting runs at least :data:`MIN_MEASURED_SECONDS` of
-steps, and with ``repeat`` > 1 the profile, the machine's figures (with ``--remeasure``) and
-every setting are taken ``repeat`` times in turn, the plan of the median profiles compared with
-each setting's median, so that the machine's swings reach both sides alike.
+Each runnable setting (a ``cpu`` plan, one host, at most :data:`MAX_LOCAL_PROCESSES`) runs
+through ``bench`` for at least :data:`MIN_MEASURED_SECONDS`; with ``repeat`` > 1 the profile,
+the machine and every setting are taken in turn, medians compared, so that the machine's swings
+reach both sides alike.
 """
 
 from __future__ import annotations
