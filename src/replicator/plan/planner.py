@@ -228,8 +228,7 @@ def plan_table(plan: Plan) -> tuple[list[str], list[list[object]]]:
     for p in plan.predictions:
         mark = " *" if p is plan.recommended else ""
         if not p.feasible:
-            row: list[object] = [p.setting + mark, p.processes, p.hosts, "-", "-", "-", "-",
-                                 "-", "no"]
+            row: list[object] = [p.setting + mark, p.processes, p.hosts, *["-"] * 5, "no"]
         else:
             share = (p.breakdown["communication"] + p.breakdown["overhead"]) / p.step_seconds
             ratio = (f"{p.samples_per_second / single.samples_per_second:.2f}x"

@@ -142,9 +142,8 @@ class ModelProfile:
         state = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
         if optimizer not in state:
             raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(state)}")
-        for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
         p = int(params)
         # a transformer's shape from its size: P ~ 12 L h^2 with L ~ h / 128 layers
         hidden = max(1.0, (p * 128 / 12) ** (1 / 3))
