@@ -9,6 +9,8 @@ _TMP = tempfile.mkdtemp(prefix="replicator-tests-")
 for var, sub in (("SCIKIT_LEARN_DATA", "sklearn"), ("MPLCONFIGDIR", "mpl")):
     os.environ.setdefault(var, os.path.join(_TMP, sub))
 os.environ.setdefault("REPLICATOR_TIMEOUT_SECONDS", "60")
+# Every worker a test starts imports the test module, hence pytest: once, in the forkserver.
+os.environ.setdefault("REPLICATOR_PRELOAD", "pytest")
 
 
 def pytest_addoption(parser):

@@ -44,3 +44,27 @@ def test_the_forkserver_runs_once_its_context_is_made():
         assert len(_servers(proc.pid)) == 1, child_processes(proc.pid)
     finally:
         proc.communicate(timeout=60)  # closes its stdin: it exits, and so does its server
+
+
+
+#: Launches two workers that say whether ``wave`` and ``tabnanny`` (imported by neither torch
+#: nor replicator) were imported before their function ran.
+_PRELOADED = ("import sys\n"
+              "import replicator as rp\n"
+              "def f():\n"
+              "    return ['wave' in sys.modules, 'tabnanny' in sys.modules]\n"
+              "if __name__ == '__main__':\n"
+              "    print(rp.launch(f, num_replicas=2))\n")
+
+
+@pytest.mark.timeout(180)
+def test_modules_named_in_replicator_preload_are_imported_once_by_the_server(tmp_path):
+    script = tmp_path / "preloaded.py"
+    script.write_text(_PRELOADED)
+    env = dict(os.environ, REPLICATOR_PRELOAD="wave, no_such_module", PYTHONPATH=os.pathsep.join(
+        p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=170)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # the named module is there, a module not named is not, a name that is no module is ignored
+    assert out.stdout.strip().splitlines()[-1] == "[[True, False], [True, False]]"

@@ -30,6 +30,9 @@ FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "replicator
                       "replicator.train", "replicator.resume", "replicator.ps",
                       "replicator.callbacks", "replicator.testing")
 
+#: The variable naming more modules for the server to import (read when the server starts).
+PRELOAD_VARIABLE = "REPLICATOR_PRELOAD"
+
 #: The start methods a launcher offers: a warm forkserver, or a fresh interpreter per worker.
 START_METHODS = ("forkserver", "spawn")
 
@@ -44,12 +47,18 @@ def check_start_method(method: Any, allowed: tuple[str, ...] = START_METHODS) ->
 
 def forkserver_context() -> Any:
     """multiprocessing's forkserver context, its server preloading :data:`FORKSERVER_PRELOAD`
-    and started now: its imports (3-4 s) then overlap the launcher's own set-up (its store
-    imports torch too) instead of following it, where the first worker's start began them."""
+    and what ``REPLICATOR_PRELOAD`` names, and started now: its imports (3-4 s) then overlap
+    the launcher's own set-up (its store imports torch too) instead of following it."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, *user_preload(os.environ)])
     forkserver.ensure_running()
     return ctx
+
+
+def user_preload(env: Any) -> list[str]:
+    """The modules named in ``REPLICATOR_PRELOAD`` (comma-separated): a script's own heavy
+    imports (``transformers`` takes 3-5 s) that the server imports once for every worker."""
+    return [name.strip() for name in env.get(PRELOAD_VARIABLE, "").split(",") if name.strip()]
 
 
 class StandardStreams:
