@@ -173,14 +173,8 @@ class ModelProfile:
     @classmethod
     def median_of(cls, profiles: list[ModelProfile]) -> ModelProfile:
         """Each measured time the median of ``profiles``; the rest the first's."""
-        if not profiles:
-            raise ValueError("median_of needs at least one profile")
-        if len(profiles) == 1:
-            return profiles[0]
-        timed = [f.name for f in fields(cls) if f.name.endswith(("_seconds", "_1thread"))
-                 or f.name in ("collectives_per_step", "compute_fit")]
-        data = [json.loads(json.dumps(p.to_json())) for p in profiles]
-        return cls.from_json({**data[0], **{k: median_json([d[k] for d in data]) for k in timed}})
+        return _median_of(cls, profiles, [f.name for f in fields(cls) if f.name.endswith(
+            ("_seconds", "_1thread")) or f.name in ("collectives_per_step", "compute_fit")])
 
 
 #: Bumped when the calibration measures a figure differently (a cached one is measured again).
@@ -330,12 +324,7 @@ class MachineProfile:
     @classmethod
     def median_of(cls, profiles: list[MachineProfile]) -> MachineProfile:
         """Each figure the median of theirs; text fields the first's."""
-        if not profiles:
-            raise ValueError("median_of needs at least one profile")
-        if len(profiles) == 1:
-            return profiles[0]
-        return cls.from_json(median_json([json.loads(json.dumps(p.to_json()))
-                                          for p in profiles]))
+        return _median_of(cls, profiles)
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -348,6 +337,18 @@ class MachineProfile:
 
 
 _DEFAULT_MACHINE = MachineProfile(cores=1, ram_bytes=0.0)
+
+
+def _median_of(cls: Any, profiles: Sequence[Any], keys: list[str] | None = None) -> Any:
+    """One profile from several taken at different times: ``keys`` (default: all) the median
+    of theirs, the rest the first's."""
+    if not profiles:
+        raise ValueError("median_of needs at least one profile")
+    if len(profiles) == 1:
+        return profiles[0]
+    data = [json.loads(json.dumps(p.to_json())) for p in profiles]
+    medians = {k: median_json([d[k] for d in data]) for k in keys or data[0]}
+    return cls.from_json({**data[0], **medians})
 
 
 def median_json(values: list[Any]) -> Any:
