@@ -178,47 +178,43 @@ def launcher(target: Target, script_args: Sequence[str], setting: Setting
 
 
 # -- progress --------------------------------------------------------------------------------
-class _Progress:
-    """A bar per setting (a terminal) or a line per setting, fed from the chief's file."""
+def _bar() -> Any:
+    """A rich progress display on a terminal (``None`` elsewhere), started."""
+    if not sys.stdout.isatty():
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    def __init__(self) -> None:
-        self.rich: Any = None
-        if sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    bar = Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[note]}"))
+    bar.start()
+    return bar
 
-            self.rich = Progress(TextColumn("{task.description:<24}"), BarColumn(),
-                                 MofNCompleteColumn(), TextColumn("{task.fields[note]}"))
-            self.rich.start()
 
-    @contextlib.contextmanager
-    def track(self, label: str, out: Path, total: int) -> Iterator[None]:
-        task = self.rich.add_task(label, total=total, note="") if self.rich else None
-        stop = threading.Event()
-        started = time.perf_counter()
+@contextlib.contextmanager
+def _tracked(bar: Any, label: str, out: Path, total: int) -> Iterator[None]:
+    """A setting's bar fed from the chief's progress file, or a line when it is done."""
+    task = bar.add_task(label, total=total, note="") if bar else None
+    stop = threading.Event()
+    started = time.perf_counter()
 
-        def poll() -> None:
-            while not stop.wait(0.2):
-                with contextlib.suppress(OSError, ValueError):
-                    done = int((out / "progress").read_text() or 0)
-                    if self.rich is not None:
-                        self.rich.update(task, completed=done)
+    def poll() -> None:
+        while not stop.wait(0.2):
+            with contextlib.suppress(OSError, ValueError):
+                bar.update(task, completed=int((out / "progress").read_text() or 0))
 
-        thread = threading.Thread(target=poll, daemon=True)
+    thread = threading.Thread(target=poll, daemon=True)
+    if bar:
         thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
+    try:
+        yield
+    finally:
+        stop.set()
+        seconds = time.perf_counter() - started
+        if bar:
             thread.join()
-            seconds = time.perf_counter() - started
-            if self.rich is not None:
-                self.rich.update(task, completed=total, note=f"{seconds:.1f} s")
-            else:
-                print(f"bench: {label} done in {seconds:.1f} s", flush=True)
-
-    def close(self) -> None:
-        if self.rich is not None:
-            self.rich.stop()
+            bar.update(task, completed=total, note=f"{seconds:.1f} s")
+        else:
+            print(f"bench: {label} done in {seconds:.1f} s", flush=True)
 
 
 # -- the whole bench -----------------------------------------------------------------------
@@ -234,7 +230,7 @@ def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: 
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
-    progress = _Progress() if not quiet else None
+    bar = _bar() if not quiet else None
     runs: dict[Setting, list[SettingResult]] = {s: [] for s in settings}
     try:
         for k in range(rounds):
@@ -242,14 +238,14 @@ def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: 
                 out = root / "logs" / (setting.slug + (f"-r{k + 1}" if rounds > 1 else ""))
                 total = max(steps, steps_for(setting)) if steps_for is not None else steps
                 measured = max(2, math.ceil(total / rounds))
-                track = progress.track(setting.label, out, warmup + measured) if progress \
-                    else contextlib.nullcontext()
+                track = contextlib.nullcontext() if quiet else _tracked(
+                    bar, setting.label, out, warmup + measured)
                 with track:
                     runs[setting].append(run_setting(setting, out, make_launch(setting),
                                                      measured, warmup))
     finally:
-        if progress:
-            progress.close()
+        if bar:
+            bar.stop()
     bench = BenchReport(target, [combine_rounds(runs[s]) for s in settings], skipped,
                         str(root), (load_start, os.getloadavg()[0]))
     if report:
