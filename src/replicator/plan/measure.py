@@ -66,6 +66,18 @@ def median_time(fn: Callable[[], Any], rounds: int, per_round: int = 1, warm: in
     return statistics.median(times)
 
 
+def _fastest_alternately(a: Callable[[], Any], b: Callable[[], Any], rounds: int,
+                         per_round: int) -> tuple[float, float]:
+    """The fastest of ``rounds`` rounds of ``per_round`` calls, per call, of ``a`` and of ``b``
+    measured in turns: both meet the same neighbours, and their difference is the least
+    disturbed one (medians measured one after the other made a busy machine's difference 0)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for fn, out in zip((a, b), times):
+            out.append(median_time(fn, 1, per_round))
+    return min(times[0]), min(times[1])
+
+
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
     """Torch on one thread inside the block (then the count as it was)."""
@@ -450,8 +462,7 @@ def _ps_worker() -> dict[str, Any] | None:
             o.zero_grad()
 
         step()
-        t_work = median_time(work, 5, 5)  # the other worker is busy meanwhile too
-        t_all = median_time(step, 5, 5)
+        t_work, t_all = _fastest_alternately(work, step, 7, 5)  # the other worker is busy too
         points.append([float(size * 4), max(0.0, t_all - t_work - local[size])])
     return {"ps": points}
 
