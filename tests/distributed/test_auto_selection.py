@@ -63,7 +63,7 @@ def _train_without_room_for_buckets(_: int) -> dict:
 
     strategy = rp.MirroredStrategy()
     algo = strategy.cross_device_ops
-    algo._channel(None)  # the 4 MB slots exist; the buckets' segment will not fit
+    algo.channel(None)  # the 4 MB slots exist; the buckets' segment will not fit
 
     def full(*args: object, **kwargs: object) -> None:
         raise ReplicatorError("No space left on device (simulated)")

@@ -1,6 +1,6 @@
 """The comm room: collectives, all-reduce algorithms, compression and gradient averaging."""
 
-from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
+from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce, ReductionToOneDevice
 from replicator.comm.bucket_layout import BucketLayout
 from replicator.comm.collectives import Collectives
 from replicator.comm.compression import CastCompression, Compression, PowerSGD
@@ -9,7 +9,6 @@ from replicator.comm.gradient_sync import GradientSynchronizer
 from replicator.comm.hierarchical import HierarchicalAllReduce
 from replicator.comm.options import CommunicationOptions
 from replicator.comm.reduce_op import ReduceOp
-from replicator.comm.reduce_to_one import ReductionToOneDevice
 from replicator.comm.ring import RingAllReduce
 from replicator.comm.selection import algorithm_for
 from replicator.comm.shared_memory import SharedMemoryAllReduce

@@ -1,15 +1,13 @@
 """Cross-device all-reduce algorithms: the one argument that picks how replicas communicate.
 
 An algorithm sums a flat tensor over a group in place and returns a handle, so communication
-overlaps ``backward()``. ``NativeAllReduce`` (NCCL, gloo) is the default; ring, hierarchical,
-reduce-to-one and shared-memory live beside it. Each takes ``compression=``; replica ranks
-(``dst``, ``destination=``) are group ranks. A new one subclasses :class:`CrossDeviceOps` and
-implements ``_sum_now`` (run on the group's lane, ``comm_thread.py``).
+overlaps ``backward()``: the backend's own and reduce-to-one (central storage needs its reduce
+step alone) here, ring, hierarchical and shared memory beside. A new one subclasses
+:class:`CrossDeviceOps` and implements ``_sum_now``.
 """
 
 from __future__ import annotations
 
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -18,16 +16,15 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.bucket_layout import BucketLayout
-from replicator.comm.comm_thread import lane, on_groups_released
+from replicator.comm.comm_thread import forget_at_shutdown, lane
 from replicator.comm.groups import check_member, group_size
-from replicator.comm.handles import DONE, Done, Handle
+from replicator.comm.handles import DONE, Handle
 
 if TYPE_CHECKING:
     from replicator.comm.compression import Compression
 
-__all__ = ["CrossDeviceOps", "NativeAllReduce", "Handle", "BucketLayout"]
-
-_Done = Done  # the name earlier code used
+__all__ = ["CrossDeviceOps", "NativeAllReduce", "ReductionToOneDevice", "Handle",
+           "BucketLayout"]
 
 BufferSpec = tuple[int, torch.dtype, torch.device]
 
@@ -38,26 +35,9 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{size} {str(tensor.dtype).replace('torch.', '')}"
 
 
-#: Every algorithm object alive in this process (weakly), so that shutdown can make each one
-#: drop the process groups it keeps before the groups are destroyed.
-_LIVE: weakref.WeakSet[CrossDeviceOps] = weakref.WeakSet()
-
-
-def forget_all_groups() -> None:
-    """Make every live algorithm drop what it keeps per process group (run at shutdown): groups
-    still referenced at interpreter teardown are destroyed after gloo's static state, which aborts
-    the process."""
-    for algorithm in list(_LIVE):
-        algorithm.forget_groups()
-
-
-on_groups_released(forget_all_groups)
-
 class CrossDeviceOps(ABC):
-    """Base class of the all-reduce algorithms (tf.distribute's ``CrossDeviceOps``).
-    ``compression``: ``Compression.fp16()``, ``.bf16()``, ``.powersgd(rank)`` or ``None``;
-    ``timeout_seconds``: how long a wait may last (``None``: the process group's).
-    """
+    """Base class of the all-reduce algorithms (tf.distribute's); ``timeout_seconds``: ``None``
+    takes the process group's."""
 
     name: str = "base"
 
@@ -72,18 +52,18 @@ class CrossDeviceOps(ABC):
             raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
         self.compression = compression
         self.timeout_seconds = timeout_seconds
-        _LIVE.add(self)
+        forget_at_shutdown(self)
 
     def forget_groups(self) -> None:
-        """Drop state kept per process group (host layouts, shared-memory channels); the next
-        use on a group builds it again. Called at shutdown, before groups are destroyed."""
+        """Drop state kept per process group; called at shutdown, before the groups are
+        destroyed."""
         return None
 
     # -- public API ---------------------------------------------------------------------------
     def all_reduce_sum_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                              *, layout: BucketLayout | None = None) -> Handle:
-        """Start summing ``tensor`` in place across ``group``; return a handle to wait on.
-        ``layout``: the gradients packed in ``tensor`` (for PowerSGD and error feedback)."""
+        """Start summing ``tensor`` in place across ``group``; ``layout``: its gradients (for
+        PowerSGD)."""
         self._check(tensor, "all_reduce_sum_async")
         check_member(group, "all_reduce_sum_async")
         world = group_size(group)
@@ -125,20 +105,25 @@ class CrossDeviceOps(ABC):
         return self._start_reduce(tensor, dst, group, what)
 
     def release_buckets(self, owner: int | None = None) -> None:
-        """Forget the compression state of ``owner``'s buckets (``None``: all), when a model whose
-        gradients this algorithm summed is gone."""
+        """Forget the compression state of ``owner``'s buckets (``None``: all), its model gone."""
         if self.compression is not None:
             self.compression.release(owner)
 
     def make_buffers(self, specs: Sequence[BufferSpec],
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-        """Allocate flat buffers ``(numel, dtype, device)`` for this algorithm, once and in the same
-        order on every rank, where it communicates fastest (shared memory, say)."""
+        """Flat buffers ``(numel, dtype, device)``, made in the same order on every rank, where
+        this algorithm communicates fastest."""
         return [torch.empty(n, dtype=d, device=dev) for n, d, dev in specs]
 
     def __repr__(self) -> str:
-        extra = f"compression={self.compression!r}" if self.compression is not None else ""
-        return f"{type(self).__name__}({extra})"
+        fields = [f"{k}={v!r}" for k, v in self._fields().items()]
+        if self.compression is not None:
+            fields.append(f"compression={self.compression!r}")
+        return f"{type(self).__name__}({', '.join(fields)})"
+
+    def _fields(self) -> dict[str, object]:
+        """The settings :meth:`__repr__` shows besides compression."""
+        return {}
 
     # -- hooks for subclasses -------------------------------------------------------------------
     @abstractmethod
@@ -152,8 +137,8 @@ class CrossDeviceOps(ABC):
 
     def _prepare(self, group: dist.ProcessGroup | None,  # noqa: B027 - optional hook
                  private: dist.ProcessGroup) -> None:
-        """Collective set-up, on the caller's thread over the caller's ``group``, before work
-        runs on the lane whose private copy of the group is ``private``."""
+        """Collective set-up over the caller's ``group``, on its thread, before work runs on the
+        lane."""
 
     def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
                what: str) -> Handle:
@@ -203,3 +188,41 @@ class NativeAllReduce(CrossDeviceOps):
     def _reduce_now(self, tensor: torch.Tensor, dst: int,
                     group: dist.ProcessGroup | None) -> None:
         dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Reduce to replica ``destination`` (a group rank), then broadcast from it: tf.distribute's;
+    simple, but the destination carries all the traffic."""
+
+    name = "reduce_to_one"
+
+    def __init__(self, destination: int = 0, *, compression: Compression | None = None,
+                 timeout_seconds: float | None = None) -> None:
+        super().__init__(compression=compression, timeout_seconds=timeout_seconds)
+        if isinstance(destination, bool) or not isinstance(destination, int) or destination < 0:
+            raise ValueError(f"destination must be a replica index >= 0, got {destination!r}")
+        self.destination = destination
+
+    def _dst(self, group: dist.ProcessGroup | None) -> int:
+        world = group_size(group)
+        if self.destination >= world:
+            raise ValueError(f"ReductionToOneDevice(destination={self.destination}) needs at "
+                             f"least {self.destination + 1} replicas, the group has {world}. "
+                             "HINT: destination is a group rank (a position within the group), "
+                             "not a global rank")
+        return self.destination
+
+    def _prepare(self, group: dist.ProcessGroup | None, private: dist.ProcessGroup) -> None:
+        self._dst(group)  # a wrong destination fails here, on the caller's thread
+
+    def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        dst = self._dst(group)
+        dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
+        dist.broadcast(tensor, group_src=dst, group=group)
+
+    def _reduce_now(self, tensor: torch.Tensor, dst: int,
+                    group: dist.ProcessGroup | None) -> None:
+        dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
+
+    def _fields(self) -> dict[str, object]:
+        return {"destination": self.destination}

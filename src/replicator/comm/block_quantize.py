@@ -1,30 +1,20 @@
 """Block quantisation of outer updates: int8 and int4 values with one float32 scale per block.
 
-Two-level training across slow links (``strategies/two_level``) sends a pseudo-gradient
-every few hundred steps; 8 or 4 bits per value cut those bytes 4x or 8x. Each block of
-``block_size`` values is scaled by its own largest magnitude (symmetric, round to nearest),
-so one outlier spoils only its block. Plain torch operations: the same code runs on CPU and
-GPU (torchft's DiLoCo compresses only on CUDA, through Triton).
-
-Quantised values cannot be summed by an all-reduce (int8 overflows, and the scales differ per
-rank), so the payloads are all-gathered and every rank decodes and adds them in rank order,
-which gives every rank the same bits. That is why this is not a gradient
-:class:`~replicator.comm.compression.Compression`, whose contract is a sum through
-``sum_fn``. With ``error_feedback`` each caller key keeps what quantisation lost and adds it
-to the next payload (Seide et al. 2014; Karimireddy et al. 2019), so the error does not
-accumulate over rounds. Measured (``benchmarks/slow_links.py``, 2 hosts x 2 processes, a
-137k-parameter transformer, H=50): int8 streaming put 16.3 kB per step on the hosts' links
-against 61.3 kB uncompressed and 2,329 kB for per-step synchronous training.
-
-Wire format of one payload (a flat ``uint8`` tensor): the packed values, then the float32
-scales viewed as bytes. Its length depends only on ``numel``, ``bits`` and ``block_size``, so
-every rank's payload has the same size (what ``all_gather`` needs).
+Two-level training (``strategies/two_level``) sends a pseudo-gradient every few hundred steps;
+8 or 4 bits cut those bytes 4x or 8x, and a scale per block confines an outlier to its block.
+Plain torch: the same code on CPU and GPU. Quantised values cannot be summed by an all-reduce
+(int8 overflows, scales differ per rank), so payloads are all-gathered and decoded in rank
+order, the same bits on every rank; hence not a gradient ``Compression``. ``error_feedback``
+carries what quantisation lost into the next payload (Seide et al. 2014). Measured
+(``benchmarks/slow_links.py``, 2 hosts x 2 processes, 137k parameters, H=50): int8 streaming
+put 16.3 kB per step on the hosts' links against 61.3 kB uncompressed, 2,329 kB synchronous.
+A payload (flat ``uint8``: packed values, then the float32 scales) has a length fixed by
+``numel``, ``bits`` and ``block_size``, as ``all_gather`` needs.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
@@ -91,23 +81,9 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int,
     return out.reshape(-1)[:numel]
 
 
-def sum_payloads(payloads: Sequence[torch.Tensor], numel: int, bits: int,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
-    """The sum of the decoded ``payloads``, added in the order given (the same bits on every
-    rank that holds the same payloads)."""
-    total: torch.Tensor | None = None
-    for payload in payloads:
-        part = dequantize(payload, numel, bits, block_size)
-        total = part if total is None else total.add_(part)
-    if total is None:
-        raise ValueError("sum_payloads needs at least one payload")
-    return total
-
-
 class BlockQuantizer:
-    """Quantise tensors to ``bits`` (8 or 4) with a scale per ``block_size`` values; with
-    ``error_feedback``, per ``key``, add the previous rounding error before quantising and
-    keep the new one (see the module doc)."""
+    """Quantise to ``bits`` (8 or 4) with a scale per ``block_size`` values, with error feedback
+    per ``key``."""
 
     def __init__(self, bits: int = 8, block_size: int = DEFAULT_BLOCK_SIZE, *,
                  error_feedback: bool = False) -> None:
@@ -121,12 +97,8 @@ class BlockQuantizer:
         return (f"BlockQuantizer(bits={self.bits}, block_size={self.block_size}, "
                 f"error_feedback={self.error_feedback})")
 
-    def payload_bytes(self, numel: int) -> int:
-        return payload_bytes(numel, self.bits, self.block_size)
-
     def encode(self, values: torch.Tensor, key: str = "") -> torch.Tensor:
-        """The payload of ``values`` (flat), corrected by ``key``'s kept error when
-        error feedback is on."""
+        """The payload of ``values`` (flat), plus ``key``'s kept error under error feedback."""
         flat = values.detach().reshape(-1).float()
         if self.error_feedback:
             residual = self._residuals.get(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -10,10 +11,8 @@ import torch
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """Bucket ``index`` holds tensors of ``shapes`` at element ``offsets`` of a flat buffer.
-    ``(owner, index)`` identifies it across steps (``owner``: its synchronizer, never reused), so
-    per-bucket compression state never mixes two models under one algorithm.
-    """
+    """Bucket ``index``: tensors of ``shapes`` at element ``offsets``; ``(owner, index)`` keeps
+    two models' compression state apart."""
 
     index: int
     shapes: tuple[torch.Size, ...]
@@ -29,18 +28,13 @@ class BucketLayout:
     def from_shapes(cls, index: int, shapes: Sequence[Sequence[int]],
                     owner: int = 0) -> BucketLayout:
         """Tensors of ``shapes`` packed back to back, in order."""
-        offsets, n = [], 0
         sizes = [torch.Size(s) for s in shapes]
-        for s in sizes:
-            offsets.append(n)
-            n += s.numel()
+        offsets = itertools.accumulate((s.numel() for s in sizes[:-1]), initial=0)
         return cls(index, tuple(sizes), tuple(offsets), owner)
 
     @property
     def numel(self) -> int:
-        if not self.shapes:
-            return 0
-        return self.offsets[-1] + self.shapes[-1].numel()
+        return self.offsets[-1] + self.shapes[-1].numel() if self.shapes else 0
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """The tensors of this layout as views into ``flat``."""
@@ -51,8 +45,7 @@ class BucketLayout:
 
 
 def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``tensors`` flattened back to back into one new tensor on ``device`` (for one
-    coalesced collective)."""
+    """``tensors`` flattened back to back into one new tensor on ``device``."""
     return torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
 
 

@@ -5,6 +5,7 @@ to the store twice a second, keyed by group tag and global rank; the hot path bu
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import Counter
@@ -12,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from replicator.comm.groups import group_ranks
 
 PUBLISH_INTERVAL_SECONDS = 0.5
 _TAGS_IN_USE: Counter[str] = Counter()
@@ -21,17 +24,13 @@ def group_tag(ranks: Sequence[int]) -> str:
     """A short name for the group of global ``ranks`` (``r0-1-2``, or a hash when long)."""
     text = "-".join(str(r) for r in ranks)
     if len(text) > 48:
-        import hashlib
-
         text = f"{len(ranks)}x{hashlib.sha1(text.encode()).hexdigest()[:12]}"
     return "r" + text
 
 
 class CollectiveTracker:
-    """Counts this rank's collectives and publishes its position for the others to read.
-    ``ranks``: the group's global ranks (always given, so groups never share entries); ``roles``:
-    global rank -> role; ``tag``: the store name. :meth:`for_group` fills them from a group.
-    """
+    """Counts this rank's collectives and publishes its position for the others to read
+    (``ranks``: the group's global ranks)."""
 
     def __init__(self, rank: int, world_size: int, store: dist.Store | None, *,
                  ranks: Sequence[int], roles: Mapping[int, str] | None = None,
@@ -63,8 +62,7 @@ class CollectiveTracker:
     def for_group(cls, group: dist.ProcessGroup | None, store: dist.Store | None, *,
                   roles: Mapping[int, str] | None = None) -> CollectiveTracker:
         """A tracker for this process in ``group`` (``None``: the whole job)."""
-        ranks = (list(dist.get_process_group_ranks(group)) if group is not None
-                 else list(range(dist.get_world_size())))
+        ranks = group_ranks(group)
         return cls(ranks.index(dist.get_rank()), len(ranks), store, ranks=ranks, roles=roles)
 
     def name(self, global_rank: int) -> str:

@@ -1,17 +1,11 @@
-"""Cross-replica collectives with errors that say which rank, which operation, and why.
-
-:meth:`Collectives.guard` counts each call for the tracker and turns timeouts and lost peers
-into ``ReplicaTimeoutError``/``ReplicatorError``; with ``check=True`` a fingerprint exchange
-first (:mod:`replicator.comm.fingerprint`) makes mismatched calls raise
-``CollectiveMismatchError``. Ranks are of ``group`` (``None``: the whole job).
-"""
+"""Cross-replica collectives with errors that say which rank, which operation, and why
+(timeouts, lost peers, and with ``check=True`` mismatched calls by fingerprint)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,11 +22,10 @@ from replicator.comm.fingerprint import (
     digest,
     dtype_name,
 )
-from replicator.comm.fingerprint import exchange_texts as _exchange_texts
-from replicator.comm.op_errors import LOST_PEER_WORDS as _LOST_PEER_WORDS
-from replicator.comm.op_errors import TIMEOUT_WORDS as _TIMEOUT_WORDS
-from replicator.comm.op_errors import finished_peer_error
+from replicator.comm.groups import group_ranks
+from replicator.comm.op_errors import TIMEOUT_WORDS, algorithm_error
 from replicator.comm.reduce_op import ReduceOp
+from replicator.comm.shm_segment import flag_barrier_is_safe
 from replicator.errors import ReplicaTimeoutError, ReplicatorError
 
 if TYPE_CHECKING:
@@ -57,11 +50,7 @@ class Collectives:
         self.timeout_seconds = timeout_seconds
         self.group = group
         self.check = check
-        if world_size > 1 and dist.is_available() and dist.is_initialized():
-            self.global_ranks = (list(dist.get_process_group_ranks(group)) if group is not None
-                                 else list(range(dist.get_world_size())))
-        else:
-            self.global_ranks = list(range(world_size))
+        self.global_ranks = group_ranks(group) if world_size > 1 else list(range(world_size))
         self.tracker = tracker or CollectiveTracker(rank, world_size, None,
                                                     ranks=self.global_ranks)
         self._checked = 0
@@ -73,8 +62,7 @@ class Collectives:
     def for_group(cls, group: dist.ProcessGroup | None, device: torch.device,
                   timeout_seconds: float, tracker: CollectiveTracker | None = None, *,
                   check: bool = True) -> Collectives:
-        """Collectives over ``group`` (``None``: the whole job) with this process's position
-        and the group's size filled in."""
+        """Collectives over ``group`` (``None``: the whole job) at this process's position."""
         if not dist.is_available() or not dist.is_initialized():
             if group is not None:
                 raise ValueError("Collectives.for_group got a group but torch.distributed is "
@@ -94,24 +82,23 @@ class Collectives:
         return self.global_ranks[self.rank]
 
     def next_synchronizer_index(self) -> int:
-        """A number for a new gradient synchronizer on these collectives (0, 1, ... in order
-        of creation, so the same on every rank that builds the same models)."""
+        """0, 1, ... per new gradient synchronizer: the same on every rank that builds the same
+        models."""
         self._synchronizers += 1
         return self._synchronizers - 1
 
     # -- the same-host path -------------------------------------------------------------------
     def use_same_host_path(self, algorithm: CrossDeviceOps) -> bool:
-        """Send fingerprints, and payloads where it pays, through the shared memory of
-        ``algorithm`` when it is an uncompressed ``SharedMemoryAllReduce`` over CPU replicas;
-        return whether it does. A collective over the group."""
+        """Send fingerprints and payloads through ``algorithm``'s shared memory when it is an
+        uncompressed ``SharedMemoryAllReduce`` on CPU; a collective."""
         from replicator.comm.shared_memory import SharedMemoryAllReduce
 
         if (self.world_size == 1 or not isinstance(algorithm, SharedMemoryAllReduce)
                 or self.device.type != "cpu" or algorithm.compression is not None
-                or not algorithm.carries_fingerprints()):
+                or not flag_barrier_is_safe()):  # fingerprints travel in the flags
             return False
         try:  # fails on every rank alike (another host in the group, /dev/shm full)
-            algorithm.open_channel(self.group)
+            algorithm.channel(self.group)
         except ReplicatorError as exc:
             log.warning("collectives stay on the backend: %s", exc)
             return False
@@ -133,9 +120,8 @@ class Collectives:
     # -- fingerprints -------------------------------------------------------------------------
     def start_check(self, what: str, detail: str, *, async_op: bool = False
                     ) -> PendingCheck | None:
-        """Start the fingerprint exchange of ``what`` (``detail``: what every rank must agree on);
-        ``wait()`` on the result raises ``CollectiveMismatchError`` on disagreement. ``None`` when
-        checking is off or there is a single replica."""
+        """Start the fingerprint exchange of ``what`` (``None`` when checking is off or alone);
+        ``wait()`` raises ``CollectiveMismatchError``."""
         if not self.check or self.world_size == 1:
             return None
         self.settle()  # one fingerprint in flight at a time: a mismatch is known before the next
@@ -144,12 +130,12 @@ class Collectives:
         h = digest(f"{what}|{detail}|{seq}")
         agreed: Callable[[], bool]
         if self._same_host is not None:
-            algo, group = self._same_host, self.group
+            barrier = self._same_host.channel(self.group).barrier
             with self.guard(f"{what} (fingerprint)"):
-                number = algo.post_fingerprint(h, group)
+                number = barrier.post(h)
 
             def agreed() -> bool:
-                values = algo.collect_fingerprints(number, group)
+                values = barrier.collect(number)
                 return all(v == values[0] for v in values)
         else:
             buf = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
@@ -164,8 +150,8 @@ class Collectives:
         return pending
 
     def settle(self) -> None:
-        """Wait for the verdict of a fingerprint exchange still in flight (raises on a
-        mismatch), so that nothing else is issued before it is known."""
+        """Wait for the verdict of a fingerprint exchange still in flight, before anything else
+        is issued."""
         pending, self._in_flight = self._in_flight, None
         if pending is not None:
             pending.wait()
@@ -176,8 +162,8 @@ class Collectives:
             pending.wait()
 
     def _exchange_descriptions(self, text: str) -> list[str]:
-        with self.guard("exchange of collective descriptions after a mismatch"):
-            return _exchange_texts(text, self.group, self.world_size, self.device)
+        texts = self._gather_bytes(text.encode()[:4096], "exchange of collective descriptions")
+        return [t.decode(errors="replace") for t in texts]
 
     # -- error translation ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -192,13 +178,13 @@ class Collectives:
         finally:
             timing.stop(started, self.device)
 
-    def translate(self, exc: BaseException, seq: int, what: str) -> Exception:
+    def translate(self, exc: BaseException, seq: int, what: str) -> BaseException:
         text = str(exc).lower()
         # a wait in shared memory times out as ReplicaTimeoutError: named like the backend's
         timed_out = isinstance(exc, ReplicaTimeoutError) and not exc.named
         if isinstance(exc, ReplicatorError) and not timed_out:
             return exc
-        if timed_out or any(w in text for w in _TIMEOUT_WORDS):
+        if timed_out or any(w in text for w in TIMEOUT_WORDS):
             who = self.tracker.explain(seq, what)
             error = ReplicaTimeoutError(
                 f"{what} (collective #{seq}) on rank {self.global_rank} waited "
@@ -208,18 +194,8 @@ class Collectives:
                 "stuck; every rank must make the same collective calls in the same order.")
             error.named = True
             return error
-        if any(w in text for w in _LOST_PEER_WORDS):
-            detail = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).splitlines()[0])[:160]
-            finished = finished_peer_error(f"{what} (collective #{seq})", self.global_rank,
-                                           self.global_ranks)
-            if finished is not None:
-                return finished
-            return ReplicatorError(
-                f"{what} (collective #{seq}) on rank {self.global_rank} failed because another "
-                f"replica exited or lost its connection ({detail}). HINT: look "
-                "for that rank's own error; the launcher reports the first failure.")
-        return ReplicatorError(
-            f"{what} (collective #{seq}) failed on rank {self.global_rank}: {exc}")
+        return algorithm_error(exc, self.global_rank, f"{what} (collective #{seq})",
+                               self.global_ranks)
 
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, what: str = "all_reduce"
@@ -249,9 +225,8 @@ class Collectives:
 
     def all_reduce_many(self, tensors: Sequence[torch.Tensor], op: ReduceOp,
                         what: str = "all_reduce", structure: str = "") -> list[torch.Tensor]:
-        """Reduce several tensors in one collective, flattened as float64 where exact (floats,
-        integers of up to 32 bits, every integer for ``MEAN``); 64-bit integers and complex tensors
-        travel in one more per dtype. ``structure``: the nest's description, for the fingerprint."""
+        """Reduce several tensors in one collective (float64 where exact, else one more per
+        dtype); ``structure`` goes into the fingerprint."""
         if self.world_size == 1:
             return [self._all_reduce(t, op, what) for t in tensors]
         self._verify(what, f"all_reduce {op.value} of {len(tensors)} tensors"
@@ -277,8 +252,8 @@ class Collectives:
 
     def all_gather_many(self, tensors: Sequence[torch.Tensor], axis: int = 0,
                         what: str = "gather", structure: str = "") -> list[torch.Tensor]:
-        """:meth:`all_gather_uneven` of several tensors (any dtypes) in one exchange: each
-        rank packs its tensors' bytes, with their row counts in front, into one buffer."""
+        """``all_gather_uneven`` of several tensors (any dtypes) in one exchange of their bytes,
+        row counts in front."""
         moved: list[torch.Tensor] = []
         axes: list[int] = []
         for t in tensors:
@@ -304,10 +279,10 @@ class Collectives:
         buffer = torch.cat([header.view(torch.uint8)]
                            + [m.reshape(-1).view(torch.uint8) if m.dtype is not torch.bool
                               else m.reshape(-1).to(torch.uint8) for m in moved])
-        parts, sizes = self._gather_rows(buffer, what)
+        parts, _ = self._gather_rows(buffer, what)
         pieces: list[list[torch.Tensor]] = [[] for _ in moved]
         head = header.numel() * 8
-        for rank, (part, size) in enumerate(zip(parts, sizes)):
+        for rank, part in enumerate(parts):
             theirs = part[:head].clone().view(torch.int64).tolist()
             offset = head
             for i, m in enumerate(moved):
@@ -324,48 +299,27 @@ class Collectives:
                 else:
                     piece = raw.view(m.dtype)
                 pieces[i].append(piece.reshape(rows, *m.shape[1:]))
-            if offset > size:  # pragma: no cover - the header and the sizes disagree
-                raise ReplicatorError(f"{what}: group rank {rank} sent {size} bytes, its "
-                                      f"header describes {offset}")
         return [torch.cat(p, dim=0).movedim(0, a) for p, a in zip(pieces, axes)]
 
     def all_gather_uneven(self, tensor: torch.Tensor, axis: int = 0,
                           what: str = "gather") -> torch.Tensor:
         """Concatenate every replica's ``tensor`` along ``axis``; sizes along it may differ."""
-        tensor = tensor.detach().to(self.device)
-        if tensor.dim() == 0:
-            tensor = tensor.reshape(1)
-            axis = 0
-        if not -tensor.dim() <= axis < tensor.dim():
-            raise ValueError(f"{what}: axis {axis} is out of range for a tensor of shape "
-                             f"{tuple(tensor.shape)}")
-        axis = axis % tensor.dim()
-        if self.world_size == 1:
-            return tensor.clone()
-        self._verify(what, f"all_gather along axis {axis} of {describe_tensor(tensor, axis)}")
-        moved = tensor.movedim(axis, 0).contiguous()
-        parts, sizes = self._gather_rows(moved, what)
-        joined = torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
-        return joined.movedim(0, axis)
+        return self.all_gather_many([tensor], axis, what)[0]
 
-    def _gather_rows(self, moved: torch.Tensor, what: str
+    def _gather_rows(self, flat: torch.Tensor, what: str
                      ) -> tuple[list[torch.Tensor], list[int]]:
-        """Every rank's ``moved`` (sizes along axis 0 may differ), padded, and the sizes; the sizes
-        exchange carries the number of dimensions, so a mismatch errors here, not in the backend."""
-        meta = torch.tensor([moved.dim(), moved.shape[0]], dtype=torch.int64, device=self.device)
+        """Every rank's 1-D ``flat`` (lengths may differ), padded to the longest, and the
+        lengths."""
+        meta = torch.tensor([flat.shape[0]], dtype=torch.int64, device=self.device)
         with self.guard(f"{what} (sizes)"):
             if self._same_host is not None:
                 metas = self._same_host.all_gather(meta, self.group)
             else:
                 metas = [torch.empty_like(meta) for _ in range(self.world_size)]
                 dist.all_gather(metas, meta, group=self.group)
-        dims, sizes = zip(*(m.tolist() for m in metas))
-        if any(d != moved.dim() for d in dims):
-            raise ReplicatorError(f"{what}: replicas passed tensors with different numbers of "
-                                  f"dimensions {list(dims)}; all must have the same")
-        padded = torch.zeros((max(sizes), *moved.shape[1:]), dtype=moved.dtype,
-                             device=self.device)
-        padded[: moved.shape[0]] = moved
+        sizes = [int(m) for m in metas]
+        padded = torch.zeros(max(sizes), dtype=flat.dtype, device=self.device)
+        padded[:flat.shape[0]] = flat
         shm = self._payload_path([padded])
         with self.guard(what):
             if shm is not None:
@@ -373,12 +327,11 @@ class Collectives:
             else:
                 parts = [torch.empty_like(padded) for _ in range(self.world_size)]
                 dist.all_gather(parts, padded, group=self.group)
-        return parts, list(sizes)
+        return parts, sizes
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
                    what: str = "broadcast") -> None:
-        """Overwrite ``tensors`` in place with replica ``src``'s values (``src`` is a rank of
-        this group), one call per dtype."""
+        """Overwrite ``tensors`` in place with group rank ``src``'s values, one call per dtype."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"{what}: src must be a rank of the group, 0..{self.world_size - 1}"
                              f", got {src}")
@@ -409,6 +362,9 @@ class Collectives:
         if self.world_size == 1:
             return [bytes(payload)]
         self._verify(what, "all_gather of bytes")
+        return self._gather_bytes(payload, what)
+
+    def _gather_bytes(self, payload: bytes, what: str) -> list[bytes]:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
             torch.empty(0, dtype=torch.uint8)
         parts, sizes = self._gather_rows(data.to(self.device), what)
@@ -425,8 +381,8 @@ class Collectives:
 
 
 def _pack_dtype(dtype: torch.dtype, op: ReduceOp) -> torch.dtype:
-    """The dtype a tensor travels in within :meth:`Collectives.all_reduce_many`: float64 where
-    that holds it exactly (or for a mean, which is a float anyway), else its own."""
+    """The dtype a tensor travels in within ``all_reduce_many``: float64 where exact, else its
+    own."""
     if dtype.is_complex:
         return dtype
     if dtype in (torch.int64, torch.uint64, torch.uint32) and op is not ReduceOp.MEAN:

@@ -1,15 +1,12 @@
 """Communication lanes: per process group, a background thread with a private copy of the group.
 
-Algorithms of several dependent steps (ring, hierarchical, reduce-to-one, compressed) run on a
-group's lane (:func:`lane`) so ``backward()`` goes on meanwhile. Two threads issuing collectives
-on one group can pair different operations across ranks, so the lane has its own copy of the
-group (made by its members, :func:`~replicator.comm.groups.new_private_group`) and runs one task
-at a time in submission order, the same on every rank. Lanes are keyed weakly by the group
-object; :func:`close_lanes` ends them all before the process group goes.
+Multi-step algorithms run on a lane so ``backward()`` goes on meanwhile; the private group and
+one task at a time in submission order keep two threads from pairing different operations.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import queue
 import threading
@@ -108,9 +105,8 @@ _LOCK = threading.Lock()
 
 
 def lane(group: dist.ProcessGroup | None = None) -> Lane:
-    """This process's lane for ``group`` (``None``: the default group), created on first use,
-    which makes a group over the members: they reach it at the same point of their collectives.
-    """
+    """This process's lane for ``group`` (``None``: the default group); the first use is a
+    collective."""
     check_member(group, "lane")
     key = dist.group.WORLD if group is None else group
     if key is None:
@@ -122,9 +118,7 @@ def lane(group: dist.ProcessGroup | None = None) -> Lane:
             _WORLD[0] = dist.group.WORLD
             from replicator.cluster.process_group import on_shutdown
 
-            on_shutdown(_forget_groups)  # hooks run last-in first-out: lanes close first
             on_shutdown(close_lanes)
-            _release_at_exit(_forget_groups)
         found = _LANES.get(key)
         if found is None:
             found = Lane(group_ranks(group), resolve_timeout(group=group),
@@ -134,45 +128,26 @@ def lane(group: dist.ProcessGroup | None = None) -> Lane:
         return found
 
 
-_AT_EXIT: list[Callable[[], None]] = []
-#: What the users of lanes (the all-reduce algorithms) keep per process group, dropped when
-#: the lanes close; registered from above so this module imports none of its users.
-_GROUP_FORGETTERS: list[Callable[[], None]] = []
+#: Objects that keep state per process group (the algorithms), told to drop it once the lanes
+#: have closed; module teardown would free those groups after gloo's static state (an abort).
+_KEEPERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def on_groups_released(forget: Callable[[], None]) -> None:
-    """Call ``forget`` when the process group shuts down or the interpreter exits, after the
-    lanes have closed (the algorithms drop their cached groups there)."""
-    if forget not in _GROUP_FORGETTERS:
-        _GROUP_FORGETTERS.append(forget)
-
-
-def _forget_groups() -> None:
-    for forget in list(_GROUP_FORGETTERS):
-        forget()
-
-
-def _release_at_exit(forget: Callable[[], None]) -> None:
-    """Once per process: at interpreter exit, close the lanes and drop the groups algorithms
-    keep, before module teardown would free them after gloo's static state (an abort)."""
-    if not _AT_EXIT:
-        import atexit
-
-        def release() -> None:
-            close_lanes()
-            for fn in _AT_EXIT:
-                fn()
-
-        atexit.register(release)
-    if forget not in _AT_EXIT:
-        _AT_EXIT.append(forget)
+def forget_at_shutdown(keeper: Any) -> None:
+    """Call ``keeper.forget_groups()`` at shutdown or exit, once the lanes have closed."""
+    _KEEPERS.add(keeper)
 
 
 def close_lanes() -> None:
-    """End every lane's thread (after its submitted work); later uses create new lanes."""
+    """End every lane (after its submitted work), then make the keepers drop their groups."""
     with _LOCK:
         _close_all_locked()
         _WORLD[0] = None
+    for keeper in list(_KEEPERS):
+        keeper.forget_groups()
+
+
+atexit.register(close_lanes)
 
 
 def _close_all_locked() -> None:

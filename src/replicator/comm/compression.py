@@ -1,17 +1,11 @@
-"""Gradient compression for the all-reduce: fp16, bf16 and PowerSGD.
+"""Gradient compression for the all-reduce: fp16, bf16 and PowerSGD, given to any algorithm::
 
-Compression is given to an algorithm, whichever transport it uses::
-
-    fp16 = rp.comm.Compression.fp16()
-    rp.MirroredStrategy(cross_device_ops=rp.comm.NativeAllReduce(compression=fp16))
     rp.comm.RingAllReduce(compression=rp.comm.Compression.powersgd(rank=2))
 
-A :class:`Compression` gets the flat bucket and a ``sum_fn`` that sums uncompressed with the
-chosen algorithm; it sends a smaller tensor through ``sum_fn`` and writes the approximate sum
-back. Error feedback remembers, per bucket, what compression lost and adds it to the next step.
-Per-bucket state is keyed by :attr:`BucketLayout.key` ``(owner, index)`` (one algorithm may
-serve several models) and bounded: at most ``max_buckets``, least recently used forgotten first
-(which only restarts its error feedback); :meth:`Compression.release` drops an owner's buckets.
+A :class:`Compression` sends a smaller tensor through ``sum_fn`` (the algorithm's sum) and
+writes the approximate sum back; error feedback carries what it lost into the next step.
+Per-bucket state is keyed by ``BucketLayout.key`` and bounded (``max_buckets``, least recently
+used forgotten first, which only restarts its error feedback).
 """
 
 from __future__ import annotations
@@ -80,16 +74,15 @@ class Compression(ABC):
     @abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor, layout: BucketLayout | None, sum_fn: SumFn,
                        world_size: int) -> None:
-        """Replace ``tensor`` (in place) with the sum over replicas, sending compressed data
-        through ``sum_fn``. ``layout`` identifies the bucket and its gradients' shapes."""
+        """Replace ``tensor`` in place with the sum over replicas, sending compressed data
+        through ``sum_fn``."""
 
     def release(self, owner: int | None = None) -> None:  # noqa: B027 - stateless by default
         """Forget the per-bucket state of ``owner``'s buckets (``None``: of every bucket)."""
 
     @staticmethod
     def fp16(error_feedback: bool = False) -> CastCompression:
-        """Send float16: half the bytes. Values are divided by the world size first, so the
-        sum cannot overflow float16's range (65504)."""
+        """Send float16, divided by the world size first so the sum cannot overflow (65504)."""
         return CastCompression(torch.float16, error_feedback)
 
     @staticmethod
@@ -106,10 +99,8 @@ class Compression(ABC):
 
 
 class CastCompression(Compression):
-    """Send the gradients in a narrower float type (float16 or bfloat16), summed in that type.
-    ``error_feedback``: keep each bucket's rounding error and add it to the next step (needs the
-    ``layout``). ``max_buckets``: see the module doc.
-    """
+    """Send the gradients in float16 or bfloat16, summed in that type; ``error_feedback`` needs
+    the ``layout``."""
 
     def __init__(self, dtype: torch.dtype, error_feedback: bool = False, *,
                  max_buckets: int = DEFAULT_MAX_BUCKETS) -> None:

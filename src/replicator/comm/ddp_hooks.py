@@ -1,13 +1,9 @@
-"""Any :class:`CrossDeviceOps` as a DDP communication hook.
-
-DDP keeps its own bucketing and overlap; the hook only decides how each bucket is summed::
+"""Any :class:`CrossDeviceOps` as a DDP communication hook::
 
     model = DistributedDataParallel(net)
     register_ddp_comm_hook(model, rp.comm.RingAllReduce(compression=rp.comm.Compression.fp16()))
 
-The hook passes the bucket with its layout (so PowerSGD sees the shapes) and returns a future
-holding the averaged bucket. Each hook is its own bucket owner (a negative number), so two DDP
-models hooked with one algorithm keep their compression state apart.
+Each hook is its own bucket owner, so two hooked models keep their compression state apart.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ _OWNERS = itertools.count(-1, -1)
 
 
 def ddp_comm_hook(ops: CrossDeviceOps) -> CommHook:
-    """A function for ``DistributedDataParallel.register_comm_hook(state, hook)``; ``state``
-    may be DDP's process group (``None``: the default group)."""
+    """A hook for ``DistributedDataParallel.register_comm_hook(state, hook)``; ``state``: a group
+    or ``None``."""
     if not isinstance(ops, CrossDeviceOps):
         raise TypeError(f"ddp_comm_hook takes a CrossDeviceOps such as rp.comm.RingAllReduce(), "
                         f"got {type(ops).__name__}")

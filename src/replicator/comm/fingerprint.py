@@ -1,28 +1,27 @@
 """Fingerprints that let replicas check they are in the same collective before sending data.
 
-Collectives paired wrongly across ranks give a silently wrong result (equal sizes) or abort in
-the backend (different sizes). So every checked collective first all-reduces (MAX) a fixed-size
-``[h, -h]``, ``h`` a 62-bit hash of (operation, sequence number, shape, dtype): the result tells
-every rank at once whether all sent the same ``h``. On a mismatch every rank exchanges a readable
-description of its call (and the user's line) and raises :class:`CollectiveMismatchError`.
+Mispaired collectives give a silently wrong result or a backend abort, so a checked collective
+first all-reduces (MAX) ``[h, -h]``, ``h`` a 62-bit hash of the call: all agree when
+``max h == min h``. On a mismatch the ranks exchange descriptions and raise
+:class:`CollectiveMismatchError`.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
 import sysconfig
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from replicator.errors import CollectiveMismatchError
 
 _MASK = (1 << 62) - 1
-_SKIP_PREFIXES: tuple[str, ...] | None = None
 
 
 def digest(text: str) -> int:
@@ -44,20 +43,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+@functools.cache
 def _skip_prefixes() -> tuple[str, ...]:
-    global _SKIP_PREFIXES
-    if _SKIP_PREFIXES is None:
-        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replicator/
-        dirs = [package,
-                os.path.dirname(os.path.abspath(torch.__file__)),
-                sysconfig.get_paths()["stdlib"]]
-        _SKIP_PREFIXES = tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
-    return _SKIP_PREFIXES
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # replicator/
+    dirs = [package, os.path.dirname(os.path.abspath(torch.__file__)),
+            sysconfig.get_paths()["stdlib"]]
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
 
 
 def call_site() -> str:
-    """``file:line`` of the innermost frame outside replicator, torch and the standard library
-    (the user's call that led here); ``(unknown)`` when there is none (a backend thread)."""
+    """``file:line`` of the innermost frame outside replicator, torch and the standard library:
+    the user's call."""
     skip = _skip_prefixes()
     frame = sys._getframe(1)
     while frame is not None:
@@ -68,43 +64,37 @@ def call_site() -> str:
     return "(unknown)"
 
 
+@dataclass(eq=False)
 class PendingCheck:
-    """A fingerprint exchange in flight; :meth:`wait` gives the verdict (raises on mismatch).
-    ``agreed()`` waits and says whether all ranks agree; ``exchange`` gathers every rank's line
-    of the error, on a mismatch only.
-    """
+    """A fingerprint exchange in flight; ``exchange`` gathers every rank's description on a
+    mismatch."""
 
-    def __init__(self, agreed: Callable[[], bool], seq: int, description: str,
-                 exchange: Callable[[str], list[str]], ranks: Sequence[int],
-                 guard: Callable[[str], Any], what: str) -> None:
-        self._agreed = agreed
-        self.seq = seq
-        self.description = description
-        self._exchange = exchange
-        self._ranks = list(ranks)
-        self._guard = guard
-        self.what = what
-        self.done = False
+    agreed: Callable[[], bool]
+    seq: int
+    description: str
+    exchange: Callable[[str], list[str]]
+    ranks: Sequence[int]
+    guard: Callable[[str], Any]
+    what: str
+    done: bool = False
 
     def wait(self) -> None:
-        """Wait for the exchange; raise :class:`CollectiveMismatchError` on every rank if the
-        ranks' fingerprints differ. Only the first wait gives the verdict; later ones return
-        at once (the error has already been raised on every rank)."""
+        """Raise :class:`CollectiveMismatchError` on every rank if the fingerprints differ (the
+        first wait only)."""
         if self.done:
             return
         self.done = True
-        with self._guard(f"{self.what} (fingerprint)"):
-            agreed = self._agreed()
+        with self.guard(f"{self.what} (fingerprint)"):
+            agreed = self.agreed()
         if agreed:
             return
-        mine = f"{self.description} (checked call #{self.seq}) at {call_site()}"
-        texts = self._exchange(mine)
-        raise mismatch_error(dict(zip(self._ranks, texts)))
+        texts = self.exchange(f"{self.description} (checked call #{self.seq}) at {call_site()}")
+        raise mismatch_error(dict(zip(self.ranks, texts)))
 
 
 def backend_verdict(work: Any, buffer: torch.Tensor) -> Callable[[], bool]:
     """The verdict of an all-reduce MAX of ``[h, -h]`` (``work``: its handle, or ``None`` when
-    it already ran): every rank sent the same ``h`` when ``max h == min h``."""
+    done)."""
     def agreed() -> bool:
         if work is not None:
             work.wait()
@@ -123,22 +113,3 @@ def mismatch_error(calls: dict[int, str]) -> CollectiveMismatchError:
         "look for a condition that depends on the rank or on its data (e.g. `if "
         "strategy.replica_id == 0: strategy.reduce(...)`) and make every rank take the same "
         "path.", calls)
-
-
-def exchange_texts(text: str, group: dist.ProcessGroup | None, world_size: int,
-                   device: torch.device) -> list[str]:
-    """Every rank's ``text`` in group order: a fixed-size exchange of lengths, then the
-    bytes padded to the longest (no pickling)."""
-    data = text.encode()[:4096]
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world_size)]
-    dist.all_gather(lengths, length, group=group)
-    sizes = [int(n.item()) for n in lengths]
-    padded = torch.zeros(max(max(sizes), 1), dtype=torch.uint8)
-    if data:
-        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    padded = padded.to(device)
-    parts = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(parts, padded, group=group)
-    return [bytes(p[:n].cpu().tolist()).decode(errors="replace")
-            for p, n in zip(parts, sizes)]

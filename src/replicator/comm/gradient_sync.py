@@ -1,20 +1,13 @@
 """Average gradients across replicas during ``backward()``, bucket by bucket (DDP's reducer).
 
-Parameters are bucketed in reverse creation order; a hook starts a bucket's all-reduce once all
-its gradients are in, while ``backward()`` goes on, in the same order on every rank. After
-``loss.backward()``, ``.grad`` holds the mean over replicas; a parameter with no gradient in the
-pass contributes zeros and keeps ``grad=None`` unless some rank had one. As in DDP's
-``gradient_as_bucket_view``, ``.grad`` becomes a view of its bucket (no copy back). Buckets come
-from the algorithm (``make_buffers``: shared memory, say); ``destination=r`` reduces onto rank
-``r`` only (central storage).
-
-With ``check=True`` each pass exchanges a fingerprint, started at the first ready gradient and
-awaited at the first bucket, so a rank in ``backward()`` and one in ``strategy.reduce`` raise
-``CollectiveMismatchError`` instead of pairing payloads. ``buffer_sync``: ``"mean"`` averages
-float buffers and broadcasts integer ones from replica 0, ``"broadcast"`` sends replica 0's
-(DDP's), ``"none"``; one collective per dtype. DTensor parameters sync their local shard and
-get the average by a copy. ``automatic=False``: no hooks; :meth:`synchronize` averages all at
-once (a pipeline schedule). ``enabled`` gates both (``no_sync``).
+A hook starts a bucket's all-reduce once its gradients are in, in the same order on every rank;
+``.grad`` becomes a view of its bucket (DDP's ``gradient_as_bucket_view``). A parameter without a
+gradient contributes zeros. With ``check=True`` a fingerprint, started at the first gradient and
+awaited at the first bucket, turns a rank in ``backward()`` against one in ``strategy.reduce``
+into ``CollectiveMismatchError``. ``buffer_sync``: ``"mean"`` (integer buffers broadcast),
+``"broadcast"`` (DDP's) or ``"none"``. ``automatic=False``: no hooks, :meth:`synchronize`
+averages all at once; ``enabled`` gates both (``no_sync``). ``destination=r`` reduces onto rank
+``r`` only (central storage); DTensor parameters sync their local shard.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import torch.distributed as dist
 from replicator.comm.algorithms import CrossDeviceOps, Handle, NativeAllReduce
 from replicator.comm.bucket_layout import BucketLayout, pack, unpack_into
 from replicator.comm.collectives import Collectives
-from replicator.comm.fingerprint import PendingCheck, dtype_name
+from replicator.comm.fingerprint import dtype_name
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -51,8 +44,8 @@ def _is_distributed_tensor(t: torch.Tensor) -> bool:
 
 
 def local_grad(param: torch.Tensor, sharded: bool = True) -> torch.Tensor | None:
-    """The local tensor of ``param.grad``, laid out like ``param``'s (a DTensor gradient with
-    other placements is redistributed first). ``sharded=False`` skips the checks (hot path)."""
+    """The local tensor of ``param.grad``, redistributed like ``param`` first; ``sharded=False``
+    skips that (hot path)."""
     grad = param.grad
     if grad is None or not sharded:
         return grad
@@ -67,34 +60,26 @@ def local_grad(param: torch.Tensor, sharded: bool = True) -> torch.Tensor | None
 
 @dataclass
 class _Bucket:
-    index: int
     params: list[torch.nn.Parameter]
-    offsets: list[int]
-    shapes: list[torch.Size]  # of the local tensors (a DTensor's shard)
+    layout: BucketLayout  # of the local tensors (a DTensor's shard)
     sharded: list[bool]  # which parameters are DTensors
-    numel: int
     dtype: torch.dtype
     device: torch.device
     buffer: torch.Tensor | None = None
     ready: set[int] = field(default_factory=set)
     handle: Handle | None = None
-    launched: bool = False
     views: list[torch.Tensor] | None = None
-    owner: int = 0
 
     @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
-
-    @property
-    def layout(self) -> BucketLayout:
-        return BucketLayout(self.index, tuple(self.shapes), tuple(self.offsets), self.owner)
+    def what(self) -> str:
+        nbytes = self.layout.numel * torch.empty(0, dtype=self.dtype).element_size()
+        return f"all_reduce of gradient bucket {self.layout.index + 1} ({nbytes / 1e6:.1f} MB)"
 
 
 def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
-                 first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[_Bucket]:
+                 first_bucket_bytes: int = FIRST_BUCKET_BYTES, owner: int = 0) -> list[_Bucket]:
     """Group ``params`` (reverse order, same dtype and device) into buckets of ~``bucket_bytes``
-    of local tensors (``0``: one per parameter)."""
+    (``0``: one each)."""
     buckets: list[_Bucket] = []
     current: list[torch.nn.Parameter] = []
     size = 0
@@ -102,15 +87,10 @@ def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
     def close() -> None:
         nonlocal current, size
         if current:
-            offsets, shapes, n = [], [], 0
-            for p in current:
-                local = local_tensor(p)
-                offsets.append(n)
-                shapes.append(local.shape)
-                n += local.numel()
             first = local_tensor(current[0])
-            sharded = [_is_distributed_tensor(p) for p in current]
-            buckets.append(_Bucket(len(buckets), current, offsets, shapes, sharded, n,
+            layout = BucketLayout.from_shapes(len(buckets),
+                                              [local_tensor(p).shape for p in current], owner)
+            buckets.append(_Bucket(current, layout, [_is_distributed_tensor(p) for p in current],
                                    first.dtype, first.device))
         current, size = [], 0
 
@@ -130,16 +110,8 @@ def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
     return buckets
 
 
-def _graph_task_id() -> int | None:
-    """The id of the backward pass running on this thread (``None`` where torch lacks it)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return int(current()) if current is not None else None
-
-
 class GradientSynchronizer:
-    """Installs the hooks that average ``params``' gradients across replicas in ``backward()``
-    (see the module doc for ``buffer_sync``, ``check`` and ``automatic=False``).
-    """
+    """Installs the hooks that average ``params``' gradients across replicas in ``backward()``."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], collectives: Collectives,
                  algorithm: CrossDeviceOps | None = None,
@@ -162,16 +134,14 @@ class GradientSynchronizer:
         self.owner = next(_OWNERS)
         self.index = collectives.next_synchronizer_index()
         self.params = [p for p in params if p.requires_grad]
-        self.buckets = make_buckets(self.params, bucket_bytes)
-        for b in self.buckets:
-            b.owner = self.owner
+        self.buckets = make_buckets(self.params, bucket_bytes, owner=self.owner)
         self.buffers = [local_tensor(b) for b in buffers if b.numel() > 0] \
             if buffer_sync != "none" else []
         self._buffer_groups = self._group_buffers()
         if collectives.world_size > 1 and self.buckets:
             with collectives.guard("allocation of gradient buckets"):
                 bufs = self.algorithm.make_buffers(
-                    [(b.numel, b.dtype, b.device) for b in self.buckets], collectives.group)
+                    [(b.layout.numel, b.dtype, b.device) for b in self.buckets], collectives.group)
             for b, buf in zip(self.buckets, bufs):
                 b.buffer = buf
         self._where: dict[int, tuple[_Bucket, int]] = {}
@@ -183,19 +153,16 @@ class GradientSynchronizer:
         self.enabled = True
         self._pass_active = False
         self._next_launch = 0
-        self._pending: PendingCheck | None = None
         self._pass_task: int | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                          for p in self.params] if automatic else []
 
     def remove(self) -> None:
-        """Remove the hooks and drop every reference to parameters, buckets and buffers
-        (safe to call twice; the synchronizer does nothing afterwards)."""
+        """Remove the hooks and drop every reference (safe twice; does nothing afterwards)."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self.enabled = False
-        self._pending = None
         self.params = []
         self.buckets = []
         self.buffers = []
@@ -207,9 +174,8 @@ class GradientSynchronizer:
         dtypes = sorted({dtype_name(b.dtype) for b in self.buckets})
         n = len(self.buckets)
         text = (f"{'loss.backward()' if self.automatic else 'synchronize()'} averaging "
-                f"{len(self.params)} gradients in {n} "
-                f"bucket{'s' if n != 1 else ''}, {sum(b.numel for b in self.buckets)} elements "
-                f"{'/'.join(dtypes)}")
+                f"{len(self.params)} gradients in {n} bucket{'s' if n != 1 else ''}, "
+                f"{sum(b.layout.numel for b in self.buckets)} elements {'/'.join(dtypes)}")
         if self.destination is not None:
             text += f", onto group rank {self.destination}"
         if self._buffer_groups:
@@ -236,7 +202,7 @@ class GradientSynchronizer:
             raise TypeError("sparse gradients are not supported by gradient averaging yet; "
                             "use a dense embedding (sparse=False)")
         try:
-            task = _graph_task_id()
+            task = torch._C._current_graph_task_id()  # the backward pass of this thread
             if self._pass_active and task != self._pass_task:
                 self._reset()  # an error aborted the previous backward before its end ran
             if not self._pass_active:
@@ -244,8 +210,7 @@ class GradientSynchronizer:
                 self._pass_task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_pass)
                 if self.check:  # overlaps the rest of backward; awaited before bucket 1 leaves
-                    self._pending = self.collectives.start_check(self.what, self._detail,
-                                                                 async_op=True)
+                    self.collectives.start_check(self.what, self._detail, async_op=True)
             bucket, i = self._where[id(param)]
             view = self._views(bucket)[i]
             grad = local_grad(param, bucket.sharded[i])
@@ -266,46 +231,33 @@ class GradientSynchronizer:
             self._reset()  # backward is aborted: the queued end-of-pass callback will not run
             raise
 
-    def _verdict(self) -> None:
-        """Wait for this pass's fingerprint exchange; raises on a mismatch (on every rank, in
-        the same exchange, before any payload of this pass was sent)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.wait()
-
     def _views(self, bucket: _Bucket) -> list[torch.Tensor]:
         """Per-parameter views of the bucket buffer, shaped like the parameters."""
         if bucket.views is None:
-            buf = self._buffer(bucket)
-            bucket.views = [buf[o:o + shape.numel()].view(shape)
-                            for o, shape in zip(bucket.offsets, bucket.shapes)]
+            bucket.views = bucket.layout.views(self._buffer(bucket))
         return bucket.views
 
     def _buffer(self, bucket: _Bucket) -> torch.Tensor:
         if bucket.buffer is None:
-            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            bucket.buffer = torch.empty(bucket.layout.numel, dtype=bucket.dtype,
+                                        device=bucket.device)
         return bucket.buffer
 
     def _launch(self, bucket: _Bucket) -> None:
-        self._verdict()
-        what = (f"all_reduce of gradient bucket {bucket.index + 1} of {len(self.buckets)} "
-                f"({bucket.nbytes / 1e6:.1f} MB)")
-        with self.collectives.guard(what):
+        self.collectives.settle()  # this pass's fingerprint verdict, before any payload
+        with self.collectives.guard(bucket.what):
             if self.destination is None:
                 bucket.handle = self.algorithm.all_reduce_sum_async(
                     self._buffer(bucket), self.collectives.group, layout=bucket.layout)
             else:
                 bucket.handle = self.algorithm.reduce_sum_async(
                     self._buffer(bucket), self.collectives.global_ranks[self.destination],
-                    self.collectives.group,
-                    layout=bucket.layout)
-        bucket.launched = True
+                    self.collectives.group, layout=bucket.layout)
         self._next_launch += 1
 
     def synchronize(self) -> None:
-        """Average every gradient across the replicas now (the manual trigger): call it on
-        every replica at the same point, after the backward passes of a step. Does nothing
-        while ``enabled`` is off (``no_sync``) or with a single replica."""
+        """Average every gradient now, on every replica at the same point (the manual trigger);
+        not under ``no_sync``."""
         if not self.enabled or self.collectives.world_size == 1 or not self.buckets:
             return
         if self._pass_active:
@@ -314,12 +266,12 @@ class GradientSynchronizer:
                                "automatic=False when the caller triggers it")
         self._pass_active = True
         if self.check:
-            self._pending = self.collectives.start_check(self.what, self._detail)
+            self.collectives.start_check(self.what, self._detail, async_op=True)
         self._finish_pass()
 
     def _finish_pass(self) -> None:
         try:
-            self._verdict()
+            self.collectives.settle()
             for bucket in self.buckets[self._next_launch:]:
                 views = self._views(bucket)
                 for i, p in enumerate(bucket.params):
@@ -333,10 +285,8 @@ class GradientSynchronizer:
             scale = 1.0 / self.collectives.world_size
             receives = self.destination is None or self.collectives.rank == self.destination
             for bucket in self.buckets:
-                what = (f"all_reduce of gradient bucket {bucket.index + 1} of "
-                        f"{len(self.buckets)} ({bucket.nbytes / 1e6:.1f} MB)")
                 if bucket.handle is not None:
-                    with self.collectives.guard(what):
+                    with self.collectives.guard(bucket.what):
                         bucket.handle.wait()
                 if receives:
                     self._write_back(bucket, scale)
@@ -348,11 +298,9 @@ class GradientSynchronizer:
         """Forget the pass in progress (after it ended, or after an error aborted it)."""
         for bucket in self.buckets:
             bucket.ready.clear()
-            bucket.launched = False
             bucket.handle = None
         self._next_launch = 0
         self._pass_active = False
-        self._pending = None
 
     def _sync_buffers(self) -> None:
         """Make the buffers equal across replicas: one coalesced collective per dtype."""
@@ -383,8 +331,7 @@ class GradientSynchronizer:
 
 
 def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a gradient for ``param``: wrapped as a DTensor like ``param`` when it is
-    one (its shard), else as it is."""
+    """``local`` as a gradient for ``param``: a DTensor like ``param`` when it is one."""
     if not _is_distributed_tensor(param):
         return local
     from torch.distributed.tensor import DTensor

@@ -1,9 +1,8 @@
 """Facts about process groups that the algorithms need, and the private groups they create.
 
-:func:`new_private_group` makes a group only its members create, under a name every member
-computes alike. ``new_group`` cannot do both: without ``use_local_synchronization`` every
-process must call it, and with it the name hashes how many groups this process knows, which
-differs between processes (a host leader, say), so members wait for each other until timeout.
+``new_group`` cannot make a group that only its members create under a name all compute alike:
+with ``use_local_synchronization`` the name hashes how many groups this process knows, which
+differs between processes, so members wait for each other until timeout.
 """
 
 from __future__ import annotations
@@ -61,13 +60,6 @@ def check_member(group: dist.ProcessGroup | None, call: str) -> None:
                          "(new_group returns a non-member marker on the others)")
 
 
-def split_into_nodes(ranks: list[int], ranks_per_node: int) -> list[list[int]]:
-    """Consecutive runs of ``ranks_per_node`` ranks (the last node may hold fewer)."""
-    if ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
-    return [ranks[i:i + ranks_per_node] for i in range(0, len(ranks), ranks_per_node)]
-
-
 _CREATED: Counter[tuple[str, tuple[int, ...]]] = Counter()
 _CREATED_IN: list[object] = [None]  # the default group the counts belong to (by identity)
 _CREATED_LOCK = threading.Lock()
@@ -75,9 +67,8 @@ _CREATED_LOCK = threading.Lock()
 
 def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
                       backend: str | None = None) -> dist.ProcessGroup:
-    """A new process group over global ``ranks``, created by its members only (and only them),
-    in the same order per ``purpose`` and rank set; the wait is bounded by ``timeout_seconds``.
-    """
+    """A group over global ``ranks`` created by its members only, named per ``purpose`` and order
+    of creation."""
     ranks = sorted(ranks)
     me = global_rank()
     if me not in ranks:

@@ -1,14 +1,11 @@
-"""Handles for communication in flight: wait on them, or turn them into torch futures.
-
-``all_reduce_sum_async`` returns the backend's ``Work``, :data:`DONE` (finished on the calling
-thread) or a :class:`ThreadHandle` (on a communication thread); :func:`as_torch_future` turns
-any of them into the future a DDP communication hook returns.
-"""
+"""Handles for communication in flight (the backend's ``Work``, :data:`DONE` or a
+:class:`ThreadHandle`), and :func:`as_torch_future` for DDP communication hooks."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -28,45 +25,36 @@ class Done:
     def wait(self) -> bool:
         return True
 
-    def is_completed(self) -> bool:
-        return True
-
 
 DONE = Done()
 
 
+@dataclass(eq=False)
 class ThreadHandle:
-    """Work submitted to a background communication thread. ``wait()`` waits at most
-    ``timeout_seconds`` (the collective timeout plus a margin) and re-raises the thread's error;
-    on CUDA the caller's stream waits for the thread's.
-    """
+    """Work on a communication thread; ``wait()`` is bounded by ``timeout_seconds`` and re-raises
+    its error."""
 
-    def __init__(self, future: concurrent.futures.Future, what: str, rank: int,
-                 timeout_seconds: float, done_event: torch.cuda.Event | None = None) -> None:
-        self._future = future
-        self.what = what
-        self.rank = rank
-        self.timeout_seconds = timeout_seconds
-        self.done_event = done_event
+    future: concurrent.futures.Future
+    what: str
+    rank: int
+    timeout_seconds: float
+    done_event: torch.cuda.Event | None = None
 
     def wait(self) -> bool:
-        finished, _ = concurrent.futures.wait([self._future], timeout=self.timeout_seconds)
+        finished, _ = concurrent.futures.wait([self.future], timeout=self.timeout_seconds)
         if not finished:
             raise ReplicaTimeoutError(
                 f"{self.what} on rank {self.rank} did not finish within "
                 f"{self.timeout_seconds:g} s. HINT: another replica may be stuck or on another "
                 "code path; every rank must make the same collective calls in the same order.")
-        self._future.result()  # re-raises the communication thread's error here
+        self.future.result()  # re-raises the communication thread's error here
         if self.done_event is not None:
             torch.cuda.current_stream().wait_event(self.done_event)
         return True
 
-    def is_completed(self) -> bool:
-        return self._future.done()
-
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
         """Call ``fn(error_or_None)`` once the work ends (on the thread that ends it)."""
-        self._future.add_done_callback(lambda f: fn(f.exception()))
+        self.future.add_done_callback(lambda f: fn(f.exception()))
 
 
 def as_torch_future(handle: Handle, value: torch.Tensor,

@@ -1,15 +1,11 @@
 """Hierarchical all-reduce: sum inside each host, all-reduce among host leaders, share back.
 
-Only one replica per host crosses hosts, so the slow network carries the tensor once per host.
-Hosts are the real ones (:func:`replicator.cluster.hosts.exchange_host_keys`), of any size; a
-host's first rank leads. Inside a host shared memory is used when every member can, else the
-backend's reduce and broadcast. Groups are made on first use by their members and kept per
-group (:meth:`HierarchicalAllReduce.topology_for`).
+Only one replica per host crosses hosts, so the slow network carries the tensor once per host;
+inside a host shared memory when every member can use it, else the backend.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -27,20 +23,17 @@ from replicator.comm.groups import (
     global_rank,
     group_ranks,
     new_private_group,
-    split_into_nodes,
 )
-from replicator.comm.shm_segment import host_id, shm_dir
+from replicator.comm.shared_memory import SharedMemoryAllReduce
+from replicator.comm.shm_segment import host_id, shared_memory_problem, shm_dir
 
 _INTRA_HOST = ("auto", "shared_memory", "native")
 
 
 @dataclass
 class HostTopology:
-    """How one group is split into hosts, as seen by this process: ``hosts`` (global ranks per
-    host, in order of their first rank), ``leaders`` (each host's first rank), ``host`` (this
-    process's), ``intra`` (this host's group; ``None`` alone), ``leader_group`` (``None`` unless
-    a leader among several hosts), ``shared_memory`` (whether this host's steps use it).
-    """
+    """One group split into hosts (global ranks, in order of their first rank), as this process
+    sees it."""
 
     hosts: list[list[int]]
     leaders: list[int]
@@ -50,17 +43,9 @@ class HostTopology:
     shared_memory: bool
 
 
-def shared_memory_usable() -> bool:
-    """True when this process can map shared memory for a same-host all-reduce."""
-    return (os.name == "posix" and os.path.isdir(shm_dir()) and os.access(shm_dir(), os.W_OK)
-            and hasattr(os, "posix_fallocate"))
-
-
 class HierarchicalAllReduce(CrossDeviceOps):
-    """Sum inside each host, all-reduce among one leader per host, share the result back.
-    ``ranks_per_node``: hosts as runs of group ranks (tests); ``inter_node``: the leaders'
-    algorithm; ``intra_host``: ``"auto"``, ``"shared_memory"`` or ``"native"``.
-    """
+    """Hierarchical all-reduce; ``ranks_per_node``: hosts as runs of group ranks (tests);
+    ``inter_node``: the leaders' algorithm; ``intra_host``: "auto", "shared_memory", "native"."""
 
     name = "hierarchical"
 
@@ -89,29 +74,29 @@ class HierarchicalAllReduce(CrossDeviceOps):
         self.ranks_per_node = ranks_per_node
         self.inter_node = inter_node or NativeAllReduce()
         self.intra_host = intra_host
-        self._shared: CrossDeviceOps | None = None
+        self._shared = SharedMemoryAllReduce(timeout_seconds=timeout_seconds)
         # keyed by the lane's private copy of the group (weakly: a new group gets a new entry)
         self._topologies: weakref.WeakKeyDictionary[dist.ProcessGroup, HostTopology] = \
             weakref.WeakKeyDictionary()
 
     # -- topology -------------------------------------------------------------------------------
     def topology_for(self, group: dist.ProcessGroup | None = None) -> HostTopology:
-        """The hosts, leaders and groups used on ``group`` (``None``: world); before the first
-        all-reduce over ``group`` it is a collective there."""
+        """The hosts, leaders and groups used on ``group``; a collective before its first
+        all-reduce."""
         check_member(group, "topology_for")
         private = lane(group).group
         self._prepare(group, private)
         return self._topologies[private]
 
     def _prepare(self, group: dist.ProcessGroup | None, private: dist.ProcessGroup) -> None:
-        """Find the hosts of ``group`` and create their groups (collectives over ``group`` on
-        the caller's thread; the lane only ever uses ``private`` and the groups made here)."""
+        """Find the hosts of ``group`` and create their groups, on the caller's thread."""
         if private in self._topologies:
             return
         ranks = group_ranks(group)
         keys = exchange_host_keys(group)
         if self.ranks_per_node is not None:
-            hosts = split_into_nodes(ranks, self.ranks_per_node)
+            n = self.ranks_per_node
+            hosts = [ranks[i:i + n] for i in range(0, len(ranks), n)]
         else:
             hosts = group_by_host(ranks, keys)
         me = global_rank()
@@ -135,11 +120,11 @@ class HierarchicalAllReduce(CrossDeviceOps):
 
     def _shared_memory_hosts(self, group: dist.ProcessGroup | None, ranks: list[int],
                              hosts: list[list[int]], keys: list[str]) -> list[bool]:
-        """For each host: may its intra-host steps use shared memory? The same answer on
-        every rank (one all-gather of each rank's machine id and ``/dev/shm`` usability)."""
+        """For each host: may its steps use shared memory? The same answer on every rank (one
+        all-gather)."""
         if self.intra_host == "native":
             return [False] * len(hosts)
-        mine = torch.tensor([host_id(), 1 if shared_memory_usable() else 0], dtype=torch.int64,
+        mine = torch.tensor([host_id(), 0 if shared_memory_problem() else 1], dtype=torch.int64,
                             device=collective_device(group))
         parts = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(parts, mine, group=group)
@@ -152,19 +137,10 @@ class HierarchicalAllReduce(CrossDeviceOps):
                        and all(facts[r][1] for r in h))
         return out
 
-    def forget_groups(self) -> None:
+    def forget_groups(self) -> None:  # the inner algorithms forget theirs themselves
         self._topologies.clear()
-        if self._shared is not None:
-            self._shared.forget_groups()
-        self.inter_node.forget_groups()
 
     # -- the work -------------------------------------------------------------------------------
-    def _shared_memory(self) -> CrossDeviceOps:
-        if self._shared is None:
-            from replicator.comm.shared_memory import SharedMemoryAllReduce
-
-            self._shared = SharedMemoryAllReduce(timeout_seconds=self.timeout_seconds)
-        return self._shared
 
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         topo = self._topologies.get(group) if group is not None else None
@@ -174,7 +150,7 @@ class HierarchicalAllReduce(CrossDeviceOps):
         leader = topo.host[0]
         several_hosts = len(topo.hosts) > 1
         if topo.intra is not None and topo.shared_memory and tensor.device.type == "cpu":
-            shm = self._shared_memory()
+            shm = self._shared
             shm._sum_now(tensor, topo.intra)
             if not several_hosts:
                 return
@@ -191,7 +167,6 @@ class HierarchicalAllReduce(CrossDeviceOps):
         if topo.intra is not None:
             dist.broadcast(tensor, src=leader, group=topo.intra)
 
-    def __repr__(self) -> str:
-        extra = f", compression={self.compression!r}" if self.compression is not None else ""
-        return (f"HierarchicalAllReduce(ranks_per_node={self.ranks_per_node}, "
-                f"inter_node={self.inter_node!r}, intra_host={self.intra_host!r}{extra})")
+    def _fields(self) -> dict[str, object]:
+        return {"ranks_per_node": self.ranks_per_node, "inter_node": self.inter_node,
+                "intra_host": self.intra_host}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 
 from replicator.cluster.worker_errors import finished_peers
@@ -15,9 +16,8 @@ LOST_PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "conn
 
 def finished_peer_error(what: str, rank: int, peers: Iterable[int] | None = None
                         ) -> ReplicatorError | None:
-    """When a peer that ``rank`` waited for in ``what`` finished its script normally (exit
-    code 0; ``peers``: the ranks it may be, default every rank of the job): an error saying so,
-    with the likely cause; ``None`` when none did (or outside the local launcher)."""
+    """An error saying a peer of ``rank`` in ``what`` finished its script normally (exit code 0),
+    or ``None``."""
     if peers is None:
         peers = range(int(os.environ.get("WORLD_SIZE", "1")))
     done = finished_peers([p for p in peers if p != rank])
@@ -35,15 +35,11 @@ def finished_peer_error(what: str, rank: int, peers: Iterable[int] | None = None
 
 def algorithm_error(exc: BaseException, rank: int, what: str,
                     peers: Iterable[int] | None = None) -> BaseException:
-    """``exc`` (raised during ``what`` on ``rank``) as a :class:`ReplicatorError` with a hint;
-    replicator's own errors and ``TypeError``/``ValueError`` pass through; a lost peer that
-    finished normally is said as such (``peers``: the ranks it may be).
-    """
-    if isinstance(exc, (ReplicatorError, TypeError, ValueError)):
+    """``exc`` raised in ``what`` on ``rank`` as a :class:`ReplicatorError` with a hint
+    (replicator's, type and value errors pass)."""
+    if isinstance(exc, (ReplicatorError, TypeError, ValueError)) or not isinstance(exc, Exception):
         return exc
-    if not isinstance(exc, Exception):
-        return exc
-    first = (str(exc).splitlines() or [""])[0][:200]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc).splitlines() or [""])[0])[:200]
     text = str(exc).lower()
     if any(w in text for w in TIMEOUT_WORDS):
         return ReplicaTimeoutError(

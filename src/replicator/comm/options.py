@@ -10,11 +10,8 @@ _IMPLEMENTATIONS = ("auto", "ring", "nccl", "gloo", "hierarchical", "reduce_to_o
 
 @dataclass(frozen=True)
 class CommunicationOptions:
-    """How gradients travel between replicas: ``bytes_per_pack`` (bucket bytes, 0: 25 MB),
-    ``timeout_seconds``, ``implementation`` (``"auto"``, ``"nccl"``, ``"gloo"``, ``"ring"``,
-    ``"hierarchical"``, ``"reduce_to_one"`` or ``"shared_memory"``) and ``check_collectives``
-    (fingerprint each backward's averaging; on by default).
-    """
+    """How gradients travel between replicas: bucket bytes (0: 25 MB), timeout, algorithm, and
+    whether each backward's averaging is fingerprinted."""
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None

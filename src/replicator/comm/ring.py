@@ -1,10 +1,7 @@
 """Ring all-reduce over point-to-point sends: reduce-scatter, then all-gather, pipelined.
 
-One chunk per replica: ``W - 1`` reduce-scatter steps (receive from the left, add, pass right)
-leave rank ``p`` with the sum of chunk ``p + 1``; ``W - 1`` all-gather steps pass the sums
-around. Chunks travel in ``segment_bytes`` segments, so adding one overlaps receiving the next
-and the all-gather starts early. Each rank moves ``2 (W - 1) / W`` times the tensor, the
-minimum for an all-reduce.
+One chunk per replica, sent in ``segment_bytes`` segments so adding one overlaps receiving the
+next; each rank moves ``2 (W - 1) / W`` times the tensor, the minimum for an all-reduce.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ def _segments(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
 
 
 def _sent(work: dist.Work | None) -> dist.Work:
-    """The handle of a point-to-point call (``None`` only for ranks outside the group, which
-    never get here)."""
+    """The handle of a point-to-point call (``None`` only outside the group: never here)."""
     if work is None:
         raise RuntimeError("ring all-reduce: a point-to-point call returned no handle")
     return work
@@ -45,9 +41,8 @@ def _wait(work: dist.Work | None, group: dist.ProcessGroup | None, src: int,
 
 
 class RingAllReduce(CrossDeviceOps):
-    """Reduce-scatter then all-gather over point-to-point sends, chunked and pipelined.
-    ``segment_bytes``: the unit that travels (2 MB); ``depth``: receives in flight per step (16);
-    receive buffers (at most ``depth x segment_bytes``, one chunk) are kept for the next call.
+    """The ring. ``segment_bytes``: the unit that travels (2 MB); ``depth``: receives in flight
+    per step (16); receive buffers (at most ``depth x segment_bytes``) are kept for the next call.
     """
 
     name = "ring"
@@ -96,8 +91,7 @@ class RingAllReduce(CrossDeviceOps):
         # sum can only arrive after this rank's last contribution to it has been sent.
         early = dist.get_backend(group) == "gloo"
         ag_tag = 1 if early else 0
-        gather_steps = [_segments(*self._bounds(bounds, (me - step) % world), seg)
-                        for step in range(world - 1)]
+        gather_steps = [chunk((me - step) % world) for step in range(world - 1)]
         posted_gathers = [[dist.irecv(flat[a:z], group=group, group_src=left, tag=ag_tag)
                            for a, z in segs] for segs in gather_steps] if early else None
         sends = [dist.isend(flat[a:z], group=group, group_dst=right) for a, z in chunk(me)]
@@ -133,11 +127,5 @@ class RingAllReduce(CrossDeviceOps):
         for send in sends:
             _sent(send).wait()
 
-    @staticmethod
-    def _bounds(bounds: list[int], c: int) -> tuple[int, int]:
-        return bounds[c], bounds[c + 1]
-
-    def __repr__(self) -> str:
-        extra = f", compression={self.compression!r}" if self.compression is not None else ""
-        return (f"RingAllReduce(segment_bytes={self.segment_bytes}, depth={self.depth}"
-                f"{extra})")
+    def _fields(self) -> dict[str, object]:
+        return {"segment_bytes": self.segment_bytes, "depth": self.depth}

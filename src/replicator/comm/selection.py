@@ -1,42 +1,32 @@
 """Pick the all-reduce algorithm from ``CommunicationOptions.implementation``.
 
-``"auto"``: NCCL on CUDA; on CPU :class:`SharedMemoryAllReduce` on one host,
-:class:`HierarchicalAllReduce` across hosts, and gloo wherever shared memory cannot be used
-(``/dev/shm`` missing or small, no safe barrier, a failed segment), the reason logged once.
-The local facts are combined in one small collective, so every rank chooses alike.
+``"auto"``: NCCL on CUDA; on CPU shared memory on one host, hierarchical across hosts, gloo
+where shared memory cannot be used (the reason logged once); every rank chooses alike.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import platform
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce
+from replicator.cluster.hosts import exchange_host_keys
+from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce, ReductionToOneDevice
 from replicator.comm.hierarchical import HierarchicalAllReduce
 from replicator.comm.options import CommunicationOptions
-from replicator.comm.reduce_to_one import ReductionToOneDevice
 from replicator.comm.ring import RingAllReduce
 from replicator.comm.shared_memory import SharedMemoryAllReduce
 from replicator.comm.shm_segment import (
     SharedSegment,
     check_same_host,
-    flag_barrier_is_safe,
+    shared_memory_problem,
     shm_dir,
 )
 from replicator.errors import ClusterConfigError
 
 log = logging.getLogger("replicator")
-
-#: ``/dev/shm`` must have this much room per local replica for ``"auto"`` to use it: the 4 MB
-#: transfer slots and the buckets of a small model. Buckets that do not fit stay in ordinary
-#: memory and go through the slots (slower, still correct).
-MIN_SHM_BYTES_PER_REPLICA = 16 << 20
-
 _LOGGED: set[str] = set()
 #: The algorithm each ``implementation`` names ("auto" on CPU may pick another, see above).
 _ALGORITHMS: dict[str, type[CrossDeviceOps]] = {
@@ -47,48 +37,27 @@ _ALGORITHMS: dict[str, type[CrossDeviceOps]] = {
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """What ``"auto"`` picks: ``name`` (``"nccl"``, ``"shared_memory"``, ``"hierarchical"``,
-    ``"gloo"``) and ``reason``, one sentence saying why."""
+    """What ``"auto"`` picks, and one sentence saying why."""
 
     name: str
     reason: str
 
 
-def shared_memory_problem(local_replicas: int = 1) -> str:
-    """Why this process cannot use a same-host shared-memory all-reduce ('' when it can)."""
-    shm = shm_dir()
-    if os.name != "posix" or not hasattr(os, "posix_fallocate"):
-        return f"shared-memory segments need a POSIX system ({os.name})"
-    if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
-        return f"{shm} does not exist or is not writable"
-    if not flag_barrier_is_safe():
-        return (f"the shared-memory barrier needs an x86 CPU (total store order); this one "
-                f"is {platform.machine() or 'unknown'}")
-    try:
-        st = os.statvfs(shm)
-        free = st.f_bavail * st.f_frsize
-    except OSError as exc:
-        return f"cannot read the free space of {shm} ({exc})"
-    need = MIN_SHM_BYTES_PER_REPLICA * max(1, local_replicas)
-    if free < need:
-        return (f"{shm} has {free / 1e6:.0f} MB free, less than the {need / 1e6:.0f} MB "
-                f"wanted for {local_replicas} replica(s) (docker: --shm-size)")
-    return ""
+def _gloo(why: str) -> AutoChoice:
+    return AutoChoice("gloo", f"{why}; falling back to gloo's all-reduce")
 
 
 def describe_auto(device: torch.device | None = None, hosts: int = 1,
                   local_replicas: int = 1) -> AutoChoice:
-    """What ``"auto"`` would choose on this process's facts alone (for ``replicator env``); a
-    running job also makes every rank agree (:func:`algorithm_for`)."""
+    """What ``"auto"`` would choose on this process's facts alone (for ``replicator env``)."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         return AutoChoice("nccl", "the replicas compute on CUDA devices: NCCL's own "
                           "all-reduce is the fastest there")
-    problem = shared_memory_problem(local_replicas)
+    problem = shared_memory_problem(max(1, local_replicas))
     if problem:
-        return AutoChoice("gloo", f"shared memory cannot be used: {problem}; falling back "
-                          "to gloo's all-reduce")
+        return _gloo(f"shared memory cannot be used: {problem}")
     if hosts > 1:
         return AutoChoice("hierarchical", f"the replicas run on {hosts} hosts: shared memory "
                           "inside each host, gloo between one leader per host")
@@ -97,25 +66,20 @@ def describe_auto(device: torch.device | None = None, hosts: int = 1,
 
 
 def choose_auto(device: torch.device, group: dist.ProcessGroup | None) -> AutoChoice:
-    """``"auto"``'s choice for ``group``, the same on every rank (a collective: on CPU an
-    all-gather of host keys, an all-reduce of shared-memory facts, and on one host a trial)."""
+    """``"auto"``'s choice for ``group``, the same on every rank (a collective)."""
     if device.type == "cuda":
         return describe_auto(device)
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return AutoChoice("gloo", "a single replica: nothing to reduce")
-    from replicator.cluster.hosts import exchange_host_keys
-
     keys = exchange_host_keys(group)
     hosts = len(set(keys))
     local = max(keys.count(k) for k in set(keys))
-    problem = shared_memory_problem(local)
+    problem = shared_memory_problem(max(1, local))
     flag = torch.tensor([0 if problem else 1], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     if int(flag) == 0:
-        if not problem:
-            problem = "another replica cannot use its shared memory (its log says why)"
-        return AutoChoice("gloo", f"shared memory cannot be used: {problem}; falling back to "
-                          "gloo's all-reduce")
+        problem = problem or "another replica cannot use its shared memory (its log says why)"
+        return _gloo(f"shared memory cannot be used: {problem}")
     if hosts > 1:
         return describe_auto(device, hosts, local)
     try:  # collectives that raise on every rank alike when any rank fails
@@ -123,8 +87,7 @@ def choose_auto(device: torch.device, group: dist.ProcessGroup | None) -> AutoCh
         SharedSegment.create(SharedMemoryAllReduce().piece_bytes, group,
                              "shared-memory all-reduce (trial)")
     except Exception as exc:  # noqa: BLE001 - every rank sees the failure and falls back
-        return AutoChoice("gloo", f"creating a shared-memory segment failed ({exc}); falling "
-                          "back to gloo's all-reduce")
+        return _gloo(f"creating a shared-memory segment failed ({exc})")
     return describe_auto(device, hosts, local)
 
 
@@ -142,11 +105,7 @@ def _log_once(choice: AutoChoice, rank: int) -> None:
 
 def algorithm_for(options: CommunicationOptions, device: torch.device,
                   group: dist.ProcessGroup | None = None) -> CrossDeviceOps:
-    """The algorithm ``options.implementation`` names, for replicas computing on ``device``.
-
-    ``"auto"``: see the module doc; a collective over ``group`` when a process group is running.
-    ``"nccl"`` needs GPUs, ``"gloo"`` CPUs, ``"shared_memory"`` CPUs on one host.
-    """
+    """The algorithm ``options.implementation`` names, for replicas computing on ``device``."""
     impl = options.implementation
     if impl == "nccl" and device.type != "cuda":
         raise ClusterConfigError(

@@ -1,13 +1,9 @@
 """Same-host all-reduce through shared memory, with no sockets involved.
 
-Each rank copies its piece into its slot of a shared segment; after a barrier rank ``p`` sums
-chunk ``p`` of every slot into every slot; after a second each copies its slot back: about
-three passes over the tensor, about 2x gloo on loopback. Buffers from
-:meth:`SharedMemoryAllReduce.make_buffers` (the gradient buckets) live in the segment: two
-barriers and one pass, close to memcpy speed. No background thread (on CPU it would compete
-with ``backward()``); resident buffers are still asynchronous (a launch sums what is ready and
-leaves the rest to later launches or ``wait()``). Each group gets its own segment, named after
-its ranks plus a random part.
+Each rank copies its piece into its slot of a shared segment, sums its chunk of every slot, and
+copies back: about 2x gloo on loopback. Buffers from :meth:`SharedMemoryAllReduce.make_buffers`
+(the gradient buckets) live in the segment: one pass, close to memcpy speed, asynchronous
+without a thread (which on CPU would compete with ``backward()``).
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ from replicator.comm.shm_segment import (
     SharedSegment,
     align,
     check_same_host,
-    flag_barrier_is_safe,
 )
 from replicator.errors import ReplicatorError
 
@@ -67,8 +62,8 @@ def _sum_chunk(slots: list[torch.Tensor], me: int, lo: int, hi: int) -> None:
 
 @dataclass
 class _Resident:
-    """A buffer made by ``make_buffers``: the other ranks' copies, as views into one segment
-    (this rank's copy is not held, so the segment goes when the caller drops its buffers)."""
+    """A buffer made by ``make_buffers``: the other ranks' copies (not this rank's, so the
+    segment goes with the buffers)."""
 
     segment: SharedSegment
     rank: int
@@ -89,10 +84,8 @@ class _Pending:
 
 
 class _Channel:
-    """The segment with the barrier flags and the per-rank piece slots for one group. Each rank
-    announces all-reduce ``k`` (INPUTS), sums its chunk once all did, then bumps SUMS; ``k`` is done
-    when every SUMS reached it. Resident launches sum what is ready, so backward never stalls.
-    """
+    """The segment with the barrier flags and per-rank slots of one group; launches sum what is
+    ready, so backward never stalls."""
 
     def __init__(self, group: dist.ProcessGroup | None, piece_bytes: int,
                  timeout_seconds: float) -> None:
@@ -141,32 +134,21 @@ class _Channel:
             self._advance(self._queue[-1])
 
     def sum_copy(self, flat: torch.Tensor) -> None:
-        self.drain()
-        n, size = flat.numel(), flat.element_size()
-        piece = self.piece_bytes // size
-        inputs, sums = FlagBarrier.INPUTS, FlagBarrier.SUMS
-        for start in range(0, n, piece):
-            m = min(piece, n - start)
+        """Sum ``flat`` through the slots a piece at a time, as a resident launch each."""
+        piece = self.piece_bytes // flat.element_size()
+        for start in range(0, flat.numel(), piece):
+            m = min(piece, flat.numel() - start)
             slots = [self.segment.view(self.header + s * self.piece_bytes, m, flat.dtype)
                      for s in range(self.world)]
             slots[self.rank].copy_(flat[start:start + m])
-            number = self.barrier.arrive(inputs)
-            self.barrier.wait_for(number, "inputs written", inputs)
-            _sum_chunk(slots, self.rank, m * self.rank // self.world,
-                       m * (self.rank + 1) // self.world)
-            self.barrier.arrive(sums)
-            self.barrier.wait_for(number, "sums written", sums)
+            self.complete(self.launch(slots))
             flat[start:start + m].copy_(slots[self.rank])
-
 
     def exchange_bytes(self, mine: Sequence[torch.Tensor],
                        read: Callable[[int, list[tuple[torch.Tensor, int, int, int]]], None],
                        writer: int | None) -> None:
-        """Move byte views through the slots, a slot-full at a time: ``mine`` (``uint8`` views) is
-        written to this rank's slot (by ``writer`` only, if given); after each fill
-        ``read(slot_rank, pieces)`` runs per slot read, ``pieces`` as ``(view, start, length,
-        offset)``.
-        """
+        """Move ``mine`` (``uint8`` views) through the slots a slot-full at a time, calling
+        ``read(slot_rank, pieces)`` after each fill."""
         self.drain()
         cap = self.piece_bytes
         batch: list[tuple[torch.Tensor, int, int, int]] = []
@@ -220,17 +202,10 @@ class _ResidentHandle:
 
 
 class SharedMemoryAllReduce(CrossDeviceOps):
-    """All-reduce through a shared-memory segment; every replica must be on this host, on CPU.
-    ``piece_bytes``: the per-rank slot for other tensors (4 MB); ``max_resident_bytes``: the most
-    ``make_buffers`` may place in shared memory (beyond it, buckets go through the slots).
-    """
+    """All-reduce through a shared-memory segment, CPU replicas on one host;
+    ``max_resident_bytes``: the most ``make_buffers`` places there."""
 
     name = "shared_memory"
-    #: From this many bytes on, :meth:`pays_for` sends reduce/gather/broadcast through the
-    #: segment rather than the backend: any non-empty tensor (a 4-byte reduce takes about
-    #: 70 us through the segment against about 580 us on gloo over loopback).
-    LARGE_BYTES = 1
-
     def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, *,
                  max_resident_bytes: int = DEFAULT_MAX_RESIDENT_BYTES,
                  compression: Compression | None = None,
@@ -251,8 +226,9 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         self._channels.clear()
 
     # -- set-up -------------------------------------------------------------------------------
-    def _channel(self, group: dist.ProcessGroup | None) -> _Channel:
-        """The channel of ``group`` (a collective over it on first use)."""
+    def channel(self, group: dist.ProcessGroup | None = None) -> _Channel:
+        """The channel of ``group`` (a collective on first use, raising on every rank when it
+        cannot)."""
         key = dist.group.WORLD if group is None else group
         if key is None:
             raise RuntimeError("no process group is running. HINT: start one first")
@@ -261,11 +237,6 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             timeout = resolve_timeout(self.timeout_seconds, group=group)
             found = self._channels[key] = _Channel(group, self.piece_bytes, timeout)
         return found
-
-    def open_channel(self, group: dist.ProcessGroup | None = None) -> None:
-        """Create ``group``'s segment now rather than at first use (a collective); raises
-        :class:`~replicator.errors.ReplicatorError` on every rank when it cannot."""
-        self._channel(group)
 
     def make_buffers(self, specs: Sequence[BufferSpec],
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -279,7 +250,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         if (world == 1 or total == 0 or world * total > self.max_resident_bytes
                 or self.compression is not None):  # compressed data travels in new tensors
             return super().make_buffers(specs, group)
-        self._channel(group)
+        self.channel(group)
         try:  # a collective that fails on every rank alike (a full /dev/shm, say)
             segment = SharedSegment.create(world * total, group, _WHO)
         except ReplicatorError as exc:
@@ -307,7 +278,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         try:
             resident = self._resident_for(tensor, group)
             if resident is not None:
-                channel = self._channel(group)
+                channel = self.channel(group)
                 return _ResidentHandle(channel, channel.launch(resident.slots(tensor)), what)
             self._sum_now(tensor, group)
         except Exception as exc:
@@ -331,7 +302,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         if tensor.device.type != "cpu":
             raise TypeError(f"SharedMemoryAllReduce works on CPU tensors, got one on "
                             f"{tensor.device}. HINT: use rp.comm.NativeAllReduce() (NCCL) on GPUs")
-        channel = self._channel(group)
+        channel = self.channel(group)
         if tensor.numel() == 0:
             return
         resident = self._resident_for(tensor, group)
@@ -340,39 +311,15 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         else:
             channel.sum_copy(tensor.view(-1))
 
-    # -- fingerprints (replicator.comm.fingerprint) -------------------------------------------
-    def carries_fingerprints(self) -> bool:
-        """True where fingerprints can travel through the segment's flags (x86 CPUs): a few
-        microseconds instead of a backend round trip per checked collective."""
-        return flag_barrier_is_safe()
-
-    def post_fingerprint(self, value: int, group: dist.ProcessGroup | None = None) -> int:
-        """Publish this rank's fingerprint ``value``; return its number for
-        :meth:`collect_fingerprints` (a collective, in the same order on every rank)."""
-        try:
-            return self._channel(group).barrier.post(value)
-        except Exception as exc:
-            raise algorithm_error(exc, global_rank(), "fingerprint exchange") from exc
-
-    def collect_fingerprints(self, number: int, group: dist.ProcessGroup | None = None
-                             ) -> list[int]:
-        """Every rank's fingerprint number ``number`` in group-rank order (waits for them)."""
-        try:
-            return self._channel(group).barrier.collect(number)
-        except Exception as exc:
-            raise algorithm_error(exc, global_rank(), "fingerprint exchange") from exc
-
     # -- other collectives through the segment (central storage, large reduce/gather) ----------
     def pays_for(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """True when moving ``tensors`` through shared memory beats the backend: CPU tensors of
-        at least :attr:`LARGE_BYTES` in all."""
-        total = sum(t.numel() * t.element_size() for t in tensors)
-        return total >= self.LARGE_BYTES and all(t.device.type == "cpu" for t in tensors)
+        """True when ``tensors`` move faster through the segment than through the backend: any
+        non-empty CPU tensors (a 4-byte reduce: about 70 us here, 580 us on gloo over loopback)."""
+        return any(t.numel() for t in tensors) and all(t.device.type == "cpu" for t in tensors)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
                    group: dist.ProcessGroup | None = None) -> None:
-        """Overwrite ``tensors`` on every rank of ``group`` with group rank ``src``'s, through
-        the segment (a collective: every rank passes tensors of the same shapes and dtypes)."""
+        """Overwrite ``tensors`` on every rank with group rank ``src``'s, through the segment."""
         views = self._byte_views(tensors, "broadcast_")
         world = group_size(group)
         if not 0 <= src < world:
@@ -381,7 +328,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             return
         what = f"shared-memory broadcast of {len(views)} tensor(s) from group rank {src}"
         try:
-            channel = self._channel(group)
+            channel = self.channel(group)
             me = group_rank(group)
 
             def read(slot_rank: int, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:
@@ -397,8 +344,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
 
     def all_gather(self, tensor: torch.Tensor,
                    group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape and dtype on every rank), in group-rank order,
-        through the segment (a collective)."""
+        """Every rank's ``tensor`` in group-rank order, through the segment."""
         views = self._byte_views([tensor], "all_gather")
         world = group_size(group)
         if world == 1:
@@ -410,7 +356,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         outs = [o.view(-1).view(torch.uint8) for o in out]
         what = f"shared-memory all_gather of {_nbytes(tensor) / 1e6:.1f} MB"
         try:
-            channel = self._channel(group)
+            channel = self.channel(group)
 
             def read(slot_rank: int, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:
                 slot = channel.slot(slot_rank)
@@ -437,6 +383,5 @@ class SharedMemoryAllReduce(CrossDeviceOps):
                 views.append(t.detach().reshape(-1).view(torch.uint8))
         return views
 
-    def __repr__(self) -> str:
-        extra = f", compression={self.compression!r}" if self.compression is not None else ""
-        return f"SharedMemoryAllReduce(piece_bytes={self.piece_bytes}{extra})"
+    def _fields(self) -> dict[str, object]:
+        return {"piece_bytes": self.piece_bytes}

@@ -1,10 +1,8 @@
 """Shared-memory segments mapped by every rank of a group, and a barrier that lives in one.
 
-A segment is created by the group's first rank under ``/dev/shm`` with a random name and
-unlinked once all have mapped it (or any failed), so nothing is left behind however processes
-end. :class:`FlagBarrier` synchronises without system calls (each rank writes its own cache-line
-counter and spins on the others'); it needs stores visible in program order (x86), else
-:func:`flag_barrier_is_safe` is false and the group's own barrier is used.
+Segments are unlinked once all ranks mapped them (or any failed), so nothing is left behind.
+:class:`FlagBarrier` spins on per-rank cache-line counters, no system calls; it needs stores
+visible in program order (x86), else the group's own barrier is used.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ import torch.distributed as dist
 
 from replicator.cluster.env_names import SHM_DIR_ENV
 from replicator.cluster.processes import process_alive
+from replicator.comm.collective_tracker import group_tag
 from replicator.comm.groups import group_rank, group_ranks, group_size
 from replicator.comm.op_errors import finished_peer_error
 from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
@@ -32,11 +31,15 @@ DEFAULT_SHM_DIR = "/dev/shm"
 
 
 def shm_dir() -> str:
-    """Where segments are created: ``REPLICATOR_SHM_DIR`` (a tmpfs of your choice, or a path
-    that does not exist to keep shared memory off), else ``/dev/shm``. Read at each call: a
-    worker forked from a preloaded server sets its environment after the import."""
+    """``REPLICATOR_SHM_DIR`` (a missing path turns shared memory off), else ``/dev/shm``; read
+    at each call (forked workers)."""
     return os.environ.get(SHM_DIR_ENV, "") or DEFAULT_SHM_DIR
 
+
+#: ``/dev/shm`` must have this much room per local replica for ``"auto"`` to use it: the 4 MB
+#: transfer slots and the buckets of a small model. Buckets that do not fit stay in ordinary
+#: memory and go through the slots (slower, still correct).
+MIN_SHM_BYTES_PER_REPLICA = 16 << 20
 NAME_PREFIX = "replicator-shm-"
 ALIGN = 64
 _PAYLOAD = 256
@@ -57,6 +60,31 @@ def flag_barrier_is_safe() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
+def shared_memory_problem(local_replicas: int = 0) -> str:
+    """Why this process cannot use a same-host shared-memory all-reduce ('' when it can); with
+    ``local_replicas``, also whether the flag barrier works and ``/dev/shm`` has room for them."""
+    shm = shm_dir()
+    if os.name != "posix" or not hasattr(os, "posix_fallocate"):
+        return f"shared-memory segments need a POSIX system ({os.name})"
+    if not os.path.isdir(shm) or not os.access(shm, os.W_OK):
+        return f"{shm} does not exist or is not writable"
+    if not local_replicas:
+        return ""
+    if not flag_barrier_is_safe():
+        return (f"the shared-memory barrier needs an x86 CPU (total store order); this one "
+                f"is {platform.machine() or 'unknown'}")
+    try:
+        st = os.statvfs(shm)
+        free = st.f_bavail * st.f_frsize
+    except OSError as exc:
+        return f"cannot read the free space of {shm} ({exc})"
+    need = MIN_SHM_BYTES_PER_REPLICA * local_replicas
+    if free < need:
+        return (f"{shm} has {free / 1e6:.0f} MB free, less than the {need / 1e6:.0f} MB "
+                f"wanted for {local_replicas} replica(s) (docker: --shm-size)")
+    return ""
+
+
 def host_id() -> int:
     """A 63-bit number identifying this host and boot (equal for processes on one machine)."""
     try:
@@ -66,14 +94,6 @@ def host_id() -> int:
         boot = ""
     digest = hashlib.sha256(f"{socket.gethostname()}|{boot}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def group_tag(group: dist.ProcessGroup | None) -> str:
-    """A short name for ``group``'s ranks, part of its segments' names (``g0_1``, or a hash)."""
-    ranks = "_".join(map(str, group_ranks(group)))
-    if len(ranks) <= 24:
-        return f"g{ranks}"
-    return "g" + hashlib.sha1(ranks.encode(), usedforsecurity=False).hexdigest()[:12]
 
 
 def check_same_host(group: dist.ProcessGroup | None, who: str) -> None:
@@ -104,14 +124,15 @@ class SharedSegment:
         nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
         first = group_rank(group) == 0
         payload = torch.zeros(_PAYLOAD, dtype=torch.uint8)
-        path: str | None = None
+        created: str | None = None
         mm: mmap.mmap | None = None
         try:
             if first:
-                name = f"{NAME_PREFIX}{group_tag(group)}-{os.getpid()}-{secrets.token_hex(6)}"
+                tag = group_tag(group_ranks(group))
+                name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
+                created = name  # unlinked below even when mapping fails half-way
                 try:
-                    path = os.path.join(shm_dir(), name)
-                    mm = _map(path, nbytes, create=True)
+                    mm = _map(os.path.join(shm_dir(), name), nbytes, create=True)
                     message, ok = name, 1
                 except Exception as exc:  # noqa: BLE001 - every rank must hear about it
                     message, ok = f"{type(exc).__name__}: {exc}", 0
@@ -140,28 +161,24 @@ class SharedSegment:
                     f"{' (' + error + ')' if error else ''}. HINT: every replica of the group "
                     "must run on this host with access to /dev/shm.")
         finally:
-            if path is not None:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            if created is not None:
+                unlink_segment(created)
         if mm is None:  # cannot happen: every path without a mapping raised above
             raise ReplicatorError(f"{who}: the shared-memory segment was not mapped")
         return cls(mm, nbytes, message)
 
     @classmethod
     def create_named(cls, nbytes: int, tag: str) -> SharedSegment:
-        """Create and map a segment for one peer to open by name (the pairwise variant of
-        :meth:`create`); the creator calls :func:`unlink_segment` once the peer has answered,
-        whatever it answered, so the name never outlives the exchange."""
+        """Create and map a segment for one peer to open by name; the creator unlinks it once the
+        peer has answered."""
         nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
         name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
         return cls(_map(os.path.join(shm_dir(), name), nbytes, create=True), nbytes, name)
 
     @classmethod
     def open_named(cls, name: str, nbytes: int) -> SharedSegment:
-        """Map the segment a peer created with :meth:`create_named`, then unlink it (both
-        sides map it now). Refuses names that are not such a segment's."""
+        """Map the segment a peer created with :meth:`create_named`, then unlink it; refuses
+        other names."""
         if not name.startswith(NAME_PREFIX) or "/" in name or name in (".", ".."):
             raise ValueError(f"{name!r} is not a replicator shared-memory segment name")
         nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
@@ -196,10 +213,8 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
 
 
 class FlagBarrier:
-    """Counters in shared memory that every rank of a group advances in turn: each rank owns a
-    cache line; ``arrive(c)`` bumps its counter ``c``, ``wait_for(n, c)`` waits until every
-    rank's ``c`` reached ``n`` (separate counters let inputs run ahead of sums).
-    """
+    """Per-rank cache-line counters in shared memory: ``arrive(c)`` bumps this rank's ``c``,
+    ``wait_for(n, c)`` waits for all."""
 
     #: The counters: inputs announced, and sums finished.
     INPUTS, SUMS = 2, 0
@@ -240,8 +255,7 @@ class FlagBarrier:
         return self._counts[counter]
 
     def post(self, value: int) -> int:
-        """Publish ``value`` (int64) as this rank's fingerprint; return its number (after every rank
-        read the previous one, which is almost always at once)."""
+        """Publish ``value`` as this rank's fingerprint; return its number."""
         if not self._use_flags:
             raise ReplicatorError(f"{self.who}: fingerprints in shared memory need a CPU with "
                                   "ordered stores (x86)")
@@ -260,8 +274,8 @@ class FlagBarrier:
         return values
 
     def ready(self, value: int, counter: int = SUMS) -> bool:
-        """True when every rank's ``counter`` reached ``value`` (never blocks; without flags it
-        cannot know, and says no: :meth:`wait_for` then does a real barrier)."""
+        """True when every rank's ``counter`` reached ``value`` (never blocks; without flags:
+        no)."""
         return self._use_flags and bool(self._views[counter].min() >= value)
 
     def wait(self, what: str) -> None:
@@ -288,7 +302,7 @@ class FlagBarrier:
         while flags.min() < value:
             now = time.monotonic()
             if now - start < YIELD_SECONDS:
-                _yield()
+                os.sched_yield()
             else:
                 time.sleep(pause)
                 pause = min(pause * 2, MAX_PAUSE_SECONDS)
@@ -320,9 +334,3 @@ class FlagBarrier:
                     f"(pid {pid}) exited while the others waited for it. HINT: look for that "
                     "rank's own error; the launcher reports the first failure.")
 
-
-def _yield() -> None:
-    if hasattr(os, "sched_yield"):
-        os.sched_yield()
-    else:
-        time.sleep(0)

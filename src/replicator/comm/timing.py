@@ -1,9 +1,7 @@
-"""Process-wide timers of communication: how long the training thread waits in collectives.
+"""Process-wide timers of how long the training thread waits in collectives.
 
-Off by default (one boolean test per collective); ``REPLICATOR_COMM_TIMING=1`` or
-:func:`enable` turns them on: guarded collectives add their wall time on the main thread to
-``exposed``, communication threads add to ``background``. On CUDA a timed call synchronizes the
-device around itself, which costs NCCL's overlap: why they are off outside ``replicator bench``.
+Off by default (``REPLICATOR_COMM_TIMING=1`` or :func:`enable`): on CUDA a timed call
+synchronizes the device, which costs NCCL's overlap.
 """
 
 from __future__ import annotations
@@ -16,9 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-
-__all__ = ["ENV", "CommTime", "add_background", "enable", "enabled", "region", "region_seconds",
-           "reset", "snapshot", "start", "stop"]
 
 #: The environment variable that turns the timers on in a process (``"1"``).
 ENV = "REPLICATOR_COMM_TIMING"
@@ -38,9 +33,8 @@ _open_regions: set[str] = set()  # main thread only: a nested region of a name c
 
 @dataclass(frozen=True)
 class CommTime:
-    """Totals since the last :func:`reset`: seconds the main thread waited in collectives
-    (``exposed``, over ``calls`` outermost calls) and seconds of communication run on
-    other threads (``background``, over ``background_calls`` pieces of work)."""
+    """Totals since the last reset: main-thread waits (``exposed``) and other threads'
+    communication (``background``)."""
 
     exposed: float = 0.0
     calls: int = 0
@@ -73,8 +67,8 @@ def _synchronize(device: torch.device | None) -> None:
 
 
 def start(device: torch.device | None = None) -> float | None:
-    """Mark the start of a collective; pass the result to :func:`stop`. ``None`` when the
-    timers are off or a guarded call is already open on this thread (it counts once)."""
+    """Mark the start of a collective for :func:`stop`; ``None`` when off or nested (it counts
+    once)."""
     if not (_enabled if _enabled is not None else enabled()):
         return None
     depth = getattr(_local, "depth", 0)
@@ -105,22 +99,10 @@ def stop(token: float | None, device: torch.device | None = None) -> None:
             _background_calls += 1
 
 
-def add_background(seconds: float) -> None:
-    """Count ``seconds`` of communication done on a communication thread."""
-    global _background, _background_calls
-    if not (_enabled if _enabled is not None else enabled()):
-        return
-    with _lock:
-        _background += seconds
-        _background_calls += 1
-
-
 @contextlib.contextmanager
 def region(name: str) -> Iterator[None]:
-    """Count the main thread's time inside the block under ``name`` (a library's own work
-    between collectives that a profiler shows apart, such as ``"checkpoint"`` for a save);
-    free when the timers are off, and on other threads (background work stops nothing). A
-    region inside one of the same name counts once."""
+    """Count the main thread's time inside the block under ``name`` (``"checkpoint"``, say);
+    nested once, free when off."""
     if not (_enabled if _enabled is not None else enabled()) or name in _open_regions or \
             threading.current_thread() is not threading.main_thread():
         yield
