@@ -136,7 +136,7 @@ def train_with_actor_killed(steps: int):
         return None
     policy = Policy()
     opt = torch.optim.SGD(policy.parameters(), lr=0.01)
-    trace, joins_seen = [], 0
+    trace = []
     with al:
         for batch in al.batches(16, steps, policy=policy):
             loss = F.cross_entropy(policy.linear(batch["obs"]), batch["action"].long())
@@ -144,8 +144,10 @@ def train_with_actor_killed(steps: int):
             loss.backward()
             opt.step()
             trace.append(al.step)
-            joins_seen = len(al.stats()["joins"])
-            if joins_seen >= 3 and al.step > 60:
+            # on until the restarted actor's first experience arrived (-2: none yet), which a
+            # busy machine can delay past any fixed step
+            rejoined = [j for j in al.stats()["joins"] if j["restart"] == 1]
+            if al.step > 60 and rejoined and rejoined[0]["first_version"] != -2:
                 break
         stats = al.stats()
     return {"trace": trace, "stats": stats}
