@@ -8,8 +8,8 @@ import os
 import sys
 
 import replicator
+from replicator.cluster.timeouts import DEFAULT_TIMEOUT_SECONDS
 from replicator.errors import ClusterConfigError, LighthouseError, WorkerFailedError
-from replicator.launch.multi_node import DEFAULT_RDZV_TIMEOUT_SECONDS
 
 #: Exit code of a command-line mistake (argparse's too).
 USAGE_EXIT_CODE = 2
@@ -51,7 +51,7 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                        help="node 0's address on the network every node shares; the "
                        "rendezvous store listens there only (trusted networks only: "
                        "torch.distributed has no authentication)")
-    multi.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT_SECONDS,
+    multi.add_argument("--rdzv-timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
                        help="seconds the nodes may take to meet (default %(default)s)")
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from replicator.checkpoint.manifest import read_marker
 from replicator.checkpoint.storage import LocalStorage
-from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.env_names import PREEMPTION_EXIT_CODE
 from replicator.errors import PreemptedError, WorkerFailedError
 from replicator.launch.script_launch import run_script
 

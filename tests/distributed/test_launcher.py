@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import replicator as rp
-from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.env_names import PREEMPTION_EXIT_CODE
 from replicator.testing import assert_params_close
 from tests.helpers import hang, launch, run_cli
 
@@ -489,9 +489,9 @@ def test_version_and_demo_help():
 @pytest.mark.timeout(90)
 @pytest.mark.skipif((os.cpu_count() or 1) > 3, reason="starts one worker more than the cores")
 def test_more_workers_than_cores_warns_once(capfd):
-    from replicator.launch.launcher import available_cores
+    from replicator.cluster.cpu_scheduling import usable_cores
 
-    n = available_cores() + 1
+    n = usable_cores() + 1
     out = run_cli(capfd, ["run", "--nproc", str(n), str(SCRIPTS / "print_lines.py"), "1",
                              "5"])
     assert out.returncode == 0, out.stderr

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.env_names import PREEMPTION_EXIT_CODE
 from replicator.testing import assert_params_close
 from replicator.testing.live_groups import start_group, start_lighthouse, wait_for_file
 from tests.live_helpers import SCRIPT, env, needs_torchft, one_device

@@ -23,9 +23,9 @@ from replicator.cluster.worker_errors import (
     record_exception,
 )
 from replicator.errors import ClusterConfigError, NonFiniteLossError
+from replicator.launch.failure_report import group_by_rank, rank_ranges, restart_refusal
 from replicator.launch.launcher import LocalGroup, _Worker, oversubscription_warning
 from replicator.launch.output import OutputRelay, terminal_env
-from replicator.launch.restart_policy import group_by_rank, rank_ranges, restart_refusal
 
 
 class _Terminal(io.TextIOWrapper):

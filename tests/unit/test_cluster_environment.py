@@ -13,7 +13,7 @@ from replicator.cluster.environment import (
     resolve_cluster,
     use_cluster,
 )
-from replicator.cluster.interfaces import choose_gloo_interface, interface_towards
+from replicator.cluster.ports import choose_gloo_interface, interface_towards
 from replicator.cluster.resolvers import (
     SlurmResolver,
     TFConfigResolver,
@@ -210,7 +210,7 @@ def test_multi_node_missing_script_and_negative_restarts(tmp_path):
                        master_addr="127.0.0.1", nproc_per_node=1)
     script = tmp_path / "s.py"
     script.write_text("")
-    with pytest.raises(ClusterConfigError, match="--max-restarts must be 0 or more"):
+    with pytest.raises(ClusterConfigError, match="--max-restarts must be an integer >= 0"):
         run_multi_node(str(script), nnodes=2, node_rank=0, master_addr="127.0.0.1",
                        nproc_per_node=1, max_restarts=-1)
 

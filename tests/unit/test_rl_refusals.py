@@ -7,7 +7,7 @@ import torch
 
 import replicator as rp
 from replicator.errors import ClusterConfigError
-from replicator.launch.actors import check_num_actors
+from replicator.launch.launcher import check_num_actors
 
 pytest.importorskip("gymnasium")
 pytestmark = pytest.mark.timeout(60)
@@ -56,7 +56,7 @@ def test_is_actor_reads_the_launchers_variables(monkeypatch):
 
 
 def test_an_actor_gets_no_learner_rendezvous_variables():
-    from replicator.launch.actors import actor_env
+    from replicator.launch.launcher import actor_env
 
     learner = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234",
                "LOCAL_RANK": "0", "GROUP_RANK": "0", "PATH": "/bin"}

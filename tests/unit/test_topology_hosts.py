@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import replicator as rp
-from replicator.cluster.declared_hosts import apply_declared_hosts, declared_groups
+from replicator.cluster.hosts import apply_declared_hosts, declared_groups
 from replicator.errors import ClusterConfigError
 
 pytestmark = pytest.mark.timeout(60)

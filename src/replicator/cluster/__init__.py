@@ -1,10 +1,8 @@
-"""The cluster room: who am I (rank, host, role, topology), the process group, exit codes.
-
-Worker side only: the parent side (spawn, relay, restarts) is :mod:`replicator.launch`."""
+"""The cluster room, worker side: who am I (rank, host, role, topology), the process group."""
 
 from typing import TYPE_CHECKING
 
-from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.env_names import PREEMPTION_EXIT_CODE
 from replicator.lazy_names import lazy_getattr
 
 if TYPE_CHECKING:

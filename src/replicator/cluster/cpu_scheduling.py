@@ -4,10 +4,8 @@ In a parameter-server job on one host, a process that wakes another on a busy co
 preempted by it at once (Linux's default), so servers meant to answer a pull at the same time
 take turns. ``SCHED_BATCH`` (no preemption at wake-up) lets a process go on until it blocks.
 Measured on 2 cores with the embedding benchmark's 5 processes: 1-22% more steps per second,
-median 10%, in seven alternating pairs (docs/parameter_server.md); the ``torch.distributed.rpc``
-baseline under ``chrt --batch`` did not change. Applied, like torchrun's ``OMP_NUM_THREADS=1``,
-when the library's processes outnumber the cores (said once on stderr);
-``REPLICATOR_CPU_SCHEDULING=batch`` forces it, ``default`` keeps the system's. Linux only.
+median 10%, in seven alternating pairs (docs/parameter_server.md). Applied when the processes
+outnumber the cores; ``REPLICATOR_CPU_SCHEDULING=batch`` forces it, ``default`` keeps the system's.
 """
 
 from __future__ import annotations
@@ -23,14 +21,14 @@ CHOICES = ("auto", "batch", "default")
 def usable_cores() -> int:
     """Cores this process may run on (its affinity), or the machine's count."""
     try:
-        return len(os.sched_getaffinity(0))
+        return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return max(1, os.cpu_count() or 1)
 
 
 def wanted(local_processes: int, choice: str | None = None) -> bool:
-    """Whether batch scheduling applies to a job with ``local_processes`` on this host;
-    ``choice`` (default: the environment's) is one of :data:`CHOICES`."""
+    """Whether batch scheduling applies to ``local_processes`` on this host (``choice``: the
+    environment's by default)."""
     raw = choice if choice is not None else os.environ.get(CPU_SCHEDULING_ENV, "auto")
     value = raw.strip().lower() or "auto"
     if value not in CHOICES:

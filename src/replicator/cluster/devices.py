@@ -64,10 +64,8 @@ def parse_devices(specs: Sequence[str | torch.device] | None) -> list[torch.devi
 
 
 def default_device_for(local_rank: int, local_world_size: int) -> torch.device:
-    """One GPU per local process when every local process can have one, else the CPU for all (a
-    job never mixes NCCL and gloo ranks). A ``CUDA_VISIBLE_DEVICES`` naming one GPU is used; two
-    processes on one GPU are stopped at the roll call (:func:`device_identity`).
-    """
+    """One GPU per local process when each can have one (or ``CUDA_VISIBLE_DEVICES`` names
+    one), else the CPU for all: a job never mixes NCCL and gloo ranks."""
     n = available_accelerators()
     if local_world_size <= n:
         return torch.device("cuda", local_rank)
@@ -88,9 +86,8 @@ def _own_device_per_process() -> bool:
 
 
 def device_identity(device: torch.device | None) -> str | None:
-    """The GPU's UUID (the same in every process that sees it, whatever its index there), so
-    that two processes on one GPU are caught before NCCL refuses them; ``None`` on the CPU or
-    where the UUID cannot be read."""
+    """The GPU's UUID (the same in every process), to catch two processes on one GPU before
+    NCCL refuses them; ``None`` on the CPU or where it cannot be read."""
     if device is None or device.type != "cuda":
         return None
     try:

@@ -1,10 +1,11 @@
-"""The names the launcher and its workers agree on: environment variables and store keys.
-
-The launcher sets them and the worker side reads them; both import the names from here, so
-worker-side code never imports the launcher. torchrun's own names are not repeated.
-"""
+"""The names the launcher and its workers agree on (variables, store keys, an exit code), here
+so that worker-side code never imports the launcher."""
 
 from __future__ import annotations
+
+#: Exit code of a worker that got SIGTERM, agreed on a step and saved a backup (``EX_TEMPFAIL``,
+#: "retry", so a scheduler tells preemption from a crash); the launcher's for a preempted job.
+PREEMPTION_EXIT_CODE = 75
 
 #: Which launcher started this process ("local", "multi-node").
 LAUNCHER_ENV = "REPLICATOR_LAUNCHER"

@@ -1,17 +1,12 @@
-"""Who am I: resolve rank, world and rendezvous address from the launcher's environment.
-
-Sources, in order: a :class:`ClusterSpec` installed with ``use_cluster``, replicator's
-launchers and ``torchrun``, ``TF_CONFIG``, SLURM, and nothing (a plain ``python script.py``:
-one replica). The parsers live in :mod:`.resolvers`.
-"""
+"""Who am I: rank, world and rendezvous address from a ``use_cluster`` spec or the environment
+(replicator's launchers and torchrun, ``TF_CONFIG``, SLURM; else one replica)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 
-from replicator.cluster.resolvers import detect
-from replicator.cluster.spec import ClusterSpec
+from replicator.cluster.resolvers import ClusterSpec, detect
 
 __all__ = ["ClusterSpec", "use_cluster", "resolve_cluster"]
 

@@ -1,13 +1,7 @@
-"""The library's helper threads at exit: every one is named ``replicator-<what>`` (comm lanes,
-the progress publisher, input prefetch, background checkpoint saves and deletions), and a
-process that created a process group waits for them before the interpreter finalizes: a daemon
+"""The library's helper threads (named ``replicator-<what>``) are waited for at exit: a daemon
 thread inside torch's C++ code at finalization is ended by ``pthread_exit``, whose unwinding
-through ``noexcept`` frames aborts a finished job with SIGABRT.
-
-The wait must come after every other exit handler of the library (the one that stops the
-input prefetch threads among them): atexit runs handlers last-registered first, so this module
-registers its handler when ``replicator`` is first imported, before any room is (the package
-imports it first), whatever order the rooms are imported in later.
+aborts a finished job with SIGABRT. The handler is registered when ``replicator`` is first
+imported, so that it runs after every other exit handler of the library (last in, first out).
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ def _helper_threads(prefix: str) -> list[threading.Thread]:
 
 
 def join_helper_threads(timeout: float, prefix: str = HELPER_THREAD_PREFIX) -> list[str]:
-    """Wait (at most ``timeout`` s in all) for the live threads named ``prefix...``; the
-    names of those still running."""
+    """Wait (at most ``timeout`` s) for the threads named ``prefix...``; those still running."""
     deadline = time.monotonic() + timeout
     for thread in _helper_threads(prefix):
         thread.join(max(0.0, deadline - time.monotonic()))

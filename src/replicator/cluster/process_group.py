@@ -1,8 +1,5 @@
-"""Start and stop the ``torch.distributed`` process group, always with a finite timeout.
-
-The rendezvous store is namespaced per restart attempt (``attempt_<n>``): an old attempt's
-keys left in the agent's store make a fresh group fail or hang (pytorch issue 135712).
-"""
+"""Start and stop the ``torch.distributed`` process group, always with a finite timeout; the
+store is namespaced per attempt (an old attempt's keys hang a fresh group: pytorch #135712)."""
 
 from __future__ import annotations
 
@@ -158,8 +155,7 @@ _AT_EXIT_REGISTERED = False
 
 
 def _shutdown_at_exit() -> None:
-    """Destroy the group we created at interpreter exit, before module teardown (a script run
-    directly that never calls :func:`shutdown` would free gloo's groups too late and abort)."""
+    """Destroy our group at exit before module teardown (later, gloo's groups abort)."""
     global _AT_EXIT_REGISTERED
     if not _AT_EXIT_REGISTERED:
         atexit.register(shutdown)
@@ -172,9 +168,8 @@ def on_shutdown(hook) -> None:  # noqa: ANN001 - a callable taking nothing
 
 
 def shutdown() -> None:
-    """Destroy the process group this module created (a user's own group is left alone),
-    after the helpers that use it stopped and a background checkpoint save in flight
-    finished (it agrees over a copy of the group)."""
+    """Destroy the group this module created (not a user's), after its helpers and a
+    background checkpoint save in flight finished."""
     global _GROUP
     while _SHUTDOWN_HOOKS:
         try:

@@ -6,9 +6,7 @@ import os
 
 
 def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs here: a process that exited but was not yet reaped by its
-    parent (a zombie, as a SIGKILLed worker is until its launcher waits) counts as gone,
-    and one owned by another user as running."""
+    """True while ``pid`` runs here (a zombie counts as gone, another user's as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,10 +1,5 @@
-"""Cluster resolvers: turn a launcher's description of the job into a :class:`ClusterSpec`.
-
-One per source, each with ``resolve(env=None)``: :class:`TorchrunResolver` (torchrun and
-replicator's launchers), :class:`TFConfigResolver` (several processes per host allowed),
-:class:`SlurmResolver` (``srun``, bracketed node lists). A ``ClusterSpec`` resolves to itself.
-Worker 0 (or TF_CONFIG's ``chief``) is rank 0, the chief, which hosts the rendezvous store.
-"""
+"""Cluster resolvers: a launcher's description of the job (torchrun, TF_CONFIG, SLURM) as a
+:class:`ClusterSpec`; worker 0 (or TF_CONFIG's ``chief``) is rank 0, which hosts the store."""
 
 from __future__ import annotations
 
@@ -12,14 +7,66 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from replicator.cluster.env_names import LAUNCHER_ENV, RESTART_COUNT_ENV, STORE_HOSTED_ENV
-from replicator.cluster.spec import ClusterSpec
+from replicator.cluster.ports import DEFAULT_MASTER_PORT
 from replicator.errors import ClusterConfigError
 
-#: The rendezvous port a SLURM job uses when ``MASTER_PORT`` is not set.
-SLURM_DEFAULT_PORT = 29500
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The position of this process in the job, as resolved or given to pin it
+    (``ClusterSpec(rank=2, world_size=4, master_port=29500)``); rank 0 hosts the store."""
+
+    rank: int
+    world_size: int
+    local_rank: int = -1
+    local_world_size: int = 1
+    node_rank: int = -1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    restart_count: int = 0
+    store_is_hosted: bool = False
+    source: str = "explicit"
+    role: str = "worker"
+    #: ``host:port`` of every rank where the source names them (TF_CONFIG), for error messages.
+    addresses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "local_world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ClusterConfigError(f"ClusterSpec.{name} must be an integer, got {value!r}")
+        if self.world_size < 1:
+            raise ClusterConfigError(f"ClusterSpec: world_size={self.world_size}; the world "
+                                     "needs at least one replica")
+        if not 0 <= self.rank < self.world_size:
+            raise ClusterConfigError(f"ClusterSpec: rank={self.rank} is outside "
+                                     f"0..{self.world_size - 1} (world_size={self.world_size})")
+        if self.local_world_size < 1:
+            raise ClusterConfigError(f"ClusterSpec: local_world_size={self.local_world_size} "
+                                     "must be at least 1")
+        if self.local_rank == -1:
+            object.__setattr__(self, "local_rank", self.rank % self.local_world_size)
+        if self.node_rank == -1:
+            object.__setattr__(self, "node_rank", self.rank // self.local_world_size)
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ClusterConfigError(f"ClusterSpec: local_rank={self.local_rank} is outside "
+                                     f"0..{self.local_world_size - 1}")
+        if self.world_size > 1 and self.master_port is None:
+            raise ClusterConfigError(
+                f"ClusterSpec: master_port is not set but world_size={self.world_size}. HINT: "
+                "give the chief's rendezvous port, the same on every process.")
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+    def resolve(self, env: Mapping[str, str] | None = None) -> ClusterSpec:
+        """A spec is its own resolver (so it can be passed as ``cluster_resolver``)."""
+        return self
 
 
 @runtime_checkable
@@ -43,8 +90,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
 
 
 class TorchrunResolver:
-    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``GROUP_RANK``/``MASTER_*``
-    as exported by ``torchrun``, ``replicator run`` and ``rp.launch``."""
+    """The variables ``torchrun``, ``replicator run`` and ``rp.launch`` export (``RANK``, ...)."""
 
     def resolve(self, env: Mapping[str, str] | None = None) -> ClusterSpec:
         env = os.environ if env is None else env
@@ -60,7 +106,6 @@ class TorchrunResolver:
             raise ClusterConfigError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1}")
         launcher = env.get(LAUNCHER_ENV)
         torchrun = "TORCHELASTIC_RUN_ID" in env
-        restart = _int(env, RESTART_COUNT_ENV, _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
         hosted = env.get(STORE_HOSTED_ENV) == "1" or \
             env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         port = _int(env, "MASTER_PORT", 0) or None
@@ -70,10 +115,14 @@ class TorchrunResolver:
             rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
             node_rank=_int(env, "GROUP_RANK", rank // max(local_world, 1)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
-            restart_count=restart, store_is_hosted=hosted,
+            restart_count=_restart_count(env), store_is_hosted=hosted,
             source=("local-launcher" if launcher == "local" else f"replicator-{launcher}")
             if launcher else ("torchrun" if torchrun else "environment"),
         )
+
+
+def _restart_count(env: Mapping[str, str]) -> int:
+    return _int(env, RESTART_COUNT_ENV, _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def _split_address(address: str, what: str) -> tuple[str, int]:
@@ -85,10 +134,7 @@ def _split_address(address: str, what: str) -> tuple[str, int]:
 
 
 class TFConfigResolver:
-    """``TF_CONFIG``: ``{"cluster": {"chief": [...], "worker": ["host:port", ...]},
-    "task": {"type": "worker", "index": i}}``; ranks follow the list (chief first), processes on
-    one host get local ranks in list order. ``tf_config``: used instead of the variable.
-    """
+    """``TF_CONFIG`` (or ``tf_config``): ranks follow the worker list, the chief first."""
 
     def __init__(self, tf_config: str | Mapping | None = None) -> None:
         self.tf_config = tf_config
@@ -136,10 +182,9 @@ class TFConfigResolver:
         mine = hosts[rank]
         same_host = [r for r, h in enumerate(hosts) if h == mine]
         master, port = _split_address(workers[0], "TF_CONFIG")
-        restart = _int(env, RESTART_COUNT_ENV, _int(env, "TORCHELASTIC_RESTART_COUNT", 0))
         return ClusterSpec(rank=rank, world_size=len(workers), local_rank=same_host.index(rank),
                            local_world_size=len(same_host), node_rank=order.index(mine),
-                           master_addr=master, master_port=port, restart_count=restart,
+                           master_addr=master, master_port=port, restart_count=_restart_count(env),
                            source="tf_config", role=role, addresses=tuple(workers))
 
 
@@ -189,8 +234,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 class SlurmResolver:
-    """The job of an ``srun`` step: one process per task, the first node's first task is the
-    chief. The port is ``MASTER_PORT`` if set, else ``port`` (default 29500)."""
+    """An ``srun`` step: one process per task, the chief on the first node; port: ``MASTER_PORT``,
+    else ``port`` (29500)."""
 
     def __init__(self, port: int | None = None) -> None:
         self.port = port
@@ -217,7 +262,7 @@ class SlurmResolver:
         if node_rank >= len(nodes):
             raise ClusterConfigError(f"SLURM_NODEID={node_rank} but the node list {nodelist!r} "
                                      f"has {len(nodes)} node(s)")
-        port = self.port or _int(env, "MASTER_PORT", SLURM_DEFAULT_PORT)
+        port = self.port or _int(env, "MASTER_PORT", DEFAULT_MASTER_PORT)
         return ClusterSpec(rank=rank, world_size=world, local_rank=local_rank,
                            local_world_size=max(local_world, local_rank + 1),
                            node_rank=node_rank, master_addr=env.get("MASTER_ADDR", nodes[0]),
@@ -269,10 +314,8 @@ def _who(spec: ClusterSpec, rank: int) -> str:
 def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
                      poll_seconds: float = 0.05, backend: str | None = None,
                      device_key: str | None = None) -> None:
-    """A roll call on the rendezvous store before the group forms, so a spec that disagrees with
-    the running processes (another world size, a duplicate rank, ranks that never arrive, mixed
-    backends, two processes on one GPU) is a :class:`ClusterConfigError`, the same on all ranks.
-    """
+    """A roll call on the store before the group forms: a spec that disagrees with the running
+    processes (size, duplicate rank, missing ranks, backend, a shared GPU) is an error on all."""
     import time
 
     world, rank = spec.world_size, spec.rank

@@ -1,9 +1,5 @@
-"""Whether this process writes to a live terminal, its own or one the launcher relays to.
-
-``replicator run`` relays workers' output through pipes (``isatty()`` is False), so it tells the
-chief with ``TTY_COMPATIBLE=1`` (rich's variable) that its stdout ends on a terminal. Every live
-display of the library asks :func:`is_live_terminal`, so they all agree.
-"""
+"""Whether this process writes to a live terminal, its own or one the launcher relays to (the
+launcher says so with rich's ``TTY_COMPATIBLE=1``); every live display of the library asks."""
 
 from __future__ import annotations
 
@@ -17,13 +13,16 @@ TTY_COMPATIBLE_ENV = "TTY_COMPATIBLE"
 
 
 def is_live_terminal(stream: IO[Any] | None = None) -> bool:
-    """True when ``stream`` (default: standard output) shows a live terminal: it is one, or
-    ``TTY_COMPATIBLE=1`` says the launcher relays it to one (``TTY_COMPATIBLE=0``: never)."""
+    """True when ``stream`` (stdout) is a terminal or ``TTY_COMPATIBLE`` says so."""
     forced = os.environ.get(TTY_COMPATIBLE_ENV, "").strip()
     if forced in ("0", "1"):
         return forced == "1"
-    stream = sys.stdout if stream is None else stream
+    return isatty(sys.stdout if stream is None else stream)
+
+
+def isatty(stream: Any) -> bool:
+    """``stream.isatty()``, False for a stream without one or a closed one."""
     try:
         return bool(stream.isatty())
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
+    except (AttributeError, ValueError):
         return False

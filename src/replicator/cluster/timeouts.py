@@ -1,7 +1,5 @@
-"""The one place a timeout is chosen: every process group, store and wait of the library takes
-its seconds from :func:`resolve_timeout`, and a group made with a timeout is remembered with it
-(:func:`set_group_timeout`) so that waits over that group wait as long as its collectives do.
-"""
+"""The one place a timeout is chosen (:func:`resolve_timeout`); a group's is remembered, so that
+waits over it last as long as its collectives."""
 
 from __future__ import annotations
 
@@ -66,9 +64,8 @@ def env_number(env: Mapping[str, str], name: str, default: float, what: str = "s
 
 
 def set_group_timeout(group: dist.ProcessGroup | None, seconds: float) -> None:
-    """Make collectives over ``group`` wait at most ``seconds`` (a ``DeviceMesh`` axis group
-    otherwise waits torch's 30 minutes) and remember it for ``resolve_timeout(group=group)``;
-    ``None`` (the default group) and a non-member marker are left alone."""
+    """Make collectives over ``group`` (not ``None`` or a non-member) wait at most ``seconds``
+    (a ``DeviceMesh`` axis group waits 30 minutes otherwise) and remember it."""
     import torch.distributed as dist
 
     if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:

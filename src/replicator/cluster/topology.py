@@ -1,13 +1,8 @@
-"""The layout of a job: named mesh axes over the worker processes, roles, and hosts.
+"""The layout of a job: each process's role and host, and the workers' named mesh axes.
 
-A :class:`Topology` gives each process its role (``chief``, ``worker``, ``ps``), its host and,
-for workers, its coordinates on named ``DeviceMesh`` axes. :data:`KNOWN_AXES` (``data``,
-``fsdp``, ``pipeline``, ``tensor``) mean something to replicator; other names are your own, and
-near-misses (``tensr``) are refused as typos. A strategy asks the topology for its axis's group
-and hands it down. Layout (torchtitan's): workers are ranks ``0 .. W-1``, servers the last
-``num_ps``; the mesh is row-major, so the last axis holds neighbouring ranks (one host). Hosts
-come from the environment, or ``hosts=`` declares them (:mod:`~.declared_hosts`).
-Building it is a collective: every process, same arguments, same order.
+Torchtitan's layout: workers are ranks ``0..W-1``, servers the last ``num_ps``; the mesh is
+row-major, so the last axis holds neighbouring ranks (one host). Near-misses of
+:data:`KNOWN_AXES` (``tensr``) are refused as typos. Building it is a collective.
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from replicator.cluster.declared_hosts import HostsSpec, check_hosts_spec, job_host_keys
-from replicator.cluster.hosts import group_by_host
+from replicator.cluster.hosts import HostsSpec, check_hosts_spec, group_by_host, job_host_keys
 from replicator.errors import ClusterConfigError
 
 #: The axis names a topology understands, and what each splits.
@@ -60,10 +54,8 @@ def _edits(a: str, b: str) -> int:
 
 
 def likely_typo(name: str, known: Collection[str] = tuple(KNOWN_AXES)) -> str | None:
-    """The known axis ``name`` probably misspells, or ``None``: a case difference, two edits from
-    ``tensor``/``pipeline``, or one edit keeping the first letter of ``data``/``fsdp`` (``tensr``,
-    ``Data``, ``dta``, ``fdsp``). Other axes' common names stay free (``dp``, ``tp``, ``model``).
-    """
+    """The known axis ``name`` probably misspells (``tensr``, ``Data``, ``fdsp``), or ``None``;
+    common names of other axes (``dp``, ``tp``, ``model``) stay free."""
     if name in known:
         return None
     lower = name.lower()
@@ -80,9 +72,7 @@ def likely_typo(name: str, known: Collection[str] = tuple(KNOWN_AXES)) -> str | 
 
 def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
                  num_workers: int) -> dict[str, int]:
-    """Validate axis names and sizes (``-1`` infers one; the product must be the workers);
-    raises :class:`ClusterConfigError` with a hint on a likely typo, a bad size or product.
-    """
+    """Validated axis sizes (``-1`` infers one; the product must be the workers)."""
     items = list((axes or {"data": num_workers}).items()) if isinstance(axes, Mapping) or \
         axes is None else list(axes)
     if not items:
@@ -130,8 +120,7 @@ def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
 
 
 def _check_worker_order(order: Sequence[int] | None, num_workers: int) -> list[int]:
-    """``order`` (the workers' ranks in mesh order) if it lists each worker once, else a
-    ClusterConfigError; ``None`` is ascending rank order."""
+    """``order`` if it lists each worker once (``None``: ascending), else an error."""
     if order is None:
         return list(range(num_workers))
     got = list(order)
@@ -143,15 +132,9 @@ def _check_worker_order(order: Sequence[int] | None, num_workers: int) -> list[i
 
 
 class Topology:
-    """Named mesh axes over the workers, the role and host of every process: ``axes`` (name ->
-    degree, default ``{"data": <all workers>}``, or keywords ``Topology(data=2, tensor=2)``) and
-    ``num_ps`` servers (the last ranks). ``hosts``: how the workers group into hosts where the
-    environment does not say (a count of consecutive-rank hosts, or each host's rank list; see
-    :mod:`~replicator.cluster.declared_hosts`). ``worker_order``: the workers' ranks in the
-    mesh's row-major order (default ascending), for a layout whose last axis must hold one
-    host's processes although their ranks are not neighbours. Starts the process group if
-    needed.
-    """
+    """Named mesh axes over the workers (``Topology(data=2, tensor=2)``; default all on
+    ``data``) and ``num_ps`` servers; ``hosts`` declares hosts (:mod:`.hosts`),
+    ``worker_order`` lists the workers in mesh order (default ascending)."""
 
     def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, *,
                  num_ps: int = 0, hosts: HostsSpec = None, device_type: str | None = None,
@@ -278,8 +261,7 @@ class Topology:
         return rid
 
     def data_group(self) -> dist.ProcessGroup:
-        """The group of the replicas this worker exchanges gradients with (all data axes
-        together; a group of one when the topology has no data axis)."""
+        """The group of the replicas this worker exchanges gradients with (all data axes)."""
         if self.is_ps:
             raise ClusterConfigError(f"rank {self.global_rank} is a parameter server and has "
                                      "no data group. HINT: check topology.is_worker first.")
@@ -328,8 +310,7 @@ class Topology:
         return [r for r, h in enumerate(self.hosts) if h == host]
 
     def node_group(self) -> dist.ProcessGroup | None:
-        """The group of every process on this host (``None`` = the default group, when the
-        whole job is on one host)."""
+        """The group of this host's processes (``None``: the default group, one host)."""
         return self._node_groups[self.host]
 
     def describe(self) -> str:

@@ -1,19 +1,19 @@
-"""Error files: how a worker tells the launcher why it died (rank, exception, traceback, time).
-
-A worker that finishes normally leaves a note before leaving the group, so a peer still waiting
-for it says that it finished, not failed (:func:`finished_peers`). A backup note says whether
-its ``BackupAndRestore`` committed a backup, so the launcher suggests a resume only then.
-"""
+"""Error files: how a worker tells the launcher why it died, that it finished normally (so a
+waiting peer says so), which backup it committed (so a resume is suggested only then), and its
+threads' stacks when the launch is stopped from outside (what finds a hang)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
 
@@ -99,8 +99,7 @@ def _backup_path(error_dir: str | Path, rank: int) -> Path:
 
 
 def record_backup(directory: str | Path, step: int) -> None:
-    """Note, for the launcher, that ``directory`` holds a committed backup of ``step`` (after a
-    save or restore; only under the local launcher; never raises)."""
+    """Note for the local launcher that ``directory`` holds a backup of ``step``; never raises."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if not error_dir:
         return
@@ -137,8 +136,7 @@ def _attempt() -> int:
 
 
 def record_finished(rank: int) -> None:
-    """Note that ``rank`` finished its script normally (exit code 0), before it leaves the
-    process group; does nothing outside the local launcher, and never raises."""
+    """Note for the local launcher that ``rank`` finished its script normally; never raises."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if not error_dir:
         return
@@ -149,10 +147,43 @@ def record_finished(rank: int) -> None:
 
 
 def finished_peers(ranks: list[int]) -> list[int]:
-    """Those of ``ranks`` that finished their script normally in this attempt (see
-    :func:`record_finished`); empty outside the local launcher."""
+    """Those of ``ranks`` that finished their script normally in this attempt."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if not error_dir:
         return []
     attempt = _attempt()
     return [r for r in ranks if _finished_path(error_dir, r, attempt).exists()]
+
+
+#: The signal a launcher sends for the stacks (SIGUSR1 is left to schedulers' preemption notices).
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+
+_armed: list[IO[str]] = []  # the open file the handler writes to, for the process's lifetime
+
+
+def stack_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"stacks-rank{rank}.txt")
+
+
+def install_stack_dump(folder: str, rank: int) -> None:
+    """On :data:`STACK_DUMP_SIGNAL`, write every thread's stack to this rank's file."""
+    os.makedirs(folder, exist_ok=True)
+    out = open(stack_path(folder, rank), "w")  # noqa: SIM115 - written by the signal handler
+    _armed[:] = [out]
+    faulthandler.register(STACK_DUMP_SIGNAL, file=out, all_threads=True, chain=False)
+
+
+def read_stacks(folder: str, rank: int, timeout_s: float) -> str:
+    """The stacks rank ``rank`` wrote after the signal (waits until the file stops growing)."""
+    path, last, deadline = stack_path(folder, rank), -1, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        if size and size == last:
+            break
+        last = size
+        time.sleep(0.1)
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""

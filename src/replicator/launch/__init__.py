@@ -1,10 +1,5 @@
-"""The launch room: the parent side of a job.
-
-Spawning local worker processes, relaying their output, the restart policy and the failure
-summary, multi-node launching through torchrun's elastic agent, replica groups and their
-lighthouse, and the roles a job starts beside its workers. Worker-side code never imports this
-room (the import contract puts it above every room a worker runs).
-"""
+"""The launch room: the parent side of a job (workers, their output, restarts, the failure
+summary, multi-node, replica groups); no room a worker runs imports it."""
 
 from replicator.launch.function_launch import launch
 from replicator.launch.script_launch import run_script

@@ -1,21 +1,8 @@
-"""Why an attempt of the local launcher failed: the cause first, the rest as its consequences.
+"""Why an attempt failed: the root cause first, the other ranks as its consequences.
 
-The launcher knows every rank's exit code, the error file of each rank that raised (type,
-message, traceback, time) and when it saw each process end. From these it names one root:
-
-* A rank whose error only says that a peer vanished (a collective "failed because another
-  replica exited", a shared-memory wait whose peer "exited while the others waited", a
-  ``ParameterServerLostError``) is a consequence, never the cause while another rank failed by
-  itself: a parameter server killed by SIGKILL is the cause of its workers' errors, although
-  they wrote their errors before the launcher saw the server's end.
-* Among the rest, the earliest failure is the root (error time, or when its end was seen).
-* A consequence with no failed peer behind it waited for a rank that *finished its script
-  normally* (exit code 0): a collective called on some ranks only. That is said as it is,
-  with the waiting rank's collective and its line in the script.
-
-The other ranks are listed after the root, "after rank R failed / was killed". When the job
-has a committed backup (see ``worker_errors.read_backup``) and a rerun would not repeat the
-same failure, the summary ends with the line that says how to resume from it.
+An error that only says a peer vanished is never the root while another rank failed by itself
+(a killed server's workers write theirs before its end is seen); among the rest the earliest
+wins. One with no failed peer waited for a rank that finished: a collective on some ranks only.
 """
 
 from __future__ import annotations
@@ -24,13 +11,12 @@ import os
 import re
 import signal
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.env_names import PREEMPTION_EXIT_CODE
 from replicator.cluster.worker_errors import BackupNote, WorkerError
 from replicator.errors import WorkerFailedError
-from replicator.launch.restart_policy import group_by_rank, restart_refusal
 
 #: Words of the errors of a rank whose peer vanished (comm/op_errors.py, comm/shm_segment.py).
 CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",
@@ -41,14 +27,66 @@ CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",
                        "ParameterServerLostError: parameter server")
 #: Exception types raised because a peer vanished (a worker losing its parameter server).
 CONSEQUENCE_TYPES = ("ParameterServerLostError",)
-#: How much of another rank's error the summary repeats (the rank's own output and its error
-#: file keep the whole).
+#: How much of another rank's error the summary repeats (its error file keeps the whole).
 OTHER_ERROR_CHARS = 200
 
 
+#: Exception types (or their bases) that a restart only repeats (the same steps, code or
+#: import), and why: restarting them wastes the budget and hides the cause.
+REPEATING_FAILURES: dict[str, str] = {
+    "NonFiniteLossError": "the restart replays the same steps from the last backup",
+    "ReplicaMismatchError": "the replicas run the same code again",
+    "CollectiveMismatchError": "the replicas run the same code again",
+    "SyntaxError": "the script does not compile",
+    "ImportError": "the same import fails again",
+    "ScriptNotFoundError": "the script file does not exist",
+}
+
+
+def restart_refusal(error_types: Iterable[str]) -> str | None:
+    """Why a restart cannot help a failure of ``error_types`` (class and bases), else ``None``."""
+    names = list(error_types)
+    for name in names:
+        if name in REPEATING_FAILURES:
+            shown = names[0] if names else name
+            return f"not restarting: {shown} repeats on restart ({REPEATING_FAILURES[name]})"
+    return None
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 2, 3, 4, 7]`` -> ``"ranks 0, 2-4, 7"``; one rank -> ``"rank 5"``."""
+    ordered = sorted(set(ranks))
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    spans: list[str] = []
+    start = prev = ordered[0]
+    for r in [*ordered[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(str(start) if start == prev else
+                     f"{start}, {prev}" if prev == start + 1 else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return "ranks " + ", ".join(spans)
+
+
+def group_by_rank(details: Mapping[int, str], min_group: int = 3) -> list[str]:
+    """One line per rank, ``min_group`` or more ranks with one text on one line (``ranks 2-98``)."""
+    by_text: dict[str, list[int]] = {}
+    for rank in sorted(details):
+        by_text.setdefault(details[rank], []).append(rank)
+    entries: list[tuple[int, str]] = []
+    for text, ranks in by_text.items():
+        if len(ranks) >= min_group:
+            entries.append((ranks[0], f"{rank_ranges(ranks)}: {text}"))
+        else:
+            entries += [(r, f"rank {r}: {text}") for r in ranks]
+    return [line for _, line in sorted(entries)]
+
+
 def clip(text: str, limit: int = OTHER_ERROR_CHARS) -> str:
-    """The first line of ``text``, cut at the last word boundary within ``limit`` characters
-    with ``...`` where it is longer (never in the middle of a word)."""
+    """The first line of ``text``, cut at a word boundary within ``limit`` with ``...``."""
     line = text.splitlines()[0] if text else ""
     if len(line) <= limit:
         return line
@@ -140,8 +178,7 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def call_site(traceback_text: str) -> tuple[str, str] | None:
-    """``(call, "script.py:7")``: the last frame of the user's own code in a traceback and
-    the library function it called there (``None`` when there is no such frame)."""
+    """``(call, "script.py:7")``: the user's last frame in a traceback and what it called."""
     frames = [m for m in map(_FRAME.match, traceback_text.splitlines()) if m]
     library = _library_dirs()
 
@@ -180,9 +217,8 @@ def finished_while_waiting(root: RankEnd, ends: list[RankEnd]) -> str | None:
 # -- the summary -------------------------------------------------------------------------------
 def failure_for(ends: list[RankEnd], first: int, role: Callable[[int], str],
                 note: BackupNote | None) -> tuple[WorkerFailedError, tuple[str, ...]]:
-    """The launcher's :class:`WorkerFailedError` for a failed attempt and the root's
-    exception types. ``role(rank)``: how to name a rank besides its number (``"parameter
-    server 0"``, or ``""``); ``note``: the job's committed backup, if any."""
+    """The :class:`WorkerFailedError` of a failed attempt and its root's exception types;
+    ``role(rank)`` names a rank's role (``""``: a worker), ``note`` is the committed backup."""
     root = root_of(ends, first)
     err = root.error
     named = f"{role(root.rank)} (rank {root.rank})" if role(root.rank) else f"rank {root.rank}"

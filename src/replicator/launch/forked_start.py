@@ -1,13 +1,8 @@
-"""Workers forked from a warm server: how ``rp.launch`` and ``replicator run`` start a worker
-without a fresh interpreter importing torch again.
+"""Workers forked from a warm forkserver: how ``rp.launch`` and ``replicator run`` start one.
 
 A fresh interpreter takes 3-4 s to import torch on a quiet 2-core machine and 10-25 s on a busy
-one, for every worker and every restart; a worker forked from multiprocessing's forkserver,
-which imported torch and replicator once, starts in a fraction of a second. What a fresh
-interpreter would have and a forked one would not is put back in the child
-(:func:`become_worker`): the launcher's exact environment and working directory, its standard
-streams (line-buffered, as ``python -u`` gives), an unset multiprocessing start method (a
-script may still call ``set_start_method``), and fresh NumPy entropy.
+one, for every worker and restart; a fork of a server that imported it once starts in a
+fraction of a second. :func:`become_worker` puts back what a fresh interpreter would have.
 """
 
 from __future__ import annotations
@@ -46,9 +41,8 @@ def check_start_method(method: Any, allowed: tuple[str, ...] = START_METHODS) ->
 
 
 def forkserver_context() -> Any:
-    """multiprocessing's forkserver context, its server preloading :data:`FORKSERVER_PRELOAD`
-    and what ``REPLICATOR_PRELOAD`` names, and started now: its imports (3-4 s) then overlap
-    the launcher's own set-up (its store imports torch too) instead of following it."""
+    """The forkserver context, preloading :data:`FORKSERVER_PRELOAD` and ``REPLICATOR_PRELOAD``,
+    started now so that its imports (3-4 s) overlap the launcher's own set-up."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, *user_preload(os.environ)])
     forkserver.ensure_running()
@@ -62,14 +56,8 @@ def user_preload(env: Any) -> list[str]:
 
 
 class StandardStreams:
-    """File descriptors a forked worker takes as its fd 0, 1 and 2 (the launcher's own by
-    default, or a pipe to the output relay).
-
-    A forkserver's children inherit the server's descriptors, not the launcher's: a worker
-    would read and write wherever the streams went when the server started. Pickled while the
-    worker starts, the descriptors travel with it (``DupFd``); the caller may close its copies
-    once ``Process.start()`` returned.
-    """
+    """The fds 0-2 a forked worker takes (a forkserver's children would inherit the server's);
+    pickled at start they travel with it (``DupFd``), so the caller may then close its copies."""
 
     def __init__(self, stdin: int = 0, stdout: int = 1, stderr: int = 2) -> None:
         self.fds = (stdin, stdout, stderr)
@@ -98,8 +86,7 @@ class _ReceivedStreams:
 
 
 def become_worker(env: dict[str, str], cwd: str, streams: Any = None) -> None:
-    """In a forked worker: take the launcher's streams, environment and directory as a fresh
-    interpreter started by the launcher would have them."""
+    """In a forked worker: the launcher's streams, environment and directory, as if fresh."""
     if isinstance(streams, _ReceivedStreams):
         streams.install()
     # exactly the launcher's environment: the server's may hold variables unset since

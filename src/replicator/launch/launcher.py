@@ -1,20 +1,6 @@
-"""The local launcher: N worker processes on this machine, the embedded default.
-
-The launcher hosts the rendezvous store itself (on loopback, on a port the OS picks), so no
-port can be taken between choosing it and using it. When a worker fails, the others get a short
-grace to stop on their own, are then terminated, and the first failure is reported once, with
-its rank and traceback. ``max_restarts`` restarts the whole group after a failure.
-
-Preemption: a worker that exits with :data:`PREEMPTION_EXIT_CODE` (75) saved a backup after
-SIGTERM, and the others are doing the same, so they get a longer grace to finish saving. A
-preempted group is restarted like a failed one while restarts remain (the restart counts).
-When the launcher itself receives SIGTERM, it forwards it to every worker, waits for their
-backups, and raises :class:`~replicator.errors.PreemptedError` (exit code 75) without restarting.
-
-Failures that a restart would only repeat (see :mod:`replicator.launch.restart_policy`) are
-not restarted. ``replicator run`` relays each worker's output with a ``[rank R]`` prefix
-(:mod:`replicator.launch.output`).
-"""
+"""The local launcher: N worker processes (and actors) on this machine around one hosted store
+(on a port the OS picks, so none is taken in between). A failure stops the others after a grace
+and is reported once; preempted workers (exit 75) get a longer grace to save their backup."""
 
 from __future__ import annotations
 
@@ -29,41 +15,46 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from replicator.cluster.cpu_scheduling import usable_cores
 from replicator.cluster.env_names import (
+    ACTOR_INDEX_ENV,
     ERROR_DIR_ENV,
     LAUNCHER_ENV,
     NUM_ACTORS_ENV,
+    NUM_LEARNERS_ENV,
     NUM_PS_ENV,
+    PREEMPTION_EXIT_CODE,
     PREEMPTION_GRACE_ENV,
     REJOIN_ENV,
     REJOIN_KEY,
     RESTART_COUNT_ENV,
+    RL_STORE_ENV,
     STORE_HOSTED_ENV,
     TIMEOUT_ENV,
 )
-from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
 from replicator.cluster.ports import LOOPBACK, check_port, listen
-from replicator.cluster.stack_dump import STACK_DUMP_SIGNAL, read_stacks
 from replicator.cluster.timeouts import resolve_timeout
 from replicator.cluster.worker_errors import (
+    STACK_DUMP_SIGNAL,
     error_path,
     read_backup,
     read_error,
+    read_stacks,
 )
 from replicator.errors import ClusterConfigError, PreemptedError, WorkerFailedError
-from replicator.launch.actors import actor_env, check_num_actors
 from replicator.launch.failure_report import (
     RankEnd,
     describe_codes,
     describe_exit,
     failure_for,
+    restart_refusal,
     resume_hint,
     root_of,
 )
 from replicator.launch.output import OutputRelay
-from replicator.launch.restart_policy import restart_refusal
 
 #: Seconds the other workers get to stop by themselves after one fails, before SIGTERM.
 FAILURE_GRACE_SECONDS = 5.0
@@ -73,13 +64,35 @@ KILL_GRACE_SECONDS = 3.0
 STACK_DUMP_SECONDS = 2.0
 #: Seconds preempted workers get to save their backup and exit (override with the variable).
 PREEMPTION_GRACE_SECONDS = 120.0
+#: The learners' rendezvous variables an actor must not see (it would join their group).
+_LEARNER_ONLY = ("WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_count(value: Any, flag: str, minimum: int = 0, hint: str = "") -> int:
+    """``value`` if it is an integer of at least ``minimum``, else an error with ``hint``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ClusterConfigError(f"{flag} must be {what}, got {value!r}"
+                                 + (f". HINT: {hint}" if hint else ""))
+    return value
+
+
+def check_num_replicas(n: Any, flag: str = "num_replicas") -> int:
+    """Validate a number of workers: a positive integer, else a clear error."""
+    return check_count(n, flag, 1, "use 1 for a single replica.")
+
+
+def check_script(script: str) -> str:
+    """``script`` if it names a file, else an error saying where it was looked for."""
+    if not Path(script).is_file():
+        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
+                                 "HINT: give the path of a Python file.")
+    return str(script)
 
 
 def check_num_ps(num_ps: Any, world: int) -> int:
     """Validate ``--num-ps`` / ``num_ps=``: at least one process must be left as a worker."""
-    if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
-        raise ClusterConfigError(f"num_ps must be an integer >= 0, got {num_ps!r}")
-    if num_ps >= world:
+    if check_count(num_ps, "num_ps") >= world:
         raise ClusterConfigError(
             f"--num-ps {num_ps} leaves no worker among {world} process(es). HINT: --nproc counts "
             f"servers and workers together; use --nproc {num_ps + 1} or more.")
@@ -93,12 +106,26 @@ def _preemption_grace() -> float:
         return PREEMPTION_GRACE_SECONDS
 
 
-def check_num_replicas(n: Any, flag: str = "num_replicas") -> int:
-    """Validate a number of workers: a positive integer, else a clear error."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ClusterConfigError(f"{flag} must be a positive integer, got {n!r}. "
-                                 "HINT: use 1 for a single replica.")
-    return n
+def check_num_actors(num_actors: Any, num_ps: int = 0) -> int:
+    """Validate ``--num-actors`` / ``num_actors=``: an integer >= 0, not beside servers."""
+    check_count(num_actors, "num_actors", hint="--num-actors 2 starts two actor processes.")
+    if num_actors and num_ps:
+        raise ClusterConfigError("--num-actors and --num-ps cannot be combined: actors feed "
+                                 "a synchronous learner, not parameter servers. HINT: drop "
+                                 "one of them.")
+    return num_actors
+
+
+def actor_env(learner_env: dict[str, str], index: int, world: int, num_actors: int,
+              store: str, restarts: int) -> dict[str, str]:
+    """Actor ``index``'s environment, id ``world + index``: no rank among the learners (a gloo
+    group cannot lose or regain a member), whom it finds through the launcher's store."""
+    env = {k: v for k, v in learner_env.items() if k not in _LEARNER_ONLY}
+    env.update({"RANK": str(world + index), "LOCAL_WORLD_SIZE": str(world + num_actors),
+                ACTOR_INDEX_ENV: str(index), NUM_ACTORS_ENV: str(num_actors),
+                NUM_LEARNERS_ENV: str(world), RL_STORE_ENV: store,
+                REJOIN_ENV: str(restarts), "OMP_NUM_THREADS": "1"})
+    return env
 
 
 def _loopback_interface() -> str | None:
@@ -112,11 +139,7 @@ def _loopback_interface() -> str | None:
 def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
                attempt: int, error_dir: str, base: dict[str, str] | None = None,
                master_addr: str = LOOPBACK) -> dict[str, str]:
-    """The environment of one local worker: torchrun's variable names plus replicator's own.
-
-    ``master_addr``: where the launcher's store listens (loopback, unless replica groups on
-    other machines must reach it).
-    """
+    """The environment of one local worker: torchrun's variable names plus replicator's own."""
     env = dict(os.environ if base is None else base)
     threads = max(1, (os.cpu_count() or 1) // world)
     env.update({
@@ -176,14 +199,6 @@ class _Outcome:
     error_types: tuple[str, ...] = ()
 
 
-def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
 def oversubscription_warning(nproc: int, cores: int) -> str | None:
     """The warning for more workers than cores (``None`` when they fit)."""
     if nproc <= cores:
@@ -194,14 +209,16 @@ def oversubscription_warning(nproc: int, cores: int) -> str | None:
             "or fewer unless you are testing the distributed code itself.")
 
 
-class LocalGroup:
-    """Start, watch and (re)start a group of local workers around one hosted store.
+def forward_sigterm(handler: Callable[[], None]) -> Any:
+    """Run ``handler`` on SIGTERM (main thread only); the previous handler, to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda signum, frame: handler())
 
-    ``name`` (``"replica group 2"``) marks a group that runs beside others: its messages name
-    it, a restart restarts it alone, and its output is drained apart from the others'.
-    ``restart_preempted=False`` ends the group instead of restarting it when its workers were
-    preempted (they left on purpose). ``store_addr`` is where the store listens.
-    """
+
+class LocalGroup:
+    """Start, watch and (re)start a group of local workers around one hosted store; ``name``
+    marks a group beside others (restarted alone), ``restart_preempted=False`` ends it instead."""
 
     def __init__(self, world: int, start: Callable[[int, dict[str, str]], Any], *,
                  master_port: int | None = None, timeout_seconds: float | None = None,
@@ -213,10 +230,7 @@ class LocalGroup:
 
         self.world = check_num_replicas(world, "the number of workers")
         master_port = check_port(master_port)
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) \
-                or max_restarts < 0:
-            raise ClusterConfigError(f"max_restarts must be an integer >= 0, got "
-                                     f"{max_restarts!r}. HINT: 0 turns restarts off.")
+        check_count(max_restarts, "max_restarts", hint="0 turns restarts off.")
         self.output = output
         self.name = name
         self.restart_preempted = restart_preempted
@@ -245,25 +259,18 @@ class LocalGroup:
 
     def run(self) -> None:
         """Run to completion, restarting up to ``max_restarts`` times; raise on final failure."""
-        previous = self._install_sigterm()
+        previous = forward_sigterm(self._on_sigterm)
         try:
             self._run_attempts()
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
-    def _install_sigterm(self) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            return None
-
-        def forward(signum: int, frame: Any) -> None:
-            self.signalled = True
-            self.say("[replicator] received SIGTERM: asking every worker to save a backup and "
-                     "stop")
-            for w in self.workers:
-                w.signal(signal.SIGTERM)
-
-        return signal.signal(signal.SIGTERM, forward)
+    def _on_sigterm(self) -> None:
+        self.signalled = True
+        self.say("[replicator] received SIGTERM: asking every worker to save a backup and stop")
+        for w in self.workers:
+            w.signal(signal.SIGTERM)
 
     def say(self, line: str) -> None:
         """Print a launcher message on stderr, between whole lines of the workers."""
@@ -303,8 +310,7 @@ class LocalGroup:
             raise outcome.failure
 
     def _check_servers_ran(self, attempt: int) -> None:
-        """With ``--num-ps``: say so when a server rank never started a parameter server (the
-        script built another strategy, so that rank ran it as one more replica)."""
+        """With ``--num-ps``: warn when a server rank never started a parameter server."""
         if not self.num_ps:
             return
         from replicator.ps.protocol import SERVER_ADDRESS_KEY
@@ -323,7 +329,6 @@ class LocalGroup:
                  "this script, or build rp.ParameterServerStrategy() in it.")
 
     def _resume_hint(self, codes: dict[int, int | None]) -> str:
-        """What a rerun does: resume from a committed backup, or start over without one."""
         return resume_hint(read_backup(self.error_dir, range(self.world)), codes)
 
     def _run_once(self, attempt: int) -> _Outcome:
@@ -332,18 +337,17 @@ class LocalGroup:
         self.rank_restarts = {}
         try:
             for rank in range(self.world):
-                env = worker_env(rank, self.world, self.port, self.timeout_seconds, attempt,
-                                 self.error_dir, self.base_env, self.store_addr)
+                env = self._env(rank)
                 if self.num_ps:
                     env[NUM_PS_ENV] = str(self.num_ps)
                 if self.num_actors:
                     env[NUM_ACTORS_ENV] = str(self.num_actors)
                     if "OMP_NUM_THREADS" not in (self.base_env or os.environ):  # cores shared
-                        env["OMP_NUM_THREADS"] = str(max(1, available_cores() // (  # with actors
+                        env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (  # with actors
                             self.world + self.num_actors)))
                 self.workers.append(_Worker(rank, self.start_fn(rank, env)))
             for k in range(self.num_actors):
-                self.workers.append(self._start_actor(k, attempt, 0))
+                self.workers.append(self._start_actor(k, 0))
             if self.signalled:  # SIGTERM came while these workers were starting
                 for w in self.workers:
                     w.signal(signal.SIGTERM)
@@ -390,54 +394,49 @@ class LocalGroup:
                         exitcodes={w.rank: w.poll() for w in self.workers})
 
     def _note_lost_workers(self, codes: dict[int, int | None]) -> bool:
-        """With parameter servers: a non-chief worker killed by a signal is restarted alone
-        while restarts remain, else lost (once). True when a worker was restarted."""
-        restarted = self._note_lost_actors(codes)
-        if not self.num_ps:
-            return restarted
-        for rank in range(1, self.world - self.num_ps):
-            code = codes.get(rank)
-            if code is not None and code < 0 and rank not in self.lost:
-                left = self.max_restarts - self.attempt - self.worker_restarts
-                if left > 0:
-                    self._restart_worker(rank, code)
-                    restarted = True
-                    continue
-                self.lost.add(rank)
-                self.say(f"[replicator] worker rank {rank} was lost ({describe_exit(code)}); "
-                         "the parameter servers and the other workers go on without it")
-        return restarted
-
-    def _start_actor(self, index: int, attempt: int, restarts: int) -> _Worker:
-        env = worker_env(0, self.world, self.port, self.timeout_seconds, attempt,
-                         self.error_dir, self.base_env, self.store_addr)
-        env = actor_env(env, index, self.world, self.num_actors,
-                        f"{self.store_addr}:{self.port}", restarts)
-        return _Worker(self.world + index, self.start_fn(self.world + index, env))
-
-    def _note_lost_actors(self, codes: dict[int, int | None]) -> bool:
-        """An actor that ended before its learners is restarted alone while restarts remain;
-        one killed with none left is lost (a failing one fails the job). True on a restart."""
+        """A killed non-chief worker (with servers) or an actor that ended restarts alone while
+        restarts remain, else a killed one is lost; True on a restart."""
         restarted = False
-        for index in range(self.num_actors):
-            rank = self.world + index
-            code = codes.get(rank)
-            if code is None or code == 0 or rank in self.lost:
+        ranks = [*range(1, self.world - self.num_ps if self.num_ps else 1),
+                 *range(self.world, self.world + self.num_actors)]
+        for rank in ranks:
+            code, actor = codes.get(rank), rank >= self.world
+            if code is None or code == 0 or rank in self.lost or (code > 0 and not actor):
                 continue
+            name = f"actor {rank - self.world}" if actor else f"worker rank {rank}"
+            peers = "learners" if actor else "parameter servers"
             if self.max_restarts - self.attempt - self.worker_restarts > 0:
                 self.worker_restarts += 1
                 self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
-                self.say(f"[replicator] actor {index} ended ({describe_exit(code)}); restarting "
-                         f"it alone to rejoin the learners (restart "
-                         f"{self.worker_restarts + self.attempt} of {self.max_restarts})")
-                self.workers[rank] = self._start_actor(index, self.attempt,
-                                                       self.rank_restarts[rank])
+                self.say(f"[replicator] {name} {'ended' if actor else 'was lost'} "
+                         f"({describe_exit(code)}); restarting it alone to rejoin the {peers} "
+                         f"(restart {self.worker_restarts + self.attempt} of {self.max_restarts})")
+                self.workers[rank] = (self._start_actor(rank - self.world, self.rank_restarts[rank])
+                                      if actor else self._rejoin(rank))
                 restarted = True
             elif code < 0:
                 self.lost.add(rank)
-                self.say(f"[replicator] actor {index} was lost ({describe_exit(code)}); the "
-                         "learners go on without it")
+                self.say(f"[replicator] {name} was lost ({describe_exit(code)}); the "
+                         f"{'learners' if actor else 'parameter servers and the other workers'} "
+                         "go on without it")
         return restarted
+
+    def _env(self, rank: int) -> dict[str, str]:
+        return worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
+                          self.error_dir, self.base_env, self.store_addr)
+
+    def _start_actor(self, index: int, restarts: int) -> _Worker:
+        env = actor_env(self._env(0), index, self.world, self.num_actors,
+                        f"{self.store_addr}:{self.port}", restarts)
+        return _Worker(self.world + index, self.start_fn(self.world + index, env))
+
+    def _rejoin(self, rank: int) -> _Worker:
+        """Worker ``rank`` started again alone, to rejoin the running parameter servers."""
+        self.store.set(f"replicator/attempt_{self.attempt}/" + REJOIN_KEY.format(rank=rank),
+                       str(self.rank_restarts[rank]))
+        env = self._env(rank)
+        env.update({NUM_PS_ENV: str(self.num_ps), REJOIN_ENV: "1"})
+        return _Worker(rank, self.start_fn(rank, env))
 
     def _stop_actors(self) -> None:
         """Give the actors a grace to leave after their learners ended, then stop them."""
@@ -445,26 +444,7 @@ class LocalGroup:
         deadline = time.time() + FAILURE_GRACE_SECONDS
         while time.time() < deadline and any(w.poll() is None for w in actors):
             time.sleep(0.02)
-        for w in actors:
-            w.signal(signal.SIGTERM)
-            w.join(KILL_GRACE_SECONDS)
-            w.signal(signal.SIGKILL)
-
-    def _restart_worker(self, rank: int, code: int) -> None:
-        """Start worker ``rank`` again alone; it rejoins the running parameter servers."""
-        self.worker_restarts += 1
-        used = self.worker_restarts + self.attempt
-        self.say(f"[replicator] worker rank {rank} was lost ({describe_exit(code)}); restarting "
-                 f"it alone to rejoin the parameter servers (restart {used} of "
-                 f"{self.max_restarts})")
-        self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
-        self.store.set(f"replicator/attempt_{self.attempt}/" + REJOIN_KEY.format(rank=rank),
-                       str(self.rank_restarts[rank]))
-        env = worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
-                         self.error_dir, self.base_env, self.store_addr)
-        env[NUM_PS_ENV] = str(self.num_ps)
-        env[REJOIN_ENV] = "1"
-        self.workers[rank] = _Worker(rank, self.start_fn(rank, env))
+        self.stop_all(actors)
 
     def _failure(self, attempt: int, first: _Worker, terminated: list[int]
                  ) -> tuple[WorkerFailedError, tuple[str, ...]]:
@@ -484,16 +464,14 @@ class LocalGroup:
                            read_backup(self.error_dir, range(self.world)))
 
     def _role(self, rank: int) -> str:
-        """``"parameter server K"`` for the last ``num_ps`` ranks, ``"actor K"`` for actors,
-        else ``""``."""
+        """``"parameter server K"``, ``"actor K"`` or ``""`` (a worker)."""
         if rank >= self.world:
             return f"actor {rank - self.world}"
         first_server = self.world - self.num_ps
         return f"parameter server {rank - first_server}" if rank >= first_server else ""
 
     def _dump_running_stacks(self) -> None:
-        """Workers still running when the launch closes (it was stopped from outside: a
-        timeout, an interrupt) print their threads' stacks before they are stopped."""
+        """Print the stacks of workers still running when the launch is stopped from outside."""
         running = [w for w in self.workers if w.poll() is None]
         if not running:
             return
@@ -509,13 +487,15 @@ class LocalGroup:
             self.say(f"[replicator] rank {w.rank}'s threads:\n"
                      f"{stacks or '(none written: the worker did not answer)'}")
 
-    def stop_all(self) -> None:
-        for w in self.workers:
+    def stop_all(self, workers: list[_Worker] | None = None) -> None:
+        """SIGTERM ``workers`` (default: all), then SIGKILL those left after a grace."""
+        workers = self.workers if workers is None else workers
+        for w in workers:
             w.signal(signal.SIGTERM)
         deadline = time.time() + KILL_GRACE_SECONDS
-        for w in self.workers:
+        for w in workers:
             w.join(max(0.0, deadline - time.time()))
-        for w in self.workers:
+        for w in workers:
             w.signal(signal.SIGKILL)
             w.join(1.0)
 

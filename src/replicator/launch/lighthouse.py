@@ -1,14 +1,5 @@
-"""torchft's lighthouse for replica groups: start it on loopback, wait until it answers, stop it.
-
-The lighthouse is torchft's quorum service (a Rust server, the ``torchft_lighthouse`` command
-of the ``torchft`` package): every replica group's Manager heartbeats to it and asks it, each
-step, which groups take part. It has no authentication, so it listens on ``127.0.0.1`` unless
-told otherwise, and a job that spans machines must run on a trusted network.
-
-The launcher starts it with ``--bind ADDR:0`` (a free port; the port is read from its first
-log line) and waits until ``GET /status`` answers, so no group starts before it can form a
-quorum. A busy port, a bad address or a missing ``torchft`` are errors with the fix.
-"""
+"""torchft's lighthouse (its quorum service) for replica groups: start, wait until it answers, stop.
+It has no authentication, so it listens on loopback unless told otherwise."""
 
 from __future__ import annotations
 
@@ -56,8 +47,7 @@ def require_torchft() -> None:
 
 
 def lighthouse_command() -> list[str]:
-    """The ``torchft_lighthouse`` command: the one beside this interpreter, else on PATH, else
-    the same entry point run by this interpreter."""
+    """The ``torchft_lighthouse`` command: beside this interpreter, on PATH, or run by it."""
     beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     if os.access(beside, os.X_OK):
         return [beside]
@@ -70,10 +60,7 @@ def lighthouse_command() -> list[str]:
 
 
 def parse_address(text: str, flag: str, default_port: int | None = None) -> tuple[str, int]:
-    """``"HOST:PORT"`` (also ``http://HOST:PORT`` and ``[::1]:PORT``) -> ``(host, port)``.
-
-    Without a port, ``default_port`` is used when given; anything else is a clear error.
-    """
+    """``"HOST:PORT"`` (also ``http://HOST:PORT``, ``[::1]:PORT``) -> ``(host, port)``."""
     raw = text.strip()
     body = re.sub(r"^https?://", "", raw).rstrip("/")
     match = re.fullmatch(r"\[(?P<v6>[0-9a-fA-F:.]+)\](?::(?P<p6>\d+))?|"
@@ -106,10 +93,7 @@ def status_page(url: str, timeout: float = 5.0) -> str:
 
 
 def wait_reachable(url: str, timeout: float, flag: str = "--lighthouse") -> str:
-    """Wait until the lighthouse at ``url`` answers (at most ``timeout`` s); its status page.
-
-    Raises :class:`LighthouseError` naming the address and the last error.
-    """
+    """The status page of the lighthouse at ``url`` once it answers (at most ``timeout`` s)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while True:
@@ -127,8 +111,7 @@ def wait_reachable(url: str, timeout: float, flag: str = "--lighthouse") -> str:
 
 
 def seen_group_ids(page: str) -> set[int]:
-    """The replica-group ids a lighthouse's status page names (heartbeats and last quorum),
-    for the ids that follow :data:`REPLICA_ID_FORMAT`."""
+    """The replica-group ids (of :data:`REPLICA_ID_FORMAT`) a status page names."""
     prefix, suffix = REPLICA_ID_FORMAT.split("{group}")
     pattern = re.compile(re.escape(prefix) + r"(\d+)" + re.escape(suffix) + r"(?=:)")
     return {int(m.group(1)) for m in pattern.finditer(page)}

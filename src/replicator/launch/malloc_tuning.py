@@ -9,12 +9,8 @@ was kernel time; with the thresholds raised it was none, and the step took 28 ms
 34-37 (one process with two threads: 30-32 ms instead of 36-42; two synchronous ranks, whose
 faults coincide: 29 ms of compute instead of 34-35). PyTorch's CPU tuning guides get this from
 jemalloc or tcmalloc; glibc's own ``mallopt`` gets most of it without another library.
-
-The library's launchers apply it in every worker they start (``replicator run``, ``bench``,
-``plan``, ``rp.launch``), as they set ``OMP_NUM_THREADS``. The cost: freed memory stays in
-the process (its peak, not its current use, is what it holds). ``REPLICATOR_MALLOC=default``
-keeps glibc's defaults; a ``MALLOC_*_`` variable of the user's (glibc's own tunables) is left
-to glibc. Elsewhere than glibc nothing changes.
+The launchers apply it in every worker; the cost is that a process holds its peak memory.
+``REPLICATOR_MALLOC=default`` (or glibc's own ``MALLOC_*_`` variables) keeps glibc's choice.
 """
 
 from __future__ import annotations
@@ -53,8 +49,7 @@ def _choice() -> str:
 
 
 def tune_malloc() -> bool:
-    """Raise glibc's mmap and trim thresholds in this process (see the module doc); returns
-    whether it did (``False``: not glibc, opted out, or the user set glibc's tunables)."""
+    """Raise glibc's mmap and trim thresholds in this process; whether it did."""
     if _choice() == "default" or platform.system() != "Linux":
         return False
     if any(name in os.environ for name in _GLIBC_TUNABLES):

@@ -3,13 +3,8 @@
 Every worker is a Python interpreter with torch imported, plus the script's model and data:
 ``import torch, replicator`` alone is 300 MB of resident memory, and the digits demo peaks at
 410 MB in one process, of which the shared libraries' pages are shared between workers. So
-about 300 MB a worker is the least a job needs. Starting more than memory holds does not fail
-cleanly: the kernel's out-of-memory killer picks processes (maybe the launcher, maybe the
-desktop), so ``replicator run`` / ``demo`` refuse it up front with the arithmetic, unless
-``--force``.
-
-The memory available is the kernel's ``MemAvailable`` (``/proc/meminfo``; elsewhere
-``os.sysconf``), lowered to what a cgroup limit (a container) leaves.
+about 300 MB a worker is the least a job needs. More than memory holds does not fail cleanly
+(the out-of-memory killer picks any process), so ``replicator run`` refuses it unless ``--force``.
 """
 
 from __future__ import annotations
@@ -70,8 +65,7 @@ def available_memory() -> tuple[int, str] | None:
 
 def memory_refusal(nproc: int, available: tuple[int, str] | None,
                    per_worker: int = WORKER_BYTES) -> str | None:
-    """The error for ``nproc`` workers that ``available`` memory cannot hold, else ``None``
-    (also when the available memory is unknown: nothing to check against)."""
+    """The error for ``nproc`` workers that ``available`` memory cannot hold, else ``None``."""
     if available is None:
         return None
     free, source = available

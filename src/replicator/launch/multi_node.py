@@ -1,35 +1,24 @@
 """Multi-node launch on ``torch.distributed.elastic``: ``replicator run --nnodes N ...``.
 
-Run the same command on every node, with that node's ``--node-rank``::
-
-    replicator run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 2 train.py
-    replicator run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 2 train.py
-
-This is ``torchrun --nnodes 2 --node-rank i --master-addr A --master-port P`` (the static
-rendezvous) run by torch's own elastic agent: its worker supervision and its ``--max-restarts``
-restarts of the whole group. Two differences: node 0's agent hosts the rendezvous store on
-``--master-addr`` only (torchrun listens on every interface), and gloo is told which
-interface to use (``GLOO_SOCKET_IFNAME``, unless already set): the one whose address routes to
-the master. torch.distributed has no authentication: run multi-node jobs on trusted networks.
+torchrun's static rendezvous run by torch's elastic agent (its supervision and restarts), except
+that node 0's store listens on ``--master-addr`` only and gloo gets the interface that routes to
+the master. No authentication: run it on trusted networks.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from replicator.cluster.env_names import LAUNCHER_ENV, RUN_ID_ENV, TIMEOUT_ENV
-from replicator.cluster.interfaces import choose_gloo_interface, interface_towards
-from replicator.cluster.ports import check_port, listen
+from replicator.cluster.ports import DEFAULT_MASTER_PORT, check_port, choose_gloo_interface, listen
+from replicator.cluster.timeouts import DEFAULT_TIMEOUT_SECONDS
 from replicator.errors import ClusterConfigError, WorkerFailedError
-from replicator.launch.launcher import check_num_replicas
+from replicator.launch.launcher import check_count, check_num_replicas, check_script
 
 #: The rendezvous backend registered with torch's rendezvous registry by this module.
 RENDEZVOUS_BACKEND = "replicator-static"
-DEFAULT_MASTER_PORT = 29500
-DEFAULT_RDZV_TIMEOUT_SECONDS = 300.0
 
 def _register_rendezvous() -> None:
     """Register the static rendezvous whose store listens on the master address only."""
@@ -106,13 +95,9 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
                    nnodes: int, node_rank: int | None, master_addr: str | None,
                    nproc_per_node: int, master_port: int | None = None,
                    max_restarts: int = 0, timeout_seconds: float | None = None,
-                   rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT_SECONDS,
+                   rdzv_timeout: float = DEFAULT_TIMEOUT_SECONDS,
                    run_id: str | None = None) -> None:
-    """Run this node's ``nproc_per_node`` workers of an ``nnodes``-node job (see module doc).
-
-    Raises :class:`WorkerFailedError` when the job fails after its restarts, and
-    :class:`ClusterConfigError` for a wrong command line or an unreachable master.
-    """
+    """Run this node's ``nproc_per_node`` workers of an ``nnodes``-node job (see module doc)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -121,11 +106,8 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
     node_rank, master_addr = int(node_rank or 0), str(master_addr)  # checked just above
     nproc_per_node = check_num_replicas(nproc_per_node, "--nproc-per-node")
     port = check_port(master_port) or DEFAULT_MASTER_PORT
-    if not Path(script).is_file():
-        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
-                                 "HINT: give the path of a Python file.")
-    if max_restarts < 0:
-        raise ClusterConfigError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    check_script(script)
+    check_count(max_restarts, "--max-restarts", hint="0 turns restarts off.")
     choose_gloo_interface(master_addr)
     os.environ[LAUNCHER_ENV] = "multi-node"
     if timeout_seconds is not None:
@@ -167,5 +149,4 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
         raise
 
 
-__all__ = ["run_multi_node", "interface_towards", "choose_gloo_interface", "check_multi_node_args",
-           "RENDEZVOUS_BACKEND"]
+__all__ = ["run_multi_node", "check_multi_node_args", "RENDEZVOUS_BACKEND"]

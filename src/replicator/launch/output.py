@@ -1,12 +1,8 @@
 """The launcher's output relay: every worker's stdout and stderr, line by line, rank-prefixed.
 
-Workers write into pipes; one thread per pipe drains it continuously (a worker never blocks on
-a full pipe) and hands whole lines to the terminal under one lock, prefixed ``[rank R] ``, so
-lines of two ranks never interleave mid-line. stdout stays stdout and stderr stays stderr.
-
-Carriage-return updates (a progress bar redrawing its line) are shown as they come: the text
-after the last ``\\r`` is drawn in place behind the rank prefix, and a whole line from any rank
-first moves past it (on a terminal: clears it, writes the line, and draws it again).
+One thread per pipe drains it (no worker blocks on a full pipe) and writes whole lines under one
+lock, so ranks never interleave mid-line. A ``\\r`` update (a progress bar) is drawn in place
+behind its prefix; another rank's line clears it, is written, and redraws it.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import threading
 import time
 from typing import IO, Any
 
-from replicator.cluster.terminal import TTY_COMPATIBLE_ENV
+from replicator.cluster.terminal import TTY_COMPATIBLE_ENV, isatty
 
 #: What erases the current terminal line (rich writes it after each ``\r``).
 _ERASE_LINE = b"\x1b[2K"
@@ -32,18 +28,9 @@ def rank_prefix(rank: int) -> str:
 
 
 def terminal_env(rank: int, world: int, stream: IO[Any] | None = None) -> dict[str, str]:
-    """Extra environment for a relayed worker whose output reaches a terminal.
-
-    The chief (rank 0) is told that its stdout is terminal-like (``TTY_COMPATIBLE=1``, which
-    rich honours) and how many columns are left after the prefix, so that a progress bar keeps
-    redrawing one line. Other ranks get only the narrower width.
-    """
-    stream = sys.stdout if stream is None else stream
-    try:
-        tty = stream.isatty()
-    except (AttributeError, ValueError):
-        tty = False
-    if not tty:
+    """For a relayed worker on a terminal: the columns left after the prefix, and for the
+    chief ``TTY_COMPATIBLE=1`` (rich honours it), so a progress bar redraws one line."""
+    if not isatty(sys.stdout if stream is None else stream):
         return {}
     columns = shutil.get_terminal_size().columns
     env = {"COLUMNS": str(max(20, columns - len(rank_prefix(world - 1))))}
@@ -57,10 +44,7 @@ class _Sink:
 
     def __init__(self, stream: IO[Any]) -> None:
         self.stream = stream
-        try:
-            self.tty = stream.isatty()
-        except (AttributeError, ValueError):
-            self.tty = False
+        self.tty = isatty(stream)
 
     def write(self, data: bytes) -> None:
         buffer = getattr(self.stream, "buffer", None)
@@ -90,11 +74,8 @@ class OutputRelay:
 
     def attach(self, rank: int, pipe: IO[bytes] | None, stream: str, *,
                label: str | None = None, group: str | None = None) -> None:
-        """Start draining ``pipe`` (a worker's ``stdout`` or ``stderr``) into ``stream``.
-
-        ``label`` replaces ``rank R`` in the prefix (``"group 2 rank 0"``); ``group`` files
-        the pipe under a name that :meth:`drain` can wait for alone.
-        """
+        """Start draining ``pipe`` into ``stream``; ``label`` replaces ``rank R`` in the prefix,
+        ``group`` names the pipes :meth:`drain` can wait for alone."""
         if pipe is None:
             return
         text = f"[{label}] " if label is not None else rank_prefix(rank)
@@ -106,12 +87,8 @@ class OutputRelay:
             self._threads.append((group, thread))
 
     def drain(self, timeout: float = DRAIN_SECONDS, group: str | None = None) -> None:
-        """Wait until every attached pipe (of ``group`` only, when given) reached its end (its
-        worker exited), then forget them.
-
-        A pipe still open after ``timeout`` (a grandchild process holding it) is left to its
-        thread, which keeps relaying in the background.
-        """
+        """Wait (at most ``timeout``) until the pipes (of ``group``) reached their end; one still
+        open (a grandchild holds it) is left relaying in the background."""
         deadline = time.monotonic() + timeout
         with self._lock:
             mine = [t for g, t in self._threads if group is None or g == group]
@@ -206,8 +183,7 @@ class OutputRelay:
 
 
 def _visible(line: bytes) -> bytes:
-    """What a terminal shows of ``line`` after its carriage returns: the text after the last
-    non-empty ``\\r`` segment, without the erase-line code that follows a ``\\r``."""
+    """What a terminal shows of ``line``: its last non-empty ``\\r`` segment, no erase code."""
     if b"\r" not in line:
         return line
     parts = [p for p in line.split(b"\r") if p]

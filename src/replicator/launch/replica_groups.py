@@ -1,24 +1,8 @@
 """Replica groups for live recovery on torchft: ``replicator run --replica-groups N --nproc K``.
 
-The launcher starts torchft's lighthouse on loopback (:mod:`replicator.launch.lighthouse`),
-or uses a running one (``--lighthouse``, ``--join``), then N replica groups of K processes.
-Each group is a :class:`~replicator.launch.launcher.LocalGroup` of its own, watched by its own
-thread: its own rendezvous store and port, its own restarts (``--max-restarts`` per group), its
-own failure report. A group that dies is restarted alone while the others keep training (the
-live-recovery engine heals it from a peer). A group whose restarts are spent is reported at
-once and the others go on without it. The exit status says whether the training finished: 0
-when at least ``--min-replicas`` groups completed their script (one line names the groups
-lost on the way), else non-zero naming the first group lost
-(:class:`~replicator.errors.ReplicaGroupFailedError`). A group whose processes were sent
-SIGTERM alone leaves the job (it is not restarted). SIGTERM to the launcher is forwarded to
-every process, so every group leaves at a step boundary.
-
-Every process of group g sees the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
-``MASTER_PORT`` (ranks within the group) plus the names of
-:mod:`replicator.cluster.env_names`: ``REPLICATOR_REPLICA_GROUP=g``,
-``REPLICATOR_REPLICA_GROUPS=N``, ``REPLICATOR_LIGHTHOUSE=http://HOST:PORT``,
-``REPLICATOR_MIN_REPLICAS=M`` and ``REPLICATOR_LIVE_BIND`` (and torchft's own
-``TORCHFT_LIGHTHOUSE``).
+N :class:`~replicator.launch.launcher.LocalGroup` s around one lighthouse, each on its own
+thread, store and restarts: a group that dies restarts alone and heals from a live peer; one out
+of restarts is lost while the others go on. Exit 0 when ``--min-replicas`` groups completed.
 """
 
 from __future__ import annotations
@@ -30,9 +14,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from replicator.cluster.cpu_scheduling import usable_cores
 from replicator.cluster.env_names import (
     LIGHTHOUSE_ENV,
     LIVE_BIND_ENV,
@@ -40,8 +24,12 @@ from replicator.cluster.env_names import (
     REPLICA_GROUP_ENV,
     REPLICA_GROUPS_ENV,
 )
-from replicator.cluster.interfaces import choose_gloo_interface
-from replicator.cluster.ports import LOOPBACK
+from replicator.cluster.ports import (
+    LOOPBACK,
+    choose_gloo_interface,
+    is_loopback,
+    local_address_towards,
+)
 from replicator.errors import (
     ClusterConfigError,
     LighthouseError,
@@ -50,7 +38,13 @@ from replicator.errors import (
     WorkerFailedError,
 )
 from replicator.launch.forked_start import check_start_method
-from replicator.launch.launcher import LocalGroup, available_cores, check_num_replicas
+from replicator.launch.launcher import (
+    LocalGroup,
+    check_count,
+    check_num_replicas,
+    check_script,
+    forward_sigterm,
+)
 from replicator.launch.lighthouse import (
     Lighthouse,
     LighthouseSettings,
@@ -62,24 +56,15 @@ from replicator.launch.lighthouse import (
     wait_reachable,
 )
 from replicator.launch.output import OutputRelay
-from replicator.launch.script_workers import script_starter
+from replicator.launch.script_launch import script_starter
 
 #: Seconds to wait for a lighthouse given with ``--lighthouse``/``--join`` to answer.
 REACH_TIMEOUT_SECONDS = 30.0
-_LOOPBACK_NAMES = ("localhost", "::1")
 
 
-def _is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in _LOOPBACK_NAMES
-
-
-def local_address_towards(host: str) -> str:
-    """This machine's address on the route to ``host`` (a UDP ``connect`` sends nothing)."""
+def _address_towards(host: str) -> str:
     try:
-        target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(target[0], socket.SOCK_DGRAM) as s:
-            s.connect(target[4])
-            return str(s.getsockname()[0])
+        return local_address_towards(host)
     except OSError as exc:
         raise ClusterConfigError(f"no route from this machine to the lighthouse host {host!r} "
                                  f"({exc}). HINT: give an address of the lighthouse's machine "
@@ -104,7 +89,7 @@ class ReplicaGroupsConfig:
     timeout_seconds: float | None = None
     quiet_workers: bool = False
     settings: LighthouseSettings = field(default_factory=LighthouseSettings)
-    #: How each worker starts: ``"forkserver"`` or ``"spawn"`` (see ``launch.script_workers``).
+    #: How each worker starts: ``"forkserver"`` or ``"spawn"`` (see ``launch.script_launch``).
     start_method: str = "forkserver"
 
 
@@ -121,12 +106,9 @@ def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
     groups = check_num_replicas(groups, "--replica-groups")
     nproc = check_num_replicas(nproc, "--nproc")
     min_replicas = check_num_replicas(min_replicas, "--min-replicas")
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ClusterConfigError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}"
-                                 ". HINT: with --replica-groups it counts per group.")
-    if group_id is not None and (isinstance(group_id, bool) or not isinstance(group_id, int)
-                                 or group_id < 0):
-        raise ClusterConfigError(f"--replica-group-id must be an integer >= 0, got {group_id!r}")
+    check_count(max_restarts, "--max-restarts", hint="with --replica-groups it counts per group.")
+    if group_id is not None:
+        check_count(group_id, "--replica-group-id")
     if join is not None and lighthouse is not None:
         raise ClusterConfigError("--join and --lighthouse both name a running lighthouse. "
                                  "HINT: --join HOST:PORT adds groups with unused ids; "
@@ -195,7 +177,7 @@ class ReplicaGroups:
         total = self.cfg.groups * self.cfg.nproc
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
         env.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at info
-        if not _is_loopback(self.address) and self.cfg.lighthouse is not None:
+        if not is_loopback(self.address) and self.cfg.lighthouse is not None:
             choose_gloo_interface(self.cfg.lighthouse[0], env)
         return env
 
@@ -217,7 +199,7 @@ class ReplicaGroups:
                 self.cfg.nproc, self._starter(g), timeout_seconds=self.cfg.timeout_seconds,
                 max_restarts=self.cfg.max_restarts, env=self.base_env(g), output=self.output,
                 name=f"replica group {g}", restart_preempted=False, store_addr=self.address)
-        previous = self._install_sigterm()
+        previous = forward_sigterm(self._on_sigterm)
         try:
             for g, group in self.groups.items():
                 end = _GroupEnd(group, threading.Thread(target=self._run_group, args=(g,),
@@ -243,20 +225,14 @@ class ReplicaGroups:
         finally:
             end.done = True
 
-    def _install_sigterm(self) -> Any:
-        if threading.current_thread() is not threading.main_thread():
-            return None
-
-        def forward(signum: int, frame: Any) -> None:
-            self.signalled = True
-            self.say("[replicator] received SIGTERM: asking every replica group to leave at a "
-                     "step boundary")
-            for group in self.groups.values():
-                group.signalled = True
-                for w in list(group.workers):
-                    w.signal(signal.SIGTERM)
-
-        return signal.signal(signal.SIGTERM, forward)
+    def _on_sigterm(self) -> None:
+        self.signalled = True
+        self.say("[replicator] received SIGTERM: asking every replica group to leave at a step "
+                 "boundary")
+        for group in self.groups.values():
+            group.signalled = True
+            for w in list(group.workers):
+                w.signal(signal.SIGTERM)
 
     def _watch(self) -> None:
         while True:
@@ -326,8 +302,7 @@ class ReplicaGroups:
 
     def _say_finished(self, finished: list[int], failed: dict[int, BaseException],
                       lost: ReplicaGroupFailedError) -> None:
-        """The training finished on the groups left (at least ``--min-replicas``): exit 0,
-        with one line that names the groups lost on the way."""
+        """The line for a job that finished on ``--min-replicas`` groups or more (exit 0)."""
         names = ", ".join(map(str, sorted(failed)))
         hint = ("" if self.cfg.max_restarts else " HINT: --max-restarts N restarts a lost "
                 "group alone, and it heals from a live peer.")
@@ -358,8 +333,8 @@ class ReplicaGroups:
 
 
 def _group_ids(cfg: ReplicaGroupsConfig, page: str | None) -> list[int]:
-    """The ids of this command's groups: from ``--replica-group-id``, above every id the
-    lighthouse has seen (``--join``), else 0..N-1."""
+    """The ids of this command's groups: ``--replica-group-id`` on, past the lighthouse's
+    (``--join``), else 0..N-1."""
     if cfg.first_id is not None:
         return list(range(cfg.first_id, cfg.first_id + cfg.groups))
     if cfg.join and page is not None:
@@ -377,10 +352,10 @@ def _group_ids(cfg: ReplicaGroupsConfig, page: str | None) -> list[int]:
 def _advertised_address(cfg: ReplicaGroupsConfig) -> str:
     """The address other groups reach these groups on (see ``LIVE_BIND_ENV``)."""
     host = cfg.lighthouse[0] if cfg.lighthouse is not None else cfg.bind[0]
-    if _is_loopback(host):
+    if is_loopback(host):
         return LOOPBACK
     if cfg.lighthouse is not None:
-        return local_address_towards(host)
+        return _address_towards(host)
     if host in ("0.0.0.0", "::", ""):
         try:
             return socket.gethostbyname(socket.gethostname())
@@ -392,13 +367,8 @@ def _advertised_address(cfg: ReplicaGroupsConfig) -> str:
 def run_replica_groups(script: str, script_args: Sequence[str] = (), *,
                        cfg: ReplicaGroupsConfig, output: OutputRelay | None = None) -> None:
     """Run ``script`` in ``cfg.groups`` replica groups of ``cfg.nproc`` processes (see the
-    module doc). Raises :class:`ReplicaGroupFailedError` naming a group that failed after its
-    restarts when fewer than ``--min-replicas`` groups completed, :class:`PreemptedError` after
-    SIGTERM, :class:`ClusterConfigError` for a wrong command line, :class:`LighthouseError`
-    when the lighthouse cannot be started or reached."""
-    if not Path(script).is_file():
-        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
-                                 "HINT: give the path of a Python file.")
+    module doc)."""
+    check_script(script)
     relay = output or OutputRelay()
     lighthouse: Lighthouse | None = None
     page: str | None = None
@@ -413,12 +383,12 @@ def run_replica_groups(script: str, script_args: Sequence[str] = (), *,
     try:
         ids = _group_ids(cfg, page)
         address = _advertised_address(cfg)
-        where = "loopback only" if _is_loopback(address) else f"reachable at {address}"
+        where = "loopback only" if is_loopback(address) else f"reachable at {address}"
         relay.emit(f"[replicator] {'using the' if lighthouse is None else 'started a'} torchft "
                    f"lighthouse at {url} ({where}); replica groups "
                    f"{', '.join(map(str, ids))} of {cfg.nproc} process(es) each, "
                    f"--min-replicas {cfg.min_replicas}")
-        total, cores = cfg.groups * cfg.nproc, available_cores()
+        total, cores = cfg.groups * cfg.nproc, usable_cores()
         if total > cores:
             relay.emit(f"[replicator] warning: {cfg.groups} replica groups x --nproc "
                        f"{cfg.nproc} = {total} workers on {cores} CPU core(s): each worker "
@@ -436,5 +406,4 @@ def run_replica_groups(script: str, script_args: Sequence[str] = (), *,
         relay.drain()
 
 
-__all__ = ["ReplicaGroups", "ReplicaGroupsConfig", "check_config", "run_replica_groups",
-           "local_address_towards"]
+__all__ = ["ReplicaGroups", "ReplicaGroupsConfig", "check_config", "run_replica_groups"]

@@ -1,8 +1,5 @@
-"""``python -m replicator.launch.script_entry script.py args...``: how the launcher runs a script.
-
-It runs the script as ``__main__`` and, when it fails, writes the exception to the rank's error
-file instead of printing it, so the launcher can print the first failure once.
-"""
+"""``python -m replicator.launch.script_entry script.py args...``: how the launcher runs a script:
+as ``__main__``, a failure written to the rank's error file for the launcher to report once."""
 
 from __future__ import annotations
 
@@ -12,14 +9,15 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from replicator.cluster.env_names import ERROR_DIR_ENV, RESTART_COUNT_ENV
-from replicator.cluster.process_group import configure_threads
-from replicator.cluster.stack_dump import install_stack_dump
+from replicator.cluster.process_group import configure_threads, shutdown
 from replicator.cluster.worker_errors import (
     ScriptNotFoundError,
     error_path,
+    install_stack_dump,
     record_exception,
     record_finished,
 )
@@ -40,40 +38,37 @@ def _finish_threads() -> None:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _clean_exit(code: int) -> None:
-    """Finish like a normal exit (shutdown, atexit handlers, flushed output), then leave
-    without C++ static destructors, whose order with still-running backend threads can abort
-    a worker that already succeeded."""
-    import atexit
-
-    from replicator.cluster.process_group import shutdown
-
+def quiet_shutdown() -> None:
+    """Leave the process group; a failure to leave does not change how the worker ends."""
     try:
         shutdown()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _clean_exit(code: int) -> None:
+    """Finish like a normal exit, then leave without C++ static destructors, whose order with
+    still-running backend threads can abort a worker that already succeeded."""
+    import atexit
+
+    quiet_shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-def run_as_main(script: str, args: list[str]) -> None:
-    """Run ``script`` with ``args`` as ``__main__`` as ``python script args`` would, reporting
-    a failure to the launcher's error directory (when set) and leaving with the script's code."""
-    sys.argv = [script, *args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+def run_reported(body: Callable[[], None]) -> None:
+    """Run a worker's ``body``: a failure written to the rank's error file (when the launcher
+    set one), a normal finish noted and left with exit code 0."""
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get(RESTART_COUNT_ENV, "0"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
         install_stack_dump(error_dir, rank)  # asked for when the launch is stopped
     try:
-        if not os.path.isfile(script):
-            raise ScriptNotFoundError(f"script {script!r} not found (looked in {os.getcwd()}). "
-                                      "HINT: give the path of a Python file.")
         tune_malloc()  # a step's large buffers stay in the heap (malloc_tuning)
-        runpy.run_path(script, run_name="__main__")
+        body()
         record_finished(rank)  # before leaving the group: a peer still waiting can say so
         _clean_exit(0)
     except SystemExit as exc:
@@ -94,25 +89,28 @@ def run_as_main(script: str, args: list[str]) -> None:
         sys.stderr.flush()
         os._exit(1)
     finally:
-        from replicator.cluster.process_group import shutdown
-
-        try:
-            shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        quiet_shutdown()
 
 
-def forked_entry(script: str, args: list[str], env: dict[str, str], cwd: str,
-                 streams: Any) -> None:
-    """A worker forked from the launcher's forkserver: the script runs as in a fresh
-    ``python -u`` (:mod:`replicator.launch.forked_start`) and the process leaves as an
-    interpreter does: atexit handlers run, a traceback printed, the script's exit code."""
-    become_worker(env, cwd, streams)
-    sys.path.insert(0, cwd)  # ``python -m`` puts the working directory first, then the script's
-    configure_threads(int(env.get("LOCAL_WORLD_SIZE", "1")))  # OMP_NUM_THREADS, read at import
+def run_as_main(script: str, args: list[str]) -> None:
+    """Run ``script`` with ``args`` as ``__main__`` as ``python script args`` would, reported."""
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+
+    def body() -> None:
+        if not os.path.isfile(script):
+            raise ScriptNotFoundError(f"script {script!r} not found (looked in {os.getcwd()}). "
+                                      "HINT: give the path of a Python file.")
+        runpy.run_path(script, run_name="__main__")
+
+    run_reported(body)
+
+
+def leave_as_interpreter(run: Callable[[], None]) -> None:
+    """Call ``run``, then leave as an interpreter does: a traceback printed, the exit code."""
     code: int = 0
     try:
-        run_as_main(script, args)
+        run()
     except SystemExit as exc:
         if isinstance(exc.code, int) or exc.code is None:
             code = exc.code or 0
@@ -123,6 +121,15 @@ def forked_entry(script: str, args: list[str], env: dict[str, str], cwd: str,
         traceback.print_exc()
         code = 1
     _clean_exit(code)
+
+
+def forked_entry(script: str, args: list[str], env: dict[str, str], cwd: str,
+                 streams: Any) -> None:
+    """A forked worker: the script runs, and the process leaves, as in a fresh ``python -u``."""
+    become_worker(env, cwd, streams)
+    sys.path.insert(0, cwd)  # ``python -m`` puts the working directory first, then the script's
+    configure_threads(int(env.get("LOCAL_WORLD_SIZE", "1")))  # OMP_NUM_THREADS, read at import
+    leave_as_interpreter(lambda: run_as_main(script, args))
 
 
 def main() -> None:

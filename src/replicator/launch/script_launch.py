@@ -1,55 +1,107 @@
-"""``replicator run``: a script on N local workers (:func:`run_script`).
-
-By default each worker is forked from a forkserver that imported torch and replicator once
-(:mod:`replicator.launch.forked_start`): a launch, and every restart, then starts its workers in
-a fraction of a second instead of the 3-25 s that fresh interpreters take to import torch
-(quiet to busy 2-core machine). ``start_method="spawn"`` (``--start-method spawn``) starts a
-fresh ``python`` per worker instead, for a script that needs one (interpreter flags, another
-``sys.path`` than the launcher's).
-"""
+"""``replicator run``: a script on N local workers, forked from the warm forkserver
+(:mod:`~replicator.launch.forked_start`) or, with ``start_method="spawn"``, fresh interpreters."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from replicator.cluster.cpu_scheduling import usable_cores
 from replicator.cluster.ports import check_port
-from replicator.errors import ClusterConfigError
-from replicator.launch.actors import check_num_actors
+from replicator.launch.forked_start import StandardStreams, check_start_method, forkserver_context
 from replicator.launch.launcher import (
     LocalGroup,
-    available_cores,
+    check_num_actors,
     check_num_ps,
     check_num_replicas,
+    check_script,
     oversubscription_warning,
 )
 from replicator.launch.output import OutputRelay, terminal_env
-from replicator.launch.script_workers import script_starter
+
+
+class _ForkedScript:
+    """Forks each worker from the forkserver."""
+
+    def __init__(self, script: str, args: Sequence[str]) -> None:
+        self.script = script
+        self.args = list(args)
+        self.ctx: Any = forkserver_context()
+
+    def start(self, rank: int, env: dict[str, str], *, relay: OutputRelay | None = None,
+              quiet: bool = False, label: str | None = None, group: str | None = None) -> Any:
+        # imported here: ``python -m replicator.launch.script_entry`` (the fresh path) warns
+        # when importing the package has already imported that module
+        from replicator.launch.script_entry import forked_entry
+
+        pipes: list[tuple[int, int]] = []
+        ends: list[int] = []
+        if quiet:
+            ends = [os.open(os.devnull, os.O_WRONLY)]
+            streams = StandardStreams(0, ends[0], ends[0])
+        elif relay is not None:
+            pipes = [os.pipe(), os.pipe()]
+            ends = [w for _, w in pipes]
+            streams = StandardStreams(0, *ends)
+        else:
+            streams = StandardStreams()
+        proc = self.ctx.Process(target=forked_entry, name=f"replicator-rank{rank}",
+                                args=(self.script, self.args, env, os.getcwd(), streams))
+        try:
+            proc.start()
+        finally:
+            for fd in ends:  # the worker holds its own copies now
+                os.close(fd)
+        if relay is not None:
+            for (r, _), stream in zip(pipes, ("stdout", "stderr")):
+                relay.attach(rank, os.fdopen(r, "rb"), stream, label=label, group=group)
+        return proc
+
+
+class _FreshScript:
+    """Starts each worker as a fresh ``python -u`` interpreter."""
+
+    def __init__(self, script: str, args: Sequence[str]) -> None:
+        self.cmd = [sys.executable, "-u", "-m", "replicator.launch.script_entry", script,
+                    *args]
+
+    def start(self, rank: int, env: dict[str, str], *, relay: OutputRelay | None = None,
+              quiet: bool = False, label: str | None = None, group: str | None = None) -> Any:
+        if quiet:
+            return subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        if relay is None:
+            return subprocess.Popen(self.cmd, env=env)
+        proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        pipes: tuple[IO[bytes] | None, IO[bytes] | None] = (proc.stdout, proc.stderr)
+        for pipe, stream in zip(pipes, ("stdout", "stderr")):
+            relay.attach(rank, pipe, stream, label=label, group=group)
+        return proc
+
+
+def script_starter(script: str, args: Sequence[str], start_method: str = "forkserver") -> Any:
+    """What starts the workers of ``script args``: ``start(rank, env, relay=, quiet=, label=,
+    group=)`` returns the process (``quiet``: output dropped; no ``relay``: the launcher's)."""
+    method = check_start_method(start_method)
+    return (_ForkedScript if method == "forkserver" else _FreshScript)(script, args)
 
 
 def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
                master_port: int | None = None, timeout_seconds: float | None = None,
                max_restarts: int = 0, quiet_workers: bool = False, num_ps: int = 0,
                num_actors: int = 0, start_method: str = "forkserver") -> None:
-    """Run ``python script.py args`` in ``nproc`` local workers (``replicator run``).
-
-    With several workers, their output is relayed line by line with a ``[rank R]`` prefix;
-    ``quiet_workers`` shows only the chief's (rank 0) output (failures are still reported).
-    ``num_ps``: the last ``num_ps`` processes are parameter servers. ``num_actors``: actor
-    processes started beside the ``nproc`` learners (see :mod:`replicator.launch.actors`).
-    ``start_method``: ``"forkserver"`` (workers forked from a process that imported torch
-    once) or ``"spawn"`` (a fresh interpreter per worker); see the module docstring.
-    """
+    """Run ``python script.py args`` in ``nproc`` local workers (``replicator run``), their
+    output relayed with a ``[rank R]`` prefix (``quiet_workers``: the chief's only); the last
+    ``num_ps`` are parameter servers, ``num_actors`` actors start beside them."""
     nproc = check_num_replicas(nproc, "--nproc")
     check_num_ps(num_ps, nproc)
     master_port = check_port(master_port)
-    path = Path(script)
-    if not path.is_file():
-        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
-                                 "HINT: give the path of a Python file.")
     check_num_actors(num_actors, num_ps)
-    starter = script_starter(str(path), script_args, start_method)
+    starter = script_starter(check_script(script), script_args, start_method)
     relay = OutputRelay() if nproc + num_actors > 1 else None
 
     def start(rank: int, env: dict[str, str]) -> Any:
@@ -61,7 +113,7 @@ def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
     group = LocalGroup(nproc, start, master_port=master_port, timeout_seconds=timeout_seconds,
                        max_restarts=max_restarts, output=relay, num_ps=num_ps,
                        num_actors=num_actors)
-    warning = oversubscription_warning(nproc, available_cores())
+    warning = oversubscription_warning(nproc, usable_cores())
     if warning:
         group.say(warning)
     try:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.env_names import PREEMPTION_EXIT_CODE
 from replicator.comm.collectives import Collectives
 from replicator.comm.reduce_op import ReduceOp
 

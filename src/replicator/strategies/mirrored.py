@@ -217,7 +217,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     "other strategy, or drop cluster_resolver.")
             use_cluster(spec)
         if not dist.is_initialized():
-            from replicator.cluster.interfaces import choose_gloo_interface
+            from replicator.cluster.ports import choose_gloo_interface
 
             spec = resolve_cluster()
             if spec.world_size > 1:

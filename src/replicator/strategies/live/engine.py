@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from replicator.cluster.env_names import REPLICA_ID_FORMAT
-from replicator.cluster.exit_codes import PREEMPTION_EXIT_CODE
+from replicator.cluster.env_names import PREEMPTION_EXIT_CODE, REPLICA_ID_FORMAT
 from replicator.cluster.ports import listen
 from replicator.cluster.process_group import on_shutdown
 from replicator.comm.reduce_op import ReduceOp

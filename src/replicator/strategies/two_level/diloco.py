@@ -45,9 +45,9 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from replicator.cluster.declared_hosts import HostsSpec
 from replicator.cluster.devices import default_device_for
 from replicator.cluster.environment import resolve_cluster
+from replicator.cluster.hosts import HostsSpec
 from replicator.cluster.topology import Topology
 from replicator.comm.block_quantize import DEFAULT_BLOCK_SIZE, BlockQuantizer
 from replicator.comm.handles import DONE

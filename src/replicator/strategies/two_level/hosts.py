@@ -7,7 +7,7 @@ processes need not be consecutive ranks (``replicator run --nnodes``, torchrun a
 consecutive ones; a scheduler or a declaration such as ``hosts=[[0, 2], [1, 3]]`` may not).
 The hosts are a topology's (``DiLoCoStrategy(mesh=rp.Topology(hosts=...))``), which reads
 them from each process's host key or from its ``hosts=`` declaration
-(:mod:`replicator.cluster.declared_hosts`); ``DiLoCoStrategy(hosts=N)`` is short for
+(:mod:`replicator.cluster.hosts`); ``DiLoCoStrategy(hosts=N)`` is short for
 ``mesh=rp.Topology(hosts=N)``.
 """
 
@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from replicator.cluster.declared_hosts import HostsSpec, check_hosts_spec, job_host_keys
-from replicator.cluster.hosts import group_by_host
+from replicator.cluster.hosts import HostsSpec, check_hosts_spec, group_by_host, job_host_keys
 from replicator.cluster.topology import DATA_AXES, Topology
 from replicator.errors import ClusterConfigError
 
