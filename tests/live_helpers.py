@@ -68,6 +68,7 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
             running[g] = start_group(SCRIPT, g, groups, lighthouse.address,
                                      min_replicas=min_replicas, env=env(), log_dir=out,
                                      nproc=nproc, args=["--out", str(out), *args, *kill,
+                                                        "--start-together", str(groups),
                                                         *extra.get(g, [])])
         codes: dict[int, list[int]] = {g: [] for g in range(groups)}
         restarts = {g: 0 for g in range(groups)}

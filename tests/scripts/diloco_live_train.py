@@ -68,6 +68,10 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     live = strategy.live
     assert live is not None, "launch with replicator run --replica-groups"
+    if life == 0:  # the groups meet before their first quorum: none trains alone at the start
+        (out / f"started_g{group}r{rank}.txt").write_text("1")
+        for g in range(int(os.environ["REPLICATOR_REPLICA_GROUPS"])):
+            wait_for(out / f"started_g{g}r{rank}.txt", 120)
     killer = group == a.kill_group and rank == 1 and life == 0 and a.kill_at_step >= 0
     restarted = out / f"running_g{a.kill_group}_life1.txt"
     healed = out / "healed.txt"

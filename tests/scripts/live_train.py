@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--seed-by-group", action="store_true")
     ap.add_argument("--hold-at-step", type=int, default=-1)
     ap.add_argument("--hold-for", default="")
+    ap.add_argument("--start-together", type=int, default=0,
+                    help="wait for this many groups to start before the first step")
     a = ap.parse_args()
     out = Path(a.out)
     group = int(os.environ.get("REPLICATOR_REPLICA_GROUP", "0"))
@@ -82,6 +84,13 @@ def main() -> None:
     live = strategy.live
     kill_steps = {int(x) for x in a.kill_at_steps.split(",") if x}
     (out / f"started_{tag}.txt").write_text("1")
+    for g in range(a.start_together):  # the groups meet before their first quorum (a busy
+        marker = out / f"started_g{g}.txt"  # machine started one late: it missed its kill step)
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tag}: group {g} did not start within 120 s")
+            time.sleep(0.02)
     (out / f"pid_{tag}.txt").write_text(str(os.getpid()))  # which process a test may kill
     t0 = time.monotonic()
 
