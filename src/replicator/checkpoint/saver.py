@@ -10,6 +10,7 @@ rank, counted and said once). A save's error is raised at the next save or by :m
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import queue
@@ -181,6 +182,16 @@ class BackgroundSaver:
             self._writer = threading.Thread(target=self._serve, daemon=True,
                                             name="replicator-checkpoint-writer")
             self._writer.start()
+            # at exit, even by failing: the saves queued, then the thread ends (the exit wait
+            # for helper threads would otherwise wait its full minute for an idle writer)
+            atexit.register(self._stop_writer)
+
+    def _stop_writer(self) -> None:
+        """End the writer thread after the saves queued (waiting at most MIN_WAIT_SECONDS)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._jobs.put(None)
+            writer.join(MIN_WAIT_SECONDS)
 
     def _serve(self) -> None:
         """The writer thread: each queued save in turn, its deferred copy first."""
@@ -300,10 +311,7 @@ class BackgroundSaver:
     def close(self) -> None:
         """Stop the writer thread and the saver process (after the saves in flight) and free
         the shared memory."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            self._jobs.put(None)
-            writer.join(MIN_WAIT_SECONDS)
+        self._stop_writer()
         if self.process is not None:
             self.process.close()
         if self._buffer is not None:
