@@ -25,8 +25,9 @@ CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",
                        "script normally (exit code 0) while rank",
                        # a coordinator's function failed on a worker that lost its server
                        "ParameterServerLostError: parameter server")
-#: Exception types raised because a peer vanished (a worker losing its parameter server).
-CONSEQUENCE_TYPES = ("ParameterServerLostError",)
+#: Exception types raised because a peer vanished (a worker losing its parameter server, or
+#: the chief that closed its connection after failing itself).
+CONSEQUENCE_TYPES = ("ParameterServerLostError", "PeerLostError")
 #: How much of another rank's error the summary repeats (its error file keeps the whole).
 OTHER_ERROR_CHARS = 200
 
