@@ -296,3 +296,28 @@ def test_two_models_under_one_powersgd_algorithm_train_as_if_alone():
     assert a["shared"] == b["shared"]                  # replicas agree
     assert a["shared"] == a["alone"]                   # sharing the algorithm changes nothing
     assert a["shared_one_owner"] != a["alone"]         # ...which the owner in the key ensures
+
+
+def _reduce_onto_a_sub_groups_first_rank(_: int) -> list[float] | None:
+    """Ranks 1 and 2 of 3 average a gradient onto their group's rank 0 (global rank 1)."""
+    from replicator.comm.collectives import Collectives
+    from replicator.comm.gradient_sync import GradientSynchronizer
+
+    initialize()
+    sub = dist.new_group([1, 2])
+    if dist.get_rank() == 0:
+        return None
+    weight = torch.nn.Parameter(torch.zeros(4))
+    coll = Collectives.for_group(sub, torch.device("cpu"), 30.0)
+    sync = GradientSynchronizer([weight], coll, destination=0, automatic=False)
+    (weight * float(dist.get_rank())).sum().backward()  # gradient: the global rank
+    sync.synchronize()
+    return weight.grad.tolist() if coll.rank == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_a_reduce_onto_one_rank_of_a_sub_group_lands_on_that_group_rank():
+    # destination is a group rank: on [1, 2] group rank 0 is global rank 1 (given as the global
+    # rank of group rank 0, the sum landed on group rank 1)
+    out = run_distributed(_reduce_onto_a_sub_groups_first_rank, 3, args=(0,))
+    assert out == [None, [1.5] * 4, None]

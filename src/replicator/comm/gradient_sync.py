@@ -251,8 +251,8 @@ class GradientSynchronizer:
                     self._buffer(bucket), self.collectives.group, layout=bucket.layout)
             else:
                 bucket.handle = self.algorithm.reduce_sum_async(
-                    self._buffer(bucket), self.collectives.global_ranks[self.destination],
-                    self.collectives.group, layout=bucket.layout)
+                    self._buffer(bucket), self.destination, self.collectives.group,
+                    layout=bucket.layout)
         self._next_launch += 1
 
     def synchronize(self) -> None:
