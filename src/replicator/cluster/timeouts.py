@@ -10,13 +10,12 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from replicator.cluster.env_names import TIMEOUT_ENV
+from replicator.defaults import DEFAULT_TIMEOUT_SECONDS
 from replicator.errors import ClusterConfigError
 
 if TYPE_CHECKING:  # imported where a group is given: the launcher reads timeouts without torch
     import torch.distributed as dist
 
-#: How long anything waits when neither the caller nor the launcher (``--timeout``) said.
-DEFAULT_TIMEOUT_SECONDS = 300.0
 _NO_GROUP: Any = object()  # "the wait is not over a process group"
 _OF_GROUP: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from replicator.defaults import DEFAULT_TIMEOUT_SECONDS
+
 
 @dataclass(frozen=True)
 class InputContext:
@@ -110,7 +112,7 @@ class InputOptions:
     shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO
     with_mask: bool = False
     pad_last_batch: bool = False
-    timeout_seconds: float = 300.0
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
     worker_start_method: str | None = None
 
     def __post_init__(self) -> None:

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+from replicator.defaults import DEFAULT_TIMEOUT_SECONDS
+
 #: Let the pipeline choose (tf.data's ``tf.data.AUTOTUNE``): parallelism and prefetch depth are
 #: tuned while it runs.
 AUTOTUNE = -1
@@ -78,7 +80,7 @@ class Options:
     worker_type: str = "process"
     start_method: str | None = None
     seed: int = 0
-    timeout_seconds: float = 300.0
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         for name in ("cpu_budget", "ram_budget"):
