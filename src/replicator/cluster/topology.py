@@ -132,9 +132,14 @@ def _check_worker_order(order: Sequence[int] | None, num_workers: int) -> list[i
 
 
 class Topology:
-    """Named mesh axes over the workers (``Topology(data=2, tensor=2)``; default all on
-    ``data``) and ``num_ps`` servers; ``hosts`` declares hosts (:mod:`.hosts`),
-    ``worker_order`` lists the workers in mesh order (default ascending)."""
+    """Named mesh axes over the workers, the role and host of every process: ``axes`` (name ->
+    degree, default ``{"data": <all workers>}``, or keywords ``Topology(data=2, tensor=2)``) and
+    ``num_ps`` servers (the last ranks). ``hosts``: how the workers group into hosts where the
+    environment does not say (a count of consecutive-rank hosts, or each host's rank list; see
+    :mod:`~replicator.cluster.hosts`). ``worker_order``: the workers' ranks in the mesh's
+    row-major order (default ascending), for a layout whose last axis must hold one host's
+    processes although their ranks are not neighbours. Starts the process group if needed.
+    """
 
     def __init__(self, axes: Mapping[str, int] | Sequence[tuple[str, int]] | None = None, *,
                  num_ps: int = 0, hosts: HostsSpec = None, device_type: str | None = None,

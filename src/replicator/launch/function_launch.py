@@ -44,9 +44,18 @@ def launch(fn: Callable[..., Any], num_replicas: int = 2, args: Sequence[Any] = 
            kwargs: dict[str, Any] | None = None, *, timeout_seconds: float | None = None,
            max_restarts: int = 0, start_method: str = "forkserver",
            master_port: int | None = None, num_ps: int = 0, num_actors: int = 0) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``num_replicas`` local workers; every result (``None``
-    for a server or a lost worker), or :class:`replicator.WorkerFailedError` naming the rank.
-    ``fn`` must be importable by the workers (``start_method="fork"`` also takes a notebook's).
+    """Run ``fn(*args, **kwargs)`` on ``num_replicas`` local workers; return every result.
+
+    ``fn`` must be importable by the workers (a module-level function) under the default
+    ``start_method="forkserver"`` (workers fork from a server that imported torch and
+    replicator once, as ``replicator run``'s do) and under ``"spawn"`` (a fresh interpreter
+    each); ``"fork"`` also takes functions defined in a notebook.
+    A worker that raises makes this raise :class:`replicator.WorkerFailedError` with that
+    worker's rank and traceback, after the other workers were stopped. A failure that a
+    restart would repeat (a NaN loss, replicas that disagree, an import error) is not restarted.
+    ``num_ps``: the last ``num_ps`` processes are parameter servers; their result, and that of
+    a worker lost during the job, is ``None``. ``num_actors``: actor processes beside the
+    ``num_replicas`` learners (``rp.rl``); their results are not returned.
     """
     check_num_replicas(num_replicas)
     check_port(master_port, "master_port")
