@@ -47,15 +47,17 @@ def test_tuned_process_reuses_its_heap_where_glibc_faults_every_buffer_in():
     faults_plain = int(_run({}, "-c", plain))
     faults_tuned = int(_run({}, "-c", tuned))
     assert faults_plain >= 15 * PAGES_PER_BUFFER  # fresh pages for every buffer
-    assert faults_tuned <= 2 * PAGES_PER_BUFFER   # the first one, then the heap's own
+    # the first one, then the heap's own: about a twentieth; a busy machine adds faults to
+    # both (51,144 beside four CPU hogs where a quiet run counts about 10,240)
+    assert faults_tuned * 3 <= faults_plain
 
 
 def test_workers_started_by_the_launcher_are_tuned_unless_the_user_opts_out(tmp_path):
     script = tmp_path / "faults.py"
     script.write_text(FAULTS + "print(faults())\n")
     entry = ("-m", "replicator.launch.script_entry", str(script))
-    assert int(_run({}, *entry)) <= 2 * PAGES_PER_BUFFER
-    assert int(_run({"REPLICATOR_MALLOC": "default"}, *entry)) >= 15 * PAGES_PER_BUFFER
+    tuned, plain = int(_run({}, *entry)), int(_run({"REPLICATOR_MALLOC": "default"}, *entry))
+    assert plain >= 15 * PAGES_PER_BUFFER and tuned * 3 <= plain
 
 
 def test_the_users_own_glibc_tunables_and_opt_out_are_left_alone(monkeypatch):
