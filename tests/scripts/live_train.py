@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import replicator as rp
+from replicator.testing.live_groups import wait_for_file
 
 
 def build(width: int = 32, seed: int = 0):
@@ -85,12 +86,8 @@ def main() -> None:
     kill_steps = {int(x) for x in a.kill_at_steps.split(",") if x}
     (out / f"started_{tag}.txt").write_text("1")
     for g in range(a.start_together):  # the groups meet before their first quorum (a busy
-        marker = out / f"started_g{g}.txt"  # machine started one late: it missed its kill step)
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{tag}: group {g} did not start within 120 s")
-            time.sleep(0.02)
+        # machine started one late: it missed its kill step)
+        wait_for_file(out / f"started_g{g}.txt", 120, f"{tag}: the start of group {g}")
     (out / f"pid_{tag}.txt").write_text(str(os.getpid()))  # which process a test may kill
     t0 = time.monotonic()
 
