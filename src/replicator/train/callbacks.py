@@ -11,10 +11,12 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from replicator.checkpoint.atomic import write_atomic
 from replicator.checkpoint.serialization import refuse_placeholders
 from replicator.checkpoint.store import check_location, is_remote, read_url, write_url
 from replicator.resume.backup_and_restore import BackupAndRestore
@@ -103,10 +105,9 @@ def _better(mode: str, monitor: str) -> Callable[[float, float, float], bool]:
     return lambda current, best, delta: current > best + delta
 
 
-def _monitored(logs: Logs | None, monitor: str, who: str) -> float | None:
-    if not logs or monitor not in logs:
-        return None
-    return float(logs[monitor])
+def _monitored(logs: Logs | None, monitor: str) -> float | None:
+    value = (logs or {}).get(monitor)
+    return None if value is None else float(value)
 
 
 class EarlyStopping(Callback):
@@ -126,7 +127,7 @@ class EarlyStopping(Callback):
         self.best, self.wait, self.stopped_epoch, self._best_weights = None, 0, None, None
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        current = _monitored(logs, self.monitor, "EarlyStopping")
+        current = _monitored(logs, self.monitor)
         if current is None:
             return
         if self.best is None or self.better(current, self.best, self.min_delta):
@@ -155,19 +156,29 @@ class EarlyStopping(Callback):
         self._best_weights = None if weights is None else dict(weights)
 
 
+def _read(location: str) -> bytes | None:
+    """The bytes at a local path or a URL (``None``: nothing there)."""
+    if is_remote(location):
+        return read_url(location)
+    return Path(location).read_bytes() if os.path.exists(location) else None
+
+
+def _write(location: str, data: bytes) -> None:
+    """Replace a local file (atomically) or an object (one PUT is atomic) by ``data``."""
+    if is_remote(location):
+        write_url(location, data)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(location)), exist_ok=True)
+    write_atomic(location, data)
+
+
 def _atomic_save_weights(state: dict[str, torch.Tensor], path: str) -> None:
     """Write ``state`` (a full state dict) as a safetensors file, atomically; a state with
     placeholders (a pipeline rank's own part) is refused."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
     refuse_placeholders(state, "ModelCheckpoint")
-    state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    save_file(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write(path, save({k: v.detach().cpu().contiguous() for k, v in state.items()}))
 
 
 class ModelCheckpoint(Callback):
@@ -186,7 +197,7 @@ class ModelCheckpoint(Callback):
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         logs = logs or {}
         if self.save_best_only:
-            current = _monitored(logs, self.monitor, "ModelCheckpoint")
+            current = _monitored(logs, self.monitor)
             if current is None:
                 raise KeyError(f"ModelCheckpoint monitors {self.monitor!r} but the logs hold "
                                f"only {sorted(logs)}; pass validation_data or another monitor")
@@ -195,11 +206,7 @@ class ModelCheckpoint(Callback):
             self.best = current
         path = self.filepath.format(epoch=epoch + 1, **logs)
         state = self.trainer.strategy.full_state_dict(self.trainer.model)  # every rank
-        if self.is_chief and is_remote(path):  # an object store: one PUT is atomic
-            from safetensors.torch import save
-
-            write_url(path, save({k: v.detach().cpu().contiguous() for k, v in state.items()}))
-        elif self.is_chief:
+        if self.is_chief:
             _atomic_save_weights(state, path)
         self.saved.append(path)
 
@@ -259,12 +266,8 @@ class CSVLogger(Callback):
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._keys = None
-        if is_remote(self.filename):  # an object store: the file is rewritten whole
-            old = read_url(self.filename) if self.is_chief and self.append else None
-            self._size = len(old) if old is not None else 0
-            return
-        self._size = os.path.getsize(self.filename) if self.is_chief and self.append \
-            and os.path.exists(self.filename) else 0
+        old = _read(self.filename) if self.is_chief and self.append else None
+        self._size = len(old) if old is not None else 0
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         logs = logs or {}
@@ -277,19 +280,11 @@ class CSVLogger(Callback):
         if self._size == 0:
             writer.writerow(["epoch", *self._keys])
         writer.writerow([epoch, *(logs.get(k, "") for k in self._keys)])
-        if is_remote(self.filename):
-            kept = (read_url(self.filename) or b"")[:self._size] if self._size else b""
-            data = kept + text.getvalue().encode()
-            write_url(self.filename, data)
-            self._size = len(data)
-            return
-        os.makedirs(os.path.dirname(os.path.abspath(self.filename)), exist_ok=True)
-        exists = os.path.exists(self.filename)
-        with open(self.filename, "r+b" if exists else "wb") as f:
-            f.truncate(self._size)  # rows past the restored epoch (or an old file) go
-            f.seek(self._size)
-            f.write(text.getvalue().encode())
-            self._size = f.tell()
+        # rows past the restored epoch (or an old file) go; the file is rewritten whole
+        kept = (_read(self.filename) or b"")[:self._size] if self._size else b""
+        data = kept + text.getvalue().encode()
+        _write(self.filename, data)
+        self._size = len(data)
 
     def state_dict(self) -> dict[str, Any]:
         """The columns and how many bytes of the file the epochs so far wrote."""
@@ -299,12 +294,8 @@ class CSVLogger(Callback):
         keys = state["keys"]
         self._keys = None if keys is None else [str(k) for k in keys]
         self._size = int(state["size"])
-        held: int | None = None
-        if self.is_chief and is_remote(self.filename):
-            data = read_url(self.filename)
-            held = None if data is None else len(data)
-        elif self.is_chief and os.path.exists(self.filename):
-            held = os.path.getsize(self.filename)
+        data = _read(self.filename) if self.is_chief else None
+        held = None if data is None else len(data)
         if held is not None and held < self._size:
             raise ValueError(
                 f"CSVLogger: {self.filename} holds {held} bytes but "
