@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -22,12 +23,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.batching import slice_bounds
 from replicator.data.prefetch import to_device
-from replicator.errors import NonFiniteLossError
+from replicator.errors import CallbackFailedError, NonFiniteLossError
 from replicator.resume.backup_and_restore import BackupAndRestore
 from replicator.strategies.base import Strategy
 from replicator.strategies.live.errors import LiveRecoveryError
 from replicator.strategies.losses import compute_average_loss
-from replicator.train.callback_agreement import ErrorAgreement
 from replicator.train.callbacks import (
     Callback,
     CallbackList,
@@ -79,6 +79,56 @@ def _batch_len(x: Any) -> int:
     if isinstance(x, dict) and x:
         return _batch_len(next(iter(x.values())))
     raise TypeError(f"cannot tell the batch size of {type(x).__name__}")
+
+
+class ErrorAgreement:
+    """Makes every replica fail together when a callback fails on some of them: this replica's
+    first error is held until the next agreement point (the per-step reduction, where a flag
+    travels with the step's numbers, or :meth:`agree`); then all raise ``CallbackFailedError``."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self.pending: tuple[str, BaseException] | None = None
+
+    @property
+    def flag(self) -> float:
+        return 1.0 if self.pending is not None else 0.0
+
+    def hold(self, where: str, exc: BaseException) -> None:
+        if self.pending is None:
+            self.pending = (where, exc)
+
+    def agree(self) -> None:
+        """One small collective: raise on every replica if any holds an error."""
+        self.check(float(self.strategy.reduce("sum", torch.tensor(self.flag))))
+
+    def check(self, flags_total: float) -> None:
+        """Raise if ``flags_total`` (the sum of every replica's flag) says someone failed."""
+        if flags_total <= 0:
+            return
+        mine = ""
+        if self.pending is not None:
+            where, exc = self.pending
+            mine = f"{where} raised {type(exc).__name__}: {exc}"
+        texts = _gather_text(self.strategy, mine)
+        reports = [f"rank {r}: {t}" for r, t in enumerate(texts) if t]
+        message = "a callback failed, so every replica stops: " + "; ".join(reports)
+        if self.pending is not None:
+            tb = "".join(traceback.format_exception(self.pending[1]))
+            raise CallbackFailedError(f"{message}\n{tb}") from self.pending[1]
+        raise CallbackFailedError(message)
+
+
+def _gather_text(strategy: Strategy, text: str) -> list[str]:
+    """Every replica's ``text`` (UTF-8 bytes through ``strategy.gather``, no pickling)."""
+    data = torch.tensor(list(text.encode()), dtype=torch.int64)
+    lengths = strategy.gather(torch.tensor([data.numel()]))
+    joined = strategy.gather(data).tolist()
+    out, offset = [], 0
+    for n in lengths.tolist():
+        out.append(bytes(joined[offset:offset + n]).decode(errors="replace"))
+        offset += n
+    return out
 
 
 class _MemoryReportPrinter(Callback):
@@ -144,17 +194,13 @@ class Trainer:
         self.train_dataset: Any = None
         self._errors = ErrorAgreement(strategy)
         self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
-        self._backup: BackupAndRestore | None = None
+        #: The ``BackupAndRestore`` among the callbacks of the current ``fit`` (``None``: no
+        #: backups); loggers keep what must survive a resume beside its backups.
+        self.backup: BackupAndRestore | None = None
         self._samples_seen = 0.0
         self._callbacks = CallbackList([], self)
 
     # -- resumable state (for BackupAndRestore) -------------------------------------------------
-    @property
-    def backup(self) -> BackupAndRestore | None:
-        """The ``BackupAndRestore`` among the callbacks of the current ``fit`` (``None``: no
-        backups); loggers keep what must survive a resume beside its backups."""
-        return self._backup
-
     def state_dict(self) -> dict[str, Any]:
         """Where training stands, the same on every replica: epoch, step, the epoch's metric
         sums over all replicas so far, the history, whether to stop, and each callback's
@@ -202,16 +248,20 @@ class Trainer:
             self._errors.hold(name, exc)
 
     # -- training --------------------------------------------------------------------------------
-    def _train_step(self, batch: Any, mask: torch.Tensor | None = None) -> float:
-        x, y, weight = _unpack(batch)
-        if weight is None and mask is not None:
-            weight = mask  # padding the input pipeline added at an uneven end
+    def _forward(self, x: Any, y: torch.Tensor) -> tuple[Any, torch.Tensor, int]:
+        """The predictions, one loss per example (a scalar loss stands for each) and ``n``."""
         pred = self.model(x)
         per_example = self.loss_fn(pred, y)
         n = _batch_len(x)
         if per_example.dim() == 0:
             per_example = per_example.expand(n)
-        per_example = per_example.reshape(n, -1).mean(1) if n else per_example.reshape(0)
+        return pred, (per_example.reshape(n, -1).mean(1) if n else per_example.reshape(0)), n
+
+    def _train_step(self, batch: Any, mask: torch.Tensor | None = None) -> float:
+        x, y, weight = _unpack(batch)
+        if weight is None and mask is not None:
+            weight = mask  # padding the input pipeline added at an uneven end
+        pred, per_example, n = self._forward(x, y)
         w = torch.ones(n, dtype=per_example.dtype, device=per_example.device) if weight is None \
             else weight.to(per_example.dtype).reshape(-1)
         # the global count and the replicas with a non-finite loss, in one collective
@@ -255,18 +305,17 @@ class Trainer:
             "learning rate, clip gradients, or look for NaN/inf in this step's input; "
             "fit(..., terminate_on_nan=False) trains on regardless.")
 
-    def _reduced_logs(self, metrics: list[Metric], prefix: str = "") -> Logs:
-        """Reduce the metrics' sums (and the error flag) in one collective; the logs."""
+    def _reduced(self, metrics: list[Metric]) -> list[torch.Tensor]:
+        """The metrics' sums over all replicas, reduced with the error flag in one collective."""
         states, extra = reduce_states(self.strategy, metrics, [self._errors.flag])
         self._errors.check(extra[0])
-        return {prefix + m.name: m.value_from(s) for m, s in zip(metrics, states)}
+        return states
 
     def _step_logs(self) -> Logs:
         """Training logs: the step's reduced sums are added to the epoch's running sums (the
         same on every replica, and what a backup holds) and the local sums start over."""
         metrics = self._all_metrics()
-        states, extra = reduce_states(self.strategy, metrics, [self._errors.flag])
-        self._errors.check(extra[0])
+        states = self._reduced(metrics)
         for i, (m, step_sums) in enumerate(zip(metrics, states)):
             running = self._reduced_sums[i]
             if running.numel() != step_sums.numel():  # a metric sized on its first batch
@@ -317,7 +366,7 @@ class Trainer:
         # backups last, so that a backup taken at an epoch's end holds that epoch's history
         others = [cb for cb in callbacks if cb not in backups]
         self._callbacks = CallbackList([*others, *extra, self.history, *backups], self)
-        self._backup = backups[0] if backups else None
+        self.backup = backups[0] if backups else None
         # a BackupAndRestore's own guard, or a TerminateOnNaN callback, decides instead
         self.terminate_on_nan = bool(terminate_on_nan) and not backups and not any(
             isinstance(cb, TerminateOnNaN) for cb in callbacks)
@@ -366,8 +415,8 @@ class Trainer:
             self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
         self._hook("on_epoch_begin", epoch, {})
         logs: Logs = {}
-        iterator = iter(self._backup.epoch_batches(self.train_dataset)) \
-            if self._backup is not None else iter(self.train_dataset)
+        iterator = iter(self.backup.epoch_batches(self.train_dataset)) \
+            if self.backup is not None else iter(self.train_dataset)
         # run the input to its end (so it knows the epoch is over) unless steps_per_epoch
         # or a callback stops earlier; a later epoch then continues where this one stopped
         for batch in iterator:
@@ -427,16 +476,13 @@ class Trainer:
         with torch.no_grad():
             for i, batch in enumerate(loader):
                 x, y, w = _unpack(to_device(batch, self.strategy.device))
-                pred = self.model(x)
-                per_example = self.loss_fn(pred, y)
-                n = _batch_len(x)
-                if per_example.dim() == 0:
-                    per_example = per_example.expand(n)
-                loss.update(per_example.reshape(n, -1).mean(1), y, w)
+                pred, per_example, _ = self._forward(x, y)
+                loss.update(per_example, y, w)
                 for m in metrics:
                     m.update(pred, y, w)
                 self._hook("on_test_batch_end", i, {})
-        logs = self._reduced_logs([loss, *metrics], _prefix)
+        logs = {_prefix + m.name: m.value_from(s)
+                for m, s in zip([loss, *metrics], self._reduced([loss, *metrics]))}
         self._hook("on_test_end", logs)
         return logs
 
