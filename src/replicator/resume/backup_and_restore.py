@@ -2,38 +2,18 @@
 
 Keras's ``BackupAndRestore`` redoes the unfinished epoch; this one resumes at the step after the
 last backup, with the same next samples and the same random numbers. A backup holds the
-tracked objects (model, optimizer, LR scheduler, anything with ``state_dict``), the step and
-epoch, and per rank the RNG states (torch, CUDA, numpy, Python) and the input position.
+tracked objects, the step and epoch, and per rank the RNG states and the input position.
+Drive it with :meth:`BackupAndRestore.steps` in a custom loop, or as a Trainer callback (the
+Keras hooks, with each epoch's batches from :meth:`BackupAndRestore.epoch_batches`).
 
-In a custom loop::
-
-    backup = rp.BackupAndRestore("ckpt/", save_freq=100)
-    backup.track(model=model, optimizer=optimizer, scheduler=scheduler)
-    for step, batch in backup.steps(dist_dataset, epochs=3):
-        strategy.run(step_fn, args=(batch,))
-
-As a callback, a trainer calls ``track(...)`` and then the Keras hooks ``on_train_begin``,
-``on_epoch_begin``, ``on_train_batch_end``, ``on_epoch_end`` and ``on_train_end``, and reads
-batches of each epoch from :meth:`epoch_batches` (which resumes mid-epoch the first time).
-
-Saves due by ``save_freq`` run in the background by default (``background=True``): the state
-is copied to memory (with the saver process, the optimizers' part before their next step) and
-written and committed on a thread while the next steps run (see ``checkpoint/saver.py``); the
-commit stays atomic and verified, and a failed save raises at the next save or at the end of
-training. Saves on preemption, the final save and :meth:`save` are written before they return.
-
-Under a strategy that splits the model (its ``shards_model`` is true) no rank holds the whole
-model, so the tracked module and optimizers are saved by every rank through
-``torch.distributed.checkpoint`` (in ``backup_dir/sharded``) before the backup's own commit,
-which names them: before the next step, or with ``saver=`` given, copied at the step and
-written by DCP on the saver's thread over a private group (see :meth:`BackupAndRestore._save`).
-
-This room sits above the strategies and asks one (given, or the active one) only through its
-public API (``shards_model``, ``collectives``, ``prepare_optimizers``); :mod:`replicator.checkpoint`
-below gets the collectives of the ranks that checkpoint together, never the strategy.
-
-It also turns SIGTERM into a clean stop (every rank saves the same step and exits with code 75)
-and, by default, stops before an optimizer step whose gradients are NaN or infinite.
+Saves due by ``save_freq`` are copied to memory and written and committed in the background
+(``checkpoint/saver.py``); a failed one raises at the next save or at the end. Under a strategy
+that splits the model every rank saves its part through ``torch.distributed.checkpoint`` (in
+``backup_dir/sharded``) before the backup's own commit names it. The strategy (given, or the
+active one) is asked only through its public API; :mod:`replicator.checkpoint` below gets the
+collectives of the ranks that checkpoint together, never the strategy. SIGTERM becomes a clean
+stop (every rank saves the same step and exits with code 75), and by default an optimizer step
+on NaN or infinite gradients is refused.
 """
 
 from __future__ import annotations
@@ -59,18 +39,21 @@ from replicator.checkpoint.manager import CheckpointManager, Restored, check_sta
 from replicator.checkpoint.saver import BackgroundSaver, check_saver, early_process, make_saver
 from replicator.checkpoint.storage import backup_location, join_location, open_storage
 from replicator.cluster.worker_errors import record_backup
-from replicator.resume import rng
 from replicator.resume.deferred_copy import CopyGuard
-from replicator.resume.input_epochs import epoch_length, set_epoch_of, warn_replay
 from replicator.resume.live_state import is_live, live_steps
 from replicator.resume.nonfinite import NonFiniteGuard
 from replicator.resume.preemption import Preempted, PreemptionWatcher
-from replicator.resume.sharded import (
-    checkpoint_collectives,
-    resolve_strategy,
-    sharded_objects,
+from replicator.resume.rank_state import (
+    capture_rng,
+    epoch_length,
+    has_state,
+    restore_rng,
+    set_epoch_of,
+    warn_replay,
 )
+from replicator.resume.sharded import checkpoint_collectives, prepare_optimizers, sharded_objects
 from replicator.strategies.base import Strategy
+from replicator.strategies.replica_context import current_strategy
 
 #: Where the sharded model and optimizer state of each backup go, under ``backup_dir``.
 SHARDED_DIR = "sharded"
@@ -177,18 +160,13 @@ class BackupAndRestore:
             if obj is None:
                 continue
             check_state_name(name)
-            if not (callable(getattr(obj, "state_dict", None))
-                    and callable(getattr(obj, "load_state_dict", None))):
+            if not has_state(obj):
                 raise TypeError(f"track({name}=...) needs an object with state_dict() and "
                                 f"load_state_dict(), got {type(obj).__name__}")
             self._objects[name] = obj
         if dataset is not None:
             self._dataset = dataset
         return self
-
-    def set_model(self, model: Any) -> None:
-        """Keras's callback hook: track ``model``."""
-        self.track(model=model)
 
     def set_strategy(self, strategy: Strategy) -> None:
         """Use ``strategy`` when none was given (a Trainer passes its own); call it before
@@ -206,33 +184,14 @@ class BackupAndRestore:
                 mirror=self._mirror, storage_options=self._storage_options)
         return self._manager
 
-    @property
-    def channel(self) -> Channel:
-        return self.manager.channel
-
-    @property
-    def sharded_dir(self) -> Any:
-        """Where the sharded state of backups made under a model-splitting strategy goes."""
-        return join_location(self.backup_dir, SHARDED_DIR)
-
     def _sharded_location(self) -> Any:
-        """:attr:`sharded_dir`, a URL opened with the backup's ``storage_options``."""
-        return open_storage(self.sharded_dir, self._storage_options,
+        """Where the sharded state of backups under a model-splitting strategy goes (a URL
+        opened with the backup's ``storage_options``)."""
+        return open_storage(join_location(self.backup_dir, SHARDED_DIR), self._storage_options,
                             "the sharded backup location")
 
     def _strategy_now(self) -> Strategy | None:
-        return resolve_strategy(self._strategy)
-
-    def _sharded_objects(self) -> tuple[str, torch.nn.Module, dict[str, Any]] | None:
-        """See :func:`replicator.resume.sharded.sharded_objects`."""
-        return sharded_objects(self._objects, self._strategy_now())
-
-    def _prepare_optimizers(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Let the strategy point optimizers built in its scope at the parameters it made
-        (sharded ones), before their state is saved or loaded."""
-        strategy = self._strategy_now()
-        if strategy is not None:
-            strategy.prepare_optimizers(*optimizers)
+        return self._strategy if self._strategy is not None else current_strategy()
 
     @property
     def initial_epoch(self) -> int:
@@ -288,11 +247,11 @@ class BackupAndRestore:
         if ds is None:
             raise ValueError("epoch_batches() needs a dataset (track(dataset=...) or pass one)")
         resume, self._resume = self._resume, None
-        stateful = callable(getattr(ds, "load_state_dict", None)) and callable(
-            getattr(ds, "state_dict", None))
+        stateful = has_state(ds)
         skip = 0
         if resume is not None and resume["step_in_epoch"] == 0:
-            self._restore_rng(resume)  # before iter(): starting an epoch may draw numbers
+            # before iter(): starting an epoch may draw numbers
+            restore_rng(resume.pop("rng", None))
         if resume is not None and resume.get("data") is not None and stateful:
             ds.load_state_dict(resume["data"])  # type: ignore[union-attr]
         else:
@@ -309,7 +268,7 @@ class BackupAndRestore:
         first = True
         while stop_at is None or self.step < stop_at:
             if first and resume is not None and resume["step_in_epoch"] > 0:
-                self._restore_rng(resume)
+                restore_rng(resume.pop("rng", None))
             batch = next(it, _END)
             if batch is _END and first and resume is not None and resume.get("data") is not None \
                     and stateful and resume["step_in_epoch"] == 0:
@@ -329,7 +288,7 @@ class BackupAndRestore:
         self.restore()
         if self.background:
             self._start_saver()
-        coll = self.channel.collectives
+        coll = self.manager.channel.collectives
         if self.handle_preemption:
             self._watcher = PreemptionWatcher(coll, check_seconds=self.preemption_check_seconds)
             if not self._watcher.install():
@@ -341,9 +300,6 @@ class BackupAndRestore:
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Nothing to do: the epoch in progress is tracked by :meth:`on_epoch_end`."""
-
-    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        """Nothing to do before a step."""
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Count the step; save when due; stop everywhere once any rank was preempted."""
@@ -381,8 +337,9 @@ class BackupAndRestore:
         A background save still in flight is finished first (its error is raised here)."""
         self._settle_background()
         if self.delete_checkpoint:
-            self.channel.max_flag(False, "end of training")  # nobody still needs a backup
-            if self.channel.is_chief:
+            ch = self.manager.channel
+            ch.max_flag(False, "end of training")  # nobody still needs a backup
+            if ch.is_chief:
                 self._sharded_location().delete_all()
             self.manager.delete_all()
         elif self._last_saved_step != self.step:
@@ -456,14 +413,14 @@ class BackupAndRestore:
         if not (self.background and reason in ("step", "epoch") and self._saver is not None
                 and self._saver.async_mode == "process"):
             self._settle_background()
-        ch = self.channel
-        sharded = self._sharded_objects()
+        ch = self.manager.channel
+        sharded = sharded_objects(self._objects, self._strategy_now())
         sharded_names: list[str] = []
         in_background = self.background and reason in ("step", "epoch")
         write_shards = None
         if sharded is not None:
             module_name, module, optimizers = sharded
-            self._prepare_optimizers(optimizers.values())
+            prepare_optimizers(self._strategy_now(), optimizers.values())
             if in_background and (self._saver_kind is not None or self.manager.store.scheme
                                   ):  # saver= chosen, or a URL: copied now, written
                 # and uploaded on the saver's thread before the backup
@@ -478,11 +435,8 @@ class BackupAndRestore:
             sharded_names = [module_name, *optimizers]
         replicated = ({name: obj.state_dict() for name, obj in self._objects.items()
                        if name not in sharded_names} if ch.is_chief else None)
-        ds = self._dataset
-        data = ds.state_dict() if ds is not None and callable(
-            getattr(ds, "state_dict", None)) and callable(getattr(ds, "load_state_dict", None)) \
-            else None
-        per_rank = {"rng": rng.capture(), "data": data}
+        data = self._dataset.state_dict() if has_state(self._dataset) else None
+        per_rank = {"rng": capture_rng(), "data": data}
         info: dict[str, Any] = {"step": self.step, "epoch": self.epoch,
                                 "step_in_epoch": self.step_in_epoch, "reason": reason,
                                 "data_state": data is not None}
@@ -502,10 +456,10 @@ class BackupAndRestore:
     def restore(self) -> bool:
         """Load the newest valid backup into the tracked objects; False when there is none."""
         self._settle_background()
-        restored = self.manager.restore()
-        self.restored = restored
+        restored = self.restored = self.manager.restore()
+        ch = self.manager.channel
         if restored is None:
-            if self.channel.is_chief:
+            if ch.is_chief:
                 discard_uncommitted(self._sharded_location(), after=-1)  # a first save that crashed
             return False
         sharded_names = list(restored.info.get("sharded", {}).get("states", []))
@@ -516,15 +470,7 @@ class BackupAndRestore:
                 f"the backup {restored.path} holds no state for {', '.join(missing)} (it has "
                 f"{', '.join(sorted(held)) or 'none'}). HINT: track the same "
                 "objects as the run that wrote it, or use another backup_dir.")
-        sharded = self._sharded_objects()
-        if sharded is not None and not sharded_names:
-            raise ValueError(
-                f"the backup {restored.path} was written by a strategy that holds the whole "
-                f"model on each rank, and {type(self._strategy_now()).__name__} splits it; "
-                "resuming across that change is not supported. HINT: resume with the strategy "
-                "that wrote it, or use another backup_dir.")
-        if sharded_names:
-            self._load_sharded(restored, sharded_names)
+        self._load_sharded(restored, sharded_names)
         for name, obj in self._objects.items():
             if name not in sharded_names:
                 obj.load_state_dict(restored.replicated[name])
@@ -538,18 +484,18 @@ class BackupAndRestore:
         self.epoch = int(info.get("epoch", 0))
         self.step_in_epoch = int(info.get("step_in_epoch", 0))
         per_rank = restored.per_rank or {}
-        world = self.channel.world_size
-        if restored.world_size != world:
+        if restored.world_size != ch.world_size:
             warnings.warn(
-                f"resuming on {world} replicas from a backup written by {restored.world_size}: "
+                f"resuming on {ch.world_size} replicas from a backup written by "
+                f"{restored.world_size}: "
                 "model, optimizer and step are restored; per-rank RNG and input states are "
                 "taken from the same rank where it exists, so the run is not bit-identical to "
                 "an uninterrupted one", RuntimeWarning, stacklevel=2)
-        own = restored.per_rank_source == self.channel.rank
+        own = restored.per_rank_source == ch.rank
         self._resume = {"step_in_epoch": self.step_in_epoch,
                         "rng": per_rank.get("rng") if own else None,
                         "data": per_rank.get("data")}
-        if self.channel.is_chief:
+        if ch.is_chief:
             print(f"[replicator] resuming from {restored.path} (step {self.step}, epoch "
                   f"{self.epoch})", file=sys.stderr, flush=True)
         return True
@@ -557,7 +503,16 @@ class BackupAndRestore:
     def _load_sharded(self, restored: Restored, names: list[str]) -> None:
         """Load the tracked module and optimizers of ``names`` from the sharded save of the
         restored step (verified; any layout loads into any other)."""
-        if self.channel.is_chief:
+        strategy = self._strategy_now()
+        if not names:
+            if sharded_objects(self._objects, strategy) is not None:
+                raise ValueError(
+                    f"the backup {restored.path} was written by a strategy that holds the whole "
+                    f"model on each rank, and {type(strategy).__name__} splits it; resuming "
+                    "across that change is not supported. HINT: resume with the strategy that "
+                    "wrote it, or use another backup_dir.")
+            return
+        if self.manager.channel.is_chief:
             discard_uncommitted(self._sharded_location(), after=restored.step)  # before its choice
         module = next((o for n, o in self._objects.items()
                        if n in names and isinstance(o, torch.nn.Module)), None)
@@ -566,12 +521,9 @@ class BackupAndRestore:
                              f"({names[0]}) but no module is tracked under that name")
         optimizers = [o for n, o in self._objects.items()
                       if n in names and isinstance(o, torch.optim.Optimizer)]
-        self._prepare_optimizers(optimizers)
+        prepare_optimizers(strategy, optimizers)
         load_sharded(self._sharded_location(), module, optimizers, step=restored.step,
-                     collectives=self.channel.collectives)
-
-    def _restore_rng(self, resume: dict[str, Any]) -> None:
-        rng.restore_saved(resume.pop("rng", None))
+                     collectives=self.manager.channel.collectives)
 
     def _describe_position(self) -> str:
         # a save still in flight holds the state from before this step: let it commit, so the
@@ -583,7 +535,7 @@ class BackupAndRestore:
 
     def _exit_preempted(self) -> None:
         path = str(self.manager.directory) if self._last_saved_step == self.step else None
-        exc = Preempted(self.step, self.channel.rank, path)
+        exc = Preempted(self.step, self.manager.channel.rank, path)
         print(f"[replicator] {exc}", file=sys.stderr, flush=True)
         self.close()
         raise exc

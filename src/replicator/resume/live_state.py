@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from replicator.resume.rank_state import restore_rng
+
 if TYPE_CHECKING:
     from replicator.strategies.live.dataset import LiveDataset
 
@@ -42,7 +44,7 @@ def live_steps(backup: Any, dataset: LiveDataset, *, epochs: int | None,
     resume = backup._resume
     if backup.step > engine.committed_steps:
         if resume is not None:  # first: a run in rounds resumes at its round's start, with
-            backup._restore_rng(resume)  # that start's random state
+            restore_rng(resume.pop("rng", None))  # that start's random state
             dataset.load_state_dict(resume.get("data") or {})
         engine.resume_at(backup.step)
     backup._resume = None

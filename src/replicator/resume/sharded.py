@@ -15,6 +15,7 @@ strategy, through its public API, what storage needs passed in:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +28,16 @@ from replicator.comm.collectives import Collectives
 from replicator.strategies.base import Strategy
 from replicator.strategies.replica_context import current_strategy
 
-__all__ = ["checkpoint_collectives", "load_sharded", "resolve_strategy", "save_sharded",
+__all__ = ["checkpoint_collectives", "load_sharded", "prepare_optimizers", "save_sharded",
            "sharded_objects"]
 
 
-def resolve_strategy(strategy: Strategy | None) -> Strategy | None:
-    """``strategy``, else the one this process runs under (``None``: no strategy at all)."""
-    return strategy if strategy is not None else current_strategy()
+def prepare_optimizers(strategy: Strategy | None, optimizers: Iterable[Any]) -> list[Any]:
+    """``optimizers`` as a list, pointed by ``strategy`` (if any) at the parameters it made."""
+    optimizers = list(optimizers)
+    if strategy is not None:
+        strategy.prepare_optimizers(*optimizers)
+    return optimizers
 
 
 def sharded_objects(objects: dict[str, Any], strategy: Strategy | None
@@ -74,10 +78,8 @@ def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.M
     the committed ``step-N`` directory (for a URL, its commit object's URL); see
     :func:`replicator.checkpoint.distributed_checkpoint.save_sharded` for the format.
     """
-    strategy = resolve_strategy(strategy)
-    optimizers = as_list(optimizer)
-    if strategy is not None:
-        strategy.prepare_optimizers(*optimizers)
+    strategy = strategy if strategy is not None else current_strategy()
+    optimizers = prepare_optimizers(strategy, as_list(optimizer))
     return storage.save_sharded(directory, step, model, optimizers,
                                 collectives=checkpoint_collectives(strategy), keep=keep)
 
@@ -92,9 +94,7 @@ def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
     the step loaded, or ``None`` when ``directory`` holds none; see
     :func:`replicator.checkpoint.distributed_checkpoint.load_sharded` for the errors.
     """
-    strategy = resolve_strategy(strategy)
-    optimizers = as_list(optimizer)
-    if strategy is not None:
-        strategy.prepare_optimizers(*optimizers)
+    strategy = strategy if strategy is not None else current_strategy()
+    optimizers = prepare_optimizers(strategy, as_list(optimizer))
     return storage.load_sharded(directory, model, optimizers, step=step,
                                 collectives=checkpoint_collectives(strategy))
