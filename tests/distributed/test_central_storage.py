@@ -9,7 +9,7 @@ import torch
 import replicator as rp
 from replicator.errors import ReplicatorError
 from replicator.strategies import CentralStorageStrategy
-from replicator.strategies.central_storage import optimizer_state_bytes
+from replicator.strategies.memory import optimizer_state_bytes
 from replicator.testing import run_distributed
 
 
@@ -53,7 +53,7 @@ def _central_semantics(_: int) -> dict:
         closure_error = str(exc)
     return {"rank": r, "grad_after_backward": grad_after_backward, "closure_error": closure_error,
             "grad_after_step": grad_after_step, "weight_after_step": weight_after_step,
-            "sgd_state": optimizer_state_bytes(sgd), "adam_state": optimizer_state_bytes(adam),
+            "sgd_state": optimizer_state_bytes([sgd]), "adam_state": optimizer_state_bytes([adam]),
             "params": same, "mixed_error": mixed_error,
             "param_bytes": sum(p.numel() * p.element_size() for p in big.parameters())}
 

@@ -23,7 +23,7 @@ from replicator.comm import (
     SharedMemoryAllReduce,
 )
 from replicator.strategies import CentralStorageStrategy
-from replicator.strategies.central_storage import optimizer_state_bytes
+from replicator.strategies.memory import optimizer_state_bytes
 from replicator.testing import assert_params_close, run_distributed
 from tests.helpers import regression_data
 
@@ -62,7 +62,7 @@ def train(strategy: rp.Strategy, optimizer_name: str = "sgd") -> dict:
     losses = [float(strategy.reduce("mean", strategy.run(step, args=(next(it),))))
               for _ in range(STEPS)]
     out = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-           "losses": losses, "state_bytes": optimizer_state_bytes(optimizer)}
+           "losses": losses, "state_bytes": optimizer_state_bytes([optimizer])}
     # the model's synchronizer lives as long as the model: look at it while the model exists
     syncs = strategy._replica_group.synchronizers
     out["buckets"] = len(syncs[0].buckets) if syncs else 0

@@ -1,5 +1,6 @@
-"""A strategy's memory tracker watches every optimizer step through a global hook; a tracker
-collected while an optimizer iterates over those hooks must not change them under it."""
+"""Strategies watch every optimizer step through one pair of global hooks, registered once and
+never removed: a strategy collected while an optimizer iterates over those hooks must not
+change them under it, and a new strategy adds none."""
 
 from __future__ import annotations
 
@@ -8,18 +9,18 @@ import gc
 import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 
-from replicator.strategies.memory import MemoryTracker
+import replicator as rp
 
 
-def test_a_tracker_collected_during_a_step_leaves_the_hooks_as_they_are():
-    gc.collect()  # trackers other tests left behind go first
-    tracker = MemoryTracker(lambda p: False, None)
-    tracker.cycle = tracker  # only the cycle collector frees it
-    hook = tracker._hook.id
-    del tracker
+def test_a_strategy_collected_during_a_step_leaves_the_hooks_as_they_are():
+    gc.collect()  # strategies other tests left behind go first
+    strategy = rp.OneDeviceStrategy("cpu")
+    strategy.cycle = strategy  # type: ignore[attr-defined]  # only the cycle collector frees it
+    hooks = list(_global_optimizer_pre_hooks)
+    del strategy
 
     def collect(optimizer, args, kwargs) -> None:
-        gc.collect()  # the tracker is collected here, inside the step's loop over the hooks
+        gc.collect()  # the strategy is collected here, inside the step's loop over the hooks
 
     handle = register_optimizer_step_pre_hook(collect)
     try:
@@ -29,6 +30,6 @@ def test_a_tracker_collected_during_a_step_leaves_the_hooks_as_they_are():
     finally:
         handle.remove()
     torch.testing.assert_close(p.detach(), torch.full((2,), 0.9))
-    assert hook in _global_optimizer_pre_hooks  # the dead hook waits, doing nothing
-    MemoryTracker(lambda p: False, None)  # the next tracker removes it
-    assert hook not in _global_optimizer_pre_hooks
+    assert list(_global_optimizer_pre_hooks) == hooks
+    rp.OneDeviceStrategy("cpu").close()  # the next strategy adds no hook
+    assert list(_global_optimizer_pre_hooks) == hooks

@@ -17,6 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -49,6 +53,22 @@ if TYPE_CHECKING:
 _SERIALS = itertools.count(1)
 _CURRENT: list[Strategy] = []
 _LAST_CREATED: list[weakref.ref[Strategy]] = []
+#: The open strategies in creation order; one pair of global optimizer-step hooks serves them
+#: all and is never removed (a removal from a finalizer, run by the garbage collector while
+#: torch iterates the global hooks in another optimizer's step, raised "OrderedDict mutated
+#: during iteration").
+_OPEN: weakref.WeakValueDictionary[int, Strategy] = weakref.WeakValueDictionary()
+_STEP_HOOKS: list[Any] = []
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for strategy in list(_OPEN.values()):
+        strategy._before_optimizer_step(optimizer, args, kwargs)
+
+
+def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for strategy in list(_OPEN.values()):
+        strategy._after_optimizer_step(optimizer)
 
 
 @contextlib.contextmanager
@@ -102,6 +122,10 @@ class Strategy(ABC):
         self._closed = False
         self._memory = MemoryTracker(self.is_distributed, self._activation_samples)
         self._start_live()
+        _OPEN[self.serial] = self
+        if not _STEP_HOOKS:
+            _STEP_HOOKS.extend([register_optimizer_step_pre_hook(_before_any_step),
+                                register_optimizer_step_post_hook(_after_any_step)])
         created(self)
         WATCH.add(self)
 
@@ -204,6 +228,18 @@ class Strategy(ABC):
         """Hook: see :meth:`prepare_optimizers` (one optimizer)."""
         return None
 
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                               kwargs: Any) -> None:
+        """Hook, before every optimizer step of the process while the strategy is open:
+        :meth:`prepare_optimizers`, then the live engine's commit across replica groups."""
+        self.prepare_optimizers(optimizer)
+        if self.live is not None:
+            self.live.before_optimizer_step(optimizer)
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook, after every optimizer step of the process while the strategy is open."""
+        return None
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(replicas={self.num_replicas_in_sync}, "
                 f"replica_id={self.replica_id}, device={self.device})")
@@ -302,7 +338,7 @@ class Strategy(ABC):
         if self._closed:
             return
         self._closed = True
-        self._memory.close()
+        _OPEN.pop(self.serial, None)
         self._close()
         replicas = getattr(self, "_replica_group", None)
         if replicas is not None:
@@ -367,7 +403,7 @@ class Strategy(ABC):
         """Bytes this rank holds: parameters, gradients and optimizer state of what this
         strategy set up, and the peak of activations saved for backward in ``run`` (measured
         in the first three runs; in every run where the model is split)."""
-        rank = dist.get_rank() if dist.is_initialized() else self._replica_group.global_rank
+        rank = dist.get_rank() if dist.is_initialized() else self.collectives.global_rank
         return self._memory.report(rank, list(self._set_up_modules.keys()))
 
     def memory_reports(self) -> list[MemoryReport]:
@@ -415,9 +451,8 @@ class Strategy(ABC):
                                        tuple(args))
         self._warned_uneven = check_step(uneven, self.replica_id, self._warned_uneven)
         if self._check_finite:
-            group = self._replica_group
-            check_finite_result(result, self._runs, group.rank, group.world_size,
-                                group.global_ranks, self._reduce)
+            check_finite_result(result, self._runs, self.replica_id, self.num_replicas_in_sync,
+                                self.collectives.global_ranks, self._reduce)
         return result
 
     #: Whether trainable parameters this strategy never distributed are refused, in ``run``
@@ -476,22 +511,22 @@ class Strategy(ABC):
     experimental_distribute_values_from_function = distribute_values_from_function
 
     def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
-        return self._replica_group.reduce(op, tensor)
+        return self.collectives.all_reduce(tensor, op, f"reduce({op.value})")
 
     def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor],
                      structure: str = "") -> list[torch.Tensor]:
-        return self._replica_group.reduce_many(op, tensors, structure)
+        return self.collectives.all_reduce_many(tensors, op, f"reduce({op.value})", structure)
 
     def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        return self._replica_group.gather(tensor, axis)
+        return self.collectives.all_gather_uneven(tensor, axis, "gather")
 
     def _gather_many(self, tensors: list[torch.Tensor], axis: int,
                      structure: str = "") -> list[torch.Tensor]:
-        return self._replica_group.gather_many(tensors, axis, structure)
+        return self.collectives.all_gather_many(tensors, axis, "gather", structure)
 
     def barrier(self) -> None:
         """Wait until every replica reaches this point."""
-        self._replica_group.barrier()
+        self.collectives.barrier()
 
     # -- input -----------------------------------------------------------------------------------
     @property

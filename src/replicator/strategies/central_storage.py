@@ -10,28 +10,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
 from replicator.comm.options import CommunicationOptions
 from replicator.errors import ReplicatorError
 from replicator.strategies.mirrored import MirroredStrategy
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of tensors in ``optimizer.state`` (momentum buffers, Adam moments, step counts)."""
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
 
 
 class CentralStorageStrategy(MirroredStrategy):
@@ -55,8 +42,6 @@ class CentralStorageStrategy(MirroredStrategy):
                          sync_batchnorm=sync_batchnorm, check_finite=check_finite)
         self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._stashed: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
-        _LIVE.add(self)
-        _install_hooks()
 
     @property
     def is_central(self) -> bool:
@@ -98,8 +83,9 @@ class CentralStorageStrategy(MirroredStrategy):
         self._kinds[optimizer] = (owned, len(params))
         return owned
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: object,
-                     kwargs: object) -> None:
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                               kwargs: Any) -> None:
+        super()._before_optimizer_step(optimizer, args, kwargs)
         if self.num_replicas_in_sync == 1 or not self._owns(optimizer):
             return
         positional = [a for a in args if a is not optimizer] if isinstance(args, tuple) else []
@@ -119,7 +105,7 @@ class CentralStorageStrategy(MirroredStrategy):
             p.grad = None
         self._stashed[id(optimizer)] = stash
 
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.num_replicas_in_sync == 1 or not self._owns(optimizer):
             return
         params = self._params_of(optimizer)
@@ -132,26 +118,3 @@ class CentralStorageStrategy(MirroredStrategy):
                                      what="broadcast of updated parameters from the central "
                                           "replica")
 
-
-#: Central-storage strategies alive in this process; one pair of global optimizer hooks serves
-#: them all. Hooks are never removed: a removal from a finalizer, run by the garbage collector
-#: while torch iterates the global hooks of another optimizer's step, raised "OrderedDict
-#: mutated during iteration" there.
-_LIVE: weakref.WeakSet[CentralStorageStrategy] = weakref.WeakSet()
-_HOOKS: list[object] = []
-
-
-def _before_any_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    for strategy in list(_LIVE):
-        strategy._before_step(optimizer, args, kwargs)
-
-
-def _after_any_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    for strategy in list(_LIVE):
-        strategy._after_step(optimizer)
-
-
-def _install_hooks() -> None:
-    if not _HOOKS:
-        _HOOKS.extend([register_optimizer_step_pre_hook(_before_any_step),
-                       register_optimizer_step_post_hook(_after_any_step)])

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from replicator.comm.gradient_sync import local_tensor
 
@@ -65,25 +64,6 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
                 if isinstance(v, torch.Tensor):
                     total += local_bytes(v)
     return total
-
-
-def build_memory_report(rank: int, modules: Iterable[torch.nn.Module],
-                        optimizers: Iterable[torch.optim.Optimizer],
-                        peak_activation_bytes: int) -> MemoryReport:
-    """The report of global ``rank`` for ``modules`` (each parameter counted once) and
-    ``optimizers``."""
-    seen: set[int] = set()
-    params = grads = 0
-    for module in modules:
-        for p in module.parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            params += local_bytes(p)
-            grads += local_bytes(p.grad)
-    return MemoryReport(rank=rank, parameter_bytes=params, gradient_bytes=grads,
-                        optimizer_state_bytes=optimizer_state_bytes(optimizers),
-                        peak_activation_bytes=peak_activation_bytes)
 
 
 class _Saved:
@@ -145,20 +125,10 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
 
 
-#: Handles of optimizer hooks whose tracker was collected, removed at a safe point.
-_DEAD_HOOKS: list[Any] = []
-
-
-def _remove_dead_hooks() -> None:
-    """Remove the global optimizer hooks of collected trackers (outside any step)."""
-    while _DEAD_HOOKS:
-        _DEAD_HOOKS.pop().remove()
-
-
 class MemoryTracker:
     """What ``memory_report`` needs across steps (see the module doc). ``is_ours``: whether a
     parameter belongs to the strategy; ``samples``: how many runs to measure activations in
-    (``None``: every run)."""
+    (``None``: every run). The strategy shows it every optimizer step (:meth:`note`)."""
 
     def __init__(self, is_ours: Callable[[torch.Tensor], bool], samples: int | None) -> None:
         self._is_ours = is_ours
@@ -168,19 +138,6 @@ class MemoryTracker:
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = \
             weakref.WeakKeyDictionary()
-        me = weakref.ref(self)
-
-        def noticed(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            tracker = me()
-            if tracker is not None:
-                tracker.note(optimizer)
-
-        _remove_dead_hooks()
-        self._hook = register_optimizer_step_pre_hook(noticed)
-        # not removed by the finalizer itself: a collection can run inside an optimizer's
-        # step while it iterates over the global hooks, and removing one there raises
-        # "OrderedDict mutated during iteration"; a dead hook does nothing until then
-        weakref.finalize(self, _DEAD_HOOKS.append, self._hook)
 
     def note(self, optimizer: torch.optim.Optimizer) -> None:
         """Count ``optimizer``'s state when it holds one of the strategy's parameters."""
@@ -203,11 +160,12 @@ class MemoryTracker:
         self.peak_activation_bytes = max(self.peak_activation_bytes, meter.peak_bytes)
 
     def report(self, rank: int, modules: Iterable[torch.nn.Module]) -> MemoryReport:
-        return build_memory_report(rank, modules, list(self.optimizers),
-                                   self.peak_activation_bytes)
-
-    def close(self) -> None:
-        self._hook.remove()
+        """The report of global ``rank`` for ``modules`` (each parameter counted once)."""
+        params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        return MemoryReport(rank=rank, parameter_bytes=sum(local_bytes(p) for p in params),
+                            gradient_bytes=sum(local_bytes(p.grad) for p in params),
+                            optimizer_state_bytes=optimizer_state_bytes(self.optimizers),
+                            peak_activation_bytes=self.peak_activation_bytes)
 
 
 def exchange_reports(mine: MemoryReport, gather: Callable[[torch.Tensor], torch.Tensor]

@@ -13,12 +13,10 @@ on its axis, so a stalled rank is named in any group. ``FSDPStrategy``,
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from replicator.cluster.devices import default_device_for
@@ -117,19 +115,11 @@ class MeshStrategy(Strategy):
         self._stages = ReplicaGroup(device, topo, "pipeline", timeout_seconds=timeout_seconds) \
             if topo.size("pipeline") > 1 else None
         for axis in topo.axes:  # tensor and fsdp groups wait no longer than the job either
-            set_group_timeout(topo.group(axis), self._replica_group.timeout_seconds)
+            set_group_timeout(topo.group(axis), self.collectives.timeout_seconds)
         # parameters replaced by sharded ones (old -> new), for optimizers built in scope
         self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._pipelines: list[PipelineRunner] = []  # per set-up module
         self._no_sync_depth = 0
-        me = weakref.ref(self)
-
-        def prepare(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            strategy = me()
-            if strategy is not None:
-                strategy.prepare_optimizers(optimizer)
-
-        self._optimizer_hook = register_optimizer_step_pre_hook(prepare)
         super().__init__(check_finite=check_finite)
 
     # -- identity ------------------------------------------------------------------------------
@@ -209,7 +199,8 @@ class MeshStrategy(Strategy):
         """Every rank starts from global rank 0's values (as Mirrored does), so the pieces cut
         from each rank's copy make up one model."""
         tensors = [t for t in [*module.parameters(), *module.buffers()] if t.numel()]
-        self._job.broadcast_(tensors, src=0, what="broadcast of initial parameters from rank 0")
+        self._job.collectives.broadcast_(tensors, src=0,
+                                         what="broadcast of initial parameters from rank 0")
 
     def _record_replacements(self, module: torch.nn.Module) -> None:
         """Map each original parameter to the sharded one that took its place, so optimizers
@@ -290,10 +281,9 @@ class MeshStrategy(Strategy):
 
     def barrier(self) -> None:
         """Wait until every worker (every rank of the mesh, not only the replicas) is here."""
-        self._job.barrier()
+        self._job.collectives.barrier()
 
     def _close(self) -> None:
-        self._optimizer_hook.remove()
         self._job.close()
         if self._stages is not None:
             self._stages.close()

@@ -19,7 +19,7 @@ from replicator.cluster.environment import resolve_cluster, use_cluster
 from replicator.cluster.resolvers import ClusterResolver, as_spec
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
-from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES
+from replicator.comm.gradient_sync import BUFFER_SYNC_MODES, DEFAULT_BUCKET_BYTES
 from replicator.comm.options import CommunicationOptions
 from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.selection import algorithm_for
@@ -44,10 +44,6 @@ def _first_difference(descs: list[list[str]]) -> str:
         if len(set(entries)) > 1:
             return "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
     return "(no entry differs)"
-
-
-#: What ``buffer_sync`` may be: see :class:`MirroredStrategy`.
-BUFFER_SYNC_MODES = ("mean", "broadcast", "none")
 
 
 class MirroredStrategy(Strategy):
@@ -135,8 +131,8 @@ class MirroredStrategy(Strategy):
                       params: list[tuple[str, torch.nn.Parameter]],
                       buffers: list[tuple[str, torch.Tensor]]) -> None:
         self._check_same_structure(module, params, buffers)
-        self._replica_group.broadcast_([t for _, t in [*params, *buffers]], src=0,
-                                       what="broadcast of initial parameters from replica 0")
+        self.collectives.broadcast_([t for _, t in [*params, *buffers]], src=0,
+                                    what="broadcast of initial parameters from replica 0")
         self._add_synchronizer(module, params, buffers)
 
     def _add_synchronizer(self, module: torch.nn.Module,

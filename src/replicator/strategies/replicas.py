@@ -1,9 +1,9 @@
 """The replica group a strategy keeps in step, written once and composed by every strategy.
 
 A :class:`ReplicaGroup` on the processes a strategy replicates over (the job, a topology axis,
-or its data axes) owns device, group, tracker, ``Collectives``, identity, ``reduce``/``gather``/
-``barrier`` and the gradient engine (a ``GradientSynchronizer`` per module, ``no_sync``), as
-Lightning Fabric's ``ParallelStrategy``. Its waits take the strategy's own timeout
+or its data axes) owns device, group, identity, the ``Collectives`` (tracker, reduce, gather,
+broadcast, barrier) and the gradient engine (a ``GradientSynchronizer`` per module,
+``no_sync``), as Lightning Fabric's ``ParallelStrategy``. Its waits take the strategy's own timeout
 (``resolve_timeout``): mesh axis groups too (torch's 30 minutes otherwise), and a private group
 of every rank when an earlier strategy made the default group with another timeout.
 """
@@ -26,7 +26,6 @@ from replicator.comm.collective_tracker import CollectiveTracker
 from replicator.comm.collectives import Collectives
 from replicator.comm.gradient_sync import DEFAULT_BUCKET_BYTES, GradientSynchronizer
 from replicator.comm.groups import new_private_group
-from replicator.comm.reduce_op import ReduceOp
 
 
 class ReplicaGroup:
@@ -91,10 +90,6 @@ class ReplicaGroup:
         return self.collectives.group
 
     @property
-    def tracker(self) -> CollectiveTracker:
-        return self.collectives.tracker
-
-    @property
     def rank(self) -> int:
         """This process's position in the group (its replica index)."""
         return self.collectives.rank
@@ -105,57 +100,14 @@ class ReplicaGroup:
         return self.collectives.world_size
 
     @property
-    def global_rank(self) -> int:
-        """This process's rank in the whole job (what error messages name)."""
-        return self.collectives.global_rank
-
-    @property
-    def global_ranks(self) -> list[int]:
-        """The group's members by global rank, in group order."""
-        return list(self.collectives.global_ranks)
-
-    @property
     def is_chief(self) -> bool:
         """True on the one process that prints, logs and writes the replicas' shared files."""
         return self._chief
 
-    @property
-    def timeout_seconds(self) -> float:
-        return self.collectives.timeout_seconds
-
     def __repr__(self) -> str:
         where = "job" if self.topology is None else (self.axis or "data axes")
         return (f"ReplicaGroup({where}: rank {self.rank} of {self.world_size}, global ranks "
-                f"{self.global_ranks}, {self.device})")
-
-    # -- cross-replica values ----------------------------------------------------------------
-    def reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
-        """``op`` over every replica's ``tensor``; every replica gets the result."""
-        return self.collectives.all_reduce(tensor, op, f"reduce({op.value})")
-
-    def reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor],
-                    structure: str = "") -> list[torch.Tensor]:
-        """:meth:`reduce` of several tensors (the leaves of the nest ``structure``
-        describes) in one collective."""
-        return self.collectives.all_reduce_many(tensors, op, f"reduce({op.value})", structure)
-
-    def gather(self, tensor: torch.Tensor, axis: int = 0) -> torch.Tensor:
-        """Every replica's ``tensor`` concatenated along ``axis`` (sizes there may differ)."""
-        return self.collectives.all_gather_uneven(tensor, axis, "gather")
-
-    def gather_many(self, tensors: list[torch.Tensor], axis: int = 0,
-                    structure: str = "") -> list[torch.Tensor]:
-        """:meth:`gather` of several tensors (the leaves of a nest) in one exchange."""
-        return self.collectives.all_gather_many(tensors, axis, "gather", structure)
-
-    def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
-                   what: str = "broadcast") -> None:
-        """Overwrite ``tensors`` in place with replica ``src``'s values."""
-        self.collectives.broadcast_(tensors, src=src, what=what)
-
-    def barrier(self) -> None:
-        """Wait until every replica of the group reaches this call."""
-        self.collectives.barrier()
+                f"{self.collectives.global_ranks}, {self.device})")
 
     # -- the data-parallel gradient engine -----------------------------------------------------
     def use_algorithm(self, algorithm: CrossDeviceOps) -> None:
@@ -229,4 +181,4 @@ class ReplicaGroup:
             sync.remove()
             self.algorithm.release_buckets(sync.owner)
         self._synchronizers = []
-        self.tracker.close()
+        self.collectives.tracker.close()

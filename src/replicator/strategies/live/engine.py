@@ -36,7 +36,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from replicator.cluster.env_names import PREEMPTION_EXIT_CODE, REPLICA_ID_FORMAT
 from replicator.cluster.ports import listen
@@ -163,7 +162,6 @@ class LiveEngine:
                 f"{_first_line(exc)}. HINT: is the lighthouse running and reachable? "
                 "`replicator run --replica-groups N` starts one on loopback; otherwise start "
                 "`torchft_lighthouse --min_replicas M --bind HOST:PORT`") from exc
-        self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._install_sigterm()
         on_shutdown(self.close)  # a script that ends on an error stops the state server too
 
@@ -180,8 +178,8 @@ class LiveEngine:
                                             timeout=timedelta(seconds=30),
                                             wait_for_workers=False,
                                             master_listen_fd=sock.detach())
-        if self.replicas.world_size > 1:
-            self.replicas.broadcast_([port], src=0, what="port of the replica group's store")
+        self.replicas.collectives.broadcast_([port], src=0,
+                                             what="port of the replica group's store")
         return self.settings.bind, int(port.item())
 
     def _install_sigterm(self) -> None:
@@ -337,11 +335,12 @@ class LiveEngine:
         if self.replicas.world_size == 1 or not self._replicated():
             return
         flag = torch.tensor([1 if self._healed_now else 0], dtype=torch.int64)
-        if int(self.replicas.reduce(ReduceOp.MAX, flag).item()):
+        if int(self.replicas.collectives.all_reduce(flag, ReduceOp.MAX,
+                                                     "agreement on healing").item()):
             tensors = [t for m in self._modules() for t in [*m.parameters(), *m.buffers()]]
             with torch.no_grad():
-                self.replicas.broadcast_(tensors, src=0,
-                                         what="parameters of group rank 0 after healing")
+                self.replicas.collectives.broadcast_(
+                    tensors, src=0, what="parameters of group rank 0 after healing")
 
     def _quorum_error(self, exc: BaseException) -> LiveRecoveryError:
         text = _first_line(exc)
@@ -363,8 +362,9 @@ class LiveEngine:
         self._share = share
         self.source = source
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
-                               kwargs: Any) -> None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The strategy's hook before each optimizer step: the first of a step commits it
+        (or, in rounds, counts an inner step)."""
         if self._closed or not self._steps_our_parameters(optimizer):
             return
         if self._phase == "committed":
@@ -523,7 +523,7 @@ class LiveEngine:
             return
         flag = torch.tensor([1 if self._leave_requested else 0], dtype=torch.int64)
         if self.replicas.world_size > 1:
-            flag = self.replicas.reduce(ReduceOp.MAX, flag)
+            flag = self.replicas.collectives.all_reduce(flag, ReduceOp.MAX, "agreement on leaving")
         if not int(flag.item()):
             return
         if not (self._leave_announced or self._quorum is None or self._quorum_is_due()):
@@ -539,7 +539,6 @@ class LiveEngine:
         if self._closed:
             return
         self._closed = True
-        self._hook.remove()
         try:
             self.manager.shutdown(wait=False)
         except Exception:  # noqa: BLE001 - best effort at shutdown

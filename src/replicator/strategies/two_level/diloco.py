@@ -40,10 +40,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from replicator.cluster.devices import default_device_for
 from replicator.cluster.environment import resolve_cluster
@@ -168,7 +164,6 @@ class DiLoCoStrategy(Strategy):
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = \
             weakref.WeakKeyDictionary()
         self._optimizer_states: dict[str, Any] = {}
-        self._hooks: list[Any] = []
         self.round_steps = inner_steps
         super().__init__(check_finite=check_finite)
         if self.live is not None:
@@ -220,7 +215,7 @@ class DiLoCoStrategy(Strategy):
     def _setup_module(self, module: torch.nn.Module) -> None:
         params, buffers = named_state(module)
         new = [p for _, p in params if p not in self._distributed]
-        self._replica_group.broadcast_(
+        self.collectives.broadcast_(
             [*new, *(b for _, b in buffers if b not in self._distributed)], src=0,
             what="broadcast of initial parameters from rank 0 to every host")
         self.inner.distribute_model(module)
@@ -231,11 +226,6 @@ class DiLoCoStrategy(Strategy):
         for fragment in self._outer:  # stepped by the outer optimizer, the same on every rank
             for outer in fragment.outer:
                 self._distributed[outer] = True
-        if not self._hooks:
-            me = weakref.ref(self)
-            self._hooks = [
-                register_optimizer_step_pre_hook(lambda opt, *_: _call(me, "_before", opt)),
-                register_optimizer_step_post_hook(lambda opt, *_: _call(me, "_after", opt))]
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         known = self._optimizers.get(optimizer)
@@ -252,14 +242,20 @@ class DiLoCoStrategy(Strategy):
         return f"params_from_{first}"
 
     # -- the round -----------------------------------------------------------------------------
-    def _before(self, optimizer: torch.optim.Optimizer) -> None:
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                               kwargs: Any) -> None:
+        super()._before_optimizer_step(optimizer, args, kwargs)
+        self._load_optimizer_state(optimizer)
+
+    def _load_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give ``optimizer`` the inner state a :meth:`load_state_dict` holds for it."""
         if self._optimizer_states and self._owns(optimizer):
             state = self._optimizer_states.pop(self._optimizer_key(optimizer), None)
             if state is not None:
                 optimizer.load_state_dict(state)
 
-    def _after(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._closed or not self._owns(optimizer):
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._owns(optimizer):
             return
         self._step += 1
         live = self.live
@@ -327,7 +323,7 @@ class DiLoCoStrategy(Strategy):
         self._optimizer_states = dict(state["inner_optimizers"])
         for optimizer, owned in list(self._optimizers.items()):
             if owned:
-                self._before(optimizer)
+                self._load_optimizer_state(optimizer)
         self._exchange.load_state_dict(state["exchange"])
         self._pending = []
         for saved in state["pending"]:
@@ -349,9 +345,6 @@ class DiLoCoStrategy(Strategy):
         self._step = int(state["step"])
 
     def _close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
         self.inner.close()
 
 
@@ -367,12 +360,6 @@ def _check_live(live: LiveSettings, fragments: int, sync_delay: int,
                 f"{live.groups}): each group is one host and syncs the whole model, "
                 f"uncompressed, at each round's end. HINT: leave {name} at {plain!r} under "
                 "--replica-groups, or launch without it")
-
-
-def _call(ref: weakref.ref[DiLoCoStrategy], method: str, optimizer: Any) -> None:
-    strategy = ref()
-    if strategy is not None and not strategy._closed:
-        getattr(strategy, method)(optimizer)
 
 
 class LocalSGDStrategy(DiLoCoStrategy):
