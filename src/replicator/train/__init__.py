@@ -8,12 +8,11 @@ from replicator.train.callbacks import (
     History,
     LearningRateScheduler,
     ModelCheckpoint,
+    ProgressBar,
     TerminateOnNaN,
 )
-from replicator.train.progress_bar import ProgressBar
-from replicator.train.replicator_facade import Replicator
 from replicator.train.trackers import MLflowLogger, TensorBoard, WandbLogger
-from replicator.train.trainer import Trainer
+from replicator.train.trainer import Replicator, Trainer
 
 __all__ = ["Trainer", "Replicator", "Callback", "History", "EarlyStopping", "ModelCheckpoint",
            "LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",

@@ -20,7 +20,8 @@ class Metric(ABC):
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._state = torch.zeros(self.state_size(), dtype=torch.float64)
+        #: The vector of sums (float64) this replica's updates added since the last reset.
+        self.state = torch.zeros(self.state_size(), dtype=torch.float64)
 
     @abstractmethod
     def state_size(self) -> int:
@@ -42,26 +43,22 @@ class Metric(ABC):
         weight = torch.ones(n, dtype=torch.float64, device=y_pred.device) \
             if sample_weight is None else sample_weight.detach().to(torch.float64).reshape(-1)
         added = self._batch_state(y_pred, y_true, weight).to(torch.float64).cpu()
-        self._state += added  # after _batch_state, which may size the state on first use
-
-    @property
-    def state(self) -> torch.Tensor:
-        return self._state
+        self.state += added  # after _batch_state, which may size the state on first use
 
     def reset(self) -> None:
-        self._state.zero_()
+        self.state.zero_()
 
     def load_state(self, state: torch.Tensor) -> None:
         """Set the state vector (e.g. sums restored from a backup)."""
-        if state.numel() != self._state.numel():
+        if state.numel() != self.state.numel():
             raise ValueError(f"{self.name}: a state of {state.numel()} numbers does not fit "
-                             f"this metric's {self._state.numel()}")
-        self._state = state.to(torch.float64).clone()
+                             f"this metric's {self.state.numel()}")
+        self.state = state.to(torch.float64).clone()
 
     def result(self, strategy: object | None = None) -> float:
         """The value over this replica's samples, or over all replicas' given a strategy
         (a collective: every replica must call it)."""
-        state = self._state
+        state = self.state
         if strategy is not None:
             state = strategy.reduce(ReduceOp.SUM, state).cpu()  # type: ignore[attr-defined]
         return self.value_from(state)
@@ -99,7 +96,7 @@ class Mean(_WeightedMean):
 
     def update_value(self, value: torch.Tensor | float, count: float = 1.0) -> None:
         """Add an already averaged ``value`` that stands for ``count`` samples."""
-        self._state += torch.tensor([float(value) * count, count], dtype=torch.float64)
+        self.state += torch.tensor([float(value) * count, count], dtype=torch.float64)
 
 
 class SparseCategoricalAccuracy(_WeightedMean):
@@ -209,10 +206,10 @@ class AUC(Metric):
         if self._curves is None:
             self._curves = curves
             if curves != 1:
-                if bool(self._state.any()):
+                if bool(self.state.any()):
                     raise ValueError(f"{self.name}: the number of classes changed after "
                                      "updates; give num_classes")
-                self._state = torch.zeros(self.state_size(), dtype=torch.float64)
+                self.state = torch.zeros(self.state_size(), dtype=torch.float64)
         elif self._curves != curves:
             raise ValueError(f"{self.name}: outputs with {curves if curves > 1 else 2} classes "
                              f"after outputs with {self._curves if self._curves > 1 else 2}; "
@@ -225,7 +222,7 @@ class AUC(Metric):
             raise ValueError(f"{self.name}: a state of {state.numel()} numbers does not fit "
                              f"{self.num_thresholds} thresholds")
         self._curves = curves
-        self._state = state.to(torch.float64).clone()
+        self.state = state.to(torch.float64).clone()
 
     def _scores_and_labels(self, y_pred: torch.Tensor,
                            y_true: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,12 +71,6 @@ class TrackerLedger:
         self.step = max(self.step, int(recorded.get("step", 0)))
         self.epoch = max(self.epoch, int(recorded.get("epoch", -1)))
 
-    def wants_step(self, step: int) -> bool:
-        return step > self.step
-
-    def wants_epoch(self, epoch: int) -> bool:
-        return epoch > self.epoch
-
     def sent(self, *, step: int | None = None, epoch: int | None = None) -> None:
         """Record a send (call after the tracker accepted it)."""
         if step is not None:
@@ -193,7 +187,7 @@ class RunLogger(Callback, ABC):
                 or step % int(self.update_freq) != 0:
             return
         self._ensure_open()
-        if self._ledger.wants_step(step):
+        if step > self._ledger.step:
             self._log({f"batch/{k}": float(v) for k, v in logs.items()}, step)
             self._ledger.sent(step=step)
 
@@ -201,7 +195,7 @@ class RunLogger(Callback, ABC):
         if not self.is_chief or not logs:
             return
         self._ensure_open()
-        if self._ledger.wants_epoch(epoch):
+        if epoch > self._ledger.epoch:
             self._log({f"epoch/{k}": float(v) for k, v in logs.items()}, epoch)
             self._ledger.sent(epoch=epoch)
 
