@@ -9,9 +9,9 @@ API; storage is :mod:`replicator.checkpoint`'s, which never asks about a strateg
 """
 
 from replicator.resume.backup_and_restore import BackupAndRestore
-from replicator.resume.nonfinite import NonFiniteGuard, gradients_finite
 from replicator.resume.preemption import PREEMPTION_EXIT_CODE, Preempted, PreemptionWatcher
 from replicator.resume.sharded import checkpoint_collectives, load_sharded, save_sharded
+from replicator.resume.step_hooks import NonFiniteGuard, gradients_finite
 
 __all__ = ["BackupAndRestore", "NonFiniteGuard", "PREEMPTION_EXIT_CODE", "Preempted",
            "PreemptionWatcher", "checkpoint_collectives", "gradients_finite", "load_sharded",

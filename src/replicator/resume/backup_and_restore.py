@@ -39,9 +39,7 @@ from replicator.checkpoint.manager import CheckpointManager, Restored, check_sta
 from replicator.checkpoint.saver import BackgroundSaver, check_saver, early_process, make_saver
 from replicator.checkpoint.storage import backup_location, join_location, open_storage
 from replicator.cluster.worker_errors import record_backup
-from replicator.resume.deferred_copy import CopyGuard
 from replicator.resume.live_state import is_live, live_steps
-from replicator.resume.nonfinite import NonFiniteGuard
 from replicator.resume.preemption import Preempted, PreemptionWatcher
 from replicator.resume.rank_state import (
     capture_rng,
@@ -52,6 +50,7 @@ from replicator.resume.rank_state import (
     warn_replay,
 )
 from replicator.resume.sharded import checkpoint_collectives, prepare_optimizers, sharded_objects
+from replicator.resume.step_hooks import CopyGuard, NonFiniteGuard
 from replicator.strategies.base import Strategy
 from replicator.strategies.replica_context import current_strategy
 
@@ -409,7 +408,7 @@ class BackupAndRestore:
         thread over its private group), then the backup itself is committed and names them.
         With the saver process nothing waits here: a save due while the one before is being
         written is skipped (the saver's thread agrees on it), and the optimizers' parameters
-        and state are copied on that thread before their next step (``deferred_copy.py``)."""
+        and state are copied on that thread before their next step (``step_hooks.py``)."""
         if not (self.background and reason in ("step", "epoch") and self._saver is not None
                 and self._saver.async_mode == "process"):
             self._settle_background()
