@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,27 +23,16 @@ from replicator.checkpoint.atomic import fsync_dir, hash_file, remove_tree
 from replicator.checkpoint.manifest import (
     MARKER_NAME,
     FileEntry,
-    check_bytes,
-    check_file_name,
     read_marker,
-    seal,
     verify_file,
     write_marker,
 )
 from replicator.checkpoint.store import (
-    COMMITS,
-    DATA,
-    DEFAULT_LEASE_TIMEOUT,
-    Lease,
-    RemoteStore,
+    FsspecStorage,
     check_location,
-    hash_bytes,
     is_remote,
     local_path,
-    parse_commit_name,
-    read_commit,
 )
-from replicator.errors import CheckpointCorruptError
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 #: What an interrupted save or deletion leaves in a local directory.
@@ -233,204 +221,14 @@ class LocalStorage:
             pass  # not empty: the user keeps other files there
 
 
-class FsspecStorage(RemoteStore):
-    """Saves in an fsspec store, committed by a commit object written last, under a lease.
-
-    ``data/step-00000030.<id>/`` holds one save's objects, ``commits/step-00000030.<id>.json``
-    commits it (the manifest with the prefix); ``LEASE.json`` names the job writing here.
-    A store has no atomic rename: an upload without a commit is never read, and it is deleted
-    once a save of the same or a later step commits.
-    """
-
-    retries_later = True
-
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
-                 what: str = "the checkpoint location", *, job_id: str | None = None,
-                 lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> None:
-        super().__init__(url, storage_options, what)
-        self.location = self.url
-        self.job_id, self.lease_timeout = job_id, lease_timeout
-        self._lease: Lease | None = None
-
-    @property
-    def lease(self) -> Lease:
-        if self._lease is None:
-            self._lease = Lease(self, self.job_id, self.lease_timeout)
-        return self._lease
-
-    def open(self) -> None:
-        self.lease.acquire()
-
-    def check(self) -> None:
-        self.lease.check()
-
-    def release(self) -> None:
-        if self._lease is not None:
-            self._lease.release()
-
-    def staging(self, step: int, save_id: str) -> str:
-        return f"{DATA}/{step_dir_name(step)}.{save_id}"
-
-    def begin(self, staging: str) -> None:
-        """Nothing to create: objects make their own folders."""
-
-    def write(self, staging: str, fname: str, tensors: Mapping[str, torch.Tensor],
-              metadata: Mapping[str, str]) -> FileEntry:
-        data = serialization.to_bytes(tensors, metadata)
-        self.put(f"{staging}/{fname}", data)
-        return FileEntry(bytes=len(data), sha256=hash_bytes(data))
-
-    def dest(self, staging: str, fname: str) -> str:
-        return self.path(f"{staging}/{fname}")
-
-    def folder(self, staging: str) -> Path:
-        """A scratch folder of this process that :meth:`publish` uploads and deletes."""
-        return Path(tempfile.mkdtemp(prefix="replicator-shards-"))
-
-    def publish(self, staging: str, folder: Path, rank: int) -> dict[str, FileEntry]:
-        """Upload this rank's scratch folder, hashing as it goes, then delete it."""
-        try:
-            entries = {}
-            for path in sorted(folder.iterdir()):
-                if path.is_file():
-                    data = path.read_bytes()
-                    self.put(f"{staging}/{path.name}", data)
-                    entries[path.name] = FileEntry(bytes=len(data), sha256=hash_bytes(data))
-            return entries
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-
-    def commit(self, step: int, staging: str, manifest: dict[str, Any],
-               before: Callable[[Any], None] | None = None) -> str:
-        """Check that every object is in the store with its size, then write the commit
-        (``before(url)`` runs just before it)."""
-        name = f"{staging.split('/', 1)[1]}.json"
-        try:
-            listed = dict(self.objects(staging))
-            for fname, entry in manifest["files"].items():
-                if listed.get(fname) != entry["bytes"]:
-                    raise OSError(f"{self.name_url(staging)}/{fname} is "
-                                  f"{'missing' if fname not in listed else 'the wrong size'} "
-                                  "in the store after its upload")
-            manifest["prefix"] = staging
-            marker = seal(manifest)
-            if before is not None:
-                before(self.name_url(staging))
-            self.check()
-            self.put(f"{COMMITS}/{name}", marker)
-        except BaseException:
-            self.discard(staging)
-            raise
-        return name
-
-    def discard(self, staging: str) -> None:
-        """Delete an upload that will not be committed; a later save's pruning retries."""
-        try:
-            self.remove(staging, recursive=True)
-        except OSError:
-            pass
-
-    def saves(self) -> list[tuple[int, str]]:
-        """``(step, commit object name)`` of every commit object, oldest first."""
-        found = []
-        for name, _ in self.objects(COMMITS):
-            parsed = parse_commit_name(name)
-            if parsed is not None:
-                found.append((parsed[0], name))
-        return sorted(found)
-
-    def committed(self) -> list[int]:
-        return sorted({s for s, _ in self.saves()})
-
-    def manifest(self, ref: str) -> dict[str, Any]:
-        return read_commit(self, ref)
-
-    def read(self, ref: str, manifest: Mapping[str, Any], fname: str) -> np.ndarray:
-        where = f"commit {COMMITS}/{ref}"
-        if fname not in manifest["files"]:
-            raise CheckpointCorruptError(f"{where} does not list {fname!r}")
-        check_file_name(fname, where)
-        url = f"{self.name_url(manifest['prefix'])}/{fname}"
-        data = self.get_or(f"{manifest['prefix']}/{fname}", f"{where}: object {url} is missing")
-        check_bytes(where, f"object {url}", manifest["files"][fname], len(data),
-                    hash_bytes(data))
-        return np.frombuffer(bytearray(data), dtype=np.uint8)
-
-    def fetch_all(self, ref: str) -> Path:
-        """Every object of the save, verified, in a scratch folder (the caller deletes it)."""
-        manifest = self.manifest(ref)
-        into = Path(tempfile.mkdtemp(prefix="replicator-shards-"))
-        try:
-            for fname in manifest["files"]:
-                (into / fname).write_bytes(self.read(ref, manifest, fname).tobytes())
-        except BaseException:
-            shutil.rmtree(into, ignore_errors=True)
-            raise
-        return into
-
-    def where(self, ref: str) -> str:
-        return f"{self.url}/{COMMITS}/{ref}"
-
-    def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None:
-        """Keep the newest ``keep`` commits up to ``step``; delete older commits, then their
-        data; delete uploads without a commit up to ``step`` (never a later step's: other
-        ranks may be uploading the next save while the chief prunes)."""
-        try:
-            commits = self.saves()
-            upto = [n for s, n in commits if s <= step]
-            kept = set(upto[-keep:]) | {newest}
-            for _, n in commits:
-                if n not in kept:
-                    self.remove(f"{COMMITS}/{n}")
-            self._remove_data(kept, step)
-        except OSError as exc:
-            warnings.warn(f"could not remove old checkpoints in {self.url}: {exc}",
-                          RuntimeWarning, stacklevel=3)
-
-    def _remove_data(self, kept: set[str], upto: int | None) -> list[str]:
-        kept_ids = {n.removesuffix(".json") for n in kept}
-        removed = []
-        for folder in self.folders(DATA):
-            parsed = parse_commit_name(f"{folder}.json")
-            if folder not in kept_ids and parsed is not None and (upto is None
-                                                                  or parsed[0] <= upto):
-                self.remove(f"{DATA}/{folder}", recursive=True)
-                removed.append(folder)
-        return removed
-
-    def cleanup(self, after: int | None = None) -> list[str]:
-        """With ``after``: delete every save newer than it and every upload without a commit
-        (the chief, while no save runs). Without: nothing (an upload without a commit is never
-        read, and the next commit's pruning deletes it)."""
-        if after is None:
-            return []
-        try:
-            commits = self.saves()
-            for s, name in commits:
-                if s > after:
-                    self.remove(f"{COMMITS}/{name}")
-            return self._remove_data({n for s, n in commits if s <= after}, None)
-        except OSError as exc:
-            warnings.warn(f"could not remove interrupted saves in {self.url}: {exc}",
-                          RuntimeWarning, stacklevel=2)
-            return []
-
-    def delete_all(self) -> None:
-        for _, name in self.saves():
-            self.remove(f"{COMMITS}/{name}")
-        self.remove(DATA, recursive=True)
-        self.remove(COMMITS, recursive=True)
-        self.release()
-
-
 def open_storage(target: Any, storage_options: Mapping[str, Any] | None = None,
                  what: str = "the checkpoint location", **lease: Any) -> Any:
     """The storage at ``target``: the one place a location is read as a path or a URL. A
     storage passed in is returned as it is; a URL fsspec cannot open raises
     :class:`~replicator.errors.StorageURLError` here."""
-    if isinstance(target, (LocalStorage, FsspecStorage)):
+    if isinstance(target, LocalStorage) or (isinstance(target, FsspecStorage) and not lease):
         return target
-    if isinstance(target, RemoteStore):  # a store opened with its options: a storage over it
+    if isinstance(target, FsspecStorage):  # opened for a manager: its own lease settings
         return FsspecStorage(target.url, target.storage_options, what, **lease)
     if not isinstance(target, (str, os.PathLike)):
         raise TypeError(f"{what} is a path or a URL string, got {type(target).__name__}")

@@ -1,5 +1,6 @@
-"""An fsspec store as the checkpoint room uses it: URLs, the store's calls, commit objects and
-the lease (``storage.py`` holds the storage protocol over it).
+"""URLs and the fsspec store: :class:`FsspecStorage` is the store's calls and the checkpoint
+storage protocol (``storage.py``) over them, commit objects written last, under a lease
+(``lease.py``).
 
 A URL fsspec knows (``s3://`` needs ``s3fs``, from ``replicator[remote]``) is opened through
 fsspec; ``file://`` and plain paths are local directories; anything else that looks like a URL is
@@ -9,25 +10,32 @@ and ``FSSPEC_S3_ENDPOINT_URL``, or ``storage_options``.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import hashlib
-import json
 import os
 import re
-import socket
-import sys
-import threading
-import time
-import uuid
-import weakref
+import shutil
+import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from replicator.checkpoint.manifest import parse_marker
-from replicator.cluster.processes import process_alive
-from replicator.errors import CheckpointCorruptError, StorageURLError, StoreLeaseError
+import numpy as np
+import torch
+
+from replicator.checkpoint import serialization
+from replicator.checkpoint.lease import DEFAULT_LEASE_TIMEOUT as DEFAULT_LEASE_TIMEOUT
+from replicator.checkpoint.lease import LEASE_NAME as LEASE_NAME
+from replicator.checkpoint.lease import Lease
+from replicator.checkpoint.manifest import (
+    FileEntry,
+    check_bytes,
+    check_file_name,
+    parse_marker,
+    seal,
+)
+from replicator.errors import CheckpointCorruptError, StorageURLError
 
 T = TypeVar("T")
 #: Default seconds one call on a store may take (``storage_options["operation_timeout"]``).
@@ -101,7 +109,7 @@ def _io(op: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     ``FileNotFoundError`` passes through."""
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(fn)
-        def call(self: RemoteStore, *args: Any, **kwargs: Any) -> T:
+        def call(self: FsspecStorage, *args: Any, **kwargs: Any) -> T:
             try:
                 return fn(self, *args, **kwargs)
             except (FileNotFoundError, StorageURLError):
@@ -118,12 +126,103 @@ def _io(op: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return wrap
 
 
-class RemoteStore:
-    """A root URL on an fsspec file system with the few calls the checkpoint room needs; names
-    are relative to the root, and listings bypass fsspec's cache (other processes write here)."""
+def merged_options(scheme: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``options`` over the defaults for ``scheme`` (short S3 timeouts), over what fsspec's
+    own configuration (``FSSPEC_S3_ENDPOINT_URL`` and the like) sets."""
+    try:
+        import fsspec.config  # type: ignore[import-untyped]
+        fresh: dict[str, dict[str, Any]] = {}
+        fsspec.config.set_conf_env(fresh)  # FSSPEC_S3_ENDPOINT_URL set after fsspec's import
+        conf = {**fsspec.config.conf.get(scheme, {}), **fresh.get(scheme, {})}
+    except ImportError:
+        conf = {}
+    defaults = S3_DEFAULTS if scheme in ("s3", "s3a") else \
+        {"auto_mkdir": True} if scheme in ("file", "local") else {}  # folders as on S3
+    base: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v
+                            for k, v in defaults.items()}
+    given = dict(options or {})
+    if "endpoint_url" in dict(given.get("client_kwargs") or {}):
+        conf.pop("endpoint_url", None)  # the caller's endpoint wins over the environment's
+    for k, v in {**conf, **given}.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            base[k] = {**base[k], **v}
+        else:
+            base[k] = v
+    return base
+
+
+def read_url(url: str, storage_options: Mapping[str, Any] | None = None) -> bytes | None:
+    """The bytes of the object at ``url`` (``None`` when there is none)."""
+    store = FsspecStorage(url, storage_options, "the file")
+    try:
+        return store.get("")
+    except FileNotFoundError:
+        return None
+
+
+def write_url(url: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write the object at ``url`` in one call (a reader sees the old or the new one whole)."""
+    store = FsspecStorage(url, storage_options, "the file")
+    store.put_path(store.root, data)
+
+
+def upload_tree(local: str | os.PathLike[str], url: str,
+                storage_options: Mapping[str, Any] | None = None) -> None:
+    """Copy every file under the local directory ``local`` to the same names under ``url``."""
+    store = FsspecStorage(url, storage_options, "the directory")
+    base = Path(local)
+    for path in sorted(base.rglob("*")):
+        if path.is_file():
+            store.put(path.relative_to(base).as_posix(), path.read_bytes())
+
+
+# -- commit objects: how a save in a store without atomic rename becomes visible -------------------
+#: A save uploads its files under ``data/<save id>/`` and is committed by the object
+#: ``commits/<save id>.json`` written last (the manifest with the prefix); ``<save id>`` is
+#: ``step-00000030.<token>``.
+COMMITS = "commits"
+DATA = "data"
+_COMMIT = re.compile(r"^step-(\d{8,})\.([A-Za-z0-9-]{1,80})\.json$")
+
+
+def parse_commit_name(name: str) -> tuple[int, str] | None:
+    """``(step, save id)`` of a commit object's name, ``None`` for anything else."""
+    m = _COMMIT.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def hash_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_commit(store: FsspecStorage, name: str) -> dict[str, Any]:
+    """The checked manifest of the commit object ``name``; :class:`CheckpointCorruptError`
+    when it is gone, damaged or names no data prefix."""
+    where = f"commit {store.url}/{COMMITS}/{name}"
+    raw = store.get_or(f"{COMMITS}/{name}", f"{where} disappeared while reading it")
+    manifest = parse_marker(raw, where)
+    if not isinstance(manifest.get("prefix"), str) or not manifest["prefix"].startswith(
+            f"{DATA}/"):
+        raise CheckpointCorruptError(f"{where} names no data prefix")
+    return manifest
+
+
+class FsspecStorage:
+    """Saves in an fsspec store, committed by a commit object written last, under a lease.
+
+    ``data/step-00000030.<id>/`` holds one save's objects, ``commits/step-00000030.<id>.json``
+    commits it (the manifest with the prefix); ``LEASE.json`` names the job writing here.
+    A store has no atomic rename: an upload without a commit is never read, and it is deleted
+    once a save of the same or a later step commits. Names are relative to the root URL, and
+    listings bypass fsspec's cache (other processes write here). Opening one acquires nothing:
+    :meth:`open` takes the lease.
+    """
+
+    retries_later = True
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
-                 what: str = "the checkpoint location") -> None:
+                 what: str = "the checkpoint location", *, job_id: str | None = None,
+                 lease_timeout: float = DEFAULT_LEASE_TIMEOUT) -> None:
         cls = _filesystem_class(url, what)
         self.url = url.rstrip("/")
         self.scheme = url_scheme(url) or ""
@@ -140,9 +239,12 @@ class RemoteStore:
         self._limit = {"timeout": self.timeout} if getattr(self.fs, "async_impl", False) \
             else {}
         self.root = str(cls._strip_protocol(self.url)).rstrip("/")  # type: ignore[attr-defined]
+        self.location = self.url
+        self.job_id, self.lease_timeout = job_id, lease_timeout
+        self._lease: Lease | None = None
 
     def __repr__(self) -> str:
-        return f"RemoteStore({self.url!r})"
+        return f"FsspecStorage({self.url!r})"
 
     def __str__(self) -> str:
         return self.url
@@ -215,228 +317,177 @@ class RemoteStore:
             pass
         self.fs.invalidate_cache(self.path(name))
 
+    # -- the storage protocol (``storage.py``) --------------------------------------------------
+    @property
+    def lease(self) -> Lease:
+        if self._lease is None:
+            self._lease = Lease(self, self.job_id, self.lease_timeout)
+        return self._lease
 
-def merged_options(scheme: str, options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``options`` over the defaults for ``scheme`` (short S3 timeouts), over what fsspec's
-    own configuration (``FSSPEC_S3_ENDPOINT_URL`` and the like) sets."""
-    try:
-        import fsspec.config  # type: ignore[import-untyped]
-        fresh: dict[str, dict[str, Any]] = {}
-        fsspec.config.set_conf_env(fresh)  # FSSPEC_S3_ENDPOINT_URL set after fsspec's import
-        conf = {**fsspec.config.conf.get(scheme, {}), **fresh.get(scheme, {})}
-    except ImportError:
-        conf = {}
-    defaults = S3_DEFAULTS if scheme in ("s3", "s3a") else \
-        {"auto_mkdir": True} if scheme in ("file", "local") else {}  # folders as on S3
-    base: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v
-                            for k, v in defaults.items()}
-    given = dict(options or {})
-    if "endpoint_url" in dict(given.get("client_kwargs") or {}):
-        conf.pop("endpoint_url", None)  # the caller's endpoint wins over the environment's
-    for k, v in {**conf, **given}.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            base[k] = {**base[k], **v}
-        else:
-            base[k] = v
-    return base
-
-
-def read_url(url: str, storage_options: Mapping[str, Any] | None = None) -> bytes | None:
-    """The bytes of the object at ``url`` (``None`` when there is none)."""
-    store = RemoteStore(url, storage_options, "the file")
-    try:
-        return store.get("")
-    except FileNotFoundError:
-        return None
-
-
-def write_url(url: str, data: bytes, storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write the object at ``url`` in one call (a reader sees the old or the new one whole)."""
-    store = RemoteStore(url, storage_options, "the file")
-    store.put_path(store.root, data)
-
-
-def upload_tree(local: str | os.PathLike[str], url: str,
-                storage_options: Mapping[str, Any] | None = None) -> None:
-    """Copy every file under the local directory ``local`` to the same names under ``url``."""
-    store = RemoteStore(url, storage_options, "the directory")
-    base = Path(local)
-    for path in sorted(base.rglob("*")):
-        if path.is_file():
-            store.put(path.relative_to(base).as_posix(), path.read_bytes())
-
-
-# -- commit objects: how a save in a store without atomic rename becomes visible -------------------
-#: A save uploads its files under ``data/<save id>/`` and is committed by the object
-#: ``commits/<save id>.json`` written last (the manifest with the prefix); ``<save id>`` is
-#: ``step-00000030.<token>``.
-COMMITS = "commits"
-DATA = "data"
-_COMMIT = re.compile(r"^step-(\d{8,})\.([A-Za-z0-9-]{1,80})\.json$")
-
-
-def parse_commit_name(name: str) -> tuple[int, str] | None:
-    """``(step, save id)`` of a commit object's name, ``None`` for anything else."""
-    m = _COMMIT.match(name)
-    return (int(m.group(1)), m.group(2)) if m else None
-
-
-def hash_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def read_commit(store: RemoteStore, name: str) -> dict[str, Any]:
-    """The checked manifest of the commit object ``name``; :class:`CheckpointCorruptError`
-    when it is gone, damaged or names no data prefix."""
-    where = f"commit {store.url}/{COMMITS}/{name}"
-    raw = store.get_or(f"{COMMITS}/{name}", f"{where} disappeared while reading it")
-    manifest = parse_marker(raw, where)
-    if not isinstance(manifest.get("prefix"), str) or not manifest["prefix"].startswith(
-            f"{DATA}/"):
-        raise CheckpointCorruptError(f"{where} names no data prefix")
-    return manifest
-
-
-# -- the lease: one job writes to a location at a time -------------------------------------------
-# ``LEASE.json`` (job id, host, pid, heartbeat renewed every ``timeout / 4`` s): another job
-# refuses to write while it is fresh; a stale one, or one of the same job or a dead process of
-# this host (a restart), is taken over.
-LEASE_NAME = "LEASE.json"
-#: Seconds without a heartbeat after which another job may take the lease over.
-DEFAULT_LEASE_TIMEOUT = 120.0
-JOB_ID_ENV = "REPLICATOR_JOB_ID"
-
-
-_PROCESS_ID: dict[int, str] = {}
-
-
-def default_job_id() -> str:
-    """The job's id as its launcher knows it, else one for this process (host, pid)."""
-    for var in (JOB_ID_ENV, "TORCHELASTIC_RUN_ID", "REPLICATOR_RUN_ID"):
-        value = os.environ.get(var, "")
-        if value and value != "none":
-            return value
-    pid = os.getpid()
-    if pid not in _PROCESS_ID:
-        _PROCESS_ID[pid] = f"{socket.gethostname()}:{pid}:{uuid.uuid4().hex[:6]}"
-    return _PROCESS_ID[pid]
-
-
-#: Leases whose heartbeat runs in this process, released when the interpreter exits.
-_HELD: weakref.WeakSet[Lease] = weakref.WeakSet()
-
-
-def _release_at_exit() -> None:
-    """Stop every heartbeat and delete the lease, so a script that never closed its backups
-    still ends at once and leaves no lease."""
-    for lease in list(_HELD):
-        lease.release()
-
-
-atexit.register(_release_at_exit)
-
-
-class Lease:
-    """Hold ``LEASE.json`` in ``store`` for ``job_id`` (call :meth:`acquire` on one process)."""
-
-    def __init__(self, store: RemoteStore, job_id: str | None = None,
-                 timeout: float = DEFAULT_LEASE_TIMEOUT) -> None:
-        if timeout <= 0:
-            raise ValueError(f"lease_timeout must be a positive number of seconds, got "
-                             f"{timeout!r}")
-        self.store, self.timeout = store, float(timeout)
-        self.job_id = job_id or default_job_id()
-        self.host, self.pid = socket.gethostname(), os.getpid()
-        self.lost: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _record(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "host": self.host, "pid": self.pid,
-                "heartbeat": time.time(), "timeout": self.timeout}
-
-    def read(self) -> dict[str, Any] | None:
-        try:
-            return dict(json.loads(self.store.get(LEASE_NAME)))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return {"job_id": "?", "heartbeat": 0.0}  # damaged: treat as stale
-
-    def _ours(self, held: dict[str, Any]) -> bool:
-        return held.get("job_id") == self.job_id and held.get("pid") == self.pid \
-            and held.get("host") == self.host
-
-    def acquire(self) -> None:
-        """Take the lease or raise :class:`StoreLeaseError`; start the heartbeat."""
-        held = self.read()
-        if held is not None and not self._ours(held):
-            age = time.time() - float(held.get("heartbeat", 0.0))
-            same_job = held.get("job_id") == self.job_id
-            gone = held.get("host") == self.host and isinstance(held.get("pid"), int) \
-                and not process_alive(held["pid"])
-            who = (f"job {held.get('job_id')!r} (host {held.get('host')}, pid "
-                   f"{held.get('pid')}, last heartbeat {age:.0f} s ago)")
-            if not (same_job or gone) and age < self.timeout:
-                raise StoreLeaseError(
-                    f"{self.store.url} is being written by another {who}; this job "
-                    f"({self.job_id!r}) refuses to write there, so neither overwrites the "
-                    f"other's backups. HINT: give this job its own location, stop the other "
-                    f"one, or wait: a lease with no heartbeat for {self.timeout:.0f} s "
-                    "(lease_timeout) is taken over.")
-            reason = ("the same job, restarted" if same_job else
-                      "its process is gone" if gone else f"stale: older than "
-                      f"{self.timeout:.0f} s")
-            print(f"[replicator] taking over the lease of {self.store.url} from {who}: "
-                  f"{reason}", file=sys.stderr, flush=True)
-        self.store.put(LEASE_NAME, json.dumps(self._record()).encode())
-        check = self.read()
-        if check is None or not self._ours(check):
-            raise StoreLeaseError(
-                f"{self.store.url}: another job ({(check or {}).get('job_id')!r}) took the "
-                "lease at the same moment; this one refuses to write there. HINT: give each "
-                "job its own location.")
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._beat, name="replicator-lease",
-                                            daemon=True)
-            self._thread.start()
-            _HELD.add(self)
-
-    def renew(self) -> None:
-        """Write a fresh heartbeat, unless another job took the lease (then :attr:`lost`)."""
-        held = self.read()
-        if held is not None and not self._ours(held):
-            self.lost = (f"job {held.get('job_id')!r} on {held.get('host')} took over the "
-                         f"lease of {self.store.url}")
-            return
-        self.store.put(LEASE_NAME, json.dumps(self._record()).encode())
+    def open(self) -> None:
+        self.lease.acquire()
 
     def check(self) -> None:
-        """Raise :class:`StoreLeaseError` when the lease was taken over by another job."""
-        if self.lost:
-            raise StoreLeaseError(f"{self.lost}; this job stops writing backups there. "
-                                  "HINT: two jobs must not share one backup location.")
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.timeout / 4):
-            try:
-                self.renew()
-            except OSError:
-                pass  # the store is unreachable for now: the next beat tries again
-            if self.lost:
-                return
+        self.lease.check()
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the lease if it is still ours."""
-        self._stop.set()
-        _HELD.discard(self)
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None
+        if self._lease is not None:
+            self._lease.release()
+
+    def staging(self, step: int, save_id: str) -> str:
+        return f"{DATA}/step-{step:08d}.{save_id}"
+
+    def begin(self, staging: str) -> None:
+        """Nothing to create: objects make their own folders."""
+
+    def write(self, staging: str, fname: str, tensors: Mapping[str, torch.Tensor],
+              metadata: Mapping[str, str]) -> FileEntry:
+        data = serialization.to_bytes(tensors, metadata)
+        self.put(f"{staging}/{fname}", data)
+        return FileEntry(bytes=len(data), sha256=hash_bytes(data))
+
+    def dest(self, staging: str, fname: str) -> str:
+        return self.path(f"{staging}/{fname}")
+
+    def folder(self, staging: str) -> Path:
+        """A scratch folder of this process that :meth:`publish` uploads and deletes."""
+        return Path(tempfile.mkdtemp(prefix="replicator-shards-"))
+
+    def publish(self, staging: str, folder: Path, rank: int) -> dict[str, FileEntry]:
+        """Upload this rank's scratch folder, hashing as it goes, then delete it."""
         try:
-            held = self.read()
-            if held is not None and self._ours(held):
-                self.store.remove(LEASE_NAME)
+            entries = {}
+            for path in sorted(folder.iterdir()):
+                if path.is_file():
+                    data = path.read_bytes()
+                    self.put(f"{staging}/{path.name}", data)
+                    entries[path.name] = FileEntry(bytes=len(data), sha256=hash_bytes(data))
+            return entries
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def commit(self, step: int, staging: str, manifest: dict[str, Any],
+               before: Callable[[Any], None] | None = None) -> str:
+        """Check that every object is in the store with its size, then write the commit
+        (``before(url)`` runs just before it)."""
+        name = f"{staging.split('/', 1)[1]}.json"
+        try:
+            listed = dict(self.objects(staging))
+            for fname, entry in manifest["files"].items():
+                if listed.get(fname) != entry["bytes"]:
+                    raise OSError(f"{self.name_url(staging)}/{fname} is "
+                                  f"{'missing' if fname not in listed else 'the wrong size'} "
+                                  "in the store after its upload")
+            manifest["prefix"] = staging
+            marker = seal(manifest)
+            if before is not None:
+                before(self.name_url(staging))
+            self.check()
+            self.put(f"{COMMITS}/{name}", marker)
+        except BaseException:
+            self.discard(staging)
+            raise
+        return name
+
+    def discard(self, staging: str) -> None:
+        """Delete an upload that will not be committed; a later save's pruning retries."""
+        try:
+            self.remove(staging, recursive=True)
         except OSError:
             pass
+
+    def saves(self) -> list[tuple[int, str]]:
+        """``(step, commit object name)`` of every commit object, oldest first."""
+        found = []
+        for name, _ in self.objects(COMMITS):
+            parsed = parse_commit_name(name)
+            if parsed is not None:
+                found.append((parsed[0], name))
+        return sorted(found)
+
+    def committed(self) -> list[int]:
+        return sorted({s for s, _ in self.saves()})
+
+    def manifest(self, ref: str) -> dict[str, Any]:
+        return read_commit(self, ref)
+
+    def read(self, ref: str, manifest: Mapping[str, Any], fname: str) -> np.ndarray:
+        where = f"commit {COMMITS}/{ref}"
+        if fname not in manifest["files"]:
+            raise CheckpointCorruptError(f"{where} does not list {fname!r}")
+        check_file_name(fname, where)
+        url = f"{self.name_url(manifest['prefix'])}/{fname}"
+        data = self.get_or(f"{manifest['prefix']}/{fname}", f"{where}: object {url} is missing")
+        check_bytes(where, f"object {url}", manifest["files"][fname], len(data),
+                    hash_bytes(data))
+        return np.frombuffer(bytearray(data), dtype=np.uint8)
+
+    def fetch_all(self, ref: str) -> Path:
+        """Every object of the save, verified, in a scratch folder (the caller deletes it)."""
+        manifest = self.manifest(ref)
+        into = Path(tempfile.mkdtemp(prefix="replicator-shards-"))
+        try:
+            for fname in manifest["files"]:
+                (into / fname).write_bytes(self.read(ref, manifest, fname).tobytes())
+        except BaseException:
+            shutil.rmtree(into, ignore_errors=True)
+            raise
+        return into
+
+    def where(self, ref: str) -> str:
+        return f"{self.url}/{COMMITS}/{ref}"
+
+    def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None:
+        """Keep the newest ``keep`` commits up to ``step``; delete older commits, then their
+        data; delete uploads without a commit up to ``step`` (never a later step's: other
+        ranks may be uploading the next save while the chief prunes)."""
+        try:
+            commits = self.saves()
+            upto = [n for s, n in commits if s <= step]
+            kept = set(upto[-keep:]) | {newest}
+            for _, n in commits:
+                if n not in kept:
+                    self.remove(f"{COMMITS}/{n}")
+            self._remove_data(kept, step)
+        except OSError as exc:
+            warnings.warn(f"could not remove old checkpoints in {self.url}: {exc}",
+                          RuntimeWarning, stacklevel=3)
+
+    def _remove_data(self, kept: set[str], upto: int | None) -> list[str]:
+        kept_ids = {n.removesuffix(".json") for n in kept}
+        removed = []
+        for folder in self.folders(DATA):
+            parsed = parse_commit_name(f"{folder}.json")
+            if folder not in kept_ids and parsed is not None and (upto is None
+                                                                  or parsed[0] <= upto):
+                self.remove(f"{DATA}/{folder}", recursive=True)
+                removed.append(folder)
+        return removed
+
+    def cleanup(self, after: int | None = None) -> list[str]:
+        """With ``after``: delete every save newer than it and every upload without a commit
+        (the chief, while no save runs). Without: nothing (an upload without a commit is never
+        read, and the next commit's pruning deletes it)."""
+        if after is None:
+            return []
+        try:
+            commits = self.saves()
+            for s, name in commits:
+                if s > after:
+                    self.remove(f"{COMMITS}/{name}")
+            return self._remove_data({n for s, n in commits if s <= after}, None)
+        except OSError as exc:
+            warnings.warn(f"could not remove interrupted saves in {self.url}: {exc}",
+                          RuntimeWarning, stacklevel=2)
+            return []
+
+    def delete_all(self) -> None:
+        for _, name in self.saves():
+            self.remove(f"{COMMITS}/{name}")
+        self.remove(DATA, recursive=True)
+        self.remove(COMMITS, recursive=True)
+        self.release()
+
+
+#: The store's former name, kept for code that names it.
+RemoteStore = FsspecStorage
