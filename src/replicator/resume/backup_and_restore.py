@@ -58,6 +58,13 @@ from replicator.strategies.replica_context import current_strategy
 SHARDED_DIR = "sharded"
 
 
+def check_frequency(value: str | int, name: str) -> str | int:
+    """``value`` when it is ``"epoch"`` or a positive number of steps (``name``: the argument)."""
+    if value != "epoch" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be 'epoch' or a positive number of steps, got {value!r}")
+    return value
+
+
 class BackupAndRestore:
     """Back up training state regularly and resume from the newest valid backup on restart.
 
@@ -97,17 +104,13 @@ class BackupAndRestore:
                  preemption_check_seconds: float = 1.0, background: bool = True,
                  saver: str | None = None, mirror: str | os.PathLike[str] | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
-        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
-                                     or save_freq < 1):
-            raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, got "
-                             f"{save_freq!r}")
+        self.save_freq = check_frequency(save_freq, "save_freq")
         self.backup_dir = backup_location(backup_dir)
         self._saver_kind = check_saver(saver)
         #: The saver process, started now: the first backup does not wait for its start.
         self._process = early_process(self.backup_dir, saver, storage_options) \
             if background else None
         self._mirror, self._storage_options = mirror, storage_options
-        self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
         self.terminate_on_nan = terminate_on_nan
         self.handle_preemption = handle_preemption
@@ -246,31 +249,28 @@ class BackupAndRestore:
         if ds is None:
             raise ValueError("epoch_batches() needs a dataset (track(dataset=...) or pass one)")
         resume, self._resume = self._resume, None
-        stateful = has_state(ds)
-        skip = 0
-        if resume is not None and resume["step_in_epoch"] == 0:
+        position = 0 if resume is None else resume["step_in_epoch"]
+        loaded = resume is not None and resume.get("data") is not None and has_state(ds)
+        if resume is not None and position == 0:
             # before iter(): starting an epoch may draw numbers
             restore_rng(resume.pop("rng", None))
-        if resume is not None and resume.get("data") is not None and stateful:
-            ds.load_state_dict(resume["data"])  # type: ignore[union-attr]
-        else:
-            if not stateful or resume is not None:
-                set_epoch_of(ds, self.epoch)
-            if resume is not None:
-                skip = resume["step_in_epoch"]
-                if skip:
-                    warn_replay(ds, skip)
+        if loaded:
+            ds.load_state_dict(resume["data"])  # type: ignore[union-attr,index]
+        elif resume is not None or not has_state(ds):
+            set_epoch_of(ds, self.epoch)
+        skip = position if resume is not None and not loaded else 0
+        if skip:
+            warn_replay(ds, skip)
         it = iter(ds)
         for _ in range(skip):
             if next(it, _END) is _END:
                 break
+        if resume is not None and position > 0:
+            restore_rng(resume.pop("rng", None))
         first = True
         while stop_at is None or self.step < stop_at:
-            if first and resume is not None and resume["step_in_epoch"] > 0:
-                restore_rng(resume.pop("rng", None))
             batch = next(it, _END)
-            if batch is _END and first and resume is not None and resume.get("data") is not None \
-                    and stateful and resume["step_in_epoch"] == 0:
+            if batch is _END and first and loaded and position == 0:
                 it = iter(ds)  # the loaded state was the end of the previous epoch
                 batch = next(it, _END)
             first = False

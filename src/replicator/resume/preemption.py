@@ -42,16 +42,13 @@ class Preempted(SystemExit):
     """
 
     def __init__(self, step: int, rank: int, path: str | None) -> None:
-        self.step = step
-        self.rank = rank
-        self.path = path
-        where = f"; backup saved at {path}" if path else ""
-        self.message = (f"rank {rank}: preempted (SIGTERM) after step {step}{where}; exiting "
-                        f"with code {PREEMPTION_EXIT_CODE}")
+        self.step, self.rank, self.path = step, rank, path
         super().__init__(PREEMPTION_EXIT_CODE)
 
     def __str__(self) -> str:
-        return self.message
+        where = f"; backup saved at {self.path}" if self.path else ""
+        return (f"rank {self.rank}: preempted (SIGTERM) after step {self.step}{where}; "
+                f"exiting with code {PREEMPTION_EXIT_CODE}")
 
 
 class PreemptionWatcher:
@@ -69,7 +66,6 @@ class PreemptionWatcher:
         self.signals = signals
         self.check_seconds = check_seconds
         self.requested = False
-        self.requested_at: float | None = None
         self._previous: dict[int, Any] = {}
         self._interval = 1
         self._countdown = 1
@@ -96,7 +92,6 @@ class PreemptionWatcher:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if not self.requested:
             self.requested = True
-            self.requested_at = time.time()
             print(f"[replicator] rank {self.collectives.rank}: received "
                   f"{signal.Signals(signum).name}; the ranks will agree on a step, save a backup"
                   " and stop", file=sys.stderr, flush=True)
@@ -107,7 +102,6 @@ class PreemptionWatcher:
     def request(self) -> None:
         """Ask for a preemption stop from code (same effect as the signal)."""
         self.requested = True
-        self.requested_at = self.requested_at or time.time()
 
     # -- agreement -----------------------------------------------------------------------------
     def poll(self) -> bool:

@@ -1,15 +1,10 @@
 """Checkpoints under a strategy: which ranks checkpoint together, and sharded saves.
 
 The storage room (:mod:`replicator.checkpoint`) knows no strategy; this module asks the
-strategy, through its public API, what storage needs passed in:
-
-- the ranks that checkpoint together (:func:`checkpoint_collectives`): the strategy's replicas
-  when each holds the whole model; every rank of the job when the model is split, because each
-  rank then saves its own part and a strategy's collectives span only its data axis;
-- optimizers that hold the model's own parameters: a strategy that replaces parameters at
-  scope exit (FSDP shards, tensor-parallel slices, pipeline stages) points optimizers built in
-  scope at the new ones in ``strategy.prepare_optimizers``, so a save or a load before the
-  first optimizer step sees the right tensors.
+strategy, through its public API, what storage needs passed in: the collectives of the ranks
+that checkpoint together, and optimizers pointed at the parameters a strategy replaced at scope
+exit (FSDP shards, tensor-parallel slices, pipeline stages), so that a save or a load before
+the first optimizer step sees the right tensors.
 """
 
 from __future__ import annotations
@@ -60,8 +55,10 @@ def sharded_objects(objects: dict[str, Any], strategy: Strategy | None
 
 
 def checkpoint_collectives(strategy: Strategy | None) -> Collectives:
-    """The collectives over the ranks that checkpoint together under ``strategy`` (see the
-    module doc); the whole job when there is no strategy."""
+    """The collectives over the ranks that checkpoint together under ``strategy``: its
+    replicas when each holds the whole model; every rank of the job when the model is split
+    (each rank saves its own part, and a strategy's collectives span only its data axis) or
+    when there is no strategy."""
     if strategy is None or strategy.shards_model:
         return group_collectives()
     return strategy.collectives

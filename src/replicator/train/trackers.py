@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from replicator.checkpoint.store import check_location, is_remote, upload_tree
+from replicator.resume.backup_and_restore import check_frequency
 from replicator.train.callbacks import Callback, Logs
 
 #: The folder under a backup directory that holds the ledgers.
@@ -104,15 +105,6 @@ def _require(module: str, logger: str, install: str) -> Any:
                           f"HINT: pip install {install}") from None
 
 
-def _check_update_freq(update_freq: str | int) -> str | int:
-    if update_freq == "epoch":
-        return update_freq
-    if isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1:
-        raise ValueError(f"update_freq must be 'epoch' or a positive number of steps, got "
-                         f"{update_freq!r}")
-    return update_freq
-
-
 class RunLogger(Callback, ABC):
     """The part every tracker shares: when to log, what the run records, how a run resumes. A
     tracker implements ``_start_run() -> run id``, ``_resume_run(run_id)``, ``_log(metrics,
@@ -127,7 +119,7 @@ class RunLogger(Callback, ABC):
 
     def __init__(self, params: dict[str, Any] | None, update_freq: str | int) -> None:
         self.params = dict(params or {})
-        self.update_freq = _check_update_freq(update_freq)
+        self.update_freq = check_frequency(update_freq, "update_freq")
         #: The tracker's id of the run (set on the chief when training starts).
         self.run_id: str | None = None
         self._ledger = TrackerLedger()
