@@ -176,12 +176,6 @@ class Strategy(ABC):
 
     # -- identity ------------------------------------------------------------------------------
     @property
-    def _data_group(self) -> dist.ProcessGroup | None:
-        """The process group of the data-parallel replicas (``None``: the default group); the
-        input pipeline agrees on uneven ends over it."""
-        return self._replica_group.group
-
-    @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas take part in each synchronous step."""
         return self._replica_group.world_size
@@ -570,7 +564,7 @@ class Strategy(ABC):
                                     batch_size=batch_size, shuffle=shuffle, seed=seed,
                                     drop_last=drop_last, drop_remainder=drop_remainder,
                                     transform=transform, reader=reader, options=options,
-                                    group=self._data_group, partial_batch=partial_batch)
+                                    group=self._replica_group.group, partial_batch=partial_batch)
         if epochs is None:
             return result
         from replicator.data.epochs import Epochs
@@ -590,5 +584,5 @@ class Strategy(ABC):
         """
         return distribute_datasets_from_function(input_fn, self.input_context, self.device,
                                                  drop_remainder=drop_remainder, options=options,
-                                                 group=self._data_group,
+                                                 group=self._replica_group.group,
                                                  partial_batch=partial_batch)

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 
 #: Builds the nest back around new leaves (in :func:`flatten`'s order).
@@ -65,6 +66,18 @@ def flatten(value: Any) -> tuple[list[Any], Rebuild]:
         return inner(iter(new))
 
     return leaves, rebuild
+
+
+def clone_tree(value: Any, clone: Callable[[torch.Tensor], Any] = torch.Tensor.clone) -> Any:
+    """A copy of a state tree (dicts, lists, tuples) with ``clone`` of each tensor, detached."""
+    if isinstance(value, torch.Tensor):
+        return clone(value.detach())
+    if isinstance(value, dict):
+        return {k: clone_tree(v, clone) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [clone_tree(v, clone) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    return value
 
 
 def structure(value: Any) -> str:

@@ -45,10 +45,9 @@ def get_strategy(name: str, **kwargs: Any) -> Strategy:
     """Build the strategy registered as ``name`` with ``kwargs``; unknown names list the known."""
     if not isinstance(name, str):
         raise TypeError(f"get_strategy takes a strategy name, got {type(name).__name__}")
-    key = _key(name)
-    cls = _REGISTRY.get(key)
+    cls = find_strategy_class(name)
     if cls is None:
-        close = difflib.get_close_matches(key, list(_REGISTRY), n=1)
+        close = difflib.get_close_matches(_key(name), list(_REGISTRY), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown strategy {name!r}; available: "
                          f"{', '.join(available_strategies())}.{hint}")

@@ -15,7 +15,7 @@ import contextlib
 import sys
 import weakref
 from collections.abc import Iterator
-from typing import Any, ClassVar, Protocol
+from typing import Any
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -26,26 +26,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from replicator.errors import NotDistributedError
 
 
-class Distributing(Protocol):
-    """What the check needs from a strategy."""
-
-    _closed: bool
-    _guards_undistributed: ClassVar[bool]
-
-    @property
-    def num_replicas_in_sync(self) -> int: ...
-
-    @property
-    def replica_id(self) -> int: ...
-
-    def is_distributed(self, tensor: torch.Tensor) -> bool: ...
-
-
 def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
-def _checks(strategy: Distributing) -> bool:
+def _checks(strategy: Any) -> bool:
     return (strategy._guards_undistributed and not strategy._closed
             and strategy.num_replicas_in_sync > 1)
 
@@ -64,7 +49,7 @@ class UndistributedWatch:
         self._depth = 0
         self._handles: list[Any] = []
 
-    def add(self, strategy: Distributing) -> None:
+    def add(self, strategy: Any) -> None:
         """Know ``strategy`` (every strategy: a parameter any of them distributed is fine);
         the hooks go in with the first one that checks."""
         self._strategies.add(strategy)
@@ -82,7 +67,7 @@ class UndistributedWatch:
             self._depth -= 1
 
     # -- the checks --------------------------------------------------------------------------
-    def _checking(self) -> Distributing | None:
+    def _checking(self) -> Any:
         """A live strategy that checks (the first), or ``None``: the hooks are idle."""
         for s in list(self._strategies):
             if _checks(s):
@@ -154,7 +139,7 @@ def _is_dtensor(p: torch.Tensor) -> bool:
     return module is not None and isinstance(p, module.DTensor)
 
 
-def _error(strategy: Distributing, what: str, how: str) -> NotDistributedError:
+def _error(strategy: Any, what: str, how: str) -> NotDistributedError:
     n = strategy.num_replicas_in_sync
     return NotDistributedError(
         f"replica {strategy.replica_id}: {what} {how} but was never distributed by "

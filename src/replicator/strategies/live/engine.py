@@ -1,25 +1,16 @@
 """The per-step protocol of live recovery: torchft's Manager composed into a replica group.
 
-A step takes its quorum (a group behind heals from a live peer), its share of the global
-batch, runs forward and backward, and at the first ``optimizer.step()`` averages gradients
-across the quorum's groups (weighted by share); ``should_commit`` decides. A step not committed
-raises ``StepNotCommitted`` before any update, and ``strategy.run`` reruns it from its buffers
-and random state. The lighthouse is asked for a quorum only every ``quorum_every`` committed
-steps while membership holds (off the step's path): a lost group fails the others' all-reduce,
-so the redo asks at once; a group that leaves on SIGTERM (exit code 75) says so in its last
-step's all-reduce, so the others ask at the next step without a failed step.
-
-In rounds (:meth:`LiveEngine.use_rounds`, DiLoCo's replica groups): the groups train alone
-for ``round_steps`` steps each on its share of every global batch, then average one tensor
-across the quorum (:meth:`LiveEngine.sync_round`). A quorum is joined at every round start,
-where a group behind heals (weights, optimizers, schedulers, random state and the owner's
-round state); a round not committed is rolled back to its start and trained again with the
-new quorum's shares, so every sample is still trained once. A backup (``BackupAndRestore``,
-written by one group) holds the state its round started from (:meth:`LiveEngine.backup_state`):
-mid-round the groups' inner states differ and none is committed, so a run whose every group
-was lost resumes at that round's start (:meth:`LiveEngine.resume_at`) and trains the round
-again, every group from the writing group's state as healing would give it; a backup at a
-round's end resumes exactly there.
+A step takes its quorum (a group behind heals from a live peer) and its share of the global
+batch; at the first ``optimizer.step()`` the gradients are averaged across the quorum's groups
+(weighted by share) and ``should_commit`` decides. A step not committed raises
+``StepNotCommitted`` before any update and ``strategy.run`` reruns it from its buffers and random
+state. A quorum is asked for every ``quorum_every`` committed steps while membership holds; a
+lost group fails the others' all-reduce, so the redo asks at once, and a group leaving on SIGTERM
+says so in its last step's all-reduce. In rounds (DiLoCo's replica groups, :meth:`use_rounds`)
+the groups train alone for ``round_steps`` steps and average one tensor at the round's end
+(:meth:`sync_round`); a round not committed is rolled back to its start and trained again with
+the new quorum's shares, and a backup holds the state its round started from
+(:meth:`backup_state`, :meth:`resume_at`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from replicator.strategies.live.errors import ReplicaGroupMismatchError
+from replicator.strategies.nest import clone_tree
 
 _DTENSOR = "__local_shard__"
 
@@ -92,18 +93,9 @@ def find_schedulers(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, A
 
 # -- plain data (weights_only) -----------------------------------------------------------------
 def _plain(value: Any) -> Any:
-    """``value`` with DTensors replaced by their local shards (marked) and tuples as lists."""
-    if _is_dtensor(value):
-        return {_DTENSOR: value.to_local().detach().clone()}
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
+    """A copy of ``value`` with DTensors replaced by their local shards (marked)."""
+    return clone_tree(value, lambda t: {_DTENSOR: t.to_local().clone()}  # type: ignore[attr-defined]
+                      if _is_dtensor(t) else t.clone())
 
 
 def _rng_state() -> dict[str, Any]:

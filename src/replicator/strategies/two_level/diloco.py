@@ -1,42 +1,22 @@
 """DiLoCo and LocalSGD: train inside each host every step, across hosts every H steps.
 
-Across a slow link (another building, another region) per-step gradient averaging waits for
-the link at every step. Here each host trains as one synchronous group (any synchronous
-strategy over the host's processes, ``MirroredStrategy`` by default, its shared-memory path
-included), and every ``inner_steps`` optimizer steps the hosts average their pseudo-gradient
-(outer weights minus inner weights) and an outer Nesterov SGD moves the outer weights, which
-become every host's new inner weights (DiLoCo, Douillard et al. 2023). ``LocalSGDStrategy``
-is the plain-averaging case (outer SGD of lr 1 without momentum). Streaming (Douillard et al.
-2025): ``fragments=F`` syncs the model in ``F`` parts in turns, each exchange overlapped with
-``sync_delay`` inner steps; ``compression="int8"``/``"int4"`` quantises the exchange per block
-(CPU and GPU alike; ``comm/block_quantize.py``).
-
-Written here rather than taken from torchft's ``DiLoCo`` because that one keeps a fixed
-sampler per replica group (samples skipped when a group rejoins), compresses only on CUDA,
-and has no per-host inner group beside it; the pieces composed are replicator's own
-(``ReplicaGroup`` over the job, ``MirroredStrategy`` over the ``local`` axis of a
-``Topology``, a comm lane over the ``hosts`` axis).
-
-Exactness: the input is split over every process of the job (each global batch once, as
-under ``MirroredStrategy``), and ``DiLoCoStrategy(inner_steps=1, outer_lr=1,
-outer_momentum=0)`` equals per-step synchronous training. A round counts optimizer steps of
-an optimizer over the model's parameters (torch's global step hooks), not ``run`` calls.
-
-Under ``replicator run --replica-groups G`` each replica group is one host: the inner group
-is the group's processes, and the outer exchange goes through the live engine's rounds
-(``strategies/live/engine.py``, torchft's Manager): a quorum at every round start, where a
-restarted group heals from a peer (outer weights and Nesterov state, inner weights and
-optimizers, the step), and the pseudo-gradient averaged over the quorum's groups at the
-round's end; a round a group was lost in is trained again by the others with the new
-quorum's shares of each global batch, so every sample is still trained once per epoch. When
-every group is lost at once, ``rp.BackupAndRestore`` resumes at the start of the round its
-backup was taken in, from the state the engine kept for that start (the same state a healing
-group receives; ``LiveEngine.backup_state``), since mid-round the groups' inner states differ.
+Across a slow link per-step gradient averaging waits for the link at every step. Here each host
+trains as one synchronous group (any synchronous strategy over the ``local`` axis of a
+``Topology``, ``MirroredStrategy`` by default), and every ``inner_steps`` optimizer steps the
+hosts average their pseudo-gradient (outer minus inner weights) over the ``hosts`` axis; an outer
+Nesterov SGD moves the outer weights, which become every host's inner weights (Douillard et al.
+2023; streaming fragments and int8/int4 compression, 2025). Written here rather than taken from
+torchft's ``DiLoCo``, which keeps a fixed sampler per replica group (samples skipped when a group
+rejoins), compresses only on CUDA and has no per-host inner group. The input is split over every
+process (each global batch once), so ``inner_steps=1, outer_lr=1, outer_momentum=0`` equals
+synchronous training. Under ``--replica-groups`` each group is one host and the outer exchange
+goes through the live engine's rounds (``strategies/live/engine.py``).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -51,6 +31,7 @@ from replicator.comm.options import CommunicationOptions
 from replicator.errors import ClusterConfigError
 from replicator.strategies.base import Strategy
 from replicator.strategies.live.settings import LiveSettings, building_part
+from replicator.strategies.nest import clone_tree
 from replicator.strategies.registry import find_strategy_class
 from replicator.strategies.replicas import ReplicaGroup
 from replicator.strategies.scope_capture import named_state
@@ -64,8 +45,7 @@ from replicator.strategies.two_level.hosts import (
     host_layout,
     two_level_topology,
 )
-from replicator.strategies.two_level.outer_optimizer import OuterFragment, clone_tree
-from replicator.strategies.two_level.round_state import TwoLevelDataset
+from replicator.strategies.two_level.outer_optimizer import OuterFragment
 
 COMPRESSIONS = {None: None, "int8": 8, "int4": 4}
 
@@ -275,7 +255,7 @@ class DiLoCoStrategy(Strategy):
     def distribute_dataset(self, dataset: Any, **kwargs: Any) -> TwoLevelDataset:
         """:meth:`Strategy.distribute_dataset` over every process of the job (each global
         batch split across all hosts' processes); its ``state_dict`` also holds this rank's
-        round (see ``two_level/round_state.py``)."""
+        round (see :class:`TwoLevelDataset`)."""
         data = super().distribute_dataset(dataset, **kwargs)
         if self.live is not None:  # the round heals with the live engine's state instead
             return data
@@ -374,3 +354,40 @@ class LocalSGDStrategy(DiLoCoStrategy):
         super().__init__(inner_steps, outer_lr=1.0, outer_momentum=0.0, fragments=fragments,
                          sync_delay=sync_delay, compression=compression, inner=inner, **kwargs)
 
+
+class TwoLevelDataset:
+    """A distributed dataset whose ``state_dict`` also holds the strategy's round on this rank.
+    Mid-round the hosts hold different inner weights (and optimizer state, quantisation errors),
+    and a backup keeps exactly one state per rank, the input's, so ``rp.BackupAndRestore`` (or a
+    loop that saves the input state) resumes a run mid-round bit for bit."""
+
+    def __init__(self, dataset: Any, owner: DiLoCoStrategy) -> None:
+        self.dataset = dataset
+        self._owner = owner
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.dataset)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "_owner"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The input position and the two-level round of this rank."""
+        saver = getattr(self.dataset, "state_dict", None)
+        if not callable(saver):
+            raise TypeError(f"{type(self.dataset).__name__} has no state_dict(), so a backup "
+                            "could not resume the round. HINT: give distribute_dataset a "
+                            "map-style Dataset or a DataLoader")
+        return {"data": saver(), "round": self._owner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["data"])
+        self._owner.load_state_dict(state["round"])
+
+    def __repr__(self) -> str:
+        return f"TwoLevelDataset({self.dataset!r})"

@@ -15,16 +15,7 @@ from typing import Any
 
 import torch
 
-
-def clone_tree(value: Any) -> Any:
-    """A copy of a state tree (dicts, lists, tuples) whose tensors are cloned."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: clone_tree(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(clone_tree(v) for v in value)
-    return value
+from replicator.strategies.nest import clone_tree
 
 
 class OuterFragment:
