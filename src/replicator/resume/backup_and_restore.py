@@ -334,7 +334,7 @@ class BackupAndRestore:
         """Training completed on every rank: delete the backups or write the final one.
 
         A background save still in flight is finished first (its error is raised here)."""
-        self._settle_background()
+        self.wait_for_save()
         if self.delete_checkpoint:
             ch = self.manager.channel
             ch.max_flag(False, "end of training")  # nobody still needs a backup
@@ -351,7 +351,7 @@ class BackupAndRestore:
         and a ``fit`` that raised; call it yourself if you leave a callback-driven loop early).
         A background save still in flight commits first, so that a rerun never races it; its
         error is raised, or only warned with ``raise_errors=False`` (the loop's came first)."""
-        self._settle_background(raise_errors)
+        self.wait_for_save(raise_errors)
         if self._watcher is not None:
             self._watcher.uninstall()
             self._watcher = None
@@ -379,13 +379,10 @@ class BackupAndRestore:
             self._process = None
         return self._saver
 
-    def wait_for_save(self) -> None:
+    def wait_for_save(self, raise_errors: bool = True) -> None:
         """Block until the background save in flight (if any) is committed on every rank;
-        raises its error. Training never needs this: the next save and the end wait anyway."""
-        self._settle_background()
-
-    def _settle_background(self, raise_errors: bool = True) -> None:
-        """Wait for the background save in flight; count it once it committed everywhere."""
+        raises its error (only warns with ``raise_errors=False``). Training never needs this:
+        the next save and the end wait anyway."""
         if self._saver is None:
             return
         try:
@@ -400,18 +397,14 @@ class BackupAndRestore:
             self._last_saved_step = done[0]
 
     def _save(self, reason: str) -> Path:
-        """Write a backup of the current step; in the background when due by ``save_freq``.
-
-        Under a strategy that splits the model, the module and optimizers are first saved by
-        every rank through ``torch.distributed.checkpoint`` (in ``sharded/``; in the
-        background each rank's own shards are copied and DCP writes them on the saver's
-        thread over its private group), then the backup itself is committed and names them.
-        With the saver process nothing waits here: a save due while the one before is being
-        written is skipped (the saver's thread agrees on it), and the optimizers' parameters
-        and state are copied on that thread before their next step (``step_hooks.py``)."""
+        """Write a backup of the current step; in the background when due by ``save_freq``
+        (the sharded part first, see the module doc). With the saver process nothing waits
+        here: a save due while the one before is being written is skipped (the saver's thread
+        agrees on it), and the optimizers' part is copied before their next step
+        (``step_hooks.py``)."""
         if not (self.background and reason in ("step", "epoch") and self._saver is not None
                 and self._saver.async_mode == "process"):
-            self._settle_background()
+            self.wait_for_save()
         ch = self.manager.channel
         sharded = sharded_objects(self._objects, self._strategy_now())
         sharded_names: list[str] = []
@@ -454,7 +447,7 @@ class BackupAndRestore:
 
     def restore(self) -> bool:
         """Load the newest valid backup into the tracked objects; False when there is none."""
-        self._settle_background()
+        self.wait_for_save()
         restored = self.restored = self.manager.restore()
         ch = self.manager.channel
         if restored is None:
@@ -527,7 +520,7 @@ class BackupAndRestore:
     def _describe_position(self) -> str:
         # a save still in flight holds the state from before this step: let it commit, so the
         # error names the newest backup (every rank reaches this at the same step)
-        self._settle_background(raise_errors=False)
+        self.wait_for_save(raise_errors=False)
         last = self.manager.latest_step
         backup = f"step {last}" if last is not None else "none yet"
         return f" at step {self.step + 1} (epoch {self.epoch}; last backup: {backup})"

@@ -63,7 +63,7 @@ def live_steps(backup: Any, dataset: LiveDataset, *, epochs: int | None,
         if engine.writes_backups:
             backup.on_train_end()
     except BaseException:
-        backup._settle_background(raise_errors=False)
+        backup.wait_for_save(raise_errors=False)
         raise
     finally:
         backup.close()
