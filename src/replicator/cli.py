@@ -226,21 +226,29 @@ def _master_port(args: argparse.Namespace) -> int | None:
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
-    """What is refused before any worker starts: a strategy the demo cannot run, and more
-    workers than this machine's memory holds (unless ``--force``)."""
+    """What is refused before any worker starts: ``run`` without ``--nproc``, a strategy the
+    demo cannot run, more workers than this machine's memory holds (unless ``--force``), and a
+    replica-group flag without ``--replica-groups``."""
+    if args.command == "run" and args.nproc is None:
+        return "--nproc is required. HINT: add --nproc 2 (the number of worker processes)."
     if args.command == "demo":
         from replicator.demo.options import strategy_refusal
 
         refusal = strategy_refusal(args.strategy, args.nproc, args.num_ps)
         if refusal is not None:
             return refusal
-    if args.force or not isinstance(args.nproc, int):
-        return None
-    from replicator.launch.memory_budget import available_memory, memory_refusal
+    if not args.force and isinstance(args.nproc, int):
+        from replicator.launch.memory_budget import available_memory, memory_refusal
 
-    groups = args.replica_groups if _replica_groups_asked(args) else None
-    total = args.nproc * groups if isinstance(groups, int) and groups > 0 else args.nproc
-    return memory_refusal(total, available_memory())
+        groups = args.replica_groups if _replica_groups_asked(args) else None
+        total = args.nproc * groups if isinstance(groups, int) and groups > 0 else args.nproc
+        refusal = memory_refusal(total, available_memory())
+        if refusal is not None:
+            return refusal
+    stray = _stray_replica_group_flag(args)
+    return None if stray is None else (
+        f"{stray} needs --replica-groups N (or --join HOST:PORT). HINT: add --replica-groups 2 "
+        "to run 2 replica groups with live recovery.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         return inspection.run(args)
     from replicator.launch.script_launch import run_script
 
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"replicator {args.command}: error: {refusal}", file=sys.stderr)
+        return USAGE_EXIT_CODE
     if args.command == "demo":
         from importlib.util import find_spec
 
@@ -267,21 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         assert spec is not None and spec.origin is not None
         script, script_args = spec.origin, _demo_argv(args, demo_actions)
     else:
-        if args.nproc is None:
-            print("replicator run: error: --nproc is required. HINT: add --nproc 2 (the number "
-                  "of worker processes).", file=sys.stderr)
-            return USAGE_EXIT_CODE
         script, script_args = args.script, args.script_args
-    refusal = _refusal(args)
-    if refusal is not None:
-        print(f"replicator {args.command}: error: {refusal}", file=sys.stderr)
-        return USAGE_EXIT_CODE
-    stray = _stray_replica_group_flag(args)
-    if stray is not None:
-        print(f"replicator run: error: {stray} needs --replica-groups N (or --join HOST:PORT). "
-              "HINT: add --replica-groups 2 to run 2 replica groups with live recovery.",
-              file=sys.stderr)
-        return USAGE_EXIT_CODE
     try:
         if _replica_groups_asked(args):
             _run_replica_groups(args)
@@ -303,12 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                    timeout_seconds=args.timeout_seconds, max_restarts=args.max_restarts,
                    quiet_workers=args.quiet_workers, num_ps=args.num_ps,
                    num_actors=args.num_actors, start_method=args.start_method)
-    except ClusterConfigError as exc:
+    except (ClusterConfigError, LighthouseError) as exc:
         print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
-        return USAGE_EXIT_CODE
-    except LighthouseError as exc:
-        print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return USAGE_EXIT_CODE if isinstance(exc, ClusterConfigError) else 1
     except WorkerFailedError as exc:
         print(f"replicator {args.command}: {exc}", file=sys.stderr)
         code = exc.exitcode

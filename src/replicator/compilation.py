@@ -9,21 +9,18 @@ use) keeps replicator's communication code eager.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 #: The packages whose code always runs eagerly under ``torch.compile``: collectives, gradient
 #: averaging and their progress tracking (they talk to other processes and keep counters).
 EAGER_PACKAGES = ("replicator.comm",)
 
-_done = False
 
-
+@functools.cache
 def keep_library_eager() -> bool:
     """Add :data:`EAGER_PACKAGES` to dynamo's skip rules, once; ``False`` if this torch has no
     such rules (compiling still works, frames of the library are then traced)."""
-    global _done
-    if _done:
-        return True
     try:
         from torch._dynamo import trace_rules
 
@@ -31,7 +28,6 @@ def keep_library_eager() -> bool:
             trace_rules.add(name)
     except (ImportError, AttributeError):  # pragma: no cover - a torch without these rules
         return False
-    _done = True
     return True
 
 

@@ -98,13 +98,9 @@ class PreemptedError(WorkerFailedError):
     """
 
     def __init__(self, message: str, rank: int = 0, exit_code: int = 75) -> None:
-        self.rank = rank
-        self.exitcode = exit_code
+        super().__init__(rank, exit_code, message)
         self.exit_code = exit_code
-        self.message = message
-        self.traceback_text = ""
-        self.others: list[str] = []
-        ReplicatorError.__init__(self, message)
+        self.args = (message,)
 
 
 class CollectiveMismatchError(ReplicaMismatchError):

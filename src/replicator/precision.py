@@ -113,10 +113,8 @@ class MixedPrecision:
             return self.device_type
         if self._strategy is not None:
             return self._strategy.device.type
-        if module is not None:
-            for p in module.parameters():
-                return p.device.type
-        return "cpu"
+        params = module.parameters() if module is not None else iter(())
+        return next((p.device.type for p in params), "cpu")
 
     def autocast(self, device_type: str | None = None) -> contextlib.AbstractContextManager[Any]:
         """The ``torch.autocast`` context of this policy (a no-op for fp32)."""
@@ -161,12 +159,9 @@ class MixedPrecision:
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether any replica's gradients of ``optimizer`` hold inf/NaN (a collective: every
         replica must call it at the same point)."""
-        local = torch.zeros(())
         with torch.no_grad():
-            for g in self._grads(optimizer):
-                if not bool(torch.isfinite(g).all()):
-                    local = torch.ones(())
-                    break
+            bad = any(not bool(torch.isfinite(g).all()) for g in self._grads(optimizer))
+        local = torch.ones(()) if bad else torch.zeros(())
         strategy = self._strategy
         if strategy is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -42,11 +42,7 @@ def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "l
     if rule not in RULES:
         raise ValueError(f"scaled_lr: unknown rule {rule!r}; available: {', '.join(RULES)}")
     ratio = global_batch / base_batch
-    if rule == "linear":
-        return float(base_lr) * ratio
-    if rule == "sqrt":
-        return float(base_lr) * math.sqrt(ratio)
-    return float(base_lr)
+    return float(base_lr) * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
 
 class Warmup(LRScheduler):
@@ -120,8 +116,7 @@ def warmup(optimizer: torch.optim.Optimizer, steps: int, *, start_lr: float | No
             raise ValueError(f"warmup: start_lr must be > 0, got {start_lr!r}")
         factors = []
         for group in optimizer.param_groups:
-            target = group.get("initial_lr", group["lr"])
-            target = float(target) if not isinstance(target, torch.Tensor) else float(target)
+            target = float(group.get("initial_lr", group["lr"]))  # a float or a 0-d tensor
             if start_lr > target:
                 warnings.warn(f"warmup: start_lr {start_lr} is above a group's lr {target}; "
                               "that group starts at its lr (no warmup)", stacklevel=2)
