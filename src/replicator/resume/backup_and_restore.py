@@ -479,10 +479,9 @@ class BackupAndRestore:
         if restored.world_size != ch.world_size:
             warnings.warn(
                 f"resuming on {ch.world_size} replicas from a backup written by "
-                f"{restored.world_size}: "
-                "model, optimizer and step are restored; per-rank RNG and input states are "
-                "taken from the same rank where it exists, so the run is not bit-identical to "
-                "an uninterrupted one", RuntimeWarning, stacklevel=2)
+                f"{restored.world_size}: model, optimizer and step are restored; per-rank RNG "
+                "and input states are taken from the same rank where it exists, so the run is "
+                "not bit-identical to an uninterrupted one", RuntimeWarning, stacklevel=2)
         own = restored.per_rank_source == ch.rank
         self._resume = {"step_in_epoch": self.step_in_epoch,
                         "rng": per_rank.get("rng") if own else None,
@@ -496,8 +495,9 @@ class BackupAndRestore:
         """Load the tracked module and optimizers of ``names`` from the sharded save of the
         restored step (verified; any layout loads into any other)."""
         strategy = self._strategy_now()
+        splits = sharded_objects(self._objects, strategy) is not None  # checks what is tracked
         if not names:
-            if sharded_objects(self._objects, strategy) is not None:
+            if splits:
                 raise ValueError(
                     f"the backup {restored.path} was written by a strategy that holds the whole "
                     f"model on each rank, and {type(strategy).__name__} splits it; resuming "

@@ -24,6 +24,7 @@ from replicator.checkpoint.serialization import refuse_placeholders
 from replicator.checkpoint.store import check_location, is_remote, read_url, write_url
 from replicator.cluster.terminal import is_live_terminal
 from replicator.resume.backup_and_restore import BackupAndRestore
+from replicator.resume.rank_state import has_state
 
 if TYPE_CHECKING:
     from replicator.strategies.base import Strategy
@@ -416,14 +417,8 @@ _HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
 def _stateful(callbacks: Iterable[Any]) -> dict[str, Any]:
     """The callbacks whose state a backup holds, by ``"index:ClassName"``: not the
     trainer's History (saved on its own) nor backups (``BackupAndRestore``)."""
-    out = {}
-    for i, cb in enumerate(callbacks):
-        if isinstance(cb, (History, BackupAndRestore)):
-            continue
-        if callable(getattr(cb, "state_dict", None)) and callable(
-                getattr(cb, "load_state_dict", None)):
-            out[f"{i}:{type(cb).__name__}"] = cb
-    return out
+    return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)
+            if has_state(cb) and not isinstance(cb, (History, BackupAndRestore))}
 
 
 def callback_states(callbacks: Iterable[Any]) -> dict[str, Any]:
