@@ -106,6 +106,7 @@ class Strategy(ABC):
     _replica_group: ReplicaGroup
     #: The mixed-precision policy given to ``scope(precision=...)`` (``None``: full precision).
     _precision: MixedPrecision | None = None
+    _live: LiveEngine | None = None
 
     def __init__(self, *, check_finite: bool = False) -> None:
         self._check_finite = bool(check_finite)
@@ -121,7 +122,7 @@ class Strategy(ABC):
         self._distributed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._closed = False
         self._memory = MemoryTracker(self.is_distributed, self._activation_samples)
-        self._start_live()
+        self._live = self._start_live()
         _OPEN[self.serial] = self
         if not _STEP_HOOKS:
             _STEP_HOOKS.extend([register_optimizer_step_pre_hook(_before_any_step),
@@ -134,11 +135,11 @@ class Strategy(ABC):
     #: average then also goes across the groups through torchft's Manager).
     _supports_live: ClassVar[bool] = False
 
-    def _start_live(self) -> None:
+    def _start_live(self) -> LiveEngine | None:
         settings = LiveSettings.from_env()
         replicas = getattr(self, "_replica_group", None)
         if settings is None or replicas is None:
-            return
+            return None
         if not self._supports_live:
             from replicator.errors import ClusterConfigError
 
@@ -165,14 +166,13 @@ class Strategy(ABC):
             strategy = me()
             return strategy is not None and not strategy.shards_model
 
-        replicas.live = LiveEngine(settings, replicas, modules, replicated)
+        return LiveEngine(settings, replicas, modules, replicated)
 
     @property
-    def live(self) -> LiveEngine | None:  # the replica group holds it untyped (no cycle)
+    def live(self) -> LiveEngine | None:
         """The live-recovery engine when this process is one replica group of several
         (``replicator run --replica-groups N``), else ``None``."""
-        replicas = getattr(self, "_replica_group", None)
-        return None if replicas is None else replicas.live
+        return self._live
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -334,10 +334,10 @@ class Strategy(ABC):
         self._closed = True
         _OPEN.pop(self.serial, None)
         self._close()
+        if self._live is not None:
+            self._live.close()
         replicas = getattr(self, "_replica_group", None)
         if replicas is not None:
-            if replicas.live is not None:
-                replicas.live.close()
             replicas.close()
 
     def _close(self) -> None:
@@ -438,11 +438,11 @@ class Strategy(ABC):
         uneven = begin_step()
         live = self.live
         with entered(self), watching, self._memory.measuring():
-            if live is None:
-                result = self._run(fn, tuple(args), dict(kwargs or {}))
-            else:  # a step not committed across the replica groups is redone
-                result = live.run_step(lambda a: self._run(fn, a, dict(kwargs or {})),
-                                       tuple(args))
+            def step(a: tuple) -> Any:
+                return self._run(fn, a, dict(kwargs or {}))
+
+            # with replica groups, a step not committed across the groups is redone
+            result = step(tuple(args)) if live is None else live.run_step(step, tuple(args))
         self._warned_uneven = check_step(uneven, self.replica_id, self._warned_uneven)
         if self._check_finite:
             check_finite_result(result, self._runs, self.replica_id, self.num_replicas_in_sync,

@@ -169,7 +169,6 @@ class MeshStrategy(Strategy):
                 _average_gradients(self._replica_group, module, parts, automatic=True)
             else:
                 runner.after_backward = _after_schedule(self._replica_group, module, runner)
-        self._record_replacements(module)
 
     def forward_backward(self, model: torch.nn.Module, inputs: Any, target: Any,
                          loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
@@ -202,28 +201,19 @@ class MeshStrategy(Strategy):
         self._job.collectives.broadcast_(tensors, src=0,
                                          what="broadcast of initial parameters from rank 0")
 
-    def _record_replacements(self, module: torch.nn.Module) -> None:
-        """Map each original parameter to the sharded one that took its place, so optimizers
-        built inside ``scope()`` (before the sharding) step the new ones."""
-        # FSDP2 and parallelize_module keep registration names: match by name
-        after = dict(module.named_parameters())
-        names = getattr(module, "_replicator_param_names", None)
-        if names is None:
-            return
-        for name, old in names:
-            new = after.get(name)
-            if new is not None and new is not old:
-                self._replaced[old] = new
-
     def _distribute_modules(self, modules: list[torch.nn.Module]) -> None:
-        for module in modules:
-            if module not in self._set_up_modules:
-                object.__setattr__(module, "_replicator_param_names",
-                                   list(module.named_parameters()))
+        """Set ``modules`` up, then map each original parameter to the sharded one that took
+        its place (FSDP2 and ``parallelize_module`` keep registration names), so optimizers
+        built inside ``scope()``, before the sharding, step the new ones."""
+        named = [(m, list(m.named_parameters())) for m in modules
+                 if m not in self._set_up_modules]
         super()._distribute_modules(modules)
-        for module in modules:
-            if hasattr(module, "_replicator_param_names"):
-                object.__delattr__(module, "_replicator_param_names")
+        for module, before in named:
+            after = dict(module.named_parameters())
+            for name, old in before:
+                new = after.get(name)
+                if new is not None and new is not old:
+                    self._replaced[old] = new
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point ``optimizer`` (built in ``scope()``, before the sharding) at the sharded

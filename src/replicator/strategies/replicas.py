@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,9 +78,6 @@ class ReplicaGroup:
         self._synchronizers: list[GradientSynchronizer] = []
         self._paused = 0
         self._closed = False
-        #: The live-recovery engine (``strategies.live.engine.LiveEngine``, which builds on
-        #: this module) when this group is one of several replica groups, else ``None``.
-        self.live: Any = None
 
     # -- identity ------------------------------------------------------------------------------
     @property
