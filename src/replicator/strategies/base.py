@@ -38,7 +38,6 @@ from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.memory import MemoryReport, MemoryTracker, exchange_reports
 from replicator.strategies.reduction import Axis, gather_value, reduce_value
 from replicator.strategies.scope_capture import RegistrationCapture, named_state
-from replicator.strategies.state_dict import plain_state_dict
 from replicator.strategies.undistributed import WATCH
 from replicator.strategies.uneven_batches import begin_step, check_step
 from replicator.strategies.value_context import ValueContext
@@ -293,7 +292,7 @@ class Strategy(ABC):
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The whole ``model``'s state dict, to save as one file (a collective): where the model is
         split the chief gets full CPU tensors with the one-device keys and others ``{}``; otherwise
-        every rank the plain state dict (:mod:`replicator.strategies.state_dict`)."""
+        every rank ``model.state_dict()`` with detached tensors (no copy)."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"full_state_dict takes a torch.nn.Module, got "
                             f"{type(model).__name__}")
@@ -301,8 +300,9 @@ class Strategy(ABC):
         return self._full_state_dict(model)
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        """Hook: see :meth:`full_state_dict` (the default: the plain state dict)."""
-        return plain_state_dict(model)
+        """Hook: see :meth:`full_state_dict` (the default: ``model.state_dict()`` detached)."""
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v
+                for k, v in model.state_dict().items()}
 
     def is_distributed(self, tensor: torch.Tensor) -> bool:
         """True if ``tensor`` belongs to a module this strategy has set up."""

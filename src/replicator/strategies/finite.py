@@ -1,10 +1,8 @@
 """``check_finite=True``: ``strategy.run`` stops every replica on a NaN or infinite result.
 
-For custom loops (``Trainer.fit`` has its own check). At the end of ``strategy.run`` every float
-in the returned value is checked and the replicas agree in one small collective, so a NaN on one
-raises :class:`~replicator.errors.NonFiniteLossError` on all at the same step, naming the step
-and ranks. An update made inside ``step_fn`` is already applied by then
-(``rp.BackupAndRestore``'s guard checks the gradients before the update).
+Every float in the returned value is checked and the replicas agree in one small collective, so
+a NaN on one raises :class:`~replicator.errors.NonFiniteLossError` on all at the same step
+(``Trainer.fit`` has its own check; ``rp.BackupAndRestore``'s guard checks before the update).
 """
 
 from __future__ import annotations

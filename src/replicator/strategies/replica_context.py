@@ -9,11 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from replicator.comm.reduce_op import ReduceOp
-from replicator.strategies.base import Strategy, created, current_strategy, entered
+from replicator.strategies.base import Strategy, current_strategy
 from replicator.strategies.value_context import ValueContext
 
-__all__ = ["ReplicaContext", "ValueContext", "get_replica_context", "current_strategy",
-           "created", "entered"]
+__all__ = ["ReplicaContext", "ValueContext", "get_replica_context", "current_strategy"]
 
 
 class ReplicaContext:

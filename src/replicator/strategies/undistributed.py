@@ -1,12 +1,10 @@
 """Refuse trainable parameters that a multi-replica strategy never distributed.
 
 A model built outside ``strategy.scope()`` gets no broadcast and no averaging: N replicas would
-silently train N models. While such a strategy is open, process-wide hooks raise
-:class:`~replicator.errors.NotDistributedError`: an optimizer step pre-hook for a parameter with a
-gradient no live strategy distributed, and a forward pre-hook (at once inside ``strategy.run``;
-outside it at the parameter's first backward). ``is_distributed`` of each strategy decides; DDP
-and DTensor parameters count. Clean modules are remembered weakly; the hooks stay registered
-(re-registering would change the global hook table torch.compile guards on).
+silently train N models. Process-wide hooks raise :class:`~replicator.errors.NotDistributedError`
+at an optimizer step over such a parameter, and at its forward inside ``strategy.run`` (outside
+it, at its first backward). DDP and DTensor parameters count as distributed. The hooks stay
+registered (torch.compile guards on the global hook table).
 """
 
 from __future__ import annotations

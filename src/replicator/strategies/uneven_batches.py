@@ -1,10 +1,7 @@
 """Warn once when a step ran on an uneven batch with a loss not built by
-``compute_average_loss``.
-
-On an uneven last batch a loss averaged per replica, then across replicas (DDP's), differs from
-one device's mean; ``rp.compute_average_loss`` is exact. The distributed dataset notes such a
-batch (:mod:`replicator.data.uneven`), ``compute_average_loss`` marks its step, and
-``strategy.run`` compares the two at the step's end, with no collective.
+``compute_average_loss`` (a per-replica mean then differs from one device's): the distributed
+dataset notes such a batch, ``compute_average_loss`` marks its step, and ``strategy.run``
+compares the two at the step's end, with no collective.
 """
 
 from __future__ import annotations

@@ -41,11 +41,7 @@ from replicator.strategies.live.errors import (
     StepNotCommitted,
 )
 from replicator.strategies.live.grad_buckets import flatten_grads, unflatten_grads
-from replicator.strategies.live.settings import (
-    COLLECTIVE_TIMEOUT_ENV,
-    QUORUM_TIMEOUT_ENV,
-    LiveSettings,
-)
+from replicator.strategies.live.settings import QUORUM_TIMEOUT_ENV, LiveSettings
 from replicator.strategies.replicas import ReplicaGroup
 
 #: The parts of a live step that :attr:`LiveEngine.seconds` times.
@@ -568,7 +564,3 @@ def _quiet_flight_recorder_note() -> None:
                                        for f in log.filters):
         return
     log.addFilter(_NoFlightRecorderNote())
-
-
-__all__ = ["LiveEngine", "Quorum", "RoundOwner", "PHASES", "COLLECTIVE_TIMEOUT_ENV"]
-

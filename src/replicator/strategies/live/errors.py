@@ -28,7 +28,3 @@ class EpochLoopError(LiveRecoveryError):
 class StepNotCommitted(Exception):  # noqa: N818 - control flow, never reaches the user
     """Raised inside a step whose gradients could not be averaged over the quorum; the
     strategy catches it and redoes the step with the next quorum."""
-
-
-__all__ = ["LiveRecoveryError", "LighthouseUnreachableError", "QuorumTimeoutError",
-           "ReplicaGroupMismatchError", "EpochLoopError", "StepNotCommitted"]

@@ -64,6 +64,3 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
     return DTensor.from_local(local, param.device_mesh, param.placements,  # type: ignore[attr-defined]
                               run_check=False)
-
-
-__all__ = ["flatten_grads", "unflatten_grads"]

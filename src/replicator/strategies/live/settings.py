@@ -33,8 +33,6 @@ QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
 #: A failed step, a group leaving and a restore join a quorum at once; a group that starts
 #: later joins at the next one.
 QUORUM_EVERY_ENV = "REPLICATOR_QUORUM_EVERY_STEPS"
-#: The address this process's state server and group store listen on (default loopback).
-BIND_ENV = LIVE_BIND_ENV
 
 #: True while a strategy builds another as its part (a two-level strategy's inner group):
 #: the part is no replica group of its own; the strategy that holds it runs the live engine.
@@ -106,7 +104,7 @@ class LiveSettings:
                    rank=int(env.get("RANK", "0")), group_size=int(env.get("WORLD_SIZE", "1")),
                    collective_timeout=env_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0),
                    quorum_timeout=env_number(env, QUORUM_TIMEOUT_ENV, 60.0),
-                   bind=env.get(BIND_ENV, "127.0.0.1") or "127.0.0.1",
+                   bind=env.get(LIVE_BIND_ENV, "127.0.0.1") or "127.0.0.1",
                    quorum_every=_whole(env, QUORUM_EVERY_ENV, 10, "steps"))
 
 

@@ -1,13 +1,8 @@
 """The checkpoint transport a healing group fetches a peer's state through: torchft's
-:class:`~torchft.checkpointing.CheckpointTransport` interface over HTTP, listening on one address
-and loading without pickle.
-
-torchft's own ``HTTPTransport`` listens on every interface and loads with
-``weights_only=False``; this one listens on the given address (``REPLICATOR_LIVE_BIND``,
-loopback by default) and loads with ``weights_only=True`` (the state is tensors and plain
-values, ``state.py``). A state is served only between ``send_checkpoint`` and
-``disallow_checkpoint``, which waits until every fetch in flight has finished, so the state is
-never read while the next step changes it.
+``CheckpointTransport`` over HTTP, unlike torchft's ``HTTPTransport`` listening on one address
+(``REPLICATOR_LIVE_BIND``, loopback by default) and loading with ``weights_only=True``. A state
+is served only between ``send_checkpoint`` and ``disallow_checkpoint``, which waits for the
+fetches in flight, so it is never read while the next step changes it.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""The outer exchange: the hosts' pseudo-gradients averaged across the slow link, once.
+"""The outer exchange: the hosts' pseudo-gradients averaged across the slow link, once per host.
 
-Every process of a host holds the same pseudo-gradient, so sending it from each would put
-the same bytes on the link once per process. Instead local rank ``k`` of every host takes the
-``k``-th of ``L`` equal chunks and averages it with local rank ``k`` of the other hosts (the
-outer group: one member per host), and the host's processes then gather their chunks over
-the fast inner group. One copy per host crosses the link (a reduce-scatter / all-reduce /
-all-gather, the hierarchical shape of ``comm/hierarchical.py``, here with a chunk per local
-rank and the middle step on the slow link).
-
-The cross-host step runs on the outer group's communication lane (``comm/comm_thread.py``):
-started after one inner step and waited for ``sync_delay`` steps later, it overlaps with
-those inner steps. Uncompressed, the chunk is all-reduced (sum, then divided by the number of
-hosts); with ``int8``/``int4`` each member's quantised payload is all-gathered and decoded and
-summed in host order on every member (``comm/block_quantize.py``), so all get the same bits.
-The gather inside the host runs on the calling thread when the result is applied.
+Every process of a host holds the same pseudo-gradient, so local rank ``k`` of every host
+averages only the ``k``-th of ``L`` chunks with local rank ``k`` of the other hosts (the outer
+group), and the host then gathers the chunks over the fast inner group (reduce-scatter /
+all-reduce / all-gather, as ``comm/hierarchical.py``). The cross-host step runs on the outer
+group's comm lane, overlapped with ``sync_delay`` inner steps: an all-reduce, or with
+``int8``/``int4`` an all-gather of quantised payloads decoded and summed in host order on every
+member (``comm/block_quantize.py``), so all get the same bits.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The host layout of a two-level run: which processes train together, which exchange.
-
-The inner group is a host's processes; the outer groups join the processes of the same local
-rank across hosts. Both are axes of one :class:`~replicator.cluster.Topology`:
-``{"hosts": H, "local": L}`` whose mesh lists the ranks host by host, so a host's ``L``
-processes need not be consecutive ranks (``replicator run --nnodes``, torchrun and SLURM give
-consecutive ones; a scheduler or a declaration such as ``hosts=[[0, 2], [1, 3]]`` may not).
-The hosts are a topology's (``DiLoCoStrategy(mesh=rp.Topology(hosts=...))``), which reads
-them from each process's host key or from its ``hosts=`` declaration
-(:mod:`replicator.cluster.hosts`); ``DiLoCoStrategy(hosts=N)`` is short for
-``mesh=rp.Topology(hosts=N)``.
+"""The host layout of a two-level run, as one :class:`~replicator.cluster.Topology`
+``{"hosts": H, "local": L}`` whose mesh lists the ranks host by host: the inner group is a host's
+processes (the ``local`` axis), the outer groups the same local rank across hosts (``hosts``).
+A host's processes need not be consecutive ranks (``hosts=[[0, 2], [1, 3]]``); the hosts come
+from ``mesh=rp.Topology(hosts=...)`` or the environment (:mod:`replicator.cluster.hosts`).
 """
 
 from __future__ import annotations

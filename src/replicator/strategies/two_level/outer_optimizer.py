@@ -1,11 +1,9 @@
 """The outer weights of a two-level run and the optimizer that moves them.
 
-Every rank keeps the same outer weights (one copy per fragment) and the same outer optimizer:
-torch's SGD, with Nesterov momentum when ``momentum > 0`` (DiLoCo's outer optimizer; lr 0.7
-and momentum 0.9 in the paper). The averaged pseudo-gradient (outer weights minus the hosts'
-inner weights) is its gradient. Given the same averaged pseudo-gradient, every rank computes
-the same new outer weights, so nothing but the pseudo-gradient crosses the hosts.
-LocalSGD is the case ``lr=1, momentum=0``: the new outer weights are the hosts' average.
+Every rank keeps the same outer weights and outer optimizer (torch's SGD, Nesterov when
+``momentum > 0``; LocalSGD is ``lr=1, momentum=0``) whose gradient is the averaged
+pseudo-gradient, so every rank computes the same new outer weights and nothing but the
+pseudo-gradient crosses the hosts.
 """
 
 from __future__ import annotations
