@@ -24,12 +24,9 @@ def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
                 if any(True for _ in child.parameters()) and child is not module:
                     units.append(child)
     # a block inside another block: shard the inner one first (fully_shard order: bottom-up)
-    inner_first: list[torch.nn.Module] = []
-    for unit in units:
-        if unit not in inner_first:
-            inner_first.append(unit)
-    depth = {id(m): sum(1 for _ in m.modules()) for m in inner_first}
-    return sorted(inner_first, key=lambda m: depth[id(m)])
+    unique = list({id(m): m for m in units}.values())
+    depth = {id(m): sum(1 for _ in m.modules()) for m in unique}
+    return sorted(unique, key=lambda m: depth[id(m)])
 
 
 def apply_fsdp(module: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True

@@ -187,7 +187,6 @@ class PipelineRunner:
         # each local stage's microbatch input and output (shapes for the schedule's stages)
         self._metas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._metas_key: tuple | None = None
-        self._balance = balance
         if split_points:
             self._cut(named_starts(self.chain, list(split_points), self.num_stages))
         elif balance == "params":
@@ -203,7 +202,6 @@ class PipelineRunner:
 
     # -- cutting ---------------------------------------------------------------------------------
     def _cut(self, starts: Sequence[int]) -> None:
-        self.starts = list(starts)
         self.stages = build_stages(self.chain, starts)
         mine = {id(t) for s in self.local_ids
                 for t in [*self.stages[s].parameters(), *self.stages[s].buffers()]}
@@ -251,9 +249,8 @@ class PipelineRunner:
         return [self.stages[s] for s in self.local_ids] if self.stages else []
 
     def describe(self) -> str:
-        names = [[n for n in self.stages[s].block_names] for s in range(self.num_stages)]
-        stages = "; ".join(f"stage {s} (rank {self.owners[s]}): {', '.join(n)}"
-                           for s, n in enumerate(names))
+        stages = "; ".join(f"stage {s} (rank {self.owners[s]}): {', '.join(st.block_names)}"
+                           for s, st in enumerate(self.stages))
         return f"{stages}; tied: {self.tied.describe()}" if self.tied else stages
 
     def _what(self, doing: str) -> str:
@@ -286,7 +283,8 @@ class PipelineRunner:
         return t
 
     # -- running ----------------------------------------------------------------------------------
-    def _check_input(self, x: Any) -> torch.Tensor:
+    def _prepare(self, x: Any) -> torch.Tensor:
+        """``x`` checked, and the model cut (at the first batch when balancing by time)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"a pipelined model takes one tensor (the batch), got "
                             f"{type(x).__name__}. HINT: pack several inputs into the first "
@@ -298,20 +296,17 @@ class PipelineRunner:
                 f"{self.num_microbatches} microbatches. HINT: use a per-replica batch that is a "
                 f"multiple of {self.num_microbatches} (drop_remainder=True drops a short last "
                 "batch), or change num_microbatches.")
+        if not self.stages:
+            self._measure_and_cut(x)
         return x
 
     def _value_pass(self, x: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
         """Forward without autograd, microbatch by microbatch; every rank gets the output
         (``everywhere=False``: the last stage's rank only, ``None`` on the others)."""
-        what = self._what(f"forward pass of {self.num_microbatches} microbatches")
-        with self._guard(what):
-            return self._value_pass_unguarded(x, everywhere)
-
-    def _value_pass_unguarded(self, x: torch.Tensor, everywhere: bool = True
-                              ) -> torch.Tensor | None:
         last = self.owners[-1]
         outs = []
-        with torch.no_grad():
+        what = self._what(f"forward pass of {self.num_microbatches} microbatches")
+        with self._guard(what), torch.no_grad():
             for mb in torch.tensor_split(x, self.num_microbatches):
                 act: torch.Tensor | None = mb
                 for s in range(self.num_stages):
@@ -329,8 +324,8 @@ class PipelineRunner:
                 if self.me == last:
                     assert act is not None
                     outs.append(act)
-        out = torch.cat(outs) if self.me == last else None
-        return self._broadcast(out, last) if everywhere else out
+            out = torch.cat(outs) if self.me == last else None
+            return self._broadcast(out, last) if everywhere else out
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward under the pipeline: one tensor, positionally or as ``input_ids``; a
@@ -362,13 +357,6 @@ class PipelineRunner:
         out = out.detach().requires_grad_(True)
         self._schedule_on_backward(out, x, rng, lambda grad: grad)
         return out
-
-    def _prepare(self, x: Any) -> torch.Tensor:
-        """``x`` checked, and the model cut (at the first batch when balancing by time)."""
-        x = self._check_input(x)
-        if not self.stages:
-            self._measure_and_cut(x)
-        return x
 
     def _schedule_on_backward(self, leaf: torch.Tensor, x: torch.Tensor, rng: torch.Tensor,
                               target: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
@@ -434,19 +422,14 @@ class PipelineRunner:
             return loss_fn(output, tgt) / m
 
         sched = self._schedule_for(x, microbatch_loss, key=(*key, "loss", id(loss_fn)))
-        last = self.num_stages - 1
-        args = (x,) if 0 in self.local_ids else ()
-        kwargs: dict[str, Any] = {}
         losses: list[torch.Tensor] = []
-        if last in self.local_ids:
-            kwargs["target"] = target.to(self.device)
-            kwargs["losses"] = losses
-        self._step(sched, args, kwargs, "forward and backward")
+        self._step(sched, x, {"target": target.to(self.device), "losses": losses},
+                   "forward and backward")
         if self.after_backward is not None:
             self.after_backward()
         mine = torch.stack([loss.detach() for loss in losses]).sum() if losses else None
         with self._guard(self._what("broadcast of the loss from the last stage")):
-            return self._broadcast(mine, self.owners[last])
+            return self._broadcast(mine, self.owners[-1])
 
     def _schedule_for(self, x: torch.Tensor,
                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
@@ -474,27 +457,24 @@ class PipelineRunner:
                 return (output * grad).sum()
 
             loss_fn = loss_fn or output_times_grad
-            if SCHEDULES[self.schedule_name][1] == 1:
-                sched = cls(stages[0], self.num_microbatches, loss_fn=loss_fn,
-                            scale_grads=False)
-            else:
-                sched = cls(stages, self.num_microbatches, loss_fn=loss_fn, scale_grads=False)
+            one_per_rank = SCHEDULES[self.schedule_name][1] == 1  # these take one stage
+            sched = cls(stages[0] if one_per_rank else stages, self.num_microbatches,
+                        loss_fn=loss_fn, scale_grads=False)
             self._schedules = {key: sched}  # one shape at a time: a new one replaces it
         return self._schedules[key]
 
     def _run_schedule(self, x: torch.Tensor, grad: torch.Tensor | None) -> None:
         """The backward pass: ``grad`` is ``dL/d(output)``, needed by the last stage only."""
-        sched = self._schedule_for(x)
-        args = (x,) if 0 in self.local_ids else ()
-        kwargs: dict[str, Any] = {}
-        if self.num_stages - 1 in self.local_ids:
-            assert grad is not None
-            kwargs["target"] = grad.detach()
-        self._step(sched, args, kwargs, "backward")
+        assert grad is not None or self.num_stages - 1 not in self.local_ids
+        self._step(self._schedule_for(x), x,
+                   {"target": grad.detach()} if grad is not None else {}, "backward")
 
-    def _step(self, sched: Any, args: tuple, kwargs: dict[str, Any], doing: str) -> None:
-        """One run of the schedule; torch's sends and receives between stages happen inside,
-        so the whole step is one guarded operation."""
+    def _step(self, sched: Any, x: torch.Tensor, last_stage: dict[str, Any], doing: str) -> None:
+        """One run of the schedule (``x`` for the first stage, ``last_stage``'s arguments for
+        the last); torch's sends and receives between stages happen inside, so the whole step
+        is one guarded operation."""
+        args = (x,) if 0 in self.local_ids else ()
+        kwargs = last_stage if self.num_stages - 1 in self.local_ids else {}
         what = self._what(f"{self.schedule_name} schedule step ({doing} of "
                           f"{self.num_microbatches} microbatches)")
         kept = self.tied.set_aside()  # tied weights: this run's gradients alone, then summed

@@ -102,10 +102,7 @@ class TiedWeights:
                     continue
                 new = p.grad if p.grad is not None else torch.zeros_like(p)
                 dist.all_reduce(new, group=tie.group)
-                if old is None:
-                    p.grad = new
-                else:
-                    p.grad = old.add_(new)
+                p.grad = new if old is None else old.add_(new)
 
     def put_back(self, kept: list[list[torch.Tensor | None]]) -> None:
         """Undo :meth:`set_aside` after a failed run (the run's partial gradient dropped)."""

@@ -67,6 +67,46 @@ def _linear_children(module: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     return {n: c for n, c in module.named_children() if isinstance(c, torch.nn.Linear)}
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _has_params(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _block_plan(module: torch.nn.Module, degree: int) -> dict[str, str]:
+    """The styles of ``module``'s own ``Linear`` children (names relative to it) when it is an
+    attention block, a gated MLP or an MLP whose split dimension divides by ``degree``."""
+    linears = _linear_children(module)
+    for q, k, v, o in ATTENTION_NAMES:
+        if {q, k, v, o} <= linears.keys() and \
+                all(_divisible(linears[n].out_features, degree) for n in (q, k, v)):
+            return {q: "colwise", k: "colwise", v: "colwise", o: "rowwise"}
+    for gate, up, down in GATED_MLP_NAMES:
+        if {gate, up, down} <= linears.keys() and _divisible(linears[gate].out_features, degree):
+            return {gate: "colwise", up: "colwise", down: "rowwise"}
+    plan: dict[str, str] = {}
+    if isinstance(module, torch.nn.Sequential):
+        pending: tuple[str, torch.nn.Linear] | None = None
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.Linear):
+                if pending is not None and pending[1].out_features == child.in_features \
+                        and _divisible(child.in_features, degree):
+                    plan.update({pending[0]: "colwise", name: "rowwise"})
+                    pending = None
+                else:
+                    pending = (name, child)
+            elif _has_params(child):
+                pending = None  # something with weights between: not an MLP pair
+    elif len(linears) == 2 and all(isinstance(c, torch.nn.Linear) or not _has_params(c)
+                                   for c in module.children()):
+        (a, first), (b, second) = linears.items()
+        if first.out_features == second.in_features and _divisible(first.out_features, degree):
+            plan.update({a: "colwise", b: "rowwise"})
+    return plan
+
+
 def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
     """The plan used when none is given (see the module doc): attention blocks (projections
     named like ``q/k/v/o``, ``q_proj/.../o_proj``), gated MLPs (``gate/up/down_proj``), MLPs
@@ -74,53 +114,8 @@ def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
     only parameter-free modules between them), and embeddings. Layers whose split dimension
     does not divide by ``degree`` stay replicated."""
     plan: dict[str, str] = {}
-
-    def full(prefix: str, name: str) -> str:
-        return f"{prefix}.{name}" if prefix else name
-
     for prefix, module in model.named_modules():
-        linears = _linear_children(module)
-        names = set(linears)
-        done = False
-        for q, k, v, o in ATTENTION_NAMES:
-            if {q, k, v, o} <= names and _divisible(linears[q].out_features, degree) and \
-                    _divisible(linears[k].out_features, degree) and \
-                    _divisible(linears[v].out_features, degree):
-                plan.update({full(prefix, q): "colwise", full(prefix, k): "colwise",
-                             full(prefix, v): "colwise", full(prefix, o): "rowwise"})
-                done = True
-                break
-        if done:
-            continue
-        for gate, up, down in GATED_MLP_NAMES:
-            if {gate, up, down} <= names and _divisible(linears[gate].out_features, degree):
-                plan.update({full(prefix, gate): "colwise", full(prefix, up): "colwise",
-                             full(prefix, down): "rowwise"})
-                done = True
-                break
-        if done:
-            continue
-        if isinstance(module, torch.nn.Sequential):
-            pending: tuple[str, torch.nn.Linear] | None = None
-            for name, child in module.named_children():
-                if isinstance(child, torch.nn.Linear):
-                    if pending is not None and pending[1].out_features == child.in_features \
-                            and _divisible(child.in_features, degree):
-                        plan[full(prefix, pending[0])] = "colwise"
-                        plan[full(prefix, name)] = "rowwise"
-                        pending = None
-                    else:
-                        pending = (name, child)
-                elif any(True for _ in child.parameters()):
-                    pending = None  # something with weights between: not an MLP pair
-        elif len(linears) == 2 and all(isinstance(c, torch.nn.Linear)
-                                       or not any(True for _ in c.parameters())
-                                       for c in module.children()):
-            first, second = linears.values()
-            a, b = linears
-            if first.out_features == second.in_features and \
-                    _divisible(first.out_features, degree):
-                plan.update({full(prefix, a): "colwise", full(prefix, b): "rowwise"})
+        plan.update({_join(prefix, n): style for n, style in _block_plan(module, degree).items()})
         if isinstance(module, torch.nn.Embedding) and _divisible(module.num_embeddings, degree):
             plan[prefix] = "embedding"
     return plan
@@ -141,20 +136,16 @@ def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]
     )
 
     out: dict[str, Any] = dict(plan)
-
-    def full(prefix: str, name: str) -> str:
-        return f"{prefix}.{name}" if prefix else name
-
     for prefix, block in model.named_modules():
         norms, subs, other = [], [], False
         for name, child in block.named_children():
-            rowwise = [full(full(prefix, name), n) for n in _linear_children(child)
-                       if plan.get(full(full(prefix, name), n)) == "rowwise"]
+            rowwise = [_join(_join(prefix, name), n) for n in _linear_children(child)
+                       if plan.get(_join(_join(prefix, name), n)) == "rowwise"]
             if isinstance(child, NORM_TYPES):
-                norms.append(full(prefix, name))
+                norms.append(_join(prefix, name))
             elif rowwise:
-                subs.append((full(prefix, name), rowwise))
-            elif any(True for _ in child.parameters()):
+                subs.append((_join(prefix, name), rowwise))
+            elif _has_params(child):
                 other = True
         if not prefix or not norms or not subs or other or isinstance(block, torch.nn.Sequential):
             continue
@@ -208,7 +199,6 @@ def validate_plan(plan: Mapping[str, Any] | None, sequence_parallel: bool = Fals
     """Check a plan before any model exists (its type, each style, and that
     ``sequence_parallel`` is asked only with the default plan), so a bad one fails where the
     strategy is built rather than at scope exit."""
-
     if plan is None:
         return
     if not isinstance(plan, Mapping):
@@ -248,7 +238,7 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh,
                 _sequence_check(name, degree), prepend=True)
     for prefix, module in model.named_modules():
         linears = set(_linear_children(module))
-        split = any(fnmatch.fnmatchcase(f"{prefix}.{n}" if prefix else n, key)
+        split = any(fnmatch.fnmatchcase(_join(prefix, n), key)
                     for n in linears for key in chosen
                     if chosen[key] == "colwise" or isinstance(chosen[key], ColwiseParallel))
         if not split or not any(set(names) <= linears for names in ATTENTION_NAMES):
