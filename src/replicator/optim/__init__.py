@@ -6,8 +6,6 @@ in ``strategy.scope()`` like any other optimizer. ``strategy.accumulate(k)`` ret
 """
 
 from replicator.optim.accumulation import GradientAccumulator
-from replicator.optim.lamb import LAMB
-from replicator.optim.lars import LARS
-from replicator.optim.layerwise import exclude_1d, full_norm, trust_ratio
+from replicator.optim.layerwise import LAMB, LARS, exclude_1d, full_norm, trust_ratio
 
 __all__ = ["LARS", "LAMB", "GradientAccumulator", "exclude_1d", "full_norm", "trust_ratio"]

@@ -1,4 +1,5 @@
-"""What LARS and LAMB share: which parameters adapt, and a parameter's norm across shards.
+"""LARS and LAMB, the layer-wise optimizers for large batches, and what they share: which
+parameters adapt, and a parameter's norm across shards.
 
 Both scale each update by a *trust ratio* built from the whole parameter's norm. A sharded
 parameter (a ``DTensor`` of FSDP2 or tensor parallelism) holds a piece per rank, so
@@ -8,7 +9,8 @@ replicated strategies hold whole parameters, whose local norm is the global one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -71,13 +73,11 @@ def check_exclude(exclude: ExcludeRule | None) -> ExcludeRule:
     return exclude
 
 
-def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None,
-                inclusive_high: bool = False) -> None:
+def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = None) -> None:
     """A ``ValueError`` naming ``name`` when ``value`` is outside ``[low, high)``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low or \
-            (high is not None and (value > high or (value == high and not inclusive_high))):
-        bound = f"[{low}, {high}{']' if inclusive_high else ')'}" if high is not None \
-            else f">= {low}"
+            (high is not None and value >= high):
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"invalid {name}: {value!r} (must be {bound})")
 
 
@@ -97,3 +97,130 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             return None
         with torch.enable_grad():
             return closure()
+
+
+class LARS(LayerwiseOptimizer):
+    """Layer-wise Adaptive Rate Scaling, for SGD at very large batches::
+
+        local_lr = eta * |w| / (|g| + wd * |w| + eps)      # 1 if |w| or |g| is 0
+        v = momentum * v + lr * local_lr * (g + wd * w)
+        w = w - v                                           # (nesterov: w - momentum*v - ...)
+
+    Parameters ``exclude`` picks (default: 1-D ones) take plain momentum SGD without weight
+    decay; a group may set ``"exclude"``. Norms are of the whole parameter, also for a sharded
+    ``DTensor`` (see the module doc).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
+                 weight_decay: float = 0.0, trust_coefficient: float = 0.001,
+                 eps: float = 1e-8, nesterov: bool = False,
+                 exclude: ExcludeRule | None = exclude_1d) -> None:
+        check_hyper("lr", lr)
+        check_hyper("momentum", momentum, 0.0, 1.0)
+        check_hyper("weight_decay", weight_decay)
+        check_hyper("trust_coefficient", trust_coefficient)
+        check_hyper("eps", eps)
+        if nesterov and momentum <= 0:
+            raise ValueError("LARS: nesterov=True needs momentum > 0")
+        self._exclude = check_exclude(exclude)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                        trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+                        exclude=None)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One update of every parameter that has a gradient (others are left alone)."""
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            wd, eta, eps = group["weight_decay"], group["trust_coefficient"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("LARS does not support sparse gradients")
+                grad = p.grad
+                if not self._excluded(group, p):
+                    w_norm, g_norm = full_norm(p), full_norm(grad)
+                    ratio = trust_ratio(w_norm, g_norm + wd * w_norm, eta, eps)
+                    if wd != 0:
+                        grad = grad.add(p, alpha=wd)
+                    grad = grad * as_local_scalar(ratio, grad)
+                update = grad.mul(lr)
+                if momentum != 0:
+                    state = self.state[p]
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = update.clone()
+                    else:
+                        buf.mul_(momentum).add_(update)
+                    update = update.add(buf, alpha=momentum) if group["nesterov"] else buf
+                p.sub_(update)
+        return loss
+
+
+class LAMB(LayerwiseOptimizer):
+    """Layer-wise Adaptive Moments for Batch training: Adam's direction, each parameter's step
+    scaled to its own size, which lets BERT-scale batches train with one learning rate::
+
+        m = b1 * m + (1 - b1) * g;     v = b2 * v + (1 - b2) * g * g
+        u = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * w
+        w = w - lr * (|w| / |u|) * u                        # ratio 1 if |w| or |u| is 0
+
+    ``max_trust`` clips the ratio (``None``: no clip). Parameters ``exclude`` picks (default: 1-D
+    ones) take the Adam step without trust ratio or weight decay; a group may set ``"exclude"``.
+    Norms are of the whole parameter, also for a sharded ``DTensor``.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01, bias_correction: bool = True,
+                 max_trust: float | None = None,
+                 exclude: ExcludeRule | None = exclude_1d) -> None:
+        check_hyper("lr", lr)
+        check_hyper("beta1", betas[0], 0.0, 1.0)
+        check_hyper("beta2", betas[1], 0.0, 1.0)
+        check_hyper("eps", eps)
+        check_hyper("weight_decay", weight_decay)
+        if max_trust is not None:
+            check_hyper("max_trust", max_trust)
+        self._exclude = check_exclude(exclude)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, max_trust=max_trust, exclude=None)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One update of every parameter that has a gradient (others are left alone)."""
+        loss = self._run_closure(closure)
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("LAMB does not support sparse gradients")
+                grad = p.grad
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))  # preserve_format: the default
+                state["step"] += 1
+                t = state["step"]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                c1, c2 = (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
+                update = (m / c1) / ((v / c2).sqrt().add_(eps))
+                if self._excluded(group, p):
+                    p.sub_(update, alpha=lr)
+                    continue
+                if wd != 0:
+                    update.add_(p, alpha=wd)
+                ratio = trust_ratio(full_norm(p), full_norm(update))
+                if group["max_trust"] is not None:
+                    ratio = ratio.clamp(max=group["max_trust"])
+                p.sub_(update * as_local_scalar(ratio * lr, update))
+        return loss
