@@ -32,8 +32,12 @@ from replicator.data.dataset import (
     distribute_dataset,
     distribute_datasets_from_function,
 )
+from replicator.data.live_split import map_input
+from replicator.errors import ClusterConfigError
 from replicator.strategies import observers
 from replicator.strategies.finite import check_finite_result
+from replicator.strategies.live.dataset import LiveDataset
+from replicator.strategies.live.engine import LiveEngine
 from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.memory import MemoryReport, MemoryTracker, exchange_reports
 from replicator.strategies.reduction import Axis, gather_value, reduce_value
@@ -46,7 +50,6 @@ if TYPE_CHECKING:
     from replicator.comm.collectives import Collectives
     from replicator.optim.accumulation import GradientAccumulator
     from replicator.precision import MixedPrecision
-    from replicator.strategies.live.engine import LiveEngine
     from replicator.strategies.replicas import ReplicaGroup
 
 _SERIALS = itertools.count(1)
@@ -140,21 +143,11 @@ class Strategy(ABC):
         if settings is None or replicas is None:
             return None
         if not self._supports_live:
-            from replicator.errors import ClusterConfigError
-
             raise ClusterConfigError(
                 f"{type(self).__name__} cannot run in replica groups ({settings.who} of "
                 f"{settings.groups}). HINT: use rp.MirroredStrategy(), "
                 "rp.CentralStorageStrategy() or rp.FSDPStrategy(), or launch without "
                 "--replica-groups")
-        try:
-            from replicator.strategies.live.engine import LiveEngine
-        except ImportError as exc:
-            from replicator.errors import ClusterConfigError
-
-            raise ClusterConfigError(
-                f"replica groups need torchft ({exc}). HINT: pip install 'replicator[live]'"
-            ) from exc
         me = weakref.ref(self)
 
         def modules() -> list[torch.nn.Module]:
@@ -550,9 +543,6 @@ class Strategy(ABC):
         """
         live = self.live
         if live is not None:
-            from replicator.data.live_split import map_input
-            from replicator.strategies.live.dataset import LiveDataset
-
             if transform is not None or reader is not None:
                 raise ValueError("transform= and reader= are not supported with replica "
                                  "groups; apply the transform in the dataset's __getitem__")

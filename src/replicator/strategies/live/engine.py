@@ -33,6 +33,7 @@ from replicator.cluster.ports import listen
 from replicator.cluster.process_group import on_shutdown
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.live_split import Share
+from replicator.errors import ClusterConfigError
 from replicator.strategies.live import state as live_state
 from replicator.strategies.live.errors import (
     LighthouseUnreachableError,
@@ -55,7 +56,6 @@ class Quorum:
     step: int           # committed steps so far: the global batch this step trains on
     participant: int    # this group's index among the participants
     participants: int   # groups taking part in the step
-    healed: bool        # this group received its state from a peer in this quorum
 
 
 class RoundOwner(Protocol):
@@ -90,10 +90,14 @@ class LiveEngine:
     def __init__(self, settings: LiveSettings, replicas: ReplicaGroup,
                  modules: Callable[[], list[torch.nn.Module]],
                  replicated: Callable[[], bool] = lambda: True) -> None:
-        from torchft.manager import Manager  # type: ignore[import-untyped]
-        from torchft.process_group import ProcessGroupGloo  # type: ignore[import-untyped]
+        try:
+            from torchft.manager import Manager  # type: ignore[import-untyped]
+            from torchft.process_group import ProcessGroupGloo  # type: ignore[import-untyped]
 
-        from replicator.strategies.live.transport import BoundHTTPTransport
+            from replicator.strategies.live.transport import BoundHTTPTransport
+        except ImportError as exc:
+            raise ClusterConfigError(f"replica groups need torchft ({exc}). HINT: pip install "
+                                     "'replicator[live]'") from exc
 
         _quiet_flight_recorder_note()
         self.settings = settings
@@ -274,8 +278,7 @@ class LiveEngine:
         else:
             participant, participants = last.participant, last.participants
         start = self._add("quorum", start)
-        self._quorum = Quorum(self.committed_steps, participant, participants,
-                              self._healed_now)
+        self._quorum = Quorum(self.committed_steps, participant, participants)
         if self._rounds is None:
             self._snapshot = _Snapshot(self._modules())
         elif self._in_round == 0:  # what a round not committed starts again from
