@@ -27,15 +27,7 @@ from replicator.errors import ClusterConfigError, ReplicaMismatchError
 from replicator.strategies.base import Strategy
 from replicator.strategies.cross_replica_batchnorm import convert_batchnorm
 from replicator.strategies.replicas import ReplicaGroup
-
-
-def _signature(params: Sequence[tuple[str, torch.Tensor]],
-               buffers: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
-    def describe(kind: str, name: str, t: torch.Tensor) -> str:
-        return f"{kind} {name}: shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
-
-    return ([describe("parameter", n, p) for n, p in params]
-            + [describe("buffer", n, b) for n, b in buffers])
+from replicator.strategies.scope_capture import describe_state
 
 
 def _first_difference(descs: list[list[str]]) -> str:
@@ -149,7 +141,7 @@ class MirroredStrategy(Strategy):
     def _check_same_structure(self, module: torch.nn.Module,
                               params: list[tuple[str, torch.nn.Parameter]],
                               buffers: list[tuple[str, torch.Tensor]]) -> None:
-        desc = _signature(params, buffers)
+        desc = describe_state(params, buffers)
         digest = hashlib.sha256("\n".join(desc).encode()).digest()[:8]
         mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
         low = self.collectives.all_reduce(mine, ReduceOp.MIN, "model structure check")

@@ -56,3 +56,11 @@ def named_state(module: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Param
     """A module's named parameters and buffers (shared ones once), in registration order."""
     return (list(module.named_parameters()),
             [(n, b) for n, b in module.named_buffers() if b is not None])
+
+
+def describe_state(params: list[tuple[str, torch.nn.Parameter]],
+                   buffers: list[tuple[str, torch.Tensor]]) -> list[str]:
+    """One line per named parameter and buffer (kind, name, shape, dtype): what must be the
+    same on every replica (and every replica group)."""
+    return [f"{kind} {name}: shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+            for kind, named in (("parameter", params), ("buffer", buffers)) for name, t in named]

@@ -19,6 +19,7 @@ import torch
 
 from replicator.strategies.live.errors import ReplicaGroupMismatchError
 from replicator.strategies.nest import clone_tree
+from replicator.strategies.scope_capture import describe_state, named_state
 
 _DTENSOR = "__local_shard__"
 
@@ -43,10 +44,7 @@ def fingerprint(modules: Sequence[torch.nn.Module]) -> str:
     """What must be equal across groups: names, shapes and dtypes of parameters and buffers."""
     lines = []
     for i, module in enumerate(modules):
-        lines.append(f"module {i}: {type(module).__name__}")
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            shape = tuple(t.shape)
-            lines.append(f"{i}.{name} {shape} {str(t.dtype).replace('torch.', '')}")
+        lines += [f"module {i}: {type(module).__name__}", *describe_state(*named_state(module))]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16] + f" ({len(lines)} entries)"
 
 
@@ -73,8 +71,7 @@ def find_optimizers(modules: Sequence[torch.nn.Module]) -> dict[str, torch.optim
         if _is_a(obj, torch.optim.Optimizer):
             key = _optimizer_key(obj, names)
             if key is not None:
-                n = sum(k.startswith(key) for k in found)
-                found[key if n == 0 else f"{key}#{n}"] = obj
+                _add_unique(found, key, obj)
     return dict(sorted(found.items()))
 
 
@@ -85,10 +82,14 @@ def find_schedulers(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, A
     base = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     for obj in gc.get_objects():
         if _is_a(obj, base) and id(getattr(obj, "optimizer", None)) in owner:
-            key = f"{owner[id(obj.optimizer)]}/{type(obj).__name__}"
-            n = sum(k.startswith(key) for k in found)
-            found[key if n == 0 else f"{key}#{n}"] = obj
+            _add_unique(found, f"{owner[id(obj.optimizer)]}/{type(obj).__name__}", obj)
     return dict(sorted(found.items()))
+
+
+def _add_unique(found: dict[str, Any], key: str, obj: Any) -> None:
+    """``found[key] = obj``, numbering a key already taken (``key#1``, ...)."""
+    n = sum(k.startswith(key) for k in found)
+    found[key if n == 0 else f"{key}#{n}"] = obj
 
 
 # -- plain data (weights_only) -----------------------------------------------------------------

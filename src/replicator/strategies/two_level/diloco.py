@@ -41,8 +41,6 @@ from replicator.strategies.two_level.hosts import (
     HOSTS_AXIS,
     LOCAL_AXIS,
     check_mesh,
-    host_groups,
-    host_layout,
     two_level_topology,
 )
 from replicator.strategies.two_level.outer_optimizer import OuterFragment
@@ -124,14 +122,10 @@ class DiLoCoStrategy(Strategy):
         spec = resolve_cluster()
         device = default_device_for(spec.local_rank, spec.local_world_size)
         self._replica_group = ReplicaGroup(device, timeout_seconds=options.timeout_seconds)
-        groups: list[list[int]] | None = None
-        if live is None:
-            groups = declared = host_groups(mesh, hosts)
-            self.num_hosts, self.processes_per_host = host_layout(declared)
-        else:  # a replica group is one host
-            groups, self.num_hosts, self.processes_per_host = \
-                None, 1, self._replica_group.world_size
-        self.topology = two_level_topology(self.num_hosts, self.processes_per_host, groups)
+        self.topology = two_level_topology(  # a replica group is one host
+            mesh, hosts, None if live is None else self._replica_group.world_size)
+        self.num_hosts = self.topology.size(HOSTS_AXIS)
+        self.processes_per_host = self.topology.size(LOCAL_AXIS)
         with building_part():  # the inner group is no replica group of its own
             self.inner = self._build_inner(inner, inner_options, communication_options)
         self._exchange = OuterExchange(self.topology.group(HOSTS_AXIS), self.num_hosts,

@@ -41,31 +41,20 @@ def check_mesh(mesh: Any, hosts: HostsSpec) -> None:
             "mesh=rp.Topology(hosts=...) with the default data axis")
 
 
-def host_groups(mesh: Topology | None, hosts: HostsSpec) -> list[list[int]]:
-    """Each host's ranks, in order of their first rank: ``mesh``'s, else the environment's
-    with ``hosts`` declared over them (a collective: the host keys are exchanged)."""
+def two_level_topology(mesh: Topology | None, hosts: HostsSpec,
+                       one_host: int | None = None) -> Topology:
+    """The topology whose ``hosts`` axis is the outer groups and ``local`` axis the inner,
+    ranks listed host by host: ``mesh``'s hosts, else the environment's with ``hosts`` declared
+    over them (a collective: the host keys are exchanged); ``one_host=n``: one host of ``n``
+    processes (a replica group). Hosts must run equal numbers of processes."""
+    if one_host is not None:
+        return Topology({HOSTS_AXIS: 1, LOCAL_AXIS: one_host})
     keys = mesh.hosts if mesh is not None else job_host_keys(hosts)
-    return group_by_host(list(range(len(keys))), keys)
-
-
-def host_layout(groups: list[list[int]]) -> tuple[int, int]:
-    """``(number of hosts, processes per host)`` of ``groups`` (each host's ranks); refuses
-    hosts with different numbers of processes, which the two-level topology cannot express."""
-    counts = [len(members) for members in groups]
-    if len(set(counts)) > 1:
+    groups = group_by_host(list(range(len(keys))), keys)
+    if len({len(members) for members in groups}) > 1:
         raise ClusterConfigError(
             f"the hosts run different numbers of processes (ranks by host: {groups}); a "
-            "two-level strategy "
-            "needs the same number on every host. HINT: launch the same --nproc on every node, "
-            "or declare equal hosts with mesh=rp.Topology(hosts=N)")
-    return len(groups), counts[0]
-
-
-def two_level_topology(num_hosts: int, per_host: int,
-                       groups: list[list[int]] | None = None) -> Topology:
-    """The topology whose ``hosts`` axis is the outer groups and ``local`` axis the inner;
-    its hosts are ``groups`` (``None``: the environment's), listed host by host in its mesh:
-    the inner group is a host's ranks, the outer the ``i``-th rank of every host."""
-    order = None if groups is None else [rank for members in groups for rank in members]
-    return Topology({HOSTS_AXIS: num_hosts, LOCAL_AXIS: per_host}, hosts=groups,
-                    worker_order=order)
+            "two-level strategy needs the same number on every host. HINT: launch the same "
+            "--nproc on every node, or declare equal hosts with mesh=rp.Topology(hosts=N)")
+    return Topology({HOSTS_AXIS: len(groups), LOCAL_AXIS: len(groups[0])}, hosts=groups,
+                    worker_order=[rank for members in groups for rank in members])
