@@ -1,21 +1,12 @@
 """``compute_average_loss``: tf.distribute's loss value, with gradients that equal one device's.
 
-``compute_average_loss(per_example_loss)`` returns ``sum(local per-example losses) / B`` for a
-global batch of ``B`` samples, as ``tf.nn.compute_average_loss`` does: summed over the replicas
-(``strategy.reduce("sum", loss)``) it is the mean loss over the global batch, whatever each
-replica's local size, so a ported TensorFlow loop reports TensorFlow's numbers.
-
-TensorFlow *sums* gradients across replicas; replicator *averages* them over the ``N``
-replicas (PyTorch's DDP semantics, so a plain mean loss needs nothing). So the returned value
-passes its gradient back ``N`` times larger (an identity in forward, ``grad * N`` in
-backward): the average over replicas of ``N * grad(sum_r / B)`` is ``grad(sum_all / B)``,
-exactly one device's gradient, on uneven local batches too.
-
-A plain mean loss instead (DDP's semantics: each replica's mean, then gradients averaged across
-replicas; report it with ``strategy.reduce("mean", loss)``) weighs each replica's samples by
-``1 / its own size``: on an uneven batch it differs from one device. ``strategy.run`` warns
-once, on the first uneven batch of a distributed dataset whose step did not call this function
-(:mod:`replicator.strategies.uneven_batches`).
+It returns ``sum(local per-example losses) / B`` for a global batch of ``B`` samples, as
+``tf.nn.compute_average_loss`` does, so a ported TensorFlow loop reports TensorFlow's numbers.
+TensorFlow *sums* gradients across replicas; replicator *averages* them over the ``N`` replicas
+(DDP's semantics), so the value passes its gradient back ``N`` times larger (the identity in
+forward, ``grad * N`` in backward): the average over replicas of ``N * grad(sum_r / B)`` is
+``grad(sum_all / B)``, one device's gradient, on uneven local batches too (where a plain mean
+loss differs: :mod:`replicator.strategies.uneven_batches`).
 """
 
 from __future__ import annotations

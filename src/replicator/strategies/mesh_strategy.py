@@ -3,11 +3,10 @@
 torchtitan's way: a :class:`~replicator.cluster.Topology` names the axes, and at scope exit each
 axis applies its function to the model, innermost first: pipeline stages, DTensor
 ``parallelize_module`` (``tensor``), FSDP2 ``fully_shard`` (``fsdp``), gradient averaging
-(``data``). The input is split across ``data`` and ``fsdp`` only. The data axes run the one
-gradient engine through a ``ReplicaGroup`` (a pipeline triggers it after its schedule); work over
-every worker goes through a second group over the job, and the pipeline's exchanges through one
-on its axis, so a stalled rank is named in any group. ``FSDPStrategy``,
-``TensorParallelStrategy`` and ``PipelineStrategy`` are this class with one axis.
+(``data``, through the ``ReplicaGroup`` of the data axes). The input is split across ``data``
+and ``fsdp`` only; a group over the job and one over the pipeline axis name a stalled rank in
+any group. ``FSDPStrategy``, ``TensorParallelStrategy`` and ``PipelineStrategy`` are this class
+with one axis.
 """
 
 from __future__ import annotations

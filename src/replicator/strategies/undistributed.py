@@ -24,10 +24,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 from replicator.errors import NotDistributedError
 
 
-def _shape(t: torch.Tensor) -> str:
-    return str(tuple(t.shape))
-
-
 def _checks(strategy: Any) -> bool:
     return (strategy._guards_undistributed and not strategy._closed
             and strategy.num_replicas_in_sync > 1)
@@ -92,7 +88,7 @@ class UndistributedWatch:
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or self._distributed(p):
                 continue
-            what = f"{type(module).__name__} parameter {name!r} {_shape(p)}"
+            what = f"{type(module).__name__} parameter {name!r} {tuple(p.shape)}"
             if self._depth:
                 raise _error(strategy, what, "is used with gradients in strategy.run")
             if p not in self._armed:
@@ -124,7 +120,7 @@ class UndistributedWatch:
             if (p.grad is None and not p.requires_grad) or self._distributed(p):
                 continue
             if p.grad is not None:
-                raise _error(strategy, f"parameter {i} {_shape(p)} of "
+                raise _error(strategy, f"parameter {i} {tuple(p.shape)} of "
                              f"{type(optimizer).__name__}", "is stepped by an optimizer")
             pending = True
         if not pending:  # clean for good; otherwise checked again at the next step

@@ -109,9 +109,6 @@ class BoundHTTPTransport(CheckpointTransport[Any]):
             self._cond.notify_all()
 
     def metadata(self) -> str:
-        return self.address()
-
-    def address(self) -> str:
         """Where a healing group fetches the state (the step and ``/full`` follow)."""
         port = self._server.socket.getsockname()[1]
         host = f"[{self._host}]" if ":" in self._host else self._host

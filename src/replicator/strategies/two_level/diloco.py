@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -178,7 +179,7 @@ class DiLoCoStrategy(Strategy):
     @property
     def wire_stats(self) -> dict[str, int]:
         """Bytes this rank handed to the cross-host exchanges, and how many it started."""
-        return self._exchange.stats.as_dict()
+        return asdict(self._exchange.stats)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(hosts={self.num_hosts} x {self.processes_per_host}, "

@@ -12,7 +12,7 @@ member (``comm/block_quantize.py``), so all get the same bits.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -31,9 +31,6 @@ class WireStats:
 
     payload_bytes: int = 0
     exchanges: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {"payload_bytes": self.payload_bytes, "exchanges": self.exchanges}
 
 
 @dataclass
@@ -120,7 +117,7 @@ class OuterExchange:
 
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": {} if self.quantizer is None else self.quantizer.state_dict(),
-                "stats": self.stats.as_dict()}
+                "stats": asdict(self.stats)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.quantizer is not None:
