@@ -195,18 +195,6 @@ def hash_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def read_commit(store: FsspecStorage, name: str) -> dict[str, Any]:
-    """The checked manifest of the commit object ``name``; :class:`CheckpointCorruptError`
-    when it is gone, damaged or names no data prefix."""
-    where = f"commit {store.url}/{COMMITS}/{name}"
-    raw = store.get_or(f"{COMMITS}/{name}", f"{where} disappeared while reading it")
-    manifest = parse_marker(raw, where)
-    if not isinstance(manifest.get("prefix"), str) or not manifest["prefix"].startswith(
-            f"{DATA}/"):
-        raise CheckpointCorruptError(f"{where} names no data prefix")
-    return manifest
-
-
 class FsspecStorage:
     """Saves in an fsspec store, committed by a commit object written last, under a lease.
 
@@ -409,7 +397,15 @@ class FsspecStorage:
         return sorted({s for s, _ in self.saves()})
 
     def manifest(self, ref: str) -> dict[str, Any]:
-        return read_commit(self, ref)
+        """The checked manifest of the commit object ``ref``; :class:`CheckpointCorruptError`
+        when it is gone, damaged or names no data prefix."""
+        where = f"commit {self.url}/{COMMITS}/{ref}"
+        raw = self.get_or(f"{COMMITS}/{ref}", f"{where} disappeared while reading it")
+        manifest = parse_marker(raw, where)
+        if not isinstance(manifest.get("prefix"), str) or not manifest["prefix"].startswith(
+                f"{DATA}/"):
+            raise CheckpointCorruptError(f"{where} names no data prefix")
+        return manifest
 
     def read(self, ref: str, manifest: Mapping[str, Any], fname: str) -> np.ndarray:
         where = f"commit {COMMITS}/{ref}"
