@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
     from replicator.comm import CommunicationOptions, ReduceOp
     from replicator.data import InputContext
     from replicator.precision import MixedPrecision
-    from replicator.ps import ClusterCoordinator, ParameterServerStrategy
+    from replicator.ps import ClusterCoordinator, ParameterServerStrategy, get_strategy
     from replicator.resume import BackupAndRestore
     from replicator.strategies import (
         CentralStorageStrategy,
@@ -64,7 +64,6 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
         TensorParallelStrategy,
         compute_average_loss,
         get_replica_context,
-        get_strategy,
     )
     from replicator.train import Callback, EarlyStopping, ModelCheckpoint, Replicator, Trainer
 
@@ -85,7 +84,9 @@ _LAZY: dict[str, str] = {
         ["CentralStorageStrategy", "DiLoCoStrategy", "FSDPStrategy", "LocalSGDStrategy",
          "MeshStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "OneDeviceStrategy",
          "PipelineStrategy", "Strategy", "TensorParallelStrategy", "compute_average_loss",
-         "get_replica_context", "get_strategy"], "replicator.strategies"),
+         "get_replica_context"], "replicator.strategies"),
+    # by name: from the room that registers the last built-in strategy, so every one is known
+    "get_strategy": "replicator.ps",
     **dict.fromkeys(["Callback", "EarlyStopping", "ModelCheckpoint", "Replicator", "Trainer"],
                     "replicator.train"),
 }
@@ -126,8 +127,8 @@ _MOVED: dict[str, str] = {
          "NonFiniteLossError", "PreemptedError", "ParameterServerError",
          "ParameterServerLostError", "CallbackFailedError"], "replicator.errors"),
     **dict.fromkeys(
-        ["ReplicaContext", "register_strategy", "available_strategies", "MemoryReport"],
-        "replicator.strategies"),
+        ["ReplicaContext", "register_strategy", "MemoryReport"], "replicator.strategies"),
+    "available_strategies": "replicator.ps",
     **dict.fromkeys(["LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",
                      "History", "ProgressBar"], "replicator.callbacks"),
     "CheckpointManager": "replicator.checkpoint",

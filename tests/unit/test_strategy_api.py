@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -26,6 +29,19 @@ def test_get_strategy_by_name_and_suggestion():
         rp.get_strategy("mirroed")
     available = set(rp.strategies.available_strategies())
     assert {"one_device", "mirrored", "multi_worker_mirrored"} <= available
+
+
+def test_every_built_in_strategy_is_known_by_name_in_a_fresh_interpreter():
+    # the parameter server registers itself from its own room (above strategies): rp's
+    # get_strategy must know it before anything else imported that room, as the demo's
+    # ``--strategy ps`` check needs
+    code = ("import replicator as rp, sys\n"
+            "names = rp.available_strategies()\n"
+            "from replicator.demo.options import strategy_refusal\n"
+            "print(sorted(names), strategy_refusal('ps', 3, num_ps=1))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert "'parameter_server'" in out and out.strip().endswith("None"), out
 
 
 def test_compute_average_loss_on_one_device_is_the_mean():

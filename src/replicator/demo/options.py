@@ -28,7 +28,7 @@ _CANNOT = {
 def strategy_refusal(name: str, nproc: int | None, num_ps: int = 0) -> str | None:
     """Why ``replicator demo --strategy name`` cannot run with these flags (``None``: it can),
     said before any worker starts, with the strategies that work."""
-    from replicator.strategies.registry import find_strategy_class
+    from replicator.ps import find_strategy_class  # every built-in strategy registered
 
     cls = find_strategy_class(name)  # the names get_strategy takes, aliases included
     works = "; the demo runs with: " + ", ".join(DEMO_STRATEGIES.values()) + "."
