@@ -39,6 +39,7 @@ from replicator.checkpoint.manager import CheckpointManager, Restored, check_sta
 from replicator.checkpoint.saver import BackgroundSaver, check_saver, early_process, make_saver
 from replicator.checkpoint.storage import backup_location, join_location, open_storage
 from replicator.cluster.worker_errors import record_backup
+from replicator.data.sharding import set_epoch_on
 from replicator.resume.live_state import is_live, live_steps
 from replicator.resume.preemption import Preempted, PreemptionWatcher
 from replicator.resume.rank_state import (
@@ -46,7 +47,6 @@ from replicator.resume.rank_state import (
     epoch_length,
     has_state,
     restore_rng,
-    set_epoch_of,
     warn_replay,
 )
 from replicator.resume.sharded import checkpoint_collectives, prepare_optimizers, sharded_objects
@@ -257,7 +257,7 @@ class BackupAndRestore:
         if loaded:
             ds.load_state_dict(resume["data"])  # type: ignore[union-attr,index]
         elif resume is not None or not has_state(ds):
-            set_epoch_of(ds, self.epoch)
+            set_epoch_on(ds, self.epoch)
         skip = position if resume is not None and not loaded else 0
         if skip:
             warn_replay(ds, skip)

@@ -76,25 +76,10 @@ def epoch_length(dataset: Any) -> int | None:
         return None
 
 
-def _epoch_setter(ds: Any) -> Any:
-    """The ``set_epoch`` of an input or of its sampler (``None``: neither has one)."""
-    for owner in (ds, getattr(ds, "sampler", None)):
-        setter = getattr(owner, "set_epoch", None)
-        if callable(setter):
-            return setter
-    return None
-
-
-def set_epoch_of(ds: Any, epoch: int) -> None:
-    """Tell an input (or its sampler) which epoch starts, when it can be told."""
-    setter = _epoch_setter(ds)
-    if setter is not None:
-        setter(epoch)
-
-
 def warn_replay(ds: Any, skip: int) -> None:
     """Warn that resuming replays ``skip`` batches of an input whose order may not repeat."""
-    if _epoch_setter(ds) is not None:
+    holders = (ds, getattr(ds, "sampler", None), getattr(ds, "batch_sampler", None))
+    if any(callable(getattr(obj, "set_epoch", None)) for obj in holders):
         return  # the order depends on the epoch only: replaying it is exact, only slower
     warnings.warn(
         f"the input has no state_dict(); resuming replays {skip} batches of this epoch, which "

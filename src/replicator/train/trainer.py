@@ -23,11 +23,12 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from replicator.comm.reduce_op import ReduceOp
-from replicator.data.batching import slice_bounds
+from replicator.data.batching import batch_rows, slice_bounds
 from replicator.data.context import InputContext
 from replicator.data.prefetch import to_device
 from replicator.errors import CallbackFailedError, NonFiniteLossError
 from replicator.resume.backup_and_restore import BackupAndRestore
+from replicator.resume.rank_state import epoch_length
 from replicator.strategies.base import Strategy
 from replicator.strategies.live.errors import LiveRecoveryError
 from replicator.strategies.losses import compute_average_loss
@@ -74,16 +75,6 @@ def _unpack(batch: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
                     f"got {type(batch).__name__}")
 
 
-def _batch_len(x: Any) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.shape[0]
-    if isinstance(x, (list, tuple)) and x:
-        return _batch_len(x[0])
-    if isinstance(x, dict) and x:
-        return _batch_len(next(iter(x.values())))
-    raise TypeError(f"cannot tell the batch size of {type(x).__name__}")
-
-
 class ErrorAgreement:
     """Makes every replica fail together when a callback fails on some of them: this replica's
     first error is held until the next agreement point (the per-step reduction, where a flag
@@ -113,25 +104,13 @@ class ErrorAgreement:
         if self.pending is not None:
             where, exc = self.pending
             mine = f"{where} raised {type(exc).__name__}: {exc}"
-        texts = _gather_text(self.strategy, mine)
-        reports = [f"rank {r}: {t}" for r, t in enumerate(texts) if t]
+        texts = self.strategy.collectives.all_gather_bytes(mine.encode(), "callback errors")
+        reports = [f"rank {r}: {t.decode(errors='replace')}" for r, t in enumerate(texts) if t]
         message = "a callback failed, so every replica stops: " + "; ".join(reports)
         if self.pending is not None:
             tb = "".join(traceback.format_exception(self.pending[1]))
             raise CallbackFailedError(f"{message}\n{tb}") from self.pending[1]
         raise CallbackFailedError(message)
-
-
-def _gather_text(strategy: Strategy, text: str) -> list[str]:
-    """Every replica's ``text`` (UTF-8 bytes through ``strategy.gather``, no pickling)."""
-    data = torch.tensor(list(text.encode()), dtype=torch.int64)
-    lengths = strategy.gather(torch.tensor([data.numel()]))
-    joined = strategy.gather(data).tolist()
-    out, offset = [], 0
-    for n in lengths.tolist():
-        out.append(bytes(joined[offset:offset + n]).decode(errors="replace"))
-        offset += n
-    return out
 
 
 class _MemoryReportPrinter(Callback):
@@ -255,7 +234,9 @@ class Trainer:
         """The predictions, one loss per example (a scalar loss stands for each) and ``n``."""
         pred = self.model(x)
         per_example = self.loss_fn(pred, y)
-        n = _batch_len(x)
+        n = batch_rows(x)
+        if n is None:
+            raise TypeError(f"cannot tell the batch size of {type(x).__name__}")
         if per_example.dim() == 0:
             per_example = per_example.expand(n)
         return pred, (per_example.reshape(n, -1).mean(1) if n else per_example.reshape(0)), n
@@ -405,10 +386,7 @@ class Trainer:
 
     def _run_epoch(self, steps_per_epoch: int | None, validation_data: Any) -> None:
         epoch = self.epoch
-        try:
-            total = len(self.train_dataset)
-        except TypeError:
-            total = None
+        total = epoch_length(self.train_dataset)
         if steps_per_epoch is not None:
             total = steps_per_epoch if total is None else min(total, steps_per_epoch)
         self.steps_in_epoch = total or 0
