@@ -232,12 +232,10 @@ class BackupAndRestore:
                     finished = length is not None and self.step_in_epoch >= length
                 if finished:
                     self.on_epoch_end(self.epoch)
-            self.on_train_end()
-        except BaseException:
+            self.on_train_end()  # closes
+        except BaseException:  # an error, or the loop left with break (GeneratorExit)
             self.close(raise_errors=False)
             raise
-        finally:
-            self.close()
 
     def epoch_batches(self, dataset: Iterable[Any] | None = None,
                       stop_at: int | None = None) -> Iterator[Any]:
