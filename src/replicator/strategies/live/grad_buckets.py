@@ -52,12 +52,13 @@ def unflatten_grads(buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]
                 offset += n
                 if p.grad is None:
                     if bool(piece.any()):
-                        p.grad = _like(p, piece.clone())
+                        p.grad = like_param(p, piece.clone())
                 else:
                     local_tensor(p.grad).copy_(piece)
 
 
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` laid out like ``param``: a DTensor on its mesh and placements, else itself."""
     if not callable(getattr(param, "to_local", None)):
         return local
     from torch.distributed.tensor import DTensor

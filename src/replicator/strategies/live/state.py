@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from replicator.strategies.live.errors import ReplicaGroupMismatchError
+from replicator.strategies.live.grad_buckets import like_param
 from replicator.strategies.nest import clone_tree
 from replicator.strategies.scope_capture import describe_state, named_state
 
@@ -168,10 +169,7 @@ def _to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dic
         new = {}
         for name, value in entry.items():
             if isinstance(value, dict) and _DTENSOR in value:
-                from torch.distributed.tensor import DTensor
-
-                value = DTensor.from_local(value[_DTENSOR], param.device_mesh,  # type: ignore[attr-defined]
-                                           param.placements, run_check=False)  # type: ignore[attr-defined]
+                value = like_param(param, value[_DTENSOR])
             new[name] = value
         fixed[index] = new
     return {**state, "state": fixed}
