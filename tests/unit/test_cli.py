@@ -24,7 +24,7 @@ from replicator.cluster.worker_errors import (
 )
 from replicator.errors import ClusterConfigError, NonFiniteLossError
 from replicator.launch.failure_report import group_by_rank, rank_ranges, restart_refusal
-from replicator.launch.launcher import LocalGroup, _Worker, oversubscription_warning
+from replicator.launch.launcher import LocalGroup, WorkerProcess, oversubscription_warning
 from replicator.launch.output import OutputRelay, terminal_env
 
 
@@ -139,7 +139,7 @@ def test_summary_of_99_ranks_groups_the_terminated_ones(tmp_path):
             record_exception(exc, 1, error_path(group.error_dir, 1))
         codes = {0: 1, 1: 1, **{r: None for r in range(2, 99)}}
         # Stand-ins for processes: no pid, so nothing can ever be signalled.
-        group.workers = [_Worker(r, SimpleNamespace(exitcode=c, pid=None))
+        group.workers = [WorkerProcess(r, SimpleNamespace(exitcode=c, pid=None))
                          for r, c in codes.items()]
         group.workers[1].detected_at = 1.0
         group.workers[0].detected_at = 2.0

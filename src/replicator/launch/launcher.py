@@ -157,13 +157,17 @@ def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
     return env
 
 
-class _Worker:
+class WorkerProcess:
     """One child process, started either from a function (multiprocessing) or a command."""
 
     def __init__(self, rank: int, proc: Any) -> None:
         self.rank = rank
         self.proc = proc
         self.detected_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.proc, "pid", None)
 
     def poll(self) -> int | None:
         if isinstance(self.proc, subprocess.Popen):
@@ -253,7 +257,7 @@ class LocalGroup:
         self.store = dist.TCPStore(store_addr, self.port, world, True,
                                    timeout=timedelta(seconds=resolve_timeout(timeout_seconds)),
                                    wait_for_workers=False, master_listen_fd=sock.detach())
-        self.workers: list[_Worker] = []
+        self.workers: list[WorkerProcess] = []
         self.attempt = 0
         self.signalled = False
 
@@ -345,7 +349,7 @@ class LocalGroup:
                     if "OMP_NUM_THREADS" not in (self.base_env or os.environ):  # cores shared
                         env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (  # with actors
                             self.world + self.num_actors)))
-                self.workers.append(_Worker(rank, self.start_fn(rank, env)))
+                self.workers.append(WorkerProcess(rank, self.start_fn(rank, env)))
             for k in range(self.num_actors):
                 self.workers.append(self._start_actor(k, 0))
             if self.signalled:  # SIGTERM came while these workers were starting
@@ -362,7 +366,7 @@ class LocalGroup:
         return outcome
 
     def _watch(self, attempt: int) -> _Outcome:
-        first_failed: _Worker | None = None
+        first_failed: WorkerProcess | None = None
         while True:
             now = time.time()
             codes = {w.rank: w.poll() for w in self.workers}
@@ -425,18 +429,18 @@ class LocalGroup:
         return worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
                           self.error_dir, self.base_env, self.store_addr)
 
-    def _start_actor(self, index: int, restarts: int) -> _Worker:
+    def _start_actor(self, index: int, restarts: int) -> WorkerProcess:
         env = actor_env(self._env(0), index, self.world, self.num_actors,
                         f"{self.store_addr}:{self.port}", restarts)
-        return _Worker(self.world + index, self.start_fn(self.world + index, env))
+        return WorkerProcess(self.world + index, self.start_fn(self.world + index, env))
 
-    def _rejoin(self, rank: int) -> _Worker:
+    def _rejoin(self, rank: int) -> WorkerProcess:
         """Worker ``rank`` started again alone, to rejoin the running parameter servers."""
         self.store.set(f"replicator/attempt_{self.attempt}/" + REJOIN_KEY.format(rank=rank),
                        str(self.rank_restarts[rank]))
         env = self._env(rank)
         env.update({NUM_PS_ENV: str(self.num_ps), REJOIN_ENV: "1"})
-        return _Worker(rank, self.start_fn(rank, env))
+        return WorkerProcess(rank, self.start_fn(rank, env))
 
     def _stop_actors(self) -> None:
         """Give the actors a grace to leave after their learners ended, then stop them."""
@@ -446,7 +450,7 @@ class LocalGroup:
             time.sleep(0.02)
         self.stop_all(actors)
 
-    def _failure(self, attempt: int, first: _Worker, terminated: list[int]
+    def _failure(self, attempt: int, first: WorkerProcess, terminated: list[int]
                  ) -> tuple[WorkerFailedError, tuple[str, ...]]:
         """The attempt's failure, its root cause first (see ``failure_report``)."""
         codes = {w.rank: w.poll() for w in self.workers}
@@ -487,7 +491,7 @@ class LocalGroup:
             self.say(f"[replicator] rank {w.rank}'s threads:\n"
                      f"{stacks or '(none written: the worker did not answer)'}")
 
-    def stop_all(self, workers: list[_Worker] | None = None) -> None:
+    def stop_all(self, workers: list[WorkerProcess] | None = None) -> None:
         """SIGTERM ``workers`` (default: all), then SIGKILL those left after a grace."""
         workers = self.workers if workers is None else workers
         for w in workers:

@@ -32,14 +32,17 @@ class _ForkedScript:
         self.ctx: Any = forkserver_context()
 
     def start(self, rank: int, env: dict[str, str], *, relay: OutputRelay | None = None,
-              quiet: bool = False, label: str | None = None, group: str | None = None) -> Any:
+              quiet: bool = False, label: str | None = None, group: str | None = None,
+              output: int | None = None) -> Any:
         # imported here: ``python -m replicator.launch.script_entry`` (the fresh path) warns
         # when importing the package has already imported that module
         from replicator.launch.script_entry import forked_entry
 
         pipes: list[tuple[int, int]] = []
         ends: list[int] = []
-        if quiet:
+        if output is not None:
+            streams = StandardStreams(0, output, output)
+        elif quiet:
             ends = [os.open(os.devnull, os.O_WRONLY)]
             streams = StandardStreams(0, ends[0], ends[0])
         elif relay is not None:
@@ -69,7 +72,10 @@ class _FreshScript:
                     *args]
 
     def start(self, rank: int, env: dict[str, str], *, relay: OutputRelay | None = None,
-              quiet: bool = False, label: str | None = None, group: str | None = None) -> Any:
+              quiet: bool = False, label: str | None = None, group: str | None = None,
+              output: int | None = None) -> Any:
+        if output is not None:
+            return subprocess.Popen(self.cmd, env=env, stdout=output, stderr=output)
         if quiet:
             return subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
@@ -85,7 +91,9 @@ class _FreshScript:
 
 def script_starter(script: str, args: Sequence[str], start_method: str = "forkserver") -> Any:
     """What starts the workers of ``script args``: ``start(rank, env, relay=, quiet=, label=,
-    group=)`` returns the process (``quiet``: output dropped; no ``relay``: the launcher's)."""
+    group=, output=)`` returns the process (``quiet``: output dropped; ``output``: stdout and
+    stderr to that file descriptor, which the caller keeps; neither nor ``relay``: the
+    launcher's)."""
     method = check_start_method(start_method)
     return (_ForkedScript if method == "forkserver" else _FreshScript)(script, args)
 

@@ -2,11 +2,14 @@
 
 ``replicator run --replica-groups N`` written small, so tests can kill, restart and stop single
 groups: :func:`start_lighthouse` runs ``torchft_lighthouse`` on a free 127.0.0.1 port;
-:func:`start_group` starts one group of ``nproc`` processes with a group's environment.
+:func:`start_group` starts one group of ``nproc`` processes with a group's environment, forked
+from the launcher's warm forkserver as ``replicator run`` starts them (a fresh interpreter
+imports torch for 4-5 s at every start and restart).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -17,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from weakref import WeakSet
 
 from replicator.cluster.env_names import (
     LIGHTHOUSE_ENV,
@@ -24,6 +28,8 @@ from replicator.cluster.env_names import (
     REPLICA_GROUP_ENV,
     REPLICA_GROUPS_ENV,
 )
+from replicator.launch.launcher import WorkerProcess
+from replicator.launch.script_launch import script_starter
 
 
 def free_port() -> int:
@@ -111,12 +117,12 @@ def start_lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 1000,
     return Lighthouse(process, port)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: groups are kept in a weak set
 class Group:
     """The processes of one replica group."""
 
     group: int
-    processes: list[subprocess.Popen] = field(default_factory=list)
+    processes: list[WorkerProcess] = field(default_factory=list)
 
     def poll(self) -> list[int | None]:
         return [p.poll() for p in self.processes]
@@ -124,24 +130,33 @@ class Group:
     def wait(self, timeout: float) -> list[int]:
         """Wait for every process; ``TimeoutError`` naming the group when one is still up."""
         deadline = time.monotonic() + timeout
-        codes = []
         for p in self.processes:
-            try:
-                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"replica group {self.group} did not finish within "
-                                   f"{timeout:.0f} s") from None
-        return codes
+            p.join(max(0.1, deadline - time.monotonic()))
+        codes = self.poll()
+        if any(c is None for c in codes):
+            raise TimeoutError(f"replica group {self.group} did not finish within "
+                               f"{timeout:.0f} s")
+        return [int(c) for c in codes if c is not None]
 
     def signal(self, sig: int) -> None:
         for p in self.processes:
-            if p.poll() is None:
-                p.send_signal(sig)
+            p.signal(sig)
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
         for p in self.processes:
-            p.wait()
+            p.join(30)
+
+
+#: Every group started here and not yet ended: killed at exit, as a test that failed before
+#: its ``kill()`` would otherwise leave them to multiprocessing's exit, which waits for them.
+_STARTED: WeakSet[Group] = WeakSet()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for group in list(_STARTED):
+        group.kill()
 
 
 def group_env(group: int, groups: int, lighthouse: str, min_replicas: int, rank: int,
@@ -158,21 +173,30 @@ def group_env(group: int, groups: int, lighthouse: str, min_replicas: int, rank:
 
 def start_group(script: str | Path, group: int, groups: int, lighthouse: str, *,
                 min_replicas: int = 1, nproc: int = 1, args: Sequence[str] = (),
-                env: Mapping[str, str] | None = None, log_dir: Path | None = None) -> Group:
-    """Start replica group ``group`` of ``nproc`` processes running ``script``."""
+                env: Mapping[str, str] | None = None, log_dir: Path | None = None,
+                start_method: str = "forkserver") -> Group:
+    """Start replica group ``group`` of ``nproc`` processes running ``script`` (forked from the
+    warm forkserver; ``start_method="spawn"``: fresh interpreters); each rank's output goes to
+    ``log_dir/group<g>_rank<r>.log``, or nowhere without ``log_dir``."""
     master_port = free_port() if nproc > 1 else None
+    starter = script_starter(str(script), list(args), start_method)
     out = Group(group)
     for rank in range(nproc):
         full = dict(os.environ)
         full.update(env or {})
         full.update(group_env(group, groups, lighthouse, min_replicas, rank, nproc, master_port))
         full.setdefault("OMP_NUM_THREADS", "1")
-        log = None
-        if log_dir is not None:
-            log = open(Path(log_dir) / f"group{group}_rank{rank}.log", "ab")  # noqa: SIM115
-        out.processes.append(subprocess.Popen([sys.executable, str(script), *args], env=full,
-                                              stdout=log or subprocess.DEVNULL,
-                                              stderr=subprocess.STDOUT))
+        if log_dir is None:
+            proc = starter.start(rank, full, quiet=True)
+        else:
+            log = os.open(Path(log_dir) / f"group{group}_rank{rank}.log",
+                          os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                proc = starter.start(rank, full, output=log)
+            finally:
+                os.close(log)
+        out.processes.append(WorkerProcess(rank, proc))
+    _STARTED.add(out)
     return out
 
 
