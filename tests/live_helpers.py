@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 import torch
 
 from replicator.launch.lighthouse import torchft_missing
+from replicator.launch.script_launch import script_starter
 from replicator.testing.live_groups import start_group, start_lighthouse
 
 #: Live recovery runs on torchft (the ``live`` extra, in ``test``): without it these tests skip.
@@ -35,15 +34,19 @@ _ONE_DEVICE: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
 
 
 def one_device(tmp: Path, args: list[str]) -> dict[str, torch.Tensor]:
-    """The parameters the script trains to with ``args`` on one device (the reference)."""
+    """The parameters the script trains to with ``args`` on one device (the reference), forked
+    from the warm forkserver as the groups are."""
     key = tuple(args)
     if key not in _ONE_DEVICE:
         out = tmp / "one_device"
         out.mkdir()
         full = dict(os.environ, **env())
-        subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--strategy",
-                        "one_device", *args], env=full, check=True, timeout=300,
-                       capture_output=True)
+        proc = script_starter(str(SCRIPT), ["--out", str(out), "--strategy", "one_device",
+                                            *args]).start(0, full, quiet=True)
+        proc.join(300)
+        if proc.exitcode != 0:
+            proc.kill()
+            raise RuntimeError(f"the one-device reference run ended with {proc.exitcode}")
         _ONE_DEVICE[key] = torch.load(out / "final_g0.pt")
     return {name: value.clone() for name, value in _ONE_DEVICE[key].items()}
 

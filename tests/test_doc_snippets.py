@@ -82,8 +82,9 @@ def _snippet_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg",
                PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH"))
                                           if p))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"):
-        env.pop(var, None)  # plain python: one process, one replica
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
+                "REPLICATOR_PRELOAD"):
+        env.pop(var, None)  # plain python: one process, one replica, nothing of the tests
     return env
 
 
