@@ -138,6 +138,16 @@ def test_alpha_beta_fit_recovers_a_line():
     assert fit.b == pytest.approx(1e-9, rel=1e-6)
 
 
+def test_alpha_beta_fit_leaves_out_a_time_of_zero():
+    # a round trip measured as a difference of two timings came out 0 at 1 kB beside four
+    # busy processes: weighted by its relative error it made the whole fit 0 s at every size
+    sizes = [1e3, 1e6, 4e6, 8e6]
+    fit = AlphaBeta.fit(sizes, [0.0, 1e-3 + 1e6 / 1e9, 1e-3 + 4e6 / 1e9, 1e-3 + 8e6 / 1e9])
+    assert fit.a == pytest.approx(1e-3, rel=1e-6) and fit.b == pytest.approx(1e-9, rel=1e-6)
+    assert AlphaBeta.fit([1e3, 1e6], [0.0, 2e-3]) == AlphaBeta(2e-3, 0.0)
+    assert AlphaBeta.fit([1e3, 1e6], [0.0, -1e-4]) == AlphaBeta(0.0, 0.0)
+
+
 def test_alpha_beta_fit_refits_the_other_term_when_one_would_be_negative():
     """A free fit with a negative fixed cost becomes the best line through the origin (its
     relative error no worse than the free slope with the fixed cost cut off); a negative

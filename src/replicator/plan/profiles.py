@@ -34,10 +34,16 @@ class AlphaBeta:
 
     @classmethod
     def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
-        """The line through the points with the least relative error and non-negative terms."""
+        """The line through the points with the least relative error and non-negative terms.
+        A time of zero or less (a difference of two timings that noise cancelled) carries no
+        relative error to fit, and would outweigh every other point: it is left out."""
         if len(sizes) != len(seconds) or len(sizes) < 2:
             raise ValueError("AlphaBeta.fit needs at least two (size, seconds) points")
-        w = [1.0 / max(y, 1e-9) ** 2 for y in seconds]
+        kept = [(x, y) for x, y in zip(sizes, seconds) if y > 0]
+        if len(kept) < 2:
+            return cls(max((y for _, y in kept), default=0.0), 0.0)
+        sizes, seconds = [x for x, _ in kept], [y for _, y in kept]
+        w = [1.0 / y ** 2 for y in seconds]
         sw = sum(w)
         mx = sum(wi * x for wi, x in zip(w, sizes)) / sw
         my = sum(wi * y for wi, y in zip(w, seconds)) / sw
