@@ -27,6 +27,18 @@ def test_demo_trains_digits_to_at_least_95_percent(capfd):
     assert "replicas 2" in line and "wall time" in line
 
 
+@pytest.mark.timeout(120)
+def test_demo_under_the_parameter_server_says_the_epoch_was_shared(capfd):
+    # 'replicator demo --strategy ps' was refused unless the parameter server's room had been
+    # imported; its workers share an epoch's batches, so the chief's line says how many it ran
+    code = main(["demo", "--strategy", "ps", "--num-ps", "1", "--nproc", "3", "--epochs", "1"])
+    out = capfd.readouterr()
+    assert code == 0, out.err
+    line = next(ln.removeprefix("[rank 0] ") for ln in out.out.splitlines() if "epoch 1/1" in ln)
+    ran = int(line.split("step ")[1].split()[0])
+    assert 0 < ran < 45 and "of the epoch's 45 batches on this worker" in line, line
+
+
 #: Examples that launch their own replicas and have their own smoke test (``--quick``).
 SELF_LAUNCHING = {"large_batch.py"}  # tests/distributed/test_large_batch.py
 #: actor-learner examples: one learner beside actors, not two data-parallel workers

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> float:
     step, loss, t0 = 0, torch.tensor(0.0), time.perf_counter()
     try:
         for epoch in range(args.epochs):
+            first = step
             for batch in dist_train:
                 loss = strategy.reduce("sum", strategy.run(train_step, args=(batch,)))
                 step += 1
@@ -126,8 +127,15 @@ def main(argv: list[str] | None = None) -> float:
                     progress.update(task, advance=1, speed=speed, loss=float(loss))
                 if step >= total:
                     break
+            # asynchronous parameter-server workers share an epoch's batches (the fastest
+            # takes more): this worker ran fewer than the epoch's, and says so
+            shared = step < total and step - first < steps_per_epoch
+            if progress and shared:  # the bar counts this worker's batches, not the epoch's
+                progress.update(task, total=step + (args.epochs - epoch - 1) * (step - first))
             if strategy.is_chief and not progress:
-                print(f"epoch {epoch + 1}/{args.epochs}  step {step}/{total}  "
+                count = (f"{step - first} of the epoch's {steps_per_epoch} batches on this "
+                         "worker (the others took the rest)") if shared else f"{step}/{total}"
+                print(f"epoch {epoch + 1}/{args.epochs}  step {count}  "
                       f"loss {float(loss):.4f}  {speed:.1f} steps/s", flush=True)
             if step >= total:
                 break
