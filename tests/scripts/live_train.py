@@ -3,7 +3,8 @@
 An MLP trained with SGD or Adam (and an LR schedule) on a fixed synthetic regression set,
 through ``strategy.distribute_dataset(..., epochs=E)``. ``--kill-at-step S``: this process
 kills itself (SIGKILL) inside step ``S``, after backward and before the optimizer step, so the
-other groups' all-reduce of that step fails. Writes the committed step after every step to
+other groups' all-reduce of that step fails (once: a restart that heals into step ``S`` trains
+it; ``--kill-at-steps`` lists several). Writes the committed step after every step to
 ``progress_g<G>.txt`` and, at the end, the parameters to ``final_g<G>.pt``. ``--step-seconds``
 slows every step (``--slow-until FILE``: only until FILE appears in the output folder).
 """
@@ -108,8 +109,12 @@ def main() -> None:
         x, y = batch
         loss = F.mse_loss(model(x), y)
         loss.backward()
-        if live is not None and (live.committed_steps == a.kill_at_step
-                                 or live.committed_steps in kill_steps):
+        step = None if live is None else live.committed_steps
+        # each kill step once: a restart that heals into the step it died in trains it
+        done = out / f"killed_{tag}_at_{step}"
+        if step is not None and (step == a.kill_at_step or step in kill_steps) \
+                and not done.exists():
+            done.write_text("1")
             if backup is not None:  # the backup due before the kill is on disk, however fast
                 backup.wait_for_save()
             os.kill(os.getpid(), signal.SIGKILL)
