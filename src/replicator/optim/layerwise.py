@@ -9,7 +9,7 @@ replicated strategies hold whole parameters, whose local norm is the global one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -83,12 +83,21 @@ def check_hyper(name: str, value: float, low: float = 0.0, high: float | None = 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):
     """What LARS and LAMB share: the exclusion rule (a group's ``"exclude"`` overrides the
-    optimizer's) and the closure of ``step``."""
+    optimizer's), the parameters a step updates and the closure of ``step``."""
 
     _exclude: ExcludeRule
 
     def _excluded(self, group: dict, p: torch.Tensor) -> bool:
         return bool(group["exclude"]) if group["exclude"] is not None else self._exclude(p)
+
+    def _stepped(self, group: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, gradient)`` of every parameter of ``group`` that has a gradient."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            yield p, p.grad
 
     @staticmethod
     def _run_closure(closure: Callable[[], object] | None) -> object:
@@ -135,12 +144,7 @@ class LARS(LayerwiseOptimizer):
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             wd, eta, eps = group["weight_decay"], group["trust_coefficient"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LARS does not support sparse gradients")
-                grad = p.grad
+            for p, grad in self._stepped(group):
                 if not self._excluded(group, p):
                     w_norm, g_norm = full_norm(p), full_norm(grad)
                     ratio = trust_ratio(w_norm, g_norm + wd * w_norm, eta, eps)
@@ -197,12 +201,7 @@ class LAMB(LayerwiseOptimizer):
         for group in self.param_groups:
             b1, b2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("LAMB does not support sparse gradients")
-                grad = p.grad
+            for p, grad in self._stepped(group):
                 state = self.state[p]
                 if not state:
                     state.update(step=0, exp_avg=torch.zeros_like(p),
