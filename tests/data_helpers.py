@@ -102,7 +102,9 @@ class SleepingLinear(torch.nn.Module):
         super().__init__()
         self.step_s = step_s
         self.linear = torch.nn.Linear(4, 1)
+        self.started: list[float] = []  # when each forward began (the loop's step cycle)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.started.append(time.monotonic())
         time.sleep(self.step_s)
         return self.linear(x)

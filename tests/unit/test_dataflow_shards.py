@@ -96,6 +96,19 @@ def test_an_undecodable_sample_is_named_or_skipped(tmp_path) -> None:
     assert ds.stats()["counters"]["skipped_samples"] == 1
 
 
+def test_a_shard_fetched_ahead_stays_cached_until_it_is_read(tmp_path) -> None:
+    """The shard-fetch threads start together: each must hold its shard in the one cache of
+    the pipeline (a second cache, dropped, released its lock and the shard was evicted before
+    it was read, about one pass in two)."""
+    urls = write_shards(samples(30), "memory://ahead/train", samples_per_shard=10)
+    for round_ in range(40):
+        cache = str(tmp_path / f"cache{round_}")
+        list(Dataset.from_shards(urls, cache_dir=cache))  # all three cached, then one at most
+        tight = Dataset.from_shards(urls, cache_dir=cache, cache_limit_bytes=1)
+        assert sum((b.tolist() for b in tight.map(label).batch(5).with_options(THREADS)),
+                   []) == list(range(30))
+
+
 def test_shards_on_s3_fetched_once_per_host_into_a_limited_cache(s3_server,  # noqa: F811
                                                                   tmp_path) -> None:
     s3_server.make_bucket("shards")

@@ -396,8 +396,10 @@ class ShardSource(Node):
     def _cache(self, ctx: Ctx) -> ShardCache:
         key = id(self)
         if key not in ctx.runtime.caches:
-            ctx.runtime.caches[key] = ShardCache(self.cache_dir, self.cache_limit,
-                                                 ctx.runtime.options.timeout_seconds)
+            # The fetch threads ask at once: setdefault keeps one cache, so no thread's held
+            # locks sit in a cache that is dropped (its files closed, its shards evictable).
+            ctx.runtime.caches.setdefault(key, ShardCache(
+                self.cache_dir, self.cache_limit, ctx.runtime.options.timeout_seconds))
         return ctx.runtime.caches[key]  # type: ignore[no-any-return]
 
     def _fetch(self, ctx: Ctx, url: str) -> str:
