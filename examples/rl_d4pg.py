@@ -2,6 +2,7 @@
 
     replicator run --nproc 1 --num-actors 2 examples/rl_d4pg.py     # 1 learner, 2 actors
     python examples/rl_d4pg.py                                      # the same, self-launched
+    python examples/rl_d4pg.py --in-process                         # no actors: the baseline
 
 Actors step vectorised Pendulum environments with the newest deterministic policy they hold
 plus Gaussian exploration noise; transitions are 3-step returns. The learner is a synchronous
@@ -54,11 +55,12 @@ def explore(policy: nn.Module, obs: torch.Tensor) -> torch.Tensor:
 
 
 def main(seconds: float = 280.0, batch_size: int = 128, plot: str = "rl_d4pg.png",
-         steps: int = 10**9) -> dict:
+         steps: int = 10**9, in_process: bool = False) -> dict:
     replay = rp.rl.ReplayBuffer(100_000, n_step=3, discount=0.99, samples_per_insert=32.0,
                                 min_size_to_sample=1000, error_buffer=32 * 1000, seed=0)
     al = rp.rl.ActorLearner(rp.MirroredStrategy, "Pendulum-v1", Actor, replay=replay,
-                            act_fn=explore, num_envs=4, publish_every=20, send_every=64)
+                            act_fn=explore, num_envs=4, publish_every=20, send_every=64,
+                            in_process=in_process)
     if al.is_actor:
         al.run_actor()
         return {}
@@ -97,8 +99,13 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=280.0)
     parser.add_argument("--plot", default="rl_d4pg.png")
     parser.add_argument("--steps", type=int, default=10**9, help="learner steps at most")
+    parser.add_argument("--in-process", action="store_true",
+                        help="no actor processes: step the environments in the learner (the "
+                             "one-process baseline)")
     args = parser.parse_args()
-    if rp.rl.num_actors() == 0 and not rp.rl.is_actor():  # plain python: launch ourselves
+    if args.in_process:
+        main(args.seconds, plot=args.plot, steps=args.steps, in_process=True)
+    elif rp.rl.num_actors() == 0 and not rp.rl.is_actor():  # plain python: launch ourselves
         rp.launch(main, num_replicas=1, num_actors=2,
                   kwargs={"seconds": args.seconds, "plot": args.plot, "steps": args.steps})
     else:

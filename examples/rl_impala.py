@@ -3,6 +3,7 @@ with V-trace.
 
     replicator run --nproc 1 --num-actors 2 examples/rl_impala.py    # 1 learner, 2 actors
     python examples/rl_impala.py                                     # the same, self-launched
+    python examples/rl_impala.py --in-process                        # no actors: the baseline
 
 Each actor steps vectorised CartPole environments with a softmax policy, sampling actions and
 recording their log-probabilities (the behaviour policy); unrolls of ``UNROLL`` steps go into a
@@ -44,10 +45,11 @@ class Agent(nn.Module):
 
 
 def main(seconds: float = 280.0, batch_size: int = 8, plot: str = "rl_impala.png",
-         steps: int = 10**9) -> dict:
+         steps: int = 10**9, in_process: bool = False) -> dict:
     queue = rp.rl.TrajectoryQueue(UNROLL, capacity=2 * batch_size)
     al = rp.rl.ActorLearner(rp.MirroredStrategy, "CartPole-v1", Agent, replay=queue,
-                            num_envs=8, publish_every=1)
+                            num_envs=8, publish_every=1,
+                            in_process=in_process)
     if al.is_actor:
         al.run_actor()
         return {}
@@ -83,8 +85,13 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=280.0)
     parser.add_argument("--plot", default="rl_impala.png")
     parser.add_argument("--steps", type=int, default=10**9, help="learner steps at most")
+    parser.add_argument("--in-process", action="store_true",
+                        help="no actor processes: step the environments in the learner (the "
+                             "one-process baseline)")
     args = parser.parse_args()
-    if rp.rl.num_actors() == 0 and not rp.rl.is_actor():  # plain python: launch ourselves
+    if args.in_process:
+        main(args.seconds, plot=args.plot, steps=args.steps, in_process=True)
+    elif rp.rl.num_actors() == 0 and not rp.rl.is_actor():  # plain python: launch ourselves
         rp.launch(main, num_replicas=1, num_actors=2,
                   kwargs={"seconds": args.seconds, "plot": args.plot, "steps": args.steps})
     else:

@@ -6,6 +6,9 @@ processes as always, and their output reaches this process's stdout and stderr."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,17 @@ def test_actor_example_runs_two_learner_steps_beside_an_actor(example, tmp_path,
     out = capfd.readouterr()
     assert code == 0, out.err
     assert "learner_steps" in out.out, out.out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("example", sorted(ACTOR_EXAMPLES))
+def test_actor_example_runs_in_one_process_without_actors(example, tmp_path):
+    # the one-process baseline the rl benchmark times the actors against, run as documented
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--in-process",
+                           "--steps", "2", "--plot", str(tmp_path / "returns.png")],
+                          capture_output=True, text=True, timeout=110, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stderr
+    result = next(line for line in done.stdout.splitlines() if "learner_steps" in line)
+    assert "'learner_steps': 2" in result and "'max_policy_lag'" in result, result

@@ -31,7 +31,7 @@ from replicator.rl import transport as T
 from replicator.rl.environments import env_name, make_vector_env
 from replicator.rl.experience import ExperienceBuilder
 
-__all__ = ["ActorConfig", "EnvironmentStepError", "run_actor", "named_weights"]
+__all__ = ["ActorConfig", "EnvironmentStepError", "Stepper", "run_actor", "named_weights"]
 
 
 #: Batches an actor keeps queued for sending: few, so that experience waiting behind the
@@ -141,7 +141,7 @@ def _act(act_fn: Callable[..., Any] | None, policy: torch.nn.Module, obs: torch.
     return out, {}
 
 
-class _Stepper:
+class Stepper:
     """The environments, the policy and the experience builder of one actor."""
 
     def __init__(self, cfg: ActorConfig, env_fn: Any, policy_fn: Callable[[], torch.nn.Module],
@@ -201,7 +201,7 @@ class _Stepper:
 def run_actor(cfg: ActorConfig, env_fn: Any, policy_fn: Callable[[], torch.nn.Module],
               act_fn: Callable[..., Any] | None = None) -> dict[str, int]:
     """Run one actor until its learners end; returns its counts."""
-    stepper = _Stepper(cfg, env_fn, policy_fn, act_fn)
+    stepper = Stepper(cfg, env_fn, policy_fn, act_fn)
     links = _Links(cfg, stepper.spec())
     try:
         if cfg.lockstep:
@@ -230,7 +230,7 @@ def _wait_weights(cfg: ActorConfig, links: _Links, held: int, round_: int
         time.sleep(0.01)
 
 
-def _lockstep(cfg: ActorConfig, stepper: _Stepper, links: _Links) -> None:
+def _lockstep(cfg: ActorConfig, stepper: Stepper, links: _Links) -> None:
     round_ = links.start_round
     while True:
         got = _wait_weights(cfg, links, -1, round_)
@@ -251,7 +251,7 @@ def _lockstep(cfg: ActorConfig, stepper: _Stepper, links: _Links) -> None:
         round_ += 1
 
 
-def _free_running(cfg: ActorConfig, stepper: _Stepper, links: _Links) -> None:
+def _free_running(cfg: ActorConfig, stepper: Stepper, links: _Links) -> None:
     got = _wait_weights(cfg, links, -1, 0)
     if got is None:
         return

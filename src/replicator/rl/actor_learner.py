@@ -28,6 +28,7 @@ from replicator.errors import ClusterConfigError
 from replicator.rl.actor import ActorConfig, run_actor
 from replicator.rl.actor_loop import ActorSession
 from replicator.rl.environments import check_env
+from replicator.rl.in_process import InProcessActor
 from replicator.rl.learner_server import ExperienceServer
 from replicator.rl.replay import ReplayBuffer
 from replicator.rl.trajectory_queue import TrajectoryQueue
@@ -100,6 +101,8 @@ class ActorLearner:
     ``lockstep=True`` (or :data:`LOCKSTEP`): deterministic rounds of ``round_steps`` steps.
     ``max_policy_lag``: experience made with weights more than that many learner steps old is
     dropped on arrival (counted in ``stats()["stale_dropped"]``); the lag is measured always.
+    ``in_process=True``: no actor processes; each learner replica steps ``num_envs``
+    environments itself before each batch (``rl/in_process.py``): the one-process baseline.
     """
 
     def __init__(self, strategy: Strategy | Callable[[], Strategy], env_fn: Any,
@@ -109,7 +112,7 @@ class ActorLearner:
                  publish_every: int = 10, seed: int = 0, lockstep: bool | str = False,
                  round_steps: int = 8, send_every: int = 64,
                  max_policy_lag: int | None = None,
-                 timeout_seconds: float | None = None) -> None:
+                 timeout_seconds: float | None = None, in_process: bool = False) -> None:
         check_env(env_fn)
         if not isinstance(replay, (ReplayBuffer, TrajectoryQueue)):
             raise TypeError("replay must be rp.rl.ReplayBuffer(...) or rp.rl.TrajectoryQueue"
@@ -128,7 +131,7 @@ class ActorLearner:
         self.timeout_seconds = resolve_timeout(timeout_seconds)
         self.num_actors = num_actors()
         self.step = 0
-        self._server: ExperienceServer | None = None
+        self._server: ExperienceServer | InProcessActor | None = None
         self._published: tuple[int, list[torch.Tensor]] | None = None
         self._actor_session: ActorSession | None = None
         self.strategy: Strategy | None = None
@@ -137,7 +140,9 @@ class ActorLearner:
         _current = self
         if is_actor():
             return
-        if self.num_actors < 1:
+        if in_process:
+            self._refuse_in_process_with_actors()
+        elif self.num_actors < 1:
             raise ClusterConfigError(
                 "rp.rl.ActorLearner needs actor processes, and this job has none "
                 "(--num-actors 0 or not given). HINT: replicator run --nproc L --num-actors A "
@@ -155,6 +160,17 @@ class ActorLearner:
                 f"{self.num_learners} or more.")
         replay.shard(self.rank, self.num_learners)
         replay.lockstep = self.lockstep
+        if in_process:
+            self._server = InProcessActor(self._config(self.rank, 0), env_fn, policy_fn,
+                                          act_fn, replay)
+
+    def _refuse_in_process_with_actors(self) -> None:
+        if self.num_actors > 0 or self.lockstep:
+            raise ClusterConfigError(
+                f"in_process=True steps the environments in the learner, and this job "
+                f"{'asks for lockstep' if self.lockstep else f'has {self.num_actors} actor(s)'}"
+                ". HINT: drop in_process=True to use actor processes, or launch without "
+                "--num-actors (and lockstep) for one process.")
 
     @property
     def is_actor(self) -> bool:
@@ -168,16 +184,19 @@ class ActorLearner:
                 "HINT: branch on rp.rl.is_actor() (or ActorLearner.is_actor); a learner gives "
                 "weights with publish_weights(model) (or batches(policy=...)) and reads "
                 "experience with batches().")
+        return self._config(actor_index(), _int_env(REJOIN_ENV))
+
+    def _config(self, index: int, restart: int) -> ActorConfig:
         queue_kind = isinstance(self.replay, TrajectoryQueue)
         return ActorConfig(
-            index=actor_index(), num_learners=max(1, _int_env(NUM_LEARNERS_ENV)),
+            index=index, num_learners=max(1, _int_env(NUM_LEARNERS_ENV)),
             num_envs=self.num_envs, seed=self.seed,
             kind="trajectories" if queue_kind else "transitions",
             n_step=getattr(self.replay, "n_step", 1),
             discount=getattr(self.replay, "discount", 0.99),
             unroll_length=self.replay.length if isinstance(self.replay, TrajectoryQueue) else 0,
             lockstep=self.lockstep, round_steps=self.round_steps, send_every=self.send_every,
-            timeout_seconds=self.timeout_seconds, restart=_int_env(REJOIN_ENV))
+            timeout_seconds=self.timeout_seconds, restart=restart)
 
     def run_actor(self) -> dict[str, int]:
         """Step environments until the learners end (actors only)."""
@@ -220,7 +239,7 @@ class ActorLearner:
         return self._actor_session is not None and self._actor_session.done
 
     # the learner's side
-    def _started(self) -> ExperienceServer:
+    def _started(self) -> ExperienceServer | InProcessActor:
         if self._server is None:
             if self.strategy is None:
                 raise RuntimeError("the learner's API is for learner processes")
@@ -238,7 +257,7 @@ class ActorLearner:
         """Give actors ``model``'s weights (its state dict, copied now) as version ``step``;
         replica 0 serves them (all replicas hold the same weights)."""
         server = self._started()
-        if self.rank == 0:
+        if self.rank == 0 or isinstance(server, InProcessActor):  # each steps its own envs
             server.publish(self.step, list(model.state_dict().values()))
 
     def batches(self, batch_size: int, num_steps: int, policy: torch.nn.Module | None = None
@@ -251,7 +270,9 @@ class ActorLearner:
         for _ in range(num_steps):
             if policy is not None and self.step % self.publish_every == 0:
                 self.publish_weights(policy)
-            if self.lockstep:
+            if isinstance(server, InProcessActor):
+                server.fill(batch_size)
+            elif self.lockstep:
                 for items in server.take_round(self.step, mine):
                     self.replay.add(items)
             batch = self.replay.sample(batch_size)
@@ -262,7 +283,11 @@ class ActorLearner:
     def input_fn(self, global_batch_size: int) -> Callable[[InputContext], Iterator[Any]]:
         """The replay as TF-Replicator's ``input_fn``, for
         ``strategy.distribute_datasets_from_function``."""
-        self._started()
+        if isinstance(self._started(), InProcessActor):
+            raise ClusterConfigError(
+                "in_process=True steps the environments inside batches(); input_fn() reads a "
+                "replay that actor processes fill. HINT: iterate batches(batch_size, steps, "
+                "policy=model) with in_process=True.")
 
         def fn(ctx: InputContext) -> Iterator[Any]:
             return self.replay.as_dataset(ctx.get_per_replica_batch_size(global_batch_size))
@@ -280,7 +305,8 @@ class ActorLearner:
         return out
 
     def episodes(self) -> list[tuple[float, int, float]]:
-        """Episodes the actors finished: (return, env steps received, learner seconds)."""
+        """Episodes the actors (or, with ``in_process=True``, this learner's environments)
+        finished: (return, env steps received, learner seconds)."""
         return [] if self._server is None else list(self._server.episodes)
 
     def state_dict(self) -> dict[str, Any]:

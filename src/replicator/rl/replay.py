@@ -119,6 +119,11 @@ class ReplayBuffer:
         self._size = min(self.capacity, self._size + count)
 
     # sampling
+    def ready(self, batch_size: int) -> bool:
+        """Whether a sample of ``batch_size`` would be let through now (without waiting)."""
+        with self._lock:
+            return self._size > 0 and self.limiter.can_sample(batch_size)
+
     def sample(self, batch_size: int, timeout_seconds: float | None = None
                ) -> dict[str, torch.Tensor]:
         """``batch_size`` transitions (fields stacked) plus ``indices`` and, when prioritised,

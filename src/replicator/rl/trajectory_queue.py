@@ -74,6 +74,11 @@ class TrajectoryQueue:
                     self.dropped += 1
             self._cond.notify_all()
 
+    def ready(self, batch_size: int) -> bool:
+        """Whether ``batch_size`` trajectories are queued (a get would not wait)."""
+        with self._cond:
+            return len(self._items) >= batch_size
+
     def get(self, batch_size: int, timeout_seconds: float | None = None
             ) -> dict[str, torch.Tensor]:
         """The oldest ``batch_size`` trajectories, stacked ``[batch_size, ...]``."""
