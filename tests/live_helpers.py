@@ -119,11 +119,15 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
 
 
 def diloco_round_by_hand(outer_model: torch.nn.Module, outer_opt: torch.optim.Optimizer,
-                         inner: list, batches: list, x: torch.Tensor, y: torch.Tensor) -> None:
+                         inner: list, batches: list, x: torch.Tensor, y: torch.Tensor,
+                         quantizers: list | None = None) -> None:
     """One DiLoCo round written out in one process, the reference of the live DiLoCo tests:
     each group's ``(model, inner optimizer)`` of ``inner`` starts from the outer weights and
     takes one step (MSE loss) per index tensor of its ``batches``; the outer optimizer steps
-    with the mean of the groups' pseudo-gradients (outer minus inner weights)."""
+    with the mean of the groups' pseudo-gradients (outer minus inner weights). With
+    ``quantizers`` (a ``BlockQuantizer`` per group, its error feedback the group's own), each
+    group's flat pseudo-gradient is encoded and the payloads decoded and summed in group
+    order before the mean, as the compressed exchange does."""
     import torch.nn.functional as F
 
     outer = list(outer_model.parameters())
@@ -137,6 +141,14 @@ def diloco_round_by_hand(outer_model: torch.nn.Module, outer_opt: torch.optim.Op
             opt.step()
             opt.zero_grad()
         deltas.append([o.detach() - p.detach() for o, p in zip(outer, model.parameters())])
-    for i, o in enumerate(outer):
-        o.grad = sum(d[i] for d in deltas) / len(deltas)
+    if quantizers is None:
+        mean = [sum(d[i] for d in deltas) / len(deltas) for i in range(len(outer))]
+    else:
+        flats = [torch.cat([t.reshape(-1) for t in d]) for d in deltas]
+        numel = flats[0].numel()
+        payloads = [q.encode(f, key="0") for q, f in zip(quantizers, flats)]
+        flat = quantizers[0].decode_sum(payloads, numel).div_(len(deltas))
+        mean = [t.view_as(o) for t, o in zip(flat.split([o.numel() for o in outer]), outer)]
+    for o, g in zip(outer, mean):
+        o.grad = g
     outer_opt.step()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from replicator.comm.block_quantize import BlockQuantizer, payload_bytes
 from replicator.testing import assert_params_close
 from replicator.testing.live_groups import start_lighthouse
 from tests.live_helpers import diloco_round_by_hand, needs_torchft
@@ -46,18 +47,22 @@ def _records(out: Path) -> dict[tuple[int, int, int], dict[int, list[int]]]:
     return found
 
 
-def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]],
-             healed_at: int) -> dict[str, torch.Tensor]:
+def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: int, *,
+             steps: int = EPOCHS * SAMPLES // BATCH, h: int = H, bits: int | None = None,
+             error_feedback: bool = True) -> dict[str, torch.Tensor]:
     """DiLoCo written out in one process over the batches each group committed: each round the
-    groups present start from the outer weights, take H Adam steps (group 1, back at round
-    ``healed_at``, takes group 0's Adam state there, as healing does), and the outer Nesterov
-    SGD (0.7, 0.9) steps with the mean of their pseudo-gradients."""
+    groups present start from the outer weights, take ``h`` Adam steps (group 1, back at round
+    ``healed_at``, takes group 0's Adam state there, as healing does, and starts from zero
+    quantisation error), and the outer Nesterov SGD (0.7, 0.9) steps with the mean of their
+    pseudo-gradients, each quantised to ``bits`` (``None``: float32) with its group's own
+    error feedback."""
     x, y, _ = dataset(SAMPLES).tensors
     outer_model = build_model()
     outer_opt = torch.optim.SGD(outer_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     inner: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
-    for start in range(0, EPOCHS * SAMPLES // BATCH, H):
-        groups = sorted({g for (g, _), steps in committed.items() if start in steps})
+    quantizers: dict[int, BlockQuantizer] = {}
+    for start in range(0, steps, h):
+        groups = sorted({g for (g, _), done in committed.items() if start in done})
         for g in groups:
             if g not in inner or (g == 1 and start == healed_at):
                 model = build_model()
@@ -65,11 +70,22 @@ def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]],
                 if start == healed_at:  # healed from a peer at this round's start
                     opt.load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
                 inner[g] = (model, opt)
-        batches = [[torch.tensor([i for (gg, _), steps in sorted(committed.items())
-                                  if gg == g for i in steps[step]])
-                    for step in range(start, start + H)] for g in groups]
-        diloco_round_by_hand(outer_model, outer_opt, [inner[g] for g in groups], batches, x, y)
+                if bits is not None:
+                    quantizers[g] = BlockQuantizer(bits, error_feedback=error_feedback)
+        batches = [[torch.tensor([i for (gg, _), done in sorted(committed.items())
+                                  if gg == g for i in done[step]])
+                    for step in range(start, start + h)] for g in groups]
+        diloco_round_by_hand(outer_model, outer_opt, [inner[g] for g in groups], batches, x, y,
+                             None if bits is None else [quantizers[g] for g in groups])
     return {k: v.detach().clone() for k, v in outer_model.state_dict().items()}
+
+
+def _committed(records: dict[tuple[int, int, int], dict[int, list[int]]]
+               ) -> dict[tuple[int, int], dict[int, list[int]]]:
+    committed: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for (g, rank, _), steps in records.items():
+        committed.setdefault((g, rank), {}).update(steps)
+    return committed
 
 
 @pytest.mark.timeout(240)
@@ -118,8 +134,44 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     # round's start (weights, Adam and outer state) and the healed group from its peer's
     final = [torch.load(tmp_path / f"final_g{g}.pt") for g in (0, 1)]
     assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
-    committed: dict[tuple[int, int], dict[int, list[int]]] = {}
-    for (g, rank, _), steps in records.items():
-        committed.setdefault((g, rank), {}).update(steps)
-    assert_params_close(_by_hand(committed, healed_at), final[0], atol=1e-5,
+    assert_params_close(_by_hand(_committed(records), healed_at), final[0], atol=1e-5,
                         label="by hand vs group 0: ")
+
+
+@pytest.mark.timeout(150)
+def test_int8_compressed_rounds_across_groups_give_equal_outer_weights_and_the_bytes_int8_sends(
+        tmp_path):
+    """2 groups of 1 process, H=2, int8 with error feedback, 4 rounds: both groups end on the
+    same bits, those of DiLoCo by hand with the same quantisation and error feedback (and far
+    from those without either), and each round put one int8 payload (values plus a scale per
+    block) on the link."""
+    h, epochs = 2, 1
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               REPLICATOR_LIVE_TIMEOUT_SECONDS="20", REPLICATOR_QUORUM_TIMEOUT_SECONDS="120")
+    lighthouse = start_lighthouse(1, log=tmp_path / "lighthouse.log")
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "replicator.cli", "run", "--replica-groups", "2", "--nproc",
+             "1", "--lighthouse", f"127.0.0.1:{lighthouse.port}", SCRIPT, "--out",
+             str(tmp_path), "--inner-steps", str(h), "--samples", str(SAMPLES), "--batch",
+             str(BATCH), "--epochs", str(epochs), "--compression", "int8"],
+            capture_output=True, text=True, timeout=130, env=env)
+    finally:
+        lighthouse.stop()
+    logs = f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
+    assert res.returncode == 0, logs
+    steps = epochs * SAMPLES // BATCH
+    rounds = steps // h
+    numel = sum(p.numel() for p in build_model().parameters())
+    for g in (0, 1):
+        summary = json.loads((tmp_path / f"summary_g{g}_life0.json").read_text())
+        assert summary["steps"] == steps and summary["redone"] == 0, summary
+        assert summary["wire"] == {"payload_bytes": rounds * payload_bytes(numel, 8),
+                                   "exchanges": rounds}, summary
+    final = [torch.load(tmp_path / f"final_g{g}.pt") for g in (0, 1)]
+    assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
+    by_hand = _by_hand(_committed(_records(tmp_path)), -1, steps=steps, h=h, bits=8)
+    assert_params_close(by_hand, final[0], atol=1e-5, label="by hand vs group 0: ")
+    for other in ({}, {"bits": 8, "error_feedback": False}):  # both far from it (1e-4 seen)
+        off = _by_hand(_committed(_records(tmp_path)), -1, steps=steps, h=h, **other)
+        assert max((off[k] - final[0][k]).abs().max().item() for k in off) > 2e-5, other
