@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -52,18 +53,18 @@ def _records(out: Path) -> dict[tuple[int, int, int], dict[int, list[int]]]:
 
 def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: int, *,
              steps: int = EPOCHS * SAMPLES // BATCH, h: int = H, bits: int | None = None,
-             error_feedback: bool = True) -> dict[str, torch.Tensor]:
+             error_feedback: bool = True, nproc: int = 2) -> dict[str, torch.Tensor]:
     """DiLoCo written out in one process over the batches each group committed: each round the
     groups present start from the outer weights, take ``h`` Adam steps (group 1, back at round
     ``healed_at``, takes group 0's Adam state there, as healing does, and starts from zero
     quantisation error), and the outer Nesterov SGD (0.7, 0.9) steps with the mean of their
-    pseudo-gradients, each quantised to ``bits`` (``None``: float32) with its group's own
-    error feedback."""
+    pseudo-gradients, quantised to ``bits`` (``None``: float32) in one chunk per process of
+    a group (``nproc``), each with its own error feedback."""
     x, y, _ = dataset(SAMPLES).tensors
     outer_model = build_model()
     outer_opt = torch.optim.SGD(outer_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     inner: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
-    quantizers: dict[int, BlockQuantizer] = {}
+    quantizers: dict[int, list[BlockQuantizer]] = {}
     for start in range(0, steps, h):
         groups = sorted({g for (g, _), done in committed.items() if start in done})
         for g in groups:
@@ -74,7 +75,8 @@ def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: 
                     opt.load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
                 inner[g] = (model, opt)
                 if bits is not None:
-                    quantizers[g] = BlockQuantizer(bits, error_feedback=error_feedback)
+                    quantizers[g] = [BlockQuantizer(bits, error_feedback=error_feedback)
+                                     for _ in range(nproc)]
         batches = [[torch.tensor([i for (gg, _), done in sorted(committed.items())
                                   if gg == g for i in done[step]])
                     for step in range(start, start + h)] for g in groups]
@@ -129,7 +131,8 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     bits = {None: None, "int4": 4}[compression]
     numel = sum(p.numel() for p in build_model().parameters())
     exchanges = EPOCHS * SAMPLES // BATCH // H + summary_0["redone"]
-    sent = numel * 4 if bits is None else payload_bytes(numel, bits)
+    chunk = math.ceil(numel / 2)  # each of a group's 2 processes sends its half
+    sent = chunk * 4 if bits is None else payload_bytes(chunk, bits)
     assert summary_0["wire"] == {"payload_bytes": exchanges * sent, "exchanges": exchanges}
     # what was committed: group 1's first life up to the start of the round it died in
     for rank in (0, 1):
@@ -185,8 +188,8 @@ def test_compressed_rounds_across_groups_give_equal_outer_weights_and_the_payloa
     final = [torch.load(tmp_path / f"final_g{g}.pt") for g in (0, 1)]
     assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
     by_hand = _by_hand(_committed(_records(tmp_path)), -1, steps=steps, h=h, bits=bits,
-                       error_feedback=error_feedback)
+                       error_feedback=error_feedback, nproc=1)
     assert_params_close(by_hand, final[0], atol=1e-5, label="by hand vs group 0: ")
     for other in ({}, {"bits": bits, "error_feedback": not error_feedback}):  # 1e-4 seen
-        off = _by_hand(_committed(_records(tmp_path)), -1, steps=steps, h=h, **other)
+        off = _by_hand(_committed(_records(tmp_path)), -1, steps=steps, h=h, nproc=1, **other)
         assert max((off[k] - final[0][k]).abs().max().item() for k in off) > 2e-5, other

@@ -313,32 +313,34 @@ class DiLoCoStrategy(Strategy):
     def round_state(self) -> dict[str, Any]:
         """What a healing group takes beside modules and optimizers: the outer weights, the
         outer optimizer and the step (at a round's start); with error feedback also this
-        group's quantisation errors, tagged with the group (see :meth:`load_round_state`)."""
+        rank's quantisation errors, tagged with its group and rank (see
+        :meth:`load_round_state`)."""
         state: dict[str, Any] = {"step": self._step,
                                  "outer": [f.state_dict() for f in self._outer]}
         quantizer = self._exchange.quantizer
         if quantizer is not None and quantizer.error_feedback:
-            state["feedback"] = {"group": self._live_group(), "errors": quantizer.state_dict()}
+            state["feedback"] = {"owner": self._live_owner(), "errors": quantizer.state_dict()}
         return state
 
     def load_round_state(self, state: dict[str, Any]) -> None:
-        """Load a :meth:`round_state`. The quantisation errors are each group's own (what its
-        earlier payloads lost), so they come back only from this group's own round start (a
-        round not committed and trained again, a backup it wrote): the round does not add
-        them twice. A group healing from a peer's state starts from zero errors: taking the
-        peer's would send the peer's lost part twice, once from each group."""
+        """Load a :meth:`round_state`. The quantisation errors are each rank's own (what the
+        payloads of its chunk lost), so they come back only from this group and rank's own
+        round start (a round not committed and trained again, a backup it wrote): the round
+        does not add them twice. A group healing from a peer's state starts from zero errors:
+        taking the peer's would send the peer's lost part twice, once from each group."""
         for fragment, saved in zip(self._outer, state["outer"], strict=True):
             fragment.load_state_dict(saved)
         self._step = int(state["step"])
         quantizer = self._exchange.quantizer
         if quantizer is not None:
             feedback = state.get("feedback") or {}
-            own = feedback.get("group") == self._live_group()
+            own = list(feedback.get("owner", [])) == self._live_owner()
             quantizer.load_state_dict(dict(feedback.get("errors", {})) if own else {})
 
-    def _live_group(self) -> int | None:
+    def _live_owner(self) -> list[int]:
+        """This rank's replica group and rank in it (empty outside replica groups)."""
         live = self.live
-        return None if live is None else live.settings.group
+        return [] if live is None else [live.settings.group, live.settings.rank]
 
     def _close(self) -> None:
         self.inner.close()

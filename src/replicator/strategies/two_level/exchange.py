@@ -108,30 +108,36 @@ class OuterExchange:
         return pending
 
     def in_round(self, live: LiveEngine, flat: torch.Tensor) -> torch.Tensor:
-        """Under replica groups: ``flat`` (this group's whole pseudo-gradient) averaged over the
-        quorum's groups at the live round's end, a float32 all-reduce or, quantised, an
-        all-gather of payloads decoded and summed in the quorum's order; ``StepNotCommitted``
-        when the round is not committed. Every process of a group exchanges the whole tensor
-        with its peers of the same group rank, and counts it."""
+        """Under replica groups (each one host): ``flat`` averaged over the quorum's groups at
+        the live round's end, flat. As across hosts, this rank's chunk goes to the ranks of the
+        same local rank in the other groups, a float32 all-reduce or, quantised, an all-gather
+        of payloads decoded and summed in the quorum's order; once the round is committed
+        (else ``StepNotCommitted``) the group gathers the chunks over its own processes."""
+        mine = self._chunk_of(flat)
         self.stats.exchanges += 1
         quantizer = self.quantizer
         if quantizer is None:
-            self.stats.payload_bytes += flat.numel() * flat.element_size()
-            return live.sync_round(flat)
-        numel = flat.numel()
-        payload = quantizer.encode(flat, key="0")
+            self.stats.payload_bytes += mine.numel() * mine.element_size()
+            return self._whole(live.sync_round(mine), flat.numel())
+        numel = mine.numel()
+        payload = quantizer.encode(mine, key="0")
         self.stats.payload_bytes += payload.numel()
-        return live.sync_round_gathered(payload,
-                                        lambda parts: quantizer.decode_sum(parts, numel))
+        chunk = live.sync_round_gathered(payload,
+                                         lambda parts: quantizer.decode_sum(parts, numel))
+        return self._whole(chunk, flat.numel())
 
     def finish(self, pending: PendingExchange) -> torch.Tensor:
         """The hosts' averaged pseudo-gradient of ``pending``'s fragment, flat (a collective
         over this host's processes)."""
-        chunk = pending.chunk()
+        return self._whole(pending.chunk(), pending.numel)
+
+    def _whole(self, chunk: torch.Tensor, numel: int) -> torch.Tensor:
+        """The ``numel`` values whose chunks this host's processes hold (``chunk`` is this
+        rank's), gathered over the host's processes."""
         if self.inner.world_size == 1:
-            return chunk[:pending.numel]
+            return chunk[:numel]
         full = self.inner.all_gather_uneven(chunk, 0, "outer update gather within the host")
-        return full[:pending.numel]
+        return full[:numel]
 
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": {} if self.quantizer is None else self.quantizer.state_dict(),
