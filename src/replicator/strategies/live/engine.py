@@ -422,10 +422,13 @@ class LiveEngine:
         For payloads an all-reduce cannot sum (quantised values with per-group scales)."""
         quorum = self._round_quorum()
         start = time.perf_counter()
-        parts = self._all_gather(payload)
+        parts = self._all_gather(payload, quorum)
         total = combine(parts).div_(quorum.participants) if parts is not None else None
         self._commit_round(quorum, self._add("allreduce", start))
-        assert total is not None  # a failed gather is never committed
+        if total is None:  # the failure went to the Manager, whose should_commit said no
+            raise LiveRecoveryError(f"{self.who}: the round ending at step {quorum.step} was "
+                                    "committed after its all-gather failed; please report "
+                                    "this as a bug")
         return total
 
     def _round_quorum(self) -> Quorum:
@@ -444,7 +447,7 @@ class LiveEngine:
                                    "not committed")
         self._in_round = 0
 
-    def _all_gather(self, payload: torch.Tensor) -> list[torch.Tensor] | None:
+    def _all_gather(self, payload: torch.Tensor, quorum: Quorum) -> list[torch.Tensor] | None:
         """Every group's ``payload`` over torchft's process group, in the quorum's order, with
         the Manager's error handling as its ``allreduce``: skipped after an error in this
         step, zeros from a group that is not participating (healing), and a failure (a peer
@@ -461,10 +464,9 @@ class LiveEngine:
             parts = [torch.empty_like(payload) for _ in range(pg.size())]
             pg.allgather([parts], [payload], AllgatherOptions()).wait()
         except Exception as exc:  # noqa: BLE001 - gloo raises plain RuntimeErrors
-            print(f"[replicator] {self.who}: the all-gather of the round ending at step "
-                  f"{self.committed_steps} across the replica groups failed "
-                  f"({_first_line(exc)}); the round is trained again with the next quorum",
-                  file=sys.stderr, flush=True)
+            print(f"[replicator] {self.who}: the all-gather across the replica groups for "
+                  f"the round ending at step {quorum.step} failed ({_first_line(exc)}); the "
+                  "round is trained again with the next quorum", file=sys.stderr, flush=True)
             manager.report_error(exc)
             return None
         return None if manager.errored() else parts
