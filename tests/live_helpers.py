@@ -119,11 +119,16 @@ def run_groups(tmp: Path, name: str, args: list[str], *, groups: int = 3, min_re
 
 
 def diloco_round_by_hand(outer_model: torch.nn.Module, outer_opt: torch.optim.Optimizer,
-                         inner: list, batches: list, x: torch.Tensor, y: torch.Tensor) -> None:
+                         inner: list, batches: list, x: torch.Tensor, y: torch.Tensor,
+                         quantizers: list | None = None) -> None:
     """One DiLoCo round written out in one process, the reference of the live DiLoCo tests:
     each group's ``(model, inner optimizer)`` of ``inner`` starts from the outer weights and
     takes one step (MSE loss) per index tensor of its ``batches``; the outer optimizer steps
-    with the mean of the groups' pseudo-gradients (outer minus inner weights)."""
+    with the mean of the groups' pseudo-gradients (outer minus inner weights). With
+    ``quantizers`` (per group, a ``BlockQuantizer`` per process, each with its own error
+    feedback), process ``k`` of each group encodes the ``k``-th of equal chunks of the flat
+    pseudo-gradient and the payloads are decoded and summed in group order before the mean,
+    as the compressed exchange does."""
     import torch.nn.functional as F
 
     outer = list(outer_model.parameters())
@@ -137,6 +142,29 @@ def diloco_round_by_hand(outer_model: torch.nn.Module, outer_opt: torch.optim.Op
             opt.step()
             opt.zero_grad()
         deltas.append([o.detach() - p.detach() for o, p in zip(outer, model.parameters())])
-    for i, o in enumerate(outer):
-        o.grad = sum(d[i] for d in deltas) / len(deltas)
+    if quantizers is None:
+        mean = [sum(d[i] for d in deltas) / len(deltas) for i in range(len(outer))]
+    else:
+        flat = _quantised_mean([torch.cat([t.reshape(-1) for t in d]) for d in deltas],
+                               quantizers)
+        mean = [t.view_as(o) for t, o in zip(flat.split([o.numel() for o in outer]), outer)]
+    for o, g in zip(outer, mean):
+        o.grad = g
     outer_opt.step()
+
+
+def _quantised_mean(flats: list, quantizers: list) -> torch.Tensor:
+    """The mean of the groups' ``flats`` as the compressed exchange computes it: per chunk
+    (one per process of a group, the last padded), each group's payload made by its
+    quantizer of that chunk, decoded and summed in group order."""
+    import math
+
+    numel, chunks = flats[0].numel(), len(quantizers[0])
+    size = math.ceil(numel / chunks)
+    padded = [torch.cat([f, f.new_zeros(size * chunks - numel)]) for f in flats]
+    out = []
+    for k in range(chunks):
+        payloads = [q[k].encode(p[k * size:(k + 1) * size], key="0")
+                    for q, p in zip(quantizers, padded)]
+        out.append(quantizers[0][k].decode_sum(payloads, size).div_(len(flats)))
+    return torch.cat(out)[:numel]

@@ -1,6 +1,7 @@
 """DiLoCo and LocalSGD on 2 declared hosts x 2 processes: H=1 with an outer SGD of lr 1 equals
 per-step synchronous training; LocalSGD equals averaging the hosts' models by hand every H
-steps; streaming and compressed exchanges keep every rank's outer weights identical."""
+steps; streaming and compressed exchanges keep every rank's outer weights identical; a round's
+state gives its quantisation errors back only to the rank that made them."""
 
 from __future__ import annotations
 
@@ -143,3 +144,30 @@ def test_streaming_exchange_keeps_outer_weights_identical(compression):
     # one copy of the model per host crosses the link, in float32 or quantised
     assert 2 * per_round <= 4 * sum(p.numel() for p in params) * (
         1.05 if compression is None else 0.5)
+
+
+def _round_state_errors() -> dict[str, bool]:
+    """A round's state (replica groups' RoundOwner) with int4 error feedback: errors kept at
+    the round's start, restored after the round's exchange, and dropped for a peer's."""
+    strategy = rp.DiLoCoStrategy(inner_steps=2, compression="int4")
+    with strategy.scope():
+        torch.nn.Linear(4, 3)
+    quantizer = strategy._exchange.quantizer
+    quantizer.encode(torch.randn(15), key="0")
+    start = strategy.round_state()
+    kept = quantizer.state_dict()["0"]
+    quantizer.encode(torch.randn(15), key="0")  # the round's exchange, then not committed
+    strategy.load_round_state(start)
+    restored = torch.equal(quantizer.state_dict()["0"], kept)
+    strategy.load_round_state(dict(start, feedback={"owner": [1, 0], "errors": {"0": kept}}))
+    result = {"kept": bool(kept.abs().max() > 0), "owner": start["feedback"]["owner"] == [],
+              "restored": restored, "peer_dropped": quantizer.state_dict() == {}}
+    strategy.close()
+    return result
+
+
+def test_a_rounds_quantisation_errors_come_back_only_to_the_rank_that_made_them():
+    """A round trained again restores its own errors; a state from another group or rank (a
+    peer a group heals from) leaves this rank with zero errors."""
+    result = run_distributed(_round_state_errors, world_size=1, timeout_seconds=60)[0]
+    assert all(result.values()), result

@@ -3,12 +3,16 @@ replica group is one host. A process of group 1 is SIGKILLed in the middle of a 
 0 trains that round again (every sample once), the launcher restarts group 1, which heals from
 group 0 at a round's start (the failed round's, when its restart is quick, else a later one's:
 outer weights, outer and inner optimizer state, the step) and finishes with it: both end on
-the same outer weights."""
+the same outer weights. The same with int4 compression: the survivors' quantisation errors roll
+back with the round, the healed group's start from zero. And int8 (int4 without error feedback,
+with --run-slow) across 2 groups of 1 process: equal outer weights, those of DiLoCo by hand
+with the same quantisation, and the bytes the payloads predict."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from replicator.comm.block_quantize import BlockQuantizer, payload_bytes
 from replicator.testing import assert_params_close
 from replicator.testing.live_groups import start_lighthouse
 from tests.live_helpers import diloco_round_by_hand, needs_torchft
@@ -46,18 +51,22 @@ def _records(out: Path) -> dict[tuple[int, int, int], dict[int, list[int]]]:
     return found
 
 
-def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]],
-             healed_at: int) -> dict[str, torch.Tensor]:
+def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: int, *,
+             steps: int = EPOCHS * SAMPLES // BATCH, h: int = H, bits: int | None = None,
+             error_feedback: bool = True, nproc: int = 2) -> dict[str, torch.Tensor]:
     """DiLoCo written out in one process over the batches each group committed: each round the
-    groups present start from the outer weights, take H Adam steps (group 1, back at round
-    ``healed_at``, takes group 0's Adam state there, as healing does), and the outer Nesterov
-    SGD (0.7, 0.9) steps with the mean of their pseudo-gradients."""
+    groups present start from the outer weights, take ``h`` Adam steps (group 1, back at round
+    ``healed_at``, takes group 0's Adam state there, as healing does, and starts from zero
+    quantisation error), and the outer Nesterov SGD (0.7, 0.9) steps with the mean of their
+    pseudo-gradients, quantised to ``bits`` (``None``: float32) in one chunk per process of
+    a group (``nproc``), each with its own error feedback."""
     x, y, _ = dataset(SAMPLES).tensors
     outer_model = build_model()
     outer_opt = torch.optim.SGD(outer_model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     inner: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
-    for start in range(0, EPOCHS * SAMPLES // BATCH, H):
-        groups = sorted({g for (g, _), steps in committed.items() if start in steps})
+    quantizers: dict[int, list[BlockQuantizer]] = {}
+    for start in range(0, steps, h):
+        groups = sorted({g for (g, _), done in committed.items() if start in done})
         for g in groups:
             if g not in inner or (g == 1 and start == healed_at):
                 model = build_model()
@@ -65,16 +74,29 @@ def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]],
                 if start == healed_at:  # healed from a peer at this round's start
                     opt.load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
                 inner[g] = (model, opt)
-        batches = [[torch.tensor([i for (gg, _), steps in sorted(committed.items())
-                                  if gg == g for i in steps[step]])
-                    for step in range(start, start + H)] for g in groups]
-        diloco_round_by_hand(outer_model, outer_opt, [inner[g] for g in groups], batches, x, y)
+                if bits is not None:
+                    quantizers[g] = [BlockQuantizer(bits, error_feedback=error_feedback)
+                                     for _ in range(nproc)]
+        batches = [[torch.tensor([i for (gg, _), done in sorted(committed.items())
+                                  if gg == g for i in done[step]])
+                    for step in range(start, start + h)] for g in groups]
+        diloco_round_by_hand(outer_model, outer_opt, [inner[g] for g in groups], batches, x, y,
+                             None if bits is None else [quantizers[g] for g in groups])
     return {k: v.detach().clone() for k, v in outer_model.state_dict().items()}
 
 
+def _committed(records: dict[tuple[int, int, int], dict[int, list[int]]]
+               ) -> dict[tuple[int, int], dict[int, list[int]]]:
+    committed: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for (g, rank, _), steps in records.items():
+        committed.setdefault((g, rank), {}).update(steps)
+    return committed
+
+
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("compression", [None, "int4"])
 def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_trained_once(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, compression):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                REPLICATOR_LIVE_TIMEOUT_SECONDS="20", REPLICATOR_QUORUM_TIMEOUT_SECONDS="120")
     monkeypatch.setenv("RUST_LOG", "info")  # the lighthouse logs each quorum
@@ -85,7 +107,8 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
              "2", "--lighthouse", f"127.0.0.1:{lighthouse.port}", "--max-restarts", "1", SCRIPT,
              "--out", str(tmp_path), "--inner-steps", str(H), "--samples", str(SAMPLES),
              "--batch", str(BATCH), "--epochs", str(EPOCHS), "--kill-at-step", str(KILL_AT),
-             "--hold-at-step", str(HOLD_AT)],
+             "--hold-at-step", str(HOLD_AT),
+             *(["--compression", compression] if compression else [])],
             capture_output=True, text=True, timeout=220, env=env)
     finally:
         lighthouse.stop()
@@ -104,6 +127,13 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     summary_1 = json.loads((tmp_path / "summary_g1_life1.json").read_text())
     assert summary_0["steps"] == summary_1["steps"] == EPOCHS * SAMPLES // BATCH
     assert summary_0["redone"] >= 1 and summary_0["participants"] == 2, summary_0
+    # every exchange group 0 started went on the link, the failed one too
+    bits = {None: None, "int4": 4}[compression]
+    numel = sum(p.numel() for p in build_model().parameters())
+    exchanges = EPOCHS * SAMPLES // BATCH // H + summary_0["redone"]
+    chunk = math.ceil(numel / 2)  # each of a group's 2 processes sends its half
+    sent = chunk * 4 if bits is None else payload_bytes(chunk, bits)
+    assert summary_0["wire"] == {"payload_bytes": exchanges * sent, "exchanges": exchanges}
     # what was committed: group 1's first life up to the start of the round it died in
     for rank in (0, 1):
         records[(1, rank, 0)] = {s: i for s, i in records[(1, rank, 0)].items()
@@ -118,8 +148,48 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     # round's start (weights, Adam and outer state) and the healed group from its peer's
     final = [torch.load(tmp_path / f"final_g{g}.pt") for g in (0, 1)]
     assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
-    committed: dict[tuple[int, int], dict[int, list[int]]] = {}
-    for (g, rank, _), steps in records.items():
-        committed.setdefault((g, rank), {}).update(steps)
-    assert_params_close(_by_hand(committed, healed_at), final[0], atol=1e-5,
-                        label="by hand vs group 0: ")
+    assert_params_close(_by_hand(_committed(records), healed_at, bits=bits), final[0],
+                        atol=1e-5, label="by hand vs group 0: ")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("bits,error_feedback", [
+    (8, True), pytest.param(4, False, marks=pytest.mark.slow)])
+def test_compressed_rounds_across_groups_give_equal_outer_weights_and_the_payloads_bytes(
+        tmp_path, bits, error_feedback):
+    """2 groups of 1 process, H=2, 4 rounds, int8 with error feedback (int4 without it, with
+    --run-slow): both groups end on the same bits, those of DiLoCo by hand with the same
+    quantisation and error feedback (and far from those without either), and each round put
+    one payload (values plus a scale per block) on the link."""
+    h, epochs = 2, 1
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               REPLICATOR_LIVE_TIMEOUT_SECONDS="20", REPLICATOR_QUORUM_TIMEOUT_SECONDS="120")
+    lighthouse = start_lighthouse(1, log=tmp_path / "lighthouse.log")
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "replicator.cli", "run", "--replica-groups", "2", "--nproc",
+             "1", "--lighthouse", f"127.0.0.1:{lighthouse.port}", SCRIPT, "--out",
+             str(tmp_path), "--inner-steps", str(h), "--samples", str(SAMPLES), "--batch",
+             str(BATCH), "--epochs", str(epochs), "--compression", f"int{bits}",
+             *([] if error_feedback else ["--no-error-feedback"])],
+            capture_output=True, text=True, timeout=130, env=env)
+    finally:
+        lighthouse.stop()
+    logs = f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
+    assert res.returncode == 0, logs
+    steps = epochs * SAMPLES // BATCH
+    rounds = steps // h
+    numel = sum(p.numel() for p in build_model().parameters())
+    for g in (0, 1):
+        summary = json.loads((tmp_path / f"summary_g{g}_life0.json").read_text())
+        assert summary["steps"] == steps and summary["redone"] == 0, summary
+        assert summary["wire"] == {"payload_bytes": rounds * payload_bytes(numel, bits),
+                                   "exchanges": rounds}, summary
+    final = [torch.load(tmp_path / f"final_g{g}.pt") for g in (0, 1)]
+    assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
+    by_hand = _by_hand(_committed(_records(tmp_path)), -1, steps=steps, h=h, bits=bits,
+                       error_feedback=error_feedback, nproc=1)
+    assert_params_close(by_hand, final[0], atol=1e-5, label="by hand vs group 0: ")
+    for other in ({}, {"bits": bits, "error_feedback": not error_feedback}):  # 1e-4 seen
+        off = _by_hand(_committed(_records(tmp_path)), -1, steps=steps, h=h, nproc=1, **other)
+        assert max((off[k] - final[0][k]).abs().max().item() for k in off) > 2e-5, other

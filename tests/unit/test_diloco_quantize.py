@@ -65,3 +65,18 @@ def test_gpu_payload_equals_cpu_payload():
     x = torch.randn(1000)
     for bits in (8, 4):
         assert torch.equal(quantize(x.cuda(), bits).cpu(), quantize(x, bits))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_sum_adds_the_payloads_in_the_order_given_and_a_zero_payload_adds_nothing(bits):
+    q = BlockQuantizer(bits, 64)
+    parts = [q.encode(torch.randn(300, generator=torch.Generator().manual_seed(s)))
+             for s in range(3)]
+    expected = torch.zeros(300)
+    for part in parts:
+        expected.add_(q.decode(part, 300))
+    assert torch.equal(q.decode_sum(parts, 300), expected)
+    silent = torch.zeros_like(parts[0])  # a member that sits out a round sends zeros
+    assert torch.equal(q.decode_sum([*parts, silent], 300), expected)
+    with pytest.raises(ValueError, match="at least one payload.*HINT"):
+        q.decode_sum([], 300)

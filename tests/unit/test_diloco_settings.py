@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import replicator as rp
+from replicator.strategies.live.settings import LiveSettings
+from replicator.strategies.two_level.diloco import _check_live
 from replicator.strategies.two_level.fragments import Schedule, split_fragments
 
 
@@ -59,8 +61,7 @@ def test_each_fragment_is_exchanged_and_applied_once_per_round(h, f, d):
     assert last == sorted(last)  # in turns
 
 
-@pytest.mark.parametrize("kwargs", [{"fragments": 2}, {"sync_delay": 1},
-                                    {"compression": "int8"}, {"hosts": 2}])
+@pytest.mark.parametrize("kwargs", [{"fragments": 2}, {"sync_delay": 1}, {"hosts": 2}])
 def test_settings_replica_groups_lack_are_refused_before_any_group_starts(monkeypatch, kwargs):
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUPS", "2")
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUP", "1")
@@ -69,3 +70,18 @@ def test_settings_replica_groups_lack_are_refused_before_any_group_starts(monkey
     with pytest.raises(rp.errors.ClusterConfigError,
                        match=f"{name}=.*not supported in replica groups.*HINT"):
         rp.DiLoCoStrategy(inner_steps=4, **kwargs)
+
+
+LIVE_ENV = {"REPLICATOR_REPLICA_GROUPS": "2", "REPLICATOR_REPLICA_GROUP": "1",
+            "REPLICATOR_LIGHTHOUSE": "http://localhost:29510"}
+
+
+def test_replica_groups_refuse_fragments_naming_the_group_and_saying_compression_is_supported():
+    live = LiveSettings.from_env(LIVE_ENV)
+    assert live is not None
+    with pytest.raises(rp.errors.ClusterConfigError) as info:
+        _check_live(live, fragments=2, sync_delay=0, hosts=None, mesh=None)
+    text = str(info.value)
+    assert "fragments=2 is not supported in replica groups" in text and live.who in text
+    assert "compression='int8' or 'int4' is supported" in text and "HINT: leave fragments" in text
+    _check_live(live, fragments=1, sync_delay=0, hosts=None, mesh=None)  # the defaults pass

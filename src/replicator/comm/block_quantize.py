@@ -15,6 +15,7 @@ A payload (flat ``uint8``: packed values, then the float32 scales) has a length 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -111,6 +112,18 @@ class BlockQuantizer:
 
     def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
         return dequantize(payload, numel, self.bits, self.block_size)
+
+    def decode_sum(self, payloads: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
+        """The float32 sum of ``payloads`` decoded one by one in the order given: every member
+        that gathered the same payloads in the same order gets the same bits. An all-zero
+        payload decodes to zeros (a member that sits out contributes nothing)."""
+        if not payloads:
+            raise ValueError("decode_sum needs at least one payload. HINT: gather the payloads "
+                             "of every member of the exchange first")
+        total = torch.zeros(numel, dtype=torch.float32, device=payloads[0].device)
+        for payload in payloads:
+            total.add_(self.decode(payload, numel))
+        return total
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The kept errors by key (copies)."""

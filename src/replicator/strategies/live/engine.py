@@ -8,9 +8,10 @@ state. A quorum is asked for every ``quorum_every`` committed steps while member
 lost group fails the others' all-reduce, so the redo asks at once, and a group leaving on SIGTERM
 says so in its last step's all-reduce. In rounds (DiLoCo's replica groups, :meth:`use_rounds`)
 the groups train alone for ``round_steps`` steps and average one tensor at the round's end
-(:meth:`sync_round`); a round not committed is rolled back to its start and trained again with
-the new quorum's shares, and a backup holds the state its round started from
-(:meth:`backup_state`, :meth:`resume_at`).
+(:meth:`sync_round`, or :meth:`sync_round_gathered` for payloads an all-reduce cannot sum:
+quantised ones, all-gathered over the same torchft process group); a round not committed is
+rolled back to its start and trained again with the new quorum's shares, and a backup holds
+the state its round started from (:meth:`backup_state`, :meth:`resume_at`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from replicator.cluster.env_names import PREEMPTION_EXIT_CODE, REPLICA_ID_FORMAT
 from replicator.cluster.ports import listen
@@ -134,8 +136,11 @@ class LiveEngine:
         try:
             # torchft 0.2 binds its manager server to every interface and offers no option
             # (docs/fault_tolerance.md, Trust model); it advertises ``settings.bind``.
+            #: The process group across the groups that torchft reconfigures at each quorum:
+            #: held here too, for the exchanges the Manager has no call for (an all-gather).
+            self.process_group = ProcessGroupGloo(timeout=timeout)
             self.manager = Manager(
-                pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state,
+                pg=self.process_group, load_state_dict=self._load_state,
                 state_dict=self._state, min_replica_size=settings.min_replicas,
                 use_async_quorum=False, timeout=timeout,
                 quorum_timeout=timedelta(seconds=settings.quorum_timeout),
@@ -402,21 +407,69 @@ class LiveEngine:
     def sync_round(self, flat: torch.Tensor) -> torch.Tensor:
         """In rounds, at the round's last step: the average of ``flat`` over the quorum's
         groups, or ``StepNotCommitted`` (the round is then trained again; see run_step)."""
-        quorum = self._quorum
-        if self._rounds is None or quorum is None:
-            raise LiveRecoveryError(f"{self.who}: sync_round outside a round; please report "
-                                    "this as a bug")
+        quorum = self._round_quorum()
         start = time.perf_counter()
         flat = flat / quorum.participants
         self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
-        start = self._add("allreduce", start)
+        self._commit_round(quorum, self._add("allreduce", start))
+        return flat
+
+    def sync_round_gathered(self, payload: torch.Tensor,
+                            combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """In rounds, at the round's last step: ``combine`` of every group's ``payload`` (one
+        length on all), all-gathered in the quorum's order so every group combines the same
+        list, divided by the participants; or ``StepNotCommitted`` as :meth:`sync_round`.
+        For payloads an all-reduce cannot sum (quantised values with per-group scales)."""
+        quorum = self._round_quorum()
+        start = time.perf_counter()
+        parts = self._all_gather(payload, quorum)
+        total = combine(parts).div_(quorum.participants) if parts is not None else None
+        self._commit_round(quorum, self._add("allreduce", start))
+        if total is None:  # the failure went to the Manager, whose should_commit said no
+            raise LiveRecoveryError(f"{self.who}: the round ending at step {quorum.step} was "
+                                    "committed after its all-gather failed; please report "
+                                    "this as a bug")
+        return total
+
+    def _round_quorum(self) -> Quorum:
+        quorum = self._quorum
+        if self._rounds is None or quorum is None:
+            raise LiveRecoveryError(f"{self.who}: a round's exchange outside a round; please "
+                                    "report this as a bug")
+        return quorum
+
+    def _commit_round(self, quorum: Quorum, start: float) -> None:
+        """Ask whether the round ending now may be committed; ``StepNotCommitted`` if not."""
         committed = self.manager.should_commit()
         self._add("commit", start)
         if not committed:
             raise StepNotCommitted(f"{self.who}: the round ending at step {quorum.step} was "
                                    "not committed")
         self._in_round = 0
-        return flat
+
+    def _all_gather(self, payload: torch.Tensor, quorum: Quorum) -> list[torch.Tensor] | None:
+        """Every group's ``payload`` over torchft's process group, in the quorum's order, with
+        the Manager's error handling as its ``allreduce``: skipped after an error in this
+        step, zeros from a group that is not participating (healing), and a failure (a peer
+        lost: gloo's timeout bounds the wait) reported to the Manager, so ``should_commit``
+        says no; ``None`` then."""
+        manager = self.manager
+        if manager.errored():
+            return None
+        manager.wait_quorum()
+        if not manager.is_participating():
+            payload = torch.zeros_like(payload)
+        pg = self.process_group
+        try:
+            parts = [torch.empty_like(payload) for _ in range(pg.size())]
+            pg.allgather([parts], [payload], AllgatherOptions()).wait()
+        except Exception as exc:  # noqa: BLE001 - gloo raises plain RuntimeErrors
+            print(f"[replicator] {self.who}: the all-gather across the replica groups for "
+                  f"the round ending at step {quorum.step} failed ({_first_line(exc)}); the "
+                  "round is trained again with the next quorum", file=sys.stderr, flush=True)
+            manager.report_error(exc)
+            return None
+        return None if manager.errored() else parts
 
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
         """Run one step through ``call(args)``, redoing it with the next quorum until it is

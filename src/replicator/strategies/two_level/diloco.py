@@ -10,7 +10,7 @@ torchft's ``DiLoCo``, which keeps a fixed sampler per replica group (samples ski
 rejoins), compresses only on CUDA and has no per-host inner group. The input is split over every
 process (each global batch once), so ``inner_steps=1, outer_lr=1, outer_momentum=0`` equals
 synchronous training. Under ``--replica-groups`` each group is one host and the outer exchange
-goes through the live engine's rounds (``strategies/live/engine.py``).
+goes through the live engine's rounds (``strategies/live/engine.py``), compressed or not.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class DiLoCoStrategy(Strategy):
         check_mesh(mesh, hosts)
         live = LiveSettings.from_env()
         if live is not None:
-            _check_live(live, fragments, sync_delay, compression, hosts, mesh)
+            _check_live(live, fragments, sync_delay, hosts, mesh)
         bits = COMPRESSIONS[compression]
         self.inner_steps, self.fragments, self.sync_delay = inner_steps, fragments, sync_delay
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -236,7 +236,8 @@ class DiLoCoStrategy(Strategy):
         live = self.live
         if live is not None:  # one fragment, applied at once (see _check_live)
             if self._step % self.inner_steps == 0:
-                self._outer[0].step(live.sync_round(self._outer[0].pseudo_gradient()))
+                flat = self._outer[0].pseudo_gradient()
+                self._outer[0].step(self._exchange.in_round(live, flat))
             return
         for fragment in self._schedule.starting(self._step):
             flat = self._outer[fragment].pseudo_gradient()
@@ -311,30 +312,51 @@ class DiLoCoStrategy(Strategy):
     # -- live recovery (strategies/live/engine.py's RoundOwner) --------------------------------
     def round_state(self) -> dict[str, Any]:
         """What a healing group takes beside modules and optimizers: the outer weights, the
-        outer optimizer and the step (at a round's start)."""
-        return {"step": self._step, "outer": [f.state_dict() for f in self._outer]}
+        outer optimizer and the step (at a round's start); with error feedback also this
+        rank's quantisation errors, tagged with its group and rank (see
+        :meth:`load_round_state`)."""
+        state: dict[str, Any] = {"step": self._step,
+                                 "outer": [f.state_dict() for f in self._outer]}
+        quantizer = self._exchange.quantizer
+        if quantizer is not None and quantizer.error_feedback:
+            state["feedback"] = {"owner": self._live_owner(), "errors": quantizer.state_dict()}
+        return state
 
     def load_round_state(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`round_state`. The quantisation errors are each rank's own (what the
+        payloads of its chunk lost), so they come back only from this group and rank's own
+        round start (a round not committed and trained again, a backup it wrote): the round
+        does not add them twice. A group healing from a peer's state starts from zero errors:
+        taking the peer's would send the peer's lost part twice, once from each group."""
         for fragment, saved in zip(self._outer, state["outer"], strict=True):
             fragment.load_state_dict(saved)
         self._step = int(state["step"])
+        quantizer = self._exchange.quantizer
+        if quantizer is not None:
+            feedback = state.get("feedback") or {}
+            own = list(feedback.get("owner", [])) == self._live_owner()
+            quantizer.load_state_dict(dict(feedback.get("errors", {})) if own else {})
+
+    def _live_owner(self) -> list[int]:
+        """This rank's replica group and rank in it (empty outside replica groups)."""
+        live = self.live
+        return [] if live is None else [live.settings.group, live.settings.rank]
 
     def _close(self) -> None:
         self.inner.close()
 
 
-def _check_live(live: LiveSettings, fragments: int, sync_delay: int,
-                compression: str | None, hosts: HostsSpec, mesh: Topology | None) -> None:
+def _check_live(live: LiveSettings, fragments: int, sync_delay: int, hosts: HostsSpec,
+                mesh: Topology | None) -> None:
     """Refuse the settings that replica groups do not support yet."""
     for name, value, plain in (("fragments", fragments, 1), ("sync_delay", sync_delay, 0),
-                               ("compression", compression, None), ("hosts", hosts, None),
-                               ("mesh", mesh, None)):
+                               ("hosts", hosts, None), ("mesh", mesh, None)):
         if value != plain:
             raise ClusterConfigError(
                 f"{name}={value!r} is not supported in replica groups ({live.who} of "
-                f"{live.groups}): each group is one host and syncs the whole model, "
-                f"uncompressed, at each round's end. HINT: leave {name} at {plain!r} under "
-                "--replica-groups, or launch without it")
+                f"{live.groups}): each group is one host and syncs the whole model at each "
+                "round's end (compression='int8' or 'int4' is supported). HINT: leave "
+                f"{name} at {plain!r} under --replica-groups, or launch without it")
 
 
 class LocalSGDStrategy(DiLoCoStrategy):

@@ -6,14 +6,15 @@ group), and the host then gathers the chunks over the fast inner group (reduce-s
 all-reduce / all-gather, as ``comm/hierarchical.py``). The cross-host step runs on the outer
 group's comm lane, overlapped with ``sync_delay`` inner steps: an all-reduce, or with
 ``int8``/``int4`` an all-gather of quantised payloads decoded and summed in host order on every
-member (``comm/block_quantize.py``), so all get the same bits.
+member (``comm/block_quantize.py``), so all get the same bits. Under replica groups each
+group is one host and the exchange is the live engine's round (:meth:`OuterExchange.in_round`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from replicator.comm.block_quantize import BlockQuantizer
 from replicator.comm.collectives import Collectives
 from replicator.comm.comm_thread import lane
 from replicator.comm.handles import DONE, Handle
+
+if TYPE_CHECKING:
+    from replicator.strategies.live.engine import LiveEngine
 
 
 @dataclass
@@ -96,24 +100,44 @@ class OuterExchange:
             def run() -> None:
                 parts = [torch.empty_like(payload) for _ in range(hosts)]
                 dist.all_gather(parts, payload, group=group)
-                total = torch.zeros(numel, dtype=torch.float32, device=payload.device)
-                for part in parts:
-                    total.add_(quantizer.decode(part, numel))
-                box["chunk"] = total.div_(hosts)
+                box["chunk"] = quantizer.decode_sum(parts, numel).div_(hosts)
 
         self.stats.exchanges += 1
         pending.handle = self._lane.submit(run, f"outer exchange of fragment {fragment}",
                                            payload)
         return pending
 
+    def in_round(self, live: LiveEngine, flat: torch.Tensor) -> torch.Tensor:
+        """Under replica groups (each one host): ``flat`` averaged over the quorum's groups at
+        the live round's end, flat. As across hosts, this rank's chunk goes to the ranks of the
+        same local rank in the other groups, a float32 all-reduce or, quantised, an all-gather
+        of payloads decoded and summed in the quorum's order; once the round is committed
+        (else ``StepNotCommitted``) the group gathers the chunks over its own processes."""
+        mine = self._chunk_of(flat)
+        self.stats.exchanges += 1
+        quantizer = self.quantizer
+        if quantizer is None:
+            self.stats.payload_bytes += mine.numel() * mine.element_size()
+            return self._whole(live.sync_round(mine), flat.numel())
+        numel = mine.numel()
+        payload = quantizer.encode(mine, key="0")
+        self.stats.payload_bytes += payload.numel()
+        chunk = live.sync_round_gathered(payload,
+                                         lambda parts: quantizer.decode_sum(parts, numel))
+        return self._whole(chunk, flat.numel())
+
     def finish(self, pending: PendingExchange) -> torch.Tensor:
         """The hosts' averaged pseudo-gradient of ``pending``'s fragment, flat (a collective
         over this host's processes)."""
-        chunk = pending.chunk()
+        return self._whole(pending.chunk(), pending.numel)
+
+    def _whole(self, chunk: torch.Tensor, numel: int) -> torch.Tensor:
+        """The ``numel`` values whose chunks this host's processes hold (``chunk`` is this
+        rank's), gathered over the host's processes."""
         if self.inner.world_size == 1:
-            return chunk[:pending.numel]
+            return chunk[:numel]
         full = self.inner.all_gather_uneven(chunk, 0, "outer update gather within the host")
-        return full[:pending.numel]
+        return full[:numel]
 
     def state_dict(self) -> dict[str, Any]:
         return {"feedback": {} if self.quantizer is None else self.quantizer.state_dict(),
