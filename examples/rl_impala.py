@@ -56,7 +56,9 @@ def main(seconds: float = 280.0, batch_size: int = 8, plot: str = "rl_impala.png
     torch.manual_seed(0)
     with al.strategy.scope():
         agent = Agent()
-        optimizer = torch.optim.Adam(agent.parameters(), lr=3e-3)
+        # 3e-3 collapsed to a deterministic policy (mean return ~9) in 3 of 8 runs with 2
+        # actors; 2e-3 reached the reference in 18 of 18
+        optimizer = torch.optim.Adam(agent.parameters(), lr=2e-3)
 
     def step_fn(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = agent.pi(batch["obs"][:, :-1])

@@ -304,10 +304,11 @@ class ActorLearner:
         out["learner_steps"] = self.step
         return out
 
-    def episodes(self) -> list[tuple[float, int, float]]:
+    def episodes(self, start: int = 0) -> list[tuple[float, int, float]]:
         """Episodes the actors (or, with ``in_process=True``, this learner's environments)
-        finished: (return, env steps received, learner seconds)."""
-        return [] if self._server is None else list(self._server.episodes)
+        finished: (return, env steps received, learner seconds), from the ``start``-th on (a
+        loop that checks every step reads only the new ones)."""
+        return [] if self._server is None else self._server.episodes[start:]
 
     def state_dict(self) -> dict[str, Any]:
         """The learner step, the replay and the weights last published (the actors' policy
