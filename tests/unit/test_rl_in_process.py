@@ -58,7 +58,8 @@ def test_unrolls_are_made_with_the_published_weights():
     assert all((b["action"] == 0).all() for b in later[1:])  # later[0] may be queued already
     assert stats["learner_steps"] == 5 and stats["max_policy_lag"] <= 1
     assert stats["env_steps"] == stats["inserted"] * 8  # 4 envs x 8 steps make 4 unrolls
-    assert stats["episodes"] == len(al.episodes()) > 0
+    assert stats["episodes"] == len(al.episodes()) > 2
+    assert al.episodes(2) == al.episodes()[2:]  # a loop checking every step reads the new ones
 
 
 def test_the_rate_limiter_sets_how_many_steps_a_batch_costs():
