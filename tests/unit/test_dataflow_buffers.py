@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replicator.data import Dataset, Options
-from replicator.data.dataflow.buffers import Leases, WorkerBuffers
+from replicator.data.dataflow.buffers import LENT_CAP, Leases, WorkerBuffers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,3 +74,16 @@ def test_batches_held_or_let_go_keep_their_values(monkeypatch) -> None:
     assert all(torch.equal(x, y.float().view(16, 1, 1, 1).expand_as(x)) for x, y in held)
     assert made.value < 40  # of 60 batches, the 40 let go were mostly written into reused memory
     ds.close()
+
+
+def test_batches_kept_for_long_are_no_longer_tracked() -> None:
+    reader, writer = mp.Pipe(duplex=False)
+    worker, leases = WorkerBuffers(reader), Leases()
+    leases.releases.append(writer)
+    kept = []
+    for _ in range(LENT_CAP + 8):
+        out = torch.empty(0).set_(worker.storage(64), 0, (16,))
+        leases.track(0, worker.settle(True), out)
+        kept.append(out)
+    assert len(leases.held) == LENT_CAP and len(worker.lent) == LENT_CAP
+    leases.close()

@@ -173,6 +173,9 @@ class Leases:
         found: dict[Key, Any] = {}
         _shared_storages(result, set(keys), found)
         self.held.extend((StorageWeakRef(s), worker, key) for key, s in found.items())
+        excess = len(self.held) - LENT_CAP * max(1, len(self.releases))
+        if excess > 0:  # batches kept for long: their workers have forgotten them too
+            del self.held[:excess]
 
     def release(self) -> None:
         """Name back to each worker the buffers no storage of this process refers to now."""
