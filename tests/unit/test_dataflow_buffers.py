@@ -4,12 +4,14 @@ batch it still holds; every batch keeps its values either way."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import time
 
 import pytest
 import torch
 
 from replicator.data import Dataset, Options
-from replicator.data.dataflow.buffers import LENT_CAP, Leases, WorkerBuffers
+from replicator.data.dataflow.buffers import FREE_CAP, LENT_CAP, Leases, WorkerBuffers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,3 +89,30 @@ def test_batches_kept_for_long_are_no_longer_tracked() -> None:
         kept.append(out)
     assert len(leases.held) == LENT_CAP and len(worker.lent) == LENT_CAP
     leases.close()
+
+
+def _own_shared_files(pid: int) -> int:
+    names = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            names.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return sum(f"torch_{pid}_" in name for name in names)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc")
+def test_idle_workers_keep_few_buffers_once_the_batches_are_let_go_of() -> None:
+    ds = (Dataset.from_tensor_slices(torch.arange(16 * 40)).map(indexed).batch(16).prefetch()
+          .with_options(Options(worker_type="process", cpu_budget=2)))
+    held = list(ds)
+    workers = [w.pid for pool in ds.runtime.pools.values() for w in pool._workers]
+    assert sum(_own_shared_files(pid) for pid in workers) >= 20  # the batches held here
+    del held
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            _own_shared_files(pid) > FREE_CAP + 2 for pid in workers):
+        time.sleep(0.1)
+    # each keeps FREE_CAP for reuse and its last result (images, labels) until the next task
+    assert all(_own_shared_files(pid) <= FREE_CAP + 2 for pid in workers)
+    ds.close()

@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 Key = tuple[int, int]  # (inode, device) of a buffer's shared-memory file, as torch's fd_id
 
 LENT_CAP = 64  # buffers a worker remembers as handed over; older ones are forgotten
-FREE_CAP = 4   # buffers a worker keeps ready for reuse; more are freed
+FREE_CAP = 2   # buffers a worker keeps ready for reuse (one a task); more are freed
 _MADV_POPULATE_READ = 22  # Linux 5.14: fault in a whole range in one call, for reading
 _MADV_POPULATE_WRITE = 23  # and for writing
 _madvise: list[Any] = []  # libc's madvise once loaded; [None] where it is not to be used
@@ -83,7 +83,7 @@ class WorkerBuffers:
     def storage(self, nbytes: int) -> torch.UntypedStorage:
         """A shared storage of ``nbytes`` for one batch: a buffer the consumer gave back, else a
         new one; its key goes with the task's result (:meth:`settle`)."""
-        self._take_back()
+        self.take_back()
         fd = self._pop_free(nbytes)
         if fd is None:
             storage = torch.UntypedStorage._new_shared(nbytes)
@@ -111,14 +111,25 @@ class WorkerBuffers:
             return []
         return handed
 
-    def _take_back(self) -> None:
+    def take_back(self) -> None:
+        """Read the buffers the consumer gave back; keep :data:`FREE_CAP` of them, free the
+        rest (an idle worker calls it too, so a pass's last batches do not stay held)."""
         try:
             while self.releases.poll():
-                self._give_back(self.releases.recv())
+                keys = self.releases.recv()
+                if keys is None:  # the consumer's pass ended: forget what it still holds
+                    self._forget()
+                else:
+                    self._give_back(keys)
         except (EOFError, OSError):
             pass  # the consumer is gone; the worker is told to stop
         while len(self.free) > FREE_CAP:
             os.close(self.free.pop(0)[0])
+
+    def _forget(self) -> None:
+        for fd, _size in self.lent.values():
+            os.close(fd)
+        self.lent.clear()
 
     def _give_back(self, keys: list[Key]) -> None:
         for key in keys:
@@ -198,6 +209,18 @@ class Leases:
                 self.releases[worker].send(keys)
             except (OSError, ValueError, IndexError):
                 pass  # a worker that stopped; the pool reports it
+
+    def forget(self) -> None:
+        """At the end of a pass: name back what is let go of, and have the workers forget the
+        rest (the batches still held here are freed as usual when let go of), so idle workers
+        keep no more than :data:`FREE_CAP` buffers each."""
+        self.release()
+        self.held.clear()
+        for end in self.releases:
+            try:
+                end.send(None)
+            except (OSError, ValueError):
+                pass
 
     def close(self) -> None:
         """Close the pipes (the workers have stopped)."""

@@ -38,7 +38,7 @@ import torch
 from replicator.data.batching import derived_seed
 from replicator.data.dataflow.autotune import Tuner
 from replicator.data.dataflow.buffers import Leases
-from replicator.data.dataflow.work import handed_over, mark_process_worker
+from replicator.data.dataflow.work import handed_over, mark_process_worker, take_back_buffers
 from replicator.data.errors import InputPipelineError, InputTimeoutError
 
 POLL_S = 0.5
@@ -110,12 +110,14 @@ def _process_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: i
     while True:
         if index >= active.value:
             time.sleep(0.02)
+            take_back_buffers()
             if parent is not None and not parent.is_alive():
                 return
             continue
         try:
             task = tasks.get(timeout=POLL_S)
         except queue.Empty:
+            take_back_buffers()
             if parent is not None and not parent.is_alive():
                 return
             continue
@@ -216,7 +218,16 @@ class Pool:
     # -- a pass --------------------------------------------------------------------------------
     def imap(self, tasks: Iterator[Any], deterministic: bool = True,
              describe: Callable[[Any], str] = lambda t: "") -> Iterator[Any]:
-        """Results of ``fn`` over ``tasks``; a new pass discards the results of a left one."""
+        """Results of ``fn`` over ``tasks``; a new pass discards the results of a left one.
+        When the pass ends or is left, the workers forget the buffers of the batches still held
+        here, so idle workers keep no more than a few buffers of shared memory."""
+        try:
+            yield from self._pass_results(tasks, deterministic, describe)
+        finally:
+            self._leases.forget()
+
+    def _pass_results(self, tasks: Iterator[Any], deterministic: bool,
+                      describe: Callable[[Any], str]) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
         self._pass += 1

@@ -39,6 +39,12 @@ def handed_over(ok: bool) -> list[Key]:
     return _BUFFERS.settle(ok) if _BUFFERS is not None else []
 
 
+def take_back_buffers() -> None:
+    """Free the buffers the consumer gave back beyond the few kept for reuse (an idle worker)."""
+    if _BUFFERS is not None:
+        _BUFFERS.take_back()
+
+
 def _shared_storage(nbytes: int) -> torch.UntypedStorage:
     if _BUFFERS is not None and nbytes:
         return _BUFFERS.storage(nbytes)
