@@ -37,7 +37,8 @@ import torch
 
 from replicator.data.batching import derived_seed
 from replicator.data.dataflow.autotune import Tuner
-from replicator.data.dataflow.work import mark_process_worker
+from replicator.data.dataflow.buffers import Leases
+from replicator.data.dataflow.work import handed_over, mark_process_worker, take_back_buffers
 from replicator.data.errors import InputPipelineError, InputTimeoutError
 
 POLL_S = 0.5
@@ -100,21 +101,23 @@ def seed_task(base_seed: int, pass_id: int, seq: int) -> None:
 
 
 def _process_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: int,
-                    active: Any, current: Any, base_seed: int) -> None:
+                    active: Any, current: Any, base_seed: int, releases: Any) -> None:
     import multiprocessing as mp
 
     torch.set_num_threads(1)
-    mark_process_worker()
+    mark_process_worker(releases)
     parent = mp.parent_process()  # the process that started this one, whatever the method
     while True:
         if index >= active.value:
             time.sleep(0.02)
+            take_back_buffers()
             if parent is not None and not parent.is_alive():
                 return
             continue
         try:
             task = tasks.get(timeout=POLL_S)
         except queue.Empty:
+            take_back_buffers()
             if parent is not None and not parent.is_alive():
                 return
             continue
@@ -124,7 +127,8 @@ def _process_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: i
         if pass_id != current.value:
             continue  # a task of a pass the consumer left
         seed_task(base_seed, pass_id, seq)
-        results.put((pass_id, seq, *_run(fn, payload)))
+        outcome = _run(fn, payload)
+        results.put((pass_id, seq, *outcome, index, handed_over(outcome[0])))
 
 
 def _thread_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: int,
@@ -141,7 +145,7 @@ def _thread_worker(fn: Callable[[Any], Any], tasks: Any, results: Any, index: in
             return
         pass_id, seq, payload = task
         if pass_id == current.value:
-            results.put((pass_id, seq, *_run(fn, payload, in_process=True)))
+            results.put((pass_id, seq, *_run(fn, payload, in_process=True), index, []))
 
 
 class Pool:
@@ -153,6 +157,7 @@ class Pool:
         self.timeout_s = timeout_s
         self._pass = 0
         self._workers: list[Any] = []
+        self._leases = Leases()  # process workers' shared-memory buffers held here
         self._closed = False
         if mode == "process":
             import torch.multiprocessing as tmp
@@ -181,17 +186,22 @@ class Pool:
         self._active.value = want
         while len(self._workers) < want:
             i = len(self._workers)
+            releases = None
             if self.mode == "process":
+                releases, own_end = self._ctx.Pipe(duplex=False)
+                self._leases.releases.append(own_end)
                 worker = self._ctx.Process(
                     target=_process_worker, name=f"{self.name}-{i}", daemon=True,
                     args=(self.fn, self._tasks, self._results, i, self._active, self._current,
-                          self._base_seed))
+                          self._base_seed, releases))
             else:
                 worker = threading.Thread(
                     target=_thread_worker, daemon=True, name=f"{self.name}-{i}",
                     args=(self.fn, self._tasks, self._results, i, self._active,
                           self._current))
             worker.start()
+            if releases is not None:
+                releases.close()  # the worker's end
             self._workers.append(worker)
 
     def _check_alive(self) -> None:
@@ -208,7 +218,16 @@ class Pool:
     # -- a pass --------------------------------------------------------------------------------
     def imap(self, tasks: Iterator[Any], deterministic: bool = True,
              describe: Callable[[Any], str] = lambda t: "") -> Iterator[Any]:
-        """Results of ``fn`` over ``tasks``; a new pass discards the results of a left one."""
+        """Results of ``fn`` over ``tasks``; a new pass discards the results of a left one.
+        When the pass ends or is left, the workers forget the buffers of the batches still held
+        here, so idle workers keep no more than a few buffers of shared memory."""
+        try:
+            yield from self._pass_results(tasks, deterministic, describe)
+        finally:
+            self._leases.forget()
+
+    def _pass_results(self, tasks: Iterator[Any], deterministic: bool,
+                      describe: Callable[[Any], str]) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
         self._pass += 1
@@ -221,6 +240,7 @@ class Pool:
         tuner = self.tuner
         while True:
             self._ensure_workers()
+            self._leases.release()
             while not exhausted and submitted - handed < tuner.in_flight_limit():
                 try:
                     task = next(tasks)
@@ -250,8 +270,8 @@ class Pool:
         deadline = time.monotonic() + self.timeout_s
         while (key is None and not done) or (key is not None and key not in done):
             try:
-                got_pass, seq, ok, out, task_s, nbytes, cpu_s = self._results.get(
-                    timeout=POLL_S)
+                got_pass, seq, ok, out, task_s, nbytes, cpu_s, worker, lent = \
+                    self._results.get(timeout=POLL_S)
             except queue.Empty:
                 self._check_alive()
                 if time.monotonic() > deadline:
@@ -260,6 +280,8 @@ class Pool:
                         "function that blocks (a store that stopped answering?); raise "
                         "Options(timeout_seconds=) if a task is this slow.") from None
                 continue
+            if lent:
+                self._leases.track(worker, lent, out)
             if got_pass != pass_id:
                 continue
             self.tuner.record(task_s, nbytes, cpu_s)
@@ -269,6 +291,7 @@ class Pool:
         if not self._closed:
             self._closed = True
             _shutdown(self._workers, self._tasks, self._active, self.mode)
+            self._leases.close()
 
 
 class _Box:

@@ -6,7 +6,9 @@ In a process worker the default collate stacks each batch's tensors straight int
 memory (as DataLoader's workers do): the queue then hands the batch over as a handle without
 copying it again. Stacking into private memory first cost a second copy of the batch, and the
 page faults of fresh memory for it, in every task: about a tenth of the task time of an
-ImageNet-style decode (``benchmarks/ingestion.py``)."""
+ImageNet-style decode (``benchmarks/ingestion.py``). The shared memory of a batch the consumer
+has let go of is reused for a later one (:mod:`buffers`): its pages are already there.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +19,38 @@ from typing import Any
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
+from replicator.data.dataflow.buffers import Key, WorkerBuffers, populate, worker_buffers
 from replicator.data.errors import InputPipelineError
 
 _IN_PROCESS_WORKER = False
+_BUFFERS: WorkerBuffers | None = None
 
 
-def mark_process_worker() -> None:
-    """Called first in each worker process: its batches are collated into shared memory."""
-    global _IN_PROCESS_WORKER
+def mark_process_worker(releases: Any = None) -> None:
+    """Called first in each worker process: its batches are collated into shared memory, in
+    buffers the consumer names back on ``releases`` (a pipe's read end) once done with them."""
+    global _IN_PROCESS_WORKER, _BUFFERS
     _IN_PROCESS_WORKER = True
+    _BUFFERS = worker_buffers(releases)
+
+
+def handed_over(ok: bool) -> list[Key]:
+    """The buffers the task just run hands to the consumer (none if it failed)."""
+    return _BUFFERS.settle(ok) if _BUFFERS is not None else []
+
+
+def take_back_buffers() -> None:
+    """Free the buffers the consumer gave back beyond the few kept for reuse (an idle worker)."""
+    if _BUFFERS is not None:
+        _BUFFERS.take_back()
+
+
+def _shared_storage(nbytes: int) -> torch.UntypedStorage:
+    if _BUFFERS is not None and nbytes:
+        return _BUFFERS.storage(nbytes)
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    populate(storage)
+    return storage
 
 
 def _stack(batch: list[torch.Tensor], *,
@@ -37,7 +62,7 @@ def _stack(batch: list[torch.Tensor], *,
                                            and not t.requires_grad for t in batch)):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     shape = (len(batch), *elem.shape)
-    storage = torch.UntypedStorage._new_shared(math.prod(shape) * elem.element_size())
+    storage = _shared_storage(math.prod(shape) * elem.element_size())
     strides: list[int] = []
     step = 1
     for size in reversed(shape):  # contiguous
