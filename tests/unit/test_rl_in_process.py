@@ -9,22 +9,10 @@ import torch
 
 import replicator as rp
 from replicator.errors import ClusterConfigError
+from tests.distributed.rl_jobs import Policy  # CartPole's linear softmax policy
 
 pytest.importorskip("gymnasium")
 pytestmark = pytest.mark.timeout(60)
-
-
-class Softmax(torch.nn.Module):
-    """CartPole's behaviour policy: a sampled action and its log-probability."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pi = torch.nn.Linear(4, 2)
-
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.pi(obs)
-        action = torch.distributions.Categorical(logits=logits).sample()
-        return action, torch.log_softmax(logits, -1).gather(-1, action[..., None])[..., 0]
 
 
 @pytest.fixture(autouse=True)
@@ -34,25 +22,25 @@ def _no_launcher(monkeypatch):
 
 
 def _learner(replay, **kwargs) -> rp.rl.ActorLearner:
-    return rp.rl.ActorLearner(rp.OneDeviceStrategy("cpu"), "CartPole-v1", Softmax,
+    return rp.rl.ActorLearner(rp.OneDeviceStrategy("cpu"), "CartPole-v1", Policy,
                               replay=replay, num_envs=4, in_process=True, **kwargs)
 
 
 def test_unrolls_are_made_with_the_published_weights():
     torch.manual_seed(0)
-    model = Softmax()
+    model = Policy()
     al = _learner(rp.rl.TrajectoryQueue(8, capacity=16), publish_every=1)
     with al:
         batches = al.batches(4, 6, policy=model)
         first = next(batches)
         assert first["obs"].shape == (4, 9, 4) and first["action"].shape == (4, 8)
         with torch.no_grad():  # the behaviour's log-probabilities are the model's own
-            logp = torch.log_softmax(model.pi(first["obs"][:, :-1]), -1)
+            logp = torch.log_softmax(model.linear(first["obs"][:, :-1]), -1)
         taken = logp.gather(-1, first["action"].long()[..., None])[..., 0]
         torch.testing.assert_close(first["behaviour_logp"], taken)
         with torch.no_grad():  # a policy that always pushes left, published at the next step
-            model.pi.weight.zero_()
-            model.pi.bias.copy_(torch.tensor([50.0, -50.0]))
+            model.linear.weight.zero_()
+            model.linear.bias.copy_(torch.tensor([50.0, -50.0]))
         later = [next(batches) for _ in range(5)]
         stats = al.stats()
     assert all((b["action"] == 0).all() for b in later[1:])  # later[0] may be queued already
@@ -68,7 +56,7 @@ def test_the_rate_limiter_sets_how_many_steps_a_batch_costs():
                                 min_size_to_sample=200, error_buffer=64)
     al = _learner(replay, publish_every=5, act_fn=lambda p, obs: p(obs)[0])
     with al:
-        for batch in al.batches(32, 20, policy=Softmax()):
+        for batch in al.batches(32, 20, policy=Policy()):
             assert batch["obs"].shape == (32, 4)
         stats = al.stats()
     assert stats["sampled"] == 20 * 32 and stats["inserted"] >= 200
@@ -87,7 +75,7 @@ def test_what_in_process_cannot_do_is_refused(monkeypatch):
             al.input_fn(8)
     with pytest.raises(ValueError, match="capacity 4"):
         with _learner(rp.rl.TrajectoryQueue(8, capacity=4)) as al:
-            next(al.batches(8, 1, policy=Softmax()))
+            next(al.batches(8, 1, policy=Policy()))
     monkeypatch.setenv("REPLICATOR_NUM_ACTORS", "2")
     with pytest.raises(ClusterConfigError, match="has 2 actor"):
         _learner(rp.rl.TrajectoryQueue(8))
