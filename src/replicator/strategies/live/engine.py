@@ -16,7 +16,6 @@ the state its round started from (:meth:`backup_state`, :meth:`resume_at`).
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import threading
@@ -28,7 +27,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions
 
 from replicator.cluster.env_names import PREEMPTION_EXIT_CODE, REPLICA_ID_FORMAT
 from replicator.cluster.ports import listen
@@ -44,6 +42,11 @@ from replicator.strategies.live.errors import (
     StepNotCommitted,
 )
 from replicator.strategies.live.grad_buckets import flatten_grads, unflatten_grads
+from replicator.strategies.live.manager_calls import (
+    first_line,
+    managed_all_gather,
+    quiet_flight_recorder_note,
+)
 from replicator.strategies.live.settings import QUORUM_TIMEOUT_ENV, LiveSettings
 from replicator.strategies.replicas import ReplicaGroup
 
@@ -101,7 +104,7 @@ class LiveEngine:
             raise ClusterConfigError(f"replica groups need torchft ({exc}). HINT: pip install "
                                      "'replicator[live]'") from exc
 
-        _quiet_flight_recorder_note()
+        quiet_flight_recorder_note()
         self.settings = settings
         self.replicas = replicas
         self._modules = modules
@@ -155,7 +158,7 @@ class LiveEngine:
             self._transport.shutdown(wait=False)  # its server thread would outlive the error
             raise LighthouseUnreachableError(
                 f"{self.who} could not join the lighthouse at {settings.lighthouse}: "
-                f"{_first_line(exc)}. HINT: is the lighthouse running and reachable? "
+                f"{first_line(exc)}. HINT: is the lighthouse running and reachable? "
                 "`replicator run --replica-groups N` starts one on loopback; otherwise start "
                 "`torchft_lighthouse --min_replicas M --bind HOST:PORT`") from exc
         self._install_sigterm()
@@ -338,7 +341,7 @@ class LiveEngine:
                     tensors, src=0, what="parameters of group rank 0 after healing")
 
     def _quorum_error(self, exc: BaseException) -> LiveRecoveryError:
-        text = _first_line(exc)
+        text = first_line(exc)
         low = text.lower()
         if "timeout" in low or "timed out" in low or "deadline" in low or "elapsed" in low:
             return QuorumTimeoutError(
@@ -448,28 +451,11 @@ class LiveEngine:
         self._in_round = 0
 
     def _all_gather(self, payload: torch.Tensor, quorum: Quorum) -> list[torch.Tensor] | None:
-        """Every group's ``payload`` over torchft's process group, in the quorum's order, with
-        the Manager's error handling as its ``allreduce``: skipped after an error in this
-        step, zeros from a group that is not participating (healing), and a failure (a peer
-        lost: gloo's timeout bounds the wait) reported to the Manager, so ``should_commit``
-        says no; ``None`` then."""
-        manager = self.manager
-        if manager.errored():
-            return None
-        manager.wait_quorum()
-        if not manager.is_participating():
-            payload = torch.zeros_like(payload)
-        pg = self.process_group
-        try:
-            parts = [torch.empty_like(payload) for _ in range(pg.size())]
-            pg.allgather([parts], [payload], AllgatherOptions()).wait()
-        except Exception as exc:  # noqa: BLE001 - gloo raises plain RuntimeErrors
-            print(f"[replicator] {self.who}: the all-gather across the replica groups for "
-                  f"the round ending at step {quorum.step} failed ({_first_line(exc)}); the "
-                  "round is trained again with the next quorum", file=sys.stderr, flush=True)
-            manager.report_error(exc)
-            return None
-        return None if manager.errored() else parts
+        """Every group's ``payload`` in the quorum's order, or ``None`` after a failure the
+        Manager was told of (see :func:`managed_all_gather`)."""
+        return managed_all_gather(self.manager, self.process_group, payload,
+                                  f"{self.who}: the all-gather across the replica groups for "
+                                  f"the round ending at step {quorum.step}")
 
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
         """Run one step through ``call(args)``, redoing it with the next quorum until it is
@@ -597,26 +583,3 @@ class LiveEngine:
         s = self.settings
         return (f"LiveEngine({self.who} of {s.groups}, lighthouse {s.lighthouse}, "
                 f"min_replicas {s.min_replicas}, step {self.committed_steps})")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-class _NoFlightRecorderNote(logging.Filter):
-    """Drops torchft's warning, at every quorum, that it cannot reset NCCL's flight recorder:
-    a torch without NCCL (the CPU build) has none, and the groups talk over gloo anyway."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to reset NCCL flight recorder" not in record.getMessage()
-
-
-def _quiet_flight_recorder_note() -> None:
-    """On a torch without NCCL, filter :class:`_NoFlightRecorderNote` out of torchft's
-    manager logger (once per process; a logging configuration, torchft itself unchanged)."""
-    log = logging.getLogger("torchft.manager")
-    if dist.is_nccl_available() or any(isinstance(f, _NoFlightRecorderNote)
-                                       for f in log.filters):
-        return
-    log.addFilter(_NoFlightRecorderNote())
