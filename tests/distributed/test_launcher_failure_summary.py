@@ -4,7 +4,9 @@ another waited, a parameter server killed before its workers failed, and how to 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,6 +114,20 @@ def test_a_committed_backup_adds_the_resume_line_unless_a_rerun_repeats_the_fail
     nan = [RankEnd(0, 1, 5.0, _error(0, "nan at step 41", 5.0, "NonFiniteLossError"))]
     failure, _ = failure_for(nan, 0, lambda r: "", note)
     assert "Rerun" not in str(failure)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_exits_with_a_code_after_background_saves_leaves_at_once(
+        tmp_path, replicator) -> None:
+    # the background saver's idle writer thread was waited for a full minute when a script
+    # ended by sys.exit(code): leaving the process group waits for checkpoint threads, and the
+    # writer was told to stop only at interpreter exit, after that wait
+    out = replicator(["run", "--nproc", "2", str(SCRIPTS / "fail_after_backups.py"),
+                      str(tmp_path / "backup"), "exit"])
+    ended = time.time()
+    assert out.returncode == 3, out.stderr
+    exiting = float(re.search(r"exiting at ([0-9.]+)", out.stderr).group(1))
+    assert ended - exiting < 30, f"the run ended {ended - exiting:.0f} s after rank 1 exited"
 
 
 @pytest.mark.timeout(240)

@@ -35,6 +35,7 @@ from replicator.checkpoint.saver_client import (
 )
 from replicator.checkpoint.storage import open_storage
 from replicator.checkpoint.store import RemoteStore
+from replicator.cluster.process_group import on_shutdown
 from replicator.errors import CheckpointWriteError
 
 SAVERS = ("process", "thread")
@@ -183,8 +184,10 @@ class BackgroundSaver:
                                             name="replicator-checkpoint-writer")
             self._writer.start()
             # at exit, even by failing: the saves queued, then the thread ends (the exit wait
-            # for helper threads would otherwise wait its full minute for an idle writer)
+            # for helper threads would otherwise wait its full minute for an idle writer); a
+            # script that fails leaves the process group before atexit runs, so there too
             atexit.register(self._stop_writer)
+            on_shutdown(self._stop_writer)
 
     def _stop_writer(self) -> None:
         """End the writer thread after the saves queued (waiting at most MIN_WAIT_SECONDS)."""
