@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import replicator as rp
 from replicator.comm.collective_tracker import CollectiveTracker
-from replicator.comm.collectives import Collectives
+from replicator.comm.collectives import FRAME_BYTES, Collectives
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import CollectiveMismatchError
 from replicator.testing import run_distributed
@@ -124,8 +124,24 @@ def _plain_mismatches(_: int) -> dict:
     else:
         out["barrier"] = _caught(lambda: coll.all_gather_bytes(b"x" * 1000))
     out["bytes"] = [x.decode() for x in coll.all_gather_bytes(f"r{rank}".encode() * (rank + 1))]
+    out["long_bytes"] = _long_exchanges(coll)
     out["after"] = strategy.reduce("sum", torch.tensor([1.0, 2.0])).tolist()
     return out
+
+
+def _long_exchanges(coll: Collectives) -> bool:
+    """Byte strings and uneven tensors around the one-collective frame (FRAME_BYTES) arrive
+    whole: one rank's longer, both longer, both within."""
+    rank = coll.rank
+    for lengths in ((FRAME_BYTES + 904, 7), (FRAME_BYTES, FRAME_BYTES + 1), (3, 0)):
+        mine = bytes([65 + rank]) * lengths[rank % 2]
+        got = coll.all_gather_bytes(mine)
+        if got != [bytes([65 + r]) * lengths[r % 2] for r in range(coll.world_size)]:
+            return False
+    rows = 1500 * (rank % 2)  # 6000 bytes of float32 on odd ranks, none on even ones
+    gathered = coll.all_gather_uneven(torch.full((rows,), float(rank)))
+    expected = [float(r) for r in range(coll.world_size) for _ in range(1500 * (r % 2))]
+    return gathered.tolist() == expected
 
 
 @pytest.mark.timeout(120)
@@ -146,6 +162,7 @@ def test_mismatched_plain_collectives_raise_and_matched_ones_work():
         assert "barrier" in res["barrier"]["calls"][0]
         assert "bytes" in res["barrier"]["calls"][1]
         assert res["bytes"] == ["r0", "r1r1"]
+        assert res["long_bytes"]
         assert res["after"] == [2.0, 4.0]
 
 
@@ -164,6 +181,7 @@ def _sub_group(_: int) -> dict:
     out["broadcast"] = t.item()
     out["sum"] = coll.all_reduce(torch.tensor(float(rank)), ReduceOp.SUM).item()
     out["gather"] = coll.all_gather_uneven(torch.full((rank,), float(rank))).tolist()
+    out["long_bytes"] = _long_exchanges(coll)
     if rank == 1:
         out["mismatch"] = _caught(lambda: coll.barrier())
     else:
@@ -179,6 +197,7 @@ def test_collectives_on_a_sub_group_use_group_ranks_and_name_global_ones():
     assert r1["broadcast"] == r2["broadcast"] == 2.0
     assert r1["sum"] == r2["sum"] == 3.0
     assert r1["gather"] == r2["gather"] == [1.0, 2.0, 2.0]
+    assert r1["long_bytes"] and r2["long_bytes"]  # over gloo (no shared memory on this group)
     for res in (r1, r2):
         calls = res["mismatch"]["calls"]
         assert set(calls) == {1, 2}, res  # keyed by global rank

@@ -122,9 +122,12 @@ class BackgroundSaver:
 
                 group = new_private_group(group_ranks(coll.group), "checkpoint",
                                           coll.timeout_seconds, backend="gloo")
+                # no fingerprint before each exchange: the writer thread's calls are the same
+                # on every rank by construction, and a rank that stops answering still times
+                # out naming the save (a fingerprint doubled a save's collectives)
                 self._channel = Channel(Collectives(own.rank, own.world_size,
                                                     torch.device("cpu"), coll.timeout_seconds,
-                                                    None, group=group))
+                                                    None, group=group, check=False))
         return self._channel
 
     def submit(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,

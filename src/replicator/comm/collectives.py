@@ -28,6 +28,10 @@ from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.shm_segment import flag_barrier_is_safe
 from replicator.errors import ReplicaTimeoutError, ReplicatorError
 
+#: Bytes of a row that :meth:`Collectives.all_gather_bytes` (and ``all_gather_many``) exchange in
+#: one collective together with the rows' lengths; a longer row costs a second collective.
+FRAME_BYTES = 4096
+
 if TYPE_CHECKING:
     from replicator.comm.algorithms import CrossDeviceOps
     from replicator.comm.shared_memory import SharedMemoryAllReduce
@@ -308,26 +312,35 @@ class Collectives:
 
     def _gather_rows(self, flat: torch.Tensor, what: str
                      ) -> tuple[list[torch.Tensor], list[int]]:
-        """Every rank's 1-D ``flat`` (lengths may differ), padded to the longest, and the
-        lengths."""
-        meta = torch.tensor([flat.shape[0]], dtype=torch.int64, device=self.device)
-        with self.guard(f"{what} (sizes)"):
-            if self._same_host is not None:
-                metas = self._same_host.all_gather(meta, self.group)
-            else:
-                metas = [torch.empty_like(meta) for _ in range(self.world_size)]
-                dist.all_gather(metas, meta, group=self.group)
-        sizes = [int(m) for m in metas]
-        padded = torch.zeros(max(sizes), dtype=flat.dtype, device=self.device)
-        padded[:flat.shape[0]] = flat
-        shm = self._payload_path([padded])
+        """Every rank's 1-D uint8 ``flat`` (lengths may differ), padded to at least the
+        longest, and the lengths: one collective when every row fits in a frame of
+        ``FRAME_BYTES`` (the lengths travel in it), a second for what is longer."""
+        n = flat.shape[0]
+        head = torch.tensor([n], dtype=torch.int64, device=self.device).view(torch.uint8)
+        frame = torch.zeros(8 + FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        frame[:8] = head
+        frame[8:8 + min(n, FRAME_BYTES)] = flat[:FRAME_BYTES]
         with self.guard(what):
-            if shm is not None:
-                parts = shm.all_gather(padded, self.group)
-            else:
-                parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-                dist.all_gather(parts, padded, group=self.group)
-        return parts, sizes
+            frames = self._gather_same_size(frame, small=True)
+        sizes = [int(f[:8].clone().view(torch.int64)) for f in frames]
+        longest = max(sizes)
+        if longest <= FRAME_BYTES:
+            return [f[8:] for f in frames], sizes
+        rest = torch.zeros(longest - FRAME_BYTES, dtype=torch.uint8, device=self.device)
+        rest[:max(0, n - FRAME_BYTES)] = flat[FRAME_BYTES:]
+        with self.guard(f"{what} (beyond the first {FRAME_BYTES} bytes)"):
+            rests = self._gather_same_size(rest, small=False)
+        return [torch.cat([f[8:], r]) for f, r in zip(frames, rests)], sizes
+
+    def _gather_same_size(self, tensor: torch.Tensor, small: bool) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (the same shape on each): through shared memory when this
+        group has it (a ``small`` one always, a large one where that is faster)."""
+        shm = self._same_host if small else self._payload_path([tensor])
+        if shm is not None:
+            return shm.all_gather(tensor, self.group)
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return parts
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,
                    what: str = "broadcast") -> None:
