@@ -35,6 +35,7 @@ from replicator.checkpoint.saver_client import (
 )
 from replicator.checkpoint.storage import open_storage
 from replicator.checkpoint.store import RemoteStore
+from replicator.cluster.helper_threads import EXIT_WAIT_SECONDS
 from replicator.cluster.process_group import on_shutdown
 from replicator.errors import CheckpointWriteError
 
@@ -113,21 +114,14 @@ class BackgroundSaver:
         a save's agreement never interleaves with training's collectives."""
         if self._channel is None:
             own = self.manager.channel
-            coll = own.collectives
             if own.world_size == 1:
                 self._channel = own
             else:
-                from replicator.comm.collectives import Collectives
-                from replicator.comm.groups import group_ranks, new_private_group
-
-                group = new_private_group(group_ranks(coll.group), "checkpoint",
-                                          coll.timeout_seconds, backend="gloo")
                 # no fingerprint before each exchange: the writer thread's calls are the same
                 # on every rank by construction, and a rank that stops answering still times
                 # out naming the save (a fingerprint doubled a save's collectives)
-                self._channel = Channel(Collectives(own.rank, own.world_size,
-                                                    torch.device("cpu"), coll.timeout_seconds,
-                                                    None, group=group, check=False))
+                self._channel = Channel(own.collectives.private_copy("checkpoint",
+                                                                    check=False))
         return self._channel
 
     def submit(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
@@ -188,16 +182,17 @@ class BackgroundSaver:
             self._writer.start()
             # at exit, even by failing: the saves queued, then the thread ends (the exit wait
             # for helper threads would otherwise wait its full minute for an idle writer); a
-            # script that fails leaves the process group before atexit runs, so there too
+            # script that fails leaves the process group before atexit runs, so there too,
+            # bounded as that wait was (a save stuck on a lost peer must not hold the exit)
             atexit.register(self._stop_writer)
-            on_shutdown(self._stop_writer)
+            on_shutdown(lambda: self._stop_writer(EXIT_WAIT_SECONDS))
 
-    def _stop_writer(self) -> None:
-        """End the writer thread after the saves queued (waiting at most MIN_WAIT_SECONDS)."""
+    def _stop_writer(self, wait: float = MIN_WAIT_SECONDS) -> None:
+        """End the writer thread after the saves queued (waiting at most ``wait`` s)."""
         writer, self._writer = self._writer, None
         if writer is not None:
             self._jobs.put(None)
-            writer.join(MIN_WAIT_SECONDS)
+            writer.join(wait)
 
     def _serve(self) -> None:
         """The writer thread: each queued save in turn, its deferred copy first."""
