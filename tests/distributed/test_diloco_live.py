@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from replicator.comm.block_quantize import BlockQuantizer, payload_bytes
+from replicator.strategies.two_level.fragments import Schedule, split_fragments
 from replicator.testing import assert_params_close
 from replicator.testing.live_groups import start_lighthouse
 from tests.live_helpers import diloco_round_by_hand, needs_torchft
@@ -85,6 +86,59 @@ def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: 
     return {k: v.detach().clone() for k, v in outer_model.state_dict().items()}
 
 
+def _streaming_by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: int,
+                       fragments: int, *, steps: int = EPOCHS * SAMPLES // BATCH, h: int = H
+                       ) -> dict[int, dict[str, torch.Tensor]]:
+    """Streaming DiLoCo written out in one process over the batches each group committed, as
+    replica groups run it: a round of ``h / fragments`` steps ends with one fragment's
+    exchange (fragment f after inner steps (f + 1) h / fragments, modulo h); the groups present
+    average that fragment's pseudo-gradient, its own outer Nesterov SGD (0.7, 0.9) steps, and
+    every present group's copy of the fragment takes the new outer weights while the other
+    fragments go on from where they are. Group 1, back at round ``healed_at``, takes group
+    0's inner weights and Adam state there (a peer's state at a round's start). Returns each
+    group's weights at the end (the fragments not exchanged last differ between groups)."""
+    x, y, _ = dataset(SAMPLES).tensors
+    outer_model = build_model()
+    params = list(outer_model.parameters())
+    parts = split_fragments(params, fragments)
+    outer_opts = [torch.optim.SGD([params[i] for i in part], lr=0.7, momentum=0.9,
+                                  nesterov=True) for part in parts]
+    schedule = Schedule(h, fragments, 0)
+    inner: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    length = h // fragments
+    for start in range(0, steps, length):
+        groups = sorted({g for (g, _), done in committed.items() if start in done})
+        for g in groups:
+            if g not in inner:
+                model = build_model()
+                inner[g] = (model, torch.optim.Adam(model.parameters(), lr=0.01))
+            if g == 1 and start == healed_at:
+                inner[1][0].load_state_dict(copy.deepcopy(inner[0][0].state_dict()))
+                inner[1][1].load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
+        for step in range(start, start + length):
+            for g in groups:
+                model, opt = inner[g]
+                idx = torch.tensor([i for (gg, _), done in sorted(committed.items())
+                                    if gg == g for i in done[step]])
+                torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+        (fragment,) = schedule.applied(start + length)
+        for i in parts[fragment]:
+            mean = sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
+                       for g in groups) / len(groups)
+            params[i].grad = mean
+        outer_opts[fragment].step()
+        with torch.no_grad():
+            for g in groups:
+                mine = list(inner[g][0].parameters())
+                for i in parts[fragment]:
+                    params[i].grad = None
+                    mine[i].copy_(params[i])
+    return {g: {k: v.detach().clone() for k, v in model.state_dict().items()}
+            for g, (model, _) in inner.items()}
+
+
 def _committed(records: dict[tuple[int, int, int], dict[int, list[int]]]
                ) -> dict[tuple[int, int], dict[int, list[int]]]:
     committed: dict[tuple[int, int], dict[int, list[int]]] = {}
@@ -94,9 +148,10 @@ def _committed(records: dict[tuple[int, int, int], dict[int, list[int]]]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("compression", [None, "int4"])
+@pytest.mark.parametrize("compression,fragments", [(None, 1), ("int4", 1), (None, 2)],
+                         ids=["float32", "int4", "fragments2"])
 def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_trained_once(
-        tmp_path, monkeypatch, compression):
+        tmp_path, monkeypatch, compression, fragments):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                REPLICATOR_LIVE_TIMEOUT_SECONDS="20", REPLICATOR_QUORUM_TIMEOUT_SECONDS="120")
     monkeypatch.setenv("RUST_LOG", "info")  # the lighthouse logs each quorum
@@ -107,7 +162,7 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
              "2", "--lighthouse", f"127.0.0.1:{lighthouse.port}", "--max-restarts", "1", SCRIPT,
              "--out", str(tmp_path), "--inner-steps", str(H), "--samples", str(SAMPLES),
              "--batch", str(BATCH), "--epochs", str(EPOCHS), "--kill-at-step", str(KILL_AT),
-             "--hold-at-step", str(HOLD_AT),
+             "--hold-at-step", str(HOLD_AT), "--fragments", str(fragments),
              *(["--compression", compression] if compression else [])],
             capture_output=True, text=True, timeout=220, env=env)
     finally:
@@ -120,8 +175,9 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     assert max(records[(1, 1, 0)]) == KILL_AT - 1  # killed inside step KILL_AT
     # group 1 healed at a round's start after the kill and trained to the end with group 0
     healed_at = int((tmp_path / "healed.txt").read_text())
-    failed_round = KILL_AT // H * H
-    assert healed_at >= failed_round and healed_at % H == 0, healed_at
+    length = H // fragments  # a round's steps: it ends with one fragment's exchange
+    failed_round = KILL_AT // length * length
+    assert healed_at >= failed_round and healed_at % length == 0, healed_at
     assert min(records[(1, 0, 1)]) == healed_at, sorted(records[(1, 0, 1)])
     summary_0 = json.loads((tmp_path / "summary_g0_life0.json").read_text())
     summary_1 = json.loads((tmp_path / "summary_g1_life1.json").read_text())
@@ -130,10 +186,17 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     # every exchange group 0 started went on the link, the failed one too
     bits = {None: None, "int4": 4}[compression]
     numel = sum(p.numel() for p in build_model().parameters())
-    exchanges = EPOCHS * SAMPLES // BATCH // H + summary_0["redone"]
-    chunk = math.ceil(numel / 2)  # each of a group's 2 processes sends its half
-    sent = chunk * 4 if bits is None else payload_bytes(chunk, bits)
-    assert summary_0["wire"] == {"payload_bytes": exchanges * sent, "exchanges": exchanges}
+    exchanges = EPOCHS * SAMPLES // BATCH // length + summary_0["redone"]
+    if fragments == 1:
+        chunk = math.ceil(numel / 2)  # each of a group's 2 processes sends its half
+        sent = chunk * 4 if bits is None else payload_bytes(chunk, bits)
+        assert summary_0["wire"] == {"payload_bytes": exchanges * sent, "exchanges": exchanges}
+    else:  # each exchange one fragment's half (float32)
+        sizes = [4 * math.ceil(sum(p.numel() for p in fragment) / 2) for fragment in
+                 _fragment_params(fragments)]
+        assert summary_0["wire"]["exchanges"] == exchanges, summary_0
+        assert exchanges * min(sizes) <= summary_0["wire"]["payload_bytes"] <= \
+            exchanges * max(sizes), (summary_0, sizes)
     # what was committed: group 1's first life up to the start of the round it died in
     for rank in (0, 1):
         records[(1, rank, 0)] = {s: i for s, i in records[(1, rank, 0)].items()
@@ -147,9 +210,31 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     # those of DiLoCo by hand over the committed batches: the redone round started from the
     # round's start (weights, Adam and outer state) and the healed group from its peer's
     final = [torch.load(tmp_path / f"final_g{g}.pt") for g in (0, 1)]
-    assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
-    assert_params_close(_by_hand(_committed(records), healed_at, bits=bits), final[0],
-                        atol=1e-5, label="by hand vs group 0: ")
+    if fragments == 1:
+        assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
+        assert_params_close(_by_hand(_committed(records), healed_at, bits=bits), final[0],
+                            atol=1e-5, label="by hand vs group 0: ")
+        return
+    # streaming: the fragment exchanged last is the same in both groups, the other one is
+    # each group's own; each group's weights are those of streaming DiLoCo by hand
+    last = _fragment_names(fragments)[Schedule(H, fragments, 0).applied(H)[0]]
+    assert_params_close({k: final[0][k] for k in last}, {k: final[1][k] for k in last},
+                        atol=0, label="last fragment, group 1 vs group 0: ")
+    assert any((final[0][k] - final[1][k]).abs().max() > 0 for k in final[0] if k not in last)
+    by_hand = _streaming_by_hand(_committed(records), healed_at, fragments)
+    for g in (0, 1):
+        assert_params_close(by_hand[g], final[g], atol=1e-5, label=f"by hand vs group {g}: ")
+
+
+def _fragment_params(fragments: int) -> list[list[torch.nn.Parameter]]:
+    params = list(build_model().parameters())
+    return [[params[i] for i in part] for part in split_fragments(params, fragments)]
+
+
+def _fragment_names(fragments: int) -> list[list[str]]:
+    named = list(build_model().named_parameters())
+    return [[named[i][0] for i in part]
+            for part in split_fragments([p for _, p in named], fragments)]
 
 
 @pytest.mark.timeout(150)

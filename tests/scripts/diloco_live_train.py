@@ -8,7 +8,9 @@ MLP trained with Adam on a synthetic regression set whose samples carry their in
 ``--hold-at-step S``: the other groups wait before the last step ahead of step S (a
 round's start) until the restarted group is about to ask for a quorum, and every step is
 from there on slowed by ``--step-seconds`` until it has healed, so it joins before the
-end. ``--compression int8|int4`` (``--no-error-feedback``) quantises the exchange. At the end
+end. ``--fragments F`` streams the model in F fragments (a round of ``inner_steps / F`` steps
+ends with one fragment's exchange). ``--compression int8|int4`` (``--no-error-feedback``)
+quantises the exchange. At the end
 rank 0 writes the parameters to ``final_g<G>.pt`` and its step counts and wire bytes to
 ``summary_g<G>_life<L>.json``.
 """
@@ -59,6 +61,7 @@ def main() -> None:
     ap.add_argument("--kill-at-step", type=int, default=-1)
     ap.add_argument("--hold-at-step", type=int, default=-1)
     ap.add_argument("--step-seconds", type=float, default=0.25)
+    ap.add_argument("--fragments", type=int, default=1)
     ap.add_argument("--compression", choices=["int8", "int4"], default=None)
     ap.add_argument("--no-error-feedback", action="store_true")
     a = ap.parse_args()
@@ -66,7 +69,8 @@ def main() -> None:
     group = int(os.environ["REPLICATOR_REPLICA_GROUP"])
     rank = int(os.environ.get("RANK", "0"))
     life = int(os.environ.get("REPLICATOR_RESTART_COUNT", "0"))
-    strategy = rp.DiLoCoStrategy(inner_steps=a.inner_steps, compression=a.compression,
+    strategy = rp.DiLoCoStrategy(inner_steps=a.inner_steps, fragments=a.fragments,
+                                 compression=a.compression,
                                  error_feedback=not a.no_error_feedback)
     with strategy.scope():
         model = build_model()

@@ -61,7 +61,7 @@ def test_each_fragment_is_exchanged_and_applied_once_per_round(h, f, d):
     assert last == sorted(last)  # in turns
 
 
-@pytest.mark.parametrize("kwargs", [{"fragments": 2}, {"sync_delay": 1}, {"hosts": 2}])
+@pytest.mark.parametrize("kwargs", [{"sync_delay": 1}, {"hosts": 2}])
 def test_settings_replica_groups_lack_are_refused_before_any_group_starts(monkeypatch, kwargs):
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUPS", "2")
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUP", "1")
@@ -76,12 +76,15 @@ LIVE_ENV = {"REPLICATOR_REPLICA_GROUPS": "2", "REPLICATOR_REPLICA_GROUP": "1",
             "REPLICATOR_LIGHTHOUSE": "http://localhost:29510"}
 
 
-def test_replica_groups_refuse_fragments_naming_the_group_and_saying_compression_is_supported():
+def test_replica_groups_take_fragments_that_divide_inner_steps_and_refuse_others():
     live = LiveSettings.from_env(LIVE_ENV)
     assert live is not None
     with pytest.raises(rp.errors.ClusterConfigError) as info:
-        _check_live(live, fragments=2, sync_delay=0, hosts=None, mesh=None)
+        _check_live(live, inner_steps=6, fragments=4, sync_delay=0, hosts=None, mesh=None)
     text = str(info.value)
-    assert "fragments=2 is not supported in replica groups" in text and live.who in text
-    assert "compression='int8' or 'int4' is supported" in text and "HINT: leave fragments" in text
-    _check_live(live, fragments=1, sync_delay=0, hosts=None, mesh=None)  # the defaults pass
+    assert "fragments=4 does not divide inner_steps=6" in text and live.who in text
+    assert "HINT: use inner_steps=4 or fragments=3" in text, text
+    with pytest.raises(rp.errors.ClusterConfigError, match="sync_delay=1 is not supported"):
+        _check_live(live, inner_steps=6, fragments=2, sync_delay=1, hosts=None, mesh=None)
+    _check_live(live, inner_steps=6, fragments=3, sync_delay=0, hosts=None, mesh=None)
+    _check_live(live, inner_steps=6, fragments=1, sync_delay=0, hosts=None, mesh=None)

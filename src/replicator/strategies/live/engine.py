@@ -249,7 +249,8 @@ class LiveEngine:
             raise LiveRecoveryError(
                 f"{self.who} synchronises every {h} steps but the backup of step {step} was "
                 f"written by a run that synchronised every {saved['round_steps']}, so its "
-                "round cannot go on here. HINT: resume with the inner_steps of the run that "
+                "round cannot go on here. HINT: resume with the inner_steps (and fragments) of "
+                "the run that "
                 "wrote it, or start in another backup directory")
         start = int(saved["round_start"]["progress"]["step"])
         self._apply(saved["round_start"], self._progress_check or (lambda progress: None))

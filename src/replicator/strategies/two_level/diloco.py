@@ -10,7 +10,8 @@ torchft's ``DiLoCo``, which keeps a fixed sampler per replica group (samples ski
 rejoins), compresses only on CUDA and has no per-host inner group. The input is split over every
 process (each global batch once), so ``inner_steps=1, outer_lr=1, outer_momentum=0`` equals
 synchronous training. Under ``--replica-groups`` each group is one host and the outer exchange
-goes through the live engine's rounds (``strategies/live/engine.py``), compressed or not.
+goes through the live engine's rounds (``strategies/live/engine.py``), compressed or not; with
+``fragments=F`` a round is ``inner_steps / F`` steps and ends with one fragment's exchange.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class DiLoCoStrategy(Strategy):
         check_mesh(mesh, hosts)
         live = LiveSettings.from_env()
         if live is not None:
-            _check_live(live, fragments, sync_delay, hosts, mesh)
+            _check_live(live, inner_steps, fragments, sync_delay, hosts, mesh)
         bits = COMPRESSIONS[compression]
         self.inner_steps, self.fragments, self.sync_delay = inner_steps, fragments, sync_delay
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -139,7 +140,8 @@ class DiLoCoStrategy(Strategy):
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = \
             weakref.WeakKeyDictionary()
         self._optimizer_states: dict[str, Any] = {}
-        self.round_steps = inner_steps
+        # under replica groups a round ends with one fragment's exchange (see _check_live)
+        self.round_steps = inner_steps // fragments if live is not None else inner_steps
         super().__init__(check_finite=check_finite)
         if self.live is not None:
             self.live.use_rounds(self)
@@ -234,10 +236,10 @@ class DiLoCoStrategy(Strategy):
             return
         self._step += 1
         live = self.live
-        if live is not None:  # one fragment, applied at once (see _check_live)
-            if self._step % self.inner_steps == 0:
-                flat = self._outer[0].pseudo_gradient()
-                self._outer[0].step(self._exchange.in_round(live, flat))
+        if live is not None:  # a round's last step: its fragment, applied at once
+            for fragment in self._schedule.applied(self._step):
+                flat = self._outer[fragment].pseudo_gradient()
+                self._outer[fragment].step(self._exchange.in_round(live, flat, fragment))
             return
         for fragment in self._schedule.starting(self._step):
             flat = self._outer[fragment].pseudo_gradient()
@@ -346,17 +348,31 @@ class DiLoCoStrategy(Strategy):
         self.inner.close()
 
 
-def _check_live(live: LiveSettings, fragments: int, sync_delay: int, hosts: HostsSpec,
-                mesh: Topology | None) -> None:
-    """Refuse the settings that replica groups do not support yet."""
-    for name, value, plain in (("fragments", fragments, 1), ("sync_delay", sync_delay, 0),
-                               ("hosts", hosts, None), ("mesh", mesh, None)):
+def _check_live(live: LiveSettings, inner_steps: int, fragments: int, sync_delay: int,
+                hosts: HostsSpec, mesh: Topology | None) -> None:
+    """Refuse the settings that replica groups do not support."""
+    in_flight = ("a round (one fragment's exchange) is committed or trained again as a whole, "
+                 "so no exchange may stay in flight past its end")
+    for name, value, plain, why in (("sync_delay", sync_delay, 0, in_flight),
+                                    ("hosts", hosts, None, "each group is one host"),
+                                    ("mesh", mesh, None, "each group is one host")):
         if value != plain:
             raise ClusterConfigError(
                 f"{name}={value!r} is not supported in replica groups ({live.who} of "
-                f"{live.groups}): each group is one host and syncs the whole model at each "
-                "round's end (compression='int8' or 'int4' is supported). HINT: leave "
-                f"{name} at {plain!r} under --replica-groups, or launch without it")
+                f"{live.groups}): {why}. HINT: leave {name} at {plain!r} under "
+                "--replica-groups, or launch without it")
+    if inner_steps % fragments:
+        raise ClusterConfigError(
+            f"fragments={fragments} does not divide inner_steps={inner_steps} ({live.who} of "
+            f"{live.groups}): in replica groups each fragment's exchange ends a round of "
+            "inner_steps / fragments steps, the unit a group commits, trains again or heals "
+            f"at. HINT: use inner_steps={inner_steps - inner_steps % fragments} or "
+            f"fragments={_largest_divisor(inner_steps, fragments)}")
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` not above ``at_most``."""
+    return max(d for d in range(1, at_most + 1) if n % d == 0)
 
 
 class LocalSGDStrategy(DiLoCoStrategy):

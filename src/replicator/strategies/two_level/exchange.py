@@ -107,12 +107,13 @@ class OuterExchange:
                                            payload)
         return pending
 
-    def in_round(self, live: LiveEngine, flat: torch.Tensor) -> torch.Tensor:
-        """Under replica groups (each one host): ``flat`` averaged over the quorum's groups at
-        the live round's end, flat. As across hosts, this rank's chunk goes to the ranks of the
-        same local rank in the other groups, a float32 all-reduce or, quantised, an all-gather
-        of payloads decoded and summed in the quorum's order; once the round is committed
-        (else ``StepNotCommitted``) the group gathers the chunks over its own processes."""
+    def in_round(self, live: LiveEngine, flat: torch.Tensor, fragment: int = 0) -> torch.Tensor:
+        """Under replica groups (each one host): ``flat`` (``fragment``'s pseudo-gradient)
+        averaged over the quorum's groups at the live round's end, flat. As across hosts,
+        this rank's chunk goes to the ranks of the same local rank in the other groups, a
+        float32 all-reduce or, quantised, an all-gather of payloads decoded and summed in
+        the quorum's order; once the round is committed (else ``StepNotCommitted``) the group
+        gathers the chunks over its own processes."""
         mine = self._chunk_of(flat)
         self.stats.exchanges += 1
         quantizer = self.quantizer
@@ -120,7 +121,7 @@ class OuterExchange:
             self.stats.payload_bytes += mine.numel() * mine.element_size()
             return self._whole(live.sync_round(mine), flat.numel())
         numel = mine.numel()
-        payload = quantizer.encode(mine, key="0")
+        payload = quantizer.encode(mine, key=str(fragment))
         self.stats.payload_bytes += payload.numel()
         chunk = live.sync_round_gathered(payload,
                                          lambda parts: quantizer.decode_sum(parts, numel))
