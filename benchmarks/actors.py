@@ -2,9 +2,11 @@
 
     python benchmarks/actors.py [--rounds 3] [--seconds 5] [--env CartPole-v1]
 
-Beside each figure: the same stepping code in one process (no actors), the no-communication
-ceiling (A processes stepping the same code at the same time, sending nothing), so that
-``vs_ceiling`` is what the actor transport costs, and TorchRL's multi-process collector
+Beside each figure: the same stepping code in one process (no actors: an actor's ``Stepper``
+and ``ExperienceBuilder``, each batch dropped where an actor sends it), the no-communication
+ceiling (A processes stepping that code at the same time, sending nothing), so that
+``vs_ceiling`` is what the actor transport costs, and the bare loop (environments and policy
+only, no experience built) for reference, and TorchRL's multi-process collector
 (``MultiAsyncCollector``, A worker processes, ``benchmarks/_torchrl_peer.py``) on the same
 environments (``NUM_ENVS`` CartPole copies per process) with the same policy network, handing
 over ``SEND_EVERY`` frames per batch as an actor ships ``SEND_EVERY`` env steps per batch:
@@ -47,22 +49,41 @@ def _act(policy: torch.nn.Module, obs: torch.Tensor) -> torch.Tensor:
     return policy(obs).argmax(-1)
 
 
-def step_alone(env_id: str, seconds: float, out: mp.Queue | None = None) -> float:
-    """Env steps per second of one process stepping ``NUM_ENVS`` envs with the policy."""
+def step_alone(env_id: str, seconds: float, out: mp.Queue | None = None,
+               bare: bool = False) -> float:
+    """Env steps per second of one process running an actor's stepping code (its ``Stepper``
+    and ``ExperienceBuilder``; each batch of ``SEND_EVERY`` steps taken and dropped where an
+    actor queues it for sending); ``bare``: only the environments and the policy."""
     import numpy as np
 
+    from replicator.rl.actor import ActorConfig, Stepper
     from replicator.rl.environments import make_vector_env
+    from replicator.rl.experience import ExperienceBuilder
 
     torch.set_num_threads(1)
-    envs = make_vector_env(env_id, NUM_ENVS)
-    policy = _policy()
-    obs, _ = envs.reset(seed=0)
-    steps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        with torch.no_grad():
-            action = _act(policy, torch.as_tensor(np.asarray(obs), dtype=torch.float32))
-        obs, *_ = envs.step(action.numpy())
-        steps += NUM_ENVS
+    steps = 0
+    if bare:
+        envs = make_vector_env(env_id, NUM_ENVS)
+        policy = _policy()
+        obs, _ = envs.reset(seed=0)
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            with torch.no_grad():
+                action = _act(policy, torch.as_tensor(np.asarray(obs), dtype=torch.float32))
+            obs, *_ = envs.step(action.numpy())
+            steps += NUM_ENVS
+    else:
+        cfg = ActorConfig(index=0, num_learners=1, num_envs=NUM_ENVS, seed=0,
+                          kind="transitions", send_every=SEND_EVERY)
+        stepper = Stepper(cfg, env_id, _policy, _act)
+        builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)
+        stepper.reset(0)
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            stepper.step(builder, 0)
+            if builder.count >= cfg.send_every:
+                builder.take()
+            steps += NUM_ENVS
     rate = steps / (time.perf_counter() - start)
     if out is not None:
         out.put(rate)
@@ -121,11 +142,13 @@ def main() -> None:
     args = parser.parse_args()
     with_peer = _torchrl_peer.available()
     alone: list[float] = []
+    bare: list[float] = []
     ours: dict[int, list[float]] = {a: [] for a in args.actors}
     ceil: dict[int, list[float]] = {a: [] for a in args.actors}
     peer: dict[int, list[float]] = {a: [] for a in args.actors}
     for _ in range(args.rounds):
         alone.append(step_alone(args.env, args.seconds))
+        bare.append(step_alone(args.env, args.seconds, bare=True))
         for a in args.actors:
             ceil[a].append(ceiling(args.env, a, args.seconds))
             ours[a].append(rp.launch(learner, num_replicas=1, num_actors=a,
@@ -135,7 +158,8 @@ def main() -> None:
     print(f"env {args.env}, {NUM_ENVS} envs per actor, {SEND_EVERY} steps per batch, "
           f"{args.rounds} rounds of {args.seconds:g} s, load {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
-    rows = [["one process", median(alone), _range(alone), "", "", "", ""]]
+    rows = [["one process", median(alone), _range(alone), "", "", "", ""],
+            ["bare env + policy loop", median(bare), _range(bare), "", "", "", ""]]
     for a in args.actors:
         rows.append([f"{a} actor(s)", median(ours[a]), _range(ours[a]), median(ceil[a]),
                      median(ours[a]) / median(ceil[a]),
@@ -143,7 +167,8 @@ def main() -> None:
                      median(ours[a]) / median(peer[a]) if with_peer else "-"])
     print_table(["run", "env_steps_per_s", "range", "ceiling", "vs_ceiling", "torchrl",
                  "vs_torchrl"], rows)
-    emit("actors", "one_process", 1.0, "reference", env_steps_per_s=round(median(alone)))
+    emit("actors", "one_process", 1.0, "reference", env_steps_per_s=round(median(alone)),
+         bare_loop_env_steps_per_s=round(median(bare)))
     for a in args.actors:
         emit("actors", f"actors_{a}", median(ours[a]) / median(ceil[a]), ">= 0.9 vs ceiling",
              env_steps_per_s=round(median(ours[a])), ceiling=round(median(ceil[a])),

@@ -156,6 +156,7 @@ class Stepper:
         self.returns = np.zeros(cfg.num_envs)
         self.finished: list[float] = []
         self.obs: Any = None
+        self._obs_tensor: torch.Tensor | None = None  # self.obs as the policy's input
 
     def spec(self) -> dict[str, Any]:
         space = self.envs.single_observation_space
@@ -164,10 +165,12 @@ class Stepper:
 
     def reset(self, seed: int | None) -> None:
         self.obs, _ = self.envs.reset(seed=seed)
+        self._obs_tensor = None
         self.returns[:] = 0
 
     def step(self, builder: ExperienceBuilder, version: int, truncate: bool = False) -> None:
-        obs = torch.as_tensor(np.asarray(self.obs), dtype=torch.float32)
+        obs = self._obs_tensor if self._obs_tensor is not None else \
+            torch.as_tensor(np.asarray(self.obs), dtype=torch.float32)
         action, extras = _act(self.act_fn, self.policy, obs)
         try:
             next_obs, reward, term, trunc, info = self.envs.step(action.numpy())
@@ -179,19 +182,22 @@ class Stepper:
                 "the launcher restarts this actor alone.") from exc
         self.vector_steps += 1
         trunc = np.asarray(trunc) | truncate
-        final = np.asarray(next_obs, dtype=np.float32).copy()
-        if "_final_obs" in info:
+        # one conversion per observation: the vector env returns a new array each step, so
+        # the tensor is this step's next observation and the next step's policy input
+        next_tensor = torch.as_tensor(np.asarray(next_obs), dtype=torch.float32)
+        final = next_tensor
+        if "_final_obs" in info:  # an episode ended: its last observation, not the reset's
+            final = next_tensor.clone()
             for i in np.nonzero(info["_final_obs"])[0]:
-                final[i] = info["final_obs"][i]
+                final[i] = torch.as_tensor(np.asarray(info["final_obs"][i]), dtype=torch.float32)
         self.returns += reward
         for i in np.nonzero(np.asarray(term) | trunc)[0]:
             self.finished.append(float(self.returns[i]))
             self.returns[i] = 0
-        builder.step(obs, action, torch.as_tensor(reward, dtype=torch.float32),
-                     torch.as_tensor(final), torch.as_tensor(np.asarray(term)),
-                     torch.as_tensor(trunc), extras, version,
-                     torch.as_tensor(np.asarray(next_obs), dtype=torch.float32))
-        self.obs = next_obs
+        builder.step(obs, action, torch.as_tensor(reward, dtype=torch.float32), final,
+                     torch.as_tensor(np.asarray(term)), torch.as_tensor(trunc), extras, version,
+                     next_tensor)
+        self.obs, self._obs_tensor = next_obs, next_tensor
 
     def take_returns(self) -> list[float]:
         out, self.finished = self.finished, []
