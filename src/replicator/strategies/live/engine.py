@@ -250,8 +250,7 @@ class LiveEngine:
                 f"{self.who} synchronises every {h} steps but the backup of step {step} was "
                 f"written by a run that synchronised every {saved['round_steps']}, so its "
                 "round cannot go on here. HINT: resume with the inner_steps (and fragments) of "
-                "the run that "
-                "wrote it, or start in another backup directory")
+                "the run that wrote it, or start in another backup directory")
         start = int(saved["round_start"]["progress"]["step"])
         self._apply(saved["round_start"], self._progress_check or (lambda progress: None))
         self.manager.load_state_dict({"step": start // h, "batches_committed": start // h})
