@@ -46,12 +46,17 @@ def test_a_parameter_servers_round_trip_grows_with_the_gradients_bytes():
     trip at a quarter of what it took)."""
     from replicator.plan.profiles import AlphaBeta
 
-    results = rp.launch(measure._ps_worker, num_replicas=3, num_ps=1, timeout_seconds=90)
-    points = results[0]["ps"]
-    assert [p[0] for p in points] == [float(n * 4) for n in measure.PS_SIZES]
-    assert all(math.isfinite(p[1]) and p[1] >= 0 for p in points)
-    assert points[-1][1] > points[0][1]  # (2x quiet; a busy neighbour inflates the small one)
-    fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
-    # the cost per byte is the point here; the fixed cost once fitted at 0 with another
-    # test running beside this one (b 9.5e-10 s/B, twice a quiet run's)
+    for _attempt in range(2):
+        results = rp.launch(measure._ps_worker, num_replicas=3, num_ps=1, timeout_seconds=90)
+        points = results[0]["ps"]
+        assert [p[0] for p in points] == [float(n * 4) for n in measure.PS_SIZES]
+        assert all(math.isfinite(p[1]) and p[1] >= 0 for p in points)
+        assert points[-1][1] > points[0][1]  # (2x quiet; a busy neighbour inflates the small one)
+        fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
+        # the cost per byte is the point here; the fixed cost once fitted at 0 with another
+        # test running beside this one (b 9.5e-10 s/B, twice a quiet run's), and a busy
+        # neighbour once inflated a middle point so far that the relative fit found no cost per
+        # byte (2 of 5 full runs, 0 of 3 alone): a second measurement, not a looser bound
+        if fit.b > 0:
+            break
     assert fit.b > 0
