@@ -31,7 +31,8 @@ from replicator.rl import transport as T
 from replicator.rl.environments import env_name, make_vector_env
 from replicator.rl.experience import ExperienceBuilder
 
-__all__ = ["ActorConfig", "EnvironmentStepError", "Stepper", "run_actor", "named_weights"]
+__all__ = ["ActorConfig", "EnvironmentStepError", "Stepper", "base_seed", "run_actor",
+           "named_weights"]
 
 
 #: Batches an actor keeps queued for sending: few, so that experience waiting behind the
@@ -61,6 +62,12 @@ class ActorConfig:
     poll_seconds: float = 0.05
     timeout_seconds: float = 60.0
     restart: int = 0
+
+
+def base_seed(cfg: ActorConfig) -> int:
+    """What an actor's random seeds derive from: the job's seed and the actor's index, far
+    apart so that no two actors (or rounds, or restarts) draw the same seed."""
+    return cfg.seed * 1_000_003 + cfg.index * 10_007
 
 
 class _Links:
@@ -244,7 +251,7 @@ def _lockstep(cfg: ActorConfig, stepper: Stepper, links: _Links) -> None:
             return
         version, tensors = got
         _load(stepper.policy, tensors)
-        seed = cfg.seed * 1_000_003 + cfg.index * 10_007 + round_
+        seed = base_seed(cfg) + round_
         torch.manual_seed(seed)
         stepper.reset(seed)
         builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)
@@ -263,8 +270,8 @@ def _free_running(cfg: ActorConfig, stepper: Stepper, links: _Links) -> None:
         return
     version, tensors = got
     _load(stepper.policy, tensors)
-    torch.manual_seed(cfg.seed * 1_000_003 + cfg.index * 10_007 + cfg.restart)
-    stepper.reset(cfg.seed * 1_000_003 + cfg.index * 10_007 + cfg.restart * 101)
+    torch.manual_seed(base_seed(cfg) + cfg.restart)
+    stepper.reset(base_seed(cfg) + cfg.restart * 101)
     outbox: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=_OUTBOX_BATCHES)
     sender = _Sender(cfg, links, outbox, version)
     sender.start()

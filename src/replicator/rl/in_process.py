@@ -11,22 +11,19 @@ in one process.
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from replicator.rl.actor import ActorConfig, Stepper, named_weights
+from replicator.rl.actor import ActorConfig, Stepper, base_seed, named_weights
 from replicator.rl.experience import ExperienceBuilder
+from replicator.rl.policy_lag import PolicyLags
 from replicator.rl.replay import ReplayBuffer
 from replicator.rl.trajectory_queue import TrajectoryQueue
 
 __all__ = ["InProcessActor"]
-
-_LAGS_KEPT = 10_000  # as the experience server keeps them
 
 
 class InProcessActor:
@@ -41,13 +38,12 @@ class InProcessActor:
         self.replay = replay
         self.stepper = Stepper(cfg, env_fn, policy_fn, act_fn)
         self.builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)
-        self.stepper.reset(cfg.seed * 1_000_003 + cfg.index * 10_007)
+        self.stepper.reset(base_seed(cfg))
         self.version = -1
         self.step = 0  # the learner's step, which the experience's policy lag is measured to
         self._weights: list[torch.Tensor] = []
         self.items = 0
-        self._lags: deque[int] = deque(maxlen=_LAGS_KEPT)
-        self.max_lag = 0
+        self.lags = PolicyLags()
         self.episodes: list[tuple[float, int, float]] = []  # (return, env steps, seconds)
         self._started = time.monotonic()
 
@@ -82,8 +78,7 @@ class InProcessActor:
             items, _ = self.builder.take()
             if items is not None:
                 self.items += int(next(iter(items.values())).shape[0])
-                self._lags.append(self.step - self.version)
-                self.max_lag = max(self.max_lag, self.step - self.version)
+                self.lags.add(self.step - self.version)
                 self.replay.add(items)
             now = time.monotonic()
             self.episodes.extend((r, self.env_steps, now - self._started)
@@ -98,8 +93,8 @@ class InProcessActor:
     def stats(self) -> dict[str, Any]:
         """The experience server's figures, for the steps made here."""
         return {"env_steps": self.env_steps, "items": self.items,
-                "max_policy_lag": self.max_lag, "stale_dropped": 0,
-                "median_policy_lag": statistics.median(self._lags) if self._lags else 0,
+                "max_policy_lag": self.lags.max, "stale_dropped": 0,
+                "median_policy_lag": self.lags.median(),
                 "episodes": len(self.episodes), "joins": []}
 
     def close(self) -> None:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import threading
 import time
-from collections import deque
 from typing import Any
 
 import torch
@@ -24,11 +22,9 @@ from replicator.cluster.ports import LOOPBACK, listen
 from replicator.errors import ClusterConfigError
 from replicator.ps.messages import Connection, PeerLostError, tensor_text, text_tensor
 from replicator.rl import transport as T
+from replicator.rl.policy_lag import PolicyLags
 
 __all__ = ["ExperienceServer"]
-
-#: Policy lags kept for the median (the maximum is kept over the whole run).
-_LAGS_KEPT = 10_000
 
 
 class ExperienceServer:
@@ -55,8 +51,7 @@ class ExperienceServer:
         self._closed = False
         self.env_steps = 0
         self.items = 0
-        self.max_lag_seen = 0
-        self._lags: deque[int] = deque(maxlen=_LAGS_KEPT)
+        self.lags = PolicyLags()
         self.episodes: list[tuple[float, int, float]] = []  # (return, env steps, seconds)
         self.joins: list[dict[str, int]] = []
         self.actor_errors: list[str] = []
@@ -105,10 +100,9 @@ class ExperienceServer:
             return [self._rounds.pop((round_, a)) for a in actors]
 
     def stats(self) -> dict[str, Any]:
-        lags = list(self._lags)
         return {"env_steps": self.env_steps, "items": self.items,
-                "max_policy_lag": self.max_lag_seen, "stale_dropped": self.stale_dropped,
-                "median_policy_lag": statistics.median(lags) if lags else 0,
+                "max_policy_lag": self.lags.max, "stale_dropped": self.stale_dropped,
+                "median_policy_lag": self.lags.median(),
                 "episodes": len(self.episodes), "joins": list(self.joins)}
 
     def close(self) -> None:
@@ -215,8 +209,7 @@ class ExperienceServer:
                 entry["first_version"] = version
             self.env_steps += steps
             self.items += int(parts[1].shape[0]) if len(parts) > 1 else 0
-            self._lags.append(lag)
-            self.max_lag_seen = max(self.max_lag_seen, lag)
+            self.lags.add(lag)
             if self.lockstep:
                 self._rounds[(round_, actor)] = items
                 self._lock.notify_all()
