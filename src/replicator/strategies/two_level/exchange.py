@@ -85,16 +85,12 @@ class OuterExchange:
             return pending
         hosts, quantizer, box = self.num_hosts, self.quantizer, pending.box
         group = self._lane.group
+        payload = self._payload(mine, fragment)
         if quantizer is None:
-            payload = mine
-            self.stats.payload_bytes += mine.numel() * mine.element_size()
-
             def run() -> None:
                 dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
                 box["chunk"] = payload.div_(hosts)
         else:
-            payload = quantizer.encode(mine, key=str(fragment))
-            self.stats.payload_bytes += payload.numel()
             numel = mine.numel()
 
             def run() -> None:
@@ -102,7 +98,6 @@ class OuterExchange:
                 dist.all_gather(parts, payload, group=group)
                 box["chunk"] = quantizer.decode_sum(parts, numel).div_(hosts)
 
-        self.stats.exchanges += 1
         pending.handle = self._lane.submit(run, f"outer exchange of fragment {fragment}",
                                            payload)
         return pending
@@ -115,17 +110,25 @@ class OuterExchange:
         the quorum's order; once the round is committed (else ``StepNotCommitted``) the group
         gathers the chunks over its own processes."""
         mine = self._chunk_of(flat)
-        self.stats.exchanges += 1
+        payload = self._payload(mine, fragment)
         quantizer = self.quantizer
         if quantizer is None:
-            self.stats.payload_bytes += mine.numel() * mine.element_size()
-            return self._whole(live.sync_round(mine), flat.numel())
+            return self._whole(live.sync_round(payload), flat.numel())
         numel = mine.numel()
-        payload = quantizer.encode(mine, key=str(fragment))
-        self.stats.payload_bytes += payload.numel()
         chunk = live.sync_round_gathered(payload,
                                          lambda parts: quantizer.decode_sum(parts, numel))
         return self._whole(chunk, flat.numel())
+
+    def _payload(self, mine: torch.Tensor, fragment: int) -> torch.Tensor:
+        """What this rank sends of its chunk ``mine`` of ``fragment`` (float32, or quantised
+        with the fragment's own error feedback), counted in :attr:`stats`."""
+        self.stats.exchanges += 1
+        if self.quantizer is None:
+            self.stats.payload_bytes += mine.numel() * mine.element_size()
+            return mine
+        payload = self.quantizer.encode(mine, key=str(fragment))
+        self.stats.payload_bytes += payload.numel()
+        return payload
 
     def finish(self, pending: PendingExchange) -> torch.Tensor:
         """The hosts' averaged pseudo-gradient of ``pending``'s fragment, flat (a collective
