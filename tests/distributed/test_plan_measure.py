@@ -55,8 +55,9 @@ def test_a_parameter_servers_round_trip_grows_with_the_gradients_bytes():
         fit = AlphaBeta.fit([p[0] for p in points], [p[1] for p in points])
         # the cost per byte is the point here; the fixed cost once fitted at 0 with another
         # test running beside this one (b 9.5e-10 s/B, twice a quiet run's), and a busy
-        # neighbour once inflated a middle point so far that the relative fit found no cost per
-        # byte (2 of 5 full runs, 0 of 3 alone): a second measurement, not a looser bound
+        # neighbour once slowed a middle point past a larger one so that the fit found no cost
+        # per byte (2 of 5 full runs, 0 of 3 alone; the fit now caps such a point, see
+        # test_plan_cost_model): a second measurement for what it cannot tell, not a looser bound
         if fit.b > 0:
             break
     assert fit.b > 0

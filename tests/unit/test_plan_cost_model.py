@@ -150,8 +150,8 @@ def test_alpha_beta_fit_leaves_out_a_time_of_zero():
 
 def test_alpha_beta_fit_refits_the_other_term_when_one_would_be_negative():
     """A free fit with a negative fixed cost becomes the best line through the origin (its
-    relative error no worse than the free slope with the fixed cost cut off); a negative
-    slope becomes the weighted mean."""
+    relative error no worse than the free slope with the fixed cost cut off); a slope that
+    would be negative is none: the larger size's time."""
     sizes, seconds = [1e3, 1e6, 4e6, 8e6], [0.2e-6, 0.5e-3, 3.0e-3, 8.0e-3]
 
     def relative_error(a, b):
@@ -167,7 +167,18 @@ def test_alpha_beta_fit_refits_the_other_term_when_one_would_be_negative():
     assert fit.a == 0.0 and fit.b > 0
     assert relative_error(fit.a, fit.b) < relative_error(0.0, free_b)
     flat = AlphaBeta.fit([1e3, 1e6], [2e-3, 1e-3])
-    assert flat.b == 0.0 and 1e-3 < flat.a < 2e-3
+    assert flat == AlphaBeta(1e-3, 0.0)
+
+
+def test_alpha_beta_fit_keeps_the_cost_per_byte_when_a_neighbour_slowed_a_middle_size():
+    """A round trip timed at 1, 4 and 8 MB while a busy neighbour slowed the 1 MB one past the
+    4 MB one: the least-relative-error line through those points slopes down, and a fit that
+    took them as they came found no cost per byte at all; moving more bytes never costs less,
+    so the slowed point counts at the 4 MB time, and the slope of the other two survives."""
+    sizes = [1e6, 4e6, 8e6]
+    fit = AlphaBeta.fit(sizes, [3.965e-3, 1.747e-3, 12.64e-3])
+    assert fit.b > 1e-10
+    assert fit.seconds(8e6) > 2 * fit.seconds(1e6)
 
 
 def test_machine_profile_round_trips_through_json():

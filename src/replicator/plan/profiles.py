@@ -36,10 +36,12 @@ class AlphaBeta:
     def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
         """The line through the points with the least relative error and non-negative terms.
         A time of zero or less (a difference of two timings that noise cancelled) carries no
-        relative error to fit, and would outweigh every other point: it is left out."""
+        relative error to fit, and would outweigh every other point: it is left out. A size
+        timed slower than a larger one was slowed by something else (a busy neighbour only ever
+        adds time, and moving more bytes never costs less): it counts at the larger one's time."""
         if len(sizes) != len(seconds) or len(sizes) < 2:
             raise ValueError("AlphaBeta.fit needs at least two (size, seconds) points")
-        kept = [(x, y) for x, y in zip(sizes, seconds) if y > 0]
+        kept = _lower_envelope([(x, y) for x, y in zip(sizes, seconds) if y > 0])
         if len(kept) < 2:
             return cls(max((y for _, y in kept), default=0.0), 0.0)
         sizes, seconds = [x for x, _ in kept], [y for _, y in kept]
@@ -57,6 +59,14 @@ class AlphaBeta:
             b0 = sum(wi * x * y for wi, x, y in zip(w, sizes, seconds)) / sxx0 if sxx0 else 0.0
             return cls(0.0, max(b0, 0.0))
         return cls(my - b * mx, b)
+
+
+def _lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points by size, each time capped by every larger size's: non-decreasing."""
+    capped: list[tuple[float, float]] = []
+    for x, y in sorted(points, reverse=True):
+        capped.append((x, min(y, capped[-1][1]) if capped else y))
+    return capped[::-1]
 
 
 @dataclass
