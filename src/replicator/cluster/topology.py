@@ -183,6 +183,12 @@ class Topology:
         self.mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(self.axes))
         self._node_groups = self._make_node_groups()
         self._data_group = self._make_data_group()
+        if self.num_ps or self.mesh.ndim > 1 or len(self._node_groups) > 1 \
+                or len(self.data_axes) != 1:
+            # groups were made here: gloo finishes connecting one side of a pair before the
+            # other, and a process that ended at once closed its peer's half-made connection
+            # ("connectFullMesh failed ... Connection closed by peer", 3 of 40 under load)
+            dist.barrier()
 
     # -- who am I ------------------------------------------------------------------------------
     @property
