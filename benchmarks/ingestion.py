@@ -38,7 +38,8 @@ calibrated run of matrix products on one torch thread, so training holds one cor
 Each round builds every variant afresh and times ``--batches`` batches after two (so no variant
 starts with batches buffered while another ran); the rounds rotate the variants' order, so the
 noise of a shared machine hits all alike; medians and ranges over the rounds are reported.
-Run: ``python benchmarks/ingestion.py [--images 512] [--batches 4] [--rounds 3] [--no-s3]``
+Sixteen timed batches (about 1.6 s of input per turn; four, the earlier default, gave
+``autotune_vs_limit`` 0.70 to 1.15 between three quiet runs, sixteen 0.85 to 0.94). Run: ``python benchmarks/ingestion.py [--images 512] [--batches 16] [--rounds 3] [--no-s3]``
 """
 
 from __future__ import annotations
@@ -374,7 +375,7 @@ def measure(build: Any, warm: int, timed: int) -> tuple[tuple[float, float], flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=512)
-    parser.add_argument("--batches", type=int, default=4, help="timed batches per turn")
+    parser.add_argument("--batches", type=int, default=16, help="timed batches per turn")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--data", default=os.path.join(tempfile.gettempdir(),
