@@ -39,7 +39,8 @@ Each round builds every variant afresh and times ``--batches`` batches after two
 starts with batches buffered while another ran); the rounds rotate the variants' order, so the
 noise of a shared machine hits all alike; medians and ranges over the rounds are reported.
 Sixteen timed batches (about 1.6 s of input per turn; four, the earlier default, gave
-``autotune_vs_limit`` 0.70 to 1.15 between three quiet runs, sixteen 0.85 to 0.94). Run: ``python benchmarks/ingestion.py [--images 512] [--batches 16] [--rounds 3] [--no-s3]``
+``autotune_vs_limit`` 0.70 to 1.15 between three quiet runs, sixteen 0.85 to 0.94).
+Run: ``python benchmarks/ingestion.py [--images 512] [--batches 16] [--rounds 3] [--no-s3]``
 """
 
 from __future__ import annotations

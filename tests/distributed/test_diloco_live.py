@@ -4,7 +4,9 @@ replica group is one host. A process of group 1 is SIGKILLed in the middle of a 
 group 0 at a round's start (the failed round's, when its restart is quick, else a later one's:
 outer weights, outer and inner optimizer state, the step) and finishes with it: both end on
 the same outer weights. The same with int4 compression: the survivors' quantisation errors roll
-back with the round, the healed group's start from zero. And int8 (int4 without error feedback,
+back with the round, the healed group's start from zero; and with sync_delay=2 (the exchange
+started mid-round, and a group lost after it finished still makes the others train the round
+again). And int8 (int4 without error feedback,
 with --run-slow) across 2 groups of 1 process: equal outer weights, those of DiLoCo by hand
 with the same quantisation, and the bytes the payloads predict."""
 
@@ -87,16 +89,18 @@ def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: 
 
 
 def _streaming_by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: int,
-                       fragments: int, *, steps: int = EPOCHS * SAMPLES // BATCH, h: int = H
-                       ) -> dict[int, dict[str, torch.Tensor]]:
+                       fragments: int, *, steps: int = EPOCHS * SAMPLES // BATCH, h: int = H,
+                       delay: int = 0) -> dict[int, dict[str, torch.Tensor]]:
     """Streaming DiLoCo written out in one process over the batches each group committed, as
     replica groups run it: a round of ``h / fragments`` steps ends with one fragment's
     exchange (fragment f after inner steps (f + 1) h / fragments, modulo h); the groups present
-    average that fragment's pseudo-gradient, its own outer Nesterov SGD (0.7, 0.9) steps, and
-    every present group's copy of the fragment takes the new outer weights while the other
-    fragments go on from where they are. Group 1, back at round ``healed_at``, takes group
-    0's inner weights and Adam state there (a peer's state at a round's start). Returns each
-    group's weights at the end (the fragments not exchanged last differ between groups)."""
+    average that fragment's pseudo-gradient (taken ``delay`` steps before the round's end),
+    its own outer Nesterov SGD (0.7, 0.9) steps, and every present group's copy of the
+    fragment takes the new outer weights (the steps since the pseudo-gradient was taken are
+    lost to it) while the other fragments go on from where they are. Group 1, back at round
+    ``healed_at``, takes group 0's inner weights and Adam state there (a peer's state at a
+    round's start). Returns each group's weights at the end (the fragments not exchanged last
+    differ between groups)."""
     x, y, _ = dataset(SAMPLES).tensors
     outer_model = build_model()
     params = list(outer_model.parameters())
@@ -115,7 +119,11 @@ def _streaming_by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], h
             if g == 1 and start == healed_at:
                 inner[1][0].load_state_dict(copy.deepcopy(inner[0][0].state_dict()))
                 inner[1][1].load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
+        (fragment,) = schedule.applied(start + length)
         for step in range(start, start + length):
+            if step == start + length - delay:  # the exchange starts: the pseudo-gradient
+                mean = [sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
+                            for g in groups) / len(groups) for i in parts[fragment]]
             for g in groups:
                 model, opt = inner[g]
                 idx = torch.tensor([i for (gg, _), done in sorted(committed.items())
@@ -123,11 +131,11 @@ def _streaming_by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], h
                 torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
                 opt.step()
                 opt.zero_grad()
-        (fragment,) = schedule.applied(start + length)
-        for i in parts[fragment]:
-            mean = sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
-                       for g in groups) / len(groups)
-            params[i].grad = mean
+        if delay == 0:
+            mean = [sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
+                        for g in groups) / len(groups) for i in parts[fragment]]
+        for i, grad in zip(parts[fragment], mean):
+            params[i].grad = grad
         outer_opts[fragment].step()
         with torch.no_grad():
             for g in groups:
@@ -148,10 +156,11 @@ def _committed(records: dict[tuple[int, int, int], dict[int, list[int]]]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("compression,fragments", [(None, 1), ("int4", 1), (None, 2)],
-                         ids=["float32", "int4", "fragments2"])
+@pytest.mark.parametrize("compression,fragments,delay",
+                         [(None, 1, 0), ("int4", 1, 0), (None, 2, 0), (None, 1, 2)],
+                         ids=["float32", "int4", "fragments2", "delay2"])
 def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_trained_once(
-        tmp_path, monkeypatch, compression, fragments):
+        tmp_path, monkeypatch, compression, fragments, delay):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                REPLICATOR_LIVE_TIMEOUT_SECONDS="20", REPLICATOR_QUORUM_TIMEOUT_SECONDS="120")
     monkeypatch.setenv("RUST_LOG", "info")  # the lighthouse logs each quorum
@@ -163,6 +172,7 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
              "--out", str(tmp_path), "--inner-steps", str(H), "--samples", str(SAMPLES),
              "--batch", str(BATCH), "--epochs", str(EPOCHS), "--kill-at-step", str(KILL_AT),
              "--hold-at-step", str(HOLD_AT), "--fragments", str(fragments),
+             "--sync-delay", str(delay),
              *(["--compression", compression] if compression else [])],
             capture_output=True, text=True, timeout=220, env=env)
     finally:
@@ -212,8 +222,12 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     final = [torch.load(tmp_path / f"final_g{g}.pt") for g in (0, 1)]
     if fragments == 1:
         assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
-        assert_params_close(_by_hand(_committed(records), healed_at, bits=bits), final[0],
-                            atol=1e-5, label="by hand vs group 0: ")
+        by_hand = _by_hand(_committed(records), healed_at, bits=bits) if delay == 0 else \
+            _streaming_by_hand(_committed(records), healed_at, 1, delay=delay)[0]
+        assert_params_close(by_hand, final[0], atol=1e-5, label="by hand vs group 0: ")
+        if delay:  # the pseudo-gradient taken before the last steps made a difference
+            undelayed = _streaming_by_hand(_committed(records), healed_at, 1)[0]
+            assert max((undelayed[k] - final[0][k]).abs().max() for k in undelayed) > 1e-4
         return
     # streaming: the fragment exchanged last is the same in both groups, the other one is
     # each group's own; each group's weights are those of streaming DiLoCo by hand

@@ -9,7 +9,8 @@ MLP trained with Adam on a synthetic regression set whose samples carry their in
 round's start) until the restarted group is about to ask for a quorum, and every step is
 from there on slowed by ``--step-seconds`` until it has healed, so it joins before the
 end. ``--fragments F`` streams the model in F fragments (a round of ``inner_steps / F`` steps
-ends with one fragment's exchange). ``--compression int8|int4`` (``--no-error-feedback``)
+ends with one fragment's exchange), started ``--sync-delay`` steps before the round's end.
+``--compression int8|int4`` (``--no-error-feedback``)
 quantises the exchange. At the end
 rank 0 writes the parameters to ``final_g<G>.pt`` and its step counts and wire bytes to
 ``summary_g<G>_life<L>.json``.
@@ -62,6 +63,7 @@ def main() -> None:
     ap.add_argument("--hold-at-step", type=int, default=-1)
     ap.add_argument("--step-seconds", type=float, default=0.25)
     ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--sync-delay", type=int, default=0)
     ap.add_argument("--compression", choices=["int8", "int4"], default=None)
     ap.add_argument("--no-error-feedback", action="store_true")
     a = ap.parse_args()
@@ -70,7 +72,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     life = int(os.environ.get("REPLICATOR_RESTART_COUNT", "0"))
     strategy = rp.DiLoCoStrategy(inner_steps=a.inner_steps, fragments=a.fragments,
-                                 compression=a.compression,
+                                 sync_delay=a.sync_delay, compression=a.compression,
                                  error_feedback=not a.no_error_feedback)
     with strategy.scope():
         model = build_model()

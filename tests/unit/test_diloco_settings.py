@@ -61,7 +61,7 @@ def test_each_fragment_is_exchanged_and_applied_once_per_round(h, f, d):
     assert last == sorted(last)  # in turns
 
 
-@pytest.mark.parametrize("kwargs", [{"sync_delay": 1}, {"hosts": 2}])
+@pytest.mark.parametrize("kwargs", [{"hosts": 2}])
 def test_settings_replica_groups_lack_are_refused_before_any_group_starts(monkeypatch, kwargs):
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUPS", "2")
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUP", "1")
@@ -80,11 +80,23 @@ def test_replica_groups_take_fragments_that_divide_inner_steps_and_refuse_others
     live = LiveSettings.from_env(LIVE_ENV)
     assert live is not None
     with pytest.raises(rp.errors.ClusterConfigError) as info:
-        _check_live(live, inner_steps=6, fragments=4, sync_delay=0, hosts=None, mesh=None)
+        _check_live(live, inner_steps=6, fragments=4, hosts=None, mesh=None)
     text = str(info.value)
     assert "fragments=4 does not divide inner_steps=6" in text and live.who in text
     assert "HINT: use inner_steps=4 or fragments=3" in text, text
-    with pytest.raises(rp.errors.ClusterConfigError, match="sync_delay=1 is not supported"):
-        _check_live(live, inner_steps=6, fragments=2, sync_delay=1, hosts=None, mesh=None)
-    _check_live(live, inner_steps=6, fragments=3, sync_delay=0, hosts=None, mesh=None)
-    _check_live(live, inner_steps=6, fragments=1, sync_delay=0, hosts=None, mesh=None)
+    _check_live(live, inner_steps=6, fragments=3, hosts=None, mesh=None)
+    _check_live(live, inner_steps=6, fragments=1, hosts=None, mesh=None)
+
+
+def test_under_replica_groups_a_sync_delay_keeps_each_exchange_inside_its_round():
+    """A round of inner_steps / fragments steps ends with its fragment's update; that
+    fragment's exchange starts sync_delay steps before, inside the same round (a round is what
+    a group commits or trains again, so nothing may stay in flight past its end)."""
+    for h, f in ((4, 1), (4, 2), (6, 3), (12, 4)):
+        length = h // f
+        for d in range(length):  # every delay _check_settings takes
+            schedule = Schedule(h, f, d)
+            for t in range(1, 4 * h + 1):
+                for fragment in schedule.starting(t):
+                    end = next(u for u in range(t, t + h + 1) if fragment in schedule.applied(u))
+                    assert end - t == d and (t - 1) // length == (end - 1) // length, (h, f, d, t)

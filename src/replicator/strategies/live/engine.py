@@ -7,8 +7,8 @@ batch; at the first ``optimizer.step()`` the gradients are averaged across the q
 state. A quorum is asked for every ``quorum_every`` committed steps while membership holds; a
 lost group fails the others' all-reduce, so the redo asks at once, and a group leaving on SIGTERM
 says so in its last step's all-reduce. In rounds (DiLoCo's replica groups, :meth:`use_rounds`)
-the groups train alone for ``round_steps`` steps and average one tensor at the round's end
-(:meth:`sync_round`, or :meth:`sync_round_gathered` for payloads an all-reduce cannot sum:
+the groups train alone for ``round_steps`` steps and average one tensor by the round's end
+(:meth:`start_round_sync`, or :meth:`sync_round_gathered` for payloads an all-reduce cannot sum:
 quantised ones, all-gathered over the same torchft process group); a round not committed is
 rolled back to its start and trained again with the new quorum's shares, and a backup holds
 the state its round started from (:meth:`backup_state`, :meth:`resume_at`).
@@ -407,21 +407,32 @@ class LiveEngine:
             self._leave_announced = self._announce_leave
         self._phase = "committed"
 
-    def sync_round(self, flat: torch.Tensor) -> torch.Tensor:
-        """In rounds, at the round's last step: the average of ``flat`` over the quorum's
-        groups, or ``StepNotCommitted`` (the round is then trained again; see run_step)."""
+    def start_round_sync(self, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """In rounds: start averaging ``flat`` over the quorum's groups; the call returned, at
+        the round's last step, waits for it and gives the average, or ``StepNotCommitted``
+        (the round is then trained again; see run_step). Started before the last step, the
+        all-reduce overlaps the steps between (streaming DiLoCo's ``sync_delay``), and a
+        one-value all-reduce at the end makes sure every group reached it: a group lost after
+        the exchange finished fails that one, so the round is trained again without it."""
         quorum = self._round_quorum()
-        start = time.perf_counter()
         flat = flat / quorum.participants
-        self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
-        self._commit_round(quorum, self._add("allreduce", start))
-        return flat
+        work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
+        started_at = self._in_round
+
+        def finish() -> torch.Tensor:
+            start = time.perf_counter()
+            work.wait()
+            if self._in_round != started_at:
+                self.manager.allreduce(torch.zeros(1), reduce_op=dist.ReduceOp.SUM).wait()
+            self._commit_round(quorum, self._add("allreduce", start))
+            return flat
+        return finish
 
     def sync_round_gathered(self, payload: torch.Tensor,
                             combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         """In rounds, at the round's last step: ``combine`` of every group's ``payload`` (one
         length on all), all-gathered in the quorum's order so every group combines the same
-        list, divided by the participants; or ``StepNotCommitted`` as :meth:`sync_round`.
+        list, divided by the participants; or ``StepNotCommitted`` as :meth:`start_round_sync`.
         For payloads an all-reduce cannot sum (quantised values with per-group scales)."""
         quorum = self._round_quorum()
         start = time.perf_counter()

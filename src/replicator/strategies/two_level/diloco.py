@@ -11,7 +11,9 @@ rejoins), compresses only on CUDA and has no per-host inner group. The input is 
 process (each global batch once), so ``inner_steps=1, outer_lr=1, outer_momentum=0`` equals
 synchronous training. Under ``--replica-groups`` each group is one host and the outer exchange
 goes through the live engine's rounds (``strategies/live/engine.py``), compressed or not; with
-``fragments=F`` a round is ``inner_steps / F`` steps and ends with one fragment's exchange.
+``fragments=F`` a round is ``inner_steps / F`` steps and ends with one fragment's exchange,
+started ``sync_delay`` steps before the round's end (so it never outlives the round, the unit a
+group commits or trains again).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class DiLoCoStrategy(Strategy):
         check_mesh(mesh, hosts)
         live = LiveSettings.from_env()
         if live is not None:
-            _check_live(live, inner_steps, fragments, sync_delay, hosts, mesh)
+            _check_live(live, inner_steps, fragments, hosts, mesh)
         bits = COMPRESSIONS[compression]
         self.inner_steps, self.fragments, self.sync_delay = inner_steps, fragments, sync_delay
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -235,15 +237,11 @@ class DiLoCoStrategy(Strategy):
         if not self._owns(optimizer):
             return
         self._step += 1
-        live = self.live
-        if live is not None:  # a round's last step: its fragment, applied at once
-            for fragment in self._schedule.applied(self._step):
-                flat = self._outer[fragment].pseudo_gradient()
-                self._outer[fragment].step(self._exchange.in_round(live, flat, fragment))
-            return
+        live = self.live  # under replica groups, a round ends with its fragment's update
         for fragment in self._schedule.starting(self._step):
             flat = self._outer[fragment].pseudo_gradient()
-            self._pending.append(self._exchange.start(fragment, flat))
+            self._pending.append(self._exchange.start(fragment, flat) if live is None
+                                 else self._exchange.start_in_round(live, fragment, flat))
         for fragment in self._schedule.applied(self._step):
             pending = next(p for p in self._pending if p.fragment == fragment)
             self._pending.remove(pending)
@@ -333,6 +331,7 @@ class DiLoCoStrategy(Strategy):
         for fragment, saved in zip(self._outer, state["outer"], strict=True):
             fragment.load_state_dict(saved)
         self._step = int(state["step"])
+        self._pending = []  # a round starts with no exchange in flight (see _check_live)
         quantizer = self._exchange.quantizer
         if quantizer is not None:
             feedback = state.get("feedback") or {}
@@ -348,13 +347,10 @@ class DiLoCoStrategy(Strategy):
         self.inner.close()
 
 
-def _check_live(live: LiveSettings, inner_steps: int, fragments: int, sync_delay: int,
+def _check_live(live: LiveSettings, inner_steps: int, fragments: int,
                 hosts: HostsSpec, mesh: Topology | None) -> None:
     """Refuse the settings that replica groups do not support."""
-    in_flight = ("a round (one fragment's exchange) is committed or trained again as a whole, "
-                 "so no exchange may stay in flight past its end")
-    for name, value, plain, why in (("sync_delay", sync_delay, 0, in_flight),
-                                    ("hosts", hosts, None, "each group is one host"),
+    for name, value, plain, why in (("hosts", hosts, None, "each group is one host"),
                                     ("mesh", mesh, None, "each group is one host")):
         if value != plain:
             raise ClusterConfigError(

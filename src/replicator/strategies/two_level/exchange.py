@@ -7,12 +7,14 @@ all-reduce / all-gather, as ``comm/hierarchical.py``). The cross-host step runs 
 group's comm lane, overlapped with ``sync_delay`` inner steps: an all-reduce, or with
 ``int8``/``int4`` an all-gather of quantised payloads decoded and summed in host order on every
 member (``comm/block_quantize.py``), so all get the same bits. Under replica groups each
-group is one host and the exchange is the live engine's round (:meth:`OuterExchange.in_round`).
+group is one host and the exchange is the live engine's round
+(:meth:`OuterExchange.start_in_round`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,18 @@ class PendingExchange:
         self.handle.wait()
         self.handle = DONE
         return self.box["chunk"]
+
+
+@dataclass
+class _RoundExchange:
+    """A live round's exchange: ``wait()`` ends it (the round's commit) and keeps the chunk."""
+
+    end: Callable[[], torch.Tensor]
+    box: dict[str, torch.Tensor]
+
+    def wait(self) -> bool:
+        self.box["chunk"] = self.end()
+        return True
 
 
 class OuterExchange:
@@ -102,22 +116,29 @@ class OuterExchange:
                                            payload)
         return pending
 
-    def in_round(self, live: LiveEngine, flat: torch.Tensor, fragment: int = 0) -> torch.Tensor:
-        """Under replica groups (each one host): ``flat`` (``fragment``'s pseudo-gradient)
-        averaged over the quorum's groups at the live round's end, flat. As across hosts,
-        this rank's chunk goes to the ranks of the same local rank in the other groups, a
-        float32 all-reduce or, quantised, an all-gather of payloads decoded and summed in
-        the quorum's order; once the round is committed (else ``StepNotCommitted``) the group
-        gathers the chunks over its own processes."""
+    def start_in_round(self, live: LiveEngine, fragment: int, flat: torch.Tensor
+                       ) -> PendingExchange:
+        """Under replica groups (each one host): start averaging ``flat`` (``fragment``'s
+        pseudo-gradient) over the quorum's groups, ended by :meth:`finish` at the live round's
+        last step. As across hosts, this rank's chunk goes to the ranks of the same local rank
+        in the other groups: a float32 all-reduce, in flight until then, or, quantised, an
+        all-gather of payloads decoded and summed in the quorum's order, at the round's end;
+        once the round is committed (else ``StepNotCommitted``) the group gathers the chunks
+        over its own processes."""
         mine = self._chunk_of(flat)
         payload = self._payload(mine, fragment)
+        pending = PendingExchange(fragment, flat.numel(), DONE)
         quantizer = self.quantizer
         if quantizer is None:
-            return self._whole(live.sync_round(payload), flat.numel())
-        numel = mine.numel()
-        chunk = live.sync_round_gathered(payload,
-                                         lambda parts: quantizer.decode_sum(parts, numel))
-        return self._whole(chunk, flat.numel())
+            finish = live.start_round_sync(payload)
+        else:
+            numel = mine.numel()
+
+            def finish() -> torch.Tensor:
+                return live.sync_round_gathered(
+                    payload, lambda parts: quantizer.decode_sum(parts, numel))
+        pending.handle = _RoundExchange(finish, pending.box)
+        return pending
 
     def _payload(self, mine: torch.Tensor, fragment: int) -> torch.Tensor:
         """What this rank sends of its chunk ``mine`` of ``fragment`` (float32, or quantised
