@@ -61,7 +61,8 @@ def test_each_fragment_is_exchanged_and_applied_once_per_round(h, f, d):
     assert last == sorted(last)  # in turns
 
 
-@pytest.mark.parametrize("kwargs", [{"hosts": 2}])
+@pytest.mark.parametrize("kwargs", [{"hosts": 2},
+                                    {"compression": "int8", "fragments": 2, "sync_delay": 1}])
 def test_settings_replica_groups_lack_are_refused_before_any_group_starts(monkeypatch, kwargs):
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUPS", "2")
     monkeypatch.setenv("REPLICATOR_REPLICA_GROUP", "1")

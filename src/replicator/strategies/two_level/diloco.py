@@ -115,7 +115,8 @@ class DiLoCoStrategy(Strategy):
         check_mesh(mesh, hosts)
         live = LiveSettings.from_env()
         if live is not None:
-            _check_live(live, inner_steps, fragments, hosts, mesh)
+            _check_live(live, inner_steps, fragments, hosts, mesh,
+                        delayed_compression=compression if sync_delay else None)
         bits = COMPRESSIONS[compression]
         self.inner_steps, self.fragments, self.sync_delay = inner_steps, fragments, sync_delay
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
@@ -348,10 +349,15 @@ class DiLoCoStrategy(Strategy):
 
 
 def _check_live(live: LiveSettings, inner_steps: int, fragments: int,
-                hosts: HostsSpec, mesh: Topology | None) -> None:
+                hosts: HostsSpec, mesh: Topology | None,
+                delayed_compression: str | None = None) -> None:
     """Refuse the settings that replica groups do not support."""
     for name, value, plain, why in (("hosts", hosts, None, "each group is one host"),
-                                    ("mesh", mesh, None, "each group is one host")):
+                                    ("mesh", mesh, None, "each group is one host"),
+                                    ("compression", delayed_compression, None,
+                                     "with sync_delay > 0 there only float32 exchanges are "
+                                     "overlapped and tested (sync_delay=0 takes compression)"
+                                     )):
         if value != plain:
             raise ClusterConfigError(
                 f"{name}={value!r} is not supported in replica groups ({live.who} of "

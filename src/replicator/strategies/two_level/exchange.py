@@ -122,7 +122,8 @@ class OuterExchange:
         pseudo-gradient) over the quorum's groups, ended by :meth:`finish` at the live round's
         last step. As across hosts, this rank's chunk goes to the ranks of the same local rank
         in the other groups: a float32 all-reduce, in flight until then, or, quantised, an
-        all-gather of payloads decoded and summed in the quorum's order, at the round's end;
+        all-gather of payloads decoded and summed in the quorum's order at the round's end
+        (started there: DiLoCoStrategy refuses sync_delay with compression in replica groups);
         once the round is committed (else ``StepNotCommitted``) the group gathers the chunks
         over its own processes."""
         mine = self._chunk_of(flat)
