@@ -39,6 +39,10 @@ from benchmarks._report import emit, median, print_table  # noqa: E402
 
 NUM_ENVS = 8
 SEND_EVERY = 256  # env steps per batch an actor ships (TorchRL: frames_per_batch per worker)
+#: Seconds of stepping before counting, in every variant alike (the learner skips the actors'
+#: first second; the ceiling's spawned processes counted theirs, and one run read them 13%
+#: below the same code in this process).
+WARMUP_S = 1.0
 
 
 def _policy() -> torch.nn.Module:
@@ -53,7 +57,8 @@ def step_alone(env_id: str, seconds: float, out: mp.Queue | None = None,
                bare: bool = False) -> float:
     """Env steps per second of one process running an actor's stepping code (its ``Stepper``
     and ``ExperienceBuilder``; each batch of ``SEND_EVERY`` steps taken and dropped where an
-    actor queues it for sending); ``bare``: only the environments and the policy."""
+    actor queues it for sending); ``bare``: only the environments and the policy. Counted
+    after :data:`WARMUP_S` of stepping, as the learner counts the actors' steps."""
     import numpy as np
 
     from replicator.rl.actor import ActorConfig, Stepper
@@ -66,24 +71,24 @@ def step_alone(env_id: str, seconds: float, out: mp.Queue | None = None,
         envs = make_vector_env(env_id, NUM_ENVS)
         policy = _policy()
         obs, _ = envs.reset(seed=0)
-        start = time.perf_counter()
+        start = time.perf_counter() + WARMUP_S
         while time.perf_counter() - start < seconds:
             with torch.no_grad():
                 action = _act(policy, torch.as_tensor(np.asarray(obs), dtype=torch.float32))
             obs, *_ = envs.step(action.numpy())
-            steps += NUM_ENVS
+            steps += NUM_ENVS if time.perf_counter() > start else 0
     else:
         cfg = ActorConfig(index=0, num_learners=1, num_envs=NUM_ENVS, seed=0,
                           kind="transitions", send_every=SEND_EVERY)
         stepper = Stepper(cfg, env_id, _policy, _act)
         builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)
         stepper.reset(0)
-        start = time.perf_counter()
+        start = time.perf_counter() + WARMUP_S
         while time.perf_counter() - start < seconds:
             stepper.step(builder, 0)
             if builder.count >= cfg.send_every:
                 builder.take()
-            steps += NUM_ENVS
+            steps += NUM_ENVS if time.perf_counter() > start else 0
     rate = steps / (time.perf_counter() - start)
     if out is not None:
         out.put(rate)
@@ -116,7 +121,7 @@ def learner(env_id: str, seconds: float) -> float:
         deadline = time.monotonic() + 120
         while al.stats()["env_steps"] == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(1.0)  # every actor stepping
+        time.sleep(WARMUP_S)  # every actor stepping
         first, t0 = al.stats()["env_steps"], time.perf_counter()
         time.sleep(seconds)
         last, t1 = al.stats()["env_steps"], time.perf_counter()
