@@ -230,11 +230,13 @@ def test_hierarchical_crosses_hosts_only_between_leaders(net2, tmp_path):
     grad_bytes = (13 * width + 2) * 4
     hier_sent, hier = _traffic_run(net2, tmp_path, "hierarchical", _port() + 3, width)
     leaders, others = [hier[0], hier[2]], [hier[1], hier[3]]
-    for leader in leaders:
-        assert leader["inter_host_sent"] > 18 * grad_bytes, leader
+    for leader in leaders:  # (a report names every socket each count saw: once, beside four
+        # hogs, rank 2 counted 9.6 kB while rank 0 counted 8.5 MB to it)
+        assert leader["inter_host_sent"] > 18 * grad_bytes, json.dumps(leader, indent=1)
     for other in others:
         # no gradient bytes during the steps: only a few small control messages
-        assert other["inter_host_sent"] < 0.02 * leaders[0]["inter_host_sent"], other
+        assert other["inter_host_sent"] < 0.02 * leaders[0]["inter_host_sent"], \
+            json.dumps(other, indent=1)
     for host, leader in zip(("host0", "host1"), leaders):
         # the link carries the leader's bytes plus headers, and nothing like a second stream
         assert leader["inter_host_sent"] <= hier_sent[host] < 1.25 * leader["inter_host_sent"], \

@@ -26,11 +26,12 @@ ALGORITHMS = {"native": rp.comm.NativeAllReduce, "ring": rp.comm.RingAllReduce,
               "hierarchical": rp.comm.HierarchicalAllReduce}
 
 
-def inter_host_bytes_sent() -> dict[str, int]:
+def inter_host_bytes_sent(seen: list[str] | None = None) -> dict[str, int]:
     """Bytes this process has sent (and had acknowledged) over each of its open TCP connections
     to other hosts (sockets whose peer address differs from their local address; TCP_INFO),
     keyed by the socket's inode, so that a count over a window can skip connections that
-    closed or opened in it."""
+    closed or opened in it. ``seen`` gets a line per socket looked at (family, addresses,
+    bytes), for a report."""
     sent: dict[str, int] = {}
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -47,17 +48,20 @@ def inter_host_bytes_sent() -> dict[str, int]:
             if local != peer:
                 info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
                 sent[link] = struct.unpack_from("Q", info, 120)[0]  # tcpi_bytes_acked
-        except OSError:
-            pass
+            if seen is not None:
+                seen.append(f"{link} {local}->{peer} {sent.get(link, '-')}")
+        except OSError as exc:
+            if seen is not None and link.startswith("socket:"):
+                seen.append(f"{link} {type(exc).__name__}")
         finally:
             s.close()
     return sent
 
 
-def sent_since(start: dict[str, int]) -> int:
+def sent_since(start: dict[str, int], seen: list[str] | None = None) -> int:
     """Bytes sent to other hosts since ``start`` on the connections open at both counts (a
     connection that closed in between would make a plain difference of sums negative)."""
-    now = inter_host_bytes_sent()
+    now = inter_host_bytes_sent(seen)
     return sum(n - start.get(key, 0) for key, n in now.items())
 
 
@@ -101,7 +105,8 @@ def main() -> None:
     data = iter(strategy.distribute_dataset(loader))
     if args.strategy != "one_device":
         strategy.barrier()
-    sent_at_start = inter_host_bytes_sent()  # after the setup (parameters broadcast once)
+    sockets_at_start: list[str] = []  # what each count saw, for a failing test's report
+    sent_at_start = inter_host_bytes_sent(sockets_at_start)  # after the setup (one broadcast)
     for _ in range(args.steps):
         strategy.run(step, args=(next(data),))
     rank = strategy.replica_id
@@ -115,7 +120,9 @@ def main() -> None:
             info["leaders"] = list(topo.leaders)
             info["shared_memory"] = bool(topo.shared_memory)
         strategy.barrier()
-        info["inter_host_sent"] = sent_since(sent_at_start)
+        sockets_at_end: list[str] = []
+        info["inter_host_sent"] = sent_since(sent_at_start, sockets_at_end)
+        info["sockets"] = {"start": sockets_at_start, "end": sockets_at_end}
     (out / f"rank{rank}.json").write_text(json.dumps(info))
     if strategy.is_chief:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()},
