@@ -92,10 +92,8 @@ class InProcessActor:
 
     def stats(self) -> dict[str, Any]:
         """The experience server's figures, for the steps made here."""
-        return {"env_steps": self.env_steps, "items": self.items,
-                "max_policy_lag": self.lags.max, "stale_dropped": 0,
-                "median_policy_lag": self.lags.median(),
-                "episodes": len(self.episodes), "joins": []}
+        return {"env_steps": self.env_steps, "items": self.items, **self.lags.figures(),
+                "stale_dropped": 0, "episodes": len(self.episodes), "joins": []}
 
     def close(self) -> None:
         self.stepper.envs.close()

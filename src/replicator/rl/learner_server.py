@@ -100,10 +100,9 @@ class ExperienceServer:
             return [self._rounds.pop((round_, a)) for a in actors]
 
     def stats(self) -> dict[str, Any]:
-        return {"env_steps": self.env_steps, "items": self.items,
-                "max_policy_lag": self.lags.max, "stale_dropped": self.stale_dropped,
-                "median_policy_lag": self.lags.median(),
-                "episodes": len(self.episodes), "joins": list(self.joins)}
+        return {"env_steps": self.env_steps, "items": self.items, **self.lags.figures(),
+                "stale_dropped": self.stale_dropped, "episodes": len(self.episodes),
+                "joins": list(self.joins)}
 
     def close(self) -> None:
         """Say goodbye to every actor and stop accepting."""

@@ -26,3 +26,7 @@ class PolicyLags:
 
     def median(self) -> float:
         return statistics.median(self._recent) if self._recent else 0
+
+    def figures(self) -> dict[str, float]:
+        """The lags as the learner's ``stats()`` report them."""
+        return {"max_policy_lag": self.max, "median_policy_lag": self.median()}
