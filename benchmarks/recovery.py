@@ -131,7 +131,9 @@ def live_worker(out: Path, width: int, depth: int, samples: int, lr: float) -> N
                {"step": live.committed_steps, "redone": redone, "stalls": stalls,
                 "rejoins": rejoins, "median_step_s": median(periods[-200:]) if periods else 0,
                 "heal_s": live.last_heal_seconds, "pid": os.getpid(), "time": time.time(),
-                "per_step_s": _per_step(base, live.committed_steps + redone, live.seconds)})
+                "per_step_s": _per_step(base, live.committed_steps + redone, live.seconds),
+                "transport": "shared memory" if live.process_group.uses_shared_memory
+                else "gloo"})
 
 
 def _per_step(base: tuple[int, dict[str, float]] | None, steps: int,
@@ -288,7 +290,7 @@ def run_live(args: argparse.Namespace, out: Path, kills: bool) -> dict:
     return {"steps": steps, "samples_per_s": steps * BATCH / args.window,
             "failures": failures, "redone": end["redone"], "stalls": end["stalls"],
             "rejoins": end["rejoins"], "median_step_s": end["median_step_s"],
-            "per_step_s": end.get("per_step_s", {})}
+            "per_step_s": end.get("per_step_s", {}), "transport": end.get("transport", "?")}
 
 
 def run_restart(args: argparse.Namespace, out: Path) -> dict:
@@ -442,7 +444,7 @@ def main() -> None:
     step_ratio = _step_table(none, mirrored)
     emit(BENCH, "live_step_vs_mirrored", step_ratio, "<= 1.10",
          live_step_ms=round(none["median_step_s"] * 1e3, 2),
-         mirrored_step_ms=round(mirrored["median_step_s"] * 1e3, 2))
+         mirrored_step_ms=round(mirrored["median_step_s"] * 1e3, 2), transport=none["transport"])
     emit(BENCH, "steps_redone", live["redone"] / per_failure, "<= 1",
          failures=live["failures"])
     emit(BENCH, "stall_s", stall, f"<= {COLLECTIVE_TIMEOUT + 1:.0f}", rejoin_s=round(rejoin, 3))
@@ -471,7 +473,9 @@ def _step_table(none: dict, mirrored: dict) -> float:
     live_ms, mirrored_ms = none["median_step_s"] * 1e3, mirrored["median_step_s"] * 1e3
     live_parts = {k: v * 1e3 for k, v in none["per_step_s"].items()}
     mirrored_parts = {k: v * 1e3 for k, v in mirrored["per_step_s"].items()}
-    rows = [[part, live_parts.get(part, float("nan")), mirrored_parts.get(part, 0.0)]
+    names = {"allreduce": f"allreduce (live: {none['transport']})"}
+    rows = [[names.get(part, part), live_parts.get(part, float("nan")),
+             mirrored_parts.get(part, 0.0)]
             for part in ("quorum", "allreduce", "commit", "bookkeeping")]
     rows.append(["forward, backward, update (the rest)",
                  live_ms - sum(live_parts.values()),

@@ -20,8 +20,23 @@ from replicator.comm.op_errors import algorithm_error
 from replicator.errors import ClusterConfigError
 
 
+def unregistered(group: dist.ProcessGroup | None) -> bool:
+    """True for a process group torch.distributed has no record of: one another library made
+    on a store of its own (torchft's reconfigurable groups); its collectives work, but
+    ``dist.get_rank`` and ``get_process_group_ranks`` do not know it."""
+    if not isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.WORLD:
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return True
+    return False
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Replicas in ``group`` (1 when no process group exists: a lone process)."""
+    if unregistered(group):
+        return group.size()  # type: ignore[union-attr]
     if not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
@@ -29,6 +44,8 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's position in ``group``."""
+    if unregistered(group):
+        return group.rank()  # type: ignore[union-attr]
     if not dist.is_initialized():
         return 0
     return dist.get_rank(group)
@@ -39,7 +56,10 @@ def global_rank() -> int:
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    """The global ranks of ``group`` in group order."""
+    """The global ranks of ``group`` in group order (an :func:`unregistered` group's own
+    positions: torch.distributed knows no global ranks for it)."""
+    if unregistered(group):
+        return list(range(group.size()))  # type: ignore[union-attr]
     if group is None:
         return list(range(dist.get_world_size()))
     return list(dist.get_process_group_ranks(group))

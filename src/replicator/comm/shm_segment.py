@@ -22,7 +22,7 @@ import torch.distributed as dist
 from replicator.cluster.env_names import SHM_DIR_ENV
 from replicator.cluster.processes import process_alive
 from replicator.comm.collective_tracker import group_tag
-from replicator.comm.groups import group_rank, group_ranks, group_size
+from replicator.comm.groups import group_rank, group_ranks, group_size, unregistered
 from replicator.comm.op_errors import finished_peer_error
 from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
 
@@ -96,13 +96,18 @@ def host_id() -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def all_on_this_host(group: dist.ProcessGroup | None, usable: bool = True) -> bool:
+    """True on every rank when all ranks of ``group`` run on this host and each says
+    ``usable`` (a collective: every rank gets the same answer)."""
+    here = host_id()
+    votes = torch.tensor([here, -here, int(usable)], dtype=torch.int64)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    return int(votes[0]) == -int(votes[1]) and int(votes[2]) == 1
+
+
 def check_same_host(group: dist.ProcessGroup | None, who: str) -> None:
     """Raise on every rank unless all ranks of ``group`` run on this host."""
-    mine = torch.tensor([host_id()], dtype=torch.int64)
-    low, high = mine.clone(), mine.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    if int(low) != int(high):
+    if not all_on_this_host(group):
         raise ClusterConfigError(
             f"{who} needs every replica on one host, but the replicas of this group run on "
             "several hosts. HINT: use rp.comm.HierarchicalAllReduce() or rp.comm.NativeAllReduce() "
@@ -325,8 +330,10 @@ class FlagBarrier:
             if flags[i] >= value or pid <= 0:
                 continue
             if not process_alive(pid):
-                finished = finished_peer_error(f"{self.who} ({what})", self.ranks[self.rank],
-                                               [self.ranks[i]])
+                # the launcher's exit records name global ranks, which an unregistered
+                # group's positions are not
+                finished = None if unregistered(self.group) else finished_peer_error(
+                    f"{self.who} ({what})", self.ranks[self.rank], [self.ranks[i]])
                 if finished is not None:
                     raise finished
                 raise ReplicatorError(

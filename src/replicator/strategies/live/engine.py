@@ -97,8 +97,8 @@ class LiveEngine:
                  replicated: Callable[[], bool] = lambda: True) -> None:
         try:
             from torchft.manager import Manager  # type: ignore[import-untyped]
-            from torchft.process_group import ProcessGroupGloo  # type: ignore[import-untyped]
 
+            from replicator.strategies.live.process_group import LiveProcessGroup
             from replicator.strategies.live.transport import BoundHTTPTransport
         except ImportError as exc:
             raise ClusterConfigError(f"replica groups need torchft ({exc}). HINT: pip install "
@@ -141,7 +141,7 @@ class LiveEngine:
             # (docs/fault_tolerance.md, Trust model); it advertises ``settings.bind``.
             #: The process group across the groups that torchft reconfigures at each quorum:
             #: held here too, for the exchanges the Manager has no call for (an all-gather).
-            self.process_group = ProcessGroupGloo(timeout=timeout)
+            self.process_group = LiveProcessGroup(timeout, settings.transport)
             self.manager = Manager(
                 pg=self.process_group, load_state_dict=self._load_state,
                 state_dict=self._state, min_replica_size=settings.min_replicas,
@@ -389,7 +389,7 @@ class LiveEngine:
             self._share.step != quorum.step else self._share.group_weight
         buckets = flatten_grads(
             [p for _, p in live_state.named_parameters(self._modules()) if p.requires_grad],
-            weight, 1.0 if self._announce_leave else 0.0)
+            weight, 1.0 if self._announce_leave else 0.0, self.process_group.buffer)
         start = self._add("bookkeeping", start)
         works = [self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
                  for _, flat in buckets]

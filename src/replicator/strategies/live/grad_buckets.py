@@ -6,16 +6,27 @@ element more (a group announces that it leaves in the step's own all-reduce).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from replicator.comm.gradient_sync import local_tensor
 
+#: Makes a flat tensor of ``(numel, dtype, device)`` (``torch.empty``'s arguments).
+Allocate = Callable[[int, torch.dtype, torch.device], torch.Tensor]
 
-def flatten_grads(params: list[torch.nn.Parameter], weight: float, control: float
-                   ) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
-    """The gradients of ``params`` times ``weight``, one flat tensor per dtype (zeros for a
-    parameter without a gradient), with the parameters each holds; the first tensor ends
-    with one more element, ``control`` (summed across groups: a group announces leaving)."""
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def flatten_grads(params: list[torch.nn.Parameter], weight: float, control: float,
+                  allocate: Allocate = _empty
+                  ) -> list[tuple[list[torch.nn.Parameter], torch.Tensor]]:
+    """The gradients of ``params`` times ``weight``, one flat tensor per dtype from
+    ``allocate`` (zeros for a parameter without a gradient), with the parameters each holds;
+    the first tensor ends with one more element, ``control`` (summed across groups: a group
+    announces leaving)."""
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for p in params:
         by_dtype.setdefault(local_tensor(p).dtype, []).append(p)
@@ -23,7 +34,7 @@ def flatten_grads(params: list[torch.nn.Parameter], weight: float, control: floa
     for dtype, group in by_dtype.items():
         n = sum(local_tensor(p).numel() for p in group)
         extra = 0 if buckets else 1
-        flat = torch.empty(n + extra, dtype=dtype, device=local_tensor(group[0]).device)
+        flat = allocate(n + extra, dtype, local_tensor(group[0]).device)
         offset = 0
         for p in group:  # one pass: each gradient is scaled straight into its place
             size = local_tensor(p).numel()
@@ -42,17 +53,22 @@ def flatten_grads(params: list[torch.nn.Parameter], weight: float, control: floa
 
 
 def unflatten_grads(buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
-    """Write the averaged flat tensors back as the parameters' gradients."""
+    """Make the averaged flat tensors the parameters' gradients: a plain parameter's gradient
+    becomes its view of the flat tensor (no copy; the next step's flattening then scales it
+    in place), a sharded one's is copied into."""
     with torch.no_grad():
         for group, flat in buckets:
             offset = 0
             for p in group:
-                n = local_tensor(p).numel()
-                piece = flat[offset:offset + n].view_as(local_tensor(p))
-                offset += n
-                if p.grad is None:
-                    if bool(piece.any()):
-                        p.grad = like_param(p, piece.clone())
+                local = local_tensor(p)
+                piece = flat[offset:offset + local.numel()].view_as(local)
+                offset += local.numel()
+                if p.grad is None and not bool(piece.any()):
+                    continue  # no gradient anywhere: stays without one
+                if local is p:
+                    p.grad = piece
+                elif p.grad is None:
+                    p.grad = like_param(p, piece.clone())
                 else:
                     local_tensor(p.grad).copy_(piece)
 

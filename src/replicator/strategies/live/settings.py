@@ -33,6 +33,10 @@ QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
 #: A failed step, a group leaving and a restore join a quorum at once; a group that starts
 #: later joins at the next one.
 QUORUM_EVERY_ENV = "REPLICATOR_QUORUM_EVERY_STEPS"
+#: How the groups' all-reduce travels: ``auto`` (a shared-memory segment when every group of
+#: the quorum runs on this host, else gloo) or ``gloo``.
+TRANSPORT_ENV = "REPLICATOR_LIVE_TRANSPORT"
+TRANSPORTS = ("auto", "gloo")
 
 #: True while a strategy builds another as its part (a two-level strategy's inner group):
 #: the part is no replica group of its own; the strategy that holds it runs the live engine.
@@ -65,6 +69,7 @@ class LiveSettings:
     quorum_timeout: float = 60.0
     bind: str = "127.0.0.1"
     quorum_every: int = 10
+    transport: str = "auto"
 
     @property
     def who(self) -> str:
@@ -105,7 +110,16 @@ class LiveSettings:
                    collective_timeout=env_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0),
                    quorum_timeout=env_number(env, QUORUM_TIMEOUT_ENV, 60.0),
                    bind=env.get(LIVE_BIND_ENV, "127.0.0.1") or "127.0.0.1",
-                   quorum_every=_whole(env, QUORUM_EVERY_ENV, 10, "steps"))
+                   quorum_every=_whole(env, QUORUM_EVERY_ENV, 10, "steps"),
+                   transport=_transport(env))
+
+
+def _transport(env: Mapping[str, str]) -> str:
+    value = env.get(TRANSPORT_ENV, "") or "auto"
+    if value not in TRANSPORTS:
+        raise ClusterConfigError(f"{TRANSPORT_ENV}={value!r} must be one of "
+                                 f"{', '.join(TRANSPORTS)}")
+    return value
 
 
 def _whole(env: Mapping[str, str], name: str, default: int, what: str) -> int:
