@@ -94,6 +94,11 @@ def test_settings_errors_name_the_fix():
     assert every is not None and every.quorum_every == 1
     with pytest.raises(ClusterConfigError, match="whole number of steps"):
         LiveSettings.from_env({**base, "REPLICATOR_QUORUM_EVERY_STEPS": "2.5"})
+    assert every.transport == "auto"
+    gloo = LiveSettings.from_env({**base, "REPLICATOR_LIVE_TRANSPORT": "gloo"})
+    assert gloo is not None and gloo.transport == "gloo"
+    with pytest.raises(ClusterConfigError, match="must be one of auto, gloo"):
+        LiveSettings.from_env({**base, "REPLICATOR_LIVE_TRANSPORT": "nccl"})
 
 
 _FIT = """

@@ -3,7 +3,8 @@
 Host 0 runs `replicator run --replica-groups 1` with the lighthouse on its network address;
 host 1 joins with `replicator run --join HOST0:PORT` (it gets group id 1 from the lighthouse).
 Mid-run host 1's link is cut (its veth port set down): host 0 goes on training alone; when the
-link returns, host 1's group heals from host 0 and both end equal to one device.
+link returns, host 1's group heals from host 0 and both end equal to one device. The groups
+sum through gloo, as on separate machines (the namespaces share one /dev/shm).
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def test_a_cut_host_goes_on_without_its_peer_and_heals_when_the_link_returns(tmp
     reference = one_device(tmp_path, TRAIN_ARGS)
     out = tmp_path / "groups"
     out.mkdir()
-    env = {**live_env(), "REPLICATOR_LIVE_TIMEOUT_SECONDS": "5", "TMPDIR": str(tmp_path)}
+    # the namespaces share this machine's /dev/shm; separate hosts would sum through gloo
+    env = {**live_env(), "REPLICATOR_LIVE_TIMEOUT_SECONDS": "5", "TMPDIR": str(tmp_path),
+           "REPLICATOR_LIVE_TRANSPORT": "gloo"}
     run = [sys.executable, "-m", "replicator.cli", "run", "--nproc", "1", "--max-restarts", "4"]
     script = [str(LIVE_TRAIN), "--out", str(out), *TRAIN_ARGS, *SLOW]
     with virtual_hosts(2) as net:
