@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -168,3 +169,66 @@ def _quantised_mean(flats: list, quantizers: list) -> torch.Tensor:
                     for q, p in zip(quantizers, padded)]
         out.append(quantizers[0][k].decode_sum(payloads, size).div_(len(flats)))
     return torch.cat(out)[:numel]
+
+
+def streaming_diloco_by_hand(committed: dict[tuple[int, int], dict[int, list[int]]],
+                             healed_at: int, fragments: int, *, steps: int = 24, h: int = 4,
+                             delay: int = 0, samples: int = 64
+                             ) -> dict[int, dict[str, torch.Tensor]]:
+    """Streaming DiLoCo written out in one process over the batches each group committed, as
+    replica groups run it: a round of ``h / fragments`` steps ends with one fragment's
+    exchange (fragment f after inner steps (f + 1) h / fragments, modulo h); the groups present
+    average that fragment's pseudo-gradient (taken ``delay`` steps before the round's end),
+    its own outer Nesterov SGD (0.7, 0.9) steps, and every present group's copy of the
+    fragment takes the new outer weights (the steps since the pseudo-gradient was taken are
+    lost to it) while the other fragments go on from where they are. Group 1, back at round
+    ``healed_at``, takes group 0's inner weights and Adam state there (a peer's state at a
+    round's start; as every group resuming there from group 0's backup does). Returns each
+    group's weights at the end (the fragments not exchanged last differ between groups)."""
+    from replicator.strategies.two_level.fragments import Schedule, split_fragments
+    from tests.scripts.diloco_live_train import build_model, dataset
+
+    x, y, _ = dataset(samples).tensors
+    outer_model = build_model()
+    params = list(outer_model.parameters())
+    parts = split_fragments(params, fragments)
+    outer_opts = [torch.optim.SGD([params[i] for i in part], lr=0.7, momentum=0.9,
+                                  nesterov=True) for part in parts]
+    schedule = Schedule(h, fragments, 0)
+    inner: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    length = h // fragments
+    for start in range(0, steps, length):
+        groups = sorted({g for (g, _), done in committed.items() if start in done})
+        for g in groups:
+            if g not in inner:
+                model = build_model()
+                inner[g] = (model, torch.optim.Adam(model.parameters(), lr=0.01))
+            if g == 1 and start == healed_at:
+                inner[1][0].load_state_dict(copy.deepcopy(inner[0][0].state_dict()))
+                inner[1][1].load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
+        (fragment,) = schedule.applied(start + length)
+        for step in range(start, start + length):
+            if step == start + length - delay:  # the exchange starts: the pseudo-gradient
+                mean = [sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
+                            for g in groups) / len(groups) for i in parts[fragment]]
+            for g in groups:
+                model, opt = inner[g]
+                idx = torch.tensor([i for (gg, _), done in sorted(committed.items())
+                                    if gg == g for i in done[step]])
+                torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+                opt.step()
+                opt.zero_grad()
+        if delay == 0:
+            mean = [sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
+                        for g in groups) / len(groups) for i in parts[fragment]]
+        for i, grad in zip(parts[fragment], mean):
+            params[i].grad = grad
+        outer_opts[fragment].step()
+        with torch.no_grad():
+            for g in groups:
+                mine = list(inner[g][0].parameters())
+                for i in parts[fragment]:
+                    params[i].grad = None
+                    mine[i].copy_(params[i])
+    return {g: {k: v.detach().clone() for k, v in model.state_dict().items()}
+            for g, (model, _) in inner.items()}

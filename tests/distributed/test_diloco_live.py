@@ -28,7 +28,7 @@ from replicator.comm.block_quantize import BlockQuantizer, payload_bytes
 from replicator.strategies.two_level.fragments import Schedule, split_fragments
 from replicator.testing import assert_params_close
 from replicator.testing.live_groups import start_lighthouse
-from tests.live_helpers import diloco_round_by_hand, needs_torchft
+from tests.live_helpers import diloco_round_by_hand, needs_torchft, streaming_diloco_by_hand
 from tests.scripts.diloco_live_train import build_model, dataset
 
 pytestmark = needs_torchft
@@ -86,65 +86,6 @@ def _by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: 
         diloco_round_by_hand(outer_model, outer_opt, [inner[g] for g in groups], batches, x, y,
                              None if bits is None else [quantizers[g] for g in groups])
     return {k: v.detach().clone() for k, v in outer_model.state_dict().items()}
-
-
-def _streaming_by_hand(committed: dict[tuple[int, int], dict[int, list[int]]], healed_at: int,
-                       fragments: int, *, steps: int = EPOCHS * SAMPLES // BATCH, h: int = H,
-                       delay: int = 0) -> dict[int, dict[str, torch.Tensor]]:
-    """Streaming DiLoCo written out in one process over the batches each group committed, as
-    replica groups run it: a round of ``h / fragments`` steps ends with one fragment's
-    exchange (fragment f after inner steps (f + 1) h / fragments, modulo h); the groups present
-    average that fragment's pseudo-gradient (taken ``delay`` steps before the round's end),
-    its own outer Nesterov SGD (0.7, 0.9) steps, and every present group's copy of the
-    fragment takes the new outer weights (the steps since the pseudo-gradient was taken are
-    lost to it) while the other fragments go on from where they are. Group 1, back at round
-    ``healed_at``, takes group 0's inner weights and Adam state there (a peer's state at a
-    round's start). Returns each group's weights at the end (the fragments not exchanged last
-    differ between groups)."""
-    x, y, _ = dataset(SAMPLES).tensors
-    outer_model = build_model()
-    params = list(outer_model.parameters())
-    parts = split_fragments(params, fragments)
-    outer_opts = [torch.optim.SGD([params[i] for i in part], lr=0.7, momentum=0.9,
-                                  nesterov=True) for part in parts]
-    schedule = Schedule(h, fragments, 0)
-    inner: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
-    length = h // fragments
-    for start in range(0, steps, length):
-        groups = sorted({g for (g, _), done in committed.items() if start in done})
-        for g in groups:
-            if g not in inner:
-                model = build_model()
-                inner[g] = (model, torch.optim.Adam(model.parameters(), lr=0.01))
-            if g == 1 and start == healed_at:
-                inner[1][0].load_state_dict(copy.deepcopy(inner[0][0].state_dict()))
-                inner[1][1].load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
-        (fragment,) = schedule.applied(start + length)
-        for step in range(start, start + length):
-            if step == start + length - delay:  # the exchange starts: the pseudo-gradient
-                mean = [sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
-                            for g in groups) / len(groups) for i in parts[fragment]]
-            for g in groups:
-                model, opt = inner[g]
-                idx = torch.tensor([i for (gg, _), done in sorted(committed.items())
-                                    if gg == g for i in done[step]])
-                torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
-                opt.step()
-                opt.zero_grad()
-        if delay == 0:
-            mean = [sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
-                        for g in groups) / len(groups) for i in parts[fragment]]
-        for i, grad in zip(parts[fragment], mean):
-            params[i].grad = grad
-        outer_opts[fragment].step()
-        with torch.no_grad():
-            for g in groups:
-                mine = list(inner[g][0].parameters())
-                for i in parts[fragment]:
-                    params[i].grad = None
-                    mine[i].copy_(params[i])
-    return {g: {k: v.detach().clone() for k, v in model.state_dict().items()}
-            for g, (model, _) in inner.items()}
 
 
 def _committed(records: dict[tuple[int, int, int], dict[int, list[int]]]
@@ -223,10 +164,10 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     if fragments == 1:
         assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
         by_hand = _by_hand(_committed(records), healed_at, bits=bits) if delay == 0 else \
-            _streaming_by_hand(_committed(records), healed_at, 1, delay=delay)[0]
+            streaming_diloco_by_hand(_committed(records), healed_at, 1, delay=delay)[0]
         assert_params_close(by_hand, final[0], atol=1e-5, label="by hand vs group 0: ")
         if delay:  # the pseudo-gradient taken before the last steps made a difference
-            undelayed = _streaming_by_hand(_committed(records), healed_at, 1)[0]
+            undelayed = streaming_diloco_by_hand(_committed(records), healed_at, 1)[0]
             assert max((undelayed[k] - final[0][k]).abs().max() for k in undelayed) > 1e-4
         return
     # streaming: the fragment exchanged last is the same in both groups, the other one is
@@ -235,7 +176,7 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     assert_params_close({k: final[0][k] for k in last}, {k: final[1][k] for k in last},
                         atol=0, label="last fragment, group 1 vs group 0: ")
     assert any((final[0][k] - final[1][k]).abs().max() > 0 for k in final[0] if k not in last)
-    by_hand = _streaming_by_hand(_committed(records), healed_at, fragments)
+    by_hand = streaming_diloco_by_hand(_committed(records), healed_at, fragments)
     for g in (0, 1):
         assert_params_close(by_hand[g], final[g], atol=1e-5, label=f"by hand vs group {g}: ")
 

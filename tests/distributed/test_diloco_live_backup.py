@@ -9,8 +9,10 @@ holds it: outer weights and outer optimizer, inner weights, Adam state, step) an
 the end. The final weights equal DiLoCo written out by hand over the batches each group
 committed (both groups taking the writing group's Adam state at the resumed round's start,
 as healing would), every sample is trained once per epoch, and a run with another
-``inner_steps`` is refused that backup. This file is also the groups' training script
-(``python <this file> ...``).
+``inner_steps`` is refused that backup. Streaming (``fragments=2``, rounds of 2 steps): the
+backup of step 9 resumes at 8 and each group's weights equal streaming DiLoCo by hand, both
+groups taking group 0's inner weights and Adam state there. This file is also the groups'
+training script (``python <this file> ...``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch.utils.data import TensorDataset
 import replicator as rp
 from replicator.testing import assert_params_close
 from replicator.testing.live_groups import start_group, start_lighthouse
-from tests.live_helpers import diloco_round_by_hand, needs_torchft
+from tests.live_helpers import diloco_round_by_hand, needs_torchft, streaming_diloco_by_hand
 
 pytestmark = needs_torchft
 
@@ -62,10 +64,11 @@ def train(argv: list[str]) -> None:
     ap.add_argument("--life", type=int, default=0)
     ap.add_argument("--inner-steps", type=int, default=H)
     ap.add_argument("--kill-at-step", type=int, default=-1)
+    ap.add_argument("--fragments", type=int, default=1)
     a = ap.parse_args(argv)
     out = Path(a.out)
     group = int(os.environ["REPLICATOR_REPLICA_GROUP"])
-    strategy = rp.DiLoCoStrategy(inner_steps=a.inner_steps)
+    strategy = rp.DiLoCoStrategy(inner_steps=a.inner_steps, fragments=a.fragments)
     with strategy.scope():
         model = build_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -148,27 +151,31 @@ def _run(groups: list, lighthouse: str, out: Path, backup: Path, life: int,
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("kill_at,backup_at,resumed_at", [
-    (10, 9, 8),     # the backup of step 9, one step into the round of 8: resumed at 8
-    (13, 12, 12),   # the backup of step 12, a round's end: resumed there
-], ids=["mid_round", "round_end"])
+@pytest.mark.parametrize("kill_at,backup_at,resumed_at,fragments", [
+    (10, 9, 8, 1),   # the backup of step 9, one step into the round of 8: resumed at 8
+    (13, 12, 12, 1),  # the backup of step 12, a round's end: resumed there
+    (10, 9, 8, 2),   # streaming, rounds of 2 steps: the backup of step 9 resumes at 8
+], ids=["mid_round", "round_end", "mid_round_fragments2"])
 def test_every_group_lost_at_once_resumes_from_the_backup(tmp_path, kill_at, backup_at,
-                                                         resumed_at):
+                                                         resumed_at, fragments):
     out, backup = tmp_path / "out", tmp_path / "backup"
     out.mkdir()
     lighthouse = start_lighthouse(2, log=tmp_path / "lighthouse.log")
     logs = lambda g: (out / f"group{g}_rank0.log").read_text(errors="replace")[-4000:]  # noqa: E731
     try:
+        streaming = ["--fragments", str(fragments)]
         first = _run([0, 1], lighthouse.address, out, backup, 0,
-                     ["--kill-at-step", str(kill_at)])
+                     ["--kill-at-step", str(kill_at), *streaming])
         for g, grp in enumerate(first):
             assert grp.wait(180) == [-signal.SIGKILL], logs(g)
         kept = tmp_path / "backup_copy"  # for the refusal below (the run deletes its own)
         shutil.copytree(backup, kept)
-        second = _run([0, 1], lighthouse.address, out, backup, 1)
+        second = _run([0, 1], lighthouse.address, out, backup, 1, streaming)
         for g, grp in enumerate(second):
             assert grp.wait(180) == [0], logs(g)
-        refused = _run([0], lighthouse.address, out, kept, 2, ["--inner-steps", "3"])[0]
+        other_h = 3 if fragments == 1 else 6  # a multiple of the fragments
+        refused = _run([0], lighthouse.address, out, kept, 2,
+                       ["--inner-steps", str(other_h), *streaming])[0]
         assert refused.wait(120) != [0], logs(0)
     finally:
         lighthouse.stop()
@@ -181,8 +188,9 @@ def test_every_group_lost_at_once_resumes_from_the_backup(tmp_path, kill_at, bac
             f"{backup_at} was taken in"
         assert (again in log) == (resumed_at != backup_at), log[-3000:]
     refusal = (out / "group0_rank0.log").read_text(errors="replace")
-    assert f"synchronises every 3 steps but the backup of step {backup_at} was written by a " \
-        "run that synchronised every 4" in refusal and "HINT" in refusal, refusal[-3000:]
+    expected = f"synchronises every {other_h // fragments} steps but the backup of step " \
+        f"{backup_at} was written by a run that synchronised every {H // fragments}"
+    assert expected in refusal and "HINT" in refusal, refusal[-3000:]
 
     records = _records(out)
     for g in (0, 1):  # the first life trained into step kill_at - 1; the second from the resume
@@ -197,9 +205,17 @@ def test_every_group_lost_at_once_resumes_from_the_backup(tmp_path, kill_at, bac
                        if s // steps_per_epoch == epoch for i in idx)
         assert seen == Counter(range(SAMPLES)), f"epoch {epoch}: {seen}"
     final = [torch.load(out / f"final_g{g}.pt") for g in (0, 1)]
-    assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
-    assert_params_close(_by_hand(committed, resumed_at), final[0], atol=1e-6,
-                        label="by hand vs run: ")
+    if fragments == 1:
+        assert_params_close(final[0], final[1], atol=0, label="group 1 vs group 0: ")
+        assert_params_close(_by_hand(committed, resumed_at), final[0], atol=1e-6,
+                            label="by hand vs run: ")
+        return
+    # streaming: each group's weights (the fragments not exchanged last are its own) are
+    # those of streaming DiLoCo by hand, both groups taking group 0's state at the resume
+    by_hand = streaming_diloco_by_hand({(g, 0): committed[g] for g in (0, 1)}, resumed_at,
+                                       fragments, h=H, steps=EPOCHS * steps_per_epoch)
+    for g in (0, 1):
+        assert_params_close(by_hand[g], final[g], atol=1e-6, label=f"by hand vs group {g}: ")
 
 
 if __name__ == "__main__":
