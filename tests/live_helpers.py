@@ -154,7 +154,7 @@ def diloco_round_by_hand(outer_model: torch.nn.Module, outer_opt: torch.optim.Op
     outer_opt.step()
 
 
-def _quantised_mean(flats: list, quantizers: list) -> torch.Tensor:
+def _quantised_mean(flats: list, quantizers: list, key: str = "0") -> torch.Tensor:
     """The mean of the groups' ``flats`` as the compressed exchange computes it: per chunk
     (one per process of a group, the last padded), each group's payload made by its
     quantizer of that chunk, decoded and summed in group order."""
@@ -165,7 +165,7 @@ def _quantised_mean(flats: list, quantizers: list) -> torch.Tensor:
     padded = [torch.cat([f, f.new_zeros(size * chunks - numel)]) for f in flats]
     out = []
     for k in range(chunks):
-        payloads = [q[k].encode(p[k * size:(k + 1) * size], key="0")
+        payloads = [q[k].encode(p[k * size:(k + 1) * size], key=key)
                     for q, p in zip(quantizers, padded)]
         out.append(quantizers[0][k].decode_sum(payloads, size).div_(len(flats)))
     return torch.cat(out)[:numel]
@@ -173,7 +173,8 @@ def _quantised_mean(flats: list, quantizers: list) -> torch.Tensor:
 
 def streaming_diloco_by_hand(committed: dict[tuple[int, int], dict[int, list[int]]],
                              healed_at: int, fragments: int, *, steps: int = 24, h: int = 4,
-                             delay: int = 0, samples: int = 64
+                             delay: int = 0, samples: int = 64, bits: int | None = None,
+                             error_feedback: bool = True, nproc: int = 2
                              ) -> dict[int, dict[str, torch.Tensor]]:
     """Streaming DiLoCo written out in one process over the batches each group committed, as
     replica groups run it: a round of ``h / fragments`` steps ends with one fragment's
@@ -183,8 +184,13 @@ def streaming_diloco_by_hand(committed: dict[tuple[int, int], dict[int, list[int
     fragment takes the new outer weights (the steps since the pseudo-gradient was taken are
     lost to it) while the other fragments go on from where they are. Group 1, back at round
     ``healed_at``, takes group 0's inner weights and Adam state there (a peer's state at a
-    round's start; as every group resuming there from group 0's backup does). Returns each
-    group's weights at the end (the fragments not exchanged last differ between groups)."""
+    round's start; as every group resuming there from group 0's backup does). With ``bits``,
+    each fragment's pseudo-gradients are quantised as the compressed exchange does (one chunk
+    per process of a group, ``nproc``, each process's error feedback, unless
+    ``error_feedback=False``, kept per fragment; the healed group's start from zero).
+    Returns each group's weights at the end (the fragments not exchanged last differ between
+    groups)."""
+    from replicator.comm.block_quantize import BlockQuantizer
     from replicator.strategies.two_level.fragments import Schedule, split_fragments
     from tests.scripts.diloco_live_train import build_model, dataset
 
@@ -196,6 +202,7 @@ def streaming_diloco_by_hand(committed: dict[tuple[int, int], dict[int, list[int
                                   nesterov=True) for part in parts]
     schedule = Schedule(h, fragments, 0)
     inner: dict[int, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
+    quantizers: dict[int, list] = {}
     length = h // fragments
     for start in range(0, steps, length):
         groups = sorted({g for (g, _), done in committed.items() if start in done})
@@ -206,6 +213,9 @@ def streaming_diloco_by_hand(committed: dict[tuple[int, int], dict[int, list[int
             if g == 1 and start == healed_at:
                 inner[1][0].load_state_dict(copy.deepcopy(inner[0][0].state_dict()))
                 inner[1][1].load_state_dict(copy.deepcopy(inner[0][1].state_dict()))
+            if bits is not None and (g not in quantizers or (g == 1 and start == healed_at)):
+                quantizers[g] = [BlockQuantizer(bits, error_feedback=error_feedback)
+                                 for _ in range(nproc)]
         (fragment,) = schedule.applied(start + length)
         for step in range(start, start + length):
             if step == start + length - delay:  # the exchange starts: the pseudo-gradient
@@ -218,9 +228,15 @@ def streaming_diloco_by_hand(committed: dict[tuple[int, int], dict[int, list[int
                 torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
                 opt.step()
                 opt.zero_grad()
-        if delay == 0:
+        if delay == 0 and bits is None:
             mean = [sum(params[i].detach() - list(inner[g][0].parameters())[i].detach()
                         for g in groups) / len(groups) for i in parts[fragment]]
+        elif delay == 0:
+            flats = [torch.cat([(params[i].detach() - list(inner[g][0].parameters())[i].detach())
+                                .reshape(-1) for i in parts[fragment]]) for g in groups]
+            flat = _quantised_mean(flats, [quantizers[g] for g in groups], key=str(fragment))
+            mean = [t.view_as(params[i]) for t, i in
+                    zip(flat.split([params[i].numel() for i in parts[fragment]]), parts[fragment])]
         for i, grad in zip(parts[fragment], mean):
             params[i].grad = grad
         outer_opts[fragment].step()

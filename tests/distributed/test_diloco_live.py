@@ -6,7 +6,8 @@ outer weights, outer and inner optimizer state, the step) and finishes with it: 
 the same outer weights. The same with int4 compression: the survivors' quantisation errors roll
 back with the round, the healed group's start from zero; and with sync_delay=2 (the exchange
 started mid-round, and a group lost after it finished still makes the others train the round
-again). And int8 (int4 without error feedback,
+again); and int4 with two fragments (each fragment's error feedback per process, every
+group's weights those of streaming DiLoCo quantised by hand). And int8 (int4 without error feedback,
 with --run-slow) across 2 groups of 1 process: equal outer weights, those of DiLoCo by hand
 with the same quantisation, and the bytes the payloads predict."""
 
@@ -98,8 +99,9 @@ def _committed(records: dict[tuple[int, int, int], dict[int, list[int]]]
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("compression,fragments,delay",
-                         [(None, 1, 0), ("int4", 1, 0), (None, 2, 0), (None, 1, 2)],
-                         ids=["float32", "int4", "fragments2", "delay2"])
+                         [(None, 1, 0), ("int4", 1, 0), (None, 2, 0), (None, 1, 2),
+                          ("int4", 2, 0)],
+                         ids=["float32", "int4", "fragments2", "delay2", "int4_fragments2"])
 def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_trained_once(
         tmp_path, monkeypatch, compression, fragments, delay):
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -142,9 +144,10 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
         chunk = math.ceil(numel / 2)  # each of a group's 2 processes sends its half
         sent = chunk * 4 if bits is None else payload_bytes(chunk, bits)
         assert summary_0["wire"] == {"payload_bytes": exchanges * sent, "exchanges": exchanges}
-    else:  # each exchange one fragment's half (float32)
-        sizes = [4 * math.ceil(sum(p.numel() for p in fragment) / 2) for fragment in
-                 _fragment_params(fragments)]
+    else:  # each exchange one fragment's half
+        halves = [math.ceil(sum(p.numel() for p in fragment) / 2) for fragment in
+                  _fragment_params(fragments)]
+        sizes = [4 * n if bits is None else payload_bytes(n, bits) for n in halves]
         assert summary_0["wire"]["exchanges"] == exchanges, summary_0
         assert exchanges * min(sizes) <= summary_0["wire"]["payload_bytes"] <= \
             exchanges * max(sizes), (summary_0, sizes)
@@ -176,7 +179,7 @@ def test_a_group_killed_mid_round_heals_at_a_rounds_start_and_every_sample_is_tr
     assert_params_close({k: final[0][k] for k in last}, {k: final[1][k] for k in last},
                         atol=0, label="last fragment, group 1 vs group 0: ")
     assert any((final[0][k] - final[1][k]).abs().max() > 0 for k in final[0] if k not in last)
-    by_hand = streaming_diloco_by_hand(_committed(records), healed_at, fragments)
+    by_hand = streaming_diloco_by_hand(_committed(records), healed_at, fragments, bits=bits)
     for g in (0, 1):
         assert_params_close(by_hand[g], final[g], atol=1e-5, label=f"by hand vs group {g}: ")
 
