@@ -46,6 +46,10 @@ def _fastest_compute(steps: list[dict[str, float]]) -> float:
     return statistics.mean(times[:max(1, len(times) // 4)])
 
 
+def _median(steps: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in steps)
+
+
 def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
     """Build a :class:`ModelProfile` from the probe's ``profile``-mode results of one rank."""
     records = result.get("records") or []
@@ -102,9 +106,10 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         largest_tensor_bytes=float(result.get("largest_tensor_bytes", 0)),
         weight_tensors=max(1, int(result.get("weight_tensors", 1))),
         step_seconds=med(full, "step"), compute_seconds=med(full, "compute"),
-        optimizer_seconds=med(full, "optimizer"), input_seconds=med(full, "input"),
-        compute_fit=compute_fit,
-        optimizer_seconds_1thread=med(one, "optimizer") if one else med(full, "optimizer"),
+        # the optimizer does the same work every step: its median, which a busy neighbour's
+        # preemptions of a few steps cannot move (their mean tipped a plan to FSDP)
+        optimizer_seconds=_median(full, "optimizer"), input_seconds=med(full, "input"),
+        compute_fit=compute_fit, optimizer_seconds_1thread=_median(one or full, "optimizer"),
         input_seconds_1thread=med(phases[1], "input") if phases.get(1) else med(full, "input"),
         input_occasional_seconds=occasional(phases.get(1) or full),
         forward_fraction=forward_fraction(phases.get(1) or full),
