@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import replicator as rp
-from replicator.plan.benchmark import bench_function, input_notes, limiting_stage
+from replicator.plan.benchmark import bench_function, input_notes, input_share, limiting_stage
+from replicator.plan.settings import BenchReport, Setting, SettingResult
 from tests.data_helpers import SleepingLinear
 
 DELAY_S = 0.02   # the slow map, per element (8 per batch, 2 workers: ~80 ms per batch)
@@ -88,3 +89,30 @@ def test_the_stage_waited_for_most_limits_and_a_prefetch_never_does() -> None:
     pipeline["stages"]["map(f)+batch(8)"] = stage(0.6, 2)
     assert "below its CPU budget of 4" in limiting_stage([pipeline])
     assert limiting_stage([]) is None
+
+
+def measured(input_s: list[float], step_s: float = 0.015) -> SettingResult:
+    records = [{"step": step_s + i, "input": i} for i in input_s]
+    return SettingResult(Setting("one_device", 1), True, steps=len(records),
+                         step_seconds=sum(r["step"] for r in records) / len(records),
+                         breakdown={"input": sum(input_s) / len(input_s)},
+                         ranks=[{"rank": 0, "records": records}])
+
+
+def report(result: SettingResult) -> BenchReport:
+    return BenchReport(target="train", results=[result], skipped=[], out_dir="",
+                       load_average=(0.0, 0.0))
+
+
+def test_one_preempted_input_wait_does_not_make_a_script_input_bound() -> None:
+    # six steps of a fast pipeline, one whose input thread a busy machine held for 50 ms: the
+    # mean waits 38% of a step, the median step 6%
+    busy = measured([0.001, 0.001, 0.001, 0.05, 0.001, 0.001])
+    assert busy.breakdown["input"] / busy.step_seconds > 1 / 3
+    assert input_share(busy) < 0.1
+    assert input_notes(report(busy)) == []
+    # an input-bound script waits at every step
+    bound = measured([0.04, 0.03, 0.05, 0.04, 0.04, 0.03])
+    assert input_share(bound) > 0.6
+    assert input_notes(report(bound))[0].startswith(
+        "one_device x1 is input-bound: ")

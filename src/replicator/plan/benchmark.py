@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -31,8 +32,8 @@ from replicator.plan.settings import (
     write_bench_report,
 )
 
-__all__ = ["bench_function", "bench_script", "input_notes", "launcher", "limiting_stage",
-           "run_setting"]
+__all__ = ["bench_function", "bench_script", "input_notes", "input_share", "launcher",
+           "limiting_stage", "run_setting"]
 
 ENTRY = str(Path(__file__).with_name("bench_entry.py"))
 #: A step waiting this share of its time for input is input-bound (tf.data's fleet study
@@ -65,11 +66,27 @@ def limiting_stage(pipelines: Sequence[dict[str, Any]]) -> str | None:
             f"workers, {st['task_ms']:.1f} ms per task, {room})")
 
 
+def input_share(r: SettingResult) -> float:
+    """The share of a step that waits for input: the median step's, averaged over the ranks.
+
+    An input-bound script waits at nearly every step; the median keeps one step whose input
+    thread a busy neighbour preempted from reading as input-bound (the mean did, beside hogs).
+    """
+    if not r.ok or not r.step_seconds:
+        return 0.0
+    shares = [statistics.median(k["input"] / k["step"] if k["step"] > 0 else 0.0
+                                for k in rank["records"])
+              for rank in r.ranks if rank.get("records")]
+    if not shares:
+        return r.breakdown.get("input", 0.0) / r.step_seconds
+    return statistics.mean(shares)
+
+
 def input_notes(bench: BenchReport) -> list[str]:
-    """A line per setting that waits a third or more of its step for input, naming the stage."""
+    """A line per setting whose median step waits a third or more for input, naming the stage."""
     notes = []
     for r in bench.results:
-        share = r.breakdown.get("input", 0.0) / r.step_seconds if r.ok and r.step_seconds else 0
+        share = input_share(r)
         if share < INPUT_BOUND_SHARE:
             continue
         chief = min(r.ranks, key=lambda rank: rank.get("rank", 0), default={})
