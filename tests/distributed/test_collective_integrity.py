@@ -170,6 +170,7 @@ def _sub_group(_: int) -> dict:
     strategy = rp.MirroredStrategy()
     rank = strategy.replica_id
     group = dist.new_group([1, 2], timeout=timedelta(seconds=20))
+    dist.barrier()  # gloo: rank 0 must not end while 1 and 2 still connect their group
     out: dict = {}
     if rank == 0:  # not a member: cannot build collectives over the group
         out["outsider"] = _caught(lambda: Collectives.for_group(group, torch.device("cpu"), 5))
@@ -210,6 +211,7 @@ def _tracker_roles(gave_up: str) -> dict:
     rp.MirroredStrategy()
     rank = dist.get_rank()
     group = dist.new_group([0, 2], timeout=timedelta(seconds=3))
+    dist.barrier()  # gloo: rank 1 must not end while 0 and 2 still connect their group
     if rank == 1:
         return {}
     store = open_store_client(current_group())

@@ -305,6 +305,7 @@ def _reduce_onto_a_sub_groups_first_rank(_: int) -> list[float] | None:
 
     initialize()
     sub = dist.new_group([1, 2])
+    dist.barrier()  # gloo: rank 0 must not end while 1 and 2 still connect their group
     if dist.get_rank() == 0:
         return None
     weight = torch.nn.Parameter(torch.zeros(4))

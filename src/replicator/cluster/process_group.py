@@ -84,9 +84,9 @@ def _make_store(spec: ClusterSpec, timeout: timedelta, backend: str,
 
 def initialize(backend: str | None = None, timeout_seconds: float | None = None,
                device: torch.device | None = None) -> GroupInfo:
-    """Create the default process group from the environment, once; later calls return it
-    (with the first call's timeout: a later strategy that waits another time makes a group of
-    its own). A group the user created already is adopted as it is."""
+    """Create the default process group from the environment, once (every rank connected when
+    it returns); later calls return it (with the first call's timeout: a later strategy that
+    waits another time makes a group of its own). A group the user created is adopted as it is."""
     global _GROUP
     if _GROUP is not None and dist.is_initialized():
         return _GROUP
@@ -110,6 +110,11 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
     _GROUP = GroupInfo(spec=spec, backend=backend, timeout_seconds=timeout, store=store,
                        owned=True)
     set_group_timeout(dist.group.WORLD, timeout)
+    if backend == "gloo" and spec.world_size > 1:
+        # gloo connects one side of a pair before the other: without this, a rank that went
+        # on and ended at once closed a peer's half-made connection ("connectFullMesh failed
+        # ... Connection closed by peer", beside four CPU hogs)
+        dist.barrier()
     wait_at_exit()
     _shutdown_at_exit()
     if spec.source == "single-process":
