@@ -1,11 +1,14 @@
 """The actor process: vectorised environments stepped with the newest weights it holds.
 
 An actor connects to every learner replica (addresses from the launcher's store), waits for
-the first weights, then steps its environments without stopping: a sender thread ships its
-experience (round robin over the learners' replay shards) and asks replica 0 for newer weights
-every ``poll_seconds``; the stepping loop swaps them in between two steps. Experience still in
-its queue when the actor dies is all it loses. Each batch carries the weights version that made
-it (the oldest in the batch), so the learner measures the policy lag.
+the first weights, then steps its environments without stopping. The stepping loop ships each
+batch of experience itself (round robin over the learners' replay shards: one ``sendmsg``, so
+no second thread contends for the interpreter lock at every batch), and a poller thread asks
+replica 0 for newer weights every ``poll_seconds``; the stepping loop swaps them in between two
+steps. A batch not yet sent when the actor dies is all it loses. Each batch carries the weights
+version that made it (the oldest in the batch), so the learner measures the policy lag; a
+learner whose rate limiter holds inserts back holds the sending loop with them, so no queue of
+batches made with old weights builds up in the actor.
 
 Lockstep mode (tests): round ``r`` resets the environments with a seed derived from the actor
 and ``r``, waits for exactly the weights the learner published for round ``r``, runs a fixed
@@ -15,7 +18,6 @@ the weights alone, which makes a learner's run repeatable and its resume exact.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -33,11 +35,6 @@ from replicator.rl.experience import ExperienceBuilder
 
 __all__ = ["ActorConfig", "EnvironmentStepError", "Stepper", "base_seed", "run_actor",
            "named_weights"]
-
-
-#: Batches an actor keeps queued for sending: few, so that experience waiting behind the
-#: learners' rate limiter is not made with weights long replaced (the policy lag).
-_OUTBOX_BATCHES = 2
 
 
 class EnvironmentStepError(ReplicatorError):
@@ -272,47 +269,41 @@ def _free_running(cfg: ActorConfig, stepper: Stepper, links: _Links) -> None:
     _load(stepper.policy, tensors)
     torch.manual_seed(base_seed(cfg) + cfg.restart)
     stepper.reset(base_seed(cfg) + cfg.restart * 101)
-    outbox: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=_OUTBOX_BATCHES)
-    sender = _Sender(cfg, links, outbox, version)
-    sender.start()
+    poller = _WeightPoller(cfg, links, version)
+    poller.start()
     builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)
     sent_steps = 0
     target = 0
-    while not sender.stopped.is_set():
-        newer = sender.take_weights()
-        if newer is not None:
-            version, tensors = newer
-            _load(stepper.policy, tensors)
-        stepper.step(builder, version)
-        if builder.count >= cfg.send_every:
-            items, oldest = builder.take()
-            steps = stepper.vector_steps * cfg.num_envs - sent_steps
-            sent_steps += steps
-            _put(outbox, sender, (target, items, oldest, steps, stepper.take_returns(),
-                                  stepper.vector_steps * cfg.num_envs))
-            target += 1
-    if sender.error is not None:
-        raise sender.error
+    try:
+        while not poller.stopped.is_set():
+            newer = poller.take_weights()
+            if newer is not None:
+                version, tensors = newer
+                _load(stepper.policy, tensors)
+            stepper.step(builder, version)
+            if builder.count >= cfg.send_every:
+                items, oldest = builder.take()
+                if items is None:
+                    continue
+                steps = stepper.vector_steps * cfg.num_envs - sent_steps
+                sent_steps += steps
+                links.send(target, items, oldest, steps, 0, stepper.take_returns(),
+                           stepper.vector_steps * cfg.num_envs)
+                target += 1
+    finally:
+        poller.stopped.set()
+    if poller.error is not None:
+        raise poller.error
 
 
-def _put(outbox: queue.Queue, sender: _Sender, item: tuple[Any, ...]) -> None:
-    """Queue a batch for the sender; waits while it is full (the learners' rate limiter holds
-    inserts back), never past the sender's end."""
-    while not sender.stopped.is_set():
-        try:
-            outbox.put(item, timeout=0.1)
-            return
-        except queue.Full:
-            continue
+class _WeightPoller(threading.Thread):
+    """Asks learner 0 for newer weights every ``poll_seconds``, off the stepping loop (the
+    answer's round trip would otherwise stall it); the loop takes them with
+    :meth:`take_weights`."""
 
-
-class _Sender(threading.Thread):
-    """Ships queued experience and fetches newer weights, off the stepping loop."""
-
-    def __init__(self, cfg: ActorConfig, links: _Links, outbox: queue.Queue, version: int
-                 ) -> None:
-        super().__init__(name="replicator-rl-sender", daemon=True)
-        self.cfg, self.links, self.outbox = cfg, links, outbox
+    def __init__(self, cfg: ActorConfig, links: _Links, version: int) -> None:
+        super().__init__(name="replicator-rl-weights", daemon=True)
+        self.cfg, self.links = cfg, links
         self.held = version
         self.stopped = threading.Event()
         self.error: BaseException | None = None
@@ -325,24 +316,15 @@ class _Sender(threading.Thread):
         return slot
 
     def run(self) -> None:
-        last_poll = time.monotonic()
         try:
-            while not self.stopped.is_set():
-                try:
-                    target, items, oldest, steps, returns, total = self.outbox.get(
-                        timeout=self.cfg.poll_seconds)
-                    self.links.send(target, items, oldest, steps, 0, returns, total)
-                except queue.Empty:
-                    pass
-                if time.monotonic() - last_poll >= self.cfg.poll_seconds:
-                    last_poll = time.monotonic()
-                    got = self.links.ask(self.held, 0)
-                    if self.links.done:
-                        break
-                    if got is not None:
-                        self.held = got[0]
-                        with self._lock:
-                            self._slot = got
+            while not self.stopped.wait(self.cfg.poll_seconds):
+                got = self.links.ask(self.held, 0)
+                if self.links.done:
+                    break
+                if got is not None:
+                    self.held = got[0]
+                    with self._lock:
+                        self._slot = got
         except PeerLostError:
             pass
         except BaseException as exc:  # noqa: BLE001 - raised again by the stepping loop
