@@ -29,6 +29,17 @@ def test_actor_killed_is_restarted_with_current_weights_and_learner_goes_on():
     assert abs(stats["sampled"] / stats["inserted"] - 1.0) < 0.05, stats
 
 
+def test_policy_lag_stays_bounded_while_the_rate_limiter_holds_the_actor_back():
+    # the learner samples slowly and its rate limiter holds inserts back, so the actor is
+    # far faster than the learner takes its experience: batches it sent regardless would
+    # queue up in the sockets' buffers (thousands of these small ones), each made with
+    # weights the learner has long replaced, and the lag would grow with the run
+    out = launch(rl_jobs.train, 1, args=(40,), kwargs={"sleep": 0.05}, num_actors=1,
+                 timeout_seconds=60)[0]
+    stats = out["stats"]
+    assert stats["max_policy_lag"] <= 12, stats  # publish_every=2, a few batches held
+
+
 def test_lockstep_resume_after_learner_killed_equals_uninterrupted(tmp_path):
     whole = launch(rl_jobs.train, 1, args=(12, True), num_actors=1, timeout_seconds=60)[0]
     again = launch(rl_jobs.train, 1, args=(12, True), num_actors=1, timeout_seconds=60)[0]

@@ -1,14 +1,16 @@
 """The actor process: vectorised environments stepped with the newest weights it holds.
 
 An actor connects to every learner replica (addresses from the launcher's store), waits for
-the first weights, then steps its environments without stopping. The stepping loop ships each
-batch of experience itself (round robin over the learners' replay shards: one ``sendmsg``, so
-no second thread contends for the interpreter lock at every batch), and a poller thread asks
-replica 0 for newer weights every ``poll_seconds``; the stepping loop swaps them in between two
-steps. A batch not yet sent when the actor dies is all it loses. Each batch carries the weights
-version that made it (the oldest in the batch), so the learner measures the policy lag; a
-learner whose rate limiter holds inserts back holds the sending loop with them, so no queue of
-batches made with old weights builds up in the actor.
+the first weights, then steps its environments without stopping. The stepping loop writes
+everything it sends itself: each batch of experience (round robin over the learners' replay
+shards: one ``sendmsg``, so no second thread contends for the interpreter lock at every batch)
+and, every ``poll_seconds``, a request to replica 0 for newer weights; a thread reads the
+answers, and the loop swaps the weights in between two steps. While a request is unanswered
+the loop holds its batches (a few, then it waits), so a learner whose rate limiter holds
+inserts back also holds the actor, and no queue of batches made with old weights builds up in
+the socket's buffers. Batches not yet sent when the actor dies are all it loses. Each batch
+carries the weights version that made it (the oldest in the batch), so the learner measures
+the policy lag.
 
 Lockstep mode (tests): round ``r`` resets the environments with a seed derived from the actor
 and ``r``, waits for exactly the weights the learner published for round ``r``, runs a fixed
@@ -35,6 +37,11 @@ from replicator.rl.experience import ExperienceBuilder
 
 __all__ = ["ActorConfig", "EnvironmentStepError", "Stepper", "base_seed", "run_actor",
            "named_weights"]
+
+
+#: Batches the stepping loop holds while a request for weights waits for its answer (see
+#: :class:`_Outgoing`); past this many, the loop waits for the answer.
+_HELD_BATCHES = 2
 
 
 class EnvironmentStepError(ReplicatorError):
@@ -88,8 +95,17 @@ class _Links:
 
     def ask(self, held: int, round_: int) -> tuple[int, list[torch.Tensor]] | None:
         """Weights newer than ``held`` from learner 0 (lockstep: for ``round_``), else None."""
+        self.request(held, round_)
+        return self.answer()
+
+    def request(self, held: int, round_: int) -> None:
+        """Ask learner 0 for weights newer than ``held``; :meth:`answer` takes the reply."""
+        self.conns[0].send(T.ASK, a=held, b=round_)
+
+    def answer(self) -> tuple[int, list[torch.Tensor]] | None:
+        """The reply to the last :meth:`request`: newer weights, or None (none newer, or the
+        learner said goodbye: then ``done``)."""
         conn = self.conns[0]
-        conn.send(T.ASK, a=held, b=round_)
         msg = conn.receive("waiting for weights")
         if msg.kind == T.BYE:
             self.done = True
@@ -269,46 +285,94 @@ def _free_running(cfg: ActorConfig, stepper: Stepper, links: _Links) -> None:
     _load(stepper.policy, tensors)
     torch.manual_seed(base_seed(cfg) + cfg.restart)
     stepper.reset(base_seed(cfg) + cfg.restart * 101)
-    poller = _WeightPoller(cfg, links, version)
-    poller.start()
+    answers = _WeightAnswers(links, version)
+    answers.start()
     builder = ExperienceBuilder(cfg.kind, cfg.n_step, cfg.discount, cfg.unroll_length)
-    sent_steps = 0
-    target = 0
+    outgoing = _Outgoing(cfg, links, answers)
     try:
-        while not poller.stopped.is_set():
-            newer = poller.take_weights()
+        while not answers.stopped.is_set():
+            newer = answers.take_weights()
             if newer is not None:
                 version, tensors = newer
                 _load(stepper.policy, tensors)
             stepper.step(builder, version)
             if builder.count >= cfg.send_every:
                 items, oldest = builder.take()
-                if items is None:
-                    continue
-                steps = stepper.vector_steps * cfg.num_envs - sent_steps
-                sent_steps += steps
-                links.send(target, items, oldest, steps, 0, stepper.take_returns(),
-                           stepper.vector_steps * cfg.num_envs)
-                target += 1
+                if items is not None:
+                    outgoing.add(items, oldest, stepper)
+            outgoing.flush()
     finally:
-        poller.stopped.set()
-    if poller.error is not None:
-        raise poller.error
+        answers.stopped.set()
+    if answers.error is not None:
+        raise answers.error
 
 
-class _WeightPoller(threading.Thread):
-    """Asks learner 0 for newer weights every ``poll_seconds``, off the stepping loop (the
-    answer's round trip would otherwise stall it); the loop takes them with
+class _Outgoing:
+    """The stepping loop's sends: its batches, and a request for newer weights every
+    ``poll_seconds``, written in that order on the connections.
+
+    The learner answers a request after the experience queued before it (its rate limiter may
+    hold those inserts), so batches sent while a request waits would pile up in the socket's
+    buffers, made with weights the answer replaces: the policy lag. While one waits, batches
+    are held (:data:`_HELD_BATCHES`, then the loop waits for the answer); once it is answered,
+    the held batches go, and the next request follows them at once if ``poll_seconds`` have
+    passed since the last: a learner that holds inserts back thus holds the actor with them.
+    """
+
+    def __init__(self, cfg: ActorConfig, links: _Links, answers: _WeightAnswers) -> None:
+        self.cfg, self.links, self.answers = cfg, links, answers
+        self.held: list[tuple[Any, ...]] = []
+        self.sent_steps = 0
+        self.target = 0
+        self.asked = time.monotonic()
+
+    def add(self, items: dict[str, torch.Tensor], oldest: int, stepper: Stepper) -> None:
+        total = stepper.vector_steps * self.cfg.num_envs
+        self.held.append((items, oldest, total - self.sent_steps, stepper.take_returns(),
+                          total))
+        self.sent_steps = total
+
+    def flush(self) -> None:
+        if not self.answers.answered(wait=len(self.held) > _HELD_BATCHES):
+            return
+        for items, oldest, steps, returns, total in self.held:
+            self.links.send(self.target, items, oldest, steps, 0, returns, total)
+            self.target += 1
+        self.held.clear()
+        if time.monotonic() - self.asked >= self.cfg.poll_seconds:
+            self.asked = time.monotonic()
+            self.answers.expect()
+            self.links.request(self.answers.held, 0)
+
+
+class _WeightAnswers(threading.Thread):
+    """Takes learner 0's answers to the stepping loop's requests for weights, off that loop
+    (an answer's round trip would stall it); the loop swaps them in with
     :meth:`take_weights`."""
 
-    def __init__(self, cfg: ActorConfig, links: _Links, version: int) -> None:
+    def __init__(self, links: _Links, version: int) -> None:
         super().__init__(name="replicator-rl-weights", daemon=True)
-        self.cfg, self.links = cfg, links
+        self.links = links
         self.held = version
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         self._slot: tuple[int, list[torch.Tensor]] | None = None
         self._lock = threading.Lock()
+        self._asked = threading.Event()  # a request is out: its answer is to be read
+        self._answered = threading.Event()  # no request waits for its answer
+        self._answered.set()
+
+    def expect(self) -> None:
+        """A request is about to be sent: read its answer."""
+        self._answered.clear()
+        self._asked.set()
+
+    def answered(self, wait: bool) -> bool:
+        """Whether no request waits for its answer; ``wait``: until none does (or this
+        thread ended, its error then raised by the stepping loop)."""
+        while wait and not self._answered.is_set() and not self.stopped.is_set():
+            self._answered.wait(0.1)
+        return self._answered.is_set()
 
     def take_weights(self) -> tuple[int, list[torch.Tensor]] | None:
         with self._lock:
@@ -317,14 +381,18 @@ class _WeightPoller(threading.Thread):
 
     def run(self) -> None:
         try:
-            while not self.stopped.wait(self.cfg.poll_seconds):
-                got = self.links.ask(self.held, 0)
-                if self.links.done:
-                    break
+            while not self.stopped.is_set():
+                if not self._asked.wait(0.1):
+                    continue
+                self._asked.clear()
+                got = self.links.answer()  # bounded by the connection's timeout
                 if got is not None:
                     self.held = got[0]
                     with self._lock:
                         self._slot = got
+                self._answered.set()
+                if self.links.done:
+                    break
         except PeerLostError:
             pass
         except BaseException as exc:  # noqa: BLE001 - raised again by the stepping loop
