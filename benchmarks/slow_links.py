@@ -19,7 +19,11 @@ Two parts:
   optimizer, each host one replica group (``torchrun --standalone`` of 2 processes joined by
   DDP every step) under a ``Manager`` and a lighthouse on host 0; torchft sends the
   pseudo-gradient from every process (rank k of each group with rank k of the others), where
-  ours sends one copy per host. ``vs_torchft_diloco``: ours (DiLoCo H=50) / torchft's.
+  ours sends one copy per host. ``vs_torchft_diloco``: ours (DiLoCo H=50) / torchft's. Beside
+  samples/s, the table splits each run's timed steps (first process of host 0): the mean of
+  the steps that end an outer round (where DiLoCo crosses the link) and the median of the
+  others (compute and each host's own collectives, which the load of the cores decides), and
+  ``round_end_step_vs_torchft`` compares the former.
 - ``loss``: the held-out loss at equal samples after 8 and after ``--rounds`` outer rounds of
   50 steps, on one machine (the link does not change the loss): 4 processes, per-step
   ``MirroredStrategy`` against DiLoCo on 2 declared hosts, uncompressed and int4. The runs are
@@ -135,6 +139,16 @@ def _host_bytes() -> int:
     return sum(int((base / f"{d}_bytes").read_text()) for d in ("tx", "rx"))
 
 
+def _step_split(times: list[float], warm: int) -> dict[str, float]:
+    """Seconds of the timed steps (after ``warm``) that end an outer round (where DiLoCo
+    crosses the link; their mean), and the median of the others (compute and the hosts'
+    own collectives): what the link decides and what the cores decide, apart."""
+    ends = [t for step, t in enumerate(times, start=1) if step > warm and step % H == 0]
+    inner = [t for step, t in enumerate(times, start=1) if step > warm and step % H]
+    return {"round_end_s": statistics.mean(ends) if ends else 0.0,
+            "inner_step_s": statistics.median(inner) if inner else 0.0}
+
+
 def train(variant: str, steps: int, out: str, hosts: int | None = None, warm: int = 10,
           evaluate_at: tuple[int, ...] = ()) -> None:
     """One run (a worker of the job): train ``steps`` steps, write figures to ``out``."""
@@ -156,13 +170,17 @@ def train(variant: str, steps: int, out: str, hosts: int | None = None, warm: in
         optimizer.zero_grad()
 
     started = link = 0.0
+    times = []
     for step, batch in enumerate(data, start=1):
+        begun = time.perf_counter()
         strategy.run(step_fn, args=(batch,))
+        times.append(time.perf_counter() - begun)
         if step == warm:
             started, link = time.perf_counter(), _host_bytes() if hosts is None else 0
         if step in evaluate_at and strategy.is_chief:
             record["losses"][step] = _held_out_loss(model)
     record["samples_per_s"] = (steps - warm) * GLOBAL_BATCH / (time.perf_counter() - started)
+    record.update(_step_split(times, warm))
     if hosts is None and local_first:
         record["link_bytes_per_step"] = (_host_bytes() - link) / (steps - warm)
     rank = int(os.environ.get("RANK", "0"))
@@ -202,16 +220,20 @@ def train_torchft(steps: int, out: str, warm: int = 10) -> None:
     first = (group * per_host + local) * share  # the same rows as ours: rank-major shares
     started = link = 0.0
     with DiLoCo(manager, [model], inner, outer, sync_every=H, pin_memory=False):
+        times = []
         for step in range(1, steps + 1):
+            begun = time.perf_counter()
             rows = [data[(step - 1) * GLOBAL_BATCH + first + i] for i in range(share)]
             x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
             F.cross_entropy(ddp(x).reshape(-1, 256), y.reshape(-1)).backward()
             inner.step()
             inner.zero_grad()
+            times.append(time.perf_counter() - begun)
             if step == warm:
                 started, link = time.perf_counter(), _host_bytes()
     record = {"variant": PEER, "losses": {},
-              "samples_per_s": (steps - warm) * GLOBAL_BATCH / (time.perf_counter() - started)}
+              "samples_per_s": (steps - warm) * GLOBAL_BATCH / (time.perf_counter() - started),
+              **_step_split(times, warm)}
     if local == 0:
         record["link_bytes_per_step"] = (_host_bytes() - link) / (steps - warm)
         Path(out, f"rank{group * per_host}.json").write_text(json.dumps(record))
@@ -276,6 +298,8 @@ def _throughput_run(variant: str, rate: str, steps: int, port: int) -> dict[str,
             raise SystemExit(f"{variant} at {rate} failed:\n" + "\n".join(logs)[-3000:])
         records = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     return {"samples_per_s": records[0]["samples_per_s"],
+            "round_end_s": records[0].get("round_end_s", 0.0),
+            "inner_step_s": records[0].get("inner_step_s", 0.0),
             "link_bytes_per_step": sum(r["link_bytes_per_step"] for r in records)}
 
 
@@ -304,15 +328,20 @@ def throughput(rates: list[str], repeats: int, record: Path | None,
     rows = []
     for (variant, rate), results in runs.items():
         rows.append([variant, rate, _summary([r["samples_per_s"] for r in results]),
-                     _summary([r["link_bytes_per_step"] / 1e3 for r in results])])
-    print_table(["variant", "link", "samples/s median [range]", "link kB/step (both hosts)"],
-                rows)
+                     _summary([r["link_bytes_per_step"] / 1e3 for r in results]),
+                     _summary([r.get("round_end_s", 0.0) for r in results]),
+                     _summary([r.get("inner_step_s", 0.0) for r in results])])
+    print_table(["variant", "link", "samples/s median [range]", "link kB/step (both hosts)",
+                 "round-end step s", "other steps s (median)"], rows)
     for rate in rates:
         if PEER in variants and "diloco" in variants:
             ratios = [d["samples_per_s"] / t["samples_per_s"]
                       for d, t in zip(runs[("diloco", rate)], runs[(PEER, rate)])]
+            ends = [d.get("round_end_s", 0.0) / max(t.get("round_end_s", 0.0), 1e-9)
+                    for d, t in zip(runs[("diloco", rate)], runs[(PEER, rate)])]
             emit("slow_links", f"vs_torchft_diloco_{rate}", statistics.median(ratios), ">= 1.0",
-                 range=[min(ratios), max(ratios)])
+                 range=[min(ratios), max(ratios)],
+                 round_end_step_vs_torchft=round(statistics.median(ends), 3))
         if "sync" not in variants:
             continue
         sync = runs[("sync", rate)]
