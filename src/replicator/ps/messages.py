@@ -34,8 +34,8 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )
-_CODES = {dt: i for i, dt in enumerate(DTYPES)}
-_ITEMSIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in DTYPES}
+DTYPE_CODES = {dt: i for i, dt in enumerate(DTYPES)}
+ITEMSIZE = {dt: torch.empty(0, dtype=dt).element_size() for dt in DTYPES}
 
 
 #: Where a payload may land: ``into(kind, var_id, dtype, shape)`` returns a contiguous tensor of
@@ -80,14 +80,14 @@ def _header(kind: int, var_id: int, version: int, tensor: torch.Tensor | None,
     """The header's fields (packed with ``_HEADER`` when the batch is sent)."""
     head = [MAGIC, kind, var_id, version, 0, -1, 0] + [0] * MAX_DIMS + [a, b, c, -1, 0]
     if tensor is not None:
-        if tensor.dtype not in _CODES:
+        if tensor.dtype not in DTYPE_CODES:
             raise TypeError(f"cannot send a tensor of dtype {tensor.dtype}; supported: "
                             + ", ".join(str(d) for d in DTYPES))
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"cannot send a tensor of {tensor.dim()} dimensions (at most "
                              f"{MAX_DIMS}). HINT: reshape it before sending.")
         head[4] = tensor.numel() * tensor.element_size()
-        head[5] = _CODES[tensor.dtype]
+        head[5] = DTYPE_CODES[tensor.dtype]
         head[6] = tensor.dim()
         head[7:7 + tensor.dim()] = list(tensor.shape)
     return head
@@ -307,7 +307,7 @@ class Connection:
     def _shared_payload(self, h: list[int], dtype: torch.dtype, shape: tuple[int, ...],
                         target: torch.Tensor | None) -> torch.Tensor:
         """The peer's payload in shared memory: a view, or copied into a matching ``target``."""
-        view = None if self.lane is None or h[4] != math.prod(shape) * _ITEMSIZE[dtype] else \
+        view = None if self.lane is None or h[4] != math.prod(shape) * ITEMSIZE[dtype] else \
             self.lane.read(h[_SHM_FIELD], h[4], dtype, shape)
         if view is None:
             raise MessageFormatError(

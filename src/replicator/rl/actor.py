@@ -4,13 +4,13 @@ An actor connects to every learner replica (addresses from the launcher's store)
 the first weights, then steps its environments without stopping. The stepping loop writes
 everything it sends itself: each batch of experience (round robin over the learners' replay
 shards: one ``sendmsg``, so no second thread contends for the interpreter lock at every batch)
-and, every ``poll_seconds``, a request to replica 0 for newer weights; a thread reads the
-answers, and the loop swaps the weights in between two steps. While a request is unanswered
-the loop holds its batches (a few, then it waits), so a learner whose rate limiter holds
-inserts back also holds the actor, and no queue of batches made with old weights builds up in
-the socket's buffers. Batches not yet sent when the actor dies are all it loses. Each batch
-carries the weights version that made it (the oldest in the batch), so the learner measures
-the policy lag.
+and, every ``poll_seconds`` and every few batches, a request to replica 0 for newer weights;
+a thread reads the answers, and the loop swaps the weights in between two steps. While a
+request is unanswered the loop holds its batches (a few, then it waits), so a learner whose
+rate limiter holds inserts back also holds the actor, and no queue of batches made with old
+weights builds up in the socket's buffers. Batches not yet sent when the actor dies are all
+it loses. Each batch carries the weights version that made it (the oldest in the batch), so
+the learner measures the policy lag.
 
 Lockstep mode (tests): round ``r`` resets the environments with a seed derived from the actor
 and ``r``, waits for exactly the weights the learner published for round ``r``, runs a fixed
@@ -42,6 +42,9 @@ __all__ = ["ActorConfig", "EnvironmentStepError", "Stepper", "base_seed", "run_a
 #: Batches the stepping loop holds while a request for weights waits for its answer (see
 #: :class:`_Outgoing`); past this many, the loop waits for the answer.
 _HELD_BATCHES = 2
+#: Batches sent before the next request goes out even if ``poll_seconds`` have not passed:
+#: at most these (and the held ones) wait in the sockets in front of a request.
+_UNCONFIRMED_BATCHES = 4
 
 
 class EnvironmentStepError(ReplicatorError):
@@ -312,11 +315,12 @@ class _Outgoing:
     ``poll_seconds``, written in that order on the connections.
 
     The learner answers a request after the experience queued before it (its rate limiter may
-    hold those inserts), so batches sent while a request waits would pile up in the socket's
-    buffers, made with weights the answer replaces: the policy lag. While one waits, batches
-    are held (:data:`_HELD_BATCHES`, then the loop waits for the answer); once it is answered,
-    the held batches go, and the next request follows them at once if ``poll_seconds`` have
-    passed since the last: a learner that holds inserts back thus holds the actor with them.
+    hold those inserts), so an answer says that everything sent before its request has been
+    taken. Batches sent beyond that would pile up in the socket's buffers, made with weights
+    the answer replaces: the policy lag. So a request goes out every ``poll_seconds`` and after
+    every :data:`_UNCONFIRMED_BATCHES` batches sent; while one waits, batches are held
+    (:data:`_HELD_BATCHES`, then the loop waits for the answer). A learner that holds inserts
+    back thus holds the actor with them, with a few batches in between.
     """
 
     def __init__(self, cfg: ActorConfig, links: _Links, answers: _WeightAnswers) -> None:
@@ -324,6 +328,7 @@ class _Outgoing:
         self.held: list[tuple[Any, ...]] = []
         self.sent_steps = 0
         self.target = 0
+        self.unconfirmed = 0  # batches sent since the last request
         self.asked = time.monotonic()
 
     def add(self, items: dict[str, torch.Tensor], oldest: int, stepper: Stepper) -> None:
@@ -338,9 +343,12 @@ class _Outgoing:
         for items, oldest, steps, returns, total in self.held:
             self.links.send(self.target, items, oldest, steps, 0, returns, total)
             self.target += 1
+        self.unconfirmed += len(self.held)
         self.held.clear()
-        if time.monotonic() - self.asked >= self.cfg.poll_seconds:
+        if self.unconfirmed >= _UNCONFIRMED_BATCHES or \
+                time.monotonic() - self.asked >= self.cfg.poll_seconds:
             self.asked = time.monotonic()
+            self.unconfirmed = 0
             self.answers.expect()
             self.links.request(self.answers.held, 0)
 

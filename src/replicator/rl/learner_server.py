@@ -20,7 +20,7 @@ import torch
 
 from replicator.cluster.ports import LOOPBACK, listen
 from replicator.errors import ClusterConfigError
-from replicator.ps.messages import Connection, PeerLostError, tensor_text, text_tensor
+from replicator.ps.messages import Connection, PeerLostError, text_tensor
 from replicator.rl import transport as T
 from replicator.rl.policy_lag import PolicyLags
 
@@ -198,23 +198,22 @@ class ExperienceServer:
 
     def _items(self, conn: Connection, actor: int, join: int, version: int, steps: int,
                round_: int, count: int) -> None:
-        parts = T.receive_parts(conn, count, f"receiving experience from actor {actor}")
-        names = json.loads(tensor_text(parts[0]))
-        items = dict(zip(names, parts[1:]))
+        items = T.receive_items(conn, count, f"receiving experience from actor {actor}")
+        size = int(next(iter(items.values())).shape[0]) if items else 0
         lag = max(0, self.step - version)
         with self._lock:
             entry = self.joins[join]
             if entry["first_version"] == -2:
                 entry["first_version"] = version
             self.env_steps += steps
-            self.items += int(parts[1].shape[0]) if len(parts) > 1 else 0
+            self.items += size
             self.lags.add(lag)
             if self.lockstep:
                 self._rounds[(round_, actor)] = items
                 self._lock.notify_all()
                 return
             if self.max_policy_lag is not None and lag > self.max_policy_lag:
-                self.stale_dropped += int(parts[1].shape[0]) if len(parts) > 1 else 0
+                self.stale_dropped += size
                 return
         self.replay.add(items)
 

@@ -11,8 +11,10 @@ protocol is a handful of message kinds over that same connection:
 - ``HELLO(a=actor, b=restart, text=json spec)`` -> ``HELLO(a=learner, version=weights version,
   b=start round)`` | ``ERROR(text)``: the spec names the kind of items (``transitions`` or
   ``trajectories``), the environment and its observation shape (all actors must agree);
-- ``ITEMS(version=weights version, a=env steps, b=round, c=parts)`` then a ``PART`` with the
-  field names (JSON) and one ``PART`` per field: experience, never answered;
+- ``ITEMS(version=weights version, a=env steps, b=round, c=2)`` then a ``PART`` with the
+  fields' layout (JSON: name, dtype code, shape, byte offset of each) and one ``PART`` of all
+  their bytes (each field 8-byte aligned): experience, never answered. One payload, not one
+  message per field: the learner receives two messages per batch whatever the fields;
 - ``ASK(a=version held, b=round)`` -> ``WEIGHTS(version, c=tensors)`` then one ``PART`` per
   state-dict entry, or ``WEIGHTS(version=-1)`` when there is nothing newer (lockstep: nothing
   for that round yet);
@@ -23,6 +25,7 @@ protocol is a handful of message kinds over that same connection:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from datetime import timedelta
@@ -33,14 +36,28 @@ import torch.distributed as dist
 
 from replicator.cluster.env_names import RESTART_COUNT_ENV, RL_STORE_ENV
 from replicator.errors import ClusterConfigError
-from replicator.ps.messages import Connection, Message, tensor_text, text_tensor
+from replicator.ps.messages import (
+    DTYPE_CODES,
+    DTYPES,
+    ITEMSIZE,
+    MAX_DIMS,
+    Connection,
+    Message,
+    MessageFormatError,
+    tensor_text,
+    text_tensor,
+)
 
 __all__ = ["HELLO", "ITEMS", "PART", "ASK", "WEIGHTS", "BYE", "ERROR", "EPISODES",
            "LEARNER_KEY",
-           "send_hello", "receive_text", "send_items", "receive_parts", "send_weights",
+           "send_hello", "receive_text", "send_items", "receive_items", "receive_parts",
+           "send_weights",
            "rl_store"]
 
 HELLO, ITEMS, PART, ASK, WEIGHTS, BYE, ERROR, EPISODES = range(101, 109)
+
+#: Byte alignment of each field in a batch's payload (so every field is a view of its dtype).
+_ALIGN = 8
 
 #: Store key (under the attempt's prefix) where learner replica R publishes ``host:port``.
 LEARNER_KEY = "rl/learner/{rank}"
@@ -59,16 +76,52 @@ def receive_text(conn: Connection, what: str) -> str:
 def send_items(conn: Connection, items: dict[str, torch.Tensor], version: int, steps: int,
                round_: int = 0, returns: list[float] | None = None, total_steps: int = 0
                ) -> None:
-    """One batch of experience (the field names, then one part per field), and the returns
-    of the episodes that ended since the last batch."""
-    names = text_tensor(json.dumps(list(items)))
-    parts = [(PART, i, 0, v.contiguous(), 0, 0, 0)
-             for i, v in enumerate([names, *items.values()])]
-    batch = [(ITEMS, -1, version, None, steps, round_, len(parts)), *parts]
+    """One batch of experience (its layout, then every field's bytes in one payload), and the
+    returns of the episodes that ended since the last batch."""
+    layout, chunks, offset = [], [], 0
+    for name, value in items.items():
+        if value.dtype not in DTYPE_CODES:
+            raise ClusterConfigError(f"experience field {name!r} has dtype {value.dtype}, which "
+                                     "the transport does not carry. HINT: use a numeric or "
+                                     "bool tensor.")
+        raw = value.detach().contiguous().reshape(-1).view(torch.uint8)
+        layout.append([name, DTYPE_CODES[value.dtype], list(value.shape), offset])
+        chunks.append(raw)
+        pad = -raw.numel() % _ALIGN
+        if pad:
+            chunks.append(torch.zeros(pad, dtype=torch.uint8))
+        offset += raw.numel() + pad
+    blob = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    batch = [(ITEMS, -1, version, None, steps, round_, 2),
+             (PART, 0, 0, text_tensor(json.dumps(layout)), 0, 0, 0),
+             (PART, 1, 0, blob, 0, 0, 0)]
     if returns:
         batch.append((EPISODES, -1, 0, torch.tensor(returns, dtype=torch.float64), total_steps,
                       0, 0))
     conn.send_many(batch)
+
+
+def receive_items(conn: Connection, count: int, what: str) -> dict[str, torch.Tensor]:
+    """The fields of a batch :func:`send_items` sent (``count``: the header's part count), as
+    views of its one payload; a layout that does not fit the payload is refused."""
+    parts = receive_parts(conn, count, what)
+    if count != 2:
+        raise MessageFormatError(f"{conn.peer} sent experience in {count} parts (2 expected: "
+                                 "layout and bytes). HINT: actors and learners must run the "
+                                 "same replicator version.")
+    layout, blob = json.loads(tensor_text(parts[0])), parts[1]
+    items = {}
+    for name, code, shape, offset in layout:
+        if not 0 <= code < len(DTYPES) or len(shape) > MAX_DIMS:
+            raise MessageFormatError(f"{conn.peer} sent field {name!r} with dtype code {code} "
+                                     f"and shape {shape}")
+        dtype = DTYPES[code]
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if offset % _ALIGN or not 0 <= offset <= offset + nbytes <= blob.numel():
+            raise MessageFormatError(f"{conn.peer} sent field {name!r} at bytes {offset}.."
+                                     f"{offset + nbytes} of a payload of {blob.numel()}")
+        items[name] = blob[offset:offset + nbytes].view(dtype).reshape(shape)
+    return items
 
 
 def receive_parts(conn: Connection, count: int, what: str) -> list[torch.Tensor]:
