@@ -40,7 +40,6 @@ from replicator.ps.messages import (
     DTYPE_CODES,
     DTYPES,
     ITEMSIZE,
-    MAX_DIMS,
     Connection,
     Message,
     MessageFormatError,
@@ -112,7 +111,7 @@ def receive_items(conn: Connection, count: int, what: str) -> dict[str, torch.Te
     layout, blob = json.loads(tensor_text(parts[0])), parts[1]
     items = {}
     for name, code, shape, offset in layout:
-        if not 0 <= code < len(DTYPES) or len(shape) > MAX_DIMS:
+        if not 0 <= code < len(DTYPES):
             raise MessageFormatError(f"{conn.peer} sent field {name!r} with dtype code {code} "
                                      f"and shape {shape}")
         dtype = DTYPES[code]
