@@ -59,7 +59,7 @@ def main(seconds: float = 280.0, batch_size: int = 128, plot: str = "rl_d4pg.png
     replay = rp.rl.ReplayBuffer(100_000, n_step=3, discount=0.99, samples_per_insert=32.0,
                                 min_size_to_sample=1000, error_buffer=32 * 1000, seed=0)
     al = rp.rl.ActorLearner(rp.MirroredStrategy, "Pendulum-v1", Actor, replay=replay,
-                            act_fn=explore, num_envs=4, publish_every=20, send_every=64,
+                            act_fn=explore, num_envs=4, publish_every=20, send_every=16,
                             in_process=in_process)
     if al.is_actor:
         al.run_actor()

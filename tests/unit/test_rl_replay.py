@@ -62,6 +62,20 @@ def test_uniform_sampling_is_seeded_and_ring_overwrites():
     assert torch.equal(a.sample(8)["reward"], b.sample(8)["reward"])
 
 
+def test_a_batch_that_wraps_the_ring_lands_in_order_and_a_bad_one_changes_nothing():
+    buf = ReplayBuffer(10, seed=0)
+    buf.add(_items(7))
+    buf.add(_items(6, start=7))  # slots 7, 8, 9, then 0, 1, 2
+    rewards = buf.state_dict()["storage"]["reward"].tolist()
+    assert rewards == [10, 11, 12, 3, 4, 5, 6, 7, 8, 9]
+    bad = _items(4, start=20)
+    bad["next_obs"] = torch.zeros(4, 5)  # the replay holds 3 per item
+    with pytest.raises(ValueError, match="next_obs"):
+        buf.add(bad)
+    assert buf.state_dict()["storage"]["reward"].tolist() == rewards
+    assert len(buf) == 10
+
+
 def test_prioritized_sampling_follows_priorities():
     buf = ReplayBuffer(100, prioritized=True, alpha=1.0, seed=0)
     buf.add(_items(4))

@@ -106,15 +106,21 @@ class ReplayBuffer:
         if count > self.capacity:  # only the newest fit
             transitions = {k: v[-self.capacity:] for k, v in transitions.items()}
             count = self.capacity
-        index = (self._next + torch.arange(count)) % self.capacity
+        for name, value in transitions.items():
+            if tuple(value.shape[1:]) != tuple(self._storage[name].shape[1:]):
+                raise ValueError(f"field {name!r} has shape {tuple(value.shape[1:])} per item; "
+                                 f"the replay holds {tuple(self._storage[name].shape[1:])}. "
+                                 "HINT: every actor must run environments with the same spaces.")
+        # the ring's two slices (the second only when the batch wraps): copies, not index_put
+        head = min(count, self.capacity - self._next)
         for name, value in transitions.items():
             store = self._storage[name]
-            if tuple(value.shape[1:]) != tuple(store.shape[1:]):
-                raise ValueError(f"field {name!r} has shape {tuple(value.shape[1:])} per item; "
-                                 f"the replay holds {tuple(store.shape[1:])}. HINT: every actor "
-                                 "must run environments with the same spaces.")
-            store[index] = value.to(store.dtype)
-        self._priorities[index] = self._max_priority
+            store[self._next:self._next + head] = value[:head]
+            if count > head:
+                store[:count - head] = value[head:]
+        self._priorities[self._next:self._next + head] = self._max_priority
+        if count > head:
+            self._priorities[:count - head] = self._max_priority
         self._next = (self._next + count) % self.capacity
         self._size = min(self.capacity, self._size + count)
 
