@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from replicator.cli import main
 
@@ -82,3 +83,23 @@ def test_actor_example_runs_in_one_process_without_actors(example, tmp_path):
     assert done.returncode == 0, done.stderr
     result = next(line for line in done.stdout.splitlines() if "learner_steps" in line)
     assert "'learner_steps': 2" in result and "'max_policy_lag'" in result, result
+
+
+@pytest.mark.timeout(150)
+def test_gan_example_on_two_replicas_equals_one_device(tmp_path, capfd):
+    # TF-Replicator's GAN shape: two optimizers in one step_fn, the generator's update going
+    # through the discriminator's (whose gradients that backward also makes and syncs)
+    script = str(ROOT / "examples" / "gan.py")
+    weights = {}
+    for nproc in (1, 2):
+        path = tmp_path / f"gan_{nproc}.pt"
+        code = main(["run", "--nproc", str(nproc), script, "--steps", "30", "--save",
+                     str(path)])
+        out = capfd.readouterr()
+        assert code == 0, out.err
+        assert f"replicas {nproc}, steps 30" in out.out, out.out
+        weights[nproc] = torch.load(path, weights_only=True)
+    for net in ("generator", "discriminator"):
+        for name, one in weights[1][net].items():
+            torch.testing.assert_close(weights[2][net][name], one, rtol=1e-5, atol=1e-5,
+                                       msg=f"{net}.{name} differs between 1 and 2 replicas")
