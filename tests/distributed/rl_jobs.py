@@ -47,7 +47,7 @@ def train(steps: int, lockstep: bool = False, ckpt: str | None = None, kill_at: 
     policy = Policy()
     opt = torch.optim.SGD(policy.parameters(), lr=0.05)
     if ckpt and os.path.exists(ckpt):
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=True)
         policy.load_state_dict(state["policy"])
         opt.load_state_dict(state["opt"])
         al.load_state_dict(state["al"])

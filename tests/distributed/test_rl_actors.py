@@ -41,14 +41,14 @@ def test_policy_lag_stays_bounded_while_the_rate_limiter_holds_the_actor_back():
 
 
 def test_lockstep_resume_after_learner_killed_equals_uninterrupted(tmp_path):
-    whole = launch(rl_jobs.train, 1, args=(12, True), num_actors=1, timeout_seconds=60)[0]
-    again = launch(rl_jobs.train, 1, args=(12, True), num_actors=1, timeout_seconds=60)[0]
+    whole = launch(rl_jobs.train, 1, args=(42, True), num_actors=1, timeout_seconds=60)[0]
+    again = launch(rl_jobs.train, 1, args=(42, True), num_actors=1, timeout_seconds=60)[0]
     for k in whole["weights"]:
         assert torch.equal(whole["weights"][k], again["weights"][k])
     ckpt = str(tmp_path / "learner.pt")
-    resumed = launch(rl_jobs.train, 1, args=(12, True, ckpt, 7), num_actors=1,
+    resumed = launch(rl_jobs.train, 1, args=(42, True, ckpt, 37), num_actors=1,
                      max_restarts=1, timeout_seconds=60)[0]
-    assert resumed["trace"][0] == 5  # resumed from the backup of step 5, not from 0
+    assert resumed["trace"][0] == 35  # resumed from the backup of step 35, not from 0
     for k in whole["weights"]:
         assert torch.equal(whole["weights"][k], resumed["weights"][k]), k
 
