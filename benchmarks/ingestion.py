@@ -349,7 +349,7 @@ def variants(paths: list[str], folder: str, cores: int) -> dict[str, Any]:
     out: dict[str, Any] = {"ours": lambda: ours(paths)}
     out.update({f"DataLoader num_workers={w}": loader(w) for w in range(cores + 1)})
     if torchdata_nodes(paths, 1) is not None:
-        out["torchdata_nodes"] = lambda: torchdata_nodes(paths, cores)
+        out["torchdata_nodes"] = lambda: endless(torchdata_nodes(paths, cores))  # type: ignore
     shards = wds_shards(paths, folder)
     if webdataset_loader(shards, 0) is not None:
         out["webdataset"] = lambda: endless(webdataset_loader(shards, cores))  # type: ignore
