@@ -24,6 +24,25 @@ def test_ring_allreduce_hand_computed():
     assert ring_allreduce_seconds(1e9, 1, 1e9, 1.0) == 0.0
 
 
+
+def test_fsdp_pays_per_block_it_shards_not_per_weight_tensor():
+    """A transformer layer holds four weight matrices but is one FSDP block: the blocks the
+    probe saw sharded (``fsdp_units``) set FSDP's fixed cost; a profile without them (0)
+    falls back to one block per weight tensor."""
+    machine = MachineProfile.nominal()
+    machine.fsdp_unit = {2: 2e-3}
+    machine.fsdp_wide_sgd = {2: 4e-3}
+    machine.fsdp_wide_bytes = 1_000_288.0
+    cpu = Cluster(get_device("cpu"), parse_link("10gbit", 25e-6), machine, 2)
+    m = ModelProfile(name="attn", params=10**5, global_batch=8, param_bytes=4e5,
+                     grad_bytes=4e5, weight_tensors=10, measured=False, flops_per_sample=1e3)
+    per_tensor = predict("fsdp", 2, m, cpu).breakdown["communication"]
+    per_block = predict("fsdp", 2, dataclasses.replace(m, fsdp_units=4), cpu
+                        ).breakdown["communication"]
+    assert per_tensor - per_block == pytest.approx((10 - 4) * 2e-3, rel=1e-6)
+
+
+
 @pytest.mark.parametrize("n", [2, 8, 64])
 def test_fsdp_moves_one_and_a_half_times_the_bytes_of_allreduce(n):
     assert allreduce_traffic_bytes(1e9, n) == pytest.approx(2 * (n - 1) / n * 1e9)

@@ -290,3 +290,30 @@ def test_the_profile_times_the_forward_pass_up_to_the_end_of_the_models_call(tmp
     model = model_from_probe(probe.results(), "m")
     assert 0 < model.forward_fraction < 1
     assert not probe._undo  # the model's forward hook went with the rest
+
+
+def test_the_probe_counts_the_blocks_fsdp_would_shard_not_the_weight_matrices():
+    # a transformer layer holds four weight matrices and is one block of FSDPStrategy's
+    probe = Probe(steps=0, warmup=2, mode="profile")
+    strategy = OneDeviceStrategy("cpu")
+    with strategy.scope():
+        layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 16), layer, torch.nn.Flatten(),
+                                    torch.nn.Linear(16 * 4, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randint(0, 50, (8, 4)), torch.randint(0, 2, (8,))
+
+    def step(batch):
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    probe.install()
+    try:
+        for _ in range(5):
+            strategy.run(step, args=((x, y),))
+    finally:
+        probe.uninstall()
+    result = probe.results()
+    assert result["fsdp_units"] == 3  # the embedding, the layer, the head
+    assert result["weight_tensors"] == 6

@@ -177,11 +177,12 @@ def _fixed_collective(c: Cluster, n: int, measured: dict[int, float], nbytes: in
 
 
 def straggler_wait_seconds(machine: MachineProfile, strategy: str, compute: float,
-                           busy: int, weight_tensors: int = 1) -> float:
-    """A synchronous step's wait for its slowest rank on one CPU host (FSDP: sqrt of its stops)."""
+                           busy: int, units: int = 1) -> float:
+    """A synchronous step's wait for its slowest rank on one CPU host (FSDP: sqrt of its
+    stops, three per block ``units``)."""
     if strategy not in ("mirrored", "central_storage", "fsdp", "diloco") or busy <= 1:
         return 0.0
-    stops = math.sqrt(3 * max(1, weight_tensors)) if strategy == "fsdp" else 1.0
+    stops = math.sqrt(3 * max(1, units)) if strategy == "fsdp" else 1.0
     return max(compute * (machine.straggle_for(busy) - 1.0) * stops,
                machine.sync_wait_for(busy) if strategy != "fsdp" else 0.0)
 
@@ -319,6 +320,12 @@ def _central_storage_costs(s: _Step) -> _Costs:
     return costs
 
 
+def fsdp_units(model: ModelProfile) -> int:
+    """The blocks FSDP gathers one by one (each a fixed cost and a stop for the slowest
+    rank): as the model is sharded where the probe saw it, else one per weight tensor."""
+    return max(1, model.fsdp_units or model.weight_tensors)
+
+
 def _fsdp_one_cpu_host(s: _Step, units: int, state_ratio: float) -> float:
     """FSDP2 on gloo on one host: the measured cost per block and per byte (or gloo's bytes)."""
     machine, n, m = s.c.machine, s.n, s.m
@@ -336,7 +343,7 @@ def _fsdp_costs(s: _Step) -> _Costs:
     """Blocks gathered for forward and backward, gradients reduce-scattered, state sharded."""
     c, n, m = s.c, s.n, s.m
     h = c.hosts(n)
-    units = max(1, m.weight_tensors)
+    units = fsdp_units(m)
     state_ratio = m.optimizer_state_bytes / m.param_bytes if m.param_bytes else 0.0
     if s.cpu and h == 1:
         comm = _fsdp_one_cpu_host(s, units, state_ratio)
@@ -455,7 +462,7 @@ def _common_parts(s: _Step, k: _Costs) -> dict[str, float]:
     busy = k.busy if k.busy is not None else s.busy
     batch = k.batch if k.batch is not None else m.global_batch / n
     comm = k.comm + (straggler_wait_seconds(c.machine, s.strategy, k.compute, busy,
-                                            m.weight_tensors) if s.cpu else 0.0)
+                                            fsdp_units(m)) if s.cpu else 0.0)
     optimizer = _optimizer(m, c, k.opt_share, busy)
     whole, slow = m.input_seconds, 1.0
     if s.cpu and m.measured and (busy > 1 or k.threads == 1):  # one thread per rank

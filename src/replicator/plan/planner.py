@@ -105,6 +105,7 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         flops_per_sample=float(result.get("flops_per_sample", 0)),
         largest_tensor_bytes=float(result.get("largest_tensor_bytes", 0)),
         weight_tensors=max(1, int(result.get("weight_tensors", 1))),
+        fsdp_units=int(result.get("fsdp_units", 0)),
         step_seconds=med(full, "step"), compute_seconds=med(full, "compute"),
         # the optimizer does the same work every step: its median, which a busy neighbour's
         # preemptions of a few steps cannot move (their mean tipped a plan to FSDP)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from replicator.comm import timing
+from replicator.parallel.fsdp import shard_units
 from replicator.plan.profiles import save_json
 from replicator.strategies.nest import flatten
 from replicator.strategies.observers import StepObserver, add_step_observer
@@ -397,6 +398,8 @@ class Probe(StepObserver):
         stack.close()
         batch = self.batch_sizes[-1] if self.batch_sizes else 1
         self.extra["layer_calls"] = leaf_calls[0]
+        if roots:  # the blocks FSDPStrategy would shard one by one
+            self.extra["fsdp_units"] = len(shard_units(roots[0]))
         self.extra["flops_per_sample"] = counter.get_total_flops() / max(1, batch)
         self.extra["activation_bytes_per_sample"] = saved.total / max(1, batch)
         self.extra.update(_precision(saved.floating, counter))

@@ -83,6 +83,9 @@ class ModelProfile:
     flops_per_sample: float = 0.0
     largest_tensor_bytes: float = 0.0
     weight_tensors: int = 1
+    #: the blocks FSDP shards one by one (``parallel.fsdp.shard_units``); 0: not measured,
+    #: ``weight_tensors`` stands in
+    fsdp_units: int = 0
     boundary_bytes_per_sample: float = 0.0
     step_seconds: float = 0.0
     compute_seconds: float = 0.0
