@@ -362,22 +362,44 @@ def test_a_pipeline_slot_is_its_busiest_stage_as_the_default_cut_makes_it():
     b = predict("pipeline", 2, uneven, c, microbatches=4)
     one = predict("one_device", 1, even, c).breakdown["compute"]
     slots = 4 + 2 - 1
+    # 3 microbatches after the first add their gradients into the stage's .grad
+    acc = 3 * 2 * max(even.param_bytes / 2, even.largest_tensor_bytes) / c.device.memory_bandwidth
     # model(x) then backward adds the busiest stage's forward of the batch (its share of a
     # third of the forward-and-backward, without a measured forward fraction)
-    assert a.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.5 + one / 3 * 0.5)
-    assert b.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.7 + one / 3 * 0.7)
+    assert a.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.5 + one / 3 * 0.5 + acc)
+    assert b.breakdown["compute"] == pytest.approx(slots * one / 4 * 0.7 + one / 3 * 0.7 + acc)
     # a measured forward fraction (a CNN's forward was 60% of its forward and backward)
     measured = dataclasses.replace(uneven, forward_fraction=0.6)
     assert predict("pipeline", 2, measured, c, microbatches=4).breakdown["compute"] \
-        == pytest.approx(slots * one / 4 * 0.7 + one * 0.6 * 0.7)
+        == pytest.approx(slots * one / 4 * 0.7 + one * 0.6 * 0.7 + acc)
     # strategy.forward_backward runs no second forward
     fb = dataclasses.replace(measured, pipeline_forward_backward=True)
     assert predict("pipeline", 2, fb, c, microbatches=4).breakdown["compute"] \
-        == pytest.approx(slots * one / 4 * 0.7)
+        == pytest.approx(slots * one / 4 * 0.7 + acc)
     # a share below an even split (a profile of another cut) never makes a stage faster
     odd = dataclasses.replace(even, pipeline_stage_shares={"2": 0.3})
     assert predict("pipeline", 2, odd, c, microbatches=4).breakdown["compute"] \
         == pytest.approx(a.breakdown["compute"])
+
+
+def test_each_microbatch_after_the_first_adds_its_stage_gradients_per_byte():
+    """A 12.8 MB embedding sits whole in one stage: each of the 3 microbatches after the first
+    writes its gradient and adds it into ``.grad`` (two copies of it at the machine's
+    bandwidth), however few FLOPs it has; a model of many small tensors pays its even share."""
+    machine = MachineProfile.nominal()
+    cpu = Cluster(get_device("cpu"), parse_link("10gbit", 25e-6), machine, 2)
+    small = ModelProfile(name="bag", params=3_200_000, global_batch=256, param_bytes=12.8e6,
+                         grad_bytes=12.8e6, weight_tensors=2, measured=False,
+                         flops_per_sample=2e3, largest_tensor_bytes=1e5)
+    whole = dataclasses.replace(small, largest_tensor_bytes=12.8e6)
+
+    def compute(m: ModelProfile, microbatches: int) -> float:
+        return predict("pipeline", 2, m, cpu, microbatches=microbatches).breakdown["compute"]
+
+    assert compute(whole, 4) - compute(small, 4) == pytest.approx(
+        3 * 2 * (12.8e6 - 6.4e6) / machine.memory_bandwidth)
+    assert compute(whole, 8) - compute(small, 8) == pytest.approx(
+        7 * 2 * (12.8e6 - 6.4e6) / machine.memory_bandwidth)
 
 
 def test_ps_queue_wait_solves_half_a_push_at_the_servers_utilisation():
