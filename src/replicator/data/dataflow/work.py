@@ -8,6 +8,9 @@ copying it again. Stacking into private memory first cost a second copy of the b
 page faults of fresh memory for it, in every task: about a tenth of the task time of an
 ImageNet-style decode (``benchmarks/ingestion.py``). The shared memory of a batch the consumer
 has let go of is reused for a later one (:mod:`buffers`): its pages are already there.
+Each tensor the map makes is copied into its row of the batch as soon as it is made (tf.data's
+map-and-batch fusion, :class:`_Rows`), while it is still in the cache, and freed at once; the
+collate then finds the rows in place.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def mark_process_worker(releases: Any = None) -> None:
 
 def handed_over(ok: bool) -> list[Key]:
     """The buffers the task just run hands to the consumer (none if it failed)."""
+    _FILLING.clear()
     return _BUFFERS.settle(ok) if _BUFFERS is not None else []
 
 
@@ -53,9 +57,86 @@ def _shared_storage(nbytes: int) -> torch.UntypedStorage:
     return storage
 
 
+class _Rows:
+    """A batch's shared buffers, filled a row at a time: each tensor of a sample goes to row
+    ``kept`` of the buffer for its place in the sample (allocated when the first sample
+    arrives) and is replaced by that row; a tensor that does not fit its buffer stays as it is,
+    and the collate stacks that place as before."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.kept = rows, 0
+        self.buffers: list[torch.Tensor | None] = []
+
+    def place(self, sample: Any) -> Any:
+        counter = [0]
+        placed = self._place(sample, counter)
+        self.kept += 1
+        return placed
+
+    def _place(self, obj: Any, counter: list[int]) -> Any:
+        if type(obj) is torch.Tensor:
+            index = counter[0]
+            counter[0] += 1
+            return self._row(index, obj)
+        if isinstance(obj, dict):
+            return {k: self._place(v, counter) for k, v in obj.items()} \
+                if type(obj) is dict else obj
+        if type(obj) in (tuple, list):
+            return type(obj)(self._place(v, counter) for v in obj)
+        return obj
+
+    def _row(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        if index == len(self.buffers):
+            self.buffers.append(self._buffer(t) if self.kept == 0 and _fits(t) else None)
+        buf = self.buffers[index] if index < len(self.buffers) else None
+        if buf is None or not _fits(t) or t.dtype != buf.dtype or t.shape != buf.shape[1:]:
+            return t
+        row = buf[self.kept]
+        row.copy_(t)
+        return row
+
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
+        shape = (self.rows, *t.shape)
+        storage = _shared_storage(math.prod(shape) * t.element_size())
+        return torch.empty(0, dtype=t.dtype).set_(storage, 0, shape, _contiguous(shape))
+
+    def holds(self, batch: list[torch.Tensor]) -> torch.Tensor | None:
+        """The rows ``batch`` is, as one tensor, if they are this batch's first rows of one
+        buffer in order."""
+        base = batch[0]._base
+        if not any(base is b for b in self.buffers) or len(batch) > self.rows:
+            return None
+        assert base is not None
+        step = base.stride(0)
+        if all(t._base is base and t.storage_offset() == i * step for i, t in enumerate(batch)):
+            return base[:len(batch)]
+        return None
+
+
+def _fits(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.layout == torch.strided and not t.is_nested \
+        and not t.requires_grad and t.numel() > 0
+
+
+def _contiguous(shape: tuple[int, ...]) -> list[int]:
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= size
+    return strides
+
+
+_FILLING: list[_Rows] = []  # the rows of the batch task a process worker runs now, if any
+
+
 def _stack(batch: list[torch.Tensor], *,
            collate_fn_map: dict[Any, Callable[..., Any]] | None = None) -> torch.Tensor:
-    """torch's tensor collate, into a new shared-memory storage in a process worker."""
+    """torch's tensor collate, into a new shared-memory storage in a process worker (or the
+    rows already filled, :class:`_Rows`)."""
+    filled = _FILLING[0].holds(batch) if _FILLING else None
+    if filled is not None:
+        return filled
     elem = batch[0]
     if not (_IN_PROCESS_WORKER and elem.device.type == "cpu" and elem.layout == torch.strided
             and not elem.is_nested and all(t.dtype == elem.dtype and t.shape == elem.shape
@@ -63,12 +144,7 @@ def _stack(batch: list[torch.Tensor], *,
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     shape = (len(batch), *elem.shape)
     storage = _shared_storage(math.prod(shape) * elem.element_size())
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):  # contiguous
-        strides.insert(0, step)
-        step *= size
-    out = torch.empty(0, dtype=elem.dtype).set_(storage, 0, shape, strides)
+    out = torch.empty(0, dtype=elem.dtype).set_(storage, 0, shape, _contiguous(shape))
     return torch.stack(batch, 0, out=out)
 
 
@@ -103,11 +179,13 @@ class MapChunk:
     def __init__(self, fns: tuple[Callable[[Any], Any], ...], on_error: str) -> None:
         self.fns, self.on_error = fns, on_error
 
-    def __call__(self, elements: list[Any]) -> tuple[list[Any], list[str]]:
+    def __call__(self, elements: list[Any], place: Callable[[Any], Any] | None = None
+                 ) -> tuple[list[Any], list[str]]:
         outputs, failures = [], []
         for element in elements:
             try:
-                outputs.append(_apply(self.fns, element))
+                out = _apply(self.fns, element)
+                outputs.append(place(out) if place is not None else out)
             except Exception as exc:
                 if self.on_error != "skip":
                     raise InputPipelineError(
@@ -127,7 +205,15 @@ class BatchWork:
         self.collate = collate
 
     def load(self, elements: list[Any]) -> tuple[list[Any], list[str]]:
-        samples, failures = self.chunk(elements) if self.chunk.fns else (list(elements), [])
+        """The mapped samples; in a process worker whose collate is the default one, their
+        tensors already sit in the rows of the batch (until the task ends)."""
+        place = None
+        if _IN_PROCESS_WORKER and self.chunk.fns and default_batch_collate in (
+                self.collate, getattr(self.collate, "collate", None)):
+            _FILLING[:] = [_Rows(len(elements))]
+            place = _FILLING[0].place
+        samples, failures = self.chunk(elements, place) if self.chunk.fns else \
+            (list(elements), [])
         if not samples:
             raise InputPipelineError(
                 f"every sample of a batch of {len(elements)} failed; the first: {failures[0]}")
