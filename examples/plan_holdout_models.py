@@ -1,4 +1,4 @@
-"""Three models ``replicator plan`` was never calibrated on, each a different shape.
+"""Models ``replicator plan`` was never calibrated on, each a different shape.
 
 The cost model's figures were tuned on ``examples/plan_models.py`` (tiny, mlp, cnn); these
 check that its predictions hold on models it never saw. Same contract as there: the strategy
@@ -9,7 +9,12 @@ step, and each model is an ``nn.Sequential`` so that ``PipelineStrategy`` can cu
   about a third of a second a step in one process);
 * ``--model attn``: two small transformer encoder layers over 32 tokens (attention);
 * ``--model embed``: a 100k x 32 embedding, mean-pooled, then one Linear (wide and shallow:
-  3.2M parameters, little compute).
+  3.2M parameters, little compute);
+* ``--model wide``: three wide Linear layers (3.2M parameters in 12.8 MB of dense weights);
+* ``--model bag``: a 40k x 48 embedding bag, then a two-layer head (1.9M parameters).
+
+``wide`` and ``bag`` were added after the pipeline's gradient accumulation term was read from
+``embed``, to check it on models it was not read from.
 
 Run: ``replicator plan examples/plan_holdout_models.py --workers 1,2,3,4 --per-host 4
 --validate -- --model upcnn``.
@@ -52,23 +57,33 @@ def build(name: str) -> tuple[nn.Module, torch.Tensor]:
     if name == "embed":
         return nn.Sequential(nn.Embedding(100_000, 32), MeanTokens(), nn.Linear(32, 10)), \
             torch.randint(0, 100_000, (16,))
-    raise SystemExit(f"unknown --model {name!r}: upcnn, attn or embed")
+    if name == "wide":
+        return nn.Sequential(nn.Linear(512, 1536), nn.ReLU(), nn.Linear(1536, 1536), nn.ReLU(),
+                             nn.Linear(1536, 10)), torch.randn(512)
+    if name == "bag":
+        return nn.Sequential(nn.Embedding(40_000, 48), MeanTokens(), nn.Linear(48, 256),
+                             nn.ReLU(), nn.Linear(256, 10)), torch.randint(0, 40_000, (24,))
+    raise SystemExit(f"unknown --model {name!r}: upcnn, attn, embed, wide or bag")
+
+
+BATCH = {"upcnn": 64, "attn": 128, "wide": 128, "bag": 192, "embed": 256}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="attn")
     parser.add_argument("--batch", type=int, default=None,
-                        help="global batch (default 64 for upcnn, 128 for attn, 256 for embed)")
+                        help="global batch (default: upcnn 64, attn and wide 128, bag 192, "
+                        "embed 256)")
     parser.add_argument("--epochs", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=None,
                         help="stop after this many steps (default: every epoch's batches)")
     args = parser.parse_args()
-    batch = args.batch or {"upcnn": 64, "attn": 128, "embed": 256}.get(args.model, 64)
+    batch = args.batch or BATCH.get(args.model, 64)
     strategy = rp.get_strategy(os.environ.get("REPLICATOR_STRATEGY", "mirrored"))
     torch.manual_seed(0)
     sample = build(args.model)[1]
-    vocab = {"attn": 1000, "embed": 100_000}.get(args.model)
+    vocab = {"attn": 1000, "embed": 100_000, "bag": 40_000}.get(args.model)
     x = torch.randint(0, vocab, (batch * 8, *sample.shape)) if vocab else \
         torch.randn(batch * 8, *sample.shape)
     y = torch.randint(0, 10, (batch * 8,))
