@@ -153,6 +153,22 @@ def test_each_sample_lands_in_its_row_as_it_is_made_and_the_batch_is_the_stacked
         assert stacks.value >= 2 * len(got)
 
 
+def with_empty(i):
+    return torch.zeros(0), torch.full((3,), float(i)), torch.tensor(2.0)
+
+
+def test_tensors_that_get_no_row_are_stacked_as_before() -> None:
+    """An empty tensor gets no row; the other places of the sample still do, and the batch is
+    the stacked one."""
+    ds = (Dataset.from_tensor_slices(torch.arange(12)).map(with_empty).batch(4).prefetch()
+          .with_options(Options(worker_type="process", cpu_budget=2)))
+    got = list(ds)
+    ds.close()
+    assert [tuple(b[0].shape) for b in got] == [(4, 0)] * 3
+    assert torch.equal(torch.cat([b[1][:, 0] for b in got]), torch.arange(12).float())
+    assert all(torch.equal(b[2], torch.full((4,), 2.0)) for b in got)
+
+
 def uneven(i):
     return torch.zeros(int(i) % 3 + 1)
 

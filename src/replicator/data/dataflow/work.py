@@ -104,9 +104,8 @@ class _Rows:
         """The rows ``batch`` is, as one tensor, if they are this batch's first rows of one
         buffer in order."""
         base = batch[0]._base
-        if not any(base is b for b in self.buffers) or len(batch) > self.rows:
+        if base is None or len(batch) > self.rows or not any(base is b for b in self.buffers):
             return None
-        assert base is not None
         step = base.stride(0)
         if all(t._base is base and t.storage_offset() == i * step for i, t in enumerate(batch)):
             return base[:len(batch)]
