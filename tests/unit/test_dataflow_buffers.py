@@ -179,3 +179,18 @@ def test_samples_of_different_shapes_are_refused_as_the_stack_refuses_them() -> 
     with pytest.raises(Exception, match="stack expects each tensor to be equal size"):
         list(ds)
     ds.close()
+
+
+def with_graph(i):
+    return torch.full((2,), float(i), requires_grad=True) * 2  # a tensor with a graph
+
+
+def test_a_result_the_workers_cannot_send_fails_its_task_at_once() -> None:
+    """torch refuses to send a tensor with a graph between processes; the batch fails with
+    torch's reason (it used to be lost in the worker, the consumer waiting out its timeout)."""
+    ds = (Dataset.from_tensor_slices(torch.arange(8)).map(with_graph).batch(4).prefetch()
+          .with_options(Options(worker_type="process", cpu_budget=2)))
+    with pytest.raises(Exception, match="requires_grad") as err:
+        list(ds)
+    assert "map(with_graph)+batch(4) failed" in str(err.value)
+    ds.close()

@@ -22,6 +22,7 @@ mostly torch ops or I/O, and need no pickling.
 
 from __future__ import annotations
 
+import multiprocessing.queues
 import queue
 import random
 import threading
@@ -68,6 +69,18 @@ class _Failure:
             self.exc: BaseException | None = exc
         except Exception:  # noqa: BLE001 - an exception that cannot travel is described
             self.exc = None
+
+
+class _ResultQueue(multiprocessing.queues.Queue):
+    """The workers' results. A result this queue cannot pickle (a tensor that requires grad and
+    has a graph, a lambda) comes back as its task's failure, instead of never arriving."""
+
+    def _on_queue_feeder_error(self, e: BaseException, obj: Any) -> None:
+        if isinstance(obj, tuple) and len(obj) == 9:  # as _process_worker puts them
+            pass_id, seq, _ok, _out, task_s, _nbytes, cpu_s, index, _lent = obj
+            self.put((pass_id, seq, False, _Failure(e), task_s, 0, cpu_s, index, []))
+        else:  # pragma: no cover - nothing else is put on it; as multiprocessing does
+            traceback.print_exception(type(e), e, e.__traceback__)
 
 
 def _run(fn: Callable[[Any], Any], payload: Any,
@@ -165,7 +178,7 @@ class Pool:
             method = start_method or ("fork" if "fork" in tmp.get_all_start_methods() else None)
             self._ctx: Any = tmp.get_context(method)
             self._tasks: Any = self._ctx.Queue()
-            self._results: Any = self._ctx.Queue()
+            self._results: Any = _ResultQueue(ctx=self._ctx)
             self._active: Any = self._ctx.Value("i", 0)
             self._current: Any = self._ctx.Value("i", 0)
             # drawn from the consumer's torch generator, as DataLoader's base seed is: a
