@@ -2,7 +2,7 @@
 collate). Both are module-level classes, so process workers started by spawn can receive them;
 with ``on_error="skip"`` a failing element is left out and described for the stats.
 
-In a process worker the default collate stacks each batch's tensors straight into shared
+In a process worker the default collate writes each batch's tensors straight into shared
 memory (as DataLoader's workers do): the queue then hands the batch over as a handle without
 copying it again. Stacking into private memory first cost a second copy of the batch, and the
 page faults of fresh memory for it, in every task: about a tenth of the task time of an
