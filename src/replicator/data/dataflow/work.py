@@ -97,8 +97,7 @@ class _Rows:
 
     def _buffer(self, t: torch.Tensor) -> torch.Tensor:
         shape = (self.rows, *t.shape)
-        storage = _shared_storage(math.prod(shape) * t.element_size())
-        return torch.empty(0, dtype=t.dtype).set_(storage, 0, shape, _contiguous(shape))
+        return _shared_tensor(shape, t.dtype)
 
     def holds(self, batch: list[torch.Tensor]) -> torch.Tensor | None:
         """The rows ``batch`` is, as one tensor, if they are this batch's first rows of one
@@ -117,13 +116,15 @@ def _fits(t: torch.Tensor) -> bool:
         and not t.requires_grad and t.numel() > 0
 
 
-def _contiguous(shape: tuple[int, ...]) -> list[int]:
+def _shared_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` over a batch buffer of shared memory."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     strides: list[int] = []
     step = 1
     for size in reversed(shape):
         strides.insert(0, step)
         step *= size
-    return strides
+    return torch.empty(0, dtype=dtype).set_(_shared_storage(nbytes), 0, shape, strides)
 
 
 _FILLING: list[_Rows] = []  # the rows of the batch task a process worker runs now, if any
@@ -142,9 +143,7 @@ def _stack(batch: list[torch.Tensor], *,
                                            and not t.requires_grad for t in batch)):
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     shape = (len(batch), *elem.shape)
-    storage = _shared_storage(math.prod(shape) * elem.element_size())
-    out = torch.empty(0, dtype=elem.dtype).set_(storage, 0, shape, _contiguous(shape))
-    return torch.stack(batch, 0, out=out)
+    return torch.stack(batch, 0, out=_shared_tensor(shape, elem.dtype))
 
 
 _COLLATE_MAP: dict[Any, Callable[..., Any]] = {**default_collate_fn_map, torch.Tensor: _stack}
