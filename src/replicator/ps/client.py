@@ -21,10 +21,10 @@ from replicator.ps.messages import (
     Message,
     Outgoing,
     PeerLostError,
+    SharedLane,
     tensor_text,
     text_tensor,
 )
-from replicator.ps.shm_lane import SharedLane
 from replicator.ps.value_parts import PartAssembler
 
 T = TypeVar("T")

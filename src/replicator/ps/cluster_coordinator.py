@@ -38,13 +38,15 @@ from replicator.ps.task_queue import (
     Payload,
     RemoteFunctionError,
     Request,
+    ResourceRef,
     Task,
     TaskQueue,
+    decode,
+    encode,
     error_fields,
     function_failed,
     rebuild_error,
 )
-from replicator.ps.values import ResourceRef, decode, encode
 
 _ADDRESS_KEY = "replicator/coordinator/address"
 

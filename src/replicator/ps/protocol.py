@@ -6,7 +6,7 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
   variable id = the server's host id);
 - ``SHM_ATTACH(version=host id, a=push bytes, b=pull bytes, segment name)`` -> ``SHM_ATTACHED``
   (a = 1, or a = 0 and the reason): payloads then go through the segment
-  (:mod:`replicator.ps.shm_lane`);
+  (:class:`replicator.ps.messages.SharedLane`);
 - ``REGISTER(shard id, values)`` (the chief; ignored by a server restored from a checkpoint);
 - ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
 - ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;

@@ -40,10 +40,10 @@ from replicator.ps.task_queue import (
     RemoteFunctionError,
     Request,
     TaskQueue,
+    encode,
     error_fields,
     function_failed,
 )
-from replicator.ps.values import encode
 
 HELLO, ASK, TASK, RESULT, FAILED, MARKER, IDLE, TENSOR, BYE, ANSWER = range(1, 11)
 

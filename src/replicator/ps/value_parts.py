@@ -9,8 +9,7 @@ from collections.abc import Iterable
 import torch
 
 from replicator.ps import protocol as P
-from replicator.ps.messages import Connection, Into, Outgoing
-from replicator.ps.shm_lane import SharedLane
+from replicator.ps.messages import Connection, Into, Outgoing, SharedLane
 
 #: About how much of a large shard's values each part carries.
 PART_BYTES = 1 << 20
