@@ -28,6 +28,7 @@ from replicator.ps.task_queue import (
     CANCELLED,
     DONE,
     DONE_CALL,
+    ENDED,
     FAILED,
     FETCH_CALL,
     MARKER_CALL,
@@ -318,7 +319,7 @@ class ClusterCoordinator:
         if not self.is_chief:
             request = Request(VALUE_DONE_CALL, 0, value._number, self._scheduled)
             return bool(self._worker_done(request)["finished"])
-        return self._tasks[value._number].state in (DONE, FAILED, CANCELLED)
+        return self._tasks[value._number].state in ENDED
 
     def _run_inline(self, task: Task) -> None:
         if self._inline_error is not None:
@@ -341,15 +342,12 @@ class ClusterCoordinator:
             return
         self._finished = True
         if self._channel is not None:
+            end, where = Request(MARKER_CALL, -1, -1, self._scheduled), "the end of its script"
             try:
-                end = Request(MARKER_CALL, -1, -1, self._scheduled)
-                self._check_marker(self._channel.serve_until(end), "the end of its script", -1)
-            except StopServing:
                 try:
-                    self._check_counts(decode(*self._channel.stop_value),
-                                       "the end of its script")
-                except CallMismatchError as exc:
-                    print(f"[replicator] {exc}", file=sys.stderr, flush=True)
+                    self._check_marker(self._channel.serve_until(end), where, -1)
+                except StopServing:
+                    self._check_counts(decode(*self._channel.stop_value), where)
             except CallMismatchError as exc:
                 print(f"[replicator] {exc}", file=sys.stderr, flush=True)
             finally:

@@ -1,13 +1,8 @@
-"""Typed tensor messages between two processes, never pickled: a fixed header of
-:data:`HEADER_FIELDS` int64 (magic, kind, variable id, version, payload bytes, dtype, shape,
-three free integers, the payload's offset in shared memory or -1, one reserved), then the
-payload's bytes. One TCP connection per pair of processes, so a dead peer closes only its own
-(:class:`PeerLostError`), and every receive has a timeout.
-
-Between two ends on one host a :class:`SharedLane` carries the payloads (headers stay on the
-socket, so a lost peer is noticed as before). Reuse rule: a sender overwrites its outbox with
-each shared batch, so it may send one only once the peer is done with the previous one (only
-requests answered after their payloads were consumed, and their answers, use the lane)."""
+"""Typed tensor messages between two processes, never pickled: a fixed int64 header, then the
+payload's bytes, over one TCP connection per pair (a dead peer closes only its own). Between two
+ends on one host a :class:`SharedLane` carries the payloads: a sender overwrites its outbox with
+each shared batch, so only requests answered after their payloads were consumed, and their
+answers, use it (docs/parameter_server.md, "Transport")."""
 
 from __future__ import annotations
 
@@ -92,10 +87,8 @@ def _header(kind: int, var_id: int, version: int, tensor: torch.Tensor | None,
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"cannot send a tensor of {tensor.dim()} dimensions (at most "
                              f"{MAX_DIMS}). HINT: reshape it before sending.")
-        head[4] = tensor.numel() * tensor.element_size()
-        head[5] = DTYPE_CODES[tensor.dtype]
-        head[6] = tensor.dim()
-        head[7:7 + tensor.dim()] = list(tensor.shape)
+        head[4:7 + tensor.dim()] = [tensor.numel() * tensor.element_size(),
+                                    DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape]
     return head
 
 
@@ -154,8 +147,7 @@ class SharedLane:
                                                             tuple[int, int]]:
         """The segment size and two regions for payloads of ``first_bytes`` (the creator's
         outbox) and ``second_bytes`` (the peer's outbox)."""
-        first = align(max(first_bytes, ALIGN))
-        second = align(max(second_bytes, ALIGN))
+        first, second = align(max(first_bytes, ALIGN)), align(max(second_bytes, ALIGN))
         return first + second, (0, first), (first, second)
 
     @staticmethod
@@ -163,11 +155,10 @@ class SharedLane:
         """Outbox bytes that ``tensors`` take (each payload starts aligned)."""
         return sum(align(t.numel() * t.element_size()) for t in tensors if t is not None)
 
-    def write(self, tensors: Sequence[torch.Tensor | None], start: int = 0) -> list[int]:
-        """Copy each tensor into the outbox one after the other from ``start`` (aligned); their
+    def write(self, tensors: Sequence[torch.Tensor | None], at: int = 0) -> list[int]:
+        """Copy each tensor into the outbox one after the other from ``at`` (aligned); their
         offsets there (-1 for ``None``). The caller checked that they fit."""
         offsets = []
-        at = start
         for t in tensors:
             if t is None:
                 offsets.append(-1)
@@ -200,9 +191,7 @@ class SharedLane:
 
 class Connection:
     """A message connection over a connected socket; ``peer`` names the other end in errors.
-
-    ``send`` and ``receive`` may be called from different threads (one lock each way).
-    """
+    ``send`` and ``receive`` may be called from different threads (one lock each way)."""
 
     def __init__(self, sock: socket.socket, peer: str, timeout_seconds: float) -> None:
         self.sock = sock

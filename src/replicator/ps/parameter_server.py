@@ -1,9 +1,7 @@
-"""ParameterServerStrategy: variables and the optimizer live on parameter servers.
-
-The last ``num_ps`` processes of the job serve (their constructor serves, then ends the process
-with ``SystemExit(0)``); the others are workers whose ``optimizer.step()`` sends gradients of
-placed parameters to the servers, which run the optimizer and send back new values.
-``staleness``: ``None`` asynchronous, ``k`` bounded, ``0`` synchronous."""
+"""ParameterServerStrategy: variables and the optimizer live on parameter servers. The last
+``num_ps`` processes serve (their constructor serves, then ends with ``SystemExit(0)``); the
+workers' ``optimizer.step()`` sends gradients of placed parameters to the servers, which run the
+optimizer and send back new values."""
 
 from __future__ import annotations
 
@@ -92,10 +90,9 @@ class ParameterServerStrategy(Strategy):
         self.staleness = staleness
         self._partitioner = variable_partitioner
         self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
-        if shared_memory is None:
-            shared_memory = os.environ.get(P.SHARED_MEMORY_ENV, "1").strip().lower() not in (
-                "0", "false", "no", "off")
-        self._shared_memory = bool(shared_memory)
+        self._shared_memory = bool(shared_memory) if shared_memory is not None else \
+            os.environ.get(P.SHARED_MEMORY_ENV, "1").strip().lower() not in ("0", "false", "no",
+                                                                             "off")
         self.num_ps = num_ps
         self._device = torch.device("cpu")
         self.rejoined = os.environ.get(REJOIN_ENV) == "1"  # restarted alone, rejoining
@@ -129,10 +126,9 @@ class ParameterServerStrategy(Strategy):
                     "output: it may have failed while starting.") from exc
             host, port = store.get(key).decode().rsplit(":", 1)
             addresses.append((host, int(port)))
-        self._client = ServerClient(addresses, list(range(self._num_workers, self._num_workers
-                                                           + num_ps)),
-                                    self._rank, attempt, self._timeout, self._held_by,
-                                    into=self._landing)
+        servers = list(range(self._num_workers, self._num_workers + num_ps))
+        self._client = ServerClient(addresses, servers, self._rank, attempt, self._timeout,
+                                    self._held_by, into=self._landing)
         #: sparse tables: their modules' calls pull the rows they look up
         self._lookups = TableLookups(self._client.pull_rows, self._pulled,
                                      lambda: self._closed)
@@ -257,8 +253,8 @@ class ParameterServerStrategy(Strategy):
         if self._rank == 0:
             initial: dict[int, list[tuple[int, torch.Tensor]]] = {}
             for s in shards:
-                rows = self._shard_rows(s.shard_id).cpu().clone()
-                initial.setdefault(s.server, []).append((s.shard_id, rows))
+                initial.setdefault(s.server, []).append(
+                    (s.shard_id, self._shard_rows(s.shard_id).cpu().clone()))
             self._client.register(initial, self._lookups.sparse_ids)
         self._client.pull(self._expected(), self._receive)
         if self._shared_memory:
@@ -345,9 +341,8 @@ class ParameterServerStrategy(Strategy):
                 self._sent_specs[optimizer] = spec
             if key is not None:
                 self._sent_keys[optimizer] = key
-        task = None
+        task = None if self._task is None else (self._task[0], self._task[1])
         if self._task is not None:
-            task = (self._task[0], self._task[1])
             self._task[1] += 1
         # staleness=0 promises serializable functions: a function's whole update from one
         # attempt; asynchronous ones need only each server's part applied once

@@ -11,7 +11,7 @@ A worker talks to each server over one :class:`~replicator.ps.messages.Connectio
 - ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
 - ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;
 - ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``; a large
-  shard's values may come in parts, rows ``c - 1`` on of ``b`` (:mod:`replicator.ps.value_parts`);
+  shard's values may come in parts, rows ``c - 1`` on of ``b`` (:func:`.server.value_messages`);
 - ``STATS(a=input stream)`` -> ``STATS(json)``: staleness (count, sum, max, histogram), shard
   versions, coordinator task pushes applied and repeated, and (server 0) the stream's claims;
 - ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;

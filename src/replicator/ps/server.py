@@ -1,6 +1,8 @@
 """The parameter server: holds variable shards and their optimizer state and serves workers,
 one thread per connection, until every worker has come and gone (a worker that disconnects
-without ``BYE`` is lost, and rounds waiting for it complete without it)."""
+without ``BYE`` is lost, and rounds waiting for it complete without it). A large shard's values
+go through the shared-memory lane in row parts of about ``PART_BYTES``, so the worker copies one
+part while the server writes the next (one snapshot, under the lock); over TCP they go whole."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from replicator.ps.messages import (
     Connection,
     Into,
     Message,
+    Outgoing,
     PeerLostError,
     SharedLane,
     Staged,
@@ -37,7 +41,51 @@ from replicator.ps.server_updates import (
     WorkerState,
     build_shard_optimizer,
 )
-from replicator.ps.value_parts import send_in_parts, splits, value_messages
+
+#: About how much of a large shard's values each part carries.
+PART_BYTES = 1 << 20
+
+
+def splits(value: torch.Tensor) -> bool:
+    """Whether ``value`` is large enough to travel in parts (two or more, by rows)."""
+    return value.dim() > 0 and len(value) > 1 \
+        and value.numel() * value.element_size() >= 2 * PART_BYTES
+
+
+def value_messages(shards: Iterable[tuple[int, int, torch.Tensor]], clock: int, repeat: bool,
+                   in_parts: bool) -> list[Outgoing]:
+    """``VALUE`` messages of ``(shard id, version, values)`` and the end marker; with
+    ``in_parts`` a large shard's values become row ranges of about ``PART_BYTES``."""
+    out: list[Outgoing] = []
+    count = 0
+    for sid, version, value in shards:
+        count += 1
+        if not in_parts or not splits(value):
+            out.append((P.VALUE, sid, version, value, 0, 0, 0))
+            continue
+        nbytes, rows = value.numel() * value.element_size(), len(value)
+        per = max(1, PART_BYTES // max(1, nbytes // rows))
+        for start in range(0, rows, per):
+            out.append((P.VALUE, sid, version, value[start:start + per], 0, rows, start + 1))
+    out.append((P.VALUES_END, -1, clock, None, count, int(repeat), 0))
+    return out
+
+
+def send_in_parts(conn: Connection, messages: list[Outgoing]) -> None:
+    """Write ``messages`` into the lane a part at a time, announcing each batch of about
+    ``PART_BYTES`` as soon as it is written (the caller checked that they fit the lane)."""
+    at = 0
+    batch: list[Outgoing] = []
+    size = 0
+    for i, message in enumerate(messages):
+        batch.append(message)
+        tensor = message[3]
+        if tensor is not None:
+            size += tensor.numel() * tensor.element_size()
+        if size >= PART_BYTES or i == len(messages) - 1:
+            conn.send_staged(conn.stage(batch, shared=True, lane_start=at))
+            at += SharedLane.nbytes([m[3] for m in batch])
+            batch, size = [], 0
 
 
 def _gradient_buffers(conn: Connection) -> Into:

@@ -77,9 +77,7 @@ def decode(text: str, tensors: list[torch.Tensor], resolve: Resolver | None = No
         if "t" in v:
             return tensors[v["t"]]
         if "r" in v:
-            if resolve is None:
-                return ResourceRef(v["r"])
-            return resolve(v["r"])
+            return ResourceRef(v["r"]) if resolve is None else resolve(v["r"])
         if "l" in v:
             return [walk(x) for x in v["l"]]
         if "u" in v:
@@ -90,6 +88,8 @@ def decode(text: str, tensors: list[torch.Tensor], resolve: Resolver | None = No
 
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+#: The states of a task that has finished.
+ENDED = (DONE, FAILED, CANCELLED)
 
 
 class RemoteFunctionError(ParameterServerError):
@@ -276,7 +276,7 @@ class TaskQueue:
             progress = time.monotonic()
             finished = -1
             while True:
-                if task is not None and task.state in (DONE, FAILED, CANCELLED):
+                if task is not None and task.state in ENDED:
                     return
                 if task is None and (not self.queue and not self._running()
                                      or self.error is not None):
@@ -322,21 +322,17 @@ class TaskQueue:
 
     def _answer(self, request: Request) -> Answer | None:
         """The answer to a ``fetch``/``done`` request, if it has one now."""
-        if request.call == FETCH_CALL:
+        if request.call in (FETCH_CALL, VALUE_DONE_CALL):
             task = self.tasks.get(request.task)
-            if task is None or task.state not in (DONE, FAILED, CANCELLED):
-                return None
-            return Answer(FETCH_CALL, task)
-        if request.call == VALUE_DONE_CALL:
-            task = self.tasks.get(request.task)
-            return Answer(VALUE_DONE_CALL, None, task is not None and
-                          task.state in (DONE, FAILED, CANCELLED))
+            ended = task is not None and task.state in ENDED
+            if request.call == VALUE_DONE_CALL:
+                return Answer(VALUE_DONE_CALL, None, ended)
+            return Answer(FETCH_CALL, task) if ended else None
         if request.call == DONE_CALL:
             mine = [t for i, t in self.tasks.items() if i < request.horizon]
             failed = next((t for t in sorted(mine, key=lambda t: t.task_id)
                            if t.task_id > request.task and t.state == FAILED), None)
-            return Answer(DONE_CALL, failed,
-                          all(t.state in (DONE, FAILED, CANCELLED) for t in mine))
+            return Answer(DONE_CALL, failed, all(t.state in ENDED for t in mine))
         return None
 
     # -- the workers' side -------------------------------------------------------------------
