@@ -1,11 +1,8 @@
 """ClusterCoordinator: the chief schedules functions onto free workers (tf.distribute's API).
-
-Every process runs the same script: on the chief ``schedule`` queues and returns a
-:class:`RemoteValue`; on a worker the same calls mirror the chief's and run functions until the
-chief passes them (``fetch`` and ``done`` need nothing from the workers, so the chief may call
-them alone); a mismatch raises :class:`CallMismatchError`. Exactly once: a lost worker's
-function runs again elsewhere, and the servers apply each (task, push) once (prepared on every
-server before it is committed with ``staleness=0``)."""
+Every process runs the same script: on a worker the calls mirror the chief's and run functions
+until the chief passes them; a mismatch raises :class:`CallMismatchError`. Exactly once: a lost
+worker's function runs again elsewhere, and the servers apply each (task, push) once
+(docs/parameter_server.md, "The coordinator")."""
 
 from __future__ import annotations
 

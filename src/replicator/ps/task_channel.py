@@ -1,13 +1,7 @@
-"""The connection between the coordinator (the chief) and each worker that runs its functions.
-
-A worker's coordinator call (``join``, ``fetch``, ``done``, the end of its script) asks the chief
+"""The connection between the coordinator (the chief) and each worker that runs its functions:
+a worker's coordinator call (``join``, ``fetch``, ``done``, the end of its script) asks the chief
 for work and runs tasks until the chief's matching marker or answer comes (see
-:mod:`replicator.ps.task_queue`). Messages (:mod:`replicator.ps.messages`): ``HELLO(a=rank)``;
-``ASK(var_id=task, version=call, a=seq, b=ahead, c=scheduled)`` -> ``TASK(task id,
-a=attempt, json)`` | ``MARKER(a=seq, b=kind, json)`` | ``ANSWER(task, b=error, json)`` |
-``IDLE`` (ask again); ``RESULT(task id, b=ahead, json)`` (which also asks) | ``FAILED(task id,
-text)``; ``BYE(c=scheduled)``. A payload's tensors follow it as ``TENSOR`` messages
-(``c`` counts them). With ``ahead`` a worker asks for its next task while one runs."""
+:mod:`replicator.ps.task_queue`; the messages are listed in docs/parameter_server.md)."""
 
 from __future__ import annotations
 
