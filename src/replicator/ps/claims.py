@@ -1,8 +1,7 @@
-"""Exactly-once input for asynchronous workers: server 0's ledger of batch claims per input
-stream and epoch. A claim is consumed when its worker's update is applied; a lost worker's
-claims go back to the others, so every batch of an epoch is consumed by exactly one update.
-The worker's side is :class:`ClaimedBatches`: batches claimed one by one, so fast workers take
-more."""
+"""Exactly-once input for asynchronous workers: server 0's ledger of batch claims per input stream
+and epoch. A claim is consumed when its worker's update is applied; a lost worker's claims go back
+to the others, so every batch of an epoch is consumed by exactly one update. The worker's side is
+:class:`ClaimedBatches`: batches claimed one by one, so fast workers take more."""
 
 from __future__ import annotations
 

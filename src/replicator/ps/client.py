@@ -1,7 +1,6 @@
-"""A worker's connections to every parameter server: each request goes to all servers
-concerned at once; a lost server raises ``ParameterServerLostError`` naming what it held.
-With a server on this host payloads go through a shared-memory lane (else the socket, and the
-reason is printed once)."""
+"""A worker's connections to every parameter server: each request goes to all servers concerned at
+once; a lost server raises ``ParameterServerLostError`` naming what it held. With a server on this
+host payloads go through a shared-memory lane (else the socket, and the reason is printed once)."""
 
 from __future__ import annotations
 
@@ -89,21 +88,18 @@ class ServerClient:
         self.held = held
         self.into = into  # where pulled values land (the parameters' own memory)
         self.connections: list[Connection] = []
-        self.restored: list[dict[str, Any] | None] = []
-        self.pids: list[int] = []
-        self.same_host: list[bool] = []
         self.shared_off: str = ""  # why payloads stay on the socket (printed once)
         for k, address in enumerate(addresses):
             try:
-                conn = Connection.connect(address, self.describe(k), timeout_seconds)
-                self.connections.append(conn)
-                conn.send(P.HELLO, a=worker, b=attempt)
-                reply = self._expect(k, conn.receive("waiting for the server's HELLO"), P.HELLO)
+                self.connections.append(
+                    Connection.connect(address, self.describe(k), timeout_seconds))
             except PeerLostError as exc:
                 raise self.lost(k, exc) from exc
-            self.restored.append(json.loads(tensor_text(reply.payload)) if reply.b else None)
-            self.pids.append(reply.c)
-            self.same_host.append(reply.var_id == host_id())
+        hellos = self.request(P.HELLO, P.HELLO, "the server's HELLO", a=worker, b=attempt)
+        self.restored: list[dict[str, Any] | None] = [
+            json.loads(tensor_text(m.payload)) if m.b else None for m in hellos]
+        self.pids = [m.c for m in hellos]
+        self.same_host = [m.var_id == host_id() for m in hellos]
 
     def describe(self, k: int) -> str:
         host, port = self.addresses[k]
@@ -235,8 +231,7 @@ class ServerClient:
 
     def send_optimizer(self, text: str) -> None:
         payload = text_tensor(text)
-        self.exchange(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload),
-                      lambda k, conn: None)
+        self.exchange(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload), lambda k, conn: None)
 
     def pull(self, expected: dict[int, int], sink: Sink, begin: bool = False,
              everything: bool = False) -> list[int]:
@@ -286,8 +281,7 @@ class ServerClient:
             if task is not None and k == 0 and len(self.connections) > 1:
                 fault_points.fire("between_server_pushes", task=task[0], push=task[1])
 
-        return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink)
-                             if pull else 0)
+        return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink) if pull else 0)
 
     def _push_task(self, grads: dict[int, list[Push]], sink: Sink, pull: bool,
                    task: tuple[int, int]) -> list[int]:

@@ -20,7 +20,7 @@ from replicator.cluster.timeouts import resolve_timeout
 from replicator.data import InputContext
 from replicator.errors import ParameterServerError
 from replicator.ps.parameter_server import ParameterServerStrategy
-from replicator.ps.task_channel import Reply, StopServing, TaskChannel, TaskDispatcher
+from replicator.ps.task_channel import StopServing, TaskChannel, TaskDispatcher
 from replicator.ps.task_queue import (
     CANCELLED,
     DONE,
@@ -32,6 +32,7 @@ from replicator.ps.task_queue import (
     SAME_CALLS_HINT,
     VALUE_DONE_CALL,
     CallMismatchError,
+    Marker,
     NoWorkerError,
     Payload,
     RemoteFunctionError,
@@ -288,8 +289,7 @@ class ClusterCoordinator:
         value: dict[str, Any] = {"ok": None, **self._counts()}
         if error is not None:
             value.update(error_fields(error))
-            value["task"] = next((t.task_id for t in self._tasks.values()
-                                  if t.error is error), -1)
+            value["task"] = next((t.task_id for t in self._tasks.values() if t.error is error), -1)
         self._queue.post("join", seq, encode(value, "the value of join()"))
 
     def _take_error(self) -> BaseException | None:
@@ -363,7 +363,7 @@ class ClusterCoordinator:
             self._dispatcher.close(self._timeout)
 
     # -- a worker's side ---------------------------------------------------------------------------
-    def _serve(self, request: Request) -> Reply:
+    def _serve(self, request: Request) -> Marker:
         """Run functions until the chief's marker or the answer to ``request`` comes."""
         assert self._channel is not None
         try:
@@ -383,9 +383,9 @@ class ClusterCoordinator:
             self._reported = max(self._reported, int(answer.get("task", -1)))
             raise rebuild_error(answer)
 
-    def _check_marker(self, reply: Reply, where: str, seq: int) -> dict[str, Any]:
+    def _check_marker(self, reply: Marker, where: str, seq: int) -> dict[str, Any]:
         """The chief's join marker's value, if it is the one this worker's call waits for."""
-        if reply.marker != "join" or reply.seq != seq:
+        if reply.kind != "join" or reply.seq != seq:
             raise CallMismatchError(
                 f"worker rank {self._rank} reached {where} but the chief reached "
                 f"coordinator.join() (call {reply.seq}). {SAME_CALLS_HINT}")
@@ -406,7 +406,7 @@ class ClusterCoordinator:
     def _worker_fetch(self, number: int) -> Any:
         """A worker's fetch(): the chief's value of function ``number`` (or its error)."""
         reply = self._serve(Request(FETCH_CALL, 0, number, self._scheduled))
-        if reply.marker:
+        if reply.kind:
             self._check_marker(reply, f"fetch() of schedule #{number}", -1)
         if reply.failed:
             raise rebuild_error(decode(*reply.value))

@@ -277,14 +277,12 @@ class Connection:
         return Staged(chunks)
 
     def _send(self, staged: Staged) -> None:
-        views = [memoryview(c) if isinstance(c, bytes) else _as_bytes(c)
-                 for c in staged.chunks]
+        views = [memoryview(c) if isinstance(c, bytes) else _as_bytes(c) for c in staged.chunks]
         self.bytes_sent += staged.lane_bytes + sum(v.nbytes for v in views)
         try:
             _send_buffers(self.sock, views)
         except OSError as exc:
-            raise PeerLostError(f"lost the connection to {self.peer} while sending: "
-                                f"{exc}") from exc
+            raise PeerLostError(f"lost the connection to {self.peer} while sending: {exc}") from exc
 
     def _fill(self, need: int, what: str, timeout: float | None) -> None:
         """Read until ``need`` bytes wait in the inbox, taking whatever else has arrived too."""

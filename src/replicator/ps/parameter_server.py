@@ -130,8 +130,7 @@ class ParameterServerStrategy(Strategy):
         self._client = ServerClient(addresses, servers, self._rank, attempt, self._timeout,
                                     self._held_by, into=self._landing)
         #: sparse tables: their modules' calls pull the rows they look up
-        self._lookups = TableLookups(self._client.pull_rows, self._pulled,
-                                     lambda: self._closed)
+        self._lookups = TableLookups(self._client.pull_rows, self._pulled, lambda: self._closed)
         on_shutdown(self._client.close)
         self._hooks = [
             register_optimizer_step_pre_hook(self._before_step),
@@ -148,14 +147,12 @@ class ParameterServerStrategy(Strategy):
         topology = Topology(num_ps=self.num_ps)
         self.topology: Topology | None = topology  # None on a worker that rejoined alone
         self._num_workers = topology.num_workers
-        store = info.store if info.store is not None else \
-            dist.distributed_c10d._get_default_store()
+        store = info.store if info.store is not None else dist.distributed_c10d._get_default_store()
         if topology.is_ps:
             self._serve(store, address or LOOPBACK, topology.global_rank - self._num_workers)
         self._rank = topology.replica_id
         # the workers' replica group (servers are on no axis): synchronous reduce, checkpoints
-        self._replica_group = ReplicaGroup(self._device, topology,
-                                           timeout_seconds=self._timeout)
+        self._replica_group = ReplicaGroup(self._device, topology, timeout_seconds=self._timeout)
         return store, info.spec.restart_count
 
     def _join_alone(self) -> tuple[dist.Store, int]:
@@ -318,16 +315,16 @@ class ParameterServerStrategy(Strategy):
                 if not shards:
                     continue
                 mine.append(p)
-                for s in shards:
-                    group_of[s.shard_id] = gi
+                group_of.update((s.shard_id, gi) for s in shards)
+                if p.grad is None:
+                    continue
                 table = self._lookups.tables.get(p)
-                if table is not None and p.grad is not None:
+                if table is not None:
                     for k, items in table.gradient_rows(p.grad.detach().cpu(),
                                                         self._pulled).items():
                         grads.setdefault(k, []).extend(items)
                     continue
-                for s in shards if p.grad is not None else []:
-                    assert p.grad is not None
+                for s in shards:
                     g = _rows(p.grad.detach())[s.start:s.end].cpu().contiguous()
                     grads.setdefault(s.server, []).append(
                         (s.shard_id, self._pulled.get(s.shard_id, 0), g, None))
@@ -395,9 +392,8 @@ class ParameterServerStrategy(Strategy):
         return self._client.traffic()
 
     def task_stats(self) -> dict[str, int]:
-        """Over all servers: coordinator task pushes ``applied`` and ``repeats`` turned away
-        (pushes of a function run again after its worker was lost), and the repeats this
-        worker saw."""
+        """Over all servers: coordinator task pushes ``applied`` and ``repeats`` turned away (pushes
+        of a function run again after its worker was lost), and the repeats this worker saw."""
         per = [s["tasks"] for s in self._client.stats()]
         return {"applied": sum(p["applied"] for p in per),
                 "repeats": sum(p["repeats"] for p in per), "repeats_seen": self._repeats}
@@ -445,8 +441,7 @@ class ParameterServerStrategy(Strategy):
                                               drop_remainder=drop_remainder, **kwargs)
         collate = None
         if isinstance(dataset, DataLoader):
-            loader = dataset
-            dataset = loader.dataset
+            loader, dataset = dataset, dataset.dataset
             batch_size = batch_size or loader.batch_size
             shuffle = isinstance(loader.sampler, RandomSampler) if shuffle is None else shuffle
             drop_last = loader.drop_last if drop_last is None else drop_last

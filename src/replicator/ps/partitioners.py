@@ -46,9 +46,8 @@ class FixedShardsPartitioner(Partitioner):
 
 
 class MinSizePartitioner(Partitioner):
-    """Split a variable into shards of at least ``min_shard_bytes``, at most ``max_shards``
-    of them (and never more than its rows): big variables spread over servers, small ones
-    stay whole."""
+    """Split a variable into shards of at least ``min_shard_bytes``, at most ``max_shards`` of them
+    (and never more than its rows): big variables spread over servers, small ones stay whole."""
 
     def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1) -> None:
         self.min_shard_bytes = _check_positive("min_shard_bytes", min_shard_bytes)
@@ -68,8 +67,7 @@ class MaxSizePartitioner(Partitioner):
 
     def __init__(self, max_shard_bytes: int, max_shards: int | None = None) -> None:
         self.max_shard_bytes = _check_positive("max_shard_bytes", max_shard_bytes)
-        self.max_shards = None if max_shards is None else _check_positive("max_shards",
-                                                                          max_shards)
+        self.max_shards = None if max_shards is None else _check_positive("max_shards", max_shards)
 
     def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         rows = shape[0] if len(shape) else 1

@@ -365,8 +365,7 @@ class ParameterServer(ServerUpdates):
                 continue
             shard.spec_text, spec = found[-1]
             shard.group = int(spec["shard_groups"].get(str(sid), shard.group))
-            shard.optimizer = build_shard_optimizer(spec, shard.param, shard.group,
-                                                    shard.sparse)
+            shard.optimizer = build_shard_optimizer(spec, shard.param, shard.group, shard.sparse)
             pending = self.extra.pop(f"optimizer_state_{sid}", None)
             if pending is not None:
                 shard.optimizer.load_state_dict(pending)
@@ -471,8 +470,7 @@ class ParameterServer(ServerUpdates):
         shared = conn.fits_shared([v for _, _, v in shards])
         if not shared:
             shards = [(sid, version, v.clone()) for sid, version, v in shards]
-        return conn.stage(value_messages(shards, self.clock, repeat, in_parts=False),
-                          shared=shared)
+        return conn.stage(value_messages(shards, self.clock, repeat, in_parts=False), shared=shared)
 
     def _stats(self, stream: int) -> dict[str, Any]:
         with self.lock:
@@ -512,8 +510,7 @@ class ParameterServer(ServerUpdates):
         with self.lock:
             tensors, info = self._state()
             info["worker_data"] = extra.get("worker_data", {})
-            path = self._manager(directory).save(step, replicated={"server": tensors},
-                                                 info=info)
+            path = self._manager(directory).save(step, replicated={"server": tensors}, info=info)
         return str(path)
 
     def _restore(self, directory: str) -> None:

@@ -78,11 +78,15 @@ def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tenso
                                    check_invariants=False)  # checked above
 
 
+def _one_group_no_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    return len(optimizer.param_groups) == 1 and not optimizer._optimizer_step_pre_hooks \
+        and not optimizer._optimizer_step_post_hooks
+
+
 def plain_sgd_alpha(optimizer: torch.optim.Optimizer) -> float | None:
     """``-lr`` (``+lr`` with ``maximize``) for torch's plain ``SGD`` (no momentum, weight decay,
     hooks or fused kernel), whose sparse step is ``param.add_(grad, alpha=-lr)``; else None."""
-    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1 or \
-            optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    if type(optimizer) is not torch.optim.SGD or not _one_group_no_hooks(optimizer):
         return None
     group = optimizer.param_groups[0]
     if group.get("momentum") or group.get("weight_decay") or group.get("fused") or \
@@ -142,10 +146,8 @@ PER_PARAMETER = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adama
 def _signature(optimizer: torch.optim.Optimizer) -> Hashable | None:
     """What must agree for two optimizers to share a step; ``None``: step it alone."""
     cls = type(optimizer)
-    if cls.__name__ not in PER_PARAMETER or getattr(torch.optim, cls.__name__, None) is not cls:
-        return None
-    if len(optimizer.param_groups) != 1 or optimizer._optimizer_step_pre_hooks \
-            or optimizer._optimizer_step_post_hooks:
+    if cls.__name__ not in PER_PARAMETER or getattr(torch.optim, cls.__name__, None) is not cls \
+            or not _one_group_no_hooks(optimizer):
         return None
     group = optimizer.param_groups[0]
     params = group["params"]
@@ -180,18 +182,15 @@ class SharedSteps:
     def _stepper(self, opts: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
         key = tuple(id(o) for o in opts)
         stepper = self._steppers.get(key)
-        params = [p for o in opts for p in o.param_groups[0]["params"]]
-        if stepper is None or any(stepper.state[p] is not o.state[p]
-                                  for o in opts for p in o.param_groups[0]["params"]):
+        owners = [(p, o) for o in opts for p in o.param_groups[0]["params"]]
+        if stepper is None or any(stepper.state[p] is not o.state[p] for p, o in owners):
             if len(self._steppers) > 64:  # shards re-registered or optimizers rebuilt often
                 self._steppers.clear()
             stepper = copy.copy(opts[0])
             state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
-            for o in opts:
-                for p in o.param_groups[0]["params"]:
-                    state[p] = o.state[p]  # the shard's own dict: updates land there
+            state.update((p, o.state[p]) for p, o in owners)  # each shard's own dict
             stepper.state = state
-            stepper.param_groups = [dict(opts[0].param_groups[0], params=params)]
+            stepper.param_groups = [dict(opts[0].param_groups[0], params=[p for p, _ in owners])]
             self._steppers[key] = stepper
         else:  # hyperparameters may have changed (a learning-rate schedule): all agree
             stepper.param_groups[0].update({k: v for k, v in opts[0].param_groups[0].items()
@@ -244,8 +243,7 @@ class ServerUpdates:
         self.round = UpdateRound()
         self.clock = 0
         self.histogram = [0] * P.HISTOGRAM_BINS
-        self.stale_sum = 0
-        self.stale_max = 0
+        self.stale_sum = self.stale_max = 0
         self.claims = ClaimLedger()
         self.tasks = TaskLedger()
         #: Coordinator updates prepared and not yet committed, by (task, push): the first
@@ -256,8 +254,7 @@ class ServerUpdates:
     def _apply(self, grads: dict[int, Grad]) -> None:
         """Apply one update: every shard's gradient is checked and set before any optimizer steps,
         so an update with a bad part changes nothing."""
-        ready: list[ShardState] = []
-        pulled: list[int] = []
+        ready: list[tuple[ShardState, int]] = []  # each shard, and the version its worker pulled
         by_rows: list[tuple[ShardState, torch.Tensor, torch.Tensor, float]] = []
         to_step: list[torch.optim.Optimizer] = []  # the rest step their optimizers
         try:
@@ -274,12 +271,11 @@ class ServerUpdates:
                     self._set_gradient(sid, shard, grad, rows)
                     if shard.optimizer is not None:
                         to_step.append(shard.optimizer)
-                ready.append(shard)
-                pulled.append(pulled_version)
+                ready.append((shard, pulled_version))
             for shard, rows, grad, alpha in by_rows:
                 add_to_rows(shard.param, rows, grad, alpha)
             self.shared_steps.step(to_step)
-            for shard, pulled_version in zip(ready, pulled):  # counted once applied
+            for shard, pulled_version in ready:  # counted once applied
                 stale = max(0, shard.version - pulled_version)
                 self.histogram[min(stale, P.HISTOGRAM_BINS - 1)] += 1
                 self.stale_sum += stale
@@ -287,7 +283,7 @@ class ServerUpdates:
                 shard.version += 1
             self.clock += 1
         finally:
-            for shard in ready:
+            for shard, _ in ready:
                 shard.param.grad = None
 
     def _shard_for_gradient(self, sid: int) -> ShardState:
@@ -412,10 +408,9 @@ class ServerUpdates:
         """Stale-synchronous gating: a new step of ``worker`` may not push any step in flight
         beyond ``staleness`` versions, counting every step in flight as one future update."""
         k = self.staleness
-        if k is None or k == 0:
+        if not k:
             return True
-        flying = [w for w, s in self.workers.items() if s.connected and s.in_flight
-                  and w != worker]
+        flying = [w for w, s in self.workers.items() if s.connected and s.in_flight and w != worker]
         for a in flying:
             behind = self.clock - self.workers[a].pulled_clock
             # the other steps in flight (len - 1) and this new one (+ 1) may all land first

@@ -24,12 +24,9 @@ RowsByServer = dict[int, list[tuple[int, torch.Tensor]]]
 def distinct_ids(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.unique(flat, return_inverse=True)`` of a 1-D CPU int64 tensor, by a packed numpy
     sort (ids packed with their positions; several times faster for thousands of ids)."""
-    n = flat.numel()
+    n, ids = flat.numel(), flat.numpy()
     shift = max(1, (n - 1).bit_length())
-    if n < 2 or n > 1 << 30:
-        return torch.unique(flat, return_inverse=True)
-    ids = flat.numpy()
-    if ids.min() < 0 or int(ids.max()) >= 1 << (62 - shift):
+    if n < 2 or n > 1 << 30 or ids.min() < 0 or int(ids.max()) >= 1 << (62 - shift):
         return torch.unique(flat, return_inverse=True)
     packed = np.left_shift(ids, shift)
     packed |= np.arange(n, dtype=np.int64)
@@ -57,8 +54,7 @@ class _PulledRows(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         rows = ctx.rows
         if grad.is_sparse:  # the lookup's own gradient: one entry per id
-            summed = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype,
-                                 device=grad.device)
+            summed = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
             summed.index_add_(0, grad._indices()[0], grad._values())
         else:
             summed = grad.contiguous()
@@ -122,8 +118,7 @@ class SparseTable:
                              f"of {n} rows")
         values = torch.empty((len(rows), *self.param.shape[1:]), dtype=self.param.dtype,
                              device=self.param.device)
-        self._lookup = _Lookup((), {}, ids, rows, inverse.reshape(ids.shape).to(ids.device),
-                               values)
+        self._lookup = _Lookup((), {}, ids, rows, inverse.reshape(ids.shape).to(ids.device), values)
         self._slices = {}
         out: RowsByServer = {}
         for s, lo, hi in self._split(rows):

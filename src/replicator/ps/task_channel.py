@@ -10,7 +10,6 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -139,8 +138,7 @@ class TaskDispatcher:
                     self.queue.fail(worker, msg.var_id,
                                     RemoteFunctionError(tensor_text(msg.payload)))
                 else:
-                    raise ParameterServerError(f"unknown message kind {msg.kind} from "
-                                               f"{conn.peer}")
+                    raise ParameterServerError(f"unknown message kind {msg.kind} from {conn.peer}")
         except PeerLostError:
             if worker >= 0:
                 task = self.queue.lost(worker)
@@ -179,17 +177,6 @@ class StopServing(Exception):
     """The chief ended the coordination (its script finished)."""
 
 
-@dataclass
-class Reply:
-    """What ended a worker's wait: the chief's marker (its name and ``seq``), or the answer
-    to a ``fetch``/``done`` (``marker`` empty; ``failed``: the value is an error's fields)."""
-
-    marker: str
-    seq: int
-    failed: bool
-    value: Payload
-
-
 class TaskChannel:
     """A worker's side: connects to the chief and runs tasks until the chief's marker."""
 
@@ -206,7 +193,7 @@ class TaskChannel:
         self.stopped = False
         self.stop_value: Payload = ("null", [])
 
-    def serve_until(self, request: Request) -> Reply:
+    def serve_until(self, request: Request) -> Marker:
         """Run tasks until the chief's marker or the answer to ``request`` comes (returned);
         :class:`StopServing` if the chief stopped instead (its value: ``stop_value``)."""
         if self.stopped:
@@ -227,8 +214,7 @@ class TaskChannel:
                 if dropped:  # taken ahead of a task that failed: the chief cancelled it
                     continue
                 if self.ahead:  # its answer is the next thing to read after this task
-                    self.conn.send(ASK, var_id=ids[0], version=ids[1], a=ids[2], b=AHEAD,
-                                   c=ids[3])
+                    self.conn.send(ASK, var_id=ids[0], version=ids[1], a=ids[2], b=AHEAD, c=ids[3])
                 ran = self._run(msg.var_id, msg.a, spec, tensors)
                 ask, drop = not ran and not self.ahead, not ran and self.ahead
                 continue
@@ -236,15 +222,15 @@ class TaskChannel:
                 raise ParameterServerError(f"the coordinator sent message kind {msg.kind}")
             return self._reply(msg)
 
-    def _reply(self, msg: Message) -> Reply:
+    def _reply(self, msg: Message) -> Marker:
         value = (tensor_text(msg.payload), _read_tensors(self.conn, msg.c))
         if msg.kind == ANSWER:
-            return Reply("", msg.var_id, bool(msg.b), value)
+            return Marker("", msg.var_id, value, failed=bool(msg.b))
         got = _MARKER_NAMES.get(msg.b, "?")
         if got == "stop":
             self.stopped, self.stop_value = True, value
             raise StopServing("the coordinator has stopped")
-        return Reply(got, msg.a, False, value)
+        return Marker(got, msg.a, value)
 
     def _run(self, task_id: int, attempt: int, spec: dict[str, Any],
              tensors: list[torch.Tensor]) -> bool:

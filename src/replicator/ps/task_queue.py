@@ -196,12 +196,14 @@ class Answer:
 
 @dataclass
 class Marker:
-    """The chief passed a synchronisation point: ``kind`` (join, fetch, done, stop), its
-    sequence number and the value a worker's mirror of the call returns."""
+    """The chief passed a synchronisation point: ``kind`` (join, stop), its sequence number and
+    the value a worker's mirror of the call returns. What ends a worker's wait is one too, or
+    with ``kind`` empty the answer to its ``fetch``/``done`` (``failed``: an error's fields)."""
 
     kind: str
     seq: int
     value: Payload
+    failed: bool = False
 
 
 class TaskQueue:
