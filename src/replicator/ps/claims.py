@@ -46,10 +46,9 @@ class ClaimLedger:
         :data:`EPOCH_DONE`. A worker asking again has finished with its earlier claims."""
         state = self.epochs.setdefault(key, _Epoch(total=total))
         if total != state.total:
-            raise ValueError(f"epoch {key[1]} of input {key[0]} has {state.total} batches on "
-                             f"the server but a worker counts {total}. HINT: every worker must "
-                             "build the same datasets, in the same order, with the same batch "
-                             "size.")
+            raise ValueError(f"epoch {key[1]} of input {key[0]} has {state.total} batches on the "
+                             f"server but a worker counts {total}. HINT: every worker must build "
+                             "the same datasets, in the same order, with the same batch size.")
         for index in sorted(state.in_flight.get(worker, set())):
             self.consume(worker, key, index)  # used without an optimizer step
         if state.returned:
@@ -145,11 +144,9 @@ class ClaimedBatches:
     def __iter__(self) -> Iterator[Any]:
         epoch = self.epoch
         self.epoch += 1
-        if self.shuffle:
-            order = torch.randperm(self.size,
-                                   generator=torch.Generator().manual_seed(self.seed + epoch))
-        else:
-            order = torch.arange(self.size)
+        seeded = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(self.size, generator=seeded) if self.shuffle else \
+            torch.arange(self.size)
         total = len(self)
         try:
             while True:

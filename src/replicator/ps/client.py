@@ -141,8 +141,7 @@ class ServerClient:
         except PeerLostError as exc:
             raise self.lost(k, exc) from exc
 
-    def _read_values(self, k: int, conn: Connection, sink: Sink, into: Into | None = None
-                     ) -> int:
+    def _read_values(self, k: int, conn: Connection, sink: Sink, into: Into | None = None) -> int:
         """Values until the end marker (a large shard's in parts, see :func:`_take_part`); its
         clock, ``-1 - clock`` for a task's repeat."""
         land = self.into if into is None else into

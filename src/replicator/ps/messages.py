@@ -143,8 +143,7 @@ class SharedLane:
         self._bytes = memoryview(self._array)  # type: ignore[arg-type]
 
     @staticmethod
-    def layout(first_bytes: int, second_bytes: int) -> tuple[int, tuple[int, int],
-                                                            tuple[int, int]]:
+    def layout(first_bytes: int, second_bytes: int) -> tuple[int, tuple[int, int], tuple[int, int]]:
         """The segment size and two regions for payloads of ``first_bytes`` (the creator's
         outbox) and ``second_bytes`` (the peer's outbox)."""
         first, second = align(max(first_bytes, ALIGN)), align(max(second_bytes, ALIGN))
@@ -217,8 +216,7 @@ class Connection:
         self._start = self._end = 0
 
     @classmethod
-    def connect(cls, address: tuple[str, int], peer: str, timeout_seconds: float
-                ) -> Connection:
+    def connect(cls, address: tuple[str, int], peer: str, timeout_seconds: float) -> Connection:
         """Open a connection to ``address``; :class:`PeerLostError` if nobody answers."""
         try:
             sock = socket.create_connection(address, timeout=timeout_seconds)
@@ -238,8 +236,7 @@ class Connection:
         with self._send_lock:
             self._send(self._stage(messages, shared))
 
-    def stage(self, messages: list[Outgoing], shared: bool = False, lane_start: int = 0
-              ) -> Staged:
+    def stage(self, messages: list[Outgoing], shared: bool = False, lane_start: int = 0) -> Staged:
         """Prepare a batch for :meth:`send_staged`; with ``shared`` (and room in the lane from
         ``lane_start``) the payloads are copied into the outbox now."""
         with self._send_lock:
@@ -299,20 +296,17 @@ class Connection:
     def _read_into(self, view: memoryview, what: str, timeout: float | None) -> None:
         """Fill ``view`` from the inbox, then (a large payload) straight from the socket."""
         got = min(len(view), self._end - self._start)
-        if got:
-            view[:got] = self._inbox_view[self._start:self._start + got]
-            self._start += got
-        if got == len(view):
-            return
-        if len(view) - got < _INBOX_BYTES // 4:  # small: through the inbox
-            self._fill(len(view) - got, what, timeout)
-            rest = len(view) - got
+        view[:got] = self._inbox_view[self._start:self._start + got]
+        self._start += got
+        rest = len(view) - got
+        if 0 < rest < _INBOX_BYTES // 4:  # small: through the inbox
+            self._fill(rest, what, timeout)
             view[got:] = self._inbox_view[self._start:self._start + rest]
             self._start += rest
-            return
-        self.sock.settimeout(timeout)
-        while got < len(view):
-            got += self._recv(view[got:], what, timeout)
+        elif rest:
+            self.sock.settimeout(timeout)
+            while got < len(view):
+                got += self._recv(view[got:], what, timeout)
 
     def _recv(self, view: memoryview, what: str, timeout: float | None) -> int:
         """One ``recv_into``: the bytes it took (at least one), or :class:`PeerLostError`."""

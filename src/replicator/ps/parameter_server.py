@@ -78,8 +78,7 @@ class ParameterServerStrategy(Strategy):
             raise ClusterConfigError(
                 f"ParameterServerStrategy(num_ps={num_ps}) but the job was launched with "
                 f"--num-ps {launched}. HINT: give the same number to both, or leave num_ps out.")
-        if variable_partitioner is not None and not isinstance(variable_partitioner,
-                                                               Partitioner):
+        if variable_partitioner is not None and not isinstance(variable_partitioner, Partitioner):
             raise TypeError("variable_partitioner must be rp.partitioners.MinSizePartitioner"
                             "(...) or FixedShardsPartitioner(n), got "
                             f"{type(variable_partitioner).__name__}")
@@ -472,8 +471,7 @@ class ParameterServerStrategy(Strategy):
                 for e, v in raw.items()}
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None
-                        ) -> list[str]:
+    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None) -> list[str]:
         """Ask every server to save its variables, optimizer state, versions and
         ``data_position`` (JSON) as checkpoint ``step`` in ``checkpoint_dir`` (the chief only;
         other workers return ``[]``)."""
@@ -489,9 +487,7 @@ class ParameterServerStrategy(Strategy):
     # the workers' replica group serves ``staleness=0``; asynchronous workers are not in step,
     # so each returns its own value and never waits for the others
     def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
-        if self.staleness != 0:
-            return tensor.clone()
-        return super()._reduce(op, tensor)
+        return tensor.clone() if self.staleness != 0 else super()._reduce(op, tensor)
 
     def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor],
                      structure: str = "") -> list[torch.Tensor]:
@@ -500,9 +496,7 @@ class ParameterServerStrategy(Strategy):
         return super()._reduce_many(op, tensors, structure)
 
     def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        if self.staleness != 0:
-            return tensor.clone()
-        return super()._gather(tensor, axis)
+        return tensor.clone() if self.staleness != 0 else super()._gather(tensor, axis)
 
     def _gather_many(self, tensors: list[torch.Tensor], axis: int,
                      structure: str = "") -> list[torch.Tensor]:

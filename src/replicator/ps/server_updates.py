@@ -69,8 +69,7 @@ def check_gradient_rows(rows: torch.Tensor, values: torch.Tensor, param: torch.T
                                      f"{param.shape[0]} rows")
 
 
-def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tensor
-                    ) -> torch.Tensor:
+def sparse_gradient(rows: torch.Tensor, values: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """Torch's sparse gradient of ``param`` holding ``values`` at ``rows`` (shard-local)."""
     check_gradient_rows(rows, values, param)
     return torch.sparse_coo_tensor(rows.reshape(1, -1), values.to(param.dtype),
@@ -317,10 +316,9 @@ class ServerUpdates:
             if self.staleness == 0:
                 if any(rows is not None for _, _, rows in grads.values()):
                     raise P.ParameterServerError(
-                        "staleness=0 averages dense gradients of every worker; sparse table "
-                        "rows are applied one function at a time by rp.ClusterCoordinator. "
-                        "HINT: schedule the steps with a ClusterCoordinator, or use "
-                        "staleness=None.")
+                        "staleness=0 averages dense gradients of every worker; sparse table rows "
+                        "are applied one function at a time by rp.ClusterCoordinator. HINT: "
+                        "schedule the steps with a ClusterCoordinator, or use staleness=None.")
                 self._push_sync(worker, {sid: (v, g) for sid, (v, g, _) in grads.items()})
             else:
                 self._apply(grads)

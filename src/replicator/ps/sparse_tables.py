@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from replicator.ps.client import AS_PULLED, RowsAsPulled, Sink
+from replicator.ps.client import AS_PULLED, Push, Sink
 from replicator.ps.partitioners import Shard
 
 #: Per server: (shard id, shard-local rows) pairs.
@@ -182,9 +182,7 @@ class SparseTable:
         return F.embedding(call.inverse, weight, padding, m.max_norm, m.norm_type,
                            m.scale_grad_by_freq, True)
 
-    def gradient_rows(self, grad: torch.Tensor, pulled: dict[int, int]
-                      ) -> dict[int, list[tuple[int, int, torch.Tensor,
-                                              torch.Tensor | RowsAsPulled]]]:
+    def gradient_rows(self, grad: torch.Tensor, pulled: dict[int, int]) -> dict[int, list[Push]]:
         """A sparse gradient of the table as pushes per server: ``(shard id, version pulled,
         values, shard-local rows)``, the rows :data:`~replicator.ps.client.AS_PULLED` where
         they are the last pull's; a dense gradient is refused (see the error)."""
@@ -210,7 +208,7 @@ class SparseTable:
                 "and those uses read the worker's copy of the table, which stays as built on "
                 "a parameter server. HINT: use the table only through its nn.Embedding/"
                 "EmbeddingBag modules, or build it with sparse=False (it then travels whole).")
-        out: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor | RowsAsPulled]]] = {}
+        out: dict[int, list[Push]] = {}
         # every shard steps, as one device steps the whole table (momentum, Adam's step count),
         # also a shard none of whose rows were looked up (an empty gradient)
         found = {s.shard_id: (lo, hi) for s, lo, hi in self._split(rows)}

@@ -246,8 +246,7 @@ class TaskQueue:
     def refuse(self, task_id: int, name: str, error: BaseException) -> None:
         """Schedule number ``task_id`` raised on the chief: a worker's ``fetch`` raises it too."""
         with self.cond:
-            task = Task(task_id, "", name, ("null", []), state=FAILED, error=error)
-            self.tasks[task_id] = task
+            self.tasks[task_id] = Task(task_id, "", name, ("null", []), state=FAILED, error=error)
             self.next_id = max(self.next_id, task_id + 1)
             self.cond.notify_all()
 
