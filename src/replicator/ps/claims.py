@@ -121,12 +121,8 @@ class ClaimedBatches:
                  dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool,
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self._claim, self._claimed = claim, claimed  # server 0's claim; the batch in use
-        self.stream = stream
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
+        self.stream, self.dataset, self.batch_size = stream, dataset, batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.collate_fn = collate_fn or default_collate
         self.epoch = 0
         self.size = len(dataset)  # type: ignore[arg-type]

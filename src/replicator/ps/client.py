@@ -83,9 +83,7 @@ class ServerClient:
     def __init__(self, addresses: list[tuple[str, int]], server_ranks: list[int], worker: int,
                  attempt: int, timeout_seconds: float,
                  held: Callable[[int], list[str]], into: Into | None = None) -> None:
-        self.server_ranks = server_ranks
-        self.addresses = addresses
-        self.held = held
+        self.server_ranks, self.addresses, self.held = server_ranks, addresses, held
         self.into = into  # where pulled values land (the parameters' own memory)
         self.connections: list[Connection] = []
         self.shared_off: str = ""  # why payloads stay on the socket (printed once)
@@ -183,11 +181,10 @@ class ServerClient:
         def attach(k: int, conn: Connection) -> None:
             reply = self._expect(k, conn.receive("waiting for the shared-memory answer"),
                                  P.SHM_ATTACHED)
-            if not reply.a:
+            if reply.a:
+                conn.lane = SharedLane(made[k][0], out=made[k][1], inbox=made[k][2])
+            else:
                 self._fallback(tensor_text(reply.payload))
-                return
-            segment, mine, theirs = made[k]
-            conn.lane = SharedLane(segment, out=mine, inbox=theirs)
 
         try:
             self.exchange(send, attach, sorted(made))

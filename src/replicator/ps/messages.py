@@ -193,18 +193,14 @@ class Connection:
     ``send`` and ``receive`` may be called from different threads (one lock each way)."""
 
     def __init__(self, sock: socket.socket, peer: str, timeout_seconds: float) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.timeout_seconds = timeout_seconds
+        self.sock, self.peer, self.timeout_seconds = sock, peer, timeout_seconds
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small headers
         sock.settimeout(timeout_seconds)
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
+        self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
         self.closed = False
         #: Bytes of messages sent and received (headers and payloads, socket or lane).
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.bytes_sent = self.bytes_received = 0
         #: Receive buffers its owner reuses from message to message (see ``into``).
         self.buffers: dict[Any, torch.Tensor] = {}
         #: Shared memory with a peer on this host (see :class:`SharedLane`).

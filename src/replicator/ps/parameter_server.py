@@ -89,9 +89,9 @@ class ParameterServerStrategy(Strategy):
         self.staleness = staleness
         self._partitioner = variable_partitioner
         self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
-        self._shared_memory = bool(shared_memory) if shared_memory is not None else \
-            os.environ.get(P.SHARED_MEMORY_ENV, "1").strip().lower() not in ("0", "false", "no",
-                                                                             "off")
+        env = os.environ.get(P.SHARED_MEMORY_ENV, "1").strip().lower()
+        self._shared_memory = env not in ("0", "false", "no", "off") if shared_memory is None \
+            else bool(shared_memory)
         self.num_ps = num_ps
         self._device = torch.device("cpu")
         self.rejoined = os.environ.get(REJOIN_ENV) == "1"  # restarted alone, rejoining
@@ -107,12 +107,10 @@ class ParameterServerStrategy(Strategy):
         self._sent_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()   # optimizer -> its key
         self._landings: dict[int, tuple[Any, torch.Tensor]] = {}  # shard id -> its rows
         self._task: list[int] | None = None                # [task id, pushes] in a function
-        self._repeats = 0
         self._store = store
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._steps = 0
         self._claim: tuple[int, int, int] | None = None
-        self._streams = 0
+        self._repeats = self._steps = self._streams = 0  # task repeats seen, steps, datasets
         addresses = []
         for k in range(num_ps):
             key = P.SERVER_ADDRESS_KEY.format(index=k)
@@ -131,10 +129,8 @@ class ParameterServerStrategy(Strategy):
         #: sparse tables: their modules' calls pull the rows they look up
         self._lookups = TableLookups(self._client.pull_rows, self._pulled, lambda: self._closed)
         on_shutdown(self._client.close)
-        self._hooks = [
-            register_optimizer_step_pre_hook(self._before_step),
-            register_optimizer_step_post_hook(self._after_step),
-        ]
+        self._hooks = [register_optimizer_step_pre_hook(self._before_step),
+                       register_optimizer_step_post_hook(self._after_step)]
         super().__init__(check_finite=check_finite)
 
     def _join_job(self, address: str | None) -> tuple[dist.Store, int]:

@@ -130,8 +130,7 @@ class ParameterServer(ServerUpdates):
         self.spec_text = ""
         self.restored_step: int | None = None
         self.extra: dict[str, Any] = {}
-        self.checkpoint_dir = checkpoint_dir
-        self.store = store
+        self.checkpoint_dir, self.store = checkpoint_dir, store
         self.last_loss = 0.0
         #: the newest description of each optimizer, by the shards it covers
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {}

@@ -232,10 +232,8 @@ class ServerUpdates:
 
     def __init__(self, index: int, num_workers: int, staleness: int | None,
                  timeout_seconds: float) -> None:
-        self.index = index
-        self.num_workers = num_workers
-        self.staleness = staleness
-        self.timeout_seconds = timeout_seconds
+        self.index, self.num_workers = index, num_workers
+        self.staleness, self.timeout_seconds = staleness, timeout_seconds
         self.lock = threading.Condition()
         self.shards: dict[int, ShardState] = {}
         self.workers: dict[int, WorkerState] = {}

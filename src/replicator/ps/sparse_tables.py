@@ -81,9 +81,7 @@ class SparseTable:
 
     def __init__(self, param: torch.Tensor, shards: Sequence[Shard], name: str,
                  module: torch.nn.Embedding | torch.nn.EmbeddingBag | None = None) -> None:
-        self.param = param
-        self.name = name
-        self.module = module
+        self.param, self.name, self.module = param, name, module
         self.shards = sorted(shards, key=lambda s: s.start)
         self.by_id = {s.shard_id: s for s in self.shards}
         self._bounds = torch.tensor([b for s in self.shards for b in (s.start, s.end)],
@@ -239,9 +237,7 @@ class TableLookups:
 
     def __init__(self, pull_rows: Callable[[RowsByServer, Sink], None],
                  pulled: dict[int, int], closed: Callable[[], bool]) -> None:
-        self._pull_rows = pull_rows
-        self._pulled = pulled
-        self._closed = closed
+        self._pull_rows, self._pulled, self._closed = pull_rows, pulled, closed
         # keyed by the objects, never by id(): a new module or parameter may get the id of
         # one garbage-collected (a later model's table then went unhooked)
         self.tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its table

@@ -85,8 +85,7 @@ class TaskDispatcher:
     """The chief's side: accepts the workers on ``sock`` and serves ``queue`` to them."""
 
     def __init__(self, queue: TaskQueue, sock: socket.socket, timeout_seconds: float) -> None:
-        self.queue = queue
-        self.sock = sock
+        self.queue, self.sock = queue, sock
         self.threads: list[threading.Thread] = []
         self.closing = False
         threading.Thread(
@@ -182,8 +181,7 @@ class TaskChannel:
 
     def __init__(self, address: tuple[str, int], rank: int, timeout_seconds: float,
                  runner: Runner, ahead: bool = False) -> None:
-        self.rank = rank
-        self.runner = runner
+        self.rank, self.runner = rank, runner
         self.ahead = ahead  # ask for the next task while one runs (not with staleness=0)
         self.conn = Connection.connect(address, "the coordinator (chief)", timeout_seconds)
         self.conn.send(HELLO, a=rank)

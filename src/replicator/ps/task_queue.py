@@ -228,8 +228,7 @@ class TaskQueue:
         self.requests: dict[int, Request] = {}
         self.waiting: set[int] = set()
         self.ended: dict[int, int] = {}
-        self.finished = 0
-        self.reruns = 0
+        self.finished = self.reruns = 0
         self.commit_order: list[int] = []
 
     # -- the chief's side --------------------------------------------------------------------
@@ -413,8 +412,7 @@ class TaskQueue:
             if task is None:
                 return
             task.state, task.error = FAILED, error
-            if self.error is None:
-                self.error = error
+            self.error = self.error or error
             # tf.distribute's rule: the first failure cancels the rest; a task this worker took
             # ahead has not started (the worker drops it after a failure) and goes with them
             ahead = self.running.pop(worker, [])
