@@ -63,8 +63,7 @@ class ParameterServerStrategy(Strategy):
     name = "parameter_server"
     _guards_undistributed = True
 
-    def __init__(self, num_ps: int | None = None,
-                 variable_partitioner: Partitioner | None = None,
+    def __init__(self, num_ps: int | None = None, variable_partitioner: Partitioner | None = None,
                  staleness: int | None = None, *, address: str | None = None,
                  timeout_seconds: float | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None,

@@ -116,17 +116,15 @@ def _import_optimizer_dependencies() -> None:
 class ParameterServer(ServerUpdates):
     """Serve shards to ``num_workers`` workers on ``sock`` (already listening)."""
 
-    def __init__(self, index: int, num_workers: int, staleness: int | None,
-                 sock: socket.socket, timeout_seconds: float,
-                 checkpoint_dir: str | None = None, store: Any = None,
+    def __init__(self, index: int, num_workers: int, staleness: int | None, sock: socket.socket,
+                 timeout_seconds: float, checkpoint_dir: str | None = None, store: Any = None,
                  shared_memory: bool = True) -> None:
         super().__init__(index, num_workers, staleness, timeout_seconds)
-        self.shared_memory = shared_memory
+        self.sock, self.shared_memory = sock, shared_memory
         if not torch.sparse.check_sparse_tensor_invariants.is_enabled():
             # said explicitly (the default): torch's Adagrad otherwise warns at the first sparse
             # step that the checks are "implicitly disabled"; the rows are checked on arrival
             torch.sparse.check_sparse_tensor_invariants.disable()
-        self.sock = sock
         self.spec_text = ""
         self.restored_step: int | None = None
         self.extra: dict[str, Any] = {}
