@@ -170,8 +170,7 @@ def test_messages_through_a_lane_carry_only_headers_and_check_offsets():
     import socket
 
     from replicator.comm.shm_segment import SharedSegment
-    from replicator.ps.messages import Connection, MessageFormatError
-    from replicator.ps.shm_lane import SharedLane
+    from replicator.ps.messages import Connection, MessageFormatError, SharedLane
 
     x, y = socket.socketpair()
     a, b = Connection(x, "peer a", 5.0), Connection(y, "peer b", 5.0)

@@ -8,10 +8,17 @@ import torch
 
 import replicator as rp
 from replicator.ps.partitioners import place
-from replicator.ps.row_updates import TaskLedger, build_shard_optimizer, sparse_gradient
+from replicator.ps.server_updates import TaskLedger, build_shard_optimizer, sparse_gradient
 from replicator.ps.sparse_tables import SparseTable
-from replicator.ps.task_queue import CANCELLED, Marker, Task, TaskQueue
-from replicator.ps.values import ResourceRef, decode, encode
+from replicator.ps.task_queue import (
+    CANCELLED,
+    Marker,
+    ResourceRef,
+    Task,
+    TaskQueue,
+    decode,
+    encode,
+)
 
 
 def test_max_size_partitioner_keeps_every_shard_under_the_limit():

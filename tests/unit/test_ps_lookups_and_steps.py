@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import replicator as rp
 from replicator.ps.partitioners import place
-from replicator.ps.shared_steps import SharedSteps
+from replicator.ps.server_updates import SharedSteps
 from replicator.ps.sparse_tables import SparseTable, distinct_ids
 
 ROWS, DIM = 50, 4
@@ -284,9 +284,8 @@ def test_a_server_steps_table_rows_as_torchs_sparse_sgd_does(options):
     torch's sparse step); either way the shard ends as torch's sparse SGD leaves it."""
     import socket
 
-    from replicator.ps.row_updates import plain_sgd_alpha
     from replicator.ps.server import ParameterServer
-    from replicator.ps.server_updates import ShardState
+    from replicator.ps.server_updates import ShardState, plain_sgd_alpha
 
     torch.manual_seed(0)
     table = torch.randn(50, 4)
@@ -312,7 +311,7 @@ def test_a_server_steps_table_rows_as_torchs_sparse_sgd_does(options):
 
 
 def test_plain_sgd_is_only_sgd_without_momentum_decay_or_hooks():
-    from replicator.ps.row_updates import plain_sgd_alpha
+    from replicator.ps.server_updates import plain_sgd_alpha
 
     p = nn.Parameter(torch.zeros(3))
     assert plain_sgd_alpha(torch.optim.SGD([p], lr=0.1)) == -0.1

@@ -87,7 +87,7 @@ def test_a_lane_carries_every_dtype_and_layout_exactly():
     """Payloads in shared memory: numpy's fast copy where it applies, torch's copy for the
     rest (bfloat16, strided, conjugate views), each read back bit for bit."""
     from replicator.comm.shm_segment import SharedSegment, unlink_segment
-    from replicator.ps.shm_lane import SharedLane
+    from replicator.ps.messages import SharedLane
 
     size, first, second = SharedLane.layout(1 << 16, 1 << 16)
     mine = SharedSegment.create_named(size, "lane-dtypes")

@@ -1,8 +1,7 @@
-"""Exactly-once input for asynchronous workers: server 0's ledger of batch claims per input
-stream and epoch. A claim is consumed when its worker's update is applied; a lost worker's
-claims go back to the others, so every batch of an epoch is consumed by exactly one update.
-The worker's side is :class:`ClaimedBatches`: batches claimed one by one, so fast workers take
-more."""
+"""Exactly-once input for asynchronous workers: server 0's ledger of batch claims per input stream
+and epoch. A claim is consumed when its worker's update is applied; a lost worker's claims go back
+to the others, so every batch of an epoch is consumed by exactly one update. The worker's side is
+:class:`ClaimedBatches`: batches claimed one by one, so fast workers take more."""
 
 from __future__ import annotations
 
@@ -47,10 +46,9 @@ class ClaimLedger:
         :data:`EPOCH_DONE`. A worker asking again has finished with its earlier claims."""
         state = self.epochs.setdefault(key, _Epoch(total=total))
         if total != state.total:
-            raise ValueError(f"epoch {key[1]} of input {key[0]} has {state.total} batches on "
-                             f"the server but a worker counts {total}. HINT: every worker must "
-                             "build the same datasets, in the same order, with the same batch "
-                             "size.")
+            raise ValueError(f"epoch {key[1]} of input {key[0]} has {state.total} batches on the "
+                             f"server but a worker counts {total}. HINT: every worker must build "
+                             "the same datasets, in the same order, with the same batch size.")
         for index in sorted(state.in_flight.get(worker, set())):
             self.consume(worker, key, index)  # used without an optimizer step
         if state.returned:
@@ -123,12 +121,8 @@ class ClaimedBatches:
                  dataset: Dataset, batch_size: int, *, shuffle: bool, seed: int, drop_last: bool,
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self._claim, self._claimed = claim, claimed  # server 0's claim; the batch in use
-        self.stream = stream
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
+        self.stream, self.dataset, self.batch_size = stream, dataset, batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.collate_fn = collate_fn or default_collate
         self.epoch = 0
         self.size = len(dataset)  # type: ignore[arg-type]
@@ -146,11 +140,9 @@ class ClaimedBatches:
     def __iter__(self) -> Iterator[Any]:
         epoch = self.epoch
         self.epoch += 1
-        if self.shuffle:
-            order = torch.randperm(self.size,
-                                   generator=torch.Generator().manual_seed(self.seed + epoch))
-        else:
-            order = torch.arange(self.size)
+        seeded = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(self.size, generator=seeded) if self.shuffle else \
+            torch.arange(self.size)
         total = len(self)
         try:
             while True:

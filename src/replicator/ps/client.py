@@ -1,7 +1,6 @@
-"""A worker's connections to every parameter server: each request goes to all servers
-concerned at once; a lost server raises ``ParameterServerLostError`` naming what it held.
-With a server on this host payloads go through a shared-memory lane (else the socket, and the
-reason is printed once)."""
+"""A worker's connections to every parameter server: each request goes to all servers concerned at
+once; a lost server raises ``ParameterServerLostError`` naming what it held. With a server on this
+host payloads go through a shared-memory lane (else the socket, and the reason is printed once)."""
 
 from __future__ import annotations
 
@@ -21,11 +20,10 @@ from replicator.ps.messages import (
     Message,
     Outgoing,
     PeerLostError,
+    SharedLane,
     tensor_text,
     text_tensor,
 )
-from replicator.ps.shm_lane import SharedLane
-from replicator.ps.value_parts import PartAssembler
 
 T = TypeVar("T")
 #: Called with (shard id, version, values) for each value a pull brings.
@@ -52,13 +50,31 @@ def _gradient_messages(items: list[Push]) -> list[Outgoing]:
     for item in items:
         sid, v, g = item[0], item[1], item[2]
         r = item[3] if len(item) > 3 else None
-        if r is AS_PULLED:
-            out.append((P.GRAD, sid, v, g, 0, 0, 2))
-            continue
-        if r is not None:
+        if r is not None and r is not AS_PULLED:
             out.append((P.ROW_IDS, sid, 0, r, 0, 0, 0))
-        out.append((P.GRAD, sid, v, g, 0, 0, int(r is not None)))
+        out.append((P.GRAD, sid, v, g, 0, 0, 2 if r is AS_PULLED else int(r is not None)))
     return out
+
+
+def _take_part(targets: dict[int, torch.Tensor], sid: int, start: int, rows: int,
+               part: torch.Tensor, into: Into | None) -> torch.Tensor | None:
+    """Copy a part of a large shard's values (rows from ``start`` of ``rows``) into the tensor
+    ``into`` names for the whole shard (the parameter's own rows), else a new one kept in
+    ``targets``; the whole shard once its last part came, else None."""
+    target = targets.get(sid)
+    if target is None:
+        shape = (rows, *part.shape[1:])
+        target = into(P.VALUE, sid, part.dtype, shape) if into is not None else None
+        if target is None or tuple(target.shape) != shape or target.dtype != part.dtype:
+            target = torch.empty(shape, dtype=part.dtype)
+        targets[sid] = target
+    end = start + len(part)
+    if not 0 <= start < end <= rows:
+        raise P.ParameterServerError(f"a part of shard {sid}'s values holds rows "
+                                     f"{start}-{end} of {rows}")
+    with torch.no_grad():
+        target[start:end].copy_(part)
+    return None if end < rows else targets.pop(sid)
 
 
 class ServerClient:
@@ -67,26 +83,21 @@ class ServerClient:
     def __init__(self, addresses: list[tuple[str, int]], server_ranks: list[int], worker: int,
                  attempt: int, timeout_seconds: float,
                  held: Callable[[int], list[str]], into: Into | None = None) -> None:
-        self.server_ranks = server_ranks
-        self.addresses = addresses
-        self.held = held
+        self.server_ranks, self.addresses, self.held = server_ranks, addresses, held
         self.into = into  # where pulled values land (the parameters' own memory)
         self.connections: list[Connection] = []
-        self.restored: list[dict[str, Any] | None] = []
-        self.pids: list[int] = []
-        self.same_host: list[bool] = []
         self.shared_off: str = ""  # why payloads stay on the socket (printed once)
         for k, address in enumerate(addresses):
             try:
-                conn = Connection.connect(address, self.describe(k), timeout_seconds)
-                self.connections.append(conn)
-                conn.send(P.HELLO, a=worker, b=attempt)
-                reply = self._expect(k, conn.receive("waiting for the server's HELLO"), P.HELLO)
+                self.connections.append(
+                    Connection.connect(address, self.describe(k), timeout_seconds))
             except PeerLostError as exc:
                 raise self.lost(k, exc) from exc
-            self.restored.append(json.loads(tensor_text(reply.payload)) if reply.b else None)
-            self.pids.append(reply.c)
-            self.same_host.append(reply.var_id == host_id())
+        hellos = self.request(P.HELLO, P.HELLO, "the server's HELLO", a=worker, b=attempt)
+        self.restored: list[dict[str, Any] | None] = [
+            json.loads(tensor_text(m.payload)) if m.b else None for m in hellos]
+        self.pids = [m.c for m in hellos]
+        self.same_host = [m.var_id == host_id() for m in hellos]
 
     def describe(self, k: int) -> str:
         host, port = self.addresses[k]
@@ -128,25 +139,21 @@ class ServerClient:
         except PeerLostError as exc:
             raise self.lost(k, exc) from exc
 
-    def _read_values(self, k: int, conn: Connection, sink: Sink, into: Into | None = None
-                     ) -> int:
-        """Values until the end marker (a large shard's in parts, see
-        :mod:`replicator.ps.value_parts`); its clock, ``-1 - clock`` for a task's repeat."""
+    def _read_values(self, k: int, conn: Connection, sink: Sink, into: Into | None = None) -> int:
+        """Values until the end marker (a large shard's in parts, see :func:`_take_part`); its
+        clock, ``-1 - clock`` for a task's repeat."""
         land = self.into if into is None else into
-        parts: PartAssembler | None = None
+        parts: dict[int, torch.Tensor] = {}
         while True:
             msg = conn.receive("waiting for variable values", into=land)
             if msg.kind == P.VALUES_END:
                 return -1 - msg.version if msg.b else msg.version
             msg = self._expect(k, msg, P.VALUE)
             assert msg.payload is not None
-            if msg.c:
-                parts = parts or PartAssembler()
-                whole = parts.take(msg.var_id, msg.c - 1, msg.b, msg.payload, land)
-                if whole is not None:
-                    sink(msg.var_id, msg.version, whole)
-                continue
-            sink(msg.var_id, msg.version, msg.payload)
+            whole = _take_part(parts, msg.var_id, msg.c - 1, msg.b, msg.payload, land) \
+                if msg.c else msg.payload
+            if whole is not None:
+                sink(msg.var_id, msg.version, whole)
 
     # -- shared memory ---------------------------------------------------------------------
     def share_memory(self, sizes: dict[int, tuple[int, int]], worker: int) -> None:
@@ -174,11 +181,10 @@ class ServerClient:
         def attach(k: int, conn: Connection) -> None:
             reply = self._expect(k, conn.receive("waiting for the shared-memory answer"),
                                  P.SHM_ATTACHED)
-            if not reply.a:
+            if reply.a:
+                conn.lane = SharedLane(made[k][0], out=made[k][1], inbox=made[k][2])
+            else:
                 self._fallback(tensor_text(reply.payload))
-                return
-            segment, mine, theirs = made[k]
-            conn.lane = SharedLane(segment, out=mine, inbox=theirs)
 
         try:
             self.exchange(send, attach, sorted(made))
@@ -221,8 +227,7 @@ class ServerClient:
 
     def send_optimizer(self, text: str) -> None:
         payload = text_tensor(text)
-        self.exchange(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload),
-                      lambda k, conn: None)
+        self.exchange(lambda k, conn: conn.send(P.OPTIMIZER, tensor=payload), lambda k, conn: None)
 
     def pull(self, expected: dict[int, int], sink: Sink, begin: bool = False,
              everything: bool = False) -> list[int]:
@@ -272,8 +277,7 @@ class ServerClient:
             if task is not None and k == 0 and len(self.connections) > 1:
                 fault_points.fire("between_server_pushes", task=task[0], push=task[1])
 
-        return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink)
-                             if pull else 0)
+        return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink) if pull else 0)
 
     def _push_task(self, grads: dict[int, list[Push]], sink: Sink, pull: bool,
                    task: tuple[int, int]) -> list[int]:
@@ -297,11 +301,10 @@ class ServerClient:
         def applied(k: int, conn: Connection) -> int:
             return self._read_values(k, conn, sink) if pull else 0
 
-        # every server at once: once all of them hold the update, a commit that reached any
-        # one decides it (a re-run's prepare finds it applied or held on each server, and
-        # the re-run's commit applies the held first attempt wherever it is still held), so
-        # the commits need no order and cost one round trip, not one per server. Coordinator
-        # functions with staleness=0 run one at a time, so no read falls between two commits.
+        # every server at once: once all hold the update, a commit that reached any one
+        # decides it (a re-run's prepare finds it applied or held everywhere, and its commit
+        # applies the held first attempt), so the commits need no order: one round trip.
+        # Functions with staleness=0 run one at a time: no read falls between two commits.
         return self.exchange(commit, applied)
 
     def request(self, kind: int, answer: int, what: str, servers: list[int] | None = None,
@@ -334,9 +337,3 @@ class ServerClient:
             except (PeerLostError, OSError):
                 pass
             conn.close()
-
-    def __enter__(self) -> ServerClient:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -1,11 +1,8 @@
 """ClusterCoordinator: the chief schedules functions onto free workers (tf.distribute's API).
-
-Every process runs the same script: on the chief ``schedule`` queues and returns a
-:class:`RemoteValue`; on a worker the same calls mirror the chief's and run functions until the
-chief passes them (``fetch`` and ``done`` need nothing from the workers, so the chief may call
-them alone); a mismatch raises :class:`CallMismatchError`. Exactly once: a lost worker's
-function runs again elsewhere, and the servers apply each (task, push) once (prepared on every
-server before it is committed with ``staleness=0``)."""
+Every process runs the same script: on a worker the calls mirror the chief's and run functions
+until the chief passes them; a mismatch raises :class:`CallMismatchError`. Exactly once: a lost
+worker's function runs again elsewhere, and the servers apply each (task, push) once
+(docs/parameter_server.md, "The coordinator")."""
 
 from __future__ import annotations
 
@@ -23,28 +20,32 @@ from replicator.cluster.timeouts import resolve_timeout
 from replicator.data import InputContext
 from replicator.errors import ParameterServerError
 from replicator.ps.parameter_server import ParameterServerStrategy
-from replicator.ps.task_channel import Reply, StopServing, TaskChannel, TaskDispatcher
+from replicator.ps.task_channel import StopServing, TaskChannel, TaskDispatcher
 from replicator.ps.task_queue import (
     CANCELLED,
     DONE,
     DONE_CALL,
+    ENDED,
     FAILED,
     FETCH_CALL,
     MARKER_CALL,
     SAME_CALLS_HINT,
     VALUE_DONE_CALL,
     CallMismatchError,
+    Marker,
     NoWorkerError,
     Payload,
     RemoteFunctionError,
     Request,
+    ResourceRef,
     Task,
     TaskQueue,
+    decode,
+    encode,
     error_fields,
     function_failed,
     rebuild_error,
 )
-from replicator.ps.values import ResourceRef, decode, encode
 
 _ADDRESS_KEY = "replicator/coordinator/address"
 
@@ -62,20 +63,31 @@ class RemoteValue:
     """The result of one scheduled function, available once it ran on some worker."""
 
     def __init__(self, coordinator: ClusterCoordinator, number: int, name: str) -> None:
-        self._coordinator = coordinator
-        self._number = number
-        self._name = name
+        self._coordinator, self._number, self._name = coordinator, number, name
 
     def fetch(self) -> Any:
         """Wait for the function and return its value (tensors come back as CPU tensors);
         raises what it raised, as ``RemoteFunctionError`` naming the worker and its traceback.
         The chief may call it alone; on a worker it runs functions meanwhile and returns the
         same value, or raises the same class, as on the chief."""
-        return self._coordinator._fetch(self)
+        c = self._coordinator
+        if not c.is_chief:
+            return c._worker_fetch(self._number)
+        task = c._tasks[self._number]
+        if c._queue is not None:
+            c._queue.wait(task, c._timeout)
+        if task.state != DONE:
+            raise task.error or ParameterServerError(f"task {task.task_id} ended {task.state}")
+        assert task.result is not None
+        return decode(*task.result)
 
     def done(self) -> bool:
         """Whether the function has finished (the chief may call it alone)."""
-        return self._coordinator._value_done(self)
+        c = self._coordinator
+        if not c.is_chief:
+            request = Request(VALUE_DONE_CALL, 0, self._number, c._scheduled)
+            return bool(c._worker_done(request)["finished"])
+        return c._tasks[self._number].state in ENDED
 
     def __repr__(self) -> str:
         return f"<RemoteValue of {self._name} (schedule #{self._number})>"
@@ -97,11 +109,15 @@ class PerWorkerDataset:
     """The dataset ``input_fn`` builds on each worker; ``iter()`` gives a per-worker iterator
     (``next(it)`` inside a scheduled function takes the running worker's next element)."""
 
-    def __init__(self, make_iterator: Callable[[], PerWorkerIterator]) -> None:
-        self._make_iterator = make_iterator
+    def __init__(self, coordinator: ClusterCoordinator, number: int) -> None:
+        self._coordinator, self._number = coordinator, number
 
     def __iter__(self) -> PerWorkerIterator:
-        return self._make_iterator()
+        c = self._coordinator
+        source = c._datasets[self._number]
+        local = iter(source) if source is not None else None
+        c._resources.append(local)
+        return PerWorkerIterator(len(c._resources) - 1, local if c._inline else None)
 
 
 class PerWorkerIterator(PerWorkerValues):
@@ -225,7 +241,13 @@ class ClusterCoordinator:
         except (NoWorkerError, CallMismatchError) as exc:
             error = exc
         error = error or self._take_error()
-        self._post_join(seq, error)
+        if self._queue is not None:  # the marker the workers' join() returns with
+            value: dict[str, Any] = {"ok": None, **self._counts()}
+            if error is not None:
+                value.update(error_fields(error))
+                value["task"] = next((t.task_id for t in self._tasks.values()
+                                      if t.error is error), -1)
+            self._queue.post("join", seq, encode(value, "the value of join()"))
         if error is not None:
             raise error
 
@@ -258,14 +280,7 @@ class ClusterCoordinator:
                 takes = len(inspect.signature(input_fn).parameters) > 0
                 dataset = input_fn(ctx) if takes else input_fn()
         self._datasets.append(dataset)
-        return PerWorkerDataset(lambda: self._iterator(number))
-
-    def _iterator(self, dataset: int) -> PerWorkerIterator:
-        number = len(self._resources)
-        source = self._datasets[dataset]
-        local = iter(source) if source is not None else None
-        self._resources.append(local)
-        return PerWorkerIterator(number, local if self._inline else None)
+        return PerWorkerDataset(self, number)
 
     def stats(self) -> dict[str, Any]:
         """On the chief: functions scheduled, finished, run again after a lost worker, the
@@ -281,42 +296,12 @@ class ClusterCoordinator:
         return {"scheduled": self._scheduled, "datasets": len(self._datasets),
                 "iterators": len(self._resources)}
 
-    def _post_join(self, seq: int, error: BaseException | None) -> None:
-        """The join marker the workers' join() returns with: the chief's error and counts."""
-        if self._queue is None:
-            return
-        value: dict[str, Any] = {"ok": None, **self._counts()}
-        if error is not None:
-            value.update(error_fields(error))
-            value["task"] = next((t.task_id for t in self._tasks.values()
-                                  if t.error is error), -1)
-        self._queue.post("join", seq, encode(value, "the value of join()"))
-
     def _take_error(self) -> BaseException | None:
         if self._inline:
             error, self._inline_error = self._inline_error, None
             return error
         assert self._queue is not None
         return self._queue.take_error()
-
-    def _fetch(self, value: RemoteValue) -> Any:
-        if value._coordinator is not self:
-            raise ValueError("this RemoteValue belongs to another ClusterCoordinator")
-        if not self.is_chief:
-            return self._worker_fetch(value._number)
-        task = self._tasks[value._number]
-        if self._queue is not None:
-            self._queue.wait(task, self._timeout)
-        if task.state != DONE:
-            raise task.error or ParameterServerError(f"task {task.task_id} ended {task.state}")
-        assert task.result is not None
-        return decode(*task.result)
-
-    def _value_done(self, value: RemoteValue) -> bool:
-        if not self.is_chief:
-            request = Request(VALUE_DONE_CALL, 0, value._number, self._scheduled)
-            return bool(self._worker_done(request)["finished"])
-        return self._tasks[value._number].state in (DONE, FAILED, CANCELLED)
 
     def _run_inline(self, task: Task) -> None:
         if self._inline_error is not None:
@@ -339,15 +324,12 @@ class ClusterCoordinator:
             return
         self._finished = True
         if self._channel is not None:
+            end, where = Request(MARKER_CALL, -1, -1, self._scheduled), "the end of its script"
             try:
-                end = Request(MARKER_CALL, -1, -1, self._scheduled)
-                self._check_marker(self._channel.serve_until(end), "the end of its script", -1)
-            except StopServing:
                 try:
-                    self._check_counts(decode(*self._channel.stop_value),
-                                       "the end of its script")
-                except CallMismatchError as exc:
-                    print(f"[replicator] {exc}", file=sys.stderr, flush=True)
+                    self._check_marker(self._channel.serve_until(end), where, -1)
+                except StopServing:
+                    self._check_counts(decode(*self._channel.stop_value), where)
             except CallMismatchError as exc:
                 print(f"[replicator] {exc}", file=sys.stderr, flush=True)
             finally:
@@ -366,7 +348,7 @@ class ClusterCoordinator:
             self._dispatcher.close(self._timeout)
 
     # -- a worker's side ---------------------------------------------------------------------------
-    def _serve(self, request: Request) -> Reply:
+    def _serve(self, request: Request) -> Marker:
         """Run functions until the chief's marker or the answer to ``request`` comes."""
         assert self._channel is not None
         try:
@@ -386,9 +368,9 @@ class ClusterCoordinator:
             self._reported = max(self._reported, int(answer.get("task", -1)))
             raise rebuild_error(answer)
 
-    def _check_marker(self, reply: Reply, where: str, seq: int) -> dict[str, Any]:
+    def _check_marker(self, reply: Marker, where: str, seq: int) -> dict[str, Any]:
         """The chief's join marker's value, if it is the one this worker's call waits for."""
-        if reply.marker != "join" or reply.seq != seq:
+        if reply.kind != "join" or reply.seq != seq:
             raise CallMismatchError(
                 f"worker rank {self._rank} reached {where} but the chief reached "
                 f"coordinator.join() (call {reply.seq}). {SAME_CALLS_HINT}")
@@ -409,7 +391,7 @@ class ClusterCoordinator:
     def _worker_fetch(self, number: int) -> Any:
         """A worker's fetch(): the chief's value of function ``number`` (or its error)."""
         reply = self._serve(Request(FETCH_CALL, 0, number, self._scheduled))
-        if reply.marker:
+        if reply.kind:
             self._check_marker(reply, f"fetch() of schedule #{number}", -1)
         if reply.failed:
             raise rebuild_error(decode(*reply.value))

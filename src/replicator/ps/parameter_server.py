@@ -1,9 +1,7 @@
-"""ParameterServerStrategy: variables and the optimizer live on parameter servers.
-
-The last ``num_ps`` processes of the job serve (their constructor serves, then ends the process
-with ``SystemExit(0)``); the others are workers whose ``optimizer.step()`` sends gradients of
-placed parameters to the servers, which run the optimizer and send back new values.
-``staleness``: ``None`` asynchronous, ``k`` bounded, ``0`` synchronous."""
+"""ParameterServerStrategy: variables and the optimizer live on parameter servers. The last
+``num_ps`` processes serve (their constructor serves, then ends with ``SystemExit(0)``); the
+workers' ``optimizer.step()`` sends gradients of placed parameters to the servers, which run the
+optimizer and send back new values."""
 
 from __future__ import annotations
 
@@ -65,8 +63,7 @@ class ParameterServerStrategy(Strategy):
     name = "parameter_server"
     _guards_undistributed = True
 
-    def __init__(self, num_ps: int | None = None,
-                 variable_partitioner: Partitioner | None = None,
+    def __init__(self, num_ps: int | None = None, variable_partitioner: Partitioner | None = None,
                  staleness: int | None = None, *, address: str | None = None,
                  timeout_seconds: float | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None,
@@ -80,8 +77,7 @@ class ParameterServerStrategy(Strategy):
             raise ClusterConfigError(
                 f"ParameterServerStrategy(num_ps={num_ps}) but the job was launched with "
                 f"--num-ps {launched}. HINT: give the same number to both, or leave num_ps out.")
-        if variable_partitioner is not None and not isinstance(variable_partitioner,
-                                                               Partitioner):
+        if variable_partitioner is not None and not isinstance(variable_partitioner, Partitioner):
             raise TypeError("variable_partitioner must be rp.partitioners.MinSizePartitioner"
                             "(...) or FixedShardsPartitioner(n), got "
                             f"{type(variable_partitioner).__name__}")
@@ -92,10 +88,9 @@ class ParameterServerStrategy(Strategy):
         self.staleness = staleness
         self._partitioner = variable_partitioner
         self._checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
-        if shared_memory is None:
-            shared_memory = os.environ.get(P.SHARED_MEMORY_ENV, "1").strip().lower() not in (
-                "0", "false", "no", "off")
-        self._shared_memory = bool(shared_memory)
+        env = os.environ.get(P.SHARED_MEMORY_ENV, "1").strip().lower()
+        self._shared_memory = env not in ("0", "false", "no", "off") if shared_memory is None \
+            else bool(shared_memory)
         self.num_ps = num_ps
         self._device = torch.device("cpu")
         self.rejoined = os.environ.get(REJOIN_ENV) == "1"  # restarted alone, rejoining
@@ -111,12 +106,10 @@ class ParameterServerStrategy(Strategy):
         self._sent_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()   # optimizer -> its key
         self._landings: dict[int, tuple[Any, torch.Tensor]] = {}  # shard id -> its rows
         self._task: list[int] | None = None                # [task id, pushes] in a function
-        self._repeats = 0
         self._store = store
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        self._steps = 0
         self._claim: tuple[int, int, int] | None = None
-        self._streams = 0
+        self._repeats = self._steps = self._streams = 0  # task repeats seen, steps, datasets
         addresses = []
         for k in range(num_ps):
             key = P.SERVER_ADDRESS_KEY.format(index=k)
@@ -129,18 +122,14 @@ class ParameterServerStrategy(Strategy):
                     "output: it may have failed while starting.") from exc
             host, port = store.get(key).decode().rsplit(":", 1)
             addresses.append((host, int(port)))
-        self._client = ServerClient(addresses, list(range(self._num_workers, self._num_workers
-                                                           + num_ps)),
-                                    self._rank, attempt, self._timeout, self._held_by,
-                                    into=self._landing)
+        servers = list(range(self._num_workers, self._num_workers + num_ps))
+        self._client = ServerClient(addresses, servers, self._rank, attempt, self._timeout,
+                                    self._held_by, into=self._landing)
         #: sparse tables: their modules' calls pull the rows they look up
-        self._lookups = TableLookups(self._client.pull_rows, self._pulled,
-                                     lambda: self._closed)
+        self._lookups = TableLookups(self._client.pull_rows, self._pulled, lambda: self._closed)
         on_shutdown(self._client.close)
-        self._hooks = [
-            register_optimizer_step_pre_hook(self._before_step),
-            register_optimizer_step_post_hook(self._after_step),
-        ]
+        self._hooks = [register_optimizer_step_pre_hook(self._before_step),
+                       register_optimizer_step_post_hook(self._after_step)]
         super().__init__(check_finite=check_finite)
 
     def _join_job(self, address: str | None) -> tuple[dist.Store, int]:
@@ -152,14 +141,12 @@ class ParameterServerStrategy(Strategy):
         topology = Topology(num_ps=self.num_ps)
         self.topology: Topology | None = topology  # None on a worker that rejoined alone
         self._num_workers = topology.num_workers
-        store = info.store if info.store is not None else \
-            dist.distributed_c10d._get_default_store()
+        store = info.store if info.store is not None else dist.distributed_c10d._get_default_store()
         if topology.is_ps:
             self._serve(store, address or LOOPBACK, topology.global_rank - self._num_workers)
         self._rank = topology.replica_id
         # the workers' replica group (servers are on no axis): synchronous reduce, checkpoints
-        self._replica_group = ReplicaGroup(self._device, topology,
-                                           timeout_seconds=self._timeout)
+        self._replica_group = ReplicaGroup(self._device, topology, timeout_seconds=self._timeout)
         return store, info.spec.restart_count
 
     def _join_alone(self) -> tuple[dist.Store, int]:
@@ -257,8 +244,8 @@ class ParameterServerStrategy(Strategy):
         if self._rank == 0:
             initial: dict[int, list[tuple[int, torch.Tensor]]] = {}
             for s in shards:
-                rows = self._shard_rows(s.shard_id).cpu().clone()
-                initial.setdefault(s.server, []).append((s.shard_id, rows))
+                initial.setdefault(s.server, []).append(
+                    (s.shard_id, self._shard_rows(s.shard_id).cpu().clone()))
             self._client.register(initial, self._lookups.sparse_ids)
         self._client.pull(self._expected(), self._receive)
         if self._shared_memory:
@@ -322,16 +309,16 @@ class ParameterServerStrategy(Strategy):
                 if not shards:
                     continue
                 mine.append(p)
-                for s in shards:
-                    group_of[s.shard_id] = gi
+                group_of.update((s.shard_id, gi) for s in shards)
+                if p.grad is None:
+                    continue
                 table = self._lookups.tables.get(p)
-                if table is not None and p.grad is not None:
+                if table is not None:
                     for k, items in table.gradient_rows(p.grad.detach().cpu(),
                                                         self._pulled).items():
                         grads.setdefault(k, []).extend(items)
                     continue
-                for s in shards if p.grad is not None else []:
-                    assert p.grad is not None
+                for s in shards:
                     g = _rows(p.grad.detach())[s.start:s.end].cpu().contiguous()
                     grads.setdefault(s.server, []).append(
                         (s.shard_id, self._pulled.get(s.shard_id, 0), g, None))
@@ -345,9 +332,8 @@ class ParameterServerStrategy(Strategy):
                 self._sent_specs[optimizer] = spec
             if key is not None:
                 self._sent_keys[optimizer] = key
-        task = None
+        task = None if self._task is None else (self._task[0], self._task[1])
         if self._task is not None:
-            task = (self._task[0], self._task[1])
             self._task[1] += 1
         # staleness=0 promises serializable functions: a function's whole update from one
         # attempt; asynchronous ones need only each server's part applied once
@@ -400,9 +386,8 @@ class ParameterServerStrategy(Strategy):
         return self._client.traffic()
 
     def task_stats(self) -> dict[str, int]:
-        """Over all servers: coordinator task pushes ``applied`` and ``repeats`` turned away
-        (pushes of a function run again after its worker was lost), and the repeats this
-        worker saw."""
+        """Over all servers: coordinator task pushes ``applied`` and ``repeats`` turned away (pushes
+        of a function run again after its worker was lost), and the repeats this worker saw."""
         per = [s["tasks"] for s in self._client.stats()]
         return {"applied": sum(p["applied"] for p in per),
                 "repeats": sum(p["repeats"] for p in per), "repeats_seen": self._repeats}
@@ -450,8 +435,7 @@ class ParameterServerStrategy(Strategy):
                                               drop_remainder=drop_remainder, **kwargs)
         collate = None
         if isinstance(dataset, DataLoader):
-            loader = dataset
-            dataset = loader.dataset
+            loader, dataset = dataset, dataset.dataset
             batch_size = batch_size or loader.batch_size
             shuffle = isinstance(loader.sampler, RandomSampler) if shuffle is None else shuffle
             drop_last = loader.drop_last if drop_last is None else drop_last
@@ -482,8 +466,7 @@ class ParameterServerStrategy(Strategy):
                 for e, v in raw.items()}
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None
-                        ) -> list[str]:
+    def save_checkpoint(self, step: int, data_position: dict[str, Any] | None = None) -> list[str]:
         """Ask every server to save its variables, optimizer state, versions and
         ``data_position`` (JSON) as checkpoint ``step`` in ``checkpoint_dir`` (the chief only;
         other workers return ``[]``)."""
@@ -499,9 +482,7 @@ class ParameterServerStrategy(Strategy):
     # the workers' replica group serves ``staleness=0``; asynchronous workers are not in step,
     # so each returns its own value and never waits for the others
     def _reduce(self, op: ReduceOp, tensor: torch.Tensor) -> torch.Tensor:
-        if self.staleness != 0:
-            return tensor.clone()
-        return super()._reduce(op, tensor)
+        return tensor.clone() if self.staleness != 0 else super()._reduce(op, tensor)
 
     def _reduce_many(self, op: ReduceOp, tensors: list[torch.Tensor],
                      structure: str = "") -> list[torch.Tensor]:
@@ -510,9 +491,7 @@ class ParameterServerStrategy(Strategy):
         return super()._reduce_many(op, tensors, structure)
 
     def _gather(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        if self.staleness != 0:
-            return tensor.clone()
-        return super()._gather(tensor, axis)
+        return tensor.clone() if self.staleness != 0 else super()._gather(tensor, axis)
 
     def _gather_many(self, tensors: list[torch.Tensor], axis: int,
                      structure: str = "") -> list[torch.Tensor]:

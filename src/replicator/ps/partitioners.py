@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,9 +46,8 @@ class FixedShardsPartitioner(Partitioner):
 
 
 class MinSizePartitioner(Partitioner):
-    """Split a variable into shards of at least ``min_shard_bytes``, at most ``max_shards``
-    of them (and never more than its rows): big variables spread over servers, small ones
-    stay whole."""
+    """Split a variable into shards of at least ``min_shard_bytes``, at most ``max_shards`` of them
+    (and never more than its rows): big variables spread over servers, small ones stay whole."""
 
     def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1) -> None:
         self.min_shard_bytes = _check_positive("min_shard_bytes", min_shard_bytes)
@@ -68,8 +67,7 @@ class MaxSizePartitioner(Partitioner):
 
     def __init__(self, max_shard_bytes: int, max_shards: int | None = None) -> None:
         self.max_shard_bytes = _check_positive("max_shard_bytes", max_shard_bytes)
-        self.max_shards = None if max_shards is None else _check_positive("max_shards",
-                                                                          max_shards)
+        self.max_shards = None if max_shards is None else _check_positive("max_shards", max_shards)
 
     def num_shards(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         rows = shape[0] if len(shape) else 1
@@ -103,7 +101,7 @@ def place(variables: Sequence[tuple[str, torch.Tensor]], num_servers: int,
     """Shards of ``variables`` and their servers; ``loads`` (bytes already on each server)
     is updated in place, so modules set up one after another keep the servers even."""
     loads = loads if loads is not None else [0] * num_servers
-    pieces: list[tuple[int, str, int, int, int, int, int]] = []
+    shards: list[Shard] = []  # placed below
     for index, (name, t) in enumerate(variables):
         shape = tuple(t.shape)
         parts = partitioner.num_shards(shape, t.dtype) if partitioner is not None else 1
@@ -114,13 +112,10 @@ def place(variables: Sequence[tuple[str, torch.Tensor]], num_servers: int,
         row_bytes = t.numel() * t.element_size() // max(1, rows)
         for part in range(parts):
             size = (bounds[part + 1] - bounds[part]) * row_bytes if shape else t.element_size()
-            pieces.append((index, name, part, parts, bounds[part], bounds[part + 1], size))
-    order = sorted(range(len(pieces)), key=lambda i: (-pieces[i][6], i))
-    server_of: dict[int, int] = {}
-    for i in order:
+            shards.append(Shard(first_shard_id + len(shards), index, name, part, parts,
+                                bounds[part], bounds[part + 1], server=-1, nbytes=size))
+    for i in sorted(range(len(shards)), key=lambda i: (-shards[i].nbytes, i)):
         target = min(range(num_servers), key=lambda s: (loads[s], s))
-        server_of[i] = target
-        loads[target] += pieces[i][6]
-    return [Shard(shard_id=first_shard_id + i, var_index=p[0], name=p[1], part=p[2],
-                  parts=p[3], start=p[4], end=p[5], server=server_of[i], nbytes=p[6])
-            for i, p in enumerate(pieces)]
+        shards[i] = replace(shards[i], server=target)
+        loads[target] += shards[i].nbytes
+    return shards

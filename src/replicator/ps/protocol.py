@@ -1,33 +1,5 @@
-"""The parameter-server protocol: message kinds and the optimizer description on the wire.
-
-A worker talks to each server over one :class:`~replicator.ps.messages.Connection`:
-
-- ``HELLO(a=worker, b=attempt)`` -> ``HELLO`` (a = server index, b = 1 if restored, c = pid,
-  variable id = the server's host id);
-- ``SHM_ATTACH(version=host id, a=push bytes, b=pull bytes, segment name)`` -> ``SHM_ATTACHED``
-  (a = 1, or a = 0 and the reason): payloads then go through the segment
-  (:mod:`replicator.ps.shm_lane`);
-- ``REGISTER(shard id, values)`` (the chief; ignored by a server restored from a checkpoint);
-- ``OPTIMIZER(json)``: the optimizer's class and hyperparameters, sent again when they change;
-- ``GRAD(shard id, version pulled, gradient)`` ... ``PUSH(a=count, b=pull after)``: an update;
-- ``PULL(a=shards expected)`` -> ``VALUE(shard id, version, values)`` ... ``VALUES_END``; a large
-  shard's values may come in parts, rows ``c - 1`` on of ``b`` (:mod:`replicator.ps.value_parts`);
-- ``STATS(a=input stream)`` -> ``STATS(json)``: staleness (count, sum, max, histogram), shard
-  versions, coordinator task pushes applied and repeated, and (server 0) the stream's claims;
-- ``SAVE(a=step, json)`` -> ``SAVED``; ``BYE`` on a clean exit; ``ERROR(text)`` on refusal;
-- ``TASK_PUSH(var_id=task id, version=push number, a=count, b=pull after)`` ends a coordinator
-  function's update instead of ``PUSH``: each server applies a (task, push) once and answers a
-  repeat without applying it (``VALUES_END.b = 1``); with ``staleness=0`` and several servers,
-  in two phases: ``GRAD ... TASK_PREPARE(var_id=task, version=push, a=count)`` ->
-  ``PREPARED(a=1 kept, 0: an earlier attempt's is held or applied)``, then to every server
-  ``TASK_COMMIT(var_id=task, version=push, b=pull after)``, answered as ``TASK_PUSH``;
-- sparse tables' shards (``REGISTER`` with ``a=1``) are pulled whole only by ``PULL(c=1)``; a
-  ``GRAD`` holds the rows of the ``ROW_IDS(shard id, int64 rows)`` before it (``c=1``) or of this
-  connection's last row pull of its shard (``c=2``); ``ROW_IDS`` ... ``PULL_ROWS(last shard id,
-  its rows, a=count)`` -> ``VALUE(shard id, version, rows)`` ... ``VALUES_END``;
-- server 0 only: ``CLAIM(input stream, a=epoch, b=batches)`` -> ``CLAIMED(a=batch or -1)``;
-  a ``PUSH(stream, version=epoch, c=batch+1)`` consumes that claim.
-"""
+"""The parameter-server protocol: message kinds (each request, its fields and its answer are
+listed in docs/parameter_server.md, "Messages") and the optimizer description on the wire."""
 
 from __future__ import annotations
 

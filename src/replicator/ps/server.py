@@ -1,6 +1,8 @@
 """The parameter server: holds variable shards and their optimizer state and serves workers,
 one thread per connection, until every worker has come and gone (a worker that disconnects
-without ``BYE`` is lost, and rounds waiting for it complete without it)."""
+without ``BYE`` is lost, and rounds waiting for it complete without it). A large shard's values
+go through the shared-memory lane in row parts of about ``PART_BYTES``, so the worker copies one
+part while the server writes the next (one snapshot, under the lock); over TCP they go whole."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,17 +26,66 @@ from replicator.ps.messages import (
     Connection,
     Into,
     Message,
+    Outgoing,
     PeerLostError,
+    SharedLane,
     Staged,
     accept_connections,
     tensor_text,
     text_tensor,
 )
-from replicator.ps.row_updates import build_shard_optimizer
-from replicator.ps.server_checkpoint import ServerCheckpoint
-from replicator.ps.server_updates import Grad, ShardState, WorkerState
-from replicator.ps.shm_lane import SharedLane
-from replicator.ps.value_parts import send_in_parts, splits, value_messages
+from replicator.ps.server_updates import (
+    Grad,
+    ServerUpdates,
+    ShardState,
+    WorkerState,
+    build_shard_optimizer,
+)
+
+#: About how much of a large shard's values each part carries.
+PART_BYTES = 1 << 20
+
+
+def splits(value: torch.Tensor) -> bool:
+    """Whether ``value`` is large enough to travel in parts (two or more, by rows)."""
+    return value.dim() > 0 and len(value) > 1 \
+        and value.numel() * value.element_size() >= 2 * PART_BYTES
+
+
+def value_messages(shards: Iterable[tuple[int, int, torch.Tensor]], clock: int, repeat: bool,
+                   in_parts: bool) -> list[Outgoing]:
+    """``VALUE`` messages of ``(shard id, version, values)`` and the end marker; with
+    ``in_parts`` a large shard's values become row ranges of about ``PART_BYTES``."""
+    out: list[Outgoing] = []
+    count = 0
+    for sid, version, value in shards:
+        count += 1
+        if not in_parts or not splits(value):
+            out.append((P.VALUE, sid, version, value, 0, 0, 0))
+            continue
+        nbytes, rows = value.numel() * value.element_size(), len(value)
+        per = max(1, PART_BYTES // max(1, nbytes // rows))
+        for start in range(0, rows, per):
+            out.append((P.VALUE, sid, version, value[start:start + per], 0, rows, start + 1))
+    out.append((P.VALUES_END, -1, clock, None, count, int(repeat), 0))
+    return out
+
+
+def send_in_parts(conn: Connection, messages: list[Outgoing]) -> None:
+    """Write ``messages`` into the lane a part at a time, announcing each batch of about
+    ``PART_BYTES`` as soon as it is written (the caller checked that they fit the lane)."""
+    at = 0
+    batch: list[Outgoing] = []
+    size = 0
+    for i, message in enumerate(messages):
+        batch.append(message)
+        tensor = message[3]
+        if tensor is not None:
+            size += tensor.numel() * tensor.element_size()
+        if size >= PART_BYTES or i == len(messages) - 1:
+            conn.send_staged(conn.stage(batch, shared=True, lane_start=at))
+            at += SharedLane.nbytes([m[3] for m in batch])
+            batch, size = [], 0
 
 
 def _gradient_buffers(conn: Connection) -> Into:
@@ -60,25 +113,22 @@ def _import_optimizer_dependencies() -> None:
         pass
 
 
-class ParameterServer(ServerCheckpoint):
+class ParameterServer(ServerUpdates):
     """Serve shards to ``num_workers`` workers on ``sock`` (already listening)."""
 
-    def __init__(self, index: int, num_workers: int, staleness: int | None,
-                 sock: socket.socket, timeout_seconds: float,
-                 checkpoint_dir: str | None = None, store: Any = None,
+    def __init__(self, index: int, num_workers: int, staleness: int | None, sock: socket.socket,
+                 timeout_seconds: float, checkpoint_dir: str | None = None, store: Any = None,
                  shared_memory: bool = True) -> None:
         super().__init__(index, num_workers, staleness, timeout_seconds)
-        self.shared_memory = shared_memory
+        self.sock, self.shared_memory = sock, shared_memory
         if not torch.sparse.check_sparse_tensor_invariants.is_enabled():
             # said explicitly (the default): torch's Adagrad otherwise warns at the first sparse
             # step that the checks are "implicitly disabled"; the rows are checked on arrival
             torch.sparse.check_sparse_tensor_invariants.disable()
-        self.sock = sock
         self.spec_text = ""
         self.restored_step: int | None = None
         self.extra: dict[str, Any] = {}
-        self.checkpoint_dir = checkpoint_dir
-        self.store = store
+        self.checkpoint_dir, self.store = checkpoint_dir, store
         self.last_loss = 0.0
         #: the newest description of each optimizer, by the shards it covers
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {}
@@ -312,8 +362,7 @@ class ParameterServer(ServerCheckpoint):
                 continue
             shard.spec_text, spec = found[-1]
             shard.group = int(spec["shard_groups"].get(str(sid), shard.group))
-            shard.optimizer = build_shard_optimizer(spec, shard.param, shard.group,
-                                                    shard.sparse)
+            shard.optimizer = build_shard_optimizer(spec, shard.param, shard.group, shard.sparse)
             pending = self.extra.pop(f"optimizer_state_{sid}", None)
             if pending is not None:
                 shard.optimizer.load_state_dict(pending)
@@ -418,8 +467,7 @@ class ParameterServer(ServerCheckpoint):
         shared = conn.fits_shared([v for _, _, v in shards])
         if not shared:
             shards = [(sid, version, v.clone()) for sid, version, v in shards]
-        return conn.stage(value_messages(shards, self.clock, repeat, in_parts=False),
-                          shared=shared)
+        return conn.stage(value_messages(shards, self.clock, repeat, in_parts=False), shared=shared)
 
     def _stats(self, stream: int) -> dict[str, Any]:
         with self.lock:
@@ -427,3 +475,63 @@ class ParameterServer(ServerCheckpoint):
                                   *self.histogram],
                     "versions": {sid: s.version for sid, s in self.shards.items()},
                     "tasks": self.tasks.summary(), "data": self.claims.summary(stream)}
+
+    # -- checkpoints (under <directory>/ps-<index>) --------------------------------------------
+    def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        tensors: dict[str, Any] = {}
+        for sid, shard in self.shards.items():
+            tensors[f"value_{sid}"] = shard.param.detach().clone()
+            if shard.optimizer is not None:
+                tensors[f"optimizer_state_{sid}"] = shard.optimizer.state_dict()
+        info = {"versions": {str(s): sh.version for s, sh in self.shards.items()},
+                "clock": self.clock, "histogram": list(self.histogram),
+                "stale_sum": self.stale_sum, "stale_max": self.stale_max,
+                "spec": self.spec_text, "claims": self.claims.state(),
+                "specs": [t for t, _ in self.specs.values()], "tasks": self.tasks.state(),
+                "sparse": sorted(sid for sid, sh in self.shards.items() if sh.sparse)}
+        return tensors, info
+
+    def _manager(self, directory: str) -> Any:
+        from replicator.checkpoint.manager import CheckpointManager
+        from replicator.comm.collectives import Collectives
+
+        alone = Collectives(0, 1, torch.device("cpu"), self.timeout_seconds)  # a job of one
+        return CheckpointManager(Path(directory) / f"ps-{self.index:03d}", keep=2,
+                                 collectives=alone)
+
+    def _save(self, step: int, extra: dict[str, Any]) -> str:
+        directory = extra.get("directory") or self.checkpoint_dir
+        if not directory:
+            raise P.ParameterServerError("no checkpoint directory. HINT: pass "
+                                         "checkpoint_dir= to ParameterServerStrategy")
+        with self.lock:
+            tensors, info = self._state()
+            info["worker_data"] = extra.get("worker_data", {})
+            path = self._manager(directory).save(step, replicated={"server": tensors}, info=info)
+        return str(path)
+
+    def _restore(self, directory: str) -> None:
+        restored = self._manager(directory).restore()
+        if restored is None:
+            return
+        tensors = restored.replicated.get("server", {})
+        info = restored.info
+        for key, value in tensors.items():
+            if key.startswith("value_"):
+                sid = int(key[len("value_"):])
+                self.shards[sid] = ShardState(torch.nn.Parameter(value.clone()))
+            else:
+                self.extra[key] = value
+        for sid, version in info.get("versions", {}).items():
+            self.shards[int(sid)].version = int(version)
+        for name in ("clock", "stale_sum", "stale_max"):
+            setattr(self, name, int(info.get(name, 0)))
+        self.histogram = list(info.get("histogram", self.histogram))
+        self.extra["worker_data"] = info.get("worker_data", {})
+        self.claims.load(info.get("claims", {}))
+        self.tasks.load(info.get("tasks", []))
+        for sid in info.get("sparse", []):
+            self.shards[int(sid)].sparse = True
+        for text in info.get("specs") or ([info["spec"]] if info.get("spec") else []):
+            self._set_optimizer(text)
+        self.restored_step = restored.step

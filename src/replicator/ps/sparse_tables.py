@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from replicator.ps.client import AS_PULLED, RowsAsPulled, Sink
+from replicator.ps.client import AS_PULLED, Push, Sink
 from replicator.ps.partitioners import Shard
 
 #: Per server: (shard id, shard-local rows) pairs.
@@ -24,12 +24,9 @@ RowsByServer = dict[int, list[tuple[int, torch.Tensor]]]
 def distinct_ids(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.unique(flat, return_inverse=True)`` of a 1-D CPU int64 tensor, by a packed numpy
     sort (ids packed with their positions; several times faster for thousands of ids)."""
-    n = flat.numel()
+    n, ids = flat.numel(), flat.numpy()
     shift = max(1, (n - 1).bit_length())
-    if n < 2 or n > 1 << 30:
-        return torch.unique(flat, return_inverse=True)
-    ids = flat.numpy()
-    if ids.min() < 0 or int(ids.max()) >= 1 << (62 - shift):
+    if n < 2 or n > 1 << 30 or ids.min() < 0 or int(ids.max()) >= 1 << (62 - shift):
         return torch.unique(flat, return_inverse=True)
     packed = np.left_shift(ids, shift)
     packed |= np.arange(n, dtype=np.int64)
@@ -57,8 +54,7 @@ class _PulledRows(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         rows = ctx.rows
         if grad.is_sparse:  # the lookup's own gradient: one entry per id
-            summed = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype,
-                                 device=grad.device)
+            summed = torch.zeros((len(rows), *grad.shape[1:]), dtype=grad.dtype, device=grad.device)
             summed.index_add_(0, grad._indices()[0], grad._values())
         else:
             summed = grad.contiguous()
@@ -85,9 +81,7 @@ class SparseTable:
 
     def __init__(self, param: torch.Tensor, shards: Sequence[Shard], name: str,
                  module: torch.nn.Embedding | torch.nn.EmbeddingBag | None = None) -> None:
-        self.param = param
-        self.name = name
-        self.module = module
+        self.param, self.name, self.module = param, name, module
         self.shards = sorted(shards, key=lambda s: s.start)
         self.by_id = {s.shard_id: s for s in self.shards}
         self._bounds = torch.tensor([b for s in self.shards for b in (s.start, s.end)],
@@ -122,8 +116,7 @@ class SparseTable:
                              f"of {n} rows")
         values = torch.empty((len(rows), *self.param.shape[1:]), dtype=self.param.dtype,
                              device=self.param.device)
-        self._lookup = _Lookup((), {}, ids, rows, inverse.reshape(ids.shape).to(ids.device),
-                               values)
+        self._lookup = _Lookup((), {}, ids, rows, inverse.reshape(ids.shape).to(ids.device), values)
         self._slices = {}
         out: RowsByServer = {}
         for s, lo, hi in self._split(rows):
@@ -187,9 +180,7 @@ class SparseTable:
         return F.embedding(call.inverse, weight, padding, m.max_norm, m.norm_type,
                            m.scale_grad_by_freq, True)
 
-    def gradient_rows(self, grad: torch.Tensor, pulled: dict[int, int]
-                      ) -> dict[int, list[tuple[int, int, torch.Tensor,
-                                              torch.Tensor | RowsAsPulled]]]:
+    def gradient_rows(self, grad: torch.Tensor, pulled: dict[int, int]) -> dict[int, list[Push]]:
         """A sparse gradient of the table as pushes per server: ``(shard id, version pulled,
         values, shard-local rows)``, the rows :data:`~replicator.ps.client.AS_PULLED` where
         they are the last pull's; a dense gradient is refused (see the error)."""
@@ -215,7 +206,7 @@ class SparseTable:
                 "and those uses read the worker's copy of the table, which stays as built on "
                 "a parameter server. HINT: use the table only through its nn.Embedding/"
                 "EmbeddingBag modules, or build it with sparse=False (it then travels whole).")
-        out: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor | RowsAsPulled]]] = {}
+        out: dict[int, list[Push]] = {}
         # every shard steps, as one device steps the whole table (momentum, Adam's step count),
         # also a shard none of whose rows were looked up (an empty gradient)
         found = {s.shard_id: (lo, hi) for s, lo, hi in self._split(rows)}
@@ -246,9 +237,7 @@ class TableLookups:
 
     def __init__(self, pull_rows: Callable[[RowsByServer, Sink], None],
                  pulled: dict[int, int], closed: Callable[[], bool]) -> None:
-        self._pull_rows = pull_rows
-        self._pulled = pulled
-        self._closed = closed
+        self._pull_rows, self._pulled, self._closed = pull_rows, pulled, closed
         # keyed by the objects, never by id(): a new module or parameter may get the id of
         # one garbage-collected (a later model's table then went unhooked)
         self.tables: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its table

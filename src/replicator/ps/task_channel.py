@@ -1,13 +1,7 @@
-"""The connection between the coordinator (the chief) and each worker that runs its functions.
-
-A worker's coordinator call (``join``, ``fetch``, ``done``, the end of its script) asks the chief
+"""The connection between the coordinator (the chief) and each worker that runs its functions:
+a worker's coordinator call (``join``, ``fetch``, ``done``, the end of its script) asks the chief
 for work and runs tasks until the chief's matching marker or answer comes (see
-:mod:`replicator.ps.task_queue`). Messages (:mod:`replicator.ps.messages`): ``HELLO(a=rank)``;
-``ASK(var_id=task, version=call, a=seq, b=ahead, c=scheduled)`` -> ``TASK(task id,
-a=attempt, json)`` | ``MARKER(a=seq, b=kind, json)`` | ``ANSWER(task, b=error, json)`` |
-``IDLE`` (ask again); ``RESULT(task id, b=ahead, json)`` (which also asks) | ``FAILED(task id,
-text)``; ``BYE(c=scheduled)``. A payload's tensors follow it as ``TENSOR`` messages
-(``c`` counts them). With ``ahead`` a worker asks for its next task while one runs."""
+:mod:`replicator.ps.task_queue`; the messages are listed in docs/parameter_server.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +10,6 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,10 +33,10 @@ from replicator.ps.task_queue import (
     RemoteFunctionError,
     Request,
     TaskQueue,
+    encode,
     error_fields,
     function_failed,
 )
-from replicator.ps.values import encode
 
 HELLO, ASK, TASK, RESULT, FAILED, MARKER, IDLE, TENSOR, BYE, ANSWER = range(1, 11)
 
@@ -92,8 +85,7 @@ class TaskDispatcher:
     """The chief's side: accepts the workers on ``sock`` and serves ``queue`` to them."""
 
     def __init__(self, queue: TaskQueue, sock: socket.socket, timeout_seconds: float) -> None:
-        self.queue = queue
-        self.sock = sock
+        self.queue, self.sock = queue, sock
         self.threads: list[threading.Thread] = []
         self.closing = False
         threading.Thread(
@@ -145,8 +137,7 @@ class TaskDispatcher:
                     self.queue.fail(worker, msg.var_id,
                                     RemoteFunctionError(tensor_text(msg.payload)))
                 else:
-                    raise ParameterServerError(f"unknown message kind {msg.kind} from "
-                                               f"{conn.peer}")
+                    raise ParameterServerError(f"unknown message kind {msg.kind} from {conn.peer}")
         except PeerLostError:
             if worker >= 0:
                 task = self.queue.lost(worker)
@@ -185,24 +176,12 @@ class StopServing(Exception):
     """The chief ended the coordination (its script finished)."""
 
 
-@dataclass
-class Reply:
-    """What ended a worker's wait: the chief's marker (its name and ``seq``), or the answer
-    to a ``fetch``/``done`` (``marker`` empty; ``failed``: the value is an error's fields)."""
-
-    marker: str
-    seq: int
-    failed: bool
-    value: Payload
-
-
 class TaskChannel:
     """A worker's side: connects to the chief and runs tasks until the chief's marker."""
 
     def __init__(self, address: tuple[str, int], rank: int, timeout_seconds: float,
                  runner: Runner, ahead: bool = False) -> None:
-        self.rank = rank
-        self.runner = runner
+        self.rank, self.runner = rank, runner
         self.ahead = ahead  # ask for the next task while one runs (not with staleness=0)
         self.conn = Connection.connect(address, "the coordinator (chief)", timeout_seconds)
         self.conn.send(HELLO, a=rank)
@@ -212,7 +191,7 @@ class TaskChannel:
         self.stopped = False
         self.stop_value: Payload = ("null", [])
 
-    def serve_until(self, request: Request) -> Reply:
+    def serve_until(self, request: Request) -> Marker:
         """Run tasks until the chief's marker or the answer to ``request`` comes (returned);
         :class:`StopServing` if the chief stopped instead (its value: ``stop_value``)."""
         if self.stopped:
@@ -233,8 +212,7 @@ class TaskChannel:
                 if dropped:  # taken ahead of a task that failed: the chief cancelled it
                     continue
                 if self.ahead:  # its answer is the next thing to read after this task
-                    self.conn.send(ASK, var_id=ids[0], version=ids[1], a=ids[2], b=AHEAD,
-                                   c=ids[3])
+                    self.conn.send(ASK, var_id=ids[0], version=ids[1], a=ids[2], b=AHEAD, c=ids[3])
                 ran = self._run(msg.var_id, msg.a, spec, tensors)
                 ask, drop = not ran and not self.ahead, not ran and self.ahead
                 continue
@@ -242,15 +220,15 @@ class TaskChannel:
                 raise ParameterServerError(f"the coordinator sent message kind {msg.kind}")
             return self._reply(msg)
 
-    def _reply(self, msg: Message) -> Reply:
+    def _reply(self, msg: Message) -> Marker:
         value = (tensor_text(msg.payload), _read_tensors(self.conn, msg.c))
         if msg.kind == ANSWER:
-            return Reply("", msg.var_id, bool(msg.b), value)
+            return Marker("", msg.var_id, value, failed=bool(msg.b))
         got = _MARKER_NAMES.get(msg.b, "?")
         if got == "stop":
             self.stopped, self.stop_value = True, value
             raise StopServing("the coordinator has stopped")
-        return Reply(got, msg.a, False, value)
+        return Marker(got, msg.a, value)
 
     def _run(self, task_id: int, attempt: int, spec: dict[str, Any],
              tensors: list[torch.Tensor]) -> bool:

@@ -3,14 +3,17 @@
 A free worker gets the answer to its ``fetch``/``done``, the next marker, or the next task its
 own script has scheduled (a :class:`Request` says which); a lost worker's tasks go back to the
 front. ``serial`` (``staleness=0``) hands out one task at a time; otherwise a worker may take
-one *ahead*. The first failure cancels the queued tasks, as in tf.distribute."""
+one *ahead*. The first failure cancels the queued tasks, as in tf.distribute. Arguments and
+results travel without pickle: a JSON skeleton and the tensors it refers to (:func:`encode`)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +21,75 @@ import torch
 
 from replicator.errors import ParameterServerError
 
-#: A value on the wire: JSON text and the tensors it refers to (:mod:`replicator.ps.values`).
+#: A value on the wire: JSON text and the tensors it refers to (:func:`encode`).
 Payload = tuple[str, list[torch.Tensor]]
 
+#: Resolves a per-worker resource's number to the worker's own object.
+Resolver = Callable[[int], Any]
+
+
+class ResourceRef:
+    """A per-worker resource by number (each worker resolves it to its own object)."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def __repr__(self) -> str:
+        return f"ResourceRef({self.number})"
+
+
+def encode(value: Any, what: str) -> Payload:
+    """``value`` as JSON text and its tensors; ``what`` names it in errors."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(v: Any, path: str) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, torch.Tensor):
+            tensors.append(v.detach().cpu().contiguous())
+            return {"t": len(tensors) - 1}
+        if isinstance(v, ResourceRef):  # per-worker values too
+            return {"r": v.number}
+        if isinstance(v, (list, tuple)):
+            return {"l" if isinstance(v, list) else "u": [walk(x, f"{path}[{i}]")
+                                                          for i, x in enumerate(v)]}
+        if isinstance(v, dict):
+            bad = [k for k in v if not isinstance(k, str)]
+            if bad:
+                raise ParameterServerError(f"{what}{path} is a dict with key {bad[0]!r}; only "
+                                           "string keys travel. HINT: use string keys.")
+            return {"d": {k: walk(x, f"{path}[{k!r}]") for k, x in v.items()}}
+        raise ParameterServerError(
+            f"{what}{path} has type {type(v).__name__}, which cannot travel between the "
+            "coordinator and a worker (nothing is pickled). HINT: pass tensors, numbers, "
+            "strings, None, per-worker iterators, or lists, tuples and dicts of them; build "
+            "other objects inside the function.")
+
+    return json.dumps(walk(value, "")), tensors
+
+
+def decode(text: str, tensors: list[torch.Tensor], resolve: Resolver | None = None) -> Any:
+    """The value :func:`encode` took apart; ``resolve`` turns resource numbers into objects."""
+
+    def walk(v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        if "t" in v:
+            return tensors[v["t"]]
+        if "r" in v:
+            return ResourceRef(v["r"]) if resolve is None else resolve(v["r"])
+        if "l" in v:
+            return [walk(x) for x in v["l"]]
+        if "u" in v:
+            return tuple(walk(x) for x in v["u"])
+        return {k: walk(x) for k, x in v["d"].items()}
+
+    return walk(json.loads(text))
+
+
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+#: The states of a task that has finished.
+ENDED = (DONE, FAILED, CANCELLED)
 
 
 class RemoteFunctionError(ParameterServerError):
@@ -128,12 +196,14 @@ class Answer:
 
 @dataclass
 class Marker:
-    """The chief passed a synchronisation point: ``kind`` (join, fetch, done, stop), its
-    sequence number and the value a worker's mirror of the call returns."""
+    """The chief passed a synchronisation point: ``kind`` (join, stop), its sequence number and
+    the value a worker's mirror of the call returns. What ends a worker's wait is one too, or
+    with ``kind`` empty the answer to its ``fetch``/``done`` (``failed``: an error's fields)."""
 
     kind: str
     seq: int
     value: Payload
+    failed: bool = False
 
 
 class TaskQueue:
@@ -158,8 +228,7 @@ class TaskQueue:
         self.requests: dict[int, Request] = {}
         self.waiting: set[int] = set()
         self.ended: dict[int, int] = {}
-        self.finished = 0
-        self.reruns = 0
+        self.finished = self.reruns = 0
         self.commit_order: list[int] = []
 
     # -- the chief's side --------------------------------------------------------------------
@@ -176,8 +245,7 @@ class TaskQueue:
     def refuse(self, task_id: int, name: str, error: BaseException) -> None:
         """Schedule number ``task_id`` raised on the chief: a worker's ``fetch`` raises it too."""
         with self.cond:
-            task = Task(task_id, "", name, ("null", []), state=FAILED, error=error)
-            self.tasks[task_id] = task
+            self.tasks[task_id] = Task(task_id, "", name, ("null", []), state=FAILED, error=error)
             self.next_id = max(self.next_id, task_id + 1)
             self.cond.notify_all()
 
@@ -208,7 +276,7 @@ class TaskQueue:
             progress = time.monotonic()
             finished = -1
             while True:
-                if task is not None and task.state in (DONE, FAILED, CANCELLED):
+                if task is not None and task.state in ENDED:
                     return
                 if task is None and (not self.queue and not self._running()
                                      or self.error is not None):
@@ -254,21 +322,17 @@ class TaskQueue:
 
     def _answer(self, request: Request) -> Answer | None:
         """The answer to a ``fetch``/``done`` request, if it has one now."""
-        if request.call == FETCH_CALL:
+        if request.call in (FETCH_CALL, VALUE_DONE_CALL):
             task = self.tasks.get(request.task)
-            if task is None or task.state not in (DONE, FAILED, CANCELLED):
-                return None
-            return Answer(FETCH_CALL, task)
-        if request.call == VALUE_DONE_CALL:
-            task = self.tasks.get(request.task)
-            return Answer(VALUE_DONE_CALL, None, task is not None and
-                          task.state in (DONE, FAILED, CANCELLED))
+            ended = task is not None and task.state in ENDED
+            if request.call == VALUE_DONE_CALL:
+                return Answer(VALUE_DONE_CALL, None, ended)
+            return Answer(FETCH_CALL, task) if ended else None
         if request.call == DONE_CALL:
             mine = [t for i, t in self.tasks.items() if i < request.horizon]
             failed = next((t for t in sorted(mine, key=lambda t: t.task_id)
                            if t.task_id > request.task and t.state == FAILED), None)
-            return Answer(DONE_CALL, failed,
-                          all(t.state in (DONE, FAILED, CANCELLED) for t in mine))
+            return Answer(DONE_CALL, failed, all(t.state in ENDED for t in mine))
         return None
 
     # -- the workers' side -------------------------------------------------------------------
@@ -348,8 +412,7 @@ class TaskQueue:
             if task is None:
                 return
             task.state, task.error = FAILED, error
-            if self.error is None:
-                self.error = error
+            self.error = self.error or error
             # tf.distribute's rule: the first failure cancels the rest; a task this worker took
             # ahead has not started (the worker drops it after a failure) and goes with them
             ahead = self.running.pop(worker, [])
