@@ -1,8 +1,6 @@
-"""Gradient accumulation: ``k`` micro-batches make the gradient of one ``k``-times batch.
-
-On the public strategy API only: the first ``k - 1`` backward passes of a cycle run inside
-``strategy.no_sync()``, the ``k``-th synchronises the sum as the strategy always does, and each
-loss is divided by ``k`` (the mean-loss gradient of ``k * global_batch`` samples).
+"""Gradient accumulation: ``k`` micro-batches make the gradient of one ``k``-times batch. The
+first ``k - 1`` backward passes of a cycle run inside ``strategy.no_sync()``, the ``k``-th
+synchronises the sum, and each loss is divided by ``k``.
 """
 
 from __future__ import annotations

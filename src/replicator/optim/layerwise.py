@@ -1,10 +1,6 @@
-"""LARS and LAMB, the layer-wise optimizers for large batches, and what they share: which
-parameters adapt, and a parameter's norm across shards.
-
-Both scale each update by a *trust ratio* built from the whole parameter's norm. A sharded
-parameter (a ``DTensor`` of FSDP2 or tensor parallelism) holds a piece per rank, so
-:func:`full_norm` asks the ``DTensor`` (a sum of squares all-reduced over the mesh);
-replicated strategies hold whole parameters, whose local norm is the global one.
+"""LARS and LAMB, the layer-wise optimizers for large batches: both scale each update by a
+*trust ratio* built from the whole parameter's norm, which :func:`full_norm` takes across the
+shards of a ``DTensor`` (FSDP2, tensor parallelism); a replicated parameter's is its own.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ def full_norm(t: torch.Tensor) -> torch.Tensor:
     """The L2 norm of the whole tensor ``t`` as a 0-d float32 tensor, for a sharded ``DTensor``
     too (its shards' squared norms are summed across the mesh)."""
     if _is_dtensor(t):
-        norm = torch.linalg.vector_norm(t.float())
-        return norm.full_tensor()  # type: ignore[attr-defined]
+        return torch.linalg.vector_norm(t.float()).full_tensor()  # type: ignore[attr-defined]
     return torch.linalg.vector_norm(t.detach().float())
 
 
@@ -124,11 +119,10 @@ class LARS(LayerwiseOptimizer):
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001,
                  eps: float = 1e-8, nesterov: bool = False,
                  exclude: ExcludeRule | None = exclude_1d) -> None:
-        check_hyper("lr", lr)
+        for name, value in (("lr", lr), ("weight_decay", weight_decay),
+                            ("trust_coefficient", trust_coefficient), ("eps", eps)):
+            check_hyper(name, value)
         check_hyper("momentum", momentum, 0.0, 1.0)
-        check_hyper("weight_decay", weight_decay)
-        check_hyper("trust_coefficient", trust_coefficient)
-        check_hyper("eps", eps)
         if nesterov and momentum <= 0:
             raise ValueError("LARS: nesterov=True needs momentum > 0")
         self._exclude = check_exclude(exclude)
@@ -182,13 +176,11 @@ class LAMB(LayerwiseOptimizer):
                  weight_decay: float = 0.01, bias_correction: bool = True,
                  max_trust: float | None = None,
                  exclude: ExcludeRule | None = exclude_1d) -> None:
-        check_hyper("lr", lr)
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                            ("max_trust", 0.0 if max_trust is None else max_trust)):
+            check_hyper(name, value)
         check_hyper("beta1", betas[0], 0.0, 1.0)
         check_hyper("beta2", betas[1], 0.0, 1.0)
-        check_hyper("eps", eps)
-        check_hyper("weight_decay", weight_decay)
-        if max_trust is not None:
-            check_hyper("max_trust", max_trust)
         self._exclude = check_exclude(exclude)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_trust=max_trust, exclude=None)

@@ -1,7 +1,6 @@
 """Helpers for testing distributed code with real processes (used by replicator's own tests)."""
 
-from replicator.testing.distributed import run_distributed
-from replicator.testing.equivalence import assert_equivalent, assert_params_close
+from replicator.testing.equivalence import assert_equivalent, assert_params_close, run_distributed
 from replicator.testing.fault_injection import (
     Fault,
     corrupt_latest_checkpoint,

@@ -1,4 +1,5 @@
-"""Check that a training function gives the same parameters under several strategies."""
+"""Run a function on N real worker processes from a test, and check that a training function
+gives the same parameters under several strategies."""
 
 from __future__ import annotations
 
@@ -7,9 +8,21 @@ from typing import Any
 
 import torch
 
-from replicator.testing.distributed import run_distributed
+from replicator.launch.function_launch import launch
 
 StrategySpec = str | tuple[str, dict[str, Any]]
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (),
+                    kwargs: dict[str, Any] | None = None, *, timeout_seconds: float = 60.0,
+                    max_restarts: int = 0) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` (module-level) in ``world_size`` processes with a real gloo/NCCL
+    group and return each rank's result; a rank that raises makes this raise ``WorkerFailedError``.
+    Short collective timeouts; workers fork from a forkserver that imported torch once.
+    """
+    return launch(fn, num_replicas=world_size, args=args, kwargs=kwargs,
+                  timeout_seconds=timeout_seconds, max_restarts=max_restarts,
+                  start_method="forkserver")
 
 
 def _as_tensors(result: Any) -> dict[str, torch.Tensor]:
@@ -43,13 +56,6 @@ def assert_params_close(expected: Any, actual: Any, atol: float = 1e-5, rtol: fl
         raise AssertionError(f"{label}parameters differ:\n  " + "\n  ".join(bad))
 
 
-def _spec(spec: StrategySpec) -> tuple[str, dict[str, Any]]:
-    if isinstance(spec, str):
-        return spec, {}
-    name, kwargs = spec
-    return name, dict(kwargs)
-
-
 def _train_under(train_fn: Callable[..., Any], name: str, kwargs: dict[str, Any]) -> Any:
     from replicator.strategies import get_strategy
 
@@ -68,7 +74,7 @@ def assert_equivalent(train_fn: Callable[..., Any],
     results: dict[str, dict[str, torch.Tensor]] = {}
     gpus_for_all = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     for spec in strategies:
-        name, kwargs = _spec(spec)
+        name, kwargs = (spec, {}) if isinstance(spec, str) else (spec[0], dict(spec[1]))
         n = 1 if name in ("one_device", "onedevice", "default") else world_size
         if n == 1 and not gpus_for_all and "device" not in kwargs:
             kwargs = {**kwargs, "device": "cpu"}

@@ -26,10 +26,6 @@ from replicator.checkpoint.manifest import MARKER_NAME
 from replicator.cluster.environment import resolve_cluster
 
 
-def _rank() -> int:
-    return resolve_cluster().rank
-
-
 def _attempt() -> int:
     return resolve_cluster().restart_count
 
@@ -41,16 +37,12 @@ class Fault:
                  description: str, on_fire: Callable[[], None] | None = None) -> None:
         if at_step < 1:
             raise ValueError(f"at_step counts steps from 1, got {at_step}")
-        self.action = action
-        self.rank = rank
-        self.at_step = at_step
-        self.once = once
-        self.description = description
-        self.on_fire = on_fire
+        self.action, self.rank, self.at_step, self.once = action, rank, at_step, once
+        self.description, self.on_fire = description, on_fire
 
     def applies(self) -> bool:
         """True on the rank and attempt where this fault fires."""
-        return _rank() == self.rank and (not self.once or _attempt() == 0)
+        return resolve_cluster().rank == self.rank and (not self.once or _attempt() == 0)
 
     def __call__(self, step: int) -> None:
         if step != self.at_step or not self.applies():
@@ -135,19 +127,15 @@ def corrupt_latest_checkpoint(backup_dir: str | os.PathLike[str], mode: str = "f
     """Damage the newest committed checkpoint's ``file`` (default: the largest data file) and
     return it: ``mode="flip"`` inverts a middle byte, ``"truncate"`` halves it, ``"delete"``."""
     step_dir = latest_checkpoint(backup_dir)
-    if file is None:
-        candidates = [p for p in step_dir.iterdir() if p.name != MARKER_NAME and p.is_file()]
-        target = max(candidates, key=lambda p: p.stat().st_size)
-    else:
-        target = step_dir / file
+    target = step_dir / file if file is not None else max(
+        (p for p in step_dir.iterdir() if p.name != MARKER_NAME and p.is_file()),
+        key=lambda p: p.stat().st_size)
     if mode == "flip":
         data = bytearray(target.read_bytes())
         data[len(data) // 2] ^= 0xFF
         target.write_bytes(bytes(data))
     elif mode == "truncate":
-        size = target.stat().st_size
-        with open(target, "r+b") as f:
-            f.truncate(size // 2)
+        os.truncate(target, target.stat().st_size // 2)
     elif mode == "delete":
         target.unlink()
     else:

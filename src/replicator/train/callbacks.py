@@ -1,8 +1,6 @@
 """Callbacks with Keras's hook names. Every replica runs every callback (so collectives
 match); only the chief prints or writes files. ``logs`` are already reduced across replicas,
-so decisions taken from them are the same everywhere. The chief's :class:`ProgressBar` is a
-live bar on a terminal (its own, or the one ``replicator run`` relays its output to), plain log
-lines otherwise (CI, files).
+so decisions taken from them are the same everywhere.
 """
 
 from __future__ import annotations
@@ -272,7 +270,7 @@ class CSVLogger(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._keys = None
         old = _read(self.filename) if self.is_chief and self.append else None
-        self._size = len(old) if old is not None else 0
+        self._size = len(old or b"")
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         logs = logs or {}
@@ -281,10 +279,8 @@ class CSVLogger(Callback):
         if not self.is_chief:
             return
         text = io.StringIO(newline="")
-        writer = csv.writer(text)
-        if self._size == 0:
-            writer.writerow(["epoch", *self._keys])
-        writer.writerow([epoch, *(logs.get(k, "") for k in self._keys)])
+        rows = [] if self._size else [["epoch", *self._keys]]
+        csv.writer(text).writerows([*rows, [epoch, *(logs.get(k, "") for k in self._keys)]])
         # rows past the restored epoch (or an old file) go; the file is rewritten whole
         kept = (_read(self.filename) or b"")[:self._size] if self._size else b""
         data = kept + text.getvalue().encode()
@@ -300,12 +296,11 @@ class CSVLogger(Callback):
         self._keys = None if keys is None else [str(k) for k in keys]
         self._size = int(state["size"])
         data = _read(self.filename) if self.is_chief else None
-        held = None if data is None else len(data)
-        if held is not None and held < self._size:
+        if data is not None and len(data) < self._size:
             raise ValueError(
-                f"CSVLogger: {self.filename} holds {held} bytes but "
-                f"the backup says the epochs so far wrote {self._size}. HINT: the log was "
-                "changed or removed since the backup; restore it or use a new backup_dir.")
+                f"CSVLogger: {self.filename} holds {len(data)} bytes but the backup says the "
+                f"epochs so far wrote {self._size}. HINT: the log was changed or removed since "
+                "the backup; restore it or use a new backup_dir.")
 
 
 class TerminateOnNaN(Callback):
@@ -366,22 +361,15 @@ class ProgressBar(Callback):
         self._start, self._samples = time.perf_counter(), 0.0
         self._wait0 = _input_wait(self.trainer)
         self._done = self.trainer.step_in_epoch
-        live = is_live_terminal() if self.live is None else self.live
-        total = self.trainer.steps_in_epoch
-        if live:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
+        if is_live_terminal() if self.live is None else self.live:
+            from rich import progress
 
-            self._bar = Progress(
-                TextColumn(f"epoch {epoch + 1}/{self.trainer.epochs}"), BarColumn(),
-                MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TextColumn("ETA"),
-                TimeRemainingColumn(), transient=False)
-            self._task = self._bar.add_task("train", total=total, info="",
+            self._bar = progress.Progress(
+                progress.TextColumn(f"epoch {epoch + 1}/{self.trainer.epochs}"),
+                progress.BarColumn(), progress.MofNCompleteColumn(),
+                progress.TextColumn("{task.fields[info]}"), progress.TextColumn("ETA"),
+                progress.TimeRemainingColumn(), transient=False)
+            self._task = self._bar.add_task("train", total=self.trainer.steps_in_epoch, info="",
                                             completed=self.trainer.step_in_epoch)
             self._bar.start()
 
@@ -397,9 +385,7 @@ class ProgressBar(Callback):
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if not self.is_chief:
             return
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+        self.on_train_end()  # the bar of this epoch ends here
         elapsed = time.perf_counter() - self._start
         print(f"epoch {epoch + 1}/{self.trainer.epochs}  step {self._done}/"
               f"{self.trainer.steps_in_epoch}  {_fmt_logs(logs or {})}  {self._speed()}  "

@@ -316,15 +316,9 @@ def as_metric(metric: Metric | str) -> Metric:
 def reduce_states(strategy: object, metrics: list[Metric],
                   extra: list[float] | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """Sum every metric's state (and ``extra`` numbers) across replicas in ONE collective."""
-    parts = [m.state for m in metrics]
-    extra = list(extra or [])
-    flat = torch.cat(parts + [torch.tensor(extra, dtype=torch.float64)]) if parts or extra \
-        else torch.zeros(0, dtype=torch.float64)
+    flat = torch.cat([*(m.state for m in metrics), torch.tensor(extra or [], dtype=torch.float64)])
     if getattr(strategy, "num_replicas_in_sync", 1) > 1 and flat.numel():
         flat = strategy.reduce(ReduceOp.SUM, flat).cpu().to(torch.float64)  # type: ignore
-    out, offset = [], 0
-    for m in metrics:
-        n = m.state_size()
-        out.append(flat[offset:offset + n])
-        offset += n
-    return out, flat[offset:].tolist()
+    sizes = [m.state_size() for m in metrics]
+    *states, rest = flat.split([*sizes, flat.numel() - sum(sizes)])
+    return states, rest.tolist()

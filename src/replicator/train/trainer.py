@@ -1,11 +1,7 @@
-"""Trainer: Keras-style ``fit`` / ``evaluate`` / ``predict`` on top of the public Strategy API.
-
-The same code runs under every strategy: global batches split by
-``strategy.distribute_dataset``, the ``compute_average_loss`` rule (uneven or padded batches
-give the one-device gradient), metric sums reduced in one collective per step. Evaluation and
-prediction give each replica a contiguous block, so each sample counts once, in order.
-:class:`Replicator` is TF-Replicator's shape for researchers who write only an ``input_fn`` and
-a ``step_fn``.
+"""Trainer: Keras-style ``fit`` / ``evaluate`` / ``predict`` on the public Strategy API, the
+same under every strategy: the ``compute_average_loss`` rule (uneven or padded batches give the
+one-device gradient), metric sums reduced in one collective per step, each sample evaluated
+once. :class:`Replicator` is TF-Replicator's shape: only an ``input_fn`` and a ``step_fn``.
 """
 
 from __future__ import annotations
@@ -100,24 +96,21 @@ class ErrorAgreement:
         """Raise if ``flags_total`` (the sum of every replica's flag) says someone failed."""
         if flags_total <= 0:
             return
-        mine = ""
-        if self.pending is not None:
-            where, exc = self.pending
-            mine = f"{where} raised {type(exc).__name__}: {exc}"
+        where, exc = self.pending or ("", None)
+        mine = "" if exc is None else f"{where} raised {type(exc).__name__}: {exc}"
         texts = self.strategy.collectives.all_gather_bytes(mine.encode(), "callback errors")
         reports = [f"rank {r}: {t.decode(errors='replace')}" for r, t in enumerate(texts) if t]
         message = "a callback failed, so every replica stops: " + "; ".join(reports)
-        if self.pending is not None:
-            tb = "".join(traceback.format_exception(self.pending[1]))
-            raise CallbackFailedError(f"{message}\n{tb}") from self.pending[1]
+        if exc is not None:
+            tb = "".join(traceback.format_exception(exc))
+            raise CallbackFailedError(f"{message}\n{tb}") from exc
         raise CallbackFailedError(message)
 
 
 class _MemoryReportPrinter(Callback):
     """``verbose=2``: every rank's ``strategy.memory_report()`` after the first batch."""
 
-    def __init__(self) -> None:
-        self._done = False
+    _done = False
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._done:
@@ -165,11 +158,8 @@ class Trainer:
             raise ValueError(f"metric names must be unique (and not 'loss'): {names}")
         self._loss = Mean("loss")
         self.history = History()
-        self.epoch = 0
-        self.epochs = 0
-        self.step_in_epoch = 0
-        self.steps_in_epoch = 0
-        self.global_step = 0
+        self.epoch, self.epochs, self.global_step = 0, 0, 0
+        self.step_in_epoch, self.steps_in_epoch = 0, 0
         self.last_global_batch = 0.0
         self.stop_training = False
         self.terminate_on_nan = True  # fit(terminate_on_nan=...)
@@ -201,17 +191,14 @@ class Trainer:
         self.epoch = int(state["epoch"])
         self.step_in_epoch = int(state["step_in_epoch"])
         self.global_step = int(state["global_step"])
-        sums = []
+        self._reduced_sums = []
         for m in self._all_metrics():
             m.reset()
             saved = state["metric_sums"].get(m.name)
-            if saved is None:
-                sums.append(torch.zeros_like(m.state))
-                continue
-            restored = torch.tensor(saved, dtype=torch.float64)
-            m.load_state(torch.zeros_like(restored))  # sizes a metric that sizes itself lazily
-            sums.append(restored)
-        self._reduced_sums = sums
+            if saved is not None:  # sizes a metric that sizes itself lazily
+                m.load_state(torch.zeros(len(saved), dtype=torch.float64))
+            self._reduced_sums.append(torch.zeros_like(m.state) if saved is None
+                                      else torch.tensor(saved, dtype=torch.float64))
         self.history.load_state_dict(state["history"])
         self.stop_training = bool(state.get("stop_training", False))
         # the callbacks' on_train_begin ran before this restore (backups come last)
