@@ -8,11 +8,9 @@ runs::
     with strategy.scope():
         model = Net(); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-The top level holds what a training script writes. The machinery lives in its room:
-all-reduce algorithms, compression and DDP hooks in :mod:`replicator.comm`, every error class
-in :mod:`replicator.errors`, every callback in :mod:`replicator.callbacks`, storage in
-:mod:`replicator.checkpoint`, the cluster and exit codes in :mod:`replicator.cluster`, the
-strategy registry in :mod:`replicator.strategies`.
+The top level holds what a training script writes; the machinery lives in its room
+(:mod:`replicator.comm`, ``.errors``, ``.callbacks``, ``.checkpoint``, ``.cluster``,
+``.strategies``).
 """
 
 from __future__ import annotations

@@ -96,14 +96,12 @@ def _stray_replica_group_flag(args: argparse.Namespace) -> str | None:
     """A replica-group flag given without ``--replica-groups``/``--join``/``--lighthouse``."""
     if args.command != "run" or _replica_groups_asked(args):
         return None
-    for flag, given in (("--min-replicas", args.min_replicas != 1),
-                        ("--replica-group-id", args.replica_group_id is not None),
-                        ("--lighthouse-bind", args.lighthouse_bind is not None),
-                        ("--heartbeat-timeout", args.heartbeat_timeout != 2.0),
-                        ("--join-timeout", args.join_timeout != 60.0)):
-        if given:
-            return flag
-    return None
+    return next((flag for flag, given in (
+        ("--min-replicas", args.min_replicas != 1),
+        ("--replica-group-id", args.replica_group_id is not None),
+        ("--lighthouse-bind", args.lighthouse_bind is not None),
+        ("--heartbeat-timeout", args.heartbeat_timeout != 2.0),
+        ("--join-timeout", args.join_timeout != 60.0)) if given), None)
 
 
 def _run_replica_groups(args: argparse.Namespace) -> None:
@@ -139,10 +137,9 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        torch_version = version("torch")
+        return f"replicator {replicator.__version__} (torch {version('torch')})"
     except PackageNotFoundError:
-        torch_version = "not installed"
-    return f"replicator {replicator.__version__} (torch {torch_version})"
+        return f"replicator {replicator.__version__} (torch not installed)"
 
 
 def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
@@ -182,12 +179,8 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
 
 def _demo_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
     """The demo's options as given, to pass on to the demo script."""
-    argv: list[str] = []
-    for action in actions:
-        value = getattr(args, action.dest)
-        if value != action.default:
-            argv += [action.option_strings[-1], str(value)]
-    return argv
+    return [arg for a in actions if getattr(args, a.dest) != a.default
+            for arg in (a.option_strings[-1], str(getattr(args, a.dest)))]
 
 
 def _print_env() -> None:
@@ -234,16 +227,14 @@ def _refusal(args: argparse.Namespace) -> str | None:
     if args.command == "demo":
         from replicator.demo.options import strategy_refusal
 
-        refusal = strategy_refusal(args.strategy, args.nproc, args.num_ps)
-        if refusal is not None:
+        if (refusal := strategy_refusal(args.strategy, args.nproc, args.num_ps)) is not None:
             return refusal
     if not args.force and isinstance(args.nproc, int):
         from replicator.launch.memory_budget import available_memory, memory_refusal
 
         groups = args.replica_groups if _replica_groups_asked(args) else None
         total = args.nproc * groups if isinstance(groups, int) and groups > 0 else args.nproc
-        refusal = memory_refusal(total, available_memory())
-        if refusal is not None:
+        if (refusal := memory_refusal(total, available_memory())) is not None:
             return refusal
     stray = _stray_replica_group_flag(args)
     return None if stray is None else (
@@ -268,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return inspection.run(args)
     from replicator.launch.script_launch import run_script
 
-    refusal = _refusal(args)
-    if refusal is not None:
+    if (refusal := _refusal(args)) is not None:
         print(f"replicator {args.command}: error: {refusal}", file=sys.stderr)
         return USAGE_EXIT_CODE
     if args.command == "demo":
@@ -290,7 +280,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.num_actors:
                 raise ClusterConfigError("--num-actors runs on one machine for now. HINT: "
                                          "drop --nnodes/--node-rank/--master-addr.")
-
             run_multi_node(script, script_args, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, nproc_per_node=args.nproc,
                            master_port=_master_port(args), max_restarts=args.max_restarts,

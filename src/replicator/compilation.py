@@ -1,10 +1,7 @@
-"""How replicator meets ``torch.compile``: what is compiled and what stays eager.
-
-A compiled model or loss works as usual: the strategy's gradient hooks run between the forward
-and backward graphs (never inside one, so no recompile). A compiled ``step_fn`` breaks at
-``loss.backward()`` and the collectives, and dynamo would trace the library's frames run from
-autograd's hooks: :func:`keep_library_eager` (called by ``Strategy.run`` once compile is in
-use) keeps replicator's communication code eager.
+"""How replicator meets ``torch.compile``: a compiled model, loss or ``step_fn`` works as usual,
+but dynamo would trace the library's frames run from autograd's hooks, so
+:func:`keep_library_eager` (called by ``Strategy.run`` once compile is in use) keeps
+replicator's communication code eager.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ def lazy_getattr(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]
     Unknown names raise AttributeError with ``name`` and ``obj`` set (close-name hints)."""
 
     def __getattr__(name: str) -> Any:
-        home = homes.get(name)
-        if home is None:
+        if (home := homes.get(name)) is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}", name=name,
                                  obj=sys.modules[package])
         module = importlib.import_module(home)

@@ -1,16 +1,6 @@
-"""Learning-rate rules for large global batches: scaling with the batch, and warmup.
-
-Weak scaling trains with a global batch many times the one a learning rate was tuned for. The
-rules the large-batch literature found: scale the learning rate with the batch (linearly,
-Goyal et al. 2017, or by the square root, common with adaptive optimizers) and reach it
-gradually over the first steps (warmup), so the early, badly conditioned steps do not diverge::
-
-    lr = rp.scaling.scaled_lr(0.05, base_batch=128, global_batch=4096)          # 1.6
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    warm = rp.scaling.warmup(optimizer, steps=5 * steps_per_epoch, start_lr=0.05)
-    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, decay],
-                                                     milestones=[5 * steps_per_epoch])
+"""Learning-rate rules for large global batches (docs/large_batch.md): scale the learning rate
+with the batch (:func:`scaled_lr`) and reach it gradually over the first steps (:func:`warmup`),
+so the early, badly conditioned steps do not diverge.
 """
 
 from __future__ import annotations

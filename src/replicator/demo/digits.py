@@ -7,6 +7,7 @@ The dataset ships inside scikit-learn (1,797 images), so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import time
 from pathlib import Path
@@ -113,10 +114,8 @@ def main(argv: list[str] | None = None) -> float:
               f"{total} steps", flush=True)
     progress = _progress(strategy.is_chief, total)
     task = progress.add_task("train", total=total, speed=0.0, loss=0.0) if progress else None
-    if progress:
-        progress.start()
     step, loss, t0 = 0, torch.tensor(0.0), time.perf_counter()
-    try:
+    with progress or contextlib.nullcontext():  # a rich Progress starts and stops the bar
         for epoch in range(args.epochs):
             first = step
             for batch in dist_train:
@@ -139,9 +138,6 @@ def main(argv: list[str] | None = None) -> float:
                       f"loss {float(loss):.4f}  {speed:.1f} steps/s", flush=True)
             if step >= total:
                 break
-    finally:
-        if progress:
-            progress.stop()
 
     accuracy = evaluate(strategy, model, test_set)
     wall = time.perf_counter() - start

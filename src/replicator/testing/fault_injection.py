@@ -1,7 +1,5 @@
-"""Fault injection for tests of fault tolerance: kill, stop, fail or delay a rank at a step, kill
-a rank in the middle of a save, and damage the newest checkpoint on disk.
-
-A step fault is a callable; call it with the step number at the top of each step::
+"""Fault injection for tests: kill, stop, fail or delay a rank at a step, kill a rank in the
+middle of a save, damage the newest checkpoint. Call a step fault at the top of each step::
 
     kill = rp.testing.kill_rank(1, at_step=37)          # SIGKILL rank 1 once, at step 37
     for step, batch in backup.steps(dist_dataset, num_steps=100):
@@ -103,9 +101,7 @@ def kill_during_save(rank: int = 0, at_step: int | None = None, *,
     target_rank = rank
 
     def hook(step: int, path: Path, rank: int) -> None:
-        if rank != target_rank or (at_step is not None and step != at_step):
-            return
-        if once and _attempt() != 0:
+        if rank != target_rank or at_step not in (None, step) or (once and _attempt() != 0):
             return
         print(f"[replicator.testing] rank {rank}: killing itself during the save of step {step}"
               f" (files written, no commit marker yet)", file=sys.stderr, flush=True)

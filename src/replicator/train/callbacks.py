@@ -130,8 +130,7 @@ class EarlyStopping(Callback):
         self.best, self.wait, self.stopped_epoch, self._best_weights = None, 0, None, None
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        current = _monitored(logs, self.monitor)
-        if current is None:
+        if (current := _monitored(logs, self.monitor)) is None:
             return
         if self.best is None or self.better(current, self.best, self.min_delta):
             self.best, self.wait = current, 0
@@ -200,8 +199,7 @@ class ModelCheckpoint(Callback):
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         logs = logs or {}
         if self.save_best_only:
-            current = _monitored(logs, self.monitor)
-            if current is None:
+            if (current := _monitored(logs, self.monitor)) is None:
                 raise KeyError(f"ModelCheckpoint monitors {self.monitor!r} but the logs hold "
                                f"only {sorted(logs)}; pass validation_data or another monitor")
             if self.best is not None and not self.better(current, self.best, 0.0):
@@ -307,8 +305,7 @@ class TerminateOnNaN(Callback):
     """Stop training when the (cross-replica) loss becomes NaN or infinite."""
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        loss = (logs or {}).get("loss")
-        if loss is not None and not math.isfinite(loss):
+        if (loss := (logs or {}).get("loss")) is not None and not math.isfinite(loss):
             if self.is_chief:
                 print(f"TerminateOnNaN: loss is {loss} at step {self.trainer.global_step}; "
                       "stopping", flush=True)
@@ -439,6 +436,5 @@ class CallbackList:
 
     def call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
-            method = getattr(cb, hook, None)
-            if method is not None:
+            if (method := getattr(cb, hook, None)) is not None:
                 method(*args)

@@ -58,10 +58,8 @@ class Metric(ABC):
     def result(self, strategy: object | None = None) -> float:
         """The value over this replica's samples, or over all replicas' given a strategy
         (a collective: every replica must call it)."""
-        state = self.state
-        if strategy is not None:
-            state = strategy.reduce(ReduceOp.SUM, state).cpu()  # type: ignore[attr-defined]
-        return self.value_from(state)
+        return self.value_from(self.state if strategy is None else
+                               strategy.reduce(ReduceOp.SUM, self.state).cpu())  # type: ignore
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -128,8 +126,7 @@ class Accuracy(SparseCategoricalAccuracy):
                  from_logits: bool | None = None) -> None:
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {threshold}")
-        self.threshold = threshold
-        self.from_logits = from_logits
+        self.threshold, self.from_logits = threshold, from_logits
         super().__init__(name)
 
     def _binary_hits(self, y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
@@ -191,8 +188,7 @@ class AUC(Metric):
             raise ValueError(f"average must be 'macro' or 'weighted', got {average!r}")
         if num_classes is not None and num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-        self.num_thresholds = num_thresholds
-        self.from_logits = from_logits
+        self.num_thresholds, self.from_logits = num_thresholds, from_logits
         self.multi_class, self.average = multi_class, average
         # one histogram pair for binary scores, one per class for multi-class
         self._curves: int | None = None if num_classes is None else (
@@ -291,12 +287,8 @@ class AUC(Metric):
             tpr = torch.cat([zero, pos.flip(0).cumsum(0) / pos.sum()])
             fpr = torch.cat([zero, neg.flip(0).cumsum(0) / neg.sum()])
             values.append(float(torch.trapezoid(tpr, fpr)))
-            weights.append(float(pos.sum()))
-        if not values:
-            return 0.0
-        if self.average == "weighted":
-            return sum(v * w for v, w in zip(values, weights)) / sum(weights)
-        return sum(values) / len(values)
+            weights.append(float(pos.sum()) if self.average == "weighted" else 1.0)
+        return sum(v * w for v, w in zip(values, weights)) / sum(weights) if values else 0.0
 
 
 _BY_NAME = {"accuracy": Accuracy, "acc": Accuracy,

@@ -172,7 +172,6 @@ class Trainer:
         self._samples_seen = 0.0
         self._callbacks = CallbackList([], self)
 
-    # -- resumable state (for BackupAndRestore) -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where training stands, the same on every replica: epoch, step, the epoch's metric
         sums over all replicas so far, the history, whether to stop, and each callback's
@@ -188,9 +187,8 @@ class Trainer:
         """Continue from :meth:`state_dict`. Every replica holds the same running sums, to
         which each step adds its reduced numbers, so a resumed epoch's metrics are bit for
         bit those of an uninterrupted one."""
-        self.epoch = int(state["epoch"])
-        self.step_in_epoch = int(state["step_in_epoch"])
-        self.global_step = int(state["global_step"])
+        self.epoch, self.step_in_epoch, self.global_step = (
+            int(state[k]) for k in ("epoch", "step_in_epoch", "global_step"))
         self._reduced_sums = []
         for m in self._all_metrics():
             m.reset()
@@ -207,7 +205,6 @@ class Trainer:
     def _all_metrics(self) -> list[Metric]:
         return [self._loss, *self.metrics]
 
-    # -- hooks with cross-replica error agreement ------------------------------------------------
     def _hook(self, name: str, *args: Any) -> None:
         try:
             self._callbacks.call(name, *args)
@@ -216,13 +213,11 @@ class Trainer:
                 raise
             self._errors.hold(name, exc)
 
-    # -- training --------------------------------------------------------------------------------
     def _forward(self, x: Any, y: torch.Tensor) -> tuple[Any, torch.Tensor, int]:
         """The predictions, one loss per example (a scalar loss stands for each) and ``n``."""
         pred = self.model(x)
         per_example = self.loss_fn(pred, y)
-        n = batch_rows(x)
-        if n is None:
+        if (n := batch_rows(x)) is None:
             raise TypeError(f"cannot tell the batch size of {type(x).__name__}")
         if per_example.dim() == 0:
             per_example = per_example.expand(n)
@@ -297,14 +292,6 @@ class Trainer:
             m.reset()
         return {m.name: m.value_from(s) for m, s in zip(metrics, self._reduced_sums)}
 
-    def _distributed(self, data: Any) -> Any:
-        if isinstance(data, (DataLoader, Dataset)):
-            return self.strategy.distribute_dataset(data)
-        if hasattr(data, "__iter__"):
-            return data  # already distributed (strategy.distribute_dataset / _from_function)
-        raise TypeError(f"fit() takes a DataLoader with the global batch size, a Dataset or a "
-                        f"distributed dataset; got {type(data).__name__}")
-
     def fit(self, train_data: Any, epochs: int = 1, validation_data: Any = None,
             steps_per_epoch: int | None = None, callbacks: Iterable[Callback] = (),
             verbose: int = 1, terminate_on_nan: bool = True) -> History:
@@ -323,7 +310,12 @@ class Trainer:
                 "write the loop: `for step, batch in backup.steps(dist, epochs=E): "
                 "strategy.run(step_fn, (batch,))` (docs/fault_tolerance.md)")
         self.epochs = epochs
-        self.train_dataset = self._distributed(train_data)
+        if isinstance(train_data, (DataLoader, Dataset)):
+            train_data = self.strategy.distribute_dataset(train_data)
+        elif not hasattr(train_data, "__iter__"):  # else already distributed
+            raise TypeError(f"fit() takes a DataLoader with the global batch size, a Dataset or "
+                            f"a distributed dataset; got {type(train_data).__name__}")
+        self.train_dataset = train_data
         extra: list[Callback] = [ProgressBar()] if verbose else []
         if verbose >= 2 and hasattr(self.strategy, "memory_reports"):
             extra.append(_MemoryReportPrinter())
@@ -410,7 +402,6 @@ class Trainer:
         self._hook("on_epoch_end", epoch, logs)
         self._errors.agree()
 
-    # -- evaluation and prediction ---------------------------------------------------------------
     def _shard_for_eval(self, data: Any, batch_size: int | None) -> DataLoader:
         if isinstance(data, DataLoader):
             dataset, global_batch, collate = data.dataset, data.batch_size, data.collate_fn
