@@ -72,12 +72,10 @@ _LAZY: dict[str, str] = {
     **{room: f"replicator.{room}" for room in (
         "callbacks", "checkpoint", "cluster", "comm", "data", "metrics", "optim", "plan", "rl",
         "scaling", "testing", "strategies", "train", "ps", "resume", "parallel", "precision")},
-    "Topology": "replicator.cluster",
+    "Topology": "replicator.cluster", "InputContext": "replicator.data",
     "CommunicationOptions": "replicator.comm", "ReduceOp": "replicator.comm",
-    "InputContext": "replicator.data",
-    "MixedPrecision": "replicator.precision",
+    "MixedPrecision": "replicator.precision", "BackupAndRestore": "replicator.resume",
     "ClusterCoordinator": "replicator.ps", "ParameterServerStrategy": "replicator.ps",
-    "BackupAndRestore": "replicator.resume",
     **dict.fromkeys(
         ["CentralStorageStrategy", "DiLoCoStrategy", "FSDPStrategy", "LocalSGDStrategy",
          "MeshStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "OneDeviceStrategy",

@@ -144,7 +144,9 @@ def _version() -> str:
 
 def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     """The command's parser, and the demo's own options (forwarded to the demo)."""
+    from replicator.checkpoint import command_line
     from replicator.demo import options as demo_options
+    from replicator.plan import cli_commands
 
     parser = argparse.ArgumentParser(prog="replicator", description="Distributed training for "
                                      "PyTorch: run scripts on several local workers.")
@@ -168,11 +170,7 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     demo_actions = demo_options.add_arguments(demo.add_argument_group("demo options"))
     sub.add_parser("env", help="print what replicator sees: devices, cores, torch, and the "
                    "all-reduce that 'auto' picks")
-    from replicator.plan import cli_commands
-
     cli_commands.add_subcommands(sub)  # bench, plan
-    from replicator.checkpoint import command_line
-
     command_line.add_subcommand(sub)  # checkpoints list|verify|export
     return parser, demo_actions
 
@@ -188,14 +186,13 @@ def _print_env() -> None:
 
     from replicator.cluster.devices import available_accelerators
     from replicator.cluster.environment import resolve_cluster
+    from replicator.comm.selection import describe_auto
 
     print(f"torch {torch.__version__}; CPU cores {os.cpu_count()}; CUDA devices "
           f"{available_accelerators()}; gloo {torch.distributed.is_gloo_available()}; "
           f"nccl {torch.distributed.is_nccl_available()}")
     spec = resolve_cluster()
     print(f"cluster: {spec}")
-    from replicator.comm.selection import describe_auto
-
     choice = describe_auto(local_replicas=max(1, spec.local_world_size))
     hosts = "; across several hosts: hierarchical" if choice.name == "shared_memory" else ""
     print(f"CommunicationOptions(implementation='auto') would choose: {choice.name} "

@@ -12,9 +12,7 @@ from typing import Any
 
 def lazy_getattr(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package`` that imports ``homes[name]`` on first use and
-    returns the module itself (when ``homes[name]`` is ``package.name``) or its attribute
-    ``name``; the value is kept on the package, so the next use is a plain attribute read.
-    Unknown names raise AttributeError with ``name`` and ``obj`` set (close-name hints)."""
+    keeps the module (``package.name``) or its attribute ``name`` on the package."""
 
     def __getattr__(name: str) -> Any:
         if (home := homes.get(name)) is None:

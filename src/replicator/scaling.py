@@ -59,8 +59,7 @@ class Warmup(LRScheduler):
                 raise ValueError(f"warmup: start factor {f!r} is not in (0, 1]. HINT: the warmup "
                                  "starts at start_factor * lr and must start above zero; "
                                  "start_lr must be at most the optimizer's lr")
-        self.steps = steps
-        self.mode = mode
+        self.steps, self.mode = steps, mode
         self.start_factors = [float(f) for f in factors]
         super().__init__(optimizer, last_epoch)
 

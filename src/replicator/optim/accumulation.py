@@ -28,11 +28,9 @@ class GradientAccumulator:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"accumulate(k): k must be an int >= 1, got {k!r}. HINT: k is the "
                              "number of micro-batches whose gradients make one step")
-        self.k = k
-        self._no_sync = no_sync
-        self._count = 0  # micro-batches entered in the current cycle
+        self.k, self._no_sync = k, no_sync
+        self._count, self._ready = 0, False  # micro-batches entered in the current cycle
         self._inside: contextlib.AbstractContextManager[Any] | None = None
-        self._ready = False
 
     @property
     def micro_step(self) -> int:
@@ -91,5 +89,4 @@ class GradientAccumulator:
     def reset(self) -> None:
         """Start a new cycle (after an epoch whose length ``k`` does not divide; zero the
         optimizer's gradients too, or they carry into the next cycle)."""
-        self._count = 0
-        self._ready = False
+        self._count, self._ready = 0, False

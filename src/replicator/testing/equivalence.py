@@ -49,8 +49,7 @@ def assert_params_close(expected: Any, actual: Any, atol: float = 1e-5, rtol: fl
         x, y = a[name].double(), b[name].double()
         if x.shape != y.shape:
             bad.append(f"{name}: shape {tuple(x.shape)} vs {tuple(y.shape)}")
-            continue
-        if x.numel() and not torch.allclose(x, y, atol=atol, rtol=rtol):
+        elif x.numel() and not torch.allclose(x, y, atol=atol, rtol=rtol):
             bad.append(f"{name}: max |diff| {float((x - y).abs().max()):.3g} > atol {atol:g}")
     if bad:
         raise AssertionError(f"{label}parameters differ:\n  " + "\n  ".join(bad))

@@ -40,10 +40,8 @@ def wait_for_file(path: Path, timeout: float, what: str, alive: Group | None = N
     when the group ``alive`` exits before)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists():
-            text = path.read_text()
-            if text:
-                return text
+        if path.exists() and (text := path.read_text()):
+            return text
         if alive is not None and all(c is not None for c in alive.poll()):
             raise TimeoutError(f"{what}: replica group {alive.group} exited first "
                                f"({alive.poll()})")

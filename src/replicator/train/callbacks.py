@@ -317,25 +317,21 @@ def _fmt_logs(logs: Logs) -> str:
 
 
 def _input_wait(trainer: Any) -> float | None:
-    """Seconds the loop waited for input so far, where the training input measures it (a
-    distributed dataset, an ``rp.data.Dataset``)."""
+    """Seconds the loop waited for input so far (``None``: the input does not measure it)."""
     wait = getattr(getattr(trainer, "train_dataset", None), "input_wait_seconds", None)
     return wait if isinstance(wait, float) else None
 
 
 class ProgressBar(Callback):
     """Epoch, step/total, loss and metrics, samples/s, the share of the time spent waiting for
-    input, and ETA, on the chief only. ``live=None``: a live bar on a live terminal
-    (:func:`~replicator.cluster.terminal.is_live_terminal`).
-    """
+    input, and ETA, on the chief only. ``live=None``: a live bar on a live terminal (its own, or
+    the one ``replicator run`` relays to), plain log lines otherwise."""
 
     def __init__(self, live: bool | None = None) -> None:
         self.live = live
         self._bar: Any = None
         self._task: Any = None
-        self._start = 0.0
-        self._samples = 0.0
-        self._done = 0
+        self._start, self._samples, self._done = 0.0, 0.0, 0
         self._wait0: float | None = None
 
     def input_share(self) -> float | None:
@@ -398,8 +394,8 @@ _HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
 
 
 def _stateful(callbacks: Iterable[Any]) -> dict[str, Any]:
-    """The callbacks whose state a backup holds, by ``"index:ClassName"``: not the
-    trainer's History (saved on its own) nor backups (``BackupAndRestore``)."""
+    """The callbacks whose state a backup holds, by ``"index:ClassName"`` (not History, not
+    backups)."""
     return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)
             if has_state(cb) and not isinstance(cb, (History, BackupAndRestore))}
 

@@ -1,9 +1,6 @@
-"""Metrics whose state is a vector of sums, so replicas combine them with one all-reduce.
-
-Each metric accumulates local sums (float64) in :meth:`Metric.update`; its value is computed
-from the *reduced* state, so a distributed result equals the one-device result: every sample
-counts once, whatever replica saw it, and samples with weight 0 (padding) count not at all.
-"""
+"""Metrics whose state is a vector of float64 sums, so replicas combine them with one all-reduce
+and the value, computed from the reduced state, equals the one-device result (samples of weight
+0, padding, count not at all)."""
 
 from __future__ import annotations
 

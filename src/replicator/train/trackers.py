@@ -43,9 +43,8 @@ class TrackerLedger:
         return {"step": self.step, "epoch": self.epoch}
 
     def attach(self, trainer: Any, name: str | None, state: dict[str, Any] | None) -> None:
-        """Start from a backup's ``state`` (None: a fresh run) and, on the chief, keep the
-        ledger ``name`` (None: none) in the trainer's backup directory (if it has a
-        ``BackupAndRestore``), taking whatever it records beyond the backup into account."""
+        """Start from a backup's ``state`` (None: a fresh run); on the chief, keep the ledger
+        ``name`` (None: none) in the trainer's backup directory and take in what it records."""
         saved = state or {}
         self.step, self.epoch = int(saved.get("step", 0)), int(saved.get("epoch", -1))
         backup = getattr(trainer, "backup", None)
@@ -63,10 +62,8 @@ class TrackerLedger:
 
     def sent(self, *, step: int | None = None, epoch: int | None = None) -> None:
         """Record a send (call after the tracker accepted it)."""
-        if step is not None:
-            self.step = max(self.step, step)
-        if epoch is not None:
-            self.epoch = max(self.epoch, epoch)
+        self.step = max(self.step, step or 0)
+        self.epoch = max(self.epoch, -1 if epoch is None else epoch)
         if self._path is None:
             return
         self._path.parent.mkdir(parents=True, exist_ok=True)
@@ -260,13 +257,11 @@ class MLflowLogger(RunLogger):
 
 
 class WandbLogger(RunLogger):
-    """Log the run to Weights & Biases (``pip install 'replicator[wandb]'``).
-
-    ``project``, ``entity``, ``name``, ``tags``, ``dir``, ``mode`` (or ``WANDB_MODE``) and
-    ``init_kwargs`` (not ``id``/``resume``) go to ``wandb.init``; ``params``, ``update_freq`` as
-    every logger's. W&B's step is the global step. W&B writes later, from its own process, so on a
-    resume online the run continues after the server's last step (``run.step``); offline it logs
-    again from the backup's step into a new folder with the same id.
+    """Log the run to Weights & Biases (``pip install 'replicator[wandb]'``): ``project``,
+    ``entity``, ``name``, ``tags``, ``dir``, ``mode`` (or ``WANDB_MODE``) and ``init_kwargs`` (not
+    ``id``/``resume``) go to ``wandb.init``. W&B's step is the global step. W&B writes later, from
+    its own process, so on a resume online the run continues after the server's last step
+    (``run.step``); offline it logs again from the backup's step into a new folder, same id.
     """
 
     tracker = "wandb"
@@ -328,9 +323,8 @@ class WandbLogger(RunLogger):
 
 
 class TensorBoard(RunLogger):
-    """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard; the chief writes
-    (``pip install tensorboard``). A resumed run appends to ``log_dir`` with no step twice.
-    """
+    """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard (``pip install
+    tensorboard``); a resumed run appends to ``log_dir`` with no step twice."""
 
     tracker = "tensorboard"
 

@@ -173,9 +173,7 @@ class Trainer:
         self._callbacks = CallbackList([], self)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where training stands, the same on every replica: epoch, step, the epoch's metric
-        sums over all replicas so far, the history, whether to stop, and each callback's
-        ``state_dict()`` (what ``BackupAndRestore`` saves for a Trainer)."""
+        """Where training stands, the same on every replica (what ``BackupAndRestore`` saves)."""
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "global_step": self.global_step,
                 "metric_sums": {m.name: s.tolist() for m, s in
@@ -184,9 +182,8 @@ class Trainer:
                 "callbacks": callback_states(self._callbacks.callbacks)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`. Every replica holds the same running sums, to
-        which each step adds its reduced numbers, so a resumed epoch's metrics are bit for
-        bit those of an uninterrupted one."""
+        """Continue from :meth:`state_dict`: every replica holds the same running sums, so a
+        resumed epoch's metrics are bit for bit those of an uninterrupted one."""
         self.epoch, self.step_in_epoch, self.global_step = (
             int(state[k]) for k in ("epoch", "step_in_epoch", "global_step"))
         self._reduced_sums = []
@@ -456,8 +453,7 @@ class Trainer:
                 batch = to_device(batch, self.strategy.device)
                 x = batch[0] if isinstance(batch, (list, tuple)) else batch
                 outputs.append(self.model(x))
-        local = torch.cat(outputs)
-        result = self.strategy.gather(local, axis=0)
+        result = self.strategy.gather(torch.cat(outputs), axis=0)
         self._hook("on_predict_end", {})
         self._errors.agree()
         return result
