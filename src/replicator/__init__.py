@@ -10,8 +10,7 @@ runs::
 
 The top level holds what a training script writes; the machinery lives in its room
 (:mod:`replicator.comm`, ``.errors``, ``.callbacks``, ``.checkpoint``, ``.cluster``,
-``.strategies``).
-"""
+``.strategies``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """How replicator meets ``torch.compile``: a compiled model, loss or ``step_fn`` works as usual,
 but dynamo would trace the library's frames run from autograd's hooks, so
 :func:`keep_library_eager` (called by ``Strategy.run`` once compile is in use) keeps
-replicator's communication code eager.
-"""
+replicator's communication code eager."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Exceptions raised by replicator, each with its cause and, where it helps, a fix: every error
-class a user may catch (``rp.errors.X``) but the input pipeline's (:mod:`replicator.data`).
-"""
+class a user may catch (``rp.errors.X``) but the input pipeline's (:mod:`replicator.data`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Named points inside a save, or a parameter server's commit, where tests may inject a fault
-(``rp.testing.kill_during_save``); :func:`fire` with no hook registered costs one lookup.
-"""
+(``rp.testing.kill_during_save``); :func:`fire` with no hook registered costs one lookup."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Mixed precision as a policy of the strategy: compute in bf16/fp16 under ``torch.autocast``,
 keep float32 parameters, gradients, optimizer state and outputs. With a loss scaler,
-``policy.step(optimizer)`` agrees across replicas on inf/NaN before stepping or skipping.
-"""
+``policy.step(optimizer)`` agrees across replicas on inf/NaN before stepping or skipping."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class MixedPrecision:
     """A mixed-precision policy: ``dtype`` ``"bf16"``, ``"fp16"`` or ``"fp32"`` (Keras' names
     accepted); ``loss_scale`` ``"auto"`` (dynamic for fp16), ``"dynamic"`` (as ``GradScaler``:
     ``init_scale``, ``backoff_factor``, ``growth_interval``), a number or ``None``;
-    ``device_type``: autocast's (default: the strategy's device).
-    """
+    ``device_type``: autocast's (default: the strategy's device)."""
 
     def __init__(self, dtype: str | torch.dtype = "bf16", *, loss_scale: str | float | None =
                  "auto", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,

@@ -1,7 +1,6 @@
 """Learning-rate rules for large global batches (docs/large_batch.md): scale the learning rate
 with the batch (:func:`scaled_lr`) and reach it gradually over the first steps (:func:`warmup`),
-so the early, badly conditioned steps do not diverge.
-"""
+so the early, badly conditioned steps do not diverge."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ RULES = ("linear", "sqrt", "none")
 def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
     """The learning rate for ``global_batch`` from one tuned at ``base_batch``: ``"linear"``
     (Goyal et al. 2017, SGD), ``"sqrt"`` (keeps the gradient noise scale; Adam/LAMB) or
-    ``"none"``.
-    """
+    ``"none"``."""
     if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or \
             not math.isfinite(base_lr) or base_lr < 0:
         raise ValueError(f"scaled_lr: base_lr must be a finite number >= 0, got {base_lr!r}")
@@ -38,8 +36,7 @@ def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "l
 class Warmup(LRScheduler):
     """Multiplies each group's learning rate by a factor rising from ``start_factor`` (one, or one
     per group) to 1 over ``steps`` calls (``"linear"``) or held until then (``"constant"``);
-    chainable, so it composes with ``ChainedScheduler`` and ``SequentialLR``.
-    """
+    chainable, so it composes with ``ChainedScheduler`` and ``SequentialLR``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int,
                  start_factor: float | list[float], mode: str = "linear",
@@ -94,8 +91,7 @@ def warmup(optimizer: torch.optim.Optimizer, steps: int, *, start_lr: float | No
            last_epoch: int = -1) -> Warmup:
     """A scheduler bringing ``optimizer``'s learning rates up to their set values over ``steps``
     steps (``step()`` per optimizer step), from ``start_lr`` (e.g. :func:`scaled_lr`'s
-    ``base_lr``, as Goyal et al.), ``start_factor`` times each rate, or ``1 / steps`` of it.
-    """
+    ``base_lr``, as Goyal et al.), ``start_factor`` times each rate, or ``1 / steps`` of it."""
     if start_lr is not None and start_factor is not None:
         raise ValueError("warmup: give start_lr or start_factor, not both")
     if steps == 0:

@@ -1,8 +1,7 @@
 """Train a small CNN on scikit-learn's 8x8 handwritten digits with MirroredStrategy.
 
 Run it with ``replicator demo`` (2 local workers) or ``replicator run --nproc N`` on this file.
-The dataset ships inside scikit-learn (1,797 images), so nothing is downloaded.
-"""
+The dataset ships inside scikit-learn (1,797 images), so nothing is downloaded."""
 
 from __future__ import annotations
 

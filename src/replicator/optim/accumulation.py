@@ -1,7 +1,6 @@
 """Gradient accumulation: ``k`` micro-batches make the gradient of one ``k``-times batch. The
 first ``k - 1`` backward passes of a cycle run inside ``strategy.no_sync()``, the ``k``-th
-synchronises the sum, and each loss is divided by ``k``.
-"""
+synchronises the sum, and each loss is divided by ``k``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """LARS and LAMB, the layer-wise optimizers for large batches: both scale each update by a
 *trust ratio* built from the whole parameter's norm, which :func:`full_norm` takes across the
-shards of a ``DTensor`` (FSDP2, tensor parallelism); a replicated parameter's is its own.
-"""
+shards of a ``DTensor`` (FSDP2, tensor parallelism); a replicated parameter's is its own."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ class LARS(LayerwiseOptimizer):
 
     Parameters ``exclude`` picks (default: 1-D ones) take plain momentum SGD without weight
     decay; a group may set ``"exclude"``. Norms are of the whole parameter, also for a sharded
-    ``DTensor`` (see the module doc).
-    """
+    ``DTensor`` (see the module doc)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001,
@@ -168,8 +166,7 @@ class LAMB(LayerwiseOptimizer):
 
     ``max_trust`` clips the ratio (``None``: no clip). Parameters ``exclude`` picks (default: 1-D
     ones) take the Adam step without trust ratio or weight decay; a group may set ``"exclude"``.
-    Norms are of the whole parameter, also for a sharded ``DTensor``.
-    """
+    Norms are of the whole parameter, also for a sharded ``DTensor``."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,

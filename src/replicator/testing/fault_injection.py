@@ -7,8 +7,7 @@ middle of a save, damage the newest checkpoint. Call a step fault at the top of 
         ...
 
 "Once": on the first attempt only (restart count 0), so a restarted group runs through;
-``once=False`` fires on every attempt.
-"""
+``once=False`` fires on every attempt."""
 
 from __future__ import annotations
 

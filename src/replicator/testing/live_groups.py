@@ -1,7 +1,6 @@
 """Replica groups on loopback for tests and benchmarks: ``replicator run --replica-groups N``
 written small, so tests can kill, restart and stop single groups: :func:`start_lighthouse` on a
-free 127.0.0.1 port, :func:`start_group` forked from the launcher's warm forkserver.
-"""
+free 127.0.0.1 port, :func:`start_group` forked from the launcher's warm forkserver."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Callbacks with Keras's hook names. Every replica runs every callback (so collectives
 match); only the chief prints or writes files. ``logs`` are already reduced across replicas,
-so decisions taken from them are the same everywhere.
-"""
+so decisions taken from them are the same everywhere."""
 
 from __future__ import annotations
 

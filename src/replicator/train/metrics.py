@@ -116,8 +116,7 @@ class Accuracy(SparseCategoricalAccuracy):
     """Accuracy that picks binary or categorical from the shapes, as Keras's ``"accuracy"``:
     ``[N]``/``[N, 1]`` outputs with 0/1 targets are binary (``> threshold``, or its log-odds
     ``from_logits``); ``[N, C]`` with integer or one-hot targets, and ``[N, C, ...]`` with
-    ``[N, ...]`` integer targets, take the arg-max. ``from_logits=None``: set by a Trainer.
-    """
+    ``[N, ...]`` integer targets, take the arg-max. ``from_logits=None``: set by a Trainer."""
 
     def __init__(self, name: str = "accuracy", threshold: float = 0.5,
                  from_logits: bool | None = None) -> None:
@@ -170,8 +169,7 @@ class AUC(Metric):
     """Area under the ROC curve from score histograms at ``num_thresholds`` thresholds (Keras's
     approximation), exact across replicas. Binary (``[N]``, ``[N, 1]``, ``[N, 2]``) or
     multi-class one-vs-rest, averaged ``"macro"`` or ``"weighted"`` as scikit-learn's;
-    ``num_classes`` or the first batch; ``from_logits=None``: set by a Trainer.
-    """
+    ``num_classes`` or the first batch; ``from_logits=None``: set by a Trainer."""
 
     def __init__(self, name: str = "auc", num_thresholds: int = 200,
                  from_logits: bool | None = None, num_classes: int | None = None,

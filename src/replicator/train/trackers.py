@@ -2,8 +2,7 @@
 :class:`TensorBoard`. Every replica runs the callback; only the chief talks to the tracker, one
 run per job: the hyper-parameters, metrics per epoch (``epoch/<name>``) and, with an integer
 ``update_freq``, every that many steps (``batch/<name>``, step = global step). A run resumed by
-:class:`~replicator.BackupAndRestore` continues the same run and sends no step twice.
-"""
+:class:`~replicator.BackupAndRestore` continues the same run and sends no step twice."""
 
 from __future__ import annotations
 
@@ -195,8 +194,7 @@ class MLflowLogger(RunLogger):
     """Log the run to MLflow (``pip install 'replicator[mlflow]'``, ``mlflow-skinny``):
     ``experiment_name`` (created if missing), ``tracking_uri`` (``None``: MLflow's default; a
     ``file://`` store wants ``MLFLOW_ALLOW_FILE_STORE=true`` in MLflow 3), ``run_name``, ``tags``,
-    ``params`` and ``update_freq``.
-    """
+    ``params`` and ``update_freq``."""
 
     tracker = "mlflow"
 
@@ -261,8 +259,7 @@ class WandbLogger(RunLogger):
     ``entity``, ``name``, ``tags``, ``dir``, ``mode`` (or ``WANDB_MODE``) and ``init_kwargs`` (not
     ``id``/``resume``) go to ``wandb.init``. W&B's step is the global step. W&B writes later, from
     its own process, so on a resume online the run continues after the server's last step
-    (``run.step``); offline it logs again from the backup's step into a new folder, same id.
-    """
+    (``run.step``); offline it logs again from the backup's step into a new folder, same id."""
 
     tracker = "wandb"
     keeps_ledger = False

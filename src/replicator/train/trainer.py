@@ -1,8 +1,7 @@
 """Trainer: Keras-style ``fit`` / ``evaluate`` / ``predict`` on the public Strategy API, the
 same under every strategy: the ``compute_average_loss`` rule (uneven or padded batches give the
 one-device gradient), metric sums reduced in one collective per step, each sample evaluated
-once. :class:`Replicator` is TF-Replicator's shape: only an ``input_fn`` and a ``step_fn``.
-"""
+once. :class:`Replicator` is TF-Replicator's shape: only an ``input_fn`` and a ``step_fn``."""
 
 from __future__ import annotations
 
@@ -57,9 +56,7 @@ def _outputs_are_logits(loss_fn: LossFn) -> bool | None:
     """Whether a model trained with ``loss_fn`` outputs logits (None: cannot tell)."""
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.BCEWithLogitsLoss, nn.NLLLoss)):
         return True  # NLLLoss takes log-probabilities: their softmax is the probabilities
-    if isinstance(loss_fn, nn.BCELoss):
-        return False
-    return None
+    return False if isinstance(loss_fn, nn.BCELoss) else None
 
 
 def _unpack(batch: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
@@ -124,8 +121,7 @@ class _MemoryReportPrinter(Callback):
 class Trainer:
     """``rp.Trainer(strategy, model_fn | model, optimizer_fn | optimizer, loss_fn, metrics)``:
     the functions run under ``strategy.scope()``, a built model goes to ``distribute_model``.
-    For exact results with ``sample_weight`` give a ``torch.nn`` (or per-example) loss.
-    """
+    For exact results with ``sample_weight`` give a ``torch.nn`` (or per-example) loss."""
 
     def __init__(self, strategy: Strategy, model: nn.Module | Callable[[], nn.Module],
                  optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer],
@@ -257,13 +253,12 @@ class Trainer:
         """Raise :class:`NonFiniteLossError` before backward, on every replica at once (the
         count came from one collective), so the weights keep the previous step's values."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        mine = bool(self._nonfinite(per_example, w))
-        replicas = self.strategy.num_replicas_in_sync
+        mine = "not finite" if bool(self._nonfinite(per_example, w)) else "finite"
         raise NonFiniteLossError(
             f"the loss is NaN or infinite at step {self.step_in_epoch + 1} of epoch "
             f"{self.epoch + 1}/{self.epochs} (global step {self.global_step + 1}) on {bad} of "
-            f"{replicas} replica(s) (rank {rank}'s own loss is "
-            f"{'not finite' if mine else 'finite'}); fit stopped before the optimizer step, "
+            f"{self.strategy.num_replicas_in_sync} replica(s) (rank {rank}'s own loss is "
+            f"{mine}); fit stopped before the optimizer step, "
             f"so the weights are those after global step {self.global_step}. HINT: lower the "
             "learning rate, clip gradients, or look for NaN/inf in this step's input; "
             "fit(..., terminate_on_nan=False) trains on regardless.")
@@ -295,8 +290,7 @@ class Trainer:
         """Train for ``epochs`` epochs (at most ``steps_per_epoch`` steps each); returns the
         :class:`History`. ``terminate_on_nan``: a NaN or infinite loss on any replica raises
         ``NonFiniteLossError`` everywhere before that step's backward (unless a ``TerminateOnNaN``
-        callback or a ``BackupAndRestore`` takes over).
-        """
+        callback or a ``BackupAndRestore`` takes over)."""
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
         if getattr(self.strategy, "live", None) is not None:
