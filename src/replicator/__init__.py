@@ -121,19 +121,16 @@ _MOVED: dict[str, str] = {
          "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
          "NonFiniteLossError", "PreemptedError", "ParameterServerError",
          "ParameterServerLostError", "CallbackFailedError"], "replicator.errors"),
-    **dict.fromkeys(
-        ["ReplicaContext", "register_strategy", "MemoryReport"], "replicator.strategies"),
-    "available_strategies": "replicator.ps",
+    **dict.fromkeys(["ReplicaContext", "register_strategy", "MemoryReport"],
+                    "replicator.strategies"),
     **dict.fromkeys(["LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",
                      "History", "ProgressBar"], "replicator.callbacks"),
-    "CheckpointManager": "replicator.checkpoint",
-    "PREEMPTION_EXIT_CODE": "replicator.cluster",
-    "partitioners": "replicator.ps",
+    "available_strategies": "replicator.ps", "partitioners": "replicator.ps",
+    "CheckpointManager": "replicator.checkpoint", "PREEMPTION_EXIT_CODE": "replicator.cluster",
 }
 
 #: Rooms that hold moved names; listed by ``dir(rp)`` beside ``__all__``.
 _ROOMS = ("strategies", "train", "ps", "resume", "parallel", "plan", "rl")
-
 
 _lazy = lazy_getattr(__name__, _LAZY)
 

@@ -21,27 +21,23 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart the whole group up to this many times after a failure (with "
                    "--replica-groups: each replica group alone, this many times per group)")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port on 127.0.0.1 (default: MASTER_PORT if set, else a "
-                   "free one)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port on 127.0.0.1 "
+                   "(default: MASTER_PORT if set, else a free one)")
     p.add_argument("--timeout", type=float, default=None, dest="timeout_seconds",
                    help="seconds a collective may wait for the other replicas (default 300)")
-    p.add_argument("--num-ps", type=int, default=0,
-                   help="how many of the --nproc processes (the last ranks) are parameter "
-                   "servers, for ParameterServerStrategy")
+    p.add_argument("--num-ps", type=int, default=0, help="how many of the --nproc processes "
+                   "(the last ranks) are parameter servers, for ParameterServerStrategy")
     p.add_argument("--num-actors", type=int, default=0,
                    help="actor processes started beside the --nproc learners, for rp.rl "
                    "(reinforcement learning); restarted alone with --max-restarts")
-    p.add_argument("--force", action="store_true",
-                   help="start the workers even when this machine's available memory cannot "
-                   "hold them (about 300 MB each)")
+    p.add_argument("--force", action="store_true", help="start the workers even when this "
+                   "machine's available memory cannot hold them (about 300 MB each)")
     p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
                    help="forkserver (default): fork each worker from a process that imported "
                    "torch once, starting workers and restarts in a fraction of a second; "
                    "spawn: a fresh python per worker (with --nnodes torchrun starts them)")
-    p.add_argument("--quiet-workers", action="store_true",
-                   help="show only the chief's (rank 0) output; failures of any rank are "
-                   "still reported")
+    p.add_argument("--quiet-workers", action="store_true", help="show only the chief's (rank "
+                   "0) output; failures of any rank are still reported")
     multi = p.add_argument_group("several nodes (torch.distributed.elastic, like torchrun)")
     multi.add_argument("--nnodes", type=int, default=1,
                        help="number of nodes (machines) of the job; run the same command on each")
@@ -64,18 +60,16 @@ def _add_replica_group_flags(p: argparse.ArgumentParser) -> None:
     live.add_argument("--replica-groups", type=int, default=None, metavar="N",
                       help="start N replica groups of --nproc processes each, and torchft's "
                       "lighthouse on 127.0.0.1 (unless --lighthouse/--join)")
-    live.add_argument("--min-replicas", type=int, default=1, metavar="M",
-                      help="fewest replica groups a step may commit with; below it the job "
-                      "waits (default 1)")
+    live.add_argument("--min-replicas", type=int, default=1, metavar="M", help="fewest "
+                      "replica groups a step may commit with; below it the job waits (default 1)")
     live.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
                       help="use the torchft lighthouse running at HOST:PORT instead of "
                       "starting one (groups 0..N-1, or from --replica-group-id)")
     live.add_argument("--join", default=None, metavar="HOST:PORT",
                       help="add replica groups (default 1) to the running job whose lighthouse "
                       "is at HOST:PORT, with ids it has not seen")
-    live.add_argument("--replica-group-id", type=int, default=None, metavar="G",
-                      help="the id of this command's first group (the others follow: G, "
-                      "G+1, ...)")
+    live.add_argument("--replica-group-id", type=int, default=None, metavar="G", help="the id "
+                      "of this command's first group (the others follow: G, G+1, ...)")
     live.add_argument("--lighthouse-bind", default=None, metavar="ADDR[:PORT]",
                       help="where the lighthouse started here listens (default 127.0.0.1 and "
                       "a free port); another address exposes it to that network")

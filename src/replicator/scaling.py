@@ -71,16 +71,11 @@ class Warmup(LRScheduler):
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         """Chainable form: scale the current rate by this step's change of the factor."""
-        t = self.last_epoch
-        lrs = []
-        for i, group in enumerate(self.optimizer.param_groups):
-            if t == 0:
-                lrs.append(group["lr"] * self.factor(0, i))
-            elif t > self.steps:
-                lrs.append(group["lr"])
-            else:
-                lrs.append(group["lr"] * self.factor(t, i) / self.factor(t - 1, i))
-        return lrs
+        t, groups = self.last_epoch, self.optimizer.param_groups
+        if t > self.steps:
+            return [group["lr"] for group in groups]
+        return [group["lr"] * self.factor(t, i) / (self.factor(t - 1, i) if t > 0 else 1.0)
+                for i, group in enumerate(groups)]
 
     def _get_closed_form_lr(self) -> list[float | torch.Tensor]:
         return [base * self.factor(self.last_epoch, i) for i, base in enumerate(self.base_lrs)]

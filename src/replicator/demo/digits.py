@@ -66,10 +66,9 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
-def _progress(enabled: bool, total: int):
-    """A rich progress bar on a terminal; ``None`` (plain lines) otherwise."""
-    # Under ``replicator run`` the chief writes into a pipe that the launcher relays to a
-    # terminal; the launcher says so with TTY_COMPATIBLE=1, which is_live_terminal reads.
+def _progress(enabled: bool):
+    """A rich progress bar on a live terminal (also one ``replicator run`` relays the chief's
+    output to, see ``is_live_terminal``); ``None`` (plain lines) otherwise."""
     if not enabled or not is_live_terminal():
         return None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> float:
               f"{strategy.num_replicas_in_sync} replica(s) on {strategy.device}, "
               f"{len(train_set)} training digits, global batch {args.batch_size}, "
               f"{total} steps", flush=True)
-    progress = _progress(strategy.is_chief, total)
+    progress = _progress(strategy.is_chief)
     task = progress.add_task("train", total=total, speed=0.0, loss=0.0) if progress else None
     step, loss, t0 = 0, torch.tensor(0.0), time.perf_counter()
     with progress or contextlib.nullcontext():  # a rich Progress starts and stops the bar

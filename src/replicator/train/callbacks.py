@@ -392,33 +392,8 @@ class ProgressBar(Callback):
 _HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
 
 
-def _stateful(callbacks: Iterable[Any]) -> dict[str, Any]:
-    """The callbacks whose state a backup holds, by ``"index:ClassName"`` (not History, not
-    backups)."""
-    return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)
-            if has_state(cb) and not isinstance(cb, (History, BackupAndRestore))}
-
-
-def callback_states(callbacks: Iterable[Any]) -> dict[str, Any]:
-    """Every stateful callback's ``state_dict()``, for a backup."""
-    return {key: cb.state_dict() for key, cb in _stateful(callbacks).items()}
-
-
-def load_callback_states(callbacks: Iterable[Any], states: dict[str, Any]) -> None:
-    """Give each callback its state from a backup; warn for one the backup does not know."""
-    for key, cb in _stateful(callbacks).items():
-        if key in states:
-            cb.load_state_dict(states[key])
-        elif cb.state_dict():
-            warnings.warn(f"the backup holds no state for callback {key} (it has "
-                          f"{', '.join(sorted(states)) or 'none'}); it starts afresh, so the "
-                          "resumed run may differ from an uninterrupted one. HINT: pass the "
-                          "same callbacks, in the same order, as the run that wrote it.",
-                          RuntimeWarning, stacklevel=2)
-
-
 class CallbackList:
-    """Calls a hook on every callback, in order."""
+    """Calls a hook on every callback, in order; gives a backup their state and takes it back."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
         self.callbacks = list(callbacks)
@@ -433,3 +408,25 @@ class CallbackList:
         for cb in self.callbacks:
             if (method := getattr(cb, hook, None)) is not None:
                 method(*args)
+
+    def _stateful(self) -> dict[str, Any]:
+        """The callbacks whose state a backup holds, by ``"index:ClassName"`` (not History, not
+        backups)."""
+        return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(self.callbacks)
+                if has_state(cb) and not isinstance(cb, (History, BackupAndRestore))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every stateful callback's ``state_dict()``, for a backup."""
+        return {key: cb.state_dict() for key, cb in self._stateful().items()}
+
+    def load_state_dict(self, states: dict[str, Any]) -> None:
+        """Give each callback its state from a backup; warn for one the backup does not know."""
+        for key, cb in self._stateful().items():
+            if key in states:
+                cb.load_state_dict(states[key])
+            elif cb.state_dict():
+                warnings.warn(f"the backup holds no state for callback {key} (it has "
+                              f"{', '.join(sorted(states)) or 'none'}); it starts afresh, so the "
+                              "resumed run may differ from an uninterrupted one. HINT: pass the "
+                              "same callbacks, in the same order, as the run that wrote it.",
+                              RuntimeWarning, stacklevel=2)

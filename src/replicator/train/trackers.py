@@ -129,8 +129,7 @@ class RunLogger(Callback, ABC):
         if self._open or not self.is_chief:
             return
         restored = self._restored
-        run_id = None if restored is None else restored.get("run_id")
-        if run_id:
+        if run_id := (restored or {}).get("run_id"):
             self.run_id = str(run_id)
             self._resume_run(self.run_id)
         else:
@@ -270,8 +269,7 @@ class WandbLogger(RunLogger):
                  dir: str | None = None, update_freq: str | int = "epoch",
                  **init_kwargs: Any) -> None:
         _require("wandb", "WandbLogger", "'replicator[wandb]'")
-        clash = sorted({"id", "resume", "config"} & set(init_kwargs))
-        if clash:
+        if clash := sorted({"id", "resume", "config"} & set(init_kwargs)):
             raise ValueError(f"WandbLogger sets {', '.join(clash)} itself. HINT: pass the "
                              "hyper-parameters as params=...; a resumed run keeps its id.")
         super().__init__(params, update_freq)

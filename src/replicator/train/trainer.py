@@ -34,8 +34,6 @@ from replicator.train.callbacks import (
     Logs,
     ProgressBar,
     TerminateOnNaN,
-    callback_states,
-    load_callback_states,
 )
 from replicator.train.metrics import Mean, Metric, as_metric, reduce_states
 
@@ -175,7 +173,7 @@ class Trainer:
                 "metric_sums": {m.name: s.tolist() for m, s in
                                 zip(self._all_metrics(), self._reduced_sums)},
                 "history": self.history.state_dict(), "stop_training": self.stop_training,
-                "callbacks": callback_states(self._callbacks.callbacks)}
+                "callbacks": self._callbacks.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`: every replica holds the same running sums, so a
@@ -193,7 +191,7 @@ class Trainer:
         self.history.load_state_dict(state["history"])
         self.stop_training = bool(state.get("stop_training", False))
         # the callbacks' on_train_begin ran before this restore (backups come last)
-        load_callback_states(self._callbacks.callbacks, state.get("callbacks", {}))
+        self._callbacks.load_state_dict(state.get("callbacks", {}))
 
     def _all_metrics(self) -> list[Metric]:
         return [self._loss, *self.metrics]
@@ -233,8 +231,7 @@ class Trainer:
         # the one compute_average_loss rule; with no real sample anywhere (total == 0, the
         # same on every replica) it finds the zero count itself and returns a zero loss
         count: Any = total if total > 0 else None  # a weighted count may be fractional
-        loss = compute_average_loss(per_example, global_batch_size=count, sample_weight=w)
-        loss.backward()
+        compute_average_loss(per_example, global_batch_size=count, sample_weight=w).backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         self._loss.update(per_example.detach(), y, w)
@@ -382,8 +379,7 @@ class Trainer:
             if self.stop_training or (steps_per_epoch is not None
                                       and self.step_in_epoch >= steps_per_epoch):
                 break
-        if not logs:
-            logs = self._step_logs()
+        logs = logs or self._step_logs()
         if validation_data is not None:
             logs.update(self.evaluate(validation_data, _prefix="val_"))
             self.model.train()
