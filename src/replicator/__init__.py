@@ -64,9 +64,8 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
     )
     from replicator.train import Callback, EarlyStopping, ModelCheckpoint, Replicator, Trainer
 
-#: Where each top-level name lives. ``import replicator`` imports none of them (so the command
-#: line, the launcher and ``replicator --help`` start without importing torch); the first use of
-#: a name imports its module.
+#: Where each top-level name lives; its first use imports it, so ``import replicator`` (the
+#: command line, the launcher, ``replicator --help``) does not import torch.
 _LAZY: dict[str, str] = {
     **{room: f"replicator.{room}" for room in (
         "callbacks", "checkpoint", "cluster", "comm", "data", "metrics", "optim", "plan", "rl",

@@ -43,10 +43,9 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                        help="number of nodes (machines) of the job; run the same command on each")
     multi.add_argument("--node-rank", type=int, default=None,
                        help="this node's index, 0..nnodes-1 (node 0 hosts the rendezvous)")
-    multi.add_argument("--master-addr", default=None,
-                       help="node 0's address on the network every node shares; the "
-                       "rendezvous store listens there only (trusted networks only: "
-                       "torch.distributed has no authentication)")
+    multi.add_argument("--master-addr", default=None, help="node 0's address on the network "
+                       "every node shares; the rendezvous store listens there only (trusted "
+                       "networks only: torch.distributed has no authentication)")
     multi.add_argument("--rdzv-timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
                        help="seconds the nodes may take to meet (default %(default)s)")
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import functools
 import sys
 
-#: The packages whose code always runs eagerly under ``torch.compile``: collectives, gradient
-#: averaging and their progress tracking (they talk to other processes and keep counters).
+#: Always eager under ``torch.compile``: collectives, gradient averaging and their counters.
 EAGER_PACKAGES = ("replicator.comm",)
 
 

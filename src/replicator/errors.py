@@ -125,8 +125,7 @@ class ReplicaGroupFailedError(WorkerFailedError):
                  max_restarts: int) -> None:
         super().__init__(failure.rank, failure.exitcode, failure.message,
                          failure.traceback_text, failure.others)
-        self.group = group
-        self.restarts = restarts
+        self.group, self.restarts = group, restarts
         self.args = (f"replica group {group} failed after {restarts} restart(s) "
                      f"(--max-restarts {max_restarts} per group): {self.args[0]}",)
 

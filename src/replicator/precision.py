@@ -58,8 +58,7 @@ class MixedPrecision:
                 and init_scale > 0):
             raise ValueError("MixedPrecision: need growth_factor > 1, 0 < backoff_factor < 1, "
                              "growth_interval >= 1 and init_scale > 0")
-        self.dynamic = loss_scale == "dynamic"
-        self.scaling = loss_scale is not None
+        self.dynamic, self.scaling = loss_scale == "dynamic", loss_scale is not None
         self._scale = float(init_scale if self.dynamic else (loss_scale or 1.0))
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self._growth_tracker = int(growth_interval), 0
@@ -149,11 +148,10 @@ class MixedPrecision:
         if strategy is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 raise ReplicatorError(
-                    f"{self!r} decides on inf/NaN gradients in a job of "
-                    f"{dist.get_world_size()} processes without a strategy: the replicas could "
-                    "skip different steps and drift apart. HINT: give the policy to the "
-                    "strategy, `with strategy.scope(precision=policy):`, or call "
-                    "policy.bind(strategy).")
+                    f"{self!r} decides on inf/NaN gradients in a job of {dist.get_world_size()} "
+                    "processes without a strategy: the replicas could skip different steps and "
+                    "drift apart. HINT: give the policy to the strategy, `with "
+                    "strategy.scope(precision=policy):`, or call policy.bind(strategy).")
         elif strategy.num_replicas_in_sync > 1:
             local = strategy.reduce("max", local)
         return bool(local.item() > 0)

@@ -106,10 +106,9 @@ def main(argv: list[str] | None = None) -> float:
         return loss.detach()
 
     if strategy.is_chief:
-        print(f"replicator demo: {type(strategy).__name__} with "
-              f"{strategy.num_replicas_in_sync} replica(s) on {strategy.device}, "
-              f"{len(train_set)} training digits, global batch {args.batch_size}, "
-              f"{total} steps", flush=True)
+        print(f"replicator demo: {type(strategy).__name__} with {strategy.num_replicas_in_sync} "
+              f"replica(s) on {strategy.device}, {len(train_set)} training digits, global batch "
+              f"{args.batch_size}, {total} steps", flush=True)
     progress = _progress(strategy.is_chief)
     task = progress.add_task("train", total=total, speed=0.0, loss=0.0) if progress else None
     step, loss, t0 = 0, torch.tensor(0.0), time.perf_counter()

@@ -145,10 +145,8 @@ class LARS(LayerwiseOptimizer):
                     grad = grad * as_local_scalar(ratio, grad)
                 update = grad.mul(lr)
                 if momentum != 0:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = update.clone()
+                    if (buf := self.state[p].get("momentum_buffer")) is None:
+                        buf = self.state[p]["momentum_buffer"] = update.clone()
                     else:
                         buf.mul_(momentum).add_(update)
                     update = update.add(buf, alpha=momentum) if group["nesterov"] else buf

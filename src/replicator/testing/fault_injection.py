@@ -89,8 +89,7 @@ def fail_rank(rank: int, at_step: int, *, once: bool = False,
 
 def delay_rank(rank: int, at_step: int, seconds: float, *, once: bool = True) -> Fault:
     """Stall rank ``rank`` for ``seconds`` (a hang, if longer than the collective timeout)."""
-    return Fault(lambda: time.sleep(seconds), rank, at_step, once,
-                 f"sleeping {seconds:g} s")
+    return Fault(lambda: time.sleep(seconds), rank, at_step, once, f"sleeping {seconds:g} s")
 
 
 def kill_during_save(rank: int = 0, at_step: int | None = None, *,

@@ -89,8 +89,7 @@ class History(Callback):
             self.history.setdefault(k, []).append(v)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": list(self.epoch), "history": {k: list(v) for k, v in
-                                                       self.history.items()}}
+        return {"epoch": list(self.epoch), "history": {k: list(v) for k, v in self.history.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = list(state["epoch"])
@@ -118,8 +117,7 @@ class EarlyStopping(Callback):
     def __init__(self, monitor: str = "val_loss", min_delta: float = 0.0, patience: int = 0,
                  mode: str = "auto", restore_best_weights: bool = False) -> None:
         self.monitor, self.min_delta, self.patience = monitor, abs(min_delta), patience
-        self.better = _better(mode, monitor)
-        self.restore_best_weights = restore_best_weights
+        self.better, self.restore_best_weights = _better(mode, monitor), restore_best_weights
         self.best: float | None = None
         self.wait = 0
         self.stopped_epoch: int | None = None
@@ -339,8 +337,7 @@ class ProgressBar(Callback):
         wait = _input_wait(self.trainer)
         if wait is None or self._wait0 is None:
             return None
-        return min(1.0, max(0.0, wait - self._wait0) / max(time.perf_counter() - self._start,
-                                                           1e-9))
+        return min(1.0, max(0.0, wait - self._wait0) / max(time.perf_counter() - self._start, 1e-9))
 
     def _speed(self) -> str:
         rate = self._samples / max(time.perf_counter() - self._start, 1e-9)
@@ -351,8 +348,7 @@ class ProgressBar(Callback):
         if not self.is_chief:
             return
         self._start, self._samples = time.perf_counter(), 0.0
-        self._wait0 = _input_wait(self.trainer)
-        self._done = self.trainer.step_in_epoch
+        self._wait0, self._done = _input_wait(self.trainer), self.trainer.step_in_epoch
         if is_live_terminal() if self.live is None else self.live:
             from rich import progress
 

@@ -157,10 +157,9 @@ class Accuracy(SparseCategoricalAccuracy):
                 and y_pred.shape[2:] == y_true.shape[1:] and not y_true.is_floating_point():
             return (y_pred.argmax(1) == y_true).to(torch.float64).reshape(n, -1).mean(1)
         raise ValueError(
-            f"{self.name}: cannot tell binary from categorical for outputs "
-            f"{_shape(y_pred)} and targets {_shape(y_true)}. HINT: binary needs outputs "
-            "[N] or [N, 1] with 0/1 targets; categorical needs [N, C] outputs with integer "
-            "targets [N] or one-hot targets [N, C].")
+            f"{self.name}: cannot tell binary from categorical for outputs {_shape(y_pred)} and "
+            f"targets {_shape(y_true)}. HINT: binary needs outputs [N] or [N, 1] with 0/1 targets; "
+            "categorical needs [N, C] outputs with integer targets [N] or one-hot targets [N, C].")
 
 
 class AUC(Metric):
@@ -258,10 +257,8 @@ class AUC(Metric):
         bins = (scores.clamp(0, 1) * (t - 1)).round().long().cpu()
         positive = (labels > 0.5).cpu()
         w = weight.cpu().reshape(-1, 1).expand(-1, k)
-        offsets = torch.arange(k).reshape(1, k) * t
-        index = (bins + offsets).reshape(-1)
-        pos = torch.zeros(k * t, dtype=torch.float64)
-        neg = torch.zeros(k * t, dtype=torch.float64)
+        index = (bins + torch.arange(k).reshape(1, k) * t).reshape(-1)  # curve j's bins from j * t
+        pos, neg = torch.zeros(2, k * t, dtype=torch.float64)
         pos.index_add_(0, index, (w * positive).reshape(-1))
         neg.index_add_(0, index, (w * ~positive).reshape(-1))
         # state layout: for each curve, its positive then its negative histogram
@@ -269,9 +266,8 @@ class AUC(Metric):
 
     def value_from(self, state):
         t = self.num_thresholds
-        curves = state.reshape(-1, 2 * t)
         values, weights = [], []
-        for curve in curves:
+        for curve in state.reshape(-1, 2 * t):
             pos, neg = curve[:t], curve[t:]
             if pos.sum() == 0 or neg.sum() == 0:
                 continue  # a class absent (or present everywhere): its ROC is undefined

@@ -22,9 +22,6 @@ from replicator.checkpoint.store import check_location, is_remote, upload_tree
 from replicator.resume.backup_and_restore import check_frequency
 from replicator.train.callbacks import Callback, Logs
 
-#: The folder under a backup directory that holds the ledgers.
-LEDGER_DIR = "trackers"
-
 
 class TrackerLedger:
     """The last global step (0: none) and epoch (-1: none) a logger sent to its run. A worker
@@ -49,7 +46,7 @@ class TrackerLedger:
         backup = getattr(trainer, "backup", None)
         backup_dir = None if backup is None else backup.backup_dir
         self._path = None if backup_dir is None or name is None else \
-            Path(backup_dir) / LEDGER_DIR / f"{name}.json"
+            Path(backup_dir) / "trackers" / f"{name}.json"
         if state is None or self._path is None:
             return
         try:
@@ -335,8 +332,7 @@ class TensorBoard(RunLogger):
         from torch.utils.tensorboard import SummaryWriter
 
         # a URL: events are written to a local folder and copied there at each flush
-        self._local = tempfile.mkdtemp(prefix="replicator-tb-") if is_remote(
-            self.log_dir) else None
+        self._local = tempfile.mkdtemp(prefix="replicator-tb-") if is_remote(self.log_dir) else None
         self._writer = SummaryWriter(self._local or self.log_dir)
         where = self.log_dir if self._local else os.path.abspath(self.log_dir)
         return hashlib.sha1(where.encode()).hexdigest()[:12]

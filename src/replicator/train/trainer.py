@@ -134,13 +134,12 @@ class Trainer:
             if not isinstance(built, nn.Module):
                 raise TypeError(f"model_fn must return a torch.nn.Module, got "
                                 f"{type(built).__name__}")
-            opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) \
+            self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) \
                 else optimizer(built.parameters())
-        if not isinstance(opt, torch.optim.Optimizer):
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer or a function of the "
                             "parameters returning one")
         self.model = strategy.distribute_model(built) if isinstance(model, nn.Module) else built
-        self.optimizer = opt
         self.loss_fn = _per_example_loss(loss_fn)
         self.metrics = [as_metric(m) for m in metrics]
         logits = _outputs_are_logits(loss_fn)
@@ -154,14 +153,12 @@ class Trainer:
         self.history = History()
         self.epoch, self.epochs, self.global_step = 0, 0, 0
         self.step_in_epoch, self.steps_in_epoch = 0, 0
-        self.last_global_batch = 0.0
-        self.stop_training = False
+        self.last_global_batch, self.stop_training = 0.0, False
         self.terminate_on_nan = True  # fit(terminate_on_nan=...)
         self.train_dataset: Any = None
         self._errors = ErrorAgreement(strategy)
         self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
-        #: The ``BackupAndRestore`` among the callbacks of the current ``fit`` (``None``: no
-        #: backups); loggers keep what must survive a resume beside its backups.
+        #: The current ``fit``'s ``BackupAndRestore`` (``None``: none); loggers keep ledgers by it.
         self.backup: BackupAndRestore | None = None
         self._samples_seen = 0.0
         self._callbacks = CallbackList([], self)
@@ -241,9 +238,7 @@ class Trainer:
 
     def _nonfinite(self, per_example: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """1.0 when ``fit(terminate_on_nan=True)`` and a real example's loss is NaN or inf."""
-        if not self.terminate_on_nan:
-            return torch.zeros((), dtype=w.dtype, device=w.device)
-        bad = ~torch.isfinite(per_example.detach()) & (w != 0)
+        bad = ~torch.isfinite(per_example.detach()) & (w != 0) & self.terminate_on_nan
         return bad.any().to(w.dtype)
 
     def _stop_on_nonfinite(self, per_example: torch.Tensor, w: torch.Tensor, bad: int) -> None:
@@ -254,11 +249,10 @@ class Trainer:
         raise NonFiniteLossError(
             f"the loss is NaN or infinite at step {self.step_in_epoch + 1} of epoch "
             f"{self.epoch + 1}/{self.epochs} (global step {self.global_step + 1}) on {bad} of "
-            f"{self.strategy.num_replicas_in_sync} replica(s) (rank {rank}'s own loss is "
-            f"{mine}); fit stopped before the optimizer step, "
-            f"so the weights are those after global step {self.global_step}. HINT: lower the "
-            "learning rate, clip gradients, or look for NaN/inf in this step's input; "
-            "fit(..., terminate_on_nan=False) trains on regardless.")
+            f"{self.strategy.num_replicas_in_sync} replica(s) (rank {rank}'s own loss is {mine}); "
+            "fit stopped before the optimizer step, so the weights are those after global step "
+            f"{self.global_step}. HINT: lower the learning rate, clip gradients, or look for "
+            "NaN/inf in this step's input; fit(..., terminate_on_nan=False) trains on regardless.")
 
     def _reduced(self, metrics: list[Metric]) -> list[torch.Tensor]:
         """The metrics' sums over all replicas, reduced with the error flag in one collective."""
@@ -323,8 +317,7 @@ class Trainer:
             isinstance(cb, TerminateOnNaN) for cb in callbacks)
         self.stop_training = False
         self.model.train()
-        started = time.perf_counter()
-        self._samples_seen = 0.0
+        started, self._samples_seen = time.perf_counter(), 0.0
         try:
             self._hook("on_train_begin", {})
             self._errors.agree()
@@ -384,8 +377,7 @@ class Trainer:
             logs.update(self.evaluate(validation_data, _prefix="val_"))
             self.model.train()
         # the epoch is done: advance first, so a backup taken in on_epoch_end resumes after it
-        self.epoch += 1
-        self.step_in_epoch = 0
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
         self._hook("on_epoch_end", epoch, logs)
         self._errors.agree()
 
