@@ -65,9 +65,7 @@ class Warmup(LRScheduler):
         start = self.start_factors[group]
         if step >= self.steps:
             return 1.0
-        if self.mode == "constant":
-            return start
-        return start + (1.0 - start) * step / self.steps
+        return start if self.mode == "constant" else start + (1.0 - start) * step / self.steps
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         """Chainable form: scale the current rate by this step's change of the factor."""

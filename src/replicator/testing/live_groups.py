@@ -105,8 +105,7 @@ class Group:
             p.join(max(0.1, deadline - time.monotonic()))
         codes = self.poll()
         if any(c is None for c in codes):
-            raise TimeoutError(f"replica group {self.group} did not finish within "
-                               f"{timeout:.0f} s")
+            raise TimeoutError(f"replica group {self.group} did not finish within {timeout:.0f} s")
         return [int(c) for c in codes if c is not None]
 
     def signal(self, sig: int) -> None:

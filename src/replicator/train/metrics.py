@@ -132,14 +132,16 @@ class Accuracy(SparseCategoricalAccuracy):
                 f"{self.name}: a one-output model ({_shape(y_pred)}) needs 0/1 targets, got "
                 f"values such as {labels[(labels != 0) & (labels != 1)][:3].tolist()}. HINT: "
                 "for several classes the model needs one output per class ([N, C]).")
-        if not self.from_logits and scores.numel() and (scores.min() < 0 or scores.max() > 1):
-            raise ValueError(
-                f"{self.name}: binary outputs must be probabilities in [0, 1] but range "
-                f"from {float(scores.min()):.3g} to {float(scores.max()):.3g}. HINT: for "
-                "logits pass rp.metrics.Accuracy(from_logits=True) (the Trainer does so "
-                "for BCEWithLogitsLoss), or end the model with a sigmoid.")
-        cut = math.log(self.threshold / (1.0 - self.threshold)) if self.from_logits \
-            else self.threshold
+        if self.from_logits:
+            cut = math.log(self.threshold / (1.0 - self.threshold))
+        else:
+            if scores.numel() and (scores.min() < 0 or scores.max() > 1):
+                raise ValueError(
+                    f"{self.name}: binary outputs must be probabilities in [0, 1] but range "
+                    f"from {float(scores.min()):.3g} to {float(scores.max()):.3g}. HINT: for "
+                    "logits pass rp.metrics.Accuracy(from_logits=True) (the Trainer does so "
+                    "for BCEWithLogitsLoss), or end the model with a sigmoid.")
+            cut = self.threshold
         return ((scores > cut).to(torch.float64) == labels.to(torch.float64)).to(torch.float64)
 
     def _per_sample(self, y_pred, y_true, n):
