@@ -8,12 +8,9 @@ runs::
     with strategy.scope():
         model = Net(); optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-The top level holds what a training script writes. The machinery lives in its room:
-all-reduce algorithms, compression and DDP hooks in :mod:`replicator.comm`, every error class
-in :mod:`replicator.errors`, every callback in :mod:`replicator.callbacks`, storage in
-:mod:`replicator.checkpoint`, the cluster and exit codes in :mod:`replicator.cluster`, the
-strategy registry in :mod:`replicator.strategies`.
-"""
+The top level holds what a training script writes; the machinery lives in its room
+(:mod:`replicator.comm`, ``.errors``, ``.callbacks``, ``.checkpoint``, ``.cluster``,
+``.strategies``)."""
 
 from __future__ import annotations
 
@@ -67,19 +64,16 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
     )
     from replicator.train import Callback, EarlyStopping, ModelCheckpoint, Replicator, Trainer
 
-#: Where each top-level name lives. ``import replicator`` imports none of them (so the command
-#: line, the launcher and ``replicator --help`` start without importing torch); the first use of
-#: a name imports its module.
+#: Where each top-level name lives; its first use imports it, so ``import replicator`` (the
+#: command line, the launcher, ``replicator --help``) does not import torch.
 _LAZY: dict[str, str] = {
     **{room: f"replicator.{room}" for room in (
         "callbacks", "checkpoint", "cluster", "comm", "data", "metrics", "optim", "plan", "rl",
         "scaling", "testing", "strategies", "train", "ps", "resume", "parallel", "precision")},
-    "Topology": "replicator.cluster",
+    "Topology": "replicator.cluster", "InputContext": "replicator.data",
     "CommunicationOptions": "replicator.comm", "ReduceOp": "replicator.comm",
-    "InputContext": "replicator.data",
-    "MixedPrecision": "replicator.precision",
+    "MixedPrecision": "replicator.precision", "BackupAndRestore": "replicator.resume",
     "ClusterCoordinator": "replicator.ps", "ParameterServerStrategy": "replicator.ps",
-    "BackupAndRestore": "replicator.resume",
     **dict.fromkeys(
         ["CentralStorageStrategy", "DiLoCoStrategy", "FSDPStrategy", "LocalSGDStrategy",
          "MeshStrategy", "MirroredStrategy", "MultiWorkerMirroredStrategy", "OneDeviceStrategy",
@@ -126,19 +120,16 @@ _MOVED: dict[str, str] = {
          "CheckpointCorruptError", "UnsafeCheckpointError", "CheckpointWriteError",
          "NonFiniteLossError", "PreemptedError", "ParameterServerError",
          "ParameterServerLostError", "CallbackFailedError"], "replicator.errors"),
-    **dict.fromkeys(
-        ["ReplicaContext", "register_strategy", "MemoryReport"], "replicator.strategies"),
-    "available_strategies": "replicator.ps",
+    **dict.fromkeys(["ReplicaContext", "register_strategy", "MemoryReport"],
+                    "replicator.strategies"),
     **dict.fromkeys(["LearningRateScheduler", "CSVLogger", "TensorBoard", "TerminateOnNaN",
                      "History", "ProgressBar"], "replicator.callbacks"),
-    "CheckpointManager": "replicator.checkpoint",
-    "PREEMPTION_EXIT_CODE": "replicator.cluster",
-    "partitioners": "replicator.ps",
+    "available_strategies": "replicator.ps", "partitioners": "replicator.ps",
+    "CheckpointManager": "replicator.checkpoint", "PREEMPTION_EXIT_CODE": "replicator.cluster",
 }
 
 #: Rooms that hold moved names; listed by ``dir(rp)`` beside ``__all__``.
 _ROOMS = ("strategies", "train", "ps", "resume", "parallel", "plan", "rl")
-
 
 _lazy = lazy_getattr(__name__, _LAZY)
 

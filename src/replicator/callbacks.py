@@ -1,9 +1,5 @@
-"""Every Trainer callback in one namespace, as ``keras.callbacks``: ``rp.callbacks.X``.
-
-The classes live in their rooms (:mod:`replicator.train` for the logging and control
-callbacks, :mod:`replicator.resume` for :class:`BackupAndRestore`); this module only gathers
-them. Custom callbacks subclass :class:`Callback` and override Keras's hook names.
-"""
+"""Every Trainer callback in one namespace, as ``keras.callbacks``: ``rp.callbacks.X``, gathered
+from :mod:`replicator.train` and :mod:`replicator.resume` (:class:`BackupAndRestore`)."""
 
 from replicator.resume import BackupAndRestore
 from replicator.train import (

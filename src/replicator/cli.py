@@ -21,36 +21,31 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart the whole group up to this many times after a failure (with "
                    "--replica-groups: each replica group alone, this many times per group)")
-    p.add_argument("--master-port", type=int, default=None,
-                   help="rendezvous port on 127.0.0.1 (default: MASTER_PORT if set, else a "
-                   "free one)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port on 127.0.0.1 "
+                   "(default: MASTER_PORT if set, else a free one)")
     p.add_argument("--timeout", type=float, default=None, dest="timeout_seconds",
                    help="seconds a collective may wait for the other replicas (default 300)")
-    p.add_argument("--num-ps", type=int, default=0,
-                   help="how many of the --nproc processes (the last ranks) are parameter "
-                   "servers, for ParameterServerStrategy")
+    p.add_argument("--num-ps", type=int, default=0, help="how many of the --nproc processes "
+                   "(the last ranks) are parameter servers, for ParameterServerStrategy")
     p.add_argument("--num-actors", type=int, default=0,
                    help="actor processes started beside the --nproc learners, for rp.rl "
                    "(reinforcement learning); restarted alone with --max-restarts")
-    p.add_argument("--force", action="store_true",
-                   help="start the workers even when this machine's available memory cannot "
-                   "hold them (about 300 MB each)")
+    p.add_argument("--force", action="store_true", help="start the workers even when this "
+                   "machine's available memory cannot hold them (about 300 MB each)")
     p.add_argument("--start-method", choices=("forkserver", "spawn"), default="forkserver",
                    help="forkserver (default): fork each worker from a process that imported "
                    "torch once, starting workers and restarts in a fraction of a second; "
                    "spawn: a fresh python per worker (with --nnodes torchrun starts them)")
-    p.add_argument("--quiet-workers", action="store_true",
-                   help="show only the chief's (rank 0) output; failures of any rank are "
-                   "still reported")
+    p.add_argument("--quiet-workers", action="store_true", help="show only the chief's (rank "
+                   "0) output; failures of any rank are still reported")
     multi = p.add_argument_group("several nodes (torch.distributed.elastic, like torchrun)")
     multi.add_argument("--nnodes", type=int, default=1,
                        help="number of nodes (machines) of the job; run the same command on each")
     multi.add_argument("--node-rank", type=int, default=None,
                        help="this node's index, 0..nnodes-1 (node 0 hosts the rendezvous)")
-    multi.add_argument("--master-addr", default=None,
-                       help="node 0's address on the network every node shares; the "
-                       "rendezvous store listens there only (trusted networks only: "
-                       "torch.distributed has no authentication)")
+    multi.add_argument("--master-addr", default=None, help="node 0's address on the network "
+                       "every node shares; the rendezvous store listens there only (trusted "
+                       "networks only: torch.distributed has no authentication)")
     multi.add_argument("--rdzv-timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS,
                        help="seconds the nodes may take to meet (default %(default)s)")
 
@@ -64,18 +59,16 @@ def _add_replica_group_flags(p: argparse.ArgumentParser) -> None:
     live.add_argument("--replica-groups", type=int, default=None, metavar="N",
                       help="start N replica groups of --nproc processes each, and torchft's "
                       "lighthouse on 127.0.0.1 (unless --lighthouse/--join)")
-    live.add_argument("--min-replicas", type=int, default=1, metavar="M",
-                      help="fewest replica groups a step may commit with; below it the job "
-                      "waits (default 1)")
+    live.add_argument("--min-replicas", type=int, default=1, metavar="M", help="fewest "
+                      "replica groups a step may commit with; below it the job waits (default 1)")
     live.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
                       help="use the torchft lighthouse running at HOST:PORT instead of "
                       "starting one (groups 0..N-1, or from --replica-group-id)")
     live.add_argument("--join", default=None, metavar="HOST:PORT",
                       help="add replica groups (default 1) to the running job whose lighthouse "
                       "is at HOST:PORT, with ids it has not seen")
-    live.add_argument("--replica-group-id", type=int, default=None, metavar="G",
-                      help="the id of this command's first group (the others follow: G, "
-                      "G+1, ...)")
+    live.add_argument("--replica-group-id", type=int, default=None, metavar="G", help="the id "
+                      "of this command's first group (the others follow: G, G+1, ...)")
     live.add_argument("--lighthouse-bind", default=None, metavar="ADDR[:PORT]",
                       help="where the lighthouse started here listens (default 127.0.0.1 and "
                       "a free port); another address exposes it to that network")
@@ -96,14 +89,12 @@ def _stray_replica_group_flag(args: argparse.Namespace) -> str | None:
     """A replica-group flag given without ``--replica-groups``/``--join``/``--lighthouse``."""
     if args.command != "run" or _replica_groups_asked(args):
         return None
-    for flag, given in (("--min-replicas", args.min_replicas != 1),
-                        ("--replica-group-id", args.replica_group_id is not None),
-                        ("--lighthouse-bind", args.lighthouse_bind is not None),
-                        ("--heartbeat-timeout", args.heartbeat_timeout != 2.0),
-                        ("--join-timeout", args.join_timeout != 60.0)):
-        if given:
-            return flag
-    return None
+    return next((flag for flag, given in (
+        ("--min-replicas", args.min_replicas != 1),
+        ("--replica-group-id", args.replica_group_id is not None),
+        ("--lighthouse-bind", args.lighthouse_bind is not None),
+        ("--heartbeat-timeout", args.heartbeat_timeout != 2.0),
+        ("--join-timeout", args.join_timeout != 60.0)) if given), None)
 
 
 def _run_replica_groups(args: argparse.Namespace) -> None:
@@ -139,15 +130,16 @@ def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        torch_version = version("torch")
+        return f"replicator {replicator.__version__} (torch {version('torch')})"
     except PackageNotFoundError:
-        torch_version = "not installed"
-    return f"replicator {replicator.__version__} (torch {torch_version})"
+        return f"replicator {replicator.__version__} (torch not installed)"
 
 
 def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     """The command's parser, and the demo's own options (forwarded to the demo)."""
+    from replicator.checkpoint import command_line
     from replicator.demo import options as demo_options
+    from replicator.plan import cli_commands
 
     parser = argparse.ArgumentParser(prog="replicator", description="Distributed training for "
                                      "PyTorch: run scripts on several local workers.")
@@ -171,23 +163,15 @@ def _parser() -> tuple[argparse.ArgumentParser, list[argparse.Action]]:
     demo_actions = demo_options.add_arguments(demo.add_argument_group("demo options"))
     sub.add_parser("env", help="print what replicator sees: devices, cores, torch, and the "
                    "all-reduce that 'auto' picks")
-    from replicator.plan import cli_commands
-
     cli_commands.add_subcommands(sub)  # bench, plan
-    from replicator.checkpoint import command_line
-
     command_line.add_subcommand(sub)  # checkpoints list|verify|export
     return parser, demo_actions
 
 
 def _demo_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
     """The demo's options as given, to pass on to the demo script."""
-    argv: list[str] = []
-    for action in actions:
-        value = getattr(args, action.dest)
-        if value != action.default:
-            argv += [action.option_strings[-1], str(value)]
-    return argv
+    return [arg for a in actions if getattr(args, a.dest) != a.default
+            for arg in (a.option_strings[-1], str(getattr(args, a.dest)))]
 
 
 def _print_env() -> None:
@@ -195,14 +179,13 @@ def _print_env() -> None:
 
     from replicator.cluster.devices import available_accelerators
     from replicator.cluster.environment import resolve_cluster
+    from replicator.comm.selection import describe_auto
 
     print(f"torch {torch.__version__}; CPU cores {os.cpu_count()}; CUDA devices "
           f"{available_accelerators()}; gloo {torch.distributed.is_gloo_available()}; "
           f"nccl {torch.distributed.is_nccl_available()}")
     spec = resolve_cluster()
     print(f"cluster: {spec}")
-    from replicator.comm.selection import describe_auto
-
     choice = describe_auto(local_replicas=max(1, spec.local_world_size))
     hosts = "; across several hosts: hierarchical" if choice.name == "shared_memory" else ""
     print(f"CommunicationOptions(implementation='auto') would choose: {choice.name} "
@@ -234,16 +217,14 @@ def _refusal(args: argparse.Namespace) -> str | None:
     if args.command == "demo":
         from replicator.demo.options import strategy_refusal
 
-        refusal = strategy_refusal(args.strategy, args.nproc, args.num_ps)
-        if refusal is not None:
+        if (refusal := strategy_refusal(args.strategy, args.nproc, args.num_ps)) is not None:
             return refusal
     if not args.force and isinstance(args.nproc, int):
         from replicator.launch.memory_budget import available_memory, memory_refusal
 
         groups = args.replica_groups if _replica_groups_asked(args) else None
         total = args.nproc * groups if isinstance(groups, int) and groups > 0 else args.nproc
-        refusal = memory_refusal(total, available_memory())
-        if refusal is not None:
+        if (refusal := memory_refusal(total, available_memory())) is not None:
             return refusal
     stray = _stray_replica_group_flag(args)
     return None if stray is None else (
@@ -268,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         return inspection.run(args)
     from replicator.launch.script_launch import run_script
 
-    refusal = _refusal(args)
-    if refusal is not None:
+    if (refusal := _refusal(args)) is not None:
         print(f"replicator {args.command}: error: {refusal}", file=sys.stderr)
         return USAGE_EXIT_CODE
     if args.command == "demo":
@@ -290,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.num_actors:
                 raise ClusterConfigError("--num-actors runs on one machine for now. HINT: "
                                          "drop --nnodes/--node-rank/--master-addr.")
-
             run_multi_node(script, script_args, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, nproc_per_node=args.nproc,
                            master_port=_master_port(args), max_restarts=args.max_restarts,

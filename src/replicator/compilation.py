@@ -1,19 +1,14 @@
-"""How replicator meets ``torch.compile``: what is compiled and what stays eager.
-
-A compiled model or loss works as usual: the strategy's gradient hooks run between the forward
-and backward graphs (never inside one, so no recompile). A compiled ``step_fn`` breaks at
-``loss.backward()`` and the collectives, and dynamo would trace the library's frames run from
-autograd's hooks: :func:`keep_library_eager` (called by ``Strategy.run`` once compile is in
-use) keeps replicator's communication code eager.
-"""
+"""How replicator meets ``torch.compile``: a compiled model, loss or ``step_fn`` works as usual,
+but dynamo would trace the library's frames run from autograd's hooks, so
+:func:`keep_library_eager` (called by ``Strategy.run`` once compile is in use) keeps
+replicator's communication code eager."""
 
 from __future__ import annotations
 
 import functools
 import sys
 
-#: The packages whose code always runs eagerly under ``torch.compile``: collectives, gradient
-#: averaging and their progress tracking (they talk to other processes and keep counters).
+#: Always eager under ``torch.compile``: collectives, gradient averaging and their counters.
 EAGER_PACKAGES = ("replicator.comm",)
 
 

@@ -1,9 +1,5 @@
-"""Exceptions raised by replicator: each carries the cause and, where it helps, a fix.
-
-Every error class a user may catch is here (``rp.errors.X``); the top level keeps only
-``ReplicatorError``, the base of all of them, and ``WorkerFailedError``, which ``rp.launch``
-raises. Errors of the input pipeline are in :mod:`replicator.data`.
-"""
+"""Exceptions raised by replicator, each with its cause and, where it helps, a fix: every error
+class a user may catch (``rp.errors.X``) but the input pipeline's (:mod:`replicator.data`)."""
 
 from __future__ import annotations
 
@@ -36,18 +32,13 @@ class ReplicaMismatchError(ReplicatorError, ValueError):
 
 
 class WorkerFailedError(ReplicatorError):
-    """A worker process failed; carries its rank, exit code and traceback.
-
-    Raised by the local launcher (``rp.launch``, ``replicator run``) in the parent process.
-    """
+    """A worker process failed; carries its rank, exit code and traceback. Raised by the local
+    launcher (``rp.launch``, ``replicator run``) in the parent process."""
 
     def __init__(self, rank: int, exitcode: int | None, message: str, traceback_text: str = "",
                  others: list[str] | None = None) -> None:
-        self.rank = rank
-        self.exitcode = exitcode
-        self.message = message
-        self.traceback_text = traceback_text
-        self.others = others or []
+        self.rank, self.exitcode, self.message = rank, exitcode, message
+        self.traceback_text, self.others = traceback_text, others or []
         lines = [f"rank {rank} failed (exit code {exitcode}): {message}"]
         if traceback_text:
             lines += ["", f"Traceback of rank {rank}:", traceback_text.rstrip()]
@@ -91,11 +82,9 @@ class NonFiniteLossError(ReplicatorError, FloatingPointError):
 
 
 class PreemptedError(WorkerFailedError):
-    """The job was preempted (SIGTERM): the workers saved a backup and stopped.
-
-    ``exit_code`` (also ``exitcode``) is what a launcher should exit with, 75
-    (``EX_TEMPFAIL``), so that the scheduler reruns the job, which then resumes from the backup.
-    """
+    """The job was preempted (SIGTERM): the workers saved a backup and stopped. A launcher
+    exits with ``exit_code`` (also ``exitcode``), 75 (``EX_TEMPFAIL``), so that the scheduler
+    reruns the job, which then resumes from the backup."""
 
     def __init__(self, message: str, rank: int = 0, exit_code: int = 75) -> None:
         super().__init__(rank, exit_code, message)
@@ -105,10 +94,7 @@ class PreemptedError(WorkerFailedError):
 
 class CollectiveMismatchError(ReplicaMismatchError):
     """Replicas entered different collectives at the same point (another operation, shape,
-    dtype or call count): the fingerprints exchanged before the payload disagree.
-
-    ``calls`` maps each rank to a description of its call and the user's call site.
-    """
+    dtype or call count); ``calls`` maps each rank to its call and the user's call site."""
 
     def __init__(self, message: str, calls: dict[int, str] | None = None) -> None:
         self.calls = dict(calls or {})
@@ -139,8 +125,7 @@ class ReplicaGroupFailedError(WorkerFailedError):
                  max_restarts: int) -> None:
         super().__init__(failure.rank, failure.exitcode, failure.message,
                          failure.traceback_text, failure.others)
-        self.group = group
-        self.restarts = restarts
+        self.group, self.restarts = group, restarts
         self.args = (f"replica group {group} failed after {restarts} restart(s) "
                      f"(--max-restarts {max_restarts} per group): {self.args[0]}",)
 

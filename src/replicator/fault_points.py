@@ -1,11 +1,5 @@
 """Named points inside a save, or a parameter server's commit, where tests may inject a fault
-(see ``rp.testing``).
-
-The checkpoint writer calls :func:`fire` at each point; with no hook registered it costs one
-dictionary lookup. ``rp.testing.kill_during_save`` registers a hook at ``"before_commit"``, the
-moment after the data files were written and renamed into place but before the commit marker,
-which is the hardest place for a crash.
-"""
+(``rp.testing.kill_during_save``); :func:`fire` with no hook registered costs one lookup."""
 
 from __future__ import annotations
 

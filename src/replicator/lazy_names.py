@@ -12,13 +12,10 @@ from typing import Any
 
 def lazy_getattr(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package`` that imports ``homes[name]`` on first use and
-    returns the module itself (when ``homes[name]`` is ``package.name``) or its attribute
-    ``name``; the value is kept on the package, so the next use is a plain attribute read.
-    Unknown names raise AttributeError with ``name`` and ``obj`` set (close-name hints)."""
+    keeps the module (``package.name``) or its attribute ``name`` on the package."""
 
     def __getattr__(name: str) -> Any:
-        home = homes.get(name)
-        if home is None:
+        if (home := homes.get(name)) is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}", name=name,
                                  obj=sys.modules[package])
         module = importlib.import_module(home)

@@ -1,12 +1,6 @@
-"""Mixed precision as a policy of the strategy: compute in bf16/fp16, keep fp32 parameters.
-
-``rp.MixedPrecision("bf16")`` or ``"fp16"`` (dynamic loss scaler) given to
-``strategy.scope(precision=...)`` runs each set-up module's forward under ``torch.autocast``;
-parameters, gradients and optimizer state stay float32, float outputs come back float32. With a
-scaler, ``policy.step(optimizer)`` unscales, checks for inf/NaN and *agrees across replicas*
-before stepping or skipping. The strategy binds itself (:meth:`MixedPrecision.bind`), so this
-module imports none.
-"""
+"""Mixed precision as a policy of the strategy: compute in bf16/fp16 under ``torch.autocast``,
+keep float32 parameters, gradients, optimizer state and outputs. With a loss scaler,
+``policy.step(optimizer)`` agrees across replicas on inf/NaN before stepping or skipping."""
 
 from __future__ import annotations
 
@@ -42,23 +36,17 @@ class MixedPrecision:
     """A mixed-precision policy: ``dtype`` ``"bf16"``, ``"fp16"`` or ``"fp32"`` (Keras' names
     accepted); ``loss_scale`` ``"auto"`` (dynamic for fp16), ``"dynamic"`` (as ``GradScaler``:
     ``init_scale``, ``backoff_factor``, ``growth_interval``), a number or ``None``;
-    ``device_type``: autocast's (default: the strategy's device).
-    """
+    ``device_type``: autocast's (default: the strategy's device)."""
 
     def __init__(self, dtype: str | torch.dtype = "bf16", *, loss_scale: str | float | None =
                  "auto", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  device_type: str | None = None, cast_outputs: bool = True) -> None:
-        if isinstance(dtype, torch.dtype):
-            if dtype not in _DTYPES.values():
-                raise ValueError(f"MixedPrecision: unsupported dtype {dtype}; use bf16, fp16 "
-                                 "or fp32")
-            self.compute_dtype = dtype
-        elif isinstance(dtype, str) and dtype.lower() in _DTYPES:
-            self.compute_dtype = _DTYPES[dtype.lower()]
-        else:
+        compute = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype).lower())
+        if compute is None or compute not in _DTYPES.values():
             raise ValueError(f"MixedPrecision: unknown dtype {dtype!r}; available: bf16, fp16, "
                              "fp32 (or torch.bfloat16/torch.float16)")
+        self.compute_dtype = compute
         if loss_scale == "auto":
             loss_scale = "dynamic" if self.compute_dtype == torch.float16 else None
         if loss_scale is not None and loss_scale != "dynamic":
@@ -70,21 +58,16 @@ class MixedPrecision:
                 and init_scale > 0):
             raise ValueError("MixedPrecision: need growth_factor > 1, 0 < backoff_factor < 1, "
                              "growth_interval >= 1 and init_scale > 0")
-        self.dynamic = loss_scale == "dynamic"
-        self.scaling = loss_scale is not None
+        self.dynamic, self.scaling = loss_scale == "dynamic", loss_scale is not None
         self._scale = float(init_scale if self.dynamic else (loss_scale or 1.0))
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self._growth_tracker = 0
-        self.device_type = device_type
-        self.cast_outputs = bool(cast_outputs)
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self._growth_tracker = int(growth_interval), 0
+        self.device_type, self.cast_outputs = device_type, bool(cast_outputs)
         self._strategy: ReplicaReducer | None = None
         self._unscaled: set[int] = set()
         #: steps skipped so far because some replica saw inf/NaN gradients
         self.skipped_steps = 0
 
-    # -- policy ------------------------------------------------------------------------------
     @property
     def enabled(self) -> bool:
         """False for ``"fp32"`` (the policy then changes nothing)."""
@@ -132,7 +115,6 @@ class MixedPrecision:
         module.forward = types.MethodType(_autocast_forward, module)  # type: ignore
         return module
 
-    # -- loss scaling --------------------------------------------------------------------------
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the current loss scale (unchanged without a scaler)."""
         return loss * self._scale if self.scaling else loss
@@ -166,11 +148,10 @@ class MixedPrecision:
         if strategy is None:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 raise ReplicatorError(
-                    f"{self!r} decides on inf/NaN gradients in a job of "
-                    f"{dist.get_world_size()} processes without a strategy: the replicas could "
-                    "skip different steps and drift apart. HINT: give the policy to the "
-                    "strategy, `with strategy.scope(precision=policy):`, or call "
-                    "policy.bind(strategy).")
+                    f"{self!r} decides on inf/NaN gradients in a job of {dist.get_world_size()} "
+                    "processes without a strategy: the replicas could skip different steps and "
+                    "drift apart. HINT: give the policy to the strategy, `with "
+                    "strategy.scope(precision=policy):`, or call policy.bind(strategy).")
         elif strategy.num_replicas_in_sync > 1:
             local = strategy.reduce("max", local)
         return bool(local.item() > 0)
@@ -188,20 +169,13 @@ class MixedPrecision:
             self.skipped_steps += 1
         else:
             optimizer.step()
-        self._update(bad)
-        return not bad
-
-    def _update(self, found_inf: bool) -> None:
-        if not self.dynamic:
-            return
-        if found_inf:
-            self._scale *= self.backoff_factor
-            self._growth_tracker = 0
-        else:
+        if self.dynamic and bad:  # GradScaler's rule for the scale
+            self._scale, self._growth_tracker = self._scale * self.backoff_factor, 0
+        elif self.dynamic:
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
-                self._scale *= self.growth_factor
-                self._growth_tracker = 0
+                self._scale, self._growth_tracker = self._scale * self.growth_factor, 0
+        return not bad
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state, for checkpoints."""
@@ -209,8 +183,7 @@ class MixedPrecision:
                 "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scale = float(state["scale"])
-        self._growth_tracker = int(state["growth_tracker"])
+        self._scale, self._growth_tracker = float(state["scale"]), int(state["growth_tracker"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 

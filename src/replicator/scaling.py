@@ -1,17 +1,6 @@
-"""Learning-rate rules for large global batches: scaling with the batch, and warmup.
-
-Weak scaling trains with a global batch many times the one a learning rate was tuned for. The
-rules the large-batch literature found: scale the learning rate with the batch (linearly,
-Goyal et al. 2017, or by the square root, common with adaptive optimizers) and reach it
-gradually over the first steps (warmup), so the early, badly conditioned steps do not diverge::
-
-    lr = rp.scaling.scaled_lr(0.05, base_batch=128, global_batch=4096)          # 1.6
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    warm = rp.scaling.warmup(optimizer, steps=5 * steps_per_epoch, start_lr=0.05)
-    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, decay],
-                                                     milestones=[5 * steps_per_epoch])
-"""
+"""Learning-rate rules for large global batches (docs/large_batch.md): scale the learning rate
+with the batch (:func:`scaled_lr`) and reach it gradually over the first steps (:func:`warmup`),
+so the early, badly conditioned steps do not diverge."""
 
 from __future__ import annotations
 
@@ -30,8 +19,7 @@ RULES = ("linear", "sqrt", "none")
 def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "linear") -> float:
     """The learning rate for ``global_batch`` from one tuned at ``base_batch``: ``"linear"``
     (Goyal et al. 2017, SGD), ``"sqrt"`` (keeps the gradient noise scale; Adam/LAMB) or
-    ``"none"``.
-    """
+    ``"none"``."""
     if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or \
             not math.isfinite(base_lr) or base_lr < 0:
         raise ValueError(f"scaled_lr: base_lr must be a finite number >= 0, got {base_lr!r}")
@@ -48,8 +36,7 @@ def scaled_lr(base_lr: float, base_batch: int, global_batch: int, rule: str = "l
 class Warmup(LRScheduler):
     """Multiplies each group's learning rate by a factor rising from ``start_factor`` (one, or one
     per group) to 1 over ``steps`` calls (``"linear"``) or held until then (``"constant"``);
-    chainable, so it composes with ``ChainedScheduler`` and ``SequentialLR``.
-    """
+    chainable, so it composes with ``ChainedScheduler`` and ``SequentialLR``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, steps: int,
                  start_factor: float | list[float], mode: str = "linear",
@@ -69,8 +56,7 @@ class Warmup(LRScheduler):
                 raise ValueError(f"warmup: start factor {f!r} is not in (0, 1]. HINT: the warmup "
                                  "starts at start_factor * lr and must start above zero; "
                                  "start_lr must be at most the optimizer's lr")
-        self.steps = steps
-        self.mode = mode
+        self.steps, self.mode = steps, mode
         self.start_factors = [float(f) for f in factors]
         super().__init__(optimizer, last_epoch)
 
@@ -79,22 +65,15 @@ class Warmup(LRScheduler):
         start = self.start_factors[group]
         if step >= self.steps:
             return 1.0
-        if self.mode == "constant":
-            return start
-        return start + (1.0 - start) * step / self.steps
+        return start if self.mode == "constant" else start + (1.0 - start) * step / self.steps
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         """Chainable form: scale the current rate by this step's change of the factor."""
-        t = self.last_epoch
-        lrs = []
-        for i, group in enumerate(self.optimizer.param_groups):
-            if t == 0:
-                lrs.append(group["lr"] * self.factor(0, i))
-            elif t > self.steps:
-                lrs.append(group["lr"])
-            else:
-                lrs.append(group["lr"] * self.factor(t, i) / self.factor(t - 1, i))
-        return lrs
+        t, groups = self.last_epoch, self.optimizer.param_groups
+        if t > self.steps:
+            return [group["lr"] for group in groups]
+        return [group["lr"] * self.factor(t, i) / (self.factor(t - 1, i) if t > 0 else 1.0)
+                for i, group in enumerate(groups)]
 
     def _get_closed_form_lr(self) -> list[float | torch.Tensor]:
         return [base * self.factor(self.last_epoch, i) for i, base in enumerate(self.base_lrs)]
@@ -105,8 +84,7 @@ def warmup(optimizer: torch.optim.Optimizer, steps: int, *, start_lr: float | No
            last_epoch: int = -1) -> Warmup:
     """A scheduler bringing ``optimizer``'s learning rates up to their set values over ``steps``
     steps (``step()`` per optimizer step), from ``start_lr`` (e.g. :func:`scaled_lr`'s
-    ``base_lr``, as Goyal et al.), ``start_factor`` times each rate, or ``1 / steps`` of it.
-    """
+    ``base_lr``, as Goyal et al.), ``start_factor`` times each rate, or ``1 / steps`` of it."""
     if start_lr is not None and start_factor is not None:
         raise ValueError("warmup: give start_lr or start_factor, not both")
     if steps == 0:

@@ -1,12 +1,12 @@
 """Train a small CNN on scikit-learn's 8x8 handwritten digits with MirroredStrategy.
 
 Run it with ``replicator demo`` (2 local workers) or ``replicator run --nproc N`` on this file.
-The dataset ships inside scikit-learn (1,797 images), so nothing is downloaded.
-"""
+The dataset ships inside scikit-learn (1,797 images), so nothing is downloaded."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import time
 from pathlib import Path
@@ -66,10 +66,9 @@ def load_digits_split(test_fraction: float = 0.2, seed: int = 0
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
-def _progress(enabled: bool, total: int):
-    """A rich progress bar on a terminal; ``None`` (plain lines) otherwise."""
-    # Under ``replicator run`` the chief writes into a pipe that the launcher relays to a
-    # terminal; the launcher says so with TTY_COMPATIBLE=1, which is_live_terminal reads.
+def _progress(enabled: bool):
+    """A rich progress bar on a live terminal (also one ``replicator run`` relays the chief's
+    output to, see ``is_live_terminal``); ``None`` (plain lines) otherwise."""
     if not enabled or not is_live_terminal():
         return None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -107,16 +106,13 @@ def main(argv: list[str] | None = None) -> float:
         return loss.detach()
 
     if strategy.is_chief:
-        print(f"replicator demo: {type(strategy).__name__} with "
-              f"{strategy.num_replicas_in_sync} replica(s) on {strategy.device}, "
-              f"{len(train_set)} training digits, global batch {args.batch_size}, "
-              f"{total} steps", flush=True)
-    progress = _progress(strategy.is_chief, total)
+        print(f"replicator demo: {type(strategy).__name__} with {strategy.num_replicas_in_sync} "
+              f"replica(s) on {strategy.device}, {len(train_set)} training digits, global batch "
+              f"{args.batch_size}, {total} steps", flush=True)
+    progress = _progress(strategy.is_chief)
     task = progress.add_task("train", total=total, speed=0.0, loss=0.0) if progress else None
-    if progress:
-        progress.start()
     step, loss, t0 = 0, torch.tensor(0.0), time.perf_counter()
-    try:
+    with progress or contextlib.nullcontext():  # a rich Progress starts and stops the bar
         for epoch in range(args.epochs):
             first = step
             for batch in dist_train:
@@ -139,9 +135,6 @@ def main(argv: list[str] | None = None) -> float:
                       f"loss {float(loss):.4f}  {speed:.1f} steps/s", flush=True)
             if step >= total:
                 break
-    finally:
-        if progress:
-            progress.stop()
 
     accuracy = evaluate(strategy, model, test_set)
     wall = time.perf_counter() - start

@@ -1,9 +1,5 @@
-"""Optimizers for large global batches (LARS, LAMB) and gradient accumulation.
-
-``rp.optim.LARS`` and ``rp.optim.LAMB`` are ``torch.optim.Optimizer`` subclasses: create them
-in ``strategy.scope()`` like any other optimizer. ``strategy.accumulate(k)`` returns a
-:class:`GradientAccumulator`.
-"""
+"""Optimizers for large global batches (LARS, LAMB: created in ``strategy.scope()`` like any
+other) and gradient accumulation (``strategy.accumulate(k)``)."""
 
 from replicator.optim.accumulation import GradientAccumulator
 from replicator.optim.layerwise import LAMB, LARS, exclude_1d, full_norm, trust_ratio

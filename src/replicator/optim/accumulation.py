@@ -1,9 +1,6 @@
-"""Gradient accumulation: ``k`` micro-batches make the gradient of one ``k``-times batch.
-
-On the public strategy API only: the first ``k - 1`` backward passes of a cycle run inside
-``strategy.no_sync()``, the ``k``-th synchronises the sum as the strategy always does, and each
-loss is divided by ``k`` (the mean-loss gradient of ``k * global_batch`` samples).
-"""
+"""Gradient accumulation: ``k`` micro-batches make the gradient of one ``k``-times batch. The
+first ``k - 1`` backward passes of a cycle run inside ``strategy.no_sync()``, the ``k``-th
+synchronises the sum, and each loss is divided by ``k``."""
 
 from __future__ import annotations
 
@@ -30,11 +27,9 @@ class GradientAccumulator:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"accumulate(k): k must be an int >= 1, got {k!r}. HINT: k is the "
                              "number of micro-batches whose gradients make one step")
-        self.k = k
-        self._no_sync = no_sync
-        self._count = 0  # micro-batches entered in the current cycle
+        self.k, self._no_sync = k, no_sync
+        self._count, self._ready = 0, False  # micro-batches entered in the current cycle
         self._inside: contextlib.AbstractContextManager[Any] | None = None
-        self._ready = False
 
     @property
     def micro_step(self) -> int:
@@ -93,5 +88,4 @@ class GradientAccumulator:
     def reset(self) -> None:
         """Start a new cycle (after an epoch whose length ``k`` does not divide; zero the
         optimizer's gradients too, or they carry into the next cycle)."""
-        self._count = 0
-        self._ready = False
+        self._count, self._ready = 0, False

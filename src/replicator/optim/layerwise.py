@@ -1,11 +1,6 @@
-"""LARS and LAMB, the layer-wise optimizers for large batches, and what they share: which
-parameters adapt, and a parameter's norm across shards.
-
-Both scale each update by a *trust ratio* built from the whole parameter's norm. A sharded
-parameter (a ``DTensor`` of FSDP2 or tensor parallelism) holds a piece per rank, so
-:func:`full_norm` asks the ``DTensor`` (a sum of squares all-reduced over the mesh);
-replicated strategies hold whole parameters, whose local norm is the global one.
-"""
+"""LARS and LAMB, the layer-wise optimizers for large batches: both scale each update by a
+*trust ratio* built from the whole parameter's norm, which :func:`full_norm` takes across the
+shards of a ``DTensor`` (FSDP2, tensor parallelism); a replicated parameter's is its own."""
 
 from __future__ import annotations
 
@@ -36,8 +31,7 @@ def full_norm(t: torch.Tensor) -> torch.Tensor:
     """The L2 norm of the whole tensor ``t`` as a 0-d float32 tensor, for a sharded ``DTensor``
     too (its shards' squared norms are summed across the mesh)."""
     if _is_dtensor(t):
-        norm = torch.linalg.vector_norm(t.float())
-        return norm.full_tensor()  # type: ignore[attr-defined]
+        return torch.linalg.vector_norm(t.float()).full_tensor()  # type: ignore[attr-defined]
     return torch.linalg.vector_norm(t.detach().float())
 
 
@@ -117,18 +111,16 @@ class LARS(LayerwiseOptimizer):
 
     Parameters ``exclude`` picks (default: 1-D ones) take plain momentum SGD without weight
     decay; a group may set ``"exclude"``. Norms are of the whole parameter, also for a sharded
-    ``DTensor`` (see the module doc).
-    """
+    ``DTensor`` (see the module doc)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 0.1, momentum: float = 0.9,
                  weight_decay: float = 0.0, trust_coefficient: float = 0.001,
                  eps: float = 1e-8, nesterov: bool = False,
                  exclude: ExcludeRule | None = exclude_1d) -> None:
-        check_hyper("lr", lr)
+        for name, value in (("lr", lr), ("weight_decay", weight_decay),
+                            ("trust_coefficient", trust_coefficient), ("eps", eps)):
+            check_hyper(name, value)
         check_hyper("momentum", momentum, 0.0, 1.0)
-        check_hyper("weight_decay", weight_decay)
-        check_hyper("trust_coefficient", trust_coefficient)
-        check_hyper("eps", eps)
         if nesterov and momentum <= 0:
             raise ValueError("LARS: nesterov=True needs momentum > 0")
         self._exclude = check_exclude(exclude)
@@ -153,10 +145,8 @@ class LARS(LayerwiseOptimizer):
                     grad = grad * as_local_scalar(ratio, grad)
                 update = grad.mul(lr)
                 if momentum != 0:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = update.clone()
+                    if (buf := self.state[p].get("momentum_buffer")) is None:
+                        buf = self.state[p]["momentum_buffer"] = update.clone()
                     else:
                         buf.mul_(momentum).add_(update)
                     update = update.add(buf, alpha=momentum) if group["nesterov"] else buf
@@ -174,21 +164,18 @@ class LAMB(LayerwiseOptimizer):
 
     ``max_trust`` clips the ratio (``None``: no clip). Parameters ``exclude`` picks (default: 1-D
     ones) take the Adam step without trust ratio or weight decay; a group may set ``"exclude"``.
-    Norms are of the whole parameter, also for a sharded ``DTensor``.
-    """
+    Norms are of the whole parameter, also for a sharded ``DTensor``."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01, bias_correction: bool = True,
                  max_trust: float | None = None,
                  exclude: ExcludeRule | None = exclude_1d) -> None:
-        check_hyper("lr", lr)
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay),
+                            ("max_trust", 0.0 if max_trust is None else max_trust)):
+            check_hyper(name, value)
         check_hyper("beta1", betas[0], 0.0, 1.0)
         check_hyper("beta2", betas[1], 0.0, 1.0)
-        check_hyper("eps", eps)
-        check_hyper("weight_decay", weight_decay)
-        if max_trust is not None:
-            check_hyper("max_trust", max_trust)
         self._exclude = check_exclude(exclude)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, max_trust=max_trust, exclude=None)

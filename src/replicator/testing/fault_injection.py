@@ -1,7 +1,5 @@
-"""Fault injection for tests of fault tolerance: kill, stop, fail or delay a rank at a step, kill
-a rank in the middle of a save, and damage the newest checkpoint on disk.
-
-A step fault is a callable; call it with the step number at the top of each step::
+"""Fault injection for tests: kill, stop, fail or delay a rank at a step, kill a rank in the
+middle of a save, damage the newest checkpoint. Call a step fault at the top of each step::
 
     kill = rp.testing.kill_rank(1, at_step=37)          # SIGKILL rank 1 once, at step 37
     for step, batch in backup.steps(dist_dataset, num_steps=100):
@@ -9,8 +7,7 @@ A step fault is a callable; call it with the step number at the top of each step
         ...
 
 "Once": on the first attempt only (restart count 0), so a restarted group runs through;
-``once=False`` fires on every attempt.
-"""
+``once=False`` fires on every attempt."""
 
 from __future__ import annotations
 
@@ -26,10 +23,6 @@ from replicator.checkpoint.manifest import MARKER_NAME
 from replicator.cluster.environment import resolve_cluster
 
 
-def _rank() -> int:
-    return resolve_cluster().rank
-
-
 def _attempt() -> int:
     return resolve_cluster().restart_count
 
@@ -41,16 +34,12 @@ class Fault:
                  description: str, on_fire: Callable[[], None] | None = None) -> None:
         if at_step < 1:
             raise ValueError(f"at_step counts steps from 1, got {at_step}")
-        self.action = action
-        self.rank = rank
-        self.at_step = at_step
-        self.once = once
-        self.description = description
-        self.on_fire = on_fire
+        self.action, self.rank, self.at_step, self.once = action, rank, at_step, once
+        self.description, self.on_fire = description, on_fire
 
     def applies(self) -> bool:
         """True on the rank and attempt where this fault fires."""
-        return _rank() == self.rank and (not self.once or _attempt() == 0)
+        return resolve_cluster().rank == self.rank and (not self.once or _attempt() == 0)
 
     def __call__(self, step: int) -> None:
         if step != self.at_step or not self.applies():
@@ -100,8 +89,7 @@ def fail_rank(rank: int, at_step: int, *, once: bool = False,
 
 def delay_rank(rank: int, at_step: int, seconds: float, *, once: bool = True) -> Fault:
     """Stall rank ``rank`` for ``seconds`` (a hang, if longer than the collective timeout)."""
-    return Fault(lambda: time.sleep(seconds), rank, at_step, once,
-                 f"sleeping {seconds:g} s")
+    return Fault(lambda: time.sleep(seconds), rank, at_step, once, f"sleeping {seconds:g} s")
 
 
 def kill_during_save(rank: int = 0, at_step: int | None = None, *,
@@ -111,9 +99,7 @@ def kill_during_save(rank: int = 0, at_step: int | None = None, *,
     target_rank = rank
 
     def hook(step: int, path: Path, rank: int) -> None:
-        if rank != target_rank or (at_step is not None and step != at_step):
-            return
-        if once and _attempt() != 0:
+        if rank != target_rank or at_step not in (None, step) or (once and _attempt() != 0):
             return
         print(f"[replicator.testing] rank {rank}: killing itself during the save of step {step}"
               f" (files written, no commit marker yet)", file=sys.stderr, flush=True)
@@ -135,19 +121,15 @@ def corrupt_latest_checkpoint(backup_dir: str | os.PathLike[str], mode: str = "f
     """Damage the newest committed checkpoint's ``file`` (default: the largest data file) and
     return it: ``mode="flip"`` inverts a middle byte, ``"truncate"`` halves it, ``"delete"``."""
     step_dir = latest_checkpoint(backup_dir)
-    if file is None:
-        candidates = [p for p in step_dir.iterdir() if p.name != MARKER_NAME and p.is_file()]
-        target = max(candidates, key=lambda p: p.stat().st_size)
-    else:
-        target = step_dir / file
+    target = step_dir / file if file is not None else max(
+        (p for p in step_dir.iterdir() if p.name != MARKER_NAME and p.is_file()),
+        key=lambda p: p.stat().st_size)
     if mode == "flip":
         data = bytearray(target.read_bytes())
         data[len(data) // 2] ^= 0xFF
         target.write_bytes(bytes(data))
     elif mode == "truncate":
-        size = target.stat().st_size
-        with open(target, "r+b") as f:
-            f.truncate(size // 2)
+        os.truncate(target, target.stat().st_size // 2)
     elif mode == "delete":
         target.unlink()
     else:

@@ -1,21 +1,14 @@
-"""Replica groups on loopback for tests and benchmarks: torchft's lighthouse and N groups.
-
-``replicator run --replica-groups N`` written small, so tests can kill, restart and stop single
-groups: :func:`start_lighthouse` runs ``torchft_lighthouse`` on a free 127.0.0.1 port;
-:func:`start_group` starts one group of ``nproc`` processes with a group's environment, forked
-from the launcher's warm forkserver as ``replicator run`` starts them (a fresh interpreter
-imports torch for 4-5 s at every start and restart).
-"""
+"""Replica groups on loopback for tests and benchmarks: ``replicator run --replica-groups N``
+written small, so tests can kill, restart and stop single groups: :func:`start_lighthouse` on a
+free 127.0.0.1 port, :func:`start_group` forked from the launcher's warm forkserver."""
 
 from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +21,9 @@ from replicator.cluster.env_names import (
     REPLICA_GROUP_ENV,
     REPLICA_GROUPS_ENV,
 )
+from replicator.errors import LighthouseError
 from replicator.launch.launcher import WorkerProcess
+from replicator.launch.lighthouse import LighthouseSettings, lighthouse_command, wait_reachable
 from replicator.launch.script_launch import script_starter
 
 
@@ -44,27 +39,13 @@ def wait_for_file(path: Path, timeout: float, what: str, alive: Group | None = N
     when the group ``alive`` exits before)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists():
-            text = path.read_text()
-            if text:
-                return text
+        if path.exists() and (text := path.read_text()):
+            return text
         if alive is not None and all(c is not None for c in alive.poll()):
             raise TimeoutError(f"{what}: replica group {alive.group} exited first "
                                f"({alive.poll()})")
         time.sleep(0.02)
     raise TimeoutError(f"{what} did not happen within {timeout:.0f} s ({path})")
-
-
-def wait_for_port(port: int, timeout: float, what: str) -> None:
-    """Wait until 127.0.0.1:``port`` accepts connections; ``TimeoutError`` naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.settimeout(1.0)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
 
 
 @dataclass
@@ -88,33 +69,23 @@ class Lighthouse:
                 self.process.wait()
 
 
-def lighthouse_binary() -> str:
-    """The ``torchft_lighthouse`` next to this Python, else on PATH."""
-    here = Path(sys.executable).parent / "torchft_lighthouse"
-    found = str(here) if here.exists() else shutil.which("torchft_lighthouse")
-    if found is None:
-        raise FileNotFoundError("torchft_lighthouse is not installed. HINT: pip install "
-                                "'replicator[live]'")
-    return found
-
-
 def start_lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 1000,
                      heartbeat_timeout_ms: int = 2000, quorum_tick_ms: int = 50,
                      log: Path | None = None) -> Lighthouse:
-    """Start a lighthouse on a free loopback port and wait until it listens."""
+    """Start a lighthouse on a free loopback port and wait until it answers."""
     port = free_port()
+    settings = LighthouseSettings(min_replicas, join_timeout_ms / 1000,
+                                  heartbeat_timeout_ms / 1000, quorum_tick_ms / 1000)
     out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-    process = subprocess.Popen(
-        [lighthouse_binary(), "--min_replicas", str(min_replicas), "--bind",
-         f"127.0.0.1:{port}", "--join_timeout_ms", str(join_timeout_ms),
-         "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--quorum_tick_ms",
-         str(quorum_tick_ms)], stdout=out, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(lighthouse_command() + settings.argv(f"127.0.0.1:{port}"),
+                               stdout=out, stderr=subprocess.STDOUT)
+    lighthouse = Lighthouse(process, port)
     try:
-        wait_for_port(port, 60, "torchft_lighthouse")
-    except TimeoutError:
+        wait_reachable(lighthouse.address, 60, "torchft_lighthouse")
+    except LighthouseError:
         process.kill()
         raise
-    return Lighthouse(process, port)
+    return lighthouse
 
 
 @dataclass(eq=False)  # identity: groups are kept in a weak set
@@ -134,8 +105,7 @@ class Group:
             p.join(max(0.1, deadline - time.monotonic()))
         codes = self.poll()
         if any(c is None for c in codes):
-            raise TimeoutError(f"replica group {self.group} did not finish within "
-                               f"{timeout:.0f} s")
+            raise TimeoutError(f"replica group {self.group} did not finish within {timeout:.0f} s")
         return [int(c) for c in codes if c is not None]
 
     def signal(self, sig: int) -> None:
@@ -182,9 +152,8 @@ def start_group(script: str | Path, group: int, groups: int, lighthouse: str, *,
     starter = script_starter(str(script), list(args), start_method)
     out = Group(group)
     for rank in range(nproc):
-        full = dict(os.environ)
-        full.update(env or {})
-        full.update(group_env(group, groups, lighthouse, min_replicas, rank, nproc, master_port))
+        full = {**os.environ, **(env or {}),
+                **group_env(group, groups, lighthouse, min_replicas, rank, nproc, master_port)}
         full.setdefault("OMP_NUM_THREADS", "1")
         if log_dir is None:
             proc = starter.start(rank, full, quiet=True)
@@ -201,4 +170,4 @@ def start_group(script: str | Path, group: int, groups: int, lighthouse: str, *,
 
 
 __all__ = ["Lighthouse", "Group", "start_lighthouse", "start_group", "group_env", "free_port",
-           "wait_for_port", "wait_for_file", "lighthouse_binary"]
+           "wait_for_file"]

@@ -1,9 +1,6 @@
 """Callbacks with Keras's hook names. Every replica runs every callback (so collectives
 match); only the chief prints or writes files. ``logs`` are already reduced across replicas,
-so decisions taken from them are the same everywhere. The chief's :class:`ProgressBar` is a
-live bar on a terminal (its own, or the one ``replicator run`` relays its output to), plain log
-lines otherwise (CI, files).
-"""
+so decisions taken from them are the same everywhere."""
 
 from __future__ import annotations
 
@@ -92,8 +89,7 @@ class History(Callback):
             self.history.setdefault(k, []).append(v)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": list(self.epoch), "history": {k: list(v) for k, v in
-                                                       self.history.items()}}
+        return {"epoch": list(self.epoch), "history": {k: list(v) for k, v in self.history.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = list(state["epoch"])
@@ -121,8 +117,7 @@ class EarlyStopping(Callback):
     def __init__(self, monitor: str = "val_loss", min_delta: float = 0.0, patience: int = 0,
                  mode: str = "auto", restore_best_weights: bool = False) -> None:
         self.monitor, self.min_delta, self.patience = monitor, abs(min_delta), patience
-        self.better = _better(mode, monitor)
-        self.restore_best_weights = restore_best_weights
+        self.better, self.restore_best_weights = _better(mode, monitor), restore_best_weights
         self.best: float | None = None
         self.wait = 0
         self.stopped_epoch: int | None = None
@@ -132,8 +127,7 @@ class EarlyStopping(Callback):
         self.best, self.wait, self.stopped_epoch, self._best_weights = None, 0, None, None
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        current = _monitored(logs, self.monitor)
-        if current is None:
+        if (current := _monitored(logs, self.monitor)) is None:
             return
         if self.best is None or self.better(current, self.best, self.min_delta):
             self.best, self.wait = current, 0
@@ -202,8 +196,7 @@ class ModelCheckpoint(Callback):
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         logs = logs or {}
         if self.save_best_only:
-            current = _monitored(logs, self.monitor)
-            if current is None:
+            if (current := _monitored(logs, self.monitor)) is None:
                 raise KeyError(f"ModelCheckpoint monitors {self.monitor!r} but the logs hold "
                                f"only {sorted(logs)}; pass validation_data or another monitor")
             if self.best is not None and not self.better(current, self.best, 0.0):
@@ -272,7 +265,7 @@ class CSVLogger(Callback):
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._keys = None
         old = _read(self.filename) if self.is_chief and self.append else None
-        self._size = len(old) if old is not None else 0
+        self._size = len(old or b"")
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         logs = logs or {}
@@ -281,10 +274,8 @@ class CSVLogger(Callback):
         if not self.is_chief:
             return
         text = io.StringIO(newline="")
-        writer = csv.writer(text)
-        if self._size == 0:
-            writer.writerow(["epoch", *self._keys])
-        writer.writerow([epoch, *(logs.get(k, "") for k in self._keys)])
+        rows = [] if self._size else [["epoch", *self._keys]]
+        csv.writer(text).writerows([*rows, [epoch, *(logs.get(k, "") for k in self._keys)]])
         # rows past the restored epoch (or an old file) go; the file is rewritten whole
         kept = (_read(self.filename) or b"")[:self._size] if self._size else b""
         data = kept + text.getvalue().encode()
@@ -300,20 +291,18 @@ class CSVLogger(Callback):
         self._keys = None if keys is None else [str(k) for k in keys]
         self._size = int(state["size"])
         data = _read(self.filename) if self.is_chief else None
-        held = None if data is None else len(data)
-        if held is not None and held < self._size:
+        if data is not None and len(data) < self._size:
             raise ValueError(
-                f"CSVLogger: {self.filename} holds {held} bytes but "
-                f"the backup says the epochs so far wrote {self._size}. HINT: the log was "
-                "changed or removed since the backup; restore it or use a new backup_dir.")
+                f"CSVLogger: {self.filename} holds {len(data)} bytes but the backup says the "
+                f"epochs so far wrote {self._size}. HINT: the log was changed or removed since "
+                "the backup; restore it or use a new backup_dir.")
 
 
 class TerminateOnNaN(Callback):
     """Stop training when the (cross-replica) loss becomes NaN or infinite."""
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        loss = (logs or {}).get("loss")
-        if loss is not None and not math.isfinite(loss):
+        if (loss := (logs or {}).get("loss")) is not None and not math.isfinite(loss):
             if self.is_chief:
                 print(f"TerminateOnNaN: loss is {loss} at step {self.trainer.global_step}; "
                       "stopping", flush=True)
@@ -325,25 +314,21 @@ def _fmt_logs(logs: Logs) -> str:
 
 
 def _input_wait(trainer: Any) -> float | None:
-    """Seconds the loop waited for input so far, where the training input measures it (a
-    distributed dataset, an ``rp.data.Dataset``)."""
+    """Seconds the loop waited for input so far (``None``: the input does not measure it)."""
     wait = getattr(getattr(trainer, "train_dataset", None), "input_wait_seconds", None)
     return wait if isinstance(wait, float) else None
 
 
 class ProgressBar(Callback):
     """Epoch, step/total, loss and metrics, samples/s, the share of the time spent waiting for
-    input, and ETA, on the chief only. ``live=None``: a live bar on a live terminal
-    (:func:`~replicator.cluster.terminal.is_live_terminal`).
-    """
+    input, and ETA, on the chief only. ``live=None``: a live bar on a live terminal (its own, or
+    the one ``replicator run`` relays to), plain log lines otherwise."""
 
     def __init__(self, live: bool | None = None) -> None:
         self.live = live
         self._bar: Any = None
         self._task: Any = None
-        self._start = 0.0
-        self._samples = 0.0
-        self._done = 0
+        self._start, self._samples, self._done = 0.0, 0.0, 0
         self._wait0: float | None = None
 
     def input_share(self) -> float | None:
@@ -352,8 +337,7 @@ class ProgressBar(Callback):
         wait = _input_wait(self.trainer)
         if wait is None or self._wait0 is None:
             return None
-        return min(1.0, max(0.0, wait - self._wait0) / max(time.perf_counter() - self._start,
-                                                           1e-9))
+        return min(1.0, max(0.0, wait - self._wait0) / max(time.perf_counter() - self._start, 1e-9))
 
     def _speed(self) -> str:
         rate = self._samples / max(time.perf_counter() - self._start, 1e-9)
@@ -364,24 +348,16 @@ class ProgressBar(Callback):
         if not self.is_chief:
             return
         self._start, self._samples = time.perf_counter(), 0.0
-        self._wait0 = _input_wait(self.trainer)
-        self._done = self.trainer.step_in_epoch
-        live = is_live_terminal() if self.live is None else self.live
-        total = self.trainer.steps_in_epoch
-        if live:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
+        self._wait0, self._done = _input_wait(self.trainer), self.trainer.step_in_epoch
+        if is_live_terminal() if self.live is None else self.live:
+            from rich import progress
 
-            self._bar = Progress(
-                TextColumn(f"epoch {epoch + 1}/{self.trainer.epochs}"), BarColumn(),
-                MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TextColumn("ETA"),
-                TimeRemainingColumn(), transient=False)
-            self._task = self._bar.add_task("train", total=total, info="",
+            self._bar = progress.Progress(
+                progress.TextColumn(f"epoch {epoch + 1}/{self.trainer.epochs}"),
+                progress.BarColumn(), progress.MofNCompleteColumn(),
+                progress.TextColumn("{task.fields[info]}"), progress.TextColumn("ETA"),
+                progress.TimeRemainingColumn(), transient=False)
+            self._task = self._bar.add_task("train", total=self.trainer.steps_in_epoch, info="",
                                             completed=self.trainer.step_in_epoch)
             self._bar.start()
 
@@ -397,9 +373,7 @@ class ProgressBar(Callback):
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if not self.is_chief:
             return
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+        self.on_train_end()  # the bar of this epoch ends here
         elapsed = time.perf_counter() - self._start
         print(f"epoch {epoch + 1}/{self.trainer.epochs}  step {self._done}/"
               f"{self.trainer.steps_in_epoch}  {_fmt_logs(logs or {})}  {self._speed()}  "
@@ -414,33 +388,8 @@ class ProgressBar(Callback):
 _HOOKS = tuple(name for name in vars(Callback) if name.startswith("on_"))
 
 
-def _stateful(callbacks: Iterable[Any]) -> dict[str, Any]:
-    """The callbacks whose state a backup holds, by ``"index:ClassName"``: not the
-    trainer's History (saved on its own) nor backups (``BackupAndRestore``)."""
-    return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(callbacks)
-            if has_state(cb) and not isinstance(cb, (History, BackupAndRestore))}
-
-
-def callback_states(callbacks: Iterable[Any]) -> dict[str, Any]:
-    """Every stateful callback's ``state_dict()``, for a backup."""
-    return {key: cb.state_dict() for key, cb in _stateful(callbacks).items()}
-
-
-def load_callback_states(callbacks: Iterable[Any], states: dict[str, Any]) -> None:
-    """Give each callback its state from a backup; warn for one the backup does not know."""
-    for key, cb in _stateful(callbacks).items():
-        if key in states:
-            cb.load_state_dict(states[key])
-        elif cb.state_dict():
-            warnings.warn(f"the backup holds no state for callback {key} (it has "
-                          f"{', '.join(sorted(states)) or 'none'}); it starts afresh, so the "
-                          "resumed run may differ from an uninterrupted one. HINT: pass the "
-                          "same callbacks, in the same order, as the run that wrote it.",
-                          RuntimeWarning, stacklevel=2)
-
-
 class CallbackList:
-    """Calls a hook on every callback, in order."""
+    """Calls a hook on every callback, in order; gives a backup their state and takes it back."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: Trainer) -> None:
         self.callbacks = list(callbacks)
@@ -453,6 +402,27 @@ class CallbackList:
 
     def call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
-            method = getattr(cb, hook, None)
-            if method is not None:
+            if (method := getattr(cb, hook, None)) is not None:
                 method(*args)
+
+    def _stateful(self) -> dict[str, Any]:
+        """The callbacks whose state a backup holds, by ``"index:ClassName"`` (not History, not
+        backups)."""
+        return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(self.callbacks)
+                if has_state(cb) and not isinstance(cb, (History, BackupAndRestore))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every stateful callback's ``state_dict()``, for a backup."""
+        return {key: cb.state_dict() for key, cb in self._stateful().items()}
+
+    def load_state_dict(self, states: dict[str, Any]) -> None:
+        """Give each callback its state from a backup; warn for one the backup does not know."""
+        for key, cb in self._stateful().items():
+            if key in states:
+                cb.load_state_dict(states[key])
+            elif cb.state_dict():
+                warnings.warn(f"the backup holds no state for callback {key} (it has "
+                              f"{', '.join(sorted(states)) or 'none'}); it starts afresh, so the "
+                              "resumed run may differ from an uninterrupted one. HINT: pass the "
+                              "same callbacks, in the same order, as the run that wrote it.",
+                              RuntimeWarning, stacklevel=2)

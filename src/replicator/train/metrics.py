@@ -1,9 +1,6 @@
-"""Metrics whose state is a vector of sums, so replicas combine them with one all-reduce.
-
-Each metric accumulates local sums (float64) in :meth:`Metric.update`; its value is computed
-from the *reduced* state, so a distributed result equals the one-device result: every sample
-counts once, whatever replica saw it, and samples with weight 0 (padding) count not at all.
-"""
+"""Metrics whose state is a vector of float64 sums, so replicas combine them with one all-reduce
+and the value, computed from the reduced state, equals the one-device result (samples of weight
+0, padding, count not at all)."""
 
 from __future__ import annotations
 
@@ -58,10 +55,8 @@ class Metric(ABC):
     def result(self, strategy: object | None = None) -> float:
         """The value over this replica's samples, or over all replicas' given a strategy
         (a collective: every replica must call it)."""
-        state = self.state
-        if strategy is not None:
-            state = strategy.reduce(ReduceOp.SUM, state).cpu()  # type: ignore[attr-defined]
-        return self.value_from(state)
+        return self.value_from(self.state if strategy is None else
+                               strategy.reduce(ReduceOp.SUM, self.state).cpu())  # type: ignore
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -121,15 +116,13 @@ class Accuracy(SparseCategoricalAccuracy):
     """Accuracy that picks binary or categorical from the shapes, as Keras's ``"accuracy"``:
     ``[N]``/``[N, 1]`` outputs with 0/1 targets are binary (``> threshold``, or its log-odds
     ``from_logits``); ``[N, C]`` with integer or one-hot targets, and ``[N, C, ...]`` with
-    ``[N, ...]`` integer targets, take the arg-max. ``from_logits=None``: set by a Trainer.
-    """
+    ``[N, ...]`` integer targets, take the arg-max. ``from_logits=None``: set by a Trainer."""
 
     def __init__(self, name: str = "accuracy", threshold: float = 0.5,
                  from_logits: bool | None = None) -> None:
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {threshold}")
-        self.threshold = threshold
-        self.from_logits = from_logits
+        self.threshold, self.from_logits = threshold, from_logits
         super().__init__(name)
 
     def _binary_hits(self, y_pred: torch.Tensor, y_true: torch.Tensor) -> torch.Tensor:
@@ -166,18 +159,16 @@ class Accuracy(SparseCategoricalAccuracy):
                 and y_pred.shape[2:] == y_true.shape[1:] and not y_true.is_floating_point():
             return (y_pred.argmax(1) == y_true).to(torch.float64).reshape(n, -1).mean(1)
         raise ValueError(
-            f"{self.name}: cannot tell binary from categorical for outputs "
-            f"{_shape(y_pred)} and targets {_shape(y_true)}. HINT: binary needs outputs "
-            "[N] or [N, 1] with 0/1 targets; categorical needs [N, C] outputs with integer "
-            "targets [N] or one-hot targets [N, C].")
+            f"{self.name}: cannot tell binary from categorical for outputs {_shape(y_pred)} and "
+            f"targets {_shape(y_true)}. HINT: binary needs outputs [N] or [N, 1] with 0/1 targets; "
+            "categorical needs [N, C] outputs with integer targets [N] or one-hot targets [N, C].")
 
 
 class AUC(Metric):
     """Area under the ROC curve from score histograms at ``num_thresholds`` thresholds (Keras's
     approximation), exact across replicas. Binary (``[N]``, ``[N, 1]``, ``[N, 2]``) or
     multi-class one-vs-rest, averaged ``"macro"`` or ``"weighted"`` as scikit-learn's;
-    ``num_classes`` or the first batch; ``from_logits=None``: set by a Trainer.
-    """
+    ``num_classes`` or the first batch; ``from_logits=None``: set by a Trainer."""
 
     def __init__(self, name: str = "auc", num_thresholds: int = 200,
                  from_logits: bool | None = None, num_classes: int | None = None,
@@ -191,8 +182,7 @@ class AUC(Metric):
             raise ValueError(f"average must be 'macro' or 'weighted', got {average!r}")
         if num_classes is not None and num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-        self.num_thresholds = num_thresholds
-        self.from_logits = from_logits
+        self.num_thresholds, self.from_logits = num_thresholds, from_logits
         self.multi_class, self.average = multi_class, average
         # one histogram pair for binary scores, one per class for multi-class
         self._curves: int | None = None if num_classes is None else (
@@ -269,10 +259,8 @@ class AUC(Metric):
         bins = (scores.clamp(0, 1) * (t - 1)).round().long().cpu()
         positive = (labels > 0.5).cpu()
         w = weight.cpu().reshape(-1, 1).expand(-1, k)
-        offsets = torch.arange(k).reshape(1, k) * t
-        index = (bins + offsets).reshape(-1)
-        pos = torch.zeros(k * t, dtype=torch.float64)
-        neg = torch.zeros(k * t, dtype=torch.float64)
+        index = (bins + torch.arange(k).reshape(1, k) * t).reshape(-1)  # curve j's bins from j * t
+        pos, neg = torch.zeros(2, k * t, dtype=torch.float64)
         pos.index_add_(0, index, (w * positive).reshape(-1))
         neg.index_add_(0, index, (w * ~positive).reshape(-1))
         # state layout: for each curve, its positive then its negative histogram
@@ -280,9 +268,8 @@ class AUC(Metric):
 
     def value_from(self, state):
         t = self.num_thresholds
-        curves = state.reshape(-1, 2 * t)
         values, weights = [], []
-        for curve in curves:
+        for curve in state.reshape(-1, 2 * t):
             pos, neg = curve[:t], curve[t:]
             if pos.sum() == 0 or neg.sum() == 0:
                 continue  # a class absent (or present everywhere): its ROC is undefined
@@ -291,12 +278,8 @@ class AUC(Metric):
             tpr = torch.cat([zero, pos.flip(0).cumsum(0) / pos.sum()])
             fpr = torch.cat([zero, neg.flip(0).cumsum(0) / neg.sum()])
             values.append(float(torch.trapezoid(tpr, fpr)))
-            weights.append(float(pos.sum()))
-        if not values:
-            return 0.0
-        if self.average == "weighted":
-            return sum(v * w for v, w in zip(values, weights)) / sum(weights)
-        return sum(values) / len(values)
+            weights.append(float(pos.sum()) if self.average == "weighted" else 1.0)
+        return sum(v * w for v, w in zip(values, weights)) / sum(weights) if values else 0.0
 
 
 _BY_NAME = {"accuracy": Accuracy, "acc": Accuracy,
@@ -316,15 +299,9 @@ def as_metric(metric: Metric | str) -> Metric:
 def reduce_states(strategy: object, metrics: list[Metric],
                   extra: list[float] | None = None) -> tuple[list[torch.Tensor], list[float]]:
     """Sum every metric's state (and ``extra`` numbers) across replicas in ONE collective."""
-    parts = [m.state for m in metrics]
-    extra = list(extra or [])
-    flat = torch.cat(parts + [torch.tensor(extra, dtype=torch.float64)]) if parts or extra \
-        else torch.zeros(0, dtype=torch.float64)
+    flat = torch.cat([*(m.state for m in metrics), torch.tensor(extra or [], dtype=torch.float64)])
     if getattr(strategy, "num_replicas_in_sync", 1) > 1 and flat.numel():
         flat = strategy.reduce(ReduceOp.SUM, flat).cpu().to(torch.float64)  # type: ignore
-    out, offset = [], 0
-    for m in metrics:
-        n = m.state_size()
-        out.append(flat[offset:offset + n])
-        offset += n
-    return out, flat[offset:].tolist()
+    sizes = [m.state_size() for m in metrics]
+    *states, rest = flat.split([*sizes, flat.numel() - sum(sizes)])
+    return states, rest.tolist()

@@ -1,17 +1,12 @@
-"""Experiment trackers for the Trainer: :class:`MLflowLogger`, :class:`WandbLogger`, and
-:class:`TensorBoard`.
-
-Every replica runs the callback (so all agree on when to log); only the chief talks to the
-tracker, one run per job. A run records the hyper-parameters (``params`` plus the strategy,
-replicas, epochs, optimizer and first learning rate), metrics per epoch (``epoch/<name>``) and,
-with an integer ``update_freq``, every that many steps (``batch/<name>``, step = global step),
-already reduced across replicas. A run resumed by :class:`~replicator.BackupAndRestore`
-continues the same run (its id is in the logger's ``state_dict``) and sends no step twice
-(:class:`TrackerLedger`). ``pip install "replicator[mlflow]"`` or ``"replicator[wandb]"``.
-"""
+"""Experiment trackers for the Trainer: :class:`MLflowLogger`, :class:`WandbLogger` and
+:class:`TensorBoard`. Every replica runs the callback; only the chief talks to the tracker, one
+run per job: the hyper-parameters, metrics per epoch (``epoch/<name>``) and, with an integer
+``update_freq``, every that many steps (``batch/<name>``, step = global step). A run resumed by
+:class:`~replicator.BackupAndRestore` continues the same run and sends no step twice."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,25 +22,16 @@ from replicator.checkpoint.store import check_location, is_remote, upload_tree
 from replicator.resume.backup_and_restore import check_frequency
 from replicator.train.callbacks import Callback, Logs
 
-#: The folder under a backup directory that holds the ledgers.
-LEDGER_DIR = "trackers"
-
 
 class TrackerLedger:
-    """The last global step and epoch whose metrics a logger sent to its run.
-
-    A worker dying at step 37 after the backup of step 32 has sent 33 to 37, which the exact
-    resume replays, and trackers cannot delete a point. So the chief keeps a ledger beside the
+    """The last global step (0: none) and epoch (-1: none) a logger sent to its run. A worker
+    dying at step 37 after the backup of step 32 has sent 33 to 37, which the exact resume
+    replays, and trackers cannot delete a point: so the chief keeps this ledger beside the
     backups (``<backup_dir>/trackers/<name>.json``, rewritten atomically per send) and a resume
-    skips up to the later of ledger and backup. W&B writes later, from its own process, so it
-    is asked instead.
-    """
+    skips up to the later of ledger and backup."""
 
     def __init__(self) -> None:
-        #: Highest global step whose batch metrics were sent (0: none).
-        self.step = 0
-        #: Highest epoch (0-based) whose epoch metrics were sent (-1: none).
-        self.epoch = -1
+        self.step, self.epoch = 0, -1
         self._path: Path | None = None
 
     def state(self) -> dict[str, int]:
@@ -53,16 +39,14 @@ class TrackerLedger:
         return {"step": self.step, "epoch": self.epoch}
 
     def attach(self, trainer: Any, name: str | None, state: dict[str, Any] | None) -> None:
-        """Start from a backup's ``state`` (None: a fresh run) and, on the chief, keep the
-        ledger ``name`` (None: none) in the trainer's backup directory (if it has a
-        ``BackupAndRestore``), taking whatever it records beyond the backup into account."""
-        self.step, self.epoch = 0, -1
-        if state is not None:
-            self.step, self.epoch = int(state.get("step", 0)), int(state.get("epoch", -1))
+        """Start from a backup's ``state`` (None: a fresh run); on the chief, keep the ledger
+        ``name`` (None: none) in the trainer's backup directory and take in what it records."""
+        saved = state or {}
+        self.step, self.epoch = int(saved.get("step", 0)), int(saved.get("epoch", -1))
         backup = getattr(trainer, "backup", None)
         backup_dir = None if backup is None else backup.backup_dir
         self._path = None if backup_dir is None or name is None else \
-            Path(backup_dir) / LEDGER_DIR / f"{name}.json"
+            Path(backup_dir) / "trackers" / f"{name}.json"
         if state is None or self._path is None:
             return
         try:
@@ -74,10 +58,8 @@ class TrackerLedger:
 
     def sent(self, *, step: int | None = None, epoch: int | None = None) -> None:
         """Record a send (call after the tracker accepted it)."""
-        if step is not None:
-            self.step = max(self.step, step)
-        if epoch is not None:
-            self.epoch = max(self.epoch, epoch)
+        self.step = max(self.step, step or 0)
+        self.epoch = max(self.epoch, -1 if epoch is None else epoch)
         if self._path is None:
             return
         self._path.parent.mkdir(parents=True, exist_ok=True)
@@ -87,14 +69,11 @@ class TrackerLedger:
 
     def close(self) -> None:
         """Training completed: remove the ledger (and its folder once empty)."""
-        if self._path is None:
-            return
-        self._path.unlink(missing_ok=True)
-        try:
-            self._path.parent.rmdir()
-        except OSError:
-            pass  # other loggers' ledgers are still there
-        self._path = None
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # other loggers' ledgers are still there
+                self._path.parent.rmdir()
+            self._path = None
 
 
 def _require(module: str, logger: str, install: str) -> Any:
@@ -107,14 +86,12 @@ def _require(module: str, logger: str, install: str) -> Any:
 
 class RunLogger(Callback, ABC):
     """The part every tracker shares: when to log, what the run records, how a run resumes. A
-    tracker implements ``_start_run() -> run id``, ``_resume_run(run_id)``, ``_log(metrics,
-    step)`` and ``_finish_run()``; only the chief calls them."""
+    tracker implements the abstract methods below; only the chief calls them."""
 
     #: Names the ledger file (``<name>-<run id>.json``).
     tracker = "tracker"
-    #: Keep a ledger of what was sent beside the backups: right for a tracker whose sends
-    #: are written when the call returns; one that writes later knows better itself
-    #: (:meth:`_last_step_in_tracker`).
+    #: Keep a ledger (:class:`TrackerLedger`): right for a tracker whose sends are written when
+    #: the call returns; one that writes later is asked (:meth:`_last_step_in_tracker`).
     keeps_ledger = True
 
     def __init__(self, params: dict[str, Any] | None, update_freq: str | int) -> None:
@@ -126,21 +103,14 @@ class RunLogger(Callback, ABC):
         self._restored: dict[str, Any] | None = None
         self._open = False
 
-    # -- what the run records ------------------------------------------------------------------
     def hyperparameters(self) -> dict[str, Any]:
         """``params`` plus the strategy, replicas, epochs and optimizer of the trainer."""
-        trainer = self.trainer
-        optimizer = trainer.optimizer
-        found: dict[str, Any] = {
-            "strategy": type(trainer.strategy).__name__,
-            "num_replicas": trainer.strategy.num_replicas_in_sync,
-            "epochs": trainer.epochs,
-            "optimizer": type(optimizer).__name__,
-            "lr": optimizer.param_groups[0].get("lr"),
-        }
-        return {**found, **self.params}
+        trainer, optimizer = self.trainer, self.trainer.optimizer
+        return {"strategy": type(trainer.strategy).__name__,
+                "num_replicas": trainer.strategy.num_replicas_in_sync, "epochs": trainer.epochs,
+                "optimizer": type(optimizer).__name__, "lr": optimizer.param_groups[0].get("lr"),
+                **self.params}
 
-    # -- resumable state -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The run id and what was logged so far (a backup holds the chief's)."""
         return {"run_id": self.run_id, **self._ledger.state()}
@@ -148,7 +118,6 @@ class RunLogger(Callback, ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restored = dict(state)
 
-    # -- hooks ---------------------------------------------------------------------------------
     def on_train_begin(self, logs: Logs | None = None) -> None:
         # the run opens at the first epoch: a resume (load_state_dict) comes after this hook
         self._restored, self._open = None, False
@@ -157,8 +126,7 @@ class RunLogger(Callback, ABC):
         if self._open or not self.is_chief:
             return
         restored = self._restored
-        run_id = None if restored is None else restored.get("run_id")
-        if run_id:
+        if run_id := (restored or {}).get("run_id"):
             self.run_id = str(run_id)
             self._resume_run(self.run_id)
         else:
@@ -197,7 +165,6 @@ class RunLogger(Callback, ABC):
             self._ledger.close()
             self._open = False
 
-    # -- the tracker ---------------------------------------------------------------------------
     @abstractmethod
     def _start_run(self) -> str:
         """Open a new run in the tracker; its id."""
@@ -223,8 +190,7 @@ class MLflowLogger(RunLogger):
     """Log the run to MLflow (``pip install 'replicator[mlflow]'``, ``mlflow-skinny``):
     ``experiment_name`` (created if missing), ``tracking_uri`` (``None``: MLflow's default; a
     ``file://`` store wants ``MLFLOW_ALLOW_FILE_STORE=true`` in MLflow 3), ``run_name``, ``tags``,
-    ``params`` and ``update_freq``.
-    """
+    ``params`` and ``update_freq``."""
 
     tracker = "mlflow"
 
@@ -285,14 +251,11 @@ class MLflowLogger(RunLogger):
 
 
 class WandbLogger(RunLogger):
-    """Log the run to Weights & Biases (``pip install 'replicator[wandb]'``).
-
-    ``project``, ``entity``, ``name``, ``tags``, ``dir``, ``mode`` (or ``WANDB_MODE``) and
-    ``init_kwargs`` (not ``id``/``resume``) go to ``wandb.init``; ``params``, ``update_freq`` as
-    every logger's. W&B's step is the global step. W&B writes later, from its own process, so on a
-    resume online the run continues after the server's last step (``run.step``); offline it logs
-    again from the backup's step into a new folder with the same id.
-    """
+    """Log the run to Weights & Biases (``pip install 'replicator[wandb]'``): ``project``,
+    ``entity``, ``name``, ``tags``, ``dir``, ``mode`` (or ``WANDB_MODE``) and ``init_kwargs`` (not
+    ``id``/``resume``) go to ``wandb.init``. W&B's step is the global step. W&B writes later, from
+    its own process, so on a resume online the run continues after the server's last step
+    (``run.step``); offline it logs again from the backup's step into a new folder, same id."""
 
     tracker = "wandb"
     keeps_ledger = False
@@ -303,8 +266,7 @@ class WandbLogger(RunLogger):
                  dir: str | None = None, update_freq: str | int = "epoch",
                  **init_kwargs: Any) -> None:
         _require("wandb", "WandbLogger", "'replicator[wandb]'")
-        clash = sorted({"id", "resume", "config"} & set(init_kwargs))
-        if clash:
+        if clash := sorted({"id", "resume", "config"} & set(init_kwargs)):
             raise ValueError(f"WandbLogger sets {', '.join(clash)} itself. HINT: pass the "
                              "hyper-parameters as params=...; a resumed run keeps its id.")
         super().__init__(params, update_freq)
@@ -353,9 +315,8 @@ class WandbLogger(RunLogger):
 
 
 class TensorBoard(RunLogger):
-    """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard; the chief writes
-    (``pip install tensorboard``). A resumed run appends to ``log_dir`` with no step twice.
-    """
+    """Scalars per epoch (and every ``update_freq`` batches) for TensorBoard (``pip install
+    tensorboard``); a resumed run appends to ``log_dir`` with no step twice."""
 
     tracker = "tensorboard"
 
@@ -371,8 +332,7 @@ class TensorBoard(RunLogger):
         from torch.utils.tensorboard import SummaryWriter
 
         # a URL: events are written to a local folder and copied there at each flush
-        self._local = tempfile.mkdtemp(prefix="replicator-tb-") if is_remote(
-            self.log_dir) else None
+        self._local = tempfile.mkdtemp(prefix="replicator-tb-") if is_remote(self.log_dir) else None
         self._writer = SummaryWriter(self._local or self.log_dir)
         where = self.log_dir if self._local else os.path.abspath(self.log_dir)
         return hashlib.sha1(where.encode()).hexdigest()[:12]

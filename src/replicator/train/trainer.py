@@ -1,12 +1,7 @@
-"""Trainer: Keras-style ``fit`` / ``evaluate`` / ``predict`` on top of the public Strategy API.
-
-The same code runs under every strategy: global batches split by
-``strategy.distribute_dataset``, the ``compute_average_loss`` rule (uneven or padded batches
-give the one-device gradient), metric sums reduced in one collective per step. Evaluation and
-prediction give each replica a contiguous block, so each sample counts once, in order.
-:class:`Replicator` is TF-Replicator's shape for researchers who write only an ``input_fn`` and
-a ``step_fn``.
-"""
+"""Trainer: Keras-style ``fit`` / ``evaluate`` / ``predict`` on the public Strategy API, the
+same under every strategy: the ``compute_average_loss`` rule (uneven or padded batches give the
+one-device gradient), metric sums reduced in one collective per step, each sample evaluated
+once. :class:`Replicator` is TF-Replicator's shape: only an ``input_fn`` and a ``step_fn``."""
 
 from __future__ import annotations
 
@@ -39,8 +34,6 @@ from replicator.train.callbacks import (
     Logs,
     ProgressBar,
     TerminateOnNaN,
-    callback_states,
-    load_callback_states,
 )
 from replicator.train.metrics import Mean, Metric, as_metric, reduce_states
 
@@ -61,9 +54,7 @@ def _outputs_are_logits(loss_fn: LossFn) -> bool | None:
     """Whether a model trained with ``loss_fn`` outputs logits (None: cannot tell)."""
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.BCEWithLogitsLoss, nn.NLLLoss)):
         return True  # NLLLoss takes log-probabilities: their softmax is the probabilities
-    if isinstance(loss_fn, nn.BCELoss):
-        return False
-    return None
+    return False if isinstance(loss_fn, nn.BCELoss) else None
 
 
 def _unpack(batch: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
@@ -100,24 +91,21 @@ class ErrorAgreement:
         """Raise if ``flags_total`` (the sum of every replica's flag) says someone failed."""
         if flags_total <= 0:
             return
-        mine = ""
-        if self.pending is not None:
-            where, exc = self.pending
-            mine = f"{where} raised {type(exc).__name__}: {exc}"
+        where, exc = self.pending or ("", None)
+        mine = "" if exc is None else f"{where} raised {type(exc).__name__}: {exc}"
         texts = self.strategy.collectives.all_gather_bytes(mine.encode(), "callback errors")
         reports = [f"rank {r}: {t.decode(errors='replace')}" for r, t in enumerate(texts) if t]
         message = "a callback failed, so every replica stops: " + "; ".join(reports)
-        if self.pending is not None:
-            tb = "".join(traceback.format_exception(self.pending[1]))
-            raise CallbackFailedError(f"{message}\n{tb}") from self.pending[1]
+        if exc is not None:
+            tb = "".join(traceback.format_exception(exc))
+            raise CallbackFailedError(f"{message}\n{tb}") from exc
         raise CallbackFailedError(message)
 
 
 class _MemoryReportPrinter(Callback):
     """``verbose=2``: every rank's ``strategy.memory_report()`` after the first batch."""
 
-    def __init__(self) -> None:
-        self._done = False
+    _done = False
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         if self._done:
@@ -131,8 +119,7 @@ class _MemoryReportPrinter(Callback):
 class Trainer:
     """``rp.Trainer(strategy, model_fn | model, optimizer_fn | optimizer, loss_fn, metrics)``:
     the functions run under ``strategy.scope()``, a built model goes to ``distribute_model``.
-    For exact results with ``sample_weight`` give a ``torch.nn`` (or per-example) loss.
-    """
+    For exact results with ``sample_weight`` give a ``torch.nn`` (or per-example) loss."""
 
     def __init__(self, strategy: Strategy, model: nn.Module | Callable[[], nn.Module],
                  optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer],
@@ -147,13 +134,12 @@ class Trainer:
             if not isinstance(built, nn.Module):
                 raise TypeError(f"model_fn must return a torch.nn.Module, got "
                                 f"{type(built).__name__}")
-            opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) \
+            self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) \
                 else optimizer(built.parameters())
-        if not isinstance(opt, torch.optim.Optimizer):
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer or a function of the "
                             "parameters returning one")
         self.model = strategy.distribute_model(built) if isinstance(model, nn.Module) else built
-        self.optimizer = opt
         self.loss_fn = _per_example_loss(loss_fn)
         self.metrics = [as_metric(m) for m in metrics]
         logits = _outputs_are_logits(loss_fn)
@@ -165,62 +151,48 @@ class Trainer:
             raise ValueError(f"metric names must be unique (and not 'loss'): {names}")
         self._loss = Mean("loss")
         self.history = History()
-        self.epoch = 0
-        self.epochs = 0
-        self.step_in_epoch = 0
-        self.steps_in_epoch = 0
-        self.global_step = 0
-        self.last_global_batch = 0.0
-        self.stop_training = False
+        self.epoch, self.epochs, self.global_step = 0, 0, 0
+        self.step_in_epoch, self.steps_in_epoch = 0, 0
+        self.last_global_batch, self.stop_training = 0.0, False
         self.terminate_on_nan = True  # fit(terminate_on_nan=...)
         self.train_dataset: Any = None
         self._errors = ErrorAgreement(strategy)
         self._reduced_sums = [m.state.clone() for m in self._all_metrics()]
-        #: The ``BackupAndRestore`` among the callbacks of the current ``fit`` (``None``: no
-        #: backups); loggers keep what must survive a resume beside its backups.
+        #: The current ``fit``'s ``BackupAndRestore`` (``None``: none); loggers keep ledgers by it.
         self.backup: BackupAndRestore | None = None
         self._samples_seen = 0.0
         self._callbacks = CallbackList([], self)
 
-    # -- resumable state (for BackupAndRestore) -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Where training stands, the same on every replica: epoch, step, the epoch's metric
-        sums over all replicas so far, the history, whether to stop, and each callback's
-        ``state_dict()`` (what ``BackupAndRestore`` saves for a Trainer)."""
+        """Where training stands, the same on every replica (what ``BackupAndRestore`` saves)."""
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch,
                 "global_step": self.global_step,
                 "metric_sums": {m.name: s.tolist() for m, s in
                                 zip(self._all_metrics(), self._reduced_sums)},
                 "history": self.history.state_dict(), "stop_training": self.stop_training,
-                "callbacks": callback_states(self._callbacks.callbacks)}
+                "callbacks": self._callbacks.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`. Every replica holds the same running sums, to
-        which each step adds its reduced numbers, so a resumed epoch's metrics are bit for
-        bit those of an uninterrupted one."""
-        self.epoch = int(state["epoch"])
-        self.step_in_epoch = int(state["step_in_epoch"])
-        self.global_step = int(state["global_step"])
-        sums = []
+        """Continue from :meth:`state_dict`: every replica holds the same running sums, so a
+        resumed epoch's metrics are bit for bit those of an uninterrupted one."""
+        self.epoch, self.step_in_epoch, self.global_step = (
+            int(state[k]) for k in ("epoch", "step_in_epoch", "global_step"))
+        self._reduced_sums = []
         for m in self._all_metrics():
             m.reset()
             saved = state["metric_sums"].get(m.name)
-            if saved is None:
-                sums.append(torch.zeros_like(m.state))
-                continue
-            restored = torch.tensor(saved, dtype=torch.float64)
-            m.load_state(torch.zeros_like(restored))  # sizes a metric that sizes itself lazily
-            sums.append(restored)
-        self._reduced_sums = sums
+            if saved is not None:  # sizes a metric that sizes itself lazily
+                m.load_state(torch.zeros(len(saved), dtype=torch.float64))
+            self._reduced_sums.append(torch.zeros_like(m.state) if saved is None
+                                      else torch.tensor(saved, dtype=torch.float64))
         self.history.load_state_dict(state["history"])
         self.stop_training = bool(state.get("stop_training", False))
         # the callbacks' on_train_begin ran before this restore (backups come last)
-        load_callback_states(self._callbacks.callbacks, state.get("callbacks", {}))
+        self._callbacks.load_state_dict(state.get("callbacks", {}))
 
     def _all_metrics(self) -> list[Metric]:
         return [self._loss, *self.metrics]
 
-    # -- hooks with cross-replica error agreement ------------------------------------------------
     def _hook(self, name: str, *args: Any) -> None:
         try:
             self._callbacks.call(name, *args)
@@ -229,13 +201,11 @@ class Trainer:
                 raise
             self._errors.hold(name, exc)
 
-    # -- training --------------------------------------------------------------------------------
     def _forward(self, x: Any, y: torch.Tensor) -> tuple[Any, torch.Tensor, int]:
         """The predictions, one loss per example (a scalar loss stands for each) and ``n``."""
         pred = self.model(x)
         per_example = self.loss_fn(pred, y)
-        n = batch_rows(x)
-        if n is None:
+        if (n := batch_rows(x)) is None:
             raise TypeError(f"cannot tell the batch size of {type(x).__name__}")
         if per_example.dim() == 0:
             per_example = per_example.expand(n)
@@ -258,8 +228,7 @@ class Trainer:
         # the one compute_average_loss rule; with no real sample anywhere (total == 0, the
         # same on every replica) it finds the zero count itself and returns a zero loss
         count: Any = total if total > 0 else None  # a weighted count may be fractional
-        loss = compute_average_loss(per_example, global_batch_size=count, sample_weight=w)
-        loss.backward()
+        compute_average_loss(per_example, global_batch_size=count, sample_weight=w).backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         self._loss.update(per_example.detach(), y, w)
@@ -269,25 +238,21 @@ class Trainer:
 
     def _nonfinite(self, per_example: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """1.0 when ``fit(terminate_on_nan=True)`` and a real example's loss is NaN or inf."""
-        if not self.terminate_on_nan:
-            return torch.zeros((), dtype=w.dtype, device=w.device)
-        bad = ~torch.isfinite(per_example.detach()) & (w != 0)
+        bad = ~torch.isfinite(per_example.detach()) & (w != 0) & self.terminate_on_nan
         return bad.any().to(w.dtype)
 
     def _stop_on_nonfinite(self, per_example: torch.Tensor, w: torch.Tensor, bad: int) -> None:
         """Raise :class:`NonFiniteLossError` before backward, on every replica at once (the
         count came from one collective), so the weights keep the previous step's values."""
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        mine = bool(self._nonfinite(per_example, w))
-        replicas = self.strategy.num_replicas_in_sync
+        mine = "not finite" if bool(self._nonfinite(per_example, w)) else "finite"
         raise NonFiniteLossError(
             f"the loss is NaN or infinite at step {self.step_in_epoch + 1} of epoch "
             f"{self.epoch + 1}/{self.epochs} (global step {self.global_step + 1}) on {bad} of "
-            f"{replicas} replica(s) (rank {rank}'s own loss is "
-            f"{'not finite' if mine else 'finite'}); fit stopped before the optimizer step, "
-            f"so the weights are those after global step {self.global_step}. HINT: lower the "
-            "learning rate, clip gradients, or look for NaN/inf in this step's input; "
-            "fit(..., terminate_on_nan=False) trains on regardless.")
+            f"{self.strategy.num_replicas_in_sync} replica(s) (rank {rank}'s own loss is {mine}); "
+            "fit stopped before the optimizer step, so the weights are those after global step "
+            f"{self.global_step}. HINT: lower the learning rate, clip gradients, or look for "
+            "NaN/inf in this step's input; fit(..., terminate_on_nan=False) trains on regardless.")
 
     def _reduced(self, metrics: list[Metric]) -> list[torch.Tensor]:
         """The metrics' sums over all replicas, reduced with the error flag in one collective."""
@@ -310,22 +275,13 @@ class Trainer:
             m.reset()
         return {m.name: m.value_from(s) for m, s in zip(metrics, self._reduced_sums)}
 
-    def _distributed(self, data: Any) -> Any:
-        if isinstance(data, (DataLoader, Dataset)):
-            return self.strategy.distribute_dataset(data)
-        if hasattr(data, "__iter__"):
-            return data  # already distributed (strategy.distribute_dataset / _from_function)
-        raise TypeError(f"fit() takes a DataLoader with the global batch size, a Dataset or a "
-                        f"distributed dataset; got {type(data).__name__}")
-
     def fit(self, train_data: Any, epochs: int = 1, validation_data: Any = None,
             steps_per_epoch: int | None = None, callbacks: Iterable[Callback] = (),
             verbose: int = 1, terminate_on_nan: bool = True) -> History:
         """Train for ``epochs`` epochs (at most ``steps_per_epoch`` steps each); returns the
         :class:`History`. ``terminate_on_nan``: a NaN or infinite loss on any replica raises
         ``NonFiniteLossError`` everywhere before that step's backward (unless a ``TerminateOnNaN``
-        callback or a ``BackupAndRestore`` takes over).
-        """
+        callback or a ``BackupAndRestore`` takes over)."""
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
         if getattr(self.strategy, "live", None) is not None:
@@ -336,7 +292,12 @@ class Trainer:
                 "write the loop: `for step, batch in backup.steps(dist, epochs=E): "
                 "strategy.run(step_fn, (batch,))` (docs/fault_tolerance.md)")
         self.epochs = epochs
-        self.train_dataset = self._distributed(train_data)
+        if isinstance(train_data, (DataLoader, Dataset)):
+            train_data = self.strategy.distribute_dataset(train_data)
+        elif not hasattr(train_data, "__iter__"):  # else already distributed
+            raise TypeError(f"fit() takes a DataLoader with the global batch size, a Dataset or "
+                            f"a distributed dataset; got {type(train_data).__name__}")
+        self.train_dataset = train_data
         extra: list[Callback] = [ProgressBar()] if verbose else []
         if verbose >= 2 and hasattr(self.strategy, "memory_reports"):
             extra.append(_MemoryReportPrinter())
@@ -356,8 +317,7 @@ class Trainer:
             isinstance(cb, TerminateOnNaN) for cb in callbacks)
         self.stop_training = False
         self.model.train()
-        started = time.perf_counter()
-        self._samples_seen = 0.0
+        started, self._samples_seen = time.perf_counter(), 0.0
         try:
             self._hook("on_train_begin", {})
             self._errors.agree()
@@ -412,18 +372,15 @@ class Trainer:
             if self.stop_training or (steps_per_epoch is not None
                                       and self.step_in_epoch >= steps_per_epoch):
                 break
-        if not logs:
-            logs = self._step_logs()
+        logs = logs or self._step_logs()
         if validation_data is not None:
             logs.update(self.evaluate(validation_data, _prefix="val_"))
             self.model.train()
         # the epoch is done: advance first, so a backup taken in on_epoch_end resumes after it
-        self.epoch += 1
-        self.step_in_epoch = 0
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
         self._hook("on_epoch_end", epoch, logs)
         self._errors.agree()
 
-    # -- evaluation and prediction ---------------------------------------------------------------
     def _shard_for_eval(self, data: Any, batch_size: int | None) -> DataLoader:
         if isinstance(data, DataLoader):
             dataset, global_batch, collate = data.dataset, data.batch_size, data.collate_fn
@@ -478,8 +435,7 @@ class Trainer:
                 batch = to_device(batch, self.strategy.device)
                 x = batch[0] if isinstance(batch, (list, tuple)) else batch
                 outputs.append(self.model(x))
-        local = torch.cat(outputs)
-        result = self.strategy.gather(local, axis=0)
+        result = self.strategy.gather(torch.cat(outputs), axis=0)
         self._hook("on_predict_end", {})
         self._errors.agree()
         return result
