@@ -192,21 +192,16 @@ _BRACKET = re.compile(r"^(.*?)\[([^\]]+)\](.*)$")
 
 
 def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
         if ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
+            parts.append(text[start:i])
+            start = i + 1
     if depth != 0:
         raise ClusterConfigError(f"SLURM node list {text!r} has unbalanced brackets")
-    parts.append(current)
-    return [p.strip() for p in parts if p.strip()]
+    return [p.strip() for p in [*parts, text[start:]] if p.strip()]
 
 
 def _expand_one(name: str) -> list[str]:
@@ -227,10 +222,7 @@ def _expand_one(name: str) -> list[str]:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """``"node[01-03,07],gpu-a1"`` -> ``["node01", "node02", "node03", "node07", "gpu-a1"]``."""
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist):
-        hosts.extend(_expand_one(part))
-    return hosts
+    return [host for part in _split_top_level(nodelist) for host in _expand_one(part)]
 
 
 class SlurmResolver:

@@ -5,6 +5,7 @@ and is reported once; preempted workers (exit 75) get a longer grace to save the
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -128,14 +129,6 @@ def actor_env(learner_env: dict[str, str], index: int, world: int, num_actors: i
     return env
 
 
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((n for n in names if n.startswith("lo")), None)
-
-
 def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
                attempt: int, error_dir: str, base: dict[str, str] | None = None,
                master_addr: str = LOOPBACK) -> dict[str, str]:
@@ -149,9 +142,13 @@ def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
         RESTART_COUNT_ENV: str(attempt), ERROR_DIR_ENV: error_dir,
     })
     env.setdefault("OMP_NUM_THREADS", str(threads))
-    lo = _loopback_interface()
-    if lo and master_addr == LOOPBACK:
-        env.setdefault("GLOO_SOCKET_IFNAME", lo)  # a local job never listens on the network
+    if master_addr == LOOPBACK:  # a local job never listens on the network
+        try:
+            lo = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+        except OSError:
+            lo = None
+        if lo:
+            env.setdefault("GLOO_SOCKET_IFNAME", lo)
     if timeout_seconds is not None:
         env[TIMEOUT_ENV] = str(timeout_seconds)
     return env
@@ -164,10 +161,6 @@ class WorkerProcess:
         self.rank = rank
         self.proc = proc
         self.detected_at: float | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return getattr(self.proc, "pid", None)
 
     def poll(self) -> int | None:
         if isinstance(self.proc, subprocess.Popen):
@@ -265,7 +258,13 @@ class LocalGroup:
         """Run to completion, restarting up to ``max_restarts`` times; raise on final failure."""
         previous = forward_sigterm(self._on_sigterm)
         try:
-            self._run_attempts()
+            for attempt in range(self.max_restarts + 1):
+                self.attempt = attempt
+                outcome = self._run_once(attempt)
+                if outcome.ok:
+                    self._check_servers_ran(attempt)
+                    return
+                self._restart_or_raise(outcome)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -283,35 +282,30 @@ class LocalGroup:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    def _run_attempts(self) -> None:
-        for attempt in range(self.max_restarts + 1):
-            self.attempt = attempt
-            outcome = self._run_once(attempt)
-            if outcome.ok:
-                self._check_servers_ran(attempt)
-                return
-            if outcome.failure is None:
-                raise RuntimeError("internal error: a failed attempt without its failure")
-            if self.signalled:
-                raise PreemptedError(
-                    "the job received SIGTERM: the workers were asked to save a backup and stop "
-                    f"({describe_codes(outcome.exitcodes)}).\n"
-                    f"{self._resume_hint(outcome.exitcodes)}", rank=outcome.failure.rank,
-                    exit_code=PREEMPTION_EXIT_CODE) from outcome.failure
-            if isinstance(outcome.failure, PreemptedError) and not self.restart_preempted:
-                raise outcome.failure
-            if attempt < self.max_restarts - self.worker_restarts:
-                who = f"{self.name}: " if self.name else ""
-                refusal = restart_refusal(outcome.error_types)
-                if refusal is not None:
-                    self.say(f"[replicator] {who}{refusal}; {self.max_restarts - attempt} "
-                             "restart(s) left unused")
-                    raise outcome.failure
-                what = f"{self.name} alone" if self.name else "all workers"
-                self.say(f"[replicator] {who}{str(outcome.failure).splitlines()[0]}; restarting "
-                         f"{what} (restart {attempt + 1} of {self.max_restarts})")
-                continue
-            raise outcome.failure
+    def _restart_or_raise(self, outcome: _Outcome) -> None:
+        """Say that the failed attempt is restarted, else raise the job's error."""
+        failure, attempt = outcome.failure, self.attempt
+        if failure is None:
+            raise RuntimeError("internal error: a failed attempt without its failure")
+        if self.signalled:
+            raise PreemptedError(
+                "the job received SIGTERM: the workers were asked to save a backup and stop "
+                f"({describe_codes(outcome.exitcodes)}).\n"
+                f"{self._resume_hint(outcome.exitcodes)}", rank=failure.rank,
+                exit_code=PREEMPTION_EXIT_CODE) from failure
+        if isinstance(failure, PreemptedError) and not self.restart_preempted:
+            raise failure
+        if attempt >= self.max_restarts - self.worker_restarts:
+            raise failure
+        who = f"{self.name}: " if self.name else ""
+        refusal = restart_refusal(outcome.error_types)
+        if refusal is not None:
+            self.say(f"[replicator] {who}{refusal}; {self.max_restarts - attempt} "
+                     "restart(s) left unused")
+            raise failure
+        what = f"{self.name} alone" if self.name else "all workers"
+        self.say(f"[replicator] {who}{str(failure).splitlines()[0]}; restarting "
+                 f"{what} (restart {attempt + 1} of {self.max_restarts})")
 
     def _check_servers_ran(self, attempt: int) -> None:
         """With ``--num-ps``: warn when a server rank never started a parameter server."""
@@ -341,15 +335,7 @@ class LocalGroup:
         self.rank_restarts = {}
         try:
             for rank in range(self.world):
-                env = self._env(rank)
-                if self.num_ps:
-                    env[NUM_PS_ENV] = str(self.num_ps)
-                if self.num_actors:
-                    env[NUM_ACTORS_ENV] = str(self.num_actors)
-                    if "OMP_NUM_THREADS" not in (self.base_env or os.environ):  # cores shared
-                        env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (  # with actors
-                            self.world + self.num_actors)))
-                self.workers.append(WorkerProcess(rank, self.start_fn(rank, env)))
+                self.workers.append(WorkerProcess(rank, self.start_fn(rank, self._env(rank))))
             for k in range(self.num_actors):
                 self.workers.append(self._start_actor(k, 0))
             if self.signalled:  # SIGTERM came while these workers were starting
@@ -426,8 +412,16 @@ class LocalGroup:
         return restarted
 
     def _env(self, rank: int) -> dict[str, str]:
-        return worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
-                          self.error_dir, self.base_env, self.store_addr)
+        env = worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
+                         self.error_dir, self.base_env, self.store_addr)
+        if self.num_ps:
+            env[NUM_PS_ENV] = str(self.num_ps)
+        if self.num_actors:
+            env[NUM_ACTORS_ENV] = str(self.num_actors)
+            if "OMP_NUM_THREADS" not in (self.base_env or os.environ):  # cores shared with actors
+                env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (self.world +
+                                                                         self.num_actors)))
+        return env
 
     def _start_actor(self, index: int, restarts: int) -> WorkerProcess:
         env = actor_env(self._env(0), index, self.world, self.num_actors,
@@ -438,9 +432,7 @@ class LocalGroup:
         """Worker ``rank`` started again alone, to rejoin the running parameter servers."""
         self.store.set(f"replicator/attempt_{self.attempt}/" + REJOIN_KEY.format(rank=rank),
                        str(self.rank_restarts[rank]))
-        env = self._env(rank)
-        env.update({NUM_PS_ENV: str(self.num_ps), REJOIN_ENV: "1"})
-        return WorkerProcess(rank, self.start_fn(rank, env))
+        return WorkerProcess(rank, self.start_fn(rank, {**self._env(rank), REJOIN_ENV: "1"}))
 
     def _stop_actors(self) -> None:
         """Give the actors a grace to leave after their learners ended, then stop them."""
@@ -506,6 +498,4 @@ class LocalGroup:
     def close(self) -> None:
         self._dump_running_stacks()
         self.stop_all()
-        import shutil
-
         shutil.rmtree(self.error_dir, ignore_errors=True)

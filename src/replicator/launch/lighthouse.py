@@ -86,19 +86,16 @@ def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def status_page(url: str, timeout: float = 5.0) -> str:
-    """The lighthouse's ``/status`` page; raises ``OSError`` when it does not answer."""
-    with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as resp:
-        return resp.read().decode("utf-8", "replace")
-
-
 def wait_reachable(url: str, timeout: float, flag: str = "--lighthouse") -> str:
-    """The status page of the lighthouse at ``url`` once it answers (at most ``timeout`` s)."""
+    """The ``/status`` page of the lighthouse at ``url`` once it answers (at most ``timeout``
+    s)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while True:
         try:
-            return status_page(url, timeout=max(1.0, min(5.0, deadline - time.monotonic())))
+            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=max(
+                    1.0, min(5.0, deadline - time.monotonic()))) as resp:
+                return resp.read().decode("utf-8", "replace")
         except (OSError, urllib.error.URLError) as exc:
             last = exc
         if time.monotonic() >= deadline:
@@ -227,9 +224,6 @@ class Lighthouse:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
 
     def tail(self, lines: int = 15) -> str:
         """The lighthouse's last log lines (for error messages)."""

@@ -62,15 +62,6 @@ from replicator.launch.script_launch import script_starter
 REACH_TIMEOUT_SECONDS = 30.0
 
 
-def _address_towards(host: str) -> str:
-    try:
-        return local_address_towards(host)
-    except OSError as exc:
-        raise ClusterConfigError(f"no route from this machine to the lighthouse host {host!r} "
-                                 f"({exc}). HINT: give an address of the lighthouse's machine "
-                                 "that this machine can reach.") from None
-
-
 @dataclass
 class ReplicaGroupsConfig:
     """A checked ``--replica-groups`` command line (see :func:`run_replica_groups`)."""
@@ -139,13 +130,26 @@ def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
     return cfg
 
 
-@dataclass
 class _GroupEnd:
-    group: LocalGroup
-    thread: threading.Thread
-    error: BaseException | None = None
-    done: bool = False
-    reported: bool = False
+    """Replica group ``g`` run on a thread of its own, its error kept for the main thread."""
+
+    def __init__(self, g: int, group: LocalGroup) -> None:
+        self.group = group
+        self.error: BaseException | None = None
+        self.reported = False
+        self.thread = threading.Thread(target=self._run, name=f"replicator-group-{g}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.group.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self.error = exc
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
 
 
 class ReplicaGroups:
@@ -202,11 +206,7 @@ class ReplicaGroups:
         previous = forward_sigterm(self._on_sigterm)
         try:
             for g, group in self.groups.items():
-                end = _GroupEnd(group, threading.Thread(target=self._run_group, args=(g,),
-                                                        name=f"replicator-group-{g}",
-                                                        daemon=True))
-                self.ends[g] = end
-                end.thread.start()
+                self.ends[g] = _GroupEnd(g, group)
             self._watch()
         except BaseException:
             self._stop_everything()
@@ -215,15 +215,6 @@ class ReplicaGroups:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         self._conclude()
-
-    def _run_group(self, g: int) -> None:
-        end = self.ends[g]
-        try:
-            end.group.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            end.error = exc
-        finally:
-            end.done = True
 
     def _on_sigterm(self) -> None:
         self.signalled = True
@@ -243,7 +234,7 @@ class ReplicaGroups:
             if all(end.done for end in self.ends.values()):
                 return
             if self.lighthouse is not None and not self.lighthouse.alive():
-                code = self.lighthouse.exit_code()
+                code = self.lighthouse.proc.poll() if self.lighthouse.proc else None
                 self.say(f"[replicator] the lighthouse exited (exit code {code}); stopping "
                          "every replica group")
                 self._stop_everything()
@@ -292,24 +283,18 @@ class ReplicaGroups:
         lost = ReplicaGroupFailedError(first, error, self.groups[first].attempt,
                                        self.cfg.max_restarts)
         finished = sorted(g for g, e in self.ends.items() if e.error is None)
-        if len(finished) >= self.cfg.min_replicas:
-            self._say_finished(finished, failed, lost)
+        if len(finished) >= self.cfg.min_replicas:  # the job finished: exit 0
+            hint = ("" if self.cfg.max_restarts else " HINT: --max-restarts N restarts a lost "
+                    "group alone, and it heals from a live peer.")
+            self.say(f"[replicator] the training finished on replica group(s) "
+                     f"{', '.join(map(str, finished))} (--min-replicas {self.cfg.min_replicas} "
+                     f"held); replica group(s) {', '.join(map(str, sorted(failed)))} were lost: "
+                     f"{str(lost).splitlines()[0]}.{hint}")
             return
         if len(failed) > 1:
             self.say("[replicator] replica groups " + ", ".join(map(str, sorted(failed))) +
                      " failed after their restarts")
         raise lost
-
-    def _say_finished(self, finished: list[int], failed: dict[int, BaseException],
-                      lost: ReplicaGroupFailedError) -> None:
-        """The line for a job that finished on ``--min-replicas`` groups or more (exit 0)."""
-        names = ", ".join(map(str, sorted(failed)))
-        hint = ("" if self.cfg.max_restarts else " HINT: --max-restarts N restarts a lost "
-                "group alone, and it heals from a live peer.")
-        self.say(f"[replicator] the training finished on replica group(s) "
-                 f"{', '.join(map(str, finished))} (--min-replicas {self.cfg.min_replicas} "
-                 f"held); replica group(s) {names} were lost: {str(lost).splitlines()[0]}."
-                 f"{hint}")
 
     def _preempted(self, errors: dict[int, BaseException]) -> PreemptedError:
         """The launcher's error after SIGTERM: which groups left, which failed meanwhile."""
@@ -355,7 +340,13 @@ def _advertised_address(cfg: ReplicaGroupsConfig) -> str:
     if is_loopback(host):
         return LOOPBACK
     if cfg.lighthouse is not None:
-        return _address_towards(host)
+        try:
+            return local_address_towards(host)
+        except OSError as exc:
+            raise ClusterConfigError(
+                f"no route from this machine to the lighthouse host {host!r} ({exc}). HINT: "
+                "give an address of the lighthouse's machine that this machine can reach."
+            ) from None
     if host in ("0.0.0.0", "::", ""):
         try:
             return socket.gethostbyname(socket.gethostname())

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
 
 from replicator.cluster.cpu_scheduling import usable_cores
 from replicator.cluster.ports import check_port
@@ -23,69 +23,53 @@ from replicator.launch.launcher import (
 from replicator.launch.output import OutputRelay, terminal_env
 
 
-class _ForkedScript:
-    """Forks each worker from the forkserver."""
+class _ScriptStarter:
+    """Starts each worker forked from the forkserver or, ``fresh``, as a ``python -u``."""
 
-    def __init__(self, script: str, args: Sequence[str]) -> None:
+    def __init__(self, script: str, args: Sequence[str], fresh: bool) -> None:
         self.script = script
         self.args = list(args)
-        self.ctx: Any = forkserver_context()
+        self.ctx: Any = None if fresh else forkserver_context()
 
     def start(self, rank: int, env: dict[str, str], *, relay: OutputRelay | None = None,
               quiet: bool = False, label: str | None = None, group: str | None = None,
               output: int | None = None) -> Any:
-        # imported here: ``python -m replicator.launch.script_entry`` (the fresh path) warns
-        # when importing the package has already imported that module
-        from replicator.launch.script_entry import forked_entry
-
         pipes: list[tuple[int, int]] = []
-        ends: list[int] = []
+        ends: list[int] = []  # this side's copies of the worker's ends, closed once it started
         if output is not None:
-            streams = StandardStreams(0, output, output)
+            fds = (output, output)
         elif quiet:
             ends = [os.open(os.devnull, os.O_WRONLY)]
-            streams = StandardStreams(0, ends[0], ends[0])
+            fds = (ends[0], ends[0])
         elif relay is not None:
             pipes = [os.pipe(), os.pipe()]
             ends = [w for _, w in pipes]
-            streams = StandardStreams(0, *ends)
+            fds = (ends[0], ends[1])
         else:
-            streams = StandardStreams()
-        proc = self.ctx.Process(target=forked_entry, name=f"replicator-rank{rank}",
-                                args=(self.script, self.args, env, os.getcwd(), streams))
+            fds = (1, 2)
         try:
-            proc.start()
+            proc = self._start(rank, env, fds)
         finally:
-            for fd in ends:  # the worker holds its own copies now
+            for fd in ends:
                 os.close(fd)
         if relay is not None:
             for (r, _), stream in zip(pipes, ("stdout", "stderr")):
                 relay.attach(rank, os.fdopen(r, "rb"), stream, label=label, group=group)
         return proc
 
+    def _start(self, rank: int, env: dict[str, str], fds: tuple[int, int]) -> Any:
+        if self.ctx is None:
+            return subprocess.Popen([sys.executable, "-u", "-m", "replicator.launch.script_entry",
+                                     self.script, *self.args], env=env, stdout=fds[0],
+                                    stderr=fds[1])
+        # imported here: ``python -m replicator.launch.script_entry`` (the fresh path) warns
+        # when importing the package has already imported that module
+        from replicator.launch.script_entry import forked_entry
 
-class _FreshScript:
-    """Starts each worker as a fresh ``python -u`` interpreter."""
-
-    def __init__(self, script: str, args: Sequence[str]) -> None:
-        self.cmd = [sys.executable, "-u", "-m", "replicator.launch.script_entry", script,
-                    *args]
-
-    def start(self, rank: int, env: dict[str, str], *, relay: OutputRelay | None = None,
-              quiet: bool = False, label: str | None = None, group: str | None = None,
-              output: int | None = None) -> Any:
-        if output is not None:
-            return subprocess.Popen(self.cmd, env=env, stdout=output, stderr=output)
-        if quiet:
-            return subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
-        if relay is None:
-            return subprocess.Popen(self.cmd, env=env)
-        proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
-        pipes: tuple[IO[bytes] | None, IO[bytes] | None] = (proc.stdout, proc.stderr)
-        for pipe, stream in zip(pipes, ("stdout", "stderr")):
-            relay.attach(rank, pipe, stream, label=label, group=group)
+        proc = self.ctx.Process(target=forked_entry, name=f"replicator-rank{rank}",
+                                args=(self.script, self.args, env, os.getcwd(),
+                                      StandardStreams(0, *fds)))
+        proc.start()
         return proc
 
 
@@ -94,8 +78,7 @@ def script_starter(script: str, args: Sequence[str], start_method: str = "forkse
     group=, output=)`` returns the process (``quiet``: output dropped; ``output``: stdout and
     stderr to that file descriptor, which the caller keeps; neither nor ``relay``: the
     launcher's)."""
-    method = check_start_method(start_method)
-    return (_ForkedScript if method == "forkserver" else _FreshScript)(script, args)
+    return _ScriptStarter(script, args, check_start_method(start_method) != "forkserver")
 
 
 def run_script(script: str, script_args: Sequence[str] = (), nproc: int = 2, *,
