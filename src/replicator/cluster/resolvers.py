@@ -328,22 +328,22 @@ def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
         store.set(error_key, message)
         leave(message)
 
-    first = store.compare_set(f"{roll}/world", "", str(world))
-    first = first.decode() if isinstance(first, bytes) else str(first)
-    if first != str(world):
+    def agreed(key: str, value: str) -> str:
+        """The value of ``key``: ``value`` if this process set it first."""
+        got = store.compare_set(f"{roll}/{key}", "", value)
+        return got.decode() if isinstance(got, bytes) else str(got)
+
+    if (first := agreed("world", str(world))) != str(world):
         fail(f"the processes disagree on the size of the job: rank {rank} expects "
              f"{world} processes ({spec.source}), but a process that joined earlier expects "
              f"{first}. HINT: give every process the same cluster description (the same "
              "TF_CONFIG worker list, --nnodes/--nproc-per-node, or ClusterSpec.world_size).")
-    if backend is not None:
-        agreed = store.compare_set(f"{roll}/backend", "", backend)
-        agreed = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
-        if agreed != backend:
-            fail(f"the processes disagree on the backend: {_who(spec, rank)} starts {backend} "
-                 f"but a process that joined earlier started {agreed}. HINT: every process "
-                 "must compute on the same kind of device (NCCL for CUDA, gloo for CPU): give "
-                 "each the same devices= (devices='cpu' on every host, say), or give every "
-                 "host as many GPUs as it runs processes.")
+    if backend is not None and (earlier := agreed("backend", backend)) != backend:
+        fail(f"the processes disagree on the backend: {_who(spec, rank)} starts {backend} "
+             f"but a process that joined earlier started {earlier}. HINT: every process "
+             "must compute on the same kind of device (NCCL for CUDA, gloo for CPU): give "
+             "each the same devices= (devices='cpu' on every host, say), or give every "
+             "host as many GPUs as it runs processes.")
     if device_key is not None and store.add(f"{roll}/device/{device_key}", 1) > 1:
         fail(f"two processes of the job would compute on the same GPU ({device_key}; seen from "
              f"{_who(spec, rank)}), which NCCL refuses. HINT: start one process per GPU, give "

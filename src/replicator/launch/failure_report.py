@@ -50,8 +50,7 @@ def restart_refusal(error_types: Iterable[str]) -> str | None:
     names = list(error_types)
     for name in names:
         if name in REPEATING_FAILURES:
-            shown = names[0] if names else name
-            return f"not restarting: {shown} repeats on restart ({REPEATING_FAILURES[name]})"
+            return f"not restarting: {names[0]} repeats on restart ({REPEATING_FAILURES[name]})"
     return None
 
 

@@ -4,6 +4,7 @@ and is reported once; preempted workers (exit 75) get a longer grace to save the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -189,8 +190,7 @@ class WorkerProcess:
 
 @dataclass
 class _Outcome:
-    ok: bool
-    failure: WorkerFailedError | None = None
+    failure: WorkerFailedError | None = None  # None: every learner finished
     exitcodes: dict[int, int | None] = field(default_factory=dict)
     #: The failing rank's exception class and its bases (from its error file), if any.
     error_types: tuple[str, ...] = ()
@@ -206,11 +206,17 @@ def oversubscription_warning(nproc: int, cores: int) -> str | None:
             "or fewer unless you are testing the distributed code itself.")
 
 
-def forward_sigterm(handler: Callable[[], None]) -> Any:
-    """Run ``handler`` on SIGTERM (main thread only); the previous handler, to put back."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: handler())
+@contextlib.contextmanager
+def forward_sigterm(handler: Callable[[], None]) -> Iterator[None]:
+    """Run ``handler`` on SIGTERM inside the block (main thread only), then put back the
+    previous handler."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: handler()) if main else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 class LocalGroup:
@@ -256,18 +262,14 @@ class LocalGroup:
 
     def run(self) -> None:
         """Run to completion, restarting up to ``max_restarts`` times; raise on final failure."""
-        previous = forward_sigterm(self._on_sigterm)
-        try:
+        with forward_sigterm(self._on_sigterm):
             for attempt in range(self.max_restarts + 1):
                 self.attempt = attempt
                 outcome = self._run_once(attempt)
-                if outcome.ok:
+                if outcome.failure is None:
                     self._check_servers_ran(attempt)
                     return
-                self._restart_or_raise(outcome)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+                self._restart_or_raise(outcome.failure, outcome)
 
     def _on_sigterm(self) -> None:
         self.signalled = True
@@ -282,11 +284,9 @@ class LocalGroup:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    def _restart_or_raise(self, outcome: _Outcome) -> None:
+    def _restart_or_raise(self, failure: WorkerFailedError, outcome: _Outcome) -> None:
         """Say that the failed attempt is restarted, else raise the job's error."""
-        failure, attempt = outcome.failure, self.attempt
-        if failure is None:
-            raise RuntimeError("internal error: a failed attempt without its failure")
+        attempt = self.attempt
         if self.signalled:
             raise PreemptedError(
                 "the job received SIGTERM: the workers were asked to save a backup and stop "
@@ -362,8 +362,10 @@ class LocalGroup:
             if self._note_lost_workers(codes):
                 continue  # a worker was restarted alone: look again
             if all(c == 0 for r, c in codes.items() if r not in self.lost and r < self.world):
-                self._stop_actors()  # the learners are done: their actors follow
-                return _Outcome(ok=True, exitcodes=codes)
+                actors = self.workers[self.world:]  # the learners are done: a grace, then stop
+                self._await_ends(actors, FAILURE_GRACE_SECONDS)
+                self.stop_all(actors)
+                return _Outcome(exitcodes=codes)
             failed = [w for w in self.workers
                       if codes[w.rank] not in (None, 0) and w.rank not in self.lost]
             if failed:
@@ -371,16 +373,11 @@ class LocalGroup:
                 break
             time.sleep(0.02)
         saving = self.signalled or first_failed.poll() == PREEMPTION_EXIT_CODE
-        deadline = time.time() + (_preemption_grace() if saving else FAILURE_GRACE_SECONDS)
-        while time.time() < deadline and any(w.poll() is None for w in self.workers):
-            time.sleep(0.02)
-            for w in self.workers:  # when each end was seen orders the causes
-                if w.detected_at is None and w.poll() is not None:
-                    w.detected_at = time.time()
+        self._await_ends(self.workers, _preemption_grace() if saving else FAILURE_GRACE_SECONDS)
         terminated = [w.rank for w in self.workers if w.poll() is None]
         self.stop_all()
         failure, types = self._failure(attempt, first_failed, terminated)
-        return _Outcome(ok=False, failure=failure, error_types=types,
+        return _Outcome(failure=failure, error_types=types,
                         exitcodes={w.rank: w.poll() for w in self.workers})
 
     def _note_lost_workers(self, codes: dict[int, int | None]) -> bool:
@@ -434,13 +431,16 @@ class LocalGroup:
                        str(self.rank_restarts[rank]))
         return WorkerProcess(rank, self.start_fn(rank, {**self._env(rank), REJOIN_ENV: "1"}))
 
-    def _stop_actors(self) -> None:
-        """Give the actors a grace to leave after their learners ended, then stop them."""
-        actors = [w for w in self.workers if w.rank >= self.world]
-        deadline = time.time() + FAILURE_GRACE_SECONDS
-        while time.time() < deadline and any(w.poll() is None for w in actors):
+    @staticmethod
+    def _await_ends(workers: list[WorkerProcess], seconds: float) -> None:
+        """Wait at most ``seconds`` for ``workers`` to end, noting when each end was seen
+        (which orders the causes of a failure)."""
+        deadline = time.time() + seconds
+        while time.time() < deadline and any(w.poll() is None for w in workers):
             time.sleep(0.02)
-        self.stop_all(actors)
+            for w in workers:
+                if w.detected_at is None and w.poll() is not None:
+                    w.detected_at = time.time()
 
     def _failure(self, attempt: int, first: WorkerProcess, terminated: list[int]
                  ) -> tuple[WorkerFailedError, tuple[str, ...]]:

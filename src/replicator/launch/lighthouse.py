@@ -163,8 +163,7 @@ class Lighthouse:
 
     def start(self, timeout: float = START_TIMEOUT_SECONDS) -> str:
         """Start the lighthouse and wait until it answers; return its URL."""
-        bind = f"[{self.host}]:{self.requested_port}" if ":" in self.host \
-            else f"{self.host}:{self.requested_port}"
+        bind = url_of(self.host, self.requested_port).removeprefix("http://")
         user_log = os.environ.get("RUST_LOG")  # its "listening on" line must be logged
         env = dict(os.environ, RUST_LOG=f"{user_log},{_LOG_DIRECTIVE}" if user_log
                    else "info")

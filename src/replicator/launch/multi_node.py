@@ -112,8 +112,7 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
     os.environ[LAUNCHER_ENV] = "multi-node"
     if timeout_seconds is not None:
         os.environ[TIMEOUT_ENV] = str(timeout_seconds)
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     _register_rendezvous()
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
@@ -121,13 +120,10 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
         rdzv_endpoint=f"{master_addr}:{port}", rdzv_backend=RENDEZVOUS_BACKEND,
         rdzv_configs={"rank": node_rank, "timeout": int(rdzv_timeout)},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-        local_addr=master_addr if node_rank == 0 else None,
-        shutdown_timeout=10,
-    )
-    entry = [sys.executable, "-u", "-m", "replicator.launch.script_entry", str(script),
-             *script_args]
+        local_addr=master_addr if node_rank == 0 else None, shutdown_timeout=10)
     try:
-        elastic_launch(config, entry[0])(*entry[1:])
+        elastic_launch(config, sys.executable)("-u", "-m", "replicator.launch.script_entry",
+                                               str(script), *script_args)
     except ClusterConfigError:
         raise
     except ChildFailedError as exc:

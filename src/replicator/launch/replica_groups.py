@@ -203,17 +203,14 @@ class ReplicaGroups:
                 self.cfg.nproc, self._starter(g), timeout_seconds=self.cfg.timeout_seconds,
                 max_restarts=self.cfg.max_restarts, env=self.base_env(g), output=self.output,
                 name=f"replica group {g}", restart_preempted=False, store_addr=self.address)
-        previous = forward_sigterm(self._on_sigterm)
-        try:
-            for g, group in self.groups.items():
-                self.ends[g] = _GroupEnd(g, group)
-            self._watch()
-        except BaseException:
-            self._stop_everything()
-            raise
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        with forward_sigterm(self._on_sigterm):
+            try:
+                for g, group in self.groups.items():
+                    self.ends[g] = _GroupEnd(g, group)
+                self._watch()
+            except BaseException:
+                self._stop_everything()
+                raise
         self._conclude()
 
     def _on_sigterm(self) -> None:
