@@ -59,13 +59,11 @@ def _make_store(spec: ClusterSpec, timeout: timedelta, backend: str,
     if spec.world_size == 1 and spec.master_port is None:
         return dist.HashStore()
     is_master = spec.rank == 0 and not spec.store_is_hosted
-    extra: dict[str, Any] = {}
-    if is_master:
-        # Listen on MASTER_ADDR only (loopback for a local job), never on every interface.
-        extra["master_listen_fd"] = listen(spec.master_addr, spec.master_port or 0).detach()
+    # the chief listens on MASTER_ADDR only (loopback for a local job), never on every interface
+    fd = listen(spec.master_addr, spec.master_port or 0).detach() if is_master else None
     try:
         store = dist.TCPStore(spec.master_addr, spec.master_port or 0, spec.world_size, is_master,
-                              timeout=timeout, wait_for_workers=False, **extra)
+                              timeout=timeout, wait_for_workers=False, master_listen_fd=fd)
     except (RuntimeError, OSError) as exc:
         raise ClusterConfigError(
             f"rank {spec.rank} could not reach the rendezvous store at "

@@ -41,7 +41,7 @@ def error_path(error_dir: str | Path, rank: int, attempt: int = 0) -> Path:
     return Path(error_dir) / f"attempt{attempt}_rank{rank}.json"
 
 
-_LAUNCHER_FRAMES = ("script_entry.py", "function_launch.py", "runpy")
+_LAUNCHER_FRAMES = ("script_entry.py", "script_launch.py", "runpy")
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:

@@ -38,14 +38,11 @@ def _register_rendezvous() -> None:
         def next_rendezvous(self) -> Any:
             if not self._store:
                 is_master = self.rank == 0
-                extra: dict[str, Any] = {}
-                if is_master:
-                    extra["master_listen_fd"] = listen(self.master_addr,
-                                                       self.master_port).detach()
+                fd = listen(self.master_addr, self.master_port).detach() if is_master else None
                 try:
                     self._store = TCPStore(self.master_addr, self.master_port, self.world_size,
                                            is_master, self.timeout, multi_tenant=True,
-                                           **extra)
+                                           master_listen_fd=fd)
                 except (RuntimeError, OSError) as exc:
                     waited = f"{self.timeout.total_seconds():.0f} s"
                     if is_master:

@@ -110,8 +110,7 @@ def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
         raise ClusterConfigError("--lighthouse-bind says where a lighthouse started by this "
                                  "command listens; with --lighthouse/--join none is started. "
                                  "HINT: leave out --lighthouse-bind.")
-    own = existing is None
-    if own and min_replicas > groups:
+    if existing is None and min_replicas > groups:
         raise ClusterConfigError(
             f"--min-replicas {min_replicas} is more than --replica-groups {groups}: no step "
             f"could ever commit. HINT: use --min-replicas {groups} or less (1 lets the job go "
@@ -174,10 +173,10 @@ class ReplicaGroups:
 
     def base_env(self, group: int) -> dict[str, str]:
         """The environment every process of ``group`` starts from."""
-        env = dict(os.environ)
-        env.update({REPLICA_GROUP_ENV: str(group), REPLICA_GROUPS_ENV: str(self.cfg.groups),
-                    LIGHTHOUSE_ENV: self.url, MIN_REPLICAS_ENV: str(self.cfg.min_replicas),
-                    LIVE_BIND_ENV: self.address, "TORCHFT_LIGHTHOUSE": self.url})
+        env = {**os.environ, REPLICA_GROUP_ENV: str(group),
+               REPLICA_GROUPS_ENV: str(self.cfg.groups), LIGHTHOUSE_ENV: self.url,
+               MIN_REPLICAS_ENV: str(self.cfg.min_replicas), LIVE_BIND_ENV: self.address,
+               "TORCHFT_LIGHTHOUSE": self.url}
         total = self.cfg.groups * self.cfg.nproc
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
         env.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at info

@@ -62,10 +62,10 @@ def run_reported(body: Callable[[], None]) -> None:
     """Run a worker's ``body``: a failure written to the rank's error file (when the launcher
     set one), a normal finish noted and left with exit code 0."""
     rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get(RESTART_COUNT_ENV, "0"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
         install_stack_dump(error_dir, rank)  # asked for when the launch is stopped
+        path = error_path(error_dir, rank, int(os.environ.get(RESTART_COUNT_ENV, "0")))
     try:
         tune_malloc()  # a step's large buffers stay in the heap (malloc_tuning)
         body()
@@ -77,13 +77,12 @@ def run_reported(body: Callable[[], None]) -> None:
             record_finished(rank)
             raise
         if error_dir:
-            record_exception(exc if not isinstance(code, str) else RuntimeError(code), rank,
-                             error_path(error_dir, rank, attempt))
+            record_exception(RuntimeError(code) if isinstance(code, str) else exc, rank, path)
         raise
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then exit 1
         if not error_dir:
             raise
-        record_exception(exc, rank, error_path(error_dir, rank, attempt))
+        record_exception(exc, rank, path)
         _finish_threads()
         sys.stdout.flush()
         sys.stderr.flush()

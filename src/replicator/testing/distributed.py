@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from replicator.launch.function_launch import launch
+from replicator.launch.script_launch import launch
 
 DEFAULT_TEST_TIMEOUT_SECONDS = 60.0
 
