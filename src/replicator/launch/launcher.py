@@ -84,11 +84,11 @@ def check_num_replicas(n: Any, flag: str = "num_replicas") -> int:
     return check_count(n, flag, 1, "use 1 for a single replica.")
 
 
-def check_script(script: str) -> str:
-    """``script`` if it names a file, else an error saying where it was looked for."""
+def check_script(script: str, error: type[Exception] = ClusterConfigError) -> str:
+    """``script`` if it names a file, else ``error`` saying where it was looked for."""
     if not Path(script).is_file():
-        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
-                                 "HINT: give the path of a Python file.")
+        raise error(f"script {script!r} not found (looked in {Path.cwd()}). HINT: give the path "
+                    "of a Python file.")
     return str(script)
 
 

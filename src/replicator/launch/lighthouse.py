@@ -61,8 +61,7 @@ def lighthouse_command() -> list[str]:
 
 def parse_address(text: str, flag: str, default_port: int | None = None) -> tuple[str, int]:
     """``"HOST:PORT"`` (also ``http://HOST:PORT``, ``[::1]:PORT``) -> ``(host, port)``."""
-    raw = text.strip()
-    body = re.sub(r"^https?://", "", raw).rstrip("/")
+    body = re.sub(r"^https?://", "", text.strip()).rstrip("/")
     match = re.fullmatch(r"\[(?P<v6>[0-9a-fA-F:.]+)\](?::(?P<p6>\d+))?|"
                          r"(?P<host>[^:\s/\[\]]+)(?::(?P<port>\d+))?", body)
     if not match:

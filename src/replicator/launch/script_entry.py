@@ -22,6 +22,7 @@ from replicator.cluster.worker_errors import (
     record_finished,
 )
 from replicator.launch.forked_start import become_worker
+from replicator.launch.launcher import check_script
 from replicator.launch.malloc_tuning import tune_malloc
 
 #: Threads whose work a failing worker waits for before it leaves (at most
@@ -97,9 +98,7 @@ def run_as_main(script: str, args: list[str]) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
 
     def body() -> None:
-        if not os.path.isfile(script):
-            raise ScriptNotFoundError(f"script {script!r} not found (looked in {os.getcwd()}). "
-                                      "HINT: give the path of a Python file.")
+        check_script(script, ScriptNotFoundError)  # a restart would not find it either
         runpy.run_path(script, run_name="__main__")
 
     run_reported(body)
