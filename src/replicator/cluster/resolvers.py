@@ -105,7 +105,6 @@ class TorchrunResolver:
         if not 0 <= local_rank < max(local_world, 1):
             raise ClusterConfigError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1}")
         launcher = env.get(LAUNCHER_ENV)
-        torchrun = "TORCHELASTIC_RUN_ID" in env
         hosted = env.get(STORE_HOSTED_ENV) == "1" or \
             env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         port = _int(env, "MASTER_PORT", 0) or None
@@ -117,7 +116,7 @@ class TorchrunResolver:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
             restart_count=_restart_count(env), store_is_hosted=hosted,
             source=("local-launcher" if launcher == "local" else f"replicator-{launcher}")
-            if launcher else ("torchrun" if torchrun else "environment"),
+            if launcher else ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "environment"),
         )
 
 
@@ -298,9 +297,7 @@ _ROUNDS = [0]
 
 
 def _who(spec: ClusterSpec, rank: int) -> str:
-    if rank < len(spec.addresses):
-        return f"rank {rank} ({spec.addresses[rank]})"
-    return f"rank {rank}"
+    return f"rank {rank} ({spec.addresses[rank]})" if rank < len(spec.addresses) else f"rank {rank}"
 
 
 def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,

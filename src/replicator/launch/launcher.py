@@ -164,9 +164,7 @@ class WorkerProcess:
         self.detected_at: float | None = None
 
     def poll(self) -> int | None:
-        if isinstance(self.proc, subprocess.Popen):
-            return self.proc.poll()
-        return self.proc.exitcode
+        return self.proc.poll() if isinstance(self.proc, subprocess.Popen) else self.proc.exitcode
 
     def signal(self, sig: int) -> None:
         pid = getattr(self.proc, "pid", None)
@@ -334,10 +332,9 @@ class LocalGroup:
         self.lost = set()
         self.rank_restarts = {}
         try:
-            for rank in range(self.world):
-                self.workers.append(WorkerProcess(rank, self.start_fn(rank, self._env(rank))))
-            for k in range(self.num_actors):
-                self.workers.append(self._start_actor(k, 0))
+            for rank in range(self.world + self.num_actors):  # one by one: stop_all sees them
+                self.workers.append(self._start_actor(rank - self.world, 0) if rank >= self.world
+                                    else WorkerProcess(rank, self.start_fn(rank, self._env(rank))))
             if self.signalled:  # SIGTERM came while these workers were starting
                 for w in self.workers:
                     w.signal(signal.SIGTERM)

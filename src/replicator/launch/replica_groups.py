@@ -296,13 +296,10 @@ class ReplicaGroups:
         """The launcher's error after SIGTERM: which groups left, which failed meanwhile."""
         left = sorted(g for g, e in errors.items() if isinstance(e, PreemptedError))
         failed = sorted(g for g in errors if g not in left)
-        parts = []
-        if left:
-            parts.append(f"replica group(s) {', '.join(map(str, left))} left at a step boundary "
-                         "(exit code 75)")
-        for g in failed:
-            parts.append(f"replica group {g} failed meanwhile: "
-                         f"{str(errors[g]).splitlines()[0]}")
+        parts = [f"replica group(s) {', '.join(map(str, left))} left at a step boundary "
+                 "(exit code 75)"] if left else []
+        parts += [f"replica group {g} failed meanwhile: {str(errors[g]).splitlines()[0]}"
+                  for g in failed]
         hint = str(errors[left[0]]).splitlines()[1:] if left else []
         message = "the job received SIGTERM: " + "; ".join(parts)
         first = errors[(left or failed)[0]]
