@@ -16,7 +16,7 @@ import replicator as rp
 from replicator.cluster.topology import Topology
 from replicator.comm.options import CommunicationOptions
 from replicator.errors import WorkerFailedError
-from replicator.launch.function_launch import launch
+from replicator.launch.script_launch import launch
 from replicator.testing import assert_params_close, run_distributed
 from tests.distributed.model_parallel_models import full_state, loss_of, make_mlp, mlp_data
 

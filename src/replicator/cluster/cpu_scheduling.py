@@ -33,9 +33,7 @@ def wanted(local_processes: int, choice: str | None = None) -> bool:
     value = raw.strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{CPU_SCHEDULING_ENV}={raw!r} is not one of {', '.join(CHOICES)}")
-    if value == "auto":
-        return local_processes > usable_cores()
-    return value == "batch"
+    return local_processes > usable_cores() if value == "auto" else value == "batch"
 
 
 def use_batch_scheduling(local_processes: int, announce: bool = False) -> bool:

@@ -69,20 +69,15 @@ def default_device_for(local_rank: int, local_world_size: int) -> torch.device:
     n = available_accelerators()
     if local_world_size <= n:
         return torch.device("cuda", local_rank)
-    if n == 1 and _own_device_per_process():
-        return torch.device("cuda", 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if n == 1 and visible and "," not in visible and not visible.startswith("-"):
+        return torch.device("cuda", 0)  # this process was given one GPU of its own
     if n and local_rank == 0:
         print(f"[replicator] {local_world_size} processes on this machine but {n} CUDA "
               f"device(s): every replica computes on the CPU (gloo). HINT: start at most {n} "
               "process(es) per machine to use the GPUs, or pass devices='cpu' to say so.",
               file=sys.stderr, flush=True)
     return torch.device("cpu")
-
-
-def _own_device_per_process() -> bool:
-    """This process was given one GPU of its own: ``CUDA_VISIBLE_DEVICES`` names exactly one."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    return bool(visible) and "," not in visible and not visible.startswith("-")
 
 
 def device_identity(device: torch.device | None) -> str | None:

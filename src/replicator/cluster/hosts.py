@@ -49,24 +49,6 @@ def local_host_key(env: Mapping[str, str] | None = None) -> str:
     return f"{socket.gethostname()}/node{node}"
 
 
-def _encode(key: str) -> torch.Tensor:
-    raw = key.encode()
-    if len(raw) > MAX_HOST_KEY_BYTES:
-        raise ClusterConfigError(
-            f"host key {key[:40]!r}... is {len(raw)} bytes; at most {MAX_HOST_KEY_BYTES}. "
-            f"HINT: set {HOST_ENV} to a shorter name for this host.")
-    buf = torch.zeros(MAX_HOST_KEY_BYTES + 1, dtype=torch.uint8)
-    buf[0] = len(raw)
-    if raw:
-        buf[1:1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return buf
-
-
-def _decode(buf: torch.Tensor) -> str:
-    n = int(buf[0])
-    return bytes(buf[1:1 + n].tolist()).decode()
-
-
 def exchange_host_keys(group: dist.ProcessGroup | None = None,
                        key: str | None = None) -> list[str]:
     """The host key of every process of ``group``, in group-rank order (a collective of fixed-size
@@ -74,15 +56,19 @@ def exchange_host_keys(group: dist.ProcessGroup | None = None,
     key = local_host_key() if key is None else key
     if not dist.is_available() or not dist.is_initialized():
         return [key]
-    size = dist.get_world_size(group)
-    mine = _encode(key)
-    device = torch.device("cpu")
+    raw = key.encode()
+    if len(raw) > MAX_HOST_KEY_BYTES:
+        raise ClusterConfigError(
+            f"host key {key[:40]!r}... is {len(raw)} bytes; at most {MAX_HOST_KEY_BYTES}. "
+            f"HINT: set {HOST_ENV} to a shorter name for this host.")
+    mine = torch.zeros(MAX_HOST_KEY_BYTES + 1, dtype=torch.uint8)  # the length, then the bytes
+    mine[0] = len(raw)
+    mine[1:1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = mine.to(device)
-    parts = [torch.empty_like(mine) for _ in range(size)]
+        mine = mine.to(torch.device("cuda", torch.cuda.current_device()))
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
-    return [_decode(p.cpu()) for p in parts]
+    return [bytes(p.cpu()[1:1 + int(p[0])].tolist()).decode() for p in parts]
 
 
 def group_by_host(ranks: Sequence[int], keys: Sequence[str]) -> list[list[int]]:

@@ -4,7 +4,7 @@ store is namespaced per attempt (an old attempt's keys hang a fresh group: pytor
 from __future__ import annotations
 
 import atexit
-import logging
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -26,8 +26,6 @@ from replicator.cluster.ports import listen
 from replicator.cluster.resolvers import check_membership
 from replicator.cluster.timeouts import resolve_timeout, set_group_timeout
 from replicator.errors import ClusterConfigError
-
-log = logging.getLogger("replicator")
 
 
 @dataclass
@@ -61,21 +59,17 @@ def _make_store(spec: ClusterSpec, timeout: timedelta, backend: str,
     if spec.world_size == 1 and spec.master_port is None:
         return dist.HashStore()
     is_master = spec.rank == 0 and not spec.store_is_hosted
-    extra: dict[str, Any] = {}
-    if is_master:
-        # Listen on MASTER_ADDR only (loopback for a local job), never on every interface.
-        extra["master_listen_fd"] = listen(spec.master_addr, spec.master_port or 0).detach()
+    # the chief listens on MASTER_ADDR only (loopback for a local job), never on every interface
+    fd = listen(spec.master_addr, spec.master_port or 0).detach() if is_master else None
     try:
         store = dist.TCPStore(spec.master_addr, spec.master_port or 0, spec.world_size, is_master,
-                              timeout=timeout, wait_for_workers=False, **extra)
+                              timeout=timeout, wait_for_workers=False, master_listen_fd=fd)
     except (RuntimeError, OSError) as exc:
-        text = str(exc)
         raise ClusterConfigError(
             f"rank {spec.rank} could not reach the rendezvous store at "
             f"{spec.master_addr}:{spec.master_port} within {timeout.total_seconds():.0f} s: "
-            f"{text}. "
-            "HINT: is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every worker?"
-        ) from exc
+            f"{exc}. HINT: is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every "
+            "worker?") from exc
     attempt = dist.PrefixStore(f"replicator/attempt_{spec.restart_count}", store)
     check_membership(attempt, spec, timeout.total_seconds(), backend=backend,
                      device_key=device_key)
@@ -122,16 +116,10 @@ def initialize(backend: str | None = None, timeout_seconds: float | None = None,
     return _GROUP
 
 
-_HINTED = False
-
-
+@functools.cache
 def _hint_one_replica() -> None:
     """Say once per process, on stderr, that a plain ``python script.py`` (no launcher set
     RANK/WORLD_SIZE) is one replica."""
-    global _HINTED
-    if _HINTED:
-        return
-    _HINTED = True
     print("[replicator] running one replica in this process. HINT: to use more, launch with "
           "`replicator run --nproc N script.py` or `torchrun --nproc-per-node N script.py`.",
           file=sys.stderr, flush=True)
@@ -156,15 +144,12 @@ def current_group() -> GroupInfo | None:
 
 
 _SHUTDOWN_HOOKS: list = []
-_AT_EXIT_REGISTERED = False
 
 
+@functools.cache
 def _shutdown_at_exit() -> None:
     """Destroy our group at exit before module teardown (later, gloo's groups abort)."""
-    global _AT_EXIT_REGISTERED
-    if not _AT_EXIT_REGISTERED:
-        atexit.register(shutdown)
-        _AT_EXIT_REGISTERED = True
+    atexit.register(shutdown)
 
 
 def on_shutdown(hook) -> None:  # noqa: ANN001 - a callable taking nothing

@@ -105,7 +105,6 @@ class TorchrunResolver:
         if not 0 <= local_rank < max(local_world, 1):
             raise ClusterConfigError(f"LOCAL_RANK={local_rank} is outside 0..{local_world - 1}")
         launcher = env.get(LAUNCHER_ENV)
-        torchrun = "TORCHELASTIC_RUN_ID" in env
         hosted = env.get(STORE_HOSTED_ENV) == "1" or \
             env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         port = _int(env, "MASTER_PORT", 0) or None
@@ -117,7 +116,7 @@ class TorchrunResolver:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=port,
             restart_count=_restart_count(env), store_is_hosted=hosted,
             source=("local-launcher" if launcher == "local" else f"replicator-{launcher}")
-            if launcher else ("torchrun" if torchrun else "environment"),
+            if launcher else ("torchrun" if "TORCHELASTIC_RUN_ID" in env else "environment"),
         )
 
 
@@ -192,21 +191,16 @@ _BRACKET = re.compile(r"^(.*?)\[([^\]]+)\](.*)$")
 
 
 def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
         if ch == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += ch
+            parts.append(text[start:i])
+            start = i + 1
     if depth != 0:
         raise ClusterConfigError(f"SLURM node list {text!r} has unbalanced brackets")
-    parts.append(current)
-    return [p.strip() for p in parts if p.strip()]
+    return [p.strip() for p in [*parts, text[start:]] if p.strip()]
 
 
 def _expand_one(name: str) -> list[str]:
@@ -227,10 +221,7 @@ def _expand_one(name: str) -> list[str]:
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """``"node[01-03,07],gpu-a1"`` -> ``["node01", "node02", "node03", "node07", "gpu-a1"]``."""
-    hosts: list[str] = []
-    for part in _split_top_level(nodelist):
-        hosts.extend(_expand_one(part))
-    return hosts
+    return [host for part in _split_top_level(nodelist) for host in _expand_one(part)]
 
 
 class SlurmResolver:
@@ -306,9 +297,7 @@ _ROUNDS = [0]
 
 
 def _who(spec: ClusterSpec, rank: int) -> str:
-    if rank < len(spec.addresses):
-        return f"rank {rank} ({spec.addresses[rank]})"
-    return f"rank {rank}"
+    return f"rank {rank} ({spec.addresses[rank]})" if rank < len(spec.addresses) else f"rank {rank}"
 
 
 def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
@@ -336,22 +325,22 @@ def check_membership(store: Any, spec: ClusterSpec, timeout_seconds: float,
         store.set(error_key, message)
         leave(message)
 
-    first = store.compare_set(f"{roll}/world", "", str(world))
-    first = first.decode() if isinstance(first, bytes) else str(first)
-    if first != str(world):
+    def agreed(key: str, value: str) -> str:
+        """The value of ``key``: ``value`` if this process set it first."""
+        got = store.compare_set(f"{roll}/{key}", "", value)
+        return got.decode() if isinstance(got, bytes) else str(got)
+
+    if (first := agreed("world", str(world))) != str(world):
         fail(f"the processes disagree on the size of the job: rank {rank} expects "
              f"{world} processes ({spec.source}), but a process that joined earlier expects "
              f"{first}. HINT: give every process the same cluster description (the same "
              "TF_CONFIG worker list, --nnodes/--nproc-per-node, or ClusterSpec.world_size).")
-    if backend is not None:
-        agreed = store.compare_set(f"{roll}/backend", "", backend)
-        agreed = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
-        if agreed != backend:
-            fail(f"the processes disagree on the backend: {_who(spec, rank)} starts {backend} "
-                 f"but a process that joined earlier started {agreed}. HINT: every process "
-                 "must compute on the same kind of device (NCCL for CUDA, gloo for CPU): give "
-                 "each the same devices= (devices='cpu' on every host, say), or give every "
-                 "host as many GPUs as it runs processes.")
+    if backend is not None and (earlier := agreed("backend", backend)) != backend:
+        fail(f"the processes disagree on the backend: {_who(spec, rank)} starts {backend} "
+             f"but a process that joined earlier started {earlier}. HINT: every process "
+             "must compute on the same kind of device (NCCL for CUDA, gloo for CPU): give "
+             "each the same devices= (devices='cpu' on every host, say), or give every "
+             "host as many GPUs as it runs processes.")
     if device_key is not None and store.add(f"{roll}/device/{device_key}", 1) > 1:
         fail(f"two processes of the job would compute on the same GPU ({device_key}; seen from "
              f"{_who(spec, rank)}), which NCCL refuses. HINT: start one process per GPU, give "

@@ -31,20 +31,14 @@ def resolve_timeout(timeout_seconds: float | None = None, options: Any = None, *
             if not given > 0:
                 raise ValueError(f"timeout_seconds must be positive, got {given}")
             return float(given)
-    found = None if group is _NO_GROUP else _group_timeout(group)
-    if found is not None:
-        return found
+    if group is not _NO_GROUP:  # the timeout the group was made with, if remembered
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            key = dist.group.WORLD if group is None else group
+            if key in _OF_GROUP:
+                return _OF_GROUP[key]
     return env_number(os.environ if env is None else env, TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS)
-
-
-def _group_timeout(group: dist.ProcessGroup | None) -> float | None:
-    """The timeout ``group`` (``None``: the default group) was made with, if remembered."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    key = dist.group.WORLD if group is None else group
-    return _OF_GROUP.get(key) if key is not None else None
 
 
 def env_number(env: Mapping[str, str], name: str, default: float, what: str = "seconds"

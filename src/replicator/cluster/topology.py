@@ -33,11 +33,6 @@ DATA_AXES = ("data", "fsdp")
 Role = Literal["chief", "worker", "ps"]
 
 
-def _close(name: str, options: Sequence[str]) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1)
-    return f" Did you mean {match[0]!r}?" if match else ""
-
-
 def _edits(a: str, b: str) -> int:
     """Edit distance of ``a`` and ``b``: insertions, deletions, substitutions and swaps of
     two neighbouring letters each count one (optimal string alignment)."""
@@ -78,11 +73,10 @@ def resolve_axes(axes: Mapping[str, int] | Sequence[tuple[str, int]] | None,
     if not items:
         raise ClusterConfigError("a topology needs at least one axis. HINT: Topology({'data': "
                                  f"{num_workers}}}) or Topology() for plain data parallelism.")
-    for name, _ in items:
-        if not isinstance(name, str) or not name:
-            raise ClusterConfigError(f"mesh axis names are non-empty strings, got {name!r}")
     names = [name for name, _ in items]
     for name in names:
+        if not isinstance(name, str) or not name:
+            raise ClusterConfigError(f"mesh axis names are non-empty strings, got {name!r}")
         typo = likely_typo(name)
         if typo is not None:
             raise ClusterConfigError(
@@ -170,9 +164,8 @@ class Topology:
         self.num_ps = num_ps
         self.num_workers = self.world_size - num_ps
         self.axes = resolve_axes(axes, self.num_workers)
-        workers: list[Role] = ["worker"] * (self.num_workers - 1)
-        servers: list[Role] = ["ps"] * num_ps
-        self.roles: list[Role] = ["chief", *workers, *servers]
+        self.roles: list[Role] = ["chief" if r == 0 else "worker" if r < self.num_workers else "ps"
+                                  for r in range(self.world_size)]
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.device_type = device_type
@@ -223,9 +216,10 @@ class Topology:
     # -- axes ----------------------------------------------------------------------------------
     def _check_axis(self, axis: str) -> None:
         if axis not in self.axes:
-            raise ClusterConfigError(
-                f"this topology has no axis {axis!r}.{_close(axis, list(self.axes))} Its axes: "
-                + ", ".join(f"{n}={s}" for n, s in self.axes.items()))
+            near = difflib.get_close_matches(axis, list(self.axes), n=1)
+            guess = f" Did you mean {near[0]!r}?" if near else ""
+            raise ClusterConfigError(f"this topology has no axis {axis!r}.{guess} Its axes: "
+                                     + ", ".join(f"{n}={s}" for n, s in self.axes.items()))
         if self.is_ps:
             raise ClusterConfigError(
                 f"rank {self.global_rank} is a parameter server, which is on no mesh axis (asked "

@@ -41,7 +41,7 @@ def error_path(error_dir: str | Path, rank: int, attempt: int = 0) -> Path:
     return Path(error_dir) / f"attempt{attempt}_rank{rank}.json"
 
 
-_LAUNCHER_FRAMES = ("script_entry.py", "function_launch.py", "runpy")
+_LAUNCHER_FRAMES = ("script_entry.py", "script_launch.py", "runpy")
 
 
 def _user_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -76,8 +76,7 @@ def _write_json(path: str | Path, payload: dict) -> None:
 
 def read_error(path: str | Path) -> WorkerError | None:
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(Path(path).read_text())
         return WorkerError(rank=int(data["rank"]), type=str(data["type"]),
                            message=str(data["message"]), traceback=str(data["traceback"]),
                            time=float(data["time"]),
@@ -94,10 +93,6 @@ class BackupNote:
     step: int
 
 
-def _backup_path(error_dir: str | Path, rank: int) -> Path:
-    return Path(error_dir) / f"backup_rank{rank}.json"
-
-
 def record_backup(directory: str | Path, step: int) -> None:
     """Note for the local launcher that ``directory`` holds a backup of ``step``; never raises."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
@@ -105,8 +100,8 @@ def record_backup(directory: str | Path, step: int) -> None:
         return
     try:
         rank = int(os.environ.get("RANK", "0"))
-        _write_json(_backup_path(error_dir, rank), {"directory": str(directory),
-                                                     "step": int(step)})
+        _write_json(Path(error_dir) / f"backup_rank{rank}.json",
+                    {"directory": str(directory), "step": int(step)})
     except Exception:  # noqa: BLE001 - best effort by design
         pass
 
@@ -116,23 +111,20 @@ def read_backup(error_dir: str | Path, ranks: range) -> BackupNote | None:
     notes = []
     for rank in ranks:
         try:
-            with open(_backup_path(error_dir, rank)) as f:
-                data = json.load(f)
+            data = json.loads((Path(error_dir) / f"backup_rank{rank}.json").read_text())
             notes.append(BackupNote(str(data["directory"]), int(data["step"])))
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return max(notes, key=lambda n: n.step) if notes else None
 
 
-def _finished_path(error_dir: str | Path, rank: int, attempt: int) -> Path:
-    return Path(error_dir) / f"attempt{attempt}_rank{rank}.finished"
-
-
-def _attempt() -> int:
+def _finished_path(error_dir: str, rank: int) -> Path:
+    """Rank ``rank``'s mark, in this attempt, that it finished its script normally."""
     try:
-        return int(os.environ.get(RESTART_COUNT_ENV, "0"))
+        attempt = int(os.environ.get(RESTART_COUNT_ENV, "0"))
     except ValueError:
-        return 0
+        attempt = 0
+    return Path(error_dir) / f"attempt{attempt}_rank{rank}.finished"
 
 
 def record_finished(rank: int) -> None:
@@ -141,7 +133,7 @@ def record_finished(rank: int) -> None:
     if not error_dir:
         return
     try:
-        _finished_path(error_dir, rank, _attempt()).touch()
+        _finished_path(error_dir, rank).touch()
     except OSError:
         pass
 
@@ -149,10 +141,7 @@ def record_finished(rank: int) -> None:
 def finished_peers(ranks: list[int]) -> list[int]:
     """Those of ``ranks`` that finished their script normally in this attempt."""
     error_dir = os.environ.get(ERROR_DIR_ENV)
-    if not error_dir:
-        return []
-    attempt = _attempt()
-    return [r for r in ranks if _finished_path(error_dir, r, attempt).exists()]
+    return [r for r in ranks if error_dir and _finished_path(error_dir, r).exists()]
 
 
 #: The signal a launcher sends for the stacks (SIGUSR1 is left to schedulers' preemption notices).
@@ -182,8 +171,4 @@ def read_stacks(folder: str, rank: int, timeout_s: float) -> str:
             break
         last = size
         time.sleep(0.1)
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return ""
+    return Path(path).read_text().strip() if os.path.exists(path) else ""

@@ -7,6 +7,7 @@ wins. One with no failed peer waited for a rank that finished: a collective on s
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -49,8 +50,7 @@ def restart_refusal(error_types: Iterable[str]) -> str | None:
     names = list(error_types)
     for name in names:
         if name in REPEATING_FAILURES:
-            shown = names[0] if names else name
-            return f"not restarting: {shown} repeats on restart ({REPEATING_FAILURES[name]})"
+            return f"not restarting: {names[0]} repeats on restart ({REPEATING_FAILURES[name]})"
     return None
 
 
@@ -59,16 +59,12 @@ def rank_ranges(ranks: Iterable[int]) -> str:
     ordered = sorted(set(ranks))
     if len(ordered) == 1:
         return f"rank {ordered[0]}"
-    spans: list[str] = []
-    start = prev = ordered[0]
-    for r in [*ordered[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        spans.append(str(start) if start == prev else
-                     f"{start}, {prev}" if prev == start + 1 else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
+    spans = []  # runs of consecutive ranks: "3", "3, 4", "3-5"
+    for _, run in itertools.groupby(enumerate(ordered), lambda pair: pair[1] - pair[0]):
+        members = [r for _, r in run]
+        first, last = members[0], members[-1]
+        spans.append(str(first) if first == last else
+                     f"{first}, {last}" if last == first + 1 else f"{first}-{last}")
     return "ranks " + ", ".join(spans)
 
 

@@ -41,18 +41,14 @@ def check_start_method(method: Any, allowed: tuple[str, ...] = START_METHODS) ->
 
 
 def forkserver_context() -> Any:
-    """The forkserver context, preloading :data:`FORKSERVER_PRELOAD` and ``REPLICATOR_PRELOAD``,
-    started now so that its imports (3-4 s) overlap the launcher's own set-up."""
+    """The forkserver context, preloading :data:`FORKSERVER_PRELOAD` and the modules named in
+    ``REPLICATOR_PRELOAD`` (comma-separated: a script's own heavy imports, ``transformers``
+    takes 3-5 s), started now so that its imports (3-4 s) overlap the launcher's own set-up."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, *user_preload(os.environ)])
+    named = [name.strip() for name in os.environ.get(PRELOAD_VARIABLE, "").split(",")]
+    ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, *filter(None, named)])
     forkserver.ensure_running()
     return ctx
-
-
-def user_preload(env: Any) -> list[str]:
-    """The modules named in ``REPLICATOR_PRELOAD`` (comma-separated): a script's own heavy
-    imports (``transformers`` takes 3-5 s) that the server imports once for every worker."""
-    return [name.strip() for name in env.get(PRELOAD_VARIABLE, "").split(",") if name.strip()]
 
 
 class StandardStreams:

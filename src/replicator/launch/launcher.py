@@ -4,7 +4,9 @@ and is reported once; preempted workers (exit 75) get a longer grace to save the
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -82,11 +84,11 @@ def check_num_replicas(n: Any, flag: str = "num_replicas") -> int:
     return check_count(n, flag, 1, "use 1 for a single replica.")
 
 
-def check_script(script: str) -> str:
-    """``script`` if it names a file, else an error saying where it was looked for."""
+def check_script(script: str, error: type[Exception] = ClusterConfigError) -> str:
+    """``script`` if it names a file, else ``error`` saying where it was looked for."""
     if not Path(script).is_file():
-        raise ClusterConfigError(f"script {script!r} not found (looked in {Path.cwd()}). "
-                                 "HINT: give the path of a Python file.")
+        raise error(f"script {script!r} not found (looked in {Path.cwd()}). HINT: give the path "
+                    "of a Python file.")
     return str(script)
 
 
@@ -128,14 +130,6 @@ def actor_env(learner_env: dict[str, str], index: int, world: int, num_actors: i
     return env
 
 
-def _loopback_interface() -> str | None:
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return None
-    return next((n for n in names if n.startswith("lo")), None)
-
-
 def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
                attempt: int, error_dir: str, base: dict[str, str] | None = None,
                master_addr: str = LOOPBACK) -> dict[str, str]:
@@ -149,9 +143,13 @@ def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
         RESTART_COUNT_ENV: str(attempt), ERROR_DIR_ENV: error_dir,
     })
     env.setdefault("OMP_NUM_THREADS", str(threads))
-    lo = _loopback_interface()
-    if lo and master_addr == LOOPBACK:
-        env.setdefault("GLOO_SOCKET_IFNAME", lo)  # a local job never listens on the network
+    if master_addr == LOOPBACK:  # a local job never listens on the network
+        try:
+            lo = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+        except OSError:
+            lo = None
+        if lo:
+            env.setdefault("GLOO_SOCKET_IFNAME", lo)
     if timeout_seconds is not None:
         env[TIMEOUT_ENV] = str(timeout_seconds)
     return env
@@ -165,14 +163,8 @@ class WorkerProcess:
         self.proc = proc
         self.detected_at: float | None = None
 
-    @property
-    def pid(self) -> int | None:
-        return getattr(self.proc, "pid", None)
-
     def poll(self) -> int | None:
-        if isinstance(self.proc, subprocess.Popen):
-            return self.proc.poll()
-        return self.proc.exitcode
+        return self.proc.poll() if isinstance(self.proc, subprocess.Popen) else self.proc.exitcode
 
     def signal(self, sig: int) -> None:
         pid = getattr(self.proc, "pid", None)
@@ -196,8 +188,7 @@ class WorkerProcess:
 
 @dataclass
 class _Outcome:
-    ok: bool
-    failure: WorkerFailedError | None = None
+    failure: WorkerFailedError | None = None  # None: every learner finished
     exitcodes: dict[int, int | None] = field(default_factory=dict)
     #: The failing rank's exception class and its bases (from its error file), if any.
     error_types: tuple[str, ...] = ()
@@ -213,11 +204,17 @@ def oversubscription_warning(nproc: int, cores: int) -> str | None:
             "or fewer unless you are testing the distributed code itself.")
 
 
-def forward_sigterm(handler: Callable[[], None]) -> Any:
-    """Run ``handler`` on SIGTERM (main thread only); the previous handler, to put back."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: handler())
+@contextlib.contextmanager
+def forward_sigterm(handler: Callable[[], None]) -> Iterator[None]:
+    """Run ``handler`` on SIGTERM inside the block (main thread only), then put back the
+    previous handler."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: handler()) if main else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 class LocalGroup:
@@ -263,12 +260,14 @@ class LocalGroup:
 
     def run(self) -> None:
         """Run to completion, restarting up to ``max_restarts`` times; raise on final failure."""
-        previous = forward_sigterm(self._on_sigterm)
-        try:
-            self._run_attempts()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        with forward_sigterm(self._on_sigterm):
+            for attempt in range(self.max_restarts + 1):
+                self.attempt = attempt
+                outcome = self._run_once(attempt)
+                if outcome.failure is None:
+                    self._check_servers_ran(attempt)
+                    return
+                self._restart_or_raise(outcome.failure, outcome)
 
     def _on_sigterm(self) -> None:
         self.signalled = True
@@ -283,35 +282,28 @@ class LocalGroup:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    def _run_attempts(self) -> None:
-        for attempt in range(self.max_restarts + 1):
-            self.attempt = attempt
-            outcome = self._run_once(attempt)
-            if outcome.ok:
-                self._check_servers_ran(attempt)
-                return
-            if outcome.failure is None:
-                raise RuntimeError("internal error: a failed attempt without its failure")
-            if self.signalled:
-                raise PreemptedError(
-                    "the job received SIGTERM: the workers were asked to save a backup and stop "
-                    f"({describe_codes(outcome.exitcodes)}).\n"
-                    f"{self._resume_hint(outcome.exitcodes)}", rank=outcome.failure.rank,
-                    exit_code=PREEMPTION_EXIT_CODE) from outcome.failure
-            if isinstance(outcome.failure, PreemptedError) and not self.restart_preempted:
-                raise outcome.failure
-            if attempt < self.max_restarts - self.worker_restarts:
-                who = f"{self.name}: " if self.name else ""
-                refusal = restart_refusal(outcome.error_types)
-                if refusal is not None:
-                    self.say(f"[replicator] {who}{refusal}; {self.max_restarts - attempt} "
-                             "restart(s) left unused")
-                    raise outcome.failure
-                what = f"{self.name} alone" if self.name else "all workers"
-                self.say(f"[replicator] {who}{str(outcome.failure).splitlines()[0]}; restarting "
-                         f"{what} (restart {attempt + 1} of {self.max_restarts})")
-                continue
-            raise outcome.failure
+    def _restart_or_raise(self, failure: WorkerFailedError, outcome: _Outcome) -> None:
+        """Say that the failed attempt is restarted, else raise the job's error."""
+        attempt = self.attempt
+        if self.signalled:
+            raise PreemptedError(
+                "the job received SIGTERM: the workers were asked to save a backup and stop "
+                f"({describe_codes(outcome.exitcodes)}).\n"
+                f"{self._resume_hint(outcome.exitcodes)}", rank=failure.rank,
+                exit_code=PREEMPTION_EXIT_CODE) from failure
+        if isinstance(failure, PreemptedError) and not self.restart_preempted:
+            raise failure
+        if attempt >= self.max_restarts - self.worker_restarts:
+            raise failure
+        who = f"{self.name}: " if self.name else ""
+        refusal = restart_refusal(outcome.error_types)
+        if refusal is not None:
+            self.say(f"[replicator] {who}{refusal}; {self.max_restarts - attempt} "
+                     "restart(s) left unused")
+            raise failure
+        what = f"{self.name} alone" if self.name else "all workers"
+        self.say(f"[replicator] {who}{str(failure).splitlines()[0]}; restarting "
+                 f"{what} (restart {attempt + 1} of {self.max_restarts})")
 
     def _check_servers_ran(self, attempt: int) -> None:
         """With ``--num-ps``: warn when a server rank never started a parameter server."""
@@ -340,18 +332,9 @@ class LocalGroup:
         self.lost = set()
         self.rank_restarts = {}
         try:
-            for rank in range(self.world):
-                env = self._env(rank)
-                if self.num_ps:
-                    env[NUM_PS_ENV] = str(self.num_ps)
-                if self.num_actors:
-                    env[NUM_ACTORS_ENV] = str(self.num_actors)
-                    if "OMP_NUM_THREADS" not in (self.base_env or os.environ):  # cores shared
-                        env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (  # with actors
-                            self.world + self.num_actors)))
-                self.workers.append(WorkerProcess(rank, self.start_fn(rank, env)))
-            for k in range(self.num_actors):
-                self.workers.append(self._start_actor(k, 0))
+            for rank in range(self.world + self.num_actors):  # one by one: stop_all sees them
+                self.workers.append(self._start_actor(rank - self.world, 0) if rank >= self.world
+                                    else WorkerProcess(rank, self.start_fn(rank, self._env(rank))))
             if self.signalled:  # SIGTERM came while these workers were starting
                 for w in self.workers:
                     w.signal(signal.SIGTERM)
@@ -376,8 +359,10 @@ class LocalGroup:
             if self._note_lost_workers(codes):
                 continue  # a worker was restarted alone: look again
             if all(c == 0 for r, c in codes.items() if r not in self.lost and r < self.world):
-                self._stop_actors()  # the learners are done: their actors follow
-                return _Outcome(ok=True, exitcodes=codes)
+                actors = self.workers[self.world:]  # the learners are done: a grace, then stop
+                self._await_ends(actors, FAILURE_GRACE_SECONDS)
+                self.stop_all(actors)
+                return _Outcome(exitcodes=codes)
             failed = [w for w in self.workers
                       if codes[w.rank] not in (None, 0) and w.rank not in self.lost]
             if failed:
@@ -385,16 +370,11 @@ class LocalGroup:
                 break
             time.sleep(0.02)
         saving = self.signalled or first_failed.poll() == PREEMPTION_EXIT_CODE
-        deadline = time.time() + (_preemption_grace() if saving else FAILURE_GRACE_SECONDS)
-        while time.time() < deadline and any(w.poll() is None for w in self.workers):
-            time.sleep(0.02)
-            for w in self.workers:  # when each end was seen orders the causes
-                if w.detected_at is None and w.poll() is not None:
-                    w.detected_at = time.time()
+        self._await_ends(self.workers, _preemption_grace() if saving else FAILURE_GRACE_SECONDS)
         terminated = [w.rank for w in self.workers if w.poll() is None]
         self.stop_all()
         failure, types = self._failure(attempt, first_failed, terminated)
-        return _Outcome(ok=False, failure=failure, error_types=types,
+        return _Outcome(failure=failure, error_types=types,
                         exitcodes={w.rank: w.poll() for w in self.workers})
 
     def _note_lost_workers(self, codes: dict[int, int | None]) -> bool:
@@ -426,8 +406,16 @@ class LocalGroup:
         return restarted
 
     def _env(self, rank: int) -> dict[str, str]:
-        return worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
-                          self.error_dir, self.base_env, self.store_addr)
+        env = worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
+                         self.error_dir, self.base_env, self.store_addr)
+        if self.num_ps:
+            env[NUM_PS_ENV] = str(self.num_ps)
+        if self.num_actors:
+            env[NUM_ACTORS_ENV] = str(self.num_actors)
+            if "OMP_NUM_THREADS" not in (self.base_env or os.environ):  # cores shared with actors
+                env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (self.world +
+                                                                         self.num_actors)))
+        return env
 
     def _start_actor(self, index: int, restarts: int) -> WorkerProcess:
         env = actor_env(self._env(0), index, self.world, self.num_actors,
@@ -438,17 +426,18 @@ class LocalGroup:
         """Worker ``rank`` started again alone, to rejoin the running parameter servers."""
         self.store.set(f"replicator/attempt_{self.attempt}/" + REJOIN_KEY.format(rank=rank),
                        str(self.rank_restarts[rank]))
-        env = self._env(rank)
-        env.update({NUM_PS_ENV: str(self.num_ps), REJOIN_ENV: "1"})
-        return WorkerProcess(rank, self.start_fn(rank, env))
+        return WorkerProcess(rank, self.start_fn(rank, {**self._env(rank), REJOIN_ENV: "1"}))
 
-    def _stop_actors(self) -> None:
-        """Give the actors a grace to leave after their learners ended, then stop them."""
-        actors = [w for w in self.workers if w.rank >= self.world]
-        deadline = time.time() + FAILURE_GRACE_SECONDS
-        while time.time() < deadline and any(w.poll() is None for w in actors):
+    @staticmethod
+    def _await_ends(workers: list[WorkerProcess], seconds: float) -> None:
+        """Wait at most ``seconds`` for ``workers`` to end, noting when each end was seen
+        (which orders the causes of a failure)."""
+        deadline = time.time() + seconds
+        while time.time() < deadline and any(w.poll() is None for w in workers):
             time.sleep(0.02)
-        self.stop_all(actors)
+            for w in workers:
+                if w.detected_at is None and w.poll() is not None:
+                    w.detected_at = time.time()
 
     def _failure(self, attempt: int, first: WorkerProcess, terminated: list[int]
                  ) -> tuple[WorkerFailedError, tuple[str, ...]]:
@@ -506,6 +495,4 @@ class LocalGroup:
     def close(self) -> None:
         self._dump_running_stacks()
         self.stop_all()
-        import shutil
-
         shutil.rmtree(self.error_dir, ignore_errors=True)

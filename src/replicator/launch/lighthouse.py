@@ -61,8 +61,7 @@ def lighthouse_command() -> list[str]:
 
 def parse_address(text: str, flag: str, default_port: int | None = None) -> tuple[str, int]:
     """``"HOST:PORT"`` (also ``http://HOST:PORT``, ``[::1]:PORT``) -> ``(host, port)``."""
-    raw = text.strip()
-    body = re.sub(r"^https?://", "", raw).rstrip("/")
+    body = re.sub(r"^https?://", "", text.strip()).rstrip("/")
     match = re.fullmatch(r"\[(?P<v6>[0-9a-fA-F:.]+)\](?::(?P<p6>\d+))?|"
                          r"(?P<host>[^:\s/\[\]]+)(?::(?P<port>\d+))?", body)
     if not match:
@@ -86,19 +85,16 @@ def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def status_page(url: str, timeout: float = 5.0) -> str:
-    """The lighthouse's ``/status`` page; raises ``OSError`` when it does not answer."""
-    with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as resp:
-        return resp.read().decode("utf-8", "replace")
-
-
 def wait_reachable(url: str, timeout: float, flag: str = "--lighthouse") -> str:
-    """The status page of the lighthouse at ``url`` once it answers (at most ``timeout`` s)."""
+    """The ``/status`` page of the lighthouse at ``url`` once it answers (at most ``timeout``
+    s)."""
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while True:
         try:
-            return status_page(url, timeout=max(1.0, min(5.0, deadline - time.monotonic())))
+            with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=max(
+                    1.0, min(5.0, deadline - time.monotonic()))) as resp:
+                return resp.read().decode("utf-8", "replace")
         except (OSError, urllib.error.URLError) as exc:
             last = exc
         if time.monotonic() >= deadline:
@@ -166,8 +162,7 @@ class Lighthouse:
 
     def start(self, timeout: float = START_TIMEOUT_SECONDS) -> str:
         """Start the lighthouse and wait until it answers; return its URL."""
-        bind = f"[{self.host}]:{self.requested_port}" if ":" in self.host \
-            else f"{self.host}:{self.requested_port}"
+        bind = url_of(self.host, self.requested_port).removeprefix("http://")
         user_log = os.environ.get("RUST_LOG")  # its "listening on" line must be logged
         env = dict(os.environ, RUST_LOG=f"{user_log},{_LOG_DIRECTIVE}" if user_log
                    else "info")
@@ -227,9 +222,6 @@ class Lighthouse:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
 
     def tail(self, lines: int = 15) -> str:
         """The lighthouse's last log lines (for error messages)."""

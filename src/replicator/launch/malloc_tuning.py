@@ -1,16 +1,11 @@
 """Keep a training step's large CPU buffers in the heap instead of new pages every step.
 
-glibc's ``malloc`` serves a request above its mmap threshold (128 kB at first, rising with the
-sizes freed, at most 32 MB) with fresh pages from the kernel and gives them back on ``free``,
-and it trims the heap's free top back to the kernel past 2x that threshold. A CPU training
-step allocates and frees the same large activations every step, so each step faults its pages
-in again: measured here with a 57k-parameter CNN (batch 60, one thread), 18-23% of the step
-was kernel time; with the thresholds raised it was none, and the step took 28 ms instead of
-34-37 (one process with two threads: 30-32 ms instead of 36-42; two synchronous ranks, whose
-faults coincide: 29 ms of compute instead of 34-35). PyTorch's CPU tuning guides get this from
-jemalloc or tcmalloc; glibc's own ``mallopt`` gets most of it without another library.
-The launchers apply it in every worker; the cost is that a process holds its peak memory.
-``REPLICATOR_MALLOC=default`` (or glibc's own ``MALLOC_*_`` variables) keeps glibc's choice.
+glibc serves a request above its mmap threshold (at most 32 MB) with fresh pages and gives
+them back on ``free``, so a CPU step that frees and reallocates the same activations faults
+them in again: with a 57k-parameter CNN, 18-23% of the step was kernel time; with the
+thresholds raised (``mallopt``, the gist of jemalloc/tcmalloc in PyTorch's CPU tuning guides)
+it took 28 ms instead of 34-37. The launchers apply it in every worker (a process then holds
+its peak memory); ``REPLICATOR_MALLOC=default`` or glibc's ``MALLOC_*_`` keep glibc's choice.
 """
 
 from __future__ import annotations
@@ -62,6 +57,5 @@ def tune_malloc() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    done = [mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD), mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-            mallopt(_M_TOP_PAD, TOP_PAD)]
-    return all(done)
+    return all([mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+                mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD), mallopt(_M_TOP_PAD, TOP_PAD)])

@@ -49,18 +49,12 @@ def _cgroup_left(root: str = "/sys/fs/cgroup") -> int | None:
 
 def available_memory() -> tuple[int, str] | None:
     """``(bytes available, where that figure comes from)``, or ``None`` when unknown."""
-    figures: list[tuple[int, str]] = []
-    value = _meminfo_available()
-    if value is not None:
-        figures.append((value, "MemAvailable in /proc/meminfo"))
-    else:
-        value = _sysconf_available()
-        if value is not None:
-            figures.append((value, "available physical pages, os.sysconf"))
-    left = _cgroup_left()
-    if left is not None:
-        figures.append((left, "what the container's cgroup memory.max leaves"))
-    return min(figures) if figures else None
+    meminfo = _meminfo_available()
+    figures = [(meminfo, "MemAvailable in /proc/meminfo") if meminfo is not None
+               else (_sysconf_available(), "available physical pages, os.sysconf"),
+               (_cgroup_left(), "what the container's cgroup memory.max leaves")]
+    known = [(value, source) for value, source in figures if value is not None]
+    return min(known) if known else None
 
 
 def memory_refusal(nproc: int, available: tuple[int, str] | None,

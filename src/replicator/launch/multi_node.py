@@ -38,14 +38,11 @@ def _register_rendezvous() -> None:
         def next_rendezvous(self) -> Any:
             if not self._store:
                 is_master = self.rank == 0
-                extra: dict[str, Any] = {}
-                if is_master:
-                    extra["master_listen_fd"] = listen(self.master_addr,
-                                                       self.master_port).detach()
+                fd = listen(self.master_addr, self.master_port).detach() if is_master else None
                 try:
                     self._store = TCPStore(self.master_addr, self.master_port, self.world_size,
                                            is_master, self.timeout, multi_tenant=True,
-                                           **extra)
+                                           master_listen_fd=fd)
                 except (RuntimeError, OSError) as exc:
                     waited = f"{self.timeout.total_seconds():.0f} s"
                     if is_master:
@@ -112,8 +109,7 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
     os.environ[LAUNCHER_ENV] = "multi-node"
     if timeout_seconds is not None:
         os.environ[TIMEOUT_ENV] = str(timeout_seconds)
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     _register_rendezvous()
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
@@ -121,13 +117,10 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
         rdzv_endpoint=f"{master_addr}:{port}", rdzv_backend=RENDEZVOUS_BACKEND,
         rdzv_configs={"rank": node_rank, "timeout": int(rdzv_timeout)},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-        local_addr=master_addr if node_rank == 0 else None,
-        shutdown_timeout=10,
-    )
-    entry = [sys.executable, "-u", "-m", "replicator.launch.script_entry", str(script),
-             *script_args]
+        local_addr=master_addr if node_rank == 0 else None, shutdown_timeout=10)
     try:
-        elastic_launch(config, entry[0])(*entry[1:])
+        elastic_launch(config, sys.executable)("-u", "-m", "replicator.launch.script_entry",
+                                               str(script), *script_args)
     except ClusterConfigError:
         raise
     except ChildFailedError as exc:

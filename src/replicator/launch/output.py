@@ -63,9 +63,7 @@ class _Sink:
 class OutputRelay:
     """Copy workers' pipes to the launcher's stdout/stderr; see the module doc."""
 
-    def __init__(self, prefix: bool = True, stdout: IO[Any] | None = None,
-                 stderr: IO[Any] | None = None) -> None:
-        self.prefix = prefix
+    def __init__(self, stdout: IO[Any] | None = None, stderr: IO[Any] | None = None) -> None:
         self._sinks = {"stdout": _Sink(stdout or sys.stdout), "stderr": _Sink(stderr or sys.stderr)}
         self._lock = threading.RLock()  # a SIGTERM handler may print while the lock is held
         self._threads: list[tuple[str | None, threading.Thread]] = []
@@ -78,8 +76,7 @@ class OutputRelay:
         ``group`` names the pipes :meth:`drain` can wait for alone."""
         if pipe is None:
             return
-        text = f"[{label}] " if label is not None else rank_prefix(rank)
-        head = text.encode() if self.prefix else b""
+        head = (f"[{label}] " if label is not None else rank_prefix(rank)).encode()
         thread = threading.Thread(target=self._pump, args=(pipe, head, stream),
                                   name=f"replicator-relay-{rank}-{stream}", daemon=True)
         thread.start()

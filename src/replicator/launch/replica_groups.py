@@ -62,15 +62,6 @@ from replicator.launch.script_launch import script_starter
 REACH_TIMEOUT_SECONDS = 30.0
 
 
-def _address_towards(host: str) -> str:
-    try:
-        return local_address_towards(host)
-    except OSError as exc:
-        raise ClusterConfigError(f"no route from this machine to the lighthouse host {host!r} "
-                                 f"({exc}). HINT: give an address of the lighthouse's machine "
-                                 "that this machine can reach.") from None
-
-
 @dataclass
 class ReplicaGroupsConfig:
     """A checked ``--replica-groups`` command line (see :func:`run_replica_groups`)."""
@@ -119,8 +110,7 @@ def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
         raise ClusterConfigError("--lighthouse-bind says where a lighthouse started by this "
                                  "command listens; with --lighthouse/--join none is started. "
                                  "HINT: leave out --lighthouse-bind.")
-    own = existing is None
-    if own and min_replicas > groups:
+    if existing is None and min_replicas > groups:
         raise ClusterConfigError(
             f"--min-replicas {min_replicas} is more than --replica-groups {groups}: no step "
             f"could ever commit. HINT: use --min-replicas {groups} or less (1 lets the job go "
@@ -139,13 +129,26 @@ def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
     return cfg
 
 
-@dataclass
 class _GroupEnd:
-    group: LocalGroup
-    thread: threading.Thread
-    error: BaseException | None = None
-    done: bool = False
-    reported: bool = False
+    """Replica group ``g`` run on a thread of its own, its error kept for the main thread."""
+
+    def __init__(self, g: int, group: LocalGroup) -> None:
+        self.group = group
+        self.error: BaseException | None = None
+        self.reported = False
+        self.thread = threading.Thread(target=self._run, name=f"replicator-group-{g}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.group.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self.error = exc
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
 
 
 class ReplicaGroups:
@@ -170,10 +173,10 @@ class ReplicaGroups:
 
     def base_env(self, group: int) -> dict[str, str]:
         """The environment every process of ``group`` starts from."""
-        env = dict(os.environ)
-        env.update({REPLICA_GROUP_ENV: str(group), REPLICA_GROUPS_ENV: str(self.cfg.groups),
-                    LIGHTHOUSE_ENV: self.url, MIN_REPLICAS_ENV: str(self.cfg.min_replicas),
-                    LIVE_BIND_ENV: self.address, "TORCHFT_LIGHTHOUSE": self.url})
+        env = {**os.environ, REPLICA_GROUP_ENV: str(group),
+               REPLICA_GROUPS_ENV: str(self.cfg.groups), LIGHTHOUSE_ENV: self.url,
+               MIN_REPLICAS_ENV: str(self.cfg.min_replicas), LIVE_BIND_ENV: self.address,
+               "TORCHFT_LIGHTHOUSE": self.url}
         total = self.cfg.groups * self.cfg.nproc
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // total)))
         env.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at info
@@ -199,31 +202,15 @@ class ReplicaGroups:
                 self.cfg.nproc, self._starter(g), timeout_seconds=self.cfg.timeout_seconds,
                 max_restarts=self.cfg.max_restarts, env=self.base_env(g), output=self.output,
                 name=f"replica group {g}", restart_preempted=False, store_addr=self.address)
-        previous = forward_sigterm(self._on_sigterm)
-        try:
-            for g, group in self.groups.items():
-                end = _GroupEnd(group, threading.Thread(target=self._run_group, args=(g,),
-                                                        name=f"replicator-group-{g}",
-                                                        daemon=True))
-                self.ends[g] = end
-                end.thread.start()
-            self._watch()
-        except BaseException:
-            self._stop_everything()
-            raise
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        with forward_sigterm(self._on_sigterm):
+            try:
+                for g, group in self.groups.items():
+                    self.ends[g] = _GroupEnd(g, group)
+                self._watch()
+            except BaseException:
+                self._stop_everything()
+                raise
         self._conclude()
-
-    def _run_group(self, g: int) -> None:
-        end = self.ends[g]
-        try:
-            end.group.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            end.error = exc
-        finally:
-            end.done = True
 
     def _on_sigterm(self) -> None:
         self.signalled = True
@@ -243,7 +230,7 @@ class ReplicaGroups:
             if all(end.done for end in self.ends.values()):
                 return
             if self.lighthouse is not None and not self.lighthouse.alive():
-                code = self.lighthouse.exit_code()
+                code = self.lighthouse.proc.poll() if self.lighthouse.proc else None
                 self.say(f"[replicator] the lighthouse exited (exit code {code}); stopping "
                          "every replica group")
                 self._stop_everything()
@@ -292,36 +279,27 @@ class ReplicaGroups:
         lost = ReplicaGroupFailedError(first, error, self.groups[first].attempt,
                                        self.cfg.max_restarts)
         finished = sorted(g for g, e in self.ends.items() if e.error is None)
-        if len(finished) >= self.cfg.min_replicas:
-            self._say_finished(finished, failed, lost)
+        if len(finished) >= self.cfg.min_replicas:  # the job finished: exit 0
+            hint = ("" if self.cfg.max_restarts else " HINT: --max-restarts N restarts a lost "
+                    "group alone, and it heals from a live peer.")
+            self.say(f"[replicator] the training finished on replica group(s) "
+                     f"{', '.join(map(str, finished))} (--min-replicas {self.cfg.min_replicas} "
+                     f"held); replica group(s) {', '.join(map(str, sorted(failed)))} were lost: "
+                     f"{str(lost).splitlines()[0]}.{hint}")
             return
         if len(failed) > 1:
             self.say("[replicator] replica groups " + ", ".join(map(str, sorted(failed))) +
                      " failed after their restarts")
         raise lost
 
-    def _say_finished(self, finished: list[int], failed: dict[int, BaseException],
-                      lost: ReplicaGroupFailedError) -> None:
-        """The line for a job that finished on ``--min-replicas`` groups or more (exit 0)."""
-        names = ", ".join(map(str, sorted(failed)))
-        hint = ("" if self.cfg.max_restarts else " HINT: --max-restarts N restarts a lost "
-                "group alone, and it heals from a live peer.")
-        self.say(f"[replicator] the training finished on replica group(s) "
-                 f"{', '.join(map(str, finished))} (--min-replicas {self.cfg.min_replicas} "
-                 f"held); replica group(s) {names} were lost: {str(lost).splitlines()[0]}."
-                 f"{hint}")
-
     def _preempted(self, errors: dict[int, BaseException]) -> PreemptedError:
         """The launcher's error after SIGTERM: which groups left, which failed meanwhile."""
         left = sorted(g for g, e in errors.items() if isinstance(e, PreemptedError))
         failed = sorted(g for g in errors if g not in left)
-        parts = []
-        if left:
-            parts.append(f"replica group(s) {', '.join(map(str, left))} left at a step boundary "
-                         "(exit code 75)")
-        for g in failed:
-            parts.append(f"replica group {g} failed meanwhile: "
-                         f"{str(errors[g]).splitlines()[0]}")
+        parts = [f"replica group(s) {', '.join(map(str, left))} left at a step boundary "
+                 "(exit code 75)"] if left else []
+        parts += [f"replica group {g} failed meanwhile: {str(errors[g]).splitlines()[0]}"
+                  for g in failed]
         hint = str(errors[left[0]]).splitlines()[1:] if left else []
         message = "the job received SIGTERM: " + "; ".join(parts)
         first = errors[(left or failed)[0]]
@@ -355,7 +333,13 @@ def _advertised_address(cfg: ReplicaGroupsConfig) -> str:
     if is_loopback(host):
         return LOOPBACK
     if cfg.lighthouse is not None:
-        return _address_towards(host)
+        try:
+            return local_address_towards(host)
+        except OSError as exc:
+            raise ClusterConfigError(
+                f"no route from this machine to the lighthouse host {host!r} ({exc}). HINT: "
+                "give an address of the lighthouse's machine that this machine can reach."
+            ) from None
     if host in ("0.0.0.0", "::", ""):
         try:
             return socket.gethostbyname(socket.gethostname())

@@ -22,6 +22,7 @@ from replicator.cluster.worker_errors import (
     record_finished,
 )
 from replicator.launch.forked_start import become_worker
+from replicator.launch.launcher import check_script
 from replicator.launch.malloc_tuning import tune_malloc
 
 #: Threads whose work a failing worker waits for before it leaves (at most
@@ -62,10 +63,10 @@ def run_reported(body: Callable[[], None]) -> None:
     """Run a worker's ``body``: a failure written to the rank's error file (when the launcher
     set one), a normal finish noted and left with exit code 0."""
     rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get(RESTART_COUNT_ENV, "0"))
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if error_dir:
         install_stack_dump(error_dir, rank)  # asked for when the launch is stopped
+        path = error_path(error_dir, rank, int(os.environ.get(RESTART_COUNT_ENV, "0")))
     try:
         tune_malloc()  # a step's large buffers stay in the heap (malloc_tuning)
         body()
@@ -77,13 +78,12 @@ def run_reported(body: Callable[[], None]) -> None:
             record_finished(rank)
             raise
         if error_dir:
-            record_exception(exc if not isinstance(code, str) else RuntimeError(code), rank,
-                             error_path(error_dir, rank, attempt))
+            record_exception(RuntimeError(code) if isinstance(code, str) else exc, rank, path)
         raise
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then exit 1
         if not error_dir:
             raise
-        record_exception(exc, rank, error_path(error_dir, rank, attempt))
+        record_exception(exc, rank, path)
         _finish_threads()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -98,9 +98,7 @@ def run_as_main(script: str, args: list[str]) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
 
     def body() -> None:
-        if not os.path.isfile(script):
-            raise ScriptNotFoundError(f"script {script!r} not found (looked in {os.getcwd()}). "
-                                      "HINT: give the path of a Python file.")
+        check_script(script, ScriptNotFoundError)  # a restart would not find it either
         runpy.run_path(script, run_name="__main__")
 
     run_reported(body)
