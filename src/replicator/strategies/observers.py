@@ -1,8 +1,6 @@
-"""Step observers: code that watches every strategy's steps without changing the strategy.
-
-An observer added with :func:`add_step_observer` (``replicator bench`` and ``plan`` time steps
-this way) is told when ``strategy.run`` starts and ends and when the loop calls ``reduce``,
-``gather`` or ``forward_backward``; without one each call costs one empty-list test.
+"""Step observers (``replicator bench`` and ``plan`` time steps this way): told when
+``strategy.run`` starts and ends and when the loop calls ``reduce``, ``gather`` or
+``forward_backward``; without one each call costs one empty-list test.
 """
 
 from __future__ import annotations

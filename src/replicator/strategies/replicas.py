@@ -1,11 +1,10 @@
 """The replica group a strategy keeps in step, written once and composed by every strategy.
 
 A :class:`ReplicaGroup` on the processes a strategy replicates over (the job, a topology axis,
-or its data axes) owns device, group, identity, the ``Collectives`` (tracker, reduce, gather,
-broadcast, barrier) and the gradient engine (a ``GradientSynchronizer`` per module,
-``no_sync``), as Lightning Fabric's ``ParallelStrategy``. Its waits take the strategy's own timeout
-(``resolve_timeout``): mesh axis groups too (torch's 30 minutes otherwise), and a private group
-of every rank when an earlier strategy made the default group with another timeout.
+or its data axes) owns device, group, identity, the ``Collectives`` and the gradient engine
+(a ``GradientSynchronizer`` per module, ``no_sync``), as Lightning Fabric's ``ParallelStrategy``.
+Its waits take the strategy's own timeout: mesh axis groups too (torch's 30 minutes otherwise),
+and a private group of every rank when the default group was made with another timeout.
 """
 
 from __future__ import annotations
@@ -28,10 +27,9 @@ from replicator.comm.groups import new_private_group
 
 
 class ReplicaGroup:
-    """The replicas of one process group as a strategy sees them (see the module doc): the whole
-    job, the data axes (``axis=None``) or one axis of ``topology``; ``chief`` defaults to the
-    group's first replica. Not a collective.
-    """
+    """The replicas of one process group as a strategy sees them: the whole job, the data
+    axes (``axis=None``) or one axis of ``topology``; ``chief`` defaults to the group's first
+    replica. Not a collective."""
 
     def __init__(self, device: torch.device, topology: Topology | None = None,
                  axis: str | None = None, *, timeout_seconds: float | None = None,
@@ -60,8 +58,7 @@ class ReplicaGroup:
     @classmethod
     def single(cls, device: torch.device, timeout_seconds: float | None = None, *,
                chief: bool = True) -> ReplicaGroup:
-        """One replica on its own, with no process group (one device; a worker restarted
-        alone): reductions return the local value."""
+        """One replica on its own, with no process group: reductions return the local value."""
         me = cls.__new__(cls)
         me._open(device, None, None, Collectives(0, 1, device, resolve_timeout(timeout_seconds)),
                  chief)
@@ -107,8 +104,8 @@ class ReplicaGroup:
 
     # -- the data-parallel gradient engine -----------------------------------------------------
     def use_algorithm(self, algorithm: CrossDeviceOps) -> None:
-        """Sum gradients with ``algorithm`` and, where it has one, send small collectives
-        through its same-host path. A collective: every replica calls it alike."""
+        """Sum gradients with ``algorithm``, small collectives through its same-host path if
+        any (a collective)."""
         self.algorithm = algorithm
         self.collectives.use_same_host_path(algorithm)
 
@@ -125,8 +122,8 @@ class ReplicaGroup:
                               buffer_sync: str = "mean", check: bool = True,
                               automatic: bool = True) -> GradientSynchronizer | None:
         """Average ``params``' gradients over the group (reduce onto ``destination`` if given),
-        during backward or at ``synchronize()`` (``automatic=False``), until ``owner`` is freed or
-        the group closed. ``None`` when there is no parameter to synchronize."""
+        in backward or at ``synchronize()`` (``automatic=False``), until ``owner`` is freed or
+        the group closed; ``None`` without parameters."""
         if not params:
             return None
         sync = GradientSynchronizer(list(params), self.collectives, self.algorithm,

@@ -1,9 +1,8 @@
 """Notice the modules built while a strategy's scope is open, and which of them are top-level.
 
-What makes ``with strategy.scope(): model = Net()`` enough: ``torch.nn``'s global registration
-hooks report every parameter, buffer and child registered in the block, in creation order (the
-same on every replica). The strategy sets up each *top-level* module (no other built in the
-block holds it), so it can shard, wrap or place ``Net`` as a whole.
+``torch.nn``'s global registration hooks report every parameter, buffer and child registered in
+the block, in creation order (the same on every replica); the strategy sets up each *top-level*
+module (no other built in the block holds it), so it can shard, wrap or place it as a whole.
 """
 
 from __future__ import annotations

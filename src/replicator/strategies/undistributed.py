@@ -1,10 +1,8 @@
-"""Refuse trainable parameters that a multi-replica strategy never distributed.
-
-A model built outside ``strategy.scope()`` gets no broadcast and no averaging: N replicas would
-silently train N models. Process-wide hooks raise :class:`~replicator.errors.NotDistributedError`
-at an optimizer step over such a parameter, and at its forward inside ``strategy.run`` (outside
-it, at its first backward). DDP and DTensor parameters count as distributed. The hooks stay
-registered (torch.compile guards on the global hook table).
+"""Refuse trainable parameters that a multi-replica strategy never distributed (N replicas
+would silently train N models): process-wide hooks raise ``NotDistributedError`` at an optimizer
+step over one, and at its forward inside ``strategy.run`` (outside it, at its first backward).
+DDP and DTensor parameters count as distributed. The hooks stay registered (torch.compile guards
+on the global hook table).
 """
 
 from __future__ import annotations
@@ -44,8 +42,8 @@ class UndistributedWatch:
         self._handles: list[Any] = []
 
     def add(self, strategy: Any) -> None:
-        """Know ``strategy`` (every strategy: a parameter any of them distributed is fine);
-        the hooks go in with the first one that checks."""
+        """Know ``strategy`` (any one's parameters are fine); hooks go in with the first that
+        checks."""
         self._strategies.add(strategy)
         if not self._handles and _checks(strategy):
             self._handles = [register_module_forward_pre_hook(self._on_forward),
@@ -60,13 +58,9 @@ class UndistributedWatch:
         finally:
             self._depth -= 1
 
-    # -- the checks --------------------------------------------------------------------------
     def _checking(self) -> Any:
         """A live strategy that checks (the first), or ``None``: the hooks are idle."""
-        for s in list(self._strategies):
-            if _checks(s):
-                return s
-        return None
+        return next((s for s in list(self._strategies) if _checks(s)), None)
 
     def _distributed(self, p: torch.Tensor) -> bool:
         return p in self._external or _is_dtensor(p) or \

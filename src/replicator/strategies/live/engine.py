@@ -34,18 +34,19 @@ from replicator.cluster.process_group import on_shutdown
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.live_split import Share
 from replicator.errors import ClusterConfigError
-from replicator.strategies.live import state as live_state
-from replicator.strategies.live.errors import (
+from replicator.strategies.live import (
     LighthouseUnreachableError,
     LiveRecoveryError,
     QuorumTimeoutError,
     StepNotCommitted,
 )
-from replicator.strategies.live.grad_buckets import flatten_grads, unflatten_grads
-from replicator.strategies.live.manager_calls import (
+from replicator.strategies.live import state as live_state
+from replicator.strategies.live.exchange import (
     first_line,
+    flatten_grads,
     managed_all_gather,
     quiet_flight_recorder_note,
+    unflatten_grads,
 )
 from replicator.strategies.live.settings import QUORUM_TIMEOUT_ENV, LiveSettings
 from replicator.strategies.replicas import ReplicaGroup
@@ -75,7 +76,7 @@ class RoundOwner(Protocol):
 
 
 class _Snapshot:
-    """What a redone step must start from again: floating buffers and the torch RNG."""
+    """What a redone step must start from again: buffers and the torch RNG."""
 
     def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
         self.buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
@@ -167,8 +168,8 @@ class LiveEngine:
     # -- setup -----------------------------------------------------------------------------------
     def _store_address(self) -> tuple[str, int]:
         """A store for torchft's keys, hosted by group rank 0 for this life of the group only
-        (a rendezvous store that outlives a restarted group would hand the new ranks the old
-        manager's address); its port goes to the other ranks by a broadcast in the group."""
+        (a rendezvous store outliving a restarted group would hand out the old manager's
+        address); its port is broadcast in the group."""
         port = torch.zeros(1, dtype=torch.int64)
         if self.settings.rank == 0:
             sock = listen(self.settings.bind, 0)  # this address only, never every interface
@@ -192,8 +193,7 @@ class LiveEngine:
 
     # -- the step ----------------------------------------------------------------------------------
     def use_rounds(self, owner: RoundOwner) -> None:
-        """Synchronise in rounds of ``owner.round_steps`` steps (see the module doc), before
-        the first step."""
+        """Synchronise in rounds of ``owner.round_steps`` steps, set before the first step."""
         if self._quorum is not None:
             raise LiveRecoveryError(f"{self.who}: rounds must be set before the first step")
         self._rounds = owner
@@ -208,9 +208,8 @@ class LiveEngine:
 
     @property
     def writes_backups(self) -> bool:
-        """True in the group that is the first participant of the last quorum: the one group
-        whose ``BackupAndRestore`` saves (all groups hold the same committed state; in rounds
-        the backup holds the round's start, see :meth:`backup_state`)."""
+        """True in the first participant of the last quorum: the one group whose
+        ``BackupAndRestore`` saves (all groups hold the same committed state)."""
         return self._quorum is not None and self._quorum.participant == 0
 
     def backup_state(self) -> dict[str, Any]:
@@ -252,7 +251,7 @@ class LiveEngine:
                 "round cannot go on here. HINT: resume with the inner_steps (and fragments) of "
                 "the run that wrote it, or start in another backup directory")
         start = int(saved["round_start"]["progress"]["step"])
-        self._apply(saved["round_start"], self._progress_check or (lambda progress: None))
+        self._apply(saved["round_start"], self._progress_check)
         self.manager.load_state_dict({"step": start // h, "batches_committed": start // h})
         self._round_start = None
         if start != step:
@@ -270,10 +269,9 @@ class LiveEngine:
         return self._phase == "begun"
 
     def begin_step(self) -> Quorum:
-        """This step's quorum (see the module doc): a new one from the lighthouse every
-        ``quorum_every`` committed steps and whenever one is due, healing this group when it
-        is behind; otherwise the last one again. Called by the live dataset before it cuts
-        the step's batch, else by ``strategy.run``."""
+        """This step's quorum (see the module doc): a new one from the lighthouse when due,
+        healing this group when behind, else the last one again. Called by the live dataset
+        before it cuts the step's batch, else by ``strategy.run``."""
         self._check_open()
         if self._phase == "begun" and self._quorum is not None:
             return self._quorum
@@ -296,16 +294,14 @@ class LiveEngine:
         return self._quorum
 
     def _quorum_is_due(self) -> bool:
-        """Whether this step asks the lighthouse: every group of the last quorum answers the
-        same, from the committed step and what the last all-reduce carried; in rounds, every
-        round start."""
+        """Whether this step asks the lighthouse (every group of the last quorum answers the
+        same); in rounds, at every round start."""
         if self._rounds is not None:
             return self._in_round == 0
         return self._quorum_due or self.committed_steps % self.settings.quorum_every == 0
 
     def _join_quorum(self) -> tuple[int, int]:
-        """Join a quorum at the lighthouse (healing when behind); this group's index and the
-        number of participants."""
+        """Join a quorum (healing when behind): this group's index and the participants."""
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.settings.quorum_timeout))
         except LiveRecoveryError:
@@ -328,8 +324,8 @@ class LiveEngine:
         return now
 
     def _agree_on_healing(self) -> None:
-        """At the first step some ranks of a group may heal while others keep their state; a
-        replicating strategy's ranks must hold one model, so where any healed, rank 0's is taken."""
+        """Where any rank of a replicating group healed at the first step, take rank 0's model
+        (the ranks must hold one model)."""
         if self.replicas.world_size == 1 or not self._replicated():
             return
         flag = torch.tensor([1 if self._healed_now else 0], dtype=torch.int64)
@@ -361,8 +357,7 @@ class LiveEngine:
         self.source = source
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The strategy's hook before each optimizer step: the first of a step commits it
-        (or, in rounds, counts an inner step)."""
+        """The first optimizer step of a step commits it (in rounds, counts an inner step)."""
         if self._closed or not self._steps_our_parameters(optimizer):
             return
         if self._phase == "committed":
@@ -409,11 +404,10 @@ class LiveEngine:
 
     def start_round_sync(self, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
         """In rounds: start averaging ``flat`` over the quorum's groups; the call returned, at
-        the round's last step, waits for it and gives the average, or ``StepNotCommitted``
-        (the round is then trained again; see run_step). Started before the last step, the
-        all-reduce overlaps the steps between (streaming DiLoCo's ``sync_delay``), and a
-        one-value all-reduce at the end makes sure every group reached it: a group lost after
-        the exchange finished fails that one, so the round is trained again without it."""
+        the round's last step, waits and gives the average, or ``StepNotCommitted`` (the round
+        is trained again). Started earlier, it overlaps the steps between (streaming DiLoCo's
+        ``sync_delay``), and a one-value all-reduce at the end makes sure every group reached
+        it: a group lost after the exchange fails that one."""
         quorum = self._round_quorum()
         flat = flat / quorum.participants
         work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
@@ -436,7 +430,9 @@ class LiveEngine:
         For payloads an all-reduce cannot sum (quantised values with per-group scales)."""
         quorum = self._round_quorum()
         start = time.perf_counter()
-        parts = self._all_gather(payload, quorum)
+        parts = managed_all_gather(self.manager, self.process_group, payload,
+                                   f"{self.who}: the all-gather across the replica groups for "
+                                   f"the round ending at step {quorum.step}")
         total = combine(parts).div_(quorum.participants) if parts is not None else None
         self._commit_round(quorum, self._add("allreduce", start))
         if total is None:  # the failure went to the Manager, whose should_commit said no
@@ -461,13 +457,6 @@ class LiveEngine:
                                    "not committed")
         self._in_round = 0
 
-    def _all_gather(self, payload: torch.Tensor, quorum: Quorum) -> list[torch.Tensor] | None:
-        """Every group's ``payload`` in the quorum's order, or ``None`` after a failure the
-        Manager was told of (see :func:`managed_all_gather`)."""
-        return managed_all_gather(self.manager, self.process_group, payload,
-                                  f"{self.who}: the all-gather across the replica groups for "
-                                  f"the round ending at step {quorum.step}")
-
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
         """Run one step through ``call(args)``, redoing it with the next quorum until it is
         committed (see the module doc)."""
@@ -488,7 +477,7 @@ class LiveEngine:
 
     def _redo(self, call: Callable[[tuple], Any], args: tuple) -> tuple | None:
         """After a step not committed: roll back, join the next quorum and return the step's
-        arguments cut for it; in rounds, first train the round's earlier steps again."""
+        arguments cut for it (in rounds, after training the round's earlier steps again)."""
         self._roll_back()
         quorum = self.begin_step()
         self.redone_steps += 1
@@ -516,7 +505,7 @@ class LiveEngine:
         for _, p in live_state.named_parameters(self._modules()):
             p.grad = None
         if self._rounds is not None and self._round_start is not None:
-            self._apply(self._round_start, lambda progress: None)
+            self._apply(self._round_start)
         elif self._snapshot is not None:
             self._snapshot.restore()
         self._phase = "idle"
@@ -537,16 +526,16 @@ class LiveEngine:
             state["round"] = self._rounds.round_state()
         return state
 
-    def _apply(self, state: dict[str, Any], check: Callable[[dict[str, Any]], None]) -> None:
-        live_state.apply(state, self._modules(), self.who, check)
+    def _apply(self, state: dict[str, Any],
+               check: Callable[[dict[str, Any]], None] | None = None) -> None:
+        live_state.apply(state, self._modules(), self.who, check or (lambda progress: None))
         if self._rounds is not None:
             self._rounds.load_round_state(state["round"])
             self._in_round = 0  # a peer's state is taken at its round's start
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        check = self._progress_check or (lambda progress: None)
         start = time.perf_counter()
-        self._apply(state, check)
+        self._apply(state, self._progress_check)
         self.last_heal_seconds = time.perf_counter() - start + (
             self._transport.last_recv_seconds or 0.0)
         self._healed_now = True
@@ -555,10 +544,9 @@ class LiveEngine:
 
     # -- leaving ----------------------------------------------------------------------------------
     def _maybe_leave(self) -> None:
-        """Leave at this step boundary after SIGTERM once the other groups know: the last
-        all-reduce told them, or this step joins a quorum anyway; else this step tells them
-        (a group gone between quorums would fail the others' next step). In rounds, only
-        at a round's start."""
+        """Leave at this step boundary after SIGTERM once the other groups know (the last
+        all-reduce told them, or this step joins a quorum); else this step tells them. In
+        rounds, only at a round's start."""
         if self._rounds is not None and self._in_round:
             return
         flag = torch.tensor([1 if self._leave_requested else 0], dtype=torch.int64)

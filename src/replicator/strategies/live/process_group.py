@@ -55,8 +55,8 @@ class LiveProcessGroup(ProcessGroupGloo):  # type: ignore[misc]
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   *args: Any, **kwargs: Any) -> None:
-        """torchft's reconfiguration (a new gloo group on a new store prefix), then, over
-        that group, whether every member can sum through a new segment."""
+        """torchft's reconfiguration (a new gloo group), then whether every member can sum
+        through a new segment."""
         self._drop_shared()
         super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
         if self._transport == "gloo" or world_size < 2:
@@ -75,8 +75,8 @@ class LiveProcessGroup(ProcessGroupGloo):  # type: ignore[misc]
 
     def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat tensor to sum in place: in this configuration's segment where shared memory
-        is used (summed where it lies, no copy in or out), else ordinary memory. Every member
-        asks for the same sizes in the same order (the first ask of a size is a collective)."""
+        is used (no copy in or out), else ordinary memory. Every member asks for the same
+        sizes in the same order (the first ask of a size is a collective)."""
         shared = self._shared
         if shared is None or device.type != "cpu" or self._error is not None:
             return torch.empty(numel, dtype=dtype, device=device)

@@ -27,7 +27,7 @@ from replicator.errors import ClusterConfigError
 #: redone without it (the survivors' stall when a group dies).
 COLLECTIVE_TIMEOUT_ENV = "REPLICATOR_LIVE_TIMEOUT_SECONDS"
 #: Seconds a group waits for a quorum of ``--min-replicas`` groups before
-#: :class:`~replicator.strategies.live.errors.QuorumTimeoutError`.
+#: :class:`~replicator.strategies.live.QuorumTimeoutError`.
 QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
 #: Committed steps between quorums while membership is unchanged (1: a quorum every step).
 #: A failed step, a group leaving and a restore join a quorum at once; a group that starts
@@ -38,16 +38,15 @@ QUORUM_EVERY_ENV = "REPLICATOR_QUORUM_EVERY_STEPS"
 TRANSPORT_ENV = "REPLICATOR_LIVE_TRANSPORT"
 TRANSPORTS = ("auto", "gloo")
 
-#: True while a strategy builds another as its part (a two-level strategy's inner group):
-#: the part is no replica group of its own; the strategy that holds it runs the live engine.
+#: True while a strategy builds another as its part (a two-level strategy's inner group).
 _BUILDING_PART: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "replicator_live_building_part", default=False)
 
 
 @contextlib.contextmanager
 def building_part() -> Iterator[None]:
-    """Inside the block, :meth:`LiveSettings.from_env` answers ``None``: a strategy built
-    here is part of another, whose own live engine spans the replica groups."""
+    """Inside the block :meth:`LiveSettings.from_env` answers ``None``: a strategy built here
+    is part of another, whose own live engine spans the replica groups."""
     token = _BUILDING_PART.set(True)
     try:
         yield
@@ -105,26 +104,19 @@ class LiveSettings:
         if "://" not in lighthouse:
             lighthouse = f"http://{lighthouse}"
         min_replicas = int(env_number(env, MIN_REPLICAS_ENV, 1, "replica groups"))
+        rank, group_size = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+        collective_timeout = env_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0)
+        quorum_timeout = env_number(env, QUORUM_TIMEOUT_ENV, 60.0)
+        quorum_every = env_number(env, QUORUM_EVERY_ENV, 10, "steps")
+        if quorum_every != int(quorum_every):
+            raise ClusterConfigError(f"{QUORUM_EVERY_ENV}={env[QUORUM_EVERY_ENV]!r} must be a "
+                                     "whole number of steps")
+        transport = env.get(TRANSPORT_ENV, "") or "auto"
+        if transport not in TRANSPORTS:
+            raise ClusterConfigError(f"{TRANSPORT_ENV}={transport!r} must be one of "
+                                     f"{', '.join(TRANSPORTS)}")
         return cls(group=group, groups=groups, lighthouse=lighthouse, min_replicas=min_replicas,
-                   rank=int(env.get("RANK", "0")), group_size=int(env.get("WORLD_SIZE", "1")),
-                   collective_timeout=env_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0),
-                   quorum_timeout=env_number(env, QUORUM_TIMEOUT_ENV, 60.0),
+                   rank=rank, group_size=group_size, collective_timeout=collective_timeout,
+                   quorum_timeout=quorum_timeout,
                    bind=env.get(LIVE_BIND_ENV, "127.0.0.1") or "127.0.0.1",
-                   quorum_every=_whole(env, QUORUM_EVERY_ENV, 10, "steps"),
-                   transport=_transport(env))
-
-
-def _transport(env: Mapping[str, str]) -> str:
-    value = env.get(TRANSPORT_ENV, "") or "auto"
-    if value not in TRANSPORTS:
-        raise ClusterConfigError(f"{TRANSPORT_ENV}={value!r} must be one of "
-                                 f"{', '.join(TRANSPORTS)}")
-    return value
-
-
-def _whole(env: Mapping[str, str], name: str, default: int, what: str) -> int:
-    """The positive whole number the variable ``name`` of ``env`` holds (``default`` unset)."""
-    value = env_number(env, name, default, what)
-    if value != int(value):
-        raise ClusterConfigError(f"{name}={env[name]!r} must be a whole number of {what}")
-    return int(value)
+                   quorum_every=int(quorum_every), transport=transport)

@@ -54,8 +54,7 @@ class _StateHandler(BaseHTTPRequestHandler):
             transport.end_read()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
-        """A request's access-log line, at debug level (http.server writes it to stderr for
-        every state a healing group fetches)."""
+        """A request's access-log line at debug level (not http.server's stderr line)."""
         logger.debug("%s %s", self.address_string(), format % args)
 
 
@@ -70,8 +69,7 @@ class _StateServer(ThreadingHTTPServer):
 
 
 class BoundHTTPTransport(CheckpointTransport[Any]):
-    """torchft's checkpoint transport interface served on ``host`` only, loading tensors and
-    plain values only (``weights_only=True``)."""
+    """torchft's checkpoint transport served on ``host`` only (see the module doc)."""
 
     def __init__(self, host: str, timeout: timedelta) -> None:
         self._host = host
@@ -123,8 +121,8 @@ class BoundHTTPTransport(CheckpointTransport[Any]):
             self._cond.notify_all()
 
     def disallow_checkpoint(self) -> None:
-        """Stop serving; returns once no fetch reads the state any more (bounded by the
-        timeout: a fetch stuck longer is cut off by its socket's timeout too)."""
+        """Stop serving; returns once no fetch reads the state (or after the timeout, which
+        cuts a stuck fetch's socket too)."""
         deadline = time.monotonic() + self.timeout_s
         with self._cond:
             self._step = None
