@@ -41,9 +41,7 @@ from replicator.strategies.live.engine import LiveEngine
 from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.memory import MemoryReport, MemoryTracker, exchange_reports
 from replicator.strategies.nest import Axis, gather_value, reduce_value
-from replicator.strategies.scope_capture import RegistrationCapture, named_state
-from replicator.strategies.step_checks import begin_step, check_finite_result, check_step
-from replicator.strategies.undistributed import WATCH
+from replicator.strategies.scope_capture import WATCH, RegistrationCapture, named_state
 
 if TYPE_CHECKING:
     from replicator.comm.collectives import Collectives
@@ -101,15 +99,17 @@ class Strategy(ABC):
     """How a step function runs across replicas. A subclass opens its replica group (as
     ``self._replica_group``, before ``Strategy.__init__``) and implements its own ``_hooks``.
     ``check_finite=True``: :meth:`run` raises ``NonFiniteLossError`` on every replica when the
-    result holds a NaN or infinity on any (:mod:`replicator.strategies.step_checks`).
+    result holds a NaN or infinity on any (:mod:`replicator.strategies.observers`).
     """
 
     name: ClassVar[str] = "strategy"
     #: The replicas this strategy keeps in step (:mod:`replicator.strategies.replicas`).
     _replica_group: ReplicaGroup
     #: The mixed-precision policy given to ``scope(precision=...)`` (``None``: full precision).
-    _precision: MixedPrecision | None = None
-    _live: LiveEngine | None = None
+    precision: MixedPrecision | None = None
+    #: The live-recovery engine when this process is one replica group of several
+    #: (``replicator run --replica-groups N``), else ``None``.
+    live: LiveEngine | None = None
 
     def __init__(self, *, check_finite: bool = False) -> None:
         self._check_finite = bool(check_finite)
@@ -124,7 +124,7 @@ class Strategy(ABC):
         self._distributed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._closed = False
         self._memory = MemoryTracker(self.is_distributed, self._activation_samples)
-        self._live = self._start_live()
+        self.live = self._start_live()
         _OPEN[self.serial] = self
         if not _STEP_HOOKS:
             _STEP_HOOKS.extend([register_optimizer_step_pre_hook(_before_any_step),
@@ -158,12 +158,6 @@ class Strategy(ABC):
             return strategy is not None and not strategy.shards_model
 
         return LiveEngine(settings, replicas, modules, replicated)
-
-    @property
-    def live(self) -> LiveEngine | None:
-        """The live-recovery engine when this process is one replica group of several
-        (``replicator run --replica-groups N``), else ``None``."""
-        return self._live
 
     # -- identity ------------------------------------------------------------------------------
     @property
@@ -271,8 +265,8 @@ class Strategy(ABC):
     def _distribute_modules(self, modules: list[torch.nn.Module]) -> None:
         for module in modules:
             if module not in self._set_up_modules:
-                if self._precision is not None:
-                    self._precision.apply(module)
+                if self.precision is not None:
+                    self.precision.apply(module)
                 self._setup_module(module)
                 self._set_up_modules[module] = True
                 for _, t in [*module.named_parameters(), *module.named_buffers()]:
@@ -298,8 +292,7 @@ class Strategy(ABC):
         return tensor in self._distributed
 
     def _setup_module(self, module: torch.nn.Module) -> None:
-        """Hook: make one top-level ``module`` distributed (once); the default hands its new
-        parameters and buffers to :meth:`_on_new_state`."""
+        """Hook: make one top-level ``module`` distributed (by default: :meth:`_on_new_state`)."""
         params, buffers = named_state(module)
         params = [(n, p) for n, p in params if p not in self._distributed]
         buffers = [(n, b) for n, b in buffers if b not in self._distributed]
@@ -321,8 +314,8 @@ class Strategy(ABC):
         self._closed = True
         _OPEN.pop(self.serial, None)
         self._close()
-        if self._live is not None:
-            self._live.close()
+        if self.live is not None:
+            self.live.close()
         replicas = getattr(self, "_replica_group", None)
         if replicas is not None:
             replicas.close()
@@ -351,28 +344,23 @@ class Strategy(ABC):
         return GradientAccumulator(k, self.no_sync)
 
     # -- mixed precision ---------------------------------------------------------------------
-    @property
-    def precision(self) -> MixedPrecision | None:
-        """The mixed-precision policy of this strategy (``None``: full precision)."""
-        return self._precision
-
     def _set_precision(self, precision: MixedPrecision | str) -> None:
         from replicator.precision import MixedPrecision
 
         if isinstance(precision, str):
-            if self._precision is not None and \
-                    self._precision.compute_dtype == MixedPrecision(precision).compute_dtype:
+            if self.precision is not None and \
+                    self.precision.compute_dtype == MixedPrecision(precision).compute_dtype:
                 return
             precision = MixedPrecision(precision)
         if not isinstance(precision, MixedPrecision):
             raise TypeError(f"scope(precision=...) takes rp.MixedPrecision('bf16') or a dtype "
                             f"name, got {type(precision).__name__}")
-        if self._precision is not None and self._precision is not precision:
-            raise ValueError(f"{type(self).__name__} already has the policy {self._precision!r}; "
+        if self.precision is not None and self.precision is not precision:
+            raise ValueError(f"{type(self).__name__} already has the policy {self.precision!r}; "
                              f"got {precision!r}. HINT: give precision= to the first scope() "
                              "only, or use one strategy per policy")
         precision.bind(self)
-        self._precision = precision
+        self.precision = precision
 
     # -- memory ------------------------------------------------------------------------------
     #: How many runs measure their activations (``None``: every run).
@@ -420,21 +408,22 @@ class Strategy(ABC):
         self._runs += 1
         watching = WATCH.running() if self.num_replicas_in_sync > 1 and \
             self._guards_undistributed else contextlib.nullcontext()
-        uneven = begin_step()
+        uneven = observers.begin_step()
         live = self.live
         with entered(self), watching, self._memory.measuring():
             def step(a: tuple) -> Any:
                 return self._run(fn, a, dict(kwargs or {}))
             # with replica groups, a step not committed across the groups is redone
             result = step(tuple(args)) if live is None else live.run_step(step, tuple(args))
-        self._warned_uneven = check_step(uneven, self.replica_id, self._warned_uneven)
+        self._warned_uneven = observers.check_step(uneven, self.replica_id, self._warned_uneven)
         if self._check_finite:
-            check_finite_result(result, self._runs, self.replica_id, self.num_replicas_in_sync,
-                                self.collectives.global_ranks, self._reduce)
+            observers.check_finite_result(result, self._runs, self.replica_id,
+                                          self.num_replicas_in_sync,
+                                          self.collectives.global_ranks, self._reduce)
         return result
 
     #: Whether trainable parameters this strategy never distributed are refused (where the
-    #: replicas would silently train N models: :mod:`replicator.strategies.undistributed`).
+    #: replicas would silently train N models: :mod:`replicator.strategies.scope_capture`).
     _guards_undistributed: ClassVar[bool] = False
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:

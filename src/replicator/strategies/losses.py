@@ -6,7 +6,7 @@ TensorFlow *sums* gradients across replicas; replicator *averages* them over the
 (DDP's semantics), so the value passes its gradient back ``N`` times larger (the identity in
 forward, ``grad * N`` in backward): the average over replicas of ``N * grad(sum_r / B)`` is
 ``grad(sum_all / B)``, one device's gradient, on uneven local batches too (where a plain mean
-loss differs: :mod:`replicator.strategies.step_checks`).
+loss differs: :mod:`replicator.strategies.observers`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from replicator.comm.reduce_op import ReduceOp
+from replicator.strategies.observers import note_average_loss
 from replicator.strategies.replica_context import current_strategy
-from replicator.strategies.step_checks import note_average_loss
 
 
 class _ScaleGradient(torch.autograd.Function):

@@ -117,8 +117,7 @@ class ActivationMeter:
 
 
 class MemoryTracker:
-    """What ``memory_report`` needs across steps. ``is_ours``: whether a parameter belongs to
-    the strategy; ``samples``: how many runs measure activations (``None``: every run)."""
+    """What ``memory_report`` needs across steps (``samples``: runs measured; ``None``: all)."""
 
     def __init__(self, is_ours: Callable[[torch.Tensor], bool], samples: int | None) -> None:
         self._is_ours = is_ours

@@ -194,8 +194,7 @@ class MeshStrategy(Strategy):
                     self._replaced[old] = new
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point ``optimizer`` (built in ``scope()``, before the sharding) at the sharded
-        parameters that replaced the ones it was given, moving their state along."""
+        """Point ``optimizer`` at the sharded parameters that replaced its own, with their state."""
         if not len(self._replaced):
             return
         for group in optimizer.param_groups:
@@ -226,8 +225,7 @@ class MeshStrategy(Strategy):
     # -- synchronising ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block: the data axis's engine and FSDP's
-        reduce-scatter are off, and the next synced backward reduces the accumulated sum."""
+        """Accumulate gradients locally inside the block (the data axis's and FSDP's sync off)."""
         # the roots FSDP2 sharded (the setting applies to every block)
         sharded = [m for m in self._set_up_modules.keys()
                    if callable(getattr(m, "set_requires_gradient_sync", None))] \

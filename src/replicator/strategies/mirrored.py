@@ -16,6 +16,7 @@ import hashlib
 import json
 import weakref
 from collections.abc import Sequence
+from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -128,8 +129,7 @@ class MirroredStrategy(Strategy):
     def _on_new_state(self, module: torch.nn.Module,
                       params: list[tuple[str, torch.nn.Parameter]],
                       buffers: list[tuple[str, torch.Tensor]]) -> None:
-        """Check that every replica built the same, broadcast replica 0's values and average
-        (or reduce onto ``_reduce_to``) the gradients in backward."""
+        """Check the replicas built the same, broadcast replica 0's values, add gradient sync."""
         self._check_same_structure(module, params, buffers)
         self.collectives.broadcast_([t for _, t in [*params, *buffers]], src=self._reduce_to or 0,
                                     what="broadcast of initial parameters from replica 0")
@@ -151,12 +151,9 @@ class MirroredStrategy(Strategy):
         texts = self.collectives.all_gather_bytes(json.dumps(desc).encode(),
                                                    "model structure exchange")
         descs = [json.loads(t) for t in texts]
-        first = "(no entry differs)"
-        for i in range(max(len(d) for d in descs)):
-            entries = [d[i] if i < len(d) else "(missing)" for d in descs]
-            if len(set(entries)) > 1:
-                first = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
-                break
+        first = next(("; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
+                      for entries in zip_longest(*descs, fillvalue="(missing)")
+                      if len(set(entries)) > 1), "(no entry differs)")
         counts = ", ".join(f"rank {r}: {sum(e.startswith('parameter') for e in d)} parameters"
                            for r, d in enumerate(descs))
         raise ReplicaMismatchError(

@@ -60,8 +60,7 @@ def _flatten_into(value: Any, leaves: list[Any]) -> Callable[[Iterator[Any]], An
 
 
 def flatten(value: Any) -> tuple[list[Any], Rebuild]:
-    """The leaves of ``value`` (a tensor, a number, or a nest of them) and a function that
-    puts new leaves back into the same structure."""
+    """The leaves of ``value`` and a function that puts new leaves back into its structure."""
     leaves: list[Any] = []
     inner = _flatten_into(value, leaves)
     count = len(leaves)
@@ -87,8 +86,7 @@ def clone_tree(value: Any, clone: Callable[[torch.Tensor], Any] = torch.Tensor.c
 
 
 def structure(value: Any) -> str:
-    """A short description of ``value``'s shape (containers, keys, field names), the same on
-    every replica that passes the same kind of nest."""
+    """A short description of ``value``'s shape, the same on every replica for one kind of nest."""
     def describe(v: Any) -> str:
         if _is_plain_dataclass(v):
             inner = ", ".join(f"{f.name}={describe(getattr(v, f.name))}"
@@ -187,8 +185,7 @@ def _mean_dtype(t: torch.Tensor) -> torch.dtype:
 
 def reduce_value(op: ReduceOp, value: Any, axis: Axis, reduce_one: ReduceOne,
                  reduce_many: ReduceMany) -> Any:
-    """``strategy.reduce`` (see the module doc): ``reduce_one`` for a single tensor,
-    ``reduce_many`` (one collective) for the leaves of a nest."""
+    """``strategy.reduce``: ``reduce_one`` for one tensor, ``reduce_many`` for a nest's leaves."""
     leaves, rebuild = flatten(value)
     tensors = [as_tensor(leaf, "reduce") for leaf in leaves if leaf is not None]
     single = len(leaves) == 1 and leaves[0] is value and len(tensors) == 1

@@ -67,7 +67,8 @@ class ReplicaGroup:
     def _open(self, device: torch.device, topology: Topology | None, axis: str | None,
               collectives: Collectives, chief: bool | None) -> None:
         self.device = device
-        self._chief = collectives.rank == 0 if chief is None else chief
+        #: True on the one process that prints, logs and writes the replicas' shared files.
+        self.is_chief = collectives.rank == 0 if chief is None else chief
         self.topology = topology
         self.axis = axis
         self.collectives = collectives
@@ -92,11 +93,6 @@ class ReplicaGroup:
         """How many replicas the group holds."""
         return self.collectives.world_size
 
-    @property
-    def is_chief(self) -> bool:
-        """True on the one process that prints, logs and writes the replicas' shared files."""
-        return self._chief
-
     def __repr__(self) -> str:
         where = "job" if self.topology is None else (self.axis or "data axes")
         return (f"ReplicaGroup({where}: rank {self.rank} of {self.world_size}, global ranks "
@@ -104,8 +100,7 @@ class ReplicaGroup:
 
     # -- the data-parallel gradient engine -----------------------------------------------------
     def use_algorithm(self, algorithm: CrossDeviceOps) -> None:
-        """Sum gradients with ``algorithm``, small collectives through its same-host path if
-        any (a collective)."""
+        """Sum gradients with ``algorithm``, small collectives through its same-host path if any."""
         self.algorithm = algorithm
         self.collectives.use_same_host_path(algorithm)
 
@@ -147,8 +142,7 @@ class ReplicaGroup:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block (no communication); the next synced
-        pass averages the accumulated sum. Synchronizers made inside start switched off."""
+        """Accumulate gradients locally inside the block; synchronizers made inside start off."""
         before = [(s, s.enabled) for s in self._synchronizers]
         self._paused += 1
         for s, _ in before:

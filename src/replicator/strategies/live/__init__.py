@@ -32,5 +32,4 @@ class EpochLoopError(LiveRecoveryError):
 
 
 class StepNotCommitted(Exception):  # noqa: N818 - control flow, never reaches the user
-    """Raised inside a step whose gradients could not be averaged over the quorum; the
-    strategy catches it and redoes the step with the next quorum."""
+    """Raised in a step not committed across the quorum; ``strategy.run`` redoes it."""

@@ -75,11 +75,15 @@ class LiveDataset:
 
     def __next__(self) -> Any:
         quorum = self._next_quorum(self._end())
-        return self._finish() if quorum is None else self._cut(quorum)
+        if quorum is not None:
+            return self._cut(quorum)
+        if self._pass_epoch is not None:
+            self._epoch = self._pass_epoch + 1
+            self._pass_epoch = None
+        raise StopIteration
 
     def until(self, end: int) -> Iterator[Any]:
-        """The batches of the steps before committed step ``end``, across epochs (a loop
-        driver that counts steps itself, such as ``BackupAndRestore.steps``)."""
+        """The batches of the steps before committed step ``end``, across epochs."""
         self._pass_epoch = None
         while (quorum := self._next_quorum(end)) is not None:
             yield self._cut(quorum)
@@ -91,12 +95,6 @@ class LiveDataset:
             return None
         quorum = engine.begin_step()
         return None if quorum.step >= end else quorum
-
-    def _finish(self) -> Any:
-        if self._pass_epoch is not None:
-            self._epoch = self._pass_epoch + 1
-            self._pass_epoch = None
-        raise StopIteration
 
     def _cut(self, quorum: Quorum) -> Any:
         share = self.split.share(quorum.step, quorum.participant, quorum.participants,
@@ -110,8 +108,7 @@ class LiveDataset:
         return batch
 
     def reshare(self, args: tuple, quorum: Quorum) -> tuple | None:
-        """``args`` of a step to redo with ``quorum``: the batch this dataset gave replaced by
-        the new quorum's share (``None``: the run's data ended meanwhile)."""
+        """``args`` with this dataset's batch cut anew for ``quorum`` (``None``: the data ended)."""
         last = self._last
         if quorum.step >= self._end():
             return None

@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -75,23 +75,9 @@ class RoundOwner(Protocol):
     def load_round_state(self, state: dict[str, Any]) -> None: ...
 
 
-class _Snapshot:
-    """What a redone step must start from again: buffers and the torch RNG."""
-
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
-        self.buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
-        self.rng = torch.get_rng_state()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for b, saved in self.buffers:
-                b.copy_(saved)
-        torch.set_rng_state(self.rng)
-
-
 class LiveEngine:
-    """torchft's Manager for one process of one replica group (see the module doc); ``modules``
-    returns what heals and whose gradients are averaged across groups."""
+    """torchft's Manager for one process of one replica group; ``modules`` returns what heals
+    and whose gradients are averaged across groups."""
 
     def __init__(self, settings: LiveSettings, replicas: ReplicaGroup,
                  modules: Callable[[], list[torch.nn.Module]],
@@ -99,8 +85,10 @@ class LiveEngine:
         try:
             from torchft.manager import Manager  # type: ignore[import-untyped]
 
-            from replicator.strategies.live.process_group import LiveProcessGroup
-            from replicator.strategies.live.transport import BoundHTTPTransport
+            from replicator.strategies.live.process_group import (
+                BoundHTTPTransport,
+                LiveProcessGroup,
+            )
         except ImportError as exc:
             raise ClusterConfigError(f"replica groups need torchft ({exc}). HINT: pip install "
                                      "'replicator[live]'") from exc
@@ -119,7 +107,8 @@ class LiveEngine:
         self._phase = "idle"          # idle -> begun -> committed
         self._quorum: Quorum | None = None
         self._share: Share | None = None
-        self._snapshot: _Snapshot | None = None
+        # what a redone step starts from again: the buffers and the torch RNG
+        self._snapshot: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
         self._rounds: RoundOwner | None = None
         self._in_round = 0            # rounds: steps taken since the round's start
         self._round_start: dict[str, Any] | None = None
@@ -200,11 +189,9 @@ class LiveEngine:
 
     @property
     def committed_steps(self) -> int:
-        """Steps committed so far (the next step's global batch); in rounds, the steps of
-        committed rounds plus those of the round in progress."""
-        if self._rounds is None:
-            return int(self.manager.current_step())
-        return int(self.manager.current_step()) * self._rounds.round_steps + self._in_round
+        """Steps committed so far (the next step's global batch; in rounds, with the round's)."""
+        done = int(self.manager.current_step())
+        return done if self._rounds is None else done * self._rounds.round_steps + self._in_round
 
     @property
     def writes_backups(self) -> bool:
@@ -286,7 +273,8 @@ class LiveEngine:
         start = self._add("quorum", start)
         self._quorum = Quorum(self.committed_steps, participant, participants)
         if self._rounds is None:
-            self._snapshot = _Snapshot(self._modules())
+            self._snapshot = ([(b, b.detach().clone()) for m in self._modules()
+                               for b in m.buffers()], torch.get_rng_state())
         elif self._in_round == 0:  # what a round not committed starts again from
             self._round_start = self._state()
         self._phase = "begun"
@@ -294,8 +282,7 @@ class LiveEngine:
         return self._quorum
 
     def _quorum_is_due(self) -> bool:
-        """Whether this step asks the lighthouse (every group of the last quorum answers the
-        same); in rounds, at every round start."""
+        """Whether this step asks the lighthouse (every group of the last quorum agrees)."""
         if self._rounds is not None:
             return self._in_round == 0
         return self._quorum_due or self.committed_steps % self.settings.quorum_every == 0
@@ -307,7 +294,19 @@ class LiveEngine:
         except LiveRecoveryError:
             raise
         except Exception as exc:  # noqa: BLE001 - torchft's errors are plain RuntimeErrors
-            raise self._quorum_error(exc) from exc
+            text = first_line(exc)
+            if any(w in text.lower() for w in ("timeout", "timed out", "deadline", "elapsed")):
+                raise QuorumTimeoutError(
+                    f"{self.who} waited {self.settings.quorum_timeout:.0f} s for a quorum of at "
+                    f"least {self.settings.min_replicas} replica group(s) at step "
+                    f"{self.committed_steps} and none formed ({text}). HINT: fewer groups are "
+                    f"alive than --min-replicas {self.settings.min_replicas}; restart the lost "
+                    f"groups, lower --min-replicas, or wait longer with {QUORUM_TIMEOUT_ENV}"
+                ) from exc
+            raise LighthouseUnreachableError(
+                f"{self.who} lost the lighthouse at {self.settings.lighthouse} while asking for "
+                f"the quorum of step {self.committed_steps}: {text}. HINT: the lighthouse process "
+                "must outlive every replica group; check that it is running") from exc
         self._agree_on_healing()
         participant = self.manager.participating_rank()
         participants = self.manager.num_participants()
@@ -324,8 +323,7 @@ class LiveEngine:
         return now
 
     def _agree_on_healing(self) -> None:
-        """Where any rank of a replicating group healed at the first step, take rank 0's model
-        (the ranks must hold one model)."""
+        """Where any rank of a replicating group healed at the first step, take rank 0's."""
         if self.replicas.world_size == 1 or not self._replicated():
             return
         flag = torch.tensor([1 if self._healed_now else 0], dtype=torch.int64)
@@ -335,21 +333,6 @@ class LiveEngine:
             with torch.no_grad():
                 self.replicas.collectives.broadcast_(
                     tensors, src=0, what="parameters of group rank 0 after healing")
-
-    def _quorum_error(self, exc: BaseException) -> LiveRecoveryError:
-        text = first_line(exc)
-        low = text.lower()
-        if "timeout" in low or "timed out" in low or "deadline" in low or "elapsed" in low:
-            return QuorumTimeoutError(
-                f"{self.who} waited {self.settings.quorum_timeout:.0f} s for a quorum of at "
-                f"least {self.settings.min_replicas} replica group(s) at step "
-                f"{self.committed_steps} and none formed ({text}). HINT: fewer groups are "
-                f"alive than --min-replicas {self.settings.min_replicas}; restart the lost "
-                f"groups, lower --min-replicas, or wait longer with {QUORUM_TIMEOUT_ENV}")
-        return LighthouseUnreachableError(
-            f"{self.who} lost the lighthouse at {self.settings.lighthouse} while asking for the "
-            f"quorum of step {self.committed_steps}: {text}. HINT: the lighthouse process must "
-            "outlive every replica group; check that it is running")
 
     def use_share(self, share: Share, source: Any) -> None:
         """The step's batch came from ``source`` (a live dataset) with ``share``."""
@@ -458,8 +441,7 @@ class LiveEngine:
         self._in_round = 0
 
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
-        """Run one step through ``call(args)``, redoing it with the next quorum until it is
-        committed (see the module doc)."""
+        """Run one step through ``call(args)``, redone with the next quorum until committed."""
         if self._phase != "begun":
             self.begin_step()
         while True:
@@ -478,7 +460,17 @@ class LiveEngine:
     def _redo(self, call: Callable[[tuple], Any], args: tuple) -> tuple | None:
         """After a step not committed: roll back, join the next quorum and return the step's
         arguments cut for it (in rounds, after training the round's earlier steps again)."""
-        self._roll_back()
+        self._quorum_due = True  # the quorum changed: a group failed or left
+        for _, p in live_state.named_parameters(self._modules()):
+            p.grad = None
+        if self._rounds is not None and self._round_start is not None:
+            self._apply(self._round_start)
+        elif self._snapshot is not None:
+            with torch.no_grad():
+                for b, saved in self._snapshot[0]:
+                    b.copy_(saved)
+            torch.set_rng_state(self._snapshot[1])
+        self._phase = "idle"
         quorum = self.begin_step()
         self.redone_steps += 1
         if self.source is None:
@@ -500,27 +492,15 @@ class LiveEngine:
             new_args = self.source.reshare(new_args, quorum)
         return new_args
 
-    def _roll_back(self) -> None:
-        self._quorum_due = True  # the quorum changed: a group failed or left
-        for _, p in live_state.named_parameters(self._modules()):
-            p.grad = None
-        if self._rounds is not None and self._round_start is not None:
-            self._apply(self._round_start)
-        elif self._snapshot is not None:
-            self._snapshot.restore()
-        self._phase = "idle"
-
     # -- state for healing -------------------------------------------------------------------------
     def expect_progress(self, check: Callable[[dict[str, Any]], None] | None) -> None:
-        """``check(progress)`` runs on a peer's progress before its state is loaded (the live
-        dataset checks that the script's own epoch loop agrees with the healed epoch)."""
+        """``check(progress)`` runs on a peer's progress before its state is loaded."""
         self._progress_check = check
 
     def _state(self) -> dict[str, Any]:
         progress: dict[str, Any] = {"step": self.committed_steps}
-        source = self.source
-        if source is not None:
-            progress.update(source.progress(self.committed_steps))
+        if self.source is not None:
+            progress.update(self.source.progress(self.committed_steps))
         state = live_state.capture(self._modules(), progress)
         if self._rounds is not None:
             state["round"] = self._rounds.round_state()

@@ -52,8 +52,7 @@ def flatten_grads(params: list[torch.nn.Parameter], weight: float, control: floa
 
 
 def unflatten_grads(buckets: list[tuple[list[torch.nn.Parameter], torch.Tensor]]) -> None:
-    """Make the averaged flat tensors the parameters' gradients: a plain parameter's becomes
-    its view of the flat tensor (no copy), a sharded one's is copied into."""
+    """Make the averaged flat tensors the gradients (a plain parameter's: a view, no copy)."""
     with torch.no_grad():
         for group, flat in buckets:
             offset = 0
@@ -118,8 +117,7 @@ class _NoFlightRecorderNote(logging.Filter):
 
 
 def quiet_flight_recorder_note() -> None:
-    """On a torch without NCCL, filter :class:`_NoFlightRecorderNote` out of torchft's
-    manager logger (once per process)."""
+    """On a torch without NCCL, filter that note out of torchft's manager log (once)."""
     log = logging.getLogger("torchft.manager")
     if dist.is_nccl_available() or any(isinstance(f, _NoFlightRecorderNote)
                                        for f in log.filters):

@@ -45,8 +45,7 @@ _BUILDING_PART: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def building_part() -> Iterator[None]:
-    """Inside the block :meth:`LiveSettings.from_env` answers ``None``: a strategy built here
-    is part of another, whose own live engine spans the replica groups."""
+    """Inside the block :meth:`LiveSettings.from_env` answers ``None`` (a part of another)."""
     token = _BUILDING_PART.set(True)
     try:
         yield
@@ -77,8 +76,7 @@ class LiveSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LiveSettings | None:
-        """The settings when ``REPLICATOR_REPLICA_GROUPS`` is set, else ``None`` (also while
-        :func:`building_part`)."""
+        """The settings when ``REPLICATOR_REPLICA_GROUPS`` is set (not in :func:`building_part`)."""
         env = os.environ if env is None else env
         if not env.get(REPLICA_GROUPS_ENV) or _BUILDING_PART.get():
             return None

@@ -151,8 +151,7 @@ def _load_module(module: torch.nn.Module, state: dict[str, Any]) -> None:
 
 
 def _to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict whose marked local shards become DTensors laid out like the
-    parameter they belong to."""
+    """An optimizer state dict whose marked local shards become DTensors like their params."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return {**state, "state": {
         index: {name: like_param(params[int(index)], value[_DTENSOR])
