@@ -33,8 +33,11 @@ from replicator.data.dataset import (
     distribute_dataset,
     distribute_datasets_from_function,
 )
+from replicator.data.epochs import Epochs
 from replicator.data.live_split import map_input
 from replicator.errors import ClusterConfigError
+from replicator.optim.accumulation import GradientAccumulator
+from replicator.precision import MixedPrecision
 from replicator.strategies import observers
 from replicator.strategies.live.dataset import LiveDataset
 from replicator.strategies.live.engine import LiveEngine
@@ -45,8 +48,6 @@ from replicator.strategies.scope_capture import WATCH, RegistrationCapture, name
 
 if TYPE_CHECKING:
     from replicator.comm.collectives import Collectives
-    from replicator.optim.accumulation import GradientAccumulator
-    from replicator.precision import MixedPrecision
     from replicator.strategies.replicas import ReplicaGroup
 
 _SERIALS = itertools.count(1)
@@ -339,14 +340,10 @@ class Strategy(ABC):
     def accumulate(self, k: int) -> GradientAccumulator:
         """Gradient accumulation over ``k`` micro-batches on :meth:`no_sync`: ``k`` global
         batches of ``B`` give the gradient of one of ``k * B`` (``GradientAccumulator``)."""
-        from replicator.optim.accumulation import GradientAccumulator
-
         return GradientAccumulator(k, self.no_sync)
 
     # -- mixed precision ---------------------------------------------------------------------
     def _set_precision(self, precision: MixedPrecision | str) -> None:
-        from replicator.precision import MixedPrecision
-
         if isinstance(precision, str):
             if self.precision is not None and \
                     self.precision.compute_dtype == MixedPrecision(precision).compute_dtype:
@@ -532,11 +529,7 @@ class Strategy(ABC):
                                     drop_last=drop_last, drop_remainder=drop_remainder,
                                     transform=transform, reader=reader, options=options,
                                     group=self._replica_group.group, partial_batch=partial_batch)
-        if epochs is None:
-            return result
-        from replicator.data.epochs import Epochs
-
-        return Epochs(result, epochs)
+        return result if epochs is None else Epochs(result, epochs)
 
     experimental_distribute_dataset = distribute_dataset
 

@@ -1,12 +1,10 @@
 """``compute_average_loss``: tf.distribute's loss value, with gradients that equal one device's.
 
-It returns ``sum(local per-example losses) / B`` for a global batch of ``B`` samples, as
-``tf.nn.compute_average_loss`` does, so a ported TensorFlow loop reports TensorFlow's numbers.
-TensorFlow *sums* gradients across replicas; replicator *averages* them over the ``N`` replicas
-(DDP's semantics), so the value passes its gradient back ``N`` times larger (the identity in
-forward, ``grad * N`` in backward): the average over replicas of ``N * grad(sum_r / B)`` is
-``grad(sum_all / B)``, one device's gradient, on uneven local batches too (where a plain mean
-loss differs: :mod:`replicator.strategies.observers`).
+It returns ``sum(local per-example losses) / B`` for a global batch of ``B``, as
+``tf.nn.compute_average_loss`` does. TensorFlow *sums* gradients across replicas, replicator
+*averages* them over ``N`` (DDP's semantics), so the value passes its gradient back ``N`` times
+larger: the average of ``N * grad(sum_r / B)`` is one device's ``grad(sum_all / B)``, on uneven
+local batches too (where a plain mean loss differs: :mod:`replicator.strategies.observers`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Any
 
 import torch
@@ -160,7 +160,5 @@ class MemoryTracker:
 def exchange_reports(mine: MemoryReport, gather: Callable[[torch.Tensor], torch.Tensor]
                      ) -> list[MemoryReport]:
     """Every rank's report from ``mine`` and ``gather`` (rows concatenated in rank order)."""
-    values = torch.tensor([[mine.rank, mine.parameter_bytes, mine.gradient_bytes,
-                            mine.optimizer_state_bytes, mine.peak_activation_bytes]],
-                          dtype=torch.int64)
-    return [MemoryReport(*[int(v) for v in row]) for row in gather(values).tolist()]
+    rows = gather(torch.tensor([astuple(mine)], dtype=torch.int64))  # the fields in order
+    return [MemoryReport(*[int(v) for v in row]) for row in rows.tolist()]

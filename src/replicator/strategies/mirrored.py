@@ -16,6 +16,7 @@ import hashlib
 import json
 import weakref
 from collections.abc import Sequence
+from functools import cached_property
 from itertools import zip_longest
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from replicator.cluster.devices import default_device_for, parse_devices
 from replicator.cluster.environment import resolve_cluster, use_cluster
+from replicator.cluster.ports import choose_gloo_interface
 from replicator.cluster.resolvers import ClusterResolver, as_spec
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
@@ -208,8 +210,6 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     "other strategy, or drop cluster_resolver.")
             use_cluster(spec)
         if not dist.is_initialized():
-            from replicator.cluster.ports import choose_gloo_interface
-
             spec = resolve_cluster()
             if spec.world_size > 1:
                 choose_gloo_interface(spec.master_addr)
@@ -234,17 +234,15 @@ class CentralStorageStrategy(MirroredStrategy):
     #: The replica that holds the optimizer state and steps.
     central_replica: int = 0
 
-    def __init__(self, devices: Sequence[str | torch.device] | None = None,
-                 cross_device_ops: CrossDeviceOps | None = None, *,
-                 communication_options: CommunicationOptions | None = None,
-                 mesh: Topology | None = None, axis: str = "data",
-                 buffer_sync: str = "mean", sync_batchnorm: bool = False,
-                 check_finite: bool = False) -> None:
-        super().__init__(devices, cross_device_ops, communication_options=communication_options,
-                         mesh=mesh, axis=axis, buffer_sync=buffer_sync,
-                         sync_batchnorm=sync_batchnorm, check_finite=check_finite)
-        self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._stashed: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+    @cached_property
+    def _kinds(self) -> weakref.WeakKeyDictionary:
+        """Optimizer -> (whether it steps this strategy's parameters, how many it holds)."""
+        return weakref.WeakKeyDictionary()
+
+    @cached_property
+    def _stashed(self) -> dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """The gradients hidden from a non-central replica's optimizer during its step."""
+        return {}
 
     @property
     def is_central(self) -> bool:

@@ -1,10 +1,6 @@
-"""The replica group a strategy keeps in step, written once and composed by every strategy.
-
-A :class:`ReplicaGroup` on the processes a strategy replicates over (the job, a topology axis,
-or its data axes) owns device, group, identity, the ``Collectives`` and the gradient engine
-(a ``GradientSynchronizer`` per module, ``no_sync``), as Lightning Fabric's ``ParallelStrategy``.
-Its waits take the strategy's own timeout: mesh axis groups too (torch's 30 minutes otherwise),
-and a private group of every rank when the default group was made with another timeout.
+"""The replica group a strategy keeps in step, written once and composed by every strategy
+(docs/topology.md): device, group, identity, ``Collectives`` and the gradient engine, as Lightning
+Fabric's ``ParallelStrategy``; its waits take the strategy's own timeout.
 """
 
 from __future__ import annotations

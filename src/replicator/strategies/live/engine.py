@@ -1,17 +1,13 @@
-"""The per-step protocol of live recovery: torchft's Manager composed into a replica group.
+"""The per-step protocol of live recovery: torchft's Manager composed into a replica group
+(docs/fault_tolerance.md, "Live recovery across replica groups").
 
 A step takes its quorum (a group behind heals from a live peer) and its share of the global
 batch; at the first ``optimizer.step()`` the gradients are averaged across the quorum's groups
 (weighted by share) and ``should_commit`` decides. A step not committed raises
 ``StepNotCommitted`` before any update and ``strategy.run`` reruns it from its buffers and random
-state. A quorum is asked for every ``quorum_every`` committed steps while membership holds; a
-lost group fails the others' all-reduce, so the redo asks at once, and a group leaving on SIGTERM
-says so in its last step's all-reduce. In rounds (DiLoCo's replica groups, :meth:`use_rounds`)
-the groups train alone for ``round_steps`` steps and average one tensor by the round's end
-(:meth:`start_round_sync`, or :meth:`sync_round_gathered` for payloads an all-reduce cannot sum:
-quantised ones, all-gathered over the same torchft process group); a round not committed is
-rolled back to its start and trained again with the new quorum's shares, and a backup holds
-the state its round started from (:meth:`backup_state`, :meth:`resume_at`).
+state. In rounds (DiLoCo's replica groups, :meth:`use_rounds`) the groups train alone for
+``round_steps`` steps and average by the round's end; a round not committed is rolled back to
+its start and trained again with the new quorum's shares.
 """
 
 from __future__ import annotations
@@ -179,6 +175,10 @@ class LiveEngine:
                 self._leave_requested = True
 
             signal.signal(signal.SIGTERM, request_leave)
+
+    def _steps_our_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
+        ours = {id(p) for m in self._modules() for p in m.parameters()}
+        return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
 
     # -- the step ----------------------------------------------------------------------------------
     def use_rounds(self, owner: RoundOwner) -> None:
@@ -352,10 +352,6 @@ class LiveEngine:
         else:  # an inner step: the group's own; the round's end syncs across groups
             self._in_round += 1
             self._phase = "committed"
-
-    def _steps_our_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
-        ours = {id(p) for m in self._modules() for p in m.parameters()}
-        return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
 
     def commit(self) -> None:
         """Average the gradients across the quorum's groups and ask whether the step may be

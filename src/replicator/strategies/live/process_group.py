@@ -1,19 +1,12 @@
-"""What torchft is given in place of its own: the process group across replica groups and the
-checkpoint transport a healing group fetches a peer's state through.
-
-The process group is torchft's reconfigurable gloo group, whose float sums go through a
-shared-memory segment when every group of the quorum runs on this host: measured on a 2-core
-host (``benchmarks/recovery.py``: 3 groups, a 16 MB gradient, medians of three runs), gloo over
-loopback took 20.9 ms a step, the segment 11.1 ms (``MirroredStrategy``'s all-reduce 10.7 ms).
-The segment is made anew at each quorum change, so a healed group never meets an old one's
-counters; a lost peer ends the sum within about half a second (the flag barrier checks that the
-processes it waits for exist) or the collective timeout, and torchft redoes the step as after a
-gloo error. Across hosts, and for anything but a sum of CPU float tensors, gloo does the work.
-
-The transport serves HTTP on one address (``REPLICATOR_LIVE_BIND``, loopback by default), unlike
-torchft's ``HTTPTransport``, and loads with ``weights_only=True``. A state is served only
-between ``send_checkpoint`` and ``disallow_checkpoint``, which waits for the fetches in flight,
-so it is never read while the next step changes it.
+"""What torchft is given in place of its own (docs/fault_tolerance.md, "Live recovery"): the
+process group across replica groups, whose float sums go through a shared-memory segment when
+every group of the quorum runs on this host (made anew at each quorum change, so a healed group
+never meets an old one's counters; a lost peer ends the sum within about half a second or the
+collective timeout, and torchft redoes the step as after a gloo error), and the checkpoint
+transport a healing group fetches a peer's state through: HTTP on one address
+(``REPLICATOR_LIVE_BIND``, loopback by default), unlike torchft's ``HTTPTransport``, loaded with
+``weights_only=True``, served only between ``send_checkpoint`` and ``disallow_checkpoint``
+(which waits for the fetches in flight, so a state is never read while the next step changes it).
 """
 
 from __future__ import annotations

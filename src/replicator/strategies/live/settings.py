@@ -23,18 +23,13 @@ from replicator.cluster.env_names import (
 from replicator.cluster.timeouts import env_number
 from replicator.errors import ClusterConfigError
 
-#: Seconds a step's cross-group all-reduce may wait for a peer group before the step is
-#: redone without it (the survivors' stall when a group dies).
+# the settings' variables (docs/fault_tolerance.md): seconds a cross-group all-reduce waits for
+# a peer group before the step is redone without it; seconds a group waits for a quorum of
+# --min-replicas groups; committed steps between quorums while membership holds (a failed step,
+# a group leaving and a restore join one at once); how the groups' all-reduce travels
 COLLECTIVE_TIMEOUT_ENV = "REPLICATOR_LIVE_TIMEOUT_SECONDS"
-#: Seconds a group waits for a quorum of ``--min-replicas`` groups before
-#: :class:`~replicator.strategies.live.QuorumTimeoutError`.
 QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
-#: Committed steps between quorums while membership is unchanged (1: a quorum every step).
-#: A failed step, a group leaving and a restore join a quorum at once; a group that starts
-#: later joins at the next one.
 QUORUM_EVERY_ENV = "REPLICATOR_QUORUM_EVERY_STEPS"
-#: How the groups' all-reduce travels: ``auto`` (a shared-memory segment when every group of
-#: the quorum runs on this host, else gloo) or ``gloo``.
 TRANSPORT_ENV = "REPLICATOR_LIVE_TRANSPORT"
 TRANSPORTS = ("auto", "gloo")
 

@@ -150,16 +150,6 @@ def _load_module(module: torch.nn.Module, state: dict[str, Any]) -> None:
             raise KeyError(", ".join([*absent, *missing.unexpected_keys]))
 
 
-def _to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict whose marked local shards become DTensors like their params."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return {**state, "state": {
-        index: {name: like_param(params[int(index)], value[_DTENSOR])
-                if isinstance(value, dict) and _DTENSOR in value else value
-                for name, value in entry.items()}
-        for index, entry in state.get("state", {}).items()}}
-
-
 def apply(state: dict[str, Any], modules: Sequence[torch.nn.Module], who: str,
           check_progress: Callable[[dict[str, Any]], None]) -> None:
     """Load a peer's :func:`capture` into this process; a clear error when the groups differ."""
@@ -187,8 +177,14 @@ def apply(state: dict[str, Any], modules: Sequence[torch.nn.Module], who: str,
             raise ReplicaGroupMismatchError(
                 f"{who}: module {i} ({type(module).__name__}) does not match its peer "
                 f"group's state: {exc}") from None
-    for key, optimizer in optimizers.items():
-        optimizer.load_state_dict(_to_dtensors(optimizer, state["optimizers"][key]))
+    for key, optimizer in optimizers.items():  # marked local shards become DTensors again
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        sent = state["optimizers"][key]
+        optimizer.load_state_dict({**sent, "state": {
+            index: {name: like_param(params[int(index)], value[_DTENSOR])
+                    if isinstance(value, dict) and _DTENSOR in value else value
+                    for name, value in entry.items()}
+            for index, entry in sent.get("state", {}).items()}})
     for key, scheduler in schedulers.items():
         scheduler.load_state_dict(state["schedulers"][key])
     _set_rng_state(state["rng"])
