@@ -515,15 +515,14 @@ class Strategy(ABC):
         replica groups (live recovery) each step's batch is split over that step's quorum
         (:mod:`replicator.strategies.live.dataset`); the input must be a map-style dataset.
         """
-        live = self.live
-        if live is not None:
+        if self.live is not None:
             if transform is not None or reader is not None:
                 raise ValueError("transform= and reader= are not supported with replica "
                                  "groups; apply the transform in the dataset's __getitem__")
             drop = drop_remainder if drop_remainder is not None else drop_last
             data = map_input(dataset, batch_size=batch_size, shuffle=shuffle,
                              drop_remainder=drop)
-            return LiveDataset(live, data, self.device, seed=seed, epochs=epochs)
+            return LiveDataset(self.live, data, self.device, seed=seed, epochs=epochs)
         result = distribute_dataset(dataset, self.input_context, self.device,
                                     batch_size=batch_size, shuffle=shuffle, seed=seed,
                                     drop_last=drop_last, drop_remainder=drop_remainder,

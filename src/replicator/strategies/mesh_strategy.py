@@ -180,9 +180,8 @@ class MeshStrategy(Strategy):
         return gathered_state_dict(model, self.is_chief)
 
     def _distribute_modules(self, modules: list[torch.nn.Module]) -> None:
-        """Set ``modules`` up, then map each original parameter to the sharded one that took
-        its place (FSDP2 and ``parallelize_module`` keep registration names), so optimizers
-        built inside ``scope()``, before the sharding, step the new ones."""
+        """Set ``modules`` up, then map each original parameter to the sharded one that took its
+        place (by name), so optimizers built inside ``scope()`` step the new ones."""
         named = [(m, list(m.named_parameters())) for m in modules
                  if m not in self._set_up_modules]
         super()._distribute_modules(modules)

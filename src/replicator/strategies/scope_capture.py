@@ -1,14 +1,12 @@
 """Which modules a strategy sees: those built while its scope is open, and trainable parameters
 it never distributed.
 
-``torch.nn``'s global registration hooks report every parameter, buffer and child registered in
-the block, in creation order (the same on every replica); the strategy sets up each *top-level*
-module (no other built in the block holds it), so it can shard, wrap or place it as a whole.
+``torch.nn``'s global registration hooks report what is registered in the block, in creation
+order (the same on every replica); the strategy sets up each *top-level* module as a whole.
 A multi-replica strategy refuses parameters it never distributed (N replicas would silently
 train N models): process-wide hooks raise ``NotDistributedError`` at an optimizer step over one,
-and at its forward inside ``strategy.run`` (outside it, at its first backward). DDP and DTensor
-parameters count as distributed. The hooks stay registered (torch.compile guards on the global
-hook table).
+and at its forward inside ``strategy.run`` (else at its first backward). DDP and DTensor
+parameters count as distributed; the hooks stay (torch.compile guards on the hook table).
 """
 
 from __future__ import annotations

@@ -152,9 +152,8 @@ class LiveEngine:
 
     # -- setup -----------------------------------------------------------------------------------
     def _store_address(self) -> tuple[str, int]:
-        """A store for torchft's keys, hosted by group rank 0 for this life of the group only
-        (a rendezvous store outliving a restarted group would hand out the old manager's
-        address); its port is broadcast in the group."""
+        """A store for torchft's keys on group rank 0 for this life of the group only (one that
+        outlived a restarted group would hand out the old manager's address)."""
         port = torch.zeros(1, dtype=torch.int64)
         if self.settings.rank == 0:
             sock = listen(self.settings.bind, 0)  # this address only, never every interface
@@ -383,10 +382,9 @@ class LiveEngine:
 
     def start_round_sync(self, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
         """In rounds: start averaging ``flat`` over the quorum's groups; the call returned, at
-        the round's last step, waits and gives the average, or ``StepNotCommitted`` (the round
-        is trained again). Started earlier, it overlaps the steps between (streaming DiLoCo's
-        ``sync_delay``), and a one-value all-reduce at the end makes sure every group reached
-        it: a group lost after the exchange fails that one."""
+        the round's last step, gives the average or ``StepNotCommitted``. Started earlier, it
+        overlaps the steps between (streaming DiLoCo's ``sync_delay``); a one-value all-reduce
+        at the end fails if a group was lost after the exchange."""
         quorum = self._round_quorum()
         flat = flat / quorum.participants
         work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)

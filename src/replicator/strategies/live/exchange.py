@@ -108,18 +108,14 @@ def managed_all_gather(manager: Any, process_group: Any, payload: torch.Tensor,
     return None if m.errored() else parts
 
 
-class _NoFlightRecorderNote(logging.Filter):
+def _no_flight_recorder_note(record: logging.LogRecord) -> bool:
     """Drops torchft's warning, at every quorum, that it cannot reset NCCL's flight recorder:
     a torch without NCCL (the CPU build) has none, and the groups talk over gloo anyway."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Unable to reset NCCL flight recorder" not in record.getMessage()
+    return "Unable to reset NCCL flight recorder" not in record.getMessage()
 
 
 def quiet_flight_recorder_note() -> None:
     """On a torch without NCCL, filter that note out of torchft's manager log (once)."""
     log = logging.getLogger("torchft.manager")
-    if dist.is_nccl_available() or any(isinstance(f, _NoFlightRecorderNote)
-                                       for f in log.filters):
-        return
-    log.addFilter(_NoFlightRecorderNote())
+    if not dist.is_nccl_available() and _no_flight_recorder_note not in log.filters:
+        log.addFilter(_no_flight_recorder_note)
