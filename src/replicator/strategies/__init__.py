@@ -1,15 +1,22 @@
 """The strategies room: one API, many ways to run a step."""
 
 from replicator.strategies.base import Strategy
-from replicator.strategies.central_storage import CentralStorageStrategy
 from replicator.strategies.losses import compute_average_loss
 from replicator.strategies.memory import MemoryReport
-from replicator.strategies.mesh_strategy import MeshStrategy
-from replicator.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
-from replicator.strategies.one_device import OneDeviceStrategy
-from replicator.strategies.presets import FSDPStrategy, PipelineStrategy, TensorParallelStrategy
+from replicator.strategies.mesh_strategy import (
+    FSDPStrategy,
+    MeshStrategy,
+    PipelineStrategy,
+    TensorParallelStrategy,
+)
+from replicator.strategies.mirrored import (
+    CentralStorageStrategy,
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+)
 from replicator.strategies.registry import available_strategies, get_strategy, register_strategy
 from replicator.strategies.replica_context import (
+    OneDeviceStrategy,
     ReplicaContext,
     ValueContext,
     get_replica_context,

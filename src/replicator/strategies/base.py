@@ -13,6 +13,7 @@ import itertools
 import weakref
 from abc import ABC
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -32,33 +33,29 @@ from replicator.data.dataset import (
     distribute_dataset,
     distribute_datasets_from_function,
 )
+from replicator.data.epochs import Epochs
 from replicator.data.live_split import map_input
 from replicator.errors import ClusterConfigError
+from replicator.optim.accumulation import GradientAccumulator
+from replicator.precision import MixedPrecision
 from replicator.strategies import observers
-from replicator.strategies.finite import check_finite_result
 from replicator.strategies.live.dataset import LiveDataset
 from replicator.strategies.live.engine import LiveEngine
 from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.memory import MemoryReport, MemoryTracker, exchange_reports
-from replicator.strategies.reduction import Axis, gather_value, reduce_value
-from replicator.strategies.scope_capture import RegistrationCapture, named_state
-from replicator.strategies.undistributed import WATCH
-from replicator.strategies.uneven_batches import begin_step, check_step
-from replicator.strategies.value_context import ValueContext
+from replicator.strategies.nest import Axis, gather_value, reduce_value
+from replicator.strategies.scope_capture import WATCH, RegistrationCapture, named_state
 
 if TYPE_CHECKING:
     from replicator.comm.collectives import Collectives
-    from replicator.optim.accumulation import GradientAccumulator
-    from replicator.precision import MixedPrecision
     from replicator.strategies.replicas import ReplicaGroup
 
 _SERIALS = itertools.count(1)
 _CURRENT: list[Strategy] = []
 _LAST_CREATED: list[weakref.ref[Strategy]] = []
-#: The open strategies in creation order; one pair of global optimizer-step hooks serves them
-#: all and is never removed (a removal from a finalizer, run by the garbage collector while
-#: torch iterates the global hooks in another optimizer's step, raised "OrderedDict mutated
-#: during iteration").
+#: The open strategies in creation order, served by one pair of global optimizer-step hooks
+#: never removed (a removal from a finalizer during another optimizer's step raised
+#: "OrderedDict mutated during iteration").
 _OPEN: weakref.WeakValueDictionary[int, Strategy] = weakref.WeakValueDictionary()
 _STEP_HOOKS: list[Any] = []
 
@@ -83,11 +80,6 @@ def entered(strategy: Strategy) -> Iterator[None]:
         _CURRENT.pop()
 
 
-def created(strategy: Strategy) -> None:
-    """Remember the newest strategy: in SPMD code it is the one the process runs under."""
-    _LAST_CREATED[:] = [weakref.ref(strategy)]
-
-
 def current_strategy() -> Strategy | None:
     """The strategy whose ``scope()`` or ``run()`` is active, else the newest one created."""
     if _CURRENT:
@@ -95,20 +87,30 @@ def current_strategy() -> Strategy | None:
     return _LAST_CREATED[0]() if _LAST_CREATED else None
 
 
+@dataclass(frozen=True)
+class ValueContext:
+    """Which replica a value is for (tf.distribute's ``ValueContext``): what
+    ``distribute_values_from_function(fn)`` passes to ``fn``, once in each process."""
+
+    replica_id_in_sync_group: int = 0
+    num_replicas_in_sync: int = 1
+
+
 class Strategy(ABC):
     """How a step function runs across replicas. A subclass opens its replica group (as
     ``self._replica_group``, before ``Strategy.__init__``) and implements its own ``_hooks``.
     ``check_finite=True``: :meth:`run` raises ``NonFiniteLossError`` on every replica when the
-    result holds a NaN or infinity on any (:mod:`replicator.strategies.finite`).
+    result holds a NaN or infinity on any (:mod:`replicator.strategies.observers`).
     """
 
     name: ClassVar[str] = "strategy"
-    #: The replicas this strategy keeps in step: device, group, tracker, collectives, identity,
-    #: and the data-parallel gradient engine (see :mod:`replicator.strategies.replicas`).
+    #: The replicas this strategy keeps in step (:mod:`replicator.strategies.replicas`).
     _replica_group: ReplicaGroup
     #: The mixed-precision policy given to ``scope(precision=...)`` (``None``: full precision).
-    _precision: MixedPrecision | None = None
-    _live: LiveEngine | None = None
+    precision: MixedPrecision | None = None
+    #: The live-recovery engine when this process is one replica group of several
+    #: (``replicator run --replica-groups N``), else ``None``.
+    live: LiveEngine | None = None
 
     def __init__(self, *, check_finite: bool = False) -> None:
         self._check_finite = bool(check_finite)
@@ -118,23 +120,21 @@ class Strategy(ABC):
         self._capture: RegistrationCapture | None = None
         #: unique for the process's lifetime (never reused, unlike ``id(self)``)
         self.serial = next(_SERIALS)
-        # modules and tensors this strategy has set up, held weakly: a tensor freed later
-        # cannot make a new one with the same id look distributed
+        # held weakly: a tensor freed later cannot make a new one with its id look distributed
         self._set_up_modules: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._distributed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._closed = False
         self._memory = MemoryTracker(self.is_distributed, self._activation_samples)
-        self._live = self._start_live()
+        self.live = self._start_live()
         _OPEN[self.serial] = self
         if not _STEP_HOOKS:
             _STEP_HOOKS.extend([register_optimizer_step_pre_hook(_before_any_step),
                                 register_optimizer_step_post_hook(_after_any_step)])
-        created(self)
+        _LAST_CREATED[:] = [weakref.ref(self)]  # in SPMD code, the one the process runs under
         WATCH.add(self)
 
     # -- live recovery across replica groups -------------------------------------------------
-    #: Whether the strategy can run as one replica group of a live-recovery job (its gradient
-    #: average then also goes across the groups through torchft's Manager).
+    #: Whether the strategy can run as one replica group of a live-recovery job.
     _supports_live: ClassVar[bool] = False
 
     def _start_live(self) -> LiveEngine | None:
@@ -160,12 +160,6 @@ class Strategy(ABC):
 
         return LiveEngine(settings, replicas, modules, replicated)
 
-    @property
-    def live(self) -> LiveEngine | None:
-        """The live-recovery engine when this process is one replica group of several
-        (``replicator run --replica-groups N``), else ``None``."""
-        return self._live
-
     # -- identity ------------------------------------------------------------------------------
     @property
     def num_replicas_in_sync(self) -> int:
@@ -190,8 +184,7 @@ class Strategy(ABC):
 
     @property
     def collectives(self) -> Collectives:
-        """The collectives over this strategy's replicas (a single-rank one where there is
-        one replica), for other rooms built on the public API (checkpoint exchange)."""
+        """The collectives over this strategy's replicas (single-rank with one replica)."""
         return self._replica_group.collectives
 
     @property
@@ -216,14 +209,13 @@ class Strategy(ABC):
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
                                kwargs: Any) -> None:
-        """Hook, before every optimizer step of the process while the strategy is open:
-        :meth:`prepare_optimizers`, then the live engine's commit across replica groups."""
+        """Hook before every optimizer step while open: prepare, then the live engine's commit."""
         self.prepare_optimizers(optimizer)
         if self.live is not None:
             self.live.before_optimizer_step(optimizer)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hook, after every optimizer step of the process while the strategy is open."""
+        """Hook after every optimizer step while the strategy is open."""
         return None
 
     def __repr__(self) -> str:
@@ -235,8 +227,7 @@ class Strategy(ABC):
     def scope(self, precision: MixedPrecision | str | None = None) -> Iterator[Strategy]:
         """Modules created inside become distributed when the block ends (see the strategy);
         ``precision`` (a ``MixedPrecision`` or dtype name, e.g. ``"bf16"``) becomes the strategy's
-        policy for every module set up from now on.
-        """
+        policy for every module set up from now on."""
         self._check_open("scope")
         if precision is not None:
             self._set_precision(precision)
@@ -275,8 +266,8 @@ class Strategy(ABC):
     def _distribute_modules(self, modules: list[torch.nn.Module]) -> None:
         for module in modules:
             if module not in self._set_up_modules:
-                if self._precision is not None:
-                    self._precision.apply(module)
+                if self.precision is not None:
+                    self.precision.apply(module)
                 self._setup_module(module)
                 self._set_up_modules[module] = True
                 for _, t in [*module.named_parameters(), *module.named_buffers()]:
@@ -302,9 +293,7 @@ class Strategy(ABC):
         return tensor in self._distributed
 
     def _setup_module(self, module: torch.nn.Module) -> None:
-        """Hook: make one top-level ``module`` distributed (once, at scope exit or
-        :meth:`distribute_model`). The default hands its new parameters and buffers to
-        :meth:`_on_new_state`; strategies that shard, wrap or place modules override it."""
+        """Hook: make one top-level ``module`` distributed (by default: :meth:`_on_new_state`)."""
         params, buffers = named_state(module)
         params = [(n, p) for n, p in params if p not in self._distributed]
         buffers = [(n, b) for n, b in buffers if b not in self._distributed]
@@ -315,8 +304,7 @@ class Strategy(ABC):
     def _on_new_state(self, module: torch.nn.Module,
                       params: list[tuple[str, torch.nn.Parameter]],
                       buffers: list[tuple[str, torch.Tensor]]) -> None:
-        """Hook: make ``module``'s new (named) parameters and buffers distributed (sync initial
-        values, add gradient hooks)."""
+        """Hook: make ``module``'s new (named) parameters and buffers distributed."""
         return None
 
     def close(self) -> None:
@@ -327,8 +315,8 @@ class Strategy(ABC):
         self._closed = True
         _OPEN.pop(self.serial, None)
         self._close()
-        if self._live is not None:
-            self._live.close()
+        if self.live is not None:
+            self.live.close()
         replicas = getattr(self, "_replica_group", None)
         if replicas is not None:
             replicas.close()
@@ -345,45 +333,34 @@ class Strategy(ABC):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (no communication) inside the block; the next synced
-        backward averages the accumulated sum (gradient accumulation without extra
-        communication)."""
+        backward averages the accumulated sum."""
         with self._replica_group.no_sync():
             yield
 
     def accumulate(self, k: int) -> GradientAccumulator:
-        """Gradient accumulation over ``k`` micro-batches, built on :meth:`no_sync`: ``k``
-        global batches of ``B`` give the gradient of one batch of ``k * B`` (see
-        :class:`~replicator.optim.GradientAccumulator`)."""
-        from replicator.optim.accumulation import GradientAccumulator
-
+        """Gradient accumulation over ``k`` micro-batches on :meth:`no_sync`: ``k`` global
+        batches of ``B`` give the gradient of one of ``k * B`` (``GradientAccumulator``)."""
         return GradientAccumulator(k, self.no_sync)
 
     # -- mixed precision ---------------------------------------------------------------------
-    @property
-    def precision(self) -> MixedPrecision | None:
-        """The mixed-precision policy of this strategy (``None``: full precision)."""
-        return self._precision
-
     def _set_precision(self, precision: MixedPrecision | str) -> None:
-        from replicator.precision import MixedPrecision
-
         if isinstance(precision, str):
-            if self._precision is not None and \
-                    self._precision.compute_dtype == MixedPrecision(precision).compute_dtype:
+            if self.precision is not None and \
+                    self.precision.compute_dtype == MixedPrecision(precision).compute_dtype:
                 return
             precision = MixedPrecision(precision)
         if not isinstance(precision, MixedPrecision):
             raise TypeError(f"scope(precision=...) takes rp.MixedPrecision('bf16') or a dtype "
                             f"name, got {type(precision).__name__}")
-        if self._precision is not None and self._precision is not precision:
-            raise ValueError(f"{type(self).__name__} already has the policy {self._precision!r}; "
+        if self.precision is not None and self.precision is not precision:
+            raise ValueError(f"{type(self).__name__} already has the policy {self.precision!r}; "
                              f"got {precision!r}. HINT: give precision= to the first scope() "
                              "only, or use one strategy per policy")
         precision.bind(self)
-        self._precision = precision
+        self.precision = precision
 
     # -- memory ------------------------------------------------------------------------------
-    #: How many runs measure their activations (``None``: every run); see ``memory.py``.
+    #: How many runs measure their activations (``None``: every run).
     _activation_samples: ClassVar[int | None] = 3
 
     def memory_report(self) -> MemoryReport:
@@ -428,23 +405,22 @@ class Strategy(ABC):
         self._runs += 1
         watching = WATCH.running() if self.num_replicas_in_sync > 1 and \
             self._guards_undistributed else contextlib.nullcontext()
-        uneven = begin_step()
+        uneven = observers.begin_step()
         live = self.live
         with entered(self), watching, self._memory.measuring():
             def step(a: tuple) -> Any:
                 return self._run(fn, a, dict(kwargs or {}))
-
             # with replica groups, a step not committed across the groups is redone
             result = step(tuple(args)) if live is None else live.run_step(step, tuple(args))
-        self._warned_uneven = check_step(uneven, self.replica_id, self._warned_uneven)
+        self._warned_uneven = observers.check_step(uneven, self.replica_id, self._warned_uneven)
         if self._check_finite:
-            check_finite_result(result, self._runs, self.replica_id, self.num_replicas_in_sync,
-                                self.collectives.global_ranks, self._reduce)
+            observers.check_finite_result(result, self._runs, self.replica_id,
+                                          self.num_replicas_in_sync,
+                                          self.collectives.global_ranks, self._reduce)
         return result
 
-    #: Whether trainable parameters this strategy never distributed are refused, in ``run``
-    #: and outside it (on for strategies whose replicas would silently train N separate
-    #: models; see :mod:`replicator.strategies.undistributed`).
+    #: Whether trainable parameters this strategy never distributed are refused (where the
+    #: replicas would silently train N models: :mod:`replicator.strategies.scope_capture`).
     _guards_undistributed: ClassVar[bool] = False
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -466,7 +442,7 @@ class Strategy(ABC):
         """Combine a per-replica value (a tensor, number, or nest of them, in one collective)
         across replicas, and along ``axis`` (int or tuple) if given: ``reduce("mean", x, axis=0)``
         is the mean over every replica's rows, so uneven batches give the true global mean
-        (:mod:`replicator.strategies.reduction`).
+        (:mod:`replicator.strategies.nest`).
         """
         op = ReduceOp.parse(op)
         observers.called(self, "reduce")
@@ -483,9 +459,7 @@ class Strategy(ABC):
         """The values of this process's replicas (one per process here)."""
         return (value,)
 
-    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """tf.distribute's name for :meth:`local_results`."""
-        return self.local_results(value)
+    experimental_local_results = local_results
 
     def distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """This replica's value ``value_fn(ValueContext(replica_id, num_replicas))``, called once
@@ -541,25 +515,20 @@ class Strategy(ABC):
         replica groups (live recovery) each step's batch is split over that step's quorum
         (:mod:`replicator.strategies.live.dataset`); the input must be a map-style dataset.
         """
-        live = self.live
-        if live is not None:
+        if self.live is not None:
             if transform is not None or reader is not None:
                 raise ValueError("transform= and reader= are not supported with replica "
                                  "groups; apply the transform in the dataset's __getitem__")
             drop = drop_remainder if drop_remainder is not None else drop_last
             data = map_input(dataset, batch_size=batch_size, shuffle=shuffle,
                              drop_remainder=drop)
-            return LiveDataset(live, data, self.device, seed=seed, epochs=epochs)
+            return LiveDataset(self.live, data, self.device, seed=seed, epochs=epochs)
         result = distribute_dataset(dataset, self.input_context, self.device,
                                     batch_size=batch_size, shuffle=shuffle, seed=seed,
                                     drop_last=drop_last, drop_remainder=drop_remainder,
                                     transform=transform, reader=reader, options=options,
                                     group=self._replica_group.group, partial_batch=partial_batch)
-        if epochs is None:
-            return result
-        from replicator.data.epochs import Epochs
-
-        return Epochs(result, epochs)
+        return result if epochs is None else Epochs(result, epochs)
 
     experimental_distribute_dataset = distribute_dataset
 

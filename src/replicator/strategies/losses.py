@@ -1,12 +1,10 @@
 """``compute_average_loss``: tf.distribute's loss value, with gradients that equal one device's.
 
-It returns ``sum(local per-example losses) / B`` for a global batch of ``B`` samples, as
-``tf.nn.compute_average_loss`` does, so a ported TensorFlow loop reports TensorFlow's numbers.
-TensorFlow *sums* gradients across replicas; replicator *averages* them over the ``N`` replicas
-(DDP's semantics), so the value passes its gradient back ``N`` times larger (the identity in
-forward, ``grad * N`` in backward): the average over replicas of ``N * grad(sum_r / B)`` is
-``grad(sum_all / B)``, one device's gradient, on uneven local batches too (where a plain mean
-loss differs: :mod:`replicator.strategies.uneven_batches`).
+It returns ``sum(local per-example losses) / B`` for a global batch of ``B``, as
+``tf.nn.compute_average_loss`` does. TensorFlow *sums* gradients across replicas, replicator
+*averages* them over ``N`` (DDP's semantics), so the value passes its gradient back ``N`` times
+larger: the average of ``N * grad(sum_r / B)`` is one device's ``grad(sum_all / B)``, on uneven
+local batches too (where a plain mean loss differs: :mod:`replicator.strategies.observers`).
 """
 
 from __future__ import annotations
@@ -16,13 +14,12 @@ from typing import Any
 import torch
 
 from replicator.comm.reduce_op import ReduceOp
+from replicator.strategies.observers import note_average_loss
 from replicator.strategies.replica_context import current_strategy
-from replicator.strategies.uneven_batches import note_average_loss
 
 
 class _ScaleGradient(torch.autograd.Function):
-    """The identity in forward; multiplies the gradient by ``factor`` in backward (the number
-    of replicas whose gradients are averaged, so the average is the gradients' sum)."""
+    """The identity in forward; the gradient times ``factor`` (the replicas) in backward."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor, factor: float) -> torch.Tensor:
@@ -32,18 +29,6 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.factor, None
-
-
-def _global_count(loss: torch.Tensor, sample_weight: torch.Tensor | None,
-                  strategy: Any, replicas: int) -> float:
-    """The global batch size: the local sizes (or the weights' sums) summed over replicas."""
-    if sample_weight is not None:  # padded examples (weight 0) are not in the batch
-        local = float(sample_weight.detach().to(torch.float64).sum())
-    else:
-        local = float(loss.shape[0]) if loss.dim() else 1.0
-    if strategy is None or replicas == 1:
-        return local
-    return float(strategy.reduce(ReduceOp.SUM, torch.tensor(local)).item())
 
 
 def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int | None = None,
@@ -67,8 +52,13 @@ def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int 
         loss = loss.reshape(loss.shape[0], -1).mean(dim=1)
     strategy = current_strategy()
     replicas = 1 if strategy is None else strategy.num_replicas_in_sync
-    if global_batch_size is None:
-        total = _global_count(loss, sample_weight, strategy, replicas)
+    if global_batch_size is None:  # the local sizes (or the weights' sums) over replicas
+        if sample_weight is not None:  # padded examples (weight 0) are not in the batch
+            total = float(sample_weight.detach().to(torch.float64).sum())
+        else:
+            total = float(loss.shape[0]) if loss.dim() else 1.0
+        if strategy is not None and replicas > 1:
+            total = float(strategy.reduce(ReduceOp.SUM, torch.tensor(total)).item())
     elif global_batch_size <= 0:
         raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
     else:

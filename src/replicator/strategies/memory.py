@@ -1,8 +1,7 @@
-"""What a rank holds: parameter, gradient, optimizer-state and peak activation bytes.
-
-``strategy.memory_report()`` answers "why split the model?". Activations are the bytes saved
-for backward alive at once in ``strategy.run`` (what 1F1B reduces against GPipe); measuring
-costs, so replicating strategies measure their first runs only, splitting ones every run.
+"""What a rank holds (``strategy.memory_report()``: "why split the model?"): parameter,
+gradient, optimizer-state and peak activation bytes, the bytes saved for backward alive at once
+in ``strategy.run`` (what 1F1B reduces against GPipe); measuring costs, so replicating
+strategies measure their first runs only, splitting ones every run.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from typing import Any
 
 import torch
@@ -46,24 +45,17 @@ class MemoryReport:
         return {**asdict(self), "total_bytes": self.total_bytes}
 
     def __str__(self) -> str:
-        def mb(n: int) -> str:
-            return f"{n / 2**20:.2f} MB"
-
-        return (f"rank {self.rank}: parameters {mb(self.parameter_bytes)}, gradients "
-                f"{mb(self.gradient_bytes)}, optimizer state {mb(self.optimizer_state_bytes)}, "
-                f"peak activations {mb(self.peak_activation_bytes)} (total "
-                f"{mb(self.total_bytes)})")
+        parts = ", ".join(f"{name} {n / 2**20:.2f} MB" for name, n in (
+            ("parameters", self.parameter_bytes), ("gradients", self.gradient_bytes),
+            ("optimizer state", self.optimizer_state_bytes),
+            ("peak activations", self.peak_activation_bytes)))
+        return f"rank {self.rank}: {parts} (total {self.total_bytes / 2**20:.2f} MB)"
 
 
 def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     """Local bytes of every tensor in the optimizers' state (moments, momentum, steps)."""
-    total = 0
-    for opt in optimizers:
-        for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    total += local_bytes(v)
-    return total
+    return sum(local_bytes(v) for opt in optimizers for state in opt.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
 
 
 class _Saved:
@@ -86,9 +78,8 @@ class ActivationMeter:
 
     def _pack(self, t: torch.Tensor) -> _Saved:
         local = local_tensor(t)
-        # a view counts its own bytes (microbatches are views of one batch); the same view
-        # saved by several operations counts once
-        size = local.numel() * local.element_size()
+        # a view counts its own bytes (microbatches are views of one batch), once
+        size = local_bytes(local)
         try:
             key = (local.data_ptr(), size)
         except RuntimeError:  # no data pointer (a tensor subclass without storage)
@@ -126,9 +117,7 @@ class ActivationMeter:
 
 
 class MemoryTracker:
-    """What ``memory_report`` needs across steps (see the module doc). ``is_ours``: whether a
-    parameter belongs to the strategy; ``samples``: how many runs to measure activations in
-    (``None``: every run). The strategy shows it every optimizer step (:meth:`note`)."""
+    """What ``memory_report`` needs across steps (``samples``: runs measured; ``None``: all)."""
 
     def __init__(self, is_ours: Callable[[torch.Tensor], bool], samples: int | None) -> None:
         self._is_ours = is_ours
@@ -171,7 +160,5 @@ class MemoryTracker:
 def exchange_reports(mine: MemoryReport, gather: Callable[[torch.Tensor], torch.Tensor]
                      ) -> list[MemoryReport]:
     """Every rank's report from ``mine`` and ``gather`` (rows concatenated in rank order)."""
-    values = torch.tensor([[mine.rank, mine.parameter_bytes, mine.gradient_bytes,
-                            mine.optimizer_state_bytes, mine.peak_activation_bytes]],
-                          dtype=torch.int64)
-    return [MemoryReport(*[int(v) for v in row]) for row in gather(values).tolist()]
+    rows = gather(torch.tensor([astuple(mine)], dtype=torch.int64))  # the fields in order
+    return [MemoryReport(*[int(v) for v in row]) for row in rows.tolist()]

@@ -6,14 +6,14 @@ axis applies its function to the model, innermost first: pipeline stages, DTenso
 (``data``, through the ``ReplicaGroup`` of the data axes). The input is split across ``data``
 and ``fsdp`` only; a group over the job and one over the pipeline axis name a stalled rank in
 any group. ``FSDPStrategy``, ``TensorParallelStrategy`` and ``PipelineStrategy`` are this class
-with one axis.
+with one axis (plus ``data`` for processes left), each checking its arguments where it is built.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,14 +31,11 @@ from replicator.comm.options import CommunicationOptions
 from replicator.comm.selection import algorithm_for
 from replicator.errors import ClusterConfigError
 from replicator.parallel.fsdp import apply_fsdp, is_unsharded_view
-from replicator.parallel.pipeline import PipelineRunner
-from replicator.parallel.tensor_parallel import apply_tensor_parallel
+from replicator.parallel.pipeline import PipelineRunner, check_pipeline_options, pipeline_degree
+from replicator.parallel.tensor_parallel import apply_tensor_parallel, validate_plan
 from replicator.strategies.base import Strategy
+from replicator.strategies.live.settings import LiveSettings
 from replicator.strategies.replicas import ReplicaGroup
-
-#: Mesh order, outermost first (torchtitan's): pipeline stages talk least, tensor shards most,
-#: so tensor-parallel ranks are neighbours (the same host).
-AXIS_ORDER = ("pipeline", "data", "fsdp", "tensor")
 
 #: Axis combinations tested to equal one device; others are refused with a clear error.
 SUPPORTED = (
@@ -46,16 +43,6 @@ SUPPORTED = (
     frozenset({"data", "fsdp"}), frozenset({"data", "tensor"}), frozenset({"fsdp", "tensor"}),
     frozenset({"data", "pipeline"}),
 )
-
-
-def _axes_from_degrees(degrees: Mapping[str, int]) -> dict[str, int]:
-    unknown = [a for a in degrees if a not in AXIS_ORDER]
-    if unknown:
-        raise ClusterConfigError(f"MeshStrategy got unknown axis {unknown[0]!r}; axes are "
-                                 f"{', '.join(AXIS_ORDER)} (e.g. MeshStrategy(data=2, "
-                                 "tensor=2))")
-    axes = {a: degrees[a] for a in AXIS_ORDER if a in degrees and degrees[a] != 1}
-    return axes or {"data": 1}
 
 
 class MeshStrategy(Strategy):
@@ -73,16 +60,18 @@ class MeshStrategy(Strategy):
                  pipeline_options: Mapping[str, Any] | None = None,
                  reshard_after_forward: bool = True,
                  timeout_seconds: float | None = None, check_finite: bool = False) -> None:
-        axes = _axes_from_degrees({"data": data, "fsdp": fsdp, "pipeline": pipeline,
-                                   "tensor": tensor})
+        # mesh order, outermost first (torchtitan's): pipeline stages talk least, tensor shards
+        # most, so tensor-parallel ranks are neighbours (the same host)
+        degrees = {"pipeline": pipeline, "data": data, "fsdp": fsdp, "tensor": tensor}
+        axes = {a: n for a, n in degrees.items() if n != 1} or {"data": 1}
         spec = resolve_cluster()
         device = default_device_for(spec.local_rank, spec.local_world_size)
         initialize(timeout_seconds=timeout_seconds, device=device)
         self._topology = Topology(axes)
-        used = frozenset(a for a, n in self._topology.axes.items() if n > 1) or \
-            frozenset({"data"})
+        topo = self._topology
+        used = frozenset(a for a, n in topo.axes.items() if n > 1) or frozenset({"data"})
         if used not in SUPPORTED:
-            shape = " x ".join(f"{a}={n}" for a, n in self._topology.axes.items())
+            shape = " x ".join(f"{a}={n}" for a, n in topo.axes.items())
             raise ClusterConfigError(
                 f"MeshStrategy({shape}) composes axes that are not supported yet. HINT: "
                 "supported compositions: data x pipeline, data x tensor, fsdp x tensor, data x "
@@ -92,16 +81,13 @@ class MeshStrategy(Strategy):
         self._reshard_after_forward = reshard_after_forward
         #: Sequence-parallel norms in the default tensor plan (TensorParallelStrategy's option).
         self._sequence_parallel = False
-        topo = self._topology
         # the replicas (the data axes together): identity, reduce, gather, gradient averaging;
         # several ranks share replica 0 when the model is split, so global rank 0 is the chief
         self._replica_group = ReplicaGroup(device, topo, timeout_seconds=timeout_seconds,
                                            chief=topo.is_chief)
-        # the data axes' own collectives (gradient averaging of data replicas, reduce, gather,
-        # the engine's fingerprints) through shared memory when the replicas share one CPU
+        # the data axes' own collectives through shared memory when the replicas share one CPU
         # host, as MirroredStrategy's: gloo took 0.65 ms for a reduce of a scalar with 2
-        # processes here, shared memory 0.05 ms (FSDP's and tensor parallel's own collectives
-        # stay on the backend)
+        # processes here, shared memory 0.05 ms (FSDP's and tensor parallel's stay on gloo)
         self._replica_group.use_algorithm(algorithm_for(
             CommunicationOptions(timeout_seconds=timeout_seconds), device,
             self._replica_group.group))
@@ -124,9 +110,7 @@ class MeshStrategy(Strategy):
         """The mesh this strategy works on (axes, groups, this rank's coordinates)."""
         return self._topology
 
-    @property
-    def mesh(self) -> Topology:
-        return self._topology
+    mesh = topology
 
     @property
     def shards_model(self) -> bool:
@@ -141,7 +125,11 @@ class MeshStrategy(Strategy):
     # -- setting up a module --------------------------------------------------------------------
     def _setup_module(self, module: torch.nn.Module) -> None:
         topo = self._topology
-        self._broadcast_initial_state(module)
+        # every rank starts from global rank 0's values, so the pieces cut from each rank's
+        # copy make up one model
+        self._job.collectives.broadcast_(
+            [t for t in [*module.parameters(), *module.buffers()] if t.numel()], src=0,
+            what="broadcast of initial parameters from rank 0")
         runner = None
         if topo.size("pipeline") > 1:
             assert self._stages is not None  # opened with the pipeline axis
@@ -178,29 +166,22 @@ class MeshStrategy(Strategy):
         return super().forward_backward(model, inputs, target, loss_fn)  # not pipelined
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        """Pipeline stages gathered on the chief's pipeline (the other pipelines skip the
-        work), tensor and FSDP shards by ``full_tensor()`` on every rank; see
-        :meth:`Strategy.full_state_dict`."""
+        """Pipeline stages gathered on the chief's pipeline's first rank (the other pipelines
+        skip the work), tensor and FSDP shards by ``full_tensor()`` on every rank."""
         if not self.shards_model:
             return super()._full_state_dict(model)
         for runner in self._pipelines:
             if runner.model is model:
                 if self.replica_id != 0:
                     return {}
-                return pipeline_state_dict(runner, self.is_chief)
+                state = runner.full_state_dict(dst=0)  # every rank of the pipeline calls it
+                return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor)
+                        else v for k, v in state.items()} if self.is_chief else {}
         return gathered_state_dict(model, self.is_chief)
 
-    def _broadcast_initial_state(self, module: torch.nn.Module) -> None:
-        """Every rank starts from global rank 0's values (as Mirrored does), so the pieces cut
-        from each rank's copy make up one model."""
-        tensors = [t for t in [*module.parameters(), *module.buffers()] if t.numel()]
-        self._job.collectives.broadcast_(tensors, src=0,
-                                         what="broadcast of initial parameters from rank 0")
-
     def _distribute_modules(self, modules: list[torch.nn.Module]) -> None:
-        """Set ``modules`` up, then map each original parameter to the sharded one that took
-        its place (FSDP2 and ``parallelize_module`` keep registration names), so optimizers
-        built inside ``scope()``, before the sharding, step the new ones."""
+        """Set ``modules`` up, then map each original parameter to the sharded one that took its
+        place (by name), so optimizers built inside ``scope()`` step the new ones."""
         named = [(m, list(m.named_parameters())) for m in modules
                  if m not in self._set_up_modules]
         super()._distribute_modules(modules)
@@ -212,8 +193,7 @@ class MeshStrategy(Strategy):
                     self._replaced[old] = new
 
     def _prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point ``optimizer`` (built in ``scope()``, before the sharding) at the sharded
-        parameters that replaced the ones it was given, moving their state along."""
+        """Point ``optimizer`` at the sharded parameters that replaced its own, with their state."""
         if not len(self._replaced):
             return
         for group in optimizer.param_groups:
@@ -244,9 +224,11 @@ class MeshStrategy(Strategy):
     # -- synchronising ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block: the data axis's engine and FSDP's
-        reduce-scatter are off, and the next synced backward reduces the accumulated sum."""
-        sharded = self._fsdp_modules() if self._no_sync_depth == 0 else []
+        """Accumulate gradients locally inside the block (the data axis's and FSDP's sync off)."""
+        # the roots FSDP2 sharded (the setting applies to every block)
+        sharded = [m for m in self._set_up_modules.keys()
+                   if callable(getattr(m, "set_requires_gradient_sync", None))] \
+            if self._no_sync_depth == 0 and self._topology.size("fsdp") > 1 else []
         for m in sharded:
             m.set_requires_gradient_sync(False)  # type: ignore[operator]
         self._no_sync_depth += 1
@@ -257,13 +239,6 @@ class MeshStrategy(Strategy):
             self._no_sync_depth -= 1
             for m in sharded:
                 m.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-    def _fsdp_modules(self) -> list[torch.nn.Module]:
-        """The set-up modules FSDP2 sharded (their roots; the setting applies to every block)."""
-        if self._topology.size("fsdp") == 1:
-            return []
-        return [m for m in self._set_up_modules.keys()
-                if callable(getattr(m, "set_requires_gradient_sync", None))]
 
     def barrier(self) -> None:
         """Wait until every worker (every rank of the mesh, not only the replicas) is here."""
@@ -287,11 +262,11 @@ def _average_gradients(replicas: ReplicaGroup, module: torch.nn.Module,
 def _after_schedule(replicas: ReplicaGroup, module: torch.nn.Module,
                     runner: PipelineRunner) -> Callable[[], None]:
     """The pipeline's ``after_backward``: average this rank's stages' gradients over the
-    replicas once the schedule's backward passes are done. Stages balanced by time are cut at
-    the first batch: their engine is built at the first call."""
-    made: list[GradientSynchronizer | None] = []
-    if runner.local_modules:
-        made.append(_average_gradients(replicas, module, runner.local_modules, automatic=False))
+    replicas after the schedule's backward passes (built at the first call for stages
+    balanced by time, cut at the first batch)."""
+    made: list[GradientSynchronizer | None] = [
+        _average_gradients(replicas, module, runner.local_modules, automatic=False)
+    ] if runner.local_modules else []
 
     def average() -> None:
         if not made:
@@ -320,16 +295,6 @@ def gathered_state_dict(model: torch.nn.Module, keep: bool) -> dict[str, Any]:
     return out
 
 
-def pipeline_state_dict(runner: PipelineRunner, keep: bool) -> dict[str, Any]:
-    """The pipeline's stages gathered on its first rank (every rank of the pipeline calls
-    this), on the CPU where ``keep``."""
-    state = runner.full_state_dict(dst=0)
-    if not keep:
-        return {}
-    return {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-            for k, v in state.items()}
-
-
 def mark_stage_placeholders(model: torch.nn.Module, runner: PipelineRunner) -> None:
     """Make this rank's ``model.state_dict()`` (also inside a parent's) hold a ``Placeholder``,
     which the library's save paths refuse, for every tensor of other ranks' stages;
@@ -351,3 +316,86 @@ def mark_stage_placeholders(model: torch.nn.Module, runner: PipelineRunner) -> N
                 state[prefix + name] = placeholder(value)
 
     model.register_state_dict_post_hook(hook)
+
+
+class FSDPStrategy(MeshStrategy):
+    """Fully sharded data parallelism on every process (FSDP2 ``fully_shard`` per block).
+    ``reshard_after_forward=True`` (ZeRO-3, least memory) or ``False`` (ZeRO-2, one gather fewer),
+    also as ``zero_stage=3|2``; ``tensor``: add a tensor-parallel axis (``tensor_plan``).
+    """
+
+    name = "fsdp"
+    #: Sharded inside a replica group, replicated across groups (HSDP) when the job runs
+    #: replica groups (without a tensor axis: every rank of a group is then a data replica).
+    _supports_live = True
+
+    def __init__(self, reshard_after_forward: bool | None = None, *,
+                 zero_stage: int | None = None, tensor: int = 1,
+                 tensor_plan: dict[str, Any] | None = None,
+                 timeout_seconds: float | None = None, check_finite: bool = False) -> None:
+        if zero_stage is not None:
+            if zero_stage not in (2, 3):
+                raise ValueError(
+                    f"zero_stage must be 2 or 3, got {zero_stage!r}. HINT: FSDP always shards "
+                    "gradients and optimizer state (stage 2); stage 3 also frees parameters "
+                    "after forward. For stage 1 (sharded optimizer state only) use "
+                    "rp.MirroredStrategy, whose memory is then dominated by parameters anyway.")
+            if reshard_after_forward is not None and reshard_after_forward != (zero_stage == 3):
+                raise ValueError(f"zero_stage={zero_stage} contradicts reshard_after_forward="
+                                 f"{reshard_after_forward}. HINT: give only one of them.")
+            reshard_after_forward = zero_stage == 3
+        validate_plan(tensor_plan)
+        if tensor != 1 and LiveSettings.from_env() is not None:
+            raise ClusterConfigError(
+                "FSDPStrategy(tensor=...) cannot run in replica groups yet: the ranks of a "
+                "tensor axis share their samples. HINT: FSDPStrategy() without tensor=, or "
+                "launch without --replica-groups")
+        super().__init__(fsdp=-1, tensor=tensor, tensor_plan=tensor_plan,
+                         reshard_after_forward=True if reshard_after_forward is None
+                         else bool(reshard_after_forward),
+                         timeout_seconds=timeout_seconds, check_finite=check_finite)
+
+
+class TensorParallelStrategy(MeshStrategy):
+    """Tensor parallelism on every process (or ``tensor`` of them, the rest data parallel).
+    ``plan``: module name or pattern -> ``"colwise"``, ``"rowwise"``, ``"embedding"`` or a
+    ``ParallelStyle`` (``None``: ``default_plan``); ``sequence_parallel``: see
+    :mod:`replicator.parallel.tensor_parallel`. ``num_replicas_in_sync`` counts data replicas.
+    """
+
+    name = "tensor_parallel"
+
+    def __init__(self, plan: Mapping[str, Any] | None = None, *, tensor: int = -1,
+                 sequence_parallel: bool = False,
+                 timeout_seconds: float | None = None, check_finite: bool = False) -> None:
+        validate_plan(plan, sequence_parallel)
+        data = 1 if tensor == -1 else -1
+        super().__init__(data=data, tensor=tensor, tensor_plan=plan,
+                         timeout_seconds=timeout_seconds, check_finite=check_finite)
+        self._sequence_parallel = bool(sequence_parallel)
+
+
+class PipelineStrategy(MeshStrategy):
+    """Pipeline parallelism: ``num_stages`` stages fed ``num_microbatches`` microbatches;
+    ``schedule``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"`` or ``"zbv"``
+    (two stages per rank for the interleaved). An ``nn.Sequential`` is cut by parameters, by
+    measured time (``balance="time"``) or at ``split_points``; processes left are data replicas.
+    """
+
+    name = "pipeline"
+
+    def __init__(self, num_stages: int = 2, num_microbatches: int = 4,
+                 schedule: str = "1f1b", *, split_points: Sequence[str] | None = None,
+                 balance: str = "params", timeout_seconds: float | None = None,
+                 check_finite: bool = False) -> None:
+        schedule = check_pipeline_options(num_stages, num_microbatches, schedule, balance)
+        super().__init__(pipeline=pipeline_degree(num_stages, schedule), data=-1,
+                         pipeline_options={
+                             "num_stages": num_stages, "num_microbatches": num_microbatches,
+                             "schedule": schedule, "split_points": split_points,
+                             "balance": balance},
+                         timeout_seconds=timeout_seconds, check_finite=check_finite)
+
+    def describe_stages(self) -> str:
+        """Which blocks each stage holds, and on which pipeline rank."""
+        return " | ".join(r.describe() for r in self._pipelines)

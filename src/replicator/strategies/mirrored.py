@@ -2,20 +2,33 @@
 
 Modules created in ``scope()`` get replica 0's initial values and their gradients are averaged
 during ``backward()``, bucket by bucket, so a step with global batch ``B`` on ``N`` replicas
-equals one device with ``B``.
+equals one device with ``B``. ``MultiWorkerMirroredStrategy`` is the same across machines;
+``CentralStorageStrategy`` keeps one copy of the optimizer state, on replica 0.
+
+``sync_batchnorm=True`` makes every BatchNorm layer normalise over the global batch, as one
+device with it would: the per-channel sums and counts go into one differentiable all-reduce
+(float64 sums); unlike ``SyncBatchNorm`` it runs on CPU too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from collections.abc import Sequence
+from functools import cached_property
+from itertools import zip_longest
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from replicator.cluster.devices import default_device_for, parse_devices
 from replicator.cluster.environment import resolve_cluster, use_cluster
+from replicator.cluster.ports import choose_gloo_interface
 from replicator.cluster.resolvers import ClusterResolver, as_spec
 from replicator.cluster.topology import Topology
 from replicator.comm.algorithms import CrossDeviceOps
@@ -23,19 +36,10 @@ from replicator.comm.gradient_sync import BUFFER_SYNC_MODES, DEFAULT_BUCKET_BYTE
 from replicator.comm.options import CommunicationOptions
 from replicator.comm.reduce_op import ReduceOp
 from replicator.comm.selection import algorithm_for
-from replicator.errors import ClusterConfigError, ReplicaMismatchError
+from replicator.errors import ClusterConfigError, ReplicaMismatchError, ReplicatorError
 from replicator.strategies.base import Strategy
-from replicator.strategies.cross_replica_batchnorm import convert_batchnorm
 from replicator.strategies.replicas import ReplicaGroup
 from replicator.strategies.scope_capture import describe_state
-
-
-def _first_difference(descs: list[list[str]]) -> str:
-    for i in range(max(len(d) for d in descs)):
-        entries = [d[i] if i < len(d) else "(missing)" for d in descs]
-        if len(set(entries)) > 1:
-            return "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
-    return "(no entry differs)"
 
 
 class MirroredStrategy(Strategy):
@@ -113,6 +117,11 @@ class MirroredStrategy(Strategy):
         """The process group of the replicas (``None``: the default group)."""
         return self._replica_group.group
 
+    @property
+    def _reduce_to(self) -> int | None:
+        """The replica gradients are reduced onto (``None``: averaged on every replica)."""
+        return None
+
     # -- state ---------------------------------------------------------------------------------
     def _setup_module(self, module: torch.nn.Module) -> None:
         if self._sync_batchnorm:
@@ -122,19 +131,12 @@ class MirroredStrategy(Strategy):
     def _on_new_state(self, module: torch.nn.Module,
                       params: list[tuple[str, torch.nn.Parameter]],
                       buffers: list[tuple[str, torch.Tensor]]) -> None:
+        """Check the replicas built the same, broadcast replica 0's values, add gradient sync."""
         self._check_same_structure(module, params, buffers)
-        self.collectives.broadcast_([t for _, t in [*params, *buffers]], src=0,
+        self.collectives.broadcast_([t for _, t in [*params, *buffers]], src=self._reduce_to or 0,
                                     what="broadcast of initial parameters from replica 0")
-        self._add_synchronizer(module, params, buffers)
-
-    def _add_synchronizer(self, module: torch.nn.Module,
-                          params: list[tuple[str, torch.nn.Parameter]],
-                          buffers: list[tuple[str, torch.Tensor]],
-                          destination: int | None = None) -> None:
-        """Average (or, with ``destination``, reduce) ``module``'s gradients in backward, with
-        this strategy's bucket size, buffer sync and integrity check."""
         self._replica_group.synchronize_gradients(
-            module, [p for _, p in params], [b for _, b in buffers], destination=destination,
+            module, [p for _, p in params], [b for _, b in buffers], destination=self._reduce_to,
             bucket_bytes=self._options.bytes_per_pack or DEFAULT_BUCKET_BYTES,
             buffer_sync=self._buffer_sync, check=self._options.check_collectives)
 
@@ -151,11 +153,14 @@ class MirroredStrategy(Strategy):
         texts = self.collectives.all_gather_bytes(json.dumps(desc).encode(),
                                                    "model structure exchange")
         descs = [json.loads(t) for t in texts]
+        first = next(("; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
+                      for entries in zip_longest(*descs, fillvalue="(missing)")
+                      if len(set(entries)) > 1), "(no entry differs)")
         counts = ", ".join(f"rank {r}: {sum(e.startswith('parameter') for e in d)} parameters"
                            for r, d in enumerate(descs))
         raise ReplicaMismatchError(
             f"the replicas built different models in scope() ({type(module).__name__}; "
-            f"{counts}). First difference: {_first_difference(descs)}. HINT: every replica must "
+            f"{counts}). First difference: {first}. HINT: every replica must "
             "create the same modules in the same order; look for code that depends on the rank "
             "or on local data.")
 
@@ -205,8 +210,6 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     "other strategy, or drop cluster_resolver.")
             use_cluster(spec)
         if not dist.is_initialized():
-            from replicator.cluster.ports import choose_gloo_interface
-
             spec = resolve_cluster()
             if spec.world_size > 1:
                 choose_gloo_interface(spec.master_addr)
@@ -214,3 +217,149 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                          communication_options=communication_options, mesh=mesh, axis=axis,
                          buffer_sync=buffer_sync, sync_batchnorm=sync_batchnorm,
                          check_finite=check_finite)
+
+
+class CentralStorageStrategy(MirroredStrategy):
+    """Synchronous data parallelism with one copy of the optimizer state, on replica 0.
+
+    Gradients are *reduced* onto the central replica during ``backward()``; ``optimizer.step()``
+    updates there once and broadcasts the parameters. Other replicas' optimizers hold no state:
+    the memory saved over :class:`MirroredStrategy`. The central ``.grad`` is the average
+    (clipping works there). Closure optimizers (LBFGS) are refused: ranks would run
+    ``backward()`` unequally. ``devices``/``cross_device_ops`` as Mirrored's (its
+    ``reduce_sum_async`` carries gradients).
+    """
+
+    name = "central_storage"
+    #: The replica that holds the optimizer state and steps.
+    central_replica: int = 0
+
+    @cached_property
+    def _kinds(self) -> weakref.WeakKeyDictionary:
+        """Optimizer -> (whether it steps this strategy's parameters, how many it holds)."""
+        return weakref.WeakKeyDictionary()
+
+    @cached_property
+    def _stashed(self) -> dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+        """The gradients hidden from a non-central replica's optimizer during its step."""
+        return {}
+
+    @property
+    def is_central(self) -> bool:
+        """True on the replica that holds the optimizer state."""
+        return self.replica_id == self.central_replica
+
+    @property
+    def _reduce_to(self) -> int | None:
+        return self.central_replica
+
+    # -- the optimizer step ----------------------------------------------------------------------
+    @staticmethod
+    def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return list({id(p): p for g in optimizer.param_groups for p in g["params"]}.values())
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        known = self._kinds.get(optimizer)
+        params = self._params_of(optimizer)
+        if known is not None and known[1] == len(params):
+            return known[0]
+        mine = [self.is_distributed(p) for p in params]
+        if any(mine) and not all(mine):
+            raise ReplicatorError(
+                f"{type(optimizer).__name__} holds {sum(mine)} parameters created in "
+                f"CentralStorageStrategy.scope() and {len(mine) - sum(mine)} created outside "
+                "it. HINT: create the whole model inside strategy.scope() (or pass it to "
+                "strategy.distribute_model) before building the optimizer.")
+        owned = bool(params) and all(mine)
+        self._kinds[optimizer] = (owned, len(params))
+        return owned
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any,
+                               kwargs: Any) -> None:
+        super()._before_optimizer_step(optimizer, args, kwargs)
+        if self.num_replicas_in_sync == 1 or not self._owns(optimizer):
+            return
+        positional = [a for a in args if a is not optimizer] if isinstance(args, tuple) else []
+        closure = positional[0] if positional else \
+            (kwargs.get("closure") if isinstance(kwargs, dict) else None)
+        if closure is not None:
+            raise ReplicatorError(
+                f"{type(optimizer).__name__}.step(closure) cannot run under "
+                "CentralStorageStrategy: the closure would run backward() a different number "
+                "of times on each replica. HINT: use an optimizer stepped without a closure, "
+                "or MirroredStrategy.")
+        if self.is_central:
+            return
+        # not central: hide the gradients so the optimizer neither updates nor creates state
+        stash = [(p, p.grad) for p in self._params_of(optimizer)]
+        for p, _ in stash:
+            p.grad = None
+        self._stashed[id(optimizer)] = stash
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.num_replicas_in_sync == 1 or not self._owns(optimizer):
+            return
+        params = self._params_of(optimizer)
+        if not self.is_central:
+            for p, grad in self._stashed.pop(id(optimizer), []):
+                p.grad = grad
+            for p in params:
+                optimizer.state.pop(p, None)
+        self.collectives.broadcast_(params, src=self.central_replica,
+                                     what="broadcast of updated parameters from the central "
+                                          "replica")
+
+
+# -- BatchNorm over the global batch ---------------------------------------------------------
+_CLASSES: dict[type, type] = {}
+
+
+class _CrossReplicaMixin:
+    """The forward of a BatchNorm layer normalising with statistics over every replica."""
+
+    replica_group: dist.ProcessGroup | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        bn: Any = self
+        bn._check_input_dim(x)
+        group = self.replica_group
+        if not (bn.training and dist.is_initialized() and dist.get_world_size(group) > 1):
+            return super().forward(x)  # type: ignore[misc]
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        local = torch.cat([x.sum(dims), (x * x).sum(dims),
+                           x.new_full((1,), x.numel() // max(channels, 1))])
+        total = dist_nn.all_reduce(local.to(torch.float64), group=group)
+        count = total[-1]
+        mean = total[:channels] / count
+        var = (total[channels:2 * channels] / count - mean * mean).clamp_min(0)
+        if bn.track_running_stats and bn.running_mean is not None:
+            with torch.no_grad():
+                bn.num_batches_tracked.add_(1)
+                momentum = bn.momentum if bn.momentum is not None else \
+                    1.0 / float(bn.num_batches_tracked)
+                unbiased = var * count / (count - 1).clamp_min(1)
+                bn.running_mean.mul_(1 - momentum).add_(mean.to(x.dtype), alpha=momentum)
+                bn.running_var.mul_(1 - momentum).add_(unbiased.to(x.dtype), alpha=momentum)
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        y = (x - mean.to(x.dtype).view(shape)) * \
+            torch.rsqrt(var.to(x.dtype).view(shape) + bn.eps)
+        if bn.affine:
+            y = y * bn.weight.view(shape) + bn.bias.view(shape)
+        return y
+
+
+def convert_batchnorm(module: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """Make every BatchNorm layer in ``module`` (itself included) normalise across the
+    replicas of ``group``, in place; returns how many layers were converted."""
+    converted = 0
+    for layer in module.modules():
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, _CrossReplicaMixin) \
+                and not isinstance(layer, nn.SyncBatchNorm):
+            cls = type(layer)  # its cross-replica subclass is made once per class
+            if cls not in _CLASSES:
+                _CLASSES[cls] = type(f"CrossReplica{cls.__name__}", (_CrossReplicaMixin, cls), {})
+            layer.__class__ = _CLASSES[cls]
+            setattr(layer, "replica_group", group)  # noqa: B010 - the class changed in place
+            converted += 1
+    return converted

@@ -36,8 +36,7 @@ def _key(name: str) -> str:
 
 
 def find_strategy_class(name: str) -> type[Strategy] | None:
-    """The class :func:`get_strategy` would build for ``name`` (aliases and spellings such as
-    ``"MirroredStrategy"`` included), or ``None`` when no strategy has that name."""
+    """The class :func:`get_strategy` would build for ``name`` (``"MirroredStrategy"`` too)."""
     return _REGISTRY.get(_key(name))
 
 

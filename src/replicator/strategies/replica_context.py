@@ -1,18 +1,44 @@
-"""The replica context: inside ``strategy.run`` (or anywhere), who this replica is.
-tf.distribute's ``ReplicaContext``/``ValueContext`` with one process per replica: its
-collectives are the strategy's and ``merge_call`` runs once in each process.
-"""
+"""tf.distribute's ``ReplicaContext`` with one process per replica (who this replica is; its
+collectives are the strategy's and ``merge_call`` runs once in each process), and the strategy
+of a context outside any: ``OneDeviceStrategy``, the reference for equivalence."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-from replicator.comm.reduce_op import ReduceOp
-from replicator.strategies.base import Strategy, current_strategy
-from replicator.strategies.value_context import ValueContext
+import torch
 
-__all__ = ["ReplicaContext", "ValueContext", "get_replica_context", "current_strategy"]
+from replicator.cluster.devices import parse_device
+from replicator.cluster.environment import resolve_cluster
+from replicator.comm.reduce_op import ReduceOp
+from replicator.strategies.base import Strategy, ValueContext, current_strategy
+from replicator.strategies.replicas import ReplicaGroup
+
+__all__ = ["OneDeviceStrategy", "ReplicaContext", "ValueContext", "get_replica_context",
+           "current_strategy"]
+
+
+class OneDeviceStrategy(Strategy):
+    """Run on a single device (``None``: the first GPU if any, else the CPU), with no process
+    group: ``reduce``/``gather`` return the local value. ``check_finite``: see ``Strategy``.
+    """
+
+    name = "one_device"
+
+    def __init__(self, device: str | torch.device | None = None, *,
+                 check_finite: bool = False) -> None:
+        self._replica_group = ReplicaGroup.single(parse_device(device))
+        spec = resolve_cluster()
+        if spec.world_size > 1:
+            warnings.warn(
+                f"OneDeviceStrategy in a job of {spec.world_size} processes (rank {spec.rank}): "
+                "every process trains its own independent model on its own data and acts as "
+                "the chief (prints, writes checkpoints). HINT: use rp.MirroredStrategy() to "
+                "train one model on every process, or launch a single process.",
+                UserWarning, stacklevel=2)
+        super().__init__(check_finite=check_finite)
 
 
 class ReplicaContext:
@@ -24,8 +50,6 @@ class ReplicaContext:
     @property
     def strategy(self) -> Strategy:
         if self._strategy is None:
-            from replicator.strategies.one_device import OneDeviceStrategy
-
             self._strategy = OneDeviceStrategy()
         return self._strategy
 

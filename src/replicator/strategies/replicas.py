@@ -1,11 +1,6 @@
-"""The replica group a strategy keeps in step, written once and composed by every strategy.
-
-A :class:`ReplicaGroup` on the processes a strategy replicates over (the job, a topology axis,
-or its data axes) owns device, group, identity, the ``Collectives`` (tracker, reduce, gather,
-broadcast, barrier) and the gradient engine (a ``GradientSynchronizer`` per module,
-``no_sync``), as Lightning Fabric's ``ParallelStrategy``. Its waits take the strategy's own timeout
-(``resolve_timeout``): mesh axis groups too (torch's 30 minutes otherwise), and a private group
-of every rank when an earlier strategy made the default group with another timeout.
+"""The replica group a strategy keeps in step, written once and composed by every strategy
+(docs/topology.md): device, group, identity, ``Collectives`` and the gradient engine, as Lightning
+Fabric's ``ParallelStrategy``; its waits take the strategy's own timeout.
 """
 
 from __future__ import annotations
@@ -28,10 +23,9 @@ from replicator.comm.groups import new_private_group
 
 
 class ReplicaGroup:
-    """The replicas of one process group as a strategy sees them (see the module doc): the whole
-    job, the data axes (``axis=None``) or one axis of ``topology``; ``chief`` defaults to the
-    group's first replica. Not a collective.
-    """
+    """The replicas of one process group as a strategy sees them: the whole job, the data
+    axes (``axis=None``) or one axis of ``topology``; ``chief`` defaults to the group's first
+    replica. Not a collective."""
 
     def __init__(self, device: torch.device, topology: Topology | None = None,
                  axis: str | None = None, *, timeout_seconds: float | None = None,
@@ -60,8 +54,7 @@ class ReplicaGroup:
     @classmethod
     def single(cls, device: torch.device, timeout_seconds: float | None = None, *,
                chief: bool = True) -> ReplicaGroup:
-        """One replica on its own, with no process group (one device; a worker restarted
-        alone): reductions return the local value."""
+        """One replica on its own, with no process group: reductions return the local value."""
         me = cls.__new__(cls)
         me._open(device, None, None, Collectives(0, 1, device, resolve_timeout(timeout_seconds)),
                  chief)
@@ -70,7 +63,8 @@ class ReplicaGroup:
     def _open(self, device: torch.device, topology: Topology | None, axis: str | None,
               collectives: Collectives, chief: bool | None) -> None:
         self.device = device
-        self._chief = collectives.rank == 0 if chief is None else chief
+        #: True on the one process that prints, logs and writes the replicas' shared files.
+        self.is_chief = collectives.rank == 0 if chief is None else chief
         self.topology = topology
         self.axis = axis
         self.collectives = collectives
@@ -95,11 +89,6 @@ class ReplicaGroup:
         """How many replicas the group holds."""
         return self.collectives.world_size
 
-    @property
-    def is_chief(self) -> bool:
-        """True on the one process that prints, logs and writes the replicas' shared files."""
-        return self._chief
-
     def __repr__(self) -> str:
         where = "job" if self.topology is None else (self.axis or "data axes")
         return (f"ReplicaGroup({where}: rank {self.rank} of {self.world_size}, global ranks "
@@ -107,8 +96,7 @@ class ReplicaGroup:
 
     # -- the data-parallel gradient engine -----------------------------------------------------
     def use_algorithm(self, algorithm: CrossDeviceOps) -> None:
-        """Sum gradients with ``algorithm`` and, where it has one, send small collectives
-        through its same-host path. A collective: every replica calls it alike."""
+        """Sum gradients with ``algorithm``, small collectives through its same-host path if any."""
         self.algorithm = algorithm
         self.collectives.use_same_host_path(algorithm)
 
@@ -125,8 +113,8 @@ class ReplicaGroup:
                               buffer_sync: str = "mean", check: bool = True,
                               automatic: bool = True) -> GradientSynchronizer | None:
         """Average ``params``' gradients over the group (reduce onto ``destination`` if given),
-        during backward or at ``synchronize()`` (``automatic=False``), until ``owner`` is freed or
-        the group closed. ``None`` when there is no parameter to synchronize."""
+        in backward or at ``synchronize()`` (``automatic=False``), until ``owner`` is freed or
+        the group closed; ``None`` without parameters."""
         if not params:
             return None
         sync = GradientSynchronizer(list(params), self.collectives, self.algorithm,
@@ -150,8 +138,7 @@ class ReplicaGroup:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block (no communication); the next synced
-        pass averages the accumulated sum. Synchronizers made inside start switched off."""
+        """Accumulate gradients locally inside the block; synchronizers made inside start off."""
         before = [(s, s.enabled) for s in self._synchronizers]
         self._paused += 1
         for s, _ in before:

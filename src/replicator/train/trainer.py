@@ -25,7 +25,7 @@ from replicator.errors import CallbackFailedError, NonFiniteLossError
 from replicator.resume.backup_and_restore import BackupAndRestore
 from replicator.resume.rank_state import epoch_length
 from replicator.strategies.base import Strategy
-from replicator.strategies.live.errors import LiveRecoveryError
+from replicator.strategies.live import LiveRecoveryError
 from replicator.strategies.losses import compute_average_loss
 from replicator.train.callbacks import (
     Callback,

@@ -1,10 +1,9 @@
 """The input of a live-recovery job: each step's share of the global batch, cut per quorum.
 
-With replica groups ``distribute_dataset`` returns a :class:`LiveDataset`: iterating joins the
-step's quorum, then cuts its global batch for the quorum's groups (``data/live_split.py``), as
-one device would. The position is the committed step, which a healed group gets from its peer.
-``epochs=E`` runs all epochs in one loop; otherwise healing into another epoch raises
-:class:`~replicator.strategies.live.errors.EpochLoopError`.
+Iterating joins the step's quorum, then cuts its global batch for the quorum's groups
+(``data/live_split.py``), as one device would. The position is the committed step, which a
+healed group gets from its peer. ``epochs=E`` runs all epochs in one loop; otherwise healing
+into another epoch raises :class:`~replicator.strategies.live.EpochLoopError`.
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from replicator.data.live_split import MapInput, Share, StepSplit
+from replicator.data.live_split import MapInput, StepSplit
+from replicator.strategies.live import EpochLoopError, LiveRecoveryError
 from replicator.strategies.live.engine import LiveEngine, Quorum
-from replicator.strategies.live.errors import EpochLoopError, LiveRecoveryError
 
 
 class LiveDataset:
@@ -60,8 +59,7 @@ class LiveDataset:
         return self.split.locate(self.engine.committed_steps)[0]
 
     def set_epoch(self, epoch: int) -> None:
-        """Accepted for loops written for a ``DataLoader``: the epoch comes from the
-        committed step here, and ``epoch`` must agree with it."""
+        """For loops written for a ``DataLoader`` (the epoch comes from the committed step)."""
         self._epoch = epoch
 
     # -- iteration --------------------------------------------------------------------------------
@@ -77,11 +75,15 @@ class LiveDataset:
 
     def __next__(self) -> Any:
         quorum = self._next_quorum(self._end())
-        return self._finish() if quorum is None else self._cut(quorum)
+        if quorum is not None:
+            return self._cut(quorum)
+        if self._pass_epoch is not None:
+            self._epoch = self._pass_epoch + 1
+            self._pass_epoch = None
+        raise StopIteration
 
     def until(self, end: int) -> Iterator[Any]:
-        """The batches of the steps before committed step ``end``, across epochs (a loop
-        driver that counts steps itself, such as ``BackupAndRestore.steps``)."""
+        """The batches of the steps before committed step ``end``, across epochs."""
         self._pass_epoch = None
         while (quorum := self._next_quorum(end)) is not None:
             yield self._cut(quorum)
@@ -94,30 +96,19 @@ class LiveDataset:
         quorum = engine.begin_step()
         return None if quorum.step >= end else quorum
 
-    def _finish(self) -> Any:
-        if self._pass_epoch is not None:
-            self._epoch = self._pass_epoch + 1
-            self._pass_epoch = None
-        raise StopIteration
-
     def _cut(self, quorum: Quorum) -> Any:
         share = self.split.share(quorum.step, quorum.participant, quorum.participants,
                                  self.engine.settings.rank)
-        batch = self._load(share)
+        batch = self.data.load(share.indices)
+        if self.device.type != "cpu":
+            batch = tree_map(lambda t: t.to(self.device, non_blocking=True)
+                             if isinstance(t, torch.Tensor) else t, batch)
         self.engine.use_share(share, self)
         self._last = batch
         return batch
 
-    def _load(self, share: Share) -> Any:
-        batch = self.data.load(share.indices)
-        if self.device.type == "cpu":
-            return batch
-        return tree_map(lambda t: t.to(self.device, non_blocking=True)
-                        if isinstance(t, torch.Tensor) else t, batch)
-
     def reshare(self, args: tuple, quorum: Quorum) -> tuple | None:
-        """``args`` of a step to redo with ``quorum``: the batch this dataset gave replaced by
-        the new quorum's share (``None``: the run's data ended meanwhile)."""
+        """``args`` with this dataset's batch cut anew for ``quorum`` (``None``: the data ended)."""
         last = self._last
         if quorum.step >= self._end():
             return None
@@ -147,8 +138,7 @@ class LiveDataset:
 
     # -- backups ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """What a backup keeps per rank: the position is the committed step (saved by the
-        backup itself); in rounds, the round's start state (``LiveEngine.backup_state``)."""
+        """What a backup keeps per rank beside the committed step (``LiveEngine.backup_state``)."""
         return self.engine.backup_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,17 +1,13 @@
-"""The per-step protocol of live recovery: torchft's Manager composed into a replica group.
+"""The per-step protocol of live recovery: torchft's Manager composed into a replica group
+(docs/fault_tolerance.md, "Live recovery across replica groups").
 
 A step takes its quorum (a group behind heals from a live peer) and its share of the global
 batch; at the first ``optimizer.step()`` the gradients are averaged across the quorum's groups
 (weighted by share) and ``should_commit`` decides. A step not committed raises
 ``StepNotCommitted`` before any update and ``strategy.run`` reruns it from its buffers and random
-state. A quorum is asked for every ``quorum_every`` committed steps while membership holds; a
-lost group fails the others' all-reduce, so the redo asks at once, and a group leaving on SIGTERM
-says so in its last step's all-reduce. In rounds (DiLoCo's replica groups, :meth:`use_rounds`)
-the groups train alone for ``round_steps`` steps and average one tensor by the round's end
-(:meth:`start_round_sync`, or :meth:`sync_round_gathered` for payloads an all-reduce cannot sum:
-quantised ones, all-gathered over the same torchft process group); a round not committed is
-rolled back to its start and trained again with the new quorum's shares, and a backup holds
-the state its round started from (:meth:`backup_state`, :meth:`resume_at`).
+state. In rounds (DiLoCo's replica groups, :meth:`use_rounds`) the groups train alone for
+``round_steps`` steps and average by the round's end; a round not committed is rolled back to
+its start and trained again with the new quorum's shares.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -34,18 +30,19 @@ from replicator.cluster.process_group import on_shutdown
 from replicator.comm.reduce_op import ReduceOp
 from replicator.data.live_split import Share
 from replicator.errors import ClusterConfigError
-from replicator.strategies.live import state as live_state
-from replicator.strategies.live.errors import (
+from replicator.strategies.live import (
     LighthouseUnreachableError,
     LiveRecoveryError,
     QuorumTimeoutError,
     StepNotCommitted,
 )
-from replicator.strategies.live.grad_buckets import flatten_grads, unflatten_grads
-from replicator.strategies.live.manager_calls import (
+from replicator.strategies.live import state as live_state
+from replicator.strategies.live.exchange import (
     first_line,
+    flatten_grads,
     managed_all_gather,
     quiet_flight_recorder_note,
+    unflatten_grads,
 )
 from replicator.strategies.live.settings import QUORUM_TIMEOUT_ENV, LiveSettings
 from replicator.strategies.replicas import ReplicaGroup
@@ -74,23 +71,9 @@ class RoundOwner(Protocol):
     def load_round_state(self, state: dict[str, Any]) -> None: ...
 
 
-class _Snapshot:
-    """What a redone step must start from again: floating buffers and the torch RNG."""
-
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
-        self.buffers = [(b, b.detach().clone()) for m in modules for b in m.buffers()]
-        self.rng = torch.get_rng_state()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for b, saved in self.buffers:
-                b.copy_(saved)
-        torch.set_rng_state(self.rng)
-
-
 class LiveEngine:
-    """torchft's Manager for one process of one replica group (see the module doc); ``modules``
-    returns what heals and whose gradients are averaged across groups."""
+    """torchft's Manager for one process of one replica group; ``modules`` returns what heals
+    and whose gradients are averaged across groups."""
 
     def __init__(self, settings: LiveSettings, replicas: ReplicaGroup,
                  modules: Callable[[], list[torch.nn.Module]],
@@ -98,8 +81,10 @@ class LiveEngine:
         try:
             from torchft.manager import Manager  # type: ignore[import-untyped]
 
-            from replicator.strategies.live.process_group import LiveProcessGroup
-            from replicator.strategies.live.transport import BoundHTTPTransport
+            from replicator.strategies.live.process_group import (
+                BoundHTTPTransport,
+                LiveProcessGroup,
+            )
         except ImportError as exc:
             raise ClusterConfigError(f"replica groups need torchft ({exc}). HINT: pip install "
                                      "'replicator[live]'") from exc
@@ -118,7 +103,8 @@ class LiveEngine:
         self._phase = "idle"          # idle -> begun -> committed
         self._quorum: Quorum | None = None
         self._share: Share | None = None
-        self._snapshot: _Snapshot | None = None
+        # what a redone step starts from again: the buffers and the torch RNG
+        self._snapshot: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
         self._rounds: RoundOwner | None = None
         self._in_round = 0            # rounds: steps taken since the round's start
         self._round_start: dict[str, Any] | None = None
@@ -166,9 +152,8 @@ class LiveEngine:
 
     # -- setup -----------------------------------------------------------------------------------
     def _store_address(self) -> tuple[str, int]:
-        """A store for torchft's keys, hosted by group rank 0 for this life of the group only
-        (a rendezvous store that outlives a restarted group would hand the new ranks the old
-        manager's address); its port goes to the other ranks by a broadcast in the group."""
+        """A store for torchft's keys on group rank 0 for this life of the group only (one that
+        outlived a restarted group would hand out the old manager's address)."""
         port = torch.zeros(1, dtype=torch.int64)
         if self.settings.rank == 0:
             sock = listen(self.settings.bind, 0)  # this address only, never every interface
@@ -190,27 +175,27 @@ class LiveEngine:
 
             signal.signal(signal.SIGTERM, request_leave)
 
+    def _steps_our_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
+        ours = {id(p) for m in self._modules() for p in m.parameters()}
+        return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
+
     # -- the step ----------------------------------------------------------------------------------
     def use_rounds(self, owner: RoundOwner) -> None:
-        """Synchronise in rounds of ``owner.round_steps`` steps (see the module doc), before
-        the first step."""
+        """Synchronise in rounds of ``owner.round_steps`` steps, set before the first step."""
         if self._quorum is not None:
             raise LiveRecoveryError(f"{self.who}: rounds must be set before the first step")
         self._rounds = owner
 
     @property
     def committed_steps(self) -> int:
-        """Steps committed so far (the next step's global batch); in rounds, the steps of
-        committed rounds plus those of the round in progress."""
-        if self._rounds is None:
-            return int(self.manager.current_step())
-        return int(self.manager.current_step()) * self._rounds.round_steps + self._in_round
+        """Steps committed so far (the next step's global batch; in rounds, with the round's)."""
+        done = int(self.manager.current_step())
+        return done if self._rounds is None else done * self._rounds.round_steps + self._in_round
 
     @property
     def writes_backups(self) -> bool:
-        """True in the group that is the first participant of the last quorum: the one group
-        whose ``BackupAndRestore`` saves (all groups hold the same committed state; in rounds
-        the backup holds the round's start, see :meth:`backup_state`)."""
+        """True in the first participant of the last quorum: the one group whose
+        ``BackupAndRestore`` saves (all groups hold the same committed state)."""
         return self._quorum is not None and self._quorum.participant == 0
 
     def backup_state(self) -> dict[str, Any]:
@@ -252,7 +237,7 @@ class LiveEngine:
                 "round cannot go on here. HINT: resume with the inner_steps (and fragments) of "
                 "the run that wrote it, or start in another backup directory")
         start = int(saved["round_start"]["progress"]["step"])
-        self._apply(saved["round_start"], self._progress_check or (lambda progress: None))
+        self._apply(saved["round_start"], self._progress_check)
         self.manager.load_state_dict({"step": start // h, "batches_committed": start // h})
         self._round_start = None
         if start != step:
@@ -270,10 +255,9 @@ class LiveEngine:
         return self._phase == "begun"
 
     def begin_step(self) -> Quorum:
-        """This step's quorum (see the module doc): a new one from the lighthouse every
-        ``quorum_every`` committed steps and whenever one is due, healing this group when it
-        is behind; otherwise the last one again. Called by the live dataset before it cuts
-        the step's batch, else by ``strategy.run``."""
+        """This step's quorum (see the module doc): a new one from the lighthouse when due,
+        healing this group when behind, else the last one again. Called by the live dataset
+        before it cuts the step's batch, else by ``strategy.run``."""
         self._check_open()
         if self._phase == "begun" and self._quorum is not None:
             return self._quorum
@@ -288,7 +272,8 @@ class LiveEngine:
         start = self._add("quorum", start)
         self._quorum = Quorum(self.committed_steps, participant, participants)
         if self._rounds is None:
-            self._snapshot = _Snapshot(self._modules())
+            self._snapshot = ([(b, b.detach().clone()) for m in self._modules()
+                               for b in m.buffers()], torch.get_rng_state())
         elif self._in_round == 0:  # what a round not committed starts again from
             self._round_start = self._state()
         self._phase = "begun"
@@ -296,22 +281,31 @@ class LiveEngine:
         return self._quorum
 
     def _quorum_is_due(self) -> bool:
-        """Whether this step asks the lighthouse: every group of the last quorum answers the
-        same, from the committed step and what the last all-reduce carried; in rounds, every
-        round start."""
+        """Whether this step asks the lighthouse (every group of the last quorum agrees)."""
         if self._rounds is not None:
             return self._in_round == 0
         return self._quorum_due or self.committed_steps % self.settings.quorum_every == 0
 
     def _join_quorum(self) -> tuple[int, int]:
-        """Join a quorum at the lighthouse (healing when behind); this group's index and the
-        number of participants."""
+        """Join a quorum (healing when behind): this group's index and the participants."""
         try:
             self.manager.start_quorum(timeout=timedelta(seconds=self.settings.quorum_timeout))
         except LiveRecoveryError:
             raise
         except Exception as exc:  # noqa: BLE001 - torchft's errors are plain RuntimeErrors
-            raise self._quorum_error(exc) from exc
+            text = first_line(exc)
+            if any(w in text.lower() for w in ("timeout", "timed out", "deadline", "elapsed")):
+                raise QuorumTimeoutError(
+                    f"{self.who} waited {self.settings.quorum_timeout:.0f} s for a quorum of at "
+                    f"least {self.settings.min_replicas} replica group(s) at step "
+                    f"{self.committed_steps} and none formed ({text}). HINT: fewer groups are "
+                    f"alive than --min-replicas {self.settings.min_replicas}; restart the lost "
+                    f"groups, lower --min-replicas, or wait longer with {QUORUM_TIMEOUT_ENV}"
+                ) from exc
+            raise LighthouseUnreachableError(
+                f"{self.who} lost the lighthouse at {self.settings.lighthouse} while asking for "
+                f"the quorum of step {self.committed_steps}: {text}. HINT: the lighthouse process "
+                "must outlive every replica group; check that it is running") from exc
         self._agree_on_healing()
         participant = self.manager.participating_rank()
         participants = self.manager.num_participants()
@@ -328,8 +322,7 @@ class LiveEngine:
         return now
 
     def _agree_on_healing(self) -> None:
-        """At the first step some ranks of a group may heal while others keep their state; a
-        replicating strategy's ranks must hold one model, so where any healed, rank 0's is taken."""
+        """Where any rank of a replicating group healed at the first step, take rank 0's."""
         if self.replicas.world_size == 1 or not self._replicated():
             return
         flag = torch.tensor([1 if self._healed_now else 0], dtype=torch.int64)
@@ -340,29 +333,13 @@ class LiveEngine:
                 self.replicas.collectives.broadcast_(
                     tensors, src=0, what="parameters of group rank 0 after healing")
 
-    def _quorum_error(self, exc: BaseException) -> LiveRecoveryError:
-        text = first_line(exc)
-        low = text.lower()
-        if "timeout" in low or "timed out" in low or "deadline" in low or "elapsed" in low:
-            return QuorumTimeoutError(
-                f"{self.who} waited {self.settings.quorum_timeout:.0f} s for a quorum of at "
-                f"least {self.settings.min_replicas} replica group(s) at step "
-                f"{self.committed_steps} and none formed ({text}). HINT: fewer groups are "
-                f"alive than --min-replicas {self.settings.min_replicas}; restart the lost "
-                f"groups, lower --min-replicas, or wait longer with {QUORUM_TIMEOUT_ENV}")
-        return LighthouseUnreachableError(
-            f"{self.who} lost the lighthouse at {self.settings.lighthouse} while asking for the "
-            f"quorum of step {self.committed_steps}: {text}. HINT: the lighthouse process must "
-            "outlive every replica group; check that it is running")
-
     def use_share(self, share: Share, source: Any) -> None:
         """The step's batch came from ``source`` (a live dataset) with ``share``."""
         self._share = share
         self.source = source
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The strategy's hook before each optimizer step: the first of a step commits it
-        (or, in rounds, counts an inner step)."""
+        """The first optimizer step of a step commits it (in rounds, counts an inner step)."""
         if self._closed or not self._steps_our_parameters(optimizer):
             return
         if self._phase == "committed":
@@ -374,10 +351,6 @@ class LiveEngine:
         else:  # an inner step: the group's own; the round's end syncs across groups
             self._in_round += 1
             self._phase = "committed"
-
-    def _steps_our_parameters(self, optimizer: torch.optim.Optimizer) -> bool:
-        ours = {id(p) for m in self._modules() for p in m.parameters()}
-        return any(id(p) in ours for g in optimizer.param_groups for p in g["params"])
 
     def commit(self) -> None:
         """Average the gradients across the quorum's groups and ask whether the step may be
@@ -409,11 +382,9 @@ class LiveEngine:
 
     def start_round_sync(self, flat: torch.Tensor) -> Callable[[], torch.Tensor]:
         """In rounds: start averaging ``flat`` over the quorum's groups; the call returned, at
-        the round's last step, waits for it and gives the average, or ``StepNotCommitted``
-        (the round is then trained again; see run_step). Started before the last step, the
-        all-reduce overlaps the steps between (streaming DiLoCo's ``sync_delay``), and a
-        one-value all-reduce at the end makes sure every group reached it: a group lost after
-        the exchange finished fails that one, so the round is trained again without it."""
+        the round's last step, gives the average or ``StepNotCommitted``. Started earlier, it
+        overlaps the steps between (streaming DiLoCo's ``sync_delay``); a one-value all-reduce
+        at the end fails if a group was lost after the exchange."""
         quorum = self._round_quorum()
         flat = flat / quorum.participants
         work = self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM)
@@ -436,7 +407,9 @@ class LiveEngine:
         For payloads an all-reduce cannot sum (quantised values with per-group scales)."""
         quorum = self._round_quorum()
         start = time.perf_counter()
-        parts = self._all_gather(payload, quorum)
+        parts = managed_all_gather(self.manager, self.process_group, payload,
+                                   f"{self.who}: the all-gather across the replica groups for "
+                                   f"the round ending at step {quorum.step}")
         total = combine(parts).div_(quorum.participants) if parts is not None else None
         self._commit_round(quorum, self._add("allreduce", start))
         if total is None:  # the failure went to the Manager, whose should_commit said no
@@ -461,16 +434,8 @@ class LiveEngine:
                                    "not committed")
         self._in_round = 0
 
-    def _all_gather(self, payload: torch.Tensor, quorum: Quorum) -> list[torch.Tensor] | None:
-        """Every group's ``payload`` in the quorum's order, or ``None`` after a failure the
-        Manager was told of (see :func:`managed_all_gather`)."""
-        return managed_all_gather(self.manager, self.process_group, payload,
-                                  f"{self.who}: the all-gather across the replica groups for "
-                                  f"the round ending at step {quorum.step}")
-
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
-        """Run one step through ``call(args)``, redoing it with the next quorum until it is
-        committed (see the module doc)."""
+        """Run one step through ``call(args)``, redone with the next quorum until committed."""
         if self._phase != "begun":
             self.begin_step()
         while True:
@@ -488,8 +453,18 @@ class LiveEngine:
 
     def _redo(self, call: Callable[[tuple], Any], args: tuple) -> tuple | None:
         """After a step not committed: roll back, join the next quorum and return the step's
-        arguments cut for it; in rounds, first train the round's earlier steps again."""
-        self._roll_back()
+        arguments cut for it (in rounds, after training the round's earlier steps again)."""
+        self._quorum_due = True  # the quorum changed: a group failed or left
+        for _, p in live_state.named_parameters(self._modules()):
+            p.grad = None
+        if self._rounds is not None and self._round_start is not None:
+            self._apply(self._round_start)
+        elif self._snapshot is not None:
+            with torch.no_grad():
+                for b, saved in self._snapshot[0]:
+                    b.copy_(saved)
+            torch.set_rng_state(self._snapshot[1])
+        self._phase = "idle"
         quorum = self.begin_step()
         self.redone_steps += 1
         if self.source is None:
@@ -511,42 +486,30 @@ class LiveEngine:
             new_args = self.source.reshare(new_args, quorum)
         return new_args
 
-    def _roll_back(self) -> None:
-        self._quorum_due = True  # the quorum changed: a group failed or left
-        for _, p in live_state.named_parameters(self._modules()):
-            p.grad = None
-        if self._rounds is not None and self._round_start is not None:
-            self._apply(self._round_start, lambda progress: None)
-        elif self._snapshot is not None:
-            self._snapshot.restore()
-        self._phase = "idle"
-
     # -- state for healing -------------------------------------------------------------------------
     def expect_progress(self, check: Callable[[dict[str, Any]], None] | None) -> None:
-        """``check(progress)`` runs on a peer's progress before its state is loaded (the live
-        dataset checks that the script's own epoch loop agrees with the healed epoch)."""
+        """``check(progress)`` runs on a peer's progress before its state is loaded."""
         self._progress_check = check
 
     def _state(self) -> dict[str, Any]:
         progress: dict[str, Any] = {"step": self.committed_steps}
-        source = self.source
-        if source is not None:
-            progress.update(source.progress(self.committed_steps))
+        if self.source is not None:
+            progress.update(self.source.progress(self.committed_steps))
         state = live_state.capture(self._modules(), progress)
         if self._rounds is not None:
             state["round"] = self._rounds.round_state()
         return state
 
-    def _apply(self, state: dict[str, Any], check: Callable[[dict[str, Any]], None]) -> None:
-        live_state.apply(state, self._modules(), self.who, check)
+    def _apply(self, state: dict[str, Any],
+               check: Callable[[dict[str, Any]], None] | None = None) -> None:
+        live_state.apply(state, self._modules(), self.who, check or (lambda progress: None))
         if self._rounds is not None:
             self._rounds.load_round_state(state["round"])
             self._in_round = 0  # a peer's state is taken at its round's start
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        check = self._progress_check or (lambda progress: None)
         start = time.perf_counter()
-        self._apply(state, check)
+        self._apply(state, self._progress_check)
         self.last_heal_seconds = time.perf_counter() - start + (
             self._transport.last_recv_seconds or 0.0)
         self._healed_now = True
@@ -555,10 +518,9 @@ class LiveEngine:
 
     # -- leaving ----------------------------------------------------------------------------------
     def _maybe_leave(self) -> None:
-        """Leave at this step boundary after SIGTERM once the other groups know: the last
-        all-reduce told them, or this step joins a quorum anyway; else this step tells them
-        (a group gone between quorums would fail the others' next step). In rounds, only
-        at a round's start."""
+        """Leave at this step boundary after SIGTERM once the other groups know (the last
+        all-reduce told them, or this step joins a quorum); else this step tells them. In
+        rounds, only at a round's start."""
         if self._rounds is not None and self._in_round:
             return
         flag = torch.tensor([1 if self._leave_requested else 0], dtype=torch.int64)

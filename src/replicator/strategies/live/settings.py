@@ -23,31 +23,24 @@ from replicator.cluster.env_names import (
 from replicator.cluster.timeouts import env_number
 from replicator.errors import ClusterConfigError
 
-#: Seconds a step's cross-group all-reduce may wait for a peer group before the step is
-#: redone without it (the survivors' stall when a group dies).
+# the settings' variables (docs/fault_tolerance.md): seconds a cross-group all-reduce waits for
+# a peer group before the step is redone without it; seconds a group waits for a quorum of
+# --min-replicas groups; committed steps between quorums while membership holds (a failed step,
+# a group leaving and a restore join one at once); how the groups' all-reduce travels
 COLLECTIVE_TIMEOUT_ENV = "REPLICATOR_LIVE_TIMEOUT_SECONDS"
-#: Seconds a group waits for a quorum of ``--min-replicas`` groups before
-#: :class:`~replicator.strategies.live.errors.QuorumTimeoutError`.
 QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
-#: Committed steps between quorums while membership is unchanged (1: a quorum every step).
-#: A failed step, a group leaving and a restore join a quorum at once; a group that starts
-#: later joins at the next one.
 QUORUM_EVERY_ENV = "REPLICATOR_QUORUM_EVERY_STEPS"
-#: How the groups' all-reduce travels: ``auto`` (a shared-memory segment when every group of
-#: the quorum runs on this host, else gloo) or ``gloo``.
 TRANSPORT_ENV = "REPLICATOR_LIVE_TRANSPORT"
 TRANSPORTS = ("auto", "gloo")
 
-#: True while a strategy builds another as its part (a two-level strategy's inner group):
-#: the part is no replica group of its own; the strategy that holds it runs the live engine.
+#: True while a strategy builds another as its part (a two-level strategy's inner group).
 _BUILDING_PART: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "replicator_live_building_part", default=False)
 
 
 @contextlib.contextmanager
 def building_part() -> Iterator[None]:
-    """Inside the block, :meth:`LiveSettings.from_env` answers ``None``: a strategy built
-    here is part of another, whose own live engine spans the replica groups."""
+    """Inside the block :meth:`LiveSettings.from_env` answers ``None`` (a part of another)."""
     token = _BUILDING_PART.set(True)
     try:
         yield
@@ -78,8 +71,7 @@ class LiveSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> LiveSettings | None:
-        """The settings when ``REPLICATOR_REPLICA_GROUPS`` is set, else ``None`` (also while
-        :func:`building_part`)."""
+        """The settings when ``REPLICATOR_REPLICA_GROUPS`` is set (not in :func:`building_part`)."""
         env = os.environ if env is None else env
         if not env.get(REPLICA_GROUPS_ENV) or _BUILDING_PART.get():
             return None
@@ -105,26 +97,19 @@ class LiveSettings:
         if "://" not in lighthouse:
             lighthouse = f"http://{lighthouse}"
         min_replicas = int(env_number(env, MIN_REPLICAS_ENV, 1, "replica groups"))
+        rank, group_size = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+        collective_timeout = env_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0)
+        quorum_timeout = env_number(env, QUORUM_TIMEOUT_ENV, 60.0)
+        quorum_every = env_number(env, QUORUM_EVERY_ENV, 10, "steps")
+        if quorum_every != int(quorum_every):
+            raise ClusterConfigError(f"{QUORUM_EVERY_ENV}={env[QUORUM_EVERY_ENV]!r} must be a "
+                                     "whole number of steps")
+        transport = env.get(TRANSPORT_ENV, "") or "auto"
+        if transport not in TRANSPORTS:
+            raise ClusterConfigError(f"{TRANSPORT_ENV}={transport!r} must be one of "
+                                     f"{', '.join(TRANSPORTS)}")
         return cls(group=group, groups=groups, lighthouse=lighthouse, min_replicas=min_replicas,
-                   rank=int(env.get("RANK", "0")), group_size=int(env.get("WORLD_SIZE", "1")),
-                   collective_timeout=env_number(env, COLLECTIVE_TIMEOUT_ENV, 10.0),
-                   quorum_timeout=env_number(env, QUORUM_TIMEOUT_ENV, 60.0),
+                   rank=rank, group_size=group_size, collective_timeout=collective_timeout,
+                   quorum_timeout=quorum_timeout,
                    bind=env.get(LIVE_BIND_ENV, "127.0.0.1") or "127.0.0.1",
-                   quorum_every=_whole(env, QUORUM_EVERY_ENV, 10, "steps"),
-                   transport=_transport(env))
-
-
-def _transport(env: Mapping[str, str]) -> str:
-    value = env.get(TRANSPORT_ENV, "") or "auto"
-    if value not in TRANSPORTS:
-        raise ClusterConfigError(f"{TRANSPORT_ENV}={value!r} must be one of "
-                                 f"{', '.join(TRANSPORTS)}")
-    return value
-
-
-def _whole(env: Mapping[str, str], name: str, default: int, what: str) -> int:
-    """The positive whole number the variable ``name`` of ``env`` holds (``default`` unset)."""
-    value = env_number(env, name, default, what)
-    if value != int(value):
-        raise ClusterConfigError(f"{name}={env[name]!r} must be a whole number of {what}")
-    return int(value)
+                   quorum_every=int(quorum_every), transport=transport)

@@ -1,10 +1,8 @@
-"""The state a healing replica group receives from a live peer, gathered without user code.
-
-Through torchft's checkpoint transport: every module the strategy set up, the optimizers over
-their parameters and their LR schedulers (found by walking live objects, keyed by the names of
-the parameters they step, so creation order does not matter), the random generators and the
-progress. Tensors and plain values only (``weights_only=True``); DTensor parameters travel as
-local shards, each rank healing from the same rank of the peer group.
+"""The state a healing replica group receives from a live peer, gathered without user code:
+every module the strategy set up, the optimizers over their parameters and their LR schedulers
+(found among live objects, keyed by the names of the parameters they step, so creation order
+does not matter), the random generators and the progress. Tensors and plain values only
+(``weights_only=True``); DTensors travel as local shards, each rank healing from its peer rank.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ from typing import Any
 
 import torch
 
-from replicator.strategies.live.errors import ReplicaGroupMismatchError
-from replicator.strategies.live.grad_buckets import like_param
+from replicator.strategies.live import ReplicaGroupMismatchError
+from replicator.strategies.live.exchange import like_param
 from replicator.strategies.nest import clone_tree
 from replicator.strategies.scope_capture import describe_state, named_state
 
@@ -31,14 +29,11 @@ def _is_dtensor(t: Any) -> bool:
 
 def named_parameters(modules: Sequence[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
     """Every parameter of ``modules``, named ``<module index>.<name>``, each once."""
-    seen: set[int] = set()
-    out = []
+    found: dict[int, tuple[str, torch.nn.Parameter]] = {}
     for i, module in enumerate(modules):
         for name, p in module.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((f"{i}.{name}", p))
-    return out
+            found.setdefault(id(p), (f"{i}.{name}", p))
+    return list(found.values())
 
 
 def fingerprint(modules: Sequence[torch.nn.Module]) -> str:
@@ -57,19 +52,14 @@ def _optimizer_key(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> s
     return f"{type(optimizer).__name__}[{hashlib.sha256(text.encode()).hexdigest()[:12]}]"
 
 
-def _is_a(obj: Any, cls: type | tuple[type, ...]) -> bool:
-    """``isinstance`` by the object's type alone: ``isinstance`` also reads ``obj.__class__``
-    of an object that is not of the type, and a scan of every live object must not touch
-    their attributes (``torch.distributed.reduce_op`` warns that it is deprecated on any)."""
-    return issubclass(type(obj), cls)
-
-
 def find_optimizers(modules: Sequence[torch.nn.Module]) -> dict[str, torch.optim.Optimizer]:
     """The optimizers alive in this process that step only parameters of ``modules``."""
     names = {id(p): n for n, p in named_parameters(modules)}
     found: dict[str, torch.optim.Optimizer] = {}
     for obj in gc.get_objects():
-        if _is_a(obj, torch.optim.Optimizer):
+        # by the type alone: isinstance also reads obj.__class__, and a scan of every live
+        # object must not touch attributes (torch.distributed.reduce_op warns on any)
+        if issubclass(type(obj), torch.optim.Optimizer):
             key = _optimizer_key(obj, names)
             if key is not None:
                 _add_unique(found, key, obj)
@@ -82,7 +72,7 @@ def find_schedulers(optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, A
     found: dict[str, Any] = {}
     base = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     for obj in gc.get_objects():
-        if _is_a(obj, base) and id(getattr(obj, "optimizer", None)) in owner:
+        if issubclass(type(obj), base) and id(getattr(obj, "optimizer", None)) in owner:
             _add_unique(found, f"{owner[id(obj.optimizer)]}/{type(obj).__name__}", obj)
     return dict(sorted(found.items()))
 
@@ -158,23 +148,6 @@ def _load_module(module: torch.nn.Module, state: dict[str, Any]) -> None:
             raise KeyError(", ".join([*absent, *missing.unexpected_keys]))
 
 
-def _to_dtensors(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict whose marked local shards become DTensors laid out like the
-    parameter they belong to."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    per_param = state.get("state", {})
-    fixed = {}
-    for index, entry in per_param.items():
-        param = params[int(index)]
-        new = {}
-        for name, value in entry.items():
-            if isinstance(value, dict) and _DTENSOR in value:
-                value = like_param(param, value[_DTENSOR])
-            new[name] = value
-        fixed[index] = new
-    return {**state, "state": fixed}
-
-
 def apply(state: dict[str, Any], modules: Sequence[torch.nn.Module], who: str,
           check_progress: Callable[[dict[str, Any]], None]) -> None:
     """Load a peer's :func:`capture` into this process; a clear error when the groups differ."""
@@ -202,8 +175,14 @@ def apply(state: dict[str, Any], modules: Sequence[torch.nn.Module], who: str,
             raise ReplicaGroupMismatchError(
                 f"{who}: module {i} ({type(module).__name__}) does not match its peer "
                 f"group's state: {exc}") from None
-    for key, optimizer in optimizers.items():
-        optimizer.load_state_dict(_to_dtensors(optimizer, state["optimizers"][key]))
+    for key, optimizer in optimizers.items():  # marked local shards become DTensors again
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        sent = state["optimizers"][key]
+        optimizer.load_state_dict({**sent, "state": {
+            index: {name: like_param(params[int(index)], value[_DTENSOR])
+                    if isinstance(value, dict) and _DTENSOR in value else value
+                    for name, value in entry.items()}
+            for index, entry in sent.get("state", {}).items()}})
     for key, scheduler in schedulers.items():
         scheduler.load_state_dict(state["schedulers"][key])
     _set_rng_state(state["rng"])
