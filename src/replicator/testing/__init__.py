@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from replicator.launch.function_launch import launch
+from replicator.launch.script_launch import launch
 from replicator.testing.fault_injection import (
     Fault,
     corrupt_latest_checkpoint,
