@@ -53,10 +53,8 @@ class Prediction:
     why_not: str = ""
     notes: list[str] = field(default_factory=list)
     threads: int = 0  # threads per process the prediction assumes (0: the launcher's default)
-    #: bytes a host sends on the link between hosts per step, where the model counts them
-    link_bytes: float | None = None
-    #: the constructor call of the setting where it takes settings (DiLoCo's H)
-    spelling: str = ""
+    link_bytes: float | None = None  # bytes a host sends on the link per step, where counted
+    spelling: str = ""  # the setting's constructor call where it takes settings (DiLoCo's H)
 
     @property
     def setting(self) -> str:
@@ -299,18 +297,6 @@ def fsdp_units(model: ModelProfile) -> int:
     return max(1, model.fsdp_units or model.weight_tensors)
 
 
-def _fsdp_one_cpu_host(s: _Step, units: int, state_ratio: float) -> float:
-    """FSDP2 on gloo on one host: the measured cost per block and per byte (or gloo's bytes)."""
-    machine, n, m = s.c.machine, s.n, s.m
-    fitted = machine.fsdp_block_seconds(n, state_ratio)
-    if fitted is not None:
-        return units * fitted[0] + fitted[1] * m.param_bytes
-    alpha = machine.collective_alpha("native", n)
-    bytes_part = machine.allreduce_seconds("native", m.param_bytes, n) - alpha
-    per_unit = machine.per_world(machine.fsdp_unit, n) if machine.fsdp_unit else 3 * alpha
-    return units * per_unit + bytes_part * fsdp_traffic_bytes(1.0, n, gloo=True) \
-        / allreduce_traffic_bytes(1.0, n)
-
 
 def _fsdp_costs(s: _Step) -> _Costs:
     """Blocks gathered for forward and backward, gradients reduce-scattered, state sharded."""
@@ -318,8 +304,17 @@ def _fsdp_costs(s: _Step) -> _Costs:
     h = c.hosts(n)
     units = fsdp_units(m)
     state_ratio = m.optimizer_state_bytes / m.param_bytes if m.param_bytes else 0.0
-    if s.cpu and h == 1:
-        comm = _fsdp_one_cpu_host(s, units, state_ratio)
+    if s.cpu and h == 1:  # FSDP2 on gloo on one host: the measured cost per block and per byte
+        fitted = c.machine.fsdp_block_seconds(n, state_ratio)
+        if fitted is not None:
+            comm = units * fitted[0] + fitted[1] * m.param_bytes
+        else:  # or gloo's bytes
+            alpha = c.machine.collective_alpha("native", n)
+            bytes_part = c.machine.allreduce_seconds("native", m.param_bytes, n) - alpha
+            per_unit = c.machine.per_world(c.machine.fsdp_unit, n) if c.machine.fsdp_unit \
+                else 3 * alpha
+            comm = units * per_unit + bytes_part * fsdp_traffic_bytes(1.0, n, gloo=True) \
+                / allreduce_traffic_bytes(1.0, n)
     else:
         bandwidth = c.link.bandwidth if h > 1 else c.device.intra_bandwidth
         alpha = c.link.alpha if h > 1 else c.device.intra_alpha
@@ -332,18 +327,6 @@ def _fsdp_costs(s: _Step) -> _Costs:
     comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
     return _Costs(s.compute(m.global_batch / n), comm, opt_share=1.0 / n)
 
-
-def _pipeline_slot(s: _Step, stages: int, per_mb: float) -> float:
-    """One slot of the busiest stage: its FLOP share, its layers' fixed cost, the schedule's."""
-    c, m = s.c, s.m
-    fixed = s.compute(0.0)
-    slot_fixed = fixed / stages
-    if s.cpu and m.layer_calls:
-        per_layer = m.layer_calls * c.machine.layer_call \
-            + 3 * m.param_bytes / c.machine.memory_bandwidth
-        slot_fixed = min(fixed, per_layer * c.machine.slowdown_for(s.busy)) / stages
-    slot = slot_fixed + (s.compute(per_mb) - fixed) * m.stage_share(stages)
-    return slot + (c.machine.pipeline_slot if s.cpu else 0.0)  # the schedule's own cost
 
 
 def _pipeline_costs(s: _Step) -> _Costs:
@@ -362,12 +345,20 @@ def _pipeline_costs(s: _Step) -> _Costs:
     else:
         send = boundary / (c.device.intra_bandwidth or c.link.bandwidth) + c.link.alpha
     slots = microbatches + stages - 1
+    # one slot of the busiest stage: its FLOP share, its layers' fixed cost, the schedule's own
+    fixed = s.compute(0.0)
+    slot_fixed = fixed / stages
+    if s.cpu and m.layer_calls:
+        per_layer = m.layer_calls * c.machine.layer_call \
+            + 3 * m.param_bytes / c.machine.memory_bandwidth
+        slot_fixed = min(fixed, per_layer * c.machine.slowdown_for(s.busy)) / stages
+    slot = slot_fixed + (s.compute(per_mb) - fixed) * m.stage_share(stages) \
+        + (c.machine.pipeline_slot if s.cpu else 0.0)
     # a microbatch after the first adds its stage's gradients into .grad: two copies of the
     # stage's parameters (the largest tensor whole), a cost per byte, not per FLOP
     stage_bytes = max(m.param_bytes / stages, m.largest_tensor_bytes)
     bandwidth = c.machine.memory_bandwidth if s.cpu else c.device.memory_bandwidth
-    compute = slots * _pipeline_slot(s, stages, per_mb) \
-        + (microbatches - 1) * (2 * stage_bytes / bandwidth)
+    compute = slots * slot + (microbatches - 1) * (2 * stage_bytes / bandwidth)
     if not m.pipeline_forward_backward:  # model(x) runs the stages' forward once more
         compute += s.compute(m.global_batch / data) * (m.forward_fraction or 1.0 / 3) \
             * m.stage_share(stages)

@@ -202,11 +202,7 @@ def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
 def _forward_backward_seconds(model: torch.nn.Module, x: torch.Tensor, rounds: int = 5
                               ) -> float:
     """Forward and backward of ``model`` on ``x``, before any strategy owns a module."""
-
-    def step() -> None:
-        model(x).sum().backward()
-
-    return median_time(step, rounds, 10, warm=1)
+    return median_time(lambda: model(x).sum().backward(), rounds, 10, warm=1)
 
 
 def _local_backward_seconds() -> float:
@@ -290,11 +286,7 @@ def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: fl
         model = torch.nn.Linear(8, 8)
         reference, reference_opt = _reference_model()
     loop_step = sgd_step(reference, reference_opt, *_reference_batch())
-
-    def synced() -> None:
-        model(x).sum().backward()
-
-    t_sync = median_time(synced, 7, 10, warm=5)
+    t_sync = median_time(lambda: model(x).sum().backward(), 7, 10, warm=5)
     value = torch.tensor(1.0)
     t_reduce = median_time(lambda: strategy.reduce("mean", value), 7, 10, warm=1)
     sync = max(0.0, t_sync - t_local)
@@ -360,9 +352,8 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     reduce = float(out["small_collective"])
     out["fsdp_unit"] = strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
     # with Adam: the sharded step on DTensors, a cost per block; 11 x 10 steps (5 x 4 varied)
-    out["fsdp_unit_adam"] = strategy_step_overhead("fsdp", t_chain_adam, optimizer="adam",
-                                                    rounds=11, per_round=10,
-                                                    reduce_seconds=reduce) / 4
+    out["fsdp_unit_adam"] = strategy_step_overhead(
+        "fsdp", t_chain_adam, optimizer="adam", rounds=11, per_round=10, reduce_seconds=reduce) / 4
     for kind in ("sgd", "adam"):  # the same blocks 64x wider: the cost per byte of a block
         out[f"fsdp_wide_{kind}"] = strategy_step_overhead(
             "fsdp", t_wide[kind], width=WIDE, optimizer=kind, reduce_seconds=reduce) / 4

@@ -278,9 +278,8 @@ def _why(chosen: Prediction, predictions: list[Prediction]) -> str:
                     f"predicted at {ratio:.2f}x its throughput, because communication and "
                     f"synchronisation ({cost * 1e3:.3g} ms a step) cost more than the "
                     f"{max(saved, 0) * 1e3:.3g} ms of compute it saves")
-        return (f"stay on one process: the best distributed setting, {best.setting}, gains "
-                f"only {ratio:.2f}x, less than the {WORTH_IT:.2f}x that more processes must "
-                "bring")
+        return (f"stay on one process: the best distributed setting, {best.setting}, gains only "
+                f"{ratio:.2f}x, less than the {WORTH_IT:.2f}x that more processes must bring")
     speedup = (chosen.samples_per_second / single.samples_per_second
                if single is not None and single.fits else None)
     gain = f"{speedup:.1f}x one process's throughput" if speedup else "the fastest that fits"
@@ -457,8 +456,7 @@ def _plot(plan: Plan, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     plots.plan_plot(points, path, misfits=misfits,
                     recommended=(float(rec.workers), rec.samples_per_second) if rec else None,
-                    title=f"{plan.model.name} on {plan.cluster.device.name}: predicted "
-                    "throughput")
+                    title=f"{plan.model.name} on {plan.cluster.device.name}: predicted throughput")
 
 
 # -- one line of the plan, from inside a training script (the demo ends on it) --------------

@@ -34,8 +34,7 @@ STEPS_ENV = "REPLICATOR_BENCH_STEPS"
 WARMUP_ENV = "REPLICATOR_BENCH_WARMUP"
 MODE_ENV = "REPLICATOR_BENCH_MODE"
 
-#: Profile phases after warmup: (name, steps, threads (0: default), batch fraction); the
-#: one-thread phases run interleaved.
+#: Profile phases after warmup: (name, steps, threads (0: default), batch fraction).
 PROFILE_PHASES = (("all_threads", 4, 0, 1.0), ("one_thread", 5, 1, 1.0),
                   ("one_thread_half", 5, 1, 0.5), ("one_thread_quarter", 5, 1, 0.25))
 #: A short step's phases run up to this many times the steps above, so that the shortest
@@ -311,9 +310,8 @@ class Probe(StepObserver):
 
     def _close(self, now: float, comm_now: timing.CommTime) -> None:
         """Finish the open step's record at the start of the next ``run``."""
-        r = self._open
+        r, self._open = self._open, None
         assert r is not None
-        self._open = None
         step = now - r["start"]
         if self.calls <= self.warmup:
             self._warm_steps.append(step)
@@ -361,8 +359,7 @@ class Probe(StepObserver):
 
     def _finish_counting(self) -> None:
         assert self._counting is not None
-        stack, saved, counter, roots, leaf_calls = self._counting
-        self._counting = None
+        (stack, saved, counter, roots, leaf_calls), self._counting = self._counting, None
         stack.close()
         batch = self.batch_sizes[-1] if self.batch_sizes else 1
         self.extra.update(layer_calls=leaf_calls[0],

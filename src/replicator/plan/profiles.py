@@ -80,8 +80,7 @@ class ModelProfile:
     flops_per_sample: float = 0.0
     largest_tensor_bytes: float = 0.0
     weight_tensors: int = 1
-    #: the blocks FSDP shards one by one (0: not measured, ``weight_tensors`` stands in)
-    fsdp_units: int = 0
+    fsdp_units: int = 0  # the blocks FSDP shards one by one (0: unmeasured, weight_tensors)
     boundary_bytes_per_sample: float = 0.0
     step_seconds: float = 0.0
     compute_seconds: float = 0.0
@@ -105,10 +104,8 @@ class ModelProfile:
     #: per number of pipeline stages ("2".."8"): the largest share of the FLOPs one stage
     #: holds as the pipeline cuts the model by default (absent: an even split)
     pipeline_stage_shares: dict[str, float] = field(default_factory=dict)
-    #: the forward pass's share of forward + backward (0: not measured, a third assumed)
-    forward_fraction: float = 0.0
-    #: leaf modules called in one forward (0: not measured)
-    layer_calls: int = 0
+    forward_fraction: float = 0.0  # forward's share of forward + backward (0: a third assumed)
+    layer_calls: int = 0  # leaf modules called in one forward (0: not measured)
 
     def __post_init__(self) -> None:
         if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params < 1:
@@ -205,8 +202,7 @@ class MachineProfile:
     fsdp_wide_adam: dict[int, float] = field(default_factory=dict)
     fsdp_wide_bytes: float = FSDP_WIDE_BYTES
     pipeline_slot: float = 3e-4
-    #: one small layer's forward and backward call (a pipeline stage's per layer and slot)
-    layer_call: float = 1.5e-5
+    layer_call: float = 1.5e-5  # one small layer's forward + backward (a stage's, per slot)
     flops_per_second: float = 3e10
     memory_bandwidth: float = 5e9
     input_fixed: float = 1e-4
@@ -216,8 +212,7 @@ class MachineProfile:
     measured_at: str = ""
     load_average: float = 0.0
     source: str = "nominal"
-    #: the calibration that measured it (MACHINE_VERSION then); 1: before versions were kept
-    version: int = 1
+    version: int = 1  # the calibration that measured it (MACHINE_VERSION; 1: unversioned)
 
     def slowdown_for(self, processes: int) -> float:
         """Each of ``processes`` busy one-thread processes' slowdown here."""

@@ -369,9 +369,8 @@ def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
         md += ["", "![throughput](throughput.png)", "", "![breakdown](breakdown.png)"]
     (root / "report.md").write_text("\n".join(md) + "\n")
     save_json(root / "results.json", {
-        "target": bench.target, "load_average": list(bench.load_average),
-        "ceiling": bench.ceiling, "skipped": bench.skipped,
-        "results": [r.to_json() for r in bench.results]})
+        "target": bench.target, "load_average": list(bench.load_average), "ceiling": bench.ceiling,
+        "skipped": bench.skipped, "results": [r.to_json() for r in bench.results]})
     bench.files = files = [*files, str(root / "report.md"), str(root / "results.json")]
     if echo:
         print(format_table(HEADERS, rows))
