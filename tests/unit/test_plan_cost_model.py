@@ -13,8 +13,8 @@ from replicator.plan.formulas import (
     ps_step_seconds,
     ring_allreduce_seconds,
 )
+from replicator.plan.planner import make_plan
 from replicator.plan.profiles import AlphaBeta, MachineProfile, ModelProfile
-from replicator.plan.recommend import make_plan
 
 
 def test_ring_allreduce_hand_computed():

@@ -1,8 +1,5 @@
-"""``bench_entry.py SCRIPT ARGS...``: run a user's script under the probe, in one worker.
-
-``replicator bench`` launches this file in place of the script through the ordinary launcher;
-its settings come from the environment (``REPLICATOR_BENCH_*``, set by the bench).
-"""
+"""``bench_entry.py SCRIPT ARGS...``: run a user's script under the probe, in one worker, in
+place of the script; its settings come from the environment (``REPLICATOR_BENCH_*``)."""
 
 from __future__ import annotations
 
@@ -13,21 +10,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _redirect_output(directory: str, rank: int) -> None:
-    """Send this process's stdout and stderr (file descriptors too) to ``rank<R>.log``."""
-    sys.stdout.flush()
+def run_probed(body: Callable[[], Any]) -> None:
+    """Run ``body`` under the probe the bench's environment sets up; write this rank's records."""
+    out = os.environ["REPLICATOR_BENCH_OUT"]
+    sys.stdout.flush()  # stdout and stderr (file descriptors too) go to rank<R>.log
     sys.stderr.flush()
-    fd = os.open(os.path.join(directory, f"rank{rank}.log"),
+    fd = os.open(os.path.join(out, f"rank{int(os.environ.get('RANK', '0'))}.log"),
                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-
-
-def run_probed(body: Callable[[], Any]) -> None:
-    """Run ``body`` under the probe the bench's environment sets up; write this rank's records."""
-    out = os.environ["REPLICATOR_BENCH_OUT"]
-    _redirect_output(out, int(os.environ.get("RANK", "0")))
 
     from replicator.data.dataflow.dataset import running_stats
     from replicator.plan.probe import Probe

@@ -1,9 +1,8 @@
 """``replicator bench``: run the user's training under each setting and measure every step.
 
-The script runs unchanged (the contract: docs/planning.md), building its strategy from
-``REPLICATOR_STRATEGY`` and training through ``strategy.run``, which the bench stops after
-``warmup + steps`` calls; a function gets the strategy built. The settings run in interleaved
-rounds, each figure its median round, so that a busy minute lands on every setting.
+The script runs unchanged (the contract: docs/planning.md) and trains through ``strategy.run``,
+which the bench stops after ``warmup + steps`` calls. The settings run in interleaved rounds,
+each figure its median round, so that a busy minute lands on every setting.
 """
 
 from __future__ import annotations
@@ -67,19 +66,14 @@ def limiting_stage(pipelines: Sequence[dict[str, Any]]) -> str | None:
 
 
 def input_share(r: SettingResult) -> float:
-    """The share of a step that waits for input: the median step's, averaged over the ranks.
-
-    An input-bound script waits at nearly every step; the median keeps one step whose input
-    thread a busy neighbour preempted from reading as input-bound (the mean did, beside hogs).
-    """
+    """The share of a step that waits for input: the median step's, averaged over the ranks
+    (an input-bound script waits at nearly every step, not at one a neighbour preempted)."""
     if not r.ok or not r.step_seconds:
         return 0.0
     shares = [statistics.median(k["input"] / k["step"] if k["step"] > 0 else 0.0
                                 for k in rank["records"])
               for rank in r.ranks if rank.get("records")]
-    if not shares:
-        return r.breakdown.get("input", 0.0) / r.step_seconds
-    return statistics.mean(shares)
+    return statistics.mean(shares) if shares else r.breakdown.get("input", 0.0) / r.step_seconds
 
 
 def input_notes(bench: BenchReport) -> list[str]:
@@ -97,46 +91,13 @@ def input_notes(bench: BenchReport) -> list[str]:
     return notes
 
 
-def _report_input(bench: BenchReport, echo: bool) -> None:
-    """Add :func:`input_notes` to ``report.md`` and the terminal."""
-    notes = input_notes(bench) or ["no setting is input-bound (each waits less than a third "
-                                   "of its step for input)"]
-    report = Path(bench.out_dir) / "report.md"
-    if report.exists():
-        with report.open("a") as f:
-            f.write("\n## Input\n\n" + "".join(f"- {n}\n" for n in notes))
-    if echo:
-        print("\n".join(f"input: {n}" for n in notes), flush=True)
-
-
 # -- running one setting -------------------------------------------------------------------
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _read_ranks(out: Path) -> list[dict[str, Any]]:
     ranks = []
     for path in sorted(out.glob("rank*.json")):
         with contextlib.suppress(OSError, json.JSONDecodeError):
             ranks.append(json.loads(path.read_text()))
     return ranks
-
-
-def _failure_text(exc: BaseException, out: Path) -> str:
-    first = str(exc).strip().splitlines()
-    head = first[0] if first else type(exc).__name__
-    tail = [line for line in first if line.strip()][-1:] if len(first) > 1 else []
-    return f"{head}{' ... ' + tail[0] if tail else ''} (logs: {out})"
 
 
 def run_setting(setting: Setting, out: Path, launch: Callable[[], object], steps: int,
@@ -152,17 +113,25 @@ def run_setting(setting: Setting, out: Path, launch: Callable[[], object], steps
            probe_mod.MODE_ENV: mode, "REPLICATOR_COMM_TIMING": "1"}
     if setting.threads:
         env["OMP_NUM_THREADS"] = str(setting.threads)
-    error = ""
-    with _environment(env):
-        try:
-            launch()
-        except (ReplicatorError, OSError, ValueError) as exc:
-            error = _failure_text(exc, out)
+    error, saved = "", {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        launch()
+    except (ReplicatorError, OSError, ValueError) as exc:  # its first and last lines
+        lines = str(exc).strip().splitlines()
+        tail = [line for line in lines if line.strip()][-1:] if len(lines) > 1 else []
+        error = (f"{lines[0] if lines else type(exc).__name__}"
+                 f"{' ... ' + tail[0] if tail else ''} (logs: {out})")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     result = summarize(setting, _read_ranks(out))
     if error:
         result.ok, result.error = False, error
-    result.steps_asked = steps
-    result.log_dir = str(out)
+    result.steps_asked, result.log_dir = steps, str(out)
     return result
 
 
@@ -195,18 +164,6 @@ def launcher(target: Target, script_args: Sequence[str], setting: Setting
 
 
 # -- progress --------------------------------------------------------------------------------
-def _bar() -> Any:
-    """A rich progress display on a terminal (``None`` elsewhere), started."""
-    if not sys.stdout.isatty():
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-    bar = Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[note]}"))
-    bar.start()
-    return bar
-
-
 @contextlib.contextmanager
 def _tracked(bar: Any, label: str, out: Path, total: int) -> Iterator[None]:
     """A setting's bar fed from the chief's progress file, or a line when it is done."""
@@ -247,7 +204,13 @@ def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: 
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()[0]
-    bar = _bar() if not quiet else None
+    bar = None
+    if not quiet and sys.stdout.isatty():  # a rich progress display on a terminal
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        bar = Progress(TextColumn("{task.description:<24}"), BarColumn(),
+                       MofNCompleteColumn(), TextColumn("{task.fields[note]}"))
+        bar.start()
     runs: dict[Setting, list[SettingResult]] = {s: [] for s in settings}
     try:
         for k in range(rounds):
@@ -265,9 +228,15 @@ def _run_all(target: str, settings: list[Setting], skipped: list[str], out_dir: 
             bar.stop()
     bench = BenchReport(target, [combine_rounds(runs[s]) for s in settings], skipped,
                         str(root), (load_start, os.getloadavg()[0]))
-    if report:
-        write_bench_report(bench, echo=not quiet)  # quiet: --json prints only the plan
-        _report_input(bench, echo=not quiet)
+    if report:  # quiet: --json prints only the plan
+        write_bench_report(bench, echo=not quiet)
+        notes = input_notes(bench) or ["no setting is input-bound (each waits less than a "
+                                       "third of its step for input)"]
+        if (root / "report.md").exists():
+            with (root / "report.md").open("a") as f:
+                f.write("\n## Input\n\n" + "".join(f"- {n}\n" for n in notes))
+        if not quiet:
+            print("\n".join(f"input: {n}" for n in notes), flush=True)
     return bench
 
 

@@ -1,7 +1,5 @@
-"""The ``replicator bench`` and ``replicator plan`` subcommands (parsing and running).
-
-Options may come before or after the script; the script's own arguments follow ``--``:
-``replicator bench train.py --nproc 1,2 -- --epochs 3``.
+"""The ``replicator bench`` and ``replicator plan`` subcommands. Options may come before or
+after the script; its own arguments follow ``--``: ``replicator bench train.py -- --epochs 3``.
 """
 
 from __future__ import annotations
@@ -55,7 +53,6 @@ def add_subcommands(sub: Any) -> None:
 
 def _add_plan(sub: Any, strategies: tuple[str, ...], devices: Any) -> None:
     """The ``plan`` subcommand's options."""
-
     plan = sub.add_parser(
         "plan", help="predict each strategy's step time and memory; recommend one",
         description="An alpha-beta cost model of each strategy, fed by the script's step "
@@ -128,7 +125,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         script_args = _split_rest(args)
         if args.command == "bench":
-            return _bench(args, script_args)
+            from replicator.plan.benchmark import bench_script
+
+            report = bench_script(args.script, script_args, nproc=args.nproc,
+                                  strategies=args.strategies, steps=args.steps,
+                                  warmup=args.warmup, out_dir=args.out, rounds=args.rounds)
+            return 0 if all(r.ok for r in report.results) else 1
         return _plan(args, script_args)
     except (ValueError, TypeError) as exc:
         print(f"replicator {args.command}: error: {exc}", file=sys.stderr)
@@ -137,26 +139,11 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-def _bench(args: argparse.Namespace, script_args: list[str]) -> int:
-    from replicator.plan.benchmark import bench_script
-
-    report = bench_script(args.script, script_args, nproc=args.nproc,
-                          strategies=args.strategies, steps=args.steps, warmup=args.warmup,
-                          out_dir=args.out, rounds=args.rounds)
-    return 0 if all(r.ok for r in report.results) else 1
-
 
 def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
+    from replicator.plan import planner
     from replicator.plan.devices import get_device, parse_link
-    from replicator.plan.planner import (
-        load_machine,
-        plan_model,
-        print_plan,
-        profile_script,
-        save_profile,
-    )
     from replicator.plan.profiles import MachineProfile, ModelProfile, save_json
-    from replicator.plan.recommend import Plan
     from replicator.plan.settings import positive_ints
 
     workers = positive_ints(args.workers, "--workers")
@@ -174,21 +161,21 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
     if args.repeat < 1:
         raise ValueError(f"--repeat must be 1 or more, got {args.repeat}")
     log = (lambda text: print(text, file=sys.stderr)) if args.json else print
-    if args.model_params is not None:
-        model = ModelProfile.from_parameter_count(args.model_params,
-                                                  global_batch=args.global_batch,
-                                                  seq_len=args.seq_len,
-                                                  optimizer=args.optimizer.lower())
-    else:
-        model = profile_script(args.script, script_args, out_dir=args.out,
-                               refresh=args.reprofile, log=log)
-    machine = load_machine(args.out, remeasure=args.remeasure, log=log) if device.is_cpu \
-        else MachineProfile.nominal()
 
-    def make_plan(profile: ModelProfile, figures: MachineProfile) -> Plan:
-        return plan_model(profile, workers, device=args.device, link=args.link,
-                          latency=args.latency, machine=figures, strategies=strategies,
-                          num_ps=args.num_ps, ranks_per_host=args.per_host)
+    def profiled(refresh: bool) -> ModelProfile:
+        return planner.profile_script(args.script, script_args, out_dir=args.out,
+                                      refresh=refresh, log=log)
+
+    def make_plan(profile: ModelProfile, figures: MachineProfile) -> planner.Plan:
+        return planner.plan_model(profile, workers, device=args.device, link=args.link,
+                                  latency=args.latency, machine=figures, strategies=strategies,
+                                  num_ps=args.num_ps, ranks_per_host=args.per_host)
+
+    model = profiled(args.reprofile) if args.model_params is None else \
+        ModelProfile.from_parameter_count(args.model_params, global_batch=args.global_batch,
+                                          seq_len=args.seq_len, optimizer=args.optimizer.lower())
+    machine = planner.load_machine(args.out, remeasure=args.remeasure, log=log) \
+        if device.is_cpu else MachineProfile.nominal()
 
     text = None
     if args.validate:
@@ -196,18 +183,17 @@ def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
 
         remeasuring = args.remeasure and device.is_cpu  # each pass measures this machine
         plan, report = validate_interleaved(
-            model, machine, make_plan,
-            lambda: profile_script(args.script, script_args, out_dir=args.out, refresh=True,
-                                   log=log),
-            (lambda: load_machine(args.out, remeasure=True, log=log)) if remeasuring else None,
+            model, machine, make_plan, lambda: profiled(True),
+            (lambda: planner.load_machine(args.out, remeasure=True, log=log))
+            if remeasuring else None,
             args.repeat, args.script, tuple(script_args), out_dir=args.out, steps=args.steps,
             quiet=args.json, log=log)
         text = summary(plan, report)
         if args.repeat > 1:  # later plans start from the medians, not the last pass
-            save_profile(args.script, script_args, args.out, plan.model)
+            planner.save_profile(args.script, script_args, args.out, plan.model)
             if remeasuring:
                 save_json(Path(args.out) / "machine.json", plan.cluster.machine.to_json())
     else:
         plan = make_plan(model, machine)
-    print_plan(plan, as_json=args.json, plot_path=Path(args.out) / "plan.png", summary=text)
+    planner.print_plan(plan, as_json=args.json, plot_path=Path(args.out) / "plan.png", summary=text)
     return 0

@@ -1,10 +1,7 @@
-"""The alpha-beta cost model: one training step's time and memory per rank, per strategy.
+"""The alpha-beta cost model: one step's time and memory per rank, per strategy.
 
-Each strategy is one small cost function in :data:`COSTS` (its compute, communication and what
-its ranks share); :func:`predict` adds what every setting pays. Compute on ``cpu`` comes from
-the measured profile (one thread per rank, slowed by contention, waiting for the slowest rank);
-on accelerators it is the counted FLOPs over ``peak * mfu``. The formulas and what each term
-stands for: docs/planning.md, "The cost model".
+Each strategy is one small cost function in :data:`COSTS`; :func:`predict` adds what every
+setting pays. The formulas and their terms: docs/planning.md, "The cost model".
 """
 
 from __future__ import annotations
@@ -25,8 +22,7 @@ from replicator.plan.formulas import (
 )
 from replicator.plan.profiles import MachineProfile, ModelProfile
 
-__all__ = ["STRATEGIES", "Cluster", "Prediction", "predict", "slowdown",
-           "straggler_wait_seconds"]
+__all__ = ["STRATEGIES", "Cluster", "Prediction", "predict", "slowdown", "straggler_wait_seconds"]
 
 #: The strategies the planner predicts (the names ``rp.get_strategy`` knows).
 STRATEGIES = ("one_device", "mirrored", "central_storage", "parameter_server", "fsdp",
@@ -57,10 +53,8 @@ class Prediction:
     why_not: str = ""
     notes: list[str] = field(default_factory=list)
     threads: int = 0  # threads per process the prediction assumes (0: the launcher's default)
-    #: bytes a host sends on the link between hosts per step, where the model counts them
-    link_bytes: float | None = None
-    #: the constructor call of the setting where it takes settings (DiLoCo's H)
-    spelling: str = ""
+    link_bytes: float | None = None  # bytes a host sends on the link per step, where counted
+    spelling: str = ""  # the setting's constructor call where it takes settings (DiLoCo's H)
 
     @property
     def setting(self) -> str:
@@ -93,10 +87,6 @@ class Cluster:
 
     def on_host(self, processes: int) -> int:
         return min(processes, self.per_host())
-
-
-def _bytes(x: float) -> str:
-    return _gb(x) if x >= 1e6 else f"{x / 1e3:.3g} kB"
 
 
 def _gb(x: float) -> str:
@@ -134,17 +124,8 @@ def _optimizer(model: ModelProfile, c: Cluster, share: float, busy_on_host: int)
         return 2 * model.state_bytes * share / c.device.memory_bandwidth
     if not model.measured:
         return 2 * model.state_bytes * share / c.machine.memory_bandwidth
-    if busy_on_host <= 1:
-        return model.optimizer_seconds * share
-    return model.optimizer_seconds_1thread * share * slowdown(model, c.machine, busy_on_host)
-
-
-def _input(whole: float, fixed: float, share: float, occasional: float = 0.0) -> float:
-    """A replica's input: occasional gaps and the fixed cost, plus its share of the rest."""
-    occasional = min(max(occasional, 0.0), whole)
-    steady = whole - occasional
-    fixed = min(fixed, steady)
-    return occasional + fixed + (steady - fixed) * share
+    return (model.optimizer_seconds * share if busy_on_host <= 1
+            else model.optimizer_seconds_1thread * share * slowdown(model, c.machine, busy_on_host))
 
 
 def _allreduce(c: Cluster, nbytes: float, n: int) -> float:
@@ -159,13 +140,6 @@ def _allreduce(c: Cluster, nbytes: float, n: int) -> float:
     return intra + ring_allreduce_seconds(nbytes, h, c.link.bandwidth, c.link.alpha)
 
 
-def _small_collectives(model: ModelProfile, c: Cluster, n: int) -> float:
-    """The user loop's own reduce/gather calls (a loss reduced every step)."""
-    if n <= 1 or model.collectives_per_step <= 0:
-        return 0.0
-    return model.collectives_per_step * _fixed_collective(c, n, c.machine.small_collective, 8)
-
-
 def _fixed_collective(c: Cluster, n: int, measured: dict[int, float], nbytes: int) -> float:
     """A tiny collective: measured in a loop on CPU hosts (+ ``nbytes`` across), else all-reduce."""
     if n <= 1:
@@ -178,8 +152,7 @@ def _fixed_collective(c: Cluster, n: int, measured: dict[int, float], nbytes: in
 
 def straggler_wait_seconds(machine: MachineProfile, strategy: str, compute: float,
                            busy: int, units: int = 1) -> float:
-    """A synchronous step's wait for its slowest rank on one CPU host (FSDP: sqrt of its
-    stops, three per block ``units``)."""
+    """A synchronous step's wait for its slowest rank on one CPU host (FSDP: per block)."""
     if strategy not in ("mirrored", "central_storage", "fsdp", "diloco") or busy <= 1:
         return 0.0
     stops = math.sqrt(3 * max(1, units)) if strategy == "fsdp" else 1.0
@@ -222,7 +195,7 @@ def _memory(model: ModelProfile, c: Cluster, strategy: str, n: int, batch: float
 
 @dataclass
 class _Step:
-    """What every strategy's cost function reads: the setting and its shared figures."""
+    """What every strategy's cost function reads."""
 
     strategy: str
     n: int
@@ -299,18 +272,17 @@ def _diloco_costs(s: _Step) -> _Costs:
     step = costs.compute + costs.comm + costs.overhead + _optimizer(m, c, 1.0, s.busy)
     costs.outer = outer = choose_outer_sync(step, m.param_bytes, c.hosts(s.n), c.link, bandwidth)
     costs.comm += outer.seconds_per_step
-    costs.link_bytes = outer.link_bytes_per_step
+    costs.link_bytes = sent = outer.link_bytes_per_step
     costs.notes = [f"{outer.spelling()}: the hosts exchange every {outer.inner_steps} steps "
-                   f"({_bytes(outer.link_bytes_per_step)} a host per step on the link); not "
-                   "per-step synchronous training: compare its held-out loss with Mirrored's "
-                   "(docs/strategies/diloco.md)"]
+                   f"({_gb(sent) if sent >= 1e6 else f'{sent / 1e3:.3g} kB'} a host per step "
+                   "on the link); not per-step synchronous training: compare its held-out "
+                   "loss with Mirrored's (docs/strategies/diloco.md)"]
     return costs
 
 
 def _central_storage_costs(s: _Step) -> _Costs:
     """Mirrored's reduce, then a broadcast of the parameters every rank waits for."""
-    costs = _data_parallel_costs(s)
-    c = s.c
+    costs, c = _data_parallel_costs(s), s.c
     costs.comm += _fixed_collective(c, s.n, c.machine.small_collective, 8)
     if s.cpu and c.hosts(s.n) == 1:
         costs.comm += 2 * s.m.param_bytes / c.machine.memory_bandwidth \
@@ -321,22 +293,9 @@ def _central_storage_costs(s: _Step) -> _Costs:
 
 
 def fsdp_units(model: ModelProfile) -> int:
-    """The blocks FSDP gathers one by one (each a fixed cost and a stop for the slowest
-    rank): as the model is sharded where the probe saw it, else one per weight tensor."""
+    """The blocks FSDP gathers one by one: as the probe saw them, else the weight tensors."""
     return max(1, model.fsdp_units or model.weight_tensors)
 
-
-def _fsdp_one_cpu_host(s: _Step, units: int, state_ratio: float) -> float:
-    """FSDP2 on gloo on one host: the measured cost per block and per byte (or gloo's bytes)."""
-    machine, n, m = s.c.machine, s.n, s.m
-    fitted = machine.fsdp_block_seconds(n, state_ratio)
-    if fitted is not None:
-        return units * fitted[0] + fitted[1] * m.param_bytes
-    alpha = machine.collective_alpha("native", n)
-    bytes_part = machine.allreduce_seconds("native", m.param_bytes, n) - alpha
-    per_unit = machine.per_world(machine.fsdp_unit, n) if machine.fsdp_unit else 3 * alpha
-    return units * per_unit + bytes_part * fsdp_traffic_bytes(1.0, n, gloo=True) \
-        / allreduce_traffic_bytes(1.0, n)
 
 
 def _fsdp_costs(s: _Step) -> _Costs:
@@ -345,8 +304,17 @@ def _fsdp_costs(s: _Step) -> _Costs:
     h = c.hosts(n)
     units = fsdp_units(m)
     state_ratio = m.optimizer_state_bytes / m.param_bytes if m.param_bytes else 0.0
-    if s.cpu and h == 1:
-        comm = _fsdp_one_cpu_host(s, units, state_ratio)
+    if s.cpu and h == 1:  # FSDP2 on gloo on one host: the measured cost per block and per byte
+        fitted = c.machine.fsdp_block_seconds(n, state_ratio)
+        if fitted is not None:
+            comm = units * fitted[0] + fitted[1] * m.param_bytes
+        else:  # or gloo's bytes
+            alpha = c.machine.collective_alpha("native", n)
+            bytes_part = c.machine.allreduce_seconds("native", m.param_bytes, n) - alpha
+            per_unit = c.machine.per_world(c.machine.fsdp_unit, n) if c.machine.fsdp_unit \
+                else 3 * alpha
+            comm = units * per_unit + bytes_part * fsdp_traffic_bytes(1.0, n, gloo=True) \
+                / allreduce_traffic_bytes(1.0, n)
     else:
         bandwidth = c.link.bandwidth if h > 1 else c.device.intra_bandwidth
         alpha = c.link.alpha if h > 1 else c.device.intra_alpha
@@ -359,27 +327,6 @@ def _fsdp_costs(s: _Step) -> _Costs:
     comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
     return _Costs(s.compute(m.global_batch / n), comm, opt_share=1.0 / n)
 
-
-def _pipeline_slot(s: _Step, stages: int, per_mb: float) -> float:
-    """One slot of the busiest stage: its FLOP share, its layers' fixed cost, the schedule's."""
-    c, m = s.c, s.m
-    fixed = s.compute(0.0)
-    slot_fixed = fixed / stages
-    if s.cpu and m.layer_calls:
-        per_layer = m.layer_calls * c.machine.layer_call \
-            + 3 * m.param_bytes / c.machine.memory_bandwidth
-        slot_fixed = min(fixed, per_layer * c.machine.slowdown_for(s.busy)) / stages
-    slot = slot_fixed + (s.compute(per_mb) - fixed) * m.stage_share(stages)
-    return slot + (c.machine.pipeline_slot if s.cpu else 0.0)  # the schedule's own cost
-
-
-def _gradient_accumulation(s: _Step, stages: int) -> float:
-    """A microbatch after the first: its stage's fresh gradients written and added into
-    ``.grad`` (about two copies of the stage's parameters; the largest tensor sits in one
-    stage whole). Its cost per byte, not per FLOP: a 12.8 MB embedding's stage pays 4.8 ms."""
-    stage_bytes = max(s.m.param_bytes / stages, s.m.largest_tensor_bytes)
-    bandwidth = s.c.machine.memory_bandwidth if s.cpu else s.c.device.memory_bandwidth
-    return 2 * stage_bytes / bandwidth
 
 
 def _pipeline_costs(s: _Step) -> _Costs:
@@ -398,16 +345,27 @@ def _pipeline_costs(s: _Step) -> _Costs:
     else:
         send = boundary / (c.device.intra_bandwidth or c.link.bandwidth) + c.link.alpha
     slots = microbatches + stages - 1
-    compute = slots * _pipeline_slot(s, stages, per_mb) \
-        + (microbatches - 1) * _gradient_accumulation(s, stages)
+    # one slot of the busiest stage: its FLOP share, its layers' fixed cost, the schedule's own
+    fixed = s.compute(0.0)
+    slot_fixed = fixed / stages
+    if s.cpu and m.layer_calls:
+        per_layer = m.layer_calls * c.machine.layer_call \
+            + 3 * m.param_bytes / c.machine.memory_bandwidth
+        slot_fixed = min(fixed, per_layer * c.machine.slowdown_for(s.busy)) / stages
+    slot = slot_fixed + (s.compute(per_mb) - fixed) * m.stage_share(stages) \
+        + (c.machine.pipeline_slot if s.cpu else 0.0)
+    # a microbatch after the first adds its stage's gradients into .grad: two copies of the
+    # stage's parameters (the largest tensor whole), a cost per byte, not per FLOP
+    stage_bytes = max(m.param_bytes / stages, m.largest_tensor_bytes)
+    bandwidth = c.machine.memory_bandwidth if s.cpu else c.device.memory_bandwidth
+    compute = slots * slot + (microbatches - 1) * (2 * stage_bytes / bandwidth)
     if not m.pipeline_forward_backward:  # model(x) runs the stages' forward once more
         compute += s.compute(m.global_batch / data) * (m.forward_fraction or 1.0 / 3) \
             * m.stage_share(stages)
         notes.append("model(x) then loss.backward() runs one extra forward pass; "
                      "strategy.forward_backward avoids it")
     comm = 2 * slots * send + _allreduce(c, m.grad_bytes / stages, data)
-    return _Costs(compute, comm, opt_share=1.0 / stages, batch=m.global_batch / data,
-                  notes=notes)
+    return _Costs(compute, comm, opt_share=1.0 / stages, batch=m.global_batch / data, notes=notes)
 
 
 def _parameter_server_costs(s: _Step) -> _Costs:
@@ -473,16 +431,20 @@ def _common_parts(s: _Step, k: _Costs) -> dict[str, float]:
     batch = k.batch if k.batch is not None else m.global_batch / n
     comm = k.comm + (straggler_wait_seconds(c.machine, s.strategy, k.compute, busy,
                                             fsdp_units(m)) if s.cpu else 0.0)
-    optimizer = _optimizer(m, c, k.opt_share, busy)
+    optimizer = m.optimizer_seconds_1thread if k.threads == 1 \
+        else _optimizer(m, c, k.opt_share, busy)
     whole, slow = m.input_seconds, 1.0
     if s.cpu and m.measured and (busy > 1 or k.threads == 1):  # one thread per rank
         whole, slow = m.input_seconds_1thread or m.input_seconds, slowdown(m, c.machine, busy)
-    input_s = _input(whole, c.machine.input_fixed, batch / m.global_batch,
-                     m.input_occasional_seconds) * slow
-    if k.threads == 1:
-        optimizer = m.optimizer_seconds_1thread
+    # a replica's input: occasional gaps and the fixed cost, plus its share of the rest
+    occasional = min(max(m.input_occasional_seconds, 0.0), whole)
+    fixed = min(c.machine.input_fixed, whole - occasional)
+    input_s = (occasional + fixed + (whole - occasional - fixed) * (batch / m.global_batch)) * slow
+    # the user loop's own reduce/gather calls (a loss reduced every step)
+    small = m.collectives_per_step * _fixed_collective(c, n, c.machine.small_collective, 8) \
+        if n > 1 and m.collectives_per_step > 0 else 0.0
     parts = {"compute": k.compute, "communication": comm, "optimizer": optimizer,
-             "input": input_s, "overhead": k.overhead + _small_collectives(m, c, n)}
+             "input": input_s, "overhead": k.overhead + small}
     if s.strategy == "parameter_server":
         # the push and the batch claim queue at the server; its share of all traffic bounds it
         base = sum(parts.values()) + k.ps_claim
@@ -507,8 +469,7 @@ def predict(strategy: str, workers: int, model: ModelProfile, cluster: Cluster, 
     hosts = cluster.hosts(workers)  # parameter servers run beside the workers
     on_host = cluster.on_host(workers) + (processes - workers if hosts == 1 else 0)
     batch = costs.batch if costs.batch is not None else model.global_batch / workers
-    mem, cap, text = _memory(model, cluster, strategy, workers, batch,
-                             on_host if s.cpu else 1)
+    mem, cap, text = _memory(model, cluster, strategy, workers, batch, on_host if s.cpu else 1)
     why_not = _why_not(s)
     return Prediction(strategy, workers, processes, hosts, step,
                       model.global_batch / step if step > 0 else math.inf, parts, mem, cap,

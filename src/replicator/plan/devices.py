@@ -112,10 +112,8 @@ def parse_link(text: str, alpha: float | None = None) -> Link:
     low = unit.lower()
     if low in _BIT_UNITS:
         bandwidth = value * _BIT_UNITS[low] / 8
-    elif low in _BYTE_UNITS and "B" in unit:     # 10GB/s: bytes
-        bandwidth = value * _BYTE_UNITS[low]
-    elif low in _BYTE_UNITS:                      # 10Gb/s: bits
-        bandwidth = value * _BYTE_UNITS[low] / 8
+    elif low in _BYTE_UNITS:  # 10GB/s: bytes, 10Gb/s: bits
+        bandwidth = value * _BYTE_UNITS[low] / (1 if "B" in unit else 8)
     elif low in ("gb", "mb", "kb", "tb"):
         raise ValueError(f"the link unit {unit!r} is ambiguous (bits or bytes?). {accepted}")
     else:

@@ -26,9 +26,7 @@ def ring_allreduce_seconds(nbytes: float, n: int, bandwidth: float, alpha: float
     check_count(n, "ranks")
     if bandwidth <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth}")
-    if n == 1:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
+    return 0.0 if n == 1 else 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * alpha
 
 
 def allreduce_traffic_bytes(nbytes: float, n: int) -> float:
@@ -56,9 +54,8 @@ def ps_step_seconds(compute: float, grad_bytes: float, param_bytes: float, worke
 
 
 def ps_queue_wait(base_step: float, workers: int, service: float) -> float:
-    """The mean wait of a request (a push, a batch claim) to a server that ``workers`` keep
-    busy ``service`` seconds per push each step: ``W = rho S / 2`` with ``rho = n S / (T +
-    2 W)`` gives ``W = (sqrt(T^2 + 4 n S^2) - T) / 4``."""
+    """The mean wait of a request to a server that ``workers`` keep busy ``service`` seconds
+    per push each step: ``W = (sqrt(T^2 + 4 n S^2) - T) / 4`` (docs/planning.md)."""
     if service <= 0 or workers < 2:
         return 0.0  # a lone worker never finds its server busy with another's push
     t = max(0.0, base_step)
@@ -111,9 +108,8 @@ def exchange_cost(param_bytes: float, hosts: int, link: Link, compression: str |
 
 def choose_outer_sync(inner_step: float, param_bytes: float, hosts: int, link: Link,
                       memory_bandwidth: float) -> OuterSync:
-    """The smallest H whose averaged exchange is at most :data:`OUTER_SHARE` of the inner step
-    (fewer local steps train closest to synchronous training), with the least compression that
-    gets there; where none does, the largest H with ``int4``."""
+    """The smallest H whose averaged exchange is at most :data:`OUTER_SHARE` of the inner step,
+    with the least compression that gets there; where none does, the largest H with ``int4``."""
     costs = {comp: exchange_cost(param_bytes, hosts, link, comp, memory_bandwidth)
              for comp in COMPRESSIONS}
     for h in INNER_STEPS:

@@ -1,8 +1,6 @@
 """What the planner measures on this machine, once (cached in ``bench/machine.json``), in
-worker processes of ``rp.launch``: contention, collectives, the engines' costs beyond the
-compute (each a strategy's step of a small chain less the same step without one), the input's
-fixed cost, memory and cores (docs/planning.md, "What is measured, what is assumed").
-"""
+processes of ``rp.launch``: contention, collectives, the engines' costs beyond the compute, the
+input's fixed cost, memory and cores (docs/planning.md, "What is measured, what is assumed")."""
 
 from __future__ import annotations
 
@@ -35,21 +33,11 @@ PER_WORLD = ("sync_overhead", "sync_wait", "small_collective", "fsdp_unit", "fsd
 
 def ram_bytes() -> float:
     """Total memory of this machine (``/proc/meminfo``), or 0 when unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return float(line.split()[1]) * 1024
     return 0.0
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def median_time(fn: Callable[[], Any], rounds: int, per_round: int = 1, warm: int = 0
@@ -104,17 +92,6 @@ def _busy_work(seconds_alone: float | None = None, iterations: int = 0) -> tuple
     return time.perf_counter() - t0, iterations
 
 
-def _single_thread_rates() -> tuple[float, float]:
-    """(matmul FLOP/s, copy bytes/s) of one thread: for models known only by their size."""
-    with _one_thread():
-        a, b = torch.randn(256, 256), torch.randn(256, 256)
-        flops = 2 * 256 ** 3 / median_time(lambda: a @ b, 5, 20)
-        src = torch.randn(16 << 20)
-        dst = torch.empty_like(src)
-        copy = src.numel() * 4 / median_time(lambda: dst.copy_(src), 5, 2)
-    return flops, copy
-
-
 def _input_fixed_seconds() -> float:
     """The input pipeline's cost per batch of samples that cost nothing (one thread)."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -138,10 +115,9 @@ def _contention(rank: int, world: int, rounds: int = 3, steps: int = 8
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    flag = torch.zeros(2, dtype=torch.int64)
-    if rank == 0:
-        flag[0] = _busy_work(0.25)[1]
-        flag[1] = _busy_work(0.025)[1]
+    # rank 0's iterations for 0.25 s and 0.025 s of work, the same work on every rank
+    flag = torch.tensor([_busy_work(0.25)[1], _busy_work(0.025)[1]] if rank == 0 else [0, 0],
+                        dtype=torch.int64)
     dist.broadcast(flag, 0)
     long_iters, short_iters = int(flag[0]), int(flag[1])
     token = torch.zeros(1)
@@ -184,11 +160,8 @@ def _allreduce_curves(world: int) -> dict[str, list[list[float]]]:
     for name, algo in algos.items():
         points = []
         for size in SIZES:
-            numel = size // 4
-            if name == "shared_memory":
-                t = algo.make_buffers([(numel, torch.float32, torch.device("cpu"))])[0]
-            else:
-                t = torch.empty(numel)
+            t = (algo.make_buffers([(size // 4, torch.float32, torch.device("cpu"))])[0]
+                 if name == "shared_memory" else torch.empty(size // 4))
             t.fill_(1.0)
             per_round = max(1, min(20, (4 << 20) // size))
 
@@ -209,9 +182,7 @@ def tiny_chain(blocks: int = 4, width: int = 8) -> torch.nn.Sequential:
 
 def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     """SGD, or Adam (its state is what a sharded optimizer step touches per parameter)."""
-    if kind == "adam":
-        return torch.optim.Adam(model.parameters(), lr=0.0)
-    return torch.optim.SGD(model.parameters(), lr=0.0)
+    return (torch.optim.Adam if kind == "adam" else torch.optim.SGD)(model.parameters(), lr=0.0)
 
 
 def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
@@ -231,21 +202,13 @@ def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
 def _forward_backward_seconds(model: torch.nn.Module, x: torch.Tensor, rounds: int = 5
                               ) -> float:
     """Forward and backward of ``model`` on ``x``, before any strategy owns a module."""
-
-    def step() -> None:
-        model(x).sum().backward()
-
-    return median_time(step, rounds, 10, warm=1)
+    return median_time(lambda: model(x).sum().backward(), rounds, 10, warm=1)
 
 
 def _local_backward_seconds() -> float:
     """Forward and backward of a plain ``Linear(8, 8)`` on 8 rows."""
     return _forward_backward_seconds(torch.nn.Linear(8, 8), torch.randn(8, 8), rounds=7)
 
-
-def local_forward_backward_seconds(blocks: int, batch: int, width: int = 8) -> float:
-    """Forward and backward of a ``blocks``-block chain on ``batch`` samples."""
-    return _forward_backward_seconds(tiny_chain(blocks, width), torch.randn(batch, width))
 
 
 def local_step_seconds(batch: int = 8, width: int = 8, optimizer: str = "sgd") -> float:
@@ -269,20 +232,13 @@ def strategy_step_overhead(name: str, t_local: float, batch: int = 8, width: int
     step = sgd_step(model, opt, torch.randn(batch, width))
 
     def one() -> None:
-        if reduce_seconds is None:
-            strategy.run(step)
-        else:
-            strategy.reduce("mean", strategy.run(step))
+        out = strategy.run(step)
+        if reduce_seconds is not None:
+            strategy.reduce("mean", out)
 
     seconds = median_time(one, rounds, per_round, warm=3)
     strategy.close()
     return max(0.0, seconds - t_local - (reduce_seconds or 0.0))
-
-
-def layer_call_seconds(batch: int = 2) -> float:
-    """One small layer's call beyond the engine's fixed cost (a stage's per layer and slot)."""
-    return max(0.0, (local_forward_backward_seconds(4, batch)
-                     - local_forward_backward_seconds(2, batch)) / 2)
 
 
 def pipeline_slot_seconds(t_chain: float, t_chain_fb: float, layer_call: float,
@@ -330,11 +286,7 @@ def _engine_overheads(t_local: float, reference_alone: float = 0.0, slowdown: fl
         model = torch.nn.Linear(8, 8)
         reference, reference_opt = _reference_model()
     loop_step = sgd_step(reference, reference_opt, *_reference_batch())
-
-    def synced() -> None:
-        model(x).sum().backward()
-
-    t_sync = median_time(synced, 7, 10, warm=5)
+    t_sync = median_time(lambda: model(x).sum().backward(), 7, 10, warm=5)
     value = torch.tensor(1.0)
     t_reduce = median_time(lambda: strategy.reduce("mean", value), 7, 10, warm=1)
     sync = max(0.0, t_sync - t_local)
@@ -359,13 +311,9 @@ def _p2p(rank: int) -> list[list[float]]:
     for size in (4 << 10, 1 << 20, 8 << 20):
         t = torch.zeros(size // 4)
 
-        def exchange(x: torch.Tensor = t) -> None:
-            if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            else:
-                dist.recv(x, 0)
-                dist.send(x, 0)
+        def exchange(x: torch.Tensor = t) -> None:  # rank 0 sends first, rank 1 answers
+            for op in (dist.send, dist.recv) if rank == 0 else (dist.recv, dist.send):
+                op(x, 1 - rank)
 
         points.append([float(size), median_time(exchange, 5, 3, warm=1) / 2])
     return points
@@ -380,8 +328,10 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     t_local = _local_backward_seconds()
     t_chain = local_step_seconds()
     if world == 2:  # for the pipeline's slot, measured with 2 processes only
-        t_chain_fb = local_forward_backward_seconds(4, 8)
-        layer_call = layer_call_seconds()
+        t_chain_fb = _forward_backward_seconds(tiny_chain(4), torch.randn(8, 8))
+        # one small layer's call beyond the engine's fixed cost (a stage's per layer and slot)
+        layer_call = max(0.0, (_forward_backward_seconds(tiny_chain(4), torch.randn(2, 8))
+                               - _forward_backward_seconds(tiny_chain(2), torch.randn(2, 8))) / 2)
     t_chain_adam = local_step_seconds(optimizer="adam")
     t_wide = {kind: local_step_seconds(width=WIDE, optimizer=kind) for kind in ("sgd", "adam")}
     strategy = rp.MirroredStrategy()  # starts the process group
@@ -402,9 +352,8 @@ def _worker_two(world: int, reference_alone: float = 0.0) -> dict[str, Any]:
     reduce = float(out["small_collective"])
     out["fsdp_unit"] = strategy_step_overhead("fsdp", t_chain, reduce_seconds=reduce) / 4
     # with Adam: the sharded step on DTensors, a cost per block; 11 x 10 steps (5 x 4 varied)
-    out["fsdp_unit_adam"] = strategy_step_overhead("fsdp", t_chain_adam, optimizer="adam",
-                                                    rounds=11, per_round=10,
-                                                    reduce_seconds=reduce) / 4
+    out["fsdp_unit_adam"] = strategy_step_overhead(
+        "fsdp", t_chain_adam, optimizer="adam", rounds=11, per_round=10, reduce_seconds=reduce) / 4
     for kind in ("sgd", "adam"):  # the same blocks 64x wider: the cost per byte of a block
         out[f"fsdp_wide_{kind}"] = strategy_step_overhead(
             "fsdp", t_wide[kind], width=WIDE, optimizer=kind, reduce_seconds=reduce) / 4
@@ -473,9 +422,16 @@ def measure_machine(log: Callable[[str], None] = print, worlds: tuple[int, ...] 
     from replicator.launch import launch
 
     load = os.getloadavg()[0]
-    profile = MachineProfile(cores=_cores(), ram_bytes=ram_bytes() or 8e9, slowdown={1: 1.0},
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1  # not Linux
+    profile = MachineProfile(cores=cores, ram_bytes=ram_bytes() or 8e9, slowdown={1: 1.0},
                              source="measured", version=MACHINE_VERSION)
-    profile.flops_per_second, profile.memory_bandwidth = _single_thread_rates()
+    with _one_thread():  # one thread's matmul FLOP/s and copy bytes/s (models known by size)
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        profile.flops_per_second = 2 * 256 ** 3 / median_time(lambda: a @ b, 5, 20)
+        src = torch.randn(16 << 20)
+        dst = torch.empty_like(src)
+        profile.memory_bandwidth = src.numel() * 4 / median_time(lambda: dst.copy_(src), 5, 2)
     profile.input_fixed = _input_fixed_seconds()
     reference_alone = _reference_step_seconds()
     for world in worlds:

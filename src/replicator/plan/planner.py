@@ -1,23 +1,26 @@
 """``replicator plan``: profile the model, load this machine's figures, predict, recommend.
 
-The profile is one short run of the script in one process under the probe's ``profile`` mode,
-cached in ``bench/profile-<hash>.json`` until the script or its arguments change; this
-machine's figures are measured once, cached in ``bench/machine.json``. Both cached, a plan takes
-well under a second.
+The profile is cached in ``bench/profile-<hash>.json`` until the script or its arguments
+change, this machine's figures in ``bench/machine.json``. The recommendation: the highest
+predicted throughput that fits; more processes, or a change to what training computes (a
+parameter server, DiLoCo), must beat the others by more than :data:`WORTH_IT`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import statistics
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from replicator.plan.cost_model import STRATEGIES, Cluster, Prediction
+from replicator.plan.cost_model import STRATEGIES, Cluster, Prediction, _gb, predict
 from replicator.plan.devices import get_device, parse_duration, parse_link
+from replicator.plan.formulas import check_count
 from replicator.plan.profiles import (
     MACHINE_VERSION,
     AlphaBeta,
@@ -27,27 +30,17 @@ from replicator.plan.profiles import (
     machine_profile_cached,
     save_json,
 )
-from replicator.plan.recommend import Plan, make_plan
 from replicator.plan.settings import format_table, ms
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["load_machine", "model_from_probe", "plan_line", "plan_model", "plan_table",
-           "print_plan", "print_plan_line", "profile_here", "profile_script", "save_profile"]
+__all__ = ["Plan", "WORTH_IT", "load_machine", "make_plan", "model_from_probe", "plan_line",
+           "plan_model", "plan_table", "print_plan", "print_plan_line", "profile_here",
+           "profile_script", "recommend", "save_profile"]
 
 #: Steps before the profile's measured phases (imports, first-call allocations).
 PROFILE_WARMUP = 2
-
-
-def _fastest_compute(steps: list[dict[str, float]]) -> float:
-    """The mean compute of the fastest quarter of ``steps`` (at least one step)."""
-    times = sorted(r["compute"] for r in steps)
-    return statistics.mean(times[:max(1, len(times) // 4)])
-
-
-def _median(steps: list[dict[str, float]], key: str) -> float:
-    return statistics.median(r[key] for r in steps)
 
 
 def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
@@ -63,24 +56,17 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
 
     def med(phase: list[dict[str, float]], key: str) -> float:
         """A phase's typical ``key``: the mean of its kept steps, or the median of a few."""
-        if len(phase) < 10:
-            return statistics.median(r[key] for r in phase)
-        return statistics.mean(r[key] for r in kept_steps(phase))
+        return (statistics.median(r[key] for r in phase) if len(phase) < 10
+                else statistics.mean(r[key] for r in kept_steps(phase)))
 
     full = phases.get(0) or records
-
-    def forward_fraction(phase: list[dict[str, float]]) -> float:
-        """The median step's share of compute up to the end of the model's call (0: unseen)."""
-        shares = [r["forward"] / r["compute"] for r in phase
-                  if r.get("forward", 0.0) > 0 and r["compute"] > 0]
-        return min(1.0, statistics.median(shares)) if shares else 0.0
-
-    def occasional(phase: list[dict[str, float]]) -> float:
-        """A phase's input mean beyond its typical step's: the occasional long gaps."""
-        if len(phase) < 10:
-            return 0.0
-        return max(0.0, med(phase, "input") - statistics.median(r["input"] for r in phase))
-
+    one_full = phases.get(1) or full  # the one-thread phase of the full batch
+    # the median step's share of compute up to the end of the model's call (0: unseen)
+    shares = [r["forward"] / r["compute"] for r in one_full
+              if r.get("forward", 0.0) > 0 and r["compute"] > 0]
+    # the input's mean beyond its typical step's: the occasional long gaps
+    occasional = max(0.0, med(one_full, "input") - statistics.median(
+        r["input"] for r in one_full)) if len(one_full) >= 10 else 0.0
     one = [r for i in (1, 2, 3) for r in phases.get(i, [])]
     points: dict[float, list[dict[str, float]]] = {}
     for r in one:
@@ -89,7 +75,8 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         sizes = sorted(points)
         # the line's shape from each size's fastest steps (noise only adds: typical steps beside
         # busy processes read a fixed cost no quiet run shows), its height from typical ones
-        shape = AlphaBeta.fit(sizes, [_fastest_compute(points[b]) for b in sizes])
+        fastest = [sorted(r["compute"] for r in points[b]) for b in sizes]  # a quarter of them
+        shape = AlphaBeta.fit(sizes, [statistics.mean(t[:max(1, len(t) // 4)]) for t in fastest])
         largest = shape.a + shape.b * sizes[-1]
         height = med(points[sizes[-1]], "compute") / largest if largest > 0 else 1.0
         compute_fit = (shape.a * height, shape.b * height)
@@ -109,11 +96,11 @@ def model_from_probe(result: dict[str, Any], name: str) -> ModelProfile:
         step_seconds=med(full, "step"), compute_seconds=med(full, "compute"),
         # the optimizer does the same work every step: its median, which a busy neighbour's
         # preemptions of a few steps cannot move (their mean tipped a plan to FSDP)
-        optimizer_seconds=_median(full, "optimizer"), input_seconds=med(full, "input"),
-        compute_fit=compute_fit, optimizer_seconds_1thread=_median(one or full, "optimizer"),
-        input_seconds_1thread=med(phases[1], "input") if phases.get(1) else med(full, "input"),
-        input_occasional_seconds=occasional(phases.get(1) or full),
-        forward_fraction=forward_fraction(phases.get(1) or full),
+        optimizer_seconds=statistics.median(r["optimizer"] for r in full),
+        input_seconds=med(full, "input"), compute_fit=compute_fit,
+        optimizer_seconds_1thread=statistics.median(r["optimizer"] for r in one or full),
+        input_seconds_1thread=med(one_full, "input"), input_occasional_seconds=occasional,
+        forward_fraction=min(1.0, statistics.median(shares)) if shares else 0.0,
         collectives_per_step=statistics.mean(r["collectives"] for r in records),
         threads=int(result.get("threads", 1)), rss_bytes=float(result.get("peak_rss_bytes", 0)),
         pipeline_forward_backward=bool(result.get("forward_backward", False)),
@@ -218,8 +205,152 @@ def plan_model(model: ModelProfile, workers: Sequence[int], *, device: str = "cp
     return make_plan(model, cluster, list(workers), tuple(strategies), num_ps=num_ps)
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.3g} GB" if x >= 1e9 else f"{x / 1e6:.3g} MB"
+# -- the recommendation: one setting and why, in one sentence -----------------------------
+#: How much more throughput a setting with more processes must give to be preferred.
+WORTH_IT = 1.10
+#: Preference among strategies with equal throughput (simplest first).
+_SIMPLICITY = {name: i for i, name in enumerate(STRATEGIES)}
+#: Strategies whose training differs from per-step synchronous training of the same batch.
+_CHANGES_TRAINING = ("parameter_server", "diloco")
+
+
+@dataclass
+class Plan:
+    """Every predicted setting, the recommended one (``None`` when nothing fits) and why."""
+
+    model: ModelProfile
+    cluster: Cluster
+    predictions: list[Prediction]
+    recommended: Prediction | None
+    reason: str
+    measured: dict[str, float | None] = field(default_factory=dict)
+
+    def reason_for(self, p: Prediction) -> str:
+        """One sentence about ``p``: why it was chosen, why it was not, or why it cannot run."""
+        if p is self.recommended:
+            return self.reason
+        if not p.feasible:
+            return f"cannot run: {p.why_not}"
+        if not p.fits:
+            return f"does not fit: {p.memory_detail}"
+        best = self.recommended
+        if best is None:
+            return "not recommended"
+        ratio = p.samples_per_second / best.samples_per_second
+        return (f"{ratio:.2f}x the throughput of {best.setting}"
+                + (f" with {p.processes} processes instead of {best.processes}"
+                   if p.processes > best.processes and ratio > 1 else ""))
+
+
+def recommend(predictions: list[Prediction], model: ModelProfile | None = None
+              ) -> tuple[Prediction | None, str]:
+    """The chosen setting and a one-sentence reason (see the module doc)."""
+    candidates = sorted((p for p in predictions if p.fits),
+                        key=lambda p: (p.processes, _SIMPLICITY.get(p.strategy, 99)))
+    if not candidates:
+        return None, _nothing_fits(predictions, model)
+    chosen = candidates[0]
+    for p in candidates[1:]:
+        # more processes, or giving up synchronous training, must be clearly worth it
+        costly = p.processes > chosen.processes or (
+            p.strategy in _CHANGES_TRAINING and chosen.strategy not in _CHANGES_TRAINING)
+        if p.samples_per_second > chosen.samples_per_second * (WORTH_IT if costly else 1.0):
+            chosen = p
+    return chosen, _why(chosen, predictions)
+
+
+def _share(p: Prediction, part: str) -> float:
+    return p.breakdown.get(part, 0.0) / p.step_seconds if p.step_seconds > 0 else 0.0
+
+
+def _why(chosen: Prediction, predictions: list[Prediction]) -> str:
+    single = next((p for p in predictions if p.strategy == "one_device"), None)
+    if chosen.strategy == "one_device":
+        rivals = [p for p in predictions if p.fits and p.workers > 1 and p is not chosen]
+        if not rivals:
+            return "stay on one process: no distributed setting fits or can run"
+        best = max(rivals, key=lambda p: p.samples_per_second)
+        ratio = best.samples_per_second / chosen.samples_per_second
+        cost = best.breakdown["communication"] + best.breakdown["overhead"]
+        saved = chosen.breakdown["compute"] - best.breakdown["compute"]
+        if ratio < 1:
+            return (f"stay on one process: the best distributed setting, {best.setting}, is "
+                    f"predicted at {ratio:.2f}x its throughput, because communication and "
+                    f"synchronisation ({cost * 1e3:.3g} ms a step) cost more than the "
+                    f"{max(saved, 0) * 1e3:.3g} ms of compute it saves")
+        return (f"stay on one process: the best distributed setting, {best.setting}, gains only "
+                f"{ratio:.2f}x, less than the {WORTH_IT:.2f}x that more processes must bring")
+    speedup = (chosen.samples_per_second / single.samples_per_second
+               if single is not None and single.fits else None)
+    gain = f"{speedup:.1f}x one process's throughput" if speedup else "the fastest that fits"
+    if chosen.strategy == "diloco":
+        return _why_diloco(chosen, predictions, gain)
+    replicated = [p for p in predictions if p.feasible and p.strategy in
+                  ("one_device", "mirrored", "central_storage", "parameter_server")]
+    if chosen.strategy in ("fsdp", "pipeline") and replicated and \
+            not any(p.fits for p in replicated):
+        need = min(replicated, key=lambda p: p.memory_per_rank)
+        how = "shards the weights, gradients and optimizer state" if chosen.strategy == \
+            "fsdp" else "splits the layers into stages"
+        return (f"{chosen.setting}: a full replica needs {_gb(need.memory_per_rank)} per rank, "
+                f"more than {_gb(need.memory_capacity)}; {chosen.strategy} {how} to "
+                f"{_gb(chosen.memory_per_rank)} per rank and is predicted at {gain}")
+    comm = _share(chosen, "communication") + _share(chosen, "overhead")
+    return (f"{chosen.setting}: predicted at {gain}; communication and synchronisation are "
+            f"{comm:.0%} of its step")
+
+
+def _why_diloco(chosen: Prediction, predictions: list[Prediction], gain: str) -> str:
+    """DiLoCo chosen: how link-bound per-step synchronisation of the same processes is."""
+    synced = [p for p in predictions if p.fits and p.workers == chosen.workers
+              and p.strategy in ("mirrored", "central_storage", "fsdp")]
+    text = f"{chosen.setting} as {chosen.spelling}: predicted at {gain}"
+    if synced:
+        best = max(synced, key=lambda p: p.samples_per_second)
+        text += (f", {chosen.samples_per_second / best.samples_per_second:.1f}x {best.setting}, "
+                 f"whose per-step synchronisation across the hosts is "
+                 f"{_share(best, 'communication'):.0%} of its step")
+    return text + ("; it trains H local steps between exchanges, so compare its held-out loss "
+                   "with per-step synchronous training before relying on it")
+
+
+def _nothing_fits(predictions: list[Prediction], model: ModelProfile | None = None) -> str:
+    runnable = [p for p in predictions if p.feasible]
+    if not runnable:
+        return "no setting can run: " + "; ".join(sorted({p.why_not for p in predictions}))
+    smallest = min(runnable, key=lambda p: p.memory_per_rank / p.memory_capacity)
+    text = f"does not fit: even {smallest.setting} needs {smallest.memory_detail}"
+    fsdp = [p for p in runnable if p.strategy == "fsdp"]
+    if fsdp and model is not None:
+        p = max(fsdp, key=lambda q: q.workers)
+        shared = model.state_bytes + model.activation_bytes_per_sample * model.global_batch
+        fixed = p.memory_per_rank - shared / p.workers
+        room = p.memory_capacity - fixed
+        if room <= 0:
+            text += (f"; under FSDP the gathered layer and the process alone "
+                     f"({_gb(fixed)}) exceed the {_gb(p.memory_capacity)} of a rank")
+        else:
+            text += (f"; FSDP would need at least {math.ceil(shared / room)} ranks of "
+                     f"{_gb(p.memory_capacity)}")
+    return text
+
+
+def make_plan(model: ModelProfile, cluster: Cluster, workers: list[int],
+              strategies: tuple[str, ...] = STRATEGIES, *, num_ps: int = 1) -> Plan:
+    """Predict every strategy at every worker count (plus one process), then recommend."""
+    if not workers:
+        raise ValueError("give at least one worker count. HINT: --workers 2,8,64")
+    for n in workers:
+        check_count(n, "worker counts")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown strategy {unknown[0]!r} for the planner; known: "
+                         f"{', '.join(STRATEGIES)}")
+    predictions = [predict("one_device", 1, model, cluster)] if "one_device" in strategies else []
+    predictions += [predict(s, n, model, cluster, num_ps=num_ps) for n in sorted(set(workers))
+                    if n > 1 for s in strategies if s != "one_device"]
+    chosen, reason = recommend(predictions, model)
+    return Plan(model, cluster, predictions, chosen, reason)
 
 
 def plan_table(plan: Plan) -> tuple[list[str], list[list[object]]]:
@@ -239,9 +370,11 @@ def plan_table(plan: Plan) -> tuple[list[str], list[list[object]]]:
             share = (p.breakdown["communication"] + p.breakdown["overhead"]) / p.step_seconds
             ratio = (f"{p.samples_per_second / single.samples_per_second:.2f}x"
                      if single is not None and single.feasible else "")
+            mem = p.memory_per_rank
             row = [p.setting + mark, p.processes, p.hosts, ms(p.step_seconds),
                    f"{p.samples_per_second:.4g}", ratio, f"{share:.0%}",
-                   _gb(p.memory_per_rank), "yes" if p.fits else "no"]
+                   f"{mem / 1e9:.3g} GB" if mem >= 1e9 else f"{mem / 1e6:.3g} MB",
+                   "yes" if p.fits else "no"]
         if validated:
             got = plan.measured.get(p.setting)
             row += [ms(got) if got else "-",
@@ -273,29 +406,25 @@ def json_lines(plan: Plan) -> list[dict[str, Any]]:
     return out
 
 
-def _describe(plan: Plan) -> str:
-    m, c = plan.model, plan.cluster
-    where = "hosts like this one"
-    if not c.device.is_cpu:
-        rate = c.device.flops_rate(m.compute_precision, m.tf32_fraction)
-        kind = ("bf16/fp16" if m.compute_precision == "half"
-                else f"fp32, {m.tf32_fraction:.0%} of FLOPs as TF32")
-        where = f"{c.device.description} ({kind}: {rate / 1e12:.0f} TFLOP/s nominal)"
-    source = "measured here" if m.measured else "estimated from its size"
-    return (f"plan for {m.name} ({m.params:,} parameters, global batch {m.global_batch}, "
-            f"{source}) on {where}, {c.per_host()} per host, {c.link} between hosts; "
-            f"machine figures: {c.machine.source}"
-            + (f" {c.machine.measured_at} at load {c.machine.load_average:.1f}"
-               if c.machine.measured_at else ""))
-
-
 def print_plan(plan: Plan, *, as_json: bool = False, plot_path: str | Path | None = None,
                summary: str | None = None) -> None:
     """Print the table, the recommendation and ``summary`` then the JSON lines; draw the plot."""
     if plot_path is not None:
         _plot(plan, plot_path)
     if not as_json:
-        print(_describe(plan))
+        m, c = plan.model, plan.cluster
+        where = "hosts like this one"
+        if not c.device.is_cpu:
+            rate = c.device.flops_rate(m.compute_precision, m.tf32_fraction)
+            kind = ("bf16/fp16" if m.compute_precision == "half"
+                    else f"fp32, {m.tf32_fraction:.0%} of FLOPs as TF32")
+            where = f"{c.device.description} ({kind}: {rate / 1e12:.0f} TFLOP/s nominal)"
+        source = "measured here" if m.measured else "estimated from its size"
+        print(f"plan for {m.name} ({m.params:,} parameters, global batch {m.global_batch}, "
+              f"{source}) on {where}, {c.per_host()} per host, {c.link} between hosts; "
+              f"machine figures: {c.machine.source}"
+              + (f" {c.machine.measured_at} at load {c.machine.load_average:.1f}"
+                 if c.machine.measured_at else ""))
         print(format_table(*plan_table(plan)))
         for p in plan.predictions:
             for note in p.notes if p.feasible else ():
@@ -327,8 +456,7 @@ def _plot(plan: Plan, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     plots.plan_plot(points, path, misfits=misfits,
                     recommended=(float(rec.workers), rec.samples_per_second) if rec else None,
-                    title=f"{plan.model.name} on {plan.cluster.device.name}: predicted "
-                    "throughput")
+                    title=f"{plan.model.name} on {plan.cluster.device.name}: predicted throughput")
 
 
 # -- one line of the plan, from inside a training script (the demo ends on it) --------------

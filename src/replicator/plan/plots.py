@@ -1,8 +1,5 @@
-"""The PNG plots of ``bench`` and ``plan`` (matplotlib, optional, drawn off-screen).
-
-Each function writes one file and returns the data it drew (``{label: [(x, y), ...]}``), so a
-test can check that the axes carry data without reading pixels.
-"""
+"""The PNG plots of ``bench`` and ``plan`` (matplotlib, optional, drawn off-screen). Each
+writes one file and returns the data it drew (``{label: [(x, y), ...]}``) for tests to check."""
 
 from __future__ import annotations
 
@@ -60,15 +57,12 @@ def throughput_plot(points: Series, path: str | Path, *, baseline: float | None 
         if baseline:
             top = max(xs_all)
             drawn["linear scaling"] = [(1.0, baseline), (float(top), baseline * top)]
-            _line(ax, drawn["linear scaling"], "k--", lw=1,
-                  label="linear scaling from one process")
+            _line(ax, drawn["linear scaling"], "k--", lw=1, label="linear scaling from one process")
         if ceiling:
             drawn["ceiling"] = sorted((float(n), v) for n, v in ceiling.items())
             _line(ax, drawn["ceiling"], ":", color="gray", lw=1.5,
                   label="without exposed communication (measured)")
-        ax.set_xlabel("replicas (worker processes)")
-        ax.set_ylabel("samples / s")
-        ax.set_xticks(xs_all)
+        ax.set(xlabel="replicas (worker processes)", ylabel="samples / s", xticks=xs_all)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     return drawn
@@ -110,8 +104,6 @@ def plan_plot(points: Series, path: str | Path, *, recommended: tuple[float, flo
                        edgecolors="black", zorder=4, label="recommended")
             drawn["recommended"] = [recommended]
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("workers")
-        ax.set_ylabel("predicted samples / s")
+        ax.set(yscale="log", xlabel="workers", ylabel="predicted samples / s")
         ax.grid(alpha=0.3, which="both")
     return drawn

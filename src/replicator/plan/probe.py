@@ -1,9 +1,8 @@
-"""The measuring side of ``replicator bench`` and ``plan``: timers inside the user's process.
+"""The measuring side of ``bench`` and ``plan``: timers inside the user's process.
 
-A step observer (one ``strategy.run``, one step), torch's optimizer step hooks and the comm
-room's timers split each step into parts that sum to it (``input``: the rest of the gap);
-nothing is replaced. ``profile`` mode (for ``plan``) adds one-thread, half- and quarter-batch
-phases and one step under the FLOP and saved-tensor counters.
+A step observer, torch's optimizer step hooks and the comm room's timers split each step into
+parts that sum to it; nothing is replaced. ``profile`` mode (for ``plan``) adds one-thread,
+half- and quarter-batch phases and one step under the FLOP and saved-tensor counters.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim import optimizer as optim
 
 from replicator.comm import timing
 from replicator.parallel.fsdp import shard_units
@@ -34,13 +34,11 @@ STEPS_ENV = "REPLICATOR_BENCH_STEPS"
 WARMUP_ENV = "REPLICATOR_BENCH_WARMUP"
 MODE_ENV = "REPLICATOR_BENCH_MODE"
 
-#: Profile phases after warmup: (name, steps, threads (0: default), batch fraction). The first
-#: runs alone; the others share one step count and thread count and run interleaved.
+#: Profile phases after warmup: (name, steps, threads (0: default), batch fraction).
 PROFILE_PHASES = (("all_threads", 4, 0, 1.0), ("one_thread", 5, 1, 1.0),
                   ("one_thread_half", 5, 1, 0.5), ("one_thread_quarter", 5, 1, 0.25))
-#: A short step's phases run more steps (up to this many times the counts above), so that the
-#: shortest phase lasts about PROFILE_PHASE_SECONDS: three 1 ms steps are noise, not a median
-#: (at 20 times a 0.7 ms step's input still read 30-70% high; at 250, within 13%).
+#: A short step's phases run up to this many times the steps above, so that the shortest
+#: phase lasts about PROFILE_PHASE_SECONDS (three 1 ms steps are noise, not a median).
 PROFILE_MAX_SCALE = 250
 PROFILE_PHASE_SECONDS = 0.5
 #: Seconds between two writes of the progress file (the bench's bar polls it every 0.2 s).
@@ -49,12 +47,6 @@ PROGRESS_INTERVAL = 0.2
 
 class BenchComplete(BaseException):
     """Raised from ``strategy.run`` once the bench has its steps (caught by the entry)."""
-
-
-def _leading_size(obj: Any) -> int | None:
-    """The batch size: the leading dimension of the first tensor in ``obj``."""
-    return next((int(t.shape[0]) for t in flatten(obj)[0]
-                 if isinstance(t, torch.Tensor) and t.dim()), None)
 
 
 def slice_batch(obj: Any, keep: int, size: int) -> Any:
@@ -74,7 +66,7 @@ class _SavedBytes:
         self.floating: dict[torch.dtype, int] = {}  # saved floating bytes by dtype
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        try:
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # a tensor without storage
             storage = t.untyped_storage()
             key = storage.data_ptr()
             if key not in self.exclude and key not in self.seen:
@@ -82,8 +74,6 @@ class _SavedBytes:
                 self.total += storage.nbytes()
                 if t.is_floating_point():
                     self.floating[t.dtype] = self.floating.get(t.dtype, 0) + storage.nbytes()
-        except (RuntimeError, NotImplementedError):
-            pass
         return t
 
 
@@ -104,27 +94,21 @@ def _precision(saved: dict[torch.dtype, int], counter: Any) -> dict[str, Any]:
 def stage_shares(model: torch.nn.Module, flops_by_module: dict[str, dict[Any, int]]
                  ) -> dict[str, float]:
     """Per 2..8 stages, the largest FLOP share of one stage under the pipeline's default cut."""
-    from replicator.parallel.pipeline_split import (
-        PipelineSplitError,
-        balanced_starts,
-        flatten_chain,
-        parameter_costs,
-    )
+    from replicator.parallel import pipeline_split as split
 
     try:
-        chain = flatten_chain(model)
-    except PipelineSplitError:
+        chain = split.flatten_chain(model)
+    except split.PipelineSplitError:
         return {}
     prefix = type(model).__name__  # the FLOP counter names blocks "<root class>.<path>"
-    flops = [float(sum(flops_by_module.get(f"{prefix}.{name}", {}).values()))
-             for name, _ in chain]
+    flops = [float(sum(flops_by_module.get(f"{prefix}.{name}", {}).values())) for name, _ in chain]
     total = sum(flops)
     if total <= 0:
         return {}
-    costs = parameter_costs(chain)
+    costs = split.parameter_costs(chain)
     out: dict[str, float] = {}
     for stages in range(2, min(8, len(chain)) + 1):
-        starts = [*balanced_starts(costs, stages), len(chain)]
+        starts = [*split.balanced_starts(costs, stages), len(chain)]
         out[str(stages)] = max(sum(flops[a:b]) for a, b in zip(starts, starts[1:])) / total
     return out
 
@@ -136,19 +120,18 @@ class Probe(StepObserver):
         if mode not in ("bench", "profile"):
             raise ValueError(f"probe mode must be 'bench' or 'profile', got {mode!r}")
         self.steps, self.warmup, self.mode = steps, warmup, mode
-        self.calls = 0
+        self.calls = self.collective_calls = 0
         self.records: list[dict[str, float]] = []
         self.strategy_name = ""
         self.replicas = 1
         self.rank = int(os.environ.get("RANK", "0"))
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
-        self.collective_calls = 0
         self.batch_sizes: list[int] = []
         self.extra: dict[str, Any] = {}
-        self._opt = self._ps = self._comm_in_opt = 0.0
+        self._opt = self._ps = self._comm_in_opt = self._comm_pre = 0.0
+        # the optimizer's step began, and its strategy's own pre-step hooks ended
         self._t_pre: float | None = None
         self._t_pre2: float | None = None
-        self._comm_pre: float = 0.0
         self._run: dict[str, Any] | None = None  # the step now inside ``run``
         self._open: dict[str, Any] | None = None  # the step ended, until the next begins
         self._progress_path: str | None = None
@@ -156,7 +139,6 @@ class Probe(StepObserver):
         self._t_forward: float | None = None  # when the step's model call returned
         self._undo: list[Callable[[], None]] = []
         self._threads = torch.get_num_threads()
-        self._first = True
         self._scale = 1  # profile phases' steps are PROFILE_PHASES' counts times this
         self._warm_steps: list[float] = []
         self._cuda: torch.device | None = None  # the strategy's device, when it is a GPU
@@ -171,27 +153,21 @@ class Probe(StepObserver):
     # -- installation --------------------------------------------------------------------
     def install(self, progress_path: str | None = None) -> None:
         """Observe the steps, hook the optimizers' steps and turn the comm timers on."""
-        from torch.optim.optimizer import (
-            register_optimizer_step_post_hook,
-            register_optimizer_step_pre_hook,
-        )
-
         was_on = timing.enabled()
         timing.enable(True)
         self._undo.append(lambda: timing.enable(was_on))
         self._progress_path = progress_path
         self._undo.append(add_step_observer(self))
-        pre = register_optimizer_step_pre_hook(self._before_opt)
-        post = register_optimizer_step_post_hook(self._after_opt)
+        pre = optim.register_optimizer_step_pre_hook(self._before_opt)
+        post = optim.register_optimizer_step_post_hook(self._after_opt)
         self._undo += [pre.remove, post.remove]
 
     def run(self, body: Callable[[], Any], progress_path: str | None = None) -> None:
         """``body()`` under this probe, until it ends or the bench has its steps."""
         self.install(progress_path)
         try:
-            body()
-        except BenchComplete:
-            pass
+            with contextlib.suppress(BenchComplete):
+                body()
         finally:
             self.uninstall()
 
@@ -215,8 +191,7 @@ class Probe(StepObserver):
         self._comm_pre = timing.snapshot().exposed
 
     def _after_pre_hooks(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """After the strategy's own pre-step hooks: their time is a parameter server's push/pull."""
-        self._t_pre2 = self._now()
+        self._t_pre2 = self._now()  # a parameter server's push and pull ended
 
     def _after_opt(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         now = self._now()
@@ -241,14 +216,11 @@ class Probe(StepObserver):
 
     def _first_step(self, strategy: Any) -> None:
         """What the first step shows: the device, the strategy, its own optimizer hooks."""
-        from torch.optim import optimizer as optim_module
-
-        self._first = False
         if strategy.device.type == "cuda":
             self._cuda = strategy.device
         # only when the strategy registered step hooks of its own (a parameter server)
-        if len(getattr(optim_module, "_global_optimizer_pre_hooks", ())) > 1:
-            handle = optim_module.register_optimizer_step_pre_hook(self._after_pre_hooks)
+        if len(getattr(optim, "_global_optimizer_pre_hooks", ())) > 1:
+            handle = optim.register_optimizer_step_pre_hook(self._after_pre_hooks)
             self._undo.append(handle.remove)
         samples = getattr(type(strategy), "_activation_samples", None)
         if self.mode == "profile" and isinstance(samples, int):
@@ -258,7 +230,7 @@ class Probe(StepObserver):
         self.replicas = int(strategy.num_replicas_in_sync)
 
     def run_started(self, strategy: Any, args: tuple) -> tuple:
-        if self._first:
+        if not self.strategy_name:  # set by the first step
             self._first_step(strategy)
         now = self._now()
         comm_now = timing.snapshot()
@@ -272,7 +244,8 @@ class Probe(StepObserver):
             raise BenchComplete()
         self.calls += 1
         phase = self._phase()
-        size = _leading_size(args)
+        size = next((int(t.shape[0]) for t in flatten(args)[0]  # the leading dimension
+                     if isinstance(t, torch.Tensor) and t.dim()), None)
         if size is not None:
             if phase is not None and phase[3] < 1.0 and size >= 4:
                 keep = max(1, int(size * phase[3]))
@@ -300,10 +273,9 @@ class Probe(StepObserver):
         r, self._run = self._run, None
         if r is None:
             return
-        t_end = self._now()
+        t_end, t_run = self._now(), r["t_run"]
         comm_end = timing.snapshot()
         ckpt_now = timing.region_seconds("checkpoint")
-        t_run = r["t_run"]
         r.update(run=t_end - t_run, comm_run=(comm_end - r["comm_run"]).exposed, opt=self._opt,
                  ps=self._ps, comm_in_opt=self._comm_in_opt, end=t_end, ckpt_end=ckpt_now,
                  ckpt_run=ckpt_now - r["ckpt_start"], pre=t_run - r["start"],
@@ -312,6 +284,17 @@ class Probe(StepObserver):
                  batch=float(self.batch_sizes[-1]) if self.batch_sizes else 0.0)
         self._open = r
         self._write_progress()
+
+    def _write_progress(self) -> None:
+        """The chief's step count for the progress bar, at most every ``PROGRESS_INTERVAL``."""
+        if self._progress_path is None or self.rank != 0:
+            return
+        now = time.perf_counter()
+        if now - self._progress_at < PROGRESS_INTERVAL and self.calls < self.total_calls:
+            return
+        self._progress_at = now
+        with contextlib.suppress(OSError), open(self._progress_path, "w") as f:
+            f.write(str(min(self.calls, self.total_calls)))
 
     def _phase(self) -> tuple[str, int, int, float] | None:
         if self.mode != "profile" or self.calls <= self.warmup + 1:
@@ -323,15 +306,12 @@ class Probe(StepObserver):
         k -= first[1] * self._scale
         # the one-thread phases take turns step by step, so the machine's load lands on every
         # batch size alike (one after another, a busy spell bent the compute fit)
-        if k <= sum(p[1] for p in rest) * self._scale:
-            return rest[(k - 1) % len(rest)]
-        return None
+        return rest[(k - 1) % len(rest)] if k <= sum(p[1] for p in rest) * self._scale else None
 
     def _close(self, now: float, comm_now: timing.CommTime) -> None:
         """Finish the open step's record at the start of the next ``run``."""
-        r = self._open
+        r, self._open = self._open, None
         assert r is not None
-        self._open = None
         step = now - r["start"]
         if self.calls <= self.warmup:
             self._warm_steps.append(step)
@@ -352,20 +332,6 @@ class Probe(StepObserver):
             "batch": r["batch"], "collectives": float(self.collective_calls),
             # from the run's start to the end of the model's call (0: not seen; profile only)
             "forward": r["forward"]})
-
-    def _write_progress(self) -> None:
-        """The chief's step count for the progress bar, at most every ``PROGRESS_INTERVAL``."""
-        if self._progress_path is None or self.rank != 0:
-            return
-        now = time.perf_counter()
-        if now - self._progress_at < PROGRESS_INTERVAL and self.calls < self.total_calls:
-            return
-        self._progress_at = now
-        try:
-            with open(self._progress_path, "w") as f:
-                f.write(str(min(self.calls, self.total_calls)))
-        except OSError:
-            pass
 
     # -- profile mode: FLOPs and activations of one step ---------------------------------------
     def _start_counting(self) -> None:
@@ -393,19 +359,16 @@ class Probe(StepObserver):
 
     def _finish_counting(self) -> None:
         assert self._counting is not None
-        stack, saved, counter, roots, leaf_calls = self._counting
-        self._counting = None
+        (stack, saved, counter, roots, leaf_calls), self._counting = self._counting, None
         stack.close()
         batch = self.batch_sizes[-1] if self.batch_sizes else 1
-        self.extra["layer_calls"] = leaf_calls[0]
-        if roots:  # the blocks FSDPStrategy would shard one by one
+        self.extra.update(layer_calls=leaf_calls[0],
+                          flops_per_sample=counter.get_total_flops() / max(1, batch),
+                          activation_bytes_per_sample=saved.total / max(1, batch),
+                          **_precision(saved.floating, counter))
+        if roots:  # the blocks FSDPStrategy would shard one by one, the pipeline's stages
             self.extra["fsdp_units"] = len(shard_units(roots[0]))
-        self.extra["flops_per_sample"] = counter.get_total_flops() / max(1, batch)
-        self.extra["activation_bytes_per_sample"] = saved.total / max(1, batch)
-        self.extra.update(_precision(saved.floating, counter))
-        if roots:
-            self.extra["pipeline_stage_shares"] = stage_shares(roots[0],
-                                                               counter.get_flop_counts())
+            self.extra["pipeline_stage_shares"] = stage_shares(roots[0], counter.get_flop_counts())
             # every later step's forward pass ends when the model's call returns
             self._undo.append(roots[0].register_forward_hook(self._forward_end).remove)
 

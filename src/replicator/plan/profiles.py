@@ -1,6 +1,5 @@
-"""What the planner knows: a model's profile (measured by the probe, or estimated from its
-size) and this machine's (measured once, or nominal), both saved as JSON. Seconds and bytes.
-"""
+"""What the planner knows: a model's profile (measured, or estimated from its size) and this
+machine's (measured once, or nominal), both saved as JSON. Seconds and bytes."""
 
 from __future__ import annotations
 
@@ -35,10 +34,8 @@ class AlphaBeta:
     @classmethod
     def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
         """The line through the points with the least relative error and non-negative terms.
-        A time of zero or less (a difference of two timings that noise cancelled) carries no
-        relative error to fit, and would outweigh every other point: it is left out. A size
-        timed slower than a larger one was slowed by something else (a busy neighbour only ever
-        adds time, and moving more bytes never costs less): it counts at the larger one's time."""
+        Times <= 0 (noise cancelled a difference) are left out; a size timed slower than a
+        larger one counts at the larger one's time (more bytes never cost less)."""
         if len(sizes) != len(seconds) or len(sizes) < 2:
             raise ValueError("AlphaBeta.fit needs at least two (size, seconds) points")
         kept = _lower_envelope([(x, y) for x, y in zip(sizes, seconds) if y > 0])
@@ -83,9 +80,7 @@ class ModelProfile:
     flops_per_sample: float = 0.0
     largest_tensor_bytes: float = 0.0
     weight_tensors: int = 1
-    #: the blocks FSDP shards one by one (``parallel.fsdp.shard_units``); 0: not measured,
-    #: ``weight_tensors`` stands in
-    fsdp_units: int = 0
+    fsdp_units: int = 0  # the blocks FSDP shards one by one (0: unmeasured, weight_tensors)
     boundary_bytes_per_sample: float = 0.0
     step_seconds: float = 0.0
     compute_seconds: float = 0.0
@@ -95,29 +90,22 @@ class ModelProfile:
     optimizer_seconds_1thread: float = 0.0
     input_seconds_1thread: float = 0.0
     #: of the input's mean per step, what comes in occasional long gaps (a loader's new
-    #: epoch: its sampler, its prefetch thread), spread over the steps; a replica pays it
-    #: whatever its share of the batch, since every replica starts every epoch
+    #: epoch), which every replica pays whatever its share of the batch
     input_occasional_seconds: float = 0.0
     collectives_per_step: float = 0.0
     threads: int = 1
     rss_bytes: float = 0.0
     measured: bool = True
     pipeline_forward_backward: bool = False
-    #: what the matmuls and convolutions compute in, for a GPU's nominal rate: ``"half"``
-    #: (bf16/fp16, as mixed precision runs them) or ``"fp32"``, of which ``tf32_fraction`` of
-    #: the FLOPs may use TF32 (cuDNN's convolutions by default; matmuls when the float32
-    #: matmul precision is not "highest")
+    #: what the FLOPs compute in, for a GPU's nominal rate: ``"half"`` (bf16/fp16) or
+    #: ``"fp32"``, of which ``tf32_fraction`` may use TF32
     compute_precision: str = "half"
     tf32_fraction: float = 0.0
     #: per number of pipeline stages ("2".."8"): the largest share of the FLOPs one stage
     #: holds as the pipeline cuts the model by default (absent: an even split)
     pipeline_stage_shares: dict[str, float] = field(default_factory=dict)
-    #: the forward pass's share of forward + backward (one thread, the full batch; 0: not
-    #: measured, a third assumed: backward computes two products per forward one)
-    forward_fraction: float = 0.0
-    #: leaf modules called in one forward (0: not measured); a pipeline stage calls its share
-    #: of them once per microbatch
-    layer_calls: int = 0
+    forward_fraction: float = 0.0  # forward's share of forward + backward (0: a third assumed)
+    layer_calls: int = 0  # leaf modules called in one forward (0: not measured)
 
     def __post_init__(self) -> None:
         if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params < 1:
@@ -139,8 +127,7 @@ class ModelProfile:
 
     def compute_1thread(self, batch: float) -> float:
         """Forward + backward of ``batch`` samples on one thread (the fitted line)."""
-        c0, c1 = self.compute_fit
-        return c0 + c1 * batch
+        return self.compute_fit[0] + self.compute_fit[1] * batch
 
     def thread_speedup(self) -> float:
         """How much faster the process's threads ran the whole batch than one (1: unknown)."""
@@ -177,17 +164,13 @@ class ModelProfile:
                    largest_tensor_bytes=min(p, 4 * hidden * hidden) * bytes_per_value,
                    weight_tensors=layers, measured=False)
 
-    # -- JSON -------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelProfile:
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        if "compute_fit" in values:
-            values["compute_fit"] = tuple(values["compute_fit"])
-        return cls(**values)
+        return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
     def median_of(cls, profiles: list[ModelProfile]) -> ModelProfile:
@@ -219,8 +202,7 @@ class MachineProfile:
     fsdp_wide_adam: dict[int, float] = field(default_factory=dict)
     fsdp_wide_bytes: float = FSDP_WIDE_BYTES
     pipeline_slot: float = 3e-4
-    #: one small layer's forward and backward call (a pipeline stage's per layer and slot)
-    layer_call: float = 1.5e-5
+    layer_call: float = 1.5e-5  # one small layer's forward + backward (a stage's, per slot)
     flops_per_second: float = 3e10
     memory_bandwidth: float = 5e9
     input_fixed: float = 1e-4
@@ -230,10 +212,8 @@ class MachineProfile:
     measured_at: str = ""
     load_average: float = 0.0
     source: str = "nominal"
-    #: the calibration that measured it (MACHINE_VERSION then); 1: before versions were kept
-    version: int = 1
+    version: int = 1  # the calibration that measured it (MACHINE_VERSION; 1: unversioned)
 
-    # -- lookups with documented extrapolation --------------------------------------------
     def slowdown_for(self, processes: int) -> float:
         """Each of ``processes`` busy one-thread processes' slowdown here."""
         if processes <= 1:
@@ -241,24 +221,19 @@ class MachineProfile:
         if processes in self.slowdown:
             return self.slowdown[processes]
         top = max(self.slowdown)
-        base = self.slowdown[top]
         if processes < top:  # between measured points: the next measured one above
             return self.slowdown[min(k for k in self.slowdown if k > processes)]
-        return base * processes / top  # each extra process takes its share of the cores
+        return self.slowdown[top] * processes / top  # each extra process takes its share
 
     def straggle_for(self, processes: int) -> float:
         """How much longer the slowest of ``processes`` busy ranks takes than the mean."""
-        if processes <= 1 or not self.straggle:
-            return 1.0
-        if processes in self.straggle:
-            return self.straggle[processes]
-        return self.straggle[max(self.straggle)]
+        return (1.0 if processes <= 1 or not self.straggle
+                else self.straggle.get(processes, self.straggle[max(self.straggle)]))
 
     def sync_wait_for(self, processes: int) -> float:
         """A synchronous step's wait for its last rank (the nearest measured count)."""
-        if processes <= 1 or not self.sync_wait:
-            return 0.0
-        return self.sync_wait[min(self.sync_wait, key=lambda k: (abs(k - processes), -k))]
+        return (0.0 if processes <= 1 or not self.sync_wait
+                else self.sync_wait[min(self.sync_wait, key=lambda k: (abs(k - processes), -k))])
 
     def allreduce_seconds(self, algorithm: str, nbytes: float, world: int) -> float:
         """All-reduce of ``nbytes`` over ``world`` ranks here (else rescaled from the nearest)."""
@@ -270,8 +245,7 @@ class MachineProfile:
                              "HINT: measure this machine again (replicator plan --remeasure)")
         if world in table:
             return table[world].seconds(nbytes)
-        near = min(table, key=lambda k: abs(k - world))
-        ab = table[near]
+        ab = table[near := min(table, key=lambda k: abs(k - world))]
         alpha = ab.a / (2 * (near - 1))
         per_byte = ab.b / (2 * (near - 1) / near)
         return 2 * (world - 1) * alpha + 2 * (world - 1) / world * nbytes * per_byte
@@ -305,7 +279,6 @@ class MachineProfile:
         near = min(table, key=lambda k: abs(k - world))
         return table[near] * (world - 1) / max(1, near - 1)
 
-    # -- constructors ------------------------------------------------------------------------
     @classmethod
     def nominal(cls) -> MachineProfile:
         """Typical figures of a quiet 2-core host with gloo (docs/collectives.md)."""
@@ -324,20 +297,18 @@ class MachineProfile:
     def from_json(cls, data: dict[str, Any]) -> MachineProfile:
         """The profile saved by :meth:`to_json` (missing fields: defaults; version 1)."""
         values: dict[str, Any] = {"source": "measured", "version": 1}
-        for f in fields(cls):
-            if f.name not in data:
-                continue
-            v = data[f.name]
-            if f.name == "allreduce":
-                v = {name: {int(k): AlphaBeta(*ab) for k, ab in table.items()}
-                     for name, table in v.items()}
-            elif isinstance(getattr(_DEFAULT_MACHINE, f.name), AlphaBeta):
+        for name in [f.name for f in fields(cls) if f.name in data]:
+            v = data[name]
+            if name == "allreduce":
+                v = {algo: {int(k): AlphaBeta(*ab) for k, ab in table.items()}
+                     for algo, table in v.items()}
+            elif isinstance(getattr(_DEFAULT_MACHINE, name), AlphaBeta):
                 v = AlphaBeta(*v)
-            elif isinstance(getattr(_DEFAULT_MACHINE, f.name), dict):
+            elif isinstance(getattr(_DEFAULT_MACHINE, name), dict):
                 v = {int(k): float(x) for k, x in v.items()}
-            elif f.name not in ("measured_at", "source"):
-                v = int(v) if f.name in ("cores", "version") else float(v)
-            values[f.name] = v
+            elif name not in ("measured_at", "source"):
+                v = int(v) if name in ("cores", "version") else float(v)
+            values[name] = v
         return cls(**values)
 
     @classmethod
@@ -346,12 +317,10 @@ class MachineProfile:
         return _median_of(cls, profiles)
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {k: [v.a, v.b] if isinstance(v, AlphaBeta) else v
+               for k, v in ((f.name, getattr(self, f.name)) for f in fields(self))}
         out["allreduce"] = {name: {k: [ab.a, ab.b] for k, ab in table.items()}
                             for name, table in self.allreduce.items()}
-        for f in fields(self):
-            if isinstance(out[f.name], AlphaBeta):
-                out[f.name] = [out[f.name].a, out[f.name].b]
         return out
 
 
@@ -403,9 +372,7 @@ def kept_steps(records: list[dict[str, float]]) -> list[dict[str, float]]:
 def machine_profile_cached(directory: str | Path) -> MachineProfile | None:
     """``machine.json`` in ``directory`` when a plan measured this machine before."""
     path = Path(directory) / "machine.json"
-    if not path.exists():
-        return None
     try:
         return MachineProfile.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):  # absent, or not a profile
         return None

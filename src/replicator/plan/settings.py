@@ -1,7 +1,5 @@
 """What ``bench`` runs, what it found and its report: settings, results over interleaved rounds
-(each figure its median round), the one-process baseline, the table, ``report.md``,
-``results.json`` and JSON lines.
-"""
+(each figure its median round), the baseline, the table, ``report.md`` and ``results.json``."""
 
 from __future__ import annotations
 
@@ -130,9 +128,8 @@ class SettingResult:
     @property
     def spread(self) -> float:
         """(slowest - fastest round) / the median round; 0 with one round."""
-        if len(self.rounds) < 2:
-            return 0.0
-        return (max(self.rounds) - min(self.rounds)) / statistics.median(self.rounds)
+        rounds = self.rounds
+        return (max(rounds) - min(rounds)) / statistics.median(rounds) if len(rounds) > 1 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -141,11 +138,6 @@ class SettingResult:
                    workers=self.setting.workers, processes=self.setting.processes,
                    threads=self.setting.threads, spread=self.spread)
         return out
-
-
-def _class_key(name: str) -> str:
-    base = name.removesuffix("Strategy")
-    return re.sub(r"(?<=[a-z])(?=[A-Z])", "_", base).lower()
 
 
 def summarize(setting: Setting, ranks: list[dict[str, Any]]) -> SettingResult:
@@ -159,7 +151,8 @@ def summarize(setting: Setting, ranks: list[dict[str, Any]]) -> SettingResult:
                              "strategy.run (HINT: train through strategy.run, rp.Trainer or "
                              "rp.Replicator), or ended before the warmup steps", peak_rss=rss,
                              ranks=ranks)
-    ran = {_class_key(r["strategy"]) for r in workers}
+    ran = {re.sub(r"(?<=[a-z])(?=[A-Z])", "_", r["strategy"].removesuffix("Strategy")).lower()
+           for r in workers}  # the registry's names: MirroredStrategy -> mirrored
     if setting.strategy not in ran:
         return SettingResult(setting, False, f"the script ran {', '.join(sorted(ran))} "
                              f"instead of {setting.strategy}. HINT: build the strategy with "
@@ -243,17 +236,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
     """Columns padded to their widest cell (first column left-aligned), or a Markdown table."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     if markdown:
-        lines = ["| " + " | ".join(cells[0]) + " |",
-                 "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in cells[1:]]
-        return "\n".join(lines)
+        rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"
+        return "\n".join(["| " + " | ".join(cells[0]) + " |", rule]
+                         + ["| " + " | ".join(row) + " |" for row in cells[1:]])
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = []
-    for n, row in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                               for i, (c, w) in enumerate(zip(row, widths))))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))  # under the headers
     return "\n".join(lines)
 
 
@@ -290,22 +279,15 @@ def _rows(bench: BenchReport, base: float | None) -> list[list[object]]:
                          *[""] * (len(HEADERS) - 3)])
             continue
         b = r.breakdown
+        # peak memory per rank: the process's, and the GPU's allocated memory where it ran
+        rss, gpu = (" / ".join(f"{x / 1e6:.0f}" for x in v) for v in (r.peak_rss, r.peak_device))
         rows.append([
             r.setting.label, r.setting.processes, r.steps, ms(r.step_seconds),
-            f"{r.samples_per_second:.4g}",
-            f"{r.samples_per_second / base:.2f}x" if base else "",
+            f"{r.samples_per_second:.4g}", f"{r.samples_per_second / base:.2f}x" if base else "",
             ms(b["compute"]), ms(b["communication"]), ms(r.overlapped), ms(b["input"]),
             ms(b["optimizer"]), ms(b["checkpoint"]),
-            _memory(r)])
+            rss + (f" (GPU {gpu})" if any(r.peak_device) else "")])
     return rows
-
-
-def _memory(r: Any) -> str:
-    """Peak memory per rank: the process's, and the GPU's allocated memory where it ran on one."""
-    def mb(values: list[float]) -> str:
-        return " / ".join(f"{x / 1e6:.0f}" for x in values)
-
-    return mb(r.peak_rss) + (f" (GPU {mb(r.peak_device)})" if any(r.peak_device) else "")
 
 
 HEADERS = ("setting", "procs", "steps", "step ms", "samples/s", "vs 1 proc", "compute",
@@ -387,9 +369,8 @@ def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
         md += ["", "![throughput](throughput.png)", "", "![breakdown](breakdown.png)"]
     (root / "report.md").write_text("\n".join(md) + "\n")
     save_json(root / "results.json", {
-        "target": bench.target, "load_average": list(bench.load_average),
-        "ceiling": bench.ceiling, "skipped": bench.skipped,
-        "results": [r.to_json() for r in bench.results]})
+        "target": bench.target, "load_average": list(bench.load_average), "ceiling": bench.ceiling,
+        "skipped": bench.skipped, "results": [r.to_json() for r in bench.results]})
     bench.files = files = [*files, str(root / "report.md"), str(root / "results.json")]
     if echo:
         print(format_table(HEADERS, rows))
@@ -397,15 +378,11 @@ def write_bench_report(bench: BenchReport, *, echo: bool = True) -> None:
                      f"wrote {', '.join(files)}"]:
             print(line)
         for r in bench.results:
-            print(json.dumps(_json_line(r)), flush=True)
-
-
-def _json_line(r: Any) -> dict[str, Any]:
-    return {"bench": "replicator bench", "setting": r.setting.label,
-            "strategy": r.setting.strategy, "workers": r.setting.workers, "ok": r.ok,
-            "step_s": round(r.step_seconds, 6) if r.ok else None,
-            "samples_per_s": round(r.samples_per_second, 3) if r.ok else None,
-            "breakdown_s": {k: round(v, 6) for k, v in r.breakdown.items()},
-            "overlapped_s": round(r.overlapped, 6),
-            "peak_rss_bytes": r.peak_rss, "peak_device_bytes": r.peak_device,
-            "error": r.error or None}
+            print(json.dumps({
+                "bench": "replicator bench", "setting": r.setting.label,
+                "strategy": r.setting.strategy, "workers": r.setting.workers, "ok": r.ok,
+                "step_s": round(r.step_seconds, 6) if r.ok else None,
+                "samples_per_s": round(r.samples_per_second, 3) if r.ok else None,
+                "breakdown_s": {k: round(v, 6) for k, v in r.breakdown.items()},
+                "overlapped_s": round(r.overlapped, 6), "peak_rss_bytes": r.peak_rss,
+                "peak_device_bytes": r.peak_device, "error": r.error or None}), flush=True)

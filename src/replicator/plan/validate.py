@@ -1,10 +1,6 @@
 """``replicator plan --validate``: run the settings this machine can run, compare with the plan.
-
-Each runnable setting (a ``cpu`` plan, one host, at most :data:`MAX_LOCAL_PROCESSES`) runs
-through ``bench`` for at least :data:`MIN_MEASURED_SECONDS`; with ``repeat`` > 1 the profile,
-the machine and every setting are taken in turn, medians compared, so that the machine's swings
-reach both sides alike.
-"""
+With ``repeat`` > 1 the profile, the machine and every setting are taken in turn and medians
+compared, so that the machine's swings reach both sides alike."""
 
 from __future__ import annotations
 
@@ -15,13 +11,12 @@ from pathlib import Path
 
 from replicator.plan.benchmark import Target, _run_all, launcher
 from replicator.plan.cost_model import Prediction
+from replicator.plan.planner import Plan
 from replicator.plan.profiles import MachineProfile, ModelProfile
-from replicator.plan.recommend import Plan
 from replicator.plan.settings import (
     BENCH_STRATEGIES,
     BenchReport,
     Setting,
-    SettingResult,
     combine_rounds,
     load_note,
     write_bench_report,
@@ -47,18 +42,11 @@ def runnable_here(p: Prediction, plan: Plan) -> bool:
             and (p.strategy != "pipeline" or p.workers == 2))
 
 
-def _settings(plan: Plan) -> list[Setting]:
-    return [Setting(p.strategy, p.workers, p.processes - p.workers, threads=p.threads)
-            for p in plan.predictions if runnable_here(p, plan)]
-
-
 def steps_to_measure(p: Prediction, steps: int,
                      min_seconds: float = MIN_MEASURED_SECONDS) -> int:
     """``steps``, or more to last ``min_seconds`` (at most :data:`MAX_MEASURED_STEPS`)."""
-    if p.step_seconds <= 0:
-        return steps
-    wanted = math.ceil(min_seconds / p.step_seconds)
-    return max(steps, min(wanted, MAX_MEASURED_STEPS))
+    return (steps if p.step_seconds <= 0
+            else max(steps, min(math.ceil(min_seconds / p.step_seconds), MAX_MEASURED_STEPS)))
 
 
 def validate(plan: Plan, target: Target, script_args: tuple[str, ...] = (), *,
@@ -66,7 +54,8 @@ def validate(plan: Plan, target: Target, script_args: tuple[str, ...] = (), *,
              min_seconds: float = MIN_MEASURED_SECONDS, folder: str = "validate"
              ) -> BenchReport:
     """Run ``plan``'s runnable settings of ``target`` and fill ``plan.measured``."""
-    settings = _settings(plan)
+    settings = [Setting(p.strategy, p.workers, p.processes - p.workers, threads=p.threads)
+                for p in plan.predictions if runnable_here(p, plan)]
     if not settings:
         device = plan.cluster.device
         why = (f"a plan for {device.name} is predicted from nominal figures, and --validate "
@@ -94,13 +83,10 @@ def validate(plan: Plan, target: Target, script_args: tuple[str, ...] = (), *,
 def combine_passes(reports: list[BenchReport], out_dir: str, echo: bool = True
                    ) -> tuple[dict[str, float | None], BenchReport]:
     """Each setting's median step over ``reports``, and one report of them."""
-    measured: dict[str, float | None] = {}
-    results: list[SettingResult] = []
-    for first in reports[0].results:
-        result = combine_rounds([r for rep in reports
-                                 if (r := rep.result(first.setting.label)) is not None])
-        measured[first.setting.key] = result.step_seconds if result.ok else None
-        results.append(result)
+    results = [combine_rounds([r for rep in reports
+                               if (r := rep.result(first.setting.label)) is not None])
+               for first in reports[0].results]
+    measured = {r.setting.key: r.step_seconds if r.ok else None for r in results}
     loads = [rep.load_average for rep in reports]
     combined = BenchReport(reports[0].target, results, reports[0].skipped, out_dir,
                            (loads[0][0], loads[-1][1]))
@@ -122,8 +108,7 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
     if repeat == 1:
         return plan, validate(plan, target, script_args, out_dir=out_dir, steps=steps,
                               warmup=warmup, quiet=quiet)
-    models, machines = [model], [machine]
-    reports = []
+    models, machines, reports = [model], [machine], []
     for i in range(repeat):
         if i:
             log(f"pass {i + 1} of {repeat}: profiling again ...")
@@ -149,19 +134,15 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
 
 def summary(plan: Plan, report: BenchReport) -> str:
     """One paragraph: how many settings ran, the errors against the goal, the load."""
-    errors = []
-    for p in plan.predictions:
-        got = plan.measured.get(p.setting)
-        if got:
-            errors.append((abs(p.step_seconds - got) / got, p.setting))
+    errors = [(abs(p.step_seconds - got) / got, p.setting) for p in plan.predictions
+              if (got := plan.measured.get(p.setting))]
     failed = [r.setting.label for r in report.results if not r.ok]
     text = f"validated {len(errors)} setting(s) on this machine"
     if errors:
-        mean = sum(e for e, _ in errors) / len(errors)
-        worst = max(errors)
-        within = sum(1 for e, _ in errors if e <= GOAL)
+        mean, worst = sum(e for e, _ in errors) / len(errors), max(errors)
         text += (f": mean |error| {mean:.0%}, worst {worst[0]:.0%} ({worst[1]}); "
-                 f"{within} of {len(errors)} within the {GOAL:.0%} goal")
+                 f"{sum(1 for e, _ in errors if e <= GOAL)} of {len(errors)} within the "
+                 f"{GOAL:.0%} goal")
     if failed:
         text += f"; failed to run: {', '.join(failed)} (see {report.out_dir}/report.md)"
     return text + "; " + load_note(report.load_average, os.cpu_count() or 1)
