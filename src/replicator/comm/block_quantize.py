@@ -1,15 +1,12 @@
-"""Block quantisation of outer updates: int8 and int4 values with one float32 scale per block.
+"""Block quantisation of two-level training's outer updates: int8 or int4 values (4x or 8x fewer
+bytes) with one float32 scale per block, which confines an outlier to its block; plain torch.
 
-Two-level training (``strategies/two_level``) sends a pseudo-gradient every few hundred steps;
-8 or 4 bits cut those bytes 4x or 8x, and a scale per block confines an outlier to its block.
-Plain torch: the same code on CPU and GPU. Quantised values cannot be summed by an all-reduce
-(int8 overflows, scales differ per rank), so payloads are all-gathered and decoded in rank
-order, the same bits on every rank; hence not a gradient ``Compression``. ``error_feedback``
-carries what quantisation lost into the next payload (Seide et al. 2014). Measured
-(``benchmarks/slow_links.py``, 2 hosts x 2 processes, 137k parameters, H=50): int8 streaming
-put 16.3 kB per step on the hosts' links against 61.3 kB uncompressed, 2,329 kB synchronous.
-A payload (flat ``uint8``: packed values, then the float32 scales) has a length fixed by
-``numel``, ``bits`` and ``block_size``, as ``all_gather`` needs.
+Not a gradient ``Compression``: quantised values cannot be summed by an all-reduce, so payloads
+are all-gathered and decoded in rank order (the same bits everywhere); a payload's length
+(flat ``uint8``: packed values, then the scales) is fixed by ``numel``, ``bits`` and
+``block_size``. ``error_feedback`` carries what quantisation lost into the next payload (Seide
+et al. 2014). ``benchmarks/slow_links.py`` (2 hosts x 2, 137k parameters, H=50): int8 streaming
+put 16.3 kB per step on the hosts' links, 61.3 kB uncompressed, 2,329 kB synchronous.
 """
 
 from __future__ import annotations

@@ -79,10 +79,8 @@ class CollectiveTracker:
         return self.seq
 
     def _publish_loop(self) -> None:
-        key = self._key(self.ranks[self.rank])
-        store = self.store
-        if store is None:
-            return
+        key, store = self._key(self.ranks[self.rank]), self.store
+        assert store is not None, "the thread runs only with a store"
         while True:
             try:
                 store.set(key, f"{self.seq}|{self.current}|{time.time()}")

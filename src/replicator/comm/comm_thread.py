@@ -19,13 +19,8 @@ import torch.distributed as dist
 
 from replicator.cluster.timeouts import resolve_timeout
 from replicator.comm import timing
-from replicator.comm.groups import (
-    check_member,
-    group_ranks,
-    new_private_group,
-)
+from replicator.comm.groups import algorithm_error, check_member, group_ranks, new_private_group
 from replicator.comm.handles import ThreadHandle
-from replicator.comm.op_errors import algorithm_error
 
 #: Seconds a handle waits beyond the collective timeout (the collectives inside fail first).
 WAIT_MARGIN_SECONDS = 10.0

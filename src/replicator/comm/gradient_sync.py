@@ -1,13 +1,11 @@
 """Average gradients across replicas during ``backward()``, bucket by bucket (DDP's reducer).
 
 A hook starts a bucket's all-reduce once its gradients are in, in the same order on every rank;
-``.grad`` becomes a view of its bucket (DDP's ``gradient_as_bucket_view``). A parameter without a
-gradient contributes zeros. With ``check=True`` a fingerprint, started at the first gradient and
-awaited at the first bucket, turns a rank in ``backward()`` against one in ``strategy.reduce``
-into ``CollectiveMismatchError``. ``buffer_sync``: ``"mean"`` (integer buffers broadcast),
-``"broadcast"`` (DDP's) or ``"none"``. ``automatic=False``: no hooks, :meth:`synchronize`
-averages all at once; ``enabled`` gates both (``no_sync``). ``destination=r`` reduces onto rank
-``r`` only (central storage); DTensor parameters sync their local shard.
+``.grad`` becomes a view of its bucket, a parameter without a gradient contributes zeros. With
+``check=True`` a fingerprint started at the first gradient is awaited at the first bucket.
+``buffer_sync``: ``"mean"`` (integer buffers broadcast), ``"broadcast"`` or ``"none"``.
+``automatic=False``: no hooks, :meth:`synchronize` averages all at once; ``enabled`` gates both
+(``no_sync``). ``destination=r`` reduces onto rank ``r`` only; DTensors sync their local shard.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.algorithms import CrossDeviceOps, Handle, NativeAllReduce
-from replicator.comm.bucket_layout import BucketLayout, pack, unpack_into
-from replicator.comm.collectives import Collectives
-from replicator.comm.fingerprint import dtype_name
+from replicator.comm.collectives import Collectives, dtype_name
+from replicator.comm.compression import BucketLayout, pack, unpack_into
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -144,10 +141,7 @@ class GradientSynchronizer:
                     [(b.layout.numel, b.dtype, b.device) for b in self.buckets], collectives.group)
             for b, buf in zip(self.buckets, bufs):
                 b.buffer = buf
-        self._where: dict[int, tuple[_Bucket, int]] = {}
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.what = f"gradient averaging of synchronizer {self.index}"
         self._detail = self._describe()
         self.enabled = True
@@ -327,14 +321,9 @@ class GradientSynchronizer:
                     if grad.data_ptr() != piece.data_ptr():
                         grad.copy_(piece)
                 elif i not in bucket.ready and bool(piece.any()):
-                    p.grad = _like_param(p, piece.clone())
+                    p.grad = piece.clone()
+                    if bucket.sharded[i]:  # a DTensor like the parameter
+                        from torch.distributed.tensor import DTensor
 
-
-def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a gradient for ``param``: a DTensor like ``param`` when it is one."""
-    if not _is_distributed_tensor(param):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, param.device_mesh, param.placements,  # type: ignore[attr-defined]
-                              run_check=False)
+                        p.grad = DTensor.from_local(p.grad, p.device_mesh,  # type: ignore[attr-defined]
+                                                    p.placements, run_check=False)  # type: ignore[attr-defined]

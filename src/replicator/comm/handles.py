@@ -52,10 +52,6 @@ class ThreadHandle:
             torch.cuda.current_stream().wait_event(self.done_event)
         return True
 
-    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
-        """Call ``fn(error_or_None)`` once the work ends (on the thread that ends it)."""
-        self.future.add_done_callback(lambda f: fn(f.exception()))
-
 
 def as_torch_future(handle: Handle, value: torch.Tensor,
                     then: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -77,7 +73,7 @@ def as_torch_future(handle: Handle, value: torch.Tensor,
             except BaseException as exc:  # noqa: BLE001 - handed to the future's waiter
                 fut.set_exception(exc)
 
-        handle.add_done_callback(complete)
+        handle.future.add_done_callback(lambda f: complete(f.exception()))  # on the lane
         return fut
     handle.wait()
     fut.set_result(finish(value))

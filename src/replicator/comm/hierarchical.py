@@ -128,14 +128,10 @@ class HierarchicalAllReduce(CrossDeviceOps):
                             device=collective_device(group))
         parts = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(parts, mine, group=group)
-        facts = {r: (int(p[0]), int(p[1]), keys[i]) for i, (r, p) in enumerate(zip(ranks, parts))}
-        out = []
-        for h in hosts:
-            machines = {facts[r][0] for r in h}
-            declared = {facts[r][2] for r in h}
-            out.append(len(h) > 1 and len(machines) == 1 and len(declared) == 1
-                       and all(facts[r][1] for r in h))
-        return out
+        facts = {r: (int(p[0]), keys[i], int(p[1])) for i, (r, p) in enumerate(zip(ranks, parts))}
+        # one machine, one declared host key, and every member able to use shared memory
+        return [len(h) > 1 and len({facts[r][:2] for r in h}) == 1 and all(facts[r][2] for r in h)
+                for h in hosts]
 
     def forget_groups(self) -> None:  # the inner algorithms forget theirs themselves
         self._topologies.clear()
@@ -147,25 +143,24 @@ class HierarchicalAllReduce(CrossDeviceOps):
         if topo is None:  # only the lane calls this, after _prepare
             raise RuntimeError("HierarchicalAllReduce ran on a group it has not prepared. "
                                "HINT: call all_reduce_sum_async(tensor, group), not _sum_now")
-        leader = topo.host[0]
-        several_hosts = len(topo.hosts) > 1
-        if topo.intra is not None and topo.shared_memory and tensor.device.type == "cpu":
-            shm = self._shared
-            shm._sum_now(tensor, topo.intra)
-            if not several_hosts:
-                return
-            if topo.leader_group is not None:
-                self.inter_node._sum_now(tensor, topo.leader_group)
-            else:
-                tensor.zero_()  # the leader's result plus zeros: a broadcast through memory
-            shm._sum_now(tensor, topo.intra)
+        intra, leader = topo.intra, topo.host[0]
+        # in shared memory a sum lands on every member: the host's sum, then the leader's
+        # result plus zeros from the others is a broadcast
+        shm = intra is not None and topo.shared_memory and tensor.device.type == "cpu"
+        if shm:
+            self._shared._sum_now(tensor, intra)
+        elif intra is not None:
+            dist.reduce(tensor, dst=leader, group=intra)
+        if shm and len(topo.hosts) == 1:
             return
-        if topo.intra is not None:
-            dist.reduce(tensor, dst=leader, group=topo.intra)
         if topo.leader_group is not None:
             self.inter_node._sum_now(tensor, topo.leader_group)
-        if topo.intra is not None:
-            dist.broadcast(tensor, src=leader, group=topo.intra)
+        elif shm:
+            tensor.zero_()
+        if shm:
+            self._shared._sum_now(tensor, intra)
+        elif intra is not None:
+            dist.broadcast(tensor, src=leader, group=intra)
 
     def _fields(self) -> dict[str, object]:
         return {"ranks_per_node": self.ranks_per_node, "inter_node": self.inter_node,

@@ -19,10 +19,6 @@ DEFAULT_SEGMENT_BYTES = 2 << 20
 DEFAULT_DEPTH = 16
 
 
-def _segments(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
-    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
-
-
 def _sent(work: dist.Work | None) -> dist.Work:
     """The handle of a point-to-point call (``None`` only outside the group: never here)."""
     if work is None:
@@ -82,7 +78,7 @@ class RingAllReduce(CrossDeviceOps):
         right, left = (me + 1) % world, (me - 1) % world
 
         def chunk(c: int) -> list[tuple[int, int]]:
-            return _segments(bounds[c], bounds[c + 1], seg)
+            return [(a, min(a + seg, bounds[c + 1])) for a in range(bounds[c], bounds[c + 1], seg)]
 
         pool = self._pool(tensor, seg, bounds[1] - bounds[0] + 1)
         # On gloo every receive is announced to the sender before data flows, so the

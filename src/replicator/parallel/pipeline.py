@@ -1,22 +1,10 @@
-"""Pipeline parallelism: a model cut into stages on the ranks of a 1-D ``DeviceMesh``.
+"""Pipeline parallelism: a model cut into stages on the ranks of a 1-D ``DeviceMesh``, run by a
+``torch.distributed.pipelining`` schedule under the one-device step (docs/model_parallel.md).
 
-Built on ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B, zero bubble). The
-step keeps its one-device shape (``loss_fn(model(x), y).backward()``), which 1F1B cannot run as
-such (it needs each microbatch's loss during the forward), so a call runs in two passes:
-
-1. ``model(x)`` runs the stages forward without autograd and gives every pipeline rank the full
-   output (a leaf that requires grad), so the loss is the same everywhere.
-2. ``loss.backward()`` reaches it with ``dL/d(output)``; a hook runs the schedule with the loss
-   ``sum(output_i * dL/d(output_i))`` per microbatch, whose gradient is exactly the user
-   loss's for any loss (``scale_grads=False``).
-
-The price is a second forward (about a third more compute) and a broadcast of the output; the
-random state is replayed, so dropout masks match. :meth:`PipelineRunner.forward_backward` runs
-one schedule with the loss on the last stage when it is known up front; a Hugging Face model
-called with labels computes its loss on the last stage and broadcasts only that. Each pass is
-one guarded operation (``Collectives.guard``) on every pipeline rank, so a hung neighbour
-raises ``ReplicaTimeoutError`` naming rank and pass. Tied weights are kept in step by
-:mod:`replicator.parallel.pipeline_tied`.
+``model(x)`` runs the stages forward without autograd and gives every pipeline rank the output
+(a leaf requiring grad); its backward runs the schedule with the loss
+``sum(output_i * dL/d(output_i))``, whose gradient is the user loss's (``scale_grads=False``).
+Each pass is one guarded operation on every pipeline rank.
 """
 
 from __future__ import annotations
@@ -151,36 +139,29 @@ class PipelineRunner:
             raise ValueError(f"PipelineRunner takes the 1-D mesh of the pipeline axis, got a "
                              f"{mesh.ndim}-D one. HINT: pass mesh['pipeline']")
         name = str(schedule).lower().replace("-", "_")
-        per_rank = SCHEDULES[name][1] if name in SCHEDULES else 1
-        num_stages = num_stages or mesh.size() * per_rank
+        num_stages = num_stages or mesh.size() * (SCHEDULES[name][1] if name in SCHEDULES else 1)
         schedule = check_pipeline_options(num_stages, num_microbatches, name, balance)
         self.model = model
         self.device = device
         self.group = mesh.get_group()
-        self.ranks = mesh.size()
         self.me = mesh.get_local_rank()
         self.global_ranks = list(dist.get_process_group_ranks(self.group))
         self._guard = guard
         self._timeout_seconds = timeout_seconds
-        placement = SCHEDULES[schedule][2]
         self.num_stages = num_stages
         self.schedule_name = schedule
         self.num_microbatches = num_microbatches
-        self.owners = stage_owners(self.num_stages, self.ranks, placement)
+        self.owners = stage_owners(num_stages, mesh.size(), SCHEDULES[schedule][2])
         self.local_ids = [s for s, r in enumerate(self.owners) if r == self.me]
         self.after_backward: Callable[[], None] | None = None
         self.tied = TiedWeights([], [], self.global_ranks, self.me, {})
-        self._wrap_output: Any = None
-        #: the model's own loss of (logits, labels), for ``model(input_ids=x, labels=y)``
-        self._own_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         known = None if isinstance(model, torch.nn.Sequential) else known_chain(model)
-        if known is not None:
-            chain_module, self._wrap_output = known
-            self._own_loss = known_loss(model)
-            # names for split points and messages: the chain's; parameters stay model's
-            self.chain = flatten_chain(chain_module)
-        else:
-            self.chain = flatten_chain(model)
+        # names for split points and messages: the chain's; parameters stay model's
+        chain_module, wrap = known or (model, None)
+        self._wrap_output: Any = wrap
+        #: the model's own loss of (logits, labels), for ``model(input_ids=x, labels=y)``
+        self._own_loss = known_loss(model) if known is not None else None
+        self.chain = flatten_chain(chain_module)
         check_stage_count(self.chain, self.num_stages)
         self.stages: list[Stage] = []
         self._schedules: dict[tuple, Any] = {}
@@ -209,11 +190,8 @@ class PipelineRunner:
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 if id(t) not in mine:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        self._tie_weights()
-
-    def _tie_weights(self) -> None:
-        """Find the parameters that stages on different ranks share; make their groups and
-        start their copies equal (one guarded pass on every rank of the pipeline)."""
+        # weights that stages on different ranks share: their groups made and their copies
+        # made equal, in one guarded pass on every rank of the pipeline
         names: dict[int, list[str]] = {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
@@ -417,11 +395,8 @@ class PipelineRunner:
             self._value_pass(x)
             torch.set_rng_state(rng)
         m = self.num_microbatches
-
-        def microbatch_loss(output: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-            return loss_fn(output, tgt) / m
-
-        sched = self._schedule_for(x, microbatch_loss, key=(*key, "loss", id(loss_fn)))
+        sched = self._schedule_for(x, lambda output, tgt: loss_fn(output, tgt) / m,
+                                   key=(*key, "loss", id(loss_fn)))
         losses: list[torch.Tensor] = []
         self._step(sched, x, {"target": target.to(self.device), "losses": losses},
                    "forward and backward")
@@ -452,11 +427,7 @@ class PipelineRunner:
                                     input_args=self._metas[s][0],
                                     output_args=self._metas[s][1], group=self.group)
                       for s in self.local_ids]
-
-            def output_times_grad(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-                return (output * grad).sum()
-
-            loss_fn = loss_fn or output_times_grad
+            loss_fn = loss_fn or (lambda output, grad: (output * grad).sum())
             one_per_rank = SCHEDULES[self.schedule_name][1] == 1  # these take one stage
             sched = cls(stages[0] if one_per_rank else stages, self.num_microbatches,
                         loss_fn=loss_fn, scale_grads=False)

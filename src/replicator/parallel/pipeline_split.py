@@ -1,14 +1,12 @@
-"""Cutting a model into pipeline stages: the chain of blocks, balanced or named cut points.
-
-A chain is an ``nn.Sequential``, nested ones flattened (``embed, blocks.0, ..., head``).
-Stages are contiguous runs balancing a cost per block (parameters or measured forward time)
-or cut before named blocks (``split_points=["layers.4"]``). Tied weights across stages are
-allowed: :func:`shared_parameters` lists them and the pipeline keeps them in step.
+"""Cutting a model into pipeline stages: contiguous runs of a chain of blocks (an
+``nn.Sequential``, nested ones flattened), balanced by a cost per block or cut before named
+blocks; :func:`shared_parameters` lists the weights tied across stages.
 """
 
 from __future__ import annotations
 
 import difflib
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,11 +55,8 @@ class _NormAndHead(torch.nn.Module):
 
 
 def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | None:
-    """A chain sharing ``model``'s modules for a known layout, and how to wrap its output
-    like ``model``'s (``wrap(logits, loss=None)``); ``None`` for an unknown one. Known: a
-    Hugging Face GPT-2 language model (``transformer.wte/wpe/drop/h/ln_f`` and ``lm_head``),
-    whose blocks see no attention mask (causal attention that needs none, such as
-    ``attn_implementation="sdpa"``)."""
+    """A chain sharing ``model``'s modules and ``wrap(logits, loss=None)`` for its output, for a
+    Hugging Face GPT-2 LM (blocks see no attention mask, as with sdpa); ``None`` otherwise."""
     body = getattr(model, "transformer", None)
     head = getattr(model, "lm_head", None)
     parts = ("wte", "wpe", "drop", "h", "ln_f")
@@ -84,10 +79,8 @@ def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | Non
 
 
 def known_loss(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The loss a model of a layout :func:`known_chain` knows computes from its logits when
-    called with ``labels=``: a Hugging Face language model's own ``loss_function`` (labels
-    shifted by one token, ``-100`` ignored, the mean over the counted tokens), or that rule
-    written out for a version of transformers without ``loss_function``."""
+    """The loss a :func:`known_chain` model computes with ``labels=``: its ``loss_function``, or
+    that rule written out (labels shifted by one, ``-100`` ignored, mean over counted tokens)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     own = getattr(model, "loss_function", None)
     if callable(own) and vocab is not None:
@@ -142,9 +135,7 @@ def balanced_starts(costs: Sequence[float], num_stages: int) -> list[int]:
     """Start index of each stage so the costliest stage costs least (contiguous stages, at
     least one block each)."""
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = list(itertools.accumulate(costs, initial=0.0))
     inf = float("inf")
     # best[s][i]: least max-stage cost of splitting blocks[:i] into s stages
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -221,11 +212,8 @@ def build_stages(chain: Sequence[tuple[str, torch.nn.Module]], starts: Sequence[
 def shared_parameters(stages: Sequence[Stage]) -> list[tuple[torch.nn.Parameter, list[int]]]:
     """Each parameter used by more than one stage (tied weights, as GPT-2's embedding and
     head), with the stages using it, in order of first use."""
-    users: dict[int, list[int]] = {}
-    params: dict[int, torch.nn.Parameter] = {}
+    users: dict[torch.nn.Parameter, list[int]] = {}  # tensors hash by identity
     for i, stage in enumerate(stages):
-        for p in stage.parameters():
-            params.setdefault(id(p), p)
-            if i not in users.setdefault(id(p), []):
-                users[id(p)].append(i)
-    return [(params[k], used) for k, used in users.items() if len(used) > 1]
+        for p in stage.parameters():  # each once per stage
+            users.setdefault(p, []).append(i)
+    return [(p, used) for p, used in users.items() if len(used) > 1]

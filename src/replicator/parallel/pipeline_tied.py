@@ -1,9 +1,8 @@
-"""Tied weights across pipeline stages: one parameter, a copy on each rank that uses it.
+"""Tied weights across pipeline stages (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``).
 
-GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``. As in Megatron, each holding rank
-keeps a copy; copies start equal (a broadcast from the lowest holder) and stay equal because
-after every schedule run each copy's gradient becomes the sum of all copies' (the one-device
-gradient), over a private group of the holders. Only that run's gradient is summed, so
+As in Megatron each holding rank keeps a copy: copies start equal (a broadcast from the lowest
+holder) and stay equal because after every schedule run each copy's gradient becomes the sum of
+all copies' over a private group of the holders. Only that run's gradient is summed, so
 gradients accumulated under ``no_sync`` are summed once.
 """
 
@@ -84,11 +83,8 @@ class TiedWeights:
     def set_aside(self) -> list[list[torch.Tensor | None]]:
         """Take this rank's copies' gradients out before a run of the schedule, so the run's
         gradient arrives alone (see the module doc)."""
-        kept: list[list[torch.Tensor | None]] = []
-        for tie in self.mine:
-            kept.append([p.grad for p in tie.params])
-            for p in tie.params:
-                p.grad = None
+        kept = [[p.grad for p in tie.params] for tie in self.mine]
+        self.put_back([[None] * len(tie.params) for tie in self.mine])
         return kept
 
     def sum_gradients(self, kept: list[list[torch.Tensor | None]]) -> None:

@@ -1,11 +1,6 @@
-"""Tensor parallelism: each layer's weights split over a ``DeviceMesh`` (``parallelize_module``).
-
-Megatron's layout, as torchtitan applies it: an MLP's first ``Linear`` column-wise and the second
-row-wise (one all-reduce per block), attention's q/k/v by heads and its output row-wise,
-embeddings by vocabulary rows; a tensor-parallel group shares one batch. A plan maps module
-names (``fnmatch``) to ``"colwise"``, ``"rowwise"``, ``"embedding"`` or a ``ParallelStyle``.
-``sequence_parallel=True``: norms and the residual stream work on ``1/N`` of the sequence
-(all-gather in, reduce-scatter out), which must divide by the degree.
+"""Tensor parallelism: each layer's weights split over a ``DeviceMesh`` (``parallelize_module``)
+in Megatron's layout (docs/model_parallel.md). A plan maps module names (``fnmatch``) to
+``"colwise"``, ``"rowwise"``, ``"embedding"`` or a ``ParallelStyle``.
 """
 
 from __future__ import annotations
@@ -108,11 +103,9 @@ def _block_plan(module: torch.nn.Module, degree: int) -> dict[str, str]:
 
 
 def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
-    """The plan used when none is given (see the module doc): attention blocks (projections
-    named like ``q/k/v/o``, ``q_proj/.../o_proj``), gated MLPs (``gate/up/down_proj``), MLPs
-    (two ``Linear`` children, or consecutive ``Linear`` layers of an ``nn.Sequential`` with
-    only parameter-free modules between them), and embeddings. Layers whose split dimension
-    does not divide by ``degree`` stay replicated."""
+    """The plan used when none is given: attention blocks, gated MLPs, MLPs (two ``Linear``
+    children, or consecutive ones in an ``nn.Sequential``) and embeddings whose split dimension
+    divides by ``degree`` (see :func:`_block_plan`); the rest stays replicated."""
     plan: dict[str, str] = {}
     for prefix, module in model.named_modules():
         plan.update({_join(prefix, n): style for n, style in _block_plan(module, degree).items()})
