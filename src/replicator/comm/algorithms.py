@@ -15,10 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from replicator.comm.comm_thread import forget_at_shutdown, lane
+from replicator.comm.comm_thread import DONE, Handle, ThreadHandle, forget_at_shutdown, lane
 from replicator.comm.compression import BucketLayout, Compression
 from replicator.comm.groups import check_member, group_size
-from replicator.comm.handles import DONE, Handle, as_torch_future
 
 __all__ = ["CrossDeviceOps", "NativeAllReduce", "ReductionToOneDevice", "Handle",
            "BucketLayout", "ddp_comm_hook", "register_ddp_comm_hook"]
@@ -50,11 +49,9 @@ class CrossDeviceOps(ABC):
         forget_at_shutdown(self)
 
     def forget_groups(self) -> None:
-        """Drop state kept per process group; called at shutdown, before the groups are
-        destroyed."""
+        """Drop state kept per process group (at shutdown, before the groups are destroyed)."""
         return None
 
-    # -- public API ---------------------------------------------------------------------------
     def all_reduce_sum_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                              *, layout: BucketLayout | None = None) -> Handle:
         """Start summing ``tensor`` in place across ``group``; ``layout``: its gradients (for
@@ -80,10 +77,9 @@ class CrossDeviceOps(ABC):
         ``dst``'s tensor is defined afterwards. With compression this is a compressed all-reduce."""
         world = self._world(tensor, group, "reduce_sum_async")
         if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < world:
-            raise ValueError(
-                f"reduce_sum_async(dst={dst!r}): dst is a group rank, from 0 to {world - 1} "
-                f"for this group of {world}. HINT: for a global rank r, pass "
-                "torch.distributed.get_group_rank(group, r)")
+            raise ValueError(f"reduce_sum_async(dst={dst!r}): dst is a group rank, from 0 to "
+                             f"{world - 1} for this group of {world}. HINT: for a global rank r, "
+                             "pass torch.distributed.get_group_rank(group, r)")
         if world == 1 or tensor.numel() == 0:
             return DONE
         if self.compression is not None:
@@ -98,8 +94,7 @@ class CrossDeviceOps(ABC):
 
     def make_buffers(self, specs: Sequence[BufferSpec],
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-        """Flat buffers ``(numel, dtype, device)``, made in the same order on every rank, where
-        this algorithm communicates fastest."""
+        """Flat buffers for ``specs``, made alike on every rank, where this algorithm is fastest."""
         return [torch.empty(n, dtype=d, device=dev) for n, d, dev in specs]
 
     def __repr__(self) -> str:
@@ -117,18 +112,15 @@ class CrossDeviceOps(ABC):
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         """Sum ``tensor`` in place over exactly ``group``, on the calling thread."""
 
-    def _reduce_now(self, tensor: torch.Tensor, dst: int,
-                    group: dist.ProcessGroup | None) -> None:
+    def _reduce_now(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
         """Sum onto group rank ``dst`` (default: a full all-reduce, also correct on ``dst``)."""
         self._sum_now(tensor, group)
 
     def _prepare(self, group: dist.ProcessGroup | None,  # noqa: B027 - optional hook
                  private: dist.ProcessGroup) -> None:
-        """Collective set-up over the caller's ``group``, on its thread, before work runs on the
-        lane."""
+        """Collective set-up over the caller's ``group``, on its thread, before the lane runs."""
 
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
-               what: str) -> Handle:
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
         return self._on_lane(group, what, tensor, lambda g: self._sum_now(tensor, g))
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
@@ -161,8 +153,7 @@ class NativeAllReduce(CrossDeviceOps):
 
     name = "native"
 
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
-               what: str) -> Handle:
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True) or DONE
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
@@ -173,8 +164,7 @@ class NativeAllReduce(CrossDeviceOps):
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
-    def _reduce_now(self, tensor: torch.Tensor, dst: int,
-                    group: dist.ProcessGroup | None) -> None:
+    def _reduce_now(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
         dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
 
 
@@ -208,12 +198,38 @@ class ReductionToOneDevice(CrossDeviceOps):
         dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
         dist.broadcast(tensor, group_src=dst, group=group)
 
-    def _reduce_now(self, tensor: torch.Tensor, dst: int,
-                    group: dist.ProcessGroup | None) -> None:
+    def _reduce_now(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
         dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
 
     def _fields(self) -> dict[str, object]:
         return {"destination": self.destination}
+
+
+def as_torch_future(handle: Handle, value: torch.Tensor,
+                    then: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> torch.futures.Future:
+    """A ``torch.futures.Future`` completed with ``then(value)`` when ``handle`` is done."""
+    finish = then or (lambda t: t)
+    if isinstance(handle, torch.distributed.Work):
+        return handle.get_future().then(lambda _: finish(value))
+    devices: list[int | str | torch.device] | None = \
+        [value.device] if value.device.type == "cuda" else None
+    fut: torch.futures.Future = torch.futures.Future(devices=devices)
+    if isinstance(handle, ThreadHandle):
+        def complete(error: BaseException | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+                return
+            try:
+                fut.set_result(finish(value))
+            except BaseException as exc:  # noqa: BLE001 - handed to the future's waiter
+                fut.set_exception(exc)
+
+        handle.future.add_done_callback(lambda f: complete(f.exception()))  # on the lane
+        return fut
+    handle.wait()
+    fut.set_result(finish(value))
+    return fut
 
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]

@@ -36,8 +36,7 @@ def payload_bytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -
     return blocks * block_size * bits // 8 + 4 * blocks
 
 
-def quantize(values: torch.Tensor, bits: int,
-             block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+def quantize(values: torch.Tensor, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """``values`` (any float tensor, read flat) as one ``uint8`` payload (see the module doc)."""
     _check(bits, block_size)
     flat = values.detach().reshape(-1).float()

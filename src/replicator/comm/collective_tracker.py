@@ -114,9 +114,7 @@ class CollectiveTracker:
             elif int(their_seq) < seq:
                 behind.append(f"{self.name(r)} (still at collective #{their_seq} {their_op}; last "
                               f"heard from {now - float(stamp):.1f} s ago)")
-        parts = []
-        if behind:
-            parts.append("did not arrive: " + ", ".join(behind))
+        parts = ["did not arrive: " + ", ".join(behind)] if behind else []
         if silent:
             parts.append("never reported progress: " + ", ".join(self.name(r) for r in silent))
         return "; ".join(parts)

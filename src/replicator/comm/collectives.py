@@ -72,8 +72,7 @@ def _skip_prefixes() -> tuple[str, ...]:
 
 
 def call_site() -> str:
-    """``file:line`` of the innermost frame outside replicator, torch and the standard library:
-    the user's call."""
+    """``file:line`` of the user's call: the innermost frame outside replicator, torch, stdlib."""
     skip = _skip_prefixes()
     frame = sys._getframe(1)
     while frame is not None:
@@ -96,8 +95,7 @@ class PendingCheck:
     done: bool = False
 
     def wait(self) -> None:
-        """Raise :class:`CollectiveMismatchError` on every rank if the fingerprints differ (the
-        first wait only)."""
+        """Raise :class:`CollectiveMismatchError` on every rank if fingerprints differ (once)."""
         if self.done:
             return
         self.done = True
@@ -115,12 +113,11 @@ def mismatch_error(calls: dict[int, str]) -> CollectiveMismatchError:
     """The error every rank raises when the fingerprints differ, listing each rank's call."""
     lines = "\n".join(f"  rank {r}: {text}" for r, text in sorted(calls.items()))
     return CollectiveMismatchError(
-        "the replicas entered different collectives at the same point:\n" + lines + "\n"
-        "HINT: every rank must make the same collective calls (reduce, gather, backward of a "
-        "distributed model, barrier, ...) in the same order with the same shapes and dtypes; "
-        "look for a condition that depends on the rank or on its data (e.g. `if "
-        "strategy.replica_id == 0: strategy.reduce(...)`) and make every rank take the same "
-        "path.", calls)
+        "the replicas entered different collectives at the same point:\n" + lines + "\nHINT: every "
+        "rank must make the same collective calls (reduce, gather, backward of a distributed "
+        "model, barrier, ...) in the same order with the same shapes and dtypes; look for a "
+        "condition that depends on the rank or on its data (e.g. `if strategy.replica_id == 0: "
+        "strategy.reduce(...)`) and make every rank take the same path.", calls)
 
 
 class Collectives:
@@ -139,8 +136,7 @@ class Collectives:
         self.group = group
         self.check = check
         self.global_ranks = group_ranks(group) if world_size > 1 else list(range(world_size))
-        self.tracker = tracker or CollectiveTracker(rank, world_size, None,
-                                                    ranks=self.global_ranks)
+        self.tracker = tracker or CollectiveTracker(rank, world_size, None, ranks=self.global_ranks)
         self._checked = 0
         self._synchronizers = 0
         self._in_flight: PendingCheck | None = None
@@ -179,12 +175,10 @@ class Collectives:
         return self.global_ranks[self.rank]
 
     def next_synchronizer_index(self) -> int:
-        """0, 1, ... per new gradient synchronizer: the same on every rank that builds the same
-        models."""
+        """0, 1, ... per new gradient synchronizer: alike on every rank building the same models."""
         self._synchronizers += 1
         return self._synchronizers - 1
 
-    # -- the same-host path -------------------------------------------------------------------
     def use_same_host_path(self, algorithm: CrossDeviceOps) -> bool:
         """Send fingerprints and payloads through ``algorithm``'s shared memory when it is an
         uncompressed ``SharedMemoryAllReduce`` on CPU; a collective."""
@@ -212,9 +206,7 @@ class Collectives:
         algo = self._same_host
         return algo if algo is not None and algo.pays_for(tensors) else None
 
-    # -- fingerprints -------------------------------------------------------------------------
-    def start_check(self, what: str, detail: str, *, async_op: bool = False
-                    ) -> PendingCheck | None:
+    def start_check(self, what: str, detail: str, *, async_op: bool = False) -> PendingCheck | None:
         """Start the fingerprint exchange of ``what`` (``None`` when checking is off or alone);
         ``wait()`` raises ``CollectiveMismatchError``."""
         if not self.check or self.world_size == 1:
@@ -248,8 +240,7 @@ class Collectives:
         return pending
 
     def settle(self) -> None:
-        """Wait for the verdict of a fingerprint exchange still in flight, before anything else
-        is issued."""
+        """Await the verdict of a fingerprint exchange in flight before anything else is issued."""
         pending, self._in_flight = self._in_flight, None
         if pending is not None:
             pending.wait()
@@ -259,7 +250,6 @@ class Collectives:
         if pending is not None:
             pending.wait()
 
-    # -- error translation ------------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[int]:
         """Count ``what`` as one collective and translate the backend's failures."""
@@ -283,15 +273,14 @@ class Collectives:
             error = ReplicaTimeoutError(
                 f"{what} (collective #{seq}) on rank {self.global_rank} waited "
                 f"{self.timeout_seconds:g} s for the other replicas{': ' + who if who else ''}. "
-                "HINT: a rank may be on "
-                "another code path (a condition that depends on the rank or on its data) or "
-                "stuck; every rank must make the same collective calls in the same order.")
+                "HINT: a rank may be on another code path (a condition that depends on the rank "
+                "or on its data) or stuck; every rank must make the same collective calls in the "
+                "same order.")
             error.named = True
             return error
         return algorithm_error(exc, self.global_rank, f"{what} (collective #{seq})",
                                self.global_ranks)
 
-    # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp, what: str = "all_reduce"
                    ) -> torch.Tensor:
         """Return a new tensor holding ``op`` over every replica's ``tensor``."""
@@ -391,8 +380,7 @@ class Collectives:
         """Concatenate every replica's ``tensor`` along ``axis``; sizes along it may differ."""
         return self.all_gather_many([tensor], axis, what)[0]
 
-    def _gather_rows(self, flat: torch.Tensor, what: str
-                     ) -> tuple[list[torch.Tensor], list[int]]:
+    def _gather_rows(self, flat: torch.Tensor, what: str) -> tuple[list[torch.Tensor], list[int]]:
         """Every rank's 1-D uint8 ``flat`` (lengths may differ), padded to at least the
         longest, and the lengths: one collective when every row fits in a frame of
         ``FRAME_BYTES`` (the lengths travel in it), else a second with the whole rows."""
@@ -412,8 +400,7 @@ class Collectives:
             return self._gather_same_size(padded, small=False), sizes
 
     def _gather_same_size(self, tensor: torch.Tensor, small: bool) -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (the same shape on each): through shared memory when this
-        group has it (a ``small`` one always, a large one where that is faster)."""
+        """Every rank's ``tensor`` (same shape on each), in shared memory when small or faster."""
         shm = self._same_host if small else self._payload_path([tensor])
         if shm is not None:
             return shm.all_gather(tensor, self.group)
@@ -473,8 +460,7 @@ class Collectives:
 
 
 def _pack_dtype(dtype: torch.dtype, op: ReduceOp) -> torch.dtype:
-    """The dtype a tensor travels in within ``all_reduce_many``: float64 where exact, else its
-    own."""
+    """The dtype a tensor travels in in ``all_reduce_many``: float64 where exact, else its own."""
     if dtype.is_complex:
         return dtype
     if dtype in (torch.int64, torch.uint64, torch.uint32) and op is not ReduceOp.MEAN:

@@ -97,10 +97,7 @@ class BucketStates(Generic[_State]):
 
     def release(self, owner: int | None = None) -> None:
         """Forget ``owner``'s buckets (``None``: every bucket)."""
-        if owner is None:
-            self._items.clear()
-            return
-        for key in [k for k in self._items if k[0] == owner]:
+        for key in [k for k in self._items if owner is None or k[0] == owner]:
             del self._items[key]
 
     def keys(self) -> list[BucketKey]:
@@ -121,8 +118,7 @@ class Compression(ABC):
     @abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor, layout: BucketLayout | None, sum_fn: SumFn,
                        world_size: int) -> None:
-        """Replace ``tensor`` in place with the sum over replicas, sending compressed data
-        through ``sum_fn``."""
+        """Replace ``tensor`` in place by the replicas' sum, compressed data sent by ``sum_fn``."""
 
     def release(self, owner: int | None = None) -> None:  # noqa: B027 - stateless by default
         """Forget the per-bucket state of ``owner``'s buckets (``None``: of every bucket)."""
@@ -248,7 +244,11 @@ class PowerSGD(Compression):
             if self.error_feedback and i in state.errors:
                 m += state.errors[i]
             ms[i] = m
-            ps[i] = m @ self._q(state, layout.index, i, m)
+            if i not in state.qs:  # the first Q: the same on every replica per bucket and tensor
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + layout.index * 1009 + i)
+                state.qs[i] = torch.randn(m.shape[1], min(self.rank, *m.shape), generator=gen,
+                                          dtype=torch.float64).to(device=m.device, dtype=m.dtype)
+            ps[i] = m @ state.qs[i]
 
         # one all-reduce carries the uncompressed tensors and every P
         first = torch.cat([views[i].reshape(-1).to(work) for i in plain]
@@ -270,16 +270,6 @@ class PowerSGD(Compression):
             q = q.view_as(qs[i])
             views[i].copy_((ps[i] @ q.t()).view_as(views[i]))
             state.qs[i] = q / world_size  # the warm start for the next step
-
-    def _q(self, state: _BucketState, bucket: int, i: int, m: torch.Tensor) -> torch.Tensor:
-        q = state.qs.get(i)
-        if q is None:
-            r = min(self.rank, m.shape[0], m.shape[1])
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + bucket * 1009 + i)
-            q = torch.randn(m.shape[1], r, generator=gen, dtype=torch.float64)
-            q = q.to(device=m.device, dtype=m.dtype)
-            state.qs[i] = q
-        return q
 
     def release(self, owner: int | None = None) -> None:
         self._buckets.release(owner)

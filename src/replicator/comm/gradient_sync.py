@@ -75,8 +75,7 @@ class _Bucket:
 
 def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, owner: int = 0) -> list[_Bucket]:
-    """Group ``params`` (reverse order, same dtype and device) into buckets of ~``bucket_bytes``
-    (``0``: one each)."""
+    """``params`` (reversed; same dtype, device) in buckets of ~``bucket_bytes`` (0: one each)."""
     buckets: list[_Bucket] = []
     current: list[torch.nn.Parameter] = []
     size = 0
@@ -111,11 +110,9 @@ class GradientSynchronizer:
     """Installs the hooks that average ``params``' gradients across replicas in ``backward()``."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], collectives: Collectives,
-                 algorithm: CrossDeviceOps | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 destination: int | None = None, *,
-                 buffers: Sequence[torch.Tensor] = (), buffer_sync: str = "mean",
-                 check: bool = True, automatic: bool = True) -> None:
+                 algorithm: CrossDeviceOps | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 destination: int | None = None, *, buffers: Sequence[torch.Tensor] = (),
+                 buffer_sync: str = "mean", check: bool = True, automatic: bool = True) -> None:
         if destination is not None and not 0 <= destination < collectives.world_size:
             raise ValueError(f"destination must be a rank in 0..{collectives.world_size - 1}, "
                              f"got {destination}")
@@ -134,7 +131,13 @@ class GradientSynchronizer:
         self.buckets = make_buckets(self.params, bucket_bytes, owner=self.owner)
         self.buffers = [local_tensor(b) for b in buffers if b.numel() > 0] \
             if buffer_sync != "none" else []
-        self._buffer_groups = self._group_buffers()
+        groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+        for t in self.buffers:
+            how = "mean" if buffer_sync == "mean" and t.is_floating_point() else "broadcast"
+            groups.setdefault((how, t.dtype), []).append(t)
+        #: ``(how, dtype, tensors)``: one coalesced collective each, in a fixed order
+        self._buffer_groups = [(how, d, ts) for (how, d), ts in
+                               sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
         if collectives.world_size > 1 and self.buckets:
             with collectives.guard("allocation of gradient buckets"):
                 bufs = self.algorithm.make_buffers(
@@ -177,16 +180,6 @@ class GradientSynchronizer:
                 f"{sum(t.numel() for t in ts)} {dtype_name(d)}"
                 for _, d, ts in self._buffer_groups) + ")"
         return text
-
-    def _group_buffers(self) -> list[tuple[str, torch.dtype, list[torch.Tensor]]]:
-        """``(how, dtype, tensors)``: one coalesced collective each, in a fixed order."""
-        groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-        for b in self.buffers:
-            how = ("mean" if self.buffer_sync == "mean" and b.is_floating_point()
-                   else "broadcast")
-            groups.setdefault((how, b.dtype), []).append(b)
-        return [(how, d, ts) for (how, d), ts in
-                sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
 
     # -- the hot path ------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:

@@ -135,8 +135,7 @@ _CREATED_LOCK = threading.Lock()
 
 def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
                       backend: str | None = None) -> dist.ProcessGroup:
-    """A group over global ``ranks`` created by its members only, named per ``purpose`` and order
-    of creation."""
+    """A group over global ``ranks`` made by its members only, named per ``purpose`` and order."""
     ranks = sorted(ranks)
     me = global_rank()
     if me not in ranks:
@@ -167,8 +166,7 @@ def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
             pg, _ = helper(len(ranks), ranks.index(me), ranks, backend, store,
                            c10d.GroupName(name), timeout=timeout, group_desc=name)
         except RuntimeError as exc:
-            raise algorithm_error(exc, me, f"forming the {purpose} group of ranks {ranks}") \
-                from exc
+            raise algorithm_error(exc, me, f"forming the {purpose} group of ranks {ranks}") from exc
         c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
     set_group_timeout(pg, timeout_seconds)
     return pg

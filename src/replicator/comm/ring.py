@@ -26,8 +26,7 @@ def _sent(work: dist.Work | None) -> dist.Work:
     return work
 
 
-def _wait(work: dist.Work | None, group: dist.ProcessGroup | None, src: int,
-          where: str) -> None:
+def _wait(work: dist.Work | None, group: dist.ProcessGroup | None, src: int, where: str) -> None:
     """Wait for a receive; a failure says which neighbour and which step."""
     try:
         _sent(work).wait()

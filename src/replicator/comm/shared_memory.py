@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from replicator.cluster.timeouts import resolve_timeout
 from replicator.comm.algorithms import BufferSpec, CrossDeviceOps
+from replicator.comm.comm_thread import DONE, Handle
 from replicator.comm.compression import Compression
 from replicator.comm.groups import algorithm_error, global_rank, group_rank, group_ranks, group_size
-from replicator.comm.handles import DONE, Handle
 from replicator.comm.shm_segment import ALIGN, FlagBarrier, SharedSegment, align, check_same_host
 from replicator.errors import ReplicatorError
 
@@ -202,10 +202,8 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         # a channel holds its group: in a weak-keyed map that keeps the key alive for good
         self._channels.clear()
 
-    # -- set-up -------------------------------------------------------------------------------
     def channel(self, group: dist.ProcessGroup | None = None) -> _Channel:
-        """The channel of ``group`` (a collective on first use, raising on every rank when it
-        cannot)."""
+        """The channel of ``group`` (first use: a collective, raising on every rank on failure)."""
         key = dist.group.WORLD if group is None else group
         if key is None:
             raise RuntimeError("no process group is running. HINT: start one first")
@@ -247,9 +245,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             out.append(mine)
         return out
 
-    # -- the work -----------------------------------------------------------------------------
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
-               what: str) -> Handle:
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
         try:
             resident = self._resident_for(tensor, group)
             if resident is not None:

@@ -179,15 +179,13 @@ class SharedSegment:
 
     @classmethod
     def create_named(cls, nbytes: int, tag: str) -> SharedSegment:
-        """Create and map a segment for one peer to open by name; the creator unlinks it once the
-        peer has answered."""
+        """Create and map a segment for one peer to open by name; unlinked once the peer answers."""
         name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
         return cls(_map(name, nbytes, create=True), name)
 
     @classmethod
     def open_named(cls, name: str, nbytes: int) -> SharedSegment:
-        """Map the segment a peer created with :meth:`create_named`, then unlink it; refuses
-        other names."""
+        """Map and unlink the segment a peer made with :meth:`create_named`; refuses other names."""
         if not name.startswith(NAME_PREFIX) or "/" in name or name in (".", ".."):
             raise ValueError(f"{name!r} is not a replicator shared-memory segment name")
         try:
@@ -284,13 +282,8 @@ class FlagBarrier:
         return values
 
     def ready(self, value: int, counter: int = SUMS) -> bool:
-        """True when every rank's ``counter`` reached ``value`` (never blocks; without flags:
-        no)."""
+        """True when every rank's ``counter`` reached ``value`` (never blocks; no flags: False)."""
         return self._use_flags and bool(self._views[counter].min() >= value)
-
-    def wait(self, what: str) -> None:
-        """Return once every rank called ``wait`` as often as this one."""
-        self.wait_for(self.arrive(), what)
 
     def wait_for(self, value: int, what: str, counter: int = SUMS) -> None:
         """Block until every rank's ``counter`` reached ``value``."""

@@ -65,8 +65,7 @@ def _synchronize(device: torch.device | None) -> None:
 
 
 def start(device: torch.device | None = None) -> float | None:
-    """Mark the start of a collective for :func:`stop`; ``None`` when off or nested (it counts
-    once)."""
+    """Mark a collective's start for :func:`stop`; ``None`` when off or nested (counted once)."""
     if not (_enabled if _enabled is not None else enabled()):
         return None
     depth = getattr(_local, "depth", 0)

@@ -23,6 +23,7 @@ from replicator.errors import ReplicatorError
 from replicator.parallel.pipeline_split import (
     PipelineSplitError,
     Stage,
+    TiedWeights,
     balanced_starts,
     build_stages,
     check_stage_count,
@@ -32,7 +33,6 @@ from replicator.parallel.pipeline_split import (
     named_starts,
     parameter_costs,
 )
-from replicator.parallel.pipeline_tied import TiedWeights
 
 #: Schedule name -> (torch class name, stages per rank by default, stage placement).
 SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -96,18 +96,15 @@ def check_pipeline_options(num_stages: int, num_microbatches: int, schedule: str
     if schedule != "gpipe" and num_microbatches < num_stages // per_rank:
         raise ValueError(
             f"schedule {schedule!r} needs at least as many microbatches as pipeline ranks "
-            f"({num_stages // per_rank}), got num_microbatches={num_microbatches}. HINT: "
-            "use more microbatches (a bubble of (p-1)/(m+p-1) wants m well above p), or "
-            "schedule='gpipe'.")
+            f"({num_stages // per_rank}), got num_microbatches={num_microbatches}. HINT: use more "
+            "microbatches (a bubble of (p-1)/(m+p-1) wants m well above p), or schedule='gpipe'.")
     return schedule
 
 
 def check_rows(target: Any, x: torch.Tensor, what: str) -> None:
     """``target`` must be a tensor with one row per row of the batch ``x``."""
-    if not isinstance(target, torch.Tensor) or target.dim() == 0 or \
-            target.shape[0] != x.shape[0]:
-        got = tuple(target.shape) if isinstance(target, torch.Tensor) else \
-            type(target).__name__
+    if not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != x.shape[0]:
+        got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
         raise ValueError(f"{what} must be a tensor with one row per input row ({x.shape[0]}), "
                          f"got {got}. HINT: pass the labels of the same batch")
 
@@ -115,13 +112,6 @@ def check_rows(target: Any, x: torch.Tensor, what: str) -> None:
 def pipeline_degree(num_stages: int, schedule: str) -> int:
     """How many ranks ``num_stages`` stages take under ``schedule`` (interleaved: 2 each)."""
     return num_stages // SCHEDULES[schedule][1]
-
-
-def stage_owners(num_stages: int, ranks: int, placement: str) -> list[int]:
-    """The pipeline rank of each stage: round robin (``loop``) or down-and-back (``v``)."""
-    if placement == "v":
-        return [s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages)]
-    return [s % ranks for s in range(num_stages)]
 
 
 class PipelineRunner:
@@ -151,7 +141,10 @@ class PipelineRunner:
         self.num_stages = num_stages
         self.schedule_name = schedule
         self.num_microbatches = num_microbatches
-        self.owners = stage_owners(num_stages, mesh.size(), SCHEDULES[schedule][2])
+        # the pipeline rank of each stage: round robin, or down and back ("v" placement)
+        ranks, v = mesh.size(), SCHEDULES[schedule][2] == "v"
+        self.owners = [(s if s < ranks else 2 * ranks - 1 - s) if v else s % ranks
+                       for s in range(num_stages)]
         self.local_ids = [s for s, r in enumerate(self.owners) if r == self.me]
         self.after_backward: Callable[[], None] | None = None
         self.tied = TiedWeights([], [], self.global_ranks, self.me, {})
@@ -181,7 +174,6 @@ class PipelineRunner:
         runner = getattr(model, _RUNNER_ATTR, None)
         return runner if isinstance(runner, PipelineRunner) else None
 
-    # -- cutting ---------------------------------------------------------------------------------
     def _cut(self, starts: Sequence[int]) -> None:
         self.stages = build_stages(self.chain, starts)
         mine = {id(t) for s in self.local_ids
@@ -203,8 +195,7 @@ class PipelineRunner:
                 self.tied.connect(timeout)
 
     def _measure_and_cut(self, x: torch.Tensor) -> None:
-        """Balance by forward time measured on ``x``'s first microbatch (rank 0's timings,
-        so every rank cuts alike)."""
+        """Balance by forward time on ``x``'s first microbatch (rank 0's: all ranks cut alike)."""
         times = []
         with torch.no_grad():
             act = torch.tensor_split(x, self.num_microbatches)[0]
@@ -260,7 +251,6 @@ class PipelineRunner:
         dist.broadcast(t, group=self.group, group_src=src)
         return t
 
-    # -- running ----------------------------------------------------------------------------------
     def _prepare(self, x: Any) -> torch.Tensor:
         """``x`` checked, and the model cut (at the first batch when balancing by time)."""
         if not isinstance(x, torch.Tensor):
@@ -308,7 +298,6 @@ class PipelineRunner:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward under the pipeline: one tensor, positionally or as ``input_ids``; a
         known layout with its own loss also takes ``labels=`` (:meth:`_forward_labelled`)."""
-        kwargs = dict(kwargs)
         labels = kwargs.pop("labels", None) if self._own_loss is not None else None
         if len(args) + len(kwargs) != 1 or (kwargs and "input_ids" not in kwargs):
             given = ", ".join([*(type(a).__name__ for a in args), *kwargs])
@@ -424,9 +413,8 @@ class PipelineRunner:
             # shapes given up front (from the value pass): no shape-inference forward, which
             # would draw random numbers and exchange pickled metadata between ranks
             stages = [PipelineStage(self.stages[s], s, self.num_stages, self.device,
-                                    input_args=self._metas[s][0],
-                                    output_args=self._metas[s][1], group=self.group)
-                      for s in self.local_ids]
+                                    input_args=self._metas[s][0], output_args=self._metas[s][1],
+                                    group=self.group) for s in self.local_ids]
             loss_fn = loss_fn or (lambda output, grad: (output * grad).sum())
             one_per_rank = SCHEDULES[self.schedule_name][1] == 1  # these take one stage
             sched = cls(stages[0] if one_per_rank else stages, self.num_microbatches,
@@ -459,7 +447,6 @@ class PipelineRunner:
             with self._guard(self.tied.what("sum of the gradients")):
                 self.tied.sum_gradients(kept)
 
-    # -- saving ------------------------------------------------------------------------------------
     def full_state_dict(self, dst: int = 0) -> dict[str, Any]:
         """The model's state dict with full tensors on pipeline rank ``dst`` (``{}`` elsewhere; all
         pipeline ranks call it), a tied weight once under each name, so it loads into the one-device

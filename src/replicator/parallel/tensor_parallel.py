@@ -114,8 +114,7 @@ def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
     return plan
 
 
-def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]
-                           ) -> dict[str, Any]:
+def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
     """``plan`` (a default plan) with sequence-parallel norms: for every module whose children
     with parameters are norms and sub-blocks the plan splits (one of their ``Linear`` children
     row-wise), the module takes its input whole and works on a sequence shard, the norms run
@@ -162,16 +161,14 @@ def _sequence_check(name: str, degree: int) -> Any:
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and (x.dim() < 2 or x.shape[1] % degree):
             raise ValueError(
-                f"sequence-parallel block {name!r} got an input of shape {tuple(x.shape)}: "
-                f"its sequence (dimension 1) must divide by the tensor-parallel degree "
-                f"{degree}. HINT: pad the sequences to a multiple of {degree}, or leave "
-                "sequence_parallel off.")
+                f"sequence-parallel block {name!r} got an input of shape {tuple(x.shape)}: its "
+                f"sequence (dimension 1) must divide by the tensor-parallel degree {degree}. HINT: "
+                f"pad the sequences to a multiple of {degree}, or leave sequence_parallel off.")
     return hook
 
 
 def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, ParallelStyle]:
-    """Each entry as a style; a name (pattern) that matches no module is an error listing the
-    closest module names."""
+    """Each entry as a style; a name matching no module is an error naming the closest ones."""
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, ParallelStyle] = {}
     for key, value in plan.items():
@@ -181,8 +178,8 @@ def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, Par
             close = difflib.get_close_matches(key, names, n=5, cutoff=0.5)
             hint = f" Close names: {', '.join(close)}." if close else ""
             raise TensorPlanError(
-                f"tensor plan names module {key!r}, which {type(model).__name__} does not "
-                f"have.{hint} HINT: use names from model.named_modules() (patterns such as "
+                f"tensor plan names module {key!r}, which {type(model).__name__} does not have."
+                f"{hint} HINT: use names from model.named_modules() (patterns such as "
                 "'layers.*.mlp.fc1' are allowed).")
         out[key] = style_for(value, key)
     return out
