@@ -40,10 +40,9 @@ def quantize(values: torch.Tensor, bits: int, block_size: int = DEFAULT_BLOCK_SI
     """``values`` (any float tensor, read flat) as one ``uint8`` payload (see the module doc)."""
     _check(bits, block_size)
     flat = values.detach().reshape(-1).float()
-    blocks = math.ceil(flat.numel() / block_size)
-    padded = torch.zeros(blocks * block_size, dtype=torch.float32, device=flat.device)
-    padded[:flat.numel()] = flat
-    rows = padded.view(blocks, block_size)
+    blocks = math.ceil(flat.numel() / block_size)  # the last one padded with zeros
+    rows = torch.nn.functional.pad(flat, (0, blocks * block_size - flat.numel()))
+    rows = rows.view(blocks, block_size)
     level = LEVELS[bits]
     scales = rows.abs().amax(dim=1) / level
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -110,9 +109,8 @@ class BlockQuantizer:
         return dequantize(payload, numel, self.bits, self.block_size)
 
     def decode_sum(self, payloads: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-        """The float32 sum of ``payloads`` decoded one by one in the order given: every member
-        that gathered the same payloads in the same order gets the same bits. An all-zero
-        payload decodes to zeros (a member that sits out contributes nothing)."""
+        """The float32 sum of ``payloads`` decoded in the order given (the same bits on every member
+        that gathered them in that order); an all-zero payload (a member sitting out) adds zeros."""
         if not payloads:
             raise ValueError("decode_sum needs at least one payload. HINT: gather the payloads "
                              "of every member of the exchange first")

@@ -429,9 +429,8 @@ class PipelineRunner:
                    {"target": grad.detach()} if grad is not None else {}, "backward")
 
     def _step(self, sched: Any, x: torch.Tensor, last_stage: dict[str, Any], doing: str) -> None:
-        """One run of the schedule (``x`` for the first stage, ``last_stage``'s arguments for
-        the last); torch's sends and receives between stages happen inside, so the whole step
-        is one guarded operation."""
+        """One run of the schedule (``x`` for the first stage, ``last_stage``'s arguments for the
+        last); torch's sends and receives inside make the whole step one guarded operation."""
         args = (x,) if 0 in self.local_ids else ()
         kwargs = last_stage if self.num_stages - 1 in self.local_ids else {}
         what = self._what(f"{self.schedule_name} schedule step ({doing} of "
@@ -449,8 +448,7 @@ class PipelineRunner:
 
     def full_state_dict(self, dst: int = 0) -> dict[str, Any]:
         """The model's state dict with full tensors on pipeline rank ``dst`` (``{}`` elsewhere; all
-        pipeline ranks call it), a tied weight once under each name, so it loads into the one-device
-        model."""
+        pipeline ranks call it), a tied weight under each name: loads into the one-device model."""
         if not self.stages:
             raise ReplicatorError("full_state_dict: the pipeline is cut at its first batch "
                                   "(balance='time'); call it after a step")

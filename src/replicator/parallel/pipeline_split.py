@@ -12,6 +12,7 @@ gradients accumulated under ``no_sync`` are summed once.
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -91,9 +92,7 @@ def known_loss(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor],
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     own = getattr(model, "loss_function", None)
     if callable(own) and vocab is not None:
-        def hf_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return own(logits, labels, vocab_size=vocab)
-        return hf_loss
+        return functools.partial(own, vocab_size=vocab)
 
     def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         shifted = logits[..., :-1, :].float()
@@ -274,9 +273,8 @@ class TiedWeights:
                 f"(held here: {held})")
 
     def connect(self, timeout_seconds: float) -> None:
-        """Make the groups of the holding ranks (members only, in the same order on each)
-        and give every copy the lowest holding rank's value. Every rank of the pipeline calls
-        it, inside one guarded pass."""
+        """Make the holding ranks' groups (members only, in the same order on each) and give every
+        copy the lowest holder's value; every pipeline rank calls it, in one guarded pass."""
         for tie in self.mine:
             tie.group = new_private_group(list(tie.ranks), "pipeline-tied", timeout_seconds)
             with torch.no_grad():

@@ -186,9 +186,8 @@ def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, Par
 
 
 def validate_plan(plan: Mapping[str, Any] | None, sequence_parallel: bool = False) -> None:
-    """Check a plan before any model exists (its type, each style, and that
-    ``sequence_parallel`` is asked only with the default plan), so a bad one fails where the
-    strategy is built rather than at scope exit."""
+    """Check a plan before any model exists (type, styles, ``sequence_parallel`` only with the
+    default plan), so a bad one fails where the strategy is built rather than at scope exit."""
     if plan is None:
         return
     if not isinstance(plan, Mapping):
