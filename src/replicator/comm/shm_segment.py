@@ -7,6 +7,7 @@ visible in program order (x86), else the group's own barrier is used.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -102,8 +103,7 @@ def host_id() -> int:
 
 
 def all_on_this_host(group: dist.ProcessGroup | None, usable: bool = True) -> bool:
-    """True on every rank when all ranks of ``group`` run on this host and each says
-    ``usable`` (a collective: every rank gets the same answer)."""
+    """True on every rank (a collective) when all ranks of ``group`` run here and say ``usable``."""
     here = host_id()
     votes = torch.tensor([here, -here, int(usable)], dtype=torch.int64)
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
@@ -201,10 +201,8 @@ class SharedSegment:
 
 def unlink_segment(name: str) -> None:
     """Remove a segment's name from :func:`shm_dir` (mappings stay valid); idempotent."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(shm_dir(), name))
-    except FileNotFoundError:
-        pass
 
 
 def _map(name: str, nbytes: int, create: bool) -> mmap.mmap:

@@ -205,15 +205,13 @@ class Stage(torch.nn.Module):
 
 def build_stages(chain: Sequence[tuple[str, torch.nn.Module]], starts: Sequence[int]
                  ) -> list[Stage]:
-    """One :class:`Stage` per start index. A parameter used by several stages (tied weights)
-    stays one parameter; :func:`shared_parameters` finds them."""
+    """One :class:`Stage` per start index; a parameter several stages use stays one parameter."""
     ends = [*starts[1:], len(chain)]
     return [Stage(chain[a:b]) for a, b in zip(starts, ends)]
 
 
 def shared_parameters(stages: Sequence[Stage]) -> list[tuple[torch.nn.Parameter, list[int]]]:
-    """Each parameter used by more than one stage (tied weights, as GPT-2's embedding and
-    head), with the stages using it, in order of first use."""
+    """Each parameter several stages use (tied weights), with the stages using it, by first use."""
     users: dict[torch.nn.Parameter, list[int]] = {}  # tensors hash by identity
     for i, stage in enumerate(stages):
         for p in stage.parameters():  # each once per stage
