@@ -2,7 +2,7 @@
 
 The variants run in the same two processes, interleaved round by round so machine noise hits
 all alike: hand-written DDP (gloo), ``MirroredStrategy()`` with default options (``"auto"``:
-shared memory on one CPU host; the per-pass collective check on, see ``comm/fingerprint.py``),
+shared memory on one CPU host; the per-pass collective check on, see ``comm/collectives.py``),
 the same with the check off (``CommunicationOptions(check_collectives=False)``), and ours on
 gloo's all-reduce (``NativeAllReduce``). The figure is the ratio of median step times ours
 (default) / DDP (goal <= 1.05); the others are printed beside it. ``scaling_2v1``

@@ -16,7 +16,8 @@ from replicator.comm import (
     SharedMemoryAllReduce,
     algorithm_for,
 )
-from replicator.comm.handles import DONE, as_torch_future
+from replicator.comm.algorithms import as_torch_future
+from replicator.comm.comm_thread import DONE
 from replicator.errors import ClusterConfigError
 
 CPU = torch.device("cpu")

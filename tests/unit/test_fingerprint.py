@@ -10,8 +10,13 @@ import torch
 import torch.nn as nn
 
 from replicator.comm.collective_tracker import CollectiveTracker, group_tag
-from replicator.comm.collectives import Collectives
-from replicator.comm.fingerprint import call_site, describe_tensor, digest, mismatch_error
+from replicator.comm.collectives import (
+    Collectives,
+    call_site,
+    describe_tensor,
+    digest,
+    mismatch_error,
+)
 from replicator.comm.gradient_sync import GradientSynchronizer
 from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import CollectiveMismatchError

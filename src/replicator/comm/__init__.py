@@ -1,10 +1,14 @@
 """The comm room: collectives, all-reduce algorithms, compression and gradient averaging."""
 
-from replicator.comm.algorithms import CrossDeviceOps, NativeAllReduce, ReductionToOneDevice
-from replicator.comm.bucket_layout import BucketLayout
+from replicator.comm.algorithms import (
+    CrossDeviceOps,
+    NativeAllReduce,
+    ReductionToOneDevice,
+    ddp_comm_hook,
+    register_ddp_comm_hook,
+)
 from replicator.comm.collectives import Collectives
-from replicator.comm.compression import CastCompression, Compression, PowerSGD
-from replicator.comm.ddp_hooks import ddp_comm_hook, register_ddp_comm_hook
+from replicator.comm.compression import BucketLayout, CastCompression, Compression, PowerSGD
 from replicator.comm.gradient_sync import GradientSynchronizer
 from replicator.comm.hierarchical import HierarchicalAllReduce
 from replicator.comm.options import CommunicationOptions

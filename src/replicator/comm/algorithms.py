@@ -1,30 +1,26 @@
-"""Cross-device all-reduce algorithms: the one argument that picks how replicas communicate.
-
-An algorithm sums a flat tensor over a group in place and returns a handle, so communication
-overlaps ``backward()``: the backend's own and reduce-to-one (central storage needs its reduce
-step alone) here, ring, hierarchical and shared memory beside. A new one subclasses
-:class:`CrossDeviceOps` and implements ``_sum_now``.
+"""Cross-device all-reduce algorithms: each sums a flat tensor over a group in place and returns
+a handle, so communication overlaps ``backward()``. The backend's own and reduce-to-one here;
+a new one subclasses :class:`CrossDeviceOps` and implements ``_sum_now``. Any of them serves
+as a DDP communication hook (:func:`register_ddp_comm_hook`), each hook its own bucket owner so
+two hooked models keep their compression state apart.
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from replicator.comm.bucket_layout import BucketLayout
-from replicator.comm.comm_thread import forget_at_shutdown, lane
+from replicator.comm.comm_thread import DONE, Handle, ThreadHandle, forget_at_shutdown, lane
+from replicator.comm.compression import BucketLayout, Compression
 from replicator.comm.groups import check_member, group_size
-from replicator.comm.handles import DONE, Handle
-
-if TYPE_CHECKING:
-    from replicator.comm.compression import Compression
 
 __all__ = ["CrossDeviceOps", "NativeAllReduce", "ReductionToOneDevice", "Handle",
-           "BucketLayout"]
+           "BucketLayout", "ddp_comm_hook", "register_ddp_comm_hook"]
 
 BufferSpec = tuple[int, torch.dtype, torch.device]
 
@@ -43,8 +39,6 @@ class CrossDeviceOps(ABC):
 
     def __init__(self, *, compression: Compression | None = None,
                  timeout_seconds: float | None = None) -> None:
-        from replicator.comm.compression import Compression
-
         if compression is not None and not isinstance(compression, Compression):
             raise TypeError(f"compression must be a Compression such as "
                             f"rp.comm.Compression.fp16(), got {type(compression).__name__}")
@@ -55,28 +49,20 @@ class CrossDeviceOps(ABC):
         forget_at_shutdown(self)
 
     def forget_groups(self) -> None:
-        """Drop state kept per process group; called at shutdown, before the groups are
-        destroyed."""
+        """Drop state kept per process group (at shutdown, before the groups are destroyed)."""
         return None
 
-    # -- public API ---------------------------------------------------------------------------
     def all_reduce_sum_async(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
                              *, layout: BucketLayout | None = None) -> Handle:
         """Start summing ``tensor`` in place across ``group``; ``layout``: its gradients (for
         PowerSGD)."""
-        self._check(tensor, "all_reduce_sum_async")
-        check_member(group, "all_reduce_sum_async")
-        world = group_size(group)
+        world = self._world(tensor, group, "all_reduce_sum_async")
         if world == 1 or tensor.numel() == 0:
             return DONE
         what = f"{self.name} all-reduce of {_describe(tensor)}"
-        if self.compression is not None:
-            compression = self.compression
-
-            def compressed(g: dist.ProcessGroup | None) -> None:
-                compression.all_reduce_sum(tensor, layout, lambda t: self._sum_now(t, g), world)
-
-            return self._on_lane(group, what, tensor, compressed)
+        if (compression := self.compression) is not None:  # on the lane's private group
+            return self._on_lane(group, what, tensor, lambda g: compression.all_reduce_sum(
+                tensor, layout, lambda t: self._sum_now(t, g), world))
         return self._start(tensor, group, what)
 
     def all_reduce_sum(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -89,14 +75,11 @@ class CrossDeviceOps(ABC):
                          layout: BucketLayout | None = None) -> Handle:
         """Start summing ``tensor`` onto group rank ``dst`` only (central storage's reduce); only
         ``dst``'s tensor is defined afterwards. With compression this is a compressed all-reduce."""
-        self._check(tensor, "reduce_sum_async")
-        check_member(group, "reduce_sum_async")
-        world = group_size(group)
+        world = self._world(tensor, group, "reduce_sum_async")
         if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < world:
-            raise ValueError(
-                f"reduce_sum_async(dst={dst!r}): dst is a group rank, from 0 to {world - 1} "
-                f"for this group of {world}. HINT: for a global rank r, pass "
-                "torch.distributed.get_group_rank(group, r)")
+            raise ValueError(f"reduce_sum_async(dst={dst!r}): dst is a group rank, from 0 to "
+                             f"{world - 1} for this group of {world}. HINT: for a global rank r, "
+                             "pass torch.distributed.get_group_rank(group, r)")
         if world == 1 or tensor.numel() == 0:
             return DONE
         if self.compression is not None:
@@ -111,8 +94,7 @@ class CrossDeviceOps(ABC):
 
     def make_buffers(self, specs: Sequence[BufferSpec],
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-        """Flat buffers ``(numel, dtype, device)``, made in the same order on every rank, where
-        this algorithm communicates fastest."""
+        """Flat buffers for ``specs``, made alike on every rank, where this algorithm is fastest."""
         return [torch.empty(n, dtype=d, device=dev) for n, d, dev in specs]
 
     def __repr__(self) -> str:
@@ -130,18 +112,15 @@ class CrossDeviceOps(ABC):
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         """Sum ``tensor`` in place over exactly ``group``, on the calling thread."""
 
-    def _reduce_now(self, tensor: torch.Tensor, dst: int,
-                    group: dist.ProcessGroup | None) -> None:
+    def _reduce_now(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
         """Sum onto group rank ``dst`` (default: a full all-reduce, also correct on ``dst``)."""
         self._sum_now(tensor, group)
 
     def _prepare(self, group: dist.ProcessGroup | None,  # noqa: B027 - optional hook
                  private: dist.ProcessGroup) -> None:
-        """Collective set-up over the caller's ``group``, on its thread, before work runs on the
-        lane."""
+        """Collective set-up over the caller's ``group``, on its thread, before the lane runs."""
 
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
-               what: str) -> Handle:
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
         return self._on_lane(group, what, tensor, lambda g: self._sum_now(tensor, g))
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
@@ -156,7 +135,8 @@ class CrossDeviceOps(ABC):
         return ln.submit(lambda: work(ln.group), what, tensor, self.timeout_seconds)
 
     @staticmethod
-    def _check(tensor: torch.Tensor, call: str) -> None:
+    def _world(tensor: torch.Tensor, group: dist.ProcessGroup | None, call: str) -> int:
+        """The size of ``group`` once ``tensor`` and this process's membership are checked."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{call} takes a tensor, got {type(tensor).__name__}")
         if tensor.layout != torch.strided:
@@ -164,6 +144,8 @@ class CrossDeviceOps(ABC):
         if not tensor.is_contiguous():
             raise ValueError(f"{call} needs a contiguous tensor (it works on the memory in "
                              "place). HINT: pass tensor.contiguous() and copy the result back")
+        check_member(group, call)
+        return group_size(group)
 
 
 class NativeAllReduce(CrossDeviceOps):
@@ -171,22 +153,18 @@ class NativeAllReduce(CrossDeviceOps):
 
     name = "native"
 
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
-               what: str) -> Handle:
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return work if work is not None else DONE
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True) or DONE
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
                       what: str) -> Handle:
-        work = dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group,
-                           async_op=True)
-        return work if work is not None else DONE
+        return dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group,
+                           async_op=True) or DONE
 
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
-    def _reduce_now(self, tensor: torch.Tensor, dst: int,
-                    group: dist.ProcessGroup | None) -> None:
+    def _reduce_now(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
         dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
 
 
@@ -220,9 +198,76 @@ class ReductionToOneDevice(CrossDeviceOps):
         dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
         dist.broadcast(tensor, group_src=dst, group=group)
 
-    def _reduce_now(self, tensor: torch.Tensor, dst: int,
-                    group: dist.ProcessGroup | None) -> None:
+    def _reduce_now(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
         dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
 
     def _fields(self) -> dict[str, object]:
         return {"destination": self.destination}
+
+
+def as_torch_future(handle: Handle, value: torch.Tensor,
+                    then: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> torch.futures.Future:
+    """A ``torch.futures.Future`` completed with ``then(value)`` when ``handle`` is done."""
+    finish = then or (lambda t: t)
+    if isinstance(handle, torch.distributed.Work):
+        return handle.get_future().then(lambda _: finish(value))
+    devices: list[int | str | torch.device] | None = \
+        [value.device] if value.device.type == "cuda" else None
+    fut: torch.futures.Future = torch.futures.Future(devices=devices)
+    if isinstance(handle, ThreadHandle):
+        def complete(error: BaseException | None) -> None:
+            if error is not None:
+                fut.set_exception(error)
+                return
+            try:
+                fut.set_result(finish(value))
+            except BaseException as exc:  # noqa: BLE001 - handed to the future's waiter
+                fut.set_exception(exc)
+
+        handle.future.add_done_callback(lambda f: complete(f.exception()))  # on the lane
+        return fut
+    handle.wait()
+    fut.set_result(finish(value))
+    return fut
+
+
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+_OWNERS = itertools.count(-1, -1)
+
+
+def ddp_comm_hook(ops: CrossDeviceOps) -> CommHook:
+    """A hook for ``DistributedDataParallel.register_comm_hook(state, hook)``; ``state``: a group
+    or ``None``."""
+    if not isinstance(ops, CrossDeviceOps):
+        raise TypeError(f"ddp_comm_hook takes a CrossDeviceOps such as rp.comm.RingAllReduce(), "
+                        f"got {type(ops).__name__}")
+    owner = next(_OWNERS)
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        group = state if isinstance(state, dist.ProcessGroup) else None
+        tensor = bucket.buffer()
+        world = group_size(group)
+        layout = BucketLayout.from_shapes(bucket.index(), [p.shape for p in bucket.parameters()],
+                                          owner=owner)
+        if layout.numel != tensor.numel():  # DDP padded the bucket: the shapes do not apply
+            layout = BucketLayout.from_shapes(bucket.index(), [tensor.shape], owner=owner)
+        handle = ops.all_reduce_sum_async(tensor, group, layout=layout)
+        return as_torch_future(handle, tensor, lambda t: t.div_(world))
+
+    # DDP inspects the annotations; give it the objects, not this module's postponed strings
+    hook.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
+                            "return": torch.futures.Future[torch.Tensor]}
+    hook.__name__ = f"{ops.name}_comm_hook"
+    hook.__qualname__ = hook.__name__
+    return hook
+
+
+def register_ddp_comm_hook(model: torch.nn.parallel.DistributedDataParallel,
+                           ops: CrossDeviceOps) -> None:
+    """Make ``model`` (a DDP module) sum its gradient buckets with ``ops``."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register_ddp_comm_hook takes a DistributedDataParallel model, got "
+                        f"{type(model).__name__}")
+    model.register_comm_hook(model.process_group, ddp_comm_hook(ops))

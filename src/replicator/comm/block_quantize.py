@@ -1,15 +1,12 @@
-"""Block quantisation of outer updates: int8 and int4 values with one float32 scale per block.
+"""Block quantisation of two-level training's outer updates: int8 or int4 values (4x or 8x fewer
+bytes) with one float32 scale per block, which confines an outlier to its block; plain torch.
 
-Two-level training (``strategies/two_level``) sends a pseudo-gradient every few hundred steps;
-8 or 4 bits cut those bytes 4x or 8x, and a scale per block confines an outlier to its block.
-Plain torch: the same code on CPU and GPU. Quantised values cannot be summed by an all-reduce
-(int8 overflows, scales differ per rank), so payloads are all-gathered and decoded in rank
-order, the same bits on every rank; hence not a gradient ``Compression``. ``error_feedback``
-carries what quantisation lost into the next payload (Seide et al. 2014). Measured
-(``benchmarks/slow_links.py``, 2 hosts x 2 processes, 137k parameters, H=50): int8 streaming
-put 16.3 kB per step on the hosts' links against 61.3 kB uncompressed, 2,329 kB synchronous.
-A payload (flat ``uint8``: packed values, then the float32 scales) has a length fixed by
-``numel``, ``bits`` and ``block_size``, as ``all_gather`` needs.
+Not a gradient ``Compression``: quantised values cannot be summed by an all-reduce, so payloads
+are all-gathered and decoded in rank order (the same bits everywhere); a payload's length
+(flat ``uint8``: packed values, then the scales) is fixed by ``numel``, ``bits`` and
+``block_size``. ``error_feedback`` carries what quantisation lost into the next payload (Seide
+et al. 2014). ``benchmarks/slow_links.py`` (2 hosts x 2, 137k parameters, H=50): int8 streaming
+put 16.3 kB per step on the hosts' links, 61.3 kB uncompressed, 2,329 kB synchronous.
 """
 
 from __future__ import annotations
@@ -39,15 +36,13 @@ def payload_bytes(numel: int, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -
     return blocks * block_size * bits // 8 + 4 * blocks
 
 
-def quantize(values: torch.Tensor, bits: int,
-             block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+def quantize(values: torch.Tensor, bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """``values`` (any float tensor, read flat) as one ``uint8`` payload (see the module doc)."""
     _check(bits, block_size)
     flat = values.detach().reshape(-1).float()
-    blocks = math.ceil(flat.numel() / block_size)
-    padded = torch.zeros(blocks * block_size, dtype=torch.float32, device=flat.device)
-    padded[:flat.numel()] = flat
-    rows = padded.view(blocks, block_size)
+    blocks = math.ceil(flat.numel() / block_size)  # the last one padded with zeros
+    rows = torch.nn.functional.pad(flat, (0, blocks * block_size - flat.numel()))
+    rows = rows.view(blocks, block_size)
     level = LEVELS[bits]
     scales = rows.abs().amax(dim=1) / level
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
@@ -114,9 +109,8 @@ class BlockQuantizer:
         return dequantize(payload, numel, self.bits, self.block_size)
 
     def decode_sum(self, payloads: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-        """The float32 sum of ``payloads`` decoded one by one in the order given: every member
-        that gathered the same payloads in the same order gets the same bits. An all-zero
-        payload decodes to zeros (a member that sits out contributes nothing)."""
+        """The float32 sum of ``payloads`` decoded in the order given (the same bits on every member
+        that gathered them in that order); an all-zero payload (a member sitting out) adds zeros."""
         if not payloads:
             raise ValueError("decode_sum needs at least one payload. HINT: gather the payloads "
                              "of every member of the exchange first")

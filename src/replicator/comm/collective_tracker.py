@@ -79,10 +79,8 @@ class CollectiveTracker:
         return self.seq
 
     def _publish_loop(self) -> None:
-        key = self._key(self.ranks[self.rank])
-        store = self.store
-        if store is None:
-            return
+        key, store = self._key(self.ranks[self.rank]), self.store
+        assert store is not None, "the thread runs only with a store"
         while True:
             try:
                 store.set(key, f"{self.seq}|{self.current}|{time.time()}")
@@ -116,9 +114,7 @@ class CollectiveTracker:
             elif int(their_seq) < seq:
                 behind.append(f"{self.name(r)} (still at collective #{their_seq} {their_op}; last "
                               f"heard from {now - float(stamp):.1f} s ago)")
-        parts = []
-        if behind:
-            parts.append("did not arrive: " + ", ".join(behind))
+        parts = ["did not arrive: " + ", ".join(behind)] if behind else []
         if silent:
             parts.append("never reported progress: " + ", ".join(self.name(r) for r in silent))
         return "; ".join(parts)

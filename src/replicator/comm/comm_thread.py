@@ -1,4 +1,6 @@
-"""Communication lanes: per process group, a background thread with a private copy of the group.
+"""Communication lanes: per process group, a background thread with a private copy of the group,
+and the handles of communication in flight (the backend's ``Work``, :data:`DONE` or a lane's
+:class:`ThreadHandle`).
 
 Multi-step algorithms run on a lane so ``backward()`` goes on meanwhile; the private group and
 one task at a time in submission order keep two threads from pairing different operations.
@@ -12,23 +14,58 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from replicator.cluster.timeouts import resolve_timeout
 from replicator.comm import timing
-from replicator.comm.groups import (
-    check_member,
-    group_ranks,
-    new_private_group,
-)
-from replicator.comm.handles import ThreadHandle
-from replicator.comm.op_errors import algorithm_error
+from replicator.comm.groups import algorithm_error, check_member, group_ranks, new_private_group
+from replicator.errors import ReplicaTimeoutError
 
 #: Seconds a handle waits beyond the collective timeout (the collectives inside fail first).
 WAIT_MARGIN_SECONDS = 10.0
+
+
+class Handle(Protocol):
+    """Anything with ``wait()``: returns once the tensor holds the result, raises on failure."""
+
+    def wait(self) -> object: ...
+
+
+class Done:
+    """A handle for work that already finished."""
+
+    def wait(self) -> bool:
+        return True
+
+
+DONE = Done()
+
+
+@dataclass(eq=False)
+class ThreadHandle:
+    """Work on a lane; ``wait()`` is bounded by ``timeout_seconds`` and re-raises its error."""
+
+    future: concurrent.futures.Future
+    what: str
+    rank: int
+    timeout_seconds: float
+    done_event: torch.cuda.Event | None = None
+
+    def wait(self) -> bool:
+        finished, _ = concurrent.futures.wait([self.future], timeout=self.timeout_seconds)
+        if not finished:
+            raise ReplicaTimeoutError(
+                f"{self.what} on rank {self.rank} did not finish within "
+                f"{self.timeout_seconds:g} s. HINT: another replica may be stuck or on another "
+                "code path; every rank must make the same collective calls in the same order.")
+        self.future.result()  # re-raises the communication thread's error here
+        if self.done_event is not None:
+            torch.cuda.current_stream().wait_event(self.done_event)
+        return True
 
 
 class Lane:
@@ -105,8 +142,7 @@ _LOCK = threading.Lock()
 
 
 def lane(group: dist.ProcessGroup | None = None) -> Lane:
-    """This process's lane for ``group`` (``None``: the default group); the first use is a
-    collective."""
+    """This process's lane for ``group`` (``None``: the default); the first use is a collective."""
     check_member(group, "lane")
     key = dist.group.WORLD if group is None else group
     if key is None:
@@ -121,9 +157,8 @@ def lane(group: dist.ProcessGroup | None = None) -> Lane:
             on_shutdown(close_lanes)
         found = _LANES.get(key)
         if found is None:
-            found = Lane(group_ranks(group), resolve_timeout(group=group),
-                         str(dist.get_backend(group)))
-            _LANES[key] = found
+            found = _LANES[key] = Lane(group_ranks(group), resolve_timeout(group=group),
+                                       str(dist.get_backend(group)))
             weakref.finalize(key, found.close)
         return found
 

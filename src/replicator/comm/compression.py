@@ -1,30 +1,77 @@
-"""Gradient compression for the all-reduce: fp16, bf16 and PowerSGD, given to any algorithm::
+"""Gradient compression for any algorithm's all-reduce: fp16, bf16 and PowerSGD, sending a
+smaller tensor through the algorithm's sum, with error feedback (docs/collectives.md).
 
-    rp.comm.RingAllReduce(compression=rp.comm.Compression.powersgd(rank=2))
-
-A :class:`Compression` sends a smaller tensor through ``sum_fn`` (the algorithm's sum) and
-writes the approximate sum back; error feedback carries what it lost into the next step.
-Per-bucket state is keyed by ``BucketLayout.key`` and bounded (``max_buckets``, least recently
-used forgotten first, which only restarts its error feedback).
+:class:`BucketLayout` says where each gradient sits inside a flat bucket, so compression sees
+the matrix shapes; per-bucket state is keyed by ``BucketLayout.key``, at most ``max_buckets``
+(least recently used forgotten first, which only restarts its error feedback).
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
-
-from replicator.comm.bucket_layout import BucketLayout
 
 SumFn = Callable[[torch.Tensor], None]
 BucketKey = tuple[int, int]
 #: Buckets whose compression state is kept at most (per Compression object).
 DEFAULT_MAX_BUCKETS = 4096
 _State = TypeVar("_State")
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Bucket ``index``: tensors of ``shapes`` at element ``offsets``; ``(owner, index)`` keeps
+    two models' compression state apart."""
+
+    index: int
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    owner: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The bucket's identity for per-bucket state: ``(owner, index)``."""
+        return (self.owner, self.index)
+
+    @classmethod
+    def from_shapes(cls, index: int, shapes: Sequence[Sequence[int]],
+                    owner: int = 0) -> BucketLayout:
+        """Tensors of ``shapes`` packed back to back, in order."""
+        sizes = [torch.Size(s) for s in shapes]
+        offsets = itertools.accumulate((s.numel() for s in sizes[:-1]), initial=0)
+        return cls(index, tuple(sizes), tuple(offsets), owner)
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1] + self.shapes[-1].numel() if self.shapes else 0
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors of this layout as views into ``flat``."""
+        if flat.numel() < self.numel:
+            raise ValueError(f"bucket {self.index} needs {self.numel} elements, the buffer has "
+                             f"{flat.numel()}")
+        return [flat[o:o + s.numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
+
+
+def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` flattened back to back into one new tensor on ``device``."""
+    return torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
+
+
+def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` (as made by :func:`pack`) back into ``tensors``, in place."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
 
 
 class BucketStates(Generic[_State]):
@@ -50,10 +97,7 @@ class BucketStates(Generic[_State]):
 
     def release(self, owner: int | None = None) -> None:
         """Forget ``owner``'s buckets (``None``: every bucket)."""
-        if owner is None:
-            self._items.clear()
-            return
-        for key in [k for k in self._items if k[0] == owner]:
+        for key in [k for k in self._items if owner is None or k[0] == owner]:
             del self._items[key]
 
     def keys(self) -> list[BucketKey]:
@@ -74,8 +118,7 @@ class Compression(ABC):
     @abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor, layout: BucketLayout | None, sum_fn: SumFn,
                        world_size: int) -> None:
-        """Replace ``tensor`` in place with the sum over replicas, sending compressed data
-        through ``sum_fn``."""
+        """Replace ``tensor`` in place by the replicas' sum, compressed data sent by ``sum_fn``."""
 
     def release(self, owner: int | None = None) -> None:  # noqa: B027 - stateless by default
         """Forget the per-bucket state of ``owner``'s buckets (``None``: of every bucket)."""
@@ -147,18 +190,12 @@ class _BucketState:
 
 
 class PowerSGD(Compression):
-    """Send a rank-``rank`` approximation of each gradient matrix (Vogels et al., 2019).
-
-    For a matrix ``M`` (``n x m``; kernels flattened to ``out_channels x rest``) and a persistent
-    ``Q`` (``m x r``), one power iteration per step::
-
-        P = M Q;  P <- sum over replicas;  P <- orthonormal columns of P
-        Q = M^T P;  Q <- sum over replicas;  sum of the M's ~ P Q^T
-
-    so a replica sends ``(n + m) r`` numbers instead of ``n m``; tensors where that saves nothing
-    travel uncompressed. ``Q`` is a warm start; error feedback adds ``M - P P^T M`` to the next
-    gradient. ``warm_up_steps``: steps per bucket sent exact first. ``seed``: the initial ``Q``, the
-    same on every replica per bucket index. ``max_buckets``: see the module doc.
+    """Send a rank-``rank`` approximation of each gradient matrix ``M`` (``n x m``, kernels
+    flattened) by one power iteration per step with a warm-started ``Q`` (Vogels et al., 2019):
+    ``P = sum(M Q)`` orthonormalised, ``Q = sum(M^T P)``, the sum ~ ``P Q^T``; ``(n + m) r``
+    numbers instead of ``n m`` (tensors where that saves nothing travel as they are). Error
+    feedback adds ``M - P P^T M`` to the next gradient. ``warm_up_steps``: steps per bucket sent
+    exact first. ``seed``: the initial ``Q``, the same on every replica per bucket index.
     """
 
     name = "powersgd"
@@ -207,44 +244,32 @@ class PowerSGD(Compression):
             if self.error_feedback and i in state.errors:
                 m += state.errors[i]
             ms[i] = m
-            ps[i] = m @ self._q(state, layout.index, i, m)
+            if i not in state.qs:  # the first Q: the same on every replica per bucket and tensor
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + layout.index * 1009 + i)
+                state.qs[i] = torch.randn(m.shape[1], min(self.rank, *m.shape), generator=gen,
+                                          dtype=torch.float64).to(device=m.device, dtype=m.dtype)
+            ps[i] = m @ state.qs[i]
 
         # one all-reduce carries the uncompressed tensors and every P
         first = torch.cat([views[i].reshape(-1).to(work) for i in plain]
                           + [ps[i].reshape(-1) for i in matrices])
         sum_fn(first)
-        offset = 0
-        for i in plain:
-            n = views[i].numel()
-            views[i].copy_(first[offset:offset + n].view_as(views[i]))
-            offset += n
+        unpack_into(first, [views[i] for i in plain])
+        summed_ps = first[sum(views[i].numel() for i in plain):].split(
+            [ps[i].numel() for i in matrices])
         qs = {}
-        for i in matrices:
-            p = first[offset:offset + ps[i].numel()].view_as(ps[i])
-            offset += ps[i].numel()
-            ps[i] = torch.linalg.qr(p, mode="reduced").Q
+        for i, p in zip(matrices, summed_ps):
+            ps[i] = torch.linalg.qr(p.view_as(ps[i]), mode="reduced").Q
             qs[i] = ms[i].t() @ ps[i]
             if self.error_feedback:
                 state.errors[i] = ms[i] - ps[i] @ qs[i].t()
 
         second = torch.cat([qs[i].reshape(-1) for i in matrices])
         sum_fn(second)
-        offset = 0
-        for i in matrices:
-            q = second[offset:offset + qs[i].numel()].view_as(qs[i])
-            offset += qs[i].numel()
+        for i, q in zip(matrices, second.split([qs[i].numel() for i in matrices])):
+            q = q.view_as(qs[i])
             views[i].copy_((ps[i] @ q.t()).view_as(views[i]))
             state.qs[i] = q / world_size  # the warm start for the next step
-
-    def _q(self, state: _BucketState, bucket: int, i: int, m: torch.Tensor) -> torch.Tensor:
-        q = state.qs.get(i)
-        if q is None:
-            r = min(self.rank, m.shape[0], m.shape[1])
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + bucket * 1009 + i)
-            q = torch.randn(m.shape[1], r, generator=gen, dtype=torch.float64)
-            q = q.to(device=m.device, dtype=m.dtype)
-            state.qs[i] = q
-        return q
 
     def release(self, owner: int | None = None) -> None:
         self._buckets.release(owner)

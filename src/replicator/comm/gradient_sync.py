@@ -1,13 +1,11 @@
 """Average gradients across replicas during ``backward()``, bucket by bucket (DDP's reducer).
 
 A hook starts a bucket's all-reduce once its gradients are in, in the same order on every rank;
-``.grad`` becomes a view of its bucket (DDP's ``gradient_as_bucket_view``). A parameter without a
-gradient contributes zeros. With ``check=True`` a fingerprint, started at the first gradient and
-awaited at the first bucket, turns a rank in ``backward()`` against one in ``strategy.reduce``
-into ``CollectiveMismatchError``. ``buffer_sync``: ``"mean"`` (integer buffers broadcast),
-``"broadcast"`` (DDP's) or ``"none"``. ``automatic=False``: no hooks, :meth:`synchronize`
-averages all at once; ``enabled`` gates both (``no_sync``). ``destination=r`` reduces onto rank
-``r`` only (central storage); DTensor parameters sync their local shard.
+``.grad`` becomes a view of its bucket, a parameter without a gradient contributes zeros. With
+``check=True`` a fingerprint started at the first gradient is awaited at the first bucket.
+``buffer_sync``: ``"mean"`` (integer buffers broadcast), ``"broadcast"`` or ``"none"``.
+``automatic=False``: no hooks, :meth:`synchronize` averages all at once; ``enabled`` gates both
+(``no_sync``). ``destination=r`` reduces onto rank ``r`` only; DTensors sync their local shard.
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from replicator.comm.algorithms import CrossDeviceOps, Handle, NativeAllReduce
-from replicator.comm.bucket_layout import BucketLayout, pack, unpack_into
-from replicator.comm.collectives import Collectives
-from replicator.comm.fingerprint import dtype_name
+from replicator.comm.collectives import Collectives, dtype_name
+from replicator.comm.compression import BucketLayout, pack, unpack_into
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -78,8 +75,7 @@ class _Bucket:
 
 def make_buckets(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
                  first_bucket_bytes: int = FIRST_BUCKET_BYTES, owner: int = 0) -> list[_Bucket]:
-    """Group ``params`` (reverse order, same dtype and device) into buckets of ~``bucket_bytes``
-    (``0``: one each)."""
+    """``params`` (reversed; same dtype, device) in buckets of ~``bucket_bytes`` (0: one each)."""
     buckets: list[_Bucket] = []
     current: list[torch.nn.Parameter] = []
     size = 0
@@ -114,11 +110,9 @@ class GradientSynchronizer:
     """Installs the hooks that average ``params``' gradients across replicas in ``backward()``."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], collectives: Collectives,
-                 algorithm: CrossDeviceOps | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 destination: int | None = None, *,
-                 buffers: Sequence[torch.Tensor] = (), buffer_sync: str = "mean",
-                 check: bool = True, automatic: bool = True) -> None:
+                 algorithm: CrossDeviceOps | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 destination: int | None = None, *, buffers: Sequence[torch.Tensor] = (),
+                 buffer_sync: str = "mean", check: bool = True, automatic: bool = True) -> None:
         if destination is not None and not 0 <= destination < collectives.world_size:
             raise ValueError(f"destination must be a rank in 0..{collectives.world_size - 1}, "
                              f"got {destination}")
@@ -137,17 +131,20 @@ class GradientSynchronizer:
         self.buckets = make_buckets(self.params, bucket_bytes, owner=self.owner)
         self.buffers = [local_tensor(b) for b in buffers if b.numel() > 0] \
             if buffer_sync != "none" else []
-        self._buffer_groups = self._group_buffers()
+        groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+        for t in self.buffers:
+            how = "mean" if buffer_sync == "mean" and t.is_floating_point() else "broadcast"
+            groups.setdefault((how, t.dtype), []).append(t)
+        #: ``(how, dtype, tensors)``: one coalesced collective each, in a fixed order
+        self._buffer_groups = [(how, d, ts) for (how, d), ts in
+                               sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
         if collectives.world_size > 1 and self.buckets:
             with collectives.guard("allocation of gradient buckets"):
                 bufs = self.algorithm.make_buffers(
                     [(b.layout.numel, b.dtype, b.device) for b in self.buckets], collectives.group)
             for b, buf in zip(self.buckets, bufs):
                 b.buffer = buf
-        self._where: dict[int, tuple[_Bucket, int]] = {}
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
+        self._where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.what = f"gradient averaging of synchronizer {self.index}"
         self._detail = self._describe()
         self.enabled = True
@@ -183,16 +180,6 @@ class GradientSynchronizer:
                 f"{sum(t.numel() for t in ts)} {dtype_name(d)}"
                 for _, d, ts in self._buffer_groups) + ")"
         return text
-
-    def _group_buffers(self) -> list[tuple[str, torch.dtype, list[torch.Tensor]]]:
-        """``(how, dtype, tensors)``: one coalesced collective each, in a fixed order."""
-        groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
-        for b in self.buffers:
-            how = ("mean" if self.buffer_sync == "mean" and b.is_floating_point()
-                   else "broadcast")
-            groups.setdefault((how, b.dtype), []).append(b)
-        return [(how, d, ts) for (how, d), ts in
-                sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))]
 
     # -- the hot path ------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -327,14 +314,9 @@ class GradientSynchronizer:
                     if grad.data_ptr() != piece.data_ptr():
                         grad.copy_(piece)
                 elif i not in bucket.ready and bool(piece.any()):
-                    p.grad = _like_param(p, piece.clone())
+                    p.grad = piece.clone()
+                    if bucket.sharded[i]:  # a DTensor like the parameter
+                        from torch.distributed.tensor import DTensor
 
-
-def _like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a gradient for ``param``: a DTensor like ``param`` when it is one."""
-    if not _is_distributed_tensor(param):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, param.device_mesh, param.placements,  # type: ignore[attr-defined]
-                              run_check=False)
+                        p.grad = DTensor.from_local(p.grad, p.device_mesh,  # type: ignore[attr-defined]
+                                                    p.placements, run_check=False)  # type: ignore[attr-defined]

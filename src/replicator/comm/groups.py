@@ -1,4 +1,5 @@
-"""Facts about process groups that the algorithms need, and the private groups they create.
+"""Facts about process groups that the algorithms need, the private groups they create, and
+backend failures turned into errors naming the rank and the operation.
 
 ``new_group`` cannot make a group that only its members create under a name all compute alike:
 with ``use_local_synchronization`` the name hashes how many groups this process knows, which
@@ -8,16 +9,63 @@ differs between processes, so members wait for each other until timeout.
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from replicator.cluster.timeouts import set_group_timeout
-from replicator.comm.op_errors import algorithm_error
-from replicator.errors import ClusterConfigError
+from replicator.cluster.worker_errors import finished_peers
+from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
+
+TIMEOUT_WORDS = ("timed out", "timeout", "deadline")
+LOST_PEER_WORDS = ("connection reset", "connection closed", "broken pipe", "connection refused",
+                   "socket closed", "end of file")
+
+
+def finished_peer_error(what: str, rank: int, peers: Iterable[int] | None = None
+                        ) -> ReplicatorError | None:
+    """An error saying a peer of ``rank`` in ``what`` finished its script normally (exit code 0),
+    or ``None``."""
+    if peers is None:
+        peers = range(int(os.environ.get("WORLD_SIZE", "1")))
+    done = finished_peers([p for p in peers if p != rank])
+    if not done:
+        return None
+    one = len(done) == 1
+    who = f"rank {done[0]}" if one else "ranks " + ", ".join(map(str, done))
+    return ReplicatorError(
+        f"{what} on rank {rank} failed because {who} finished {'its' if one else 'their'} "
+        f"script normally (exit code 0) while rank {rank} waited for {'it' if one else 'them'}."
+        " The likely cause: a collective called on some ranks only (for example under `if "
+        "strategy.is_chief:`). HINT: every rank must make the same collective calls in the "
+        "same order; call it on every rank and use the result on the chief only.")
+
+
+def algorithm_error(exc: BaseException, rank: int, what: str,
+                    peers: Iterable[int] | None = None) -> BaseException:
+    """``exc`` raised in ``what`` on ``rank`` as a :class:`ReplicatorError` with a hint
+    (replicator's, type and value errors pass)."""
+    if isinstance(exc, (ReplicatorError, TypeError, ValueError)) or not isinstance(exc, Exception):
+        return exc
+    first = re.sub(r"^\[[^\]]*\]\s*", "", (str(exc).splitlines() or [""])[0])[:200]
+    text = str(exc).lower()
+    if any(w in text for w in TIMEOUT_WORDS):
+        return ReplicaTimeoutError(
+            f"{what} on rank {rank} timed out waiting for another replica ({first}). HINT: a "
+            "rank may be on another code path or stuck; every rank must make the same "
+            "collective calls in the same order.")
+    if any(w in text for w in LOST_PEER_WORDS):
+        return finished_peer_error(what, rank, peers) or ReplicatorError(
+            f"{what} on rank {rank} failed because another replica exited or lost its "
+            f"connection ({first}). HINT: look for that rank's own error; the launcher reports "
+            "the first failure.")
+    return ReplicatorError(f"{what} failed on rank {rank}: {exc}")
 
 
 def unregistered(group: dist.ProcessGroup | None) -> bool:
@@ -87,8 +135,7 @@ _CREATED_LOCK = threading.Lock()
 
 def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
                       backend: str | None = None) -> dist.ProcessGroup:
-    """A group over global ``ranks`` created by its members only, named per ``purpose`` and order
-    of creation."""
+    """A group over global ``ranks`` made by its members only, named per ``purpose`` and order."""
     ranks = sorted(ranks)
     me = global_rank()
     if me not in ranks:
@@ -109,23 +156,17 @@ def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
         helper = c10d._new_process_group_helper
         store = c10d._get_default_store()
     except (ImportError, AttributeError):  # a torch without the helper: torch names the group
-        pg = _local_new_group(ranks, timeout, backend)
-        set_group_timeout(pg, timeout_seconds)
-        return pg
-    try:
-        pg, _ = helper(len(ranks), ranks.index(me), ranks, backend, store,
-                       c10d.GroupName(name),
-                       timeout=timeout, group_desc=name)
-    except RuntimeError as exc:
-        raise algorithm_error(exc, me, f"forming the {purpose} group of ranks {ranks}") from exc
-    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+        found = dist.new_group(ranks, timeout=timeout, backend=backend,
+                               use_local_synchronization=True)
+        if found is None:  # cannot happen: the caller is a member
+            raise ClusterConfigError(f"rank {me} got no group for ranks {ranks}") from None
+        pg = found
+    else:
+        try:
+            pg, _ = helper(len(ranks), ranks.index(me), ranks, backend, store,
+                           c10d.GroupName(name), timeout=timeout, group_desc=name)
+        except RuntimeError as exc:
+            raise algorithm_error(exc, me, f"forming the {purpose} group of ranks {ranks}") from exc
+        c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
     set_group_timeout(pg, timeout_seconds)
     return pg
-
-
-def _local_new_group(ranks: list[int], timeout: timedelta, backend: str) -> dist.ProcessGroup:
-    group = dist.new_group(ranks, timeout=timeout, backend=backend,
-                           use_local_synchronization=True)
-    if group is None:  # cannot happen: the caller is a member
-        raise ClusterConfigError(f"rank {global_rank()} got no group for ranks {ranks}")
-    return group

@@ -32,8 +32,7 @@ _INTRA_HOST = ("auto", "shared_memory", "native")
 
 @dataclass
 class HostTopology:
-    """One group split into hosts (global ranks, in order of their first rank), as this process
-    sees it."""
+    """One group split into hosts (global ranks, ordered by first rank), as this process sees it."""
 
     hosts: list[list[int]]
     leaders: list[int]
@@ -79,10 +78,8 @@ class HierarchicalAllReduce(CrossDeviceOps):
         self._topologies: weakref.WeakKeyDictionary[dist.ProcessGroup, HostTopology] = \
             weakref.WeakKeyDictionary()
 
-    # -- topology -------------------------------------------------------------------------------
     def topology_for(self, group: dist.ProcessGroup | None = None) -> HostTopology:
-        """The hosts, leaders and groups used on ``group``; a collective before its first
-        all-reduce."""
+        """The hosts, leaders and groups used on ``group`` (a collective before its first use)."""
         check_member(group, "topology_for")
         private = lane(group).group
         self._prepare(group, private)
@@ -94,20 +91,17 @@ class HierarchicalAllReduce(CrossDeviceOps):
             return
         ranks = group_ranks(group)
         keys = exchange_host_keys(group)
-        if self.ranks_per_node is not None:
-            n = self.ranks_per_node
-            hosts = [ranks[i:i + n] for i in range(0, len(ranks), n)]
-        else:
-            hosts = group_by_host(ranks, keys)
+        n = self.ranks_per_node
+        hosts = [ranks[i:i + n] for i in range(0, len(ranks), n)] if n else \
+            group_by_host(ranks, keys)
         me = global_rank()
         host = next(h for h in hosts if me in h)
         shared_hosts = self._shared_memory_hosts(group, ranks, hosts, keys)
         bad = [h for h, ok in zip(hosts, shared_hosts) if not ok and len(h) > 1]
         if self.intra_host == "shared_memory" and bad:
-            raise ValueError(
-                f"HierarchicalAllReduce(intra_host='shared_memory') on rank {me}: shared memory "
-                f"is not usable inside host(s) {bad} (needs {shm_dir()} on every member, all on "
-                "one machine). HINT: use intra_host='auto'")
+            raise ValueError(f"HierarchicalAllReduce(intra_host='shared_memory') on rank {me}: "
+                             f"shared memory is not usable inside host(s) {bad} (needs {shm_dir()}"
+                             " on every member, all on one machine). HINT: use intra_host='auto'")
         shared = shared_hosts[hosts.index(host)]
         timeout = resolve_timeout(self.timeout_seconds, group=group)
         backend = str(dist.get_backend(group))
@@ -115,57 +109,49 @@ class HierarchicalAllReduce(CrossDeviceOps):
         leaders = [h[0] for h in hosts]
         leader_group = new_private_group(leaders, "leaders", timeout, backend) \
             if len(hosts) > 1 and me == host[0] else None
-        self._topologies[private] = HostTopology(hosts, leaders, host, intra, leader_group,
-                                                 shared)
+        self._topologies[private] = HostTopology(hosts, leaders, host, intra, leader_group, shared)
 
     def _shared_memory_hosts(self, group: dist.ProcessGroup | None, ranks: list[int],
                              hosts: list[list[int]], keys: list[str]) -> list[bool]:
-        """For each host: may its steps use shared memory? The same answer on every rank (one
-        all-gather)."""
+        """For each host, may its steps use shared memory (the same answer on every rank)?"""
         if self.intra_host == "native":
             return [False] * len(hosts)
         mine = torch.tensor([host_id(), 0 if shared_memory_problem() else 1], dtype=torch.int64,
                             device=collective_device(group))
         parts = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(parts, mine, group=group)
-        facts = {r: (int(p[0]), int(p[1]), keys[i]) for i, (r, p) in enumerate(zip(ranks, parts))}
-        out = []
-        for h in hosts:
-            machines = {facts[r][0] for r in h}
-            declared = {facts[r][2] for r in h}
-            out.append(len(h) > 1 and len(machines) == 1 and len(declared) == 1
-                       and all(facts[r][1] for r in h))
-        return out
+        facts = {r: (int(p[0]), keys[i], int(p[1])) for i, (r, p) in enumerate(zip(ranks, parts))}
+        # one machine, one declared host key, and every member able to use shared memory
+        return [len(h) > 1 and len({facts[r][:2] for r in h}) == 1 and all(facts[r][2] for r in h)
+                for h in hosts]
 
     def forget_groups(self) -> None:  # the inner algorithms forget theirs themselves
         self._topologies.clear()
 
-    # -- the work -------------------------------------------------------------------------------
 
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         topo = self._topologies.get(group) if group is not None else None
         if topo is None:  # only the lane calls this, after _prepare
             raise RuntimeError("HierarchicalAllReduce ran on a group it has not prepared. "
                                "HINT: call all_reduce_sum_async(tensor, group), not _sum_now")
-        leader = topo.host[0]
-        several_hosts = len(topo.hosts) > 1
-        if topo.intra is not None and topo.shared_memory and tensor.device.type == "cpu":
-            shm = self._shared
-            shm._sum_now(tensor, topo.intra)
-            if not several_hosts:
-                return
-            if topo.leader_group is not None:
-                self.inter_node._sum_now(tensor, topo.leader_group)
-            else:
-                tensor.zero_()  # the leader's result plus zeros: a broadcast through memory
-            shm._sum_now(tensor, topo.intra)
+        intra, leader = topo.intra, topo.host[0]
+        # in shared memory a sum lands on every member: the host's sum, then the leader's
+        # result plus zeros from the others is a broadcast
+        shm = intra is not None and topo.shared_memory and tensor.device.type == "cpu"
+        if shm:
+            self._shared._sum_now(tensor, intra)
+        elif intra is not None:
+            dist.reduce(tensor, dst=leader, group=intra)
+        if shm and len(topo.hosts) == 1:
             return
-        if topo.intra is not None:
-            dist.reduce(tensor, dst=leader, group=topo.intra)
         if topo.leader_group is not None:
             self.inter_node._sum_now(tensor, topo.leader_group)
-        if topo.intra is not None:
-            dist.broadcast(tensor, src=leader, group=topo.intra)
+        elif shm:
+            tensor.zero_()
+        if shm:
+            self._shared._sum_now(tensor, intra)
+        elif intra is not None:
+            dist.broadcast(tensor, src=leader, group=intra)
 
     def _fields(self) -> dict[str, object]:
         return {"ranks_per_node": self.ranks_per_node, "inter_node": self.inter_node,

@@ -19,10 +19,6 @@ DEFAULT_SEGMENT_BYTES = 2 << 20
 DEFAULT_DEPTH = 16
 
 
-def _segments(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
-    return [(a, min(a + step, hi)) for a in range(lo, hi, step)]
-
-
 def _sent(work: dist.Work | None) -> dist.Work:
     """The handle of a point-to-point call (``None`` only outside the group: never here)."""
     if work is None:
@@ -30,8 +26,7 @@ def _sent(work: dist.Work | None) -> dist.Work:
     return work
 
 
-def _wait(work: dist.Work | None, group: dist.ProcessGroup | None, src: int,
-          where: str) -> None:
+def _wait(work: dist.Work | None, group: dist.ProcessGroup | None, src: int, where: str) -> None:
     """Wait for a receive; a failure says which neighbour and which step."""
     try:
         _sent(work).wait()
@@ -82,7 +77,7 @@ class RingAllReduce(CrossDeviceOps):
         right, left = (me + 1) % world, (me - 1) % world
 
         def chunk(c: int) -> list[tuple[int, int]]:
-            return _segments(bounds[c], bounds[c + 1], seg)
+            return [(a, min(a + seg, bounds[c + 1])) for a in range(bounds[c], bounds[c + 1], seg)]
 
         pool = self._pool(tensor, seg, bounds[1] - bounds[0] + 1)
         # On gloo every receive is announced to the sender before data flows, so the

@@ -91,18 +91,6 @@ def choose_auto(device: torch.device, group: dist.ProcessGroup | None) -> AutoCh
     return describe_auto(device, hosts, local)
 
 
-def _log_once(choice: AutoChoice, rank: int) -> None:
-    key = f"{choice.name}|{choice.reason}"
-    if key in _LOGGED:
-        return
-    _LOGGED.add(key)
-    fell_back = choice.name == "gloo" and "single replica" not in choice.reason
-    level = logging.WARNING if fell_back else logging.INFO
-    if rank == 0 or fell_back:
-        log.log(level, "CommunicationOptions(implementation='auto') chose %s on rank %d: %s",
-                choice.name, rank, choice.reason)
-
-
 def algorithm_for(options: CommunicationOptions, device: torch.device,
                   group: dist.ProcessGroup | None = None) -> CrossDeviceOps:
     """The algorithm ``options.implementation`` names, for replicas computing on ``device``."""
@@ -116,8 +104,13 @@ def algorithm_for(options: CommunicationOptions, device: torch.device,
             "CommunicationOptions(implementation='gloo') was given for CUDA replicas, whose "
             "process group is NCCL. HINT: use implementation='auto' or 'nccl' on GPUs.")
     if impl == "auto" and device.type == "cpu" and dist.is_initialized():
-        choice = choose_auto(device, group)
-        _log_once(choice, dist.get_rank())
+        choice, rank = choose_auto(device, group), dist.get_rank()
+        fell_back = choice.name == "gloo" and "single replica" not in choice.reason
+        if (rank == 0 or fell_back) and f"{choice.name}|{choice.reason}" not in _LOGGED:
+            log.log(logging.WARNING if fell_back else logging.INFO,
+                    "CommunicationOptions(implementation='auto') chose %s on rank %d: %s",
+                    choice.name, rank, choice.reason)
+        _LOGGED.add(f"{choice.name}|{choice.reason}")  # each choice logged once
         if choice.name in ("shared_memory", "hierarchical"):
             impl = choice.name
     if impl == "shared_memory" and device.type != "cpu":

@@ -8,6 +8,7 @@ without a thread (which on CPU would compete with ``backward()``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections import deque
@@ -19,22 +20,10 @@ import torch.distributed as dist
 
 from replicator.cluster.timeouts import resolve_timeout
 from replicator.comm.algorithms import BufferSpec, CrossDeviceOps
+from replicator.comm.comm_thread import DONE, Handle
 from replicator.comm.compression import Compression
-from replicator.comm.groups import (
-    global_rank,
-    group_rank,
-    group_ranks,
-    group_size,
-)
-from replicator.comm.handles import DONE, Handle
-from replicator.comm.op_errors import algorithm_error
-from replicator.comm.shm_segment import (
-    ALIGN,
-    FlagBarrier,
-    SharedSegment,
-    align,
-    check_same_host,
-)
+from replicator.comm.groups import algorithm_error, global_rank, group_rank, group_ranks, group_size
+from replicator.comm.shm_segment import ALIGN, FlagBarrier, SharedSegment, align, check_same_host
 from replicator.errors import ReplicatorError
 
 log = logging.getLogger("replicator")
@@ -42,22 +31,8 @@ log = logging.getLogger("replicator")
 DEFAULT_PIECE_BYTES = 4 << 20
 DEFAULT_MAX_RESIDENT_BYTES = 2 << 30
 _WHO = "shared-memory all-reduce"
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _sum_chunk(slots: list[torch.Tensor], me: int, lo: int, hi: int) -> None:
-    """Sum ``[lo, hi)`` of every slot into slot ``me``, then copy it into every other slot."""
-    if hi <= lo:
-        return
-    out = slots[me][lo:hi]
-    others = [s[lo:hi] for i, s in enumerate(slots) if i != me]
-    for other in others:
-        out.add_(other)
-    for other in others:
-        other.copy_(out)
+#: Bytes moved by one slot fill: (uint8 view, start in it, length, offset in the slot).
+_Piece = tuple[torch.Tensor, int, int, int]
 
 
 @dataclass
@@ -119,8 +94,14 @@ class _Channel:
                     return
                 self.barrier.wait_for(op.number, "inputs written", FlagBarrier.INPUTS)
             n = op.slots[0].numel()
-            _sum_chunk(op.slots, self.rank, n * self.rank // self.world,
-                       n * (self.rank + 1) // self.world)
+            lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world
+            if hi > lo:  # this rank's chunk of every slot summed into its own, copied to the rest
+                out = op.slots[self.rank][lo:hi]
+                others = [s[lo:hi] for i, s in enumerate(op.slots) if i != self.rank]
+                for other in others:
+                    out.add_(other)
+                for other in others:
+                    other.copy_(out)
             self.barrier.arrive(FlagBarrier.SUMS)
             op.summed = True
             self._queue.popleft()
@@ -145,13 +126,13 @@ class _Channel:
             flat[start:start + m].copy_(slots[self.rank])
 
     def exchange_bytes(self, mine: Sequence[torch.Tensor],
-                       read: Callable[[int, list[tuple[torch.Tensor, int, int, int]]], None],
+                       read: Callable[[int, torch.Tensor, list[_Piece]], None],
                        writer: int | None) -> None:
         """Move ``mine`` (``uint8`` views) through the slots a slot-full at a time, calling
-        ``read(slot_rank, pieces)`` after each fill."""
+        ``read(slot_rank, slot, pieces)`` after each fill."""
         self.drain()
         cap = self.piece_bytes
-        batch: list[tuple[torch.Tensor, int, int, int]] = []
+        batch: list[_Piece] = []
         fill = 0
         inputs, sums = FlagBarrier.INPUTS, FlagBarrier.SUMS
         slots = [self.segment.view(self.header + s * cap, cap, torch.uint8)
@@ -165,7 +146,7 @@ class _Channel:
             number = self.barrier.arrive(inputs)
             self.barrier.wait_for(number, "inputs written", inputs)
             for s in ([writer] if writer is not None else range(self.world)):
-                read(s, batch)
+                read(s, slots[s], batch)
             self.barrier.arrive(sums)
             self.barrier.wait_for(number, "inputs read", sums)
 
@@ -181,10 +162,6 @@ class _Channel:
                     batch, fill = [], 0
         if batch:
             flush()
-
-    def slot(self, rank: int) -> torch.Tensor:
-        return self.segment.view(self.header + rank * self.piece_bytes, self.piece_bytes,
-                                 torch.uint8)
 
 
 class _ResidentHandle:
@@ -225,10 +202,8 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         # a channel holds its group: in a weak-keyed map that keeps the key alive for good
         self._channels.clear()
 
-    # -- set-up -------------------------------------------------------------------------------
     def channel(self, group: dist.ProcessGroup | None = None) -> _Channel:
-        """The channel of ``group`` (a collective on first use, raising on every rank when it
-        cannot)."""
+        """The channel of ``group`` (first use: a collective, raising on every rank on failure)."""
         key = dist.group.WORLD if group is None else group
         if key is None:
             raise RuntimeError("no process group is running. HINT: start one first")
@@ -242,11 +217,9 @@ class SharedMemoryAllReduce(CrossDeviceOps):
                      group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
         """Buffers that live in shared memory (CPU only, within ``max_resident_bytes``)."""
         world = group_size(group)
-        offsets, total = [], 0
-        for n, dtype, device in specs:
-            offsets.append(total)
-            if device.type == "cpu":
-                total += align(n * torch.empty(0, dtype=dtype).element_size())
+        *offsets, total = itertools.accumulate(
+            (align(n * torch.empty(0, dtype=d).element_size()) if dev.type == "cpu" else 0
+             for n, d, dev in specs), initial=0)
         if (world == 1 or total == 0 or world * total > self.max_resident_bytes
                 or self.compression is not None):  # compressed data travels in new tensors
             return super().make_buffers(specs, group)
@@ -272,9 +245,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             out.append(mine)
         return out
 
-    # -- the work -----------------------------------------------------------------------------
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None,
-               what: str) -> Handle:
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
         try:
             resident = self._resident_for(tensor, group)
             if resident is not None:
@@ -288,11 +259,9 @@ class SharedMemoryAllReduce(CrossDeviceOps):
     def _resident_for(self, tensor: torch.Tensor, group: dist.ProcessGroup | None
                       ) -> _Resident | None:
         resident = self._resident.get((tensor.data_ptr(), tensor.numel(), tensor.dtype))
-        if resident is None or tensor.device.type != "cpu":
-            return None
-        if resident.rank != group_rank(group) or resident.ranks != tuple(group_ranks(group)):
-            return None  # made for another group: goes through the slots
-        return resident
+        ours = resident is not None and tensor.device.type == "cpu" and \
+            resident.rank == group_rank(group) and resident.ranks == tuple(group_ranks(group))
+        return resident if ours else None  # one made for another group: through the slots
 
     def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
                       what: str) -> Handle:
@@ -326,21 +295,15 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             raise ValueError(f"broadcast_(src={src}): src is a group rank, 0 to {world - 1}")
         if world == 1 or not views:
             return
-        what = f"shared-memory broadcast of {len(views)} tensor(s) from group rank {src}"
-        try:
-            channel = self.channel(group)
-            me = group_rank(group)
+        me = group_rank(group)
 
-            def read(slot_rank: int, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:
-                if me == src:
-                    return
-                slot = channel.slot(slot_rank)
+        def read(_: int, slot: torch.Tensor, pieces: list[_Piece]) -> None:
+            if me != src:
                 for view, start, length, offset in pieces:
                     view[start:start + length].copy_(slot[offset:offset + length])
 
-            channel.exchange_bytes(views, read, writer=src)
-        except Exception as exc:
-            raise algorithm_error(exc, global_rank(), what) from exc
+        self._exchange(views, read, src, group,
+                       f"shared-memory broadcast of {len(views)} tensor(s) from group rank {src}")
 
     def all_gather(self, tensor: torch.Tensor,
                    group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
@@ -354,19 +317,23 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         if not views:
             return out
         outs = [o.view(-1).view(torch.uint8) for o in out]
-        what = f"shared-memory all_gather of {_nbytes(tensor) / 1e6:.1f} MB"
+
+        def read(slot_rank: int, slot: torch.Tensor, pieces: list[_Piece]) -> None:
+            for _view, start, length, offset in pieces:
+                outs[slot_rank][start:start + length].copy_(slot[offset:offset + length])
+
+        nbytes = tensor.numel() * tensor.element_size()
+        self._exchange(views, read, None, group,
+                       f"shared-memory all_gather of {nbytes / 1e6:.1f} MB")
+        return out
+
+    def _exchange(self, views: list[torch.Tensor],
+                  read: Callable[[int, torch.Tensor, list[_Piece]], None], writer: int | None,
+                  group: dist.ProcessGroup | None, what: str) -> None:
         try:
-            channel = self.channel(group)
-
-            def read(slot_rank: int, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:
-                slot = channel.slot(slot_rank)
-                for _view, start, length, offset in pieces:
-                    outs[slot_rank][start:start + length].copy_(slot[offset:offset + length])
-
-            channel.exchange_bytes(views, read, writer=None)
+            self.channel(group).exchange_bytes(views, read, writer)
         except Exception as exc:
             raise algorithm_error(exc, global_rank(), what) from exc
-        return out
 
     @staticmethod
     def _byte_views(tensors: Sequence[torch.Tensor], call: str) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ visible in program order (x86), else the group's own barrier is used.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -22,8 +23,13 @@ import torch.distributed as dist
 from replicator.cluster.env_names import SHM_DIR_ENV
 from replicator.cluster.processes import process_alive
 from replicator.comm.collective_tracker import group_tag
-from replicator.comm.groups import group_rank, group_ranks, group_size, unregistered
-from replicator.comm.op_errors import finished_peer_error
+from replicator.comm.groups import (
+    finished_peer_error,
+    group_rank,
+    group_ranks,
+    group_size,
+    unregistered,
+)
 from replicator.errors import ClusterConfigError, ReplicaTimeoutError, ReplicatorError
 
 #: Where segments are created unless ``REPLICATOR_SHM_DIR`` says otherwise.
@@ -97,8 +103,7 @@ def host_id() -> int:
 
 
 def all_on_this_host(group: dist.ProcessGroup | None, usable: bool = True) -> bool:
-    """True on every rank when all ranks of ``group`` run on this host and each says
-    ``usable`` (a collective: every rank gets the same answer)."""
+    """True on every rank (a collective) when all ranks of ``group`` run here and say ``usable``."""
     here = host_id()
     votes = torch.tensor([here, -here, int(usable)], dtype=torch.int64)
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
@@ -117,11 +122,11 @@ def check_same_host(group: dist.ProcessGroup | None, who: str) -> None:
 class SharedSegment:
     """A mapping of one shared-memory segment; :meth:`create` is a collective over a group."""
 
-    def __init__(self, mm: mmap.mmap, nbytes: int, name: str) -> None:
+    def __init__(self, mm: mmap.mmap, name: str) -> None:
         self.mm = mm
-        self.nbytes = nbytes
+        self.nbytes = len(mm)
         self.name = name
-        self.base = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        self.base = torch.frombuffer(mm, dtype=torch.uint8, count=self.nbytes)
 
     @classmethod
     def create(cls, nbytes: int, group: dist.ProcessGroup | None, who: str) -> SharedSegment:
@@ -137,7 +142,7 @@ class SharedSegment:
                 name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
                 created = name  # unlinked below even when mapping fails half-way
                 try:
-                    mm = _map(os.path.join(shm_dir(), name), nbytes, create=True)
+                    mm = _map(name, nbytes, create=True)
                     message, ok = name, 1
                 except Exception as exc:  # noqa: BLE001 - every rank must hear about it
                     message, ok = f"{type(exc).__name__}: {exc}", 0
@@ -155,7 +160,7 @@ class SharedSegment:
             error = ""
             if not first:
                 try:
-                    mm = _map(os.path.join(shm_dir(), message), nbytes, create=False)
+                    mm = _map(message, nbytes, create=False)
                 except Exception as exc:  # noqa: BLE001 - every rank must hear about it
                     error = f"{type(exc).__name__}: {exc}"
             status = torch.tensor([0 if error else 1], dtype=torch.int64)
@@ -170,25 +175,21 @@ class SharedSegment:
                 unlink_segment(created)
         if mm is None:  # cannot happen: every path without a mapping raised above
             raise ReplicatorError(f"{who}: the shared-memory segment was not mapped")
-        return cls(mm, nbytes, message)
+        return cls(mm, message)
 
     @classmethod
     def create_named(cls, nbytes: int, tag: str) -> SharedSegment:
-        """Create and map a segment for one peer to open by name; the creator unlinks it once the
-        peer has answered."""
-        nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
+        """Create and map a segment for one peer to open by name; unlinked once the peer answers."""
         name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
-        return cls(_map(os.path.join(shm_dir(), name), nbytes, create=True), nbytes, name)
+        return cls(_map(name, nbytes, create=True), name)
 
     @classmethod
     def open_named(cls, name: str, nbytes: int) -> SharedSegment:
-        """Map the segment a peer created with :meth:`create_named`, then unlink it; refuses
-        other names."""
+        """Map and unlink the segment a peer made with :meth:`create_named`; refuses other names."""
         if not name.startswith(NAME_PREFIX) or "/" in name or name in (".", ".."):
             raise ValueError(f"{name!r} is not a replicator shared-memory segment name")
-        nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
         try:
-            return cls(_map(os.path.join(shm_dir(), name), nbytes, create=False), nbytes, name)
+            return cls(_map(name, nbytes, create=False), name)
         finally:
             unlink_segment(name)
 
@@ -200,15 +201,15 @@ class SharedSegment:
 
 def unlink_segment(name: str) -> None:
     """Remove a segment's name from :func:`shm_dir` (mappings stay valid); idempotent."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(shm_dir(), name))
-    except FileNotFoundError:
-        pass
 
 
-def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
+def _map(name: str, nbytes: int, create: bool) -> mmap.mmap:
+    """Map segment ``name`` of :func:`shm_dir`, ``nbytes`` page-rounded (``create``: a new one)."""
+    nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
+    fd = os.open(os.path.join(shm_dir(), name), flags, 0o600)
     try:
         if create:
             os.posix_fallocate(fd, 0, nbytes)  # fails now (ENOSPC) instead of SIGBUS later
@@ -279,13 +280,8 @@ class FlagBarrier:
         return values
 
     def ready(self, value: int, counter: int = SUMS) -> bool:
-        """True when every rank's ``counter`` reached ``value`` (never blocks; without flags:
-        no)."""
+        """True when every rank's ``counter`` reached ``value`` (never blocks; no flags: False)."""
         return self._use_flags and bool(self._views[counter].min() >= value)
-
-    def wait(self, what: str) -> None:
-        """Return once every rank called ``wait`` as often as this one."""
-        self.wait_for(self.arrive(), what)
 
     def wait_for(self, value: int, what: str, counter: int = SUMS) -> None:
         """Block until every rank's ``counter`` reached ``value``."""
@@ -315,14 +311,12 @@ class FlagBarrier:
                 next_check = now + self.LIVENESS_EVERY
                 self._check_alive(flags, value, what)
                 if now - start > self.timeout_seconds:
+                    missing = [str(self.ranks[i]) for i in range(self.world) if flags[i] < value]
                     raise ReplicaTimeoutError(
                         f"{self.who} ({what}) on rank {self.ranks[self.rank]} waited "
-                        f"{self.timeout_seconds:g} s for rank(s) {self._missing(flags, value)}. "
+                        f"{self.timeout_seconds:g} s for rank(s) {', '.join(missing)}. "
                         "HINT: those ranks may be on another code path or stuck; every rank "
                         "must make the same collective calls in the same order.")
-
-    def _missing(self, flags: np.ndarray, value: int) -> str:
-        return ", ".join(str(self.ranks[i]) for i in range(self.world) if flags[i] < value)
 
     def _check_alive(self, flags: np.ndarray, value: int, what: str) -> None:
         for i in range(self.world):

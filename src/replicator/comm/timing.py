@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -42,9 +42,7 @@ class CommTime:
     background_calls: int = 0
 
     def __sub__(self, other: CommTime) -> CommTime:
-        return CommTime(self.exposed - other.exposed, self.calls - other.calls,
-                        self.background - other.background,
-                        self.background_calls - other.background_calls)
+        return CommTime(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
 
 def enable(on: bool = True) -> None:
@@ -67,8 +65,7 @@ def _synchronize(device: torch.device | None) -> None:
 
 
 def start(device: torch.device | None = None) -> float | None:
-    """Mark the start of a collective for :func:`stop`; ``None`` when off or nested (it counts
-    once)."""
+    """Mark a collective's start for :func:`stop`; ``None`` when off or nested (counted once)."""
     if not (_enabled if _enabled is not None else enabled()):
         return None
     depth = getattr(_local, "depth", 0)

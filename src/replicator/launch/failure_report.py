@@ -19,10 +19,10 @@ from replicator.cluster.env_names import PREEMPTION_EXIT_CODE
 from replicator.cluster.worker_errors import BackupNote, WorkerError
 from replicator.errors import WorkerFailedError
 
-#: Words of the errors of a rank whose peer vanished (comm/op_errors.py, comm/shm_segment.py).
+#: Words of the errors of a rank whose peer vanished (comm/groups.py, comm/shm_segment.py).
 CONSEQUENCE_PHRASES = ("because another replica exited or lost its connection",
                        "exited while the others waited for it",
-                       # a peer that finished normally (comm/op_errors.finished_peer_error)
+                       # a peer that finished normally (comm/groups.finished_peer_error)
                        "script normally (exit code 0) while rank",
                        # a coordinator's function failed on a worker that lost its server
                        "ParameterServerLostError: parameter server")

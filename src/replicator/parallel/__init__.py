@@ -1,10 +1,6 @@
-"""The parallel room: plain functions that apply one parallelism to a module over a mesh.
-
-Each takes the module, the (sub-)mesh of its axis and its options, and changes the module in
-place; none knows which strategy called it (the guard and device come as arguments).
-:class:`~replicator.strategies.MeshStrategy` composes them, innermost first: pipeline
-(:class:`PipelineRunner`, with ``pipeline_split`` and ``pipeline_tied``), tensor
-(:func:`apply_tensor_parallel`, with sequence parallelism), fully sharded (:func:`apply_fsdp`).
+"""The parallel room: plain functions that apply one parallelism to a module over a mesh, in
+place, given the guard and device (none knows which strategy called it); ``MeshStrategy``
+composes them innermost first: pipeline, tensor (with sequence parallelism), fully sharded.
 """
 
 from replicator.parallel.fsdp import apply_fsdp, is_unsharded_view, shard_units

@@ -17,16 +17,11 @@ def shard_units(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks sharded one by one: every child of a ``ModuleList``/``Sequential`` that
     holds parameters (a transformer's layers, an MLP's Linear layers), innermost lists
     first; the root (``module``) takes whatever parameters are left."""
-    units: list[torch.nn.Module] = []
-    for sub in module.modules():
-        if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential)):
-            for child in sub.children():
-                if any(True for _ in child.parameters()) and child is not module:
-                    units.append(child)
+    units = {id(c): c for sub in module.modules()
+             if isinstance(sub, (torch.nn.ModuleList, torch.nn.Sequential))
+             for c in sub.children() if c is not module and any(True for _ in c.parameters())}
     # a block inside another block: shard the inner one first (fully_shard order: bottom-up)
-    unique = list({id(m): m for m in units}.values())
-    depth = {id(m): sum(1 for _ in m.modules()) for m in unique}
-    return sorted(unique, key=lambda m: depth[id(m)])
+    return sorted(units.values(), key=lambda m: sum(1 for _ in m.modules()))
 
 
 def apply_fsdp(module: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True

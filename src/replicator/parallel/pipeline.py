@@ -1,22 +1,10 @@
-"""Pipeline parallelism: a model cut into stages on the ranks of a 1-D ``DeviceMesh``.
+"""Pipeline parallelism: a model cut into stages on the ranks of a 1-D ``DeviceMesh``, run by a
+``torch.distributed.pipelining`` schedule under the one-device step (docs/model_parallel.md).
 
-Built on ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved 1F1B, zero bubble). The
-step keeps its one-device shape (``loss_fn(model(x), y).backward()``), which 1F1B cannot run as
-such (it needs each microbatch's loss during the forward), so a call runs in two passes:
-
-1. ``model(x)`` runs the stages forward without autograd and gives every pipeline rank the full
-   output (a leaf that requires grad), so the loss is the same everywhere.
-2. ``loss.backward()`` reaches it with ``dL/d(output)``; a hook runs the schedule with the loss
-   ``sum(output_i * dL/d(output_i))`` per microbatch, whose gradient is exactly the user
-   loss's for any loss (``scale_grads=False``).
-
-The price is a second forward (about a third more compute) and a broadcast of the output; the
-random state is replayed, so dropout masks match. :meth:`PipelineRunner.forward_backward` runs
-one schedule with the loss on the last stage when it is known up front; a Hugging Face model
-called with labels computes its loss on the last stage and broadcasts only that. Each pass is
-one guarded operation (``Collectives.guard``) on every pipeline rank, so a hung neighbour
-raises ``ReplicaTimeoutError`` naming rank and pass. Tied weights are kept in step by
-:mod:`replicator.parallel.pipeline_tied`.
+``model(x)`` runs the stages forward without autograd and gives every pipeline rank the output
+(a leaf requiring grad); its backward runs the schedule with the loss
+``sum(output_i * dL/d(output_i))``, whose gradient is the user loss's (``scale_grads=False``).
+Each pass is one guarded operation on every pipeline rank.
 """
 
 from __future__ import annotations
@@ -35,6 +23,7 @@ from replicator.errors import ReplicatorError
 from replicator.parallel.pipeline_split import (
     PipelineSplitError,
     Stage,
+    TiedWeights,
     balanced_starts,
     build_stages,
     check_stage_count,
@@ -44,7 +33,6 @@ from replicator.parallel.pipeline_split import (
     named_starts,
     parameter_costs,
 )
-from replicator.parallel.pipeline_tied import TiedWeights
 
 #: Schedule name -> (torch class name, stages per rank by default, stage placement).
 SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -108,18 +96,15 @@ def check_pipeline_options(num_stages: int, num_microbatches: int, schedule: str
     if schedule != "gpipe" and num_microbatches < num_stages // per_rank:
         raise ValueError(
             f"schedule {schedule!r} needs at least as many microbatches as pipeline ranks "
-            f"({num_stages // per_rank}), got num_microbatches={num_microbatches}. HINT: "
-            "use more microbatches (a bubble of (p-1)/(m+p-1) wants m well above p), or "
-            "schedule='gpipe'.")
+            f"({num_stages // per_rank}), got num_microbatches={num_microbatches}. HINT: use more "
+            "microbatches (a bubble of (p-1)/(m+p-1) wants m well above p), or schedule='gpipe'.")
     return schedule
 
 
 def check_rows(target: Any, x: torch.Tensor, what: str) -> None:
     """``target`` must be a tensor with one row per row of the batch ``x``."""
-    if not isinstance(target, torch.Tensor) or target.dim() == 0 or \
-            target.shape[0] != x.shape[0]:
-        got = tuple(target.shape) if isinstance(target, torch.Tensor) else \
-            type(target).__name__
+    if not isinstance(target, torch.Tensor) or target.dim() == 0 or target.shape[0] != x.shape[0]:
+        got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
         raise ValueError(f"{what} must be a tensor with one row per input row ({x.shape[0]}), "
                          f"got {got}. HINT: pass the labels of the same batch")
 
@@ -127,13 +112,6 @@ def check_rows(target: Any, x: torch.Tensor, what: str) -> None:
 def pipeline_degree(num_stages: int, schedule: str) -> int:
     """How many ranks ``num_stages`` stages take under ``schedule`` (interleaved: 2 each)."""
     return num_stages // SCHEDULES[schedule][1]
-
-
-def stage_owners(num_stages: int, ranks: int, placement: str) -> list[int]:
-    """The pipeline rank of each stage: round robin (``loop``) or down-and-back (``v``)."""
-    if placement == "v":
-        return [s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages)]
-    return [s % ranks for s in range(num_stages)]
 
 
 class PipelineRunner:
@@ -151,36 +129,32 @@ class PipelineRunner:
             raise ValueError(f"PipelineRunner takes the 1-D mesh of the pipeline axis, got a "
                              f"{mesh.ndim}-D one. HINT: pass mesh['pipeline']")
         name = str(schedule).lower().replace("-", "_")
-        per_rank = SCHEDULES[name][1] if name in SCHEDULES else 1
-        num_stages = num_stages or mesh.size() * per_rank
+        num_stages = num_stages or mesh.size() * (SCHEDULES[name][1] if name in SCHEDULES else 1)
         schedule = check_pipeline_options(num_stages, num_microbatches, name, balance)
         self.model = model
         self.device = device
         self.group = mesh.get_group()
-        self.ranks = mesh.size()
         self.me = mesh.get_local_rank()
         self.global_ranks = list(dist.get_process_group_ranks(self.group))
         self._guard = guard
         self._timeout_seconds = timeout_seconds
-        placement = SCHEDULES[schedule][2]
         self.num_stages = num_stages
         self.schedule_name = schedule
         self.num_microbatches = num_microbatches
-        self.owners = stage_owners(self.num_stages, self.ranks, placement)
+        # the pipeline rank of each stage: round robin, or down and back ("v" placement)
+        ranks, v = mesh.size(), SCHEDULES[schedule][2] == "v"
+        self.owners = [(s if s < ranks else 2 * ranks - 1 - s) if v else s % ranks
+                       for s in range(num_stages)]
         self.local_ids = [s for s, r in enumerate(self.owners) if r == self.me]
         self.after_backward: Callable[[], None] | None = None
         self.tied = TiedWeights([], [], self.global_ranks, self.me, {})
-        self._wrap_output: Any = None
-        #: the model's own loss of (logits, labels), for ``model(input_ids=x, labels=y)``
-        self._own_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         known = None if isinstance(model, torch.nn.Sequential) else known_chain(model)
-        if known is not None:
-            chain_module, self._wrap_output = known
-            self._own_loss = known_loss(model)
-            # names for split points and messages: the chain's; parameters stay model's
-            self.chain = flatten_chain(chain_module)
-        else:
-            self.chain = flatten_chain(model)
+        # names for split points and messages: the chain's; parameters stay model's
+        chain_module, wrap = known or (model, None)
+        self._wrap_output: Any = wrap
+        #: the model's own loss of (logits, labels), for ``model(input_ids=x, labels=y)``
+        self._own_loss = known_loss(model) if known is not None else None
+        self.chain = flatten_chain(chain_module)
         check_stage_count(self.chain, self.num_stages)
         self.stages: list[Stage] = []
         self._schedules: dict[tuple, Any] = {}
@@ -200,7 +174,6 @@ class PipelineRunner:
         runner = getattr(model, _RUNNER_ATTR, None)
         return runner if isinstance(runner, PipelineRunner) else None
 
-    # -- cutting ---------------------------------------------------------------------------------
     def _cut(self, starts: Sequence[int]) -> None:
         self.stages = build_stages(self.chain, starts)
         mine = {id(t) for s in self.local_ids
@@ -209,11 +182,8 @@ class PipelineRunner:
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 if id(t) not in mine:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        self._tie_weights()
-
-    def _tie_weights(self) -> None:
-        """Find the parameters that stages on different ranks share; make their groups and
-        start their copies equal (one guarded pass on every rank of the pipeline)."""
+        # weights that stages on different ranks share: their groups made and their copies
+        # made equal, in one guarded pass on every rank of the pipeline
         names: dict[int, list[str]] = {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
@@ -225,8 +195,7 @@ class PipelineRunner:
                 self.tied.connect(timeout)
 
     def _measure_and_cut(self, x: torch.Tensor) -> None:
-        """Balance by forward time measured on ``x``'s first microbatch (rank 0's timings,
-        so every rank cuts alike)."""
+        """Balance by forward time on ``x``'s first microbatch (rank 0's: all ranks cut alike)."""
         times = []
         with torch.no_grad():
             act = torch.tensor_split(x, self.num_microbatches)[0]
@@ -282,7 +251,6 @@ class PipelineRunner:
         dist.broadcast(t, group=self.group, group_src=src)
         return t
 
-    # -- running ----------------------------------------------------------------------------------
     def _prepare(self, x: Any) -> torch.Tensor:
         """``x`` checked, and the model cut (at the first batch when balancing by time)."""
         if not isinstance(x, torch.Tensor):
@@ -330,7 +298,6 @@ class PipelineRunner:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward under the pipeline: one tensor, positionally or as ``input_ids``; a
         known layout with its own loss also takes ``labels=`` (:meth:`_forward_labelled`)."""
-        kwargs = dict(kwargs)
         labels = kwargs.pop("labels", None) if self._own_loss is not None else None
         if len(args) + len(kwargs) != 1 or (kwargs and "input_ids" not in kwargs):
             given = ", ".join([*(type(a).__name__ for a in args), *kwargs])
@@ -417,11 +384,8 @@ class PipelineRunner:
             self._value_pass(x)
             torch.set_rng_state(rng)
         m = self.num_microbatches
-
-        def microbatch_loss(output: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-            return loss_fn(output, tgt) / m
-
-        sched = self._schedule_for(x, microbatch_loss, key=(*key, "loss", id(loss_fn)))
+        sched = self._schedule_for(x, lambda output, tgt: loss_fn(output, tgt) / m,
+                                   key=(*key, "loss", id(loss_fn)))
         losses: list[torch.Tensor] = []
         self._step(sched, x, {"target": target.to(self.device), "losses": losses},
                    "forward and backward")
@@ -449,14 +413,9 @@ class PipelineRunner:
             # shapes given up front (from the value pass): no shape-inference forward, which
             # would draw random numbers and exchange pickled metadata between ranks
             stages = [PipelineStage(self.stages[s], s, self.num_stages, self.device,
-                                    input_args=self._metas[s][0],
-                                    output_args=self._metas[s][1], group=self.group)
-                      for s in self.local_ids]
-
-            def output_times_grad(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-                return (output * grad).sum()
-
-            loss_fn = loss_fn or output_times_grad
+                                    input_args=self._metas[s][0], output_args=self._metas[s][1],
+                                    group=self.group) for s in self.local_ids]
+            loss_fn = loss_fn or (lambda output, grad: (output * grad).sum())
             one_per_rank = SCHEDULES[self.schedule_name][1] == 1  # these take one stage
             sched = cls(stages[0] if one_per_rank else stages, self.num_microbatches,
                         loss_fn=loss_fn, scale_grads=False)
@@ -470,9 +429,8 @@ class PipelineRunner:
                    {"target": grad.detach()} if grad is not None else {}, "backward")
 
     def _step(self, sched: Any, x: torch.Tensor, last_stage: dict[str, Any], doing: str) -> None:
-        """One run of the schedule (``x`` for the first stage, ``last_stage``'s arguments for
-        the last); torch's sends and receives between stages happen inside, so the whole step
-        is one guarded operation."""
+        """One run of the schedule (``x`` for the first stage, ``last_stage``'s arguments for the
+        last); torch's sends and receives inside make the whole step one guarded operation."""
         args = (x,) if 0 in self.local_ids else ()
         kwargs = last_stage if self.num_stages - 1 in self.local_ids else {}
         what = self._what(f"{self.schedule_name} schedule step ({doing} of "
@@ -488,11 +446,9 @@ class PipelineRunner:
             with self._guard(self.tied.what("sum of the gradients")):
                 self.tied.sum_gradients(kept)
 
-    # -- saving ------------------------------------------------------------------------------------
     def full_state_dict(self, dst: int = 0) -> dict[str, Any]:
         """The model's state dict with full tensors on pipeline rank ``dst`` (``{}`` elsewhere; all
-        pipeline ranks call it), a tied weight once under each name, so it loads into the one-device
-        model."""
+        pipeline ranks call it), a tied weight under each name: loads into the one-device model."""
         if not self.stages:
             raise ReplicatorError("full_state_dict: the pipeline is cut at its first batch "
                                   "(balance='time'); call it after a step")

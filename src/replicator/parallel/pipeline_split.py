@@ -1,19 +1,27 @@
-"""Cutting a model into pipeline stages: the chain of blocks, balanced or named cut points.
+"""Cutting a model into pipeline stages: contiguous runs of a chain of blocks (an
+``nn.Sequential``, nested ones flattened), balanced by a cost per block or cut before named
+blocks; :func:`shared_parameters` lists the weights tied across stages (GPT-2's
+``lm_head.weight`` is ``transformer.wte.weight``), :class:`TiedWeights` keeps them in step.
 
-A chain is an ``nn.Sequential``, nested ones flattened (``embed, blocks.0, ..., head``).
-Stages are contiguous runs balancing a cost per block (parameters or measured forward time)
-or cut before named blocks (``split_points=["layers.4"]``). Tied weights across stages are
-allowed: :func:`shared_parameters` lists them and the pipeline keeps them in step.
+As in Megatron each holding rank keeps a copy: copies start equal (a broadcast from the lowest
+holder) and stay equal because after every schedule run each copy's gradient becomes the sum of
+all copies' over a private group of the holders. Only that run's gradient is summed, so
+gradients accumulated under ``no_sync`` are summed once.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from replicator.comm.groups import new_private_group
 from replicator.errors import ReplicatorError
 
 
@@ -24,8 +32,7 @@ class PipelineSplitError(ReplicatorError, ValueError):
 class _TokenAndPositionEmbedding(torch.nn.Module):
     """GPT-2's input: token plus position embeddings, then dropout."""
 
-    def __init__(self, wte: torch.nn.Module, wpe: torch.nn.Module, drop: torch.nn.Module
-                 ) -> None:
+    def __init__(self, wte: torch.nn.Module, wpe: torch.nn.Module, drop: torch.nn.Module) -> None:
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
@@ -35,8 +42,7 @@ class _TokenAndPositionEmbedding(torch.nn.Module):
 
 
 class _HiddenOnly(torch.nn.Module):
-    """A transformer block called with the hidden state alone; keeps only the hidden state of
-    a block that returns a tuple."""
+    """A transformer block on the hidden state alone, keeping only the hidden state it returns."""
 
     def __init__(self, block: torch.nn.Module) -> None:
         super().__init__()
@@ -57,11 +63,8 @@ class _NormAndHead(torch.nn.Module):
 
 
 def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | None:
-    """A chain sharing ``model``'s modules for a known layout, and how to wrap its output
-    like ``model``'s (``wrap(logits, loss=None)``); ``None`` for an unknown one. Known: a
-    Hugging Face GPT-2 language model (``transformer.wte/wpe/drop/h/ln_f`` and ``lm_head``),
-    whose blocks see no attention mask (causal attention that needs none, such as
-    ``attn_implementation="sdpa"``)."""
+    """A chain sharing ``model``'s modules and ``wrap(logits, loss=None)`` for its output, for a
+    Hugging Face GPT-2 LM (blocks see no attention mask, as with sdpa); ``None`` otherwise."""
     body = getattr(model, "transformer", None)
     head = getattr(model, "lm_head", None)
     parts = ("wte", "wpe", "drop", "h", "ln_f")
@@ -84,16 +87,12 @@ def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | Non
 
 
 def known_loss(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The loss a model of a layout :func:`known_chain` knows computes from its logits when
-    called with ``labels=``: a Hugging Face language model's own ``loss_function`` (labels
-    shifted by one token, ``-100`` ignored, the mean over the counted tokens), or that rule
-    written out for a version of transformers without ``loss_function``."""
+    """The loss a :func:`known_chain` model computes with ``labels=``: its ``loss_function``, or
+    that rule written out (labels shifted by one, ``-100`` ignored, mean over counted tokens)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     own = getattr(model, "loss_function", None)
     if callable(own) and vocab is not None:
-        def hf_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return own(logits, labels, vocab_size=vocab)
-        return hf_loss
+        return functools.partial(own, vocab_size=vocab)
 
     def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         shifted = logits[..., :-1, :].float()
@@ -112,9 +111,9 @@ def flatten_chain(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         raise PipelineSplitError(
             f"PipelineStrategy cannot cut a {type(model).__name__}{where}: its forward is "
             "arbitrary Python, so where one stage ends and the next begins is unknown (known "
-            "layouts: nn.Sequential, Hugging Face GPT-2). HINT: "
-            "build the model as an nn.Sequential of its parts, e.g. nn.Sequential(embedding, "
-            "*blocks, head), where each part takes the previous part's output.")
+            "layouts: nn.Sequential, Hugging Face GPT-2). HINT: build the model as an "
+            "nn.Sequential of its parts, e.g. nn.Sequential(embedding, *blocks, head), where "
+            "each part takes the previous part's output.")
     chain: list[tuple[str, torch.nn.Module]] = []
 
     def walk(prefix: str, seq: torch.nn.Sequential) -> None:
@@ -133,18 +132,14 @@ def flatten_chain(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def parameter_costs(chain: Sequence[tuple[str, torch.nn.Module]]) -> list[float]:
-    """Each block's parameter count (a block without parameters costs a little, so stages
-    still get some)."""
+    """Each block's parameter count (at least 1: a block without parameters costs a little)."""
     return [float(sum(p.numel() for p in m.parameters())) or 1.0 for _, m in chain]
 
 
 def balanced_starts(costs: Sequence[float], num_stages: int) -> list[int]:
-    """Start index of each stage so the costliest stage costs least (contiguous stages, at
-    least one block each)."""
+    """Each stage's start so the costliest stage costs least (contiguous, one block or more)."""
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = list(itertools.accumulate(costs, initial=0.0))
     inf = float("inf")
     # best[s][i]: least max-stage cost of splitting blocks[:i] into s stages
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -168,10 +163,9 @@ def named_starts(chain: Sequence[tuple[str, torch.nn.Module]], split_points: Seq
     """Stage starts from cut points: each name is the first block of a new stage."""
     names = [n for n, _ in chain]
     if len(split_points) != num_stages - 1:
-        raise PipelineSplitError(
-            f"{num_stages} stages need {num_stages - 1} split point(s), got "
-            f"{len(split_points)}: {list(split_points)}. HINT: name the first block of each "
-            "stage after the first.")
+        raise PipelineSplitError(f"{num_stages} stages need {num_stages - 1} split point(s), got "
+                                 f"{len(split_points)}: {list(split_points)}. HINT: name the "
+                                 "first block of each stage after the first.")
     starts = [0]
     for point in split_points:
         if point not in names:
@@ -196,8 +190,7 @@ def check_stage_count(chain: Sequence[tuple[str, torch.nn.Module]], num_stages: 
 
 
 class Stage(torch.nn.Module):
-    """A contiguous run of the chain's blocks, applied in order (the blocks are shared with
-    the original model, not copied)."""
+    """A contiguous run of the chain's blocks applied in order (the model's own, not copies)."""
 
     def __init__(self, blocks: Sequence[tuple[str, torch.nn.Module]]) -> None:
         super().__init__()
@@ -212,20 +205,101 @@ class Stage(torch.nn.Module):
 
 def build_stages(chain: Sequence[tuple[str, torch.nn.Module]], starts: Sequence[int]
                  ) -> list[Stage]:
-    """One :class:`Stage` per start index. A parameter used by several stages (tied weights)
-    stays one parameter; :func:`shared_parameters` finds them."""
+    """One :class:`Stage` per start index; a parameter several stages use stays one parameter."""
     ends = [*starts[1:], len(chain)]
     return [Stage(chain[a:b]) for a, b in zip(starts, ends)]
 
 
 def shared_parameters(stages: Sequence[Stage]) -> list[tuple[torch.nn.Parameter, list[int]]]:
-    """Each parameter used by more than one stage (tied weights, as GPT-2's embedding and
-    head), with the stages using it, in order of first use."""
-    users: dict[int, list[int]] = {}
-    params: dict[int, torch.nn.Parameter] = {}
+    """Each parameter several stages use (tied weights), with the stages using it, by first use."""
+    users: dict[torch.nn.Parameter, list[int]] = {}  # tensors hash by identity
     for i, stage in enumerate(stages):
-        for p in stage.parameters():
-            params.setdefault(id(p), p)
-            if i not in users.setdefault(id(p), []):
-                users[id(p)].append(i)
-    return [(params[k], used) for k, used in users.items() if len(used) > 1]
+        for p in stage.parameters():  # each once per stage
+            users.setdefault(p, []).append(i)
+    return [(p, used) for p, used in users.items() if len(used) > 1]
+
+
+@dataclass
+class Tie:
+    """Parameters held by the same ranks of the pipeline (global ranks, lowest first)."""
+
+    ranks: tuple[int, ...]
+    names: list[str] = field(default_factory=list)
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    stages: list[list[int]] = field(default_factory=list)
+    group: dist.ProcessGroup | None = None  # made by connect(), on members only
+
+
+class TiedWeights:
+    """The parameters that stages on different ranks share, and how to keep them in step
+    (``owners``: each stage's pipeline rank; ``global_ranks``: each pipeline rank's global rank;
+    ``me``: this process's; ``names``: parameter names by identity, for messages).
+    """
+
+    def __init__(self, stages: Sequence[Stage], owners: Sequence[int],
+                 global_ranks: Sequence[int], me: int, names: dict[int, str]) -> None:
+        by_ranks: dict[tuple[int, ...], Tie] = {}
+        for param, used_by in shared_parameters(stages):
+            holders = tuple(sorted({global_ranks[owners[s]] for s in used_by}))
+            if len(holders) < 2:
+                continue  # one rank runs every stage that uses it: one tensor, nothing to sum
+            tie = by_ranks.setdefault(holders, Tie(holders))
+            tie.names.append(names.get(id(param), f"a parameter of shape {tuple(param.shape)}"))
+            tie.params.append(param)
+            tie.stages.append(list(used_by))
+        #: every tie of the pipeline (the same list on all its ranks), in a fixed order
+        self.ties = [by_ranks[k] for k in sorted(by_ranks)]
+        self.global_rank = global_ranks[me]
+        #: the ties this rank holds a copy of
+        self.mine = [t for t in self.ties if self.global_rank in t.ranks]
+
+    def __bool__(self) -> bool:
+        """True when some parameter is shared by stages on different ranks."""
+        return bool(self.ties)
+
+    def describe(self) -> str:
+        """``"lm_head.weight (stages 0 and 3)"`` for each tied parameter, ``"; "``-joined."""
+        return "; ".join(f"{name} (stages {' and '.join(map(str, stages))})"
+                         for tie in self.ties for name, stages in zip(tie.names, tie.stages))
+
+    def what(self, doing: str) -> str:
+        """A pass's name for errors: what this rank did, with which ranks."""
+        peers = sorted({r for t in self.mine for r in t.ranks} - {self.global_rank})
+        held = ", ".join(n for t in self.mine for n in t.names) or "none"
+        with_ranks = f" with rank {', '.join(map(str, peers))}" if peers else ""
+        return (f"pipeline {doing} of tied weights on rank {self.global_rank}{with_ranks} "
+                f"(held here: {held})")
+
+    def connect(self, timeout_seconds: float) -> None:
+        """Make the holding ranks' groups (members only, in the same order on each) and give every
+        copy the lowest holder's value; every pipeline rank calls it, in one guarded pass."""
+        for tie in self.mine:
+            tie.group = new_private_group(list(tie.ranks), "pipeline-tied", timeout_seconds)
+            with torch.no_grad():
+                for p in tie.params:
+                    dist.broadcast(p.detach(), group=tie.group, group_src=0)
+
+    def set_aside(self) -> list[list[torch.Tensor | None]]:
+        """Take this rank's copies' gradients out before a run, so its gradient arrives alone."""
+        kept = [[p.grad for p in tie.params] for tie in self.mine]
+        self.put_back([[None] * len(tie.params) for tie in self.mine])
+        return kept
+
+    def sum_gradients(self, kept: list[list[torch.Tensor | None]]) -> None:
+        """Sum the run's gradient of each tied parameter over its holding ranks and add it to
+        what :meth:`set_aside` took out (its tensor kept, in place)."""
+        for tie, before in zip(self.mine, kept):
+            assert tie.group is not None, "connect() makes the groups when the pipeline is cut"
+            for p, old in zip(tie.params, before):
+                if not p.requires_grad:  # frozen (on every holder): nothing to sum
+                    p.grad = old
+                    continue
+                new = p.grad if p.grad is not None else torch.zeros_like(p)
+                dist.all_reduce(new, group=tie.group)
+                p.grad = new if old is None else old.add_(new)
+
+    def put_back(self, kept: list[list[torch.Tensor | None]]) -> None:
+        """Undo :meth:`set_aside` after a failed run (the run's partial gradient dropped)."""
+        for tie, before in zip(self.mine, kept):
+            for p, old in zip(tie.params, before):
+                p.grad = old

@@ -1,11 +1,6 @@
-"""Tensor parallelism: each layer's weights split over a ``DeviceMesh`` (``parallelize_module``).
-
-Megatron's layout, as torchtitan applies it: an MLP's first ``Linear`` column-wise and the second
-row-wise (one all-reduce per block), attention's q/k/v by heads and its output row-wise,
-embeddings by vocabulary rows; a tensor-parallel group shares one batch. A plan maps module
-names (``fnmatch``) to ``"colwise"``, ``"rowwise"``, ``"embedding"`` or a ``ParallelStyle``.
-``sequence_parallel=True``: norms and the residual stream work on ``1/N`` of the sequence
-(all-gather in, reduce-scatter out), which must divide by the degree.
+"""Tensor parallelism: each layer's weights split over a ``DeviceMesh`` (``parallelize_module``)
+in Megatron's layout (docs/model_parallel.md). A plan maps module names (``fnmatch``) to
+``"colwise"``, ``"rowwise"``, ``"embedding"`` or a ``ParallelStyle``.
 """
 
 from __future__ import annotations
@@ -108,11 +103,9 @@ def _block_plan(module: torch.nn.Module, degree: int) -> dict[str, str]:
 
 
 def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
-    """The plan used when none is given (see the module doc): attention blocks (projections
-    named like ``q/k/v/o``, ``q_proj/.../o_proj``), gated MLPs (``gate/up/down_proj``), MLPs
-    (two ``Linear`` children, or consecutive ``Linear`` layers of an ``nn.Sequential`` with
-    only parameter-free modules between them), and embeddings. Layers whose split dimension
-    does not divide by ``degree`` stay replicated."""
+    """The plan used when none is given: attention blocks, gated MLPs, MLPs (two ``Linear``
+    children, or consecutive ones in an ``nn.Sequential``) and embeddings whose split dimension
+    divides by ``degree`` (see :func:`_block_plan`); the rest stays replicated."""
     plan: dict[str, str] = {}
     for prefix, module in model.named_modules():
         plan.update({_join(prefix, n): style for n, style in _block_plan(module, degree).items()})
@@ -121,8 +114,7 @@ def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
     return plan
 
 
-def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]
-                           ) -> dict[str, Any]:
+def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
     """``plan`` (a default plan) with sequence-parallel norms: for every module whose children
     with parameters are norms and sub-blocks the plan splits (one of their ``Linear`` children
     row-wise), the module takes its input whole and works on a sequence shard, the norms run
@@ -169,16 +161,14 @@ def _sequence_check(name: str, degree: int) -> Any:
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and (x.dim() < 2 or x.shape[1] % degree):
             raise ValueError(
-                f"sequence-parallel block {name!r} got an input of shape {tuple(x.shape)}: "
-                f"its sequence (dimension 1) must divide by the tensor-parallel degree "
-                f"{degree}. HINT: pad the sequences to a multiple of {degree}, or leave "
-                "sequence_parallel off.")
+                f"sequence-parallel block {name!r} got an input of shape {tuple(x.shape)}: its "
+                f"sequence (dimension 1) must divide by the tensor-parallel degree {degree}. HINT: "
+                f"pad the sequences to a multiple of {degree}, or leave sequence_parallel off.")
     return hook
 
 
 def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, ParallelStyle]:
-    """Each entry as a style; a name (pattern) that matches no module is an error listing the
-    closest module names."""
+    """Each entry as a style; a name matching no module is an error naming the closest ones."""
     names = [n for n, _ in model.named_modules() if n]
     out: dict[str, ParallelStyle] = {}
     for key, value in plan.items():
@@ -188,17 +178,16 @@ def check_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, Par
             close = difflib.get_close_matches(key, names, n=5, cutoff=0.5)
             hint = f" Close names: {', '.join(close)}." if close else ""
             raise TensorPlanError(
-                f"tensor plan names module {key!r}, which {type(model).__name__} does not "
-                f"have.{hint} HINT: use names from model.named_modules() (patterns such as "
+                f"tensor plan names module {key!r}, which {type(model).__name__} does not have."
+                f"{hint} HINT: use names from model.named_modules() (patterns such as "
                 "'layers.*.mlp.fc1' are allowed).")
         out[key] = style_for(value, key)
     return out
 
 
 def validate_plan(plan: Mapping[str, Any] | None, sequence_parallel: bool = False) -> None:
-    """Check a plan before any model exists (its type, each style, and that
-    ``sequence_parallel`` is asked only with the default plan), so a bad one fails where the
-    strategy is built rather than at scope exit."""
+    """Check a plan before any model exists (type, styles, ``sequence_parallel`` only with the
+    default plan), so a bad one fails where the strategy is built rather than at scope exit."""
     if plan is None:
         return
     if not isinstance(plan, Mapping):

@@ -30,7 +30,7 @@ from replicator.cluster.environment import resolve_cluster
 from replicator.cluster.hosts import HostsSpec
 from replicator.cluster.topology import Topology
 from replicator.comm.block_quantize import DEFAULT_BLOCK_SIZE, BlockQuantizer
-from replicator.comm.handles import DONE
+from replicator.comm.comm_thread import DONE
 from replicator.comm.options import CommunicationOptions
 from replicator.errors import ClusterConfigError
 from replicator.strategies.base import Strategy

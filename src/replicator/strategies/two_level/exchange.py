@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from replicator.comm.block_quantize import BlockQuantizer
 from replicator.comm.collectives import Collectives
-from replicator.comm.comm_thread import lane
-from replicator.comm.handles import DONE, Handle
+from replicator.comm.comm_thread import DONE, Handle, lane
 
 if TYPE_CHECKING:
     from replicator.strategies.live.engine import LiveEngine
