@@ -1,9 +1,8 @@
 """CheckpointManager: atomic, verified, multi-rank checkpoints over one storage protocol.
 
-A save: every rank writes its files into a staging area, the ranks agree that every write
-succeeded, the chief commits atomically and tells the others, then prunes to the newest
-``keep``; a crash at any point leaves the previous save the newest valid one. A restore loads
-the newest save whose manifest and SHA-256 hashes verify, warning about each one it skips.
+A save is staged by every rank, agreed, committed atomically by the chief and pruned to ``keep``
+(a crash at any point leaves the previous save the newest valid one); a restore loads the newest
+save whose manifest and SHA-256 hashes verify, warning about each one it skips.
 """
 
 from __future__ import annotations
@@ -62,17 +61,15 @@ def check_state_name(name: str) -> str:
 
 @dataclass
 class FrozenState:
-    """A state tree flattened and copied at one moment (see :func:`freeze_state`): what a
-    background save writes while training changes the live tensors."""
+    """A state tree flattened and copied at one moment: what a background save writes."""
 
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
 
 
 def freeze_state(state: Any, label: str, reuse: FrozenState | None = None) -> FrozenState:
-    """Copy ``state`` (a tree of plain values and tensors) into memory, as it is now;
-    ``reuse``: an earlier copy whose matching buffers are overwritten (no fresh allocation).
-    A state that cannot be stored raises the same ``TypeError`` as a save, at this step."""
+    """Copy ``state`` into memory as it is now, into ``reuse``'s matching buffers where it can
+    (a state that cannot be stored raises a save's ``TypeError`` here)."""
     tensors, metadata = serialization.flatten(state, label)
     old = reuse.tensors if reuse is not None else {}
     copies = {}
@@ -131,11 +128,9 @@ class CheckpointManager:
         self._token: str | None = None
         self._saves = 0
         self.mirror = self._open_mirror(mirror, collectives, directory)
-        #: Saves a store refused since its last success, the last error and what each said.
-        self.failed_saves = 0
-        self.last_error: BaseException | None = None
+        #: The steps of the saves a store refused since its last success, and the last error.
         self._failed_steps: list[int] = []
-        self.failure_log: list[str] = []
+        self.last_error: BaseException | None = None
 
     def _open_mirror(self, mirror: Any, collectives: Collectives | None,
                      directory: Any) -> CheckpointManager | None:
@@ -151,6 +146,7 @@ class CheckpointManager:
 
     @property
     def channel(self) -> Channel:
+        """How the ranks agree (the whole job's unless ``collectives`` was given)."""
         if self._channel is None:
             self._channel = Channel(group_collectives())
         return self._channel
@@ -160,16 +156,12 @@ class CheckpointManager:
         """The location: a local :class:`Path`, or the URL of a store."""
         return self.store.location
 
-    @property
-    def url(self) -> str:
-        return str(self.store.location)
-
     def where(self, step: int) -> Any:
         """Where the checkpoint of ``step`` lives, for messages."""
         if not self.store.retries_later:  # a local save's name is its step's
             return self.store.where(step_dir_name(step))
         ref = self._choice_ref if self.latest_step == step else None
-        return self.store.where(ref) if ref else f"{self.url} (step {step})"
+        return self.store.where(ref) if ref else f"{self.directory} (step {step})"
 
     # -- the job's claim on the location ------------------------------------------------------
     def open(self, channel: Channel | None = None) -> None:
@@ -188,11 +180,11 @@ class CheckpointManager:
                 lease_exc = exc
         message = ch.from_chief(message, "checkpoint store lease")
         if message["io"]:  # the store is unreachable: a save fails (logged), a later retries
-            raise CheckpointWriteError(f"cannot take the lease of {self.url}: "
+            raise CheckpointWriteError(f"cannot take the lease of {self.directory}: "
                                        f"{message['error']}") from lease_exc
         if message["error"]:
-            raise _own_or(lease_exc, StoreLeaseError(f"rank 0 could not take the lease of "
-                                                     f"{self.url}: {message['error']}"))
+            raise lease_exc or StoreLeaseError(f"rank 0 could not take the lease of "
+                                               f"{self.directory}: {message['error']}")
         self._token = message["token"]
 
     def close(self) -> None:
@@ -209,15 +201,6 @@ class CheckpointManager:
         """Steps with a commit (not verified; see :meth:`restore`)."""
         return self.store.committed()
 
-    def cleanup_temporaries(self) -> list[str]:
-        """Remove what interrupted saves and deletions left (never read), said once."""
-        removed = self.store.cleanup()
-        if removed:
-            print(f"[replicator] removed {len(removed)} leftover(s) of an interrupted save or "
-                  f"deletion in {self.directory}: {', '.join(removed)}", file=sys.stderr,
-                  flush=True)
-        return removed
-
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, replicated: Mapping[str, Any] | None = None,
              per_rank: Any = None, info: Mapping[str, Any] | None = None, *,
@@ -225,10 +208,9 @@ class CheckpointManager:
         """Write and commit the checkpoint of ``step``; every rank calls this together.
 
         ``replicated``: named states the same on every rank (the chief writes them);
-        ``per_rank``: this rank's own state; ``info``: JSON for the manifest; ``channel``: how
-        the ranks agree; ``writer``: writes this rank's files (the saver process). Returns where
-        the save is; a failure raises :class:`CheckpointWriteError` on every rank (in a store:
-        logged, ``None``, and the next save tries again).
+        ``per_rank``: this rank's own state; ``info``: JSON for the manifest; ``writer``: writes
+        this rank's files (the saver process). Returns where the save is; a failure raises
+        :class:`CheckpointWriteError` on every rank (in a store: logged, and ``None``).
         """
         with timing.region("checkpoint"):  # a profile shows the save apart from compute
             return self._save_or_log(step, replicated, per_rank, info, channel, writer)
@@ -247,19 +229,17 @@ class CheckpointManager:
         except CheckpointWriteError as exc:
             self._refused(step, exc, channel or self.channel)
             return mirrored
-        self.failed_saves, self.last_error, self._failed_steps = 0, None, []
+        self.last_error, self._failed_steps = None, []
         return where
 
     def _refused(self, step: int, exc: CheckpointWriteError, ch: Channel) -> None:
-        self.failed_saves += 1
         self.last_error = exc
         self._failed_steps.append(step)
-        self.failure_log = [*self.failure_log[-19:], f"step {step}: {exc}"]
         if ch.is_chief:
             kept = (f"; the local mirror {self.mirror.directory} holds it" if
                     self.mirror is not None else "")
-            print(f"[replicator] the backup of step {step} did not reach {self.url} "
-                  f"({self.failed_saves} failed in a row{kept}); training goes on and the "
+            print(f"[replicator] the backup of step {step} did not reach {self.directory} "
+                  f"({len(self._failed_steps)} failed in a row{kept}); training goes on and the "
                   f"next save tries again. {exc}", file=sys.stderr, flush=True)
 
     def _save(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
@@ -293,6 +273,7 @@ class CheckpointManager:
                                                                   path=path, rank=ch.rank))
         self.latest_step, self._choice_ref = step, ref
         return self.store.where(ref)
+
     @staticmethod
     def _items(replicated: Mapping[str, Any] | None, per_rank: Any,
                ch: Channel) -> list[tuple[str, Any, str]]:
@@ -321,13 +302,12 @@ class CheckpointManager:
         hint = (f"free space on the file system of {self.directory} (or lower keep=)" if full
                 else f"check that every rank can write to {self.directory}" if not
                 self.store.retries_later else "check that the store is reachable and that "
-                f"every rank's credentials can write to {self.url}")
+                f"every rank's credentials can write to {self.directory}")
         err = CheckpointWriteError(
             f"saving the checkpoint of step {step} to {self.directory} failed "
             f"({describe_failures(failures)}). Nothing was committed and {previous}. "
             f"HINT: {hint}.")
-        if cause is not None:
-            err.__cause__ = cause
+        err.__cause__ = cause
         return err
 
     def finish(self) -> None:
@@ -342,7 +322,7 @@ class CheckpointManager:
                 "Nothing holds that state. HINT: pass mirror='ckpt/' to keep a local copy of "
                 "every backup.")
         err = CheckpointWriteError(
-            f"the object store {self.url} was unreachable for the last {len(steps)} saves "
+            f"the object store {self.directory} was unreachable for the last {len(steps)} saves "
             f"(steps {', '.join(map(str, steps[-5:]))}); its newest backup is "
             f"{'step ' + str(self.latest_step) if self.latest_step is not None else 'none'}. "
             f"{kept} Last error: {self.last_error}")
@@ -351,16 +331,15 @@ class CheckpointManager:
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self) -> Restored | None:
-        """Load the newest valid checkpoint on every rank; ``None`` when there is none at all.
+        """Load the newest valid checkpoint on every rank (``None``: there is none at all).
 
         The chief verifies candidates newest first, skipping damaged or partial ones with a
-        warning (:class:`CheckpointCorruptError` when none is valid); every rank then loads the
-        chosen one. With a mirror, from the mirror when it is newer or the store is down.
+        warning (:class:`CheckpointCorruptError` when none is valid). With a mirror, from the
+        mirror when it is newer or the store is down.
         """
         if self.mirror is not None and self._mirror_is_newer():
             restored = self.mirror.restore()
-            if restored is not None:
-                self.latest_step = restored.step
+            self.latest_step = restored.step if restored is not None else self.latest_step
             return restored
         self.open()
         ch = self.channel
@@ -369,15 +348,19 @@ class CheckpointManager:
         fatal: BaseException | None = None
         if ch.is_chief:
             try:
-                self.cleanup_temporaries()
+                removed = self.store.cleanup()  # what interrupted saves left (never read)
+                if removed:
+                    print(f"[replicator] removed {len(removed)} leftover(s) of an interrupted "
+                          f"save or deletion in {self.directory}: {', '.join(removed)}",
+                          file=sys.stderr, flush=True)
                 decision["step"], decision["ref"], kept = self._choose(decision["skipped"])
             except (UnsafeCheckpointError, OSError) as exc:
                 fatal = exc
                 decision["fatal"] = _text(exc)
         decision = ch.from_chief(decision, "checkpoint restore (choosing a checkpoint)")
         if decision["fatal"]:
-            raise _own_or(fatal, CheckpointError(f"restoring from {self.directory} failed on "
-                                                 f"rank 0: {decision['fatal']}"))
+            raise fatal or CheckpointError(f"restoring from {self.directory} failed on rank 0: "
+                                           f"{decision['fatal']}")
         if decision["step"] < 0:
             if decision["skipped"]:
                 raise CheckpointCorruptError(
@@ -393,8 +376,8 @@ class CheckpointManager:
             local_exc = exc
         failures = ch.failures(_text(local_exc), "checkpoint restore (loading)")
         if failures:
-            raise _own_or(local_exc, CheckpointError(f"loading {self.store.where(ref)} failed "
-                                                     f"on {describe_failures(failures)}"))
+            raise local_exc or CheckpointError(f"loading {self.store.where(ref)} failed on "
+                                               f"{describe_failures(failures)}")
         self.latest_step, self._choice_ref = step, ref
         return result
 
@@ -408,7 +391,7 @@ class CheckpointManager:
             try:
                 remote = self.committed_steps()
             except OSError as exc:
-                choice = {"mirror": bool(local), "why": f"{self.url} cannot be read ({exc})"}
+                choice = {"mirror": bool(local), "why": f"{self.directory} cannot be read ({exc})"}
             else:
                 if local and (not remote or local[-1] > remote[-1]):
                     choice = {"mirror": True, "why": f"it holds step {local[-1]}, newer than "
@@ -511,11 +494,6 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
     if ch.is_chief:
         storage.prune(step, outcome["ref"], keep)
     return str(outcome["ref"])
-
-
-def _own_or(own: BaseException | None, shared: Exception) -> BaseException:
-    """This rank's own exception, else ``shared`` (what the ranks agreed failed elsewhere)."""
-    return own if own is not None else shared
 
 
 def _text(exc: BaseException | None) -> str:

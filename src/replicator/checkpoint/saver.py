@@ -1,11 +1,10 @@
 """Background saves: the training loop waits only for a copy of the state, then one writer
 thread writes and commits each save exactly as a foreground one while the next steps run.
 
-``async_mode`` says who writes the files: ``"thread"`` (the writer thread serialises a copy in
-memory; a save waits for the one before) or ``"process"`` (the state is copied into shared memory
-as the files' safetensors images and a long-lived, lower-priority saver process hashes and writes
-or uploads them; a save due while the one before is still being written is skipped on every
-rank, counted and said once). A save's error is raised at the next save or by :meth:`wait`.
+``async_mode="thread"``: the writer thread serialises a copy (a save waits for the one before);
+``"process"``: the state is copied into shared memory as safetensors images, written by a
+lower-priority saver process (a save due while one is written is skipped on every rank, counted
+and said once). A save's error is raised at the next save or by :meth:`BackgroundSaver.wait`.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ SAVERS = ("process", "thread")
 
 @dataclass
 class _Job:
-    """One due save for the writer thread: with the saver process every rank queues one per
-    due step, staged or not, so the ranks' writer threads agree on each in the same order."""
+    """One due save for the writer thread (with the saver process every rank queues one per due
+    step, staged or not, so the writer threads agree on each in the same order)."""
 
     step: int
     info: dict[str, Any]
@@ -62,11 +61,9 @@ class _Job:
 
 
 class BackgroundSaver:
-    """Runs :meth:`CheckpointManager.save` for one checkpoint at a time in the background.
-
-    Every rank calls :meth:`submit` at the same step; ``on_saved(step, path)`` runs on the
-    writer thread once a save is committed on every rank.
-    """
+    """Runs :meth:`CheckpointManager.save` for one checkpoint at a time in the background;
+    every rank calls :meth:`submit` at the same step, and ``on_saved(step, path)`` runs on the
+    writer thread once a save is committed."""
 
     def __init__(self, manager: CheckpointManager,
                  on_saved: Callable[[int, Any], None] | None = None,
@@ -103,8 +100,7 @@ class BackgroundSaver:
                 store.fs = SaverFilesystem(self.process, store, store.fs)
 
     def start(self) -> BackgroundSaver:
-        """Make the private group now (a collective: every rank calls it), so that the first
-        save does not wait for it, and start the writer thread."""
+        """Make the private group now (a collective: every rank calls it) and start the writer."""
         self._private_channel()
         self._start_writer()
         return self
@@ -116,10 +112,7 @@ class BackgroundSaver:
             own = self.manager.channel
             if own.world_size == 1:
                 self._channel = own
-            else:
-                # no fingerprint before each exchange: the writer thread's calls are the same
-                # on every rank by construction, and a rank that stops answering still times
-                # out naming the save (a fingerprint doubled a save's collectives)
+            else:  # no fingerprint (doubling a save's collectives): same calls on every rank
                 self._channel = Channel(own.collectives.private_copy("checkpoint",
                                                                     check=False))
         return self._channel
@@ -128,11 +121,10 @@ class BackgroundSaver:
                info: Mapping[str, Any] | None,
                before: Callable[[Channel], Any] | None = None,
                defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
-        """Copy the state now and queue its save as ``step``; return where it will be (``None``:
-        skipped). No collective runs on this thread. ``before(channel)`` runs on the writer
-        thread first (a sharded save the backup names). ``defer`` (the process only): tensors
-        it accepts are copied on the writer thread; the caller keeps them unchanged until
-        :meth:`wait_copied` returns."""
+        """Copy the state now (no collective on this thread) and queue its save as ``step``;
+        return where it will be (``None``: skipped). ``before(channel)`` runs on the writer
+        thread first. ``defer`` (the process only): tensors it accepts are copied on the writer
+        thread; the caller keeps them unchanged until :meth:`wait_copied` returns."""
         if self.process is None:
             self.wait()  # the thread: one save at a time, the one before's error raised here
         error, self._error = self._error, None
@@ -161,8 +153,8 @@ class BackgroundSaver:
         return self.manager.where(step) if job.staged is not None else None
 
     def wait_copied(self, timeout: float = MIN_WAIT_SECONDS) -> None:
-        """Return once the last save's state is all in the buffer (its deferred tensors
-        copied); whatever changes them (the next optimizer step) must call this first."""
+        """Return once the last save's deferred tensors are copied (the next optimizer step
+        calls this first)."""
         job = self._last_job
         if job is None or job.copied.is_set():
             return
@@ -180,10 +172,8 @@ class BackgroundSaver:
             self._writer = threading.Thread(target=self._serve, daemon=True,
                                             name="replicator-checkpoint-writer")
             self._writer.start()
-            # at exit, even by failing: the saves queued, then the thread ends (the exit wait
-            # for helper threads would otherwise wait its full minute for an idle writer); a
-            # script that fails leaves the process group before atexit runs, so there too,
-            # bounded as that wait was (a save stuck on a lost peer must not hold the exit)
+            # at exit, even by failing (the process group is left before atexit runs), the
+            # queued saves, bounded: a save stuck on a lost peer must not hold the exit
             atexit.register(self._stop_writer)
             on_shutdown(lambda: self._stop_writer(EXIT_WAIT_SECONDS))
 
@@ -241,10 +231,8 @@ class BackgroundSaver:
             if self.on_saved is not None:
                 self.on_saved(job.step, path)
 
-
     def _skipped(self, job: _Job) -> None:
-        """Count a save skipped on every rank; say once how long a save takes and which
-        ``save_freq`` would fit."""
+        """Count a save skipped on every rank; say once which ``save_freq`` would fit."""
         self.skipped += 1
         if self.skipped != 1 or not self._private_channel().is_chief:
             return
@@ -288,9 +276,8 @@ class BackgroundSaver:
         return rep, staged.get("rank"), later
 
     def wait(self) -> tuple[int, Any] | None:
-        """Wait for the saves in flight; return ``(step, path)`` of the last one committed
-        since the last wait (``None``: none) or raise a save's error. Bounded: the writer
-        thread's agreement waits at most the collective timeout for the other ranks."""
+        """Wait (bounded) for the saves in flight; return ``(step, path)`` of the last one
+        committed since the last wait (``None``: none) or raise a save's error."""
         limit = max(MIN_WAIT_SECONDS, 4 * self.manager.channel.collectives.timeout_seconds)
         deadline = time.monotonic() + limit
         with self._done:
@@ -310,8 +297,7 @@ class BackgroundSaver:
         return saved
 
     def close(self) -> None:
-        """Stop the writer thread and the saver process (after the saves in flight) and free
-        the shared memory."""
+        """Stop the writer and the saver process (after the saves in flight); free the memory."""
         self._stop_writer()
         if self.process is not None:
             self.process.close()
@@ -332,8 +318,7 @@ def check_saver(kind: str | None) -> str | None:
 
 def saver_kind(storage: Any, kind: str | None) -> str:
     """Who writes background saves to ``storage``: ``kind``, or by default the saver process
-    for a store (a URL) and the thread for a local directory or ``memory://`` (that store
-    lives in this process only)."""
+    for a URL and the thread for a local directory or ``memory://`` (in this process only)."""
     scheme = storage.scheme
     if kind is None:
         kind = "process" if scheme not in (None, "memory") else "thread"
@@ -348,9 +333,8 @@ def saver_kind(storage: Any, kind: str | None) -> str:
 
 def early_process(location: Any, kind: str | None,
                   storage_options: Mapping[str, Any] | None = None) -> SaverProcess | None:
-    """A saver process started now for backups to ``location`` that will use one (see
-    :func:`saver_kind`): its imports and its connection to the store overlap building the
-    model and the first steps. Hand it to :func:`make_saver`."""
+    """A saver process started now (its imports and connection overlap building the model)
+    for backups to ``location`` that will use one; hand it to :func:`make_saver`."""
     storage = open_storage(location, storage_options)
     return SaverProcess(store=storage) if saver_kind(storage, kind) == "process" else None
 
@@ -358,8 +342,8 @@ def early_process(location: Any, kind: str | None,
 def make_saver(manager: CheckpointManager, kind: str | None,
                on_saved: Callable[[int, Any], None] | None = None,
                process: SaverProcess | None = None) -> BackgroundSaver:
-    """The background saver for ``manager`` (see :func:`saver_kind`), its private group made;
-    ``process``: a saver process started earlier, with the backup."""
+    """The background saver for ``manager``, its private group made; ``process``: one from
+    :func:`early_process`."""
     kind = saver_kind(manager.store, kind)
     if kind != "process" and process is not None:
         process.close()

@@ -1,7 +1,6 @@
 """The training process's side of the saver process (``saver_process.py``): the shared-memory
-:class:`StagingBuffer` a save is staged in (the files' safetensors images, 4 KiB aligned for
-direct I/O, made once and reused), :class:`SaverProcess` (its jobs and answers, restarted when
-it died) and :class:`SaverFilesystem` (a store's own calls, made there)."""
+:class:`StagingBuffer` (safetensors images, 4 KiB aligned for direct I/O, reused),
+:class:`SaverProcess` (jobs and answers, restarted when it died) and :class:`SaverFilesystem`."""
 
 from __future__ import annotations
 
@@ -59,8 +58,8 @@ def remove_stale_buffers(directory: str | None = None) -> None:
 
 
 class StagingBuffer:
-    """A shared-memory segment holding the images of one save's files; a larger one replaces
-    it when the state grows. The saver process maps it by its path."""
+    """A shared-memory segment (mapped by the saver process by its path) holding the images of
+    one save's files; a larger one replaces it when the state grows."""
 
     def __init__(self) -> None:
         remove_stale_buffers()
@@ -84,10 +83,9 @@ class StagingBuffer:
     def stage(self, files: Mapping[str, tuple[dict[str, torch.Tensor], dict[str, str]]],
               defer: Callable[[torch.Tensor], bool] | None = None
               ) -> tuple[dict[str, StagedFile], list[tuple[torch.Tensor, int]]]:
-        """Lay out each ``name -> (tensors, metadata)`` in the buffer as a safetensors image and
-        copy the tensors in; those ``defer`` accepts are left out and returned as ``(tensor,
-        offset)`` pieces, for :meth:`copy` later (the caller guarantees they do not change
-        before then)."""
+        """Lay out each ``name -> (tensors, metadata)`` as a safetensors image and copy the
+        tensors in, but those ``defer`` accepts: returned as ``(tensor, offset)`` pieces for
+        :meth:`copy` later."""
         plans = []
         total = 0
         for name, (tensors, metadata) in files.items():
@@ -112,8 +110,8 @@ class StagingBuffer:
         return staged, later
 
     def copy(self, pieces: list[tuple[torch.Tensor, int]]) -> None:
-        """Copy ``(tensor, offset)`` pieces into the buffer: one copy for each run of CPU
-        tensors of one dtype that lie back to back (a safetensors image orders them so)."""
+        """Copy ``(tensor, offset)`` pieces in: one copy per run of back-to-back CPU tensors of
+        one dtype."""
         assert self._segment is not None or not pieces
         i = 0
         while i < len(pieces):
@@ -142,7 +140,6 @@ class StagingBuffer:
             pass
 
 
-
 class SaverProcess:
     """The client of one saver process: sends it jobs, reads its answers, restarts it."""
 
@@ -155,7 +152,6 @@ class SaverProcess:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
         self._jobs = 0
-        self.restarts = 0
         #: Fault injection for tests: in the next job, the process SIGKILLs itself in the
         #: middle of this file (0-based; the files before it are complete), then it is cleared.
         self.die_during_file: int | None = None
@@ -175,8 +171,8 @@ class SaverProcess:
 
     def write(self, store: Any, staging: str, items: list[tuple[str, Any, str]]
               ) -> dict[str, FileEntry]:
-        """Write staged ``items`` into ``staging`` of ``store`` (a storage); blocks until the
-        saver process answers. Raises ``OSError`` when it fails or dies."""
+        """Write staged ``items`` into ``staging`` of ``store`` and wait for the answer;
+        ``OSError`` when the saver process fails or dies."""
         files = []
         for fname, staged, label in items:
             if not isinstance(staged, StagedFile):
@@ -196,9 +192,8 @@ class SaverProcess:
 
     def call(self, scheme: str, options: Mapping[str, Any], name: str, *args: Any,
              **kwargs: Any) -> Any:
-        """Make the file-system call ``name(*args, **kwargs)`` in the saver process (bytes
-        arguments and results travel base64-encoded); its errors come back as ``OSError``,
-        and ``FileNotFoundError`` as itself."""
+        """Make the file-system call ``name(*args, **kwargs)`` in the saver process (bytes as
+        base64); its errors come back as ``OSError`` (``FileNotFoundError`` as itself)."""
         job = {"scheme": scheme, "options": dict(options), "call": name,
                "args": [{"b64": base64.b64encode(bytes(a)).decode()}
                         if isinstance(a, (bytes, bytearray, memoryview)) else a for a in args],
@@ -230,7 +225,6 @@ class SaverProcess:
                 print(f"[replicator] starting a new saver process (the previous one exited "
                       f"with code {code})", file=sys.stderr, flush=True)
                 self.start()
-                self.restarts += 1
                 proc = self._proc
             assert proc is not None and proc.stdin is not None and proc.stdout is not None
             self._jobs += 1
@@ -285,9 +279,8 @@ class SaverProcess:
 
 
 class SaverFilesystem:
-    """The few fsspec calls :class:`RemoteStore` makes, made by the saver process so that their
-    CPU (milliseconds per S3 request, holding the GIL) is not the training process's; while it
-    is busy with an upload (a heartbeat must not wait minutes) or closed, by ``fallback``."""
+    """The few fsspec calls :class:`RemoteStore` makes, made by the saver process (their CPU,
+    holding the GIL, is not training's); while it is busy or closed, by ``fallback``."""
 
     def __init__(self, process: SaverProcess, store: RemoteStore, fallback: Any) -> None:
         self._process, self._store, self._fallback = process, store, fallback

@@ -159,9 +159,8 @@ def read(data: Buffer, label: str) -> tuple[dict[str, torch.Tensor], dict[str, s
     base, end_of_data = 8 + n, len(data) - 8 - n
     buffer = data if isinstance(data, (bytearray, np.ndarray)) else bytearray(data)
     spans: list[tuple[int, int]] = []
-    tensors: dict[str, torch.Tensor] = {}
-    for name, entry in head.items():
-        tensors[name] = _tensor(buffer, base, end_of_data, name, entry, label, spans)
+    tensors = {name: _tensor(buffer, base, end_of_data, name, entry, label, spans)
+               for name, entry in head.items()}
     spans.sort()
     for (_, e0), (b1, _) in zip(spans, spans[1:]):
         if b1 < e0:
@@ -184,9 +183,7 @@ def _tensor(buffer: bytearray | np.ndarray, base: int, end_of_data: int, name: s
             and all(isinstance(o, int) for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= end_of_data):
         raise CheckpointCorruptError(f"{where} has data offsets {offsets!r} outside the file")
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     begin, end = offsets
     if end - begin != numel * itemsize:
@@ -216,14 +213,6 @@ class _Encoder:
         self.label = label
         self.tensors: dict[str, torch.Tensor] = {}
 
-    def key_for(self, path: str) -> str:
-        key = path or "value"
-        n = 1
-        while key in self.tensors:
-            n += 1
-            key = f"{path}#{n}"
-        return key
-
     def add_tensor(self, tensor: torch.Tensor, path: str) -> str:
         refuse_placeholders(tensor, f"{self.label}{_where(path)}")
         t = tensor.detach()
@@ -236,10 +225,11 @@ class _Encoder:
         if t.layout != torch.strided:
             raise TypeError(f"{self.label}{_where(path)} is a {t.layout} tensor; only dense "
                             "tensors can be stored. HINT: call .to_dense() in state_dict().")
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        key = self.key_for(path)
-        self.tensors[key] = t
+        key, n = path or "value", 1
+        while key in self.tensors:
+            n += 1
+            key = f"{path}#{n}"
+        self.tensors[key] = t.to("cpu")
         return key
 
     def encode(self, obj: Any, path: str) -> Any:

@@ -1,15 +1,9 @@
 """``BackupAndRestore.steps`` in a live-recovery job (replica groups on torchft).
 
-The step, the epoch and the position in it come from the committed step, which a healed group
-receives from its peer, never from a counter of the loop; each step's batch comes from the
-live dataset (split over that step's quorum). Backups are written by one group only (the first
-participant of the last quorum; every group holds the same state), so losing every group at
-once resumes from disk as without replica groups; a group restarted alone may read the backup
-and then heals from a live peer further on. In rounds (DiLoCo, LocalSGD) the groups differ
-mid-round, so the live dataset's state holds the round's start and the run resumes there
-(``LiveEngine.resume_at``, after the random state is restored). SIGTERM makes a group leave
-the job at a step boundary (the others go on), so the backup's own preemption handling is
-off here.
+The position comes from the committed step (a healed group receives it from its peer), each
+batch from the live dataset; one group writes the backups (all hold the same state). In rounds
+(DiLoCo, LocalSGD) the run resumes at the round's start. SIGTERM makes a group leave the job,
+so the backup's own preemption handling is off here.
 """
 
 from __future__ import annotations
