@@ -11,8 +11,12 @@ from typing import TYPE_CHECKING
 from replicator.lazy_names import lazy_getattr
 
 if TYPE_CHECKING:
-    from replicator.checkpoint.exchange import Channel, group_collectives
-    from replicator.checkpoint.manager import CheckpointManager, Restored
+    from replicator.checkpoint.manager import (
+        Channel,
+        CheckpointManager,
+        Restored,
+        group_collectives,
+    )
     from replicator.checkpoint.saver import BackgroundSaver
     from replicator.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
 
@@ -21,8 +25,8 @@ __all__ = ["BackgroundSaver", "Channel", "CheckpointManager", "CheckpointStorage
 
 #: Imported on first use: ``replicator checkpoints``' parser is built without torch.
 __getattr__ = lazy_getattr(__name__, {
-    **dict.fromkeys(["Channel", "group_collectives"], "replicator.checkpoint.exchange"),
-    **dict.fromkeys(["CheckpointManager", "Restored"], "replicator.checkpoint.manager"),
+    **dict.fromkeys(["Channel", "CheckpointManager", "Restored", "group_collectives"],
+                    "replicator.checkpoint.manager"),
     "BackgroundSaver": "replicator.checkpoint.saver",
     **dict.fromkeys(["CheckpointStorage", "FsspecStorage", "LocalStorage"],
                     "replicator.checkpoint.storage"),

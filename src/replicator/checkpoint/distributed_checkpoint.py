@@ -20,8 +20,12 @@ from typing import Any
 import torch
 
 from replicator.checkpoint.atomic import write_durable
-from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
-from replicator.checkpoint.manager import commit_agreed
+from replicator.checkpoint.manager import (
+    Channel,
+    commit_agreed,
+    describe_failures,
+    group_collectives,
+)
 from replicator.checkpoint.manifest import FileEntry
 from replicator.checkpoint.storage import LocalStorage, open_storage
 from replicator.checkpoint.store import RemoteStore
@@ -37,11 +41,7 @@ Location = str | os.PathLike[str] | RemoteStore | LocalStorage
 
 
 def as_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    return list(optimizer)
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
 
 
 def _local(t: Any) -> torch.Tensor:
@@ -179,11 +179,6 @@ def _read_dcp(folder: Path, model: torch.nn.Module, optimizers: list[torch.optim
     set_state_dict(model, optimizers, model_state_dict=msd, optim_state_dict=osd)
 
 
-def _committed(storage: Any, step: int | None) -> list[list[Any]]:
-    steps = set(storage.committed())
-    return [[s, ref] for s, ref in storage.saves() if s in steps and step in (None, s)]
-
-
 def load_sharded(directory: Location, model: torch.nn.Module,
                  optimizer: Optimizers = None, *, step: int | None = None,
                  collectives: Collectives | None = None) -> int | None:
@@ -195,8 +190,11 @@ def load_sharded(directory: Location, model: torch.nn.Module,
     optimizers = as_list(optimizer)
     ch = Channel(collectives if collectives is not None else group_collectives())
     storage = open_storage(directory, what="the sharded checkpoint location")
-    listed = ch.from_chief(_committed(storage, step) if ch.is_chief else None,
-                           "sharded checkpoint restore (listing)")
+    listed: list[list[Any]] | None = None
+    if ch.is_chief:  # the committed saves (of ``step``)
+        steps = set(storage.committed())
+        listed = [[s, ref] for s, ref in storage.saves() if s in steps and step in (None, s)]
+    listed = ch.from_chief(listed, "sharded checkpoint restore (listing)")
     if not listed and step is None:
         return None
     skipped: list[str] = []
@@ -209,10 +207,9 @@ def load_sharded(directory: Location, model: torch.nn.Module,
         except CheckpointCorruptError as exc:
             error = str(exc)
         try:
-            errors = [e for e in ch.all_gather(error, "sharded checkpoint restore (verify)")
-                      if e]
+            errors = ch.failures(error, "sharded checkpoint restore (verify)")
             if errors:
-                skipped.append(errors[0])
+                skipped.append(errors[min(errors)])
                 continue
             for text in skipped:
                 warnings.warn(f"skipping a damaged checkpoint: {text}", RuntimeWarning,

@@ -21,17 +21,20 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from replicator import fault_points
 from replicator.checkpoint import serialization
-from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
 from replicator.checkpoint.manifest import FileEntry, build
 from replicator.checkpoint.storage import open_storage, step_dir_name
 from replicator.checkpoint.store import DEFAULT_LEASE_TIMEOUT
 from replicator.cluster.environment import resolve_cluster
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.cluster.worker_errors import record_backup
 from replicator.comm import timing
 from replicator.comm.collectives import Collectives
+from replicator.comm.groups import collective_device
+from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -39,6 +42,55 @@ from replicator.errors import (
     StoreLeaseError,
     UnsafeCheckpointError,
 )
+
+
+def group_collectives(group: dist.ProcessGroup | None = None) -> Collectives:
+    """Collectives over ``group`` (``None``: the whole job) with the group's timeout; one rank
+    of one when ``torch.distributed`` is not initialized (a single-process run)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return Collectives(0, 1, torch.device("cpu"), resolve_timeout())
+    return Collectives.for_group(group, collective_device(group),
+                                 resolve_timeout(group=group))
+
+
+class Channel:
+    """JSON messages between the ranks of a job (one collective exchange per call), so that a
+    failure on one rank becomes the same clear error on every rank, never a hang."""
+
+    def __init__(self, collectives: Collectives) -> None:
+        self.collectives = collectives
+        self.rank = collectives.rank
+        self.world_size = collectives.world_size
+        self.is_chief = collectives.rank == 0
+
+    def all_gather(self, message: Any, what: str) -> list[Any]:
+        """Every rank's ``message`` (JSON-serialisable), in rank order, on every rank."""
+        payload = json.dumps(message, allow_nan=True).encode()
+        if self.world_size == 1:
+            return [json.loads(payload)]
+        texts = self.collectives.all_gather_bytes(payload, what)
+        return [json.loads(t) for t in texts]
+
+    def from_chief(self, message: Any, what: str) -> Any:
+        """The chief's ``message`` on every rank (other ranks' arguments are ignored)."""
+        return self.all_gather(message if self.is_chief else None, what)[0]
+
+    def failures(self, error: str, what: str) -> dict[int, str]:
+        """Agree on who failed: ``error`` is this rank's error text, empty when it succeeded."""
+        return {r: e for r, e in enumerate(self.all_gather(error, what)) if e}
+
+    def max_flag(self, flag: bool, what: str) -> bool:
+        """True on every rank when ``flag`` is true on any rank."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0])
+        return bool(self.collectives.all_reduce(value, ReduceOp.MAX, what).item() > 0)
+
+
+def describe_failures(failures: dict[int, str]) -> str:
+    """``rank 1: OSError: ...; rank 2: ...`` for an error message."""
+    return "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+
 
 #: Writes ``(file name, state, label)`` items into a staging area of a storage and returns
 #: their entries: the saver process's hand-off.
@@ -218,29 +270,24 @@ class CheckpointManager:
     def _save_or_log(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
                      info: Mapping[str, Any] | None, channel: Channel | None,
                      writer: FileWriter | None) -> Any:
-        mirrored = None
-        if self.mirror is not None:
-            mirrored = self.mirror.save(step, replicated, per_rank, info, channel=channel,
-                                        writer=writer)
-        if not self.store.retries_later:
-            return self._save(step, replicated, per_rank, info, channel, writer)
+        mirrored = None if self.mirror is None else self.mirror.save(
+            step, replicated, per_rank, info, channel=channel, writer=writer)
         try:
             where = self._save(step, replicated, per_rank, info, channel, writer)
         except CheckpointWriteError as exc:
-            self._refused(step, exc, channel or self.channel)
+            if not self.store.retries_later:  # a local save that fails raises on every rank
+                raise
+            self.last_error = exc
+            self._failed_steps.append(step)
+            if (channel or self.channel).is_chief:
+                kept = (f"; the local mirror {self.mirror.directory} holds it" if
+                        self.mirror is not None else "")
+                print(f"[replicator] the backup of step {step} did not reach {self.directory} "
+                      f"({len(self._failed_steps)} failed in a row{kept}); training goes on and "
+                      f"the next save tries again. {exc}", file=sys.stderr, flush=True)
             return mirrored
         self.last_error, self._failed_steps = None, []
         return where
-
-    def _refused(self, step: int, exc: CheckpointWriteError, ch: Channel) -> None:
-        self.last_error = exc
-        self._failed_steps.append(step)
-        if ch.is_chief:
-            kept = (f"; the local mirror {self.mirror.directory} holds it" if
-                    self.mirror is not None else "")
-            print(f"[replicator] the backup of step {step} did not reach {self.directory} "
-                  f"({len(self._failed_steps)} failed in a row{kept}); training goes on and the "
-                  f"next save tries again. {exc}", file=sys.stderr, flush=True)
 
     def _save(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
               info: Mapping[str, Any] | None, channel: Channel | None,
@@ -258,7 +305,10 @@ class CheckpointManager:
             fault_points.fire("before_write", step=step, rank=ch.rank,
                               path=self.store.dest(staging, "")[:-1])
             self.store.begin(staging)
-            entries = self._write_all(staging, self._items(replicated, per_rank, ch), writer)
+            items = self._items(replicated, per_rank, ch)
+            entries = writer(self.store, staging, items) if writer is not None else {
+                fname: self.store.write(staging, fname, *serialization.flatten(state, label))
+                for fname, state, label in items}
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
             local_exc = exc
 
@@ -285,13 +335,6 @@ class CheckpointManager:
             for key, state in (replicated or {}).items():
                 items.append((f"{check_state_name(key)}.safetensors", state, key))
         return items
-
-    def _write_all(self, staging: str, items: list[tuple[str, Any, str]],
-                   writer: FileWriter | None) -> dict[str, FileEntry]:
-        if writer is not None:
-            return writer(self.store, staging, items)
-        return {fname: self.store.write(staging, fname, *serialization.flatten(state, label))
-                for fname, state, label in items}
 
     def _write_error(self, step: int, failures: dict[int, str],
                      cause: BaseException | None) -> CheckpointWriteError:
@@ -408,11 +451,10 @@ class CheckpointManager:
         for step, ref in reversed(self.store.saves()):
             try:
                 manifest = self.store.manifest(ref)
-                shared = tuple(n for n in manifest["files"] if not n.startswith("rank-"))
                 kept = {}
                 for fname in sorted(manifest["files"]):
-                    data = self.store.read(ref, manifest, fname)
-                    if fname in (*shared, rank_file(0)):
+                    data = self.store.read(ref, manifest, fname)  # every file verified
+                    if not fname.startswith("rank-") or fname == rank_file(0):
                         kept[fname] = data
                 return step, ref, kept
             except CheckpointCorruptError as exc:
@@ -434,11 +476,11 @@ class CheckpointManager:
                     raise CheckpointCorruptError(f"{ref}/{fname} is not JSON") from exc
             return serialization.decode(data, f"{ref}/{fname}")
 
+        files = manifest["files"]
         replicated = {n.removesuffix(".safetensors"): read(n)
-                      for n in sorted(manifest["files"]) if not n.startswith("rank-")}
-        source: int | None = self.channel.rank
-        if rank_file(self.channel.rank) not in manifest["files"]:  # more ranks than saved
-            source = 0 if rank_file(0) in manifest["files"] else None
+                      for n in sorted(files) if not n.startswith("rank-")}
+        source = self.channel.rank if rank_file(self.channel.rank) in files else (
+            0 if rank_file(0) in files else None)  # more ranks than saved: rank 0's
         per_rank = read(rank_file(source)) if source is not None else None
         return Restored(step=step, path=self.store.where(ref), info=dict(manifest.get("info", {})),
                         world_size=int(manifest.get("world_size", 1)), replicated=replicated,
@@ -497,6 +539,4 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
 
 
 def _text(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    return f"{type(exc).__name__}: {exc}".strip()
+    return "" if exc is None else f"{type(exc).__name__}: {exc}".strip()

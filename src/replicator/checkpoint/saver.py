@@ -24,8 +24,7 @@ import torch
 
 from replicator import fault_points
 from replicator.checkpoint import serialization
-from replicator.checkpoint.exchange import Channel
-from replicator.checkpoint.manager import CheckpointManager, FrozenState, freeze_state
+from replicator.checkpoint.manager import Channel, CheckpointManager, FrozenState, freeze_state
 from replicator.checkpoint.saver_client import (
     MIN_WAIT_SECONDS,
     SaverFilesystem,
@@ -110,11 +109,9 @@ class BackgroundSaver:
         a save's agreement never interleaves with training's collectives."""
         if self._channel is None:
             own = self.manager.channel
-            if own.world_size == 1:
-                self._channel = own
-            else:  # no fingerprint (doubling a save's collectives): same calls on every rank
-                self._channel = Channel(own.collectives.private_copy("checkpoint",
-                                                                    check=False))
+            # no fingerprint (it doubled a save's collectives): the same calls on every rank
+            self._channel = own if own.world_size == 1 else Channel(
+                own.collectives.private_copy("checkpoint", check=False))
         return self._channel
 
     def submit(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
@@ -139,11 +136,9 @@ class BackgroundSaver:
         if busy:
             running = self._writing or self._last_job
             job.behind = (running.step, start - running.submitted_at) if running else None
-        elif self.process is None:
-            job.staged = self._freeze(replicated, per_rank, channel.rank)
         else:
-            rep, rank, job.pieces = self._stage(replicated, per_rank, channel.rank, defer)
-            job.staged = (rep, rank)
+            rep, own, job.pieces = self._copy(replicated, per_rank, channel.rank, defer)
+            job.staged = (rep, own)
         if not job.pieces:
             job.copied.set()
         with self._done:
@@ -250,30 +245,26 @@ class BackgroundSaver:
               f"cannot keep up. Later skips are counted, not said. HINT: save_freq={fit} "
               "or more would fit.", file=sys.stderr, flush=True)
 
-    def _freeze(self, replicated: Mapping[str, Any] | None, per_rank: Any,
-                rank: int) -> tuple[dict[str, Any] | None, Any]:
-        old = self._frozen
-        rep = ({name: freeze_state(state, name, old.get(name))
-                for name, state in replicated.items()} if replicated is not None else None)
-        own = freeze_state(per_rank, f"rank {rank}'s state",
-                           old.get("rank-")) if per_rank is not None else None
-        self._frozen = dict(rep or {})
-        if own is not None:
-            self._frozen["rank-"] = own
-        return rep, own
-
-    def _stage(self, replicated: Mapping[str, Any] | None, per_rank: Any, rank: int,
-               defer: Callable[[torch.Tensor], bool] | None
-               ) -> tuple[dict[str, Any] | None, Any, list[tuple[torch.Tensor, int]]]:
-        assert self._buffer is not None
-        images = {f"r:{name}": serialization.flatten(state, name)
-                  for name, state in (replicated or {}).items()}
+    def _copy(self, replicated: Mapping[str, Any] | None, per_rank: Any, rank: int,
+              defer: Callable[[torch.Tensor], bool] | None
+              ) -> tuple[dict[str, Any] | None, Any, list[tuple[torch.Tensor, int]]]:
+        """Copy the states now: frozen in memory (the thread, reusing the last save's copies) or
+        staged in the buffer (the process, but for the ``(tensor, offset)`` pieces deferred)."""
+        states = {f"r:{name}": (state, name) for name, state in (replicated or {}).items()}
         if per_rank is not None:
-            images["rank"] = serialization.flatten(per_rank, f"rank {rank}'s state")
-        staged, later = self._buffer.stage(images, defer)
-        rep = ({name: staged[f"r:{name}"] for name in replicated}
-               if replicated is not None else None)
-        return rep, staged.get("rank"), later
+            states["rank"] = (per_rank, f"rank {rank}'s state")
+        later: list[tuple[torch.Tensor, int]] = []
+        copies: dict[str, Any]
+        if self._buffer is None:
+            copies = {key: freeze_state(state, label, self._frozen.get(key))
+                      for key, (state, label) in states.items()}
+            self._frozen = copies
+        else:
+            images = {key: serialization.flatten(state, label)
+                      for key, (state, label) in states.items()}
+            copies, later = self._buffer.stage(images, defer)
+        rep = {name: copies[f"r:{name}"] for name in replicated} if replicated is not None else None
+        return rep, copies.get("rank"), later
 
     def wait(self) -> tuple[int, Any] | None:
         """Wait (bounded) for the saves in flight; return ``(step, path)`` of the last one

@@ -15,7 +15,7 @@ import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -31,7 +31,6 @@ from replicator.checkpoint.saver import BackgroundSaver, check_saver, early_proc
 from replicator.checkpoint.storage import backup_location, join_location, open_storage
 from replicator.cluster.worker_errors import record_backup
 from replicator.data.sharding import set_epoch_on
-from replicator.resume.live_state import is_live, live_steps
 from replicator.resume.preemption import Preempted, PreemptionWatcher
 from replicator.resume.rank_state import (
     capture_rng,
@@ -44,6 +43,9 @@ from replicator.resume.sharded import checkpoint_collectives, prepare_optimizers
 from replicator.resume.step_hooks import CopyGuard, NonFiniteGuard
 from replicator.strategies.base import Strategy
 from replicator.strategies.replica_context import current_strategy
+
+if TYPE_CHECKING:
+    from replicator.strategies.live.dataset import LiveDataset
 
 #: Where the sharded model and optimizer state of each backup go, under ``backup_dir``.
 SHARDED_DIR = "sharded"
@@ -202,7 +204,7 @@ class BackupAndRestore:
         if epochs is None and num_steps is None:
             raise ValueError("steps() needs epochs= or num_steps= to know when to stop")
         if is_live(self._dataset):  # replica groups: counted from the committed step
-            yield from live_steps(self, self._dataset, epochs=epochs, num_steps=num_steps)
+            yield from self._live_steps(self._dataset, epochs=epochs, num_steps=num_steps)
             return
         self.on_train_begin()
         try:
@@ -222,6 +224,47 @@ class BackupAndRestore:
         except BaseException:  # an error, or the loop left with break (GeneratorExit)
             self.close(raise_errors=False)
             raise
+
+    def _live_steps(self, dataset: LiveDataset, *, epochs: int | None,
+                    num_steps: int | None) -> Iterator[tuple[int, Any]]:
+        """:meth:`steps` in a live-recovery job (replica groups): the position comes from the
+        committed step (a healed group receives it from its peer), each batch from the live
+        dataset; one group writes the backups (all hold the same state); in rounds (DiLoCo,
+        LocalSGD) the run resumes at the round's start. SIGTERM makes a group leave the job, so
+        the backup's own preemption handling is off."""
+        engine = dataset.engine
+        spe = dataset.split.steps_per_epoch
+        ends = [n for n in (epochs * spe if epochs is not None else None, num_steps)
+                if n is not None]
+        end = min(ends)
+        self.handle_preemption = False  # SIGTERM: the group leaves (engine.py)
+        self.on_train_begin()
+        resume = self._resume
+        if self.step > engine.committed_steps:
+            if resume is not None:  # first: a run in rounds resumes at its round's start, with
+                restore_rng(resume.pop("rng", None))  # that start's random state
+                dataset.load_state_dict(resume.get("data") or {})
+            engine.resume_at(self.step)
+        self._resume = None
+        try:
+            for batch in dataset.until(end):
+                yield engine.committed_steps + 1, batch
+                step = engine.committed_steps
+                epoch, index = divmod(step - 1, spe)
+                if not engine.writes_backups:
+                    self.step, (self.epoch, self.step_in_epoch) = step, divmod(step, spe)
+                    continue
+                self.step, self.epoch, self.step_in_epoch = step - 1, epoch, index
+                self.on_train_batch_end(index)
+                if index + 1 == spe:
+                    self.on_epoch_end(epoch)
+            if engine.writes_backups:
+                self.on_train_end()
+        except BaseException:
+            self.wait_for_save(raise_errors=False)
+            raise
+        finally:
+            self.close()
 
     def epoch_batches(self, dataset: Iterable[Any] | None = None,
                       stop_at: int | None = None) -> Iterator[Any]:
@@ -506,3 +549,11 @@ class BackupAndRestore:
 
 
 _END = object()
+
+
+def is_live(dataset: Any) -> TypeGuard[LiveDataset]:
+    """True for the distributed dataset of a live-recovery job."""
+    from replicator.strategies.live.dataset import LiveDataset
+
+    return isinstance(dataset, LiveDataset)
+

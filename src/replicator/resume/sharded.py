@@ -13,7 +13,7 @@ import torch
 
 from replicator.checkpoint import distributed_checkpoint as storage
 from replicator.checkpoint.distributed_checkpoint import Optimizers, as_list
-from replicator.checkpoint.exchange import group_collectives
+from replicator.checkpoint.manager import group_collectives
 from replicator.comm.collectives import Collectives
 from replicator.strategies.base import Strategy
 from replicator.strategies.replica_context import current_strategy
