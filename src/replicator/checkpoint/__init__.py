@@ -1,9 +1,6 @@
-"""The checkpoint room: storage only. Atomic, verified, multi-rank checkpoints.
-
-One :class:`CheckpointManager` saves and restores over one storage protocol (a local directory
-or an fsspec URL such as ``s3://bucket/run``); replicated and sharded saves share it, and
-:class:`BackgroundSaver` writes saves on a thread or through a saver process (``async_mode``).
-It never asks which strategy is active: :mod:`replicator.resume` passes the collectives down.
+"""The checkpoint room: storage only. Atomic, verified, multi-rank checkpoints over one storage
+protocol (a local directory or an fsspec URL), saved in place or in the background; it never asks
+which strategy is active (:mod:`replicator.resume` passes the collectives down).
 """
 
 from typing import TYPE_CHECKING

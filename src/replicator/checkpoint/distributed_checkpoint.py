@@ -1,8 +1,6 @@
-"""Sharded checkpoints of model-parallel runs through ``torch.distributed.checkpoint`` (DCP).
-
-Each rank writes only its shards, by the model's own parameter names, as safetensors (DCP's
-``.metadata`` pickle is refused), so a save in one layout loads into any other; the commit and
-the verification are the storage protocol's, as for every save.
+"""Sharded checkpoints of model-parallel runs through ``torch.distributed.checkpoint`` (DCP),
+each rank's shards as safetensors by the model's own names (DCP's pickled ``.metadata`` is
+refused), so a save in one layout loads into any other.
 """
 
 from __future__ import annotations
@@ -162,8 +160,7 @@ def write_staged(directory: Location, step: int, staged: StagedShards | Exceptio
 
 def _read_dcp(folder: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
               ch: Channel) -> None:
-    """Every rank loads its part of ``model`` and ``optimizers`` from the verified save in
-    ``folder``, in place."""
+    """Every rank loads its part of ``model`` and ``optimizers`` from the save in ``folder``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

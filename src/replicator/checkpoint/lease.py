@@ -55,8 +55,7 @@ _HELD: weakref.WeakSet[Lease] = weakref.WeakSet()
 
 
 def _release_at_exit() -> None:
-    """Stop every heartbeat and delete the lease, so a script that never closed its backups
-    still ends at once and leaves no lease."""
+    """Stop every heartbeat and delete the lease (of a script that never closed its backups)."""
     for lease in list(_HELD):
         lease.release()
 

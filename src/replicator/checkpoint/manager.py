@@ -1,8 +1,6 @@
-"""CheckpointManager: atomic, verified, multi-rank checkpoints over one storage protocol.
-
-A save is staged by every rank, agreed, committed atomically by the chief and pruned to ``keep``
-(a crash at any point leaves the previous save the newest valid one); a restore loads the newest
-save whose manifest and SHA-256 hashes verify, warning about each one it skips.
+"""CheckpointManager: atomic, verified, multi-rank checkpoints over one storage protocol: a crash
+at any point of a save leaves the previous save the newest valid one, and a restore loads the
+newest save whose manifest and SHA-256 hashes verify (docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
@@ -244,7 +242,6 @@ class CheckpointManager:
         if self.channel.is_chief:
             self.store.release()
 
-    # -- listing -------------------------------------------------------------------------------
     def commits(self) -> list[tuple[int, str]]:
         """``(step, name)`` of every save the location lists, oldest first."""
         return self.store.saves()
@@ -486,7 +483,6 @@ class CheckpointManager:
                         world_size=int(manifest.get("world_size", 1)), replicated=replicated,
                         per_rank=per_rank, per_rank_source=source)
 
-    # -- deletion ------------------------------------------------------------------------------
     def delete_all(self) -> None:
         """Remove every checkpoint (the chief only; call after the others are done with it)."""
         if self.channel.is_chief:

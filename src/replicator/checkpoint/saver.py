@@ -1,10 +1,6 @@
-"""Background saves: the training loop waits only for a copy of the state, then one writer
-thread writes and commits each save exactly as a foreground one while the next steps run.
-
-``async_mode="thread"``: the writer thread serialises a copy (a save waits for the one before);
-``"process"``: the state is copied into shared memory as safetensors images, written by a
-lower-priority saver process (a save due while one is written is skipped on every rank, counted
-and said once). A save's error is raised at the next save or by :meth:`BackgroundSaver.wait`.
+"""Background saves: the loop waits only for a copy of the state, then one writer thread writes
+and commits each save as a foreground one, its files written by that thread or by a saver
+process from shared memory (``async_mode``; docs/remote_storage.md).
 """
 
 from __future__ import annotations
@@ -148,8 +144,7 @@ class BackgroundSaver:
         return self.manager.where(step) if job.staged is not None else None
 
     def wait_copied(self, timeout: float = MIN_WAIT_SECONDS) -> None:
-        """Return once the last save's deferred tensors are copied (the next optimizer step
-        calls this first)."""
+        """Return once the last save's deferred tensors are copied (before an optimizer step)."""
         job = self._last_job
         if job is None or job.copied.is_set():
             return
@@ -333,8 +328,7 @@ def early_process(location: Any, kind: str | None,
 def make_saver(manager: CheckpointManager, kind: str | None,
                on_saved: Callable[[int, Any], None] | None = None,
                process: SaverProcess | None = None) -> BackgroundSaver:
-    """The background saver for ``manager``, its private group made; ``process``: one from
-    :func:`early_process`."""
+    """The background saver for ``manager``, started; ``process``: one from early_process."""
     kind = saver_kind(manager.store, kind)
     if kind != "process" and process is not None:
         process.close()

@@ -69,13 +69,10 @@ class StagingBuffer:
     def path(self) -> str:
         return os.path.join(shm_dir(), self._segment.name) if self._segment else ""
 
-    @property
-    def nbytes(self) -> int:
-        return self._segment.nbytes if self._segment is not None else 0
-
     def _ensure(self, size: int) -> Any:
         if self._segment is None or size > self._segment.nbytes:
-            new_size = max(size, int(self.nbytes * 1.25), 1 << 20)
+            grown = int(self._segment.nbytes * 1.25) if self._segment is not None else 0
+            new_size = max(size, grown, 1 << 20)
             self.close()
             self._segment = SharedSegment.create_named(new_size, _TAG)
         return self._segment.mm
@@ -110,8 +107,7 @@ class StagingBuffer:
         return staged, later
 
     def copy(self, pieces: list[tuple[torch.Tensor, int]]) -> None:
-        """Copy ``(tensor, offset)`` pieces in: one copy per run of back-to-back CPU tensors of
-        one dtype."""
+        """Copy ``(tensor, offset)`` pieces in, one copy per back-to-back run of a CPU dtype."""
         assert self._segment is not None or not pieces
         i = 0
         while i < len(pieces):
@@ -254,11 +250,9 @@ class SaverProcess:
         try:
             code = proc.wait(10)  # its output ended: it is exiting
         except subprocess.TimeoutExpired:
-            code = None
-        if code is None:
             proc.kill()
             raise OSError(f"the saver process (pid {proc.pid}) did not finish {what} in "
-                          f"{self.timeout:.0f} s; it was stopped")
+                          f"{self.timeout:.0f} s; it was stopped") from None
         lost = "; nothing of this save is committed" if what.startswith("writing") else ""
         raise OSError(f"the saver process (pid {proc.pid}) died (exit code {code}) while "
                       f"{what}{lost}")

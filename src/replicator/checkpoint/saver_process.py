@@ -1,12 +1,8 @@
 """The saver process: hashes and writes (or uploads) checkpoint files staged in shared memory.
 
-Run as a plain script (standard library and fsspec only: it starts fast and small) at a lower
-priority, so that on a busy host training gets the CPU first. It reads one JSON job per line
-and answers one per line: write these staged files (``{"buffer", "files": [{"name", "offset",
-"length", "dest"}]}`` -> ``{"files": {name: {"bytes", "sha256"}}}``), or make one call in
-``CALLS`` on the store's file system for the parent's ``RemoteStore`` (bytes as ``{"b64"}``).
-Local files use direct I/O where the file system takes it (no page-cache copy: 1.2-1.7 ms of
-CPU per 12 MB file instead of 4-18 ms); ``die_during_file`` is fault injection for tests.
+A plain script (standard library and fsspec only: it starts fast) at a lower priority, so that
+training gets the CPU first; one JSON job per line and one answer per line (files written, or a
+call in ``CALLS``). Local files use direct I/O where the file system takes it.
 """
 
 from __future__ import annotations
@@ -164,18 +160,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 CALLS = ("pipe_file", "cat_file", "exists", "ls", "rm")
 
 
-def _decode(value: Any) -> Any:
-    return base64.b64decode(value["b64"]) if isinstance(value, dict) and "b64" in value \
-        else value
-
-
 def run_call(job: dict[str, Any]) -> Any:
     """One call on the store's file system; bytes and listings made JSON-able."""
     name = job["call"]
     if name not in CALLS:
         raise ValueError(f"the saver process does not make the call {name!r}")
     fs, limit = filesystem(job["scheme"], job.get("options") or {})
-    args = [_decode(a) for a in job.get("args", [])]
+    args = [base64.b64decode(a["b64"]) if isinstance(a, dict) and "b64" in a else a
+            for a in job.get("args", [])]
     kwargs = {**job.get("kwargs", {}), **limit}
     if name in ("exists", "ls", "rm"):
         fs.invalidate_cache(args[0])  # other processes write here: never a cached listing
@@ -192,8 +184,7 @@ def answer(job: dict[str, Any]) -> dict[str, Any]:
     """The reply to one job: written files, or a call's result; errors as text."""
     try:
         if "call" in job:
-            return {"id": job["id"], "result": run_call(job), "error": "",
-                    "error_type": ""}
+            return {"id": job["id"], "result": run_call(job), "error": "", "error_type": ""}
         return {"id": job["id"], "files": run_job(job), "error": ""}
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
         return {"id": job["id"], "files": {}, "result": None,

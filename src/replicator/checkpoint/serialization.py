@@ -1,7 +1,5 @@
-"""A checkpoint file without pickle: a state tree as safetensors (tensors) plus JSON (the rest).
-
-The tree's tensors go into a safetensors file written by streaming and read as views of the
-verified bytes; its structure rides as JSON in the header's metadata, so loading never runs code
+"""A checkpoint file without pickle: a state tree's tensors as safetensors (streamed out, read
+as views of the verified bytes), its structure as JSON in the header, so loading never runs code
 from the file. Placeholders (a pipeline rank's stand-ins for tensors it does not hold) are refused.
 """
 
@@ -104,19 +102,13 @@ def header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     return len(raw).to_bytes(8, "little") + raw, order
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return flat.view(torch.uint8).numpy().data.cast("B")
-
-
 def _pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
             ) -> Iterator[bytes | memoryview]:
     head, order = header(tensors, metadata)
     yield head
     for _, t in order:
-        view = _as_bytes(t)
+        flat = t.detach().reshape(-1)
+        view = flat.view(torch.uint8).numpy().data.cast("B") if flat.numel() else memoryview(b"")
         for start in range(0, len(view), _CHUNK):
             yield view[start:start + _CHUNK]
 

@@ -117,8 +117,7 @@ class LocalStorage:
 
     def commit(self, step: int, staging: str, manifest: dict[str, Any],
                before: Callable[[Any], None] | None = None) -> str:
-        """Rename the staging directory into place, then write the marker (the commit);
-        ``before(path)`` runs between the two."""
+        """Rename the staging directory into place, ``before(path)``, then write the marker."""
         tmp, final = Path(staging), self.directory / step_dir_name(step)
         moved = False
         try:

@@ -1,9 +1,6 @@
-"""URLs and the fsspec store: :class:`FsspecStorage` is the store's calls and the checkpoint
-storage protocol (``storage.py``) over them, commit objects written last, under a lease.
-
-``file://`` and plain paths are local directories; a URL fsspec does not know is an error, never
-a local directory named ``s3:``. S3 credentials and endpoint come from ``AWS_*`` and
-``FSSPEC_S3_ENDPOINT_URL``, or ``storage_options``.
+"""URLs and :class:`FsspecStorage`: the store's calls and the checkpoint storage protocol over
+them (commit objects written last, under a lease). A URL fsspec does not know is an error, never
+a local directory named ``s3:``.
 """
 
 from __future__ import annotations
@@ -337,8 +334,7 @@ class FsspecStorage:
 
     def commit(self, step: int, staging: str, manifest: dict[str, Any],
                before: Callable[[Any], None] | None = None) -> str:
-        """Check that every object is in the store with its size, then write the commit
-        (``before(url)`` runs just before it)."""
+        """Check every object's size in the store, ``before(url)``, then write the commit."""
         name = f"{staging.split('/', 1)[1]}.json"
         try:
             listed = dict(self.objects(staging))
@@ -374,8 +370,7 @@ class FsspecStorage:
         return sorted({s for s, _ in self.saves()})
 
     def manifest(self, ref: str) -> dict[str, Any]:
-        """The checked manifest of the commit object ``ref``; :class:`CheckpointCorruptError`
-        when it is gone, damaged or names no data prefix."""
+        """The checked manifest of the commit object ``ref`` (:class:`CheckpointCorruptError`)."""
         where = f"commit {self.url}/{COMMITS}/{ref}"
         raw = self.get_or(f"{COMMITS}/{ref}", f"{where} disappeared while reading it")
         manifest = parse_marker(raw, where)
@@ -411,13 +406,11 @@ class FsspecStorage:
         return f"{self.url}/{COMMITS}/{ref}"
 
     def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None:
-        """Keep the newest ``keep`` commits up to ``step``; delete older commits, then their
-        data; delete uploads without a commit up to ``step`` (never a later step's: other
-        ranks may be uploading the next save while the chief prunes)."""
+        """Keep the newest ``keep`` commits up to ``step``; delete older ones, their data and
+        uploads without a commit up to ``step`` (later ones may be the next save's, uploading)."""
         try:
             commits = self.saves()
-            upto = [n for s, n in commits if s <= step]
-            kept = set(upto[-keep:]) | {newest}
+            kept = set([n for s, n in commits if s <= step][-keep:]) | {newest}
             for _, n in commits:
                 if n not in kept:
                     self.remove(f"{COMMITS}/{n}")
@@ -431,16 +424,14 @@ class FsspecStorage:
         removed = []
         for folder in self.folders(DATA):
             parsed = parse_commit_name(f"{folder}.json")
-            if folder not in kept_ids and parsed is not None and (upto is None
-                                                                  or parsed[0] <= upto):
+            if folder not in kept_ids and parsed and (upto is None or parsed[0] <= upto):
                 self.remove(f"{DATA}/{folder}", recursive=True)
                 removed.append(folder)
         return removed
 
     def cleanup(self, after: int | None = None) -> list[str]:
-        """With ``after``: delete every save newer than it and every upload without a commit
-        (the chief, while no save runs). Without: nothing (an upload without a commit is never
-        read, and the next commit's pruning deletes it)."""
+        """With ``after`` (the chief, while no save runs): delete every save newer than it and
+        every upload without a commit. Without: nothing (the next commit's pruning does it)."""
         if after is None:
             return []
         try:

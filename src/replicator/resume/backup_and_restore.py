@@ -1,10 +1,6 @@
-"""BackupAndRestore: resume an interrupted training run at the exact step, bit for bit.
-
-Unlike Keras's (which redoes the unfinished epoch) it resumes at the step after the last backup,
-with the same next samples and random numbers (per rank: RNG states and input position). Saves
-due by ``save_freq`` are written in the background (``checkpoint/saver.py``); under a strategy
-that splits the model every rank first saves its part through DCP (in ``backup_dir/sharded``).
-The strategy is asked only through its public API; storage gets collectives, never a strategy.
+"""BackupAndRestore: resume an interrupted training run at the exact step, bit for bit (unlike
+Keras's, which redoes the unfinished epoch). The strategy is asked only through its public API;
+storage gets collectives, never a strategy.
 """
 
 from __future__ import annotations
@@ -507,8 +503,7 @@ class BackupAndRestore:
         return True
 
     def _load_sharded(self, restored: Restored, names: list[str]) -> None:
-        """Load the tracked module and optimizers of ``names`` from the restored step's
-        sharded save."""
+        """Load the tracked module and optimizers of ``names`` from the step's sharded save."""
         strategy = self._strategy_now()
         splits = sharded_objects(self._objects, strategy) is not None  # checks what is tracked
         if not names:

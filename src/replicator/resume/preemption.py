@@ -57,7 +57,6 @@ class PreemptionWatcher:
         self._countdown = 1
         self._last_check: float | None = None
 
-    # -- signals -------------------------------------------------------------------------------
     def install(self) -> bool:
         """Install the handler (main thread only); returns False where that is impossible."""
         if threading.current_thread() is not threading.main_thread():
@@ -89,7 +88,6 @@ class PreemptionWatcher:
         """Ask for a preemption stop from code (same effect as the signal)."""
         self.requested = True
 
-    # -- agreement -----------------------------------------------------------------------------
     def poll(self) -> bool:
         """True on every rank, at the same step, once any rank asked to stop."""
         coll = self.collectives
@@ -106,11 +104,8 @@ class PreemptionWatcher:
         flag, slowest = coll.all_reduce(local, ReduceOp.MAX, "preemption check").tolist()
         if flag > 0:
             return True
-        if self.check_seconds == 0 or slowest <= 0:
-            self._interval = 1
-        else:
-            self._interval = int(min(MAX_CHECK_INTERVAL,
-                                     max(1, self.check_seconds // slowest)))
+        self._interval = 1 if self.check_seconds == 0 or slowest <= 0 else int(
+            min(MAX_CHECK_INTERVAL, max(1, self.check_seconds // slowest)))
         self._countdown = self._interval
         self._last_check = time.perf_counter()
         return False

@@ -1,12 +1,6 @@
 """The optimizer step pre-hooks a backup registers: one refuses a step on NaN or infinite
-gradients (averaged across replicas, so every rank stops at the same step), the other waits
-for the deferred copy of the last save.
-
-With the saver process, only the CPU parameters of the hooked optimizers and their state are
-copied after the step (nothing else changes them before the next optimizer step, which waits
-for the copy); everything else is copied at the step, so the backup holds its step bit for
-bit. Other code that changes the parameters in place before that step needs
-``background=False``.
+gradients (averaged, so every rank stops at the same step); one waits for the deferred copy of
+the last save (the hooked optimizers' CPU parameters and state, which only their step changes).
 """
 
 from __future__ import annotations
@@ -70,8 +64,7 @@ class CopyGuard:
         self._hooks: dict[int, tuple[torch.optim.Optimizer, Any]] = {}
 
     def attach(self, objects: Iterable[Any], wait: Callable[[], None]) -> None:
-        """Hook every optimizer among ``objects`` not hooked yet: its step first calls
-        ``wait()``."""
+        """Make the step of every optimizer among ``objects`` call ``wait()`` first."""
         for obj in objects:
             if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooks:
                 handle = obj.register_step_pre_hook(lambda *_: wait())
