@@ -178,9 +178,11 @@ class CheckpointManager:
         self._token: str | None = None
         self._saves = 0
         self.mirror = self._open_mirror(mirror, collectives, directory)
-        #: The steps of the saves a store refused since its last success, and the last error.
+        #: The steps of the saves a store refused since its last success, the last error, and
+        #: what the last 20 refusals said.
         self._failed_steps: list[int] = []
         self.last_error: BaseException | None = None
+        self.failure_log: list[str] = []
 
     def _open_mirror(self, mirror: Any, collectives: Collectives | None,
                      directory: Any) -> CheckpointManager | None:
@@ -276,6 +278,7 @@ class CheckpointManager:
                 raise
             self.last_error = exc
             self._failed_steps.append(step)
+            self.failure_log = [*self.failure_log[-19:], f"step {step}: {exc}"]
             if (channel or self.channel).is_chief:
                 kept = (f"; the local mirror {self.mirror.directory} holds it" if
                         self.mirror is not None else "")

@@ -22,9 +22,7 @@ def gradients_finite(optimizer: torch.optim.Optimizer) -> bool:
         return True
     device = grads[0].device
     sums = torch.stack([_sum(g).to(device, torch.float64) for g in grads])
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return all(bool(torch.isfinite(g).all()) for g in grads)
+    return bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 def _sum(g: torch.Tensor) -> torch.Tensor:
@@ -80,9 +78,7 @@ class CopyGuard:
                 where.update(v.data_ptr() for v in state.values()
                              if isinstance(v, torch.Tensor) and v.device.type == "cpu")
         where.discard(0)
-        if not where:
-            return None
-        return lambda t: t.device.type == "cpu" and t.data_ptr() in where
+        return (lambda t: t.device.type == "cpu" and t.data_ptr() in where) if where else None
 
     def remove(self) -> None:
         for _, handle in self._hooks.values():
