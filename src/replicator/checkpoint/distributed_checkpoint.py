@@ -42,16 +42,13 @@ def as_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
 
 
-def _local(t: Any) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def flat_state(msd: dict[str, Any], osd: dict[str, Any], optimizer: bool
                ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """``model.<fqn>`` and ``optim.<fqn>.<key>`` tensors this rank holds (the state dicts'
     own, not other pipeline stages' empty ones) and the optimizers' param groups as JSON."""
-    def held(t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and _local(t).numel() > 0
+    def held(t: Any) -> bool:  # a DTensor's local shard
+        return isinstance(t, torch.Tensor) and (
+            t.to_local() if hasattr(t, "to_local") else t).numel() > 0
 
     flat = {f"model.{k}": v for k, v in msd.items() if held(v)}
     groups: list[dict[str, Any]] = []

@@ -27,7 +27,6 @@ from replicator.checkpoint.manifest import (
 )
 from replicator.checkpoint.store import (
     FsspecStorage,
-    check_location,
     is_remote,
     local_path,
 )
@@ -224,18 +223,3 @@ def open_storage(target: Any, storage_options: Mapping[str, Any] | None = None,
     if is_remote(target):
         return FsspecStorage(os.fspath(target), storage_options, what, **lease)
     return LocalStorage(target)
-
-
-def join_location(base: Path | str, name: str) -> Path | str:
-    """``base / name`` for a local path (see :func:`backup_location`), ``base/name`` for a URL."""
-    return base / name if isinstance(base, Path) else f"{base}/{name}"
-
-
-def backup_location(target: str | os.PathLike[str]) -> Any:
-    """``target`` checked (:class:`StorageURLError` for a URL that cannot be opened) as a local
-    :class:`Path`, or the URL as a string."""
-    if not isinstance(target, (str, os.PathLike)):
-        raise TypeError(f"a backup location is a path or a URL string, got "
-                        f"{type(target).__name__}")
-    check_location(target, "the backup location")
-    return os.fspath(target).rstrip("/") if is_remote(target) else local_path(target)

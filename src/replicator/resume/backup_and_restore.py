@@ -24,7 +24,7 @@ from replicator.checkpoint.distributed_checkpoint import (
 )
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
 from replicator.checkpoint.saver import BackgroundSaver, check_saver, early_process, make_saver
-from replicator.checkpoint.storage import backup_location, join_location, open_storage
+from replicator.checkpoint.storage import open_storage
 from replicator.cluster.worker_errors import record_backup
 from replicator.data.sharding import set_epoch_on
 from replicator.resume.preemption import Preempted, PreemptionWatcher
@@ -94,11 +94,12 @@ class BackupAndRestore:
                  saver: str | None = None, mirror: str | os.PathLike[str] | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         self.save_freq = check_frequency(save_freq, "save_freq")
-        self.backup_dir = backup_location(backup_dir)
+        storage = open_storage(backup_dir, storage_options, "the backup location")
+        #: The location: a local :class:`Path`, or the URL of a store.
+        self.backup_dir = storage.location
         self._saver_kind = check_saver(saver)
         #: The saver process, started now: the first backup does not wait for its start.
-        self._process = early_process(self.backup_dir, saver, storage_options) \
-            if background else None
+        self._process = early_process(storage, saver) if background else None
         self._mirror, self._storage_options = mirror, storage_options
         self.delete_checkpoint = bool(delete_checkpoint)
         self.terminate_on_nan = terminate_on_nan
@@ -176,7 +177,7 @@ class BackupAndRestore:
 
     def _sharded_location(self) -> Any:
         """Where the sharded state of backups goes (with the backup's ``storage_options``)."""
-        return open_storage(join_location(self.backup_dir, SHARDED_DIR), self._storage_options,
+        return open_storage(f"{self.backup_dir}/{SHARDED_DIR}", self._storage_options,
                             "the sharded backup location")
 
     def _strategy_now(self) -> Strategy | None:
