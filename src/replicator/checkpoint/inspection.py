@@ -141,9 +141,8 @@ def export_backup(location: str | os.PathLike[str], out: str | os.PathLike[str],
 
 # -- the command ----------------------------------------------------------------------------------
 def _when(created: float | None) -> str:
-    if created is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+    return "-" if created is None else \
+        datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _size(n: float) -> str:

@@ -29,6 +29,7 @@ class LeaseStore(Protocol):
     def put(self, name: str, data: bytes) -> None: ...
     def remove(self, name: str, recursive: bool = False) -> None: ...
 
+
 LEASE_NAME = "LEASE.json"
 #: Seconds without a heartbeat after which another job may take the lease over.
 DEFAULT_LEASE_TIMEOUT = 120.0

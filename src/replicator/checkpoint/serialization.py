@@ -227,10 +227,8 @@ class _Encoder:
     def encode(self, obj: Any, path: str) -> Any:
         if obj is None or isinstance(obj, (bool, str)):
             return obj
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            return float(obj)
+        if isinstance(obj, (int, float)):  # an int or float subclass as the plain number
+            return int(obj) if isinstance(obj, int) else float(obj)
         if isinstance(obj, torch.Tensor):
             return {_TAG: "tensor", "key": self.add_tensor(obj, path)}
         if isinstance(obj, torch.dtype):

@@ -231,9 +231,8 @@ class BackupAndRestore:
         the backup's own preemption handling is off."""
         engine = dataset.engine
         spe = dataset.split.steps_per_epoch
-        ends = [n for n in (epochs * spe if epochs is not None else None, num_steps)
-                if n is not None]
-        end = min(ends)
+        end = min(n for n in (epochs * spe if epochs is not None else None, num_steps)
+                  if n is not None)
         self.handle_preemption = False  # SIGTERM: the group leaves (engine.py)
         self.on_train_begin()
         resume = self._resume
@@ -309,9 +308,9 @@ class BackupAndRestore:
         self.restore()
         if self.background:
             self._start_saver()
-        coll = self.manager.channel.collectives
         if self.handle_preemption:
-            self._watcher = PreemptionWatcher(coll, check_seconds=self.preemption_check_seconds)
+            self._watcher = PreemptionWatcher(self.manager.channel.collectives,
+                                              check_seconds=self.preemption_check_seconds)
             if not self._watcher.install():
                 self._watcher = None
         optimizer = self._objects.get("optimizer")
