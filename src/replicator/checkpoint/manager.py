@@ -305,7 +305,11 @@ class CheckpointManager:
             fault_points.fire("before_write", step=step, rank=ch.rank,
                               path=self.store.dest(staging, "")[:-1])
             self.store.begin(staging)
-            items = self._items(replicated, per_rank, ch)
+            items = [] if per_rank is None else [  # (file name, state, label)
+                (rank_file(ch.rank), per_rank, f"rank {ch.rank}'s state")]
+            if ch.is_chief:
+                items += [(f"{check_state_name(key)}.safetensors", state, key)
+                          for key, state in (replicated or {}).items()]
             entries = writer(self.store, staging, items) if writer is not None else {
                 fname: self.store.write(staging, fname, *serialization.flatten(state, label))
                 for fname, state, label in items}
@@ -323,18 +327,6 @@ class CheckpointManager:
                                                                   path=path, rank=ch.rank))
         self.latest_step, self._choice_ref = step, ref
         return self.store.where(ref)
-
-    @staticmethod
-    def _items(replicated: Mapping[str, Any] | None, per_rank: Any,
-               ch: Channel) -> list[tuple[str, Any, str]]:
-        """``(file name, state, label)`` of the files this rank writes."""
-        items = []
-        if per_rank is not None:
-            items.append((rank_file(ch.rank), per_rank, f"rank {ch.rank}'s state"))
-        if ch.is_chief:
-            for key, state in (replicated or {}).items():
-                items.append((f"{check_state_name(key)}.safetensors", state, key))
-        return items
 
     def _write_error(self, step: int, failures: dict[int, str],
                      cause: BaseException | None) -> CheckpointWriteError:
