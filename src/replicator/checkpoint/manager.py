@@ -13,7 +13,7 @@ import sys
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -495,7 +495,7 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
     manifest of every rank's files, every rank hears the outcome, the chief prunes to ``keep``.
     Returns the committed save's name."""
     results = ch.all_gather(
-        {"error": _text(local_exc), "files": {n: e.as_json() for n, e in entries.items()}},
+        {"error": _text(local_exc), "files": {n: asdict(e) for n, e in entries.items()}},
         f"checkpoint save of step {step} (writes)")
     failures = {r: m["error"] for r, m in enumerate(results) if m["error"]}
     if failures:

@@ -65,17 +65,13 @@ class StagingBuffer:
         remove_stale_buffers()
         self._segment: SharedSegment | None = None
 
-    @property
-    def path(self) -> str:
-        return os.path.join(shm_dir(), self._segment.name) if self._segment else ""
-
-    def _ensure(self, size: int) -> Any:
+    def _ensure(self, size: int) -> SharedSegment:
         if self._segment is None or size > self._segment.nbytes:
             grown = int(self._segment.nbytes * 1.25) if self._segment is not None else 0
             new_size = max(size, grown, 1 << 20)
             self.close()
             self._segment = SharedSegment.create_named(new_size, _TAG)
-        return self._segment.mm
+        return self._segment
 
     def stage(self, files: Mapping[str, tuple[dict[str, torch.Tensor], dict[str, str]]],
               defer: Callable[[torch.Tensor], bool] | None = None
@@ -90,7 +86,8 @@ class StagingBuffer:
             plans.append((name, head, order, total))
             total += len(head) + sum(t.numel() * t.element_size() for _, t in order)
             total += -total % ALIGN
-        mm = self._ensure(max(total, 1))
+        segment = self._ensure(max(total, 1))
+        mm, path = segment.mm, os.path.join(shm_dir(), segment.name)
         staged: dict[str, StagedFile] = {}
         now: list[Any] = []
         later: list[Any] = []
@@ -102,7 +99,7 @@ class StagingBuffer:
                     piece = (t.detach(), pos)
                     (later if defer is not None and defer(piece[0]) else now).append(piece)
                 pos += t.numel() * t.element_size()
-            staged[name] = StagedFile(self.path, start, pos - start)
+            staged[name] = StagedFile(path, start, pos - start)
         self.copy(now)
         return staged, later
 
