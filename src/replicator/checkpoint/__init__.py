@@ -1,9 +1,6 @@
-"""The checkpoint room: storage only. Atomic, verified, multi-rank checkpoints.
-
-One :class:`CheckpointManager` saves and restores over one storage protocol (a local directory
-or an fsspec URL such as ``s3://bucket/run``); replicated and sharded saves share it, and
-:class:`BackgroundSaver` writes saves on a thread or through a saver process (``async_mode``).
-It never asks which strategy is active: :mod:`replicator.resume` passes the collectives down.
+"""The checkpoint room: storage only. Atomic, verified, multi-rank checkpoints over one storage
+protocol (a local directory or an fsspec URL), saved in place or in the background; it never asks
+which strategy is active (:mod:`replicator.resume` passes the collectives down).
 """
 
 from typing import TYPE_CHECKING
@@ -11,8 +8,12 @@ from typing import TYPE_CHECKING
 from replicator.lazy_names import lazy_getattr
 
 if TYPE_CHECKING:
-    from replicator.checkpoint.exchange import Channel, group_collectives
-    from replicator.checkpoint.manager import CheckpointManager, Restored
+    from replicator.checkpoint.manager import (
+        Channel,
+        CheckpointManager,
+        Restored,
+        group_collectives,
+    )
     from replicator.checkpoint.saver import BackgroundSaver
     from replicator.checkpoint.storage import CheckpointStorage, FsspecStorage, LocalStorage
 
@@ -21,8 +22,8 @@ __all__ = ["BackgroundSaver", "Channel", "CheckpointManager", "CheckpointStorage
 
 #: Imported on first use: ``replicator checkpoints``' parser is built without torch.
 __getattr__ = lazy_getattr(__name__, {
-    **dict.fromkeys(["Channel", "group_collectives"], "replicator.checkpoint.exchange"),
-    **dict.fromkeys(["CheckpointManager", "Restored"], "replicator.checkpoint.manager"),
+    **dict.fromkeys(["Channel", "CheckpointManager", "Restored", "group_collectives"],
+                    "replicator.checkpoint.manager"),
     "BackgroundSaver": "replicator.checkpoint.saver",
     **dict.fromkeys(["CheckpointStorage", "FsspecStorage", "LocalStorage"],
                     "replicator.checkpoint.storage"),

@@ -22,8 +22,7 @@ CHUNK_BYTES = 8 << 20
 
 
 def fsync_dir(path: str | Path) -> None:
-    """Make the entries of directory ``path`` (new files, renames) durable, where the file
-    system can open a directory (elsewhere the rename is the best guarantee)."""
+    """Make the entries of directory ``path`` (new files, renames) durable, where it opens."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -135,16 +134,14 @@ def hash_file(path: str | Path) -> str:
     return hasher.hexdigest()
 
 
-#: Name of the threads deleting trash in the background; the process waits for them at exit
-#: (here through atexit; the launcher's script entry by this name before it leaves).
+#: Name of the threads deleting trash in the background (the process waits for them at exit).
 PRUNE_THREAD_NAME = "replicator-prune"
 #: Longest wait at exit for background deletions to finish.
 PRUNE_EXIT_WAIT_SECONDS = 30.0
 
 
 def finish_removals(timeout: float = PRUNE_EXIT_WAIT_SECONDS) -> None:
-    """Wait (at most ``timeout`` s in all) for background deletions, so that a process that
-    ends, even by failing, leaves no ``.trash-`` directory behind."""
+    """Wait (at most ``timeout`` s) for background deletions: no ``.trash-`` directory is left."""
     deadline = time.monotonic() + timeout
     for thread in threading.enumerate():
         if thread.name == PRUNE_THREAD_NAME:

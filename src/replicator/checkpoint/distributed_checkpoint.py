@@ -1,9 +1,6 @@
-"""Sharded checkpoints of model-parallel runs through ``torch.distributed.checkpoint`` (DCP).
-
-Each rank writes only the shards it holds, by the model's own parameter names, as safetensors
-(DCP's default ``.metadata`` is a pickle, which is refused), so a save in one layout loads into
-any other (data x pipeline into FSDP, tensor parallel into one device). The commit, the hashes
-and the choice of a verified save on load are the storage protocol's, as for every save.
+"""Sharded checkpoints of model-parallel runs through ``torch.distributed.checkpoint`` (DCP),
+each rank's shards as safetensors by the model's own names (DCP's pickled ``.metadata`` is
+refused), so a save in one layout loads into any other.
 """
 
 from __future__ import annotations
@@ -14,14 +11,19 @@ import shutil
 import uuid
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from replicator.checkpoint.atomic import write_durable
-from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
-from replicator.checkpoint.manager import commit_agreed
+from replicator.checkpoint.manager import (
+    Channel,
+    commit_agreed,
+    describe_failures,
+    group_collectives,
+)
 from replicator.checkpoint.manifest import FileEntry
 from replicator.checkpoint.storage import LocalStorage, open_storage
 from replicator.checkpoint.store import RemoteStore
@@ -37,24 +39,16 @@ Location = str | os.PathLike[str] | RemoteStore | LocalStorage
 
 
 def as_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    return list(optimizer)
-
-
-def _local(t: Any) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
 
 
 def flat_state(msd: dict[str, Any], osd: dict[str, Any], optimizer: bool
                ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """``model.<fqn>`` and ``optim.<fqn>.<key>`` tensors this rank holds (pipeline ranks
-    leave other stages' tensors empty; the same tensor objects as in the state dicts); the
-    optimizers' param groups as JSON."""
-    def held(t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and _local(t).numel() > 0
+    """``model.<fqn>`` and ``optim.<fqn>.<key>`` tensors this rank holds (the state dicts'
+    own, not other pipeline stages' empty ones) and the optimizers' param groups as JSON."""
+    def held(t: Any) -> bool:  # a DTensor's local shard
+        return isinstance(t, torch.Tensor) and (
+            t.to_local() if hasattr(t, "to_local") else t).numel() > 0
 
     flat = {f"model.{k}": v for k, v in msd.items() if held(v)}
     groups: list[dict[str, Any]] = []
@@ -68,13 +62,14 @@ def flat_state(msd: dict[str, Any], osd: dict[str, Any], optimizer: bool
     return flat, groups
 
 
+@dataclass
 class StagedShards:
-    """This rank's sharded model and optimizer state at a step boundary (see
-    :func:`stage_sharded`): what a sharded save writes, in place or in the background."""
+    """This rank's sharded model and optimizer state at a step boundary: what a sharded save
+    writes, in place or in the background."""
 
-    def __init__(self, flat: dict[str, Any], groups: list[dict[str, Any]],
-                 optimizers: bool) -> None:
-        self.flat, self.groups, self.optimizers = flat, groups, optimizers
+    flat: dict[str, Any]
+    groups: list[dict[str, Any]]
+    optimizers: bool
 
 
 def _copy(t: Any) -> Any:
@@ -107,12 +102,10 @@ def stage_sharded(model: torch.nn.Module, optimizer: Optimizers = None) -> Stage
 def save_sharded(directory: Location, step: int, model: torch.nn.Module,
                  optimizer: Optimizers = None, *, collectives: Collectives | None = None,
                  keep: int = 2) -> Path | str:
-    """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``
-    (a local folder or a URL); every rank of ``collectives`` (default: the whole job) calls
-    it. The optimizers must already hold the model's (sharded) parameters: under a strategy
-    use :func:`replicator.resume.save_sharded`. Returns the committed save (a ``step-N``
-    folder, or its commit object's URL); :class:`CheckpointWriteError` on every rank when any
-    rank fails, leaving the previous checkpoints as they were."""
+    """Save ``model`` (and ``optimizer``, or a list of them, already holding the model's sharded
+    parameters: under a strategy use :func:`replicator.resume.save_sharded`) at ``step`` under
+    ``directory``; every rank of ``collectives`` (default: the whole job) calls it. Returns the
+    committed save; :class:`CheckpointWriteError` on every rank when any rank fails."""
     ch = Channel(collectives if collectives is not None else group_collectives())
     try:
         staged: StagedShards | Exception = _shards(model, as_list(optimizer), copy=False)
@@ -164,8 +157,7 @@ def write_staged(directory: Location, step: int, staged: StagedShards | Exceptio
 
 def _read_dcp(folder: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
               ch: Channel) -> None:
-    """Every rank loads its part of ``model`` and ``optimizers`` from the verified save in
-    ``folder``, whatever layout wrote it (in place, into the state dicts' own tensors)."""
+    """Every rank loads its part of ``model`` and ``optimizers`` from the save in ``folder``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -181,25 +173,22 @@ def _read_dcp(folder: Path, model: torch.nn.Module, optimizers: list[torch.optim
     set_state_dict(model, optimizers, model_state_dict=msd, optim_state_dict=osd)
 
 
-def _committed(storage: Any, step: int | None) -> list[list[Any]]:
-    steps = set(storage.committed())
-    return [[s, ref] for s, ref in storage.saves() if s in steps and step in (None, s)]
-
-
 def load_sharded(directory: Location, model: torch.nn.Module,
                  optimizer: Optimizers = None, *, step: int | None = None,
                  collectives: Collectives | None = None) -> int | None:
-    """Load the newest verified checkpoint (or ``step``) into ``model`` (and ``optimizer``),
-    whatever the layout it was saved in and the one it loads into; every rank of
-    ``collectives`` (default: the whole job) calls it. The optimizers must already hold the
-    model's (sharded) parameters. Returns the step loaded, or ``None`` when ``directory``
-    holds no checkpoint. Damaged or partial saves are skipped with a warning;
-    :class:`CheckpointCorruptError` when saves exist but none verifies."""
+    """Load the newest verified checkpoint (or ``step``) into ``model`` (and ``optimizer``,
+    holding the model's sharded parameters), whatever its layout; every rank of
+    ``collectives`` (default: the whole job) calls it. Returns the step loaded (``None``: no
+    checkpoint); damaged saves are skipped with a warning, :class:`CheckpointCorruptError`
+    when none verifies."""
     optimizers = as_list(optimizer)
     ch = Channel(collectives if collectives is not None else group_collectives())
     storage = open_storage(directory, what="the sharded checkpoint location")
-    listed = ch.from_chief(_committed(storage, step) if ch.is_chief else None,
-                           "sharded checkpoint restore (listing)")
+    listed: list[list[Any]] | None = None
+    if ch.is_chief:  # the committed saves (of ``step``)
+        steps = set(storage.committed())
+        listed = [[s, ref] for s, ref in storage.saves() if s in steps and step in (None, s)]
+    listed = ch.from_chief(listed, "sharded checkpoint restore (listing)")
     if not listed and step is None:
         return None
     skipped: list[str] = []
@@ -212,10 +201,9 @@ def load_sharded(directory: Location, model: torch.nn.Module,
         except CheckpointCorruptError as exc:
             error = str(exc)
         try:
-            errors = [e for e in ch.all_gather(error, "sharded checkpoint restore (verify)")
-                      if e]
+            errors = ch.failures(error, "sharded checkpoint restore (verify)")
             if errors:
-                skipped.append(errors[0])
+                skipped.append(errors[min(errors)])
                 continue
             for text in skipped:
                 warnings.warn(f"skipping a damaged checkpoint: {text}", RuntimeWarning,

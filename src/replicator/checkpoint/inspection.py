@@ -36,56 +36,45 @@ class Backup:
     manifest: dict[str, Any] | None = None
 
 
-class _Reader:
-    """Read-only access to the backups of a local directory or a store."""
+def _open(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> Any:
+    """The storage at ``location``, read-only; :class:`CheckpointError` for a missing folder."""
+    storage = open_storage(location, storage_options, "the backup location")
+    if isinstance(storage, LocalStorage) and not storage.directory.is_dir():
+        raise CheckpointError(f"the backup location {storage.location} does not exist (or is "
+                              "not a directory). HINT: check the path; a store's location "
+                              "is a URL such as s3://bucket/run.")
+    return storage
 
-    def __init__(self, location: str | os.PathLike[str],
-                 storage_options: Mapping[str, Any] | None = None) -> None:
-        self.storage = open_storage(location, storage_options, "the backup location")
-        self.label = str(self.storage.location)
-        if isinstance(self.storage, LocalStorage) and not self.storage.directory.is_dir():
-            raise CheckpointError(f"the backup location {self.label} does not exist (or is "
-                                  "not a directory). HINT: check the path; a store's location "
-                                  "is a URL such as s3://bucket/run.")
 
-    def backups(self) -> list[Backup]:
-        """Every save, committed (its manifest read, not verified), damaged or partial."""
-        out, committed = [], set()
-        for step, ref in self.storage.saves():
-            try:
-                manifest = self.storage.manifest(ref)
-            except CheckpointCorruptError as exc:
-                status = "partial (no commit)" if "no commit marker" in str(exc) \
-                    else f"damaged: {exc}"
-                out.append(Backup(step, ref, None, self._size(ref), status))
-                continue
-            committed.add(str(manifest.get("prefix", ref)).split("/")[-1])
-            size = sum(int(e["bytes"]) for e in manifest["files"].values())
-            out.append(Backup(step, ref, manifest.get("created"), size, "committed", manifest))
-        if isinstance(self.storage, RemoteStore):
-            for folder in self.storage.folders(DATA):
-                parsed = parse_commit_name(folder + ".json")
-                if folder not in committed and parsed is not None:
-                    size = sum(n for _, n in self.storage.objects(f"{DATA}/{folder}"))
-                    out.append(Backup(parsed[0], folder, None, size, "partial (no commit)"))
-        return sorted(out, key=lambda b: (b.step, b.created or 0.0))
-
-    def _size(self, ref: str) -> int:
-        if isinstance(self.storage, LocalStorage):
-            return sum(p.stat().st_size for p in (self.storage.directory / ref).iterdir()
-                       if p.is_file())
-        return 0
-
-    def read(self, backup: Backup, fname: str) -> Any:
-        """The verified bytes of ``fname`` of ``backup`` (:class:`CheckpointCorruptError`)."""
-        assert backup.manifest is not None
-        return self.storage.read(backup.name, backup.manifest, fname)
+def _backups(storage: Any) -> list[Backup]:
+    """Every save, committed (its manifest read, not verified), damaged or partial."""
+    out, committed = [], set()
+    for step, ref in storage.saves():
+        try:
+            manifest = storage.manifest(ref)
+        except CheckpointCorruptError as exc:
+            status = "partial (no commit)" if "no commit marker" in str(exc) \
+                else f"damaged: {exc}"
+            size = sum(p.stat().st_size for p in (storage.directory / ref).iterdir()
+                       if p.is_file()) if isinstance(storage, LocalStorage) else 0
+            out.append(Backup(step, ref, None, size, status))
+            continue
+        committed.add(str(manifest.get("prefix", ref)).split("/")[-1])
+        size = sum(int(e["bytes"]) for e in manifest["files"].values())
+        out.append(Backup(step, ref, manifest.get("created"), size, "committed", manifest))
+    if isinstance(storage, RemoteStore):
+        for folder in storage.folders(DATA):
+            parsed = parse_commit_name(folder + ".json")
+            if folder not in committed and parsed is not None:
+                size = sum(n for _, n in storage.objects(f"{DATA}/{folder}"))
+                out.append(Backup(parsed[0], folder, None, size, "partial (no commit)"))
+    return sorted(out, key=lambda b: (b.step, b.created or 0.0))
 
 
 def list_backups(location: str | os.PathLike[str],
                  storage_options: Mapping[str, Any] | None = None) -> list[Backup]:
     """Every backup at ``location``, oldest first, committed or not (nothing is verified)."""
-    return _Reader(location, storage_options).backups()
+    return _backups(_open(location, storage_options))
 
 
 def verify_backups(location: str | os.PathLike[str], step: int | None = None,
@@ -93,9 +82,9 @@ def verify_backups(location: str | os.PathLike[str], step: int | None = None,
                    ) -> list[tuple[Backup, str]]:
     """``(backup, "")`` for each committed backup whose every file verifies, else the reason
     (the object's name and the hash mismatch); only ``step`` when given."""
-    reader = _Reader(location, storage_options)
+    storage = _open(location, storage_options)
     results = []
-    for backup in reader.backups():
+    for backup in _backups(storage):
         if step is not None and backup.step != step:
             continue
         if backup.manifest is None:
@@ -103,7 +92,7 @@ def verify_backups(location: str | os.PathLike[str], step: int | None = None,
             continue
         try:
             for fname in sorted(backup.manifest["files"]):
-                reader.read(backup, fname)
+                storage.read(backup.name, backup.manifest, fname)
             results.append((backup, ""))
         except CheckpointCorruptError as exc:
             results.append((backup, str(exc)))
@@ -115,8 +104,8 @@ def export_backup(location: str | os.PathLike[str], out: str | os.PathLike[str],
                   storage_options: Mapping[str, Any] | None = None) -> Backup:
     """Write ``state`` of the newest backup that verifies (or of ``step``) to ``out``, a plain
     safetensors file (``safetensors.torch.load_file`` reads it); return the backup used."""
-    reader = _Reader(location, storage_options)
-    candidates = [b for b in reader.backups() if b.manifest is not None
+    storage = _open(location, storage_options)
+    candidates = [b for b in _backups(storage) if b.manifest is not None
                   and (step is None or b.step == step)]
     reasons = []
     for backup in reversed(candidates):
@@ -132,7 +121,7 @@ def export_backup(location: str | os.PathLike[str], out: str | os.PathLike[str],
             raise CheckpointError(f"backup {backup.name} holds no {state!r} state{hint}; it "
                                   f"holds: {', '.join(held) or 'none'}")
         try:
-            data = reader.read(backup, fname)
+            data = storage.read(backup.name, backup.manifest, fname)
         except CheckpointCorruptError as exc:
             reasons.append(f"{backup.name}: {exc}")
             continue
@@ -143,26 +132,25 @@ def export_backup(location: str | os.PathLike[str], out: str | os.PathLike[str],
             raise CheckpointError(f"backup {backup.name}: {state!r} holds no tensors")
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         serialization.write_file(Path(out), tensors, {"step": str(backup.step),
-                                                 "source": f"{reader.label}/{backup.name}"})
+                                                 "source": f"{storage.location}/{backup.name}"})
         return backup
     which = f"step {step}" if step is not None else "backup"
     detail = "; ".join(reasons) if reasons else "none is committed"
-    raise CheckpointCorruptError(f"no {which} at {reader.label} to export: {detail}")
+    raise CheckpointCorruptError(f"no {which} at {storage.location} to export: {detail}")
 
 
 # -- the command ----------------------------------------------------------------------------------
 def _when(created: float | None) -> str:
-    if created is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+    return "-" if created is None else \
+        datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return str(n)
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,12 +177,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"no backups at {args.location}" + (f" of step {args.step}"
                                                           if args.step is not None else ""))
                 return 1
-            bad = 0
             for b, reason in results:
                 print(f"step {b.step:>8}  {'ok' if not reason else 'FAILED: ' + reason}  "
                       f"({b.name})")
-                bad += bool(reason)
-            return 1 if bad else 0
+            return 1 if any(reason for _, reason in results) else 0
         backup = export_backup(args.location, args.out, step=args.step, state=args.state)
         print(f"wrote {args.out}: {args.state} of step {backup.step} ({backup.name})")
         return 0

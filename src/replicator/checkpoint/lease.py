@@ -1,8 +1,6 @@
-"""The lease on a store: one job writes to a checkpoint location at a time.
-
-``LEASE.json`` (job id, host, pid, heartbeat renewed every ``timeout / 4`` s): another job
-refuses to write while it is fresh; a stale one, or one of the same job or a dead process of
-this host (a restart), is taken over.
+"""The lease on a store, ``LEASE.json`` (job id, host, pid, heartbeat every ``timeout / 4`` s):
+one job writes to a location at a time; a stale lease, or one of the same job or of a dead
+process of this host (a restart), is taken over.
 """
 
 from __future__ import annotations
@@ -58,8 +56,7 @@ _HELD: weakref.WeakSet[Lease] = weakref.WeakSet()
 
 
 def _release_at_exit() -> None:
-    """Stop every heartbeat and delete the lease, so a script that never closed its backups
-    still ends at once and leaves no lease."""
+    """Stop every heartbeat and delete the lease (of a script that never closed its backups)."""
     for lease in list(_HELD):
         lease.release()
 
@@ -82,9 +79,10 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _record(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "host": self.host, "pid": self.pid,
-                "heartbeat": time.time(), "timeout": self.timeout}
+    def _write(self) -> None:
+        record = {"job_id": self.job_id, "host": self.host, "pid": self.pid,
+                  "heartbeat": time.time(), "timeout": self.timeout}
+        self.store.put(LEASE_NAME, json.dumps(record).encode())
 
     def read(self) -> dict[str, Any] | None:
         try:
@@ -120,7 +118,7 @@ class Lease:
                       f"{self.timeout:.0f} s")
             print(f"[replicator] taking over the lease of {self.store.url} from {who}: "
                   f"{reason}", file=sys.stderr, flush=True)
-        self.store.put(LEASE_NAME, json.dumps(self._record()).encode())
+        self._write()
         check = self.read()
         if check is None or not self._ours(check):
             raise StoreLeaseError(
@@ -141,7 +139,7 @@ class Lease:
             self.lost = (f"job {held.get('job_id')!r} on {held.get('host')} took over the "
                          f"lease of {self.store.url}")
             return
-        self.store.put(LEASE_NAME, json.dumps(self._record()).encode())
+        self._write()
 
     def check(self) -> None:
         """Raise :class:`StoreLeaseError` when the lease was taken over by another job."""

@@ -1,9 +1,6 @@
-"""CheckpointManager: atomic, verified, multi-rank checkpoints over one storage protocol.
-
-A save: every rank writes its files into a staging area, the ranks agree that every write
-succeeded, the chief commits atomically and tells the others, then prunes to the newest
-``keep``; a crash at any point leaves the previous save the newest valid one. A restore loads
-the newest save whose manifest and SHA-256 hashes verify, warning about each one it skips.
+"""CheckpointManager: atomic, verified, multi-rank checkpoints over one storage protocol: a crash
+at any point of a save leaves the previous save the newest valid one, and a restore loads the
+newest save whose manifest and SHA-256 hashes verify (docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
@@ -16,23 +13,26 @@ import sys
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from replicator import fault_points
 from replicator.checkpoint import serialization
-from replicator.checkpoint.exchange import Channel, describe_failures, group_collectives
 from replicator.checkpoint.manifest import FileEntry, build
 from replicator.checkpoint.storage import open_storage, step_dir_name
 from replicator.checkpoint.store import DEFAULT_LEASE_TIMEOUT
 from replicator.cluster.environment import resolve_cluster
+from replicator.cluster.timeouts import resolve_timeout
 from replicator.cluster.worker_errors import record_backup
 from replicator.comm import timing
 from replicator.comm.collectives import Collectives
+from replicator.comm.groups import collective_device
+from replicator.comm.reduce_op import ReduceOp
 from replicator.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -40,6 +40,55 @@ from replicator.errors import (
     StoreLeaseError,
     UnsafeCheckpointError,
 )
+
+
+def group_collectives(group: dist.ProcessGroup | None = None) -> Collectives:
+    """Collectives over ``group`` (``None``: the whole job) with the group's timeout; one rank
+    of one when ``torch.distributed`` is not initialized (a single-process run)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return Collectives(0, 1, torch.device("cpu"), resolve_timeout())
+    return Collectives.for_group(group, collective_device(group),
+                                 resolve_timeout(group=group))
+
+
+class Channel:
+    """JSON messages between the ranks of a job (one collective exchange per call), so that a
+    failure on one rank becomes the same clear error on every rank, never a hang."""
+
+    def __init__(self, collectives: Collectives) -> None:
+        self.collectives = collectives
+        self.rank = collectives.rank
+        self.world_size = collectives.world_size
+        self.is_chief = collectives.rank == 0
+
+    def all_gather(self, message: Any, what: str) -> list[Any]:
+        """Every rank's ``message`` (JSON-serialisable), in rank order, on every rank."""
+        payload = json.dumps(message, allow_nan=True).encode()
+        if self.world_size == 1:
+            return [json.loads(payload)]
+        texts = self.collectives.all_gather_bytes(payload, what)
+        return [json.loads(t) for t in texts]
+
+    def from_chief(self, message: Any, what: str) -> Any:
+        """The chief's ``message`` on every rank (other ranks' arguments are ignored)."""
+        return self.all_gather(message if self.is_chief else None, what)[0]
+
+    def failures(self, error: str, what: str) -> dict[int, str]:
+        """Agree on who failed: ``error`` is this rank's error text, empty when it succeeded."""
+        return {r: e for r, e in enumerate(self.all_gather(error, what)) if e}
+
+    def max_flag(self, flag: bool, what: str) -> bool:
+        """True on every rank when ``flag`` is true on any rank."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0])
+        return bool(self.collectives.all_reduce(value, ReduceOp.MAX, what).item() > 0)
+
+
+def describe_failures(failures: dict[int, str]) -> str:
+    """``rank 1: OSError: ...; rank 2: ...`` for an error message."""
+    return "; ".join(f"rank {r}: {e}" for r, e in sorted(failures.items()))
+
 
 #: Writes ``(file name, state, label)`` items into a staging area of a storage and returns
 #: their entries: the saver process's hand-off.
@@ -62,17 +111,15 @@ def check_state_name(name: str) -> str:
 
 @dataclass
 class FrozenState:
-    """A state tree flattened and copied at one moment (see :func:`freeze_state`): what a
-    background save writes while training changes the live tensors."""
+    """A state tree flattened and copied at one moment: what a background save writes."""
 
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
 
 
 def freeze_state(state: Any, label: str, reuse: FrozenState | None = None) -> FrozenState:
-    """Copy ``state`` (a tree of plain values and tensors) into memory, as it is now;
-    ``reuse``: an earlier copy whose matching buffers are overwritten (no fresh allocation).
-    A state that cannot be stored raises the same ``TypeError`` as a save, at this step."""
+    """Copy ``state`` into memory as it is now, into ``reuse``'s matching buffers where it can
+    (a state that cannot be stored raises a save's ``TypeError`` here)."""
     tensors, metadata = serialization.flatten(state, label)
     old = reuse.tensors if reuse is not None else {}
     copies = {}
@@ -131,10 +178,10 @@ class CheckpointManager:
         self._token: str | None = None
         self._saves = 0
         self.mirror = self._open_mirror(mirror, collectives, directory)
-        #: Saves a store refused since its last success, the last error and what each said.
-        self.failed_saves = 0
-        self.last_error: BaseException | None = None
+        #: The steps of the saves a store refused since its last success, the last error, and
+        #: what the last 20 refusals said.
         self._failed_steps: list[int] = []
+        self.last_error: BaseException | None = None
         self.failure_log: list[str] = []
 
     def _open_mirror(self, mirror: Any, collectives: Collectives | None,
@@ -151,6 +198,7 @@ class CheckpointManager:
 
     @property
     def channel(self) -> Channel:
+        """How the ranks agree (the whole job's unless ``collectives`` was given)."""
         if self._channel is None:
             self._channel = Channel(group_collectives())
         return self._channel
@@ -160,16 +208,12 @@ class CheckpointManager:
         """The location: a local :class:`Path`, or the URL of a store."""
         return self.store.location
 
-    @property
-    def url(self) -> str:
-        return str(self.store.location)
-
     def where(self, step: int) -> Any:
         """Where the checkpoint of ``step`` lives, for messages."""
         if not self.store.retries_later:  # a local save's name is its step's
             return self.store.where(step_dir_name(step))
         ref = self._choice_ref if self.latest_step == step else None
-        return self.store.where(ref) if ref else f"{self.url} (step {step})"
+        return self.store.where(ref) if ref else f"{self.directory} (step {step})"
 
     # -- the job's claim on the location ------------------------------------------------------
     def open(self, channel: Channel | None = None) -> None:
@@ -188,11 +232,11 @@ class CheckpointManager:
                 lease_exc = exc
         message = ch.from_chief(message, "checkpoint store lease")
         if message["io"]:  # the store is unreachable: a save fails (logged), a later retries
-            raise CheckpointWriteError(f"cannot take the lease of {self.url}: "
+            raise CheckpointWriteError(f"cannot take the lease of {self.directory}: "
                                        f"{message['error']}") from lease_exc
         if message["error"]:
-            raise _own_or(lease_exc, StoreLeaseError(f"rank 0 could not take the lease of "
-                                                     f"{self.url}: {message['error']}"))
+            raise lease_exc or StoreLeaseError(f"rank 0 could not take the lease of "
+                                               f"{self.directory}: {message['error']}")
         self._token = message["token"]
 
     def close(self) -> None:
@@ -200,7 +244,6 @@ class CheckpointManager:
         if self.channel.is_chief:
             self.store.release()
 
-    # -- listing -------------------------------------------------------------------------------
     def commits(self) -> list[tuple[int, str]]:
         """``(step, name)`` of every save the location lists, oldest first."""
         return self.store.saves()
@@ -209,15 +252,6 @@ class CheckpointManager:
         """Steps with a commit (not verified; see :meth:`restore`)."""
         return self.store.committed()
 
-    def cleanup_temporaries(self) -> list[str]:
-        """Remove what interrupted saves and deletions left (never read), said once."""
-        removed = self.store.cleanup()
-        if removed:
-            print(f"[replicator] removed {len(removed)} leftover(s) of an interrupted save or "
-                  f"deletion in {self.directory}: {', '.join(removed)}", file=sys.stderr,
-                  flush=True)
-        return removed
-
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, replicated: Mapping[str, Any] | None = None,
              per_rank: Any = None, info: Mapping[str, Any] | None = None, *,
@@ -225,10 +259,9 @@ class CheckpointManager:
         """Write and commit the checkpoint of ``step``; every rank calls this together.
 
         ``replicated``: named states the same on every rank (the chief writes them);
-        ``per_rank``: this rank's own state; ``info``: JSON for the manifest; ``channel``: how
-        the ranks agree; ``writer``: writes this rank's files (the saver process). Returns where
-        the save is; a failure raises :class:`CheckpointWriteError` on every rank (in a store:
-        logged, ``None``, and the next save tries again).
+        ``per_rank``: this rank's own state; ``info``: JSON for the manifest; ``writer``: writes
+        this rank's files (the saver process). Returns where the save is; a failure raises
+        :class:`CheckpointWriteError` on every rank (in a store: logged, and ``None``).
         """
         with timing.region("checkpoint"):  # a profile shows the save apart from compute
             return self._save_or_log(step, replicated, per_rank, info, channel, writer)
@@ -236,31 +269,25 @@ class CheckpointManager:
     def _save_or_log(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
                      info: Mapping[str, Any] | None, channel: Channel | None,
                      writer: FileWriter | None) -> Any:
-        mirrored = None
-        if self.mirror is not None:
-            mirrored = self.mirror.save(step, replicated, per_rank, info, channel=channel,
-                                        writer=writer)
-        if not self.store.retries_later:
-            return self._save(step, replicated, per_rank, info, channel, writer)
+        mirrored = None if self.mirror is None else self.mirror.save(
+            step, replicated, per_rank, info, channel=channel, writer=writer)
         try:
             where = self._save(step, replicated, per_rank, info, channel, writer)
         except CheckpointWriteError as exc:
-            self._refused(step, exc, channel or self.channel)
+            if not self.store.retries_later:  # a local save that fails raises on every rank
+                raise
+            self.last_error = exc
+            self._failed_steps.append(step)
+            self.failure_log = [*self.failure_log[-19:], f"step {step}: {exc}"]
+            if (channel or self.channel).is_chief:
+                kept = (f"; the local mirror {self.mirror.directory} holds it" if
+                        self.mirror is not None else "")
+                print(f"[replicator] the backup of step {step} did not reach {self.directory} "
+                      f"({len(self._failed_steps)} failed in a row{kept}); training goes on and "
+                      f"the next save tries again. {exc}", file=sys.stderr, flush=True)
             return mirrored
-        self.failed_saves, self.last_error, self._failed_steps = 0, None, []
+        self.last_error, self._failed_steps = None, []
         return where
-
-    def _refused(self, step: int, exc: CheckpointWriteError, ch: Channel) -> None:
-        self.failed_saves += 1
-        self.last_error = exc
-        self._failed_steps.append(step)
-        self.failure_log = [*self.failure_log[-19:], f"step {step}: {exc}"]
-        if ch.is_chief:
-            kept = (f"; the local mirror {self.mirror.directory} holds it" if
-                    self.mirror is not None else "")
-            print(f"[replicator] the backup of step {step} did not reach {self.url} "
-                  f"({self.failed_saves} failed in a row{kept}); training goes on and the "
-                  f"next save tries again. {exc}", file=sys.stderr, flush=True)
 
     def _save(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
               info: Mapping[str, Any] | None, channel: Channel | None,
@@ -278,7 +305,14 @@ class CheckpointManager:
             fault_points.fire("before_write", step=step, rank=ch.rank,
                               path=self.store.dest(staging, "")[:-1])
             self.store.begin(staging)
-            entries = self._write_all(staging, self._items(replicated, per_rank, ch), writer)
+            items = [] if per_rank is None else [  # (file name, state, label)
+                (rank_file(ch.rank), per_rank, f"rank {ch.rank}'s state")]
+            if ch.is_chief:
+                items += [(f"{check_state_name(key)}.safetensors", state, key)
+                          for key, state in (replicated or {}).items()]
+            entries = writer(self.store, staging, items) if writer is not None else {
+                fname: self.store.write(staging, fname, *serialization.flatten(state, label))
+                for fname, state, label in items}
         except Exception as exc:  # noqa: BLE001 - shared with the other ranks below
             local_exc = exc
 
@@ -293,24 +327,6 @@ class CheckpointManager:
                                                                   path=path, rank=ch.rank))
         self.latest_step, self._choice_ref = step, ref
         return self.store.where(ref)
-    @staticmethod
-    def _items(replicated: Mapping[str, Any] | None, per_rank: Any,
-               ch: Channel) -> list[tuple[str, Any, str]]:
-        """``(file name, state, label)`` of the files this rank writes."""
-        items = []
-        if per_rank is not None:
-            items.append((rank_file(ch.rank), per_rank, f"rank {ch.rank}'s state"))
-        if ch.is_chief:
-            for key, state in (replicated or {}).items():
-                items.append((f"{check_state_name(key)}.safetensors", state, key))
-        return items
-
-    def _write_all(self, staging: str, items: list[tuple[str, Any, str]],
-                   writer: FileWriter | None) -> dict[str, FileEntry]:
-        if writer is not None:
-            return writer(self.store, staging, items)
-        return {fname: self.store.write(staging, fname, *serialization.flatten(state, label))
-                for fname, state, label in items}
 
     def _write_error(self, step: int, failures: dict[int, str],
                      cause: BaseException | None) -> CheckpointWriteError:
@@ -321,13 +337,12 @@ class CheckpointManager:
         hint = (f"free space on the file system of {self.directory} (or lower keep=)" if full
                 else f"check that every rank can write to {self.directory}" if not
                 self.store.retries_later else "check that the store is reachable and that "
-                f"every rank's credentials can write to {self.url}")
+                f"every rank's credentials can write to {self.directory}")
         err = CheckpointWriteError(
             f"saving the checkpoint of step {step} to {self.directory} failed "
             f"({describe_failures(failures)}). Nothing was committed and {previous}. "
             f"HINT: {hint}.")
-        if cause is not None:
-            err.__cause__ = cause
+        err.__cause__ = cause
         return err
 
     def finish(self) -> None:
@@ -342,7 +357,7 @@ class CheckpointManager:
                 "Nothing holds that state. HINT: pass mirror='ckpt/' to keep a local copy of "
                 "every backup.")
         err = CheckpointWriteError(
-            f"the object store {self.url} was unreachable for the last {len(steps)} saves "
+            f"the object store {self.directory} was unreachable for the last {len(steps)} saves "
             f"(steps {', '.join(map(str, steps[-5:]))}); its newest backup is "
             f"{'step ' + str(self.latest_step) if self.latest_step is not None else 'none'}. "
             f"{kept} Last error: {self.last_error}")
@@ -351,16 +366,15 @@ class CheckpointManager:
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self) -> Restored | None:
-        """Load the newest valid checkpoint on every rank; ``None`` when there is none at all.
+        """Load the newest valid checkpoint on every rank (``None``: there is none at all).
 
         The chief verifies candidates newest first, skipping damaged or partial ones with a
-        warning (:class:`CheckpointCorruptError` when none is valid); every rank then loads the
-        chosen one. With a mirror, from the mirror when it is newer or the store is down.
+        warning (:class:`CheckpointCorruptError` when none is valid). With a mirror, from the
+        mirror when it is newer or the store is down.
         """
         if self.mirror is not None and self._mirror_is_newer():
             restored = self.mirror.restore()
-            if restored is not None:
-                self.latest_step = restored.step
+            self.latest_step = restored.step if restored is not None else self.latest_step
             return restored
         self.open()
         ch = self.channel
@@ -369,15 +383,19 @@ class CheckpointManager:
         fatal: BaseException | None = None
         if ch.is_chief:
             try:
-                self.cleanup_temporaries()
+                removed = self.store.cleanup()  # what interrupted saves left (never read)
+                if removed:
+                    print(f"[replicator] removed {len(removed)} leftover(s) of an interrupted "
+                          f"save or deletion in {self.directory}: {', '.join(removed)}",
+                          file=sys.stderr, flush=True)
                 decision["step"], decision["ref"], kept = self._choose(decision["skipped"])
             except (UnsafeCheckpointError, OSError) as exc:
                 fatal = exc
                 decision["fatal"] = _text(exc)
         decision = ch.from_chief(decision, "checkpoint restore (choosing a checkpoint)")
         if decision["fatal"]:
-            raise _own_or(fatal, CheckpointError(f"restoring from {self.directory} failed on "
-                                                 f"rank 0: {decision['fatal']}"))
+            raise fatal or CheckpointError(f"restoring from {self.directory} failed on rank 0: "
+                                           f"{decision['fatal']}")
         if decision["step"] < 0:
             if decision["skipped"]:
                 raise CheckpointCorruptError(
@@ -393,8 +411,8 @@ class CheckpointManager:
             local_exc = exc
         failures = ch.failures(_text(local_exc), "checkpoint restore (loading)")
         if failures:
-            raise _own_or(local_exc, CheckpointError(f"loading {self.store.where(ref)} failed "
-                                                     f"on {describe_failures(failures)}"))
+            raise local_exc or CheckpointError(f"loading {self.store.where(ref)} failed on "
+                                               f"{describe_failures(failures)}")
         self.latest_step, self._choice_ref = step, ref
         return result
 
@@ -408,7 +426,7 @@ class CheckpointManager:
             try:
                 remote = self.committed_steps()
             except OSError as exc:
-                choice = {"mirror": bool(local), "why": f"{self.url} cannot be read ({exc})"}
+                choice = {"mirror": bool(local), "why": f"{self.directory} cannot be read ({exc})"}
             else:
                 if local and (not remote or local[-1] > remote[-1]):
                     choice = {"mirror": True, "why": f"it holds step {local[-1]}, newer than "
@@ -425,11 +443,10 @@ class CheckpointManager:
         for step, ref in reversed(self.store.saves()):
             try:
                 manifest = self.store.manifest(ref)
-                shared = tuple(n for n in manifest["files"] if not n.startswith("rank-"))
                 kept = {}
                 for fname in sorted(manifest["files"]):
-                    data = self.store.read(ref, manifest, fname)
-                    if fname in (*shared, rank_file(0)):
+                    data = self.store.read(ref, manifest, fname)  # every file verified
+                    if not fname.startswith("rank-") or fname == rank_file(0):
                         kept[fname] = data
                 return step, ref, kept
             except CheckpointCorruptError as exc:
@@ -451,17 +468,16 @@ class CheckpointManager:
                     raise CheckpointCorruptError(f"{ref}/{fname} is not JSON") from exc
             return serialization.decode(data, f"{ref}/{fname}")
 
+        files = manifest["files"]
         replicated = {n.removesuffix(".safetensors"): read(n)
-                      for n in sorted(manifest["files"]) if not n.startswith("rank-")}
-        source: int | None = self.channel.rank
-        if rank_file(self.channel.rank) not in manifest["files"]:  # more ranks than saved
-            source = 0 if rank_file(0) in manifest["files"] else None
+                      for n in sorted(files) if not n.startswith("rank-")}
+        source = self.channel.rank if rank_file(self.channel.rank) in files else (
+            0 if rank_file(0) in files else None)  # more ranks than saved: rank 0's
         per_rank = read(rank_file(source)) if source is not None else None
         return Restored(step=step, path=self.store.where(ref), info=dict(manifest.get("info", {})),
                         world_size=int(manifest.get("world_size", 1)), replicated=replicated,
                         per_rank=per_rank, per_rank_source=source)
 
-    # -- deletion ------------------------------------------------------------------------------
     def delete_all(self) -> None:
         """Remove every checkpoint (the chief only; call after the others are done with it)."""
         if self.channel.is_chief:
@@ -479,7 +495,7 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
     manifest of every rank's files, every rank hears the outcome, the chief prunes to ``keep``.
     Returns the committed save's name."""
     results = ch.all_gather(
-        {"error": _text(local_exc), "files": {n: e.as_json() for n, e in entries.items()}},
+        {"error": _text(local_exc), "files": {n: asdict(e) for n, e in entries.items()}},
         f"checkpoint save of step {step} (writes)")
     failures = {r: m["error"] for r, m in enumerate(results) if m["error"]}
     if failures:
@@ -513,12 +529,5 @@ def commit_agreed(storage: Any, ch: Channel, step: int, staging: str,
     return str(outcome["ref"])
 
 
-def _own_or(own: BaseException | None, shared: Exception) -> BaseException:
-    """This rank's own exception, else ``shared`` (what the ranks agreed failed elsewhere)."""
-    return own if own is not None else shared
-
-
 def _text(exc: BaseException | None) -> str:
-    if exc is None:
-        return ""
-    return f"{type(exc).__name__}: {exc}".strip()
+    return "" if exc is None else f"{type(exc).__name__}: {exc}".strip()

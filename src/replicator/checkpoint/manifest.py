@@ -9,7 +9,7 @@ import json
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,6 @@ class FileEntry:
 
     bytes: int
     sha256: str
-
-    def as_json(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, "sha256": self.sha256}
 
 
 def check_file_name(name: str, where: str) -> None:
@@ -68,7 +65,7 @@ def build(step: int, world_size: int, files: Mapping[str, FileEntry],
         check_file_name(name, f"checkpoint at step {step}")
     body = {"format": FORMAT, "version": VERSION, "step": int(step),
             "world_size": int(world_size), "created": time.time(),
-            "files": {name: entry.as_json() for name, entry in sorted(files.items())},
+            "files": {name: asdict(entry) for name, entry in sorted(files.items())},
             "info": dict(info)}
     seal(body)
     return body

@@ -1,11 +1,6 @@
-"""Background saves: the training loop waits only for a copy of the state, then one writer
-thread writes and commits each save exactly as a foreground one while the next steps run.
-
-``async_mode`` says who writes the files: ``"thread"`` (the writer thread serialises a copy in
-memory; a save waits for the one before) or ``"process"`` (the state is copied into shared memory
-as the files' safetensors images and a long-lived, lower-priority saver process hashes and writes
-or uploads them; a save due while the one before is still being written is skipped on every
-rank, counted and said once). A save's error is raised at the next save or by :meth:`wait`.
+"""Background saves: the loop waits only for a copy of the state, then one writer thread writes
+and commits each save as a foreground one, its files written by that thread or by a saver
+process from shared memory (``async_mode``; docs/remote_storage.md).
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ import torch
 
 from replicator import fault_points
 from replicator.checkpoint import serialization
-from replicator.checkpoint.exchange import Channel
-from replicator.checkpoint.manager import CheckpointManager, FrozenState, freeze_state
+from replicator.checkpoint.manager import Channel, CheckpointManager, FrozenState, freeze_state
 from replicator.checkpoint.saver_client import (
     MIN_WAIT_SECONDS,
     SaverFilesystem,
@@ -44,8 +38,8 @@ SAVERS = ("process", "thread")
 
 @dataclass
 class _Job:
-    """One due save for the writer thread: with the saver process every rank queues one per
-    due step, staged or not, so the ranks' writer threads agree on each in the same order."""
+    """One due save for the writer thread (with the saver process every rank queues one per due
+    step, staged or not, so the writer threads agree on each in the same order)."""
 
     step: int
     info: dict[str, Any]
@@ -62,11 +56,9 @@ class _Job:
 
 
 class BackgroundSaver:
-    """Runs :meth:`CheckpointManager.save` for one checkpoint at a time in the background.
-
-    Every rank calls :meth:`submit` at the same step; ``on_saved(step, path)`` runs on the
-    writer thread once a save is committed on every rank.
-    """
+    """Runs :meth:`CheckpointManager.save` for one checkpoint at a time in the background;
+    every rank calls :meth:`submit` at the same step, and ``on_saved(step, path)`` runs on the
+    writer thread once a save is committed."""
 
     def __init__(self, manager: CheckpointManager,
                  on_saved: Callable[[int, Any], None] | None = None,
@@ -103,8 +95,7 @@ class BackgroundSaver:
                 store.fs = SaverFilesystem(self.process, store, store.fs)
 
     def start(self) -> BackgroundSaver:
-        """Make the private group now (a collective: every rank calls it), so that the first
-        save does not wait for it, and start the writer thread."""
+        """Make the private group now (a collective: every rank calls it) and start the writer."""
         self._private_channel()
         self._start_writer()
         return self
@@ -114,25 +105,19 @@ class BackgroundSaver:
         a save's agreement never interleaves with training's collectives."""
         if self._channel is None:
             own = self.manager.channel
-            if own.world_size == 1:
-                self._channel = own
-            else:
-                # no fingerprint before each exchange: the writer thread's calls are the same
-                # on every rank by construction, and a rank that stops answering still times
-                # out naming the save (a fingerprint doubled a save's collectives)
-                self._channel = Channel(own.collectives.private_copy("checkpoint",
-                                                                    check=False))
+            # no fingerprint (it doubled a save's collectives): the same calls on every rank
+            self._channel = own if own.world_size == 1 else Channel(
+                own.collectives.private_copy("checkpoint", check=False))
         return self._channel
 
     def submit(self, step: int, replicated: Mapping[str, Any] | None, per_rank: Any,
                info: Mapping[str, Any] | None,
                before: Callable[[Channel], Any] | None = None,
                defer: Callable[[torch.Tensor], bool] | None = None) -> Any:
-        """Copy the state now and queue its save as ``step``; return where it will be (``None``:
-        skipped). No collective runs on this thread. ``before(channel)`` runs on the writer
-        thread first (a sharded save the backup names). ``defer`` (the process only): tensors
-        it accepts are copied on the writer thread; the caller keeps them unchanged until
-        :meth:`wait_copied` returns."""
+        """Copy the state now (no collective on this thread) and queue its save as ``step``;
+        return where it will be (``None``: skipped). ``before(channel)`` runs on the writer
+        thread first. ``defer`` (the process only): tensors it accepts are copied on the writer
+        thread; the caller keeps them unchanged until :meth:`wait_copied` returns."""
         if self.process is None:
             self.wait()  # the thread: one save at a time, the one before's error raised here
         error, self._error = self._error, None
@@ -147,11 +132,9 @@ class BackgroundSaver:
         if busy:
             running = self._writing or self._last_job
             job.behind = (running.step, start - running.submitted_at) if running else None
-        elif self.process is None:
-            job.staged = self._freeze(replicated, per_rank, channel.rank)
         else:
-            rep, rank, job.pieces = self._stage(replicated, per_rank, channel.rank, defer)
-            job.staged = (rep, rank)
+            rep, own, job.pieces = self._copy(replicated, per_rank, channel.rank, defer)
+            job.staged = (rep, own)
         if not job.pieces:
             job.copied.set()
         with self._done:
@@ -161,8 +144,7 @@ class BackgroundSaver:
         return self.manager.where(step) if job.staged is not None else None
 
     def wait_copied(self, timeout: float = MIN_WAIT_SECONDS) -> None:
-        """Return once the last save's state is all in the buffer (its deferred tensors
-        copied); whatever changes them (the next optimizer step) must call this first."""
+        """Return once the last save's deferred tensors are copied (before an optimizer step)."""
         job = self._last_job
         if job is None or job.copied.is_set():
             return
@@ -180,10 +162,8 @@ class BackgroundSaver:
             self._writer = threading.Thread(target=self._serve, daemon=True,
                                             name="replicator-checkpoint-writer")
             self._writer.start()
-            # at exit, even by failing: the saves queued, then the thread ends (the exit wait
-            # for helper threads would otherwise wait its full minute for an idle writer); a
-            # script that fails leaves the process group before atexit runs, so there too,
-            # bounded as that wait was (a save stuck on a lost peer must not hold the exit)
+            # at exit, even by failing (the process group is left before atexit runs), the
+            # queued saves, bounded: a save stuck on a lost peer must not hold the exit
             atexit.register(self._stop_writer)
             on_shutdown(lambda: self._stop_writer(EXIT_WAIT_SECONDS))
 
@@ -241,10 +221,8 @@ class BackgroundSaver:
             if self.on_saved is not None:
                 self.on_saved(job.step, path)
 
-
     def _skipped(self, job: _Job) -> None:
-        """Count a save skipped on every rank; say once how long a save takes and which
-        ``save_freq`` would fit."""
+        """Count a save skipped on every rank; say once which ``save_freq`` would fit."""
         self.skipped += 1
         if self.skipped != 1 or not self._private_channel().is_chief:
             return
@@ -262,35 +240,30 @@ class BackgroundSaver:
               f"cannot keep up. Later skips are counted, not said. HINT: save_freq={fit} "
               "or more would fit.", file=sys.stderr, flush=True)
 
-    def _freeze(self, replicated: Mapping[str, Any] | None, per_rank: Any,
-                rank: int) -> tuple[dict[str, Any] | None, Any]:
-        old = self._frozen
-        rep = ({name: freeze_state(state, name, old.get(name))
-                for name, state in replicated.items()} if replicated is not None else None)
-        own = freeze_state(per_rank, f"rank {rank}'s state",
-                           old.get("rank-")) if per_rank is not None else None
-        self._frozen = dict(rep or {})
-        if own is not None:
-            self._frozen["rank-"] = own
-        return rep, own
-
-    def _stage(self, replicated: Mapping[str, Any] | None, per_rank: Any, rank: int,
-               defer: Callable[[torch.Tensor], bool] | None
-               ) -> tuple[dict[str, Any] | None, Any, list[tuple[torch.Tensor, int]]]:
-        assert self._buffer is not None
-        images = {f"r:{name}": serialization.flatten(state, name)
-                  for name, state in (replicated or {}).items()}
+    def _copy(self, replicated: Mapping[str, Any] | None, per_rank: Any, rank: int,
+              defer: Callable[[torch.Tensor], bool] | None
+              ) -> tuple[dict[str, Any] | None, Any, list[tuple[torch.Tensor, int]]]:
+        """Copy the states now: frozen in memory (the thread, reusing the last save's copies) or
+        staged in the buffer (the process, but for the ``(tensor, offset)`` pieces deferred)."""
+        states = {f"r:{name}": (state, name) for name, state in (replicated or {}).items()}
         if per_rank is not None:
-            images["rank"] = serialization.flatten(per_rank, f"rank {rank}'s state")
-        staged, later = self._buffer.stage(images, defer)
-        rep = ({name: staged[f"r:{name}"] for name in replicated}
-               if replicated is not None else None)
-        return rep, staged.get("rank"), later
+            states["rank"] = (per_rank, f"rank {rank}'s state")
+        later: list[tuple[torch.Tensor, int]] = []
+        copies: dict[str, Any]
+        if self._buffer is None:
+            copies = {key: freeze_state(state, label, self._frozen.get(key))
+                      for key, (state, label) in states.items()}
+            self._frozen = copies
+        else:
+            images = {key: serialization.flatten(state, label)
+                      for key, (state, label) in states.items()}
+            copies, later = self._buffer.stage(images, defer)
+        rep = {name: copies[f"r:{name}"] for name in replicated} if replicated is not None else None
+        return rep, copies.get("rank"), later
 
     def wait(self) -> tuple[int, Any] | None:
-        """Wait for the saves in flight; return ``(step, path)`` of the last one committed
-        since the last wait (``None``: none) or raise a save's error. Bounded: the writer
-        thread's agreement waits at most the collective timeout for the other ranks."""
+        """Wait (bounded) for the saves in flight; return ``(step, path)`` of the last one
+        committed since the last wait (``None``: none) or raise a save's error."""
         limit = max(MIN_WAIT_SECONDS, 4 * self.manager.channel.collectives.timeout_seconds)
         deadline = time.monotonic() + limit
         with self._done:
@@ -310,8 +283,7 @@ class BackgroundSaver:
         return saved
 
     def close(self) -> None:
-        """Stop the writer thread and the saver process (after the saves in flight) and free
-        the shared memory."""
+        """Stop the writer and the saver process (after the saves in flight); free the memory."""
         self._stop_writer()
         if self.process is not None:
             self.process.close()
@@ -332,8 +304,7 @@ def check_saver(kind: str | None) -> str | None:
 
 def saver_kind(storage: Any, kind: str | None) -> str:
     """Who writes background saves to ``storage``: ``kind``, or by default the saver process
-    for a store (a URL) and the thread for a local directory or ``memory://`` (that store
-    lives in this process only)."""
+    for a URL and the thread for a local directory or ``memory://`` (in this process only)."""
     scheme = storage.scheme
     if kind is None:
         kind = "process" if scheme not in (None, "memory") else "thread"
@@ -348,9 +319,8 @@ def saver_kind(storage: Any, kind: str | None) -> str:
 
 def early_process(location: Any, kind: str | None,
                   storage_options: Mapping[str, Any] | None = None) -> SaverProcess | None:
-    """A saver process started now for backups to ``location`` that will use one (see
-    :func:`saver_kind`): its imports and its connection to the store overlap building the
-    model and the first steps. Hand it to :func:`make_saver`."""
+    """A saver process started now (its imports and connection overlap building the model)
+    for backups to ``location`` that will use one; hand it to :func:`make_saver`."""
     storage = open_storage(location, storage_options)
     return SaverProcess(store=storage) if saver_kind(storage, kind) == "process" else None
 
@@ -358,8 +328,7 @@ def early_process(location: Any, kind: str | None,
 def make_saver(manager: CheckpointManager, kind: str | None,
                on_saved: Callable[[int, Any], None] | None = None,
                process: SaverProcess | None = None) -> BackgroundSaver:
-    """The background saver for ``manager`` (see :func:`saver_kind`), its private group made;
-    ``process``: a saver process started earlier, with the backup."""
+    """The background saver for ``manager``, started; ``process``: one from early_process."""
     kind = saver_kind(manager.store, kind)
     if kind != "process" and process is not None:
         process.close()

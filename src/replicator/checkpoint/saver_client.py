@@ -1,7 +1,6 @@
 """The training process's side of the saver process (``saver_process.py``): the shared-memory
-:class:`StagingBuffer` a save is staged in (the files' safetensors images, 4 KiB aligned for
-direct I/O, made once and reused), :class:`SaverProcess` (its jobs and answers, restarted when
-it died) and :class:`SaverFilesystem` (a store's own calls, made there)."""
+:class:`StagingBuffer` (safetensors images, 4 KiB aligned for direct I/O, reused),
+:class:`SaverProcess` (jobs and answers, restarted when it died) and :class:`SaverFilesystem`."""
 
 from __future__ import annotations
 
@@ -59,35 +58,27 @@ def remove_stale_buffers(directory: str | None = None) -> None:
 
 
 class StagingBuffer:
-    """A shared-memory segment holding the images of one save's files; a larger one replaces
-    it when the state grows. The saver process maps it by its path."""
+    """A shared-memory segment (mapped by the saver process by its path) holding the images of
+    one save's files; a larger one replaces it when the state grows."""
 
     def __init__(self) -> None:
         remove_stale_buffers()
         self._segment: SharedSegment | None = None
 
-    @property
-    def path(self) -> str:
-        return os.path.join(shm_dir(), self._segment.name) if self._segment else ""
-
-    @property
-    def nbytes(self) -> int:
-        return self._segment.nbytes if self._segment is not None else 0
-
-    def _ensure(self, size: int) -> Any:
+    def _ensure(self, size: int) -> SharedSegment:
         if self._segment is None or size > self._segment.nbytes:
-            new_size = max(size, int(self.nbytes * 1.25), 1 << 20)
+            grown = int(self._segment.nbytes * 1.25) if self._segment is not None else 0
+            new_size = max(size, grown, 1 << 20)
             self.close()
             self._segment = SharedSegment.create_named(new_size, _TAG)
-        return self._segment.mm
+        return self._segment
 
     def stage(self, files: Mapping[str, tuple[dict[str, torch.Tensor], dict[str, str]]],
               defer: Callable[[torch.Tensor], bool] | None = None
               ) -> tuple[dict[str, StagedFile], list[tuple[torch.Tensor, int]]]:
-        """Lay out each ``name -> (tensors, metadata)`` in the buffer as a safetensors image and
-        copy the tensors in; those ``defer`` accepts are left out and returned as ``(tensor,
-        offset)`` pieces, for :meth:`copy` later (the caller guarantees they do not change
-        before then)."""
+        """Lay out each ``name -> (tensors, metadata)`` as a safetensors image and copy the
+        tensors in, but those ``defer`` accepts: returned as ``(tensor, offset)`` pieces for
+        :meth:`copy` later."""
         plans = []
         total = 0
         for name, (tensors, metadata) in files.items():
@@ -95,7 +86,8 @@ class StagingBuffer:
             plans.append((name, head, order, total))
             total += len(head) + sum(t.numel() * t.element_size() for _, t in order)
             total += -total % ALIGN
-        mm = self._ensure(max(total, 1))
+        segment = self._ensure(max(total, 1))
+        mm, path = segment.mm, os.path.join(shm_dir(), segment.name)
         staged: dict[str, StagedFile] = {}
         now: list[Any] = []
         later: list[Any] = []
@@ -107,13 +99,12 @@ class StagingBuffer:
                     piece = (t.detach(), pos)
                     (later if defer is not None and defer(piece[0]) else now).append(piece)
                 pos += t.numel() * t.element_size()
-            staged[name] = StagedFile(self.path, start, pos - start)
+            staged[name] = StagedFile(path, start, pos - start)
         self.copy(now)
         return staged, later
 
     def copy(self, pieces: list[tuple[torch.Tensor, int]]) -> None:
-        """Copy ``(tensor, offset)`` pieces into the buffer: one copy for each run of CPU
-        tensors of one dtype that lie back to back (a safetensors image orders them so)."""
+        """Copy ``(tensor, offset)`` pieces in, one copy per back-to-back run of a CPU dtype."""
         assert self._segment is not None or not pieces
         i = 0
         while i < len(pieces):
@@ -142,7 +133,6 @@ class StagingBuffer:
             pass
 
 
-
 class SaverProcess:
     """The client of one saver process: sends it jobs, reads its answers, restarts it."""
 
@@ -155,7 +145,6 @@ class SaverProcess:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
         self._jobs = 0
-        self.restarts = 0
         #: Fault injection for tests: in the next job, the process SIGKILLs itself in the
         #: middle of this file (0-based; the files before it are complete), then it is cleared.
         self.die_during_file: int | None = None
@@ -175,8 +164,8 @@ class SaverProcess:
 
     def write(self, store: Any, staging: str, items: list[tuple[str, Any, str]]
               ) -> dict[str, FileEntry]:
-        """Write staged ``items`` into ``staging`` of ``store`` (a storage); blocks until the
-        saver process answers. Raises ``OSError`` when it fails or dies."""
+        """Write staged ``items`` into ``staging`` of ``store`` and wait for the answer;
+        ``OSError`` when the saver process fails or dies."""
         files = []
         for fname, staged, label in items:
             if not isinstance(staged, StagedFile):
@@ -196,9 +185,8 @@ class SaverProcess:
 
     def call(self, scheme: str, options: Mapping[str, Any], name: str, *args: Any,
              **kwargs: Any) -> Any:
-        """Make the file-system call ``name(*args, **kwargs)`` in the saver process (bytes
-        arguments and results travel base64-encoded); its errors come back as ``OSError``,
-        and ``FileNotFoundError`` as itself."""
+        """Make the file-system call ``name(*args, **kwargs)`` in the saver process (bytes as
+        base64); its errors come back as ``OSError`` (``FileNotFoundError`` as itself)."""
         job = {"scheme": scheme, "options": dict(options), "call": name,
                "args": [{"b64": base64.b64encode(bytes(a)).decode()}
                         if isinstance(a, (bytes, bytearray, memoryview)) else a for a in args],
@@ -230,7 +218,6 @@ class SaverProcess:
                 print(f"[replicator] starting a new saver process (the previous one exited "
                       f"with code {code})", file=sys.stderr, flush=True)
                 self.start()
-                self.restarts += 1
                 proc = self._proc
             assert proc is not None and proc.stdin is not None and proc.stdout is not None
             self._jobs += 1
@@ -260,11 +247,9 @@ class SaverProcess:
         try:
             code = proc.wait(10)  # its output ended: it is exiting
         except subprocess.TimeoutExpired:
-            code = None
-        if code is None:
             proc.kill()
             raise OSError(f"the saver process (pid {proc.pid}) did not finish {what} in "
-                          f"{self.timeout:.0f} s; it was stopped")
+                          f"{self.timeout:.0f} s; it was stopped") from None
         lost = "; nothing of this save is committed" if what.startswith("writing") else ""
         raise OSError(f"the saver process (pid {proc.pid}) died (exit code {code}) while "
                       f"{what}{lost}")
@@ -285,9 +270,8 @@ class SaverProcess:
 
 
 class SaverFilesystem:
-    """The few fsspec calls :class:`RemoteStore` makes, made by the saver process so that their
-    CPU (milliseconds per S3 request, holding the GIL) is not the training process's; while it
-    is busy with an upload (a heartbeat must not wait minutes) or closed, by ``fallback``."""
+    """The few fsspec calls :class:`RemoteStore` makes, made by the saver process (their CPU,
+    holding the GIL, is not training's); while it is busy or closed, by ``fallback``."""
 
     def __init__(self, process: SaverProcess, store: RemoteStore, fallback: Any) -> None:
         self._process, self._store, self._fallback = process, store, fallback

@@ -1,18 +1,15 @@
 """The saver process: hashes and writes (or uploads) checkpoint files staged in shared memory.
 
-Run as a plain script (standard library and fsspec only: it starts fast and small) at a lower
-priority, so that on a busy host training gets the CPU first. It reads one JSON job per line
-and answers one per line: write these staged files (``{"buffer", "files": [{"name", "offset",
-"length", "dest"}]}`` -> ``{"files": {name: {"bytes", "sha256"}}}``), or make one call in
-``CALLS`` on the store's file system for the parent's ``RemoteStore`` (bytes as ``{"b64"}``).
-Local files use direct I/O where the file system takes it (no page-cache copy: 1.2-1.7 ms of
-CPU per 12 MB file instead of 4-18 ms); ``die_during_file`` is fault injection for tests.
+A plain script (standard library and fsspec only: it starts fast) at a lower priority, so that
+training gets the CPU first; one JSON job per line and one answer per line (files written, or a
+call in ``CALLS``). Local files use direct I/O where the file system takes it.
 """
 
 from __future__ import annotations
 
 import base64
 import errno
+import functools
 import hashlib
 import json
 import mmap
@@ -26,25 +23,22 @@ CHUNK = 8 << 20
 WHOLE_OBJECT_BYTES = 512 << 20
 
 
-class _Filesystems:
-    def __init__(self) -> None:
-        self._open: dict[str, Any] = {}
+def filesystem(scheme: str, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The store's file system (one per scheme and options) and its calls' time limit."""
+    return _filesystem(json.dumps([scheme, options], sort_keys=True))
 
-    def get(self, scheme: str, options: dict[str, Any]) -> Any:
-        key = json.dumps([scheme, options], sort_keys=True)
-        if key not in self._open:
-            import fsspec  # type: ignore[import-untyped]
 
-            cls = fsspec.get_filesystem_class(scheme)
-            options = dict(options)
-            retries = options.pop("retries", None)
-            timeout = float(options.pop("operation_timeout", 300.0))
-            fs = cls(**options)
-            if retries is not None:
-                fs.retries = int(retries)
-            self._open[key] = (fs, {"timeout": timeout} if getattr(fs, "async_impl", False)
-                               else {})
-        return self._open[key]
+@functools.cache
+def _filesystem(key: str) -> tuple[Any, dict[str, Any]]:
+    import fsspec  # type: ignore[import-untyped]
+
+    scheme, options = json.loads(key)
+    retries = options.pop("retries", None)
+    timeout = float(options.pop("operation_timeout", 300.0))
+    fs = fsspec.get_filesystem_class(scheme)(**options)
+    if retries is not None:
+        fs.retries = int(retries)
+    return fs, {"timeout": timeout} if getattr(fs, "async_impl", False) else {}
 
 
 #: Direct I/O needs the memory address, the file offset and the length of each write aligned
@@ -142,8 +136,8 @@ def _maybe_die(die: bool) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_job(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
-    fs = filesystems.get(job["scheme"], job.get("options") or {}) if job.get("scheme") else None
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    fs = filesystem(job["scheme"], job.get("options") or {}) if job.get("scheme") else None
     out: dict[str, Any] = {}
     with open(job["buffer"], "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         view = memoryview(mm)
@@ -166,18 +160,14 @@ def run_job(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
 CALLS = ("pipe_file", "cat_file", "exists", "ls", "rm")
 
 
-def _decode(value: Any) -> Any:
-    return base64.b64decode(value["b64"]) if isinstance(value, dict) and "b64" in value \
-        else value
-
-
-def run_call(job: dict[str, Any], filesystems: _Filesystems) -> Any:
+def run_call(job: dict[str, Any]) -> Any:
     """One call on the store's file system; bytes and listings made JSON-able."""
     name = job["call"]
     if name not in CALLS:
         raise ValueError(f"the saver process does not make the call {name!r}")
-    fs, limit = filesystems.get(job["scheme"], job.get("options") or {})
-    args = [_decode(a) for a in job.get("args", [])]
+    fs, limit = filesystem(job["scheme"], job.get("options") or {})
+    args = [base64.b64decode(a["b64"]) if isinstance(a, dict) and "b64" in a else a
+            for a in job.get("args", [])]
     kwargs = {**job.get("kwargs", {}), **limit}
     if name in ("exists", "ls", "rm"):
         fs.invalidate_cache(args[0])  # other processes write here: never a cached listing
@@ -190,13 +180,12 @@ def run_call(job: dict[str, Any], filesystems: _Filesystems) -> Any:
     return bool(result) if name == "exists" else None
 
 
-def answer(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
+def answer(job: dict[str, Any]) -> dict[str, Any]:
     """The reply to one job: written files, or a call's result; errors as text."""
     try:
         if "call" in job:
-            return {"id": job["id"], "result": run_call(job, filesystems), "error": "",
-                    "error_type": ""}
-        return {"id": job["id"], "files": run_job(job, filesystems), "error": ""}
+            return {"id": job["id"], "result": run_call(job), "error": "", "error_type": ""}
+        return {"id": job["id"], "files": run_job(job), "error": ""}
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
         return {"id": job["id"], "files": {}, "result": None,
                 "error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
@@ -206,13 +195,13 @@ def answer(job: dict[str, Any], filesystems: _Filesystems) -> dict[str, Any]:
 NICENESS = 10
 
 
-def warm(filesystems: _Filesystems) -> None:
+def warm() -> None:
     """Import the store's client and connect to it as the process starts (at the parent's
     priority), so that the first save does not wait for it."""
     try:
         store = json.loads(os.environ.get("REPLICATOR_SAVER_WARM", "") or "{}")
         if store.get("scheme"):
-            fs, limit = filesystems.get(store["scheme"], store.get("options") or {})
+            fs, limit = filesystem(store["scheme"], store.get("options") or {})
             if store.get("root"):
                 fs.exists(store["root"], **limit)  # opens the session and a connection
     except Exception:  # noqa: BLE001 - the first job makes the same call and reports it
@@ -220,8 +209,7 @@ def warm(filesystems: _Filesystems) -> None:
 
 
 def main() -> None:
-    filesystems = _Filesystems()
-    warm(filesystems)
+    warm()
     try:
         os.nice(NICENESS)
     except OSError:
@@ -229,7 +217,7 @@ def main() -> None:
     for line in sys.stdin:
         if not line.strip():
             continue
-        reply = answer(json.loads(line), filesystems)
+        reply = answer(json.loads(line))
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 

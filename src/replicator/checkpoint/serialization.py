@@ -1,7 +1,5 @@
-"""A checkpoint file without pickle: a state tree as safetensors (tensors) plus JSON (the rest).
-
-The tree's tensors go into a safetensors file written by streaming and read as views of the
-verified bytes; its structure rides as JSON in the header's metadata, so loading never runs code
+"""A checkpoint file without pickle: a state tree's tensors as safetensors (streamed out, read
+as views of the verified bytes), its structure as JSON in the header, so loading never runs code
 from the file. Placeholders (a pipeline rank's stand-ins for tensors it does not hold) are refused.
 """
 
@@ -104,19 +102,13 @@ def header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
     return len(raw).to_bytes(8, "little") + raw, order
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return flat.view(torch.uint8).numpy().data.cast("B")
-
-
 def _pieces(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
             ) -> Iterator[bytes | memoryview]:
     head, order = header(tensors, metadata)
     yield head
     for _, t in order:
-        view = _as_bytes(t)
+        flat = t.detach().reshape(-1)
+        view = flat.view(torch.uint8).numpy().data.cast("B") if flat.numel() else memoryview(b"")
         for start in range(0, len(view), _CHUNK):
             yield view[start:start + _CHUNK]
 
@@ -159,9 +151,8 @@ def read(data: Buffer, label: str) -> tuple[dict[str, torch.Tensor], dict[str, s
     base, end_of_data = 8 + n, len(data) - 8 - n
     buffer = data if isinstance(data, (bytearray, np.ndarray)) else bytearray(data)
     spans: list[tuple[int, int]] = []
-    tensors: dict[str, torch.Tensor] = {}
-    for name, entry in head.items():
-        tensors[name] = _tensor(buffer, base, end_of_data, name, entry, label, spans)
+    tensors = {name: _tensor(buffer, base, end_of_data, name, entry, label, spans)
+               for name, entry in head.items()}
     spans.sort()
     for (_, e0), (b1, _) in zip(spans, spans[1:]):
         if b1 < e0:
@@ -184,9 +175,7 @@ def _tensor(buffer: bytearray | np.ndarray, base: int, end_of_data: int, name: s
             and all(isinstance(o, int) for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= end_of_data):
         raise CheckpointCorruptError(f"{where} has data offsets {offsets!r} outside the file")
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     begin, end = offsets
     if end - begin != numel * itemsize:
@@ -216,14 +205,6 @@ class _Encoder:
         self.label = label
         self.tensors: dict[str, torch.Tensor] = {}
 
-    def key_for(self, path: str) -> str:
-        key = path or "value"
-        n = 1
-        while key in self.tensors:
-            n += 1
-            key = f"{path}#{n}"
-        return key
-
     def add_tensor(self, tensor: torch.Tensor, path: str) -> str:
         refuse_placeholders(tensor, f"{self.label}{_where(path)}")
         t = tensor.detach()
@@ -236,19 +217,18 @@ class _Encoder:
         if t.layout != torch.strided:
             raise TypeError(f"{self.label}{_where(path)} is a {t.layout} tensor; only dense "
                             "tensors can be stored. HINT: call .to_dense() in state_dict().")
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        key = self.key_for(path)
-        self.tensors[key] = t
+        key, n = path or "value", 1
+        while key in self.tensors:
+            n += 1
+            key = f"{path}#{n}"
+        self.tensors[key] = t.to("cpu")
         return key
 
     def encode(self, obj: Any, path: str) -> Any:
         if obj is None or isinstance(obj, (bool, str)):
             return obj
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            return float(obj)
+        if isinstance(obj, (int, float)):  # an int or float subclass as the plain number
+            return int(obj) if isinstance(obj, int) else float(obj)
         if isinstance(obj, torch.Tensor):
             return {_TAG: "tensor", "key": self.add_tensor(obj, path)}
         if isinstance(obj, torch.dtype):

@@ -1,8 +1,6 @@
-"""Where checkpoints live: one small storage protocol, a local directory and an fsspec store.
-
-:func:`open_storage` is the one place that reads a location as a path (:class:`LocalStorage`:
-atomic renames, fsync) or a URL (:class:`FsspecStorage`: a commit object written last, under a
-lease); the save protocol over both (``manager.py``) is written once.
+"""Where checkpoints live: one small storage protocol over a local directory (atomic renames,
+fsync) or an fsspec store (``store.py``); :func:`open_storage` reads a location as one or the
+other, and the save protocol over both (``manager.py``) is written once.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from replicator.checkpoint.manifest import (
 )
 from replicator.checkpoint.store import (
     FsspecStorage,
-    check_location,
     is_remote,
     local_path,
 )
@@ -44,9 +41,8 @@ def step_dir_name(step: int) -> str:
 
 
 class CheckpointStorage(Protocol):
-    """What the checkpoint manager needs from a location. A save is staged under a name of its
-    own (``staging``), its objects written, then committed in one atomic step; ``ref`` names a
-    committed save (a step directory, a commit object)."""
+    """What the checkpoint manager needs from a location: a save is staged under its own name
+    (``staging``), written, then committed in one atomic step; ``ref`` names a committed save."""
 
     location: Any
     #: True for a store whose refused saves are logged and retried at the next save.
@@ -76,11 +72,9 @@ class CheckpointStorage(Protocol):
 
 
 class LocalStorage:
-    """Step directories in one local (or shared) file system, committed by rename + marker.
-
-    ``step-00000030/`` holds a committed save (its ``COMMIT.json`` written last);
-    ``.tmp-step-00000040-<id>/`` a save in progress, never read, removed on the next start.
-    """
+    """Step directories in one local (or shared) file system, committed by rename + marker:
+    ``step-00000030/`` (its ``COMMIT.json`` written last); ``.tmp-step-00000040-<id>/`` a save
+    in progress, never read, removed on the next start."""
 
     retries_later = False
     scheme: str | None = None
@@ -93,13 +87,9 @@ class LocalStorage:
         return str(self.directory)
 
     def open(self) -> None:
-        """Nothing to hold: one job per directory is the user's choice."""
+        """Nothing to hold (no lease): one job per directory is the user's choice."""
 
-    def check(self) -> None:
-        """Nothing to check (no lease)."""
-
-    def release(self) -> None:
-        """Nothing to release."""
+    check = release = open
 
     def staging(self, step: int, save_id: str) -> str:
         return str(self.directory / f".tmp-{step_dir_name(step)}-{save_id}")
@@ -126,8 +116,7 @@ class LocalStorage:
 
     def commit(self, step: int, staging: str, manifest: dict[str, Any],
                before: Callable[[Any], None] | None = None) -> str:
-        """Rename the staging directory into place, then write the marker (the commit);
-        ``before(path)`` runs between the two."""
+        """Rename the staging directory into place, ``before(path)``, then write the marker."""
         tmp, final = Path(staging), self.directory / step_dir_name(step)
         moved = False
         try:
@@ -183,8 +172,8 @@ class LocalStorage:
         return self.directory / ref
 
     def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None:
-        """Keep the newest ``keep`` committed saves up to ``step``; drop older ones, partial
-        ones, and any newer than ``step`` (a run resumed from ``step`` writes them again)."""
+        """Keep the newest ``keep`` committed saves up to ``step``; drop older, partial and newer
+        ones (a run resumed from ``step`` writes them again)."""
         try:
             dirs = self.step_dirs()
             committed = [p for s, p in dirs if s <= step and (p / MARKER_NAME).exists()]
@@ -223,8 +212,7 @@ class LocalStorage:
 
 def open_storage(target: Any, storage_options: Mapping[str, Any] | None = None,
                  what: str = "the checkpoint location", **lease: Any) -> Any:
-    """The storage at ``target``: the one place a location is read as a path or a URL. A
-    storage passed in is returned as it is; a URL fsspec cannot open raises
+    """The storage at ``target`` (a storage passed in as it is); a URL fsspec cannot open raises
     :class:`~replicator.errors.StorageURLError` here."""
     if isinstance(target, LocalStorage) or (isinstance(target, FsspecStorage) and not lease):
         return target
@@ -235,18 +223,3 @@ def open_storage(target: Any, storage_options: Mapping[str, Any] | None = None,
     if is_remote(target):
         return FsspecStorage(os.fspath(target), storage_options, what, **lease)
     return LocalStorage(target)
-
-
-def join_location(base: Path | str, name: str) -> Path | str:
-    """``base / name`` for a local path (see :func:`backup_location`), ``base/name`` for a URL."""
-    return base / name if isinstance(base, Path) else f"{base}/{name}"
-
-
-def backup_location(target: str | os.PathLike[str]) -> Any:
-    """``target`` checked and normalised: a local :class:`Path`, or the URL as a string
-    (:class:`StorageURLError` now, at construction, for a URL that cannot be opened)."""
-    if not isinstance(target, (str, os.PathLike)):
-        raise TypeError(f"a backup location is a path or a URL string, got "
-                        f"{type(target).__name__}")
-    check_location(target, "the backup location")
-    return os.fspath(target).rstrip("/") if is_remote(target) else local_path(target)

@@ -1,11 +1,6 @@
-"""URLs and the fsspec store: :class:`FsspecStorage` is the store's calls and the checkpoint
-storage protocol (``storage.py``) over them, commit objects written last, under a lease
-(``lease.py``).
-
-A URL fsspec knows (``s3://`` needs ``s3fs``, from ``replicator[remote]``) is opened through
-fsspec; ``file://`` and plain paths are local directories; anything else that looks like a URL is
-an error, never a local directory named ``s3:``. S3 credentials and endpoint come from ``AWS_*``
-and ``FSSPEC_S3_ENDPOINT_URL``, or ``storage_options``.
+"""URLs and :class:`FsspecStorage`: the store's calls and the checkpoint storage protocol over
+them (commit objects written last, under a lease). A URL fsspec does not know is an error, never
+a local directory named ``s3:``.
 """
 
 from __future__ import annotations
@@ -144,10 +139,7 @@ def merged_options(scheme: str, options: Mapping[str, Any] | None) -> dict[str, 
     if "endpoint_url" in dict(given.get("client_kwargs") or {}):
         conf.pop("endpoint_url", None)  # the caller's endpoint wins over the environment's
     for k, v in {**conf, **given}.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            base[k] = {**base[k], **v}
-        else:
-            base[k] = v
+        base[k] = {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v
     return base
 
 
@@ -176,10 +168,7 @@ def upload_tree(local: str | os.PathLike[str], url: str,
             store.put(path.relative_to(base).as_posix(), path.read_bytes())
 
 
-# -- commit objects: how a save in a store without atomic rename becomes visible -------------------
-#: A save uploads its files under ``data/<save id>/`` and is committed by the object
-#: ``commits/<save id>.json`` written last (the manifest with the prefix); ``<save id>`` is
-#: ``step-00000030.<token>``.
+# -- commit objects: a save in a store (no atomic rename) becomes visible by the one written last
 COMMITS = "commits"
 DATA = "data"
 _COMMIT = re.compile(r"^step-(\d{8,})\.([A-Za-z0-9-]{1,80})\.json$")
@@ -198,12 +187,9 @@ def hash_bytes(data: bytes) -> str:
 class FsspecStorage:
     """Saves in an fsspec store, committed by a commit object written last, under a lease.
 
-    ``data/step-00000030.<id>/`` holds one save's objects, ``commits/step-00000030.<id>.json``
-    commits it (the manifest with the prefix); ``LEASE.json`` names the job writing here.
-    A store has no atomic rename: an upload without a commit is never read, and it is deleted
-    once a save of the same or a later step commits. Names are relative to the root URL, and
-    listings bypass fsspec's cache (other processes write here). Opening one acquires nothing:
-    :meth:`open` takes the lease.
+    ``data/step-00000030.<id>/`` holds one save's objects and ``commits/step-00000030.<id>.json``
+    commits it; an upload without a commit is never read, and is deleted once a save of the same
+    or a later step commits. Listings bypass fsspec's cache; :meth:`open` takes the lease.
     """
 
     retries_later = True
@@ -281,21 +267,16 @@ class FsspecStorage:
     def objects(self, prefix: str) -> list[tuple[str, int]]:
         """``(name, size)`` of the objects directly under ``prefix`` (a folder name)."""
         base, entries = self._listing(prefix)
-        out = []
-        for e in entries:
-            full = str(e["name"]).rstrip("/")
-            if e.get("type") == "directory" or not full.startswith(base):
-                continue
-            out.append((full[len(base):], int(e.get("size") or 0)))
-        return sorted(out)
+        named = [(str(e["name"]).rstrip("/"), e) for e in entries]
+        return sorted((full[len(base):], int(e.get("size") or 0)) for full, e in named
+                      if e.get("type") != "directory" and full.startswith(base))
 
     @_io("listing")
     def folders(self, prefix: str) -> list[str]:
         """Names of the folders directly under ``prefix``."""
         base, entries = self._listing(prefix)
         return sorted(str(e["name"]).rstrip("/")[len(base):] for e in entries
-                      if e.get("type") == "directory"
-                      and str(e["name"]).startswith(base))
+                      if e.get("type") == "directory" and str(e["name"]).startswith(base))
 
     @_io("deleting")
     def remove(self, name: str, recursive: bool = False) -> None:
@@ -330,8 +311,10 @@ class FsspecStorage:
 
     def write(self, staging: str, fname: str, tensors: Mapping[str, torch.Tensor],
               metadata: Mapping[str, str]) -> FileEntry:
-        data = serialization.to_bytes(tensors, metadata)
-        self.put(f"{staging}/{fname}", data)
+        return self._upload(f"{staging}/{fname}", serialization.to_bytes(tensors, metadata))
+
+    def _upload(self, name: str, data: bytes) -> FileEntry:
+        self.put(name, data)
         return FileEntry(bytes=len(data), sha256=hash_bytes(data))
 
     def dest(self, staging: str, fname: str) -> str:
@@ -344,20 +327,14 @@ class FsspecStorage:
     def publish(self, staging: str, folder: Path, rank: int) -> dict[str, FileEntry]:
         """Upload this rank's scratch folder, hashing as it goes, then delete it."""
         try:
-            entries = {}
-            for path in sorted(folder.iterdir()):
-                if path.is_file():
-                    data = path.read_bytes()
-                    self.put(f"{staging}/{path.name}", data)
-                    entries[path.name] = FileEntry(bytes=len(data), sha256=hash_bytes(data))
-            return entries
+            return {p.name: self._upload(f"{staging}/{p.name}", p.read_bytes())
+                    for p in sorted(folder.iterdir()) if p.is_file()}
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
     def commit(self, step: int, staging: str, manifest: dict[str, Any],
                before: Callable[[Any], None] | None = None) -> str:
-        """Check that every object is in the store with its size, then write the commit
-        (``before(url)`` runs just before it)."""
+        """Check every object's size in the store, ``before(url)``, then write the commit."""
         name = f"{staging.split('/', 1)[1]}.json"
         try:
             listed = dict(self.objects(staging))
@@ -386,19 +363,14 @@ class FsspecStorage:
 
     def saves(self) -> list[tuple[int, str]]:
         """``(step, commit object name)`` of every commit object, oldest first."""
-        found = []
-        for name, _ in self.objects(COMMITS):
-            parsed = parse_commit_name(name)
-            if parsed is not None:
-                found.append((parsed[0], name))
-        return sorted(found)
+        return sorted((parsed[0], name) for name, _ in self.objects(COMMITS)
+                      if (parsed := parse_commit_name(name)) is not None)
 
     def committed(self) -> list[int]:
         return sorted({s for s, _ in self.saves()})
 
     def manifest(self, ref: str) -> dict[str, Any]:
-        """The checked manifest of the commit object ``ref``; :class:`CheckpointCorruptError`
-        when it is gone, damaged or names no data prefix."""
+        """The checked manifest of the commit object ``ref`` (:class:`CheckpointCorruptError`)."""
         where = f"commit {self.url}/{COMMITS}/{ref}"
         raw = self.get_or(f"{COMMITS}/{ref}", f"{where} disappeared while reading it")
         manifest = parse_marker(raw, where)
@@ -434,13 +406,11 @@ class FsspecStorage:
         return f"{self.url}/{COMMITS}/{ref}"
 
     def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None:
-        """Keep the newest ``keep`` commits up to ``step``; delete older commits, then their
-        data; delete uploads without a commit up to ``step`` (never a later step's: other
-        ranks may be uploading the next save while the chief prunes)."""
+        """Keep the newest ``keep`` commits up to ``step``; delete older ones, their data and
+        uploads without a commit up to ``step`` (later ones may be the next save's, uploading)."""
         try:
             commits = self.saves()
-            upto = [n for s, n in commits if s <= step]
-            kept = set(upto[-keep:]) | {newest}
+            kept = set([n for s, n in commits if s <= step][-keep:]) | {newest}
             for _, n in commits:
                 if n not in kept:
                     self.remove(f"{COMMITS}/{n}")
@@ -454,16 +424,14 @@ class FsspecStorage:
         removed = []
         for folder in self.folders(DATA):
             parsed = parse_commit_name(f"{folder}.json")
-            if folder not in kept_ids and parsed is not None and (upto is None
-                                                                  or parsed[0] <= upto):
+            if folder not in kept_ids and parsed and (upto is None or parsed[0] <= upto):
                 self.remove(f"{DATA}/{folder}", recursive=True)
                 removed.append(folder)
         return removed
 
     def cleanup(self, after: int | None = None) -> list[str]:
-        """With ``after``: delete every save newer than it and every upload without a commit
-        (the chief, while no save runs). Without: nothing (an upload without a commit is never
-        read, and the next commit's pruning deletes it)."""
+        """With ``after`` (the chief, while no save runs): delete every save newer than it and
+        every upload without a commit. Without: nothing (the next commit's pruning does it)."""
         if after is None:
             return []
         try:

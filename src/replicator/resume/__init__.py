@@ -1,11 +1,6 @@
-"""The resume room: what drives a training loop through failures, above the strategies.
-
-``BackupAndRestore`` backs up and resumes a run at the exact step; ``PreemptionWatcher`` turns
-a SIGTERM on any rank into one agreed step at which every rank saves and stops (``Preempted``,
-exit code :data:`PREEMPTION_EXIT_CODE`); ``NonFiniteGuard`` stops before an optimizer step
-on NaN or infinite gradients; ``save_sharded`` / ``load_sharded`` save a split model under
-its strategy. They take the strategy explicitly (or the active one) and use only its public
-API; storage is :mod:`replicator.checkpoint`'s, which never asks about a strategy.
+"""The resume room: what drives a training loop through failures (backups and exact resume,
+preemption, non-finite gradients, sharded saves), above the strategies: it asks a strategy only
+through its public API, and storage (:mod:`replicator.checkpoint`) never asks about one.
 """
 
 from replicator.resume.backup_and_restore import BackupAndRestore

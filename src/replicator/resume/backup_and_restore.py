@@ -1,29 +1,17 @@
-"""BackupAndRestore: resume an interrupted training run at the exact step, bit for bit.
-
-Keras's ``BackupAndRestore`` redoes the unfinished epoch; this one resumes at the step after the
-last backup, with the same next samples and the same random numbers. A backup holds the
-tracked objects, the step and epoch, and per rank the RNG states and the input position.
-Drive it with :meth:`BackupAndRestore.steps` in a custom loop, or as a Trainer callback (the
-Keras hooks, with each epoch's batches from :meth:`BackupAndRestore.epoch_batches`).
-
-Saves due by ``save_freq`` are copied to memory and written and committed in the background
-(``checkpoint/saver.py``); a failed one raises at the next save or at the end. Under a strategy
-that splits the model every rank saves its part through ``torch.distributed.checkpoint`` (in
-``backup_dir/sharded``) before the backup's own commit names it. The strategy (given, or the
-active one) is asked only through its public API; :mod:`replicator.checkpoint` below gets the
-collectives of the ranks that checkpoint together, never the strategy. SIGTERM becomes a clean
-stop (every rank saves the same step and exits with code 75), and by default an optimizer step
-on NaN or infinite gradients is refused.
+"""BackupAndRestore: resume an interrupted training run at the exact step, bit for bit (unlike
+Keras's, which redoes the unfinished epoch). The strategy is asked only through its public API;
+storage gets collectives, never a strategy.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -34,13 +22,11 @@ from replicator.checkpoint.distributed_checkpoint import (
     stage_sharded,
     write_staged,
 )
-from replicator.checkpoint.exchange import Channel
 from replicator.checkpoint.manager import CheckpointManager, Restored, check_state_name
 from replicator.checkpoint.saver import BackgroundSaver, check_saver, early_process, make_saver
-from replicator.checkpoint.storage import backup_location, join_location, open_storage
+from replicator.checkpoint.storage import open_storage
 from replicator.cluster.worker_errors import record_backup
 from replicator.data.sharding import set_epoch_on
-from replicator.resume.live_state import is_live, live_steps
 from replicator.resume.preemption import Preempted, PreemptionWatcher
 from replicator.resume.rank_state import (
     capture_rng,
@@ -53,6 +39,9 @@ from replicator.resume.sharded import checkpoint_collectives, prepare_optimizers
 from replicator.resume.step_hooks import CopyGuard, NonFiniteGuard
 from replicator.strategies.base import Strategy
 from replicator.strategies.replica_context import current_strategy
+
+if TYPE_CHECKING:
+    from replicator.strategies.live.dataset import LiveDataset
 
 #: Where the sharded model and optimizer state of each backup go, under ``backup_dir``.
 SHARDED_DIR = "sharded"
@@ -105,11 +94,12 @@ class BackupAndRestore:
                  saver: str | None = None, mirror: str | os.PathLike[str] | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
         self.save_freq = check_frequency(save_freq, "save_freq")
-        self.backup_dir = backup_location(backup_dir)
+        storage = open_storage(backup_dir, storage_options, "the backup location")
+        #: The location: a local :class:`Path`, or the URL of a store.
+        self.backup_dir = storage.location
         self._saver_kind = check_saver(saver)
         #: The saver process, started now: the first backup does not wait for its start.
-        self._process = early_process(self.backup_dir, saver, storage_options) \
-            if background else None
+        self._process = early_process(storage, saver) if background else None
         self._mirror, self._storage_options = mirror, storage_options
         self.delete_checkpoint = bool(delete_checkpoint)
         self.terminate_on_nan = terminate_on_nan
@@ -171,14 +161,13 @@ class BackupAndRestore:
         return self
 
     def set_strategy(self, strategy: Strategy) -> None:
-        """Use ``strategy`` when none was given (a Trainer passes its own); call it before
-        training starts."""
+        """Use ``strategy`` when none was given (a Trainer passes its own)."""
         if self._strategy is None:
             self._strategy = strategy
 
     @property
     def manager(self) -> CheckpointManager:
-        """The storage beneath: step directories over the ranks that checkpoint together."""
+        """The storage beneath, over the ranks that checkpoint together."""
         if self._manager is None:
             self._manager = CheckpointManager(
                 self.backup_dir, keep=self._keep,
@@ -187,9 +176,8 @@ class BackupAndRestore:
         return self._manager
 
     def _sharded_location(self) -> Any:
-        """Where the sharded state of backups under a model-splitting strategy goes (a URL
-        opened with the backup's ``storage_options``)."""
-        return open_storage(join_location(self.backup_dir, SHARDED_DIR), self._storage_options,
+        """Where the sharded state of backups goes (with the backup's ``storage_options``)."""
+        return open_storage(f"{self.backup_dir}/{SHARDED_DIR}", self._storage_options,
                             "the sharded backup location")
 
     def _strategy_now(self) -> Strategy | None:
@@ -203,12 +191,9 @@ class BackupAndRestore:
     # -- the custom-loop shape -----------------------------------------------------------------
     def steps(self, dataset: Iterable[Any] | None = None, *, epochs: int | None = None,
               num_steps: int | None = None) -> Iterator[tuple[int, Any]]:
-        """Yield ``(step, batch)`` from the resume point on, saving as configured.
-
-        ``step`` counts optimizer steps from 1. Stops after ``epochs`` epochs and/or
-        ``num_steps`` steps in total (at least one is needed). The body of the loop is one
-        training step; leaving the loop with ``break`` ends training without a final save.
-        """
+        """Yield ``(step, batch)`` (``step`` from 1) from the resume point on, saving as
+        configured, until ``epochs`` epochs and/or ``num_steps`` steps; ``break`` ends training
+        without a final save."""
         if dataset is not None:
             self._dataset = dataset
         if self._dataset is None:
@@ -216,7 +201,7 @@ class BackupAndRestore:
         if epochs is None and num_steps is None:
             raise ValueError("steps() needs epochs= or num_steps= to know when to stop")
         if is_live(self._dataset):  # replica groups: counted from the committed step
-            yield from live_steps(self, self._dataset, epochs=epochs, num_steps=num_steps)
+            yield from self._live_steps(self._dataset, epochs=epochs, num_steps=num_steps)
             return
         self.on_train_begin()
         try:
@@ -237,12 +222,50 @@ class BackupAndRestore:
             self.close(raise_errors=False)
             raise
 
+    def _live_steps(self, dataset: LiveDataset, *, epochs: int | None,
+                    num_steps: int | None) -> Iterator[tuple[int, Any]]:
+        """:meth:`steps` in a live-recovery job (replica groups): the position comes from the
+        committed step (a healed group receives it from its peer), each batch from the live
+        dataset; one group writes the backups (all hold the same state); in rounds (DiLoCo,
+        LocalSGD) the run resumes at the round's start. SIGTERM makes a group leave the job, so
+        the backup's own preemption handling is off."""
+        engine = dataset.engine
+        spe = dataset.split.steps_per_epoch
+        end = min(n for n in (epochs * spe if epochs is not None else None, num_steps)
+                  if n is not None)
+        self.handle_preemption = False  # SIGTERM: the group leaves (engine.py)
+        self.on_train_begin()
+        resume = self._resume
+        if self.step > engine.committed_steps:
+            if resume is not None:  # first: a run in rounds resumes at its round's start, with
+                restore_rng(resume.pop("rng", None))  # that start's random state
+                dataset.load_state_dict(resume.get("data") or {})
+            engine.resume_at(self.step)
+        self._resume = None
+        try:
+            for batch in dataset.until(end):
+                yield engine.committed_steps + 1, batch
+                step = engine.committed_steps
+                epoch, index = divmod(step - 1, spe)
+                if not engine.writes_backups:
+                    self.step, (self.epoch, self.step_in_epoch) = step, divmod(step, spe)
+                    continue
+                self.step, self.epoch, self.step_in_epoch = step - 1, epoch, index
+                self.on_train_batch_end(index)
+                if index + 1 == spe:
+                    self.on_epoch_end(epoch)
+            if engine.writes_backups:
+                self.on_train_end()
+        except BaseException:
+            self.wait_for_save(raise_errors=False)
+            raise
+        finally:
+            self.close()
+
     def epoch_batches(self, dataset: Iterable[Any] | None = None,
                       stop_at: int | None = None) -> Iterator[Any]:
-        """The batches of the epoch in progress, starting where a restored backup left off.
-
-        Stops early, without fetching another batch, once ``step`` reaches ``stop_at``.
-        """
+        """The batches of the epoch in progress from where a restored backup left off; stops,
+        without fetching another batch, once ``step`` reaches ``stop_at``."""
         ds = self._dataset if dataset is None else dataset
         if ds is None:
             raise ValueError("epoch_batches() needs a dataset (track(dataset=...) or pass one)")
@@ -285,9 +308,9 @@ class BackupAndRestore:
         self.restore()
         if self.background:
             self._start_saver()
-        coll = self.manager.channel.collectives
         if self.handle_preemption:
-            self._watcher = PreemptionWatcher(coll, check_seconds=self.preemption_check_seconds)
+            self._watcher = PreemptionWatcher(self.manager.channel.collectives,
+                                              check_seconds=self.preemption_check_seconds)
             if not self._watcher.install():
                 self._watcher = None
         optimizer = self._objects.get("optimizer")
@@ -329,9 +352,8 @@ class BackupAndRestore:
             self._exit_preempted()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        """Training completed on every rank: delete the backups or write the final one.
-
-        A background save still in flight is finished first (its error is raised here)."""
+        """Training completed on every rank: finish a save in flight (raising its error), then
+        delete the backups or write the final one."""
         self.wait_for_save()
         if self.delete_checkpoint:
             ch = self.manager.channel
@@ -345,10 +367,9 @@ class BackupAndRestore:
         self.close()
 
     def close(self, raise_errors: bool = True) -> None:
-        """Remove the signal handler and the NaN check (done by ``steps()``, ``on_train_end``
-        and a ``fit`` that raised; call it yourself if you leave a callback-driven loop early).
-        A background save still in flight commits first, so that a rerun never races it; its
-        error is raised, or only warned with ``raise_errors=False`` (the loop's came first)."""
+        """Remove the signal handler and the NaN check (call it if you leave a callback-driven
+        loop early). A save in flight commits first, so a rerun never races it; its error is
+        raised (warned with ``raise_errors=False``: the loop's came first)."""
         self.wait_for_save(raise_errors)
         if self._watcher is not None:
             self._watcher.uninstall()
@@ -370,8 +391,7 @@ class BackupAndRestore:
         return self._save("manual")
 
     def _start_saver(self) -> BackgroundSaver:
-        """The background saver, made once: at the start of training, so that a saver
-        process has started (imports, store connection) before the first save is due."""
+        """The background saver, made once at the start of training (before a save is due)."""
         if self._saver is None:
             self._saver = make_saver(self.manager, self._saver_kind, process=self._process)
             self._process = None
@@ -379,8 +399,7 @@ class BackupAndRestore:
 
     def wait_for_save(self, raise_errors: bool = True) -> None:
         """Block until the background save in flight (if any) is committed on every rank;
-        raises its error (only warns with ``raise_errors=False``). Training never needs this:
-        the next save and the end wait anyway."""
+        raises its error (only warns with ``raise_errors=False``)."""
         if self._saver is None:
             return
         try:
@@ -396,33 +415,27 @@ class BackupAndRestore:
 
     def _save(self, reason: str) -> Path:
         """Write a backup of the current step; in the background when due by ``save_freq``
-        (the sharded part first, see the module doc). With the saver process nothing waits
-        here: a save due while the one before is being written is skipped (the saver's thread
-        agrees on it), and the optimizers' part is copied before their next step
-        (``step_hooks.py``)."""
-        if not (self.background and reason in ("step", "epoch") and self._saver is not None
-                and self._saver.async_mode == "process"):
+        (with the saver process nothing waits here: see ``checkpoint/saver.py``)."""
+        in_background = self.background and reason in ("step", "epoch")
+        if not (in_background and self._saver is not None and self._saver.async_mode == "process"):
             self.wait_for_save()
         ch = self.manager.channel
-        sharded = sharded_objects(self._objects, self._strategy_now())
+        strategy = self._strategy_now()
+        sharded = sharded_objects(self._objects, strategy)
         sharded_names: list[str] = []
-        in_background = self.background and reason in ("step", "epoch")
         write_shards = None
         if sharded is not None:
             module_name, module, optimizers = sharded
-            prepare_optimizers(self._strategy_now(), optimizers.values())
-            if in_background and (self._saver_kind is not None or self.manager.store.scheme
-                                  ):  # saver= chosen, or a URL: copied now, written
-                # and uploaded on the saver's thread before the backup
-                staged = stage_sharded(module, list(optimizers.values()))
-                step, where, keep = self.step, self._sharded_location(), self._keep + 1
-
-                def write_shards(channel: Channel) -> None:
-                    write_staged(where, step, staged, channel, keep=keep)
-            else:
-                save_sharded(self._sharded_location(), self.step, module, list(optimizers.values()),
-                             collectives=ch.collectives, keep=self._keep + 1)
             sharded_names = [module_name, *optimizers]
+            listed = prepare_optimizers(strategy, optimizers.values())
+            if in_background and (self._saver_kind is not None or self.manager.store.scheme):
+                # saver= chosen, or a URL: copied now, written on the saver's thread first
+                write_shards = functools.partial(write_staged, self._sharded_location(),
+                                                 self.step, stage_sharded(module, listed),
+                                                 keep=self._keep + 1)
+            else:
+                save_sharded(self._sharded_location(), self.step, module, listed,
+                             collectives=ch.collectives, keep=self._keep + 1)
         replicated = ({name: obj.state_dict() for name, obj in self._objects.items()
                        if name not in sharded_names} if ch.is_chief else None)
         data = self._dataset.state_dict() if has_state(self._dataset) else None
@@ -490,8 +503,7 @@ class BackupAndRestore:
         return True
 
     def _load_sharded(self, restored: Restored, names: list[str]) -> None:
-        """Load the tracked module and optimizers of ``names`` from the sharded save of the
-        restored step (verified; any layout loads into any other)."""
+        """Load the tracked module and optimizers of ``names`` from the step's sharded save."""
         strategy = self._strategy_now()
         splits = sharded_objects(self._objects, strategy) is not None  # checks what is tracked
         if not names:
@@ -532,3 +544,11 @@ class BackupAndRestore:
 
 
 _END = object()
+
+
+def is_live(dataset: Any) -> TypeGuard[LiveDataset]:
+    """True for the distributed dataset of a live-recovery job."""
+    from replicator.strategies.live.dataset import LiveDataset
+
+    return isinstance(dataset, LiveDataset)
+

@@ -1,16 +1,8 @@
 """Preemption: turn a SIGTERM on any rank into one agreed step at which every rank saves and stops.
 
-A scheduler (Kubernetes, Slurm, a cloud's spot reclaim) sends SIGTERM and then, after a grace
-period, SIGKILL. The signal may reach one worker only. The handler just sets a flag; at agreed
-step boundaries the ranks combine their flags with a small ``MAX`` all-reduce, so every rank
-reads the same answer at the same step: they save that step and exit with
-:data:`PREEMPTION_EXIT_CODE`.
-
-How often: about every ``check_seconds`` of training. The same all-reduce carries each rank's
-recent step time, and every rank derives the next check interval (in steps) from the reduced
-value, so the interval adapts to the step time and stays identical on every rank. A check
-costs one small collective (a fraction of a millisecond), so at one per second it is free;
-``check_seconds=0`` checks after every step.
+The signal may reach one worker only: its handler sets a flag, and about every
+``check_seconds`` the ranks combine flags and step times in one small ``MAX`` all-reduce, so
+every rank stops at the same step and derives the same next check interval (in steps).
 """
 
 from __future__ import annotations
@@ -35,11 +27,8 @@ MAX_CHECK_INTERVAL = 10_000
 
 
 class Preempted(SystemExit):
-    """Raised on every rank after the preemption backup was saved; exits with code 75.
-
-    A ``SystemExit``: an uncaught one ends the process with the preemption exit code and no
-    traceback, which is what launchers and schedulers expect.
-    """
+    """Raised on every rank after the preemption backup was saved: a ``SystemExit`` with code
+    75, so an uncaught one ends the process without a traceback."""
 
     def __init__(self, step: int, rank: int, path: str | None) -> None:
         self.step, self.rank, self.path = step, rank, path
@@ -52,11 +41,8 @@ class Preempted(SystemExit):
 
 
 class PreemptionWatcher:
-    """Catches the preemption signals and lets the ranks agree on when to stop.
-
-    Use :meth:`install` / :meth:`uninstall` around training and call :meth:`poll` once per step,
-    at the same point on every rank.
-    """
+    """Catches the preemption signals and lets the ranks agree on when to stop: :meth:`install`
+    and :meth:`uninstall` around training, :meth:`poll` once per step on every rank."""
 
     def __init__(self, collectives: Collectives, signals: tuple[int, ...] = (signal.SIGTERM,),
                  check_seconds: float = 1.0) -> None:
@@ -71,7 +57,6 @@ class PreemptionWatcher:
         self._countdown = 1
         self._last_check: float | None = None
 
-    # -- signals -------------------------------------------------------------------------------
     def install(self) -> bool:
         """Install the handler (main thread only); returns False where that is impossible."""
         if threading.current_thread() is not threading.main_thread():
@@ -103,10 +88,8 @@ class PreemptionWatcher:
         """Ask for a preemption stop from code (same effect as the signal)."""
         self.requested = True
 
-    # -- agreement -----------------------------------------------------------------------------
     def poll(self) -> bool:
-        """Call after every step, on every rank; True on every rank, at the same step, once
-        any rank asked to stop (decided at the next check, see the module doc)."""
+        """True on every rank, at the same step, once any rank asked to stop."""
         coll = self.collectives
         if coll.world_size == 1:
             return self.requested
@@ -121,11 +104,8 @@ class PreemptionWatcher:
         flag, slowest = coll.all_reduce(local, ReduceOp.MAX, "preemption check").tolist()
         if flag > 0:
             return True
-        if self.check_seconds == 0 or slowest <= 0:
-            self._interval = 1
-        else:
-            self._interval = int(min(MAX_CHECK_INTERVAL,
-                                     max(1, self.check_seconds // slowest)))
+        self._interval = 1 if self.check_seconds == 0 or slowest <= 0 else int(
+            min(MAX_CHECK_INTERVAL, max(1, self.check_seconds // slowest)))
         self._countdown = self._interval
         self._last_check = time.perf_counter()
         return False

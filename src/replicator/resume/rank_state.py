@@ -1,11 +1,6 @@
-"""What a backup holds per rank besides the tracked objects: the random generators' states and
-the input's position from epoch to epoch.
-
-A resumed run is bit-identical only if dropout masks, random augmentations and anything else
-random continue from the same generator states on every rank: torch's CPU generator, each CUDA
-device's generator (when CUDA is in use), numpy's global generator and Python's ``random``.
-States are plain data (tensors, lists, numbers) so they are stored without pickle. An input
-with ``state_dict()`` is saved where it stands; one without is replayed up to the position.
+"""What a backup holds per rank besides the tracked objects: the states of torch's (CPU and
+CUDA), numpy's and Python's generators, as plain data (stored without pickle), so a resumed run
+is bit-identical; and the input's position (replayed when the input has no ``state_dict()``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Checkpoints under a strategy: which ranks checkpoint together, and sharded saves.
-
-The storage room (:mod:`replicator.checkpoint`) knows no strategy; this module asks the
-strategy, through its public API, what storage needs passed in: the collectives of the ranks
-that checkpoint together, and optimizers pointed at the parameters a strategy replaced at scope
-exit (FSDP shards, tensor-parallel slices, pipeline stages), so that a save or a load before
-the first optimizer step sees the right tensors.
-"""
+"""Checkpoints under a strategy: which ranks checkpoint together, and sharded saves, with
+optimizers pointed at the parameters the strategy replaced (FSDP shards, tensor-parallel
+slices, pipeline stages), asked through its public API: the storage room knows no strategy."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ import torch
 
 from replicator.checkpoint import distributed_checkpoint as storage
 from replicator.checkpoint.distributed_checkpoint import Optimizers, as_list
-from replicator.checkpoint.exchange import group_collectives
+from replicator.checkpoint.manager import group_collectives
 from replicator.comm.collectives import Collectives
 from replicator.strategies.base import Strategy
 from replicator.strategies.replica_context import current_strategy
@@ -37,9 +32,8 @@ def prepare_optimizers(strategy: Strategy | None, optimizers: Iterable[Any]) -> 
 
 def sharded_objects(objects: dict[str, Any], strategy: Strategy | None
                     ) -> tuple[str, torch.nn.Module, dict[str, Any]] | None:
-    """``(module name, module, {optimizer name: optimizer})`` of the tracked ``objects`` when
-    ``strategy`` splits the model (each rank saves its part); ``None`` when every rank holds
-    all of it."""
+    """``(module name, module, {optimizer name: optimizer})`` of ``objects`` when ``strategy``
+    splits the model (each rank saves its part), else ``None``."""
     if strategy is None or not strategy.shards_model:
         return None
     modules = {n: o for n, o in objects.items() if isinstance(o, torch.nn.Module)}
@@ -55,10 +49,8 @@ def sharded_objects(objects: dict[str, Any], strategy: Strategy | None
 
 
 def checkpoint_collectives(strategy: Strategy | None) -> Collectives:
-    """The collectives over the ranks that checkpoint together under ``strategy``: its
-    replicas when each holds the whole model; every rank of the job when the model is split
-    (each rank saves its own part, and a strategy's collectives span only its data axis) or
-    when there is no strategy."""
+    """The ranks that checkpoint together: ``strategy``'s replicas when each holds the whole
+    model; else every rank of the job (a strategy's collectives span only its data axis)."""
     if strategy is None or strategy.shards_model:
         return group_collectives()
     return strategy.collectives
@@ -68,13 +60,9 @@ def save_sharded(directory: str | os.PathLike[str], step: int, model: torch.nn.M
                  optimizer: Optimizers = None, *, strategy: Strategy | None = None,
                  keep: int = 2) -> Path | str:
     """Save ``model`` (and ``optimizer``, or a list of them) at ``step`` under ``directory``
-    (a path, or a URL such as ``s3://bucket/run/sharded``), each rank its own shards; every
-    rank calls it.
-
-    ``strategy``: the strategy the model was built under (default: the active one). Returns
-    the committed ``step-N`` directory (for a URL, its commit object's URL); see
-    :func:`replicator.checkpoint.distributed_checkpoint.save_sharded` for the format.
-    """
+    (a path or a URL), each rank its own shards; every rank calls it. ``strategy``: the one
+    the model was built under (default: the active one). Returns the committed save; see
+    :func:`replicator.checkpoint.distributed_checkpoint.save_sharded`."""
     strategy = strategy if strategy is not None else current_strategy()
     optimizers = prepare_optimizers(strategy, as_list(optimizer))
     return storage.save_sharded(directory, step, model, optimizers,
@@ -85,12 +73,8 @@ def load_sharded(directory: str | os.PathLike[str], model: torch.nn.Module,
                  optimizer: Optimizers = None, *, step: int | None = None,
                  strategy: Strategy | None = None) -> int | None:
     """Load the newest verified sharded checkpoint (or ``step``) into ``model`` (and
-    ``optimizer``), whatever layout saved it; every rank calls it.
-
-    ``strategy``: the strategy the model was built under (default: the active one). Returns
-    the step loaded, or ``None`` when ``directory`` holds none; see
-    :func:`replicator.checkpoint.distributed_checkpoint.load_sharded` for the errors.
-    """
+    ``optimizer``), whatever layout saved it; every rank calls it. Returns the step loaded
+    (``None``: none); see :func:`replicator.checkpoint.distributed_checkpoint.load_sharded`."""
     strategy = strategy if strategy is not None else current_strategy()
     optimizers = prepare_optimizers(strategy, as_list(optimizer))
     return storage.load_sharded(directory, model, optimizers, step=step,

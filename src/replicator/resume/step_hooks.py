@@ -1,20 +1,6 @@
 """The optimizer step pre-hooks a backup registers: one refuses a step on NaN or infinite
-gradients, the other waits for the deferred copy of the last save.
-
-A NaN loss makes every gradient NaN, so a check of the gradients just before
-``optimizer.step()`` catches it without the training loop having to hand the loss over. With
-data parallelism the gradients were averaged across replicas, so every rank sees the same
-non-finite value at the same step and all stop together, with no rank left waiting.
-
-With the saver process, a save's state is copied into shared memory; the loop need not wait
-for the parameters and the optimizer's state (most of the bytes): nothing changes them until
-the next optimizer step. :class:`CopyGuard` names those tensors (the CPU parameters of the
-hooked optimizers and their state) and makes the next step wait for their copy. Everything
-else (buffers a forward pass updates, such as batch norm's running statistics, the RNG and
-input states, other tracked objects) is copied at the step, so the backup holds the values of
-its step, bit for bit. Replica groups under live recovery roll back and heal their state in
-place at a step's start, so they copy everything at the step. Other code that changes the
-parameters in place between a save and the next optimizer step needs ``background=False``.
+gradients (averaged, so every rank stops at the same step); one waits for the deferred copy of
+the last save (the hooked optimizers' CPU parameters and state, which only their step changes).
 """
 
 from __future__ import annotations
@@ -28,21 +14,15 @@ from replicator.errors import NonFiniteLossError
 
 
 def gradients_finite(optimizer: torch.optim.Optimizer) -> bool:
-    """True when every dense gradient the optimizer would apply is finite.
-
-    Fast path: one sum per gradient (a NaN or inf anywhere makes the sum non-finite), about
-    0.1 ms per million values on one core; only when a sum is not finite does an exact
-    element-wise check rule out a mere overflow of the sum.
-    """
+    """True when every dense gradient the optimizer would apply is finite: one sum each (fast),
+    then an element-wise check only when a sum is not finite (it may merely overflow)."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"]
              if p.grad is not None and p.grad.layout == torch.strided and p.grad.numel()]
     if not grads:
         return True
     device = grads[0].device
     sums = torch.stack([_sum(g).to(device, torch.float64) for g in grads])
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return all(bool(torch.isfinite(g).all()) for g in grads)
+    return bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 def _sum(g: torch.Tensor) -> torch.Tensor:
@@ -52,10 +32,8 @@ def _sum(g: torch.Tensor) -> torch.Tensor:
 
 
 class NonFiniteGuard:
-    """Raise :class:`NonFiniteLossError` before an optimizer step on non-finite gradients.
-
-    ``describe()`` supplies the context of the error (the step and the last backup).
-    """
+    """Raise :class:`NonFiniteLossError` before an optimizer step on non-finite gradients;
+    ``describe()`` supplies the error's context (the step and the last backup)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  describe: Callable[[], str] = lambda: "") -> None:
@@ -84,8 +62,7 @@ class CopyGuard:
         self._hooks: dict[int, tuple[torch.optim.Optimizer, Any]] = {}
 
     def attach(self, objects: Iterable[Any], wait: Callable[[], None]) -> None:
-        """Hook every optimizer among ``objects`` not hooked yet: its step first calls
-        ``wait()``."""
+        """Make the step of every optimizer among ``objects`` call ``wait()`` first."""
         for obj in objects:
             if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._hooks:
                 handle = obj.register_step_pre_hook(lambda *_: wait())
@@ -101,9 +78,7 @@ class CopyGuard:
                 where.update(v.data_ptr() for v in state.values()
                              if isinstance(v, torch.Tensor) and v.device.type == "cpu")
         where.discard(0)
-        if not where:
-            return None
-        return lambda t: t.device.type == "cpu" and t.data_ptr() in where
+        return (lambda t: t.device.type == "cpu" and t.data_ptr() in where) if where else None
 
     def remove(self) -> None:
         for _, handle in self._hooks.values():
