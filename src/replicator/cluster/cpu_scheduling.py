@@ -1,12 +1,8 @@
-"""Batch CPU scheduling for processes that outnumber their cores and wake each other often.
-
-In a parameter-server job on one host, a process that wakes another on a busy core is often
-preempted by it at once (Linux's default), so servers meant to answer a pull at the same time
-take turns. ``SCHED_BATCH`` (no preemption at wake-up) lets a process go on until it blocks.
-Measured on 2 cores with the embedding benchmark's 5 processes: 1-22% more steps per second,
-median 10%, in seven alternating pairs (docs/parameter_server.md). Applied when the processes
-outnumber the cores; ``REPLICATOR_CPU_SCHEDULING=batch`` forces it, ``default`` keeps the system's.
-"""
+"""Batch CPU scheduling for processes that outnumber their cores and wake each other often: by
+default a process that wakes another on a busy core is preempted by it, so parameter servers
+meant to answer at once take turns; ``SCHED_BATCH`` lets each go on until it blocks (1-22% more
+steps per second on 2 cores, docs/parameter_server.md). Applied when the processes outnumber the
+cores; ``REPLICATOR_CPU_SCHEDULING=batch`` forces it, ``default`` keeps the system's."""
 
 from __future__ import annotations
 

@@ -48,10 +48,8 @@ REPEATING_FAILURES: dict[str, str] = {
 def restart_refusal(error_types: Iterable[str]) -> str | None:
     """Why a restart cannot help a failure of ``error_types`` (class and bases), else ``None``."""
     names = list(error_types)
-    for name in names:
-        if name in REPEATING_FAILURES:
-            return f"not restarting: {names[0]} repeats on restart ({REPEATING_FAILURES[name]})"
-    return None
+    why = next((REPEATING_FAILURES[name] for name in names if name in REPEATING_FAILURES), None)
+    return None if why is None else f"not restarting: {names[0]} repeats on restart ({why})"
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:

@@ -130,31 +130,6 @@ def actor_env(learner_env: dict[str, str], index: int, world: int, num_actors: i
     return env
 
 
-def worker_env(rank: int, world: int, port: int, timeout_seconds: float | None,
-               attempt: int, error_dir: str, base: dict[str, str] | None = None,
-               master_addr: str = LOOPBACK) -> dict[str, str]:
-    """The environment of one local worker: torchrun's variable names plus replicator's own."""
-    env = dict(os.environ if base is None else base)
-    threads = max(1, (os.cpu_count() or 1) // world)
-    env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(port), LAUNCHER_ENV: "local", STORE_HOSTED_ENV: "1",
-        RESTART_COUNT_ENV: str(attempt), ERROR_DIR_ENV: error_dir,
-    })
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    if master_addr == LOOPBACK:  # a local job never listens on the network
-        try:
-            lo = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
-        except OSError:
-            lo = None
-        if lo:
-            env.setdefault("GLOO_SOCKET_IFNAME", lo)
-    if timeout_seconds is not None:
-        env[TIMEOUT_ENV] = str(timeout_seconds)
-    return env
-
-
 class WorkerProcess:
     """One child process, started either from a function (multiprocessing) or a command."""
 
@@ -270,9 +245,13 @@ class LocalGroup:
                 self._restart_or_raise(outcome.failure, outcome)
 
     def _on_sigterm(self) -> None:
-        self.signalled = True
         self.say("[replicator] received SIGTERM: asking every worker to save a backup and stop")
-        for w in self.workers:
+        self.terminate()
+
+    def terminate(self) -> None:
+        """Ask every worker to save a backup and stop; the group restarts no more."""
+        self.signalled = True
+        for w in list(self.workers):
             w.signal(signal.SIGTERM)
 
     def say(self, line: str) -> None:
@@ -336,8 +315,7 @@ class LocalGroup:
                 self.workers.append(self._start_actor(rank - self.world, 0) if rank >= self.world
                                     else WorkerProcess(rank, self.start_fn(rank, self._env(rank))))
             if self.signalled:  # SIGTERM came while these workers were starting
-                for w in self.workers:
-                    w.signal(signal.SIGTERM)
+                self.terminate()
             outcome = self._watch(attempt)
         except BaseException:  # stopped from outside (a timeout, an interrupt)
             self._dump_running_stacks()
@@ -406,15 +384,31 @@ class LocalGroup:
         return restarted
 
     def _env(self, rank: int) -> dict[str, str]:
-        env = worker_env(rank, self.world, self.port, self.timeout_seconds, self.attempt,
-                         self.error_dir, self.base_env, self.store_addr)
+        """Worker ``rank``'s environment: torchrun's variable names plus replicator's own."""
+        env = dict(os.environ if self.base_env is None else self.base_env)
+        env.update({
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world),
+            "LOCAL_WORLD_SIZE": str(self.world), "GROUP_RANK": "0",
+            "MASTER_ADDR": self.store_addr, "MASTER_PORT": str(self.port),
+            LAUNCHER_ENV: "local", STORE_HOSTED_ENV: "1", RESTART_COUNT_ENV: str(self.attempt),
+            ERROR_DIR_ENV: self.error_dir,
+        })
+        share = (usable_cores() // (self.world + self.num_actors) if self.num_actors
+                 else (os.cpu_count() or 1) // self.world)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, share)))  # cores shared with any actors
+        if self.store_addr == LOOPBACK:  # a local job never listens on the network
+            try:
+                lo = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+            except OSError:
+                lo = None
+            if lo:
+                env.setdefault("GLOO_SOCKET_IFNAME", lo)
+        if self.timeout_seconds is not None:
+            env[TIMEOUT_ENV] = str(self.timeout_seconds)
         if self.num_ps:
             env[NUM_PS_ENV] = str(self.num_ps)
         if self.num_actors:
             env[NUM_ACTORS_ENV] = str(self.num_actors)
-            if "OMP_NUM_THREADS" not in (self.base_env or os.environ):  # cores shared with actors
-                env["OMP_NUM_THREADS"] = str(max(1, usable_cores() // (self.world +
-                                                                         self.num_actors)))
         return env
 
     def _start_actor(self, index: int, restarts: int) -> WorkerProcess:

@@ -1,11 +1,7 @@
-"""How many local workers this machine's memory holds, checked before any worker starts.
-
-Every worker is a Python interpreter with torch imported, plus the script's model and data:
-``import torch, replicator`` alone is 300 MB of resident memory, and the digits demo peaks at
-410 MB in one process, of which the shared libraries' pages are shared between workers. So
-about 300 MB a worker is the least a job needs. More than memory holds does not fail cleanly
-(the out-of-memory killer picks any process), so ``replicator run`` refuses it unless ``--force``.
-"""
+"""How many local workers this machine's memory holds, checked before any worker starts: a
+worker is an interpreter with torch (300 MB resident; the digits demo peaks at 410 MB), and more
+workers than memory holds do not fail cleanly (the out-of-memory killer picks any process), so
+``replicator run`` refuses them unless ``--force``."""
 
 from __future__ import annotations
 

@@ -128,18 +128,14 @@ def run_multi_node(script: str, script_args: list[str] | tuple[str, ...] = (), *
         raise WorkerFailedError(rank, failure.exitcode,
                                 f"{failure.message or 'worker failed'} on node {node_rank} "
                                 f"after {max_restarts} restart(s) allowed") from None
-    except (RendezvousError, TimeoutError) as exc:
+    except (RendezvousError, TimeoutError, RuntimeError) as exc:
+        text = str(exc).lower()
+        if isinstance(exc, RuntimeError) and "timeout" not in text and "timed out" not in text:
+            raise
         raise ClusterConfigError(
             f"node {node_rank}: the rendezvous of {nnodes} nodes at {master_addr}:{port} did "
             f"not complete within {rdzv_timeout:.0f} s ({exc}). HINT: start every node with "
             "the same --nnodes and --master-addr/--master-port; is a node missing?") from None
-    except RuntimeError as exc:
-        if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-            raise ClusterConfigError(
-                f"node {node_rank}: the rendezvous of {nnodes} nodes at {master_addr}:{port} "
-                f"timed out ({exc}). HINT: is a node missing, or started with another --nnodes?"
-            ) from None
-        raise
 
 
 __all__ = ["run_multi_node", "check_multi_node_args", "RENDEZVOUS_BACKEND"]

@@ -8,7 +8,6 @@ of restarts is lost while the others go on. Exit 0 when ``--min-replicas`` group
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -129,28 +128,6 @@ def check_config(*, groups: Any, nproc: Any, min_replicas: Any = 1,
     return cfg
 
 
-class _GroupEnd:
-    """Replica group ``g`` run on a thread of its own, its error kept for the main thread."""
-
-    def __init__(self, g: int, group: LocalGroup) -> None:
-        self.group = group
-        self.error: BaseException | None = None
-        self.reported = False
-        self.thread = threading.Thread(target=self._run, name=f"replicator-group-{g}",
-                                       daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.group.run()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-            self.error = exc
-
-    @property
-    def done(self) -> bool:
-        return not self.thread.is_alive()
-
-
 class ReplicaGroups:
     """N :class:`LocalGroup` s side by side around one lighthouse; see the module doc."""
 
@@ -162,14 +139,14 @@ class ReplicaGroups:
         self.address = address
         self.ids = ids
         self.output = output
+        self.say = output.emit
         self.lighthouse = lighthouse
         self.starter = script_starter(script, script_args, cfg.start_method)
         self.signalled = False
         self.groups: dict[int, LocalGroup] = {}
-        self.ends: dict[int, _GroupEnd] = {}
-
-    def say(self, line: str) -> None:
-        self.output.emit(line)
+        #: Each group's thread, and the error of a group whose run raised.
+        self.threads: dict[int, threading.Thread] = {}
+        self.errors: dict[int, BaseException] = {}
 
     def base_env(self, group: int) -> dict[str, str]:
         """The environment every process of ``group`` starts from."""
@@ -204,30 +181,37 @@ class ReplicaGroups:
                 name=f"replica group {g}", restart_preempted=False, store_addr=self.address)
         with forward_sigterm(self._on_sigterm):
             try:
-                for g, group in self.groups.items():
-                    self.ends[g] = _GroupEnd(g, group)
+                for g in self.groups:
+                    self.threads[g] = threading.Thread(target=self._run_group, args=(g,),
+                                                       name=f"replicator-group-{g}", daemon=True)
+                    self.threads[g].start()
                 self._watch()
             except BaseException:
                 self._stop_everything()
                 raise
         self._conclude()
 
+    def _run_group(self, g: int) -> None:
+        try:
+            self.groups[g].run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            self.errors[g] = exc
+
     def _on_sigterm(self) -> None:
         self.signalled = True
         self.say("[replicator] received SIGTERM: asking every replica group to leave at a step "
                  "boundary")
         for group in self.groups.values():
-            group.signalled = True
-            for w in list(group.workers):
-                w.signal(signal.SIGTERM)
+            group.terminate()
 
     def _watch(self) -> None:
+        reported: set[int] = set()
         while True:
-            for g, end in self.ends.items():
-                if end.done and not end.reported:
-                    end.reported = True
-                    self._report_end(g, end)
-            if all(end.done for end in self.ends.values()):
+            for g, thread in self.threads.items():
+                if not thread.is_alive() and g not in reported:
+                    reported.add(g)
+                    self._report_end(g)
+            if not any(thread.is_alive() for thread in self.threads.values()):
                 return
             if self.lighthouse is not None and not self.lighthouse.alive():
                 code = self.lighthouse.proc.poll() if self.lighthouse.proc else None
@@ -240,29 +224,29 @@ class ReplicaGroups:
                     f"stopped. Its last lines:\n{self.lighthouse.tail()}")
             time.sleep(0.05)
 
-    def _report_end(self, g: int, end: _GroupEnd) -> None:
+    def _report_end(self, g: int) -> None:
         """One line when a group ends while others still run."""
-        others = [o for o, e in self.ends.items() if o != g and not e.done]
-        if not others or self.signalled:
+        error = self.errors.get(g)
+        if self.signalled or not any(t.is_alive() for o, t in self.threads.items() if o != g):
             return
-        if isinstance(end.error, PreemptedError):
+        if isinstance(error, PreemptedError):
             self.say(f"[replicator] replica group {g} left the job (its processes received "
                      "SIGTERM); the other groups go on without it")
-        elif isinstance(end.error, WorkerFailedError):
-            self.say(f"[replicator] replica group {g} failed after {end.group.attempt} "
+        elif isinstance(error, WorkerFailedError):
+            self.say(f"[replicator] replica group {g} failed after {self.groups[g].attempt} "
                      f"restart(s) (--max-restarts {self.cfg.max_restarts} per group): "
-                     f"{str(end.error).splitlines()[0]}; the other groups go on without it")
+                     f"{str(error).splitlines()[0]}; the other groups go on without it")
 
     def _stop_everything(self) -> None:
         """Stop every group for good (no restarts), then wait for their threads."""
         for group in self.groups.values():
             group.signalled = True  # a group that sees its workers end does not restart
             group.stop_all()
-        for end in self.ends.values():
-            end.thread.join(30.0)
+        for thread in self.threads.values():
+            thread.join(30.0)
 
     def _conclude(self) -> None:
-        errors = {g: e.error for g, e in self.ends.items() if e.error is not None}
+        errors = {g: self.errors[g] for g in self.threads if g in self.errors}
         for error in errors.values():
             if not isinstance(error, WorkerFailedError):
                 raise error
@@ -273,12 +257,12 @@ class ReplicaGroups:
         failed = {g: e for g, e in errors.items() if not isinstance(e, PreemptedError)}
         if not failed:
             return
-        first = min(failed, key=lambda g: (self.ends[g].group.attempt, g))
+        first = min(failed, key=lambda g: (self.groups[g].attempt, g))
         error = failed[first]
         assert isinstance(error, WorkerFailedError)  # filtered above
         lost = ReplicaGroupFailedError(first, error, self.groups[first].attempt,
                                        self.cfg.max_restarts)
-        finished = sorted(g for g, e in self.ends.items() if e.error is None)
+        finished = sorted(g for g in self.threads if g not in self.errors)
         if len(finished) >= self.cfg.min_replicas:  # the job finished: exit 0
             hint = ("" if self.cfg.max_restarts else " HINT: --max-restarts N restarts a lost "
                     "group alone, and it heals from a live peer.")
