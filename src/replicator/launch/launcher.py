@@ -138,11 +138,15 @@ class WorkerProcess:
         self.proc = proc
         self.detected_at: float | None = None
 
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.proc, "pid", None)
+
     def poll(self) -> int | None:
         return self.proc.poll() if isinstance(self.proc, subprocess.Popen) else self.proc.exitcode
 
     def signal(self, sig: int) -> None:
-        pid = getattr(self.proc, "pid", None)
+        pid = self.pid
         if not isinstance(pid, int) or pid <= 0:
             return  # never a process group or every process (kill(0, ...), kill(-1, ...))
         try:
