@@ -167,9 +167,8 @@ class LiveEngine:
         return self.settings.bind, int(port.item())
 
     def _install_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             def request_leave(signum: int, frame: Any) -> None:
                 self._leave_requested = True
 
@@ -371,10 +370,7 @@ class LiveEngine:
         start = self._add("allreduce", start)
         unflatten_grads(buckets)
         start = self._add("bookkeeping", start)
-        committed = self.manager.should_commit()
-        self._add("commit", start)
-        if not committed:
-            raise StepNotCommitted(f"{self.who}: step {quorum.step} was not committed")
+        self._vote(start, f"step {quorum.step}")
         if float(buckets[0][1][-1]) > 0.5:  # a group leaves: every group joins a quorum next
             self._quorum_due = True
             self._leave_announced = self._announce_leave
@@ -395,7 +391,7 @@ class LiveEngine:
             work.wait()
             if self._in_round != started_at:
                 self.manager.allreduce(torch.zeros(1), reduce_op=dist.ReduceOp.SUM).wait()
-            self._commit_round(quorum, self._add("allreduce", start))
+            self._vote(self._add("allreduce", start), f"the round ending at step {quorum.step}")
             return flat
         return finish
 
@@ -411,7 +407,7 @@ class LiveEngine:
                                    f"{self.who}: the all-gather across the replica groups for "
                                    f"the round ending at step {quorum.step}")
         total = combine(parts).div_(quorum.participants) if parts is not None else None
-        self._commit_round(quorum, self._add("allreduce", start))
+        self._vote(self._add("allreduce", start), f"the round ending at step {quorum.step}")
         if total is None:  # the failure went to the Manager, whose should_commit said no
             raise LiveRecoveryError(f"{self.who}: the round ending at step {quorum.step} was "
                                     "committed after its all-gather failed; please report "
@@ -425,14 +421,13 @@ class LiveEngine:
                                     "report this as a bug")
         return quorum
 
-    def _commit_round(self, quorum: Quorum, start: float) -> None:
-        """Ask whether the round ending now may be committed; ``StepNotCommitted`` if not."""
+    def _vote(self, start: float, what: str) -> None:
+        """Ask whether ``what``, ending now, may be committed; ``StepNotCommitted`` if not."""
         committed = self.manager.should_commit()
         self._add("commit", start)
         if not committed:
-            raise StepNotCommitted(f"{self.who}: the round ending at step {quorum.step} was "
-                                   "not committed")
-        self._in_round = 0
+            raise StepNotCommitted(f"{self.who}: {what} was not committed")
+        self._in_round = 0  # in rounds: the next round starts (always 0 without rounds)
 
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
         """Run one step through ``call(args)``, redone with the next quorum until committed."""
