@@ -38,7 +38,7 @@ class LiveDataset:
         self._epoch = 0            # the epoch of the next one-epoch pass
         self._pass_epoch: int | None = None
         self._last: Any = None
-        engine.expect_progress(self._check_progress)
+        engine.progress_check = self._check_progress
 
     # -- what a DataLoader answers ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -131,7 +131,7 @@ class LiveDataset:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hand a :meth:`state_dict` read from disk to the engine, for its ``resume_at``."""
-        self.engine.load_backup_state(state)
+        self.engine.from_backup = state or None
 
     # -- healing ---------------------------------------------------------------------------------
     def progress(self, step: int) -> dict[str, Any]:
