@@ -13,7 +13,7 @@ import itertools
 import weakref
 from abc import ABC
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -42,9 +42,9 @@ from replicator.strategies import observers
 from replicator.strategies.live.dataset import LiveDataset
 from replicator.strategies.live.engine import LiveEngine
 from replicator.strategies.live.settings import LiveSettings
-from replicator.strategies.memory import MemoryReport, MemoryTracker, exchange_reports
+from replicator.strategies.memory import MemoryReport, MemoryTracker
 from replicator.strategies.nest import Axis, gather_value, reduce_value
-from replicator.strategies.scope_capture import WATCH, RegistrationCapture, named_state
+from replicator.strategies.scope_capture import WATCH, RegistrationCapture
 
 if TYPE_CHECKING:
     from replicator.comm.collectives import Collectives
@@ -58,6 +58,7 @@ _LAST_CREATED: list[weakref.ref[Strategy]] = []
 #: "OrderedDict mutated during iteration").
 _OPEN: weakref.WeakValueDictionary[int, Strategy] = weakref.WeakValueDictionary()
 _STEP_HOOKS: list[Any] = []
+_NO_MODEL = object()  # what _check_open is given for calls that take no model
 
 
 def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -117,7 +118,6 @@ class Strategy(ABC):
         self._runs = 0
         self._warned_uneven = False
         self._scope_depth = 0
-        self._capture: RegistrationCapture | None = None
         #: unique for the process's lifetime (never reused, unlike ``id(self)``)
         self.serial = next(_SERIALS)
         # held weakly: a tensor freed later cannot make a new one with its id look distributed
@@ -231,10 +231,7 @@ class Strategy(ABC):
         self._check_open("scope")
         if precision is not None:
             self._set_precision(precision)
-        outermost = self._scope_depth == 0
-        if outermost:
-            self._capture = RegistrationCapture()
-            self._capture.start()
+        capture = RegistrationCapture() if self._scope_depth == 0 else None  # the outermost's
         self._scope_depth += 1
         device_ctx = torch.device(self.device) if self.device.type != "cpu" else \
             contextlib.nullcontext()
@@ -245,19 +242,14 @@ class Strategy(ABC):
             ok = True
         finally:
             self._scope_depth -= 1
-            if outermost:
-                assert self._capture is not None
-                modules = self._capture.stop()
-                self._capture = None
+            if capture is not None:
+                modules = capture.stop()
                 if ok:
                     self._distribute_modules(modules)
 
     def distribute_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Make a model built outside ``scope()`` distributed; returns the same module."""
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"distribute_model takes a torch.nn.Module, got "
-                            f"{type(model).__name__}")
-        self._check_open("distribute_model")
+        self._check_open("distribute_model", model)
         if self.device.type != "cpu":
             model.to(self.device)
         self._distribute_modules([model])
@@ -277,10 +269,7 @@ class Strategy(ABC):
         """The whole ``model``'s state dict, to save as one file (a collective): where the model is
         split the chief gets full CPU tensors with the one-device keys and others ``{}``; otherwise
         every rank ``model.state_dict()`` with detached tensors (no copy)."""
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"full_state_dict takes a torch.nn.Module, got "
-                            f"{type(model).__name__}")
-        self._check_open("full_state_dict")
+        self._check_open("full_state_dict", model)
         return self._full_state_dict(model)
 
     def _full_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
@@ -293,18 +282,7 @@ class Strategy(ABC):
         return tensor in self._distributed
 
     def _setup_module(self, module: torch.nn.Module) -> None:
-        """Hook: make one top-level ``module`` distributed (by default: :meth:`_on_new_state`)."""
-        params, buffers = named_state(module)
-        params = [(n, p) for n, p in params if p not in self._distributed]
-        buffers = [(n, b) for n, b in buffers if b not in self._distributed]
-        if not params and not buffers and self.num_replicas_in_sync == 1:
-            return
-        self._on_new_state(module, params, buffers)
-
-    def _on_new_state(self, module: torch.nn.Module,
-                      params: list[tuple[str, torch.nn.Parameter]],
-                      buffers: list[tuple[str, torch.Tensor]]) -> None:
-        """Hook: make ``module``'s new (named) parameters and buffers distributed."""
+        """Hook: make one top-level ``module`` distributed (by default: nothing to do)."""
         return None
 
     def close(self) -> None:
@@ -325,7 +303,10 @@ class Strategy(ABC):
         """Hook: release the strategy's own resources."""
         return None
 
-    def _check_open(self, call: str) -> None:
+    def _check_open(self, call: str, model: Any = _NO_MODEL) -> None:
+        """Refuse ``call`` given a ``model`` that is no module, or on a closed strategy."""
+        if model is not _NO_MODEL and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"{call} takes a torch.nn.Module, got {type(model).__name__}")
         if self._closed:
             raise RuntimeError(f"{call}() on a closed {type(self).__name__}. HINT: create a new "
                                "strategy; close() releases its hooks for good.")
@@ -345,10 +326,10 @@ class Strategy(ABC):
     # -- mixed precision ---------------------------------------------------------------------
     def _set_precision(self, precision: MixedPrecision | str) -> None:
         if isinstance(precision, str):
-            if self.precision is not None and \
-                    self.precision.compute_dtype == MixedPrecision(precision).compute_dtype:
-                return
             precision = MixedPrecision(precision)
+            if self.precision is not None and \
+                    self.precision.compute_dtype == precision.compute_dtype:
+                return
         if not isinstance(precision, MixedPrecision):
             raise TypeError(f"scope(precision=...) takes rp.MixedPrecision('bf16') or a dtype "
                             f"name, got {type(precision).__name__}")
@@ -372,8 +353,9 @@ class Strategy(ABC):
 
     def memory_reports(self) -> list[MemoryReport]:
         """Every rank's :meth:`memory_report`, in rank order (a collective: all call it)."""
-        return exchange_reports(self.memory_report(), lambda rows: self._report_collectives
-                                .all_gather_uneven(rows, 0, "memory report exchange"))
+        mine = torch.tensor([astuple(self.memory_report())], dtype=torch.int64)  # fields in order
+        rows = self._report_collectives.all_gather_uneven(mine, 0, "memory report exchange")
+        return [MemoryReport(*[int(v) for v in row]) for row in rows.tolist()]
 
     @property
     def _report_collectives(self) -> Collectives:
@@ -407,16 +389,14 @@ class Strategy(ABC):
             self._guards_undistributed else contextlib.nullcontext()
         uneven = observers.begin_step()
         live = self.live
-        with entered(self), watching, self._memory.measuring():
+        with entered(self), watching, self._memory.measuring(self._runs):
             def step(a: tuple) -> Any:
                 return self._run(fn, a, dict(kwargs or {}))
             # with replica groups, a step not committed across the groups is redone
             result = step(tuple(args)) if live is None else live.run_step(step, tuple(args))
-        self._warned_uneven = observers.check_step(uneven, self.replica_id, self._warned_uneven)
+        observers.check_step(uneven, self)
         if self._check_finite:
-            observers.check_finite_result(result, self._runs, self.replica_id,
-                                          self.num_replicas_in_sync,
-                                          self.collectives.global_ranks, self._reduce)
+            observers.check_finite_result(result, self)
         return result
 
     #: Whether trainable parameters this strategy never distributed are refused (where the

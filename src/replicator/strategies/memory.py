@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -84,10 +84,10 @@ class ActivationMeter:
             key = (local.data_ptr(), size)
         except RuntimeError:  # no data pointer (a tensor subclass without storage)
             key = (id(local), size)
+        holder = _Saved(t)
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or \
                 size == 0:  # parameters (and FSDP's gathered views of them) are not activations
-            return _Saved(t)
-        holder = _Saved(t)
+            return holder
         if self._refs.get(key, 0) == 0:
             self.current += size
             self.peak_bytes = max(self.peak_bytes, self.current)
@@ -122,7 +122,6 @@ class MemoryTracker:
     def __init__(self, is_ours: Callable[[torch.Tensor], bool], samples: int | None) -> None:
         self._is_ours = is_ours
         self._samples = samples
-        self._runs = 0
         self.peak_activation_bytes = 0
         self.optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = \
@@ -138,10 +137,10 @@ class MemoryTracker:
             self.optimizers.add(optimizer)
 
     @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
-        """Around one ``strategy.run``: measure its activations while sampling."""
-        self._runs += 1
-        if self._samples is not None and self._runs > self._samples:
+    def measuring(self, run: int) -> Iterator[None]:
+        """Around ``strategy.run`` number ``run`` (from 1): measure its activations while
+        sampling."""
+        if self._samples is not None and run > self._samples:
             yield
             return
         with ActivationMeter() as meter:
@@ -156,9 +155,3 @@ class MemoryTracker:
                             optimizer_state_bytes=optimizer_state_bytes(self.optimizers),
                             peak_activation_bytes=self.peak_activation_bytes)
 
-
-def exchange_reports(mine: MemoryReport, gather: Callable[[torch.Tensor], torch.Tensor]
-                     ) -> list[MemoryReport]:
-    """Every rank's report from ``mine`` and ``gather`` (rows concatenated in rank order)."""
-    rows = gather(torch.tensor([astuple(mine)], dtype=torch.int64))  # the fields in order
-    return [MemoryReport(*[int(v) for v in row]) for row in rows.tolist()]

@@ -67,8 +67,7 @@ class MeshStrategy(Strategy):
         spec = resolve_cluster()
         device = default_device_for(spec.local_rank, spec.local_world_size)
         initialize(timeout_seconds=timeout_seconds, device=device)
-        self._topology = Topology(axes)
-        topo = self._topology
+        topo = self._topology = Topology(axes)
         used = frozenset(a for a, n in topo.axes.items() if n > 1) or frozenset({"data"})
         if used not in SUPPORTED:
             shape = " x ".join(f"{a}={n}" for a, n in topo.axes.items())

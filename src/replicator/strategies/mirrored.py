@@ -39,7 +39,7 @@ from replicator.comm.selection import algorithm_for
 from replicator.errors import ClusterConfigError, ReplicaMismatchError, ReplicatorError
 from replicator.strategies.base import Strategy
 from replicator.strategies.replicas import ReplicaGroup
-from replicator.strategies.scope_capture import describe_state
+from replicator.strategies.scope_capture import describe_state, named_state
 
 
 class MirroredStrategy(Strategy):
@@ -124,14 +124,15 @@ class MirroredStrategy(Strategy):
 
     # -- state ---------------------------------------------------------------------------------
     def _setup_module(self, module: torch.nn.Module) -> None:
+        """Check the replicas built the same, broadcast replica 0's values of the new parameters
+        and buffers, add gradient sync."""
         if self._sync_batchnorm:
             convert_batchnorm(module, self.group)
-        super()._setup_module(module)
-
-    def _on_new_state(self, module: torch.nn.Module,
-                      params: list[tuple[str, torch.nn.Parameter]],
-                      buffers: list[tuple[str, torch.Tensor]]) -> None:
-        """Check the replicas built the same, broadcast replica 0's values, add gradient sync."""
+        params, buffers = named_state(module)
+        params = [(n, p) for n, p in params if p not in self._distributed]
+        buffers = [(n, b) for n, b in buffers if b not in self._distributed]
+        if not params and not buffers and self.num_replicas_in_sync == 1:
+            return
         self._check_same_structure(module, params, buffers)
         self.collectives.broadcast_([t for _, t in [*params, *buffers]], src=self._reduce_to or 0,
                                     what="broadcast of initial parameters from replica 0")

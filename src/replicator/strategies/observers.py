@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,25 +89,23 @@ def first_non_finite(value: Any) -> float | None:
     return None
 
 
-def check_finite_result(value: Any, step: int, rank: int, world_size: int,
-                        global_ranks: Sequence[int],
-                        reduce: Callable[[ReduceOp, torch.Tensor], torch.Tensor]) -> None:
-    """Raise :class:`NonFiniteLossError` on every replica when ``value`` is not finite on any
-    of them. ``reduce`` is the strategy's cross-replica max (one collective); ``rank`` and
-    ``world_size`` place this replica in it, ``global_ranks`` name them."""
+def check_finite_result(value: Any, strategy: Any) -> None:
+    """Raise :class:`NonFiniteLossError` on every replica of ``strategy`` when ``value`` is not
+    finite on any of them (the replicas agree in one cross-replica max)."""
     bad = first_non_finite(value)
-    flags = torch.zeros(world_size, dtype=torch.float32)
+    rank = strategy.replica_id
+    flags = torch.zeros(strategy.num_replicas_in_sync, dtype=torch.float32)
     flags[rank] = 1.0 if bad is not None else 0.0
-    agreed = reduce(ReduceOp.MAX, flags)
+    agreed = strategy._reduce(ReduceOp.MAX, flags)
     found = {i for i, f in enumerate(agreed.tolist()) if f > 0}
     if bad is not None:
         found.add(rank)  # asynchronous workers do not agree: this one knows its own
     if not found:
         return
-    where = ", ".join(str(global_ranks[i]) for i in sorted(found))
+    where = ", ".join(str(strategy.collectives.global_ranks[i]) for i in sorted(found))
     mine = f" (here: {bad})" if bad is not None else ""
     raise NonFiniteLossError(
-        f"strategy.run step {step}: step_fn returned a NaN or infinite value on rank(s) "
+        f"strategy.run step {strategy._runs}: step_fn returned a NaN or infinite value on rank(s) "
         f"{where}{mine}; every replica stops here (check_finite=True). The step has already "
         "run: an optimizer update made inside step_fn is applied. HINT: lower the learning "
         "rate, clip gradients, check the input batch of this step, or track the optimizer "
@@ -126,14 +124,15 @@ def begin_step() -> UnevenBatch | None:
     return uneven.take()
 
 
-def check_step(note: UnevenBatch | None, replica_id: int, already_warned: bool) -> bool:
-    """At the end of ``strategy.run``: warn when the step ran on the uneven batch ``note``
-    without ``compute_average_loss``. Returns whether a warning has now been given (a note
-    every replica knows is reported by replica 0 only)."""
-    if note is None or already_warned or _USED[0]:
-        return already_warned
+def check_step(note: UnevenBatch | None, strategy: Any) -> None:
+    """At the end of ``strategy.run``: warn once when the step ran on the uneven batch ``note``
+    without ``compute_average_loss`` (a note every replica knows: on replica 0 only)."""
+    if note is None or strategy._warned_uneven or _USED[0]:
+        return
+    strategy._warned_uneven = True
+    replica_id = strategy.replica_id
     if note.known_everywhere and replica_id != 0:
-        return True
+        return
     warnings.warn(
         f"replica {replica_id}: an uneven batch at {note.describe()}, and this step's loss was "
         "not built with rp.compute_average_loss. A loss averaged on each replica and then "
@@ -143,4 +142,3 @@ def check_step(note: UnevenBatch | None, replica_id: int, already_warned: bool) 
         "losses, e.g. reduction='none'; `mask` from `dist_dataset.mask` or "
         "InputOptions(with_mask=True)), or drop the short batch with drop_remainder=True. "
         "This warning is given once.", UserWarning, stacklevel=3)
-    return True

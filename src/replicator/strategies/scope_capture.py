@@ -12,6 +12,7 @@ parameters count as distributed; the hooks stay (torch.compile guards on the hoo
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import weakref
 from collections.abc import Iterator
@@ -32,15 +33,12 @@ from replicator.errors import NotDistributedError
 
 
 class RegistrationCapture:
-    """Collects the modules that register state between :meth:`start` and :meth:`stop` (held
+    """Collects the modules that register state from its creation to :meth:`stop` (held
     strongly only meanwhile, so ids are not reused); :meth:`stop` returns the top-level ones."""
 
     def __init__(self) -> None:
         self._modules: dict[int, torch.nn.Module] = {}
         self._children: set[int] = set()
-        self._handles: list = []
-
-    def start(self) -> None:
         self._handles = [register_module_parameter_registration_hook(self._on_state),
                          register_module_buffer_registration_hook(self._on_state),
                          register_module_module_registration_hook(self._on_child)]
@@ -133,10 +131,8 @@ class UndistributedWatch:
                 self._external[p] = True
             return
         count = len(module._parameters)
-        if not count or self._clean_modules.get(module) == count:
-            return
-        strategy = self._checking()
-        if strategy is None:
+        if not count or self._clean_modules.get(module) == count or \
+                (strategy := self._checking()) is None:
             return
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or self._distributed(p):
@@ -146,26 +142,18 @@ class UndistributedWatch:
                 raise _error(strategy, what, "is used with gradients in strategy.run")
             if p not in self._armed:
                 self._armed[p] = True
-                p.register_post_accumulate_grad_hook(self._backward_check(what))
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, what))
         self._clean_modules[module] = count
 
-    def _backward_check(self, what: str) -> Any:
-        me = weakref.ref(self)
-
-        def check(p: torch.Tensor) -> None:
-            watch = me()
-            strategy = watch._checking() if watch is not None else None
-            if strategy is not None and watch is not None and not watch._distributed(p):
-                raise _error(strategy, what, "got a gradient in backward()")
-
-        return check
+    def _on_grad(self, what: str, p: torch.Tensor) -> None:
+        strategy = self._checking()
+        if strategy is not None and not self._distributed(p):
+            raise _error(strategy, what, "got a gradient in backward()")
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         count = sum(len(g["params"]) for g in optimizer.param_groups)
-        if self._clean_optimizers.get(optimizer) == count:
-            return
-        strategy = self._checking()
-        if strategy is None:
+        if self._clean_optimizers.get(optimizer) == count or \
+                (strategy := self._checking()) is None:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         pending = False  # an undistributed trainable parameter without a gradient yet

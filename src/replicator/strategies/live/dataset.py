@@ -38,7 +38,7 @@ class LiveDataset:
         self._epoch = 0            # the epoch of the next one-epoch pass
         self._pass_epoch: int | None = None
         self._last: Any = None
-        engine.expect_progress(self._check_progress)
+        engine.progress_check = self._check_progress
 
     # -- what a DataLoader answers ---------------------------------------------------------------
     def __len__(self) -> int:
@@ -113,28 +113,16 @@ class LiveDataset:
         if quorum.step >= self._end():
             return None
         new = self._cut(quorum)
-        found = False
-
-        def swap(arg: Any) -> Any:
-            nonlocal found
-            if arg is last:
-                found = True
-                return new
-            if isinstance(last, (tuple, list)):
-                for i, item in enumerate(last):
-                    if arg is item:
-                        found = True
-                        return new[i]
-            return arg
-
-        out = tuple(swap(a) for a in args)
-        if not found:
+        # the batch itself, else its parts: the first of them an argument is, by identity
+        pairs = [(last, new), *(zip(last, new) if isinstance(last, (tuple, list)) else ())]
+        fresh = {id(old): cut for old, cut in reversed(pairs)}
+        if not any(id(a) in fresh for a in args):
             raise LiveRecoveryError(
                 f"{self.engine.who} must redo step {quorum.step} with a new quorum but cannot "
                 "find the batch the distributed dataset gave among strategy.run's arguments. "
                 "HINT: pass the batch (or its parts) from the distributed dataset to "
                 "strategy.run as they are")
-        return out
+        return tuple(fresh.get(id(a), a) for a in args)
 
     # -- backups ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -143,7 +131,7 @@ class LiveDataset:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hand a :meth:`state_dict` read from disk to the engine, for its ``resume_at``."""
-        self.engine.load_backup_state(state)
+        self.engine.from_backup = state or None
 
     # -- healing ---------------------------------------------------------------------------------
     def progress(self, step: int) -> dict[str, Any]:

@@ -108,9 +108,11 @@ class LiveEngine:
         self._rounds: RoundOwner | None = None
         self._in_round = 0            # rounds: steps taken since the round's start
         self._round_start: dict[str, Any] | None = None
-        self._from_backup: dict[str, Any] | None = None  # read from disk for resume_at
+        #: A :meth:`backup_state` read from disk (by the live dataset) for :meth:`resume_at`.
+        self.from_backup: dict[str, Any] | None = None
         self._healed_now = False
-        self._progress_check: Callable[[dict[str, Any]], None] | None = None
+        #: ``check(progress)`` run on a peer's progress before its state is loaded (the dataset's).
+        self.progress_check: Callable[[dict[str, Any]], None] | None = None
         self._leave_requested = False
         self._announce_leave = False  # this group tells the others in this step's all-reduce
         self._leave_announced = False
@@ -167,9 +169,8 @@ class LiveEngine:
         return self.settings.bind, int(port.item())
 
     def _install_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
             def request_leave(signum: int, frame: Any) -> None:
                 self._leave_requested = True
 
@@ -208,20 +209,16 @@ class LiveEngine:
             else self._state()
         return {"round_steps": self._rounds.round_steps, "round_start": start}
 
-    def load_backup_state(self, state: dict[str, Any] | None) -> None:
-        """Keep a :meth:`backup_state` read from disk for the :meth:`resume_at` that follows."""
-        self._from_backup = state or None
-
     def resume_at(self, step: int) -> None:
         """Continue from committed step ``step`` (restored from a backup on disk, when every
         group was lost at once); a peer further on still heals this group. In rounds, from
         the start of the round ``step`` is in (see the module doc), with the state the backup
-        holds for it (:meth:`load_backup_state` first)."""
+        holds for it (:attr:`from_backup`)."""
         self._quorum_due = True
         if self._rounds is None:
             self.manager.load_state_dict({"step": int(step), "batches_committed": int(step)})
             return
-        saved, self._from_backup = self._from_backup, None
+        saved, self.from_backup = self.from_backup, None
         h = self._rounds.round_steps
         if not saved or "round_start" not in saved:
             raise LiveRecoveryError(
@@ -237,7 +234,7 @@ class LiveEngine:
                 "round cannot go on here. HINT: resume with the inner_steps (and fragments) of "
                 "the run that wrote it, or start in another backup directory")
         start = int(saved["round_start"]["progress"]["step"])
-        self._apply(saved["round_start"], self._progress_check)
+        self._apply(saved["round_start"], self.progress_check)
         self.manager.load_state_dict({"step": start // h, "batches_committed": start // h})
         self._round_start = None
         if start != step:
@@ -371,10 +368,7 @@ class LiveEngine:
         start = self._add("allreduce", start)
         unflatten_grads(buckets)
         start = self._add("bookkeeping", start)
-        committed = self.manager.should_commit()
-        self._add("commit", start)
-        if not committed:
-            raise StepNotCommitted(f"{self.who}: step {quorum.step} was not committed")
+        self._vote(start, f"step {quorum.step}")
         if float(buckets[0][1][-1]) > 0.5:  # a group leaves: every group joins a quorum next
             self._quorum_due = True
             self._leave_announced = self._announce_leave
@@ -395,7 +389,7 @@ class LiveEngine:
             work.wait()
             if self._in_round != started_at:
                 self.manager.allreduce(torch.zeros(1), reduce_op=dist.ReduceOp.SUM).wait()
-            self._commit_round(quorum, self._add("allreduce", start))
+            self._vote(self._add("allreduce", start), f"the round ending at step {quorum.step}")
             return flat
         return finish
 
@@ -411,7 +405,7 @@ class LiveEngine:
                                    f"{self.who}: the all-gather across the replica groups for "
                                    f"the round ending at step {quorum.step}")
         total = combine(parts).div_(quorum.participants) if parts is not None else None
-        self._commit_round(quorum, self._add("allreduce", start))
+        self._vote(self._add("allreduce", start), f"the round ending at step {quorum.step}")
         if total is None:  # the failure went to the Manager, whose should_commit said no
             raise LiveRecoveryError(f"{self.who}: the round ending at step {quorum.step} was "
                                     "committed after its all-gather failed; please report "
@@ -425,14 +419,13 @@ class LiveEngine:
                                     "report this as a bug")
         return quorum
 
-    def _commit_round(self, quorum: Quorum, start: float) -> None:
-        """Ask whether the round ending now may be committed; ``StepNotCommitted`` if not."""
+    def _vote(self, start: float, what: str) -> None:
+        """Ask whether ``what``, ending now, may be committed; ``StepNotCommitted`` if not."""
         committed = self.manager.should_commit()
         self._add("commit", start)
         if not committed:
-            raise StepNotCommitted(f"{self.who}: the round ending at step {quorum.step} was "
-                                   "not committed")
-        self._in_round = 0
+            raise StepNotCommitted(f"{self.who}: {what} was not committed")
+        self._in_round = 0  # in rounds: the next round starts (always 0 without rounds)
 
     def run_step(self, call: Callable[[tuple], Any], args: tuple) -> Any:
         """Run one step through ``call(args)``, redone with the next quorum until committed."""
@@ -487,10 +480,6 @@ class LiveEngine:
         return new_args
 
     # -- state for healing -------------------------------------------------------------------------
-    def expect_progress(self, check: Callable[[dict[str, Any]], None] | None) -> None:
-        """``check(progress)`` runs on a peer's progress before its state is loaded."""
-        self._progress_check = check
-
     def _state(self) -> dict[str, Any]:
         progress: dict[str, Any] = {"step": self.committed_steps}
         if self.source is not None:
@@ -509,7 +498,7 @@ class LiveEngine:
 
     def _load_state(self, state: dict[str, Any]) -> None:
         start = time.perf_counter()
-        self._apply(state, self._progress_check)
+        self._apply(state, self.progress_check)
         self.last_heal_seconds = time.perf_counter() - start + (
             self._transport.last_recv_seconds or 0.0)
         self._healed_now = True

@@ -39,18 +39,16 @@ from replicator.comm.shm_segment import (
     shared_memory_problem,
 )
 from replicator.errors import ReplicatorError
-from replicator.strategies.live.settings import TRANSPORTS
 
 log = logging.getLogger("replicator")
 logger = logging.getLogger(__name__)
 
 
 class LiveProcessGroup(ProcessGroupGloo):  # type: ignore[misc]
-    """torchft's ``ProcessGroupGloo`` with a same-host shared-memory sum (see the module doc)."""
+    """torchft's ``ProcessGroupGloo`` with a same-host shared-memory sum (see the module doc);
+    ``transport``: one of ``LiveSettings``' (checked there)."""
 
     def __init__(self, timeout: timedelta, transport: str = "auto") -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         super().__init__(timeout=timeout)
         self._transport = transport
         self._shared: SharedMemoryAllReduce | None = None

@@ -142,8 +142,7 @@ def _load_module(module: torch.nn.Module, state: dict[str, Any]) -> None:
                 plain[key] = value
     if plain:
         missing = module.load_state_dict(plain, strict=False)
-        dtensor_keys = {k for k, v in state.items() if isinstance(v, dict) and _DTENSOR in v}
-        absent = [k for k in missing.missing_keys if k not in dtensor_keys]
+        absent = [k for k in missing.missing_keys if k not in state]  # local shards are loaded
         if absent or missing.unexpected_keys:
             raise KeyError(", ".join([*absent, *missing.unexpected_keys]))
 
