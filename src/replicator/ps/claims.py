@@ -91,25 +91,20 @@ class ClaimLedger:
 
     def state(self) -> dict[str, Any]:
         """JSON for a checkpoint (batches in flight count as not consumed)."""
-        return {f"{k[0]}:{k[1]}": {"total": s.total, "next": s.next_fresh,
-                         "returned": sorted(s.returned + [i for v in s.in_flight.values()
-                                                          for i in v]),
-                         "consumed": s.consumed,
-                         "by_worker": {str(w): n for w, n in s.by_worker.items()}}
-                for k, s in self.epochs.items()}
+        return {f"{k[0]}:{k[1]}": {
+            "total": s.total, "next": s.next_fresh, "consumed": s.consumed,
+            "returned": sorted(s.returned + [i for v in s.in_flight.values() for i in v]),
+            "by_worker": {str(w): n for w, n in s.by_worker.items()}}
+            for k, s in self.epochs.items()}
 
     def load(self, state: dict[str, Any]) -> None:
-        self.epochs = {_key(k): _Epoch(total=int(s["total"]), next_fresh=int(s["next"]),
-                                      returned=[int(i) for i in s["returned"]],
-                                      consumed=[int(i) for i in s["consumed"]],
-                                      by_worker={int(w): int(n)
-                                                 for w, n in s["by_worker"].items()})
-                       for k, s in state.items()}
-
-
-def _key(text: str) -> Key:
-    stream, epoch = text.split(":")
-    return int(stream), int(epoch)
+        self.epochs = {}
+        for k, s in state.items():
+            stream, epoch = k.split(":")
+            self.epochs[int(stream), int(epoch)] = _Epoch(
+                total=int(s["total"]), next_fresh=int(s["next"]),
+                returned=[int(i) for i in s["returned"]], consumed=[int(i) for i in s["consumed"]],
+                by_worker={int(w): int(n) for w, n in s["by_worker"].items()})
 
 
 class ClaimedBatches:
@@ -129,9 +124,8 @@ class ClaimedBatches:
 
     def __len__(self) -> int:
         """Batches in one epoch, over all workers together."""
-        if self.drop_last:
-            return self.size // self.batch_size
-        return math.ceil(self.size / self.batch_size)
+        return self.size // self.batch_size if self.drop_last else \
+            math.ceil(self.size / self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next pass at ``epoch`` (a restarted job continues where it was)."""

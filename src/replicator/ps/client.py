@@ -262,8 +262,32 @@ class ServerClient:
         server, then (``pull``) read back the dense shards' values. ``claim``: the input batch
         it consumes; ``task`` (task id, push number): applied at most once by each server, in
         two phases with ``atomic`` and several servers (the whole update from one attempt)."""
+        def values(k: int, conn: Connection) -> int:
+            return self._read_values(k, conn, sink) if pull else 0
+
         if task is not None and atomic and len(self.connections) > 1:
-            return self._push_task(grads, sink, pull, task)
+            # in two phases (prepare everywhere, then commit), so that a re-run's commit
+            # applies the first attempt's update, never its own
+            def prepare(k: int, conn: Connection) -> None:
+                items = grads.get(k, [])
+                # through the lane: the server copies what it holds before it answers PREPARED
+                conn.send_many(_gradient_messages(items)
+                               + [(P.TASK_PREPARE, task[0], task[1], None, len(items), 0, 0)],
+                               shared=True)
+
+            self.exchange(prepare, lambda k, conn: self._expect(
+                k, conn.receive("waiting for a prepared update"), P.PREPARED).a)
+
+            def commit(k: int, conn: Connection) -> None:
+                conn.send(P.TASK_COMMIT, var_id=task[0], version=task[1], b=int(pull))
+                if k == 0:
+                    fault_points.fire("between_server_commits", task=task[0], push=task[1])
+
+            # every server at once: once all hold the update, a commit that reached any one
+            # decides it (a re-run's prepare finds it applied or held everywhere, and its
+            # commit applies the held first attempt), so the commits need no order: one round
+            # trip. Functions with staleness=0 run one at a time: no read falls between two.
+            return self.exchange(commit, values)
 
         def send(k: int, conn: Connection) -> None:
             stream, epoch, token = (claim[0], claim[1], claim[2] + 1) \
@@ -277,35 +301,7 @@ class ServerClient:
             if task is not None and k == 0 and len(self.connections) > 1:
                 fault_points.fire("between_server_pushes", task=task[0], push=task[1])
 
-        return self.exchange(send, lambda k, conn: self._read_values(k, conn, sink) if pull else 0)
-
-    def _push_task(self, grads: dict[int, list[Push]], sink: Sink, pull: bool,
-                   task: tuple[int, int]) -> list[int]:
-        """A coordinator's update to several servers in two phases (prepare everywhere, then
-        commit), so that a re-run's commit applies the first attempt's update, never its own."""
-        def prepare(k: int, conn: Connection) -> None:
-            items = grads.get(k, [])
-            # through the lane: the server copies what it holds before it answers PREPARED
-            conn.send_many(_gradient_messages(items)
-                           + [(P.TASK_PREPARE, task[0], task[1], None, len(items), 0, 0)],
-                           shared=True)
-
-        self.exchange(prepare, lambda k, conn: self._expect(
-            k, conn.receive("waiting for a prepared update"), P.PREPARED).a)
-
-        def commit(k: int, conn: Connection) -> None:
-            conn.send(P.TASK_COMMIT, var_id=task[0], version=task[1], b=int(pull))
-            if k == 0:
-                fault_points.fire("between_server_commits", task=task[0], push=task[1])
-
-        def applied(k: int, conn: Connection) -> int:
-            return self._read_values(k, conn, sink) if pull else 0
-
-        # every server at once: once all hold the update, a commit that reached any one
-        # decides it (a re-run's prepare finds it applied or held everywhere, and its commit
-        # applies the held first attempt), so the commits need no order: one round trip.
-        # Functions with staleness=0 run one at a time: no read falls between two commits.
-        return self.exchange(commit, applied)
+        return self.exchange(send, values)
 
     def request(self, kind: int, answer: int, what: str, servers: list[int] | None = None,
                 tensor: torch.Tensor | None = None, **fields: int) -> list[Message]:

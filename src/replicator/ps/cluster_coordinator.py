@@ -85,8 +85,7 @@ class RemoteValue:
         """Whether the function has finished (the chief may call it alone)."""
         c = self._coordinator
         if not c.is_chief:
-            request = Request(VALUE_DONE_CALL, 0, self._number, c._scheduled)
-            return bool(c._worker_done(request)["finished"])
+            return c._worker_done(Request(VALUE_DONE_CALL, 0, self._number, c._scheduled))
         return c._tasks[self._number].state in ENDED
 
     def __repr__(self) -> str:
@@ -256,8 +255,7 @@ class ClusterCoordinator:
         chief may call it alone; on a worker it runs a function if one is waiting, then
         answers for the functions its own script scheduled."""
         if not self.is_chief:
-            answer = self._worker_done(Request(DONE_CALL, 0, self._reported, self._scheduled))
-            return bool(answer["finished"])
+            return self._worker_done(Request(DONE_CALL, 0, self._reported, self._scheduled))
         error = self._take_error()
         finished = self._queue is None or self._queue.pending() == 0
         if error is not None:
@@ -324,12 +322,12 @@ class ClusterCoordinator:
             return
         self._finished = True
         if self._channel is not None:
-            end, where = Request(MARKER_CALL, -1, -1, self._scheduled), "the end of its script"
+            end = Request(MARKER_CALL, -1, -1, self._scheduled)
             try:
                 try:
-                    self._check_marker(self._channel.serve_until(end), where, -1)
+                    self._check_marker(self._channel.serve_until(end), end)
                 except StopServing:
-                    self._check_counts(decode(*self._channel.stop_value), where)
+                    self._check_counts(decode(*self._channel.stop_value), end.where())
             except CallMismatchError as exc:
                 print(f"[replicator] {exc}", file=sys.stderr, flush=True)
             finally:
@@ -360,19 +358,20 @@ class ClusterCoordinator:
 
     def _mirror_join(self, seq: int) -> None:
         """A worker's join(): returns (or raises) what the chief's join() did."""
-        where = f"coordinator.join() (call {seq})"
-        answer = self._check_marker(
-            self._serve(Request(MARKER_CALL, seq, -1, self._scheduled)), where, seq)
-        self._check_counts(answer, where)
+        request = Request(MARKER_CALL, seq, -1, self._scheduled)
+        answer = self._check_marker(self._serve(request), request)
+        self._check_counts(answer, request.where())
         if "error" in answer:
             self._reported = max(self._reported, int(answer.get("task", -1)))
             raise rebuild_error(answer)
 
-    def _check_marker(self, reply: Marker, where: str, seq: int) -> dict[str, Any]:
-        """The chief's join marker's value, if it is the one this worker's call waits for."""
+    def _check_marker(self, reply: Marker, request: Request) -> dict[str, Any]:
+        """The chief's join marker's value, if it is the one this worker's ``request`` waits
+        for (a join's of that number, or none for the end and a fetch)."""
+        seq = request.seq if request.call == MARKER_CALL else -1
         if reply.kind != "join" or reply.seq != seq:
             raise CallMismatchError(
-                f"worker rank {self._rank} reached {where} but the chief reached "
+                f"worker rank {self._rank} reached {request.where()} but the chief reached "
                 f"coordinator.join() (call {reply.seq}). {SAME_CALLS_HINT}")
         return dict(decode(*reply.value))
 
@@ -390,20 +389,21 @@ class ClusterCoordinator:
 
     def _worker_fetch(self, number: int) -> Any:
         """A worker's fetch(): the chief's value of function ``number`` (or its error)."""
-        reply = self._serve(Request(FETCH_CALL, 0, number, self._scheduled))
+        request = Request(FETCH_CALL, 0, number, self._scheduled)
+        reply = self._serve(request)
         if reply.kind:
-            self._check_marker(reply, f"fetch() of schedule #{number}", -1)
+            self._check_marker(reply, request)
         if reply.failed:
             raise rebuild_error(decode(*reply.value))
         return decode(*reply.value)
 
-    def _worker_done(self, request: Request) -> dict[str, Any]:
+    def _worker_done(self, request: Request) -> bool:
         """A worker's done(): whether its functions finished; raises a failure it has not."""
         answer = dict(decode(*self._serve(request).value))
         if answer.get("task", -1) >= 0 and "error" in answer:
             self._reported = int(answer["task"])
             raise rebuild_error(answer)
-        return answer
+        return bool(answer["finished"])
 
     def _call(self, task_id: int, key: str, name: str, args: str,
               tensors: list[torch.Tensor]) -> Payload:
@@ -417,7 +417,7 @@ class ClusterCoordinator:
         try:
             value = fn(*call["args"], **call["kwargs"])
         finally:
-            self.strategy._end_task()
+            self.strategy._begin_task(None)
         return encode(value, f"the value returned by {name}")
 
     def _resolve(self, number: int) -> Any:

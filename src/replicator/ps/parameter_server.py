@@ -371,15 +371,13 @@ class ParameterServerStrategy(Strategy):
         self._client.pull(self._expected(everything=True), self._receive, everything=True)
 
     # -- coordinator functions -------------------------------------------------------------------
-    def _begin_task(self, task_id: int) -> None:
+    def _begin_task(self, task_id: int | None) -> None:
         """A coordinator's function starts here: its pushes carry ``task_id`` (the servers
-        apply each once); with ``staleness=0`` it first reads every committed update."""
-        self._task = [task_id, 0]
-        if self.staleness is not None and self._shards:
+        apply each once); with ``staleness=0`` it first reads every committed update. ``None``:
+        the function ended."""
+        self._task = None if task_id is None else [task_id, 0]
+        if task_id is not None and self.staleness is not None and self._shards:
             self._client.pull(self._expected(), self._receive, begin=bool(self.staleness))
-
-    def _end_task(self) -> None:
-        self._task = None
 
     def traffic(self) -> dict[str, int]:
         """Bytes this worker has sent to and received from the servers (socket or lane)."""

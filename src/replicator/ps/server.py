@@ -415,7 +415,7 @@ class ParameterServer(ServerUpdates):
         """The values of the named rows of sparse table shards (each shard's own numbering);
         ``served`` keeps the ids for a gradient of those rows (``GRAD`` with ``c=2``)."""
         with self.lock:
-            out = []
+            out: list[tuple[int, int, torch.Tensor]] = []
             for sid, ids in sorted(rows.items()):
                 shard = self.shards.get(sid)
                 if shard is None:
@@ -424,13 +424,12 @@ class ParameterServer(ServerUpdates):
                 if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= len(shard.param)):
                     raise P.ParameterServerError(f"rows outside shard {sid} of "
                                                  f"{len(shard.param)} rows")
-                out.append((P.VALUE, sid, shard.version,
-                            shard.param.detach().index_select(0, ids), 0, 0, 0))
+                out.append((sid, shard.version, shard.param.detach().index_select(0, ids)))
                 served[sid] = ids.clone()  # the ids may sit in the worker's lane: kept
             clock = self.clock
         # through the worker's lane when they fit: it copies the rows out before it asks again
-        conn.send_many(out + [(P.VALUES_END, -1, clock, None, len(out), 0, 0)],
-                       shared=conn.fits_shared([m[3] for m in out]))
+        conn.send_many(value_messages(out, clock, False, in_parts=False),
+                       shared=conn.fits_shared([v for _, _, v in out]))
 
     def _pull(self, conn: Connection, worker: int, expected: int, begin: bool,
               everything: bool = False, repeat: bool = False) -> None:

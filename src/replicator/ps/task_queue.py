@@ -173,15 +173,15 @@ class Request:
     task: int = -1
     horizon: int = UNLIMITED
 
-    def describe(self) -> str:
+    def where(self) -> str:
+        """The call, as an error names it."""
         if self.call == MARKER_CALL:
-            where = "the end of its script" if self.seq < 0 else \
+            return "the end of its script" if self.seq < 0 else \
                 f"coordinator.join() (call {self.seq})"
-        elif self.call == FETCH_CALL:
-            where = f"fetch() of schedule #{self.task}"
-        else:
-            where = "done()"
-        return f"{where} having scheduled {self.horizon} function(s)"
+        return f"fetch() of schedule #{self.task}" if self.call == FETCH_CALL else "done()"
+
+    def describe(self) -> str:
+        return f"{self.where()} having scheduled {self.horizon} function(s)"
 
 
 @dataclass
@@ -222,7 +222,6 @@ class TaskQueue:
         #: at most one taken ahead.
         self.running: dict[int, list[Task]] = {}
         self.error: BaseException | None = None
-        self.next_id = 0
         #: Per worker, its last :class:`Request`; ``waiting``: those blocked in it; ``ended``:
         #: the workers whose script ended (said BYE), with the functions it had scheduled.
         self.requests: dict[int, Request] = {}
@@ -235,8 +234,7 @@ class TaskQueue:
     def add(self, key: str, name: str, args: Payload, task_id: int | None = None) -> Task:
         """Queue a function; ``task_id``: its schedule number (default: the next one)."""
         with self.cond:
-            task = Task(self.next_id if task_id is None else task_id, key, name, args)
-            self.next_id = task.task_id + 1
+            task = Task(len(self.tasks) if task_id is None else task_id, key, name, args)
             self.tasks[task.task_id] = task
             self.queue.append(task)
             self.cond.notify_all()
@@ -246,7 +244,6 @@ class TaskQueue:
         """Schedule number ``task_id`` raised on the chief: a worker's ``fetch`` raises it too."""
         with self.cond:
             self.tasks[task_id] = Task(task_id, "", name, ("null", []), state=FAILED, error=error)
-            self.next_id = max(self.next_id, task_id + 1)
             self.cond.notify_all()
 
     def post(self, kind: str, seq: int, value: Payload) -> None:
