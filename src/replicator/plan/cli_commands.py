@@ -139,7 +139,6 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-
 def _plan(args: argparse.Namespace, script_args: list[str]) -> int:
     from replicator.plan import planner
     from replicator.plan.devices import get_device, parse_link

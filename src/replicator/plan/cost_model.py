@@ -297,7 +297,6 @@ def fsdp_units(model: ModelProfile) -> int:
     return max(1, model.fsdp_units or model.weight_tensors)
 
 
-
 def _fsdp_costs(s: _Step) -> _Costs:
     """Blocks gathered for forward and backward, gradients reduce-scattered, state sharded."""
     c, n, m = s.c, s.n, s.m
@@ -326,7 +325,6 @@ def _fsdp_costs(s: _Step) -> _Costs:
         comm += 3 * units * (n - 1) * alpha
     comm *= 1.0 - c.device.overlap * 0.5  # prefetching hides part of the all-gathers
     return _Costs(s.compute(m.global_batch / n), comm, opt_share=1.0 / n)
-
 
 
 def _pipeline_costs(s: _Step) -> _Costs:

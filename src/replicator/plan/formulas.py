@@ -95,9 +95,8 @@ def exchange_cost(param_bytes: float, hosts: int, link: Link, compression: str |
     if hosts == 1:
         return outer_step, 0.0
     if compression is None:
-        sent = 2 * (hosts - 1) / hosts * param_bytes
-        return outer_step + ring_allreduce_seconds(param_bytes, hosts, link.bandwidth,
-                                                   link.alpha), sent
+        return (outer_step + ring_allreduce_seconds(param_bytes, hosts, link.bandwidth, link.alpha),
+                allreduce_traffic_bytes(param_bytes, hosts))
     from replicator.comm.block_quantize import payload_bytes  # torch: not at the CLI's start
 
     payload = payload_bytes(max(1, int(param_bytes // 4)), _BITS[compression])

@@ -210,7 +210,6 @@ def _local_backward_seconds() -> float:
     return _forward_backward_seconds(torch.nn.Linear(8, 8), torch.randn(8, 8), rounds=7)
 
 
-
 def local_step_seconds(batch: int = 8, width: int = 8, optimizer: str = "sgd") -> float:
     """The 4-block model's step without any strategy (measured before one exists)."""
     model = tiny_chain(width=width)

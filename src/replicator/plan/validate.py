@@ -110,13 +110,11 @@ def validate_interleaved(model: ModelProfile, machine: MachineProfile,
                               warmup=warmup, quiet=quiet)
     models, machines, reports = [model], [machine], []
     for i in range(repeat):
+        log(f"pass {i + 1} of {repeat}" + (": profiling again ..." if i else ""))
         if i:
-            log(f"pass {i + 1} of {repeat}: profiling again ...")
             models.append(reprofile())
             if remeasure is not None:
                 machines.append(remeasure())
-        else:
-            log(f"pass 1 of {repeat}")
         last = models[-1]
         one_thread = last.compute_1thread(last.global_batch)
         log(f"pass {i + 1}: the profile's step {last.step_seconds * 1e3:.3g} ms (forward and "
