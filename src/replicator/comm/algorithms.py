@@ -7,6 +7,7 @@ two hooked models keep their compression state apart.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -216,16 +217,14 @@ def as_torch_future(handle: Handle, value: torch.Tensor,
         [value.device] if value.device.type == "cuda" else None
     fut: torch.futures.Future = torch.futures.Future(devices=devices)
     if isinstance(handle, ThreadHandle):
-        def complete(error: BaseException | None) -> None:
-            if error is not None:
-                fut.set_exception(error)
-                return
+        def complete(done: concurrent.futures.Future) -> None:  # on the lane
             try:
+                done.result()  # the lane's error, if any
                 fut.set_result(finish(value))
             except BaseException as exc:  # noqa: BLE001 - handed to the future's waiter
                 fut.set_exception(exc)
 
-        handle.future.add_done_callback(lambda f: complete(f.exception()))  # on the lane
+        handle.future.add_done_callback(complete)
         return fut
     handle.wait()
     fut.set_result(finish(value))

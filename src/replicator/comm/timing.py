@@ -23,10 +23,8 @@ ENV = "REPLICATOR_COMM_TIMING"
 _enabled: bool | None = None
 _lock = threading.Lock()
 _local = threading.local()
-_exposed = 0.0
-_calls = 0
-_background = 0.0
-_background_calls = 0
+#: exposed seconds, calls, background seconds, background calls (``CommTime``'s fields)
+_totals: list[float] = [0.0, 0, 0.0, 0]
 _regions: dict[str, float] = {}
 _open_regions: set[str] = set()  # main thread only: a nested region of a name counts once
 
@@ -78,7 +76,6 @@ def start(device: torch.device | None = None) -> float | None:
 
 def stop(token: float | None, device: torch.device | None = None) -> None:
     """End the collective started by :func:`start` (safe with ``None``)."""
-    global _exposed, _calls, _background, _background_calls
     if token is None and not (_enabled if _enabled is not None else enabled()):
         return
     depth = getattr(_local, "depth", 0)
@@ -87,13 +84,10 @@ def stop(token: float | None, device: torch.device | None = None) -> None:
         return
     _synchronize(device)
     elapsed = time.perf_counter() - token
+    at = 0 if threading.current_thread() is threading.main_thread() else 2
     with _lock:
-        if threading.current_thread() is threading.main_thread():
-            _exposed += elapsed
-            _calls += 1
-        else:
-            _background += elapsed
-            _background_calls += 1
+        _totals[at] += elapsed
+        _totals[at + 1] += 1
 
 
 @contextlib.contextmanager
@@ -123,12 +117,11 @@ def region_seconds(name: str) -> float:
 def snapshot() -> CommTime:
     """The totals so far (cheap; take one before and after a region and subtract)."""
     with _lock:
-        return CommTime(_exposed, _calls, _background, _background_calls)
+        return CommTime(_totals[0], int(_totals[1]), _totals[2], int(_totals[3]))
 
 
 def reset() -> None:
     """Set every total back to zero."""
-    global _exposed, _calls, _background, _background_calls
     with _lock:
-        _exposed, _calls, _background, _background_calls = 0.0, 0, 0.0, 0
+        _totals[:] = [0.0, 0, 0.0, 0]
         _regions.clear()

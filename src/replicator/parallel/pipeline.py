@@ -457,8 +457,7 @@ class PipelineRunner:
             for t in [*stage.parameters(), *stage.buffers()]:
                 holder[id(t)] = min(holder.get(id(t), self.owners[s]), self.owners[s])
         out: dict[str, Any] = {}
-        done: dict[int, torch.Tensor] = {}
-        seen: set[int] = set()
+        done: dict[int, torch.Tensor] = {}  # by id: a tied weight's second name is skipped
         with self._guard(self._what(f"gather of the full state dict on rank "
                                     f"{self.global_ranks[dst]}")):
             for name, t in self.model.state_dict(keep_vars=True).items():
@@ -467,14 +466,12 @@ class PipelineRunner:
                     if self.me == dst:
                         out[name] = t.detach() if isinstance(t, torch.Tensor) else t
                     continue
-                if id(t) not in seen:  # a tied weight's second name: the same tensor
-                    seen.add(id(t))
-                    if self.me == src == dst:
-                        done[id(t)] = t.detach()
-                    elif self.me == src:
-                        self._send(t.detach(), dst)
-                    elif self.me == dst:
-                        done[id(t)] = self._recv(src)
+                if id(t) not in done and self.me == src:
+                    done[id(t)] = t.detach()
+                    if src != dst:
+                        self._send(done[id(t)], dst)
+                elif id(t) not in done and self.me == dst:
+                    done[id(t)] = self._recv(src)
                 if self.me == dst:
                     out[name] = done[id(t)]
         return out

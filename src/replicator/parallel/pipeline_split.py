@@ -53,15 +53,6 @@ class _HiddenOnly(torch.nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-class _NormAndHead(torch.nn.Module):
-    def __init__(self, norm: torch.nn.Module, head: torch.nn.Module) -> None:
-        super().__init__()
-        self.norm, self.head = norm, head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(x))
-
-
 def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | None:
     """A chain sharing ``model``'s modules and ``wrap(logits, loss=None)`` for its output, for a
     Hugging Face GPT-2 LM (blocks see no attention mask, as with sdpa); ``None`` otherwise."""
@@ -72,7 +63,7 @@ def known_chain(model: torch.nn.Module) -> tuple[torch.nn.Sequential, Any] | Non
         return None
     chain = torch.nn.Sequential(_TokenAndPositionEmbedding(body.wte, body.wpe, body.drop),
                                 *[_HiddenOnly(b) for b in body.h],
-                                _NormAndHead(body.ln_f, head))
+                                Stage([("ln_f", body.ln_f), ("lm_head", head)]))
     try:
         from transformers.modeling_outputs import (  # type: ignore[import-not-found, unused-ignore]
             CausalLMOutputWithCrossAttentions,
