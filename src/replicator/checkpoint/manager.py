@@ -356,13 +356,11 @@ class CheckpointManager:
                 "from it." if self.mirror is not None else
                 "Nothing holds that state. HINT: pass mirror='ckpt/' to keep a local copy of "
                 "every backup.")
-        err = CheckpointWriteError(
+        raise CheckpointWriteError(
             f"the object store {self.directory} was unreachable for the last {len(steps)} saves "
             f"(steps {', '.join(map(str, steps[-5:]))}); its newest backup is "
             f"{'step ' + str(self.latest_step) if self.latest_step is not None else 'none'}. "
-            f"{kept} Last error: {self.last_error}")
-        err.__cause__ = self.last_error
-        raise err
+            f"{kept} Last error: {self.last_error}") from self.last_error
 
     # -- restore -------------------------------------------------------------------------------
     def restore(self) -> Restored | None:

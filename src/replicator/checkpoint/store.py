@@ -408,41 +408,38 @@ class FsspecStorage:
     def prune(self, step: int, newest: str, keep: int, wait: bool = False) -> None:
         """Keep the newest ``keep`` commits up to ``step``; delete older ones, their data and
         uploads without a commit up to ``step`` (later ones may be the next save's, uploading)."""
-        try:
-            commits = self.saves()
-            kept = set([n for s, n in commits if s <= step][-keep:]) | {newest}
-            for _, n in commits:
-                if n not in kept:
-                    self.remove(f"{COMMITS}/{n}")
-            self._remove_data(kept, step)
-        except OSError as exc:
-            warnings.warn(f"could not remove old checkpoints in {self.url}: {exc}",
-                          RuntimeWarning, stacklevel=3)
-
-    def _remove_data(self, kept: set[str], upto: int | None) -> list[str]:
-        kept_ids = {n.removesuffix(".json") for n in kept}
-        removed = []
-        for folder in self.folders(DATA):
-            parsed = parse_commit_name(f"{folder}.json")
-            if folder not in kept_ids and parsed and (upto is None or parsed[0] <= upto):
-                self.remove(f"{DATA}/{folder}", recursive=True)
-                removed.append(folder)
-        return removed
+        self._drop(lambda commits: {*[n for s, n in commits if s <= step][-keep:], newest},
+                   step, "old checkpoints")
 
     def cleanup(self, after: int | None = None) -> list[str]:
         """With ``after`` (the chief, while no save runs): delete every save newer than it and
         every upload without a commit. Without: nothing (the next commit's pruning does it)."""
         if after is None:
             return []
+        return self._drop(lambda commits: {n for s, n in commits if s <= after}, None,
+                          "interrupted saves")
+
+    def _drop(self, keep: Callable[[list[tuple[int, str]]], set[str]], upto: int | None,
+              what: str) -> list[str]:
+        """Delete every commit but ``keep(commits)`` and the data of none of those up to step
+        ``upto``; returns the data folders removed (a store that fails: warned, none)."""
         try:
             commits = self.saves()
-            for s, name in commits:
-                if s > after:
+            kept = keep(commits)
+            for _, name in commits:
+                if name not in kept:
                     self.remove(f"{COMMITS}/{name}")
-            return self._remove_data({n for s, n in commits if s <= after}, None)
+            kept_ids = {n.removesuffix(".json") for n in kept}
+            removed = []
+            for folder in self.folders(DATA):
+                parsed = parse_commit_name(f"{folder}.json")
+                if folder not in kept_ids and parsed and (upto is None or parsed[0] <= upto):
+                    self.remove(f"{DATA}/{folder}", recursive=True)
+                    removed.append(folder)
+            return removed
         except OSError as exc:
-            warnings.warn(f"could not remove interrupted saves in {self.url}: {exc}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(f"could not remove {what} in {self.url}: {exc}", RuntimeWarning,
+                          stacklevel=4)
             return []
 
     def delete_all(self) -> None:
