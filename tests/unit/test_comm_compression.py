@@ -154,6 +154,6 @@ def test_bucket_state_is_bounded_and_released_per_owner():
     cast.all_reduce_sum(torch.randn(4), BucketLayout.from_shapes(0, [(4,)], owner=7),
                         _times(1), 1)
     NativeAllReduce(compression=cast).release_buckets(7)
-    assert len(cast._errors) == 0
+    assert len(cast._buckets) == 0
     with pytest.raises(ValueError, match="max_buckets"):
         PowerSGD(max_buckets=0)

@@ -1,9 +1,6 @@
-"""Cross-device all-reduce algorithms: each sums a flat tensor over a group in place and returns
-a handle, so communication overlaps ``backward()``. The backend's own and reduce-to-one here;
-a new one subclasses :class:`CrossDeviceOps` and implements ``_sum_now``. Any of them serves
-as a DDP communication hook (:func:`register_ddp_comm_hook`), each hook its own bucket owner so
-two hooked models keep their compression state apart.
-"""
+"""Cross-device all-reduce algorithms (docs/collectives.md): each sums a flat tensor over a group
+in place and returns a handle; any serves as a DDP communication hook, each hook its own bucket
+owner so two hooked models keep their compression state apart."""
 
 from __future__ import annotations
 
@@ -86,7 +83,7 @@ class CrossDeviceOps(ABC):
         if self.compression is not None:
             return self.all_reduce_sum_async(tensor, group, layout=layout)
         what = f"{self.name} reduce to group rank {dst} of {_describe(tensor)}"
-        return self._start_reduce(tensor, dst, group, what)
+        return self._start(tensor, group, what, dst)
 
     def release_buckets(self, owner: int | None = None) -> None:
         """Forget the compression state of ``owner``'s buckets (``None``: all), its model gone."""
@@ -121,11 +118,11 @@ class CrossDeviceOps(ABC):
                  private: dist.ProcessGroup) -> None:
         """Collective set-up over the caller's ``group``, on its thread, before the lane runs."""
 
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
-        return self._on_lane(group, what, tensor, lambda g: self._sum_now(tensor, g))
-
-    def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
-                      what: str) -> Handle:
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str,
+               dst: int | None = None) -> Handle:
+        """Start the sum of ``tensor`` (onto group rank ``dst`` only, when given) on the lane."""
+        if dst is None:
+            return self._on_lane(group, what, tensor, lambda g: self._sum_now(tensor, g))
         return self._on_lane(group, what, tensor, lambda g: self._reduce_now(tensor, dst, g))
 
     def _on_lane(self, group: dist.ProcessGroup | None, what: str, tensor: torch.Tensor,
@@ -154,11 +151,10 @@ class NativeAllReduce(CrossDeviceOps):
 
     name = "native"
 
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True) or DONE
-
-    def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
-                      what: str) -> Handle:
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str,
+               dst: int | None = None) -> Handle:
+        if dst is None:
+            return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True) or DONE
         return dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group,
                            async_op=True) or DONE
 
@@ -199,8 +195,7 @@ class ReductionToOneDevice(CrossDeviceOps):
         dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
         dist.broadcast(tensor, group_src=dst, group=group)
 
-    def _reduce_now(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None) -> None:
-        dist.reduce(tensor, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
+    _reduce_now = NativeAllReduce._reduce_now  # the backend's reduce, as in _sum_now
 
     def _fields(self) -> dict[str, object]:
         return {"destination": self.destination}

@@ -1,12 +1,9 @@
-"""Block quantisation of two-level training's outer updates: int8 or int4 values (4x or 8x fewer
-bytes) with one float32 scale per block, which confines an outlier to its block; plain torch.
+"""Block quantisation of two-level training's outer updates (docs/strategies/diloco.md): int8 or
+int4 values with one float32 scale per block, which confines an outlier to its block.
 
 Not a gradient ``Compression``: quantised values cannot be summed by an all-reduce, so payloads
-are all-gathered and decoded in rank order (the same bits everywhere); a payload's length
-(flat ``uint8``: packed values, then the scales) is fixed by ``numel``, ``bits`` and
-``block_size``. ``error_feedback`` carries what quantisation lost into the next payload (Seide
-et al. 2014). ``benchmarks/slow_links.py`` (2 hosts x 2, 137k parameters, H=50): int8 streaming
-put 16.3 kB per step on the hosts' links, 61.3 kB uncompressed, 2,329 kB synchronous.
+are all-gathered and decoded in rank order (the same bits everywhere); a payload (flat ``uint8``:
+packed values, then the scales) has a length fixed by ``numel``, ``bits`` and ``block_size``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Which rank is missing? Each rank publishes the collective it last entered, so a timeout can
-name the ranks that never arrived: a daemon thread writes ``(sequence number, operation, time)``
-to the store twice a second, keyed by group tag and global rank; the hot path bumps a counter.
-"""
+"""Which rank is missing? A daemon thread publishes the collective this rank last entered to the
+store twice a second, so a timeout can name the ranks that never arrived."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Cross-replica collectives with errors that say which rank, which operation, and why
-(timeouts, lost peers, and with ``check=True`` mismatched calls by fingerprint).
-
-Mispaired collectives give a silently wrong result or a backend abort, so a checked collective
-first all-reduces (MAX) ``[h, -h]``, ``h`` a 62-bit hash of the call: all agree when
-``max h == min h``. On a mismatch the ranks exchange descriptions and raise
-:class:`CollectiveMismatchError`.
-"""
+(timeouts, lost peers, and with ``check=True`` mismatched calls, found by exchanging a hash of
+each call first: docs/collectives.md, "Collective integrity")."""
 
 from __future__ import annotations
 
@@ -41,13 +36,12 @@ if TYPE_CHECKING:
     from replicator.comm.shared_memory import SharedMemoryAllReduce
 
 log = logging.getLogger("replicator")
-_MASK = (1 << 62) - 1
 
 
 def digest(text: str) -> int:
     """A non-negative 62-bit hash of ``text`` (so ``-h`` never overflows int64)."""
     raw = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little") & _MASK
+    return int.from_bytes(raw, "little") & ((1 << 62) - 1)
 
 
 def describe_tensor(tensor: torch.Tensor, axis: int | None = None) -> str:
@@ -381,9 +375,8 @@ class Collectives:
         return self.all_gather_many([tensor], axis, what)[0]
 
     def _gather_rows(self, flat: torch.Tensor, what: str) -> tuple[list[torch.Tensor], list[int]]:
-        """Every rank's 1-D uint8 ``flat`` (lengths may differ), padded to at least the
-        longest, and the lengths: one collective when every row fits in a frame of
-        ``FRAME_BYTES`` (the lengths travel in it), else a second with the whole rows."""
+        """Every rank's 1-D uint8 ``flat`` (lengths may differ), padded to at least the longest,
+        and the lengths; a second collective only for rows over :data:`FRAME_BYTES`."""
         n = flat.shape[0]
         frame = torch.zeros(8 + FRAME_BYTES, dtype=torch.uint8, device=self.device)
         frame[:8] = torch.tensor([n], dtype=torch.int64, device=self.device).view(torch.uint8)

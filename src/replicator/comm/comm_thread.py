@@ -1,10 +1,5 @@
-"""Communication lanes: per process group, a background thread with a private copy of the group,
-and the handles of communication in flight (the backend's ``Work``, :data:`DONE` or a lane's
-:class:`ThreadHandle`).
-
-Multi-step algorithms run on a lane so ``backward()`` goes on meanwhile; the private group and
-one task at a time in submission order keep two threads from pairing different operations.
-"""
+"""Communication lanes: per process group, a background thread with a private copy of the group
+(so two threads never pair different operations), and the handles of communication in flight."""
 
 from __future__ import annotations
 

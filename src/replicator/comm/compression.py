@@ -1,9 +1,5 @@
 """Gradient compression for any algorithm's all-reduce: fp16, bf16 and PowerSGD, sending a
 smaller tensor through the algorithm's sum, with error feedback (docs/collectives.md).
-
-:class:`BucketLayout` says where each gradient sits inside a flat bucket, so compression sees
-the matrix shapes; per-bucket state is keyed by ``BucketLayout.key``, at most ``max_buckets``
-(least recently used forgotten first, which only restarts its error feedback).
 """
 
 from __future__ import annotations
@@ -13,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -75,7 +71,8 @@ def unpack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
 
 
 class BucketStates(Generic[_State]):
-    """Per-bucket state keyed by ``BucketLayout.key``, least recently used forgotten first."""
+    """Per-bucket state keyed by ``BucketLayout.key``, at most ``max_buckets``: the least
+    recently used is forgotten first, which only restarts its error feedback."""
 
     def __init__(self, max_buckets: int = DEFAULT_MAX_BUCKETS) -> None:
         if isinstance(max_buckets, bool) or not isinstance(max_buckets, int) or max_buckets < 1:
@@ -114,14 +111,18 @@ class Compression(ABC):
     """How a gradient bucket is compressed before it travels (see the module doc)."""
 
     name: str = "compression"
+    #: Per-bucket state, forgotten by :meth:`release` (``None``: a stateless compression).
+    _buckets: BucketStates[Any] | None = None
 
     @abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor, layout: BucketLayout | None, sum_fn: SumFn,
                        world_size: int) -> None:
         """Replace ``tensor`` in place by the replicas' sum, compressed data sent by ``sum_fn``."""
 
-    def release(self, owner: int | None = None) -> None:  # noqa: B027 - stateless by default
+    def release(self, owner: int | None = None) -> None:
         """Forget the per-bucket state of ``owner``'s buckets (``None``: of every bucket)."""
+        if self._buckets is not None:
+            self._buckets.release(owner)
 
     @staticmethod
     def fp16(error_feedback: bool = False) -> CastCompression:
@@ -152,7 +153,7 @@ class CastCompression(Compression):
         self.dtype = dtype
         self.error_feedback = error_feedback
         self.name = "fp16" if dtype == torch.float16 else "bf16"
-        self._errors: BucketStates[torch.Tensor] = BucketStates(max_buckets)
+        self._buckets: BucketStates[torch.Tensor] = BucketStates(max_buckets)
 
     def all_reduce_sum(self, tensor: torch.Tensor, layout: BucketLayout | None, sum_fn: SumFn,
                        world_size: int) -> None:
@@ -164,18 +165,15 @@ class CastCompression(Compression):
             return
         x = tensor
         key = layout.key if (self.error_feedback and layout is not None) else None
-        error = self._errors.get(key) if key is not None else None
+        error = self._buckets.get(key) if key is not None else None
         if error is not None and error.shape == x.shape:
             x = x + error
         scaled = x / world_size
         low = scaled.to(self.dtype)
         if key is not None:
-            self._errors.put(key, (scaled - low.to(x.dtype)).mul_(world_size))
+            self._buckets.put(key, (scaled - low.to(x.dtype)).mul_(world_size))
         sum_fn(low)
         tensor.copy_(low).mul_(world_size)
-
-    def release(self, owner: int | None = None) -> None:
-        self._errors.release(owner)
 
     def __repr__(self) -> str:
         return f"Compression.{self.name}(error_feedback={self.error_feedback})"
@@ -190,13 +188,9 @@ class _BucketState:
 
 
 class PowerSGD(Compression):
-    """Send a rank-``rank`` approximation of each gradient matrix ``M`` (``n x m``, kernels
-    flattened) by one power iteration per step with a warm-started ``Q`` (Vogels et al., 2019):
-    ``P = sum(M Q)`` orthonormalised, ``Q = sum(M^T P)``, the sum ~ ``P Q^T``; ``(n + m) r``
-    numbers instead of ``n m`` (tensors where that saves nothing travel as they are). Error
-    feedback adds ``M - P P^T M`` to the next gradient. ``warm_up_steps``: steps per bucket sent
-    exact first. ``seed``: the initial ``Q``, the same on every replica per bucket index.
-    """
+    """Send a rank-``rank`` approximation of each gradient matrix, by one power iteration per
+    step from a warm-started ``Q`` (Vogels et al., 2019; docs/collectives.md): ``P = sum(M Q)``
+    orthonormalised, ``Q = sum(M^T P)``, the sum ~ ``P Q^T``. ``seed``: the first ``Q``."""
 
     name = "powersgd"
 
@@ -270,9 +264,6 @@ class PowerSGD(Compression):
             q = q.view_as(qs[i])
             views[i].copy_((ps[i] @ q.t()).view_as(views[i]))
             state.qs[i] = q / world_size  # the warm start for the next step
-
-    def release(self, owner: int | None = None) -> None:
-        self._buckets.release(owner)
 
     def error_bytes(self) -> int:
         """Bytes held for error feedback (for memory accounting)."""

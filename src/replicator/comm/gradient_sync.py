@@ -1,12 +1,8 @@
-"""Average gradients across replicas during ``backward()``, bucket by bucket (DDP's reducer).
-
-A hook starts a bucket's all-reduce once its gradients are in, in the same order on every rank;
-``.grad`` becomes a view of its bucket, a parameter without a gradient contributes zeros. With
-``check=True`` a fingerprint started at the first gradient is awaited at the first bucket.
-``buffer_sync``: ``"mean"`` (integer buffers broadcast), ``"broadcast"`` or ``"none"``.
-``automatic=False``: no hooks, :meth:`synchronize` averages all at once; ``enabled`` gates both
-(``no_sync``). ``destination=r`` reduces onto rank ``r`` only; DTensors sync their local shard.
-"""
+"""Average gradients across replicas during ``backward()``, bucket by bucket (DDP's reducer;
+docs/collectives.md): ``.grad`` becomes a view of its bucket, a parameter without a gradient
+contributes zeros. ``automatic=False``: no hooks, :meth:`synchronize` averages all at once;
+``enabled`` gates both (``no_sync``); ``destination=r`` reduces onto rank ``r`` only; DTensors
+sync their local shard."""
 
 from __future__ import annotations
 
@@ -29,11 +25,10 @@ _OWNERS = itertools.count(1)  # BucketLayout.owner: unique per synchronizer, nev
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores for ``t``: a DTensor's local shard, a plain tensor itself."""
-    to_local = getattr(t, "to_local", None)
-    if not callable(to_local):
+    if not _is_distributed_tensor(t):
         return t
     with torch.no_grad():
-        return to_local()
+        return t.to_local()  # type: ignore[attr-defined]
 
 
 def _is_distributed_tensor(t: torch.Tensor) -> bool:
@@ -69,7 +64,7 @@ class _Bucket:
 
     @property
     def what(self) -> str:
-        nbytes = self.layout.numel * torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = self.layout.numel * self.dtype.itemsize
         return f"all_reduce of gradient bucket {self.layout.index + 1} ({nbytes / 1e6:.1f} MB)"
 
 

@@ -1,10 +1,6 @@
-"""Facts about process groups that the algorithms need, the private groups they create, and
-backend failures turned into errors naming the rank and the operation.
-
-``new_group`` cannot make a group that only its members create under a name all compute alike:
-with ``use_local_synchronization`` the name hashes how many groups this process knows, which
-differs between processes, so members wait for each other until timeout.
-"""
+"""Facts about process groups that the algorithms need, the private groups they create (named by
+replicator: ``new_group``'s names differ between members, docs/collectives.md), and backend
+failures turned into errors naming the rank and the operation."""
 
 from __future__ import annotations
 
@@ -156,11 +152,10 @@ def new_private_group(ranks: list[int], purpose: str, timeout_seconds: float,
         helper = c10d._new_process_group_helper
         store = c10d._get_default_store()
     except (ImportError, AttributeError):  # a torch without the helper: torch names the group
-        found = dist.new_group(ranks, timeout=timeout, backend=backend,
-                               use_local_synchronization=True)
-        if found is None:  # cannot happen: the caller is a member
+        pg = dist.new_group(ranks, timeout=timeout, backend=backend,
+                            use_local_synchronization=True)
+        if pg is None:  # cannot happen: the caller is a member
             raise ClusterConfigError(f"rank {me} got no group for ranks {ranks}") from None
-        pg = found
     else:
         try:
             pg, _ = helper(len(ranks), ranks.index(me), ranks, backend, store,

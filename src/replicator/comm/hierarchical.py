@@ -1,8 +1,5 @@
-"""Hierarchical all-reduce: sum inside each host, all-reduce among host leaders, share back.
-
-Only one replica per host crosses hosts, so the slow network carries the tensor once per host;
-inside a host shared memory when every member can use it, else the backend.
-"""
+"""Hierarchical all-reduce: sum inside each host, all-reduce among host leaders, share back, so
+the slow network carries the tensor once per host."""
 
 from __future__ import annotations
 
@@ -127,7 +124,6 @@ class HierarchicalAllReduce(CrossDeviceOps):
 
     def forget_groups(self) -> None:  # the inner algorithms forget theirs themselves
         self._topologies.clear()
-
 
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         topo = self._topologies.get(group) if group is not None else None

@@ -1,8 +1,5 @@
-"""Ring all-reduce over point-to-point sends: reduce-scatter, then all-gather, pipelined.
-
-One chunk per replica, sent in ``segment_bytes`` segments so adding one overlaps receiving the
-next; each rank moves ``2 (W - 1) / W`` times the tensor, the minimum for an all-reduce.
-"""
+"""Ring all-reduce over point-to-point sends: reduce-scatter, then all-gather, each chunk sent in
+``segment_bytes`` segments so adding one overlaps receiving the next."""
 
 from __future__ import annotations
 
@@ -37,8 +34,7 @@ def _wait(work: dist.Work | None, group: dist.ProcessGroup | None, src: int, whe
 
 class RingAllReduce(CrossDeviceOps):
     """The ring. ``segment_bytes``: the unit that travels (2 MB); ``depth``: receives in flight
-    per step (16); receive buffers (at most ``depth x segment_bytes``) are kept for the next call.
-    """
+    per step (16); its receive buffers (at most ``depth x segment_bytes``) are kept for reuse."""
 
     name = "ring"
 

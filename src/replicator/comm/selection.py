@@ -1,8 +1,5 @@
-"""Pick the all-reduce algorithm from ``CommunicationOptions.implementation``.
-
-``"auto"``: NCCL on CUDA; on CPU shared memory on one host, hierarchical across hosts, gloo
-where shared memory cannot be used (the reason logged once); every rank chooses alike.
-"""
+"""Pick the all-reduce algorithm from ``CommunicationOptions.implementation``; ``"auto"`` chooses
+alike on every rank (docs/collectives.md)."""
 
 from __future__ import annotations
 

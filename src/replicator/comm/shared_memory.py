@@ -1,10 +1,6 @@
-"""Same-host all-reduce through shared memory, with no sockets involved.
-
-Each rank copies its piece into its slot of a shared segment, sums its chunk of every slot, and
-copies back: about 2x gloo on loopback. Buffers from :meth:`SharedMemoryAllReduce.make_buffers`
-(the gradient buckets) live in the segment: one pass, close to memcpy speed, asynchronous
-without a thread (which on CPU would compete with ``backward()``).
-"""
+"""Same-host all-reduce through a shared-memory segment, no sockets (docs/collectives.md). Buffers
+from :meth:`SharedMemoryAllReduce.make_buffers` live in the segment: asynchronous without a
+thread, which on CPU would compete with ``backward()``."""
 
 from __future__ import annotations
 
@@ -134,7 +130,6 @@ class _Channel:
         cap = self.piece_bytes
         batch: list[_Piece] = []
         fill = 0
-        inputs, sums = FlagBarrier.INPUTS, FlagBarrier.SUMS
         slots = [self.segment.view(self.header + s * cap, cap, torch.uint8)
                  for s in range(self.world)]
 
@@ -143,12 +138,12 @@ class _Channel:
                 own = slots[self.rank]
                 for view, start, length, offset in batch:
                     own[offset:offset + length].copy_(view[start:start + length])
-            number = self.barrier.arrive(inputs)
-            self.barrier.wait_for(number, "inputs written", inputs)
+            number = self.barrier.arrive(FlagBarrier.INPUTS)
+            self.barrier.wait_for(number, "inputs written", FlagBarrier.INPUTS)
             for s in ([writer] if writer is not None else range(self.world)):
                 read(s, slots[s], batch)
-            self.barrier.arrive(sums)
-            self.barrier.wait_for(number, "inputs read", sums)
+            self.barrier.arrive(FlagBarrier.SUMS)
+            self.barrier.wait_for(number, "inputs read", FlagBarrier.SUMS)
 
         for view in mine:
             pos, n = 0, view.numel()
@@ -183,6 +178,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
     ``max_resident_bytes``: the most ``make_buffers`` places there."""
 
     name = "shared_memory"
+
     def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, *,
                  max_resident_bytes: int = DEFAULT_MAX_RESIDENT_BYTES,
                  compression: Compression | None = None,
@@ -218,8 +214,7 @@ class SharedMemoryAllReduce(CrossDeviceOps):
         """Buffers that live in shared memory (CPU only, within ``max_resident_bytes``)."""
         world = group_size(group)
         *offsets, total = itertools.accumulate(
-            (align(n * torch.empty(0, dtype=d).element_size()) if dev.type == "cpu" else 0
-             for n, d, dev in specs), initial=0)
+            (align(n * d.itemsize) if dev.type == "cpu" else 0 for n, d, dev in specs), initial=0)
         if (world == 1 or total == 0 or world * total > self.max_resident_bytes
                 or self.compression is not None):  # compressed data travels in new tensors
             return super().make_buffers(specs, group)
@@ -245,7 +240,9 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             out.append(mine)
         return out
 
-    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Handle:
+    def _start(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str,
+               dst: int | None = None) -> Handle:
+        """Start the sum; a reduce onto ``dst`` is the same all-reduce here."""
         try:
             resident = self._resident_for(tensor, group)
             if resident is not None:
@@ -263,10 +260,6 @@ class SharedMemoryAllReduce(CrossDeviceOps):
             resident.rank == group_rank(group) and resident.ranks == tuple(group_ranks(group))
         return resident if ours else None  # one made for another group: through the slots
 
-    def _start_reduce(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None,
-                      what: str) -> Handle:
-        return self._start(tensor, group, what)
-
     def _sum_now(self, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         if tensor.device.type != "cpu":
             raise TypeError(f"SharedMemoryAllReduce works on CPU tensors, got one on "
@@ -282,8 +275,8 @@ class SharedMemoryAllReduce(CrossDeviceOps):
 
     # -- other collectives through the segment (central storage, large reduce/gather) ----------
     def pays_for(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """True when ``tensors`` move faster through the segment than through the backend: any
-        non-empty CPU tensors (a 4-byte reduce: about 70 us here, 580 us on gloo over loopback)."""
+        """True when ``tensors`` move faster through the segment than the backend: any non-empty
+        CPU tensors (docs/collectives.md has the timings)."""
         return any(t.numel() for t in tensors) and all(t.device.type == "cpu" for t in tensors)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0,

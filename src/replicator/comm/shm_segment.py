@@ -1,9 +1,5 @@
-"""Shared-memory segments mapped by every rank of a group, and a barrier that lives in one.
-
-Segments are unlinked once all ranks mapped them (or any failed), so nothing is left behind.
-:class:`FlagBarrier` spins on per-rank cache-line counters, no system calls; it needs stores
-visible in program order (x86), else the group's own barrier is used.
-"""
+"""Shared-memory segments mapped by every rank of a group, unlinked once all mapped them (or any
+failed); and :class:`FlagBarrier`, which spins on per-rank counters in one (x86 only)."""
 
 from __future__ import annotations
 
@@ -42,9 +38,8 @@ def shm_dir() -> str:
     return os.environ.get(SHM_DIR_ENV, "") or DEFAULT_SHM_DIR
 
 
-#: ``/dev/shm`` must have this much room per local replica for ``"auto"`` to use it: the 4 MB
-#: transfer slots and the buckets of a small model. Buckets that do not fit stay in ordinary
-#: memory and go through the slots (slower, still correct).
+#: The room ``/dev/shm`` must have per local replica for ``"auto"`` to use it: the 4 MB transfer
+#: slots and the buckets of a small model (docs/collectives.md).
 MIN_SHM_BYTES_PER_REPLICA = 16 << 20
 NAME_PREFIX = "replicator-shm-"
 ALIGN = 64
@@ -134,16 +129,12 @@ class SharedSegment:
         nbytes = max(ALIGN, align(nbytes, mmap.PAGESIZE))
         first = group_rank(group) == 0
         payload = torch.zeros(_PAYLOAD, dtype=torch.uint8)
-        created: str | None = None
-        mm: mmap.mmap | None = None
+        segment: SharedSegment | None = None
         try:
             if first:
-                tag = group_tag(group_ranks(group))
-                name = f"{NAME_PREFIX}{tag}-{os.getpid()}-{secrets.token_hex(6)}"
-                created = name  # unlinked below even when mapping fails half-way
                 try:
-                    mm = _map(name, nbytes, create=True)
-                    message, ok = name, 1
+                    segment = cls.create_named(nbytes, group_tag(group_ranks(group)))
+                    message, ok = segment.name, 1
                 except Exception as exc:  # noqa: BLE001 - every rank must hear about it
                     message, ok = f"{type(exc).__name__}: {exc}", 0
                 raw = message.encode()[:_PAYLOAD - 2]
@@ -160,22 +151,20 @@ class SharedSegment:
             error = ""
             if not first:
                 try:
-                    mm = _map(message, nbytes, create=False)
+                    segment = cls(_map(message, nbytes, create=False), message)
                 except Exception as exc:  # noqa: BLE001 - every rank must hear about it
                     error = f"{type(exc).__name__}: {exc}"
             status = torch.tensor([0 if error else 1], dtype=torch.int64)
             dist.all_reduce(status, op=dist.ReduceOp.MIN, group=group)
-            if error or int(status) == 0:
+            if error or int(status) == 0 or segment is None:
                 raise ReplicatorError(
                     f"{who}: a rank could not map the shared-memory segment {message!r}"
                     f"{' (' + error + ')' if error else ''}. HINT: every replica of the group "
                     "must run on this host with access to /dev/shm.")
         finally:
-            if created is not None:
-                unlink_segment(created)
-        if mm is None:  # cannot happen: every path without a mapping raised above
-            raise ReplicatorError(f"{who}: the shared-memory segment was not mapped")
-        return cls(mm, message)
+            if first and segment is not None:
+                unlink_segment(segment.name)
+        return segment
 
     @classmethod
     def create_named(cls, nbytes: int, tag: str) -> SharedSegment:
@@ -195,8 +184,7 @@ class SharedSegment:
 
     def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at byte ``offset`` (a multiple of the element size)."""
-        size = torch.empty(0, dtype=dtype).element_size()
-        return self.base[offset:offset + numel * size].view(dtype)
+        return self.base[offset:offset + numel * dtype.itemsize].view(dtype)
 
 
 def unlink_segment(name: str) -> None:
@@ -214,6 +202,10 @@ def _map(name: str, nbytes: int, create: bool) -> mmap.mmap:
         if create:
             os.posix_fallocate(fd, 0, nbytes)  # fails now (ENOSPC) instead of SIGBUS later
         return mmap.mmap(fd, nbytes)
+    except BaseException:
+        if create:  # a half-made segment leaves no name behind
+            unlink_segment(name)
+        raise
     finally:
         os.close(fd)
 

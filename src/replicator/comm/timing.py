@@ -1,8 +1,5 @@
-"""Process-wide timers of how long the training thread waits in collectives.
-
-Off by default (``REPLICATOR_COMM_TIMING=1`` or :func:`enable`): on CUDA a timed call
-synchronizes the device, which costs NCCL's overlap.
-"""
+"""Process-wide timers of how long the training thread waits in collectives; off by default
+(``REPLICATOR_COMM_TIMING=1`` or :func:`enable`): on CUDA a timed call synchronizes the device."""
 
 from __future__ import annotations
 
@@ -78,8 +75,7 @@ def stop(token: float | None, device: torch.device | None = None) -> None:
     """End the collective started by :func:`start` (safe with ``None``)."""
     if token is None and not (_enabled if _enabled is not None else enabled()):
         return
-    depth = getattr(_local, "depth", 0)
-    _local.depth = max(0, depth - 1)
+    _local.depth = max(0, getattr(_local, "depth", 0) - 1)
     if token is None:
         return
     _synchronize(device)
