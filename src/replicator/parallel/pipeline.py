@@ -1,10 +1,7 @@
 """Pipeline parallelism: a model cut into stages on the ranks of a 1-D ``DeviceMesh``, run by a
-``torch.distributed.pipelining`` schedule under the one-device step (docs/model_parallel.md).
-
-``model(x)`` runs the stages forward without autograd and gives every pipeline rank the output
-(a leaf requiring grad); its backward runs the schedule with the loss
-``sum(output_i * dL/d(output_i))``, whose gradient is the user loss's (``scale_grads=False``).
-Each pass is one guarded operation on every pipeline rank.
+``torch.distributed.pipelining`` schedule under the one-device step (docs/model_parallel.md):
+``model(x)`` runs the stages forward without autograd, its backward runs the schedule with the
+loss ``sum(output_i * dL/d(output_i))``. Each pass is one guarded operation on every rank.
 """
 
 from __future__ import annotations
@@ -182,8 +179,7 @@ class PipelineRunner:
             for t in [*self.model.parameters(), *self.model.buffers()]:
                 if id(t) not in mine:
                     t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        # weights that stages on different ranks share: their groups made and their copies
-        # made equal, in one guarded pass on every rank of the pipeline
+        # tied weights: their groups made and copies made equal, in one guarded pass
         names: dict[int, list[str]] = {}
         for name, p in self.model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
@@ -400,8 +396,7 @@ class PipelineRunner:
                       key: tuple | None = None) -> Any:
         key = key or (tuple(x.shape), x.dtype)
         if key not in self._schedules:
-            # imported here: torch.distributed.pipelining imports torch._dynamo (about a
-            # second), which every process importing replicator would otherwise pay
+            # imported here: it imports torch._dynamo, about a second every process would pay
             from torch.distributed.pipelining import PipelineStage
             from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -410,8 +405,7 @@ class PipelineRunner:
                 raise ReplicatorError(f"this torch has no {SCHEDULES[self.schedule_name][0]} "
                                       f"(schedule {self.schedule_name!r}). HINT: use 'gpipe' "
                                       "or '1f1b'.")
-            # shapes given up front (from the value pass): no shape-inference forward, which
-            # would draw random numbers and exchange pickled metadata between ranks
+            # shapes from the value pass: no shape-inference forward (docs/model_parallel.md)
             stages = [PipelineStage(self.stages[s], s, self.num_stages, self.device,
                                     input_args=self._metas[s][0], output_args=self._metas[s][1],
                                     group=self.group) for s in self.local_ids]

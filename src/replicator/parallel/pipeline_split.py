@@ -1,12 +1,7 @@
 """Cutting a model into pipeline stages: contiguous runs of a chain of blocks (an
 ``nn.Sequential``, nested ones flattened), balanced by a cost per block or cut before named
-blocks; :func:`shared_parameters` lists the weights tied across stages (GPT-2's
-``lm_head.weight`` is ``transformer.wte.weight``), :class:`TiedWeights` keeps them in step.
-
-As in Megatron each holding rank keeps a copy: copies start equal (a broadcast from the lowest
-holder) and stay equal because after every schedule run each copy's gradient becomes the sum of
-all copies' over a private group of the holders. Only that run's gradient is summed, so
-gradients accumulated under ``no_sync`` are summed once.
+blocks; :class:`TiedWeights` keeps weights tied across stages in step, Megatron's way
+(docs/model_parallel.md, "Tied weights across stages").
 """
 
 from __future__ import annotations

@@ -115,10 +115,8 @@ def default_plan(model: torch.nn.Module, degree: int) -> dict[str, str]:
 
 
 def sequence_parallel_plan(model: torch.nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
-    """``plan`` (a default plan) with sequence-parallel norms: for every module whose children
-    with parameters are norms and sub-blocks the plan splits (one of their ``Linear`` children
-    row-wise), the module takes its input whole and works on a sequence shard, the norms run
-    on the shard, the sub-blocks all-gather the sequence and reduce-scatter their output."""
+    """``plan`` (a default plan) with sequence-parallel norms in every module whose weighted
+    children are norms and sub-blocks the plan splits (docs/model_parallel.md)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         PrepareModuleInput,

@@ -1,9 +1,6 @@
-"""The Strategy base class: one API for every way of running a step.
-
-Public methods validate and normalise their input once, then call a small private hook that
-each strategy implements (tf.distribute's split between ``Strategy`` and ``StrategyExtended``).
-Identity, ``collectives``, the reduce/gather/barrier hooks and ``no_sync`` are written here once,
-over the strategy's :class:`~replicator.strategies.replicas.ReplicaGroup`.
+"""The Strategy base class: one API for every way of running a step. Public methods validate
+their input, then call a private hook each strategy implements (tf.distribute's
+``Strategy``/``StrategyExtended`` split); the rest is written once over the ``ReplicaGroup``.
 """
 
 from __future__ import annotations
@@ -388,12 +385,11 @@ class Strategy(ABC):
         watching = WATCH.running() if self.num_replicas_in_sync > 1 and \
             self._guards_undistributed else contextlib.nullcontext()
         uneven = observers.begin_step()
-        live = self.live
         with entered(self), watching, self._memory.measuring(self._runs):
             def step(a: tuple) -> Any:
                 return self._run(fn, a, dict(kwargs or {}))
             # with replica groups, a step not committed across the groups is redone
-            result = step(tuple(args)) if live is None else live.run_step(step, tuple(args))
+            result = step(args) if self.live is None else self.live.run_step(step, args)
         observers.check_step(uneven, self)
         if self._check_finite:
             observers.check_finite_result(result, self)
@@ -484,16 +480,13 @@ class Strategy(ABC):
                            reader: Callable[[str], Iterable[Any]] | None = None,
                            options: InputOptions | None = None,
                            partial_batch: str = "mask", epochs: int | None = None) -> Any:
-        """Split each *global* batch of ``dataset`` across replicas.
-
-        Give a ``DataLoader`` with the global batch size (its ``shuffle`` and ``drop_last``
-        kept, shuffling re-seeded from ``seed`` and the epoch), a ``Dataset`` with
-        ``batch_size=``, or files with ``reader=``. ``drop_remainder`` (alias ``drop_last``)
-        drops a short last batch; otherwise a replica that gets nothing gets a masked copy
-        (``partial_batch="mask"``) or 0 rows (``"empty"``). ``transform`` runs per sample in the
-        workers; ``options``: ``InputOptions``. ``epochs=E``: one loop runs ``E`` epochs. With
-        replica groups (live recovery) each step's batch is split over that step's quorum
-        (:mod:`replicator.strategies.live.dataset`); the input must be a map-style dataset.
+        """Split each *global* batch of ``dataset`` across replicas (docs/input_pipeline.md):
+        a ``DataLoader`` with the global batch size (its ``shuffle`` and ``drop_last`` kept,
+        shuffling re-seeded from ``seed`` and the epoch), a ``Dataset`` with ``batch_size=``, or
+        files with ``reader=``; ``transform`` runs per sample in the workers. ``drop_remainder``
+        (alias ``drop_last``) drops a short last batch, else a replica that gets nothing gets what
+        ``partial_batch`` says (``"mask"``, ``"empty"``). ``epochs=E``: one loop runs ``E``
+        epochs. With replica groups each step's batch is split over its quorum (map-style input).
         """
         if self.live is not None:
             if transform is not None or reader is not None:

@@ -1,10 +1,6 @@
-"""``compute_average_loss``: tf.distribute's loss value, with gradients that equal one device's.
-
-It returns ``sum(local per-example losses) / B`` for a global batch of ``B``, as
-``tf.nn.compute_average_loss`` does. TensorFlow *sums* gradients across replicas, replicator
-*averages* them over ``N`` (DDP's semantics), so the value passes its gradient back ``N`` times
-larger: the average of ``N * grad(sum_r / B)`` is one device's ``grad(sum_all / B)``, on uneven
-local batches too (where a plain mean loss differs: :mod:`replicator.strategies.observers`).
+"""``compute_average_loss``: tf.distribute's loss value, with gradients that equal one device's
+(the rule: docs/strategies/index.md). Gradients are averaged over ``N`` replicas, not summed as in
+TensorFlow, so the value passes its gradient back ``N`` times larger.
 """
 
 from __future__ import annotations
@@ -33,14 +29,11 @@ class _ScaleGradient(torch.autograd.Function):
 
 def compute_average_loss(per_example_loss: torch.Tensor, global_batch_size: int | None = None,
                          sample_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum(per-example losses) / global batch size`` (``tf.nn.compute_average_loss``'s value;
-    ``strategy.reduce("sum", loss)`` of it is the global mean loss), whose gradient, averaged
-    across replicas, equals one device's gradient of the global mean.
-
-    ``global_batch_size=None`` sums the local batch sizes across replicas (one small
-    collective, so every replica must call it). ``sample_weight`` multiplies each example's
-    loss first, and then the batch size counts the weights: with the input pipeline's mask
-    (1 real, 0 padding) the result is exactly the mean over the real examples.
+    """``sum(per-example losses) / global batch size`` (``tf.nn.compute_average_loss``'s value),
+    whose gradient averaged across replicas equals one device's. ``global_batch_size=None`` sums
+    the local sizes across replicas (a collective: every replica calls it). ``sample_weight``
+    weighs each example and counts as the size: with the input pipeline's mask (1 real,
+    0 padding) the result is the mean over the real examples.
     """
     if not isinstance(per_example_loss, torch.Tensor):
         raise TypeError("compute_average_loss takes a tensor of per-example losses")

@@ -1,7 +1,5 @@
-"""What a rank holds (``strategy.memory_report()``: "why split the model?"): parameter,
-gradient, optimizer-state and peak activation bytes, the bytes saved for backward alive at once
-in ``strategy.run`` (what 1F1B reduces against GPipe); measuring costs, so replicating
-strategies measure their first runs only, splitting ones every run.
+"""What a rank holds (``strategy.memory_report()``, docs/model_parallel.md); measuring
+activations costs, so replicating strategies measure their first runs only, splitting ones all.
 """
 
 from __future__ import annotations
@@ -10,7 +8,6 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 
@@ -67,14 +64,14 @@ class _Saved:
         self.tensor = tensor
 
 
-class ActivationMeter:
+class ActivationMeter(torch.autograd.graph.saved_tensors_hooks):
     """Context manager: the peak bytes of tensors saved for backward alive at once."""
 
     def __init__(self) -> None:
+        super().__init__(self._pack, self._unpack)
         self.current = 0
         self.peak_bytes = 0
         self._refs: dict[tuple[int, int], int] = {}  # view -> saved tensors using it
-        self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> _Saved:
         local = local_tensor(t)
@@ -107,13 +104,9 @@ class ActivationMeter:
     def _unpack(holder: _Saved) -> torch.Tensor:
         return holder.tensor
 
-    def __enter__(self) -> ActivationMeter:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+    def __enter__(self) -> ActivationMeter:  # type: ignore[override]
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
 
 
 class MemoryTracker:

@@ -1,12 +1,7 @@
-"""MeshStrategy: data, fully sharded, pipeline and tensor parallelism composed on one mesh.
-
-torchtitan's way: a :class:`~replicator.cluster.Topology` names the axes, and at scope exit each
-axis applies its function to the model, innermost first: pipeline stages, DTensor
-``parallelize_module`` (``tensor``), FSDP2 ``fully_shard`` (``fsdp``), gradient averaging
-(``data``, through the ``ReplicaGroup`` of the data axes). The input is split across ``data``
-and ``fsdp`` only; a group over the job and one over the pipeline axis name a stalled rank in
-any group. ``FSDPStrategy``, ``TensorParallelStrategy`` and ``PipelineStrategy`` are this class
-with one axis (plus ``data`` for processes left), each checking its arguments where it is built.
+"""MeshStrategy: data, fully sharded, pipeline and tensor parallelism composed on one mesh,
+torchtitan's way (docs/strategies/mesh.md): at scope exit each axis of the ``Topology`` applies
+its function to the model, innermost first. ``FSDPStrategy``, ``TensorParallelStrategy`` and
+``PipelineStrategy`` are this class with one axis (plus ``data`` for processes left).
 """
 
 from __future__ import annotations
@@ -84,9 +79,8 @@ class MeshStrategy(Strategy):
         # several ranks share replica 0 when the model is split, so global rank 0 is the chief
         self._replica_group = ReplicaGroup(device, topo, timeout_seconds=timeout_seconds,
                                            chief=topo.is_chief)
-        # the data axes' own collectives through shared memory when the replicas share one CPU
-        # host, as MirroredStrategy's: gloo took 0.65 ms for a reduce of a scalar with 2
-        # processes here, shared memory 0.05 ms (FSDP's and tensor parallel's stay on gloo)
+        # the data axes' collectives through shared memory on one CPU host, as Mirrored's
+        # (docs/collectives.md); FSDP's and tensor parallel's stay on gloo
         self._replica_group.use_algorithm(algorithm_for(
             CommunicationOptions(timeout_seconds=timeout_seconds), device,
             self._replica_group.group))
@@ -205,11 +199,9 @@ class MeshStrategy(Strategy):
                         optimizer.state[new] = optimizer.state.pop(p)
 
     def is_distributed(self, tensor: torch.Tensor) -> bool:
-        if super().is_distributed(tensor) or tensor in self._replaced:
-            return True
-        if self._topology.size("fsdp") > 1:  # FSDP2's gathered parameter while a block runs
-            return any(is_unsharded_view(m, tensor) for m in self._set_up_modules.keys())
-        return False
+        return super().is_distributed(tensor) or tensor in self._replaced or (
+            self._topology.size("fsdp") > 1  # FSDP2's gathered parameter while a block runs
+            and any(is_unsharded_view(m, tensor) for m in self._set_up_modules.keys()))
 
     # -- memory ------------------------------------------------------------------------------------
     #: Pipeline schedules make steps differ: activations are measured in every run.

@@ -1,13 +1,7 @@
-"""MirroredStrategy: synchronous data parallelism, one process per replica (SPMD).
-
-Modules created in ``scope()`` get replica 0's initial values and their gradients are averaged
-during ``backward()``, bucket by bucket, so a step with global batch ``B`` on ``N`` replicas
-equals one device with ``B``. ``MultiWorkerMirroredStrategy`` is the same across machines;
-``CentralStorageStrategy`` keeps one copy of the optimizer state, on replica 0.
-
-``sync_batchnorm=True`` makes every BatchNorm layer normalise over the global batch, as one
-device with it would: the per-channel sums and counts go into one differentiable all-reduce
-(float64 sums); unlike ``SyncBatchNorm`` it runs on CPU too.
+"""MirroredStrategy: synchronous data parallelism, one process per replica (SPMD), with
+``MultiWorkerMirroredStrategy`` (across machines), ``CentralStorageStrategy`` (one copy of the
+optimizer state) and the global-batch BatchNorm of ``sync_batchnorm=True``
+(docs/strategies/mirrored.md).
 """
 
 from __future__ import annotations
@@ -221,14 +215,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
 
 class CentralStorageStrategy(MirroredStrategy):
-    """Synchronous data parallelism with one copy of the optimizer state, on replica 0.
-
-    Gradients are *reduced* onto the central replica during ``backward()``; ``optimizer.step()``
-    updates there once and broadcasts the parameters. Other replicas' optimizers hold no state:
-    the memory saved over :class:`MirroredStrategy`. The central ``.grad`` is the average
-    (clipping works there). Closure optimizers (LBFGS) are refused: ranks would run
-    ``backward()`` unequally. ``devices``/``cross_device_ops`` as Mirrored's (its
-    ``reduce_sum_async`` carries gradients).
+    """Synchronous data parallelism with one copy of the optimizer state, on replica 0:
+    gradients are reduced there in ``backward()``, ``optimizer.step()`` updates there once and
+    broadcasts the parameters (docs/strategies/central_storage.md). Arguments as Mirrored's;
+    closure optimizers (LBFGS) are refused.
     """
 
     name = "central_storage"
@@ -316,7 +306,8 @@ _CLASSES: dict[type, type] = {}
 
 
 class _CrossReplicaMixin:
-    """The forward of a BatchNorm layer normalising with statistics over every replica."""
+    """The forward of a BatchNorm layer normalising with statistics over every replica: the
+    per-channel sums and counts in one differentiable all-reduce (float64 sums)."""
 
     replica_group: dist.ProcessGroup | None
 

@@ -1,12 +1,6 @@
-"""Nested values, and ``strategy.reduce`` and ``strategy.gather`` of them, as tf.distribute does.
-
-Tuples, lists, dicts, namedtuples, dataclasses and ``_pytree`` nodes of tensors or numbers.
-:func:`flatten` gives the leaves in a fixed order and a rebuild function, so a nest travels in
-ONE collective (``None`` leaves stay) and comes back with its structure. Dataclasses are
-flattened here, not registered globally with ``_pytree``. :func:`structure` describes the shape
-for the fingerprint. ``axis`` reduces each replica's tensor along those dimensions first;
-``"mean"`` divides by the element count over every replica (uneven batches give the mean over
-all rows), ``"min"``/``"max"`` skip empties.
+"""Nested values, and ``strategy.reduce`` and ``strategy.gather`` of them, as tf.distribute does
+(docs/strategies/index.md): a nest's leaves travel in one collective and come back in its
+structure; dataclasses are flattened here, not registered globally with ``_pytree``.
 """
 
 from __future__ import annotations
@@ -14,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -125,13 +120,9 @@ def as_tensor(value: Any, call: str) -> torch.Tensor:
         return value.detach()
     if isinstance(value, (bool, int, float)):
         return torch.tensor(value)
-    try:
-        import numpy as np
-
-        if isinstance(value, (np.ndarray, np.generic)):
-            return torch.as_tensor(value)
-    except ImportError:  # pragma: no cover
-        pass
+    np = sys.modules.get("numpy")  # a numpy value means numpy is imported
+    if np is not None and isinstance(value, (np.ndarray, np.generic)):
+        return torch.as_tensor(value)
     raise TypeError(f"{call}() takes a tensor, a Python number, or a nest of them (tuples, "
                     f"lists, dicts, namedtuples, dataclasses), got {type(value).__name__}")
 

@@ -1,9 +1,6 @@
-"""What ``strategy.run`` does around each step beside the step itself: step observers
-(``replicator bench`` and ``plan`` time steps this way; without one each call costs one
-empty-list test), the ``check_finite=True`` check (the replicas agree in one small collective, so
-a NaN on one raises ``NonFiniteLossError`` on all at the same step) and a warning, once, when a
-step ran on an uneven batch with a loss not built by ``compute_average_loss`` (a per-replica
-mean then differs from one device's; the dataset notes the batch, no collective).
+"""What ``strategy.run`` does around each step beside the step itself: step observers (how
+``replicator bench`` and ``plan`` time steps), the ``check_finite=True`` check and the warning,
+once, on an uneven batch without ``compute_average_loss`` (docs/strategies/index.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Which modules a strategy sees: those built while its scope is open, and trainable parameters
-it never distributed.
-
-``torch.nn``'s global registration hooks report what is registered in the block, in creation
-order (the same on every replica); the strategy sets up each *top-level* module as a whole.
-A multi-replica strategy refuses parameters it never distributed (N replicas would silently
-train N models): process-wide hooks raise ``NotDistributedError`` at an optimizer step over one,
-and at its forward inside ``strategy.run`` (else at its first backward). DDP and DTensor
-parameters count as distributed; the hooks stay (torch.compile guards on the hook table).
+"""Which modules a strategy sees: the top-level ones registered while its scope is open (by
+``torch.nn``'s global registration hooks, in creation order), and trainable parameters it never
+distributed, refused by process-wide hooks with ``NotDistributedError`` (docs/troubleshooting.md);
+DDP and DTensor parameters count as distributed. The hooks stay (torch.compile guards on them).
 """
 
 from __future__ import annotations

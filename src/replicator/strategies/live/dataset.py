@@ -1,9 +1,6 @@
-"""The input of a live-recovery job: each step's share of the global batch, cut per quorum.
-
-Iterating joins the step's quorum, then cuts its global batch for the quorum's groups
-(``data/live_split.py``), as one device would. The position is the committed step, which a
-healed group gets from its peer. ``epochs=E`` runs all epochs in one loop; otherwise healing
-into another epoch raises :class:`~replicator.strategies.live.EpochLoopError`.
+"""The input of a live-recovery job: each step's share of the global batch, cut per quorum
+(``data/live_split.py``) at the committed step, which a healed group gets from its peer
+(docs/fault_tolerance.md, "Exact data").
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The per-step protocol of live recovery: torchft's Manager composed into a replica group
-(docs/fault_tolerance.md, "Live recovery across replica groups").
-
-A step takes its quorum (a group behind heals from a live peer) and its share of the global
-batch; at the first ``optimizer.step()`` the gradients are averaged across the quorum's groups
-(weighted by share) and ``should_commit`` decides. A step not committed raises
-``StepNotCommitted`` before any update and ``strategy.run`` reruns it from its buffers and random
-state. In rounds (DiLoCo's replica groups, :meth:`use_rounds`) the groups train alone for
-``round_steps`` steps and average by the round's end; a round not committed is rolled back to
-its start and trained again with the new quorum's shares.
+(docs/fault_tolerance.md, "Live recovery across replica groups"). A step not committed raises
+``StepNotCommitted`` before any update and is redone; in rounds (DiLoCo's replica groups,
+:meth:`LiveEngine.use_rounds`) a round not committed is rolled back to its start.
 """
 
 from __future__ import annotations
@@ -120,15 +114,14 @@ class LiveEngine:
         self._closed = False
         self.source: Any = None       # the live dataset that made the step's batch
         self.redone_steps = 0
-        #: Seconds spent in each part of the live protocol since the start (a benchmark's
-        #: breakdown of a step): the quorum, the cross-group all-reduce, the commit vote,
-        #: and bookkeeping (gradients flattened and copied back, the redo snapshot).
+        #: Seconds spent in each of the :data:`PHASES` since the start (a benchmark's breakdown;
+        #: bookkeeping: gradients flattened and copied back, the redo snapshot).
         self.seconds = dict.fromkeys(PHASES, 0.0)
         try:
-            # torchft 0.2 binds its manager server to every interface and offers no option
-            # (docs/fault_tolerance.md, Trust model); it advertises ``settings.bind``.
-            #: The process group across the groups that torchft reconfigures at each quorum:
-            #: held here too, for the exchanges the Manager has no call for (an all-gather).
+            # torchft 0.2 binds its manager server to every interface (docs/fault_tolerance.md,
+            # Trust model); it advertises ``settings.bind``.
+            #: The process group across the groups (torchft reconfigures it at each quorum),
+            #: held for the exchanges the Manager has no call for (an all-gather).
             self.process_group = LiveProcessGroup(timeout, settings.transport)
             self.manager = Manager(
                 pg=self.process_group, load_state_dict=self._load_state,
@@ -212,8 +205,7 @@ class LiveEngine:
     def resume_at(self, step: int) -> None:
         """Continue from committed step ``step`` (restored from a backup on disk, when every
         group was lost at once); a peer further on still heals this group. In rounds, from
-        the start of the round ``step`` is in (see the module doc), with the state the backup
-        holds for it (:attr:`from_backup`)."""
+        the start of the round ``step`` is in, with the state :attr:`from_backup` holds."""
         self._quorum_due = True
         if self._rounds is None:
             self.manager.load_state_dict({"step": int(step), "batches_committed": int(step)})
@@ -252,10 +244,12 @@ class LiveEngine:
         return self._phase == "begun"
 
     def begin_step(self) -> Quorum:
-        """This step's quorum (see the module doc): a new one from the lighthouse when due,
-        healing this group when behind, else the last one again. Called by the live dataset
+        """This step's quorum: a new one from the lighthouse when due, healing this group when
+        behind, else the last one again. Called by the live dataset
         before it cuts the step's batch, else by ``strategy.run``."""
-        self._check_open()
+        if self._closed:
+            raise LiveRecoveryError(f"{self.who}: live recovery was closed (the strategy was "
+                                    "closed or the group left)")
         if self._phase == "begun" and self._quorum is not None:
             return self._quorum
         start = time.perf_counter()
@@ -535,11 +529,6 @@ class LiveEngine:
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
         self._transport.shutdown(wait=False)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LiveRecoveryError(f"{self.who}: live recovery was closed (the strategy was "
-                                    "closed or the group left)")
 
     def __repr__(self) -> str:
         s = self.settings

@@ -1,9 +1,6 @@
-"""The live engine's exchanges across the groups beyond the Manager's own calls.
-
-A step's gradients go as one flat tensor per dtype (one all-reduce per dtype instead of one per
-parameter; the first carries one control element more: a group announces that it leaves in the
-step's own all-reduce). Payloads an all-reduce cannot sum are all-gathered over the Manager's
-process group with its error handling. torchft's log is quieter on a torch without NCCL.
+"""The live engine's exchanges across the groups beyond the Manager's own calls: a step's
+gradients as one flat tensor per dtype, payloads an all-reduce cannot sum all-gathered with the
+Manager's error handling, and a quieter torchft log on a torch without NCCL.
 """
 
 from __future__ import annotations

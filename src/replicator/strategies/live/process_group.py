@@ -1,12 +1,7 @@
 """What torchft is given in place of its own (docs/fault_tolerance.md, "Live recovery"): the
-process group across replica groups, whose float sums go through a shared-memory segment when
-every group of the quorum runs on this host (made anew at each quorum change, so a healed group
-never meets an old one's counters; a lost peer ends the sum within about half a second or the
-collective timeout, and torchft redoes the step as after a gloo error), and the checkpoint
-transport a healing group fetches a peer's state through: HTTP on one address
-(``REPLICATOR_LIVE_BIND``, loopback by default), unlike torchft's ``HTTPTransport``, loaded with
-``weights_only=True``, served only between ``send_checkpoint`` and ``disallow_checkpoint``
-(which waits for the fetches in flight, so a state is never read while the next step changes it).
+process group across replica groups, summing through shared memory when every group of the
+quorum runs on this host, and a checkpoint transport over HTTP on one address only
+(``REPLICATOR_LIVE_BIND``), loaded with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -62,7 +57,8 @@ class LiveProcessGroup(ProcessGroupGloo):  # type: ignore[misc]
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   *args: Any, **kwargs: Any) -> None:
-        """torchft's reconfiguration, then whether every member can sum through a new segment."""
+        """torchft's reconfiguration, then whether every member can sum through a new segment
+        (new at each quorum change: a healed group never meets an old one's counters)."""
         self._drop_shared()
         super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
         if self._transport == "gloo" or world_size < 2:
@@ -179,7 +175,8 @@ class _StateServer(ThreadingHTTPServer):
 
 
 class BoundHTTPTransport(CheckpointTransport[Any]):
-    """torchft's checkpoint transport served on ``host`` only (see the module doc)."""
+    """torchft's checkpoint transport served on ``host`` only, between ``send_checkpoint`` and
+    ``disallow_checkpoint`` (a state is never read while the next step changes it)."""
 
     def __init__(self, host: str, timeout: timedelta) -> None:
         self._host = host

@@ -1,8 +1,6 @@
-"""Where a process stands among the replica groups: read once from the environment.
-
-``replicator run --replica-groups N`` sets ``REPLICATOR_REPLICA_GROUP``, ``_REPLICA_GROUPS``,
-``_LIGHTHOUSE`` and ``_MIN_REPLICAS`` for every process, plus its group's
-``RANK``/``WORLD_SIZE``/``MASTER_*``; with ``torchrun`` the user sets the four per group.
+"""Where a process stands among the replica groups: read once from the environment, set by
+``replicator run --replica-groups N`` or by the user per torchrun group (docs/fault_tolerance.md,
+"Running groups yourself", lists the variables).
 """
 
 from __future__ import annotations
@@ -23,10 +21,6 @@ from replicator.cluster.env_names import (
 from replicator.cluster.timeouts import env_number
 from replicator.errors import ClusterConfigError
 
-# the settings' variables (docs/fault_tolerance.md): seconds a cross-group all-reduce waits for
-# a peer group before the step is redone without it; seconds a group waits for a quorum of
-# --min-replicas groups; committed steps between quorums while membership holds (a failed step,
-# a group leaving and a restore join one at once); how the groups' all-reduce travels
 COLLECTIVE_TIMEOUT_ENV = "REPLICATOR_LIVE_TIMEOUT_SECONDS"
 QUORUM_TIMEOUT_ENV = "REPLICATOR_QUORUM_TIMEOUT_SECONDS"
 QUORUM_EVERY_ENV = "REPLICATOR_QUORUM_EVERY_STEPS"

@@ -1,8 +1,6 @@
-"""The state a healing replica group receives from a live peer, gathered without user code:
-every module the strategy set up, the optimizers over their parameters and their LR schedulers
-(found among live objects, keyed by the names of the parameters they step, so creation order
-does not matter), the random generators and the progress. Tensors and plain values only
-(``weights_only=True``); DTensors travel as local shards, each rank healing from its peer rank.
+"""The state a healing replica group receives from a live peer, gathered without user code
+(docs/fault_tolerance.md, "Healing"): tensors and plain values only (``weights_only=True``);
+DTensors travel as local shards, each rank healing from its peer rank.
 """
 
 from __future__ import annotations
